@@ -1,0 +1,110 @@
+# vlmoe build. `make` builds libvlmoe.a, libvlmoe.so and ./vlmoe; `make test` builds and runs every
+# test, first as an optimised build and then under AddressSanitizer + UBSan. Missing Debian
+# packages are installed by scripts/deps.sh on the first run.
+#
+# Files in REAL_SRCS are written against the `real` type (src/core/real.h) and compiled twice:
+# float for the library's training path and double for the finite-difference gradient checks.
+
+CC      ?= cc
+PREFIX  ?= /usr/local
+NATIVE  ?= 1
+WERROR  ?= $(if $(CI),1,0)
+BLASDIR := /usr/lib/x86_64-linux-gnu/openblas-openmp
+BLASINC := /usr/include/x86_64-linux-gnu/openblas-openmp
+
+OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
+WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
+CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
+               -Iinclude -Isrc -I$(BLASINC) -g
+LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lm -fopenmp -lpthread
+SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+
+REAL_SRCS := $(wildcard src/ops/*.c src/loss/*.c) src/nn/graph.c
+PLAIN_SRCS := $(filter-out $(REAL_SRCS),$(wildcard src/*/*.c))
+CLI_SRCS  := $(wildcard cli/*.c)
+TEST_SRCS := $(wildcard tests/test_*.c)
+HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
+
+# $(call objs,builddir): object files of the library for one build flavour
+objs = $(patsubst %.c,$(1)/%.o,$(PLAIN_SRCS)) \
+       $(patsubst %.c,$(1)/f32/%.o,$(REAL_SRCS)) \
+       $(patsubst %.c,$(1)/f64/%.o,$(REAL_SRCS))
+
+B  := build/rel
+BA := build/asan
+DEPS_STAMP := build/.deps-ok
+
+all: $(DEPS_STAMP) libvlmoe.a libvlmoe.so vlmoe
+
+$(DEPS_STAMP): scripts/deps.sh
+	@./scripts/deps.sh
+	@mkdir -p build && touch $@
+
+# ---- optimised build
+$(B)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -c $< -o $@
+$(B)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -c $< -o $@
+$(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
+
+libvlmoe.a: $(call objs,$(B))
+	rm -f $@ && ar rcs $@ $^
+libvlmoe.so: $(call objs,$(B))
+	$(CC) -shared -o $@ $^ $(LIBS)
+vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) libvlmoe.a
+	$(CC) -o $@ $^ $(LIBS)
+
+# ---- sanitizer build (tests only)
+$(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -c $< -o $@
+$(BA)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -c $< -o $@
+$(BA)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
+$(BA)/libvlmoe.a: $(call objs,$(BA))
+	rm -f $@ && ar rcs $@ $^
+$(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/libvlmoe.a
+	$(CC) $(SAN) -o $@ $^ $(LIBS)
+
+# ---- tests
+TESTS      := $(patsubst tests/%.c,$(B)/tests/%,$(TEST_SRCS))
+TESTS_ASAN := $(patsubst tests/%.c,$(BA)/tests/%,$(TEST_SRCS))
+$(B)/tests/%: tests/%.c libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ libvlmoe.a $(LIBS)
+$(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
+
+FIXTURES := build/fixtures/.stamp
+$(FIXTURES): $(wildcard tests/ref/*.py) | $(DEPS_STAMP)
+	@mkdir -p build/fixtures
+	/usr/bin/python3 tests/ref/gen_all.py build/fixtures
+	@touch $@
+
+test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES)
+	@./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe
+
+fixtures: $(FIXTURES)
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin \
+	           $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 libvlmoe.a libvlmoe.so $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 include/vlmoe.h $(DESTDIR)$(PREFIX)/include/
+	install -m 755 vlmoe $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|0.1.0|' -e 's|@BLASDIR@|$(BLASDIR)|' \
+	    vlmoe.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vlmoe.pc
+
+clean:
+	rm -rf build/rel build/asan build/fixtures libvlmoe.a libvlmoe.so vlmoe
+
+.PHONY: all test fixtures install clean
+.SECONDARY:

@@ -1,0 +1,301 @@
+// vlmoe.h: the public C API of vlmoe, a library that trains, evaluates and runs sparse
+// Mixture-of-Experts vision-language models (LIMoE, CLIP-UP, Soft MoE, VL-MoE).
+//
+// Conventions: every fallible function returns an int status (VLMOE_OK == 0) and records a
+// message naming the file, tensor or field at fault, readable with vlmoe_last_error() on the
+// same thread. The library never exits, aborts or prints on bad input. Handles are opaque,
+// `_free(NULL)` is safe, `*_default_params()` returns a struct by value. Enums are append-only.
+#ifndef VLMOE_H
+#define VLMOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define VLMOE_VERSION "0.1.0"
+
+// ---------------------------------------------------------------------------------------------
+// Status and errors
+enum {
+    VLMOE_OK = 0,
+    VLMOE_ERR_ARG = 1,     // a caller passed an invalid argument
+    VLMOE_ERR_NOMEM = 2,   // an allocation failed
+    VLMOE_ERR_IO = 3,      // open/read/write/rename failed
+    VLMOE_ERR_FORMAT = 4,  // a file is malformed (safetensors header, checkpoint, ...)
+    VLMOE_ERR_CONFIG = 5,  // a config is missing a key, has a wrong type or an invalid value
+    VLMOE_ERR_NUMERIC = 6, // a non-finite loss or gradient
+};
+const char *vlmoe_last_error(void);   // message of the last failure on this thread
+void vlmoe_clear_error(void);
+const char *vlmoe_status_name(int status);
+
+// ---------------------------------------------------------------------------------------------
+// safetensors (src/io/safetensors.c): the format HF uses. 8-byte little-endian header length,
+// a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}, then the data.
+// The reader validates every byte it trusts: header length within the file, JSON well-formed,
+// dtype known, shape dims non-negative, numel x dtype size == data_offsets span (overflow-checked),
+// offsets inside the data area, tensors not overlapping, names unique.
+typedef enum {
+    VLMOE_DT_F32 = 0, VLMOE_DT_F16 = 1, VLMOE_DT_BF16 = 2, VLMOE_DT_F64 = 3,
+    VLMOE_DT_I64 = 4, VLMOE_DT_I32 = 5, VLMOE_DT_U8 = 6, VLMOE_DT_I8 = 7,
+    VLMOE_DT_BOOL = 8, VLMOE_DT_U64 = 9,
+} vlmoe_dtype;
+const char *vlmoe_dtype_name(vlmoe_dtype dt);   // "F32", "BF16", ...
+size_t vlmoe_dtype_size(vlmoe_dtype dt);
+
+#define VLMOE_MAX_DIMS 8
+typedef struct {
+    const char *name;           // owned by the file handle
+    vlmoe_dtype dtype;
+    int ndim;
+    int64_t shape[VLMOE_MAX_DIMS];
+    size_t numel;
+    size_t nbytes;
+    const void *data;           // raw little-endian bytes inside the loaded file
+} vlmoe_tensor_info;
+
+typedef struct vlmoe_st vlmoe_st;
+int vlmoe_st_open(const char *path, vlmoe_st **out);
+void vlmoe_st_close(vlmoe_st *st);
+int vlmoe_st_count(const vlmoe_st *st);
+int vlmoe_st_find(const vlmoe_st *st, const char *name);        // index or -1
+int vlmoe_st_info(const vlmoe_st *st, int index, vlmoe_tensor_info *info);
+// Copies tensor `name` into dst as float32, converting F16/BF16/F64; fails unless its element
+// count is exactly n (message names the file, tensor, expected and found shapes).
+int vlmoe_st_read_f32(const vlmoe_st *st, const char *name, float *dst, size_t n);
+const char *vlmoe_st_metadata(const vlmoe_st *st, const char *key); // NULL if absent
+const char *vlmoe_st_path(const vlmoe_st *st);
+
+typedef struct vlmoe_st_writer vlmoe_st_writer;
+int vlmoe_st_writer_init(vlmoe_st_writer **out);
+void vlmoe_st_writer_free(vlmoe_st_writer *w);
+// Adds a float32 tensor stored as `dtype` (F32, F16 or BF16, round-to-nearest-even). The data
+// pointer is read at write time: keep it alive until vlmoe_st_writer_write returns.
+int vlmoe_st_writer_add_f32(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
+                            const int64_t *shape, const float *data);
+// Adds raw little-endian bytes of any dtype (integers, RNG state, ...), same lifetime rule.
+int vlmoe_st_writer_add_raw(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
+                            const int64_t *shape, const void *data);
+int vlmoe_st_writer_meta(vlmoe_st_writer *w, const char *key, const char *value);
+// Writes atomically: PATH.tmp.<pid>, fflush + fsync, rename over PATH, fsync of the directory.
+int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path);
+
+// ---------------------------------------------------------------------------------------------
+// Parameter table: one flat float buffer, described by named views (src/nn/model.c).
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[4];
+    size_t offset;   // in floats, into the flat buffer
+    size_t numel;
+    int decay;       // 1 if weight decay applies (matrices); 0 for biases, norms, embeddings,
+                     // temperature
+} vlmoe_param_info;
+
+// ---------------------------------------------------------------------------------------------
+// Optimizers, clipping, schedules (src/optim/)
+typedef enum { VLMOE_OPT_ADAMW = 0, VLMOE_OPT_ADAFACTOR = 1 } vlmoe_opt_kind;
+typedef struct {
+    vlmoe_opt_kind kind;
+    float beta1;          // AdamW 0.9; Adafactor momentum (0 = none, the default)
+    float beta2;          // AdamW 0.999; unused by Adafactor (it uses decay_rate)
+    float eps;            // AdamW 1e-8; Adafactor eps1 1e-30 (added to squared grads)
+    float weight_decay;   // decoupled: p -= lr * wd * p, only where param_info.decay
+    float decay_rate;     // Adafactor: beta2_t = 1 - t^(-decay_rate), default 0.8
+    float clip_threshold; // Adafactor update clipping d, default 1.0 (0 = off)
+    int min_dim_to_factor;// Adafactor: factor a matrix only if both dims >= this (default 128)
+} vlmoe_optim_params;
+vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
+
+typedef struct vlmoe_optim vlmoe_optim;
+int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
+                     const vlmoe_param_info *table, int nparams, size_t total);
+void vlmoe_optim_free(vlmoe_optim *o);
+// One update of params (total floats) from grads at learning rate lr; increments the step count.
+void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr);
+long vlmoe_optim_get_step(const vlmoe_optim *o);
+void vlmoe_optim_set_step(vlmoe_optim *o, long step);
+// The optimizer's state as named float buffers (for checkpoints): "adamw.m", "adamw.v", or per
+// factored parameter "adafactor.vr.<param>", "adafactor.vc.<param>", "adafactor.v.<param>", ...
+int vlmoe_optim_state_count(const vlmoe_optim *o);
+int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data, size_t *n);
+
+// Scales grads so their global L2 norm is at most max_norm (max_norm <= 0: no-op). Returns the
+// norm before clipping (computed in double).
+double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm);
+
+typedef enum { VLMOE_SCHED_COSINE = 0, VLMOE_SCHED_RSQRT = 1, VLMOE_SCHED_CONST = 2 } vlmoe_sched_kind;
+typedef struct {
+    vlmoe_sched_kind kind;
+    double base_lr;
+    long warmup_steps;   // linear warmup from 0 to base_lr over these steps
+    long total_steps;
+    double end_lr;       // cosine: value reached at total_steps (default 0)
+    long cooldown_steps; // rsqrt: linear cooldown to 0 over the last cooldown_steps
+    double timescale;    // rsqrt: lr = base_lr * sqrt(timescale / max(step, timescale)) after warmup
+} vlmoe_schedule;
+double vlmoe_schedule_lr(const vlmoe_schedule *s, long step); // step counts from 0
+
+// ---------------------------------------------------------------------------------------------
+// Synthetic image-caption data (src/data/synthetic.c): coloured shapes on varied backgrounds,
+// generated on the fly from (seed, split, index); a held-out split and zero-shot classes.
+typedef struct {
+    int image_size;     // square images, >= 16
+    uint64_t seed;
+} vlmoe_synth_params;
+vlmoe_synth_params vlmoe_synth_default_params(void);
+typedef struct vlmoe_synth vlmoe_synth;
+enum { VLMOE_SPLIT_TRAIN = 0, VLMOE_SPLIT_HELDOUT = 1 };
+int vlmoe_synth_init(vlmoe_synth **out, const vlmoe_synth_params *p);
+void vlmoe_synth_free(vlmoe_synth *s);
+int vlmoe_synth_num_classes(const vlmoe_synth *s);
+int vlmoe_synth_image_size(const vlmoe_synth *s);
+const char *vlmoe_synth_class_name(const vlmoe_synth *s, int c);   // e.g. "red circle"
+int vlmoe_synth_num_templates(const vlmoe_synth *s);
+const char *vlmoe_synth_template(const vlmoe_synth *s, int t);    // e.g. "a photo of a {}."
+// Writes sample `index` of `split`: image (3, H, W) in [-1, 1] (channel-major), its caption
+// (NUL-terminated, truncated to cap bytes) and its zero-shot class. Deterministic in
+// (seed, split, index) and thread-safe.
+int vlmoe_synth_sample(const vlmoe_synth *s, int split, uint64_t index, float *image,
+                       char *caption, size_t cap, int *class_id);
+// Word-level tokenizer of the synthetic vocabulary: ids[0] = SOT, words, EOT, then PAD (0) up
+// to ctx; truncation keeps EOT last. Unknown words map to UNK. Returns the length with SOT/EOT.
+enum { VLMOE_TOK_PAD = 0, VLMOE_TOK_SOT = 1, VLMOE_TOK_EOT = 2, VLMOE_TOK_UNK = 3 };
+int vlmoe_synth_vocab_size(const vlmoe_synth *s);
+int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, int ctx);
+
+// ---------------------------------------------------------------------------------------------
+// Models (src/nn/): config, parameters, forward/backward, save/load.
+typedef enum { VLMOE_ARCH_ONE_TOWER = 0, VLMOE_ARCH_TWO_TOWER = 1 } vlmoe_arch;
+enum { VLMOE_ACT_GELU = 0, VLMOE_ACT_GELU_TANH = 1, VLMOE_ACT_QUICK_GELU = 2 };
+enum { VLMOE_POOL_MEAN = 0, VLMOE_POOL_CLS = 1, VLMOE_POOL_EOT = 2 };
+
+typedef struct {
+    int width, layers, heads, mlp_dim;
+} vlmoe_encoder_config;
+
+// Everything that decides a model's shape and computation. one_tower (LIMoE): one encoder shared
+// by both modalities (`encoder`); two_tower (CLIP): `encoder` is the image tower and `text_encoder`
+// the text tower. Serialised as JSON in every checkpoint's metadata (key "vlmoe.config").
+typedef struct {
+    char name[64];
+    vlmoe_arch arch;
+    int image_size, patch_size, channels;
+    int vocab_size, context_length;
+    int embed_dim;
+    vlmoe_encoder_config encoder;
+    vlmoe_encoder_config text_encoder;  // two_tower only
+    int act;                 // VLMOE_ACT_*
+    double ln_eps;           // 1e-6 (JAX/ViT) or 1e-5 (CLIP)
+    int patch_bias;          // 0 for OpenAI CLIP's bias-free conv1
+    int image_class_token;   // prepend a learned class token to the patches
+    int image_ln_pre;        // CLIP's ln_pre before the image tower's blocks
+    int image_pool;          // VLMOE_POOL_MEAN or VLMOE_POOL_CLS
+    int text_causal;         // causal text attention (CLIP)
+    int text_pool;           // VLMOE_POOL_MEAN or VLMOE_POOL_EOT
+    double init_temperature; // exp(logit_scale) at init: LIMoE 10, CLIP 1/0.07
+    double max_temperature;  // logit_scale is clamped to [0, log(max)] after each step (CLIP: 100)
+} vlmoe_model_config;
+
+// Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
+// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the
+// list of known names.
+int vlmoe_config_named(const char *name, vlmoe_model_config *out);
+const char *vlmoe_config_names(void); // comma-separated list
+// JSON config: either complete, or {"base": "<name>", ...overrides}. Unknown keys, missing keys
+// and wrong types are errors naming the key; `what` names the source (a file path) in messages.
+int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_config *out);
+int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
+char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
+int vlmoe_config_validate(const vlmoe_model_config *cfg);
+
+typedef struct vlmoe_model vlmoe_model;
+// A batch of B image-text pairs: images (B, C, H, W) floats; tokens (B, context_length) with
+// lengths (B) counting SOT..EOT (padding beyond). Either side may be NULL for one-modality use.
+typedef struct {
+    int batch_size;
+    const float *images;
+    const int32_t *tokens;
+    const int32_t *lengths;
+} vlmoe_batch;
+typedef struct {
+    double loss;          // total: contrastive + auxiliary
+    double contrastive;
+    double aux;
+    double acc_i2t, acc_t2i; // in-batch top-1 retrieval accuracy
+    double temperature;   // exp(logit_scale)
+    double lr;            // learning rate of this step (trainer only)
+    double grad_norm;     // global gradient norm before clipping (trainer only)
+} vlmoe_step_stats;
+
+int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed);
+void vlmoe_model_free(vlmoe_model *m);
+const vlmoe_model_config *vlmoe_model_get_config(const vlmoe_model *m);
+const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count);
+size_t vlmoe_model_num_floats(const vlmoe_model *m);
+float *vlmoe_model_param_data(vlmoe_model *m);
+float *vlmoe_model_grad_data(vlmoe_model *m);
+// Plans the activation arena for batch size B (done once; forward re-plans only if B changes).
+int vlmoe_model_plan(vlmoe_model *m, int batch_size);
+// Forward pass with both modalities and the contrastive loss.
+int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
+// Zeroes the gradient buffer and back-propagates the last forward's loss.
+int vlmoe_model_backward(vlmoe_model *m);
+// Clamps logit_scale into [0, log(max_temperature)] (after an optimizer step, like CLIP).
+void vlmoe_model_clamp(vlmoe_model *m);
+// L2-normalised embeddings (n, embed_dim), computed in chunks of the planned batch size.
+int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out);
+int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
+                             float *out);
+// Fails with VLMOE_ERR_NUMERIC naming the first parameter (or gradient) holding a NaN/Inf.
+int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
+// Weights + config in one safetensors file (atomic write); load validates names and shapes.
+int vlmoe_model_save(const vlmoe_model *m, const char *path);
+int vlmoe_model_load(vlmoe_model **out, const char *path);
+
+// ---------------------------------------------------------------------------------------------
+// Training (src/train/): one optimisation step = forward, backward, divergence guard, clipping,
+// schedule, optimizer update, temperature clamp. Nothing is allocated inside a step.
+typedef struct {
+    vlmoe_optim_params optim;
+    vlmoe_schedule schedule;  // base_lr, warmup, total steps, ...
+    double grad_clip_norm;    // 0 = off
+} vlmoe_train_params;
+vlmoe_train_params vlmoe_train_default_params(void);
+
+typedef struct vlmoe_trainer vlmoe_trainer;
+int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_params *p);
+void vlmoe_trainer_free(vlmoe_trainer *t);
+// One step on a batch. A non-finite loss or gradient returns VLMOE_ERR_NUMERIC naming the tensor
+// and leaves the parameters untouched.
+int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats);
+long vlmoe_trainer_get_step(const vlmoe_trainer *t);
+vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
+
+// Fills a batch of n samples of the synthetic data, indices first..first+n-1 of `split`:
+// images (n, 3, H, W), tokens (n, ctx) and lengths (n). Samples are generated in parallel;
+// the result does not depend on the thread count.
+int vlmoe_synth_batch(const vlmoe_synth *s, int split, uint64_t first, int n, int ctx,
+                      float *images, int32_t *tokens, int32_t *lengths);
+
+// ---------------------------------------------------------------------------------------------
+// Evaluation (src/eval/)
+// Zero-shot: image embeddings (n, E) against class embeddings (C, E), all L2-normalised.
+// Counts top-1/top-5 hits against labels (ties broken toward the lower class index).
+void vlmoe_zeroshot_accuracy(const float *img, int n, const float *classes, int C, int E,
+                             const int32_t *labels, double *top1, double *top5);
+// Mean image->text and text->image top-1 accuracy of matched pairs (n, E), scored within
+// consecutive chunks of `chunk` pairs (chance 1/chunk); the last partial chunk counts too.
+void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int chunk,
+                         double *i2t, double *t2i);
+// Class embeddings for the synthetic classes: the mean of each class's template prompts,
+// re-normalised (CLIP's prompt ensembling). out: (num_classes, embed_dim).
+int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,45 @@
+// core.h: internal helpers shared by every module: status + last-error message, checked size
+// arithmetic, the seeded RNG, aligned allocation. Not part of the public API (include/vlmoe.h).
+// Covered by tests/test_core.c.
+#ifndef VLMOE_CORE_H
+#define VLMOE_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "vlmoe.h"
+
+// Records a printf-style message as the calling thread's last error and returns `st`, so a
+// failing function can `return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor %s: ...", path, name);`.
+int vlmoe_fail(int st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+// Prefixes the current last-error message with `prefix: ` (used to add file or context names
+// as an error travels up the stack).
+void vlmoe_error_prefix(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+// Checked size arithmetic: return 0 on success, 1 on overflow (result untouched).
+int vlmoe_mul_ok(size_t a, size_t b, size_t *out);
+int vlmoe_add_ok(size_t a, size_t b, size_t *out);
+
+// Allocation with 64-byte alignment; returns NULL and sets VLMOE_ERR_NOMEM message on failure.
+void *vlmoe_alloc(size_t bytes, const char *what);
+void *vlmoe_calloc(size_t bytes, const char *what);
+void vlmoe_free_mem(void *p);
+
+// Splitmix64-seeded xoshiro256** generator: small, fast and its whole state (4 words) goes into
+// the training-state file so resume is exact.
+typedef struct { uint64_t s[4]; } vlmoe_rng;
+void vlmoe_rng_seed(vlmoe_rng *r, uint64_t seed);
+uint64_t vlmoe_rng_u64(vlmoe_rng *r);
+double vlmoe_rng_uniform(vlmoe_rng *r);   // [0, 1)
+double vlmoe_rng_normal(vlmoe_rng *r);    // N(0, 1), Box-Muller (one draw per call, no cache)
+uint32_t vlmoe_rng_below(vlmoe_rng *r, uint32_t n); // uniform in [0, n), unbiased
+
+#endif

@@ -1,0 +1,26 @@
+#!/bin/sh
+# run.sh: runs every test binary of the optimised build, then of the sanitizer build, and totals
+# them into one closing line "N passed, N failed". Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE
+rel=$1; asan=$2; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+pass=0; fail=0; bad=""
+for dir in "$rel" "$asan"; do
+    for t in "$dir"/tests/test_*; do
+        [ -x "$t" ] || continue
+        out=$("$t" 2>&1); rc=$?
+        line=$(printf '%s\n' "$out" | grep -E '^[a-z_0-9]+: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
+        p=$(printf '%s' "$line" | sed -E 's/.*: ([0-9]+) passed.*/\1/'); p=${p:-0}
+        f=$(printf '%s' "$line" | sed -E 's/.* ([0-9]+) failed/\1/'); f=${f:-0}
+        if [ $rc -ne 0 ] && [ "$f" = 0 ]; then f=1; fi
+        pass=$((pass + p)); fail=$((fail + f))
+        if [ $rc -ne 0 ]; then
+            bad="$bad $t"; printf '%s\n' "$out" | tail -n 40
+            echo "FAILED: $t (exit $rc)"
+        else
+            echo "ok   $t ($p checks)"
+        fi
+    done
+done
+echo "$pass passed, $fail failed"
+[ -z "$bad" ]
