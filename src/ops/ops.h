@@ -1,0 +1,78 @@
+// ops.h: the CPU kernels of vlmoe, each a forward/backward pair (llm.c style: outputs first,
+// a shape comment on every pointer). Backward functions ACCUMULATE (+=) into every gradient they
+// produce; the caller zeroes. Pure functions: no allocation, no I/O. Compiled for float (_f32)
+// and double (_f64), see src/core/real.h. Covered by tests/test_ops.c (finite differences in
+// double) and tests/test_parity.c (PyTorch fixtures from tests/ref/gen_ops.py).
+#ifndef VLMOE_OPS_H
+#define VLMOE_OPS_H
+#include <stddef.h>
+#include <stdint.h>
+#include "vlmoe.h"
+
+
+
+
+// One run of same-length sequences inside a token buffer: attention stays inside a sequence.
+// lens (nseq) gives each sequence's valid length (keys at positions >= len are masked); NULL
+// means every position is valid.
+typedef struct {
+    size_t tok_off;      // first token of the segment in the (Ntok, ...) buffer
+    int nseq, seqlen;
+    int causal;
+    const int32_t *lens;
+} attn_segment;
+
+#define OPS_DECL(T, S)                                                                             \
+    /* out (N,O) = inp (N,K) . w^T (w: (O,K)) + b (O, may be NULL); beta 0 writes, 1 adds */     \
+    void linear_forward_##S(T *out, const T *inp, const T *w, const T *b, int N, int K, int O,   \
+                            int beta);                                                            \
+    /* dinp (N,K) += dout.w (dinp may be NULL); dw += dout^T.inp; db += colsum(dout) */           \
+    void linear_backward_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp, const T *w,      \
+                             int N, int K, int O);                                                \
+    /* out (N,C) = (inp-mean)*rstd*w + b; mean, rstd (N) saved for backward */                     \
+    void layernorm_forward_##S(T *out, T *mean, T *rstd, const T *inp, const T *w, const T *b,    \
+                               int N, int C, double eps);                                         \
+    void layernorm_backward_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp, const T *w,   \
+                                const T *mean, const T *rstd, int N, int C);                      \
+    void act_forward_##S(T *out, const T *inp, size_t n, int kind);                               \
+    void act_backward_##S(T *dinp, const T *inp, const T *dout, size_t n, int kind);              \
+    /* row softmax: out (N,C) */                                                                   \
+    void softmax_forward_##S(T *out, const T *inp, int N, int C);                                 \
+    void softmax_backward_##S(T *dinp, const T *out, const T *dout, int N, int C);                \
+    /* qkv (Ntok,3D) -> out (Ntok,D); att (nseq,H,T,T) probabilities of this segment */            \
+    void attention_forward_##S(T *out, T *att, const T *qkv, const attn_segment *seg, int D,      \
+                               int H);                                                            \
+    void attention_backward_##S(T *dqkv, T *datt, const T *dout, const T *qkv, const T *att,      \
+                                const attn_segment *seg, int D, int H);                           \
+    /* images (B,C,H,W) -> patches (B, (H/P)*(W/P), C*P*P), inner order (c, py, px) = conv */    \
+    void patchify_forward_##S(T *patches, const T *images, int B, int C, int HW, int P);          \
+    void patchify_backward_##S(T *dimages, const T *dpatches, int B, int C, int HW, int P);       \
+    /* out (B,T,D) = wte[ids] (ids (B,T) in [0,V)) */                                              \
+    void embed_forward_##S(T *out, const int32_t *ids, const T *wte, int BT, int D);              \
+    void embed_backward_##S(T *dwte, const T *dout, const int32_t *ids, int BT, int D);           \
+    /* out (B,T,D) += pos (T,D) */                                                                 \
+    void posadd_forward_##S(T *out, const T *pos, int B, int T_, int D);                          \
+    void posadd_backward_##S(T *dpos, const T *dout, int B, int T_, int D);                       \
+    /* out (B,1+N,D) = [cls; x (B,N,D)] */                                                         \
+    void cls_forward_##S(T *out, const T *cls, const T *x, int B, int N, int D);                  \
+    void cls_backward_##S(T *dcls, T *dx, const T *dout, int B, int N, int D);                    \
+    /* out (B,D) from x (B,T,D): mean over the first lens[b] tokens, token 0, or token lens[b]-1 */\
+    void pool_forward_##S(T *out, const T *x, const int32_t *lens, int B, int T_, int D, int kind);\
+    void pool_backward_##S(T *dx, const T *dout, const int32_t *lens, int B, int T_, int D,       \
+                           int kind);                                                             \
+    /* out (N,C) = x / max(|x|, 1e-12); norm (N) saved */                                          \
+    void l2norm_forward_##S(T *out, T *norm, const T *x, int N, int C);                           \
+    void l2norm_backward_##S(T *dx, const T *dout, const T *out, const T *norm, int N, int C);    \
+    /* symmetric InfoNCE over logits = exp(scale) img.txt^T; logits/probs (B,B) saved. Returns */ \
+    /* the loss; acc[0] image->text and acc[1] text->image top-1 accuracy */                       \
+    double contrastive_forward_##S(T *logits, T *prow, T *pcol, const T *img, const T *txt,       \
+                                   T scale, int B, int E, double *acc);                            \
+    /* dimg, dtxt (B,E) and *dscale accumulate the gradient of loss*dloss */                       \
+    void contrastive_backward_##S(T *dimg, T *dtxt, T *dscale, const T *logits, const T *prow,    \
+                                  const T *pcol, const T *img, const T *txt, T scale, int B,       \
+                                  int E, double dloss);
+
+OPS_DECL(float, f32)
+OPS_DECL(double, f64)
+
+#endif

@@ -1,0 +1,295 @@
+// test_ops.c: finite-difference gradient checks, in double precision on tiny shapes, for every
+// op in src/ops and the contrastive loss; plus golden values for forward passes worked by hand.
+// Each check builds loss = sum(out * r) for a fixed random r, runs the op's backward with
+// dout = r, and compares every input gradient element with a central difference.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "ops/ops.h"
+#include "test.h"
+
+static vlmoe_rng rng;
+static double *randv(size_t n, double scale) {
+    double *v = malloc(sizeof(double) * n);
+    for (size_t i = 0; i < n; i++) v[i] = scale * vlmoe_rng_normal(&rng);
+    return v;
+}
+static double *zeros(size_t n) { return calloc(n, sizeof(double)); }
+static double dot(const double *a, const double *b, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+typedef double (*loss_fn)(void *ctx);
+
+// Compares analytical gradient g of loss f with respect to x (n elements) with central
+// differences; reports the worst element.
+static void fd_check(const char *what, loss_fn f, void *ctx, double *x, const double *g, size_t n) {
+    const double h = 1e-6;
+    double worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++) {
+        double keep = x[i];
+        x[i] = keep + h;
+        double lp = f(ctx);
+        x[i] = keep - h;
+        double lm = f(ctx);
+        x[i] = keep;
+        double fd = (lp - lm) / (2 * h);
+        double err = fabs(fd - g[i]) / (1e-6 + fabs(fd) + fabs(g[i]));
+        if (fabs(fd - g[i]) < 1e-8) err = 0; // both ~0
+        if (err > worst) worst = err, at = i;
+    }
+    CHECK(worst < 1e-5, "%s: worst relative error %.3g at element %zu", what, worst, at);
+}
+
+// ---- linear
+typedef struct { double *out, *inp, *w, *b, *r; int N, K, O; } lin_ctx;
+static double lin_loss(void *p) {
+    lin_ctx *c = p;
+    linear_forward_f64(c->out, c->inp, c->w, c->b, c->N, c->K, c->O, 0);
+    return dot(c->out, c->r, (size_t)c->N * c->O);
+}
+static void test_linear(void) {
+    lin_ctx c = {0, 0, 0, 0, 0, 5, 4, 3};
+    c.out = zeros(15), c.inp = randv(20, 1), c.w = randv(12, 1), c.b = randv(3, 1), c.r = randv(15, 1);
+    double *di = zeros(20), *dw = zeros(12), *db = zeros(3);
+    lin_loss(&c);
+    linear_backward_f64(di, dw, db, c.r, c.inp, c.w, c.N, c.K, c.O);
+    fd_check("linear dinp", lin_loss, &c, c.inp, di, 20);
+    fd_check("linear dw", lin_loss, &c, c.w, dw, 12);
+    fd_check("linear db", lin_loss, &c, c.b, db, 3);
+    // golden: [1 2] . [[1 0],[0 1],[1 1]]^T + [0.5 0 -1] = [1.5 2 2]
+    double x[2] = {1, 2}, w[6] = {1, 0, 0, 1, 1, 1}, b[3] = {0.5, 0, -1}, o[3];
+    linear_forward_f64(o, x, w, b, 1, 2, 3, 0);
+    CHECK(o[0] == 1.5 && o[1] == 2 && o[2] == 2, "linear golden: %g %g %g", o[0], o[1], o[2]);
+    free(c.out), free(c.inp), free(c.w), free(c.b), free(c.r), free(di), free(dw), free(db);
+}
+
+// ---- layernorm
+typedef struct { double *out, *m, *rs, *inp, *w, *b, *r; int N, C; } ln_ctx;
+static double ln_loss(void *p) {
+    ln_ctx *c = p;
+    layernorm_forward_f64(c->out, c->m, c->rs, c->inp, c->w, c->b, c->N, c->C, 1e-5);
+    return dot(c->out, c->r, (size_t)c->N * c->C);
+}
+static void test_layernorm(void) {
+    ln_ctx c = {zeros(12), zeros(3), zeros(3), randv(12, 1), randv(4, 1), randv(4, 1), randv(12, 1), 3, 4};
+    double *di = zeros(12), *dw = zeros(4), *db = zeros(4);
+    ln_loss(&c);
+    layernorm_backward_f64(di, dw, db, c.r, c.inp, c.w, c.m, c.rs, 3, 4);
+    fd_check("layernorm dinp", ln_loss, &c, c.inp, di, 12);
+    fd_check("layernorm dw", ln_loss, &c, c.w, dw, 4);
+    fd_check("layernorm db", ln_loss, &c, c.b, db, 4);
+    // golden: x = [1 2 3 4] -> mean 2.5, var 1.25, (x-2.5)/sqrt(1.25+eps)
+    double x[4] = {1, 2, 3, 4}, one[4] = {1, 1, 1, 1}, zero[4] = {0}, o[4], m, r;
+    layernorm_forward_f64(o, &m, &r, x, one, zero, 1, 4, 0);
+    CHECK_CLOSE(o[0], -1.5 / sqrt(1.25), 1e-12, 0, "layernorm golden[0]");
+    CHECK_CLOSE(o[3], 1.5 / sqrt(1.25), 1e-12, 0, "layernorm golden[3]");
+    free(c.out), free(c.m), free(c.rs), free(c.inp), free(c.w), free(c.b), free(c.r);
+    free(di), free(dw), free(db);
+}
+
+// ---- activations and softmax
+typedef struct { double *out, *inp, *r; int n, kind; } act_ctx;
+static double act_loss(void *p) {
+    act_ctx *c = p;
+    act_forward_f64(c->out, c->inp, (size_t)c->n, c->kind);
+    return dot(c->out, c->r, (size_t)c->n);
+}
+static double sm_loss(void *p) {
+    act_ctx *c = p;
+    softmax_forward_f64(c->out, c->inp, 3, c->n / 3);
+    return dot(c->out, c->r, (size_t)c->n);
+}
+static void test_activations(void) {
+    const char *names[3] = {"gelu", "gelu_tanh", "quick_gelu"};
+    for (int k = 0; k < 3; k++) {
+        act_ctx c = {zeros(12), randv(12, 2), randv(12, 1), 12, k};
+        double *di = zeros(12);
+        act_loss(&c);
+        act_backward_f64(di, c.inp, c.r, 12, k);
+        fd_check(names[k], act_loss, &c, c.inp, di, 12);
+        free(c.out), free(c.inp), free(c.r), free(di);
+    }
+    // golden: gelu(1) = 0.5*(1+erf(1/sqrt2)) = 0.8413447460685429; gelu_tanh(1) = 0.8411919906082768;
+    // quick_gelu(1) = 1/(1+e^-1.702) = 0.8457957659328212
+    double x = 1, y;
+    act_forward_f64(&y, &x, 1, VLMOE_ACT_GELU);
+    CHECK_CLOSE(y, 0.8413447460685429, 1e-15, 0, "gelu(1)");
+    act_forward_f64(&y, &x, 1, VLMOE_ACT_GELU_TANH);
+    CHECK_CLOSE(y, 0.8411919906082768, 1e-15, 0, "gelu_tanh(1)");
+    act_forward_f64(&y, &x, 1, VLMOE_ACT_QUICK_GELU);
+    CHECK_CLOSE(y, 0.8457957659328212, 1e-15, 0, "quick_gelu(1)");
+    act_ctx c = {zeros(12), randv(12, 2), randv(12, 1), 12, 0};
+    double *di = zeros(12);
+    sm_loss(&c);
+    softmax_backward_f64(di, c.out, c.r, 3, 4);
+    fd_check("softmax", sm_loss, &c, c.inp, di, 12);
+    double s[3] = {0, log(2), log(5)}, so[3]; // -> 1/8, 2/8, 5/8
+    softmax_forward_f64(so, s, 1, 3);
+    CHECK_CLOSE(so[2], 0.625, 1e-15, 0, "softmax golden");
+    free(c.out), free(c.inp), free(c.r), free(di);
+}
+
+// ---- attention: causal and padding masks
+typedef struct { double *out, *att, *qkv, *r; attn_segment seg; int D, H; size_t n; } att_ctx;
+static double att_loss(void *p) {
+    att_ctx *c = p;
+    attention_forward_f64(c->out, c->att, c->qkv, &c->seg, c->D, c->H);
+    return dot(c->out, c->r, c->n);
+}
+static void test_attention(void) {
+    const int B = 2, T = 4, D = 6, H = 2;
+    int32_t lens[2] = {4, 2};
+    for (int mode = 0; mode < 4; mode++) {
+        att_ctx c;
+        c.D = D, c.H = H, c.n = (size_t)B * T * D;
+        c.seg = (attn_segment){0, B, T, mode & 1, (mode & 2) ? lens : NULL};
+        c.out = zeros(c.n), c.att = zeros((size_t)B * H * T * T), c.qkv = randv(c.n * 3, 1);
+        c.r = randv(c.n, 1);
+        double *dq = zeros(c.n * 3), *da = zeros((size_t)B * H * T * T);
+        att_loss(&c);
+        attention_backward_f64(dq, da, c.r, c.qkv, c.att, &c.seg, D, H);
+        char what[64];
+        snprintf(what, sizeof(what), "attention causal=%d padded=%d", mode & 1, (mode >> 1) & 1);
+        fd_check(what, att_loss, &c, c.qkv, dq, c.n * 3);
+        // masked probabilities are exactly zero and rows sum to one
+        int ok = 1;
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < T; i++) {
+                    double s = 0;
+                    for (int j = 0; j < T; j++) {
+                        double pr = c.att[(((size_t)b * H + h) * T + i) * T + j];
+                        int allowed = (!(mode & 1) || j <= i || (mode & 2 && i >= lens[b])) &&
+                                      (!(mode & 2) || j < lens[b]);
+                        if (!allowed && pr != 0) ok = 0;
+                        s += pr;
+                    }
+                    if (fabs(s - 1) > 1e-12) ok = 0;
+                }
+        CHECK(ok, "%s: masked probabilities not zero or rows not normalised", what);
+        free(c.out), free(c.att), free(c.qkv), free(c.r), free(dq), free(da);
+    }
+}
+
+// ---- embeddings, class token, pooling, L2 normalisation, patchify
+typedef struct { double *out, *a, *b, *r; const int32_t *ids; int which; size_t n; } emb_ctx;
+static double emb_loss(void *p) {
+    emb_ctx *c = p;
+    switch (c->which) {
+    case 0: embed_forward_f64(c->out, c->ids, c->a, 6, 3); break;      // wte (5,3), 6 tokens
+    case 1: memset(c->out, 0, sizeof(double) * c->n); posadd_forward_f64(c->out, c->a, 2, 3, 3); break;
+    case 2: cls_forward_f64(c->out, c->a, c->b, 2, 2, 3); break;        // cls (3), x (2,2,3)
+    case 3: patchify_forward_f64(c->out, c->a, 1, 2, 4, 2); break;      // (1,2,4,4) -> (1,4,8)
+    }
+    return dot(c->out, c->r, c->n);
+}
+static void test_embeddings(void) {
+    int32_t ids[6] = {0, 3, 3, 1, 4, 3}; // repeated ids accumulate
+    emb_ctx c = {zeros(18), randv(15, 1), NULL, randv(18, 1), ids, 0, 18};
+    double *d = zeros(15);
+    emb_loss(&c);
+    embed_backward_f64(d, c.r, ids, 6, 3);
+    fd_check("token embedding", emb_loss, &c, c.a, d, 15);
+    free(c.a), free(d);
+    c.which = 1, c.a = randv(9, 1), d = zeros(9);
+    emb_loss(&c);
+    posadd_backward_f64(d, c.r, 2, 3, 3);
+    fd_check("position embedding", emb_loss, &c, c.a, d, 9);
+    free(c.a), free(d);
+    c.which = 2, c.a = randv(3, 1), c.b = randv(12, 1);
+    double *dc = zeros(3), *dx = zeros(12);
+    emb_loss(&c);
+    cls_backward_f64(dc, dx, c.r, 2, 2, 3);
+    fd_check("class token dcls", emb_loss, &c, c.a, dc, 3);
+    fd_check("class token dx", emb_loss, &c, c.b, dx, 12);
+    free(c.a), free(c.b), free(dc), free(dx), free(c.out), free(c.r);
+    emb_ctx p = {zeros(32), randv(32, 1), NULL, randv(32, 1), NULL, 3, 32};
+    double *dimg = zeros(32);
+    emb_loss(&p);
+    patchify_backward_f64(dimg, p.r, 1, 2, 4, 2);
+    fd_check("patchify", emb_loss, &p, p.a, dimg, 32);
+    // golden: patch 1 (top-right) of channel 0 starts at pixel (0,2), then (0,3), (1,2), (1,3)
+    double img[32], pat[32];
+    for (int i = 0; i < 32; i++) img[i] = i;
+    patchify_forward_f64(pat, img, 1, 2, 4, 2);
+    CHECK(pat[8] == 2 && pat[9] == 3 && pat[10] == 6 && pat[11] == 7 && pat[12] == 18,
+          "patchify golden: %g %g %g %g %g", pat[8], pat[9], pat[10], pat[11], pat[12]);
+    free(p.out), free(p.a), free(p.r), free(dimg);
+}
+
+typedef struct { double *out, *norm, *x, *r; const int32_t *lens; int kind; } pool_ctx;
+static double pool_loss(void *p) {
+    pool_ctx *c = p;
+    pool_forward_f64(c->out, c->x, c->lens, 2, 4, 3, c->kind);
+    return dot(c->out, c->r, 6);
+}
+static double l2_loss(void *p) {
+    pool_ctx *c = p;
+    l2norm_forward_f64(c->out, c->norm, c->x, 2, 3);
+    return dot(c->out, c->r, 6);
+}
+static void test_pool_l2(void) {
+    int32_t lens[2] = {4, 2};
+    const char *names[3] = {"mean pool", "cls pool", "eot pool"};
+    for (int k = 0; k < 3; k++) {
+        pool_ctx c = {zeros(6), NULL, randv(24, 1), randv(6, 1), lens, k};
+        double *dx = zeros(24);
+        pool_loss(&c);
+        pool_backward_f64(dx, c.r, lens, 2, 4, 3, k);
+        fd_check(names[k], pool_loss, &c, c.x, dx, 24);
+        // masked positions (sequence 1, positions 2 and 3) get no gradient
+        CHECK(dx[12 + 6] == 0 && dx[12 + 9] == 0, "%s: padding received gradient", names[k]);
+        free(c.out), free(c.x), free(c.r), free(dx);
+    }
+    pool_ctx c = {zeros(6), zeros(2), randv(6, 1), randv(6, 1), NULL, 0};
+    double *dx = zeros(6);
+    l2_loss(&c);
+    l2norm_backward_f64(dx, c.r, c.out, c.norm, 2, 3);
+    fd_check("l2 normalise", l2_loss, &c, c.x, dx, 6);
+    double v[3] = {3, 4, 0}, o[3], nr;
+    l2norm_forward_f64(o, &nr, v, 1, 3);
+    CHECK(o[0] == 0.6 && o[1] == 0.8 && nr == 5, "l2 golden: %g %g norm %g", o[0], o[1], nr);
+    free(c.out), free(c.norm), free(c.x), free(c.r), free(dx);
+}
+
+// ---- contrastive loss
+typedef struct { double *img, *txt, logits[9], prow[9], pcol[9], scale; } con_ctx;
+static double con_loss(void *p) {
+    con_ctx *c = p;
+    return contrastive_forward_f64(c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, 3, 4, NULL);
+}
+static void test_contrastive(void) {
+    con_ctx c;
+    c.img = randv(12, 1), c.txt = randv(12, 1), c.scale = log(3.0);
+    double *di = zeros(12), *dt = zeros(12), ds = 0;
+    con_loss(&c);
+    contrastive_backward_f64(di, dt, &ds, c.logits, c.prow, c.pcol, c.img, c.txt, c.scale, 3, 4, 1.0);
+    fd_check("contrastive dimg", con_loss, &c, c.img, di, 12);
+    fd_check("contrastive dtxt", con_loss, &c, c.txt, dt, 12);
+    fd_check("contrastive dscale", con_loss, &c, &c.scale, &ds, 1);
+    // golden, B = 2, E = 1, img = txt = [1, -1], scale = 0: logits [[1,-1],[-1,1]]; every row and
+    // column cross-entropy is -log(e/(e+e^-1)) = log(1 + e^-2) = 0.12692801104297263.
+    double a[2] = {1, -1}, l[4], pr[4], pc[4], acc[2];
+    double loss = contrastive_forward_f64(l, pr, pc, a, a, 0, 2, 1, acc);
+    CHECK_CLOSE(loss, 0.12692801104297263, 1e-15, 0, "contrastive golden");
+    CHECK(acc[0] == 1 && acc[1] == 1, "contrastive accuracy %g %g", acc[0], acc[1]);
+    free(c.img), free(c.txt), free(di), free(dt);
+}
+
+int main(void) {
+    vlmoe_rng_seed(&rng, 42);
+    test_linear();
+    test_layernorm();
+    test_activations();
+    test_attention();
+    test_embeddings();
+    test_pool_l2();
+    test_contrastive();
+    return test_summary("test_ops");
+}
