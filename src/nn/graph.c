@@ -1,0 +1,418 @@
+// graph.c: forward and backward of a whole model (one_tower LIMoE layout or two_tower CLIP
+// layout) over one activation arena planned for a batch size: nothing is allocated per step.
+// An encoder runs all the sequences assigned to it as one token buffer (image segment first,
+// then text): attention stays inside each sequence, every other layer sees all tokens at once,
+// which is where a one_tower MoE layer shares routing groups across modalities.
+// Compiled as float and double (src/core/real.h). Covered by tests/test_model.c (finite
+// differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
+#include <string.h>
+
+#include "core/core.h"
+#include "core/real.h"
+#include "nn/model.h"
+
+typedef struct {
+    real *ln1, *ln1_m, *ln1_r, *qkv, *att, *atty, *res1, *ln2, *ln2_m, *ln2_r;
+    real *h, *a, *res2; // feed-forward: fc1 output (pre-activation), activation, block output
+} layer_acts;
+
+typedef struct {
+    const encoder_layout *E;
+    size_t ntok;                 // tokens of all segments
+    attn_segment seg[NUM_MOD];
+    size_t att_off[NUM_MOD];     // offset of each segment's attention probabilities
+    int mod_of_seg[NUM_MOD], nseg;
+    real *x0, *lnf, *lnf_m, *lnf_r;
+    layer_acts *layers;
+    // backward scratch, shared by all layers
+    real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
+} enc_state;
+
+typedef struct {
+    int present;
+    int seg;                     // segment index inside its encoder
+    real *patches, *pemb, *pre, *pre_m, *pre_r; // image stem
+    real *pooled, *proj, *emb, *norm;
+    real *dpre, *dpemb, *dpooled, *dproj, *demb;
+    int32_t *tokens, *lens;      // text: copies kept for backward
+} mod_state;
+
+struct R(graph) {
+    const model_layout *L;
+    int B;
+    enc_state enc[2];
+    mod_state mod[NUM_MOD];
+    real *logits, *prow, *pcol;
+    int have_loss;
+    real *arena;
+    size_t arena_n, ints_n;
+    int32_t *ints;
+};
+
+// Carves the arena in two passes: first with base == NULL to count, then for real.
+typedef struct { real *base; size_t used; } carver;
+static real *take(carver *c, size_t n) {
+    real *p = c->base ? c->base + c->used : NULL;
+    c->used += (n + 15) & ~(size_t)15; // keep every buffer 64-byte aligned
+    return p;
+}
+
+static void plan(struct R(graph) *g, carver *c) {
+    const model_layout *L = g->L;
+    const vlmoe_model_config *cfg = &L->cfg;
+    const int B = g->B, E = cfg->embed_dim;
+    for (int e = 0; e < L->nenc; e++) {
+        enc_state *s = &g->enc[e];
+        s->E = &L->enc[e];
+        s->ntok = 0;
+        s->nseg = 0;
+        size_t natt = 0;
+        const int D = s->E->width, H = s->E->heads, M = s->E->mlp;
+        for (int m = 0; m < NUM_MOD; m++) {
+            if (L->mod[m].enc != e) continue;
+            const int T = L->mod[m].seq;
+            attn_segment *sg = &s->seg[s->nseg];
+            sg->tok_off = s->ntok;
+            sg->nseq = B;
+            sg->seqlen = T;
+            sg->causal = L->mod[m].causal;
+            sg->lens = NULL;
+            s->att_off[s->nseg] = natt;
+            s->mod_of_seg[s->nseg] = m;
+            g->mod[m].seg = s->nseg++;
+            s->ntok += (size_t)B * T;
+            natt += (size_t)B * H * T * T;
+        }
+        const size_t n = s->ntok;
+        s->x0 = take(c, n * D);
+        for (int l = 0; l < s->E->layers; l++) {
+            layer_acts *a = c->base ? &s->layers[l] : &(layer_acts){0};
+            a->ln1 = take(c, n * D);
+            a->ln1_m = take(c, n);
+            a->ln1_r = take(c, n);
+            a->qkv = take(c, n * 3 * D);
+            a->att = take(c, natt);
+            a->atty = take(c, n * D);
+            a->res1 = take(c, n * D);
+            a->ln2 = take(c, n * D);
+            a->ln2_m = take(c, n);
+            a->ln2_r = take(c, n);
+            a->h = take(c, n * M);
+            a->a = take(c, n * M);
+            a->res2 = take(c, n * D);
+        }
+        s->lnf = take(c, n * D);
+        s->lnf_m = take(c, n);
+        s->lnf_r = take(c, n);
+        s->dres = take(c, n * D);
+        s->dln = take(c, n * D);
+        s->datty = take(c, n * D);
+        s->dqkv = take(c, n * 3 * D);
+        s->datt = take(c, natt);
+        s->dh = take(c, n * M);
+        s->da = take(c, n * M);
+        s->dlnf = take(c, n * D);
+    }
+    for (int m = 0; m < NUM_MOD; m++) {
+        const modality_layout *ml = &L->mod[m];
+        mod_state *ms = &g->mod[m];
+        const int D = L->enc[ml->enc].width, T = ml->seq;
+        if (m == MOD_IMAGE) {
+            const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
+            const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
+            ms->patches = take(c, (size_t)B * np * pd);
+            ms->pemb = take(c, (size_t)B * np * D);
+            ms->dpemb = take(c, (size_t)B * np * D);
+        }
+        ms->pre = take(c, (size_t)B * T * D);
+        ms->pre_m = take(c, (size_t)B * T);
+        ms->pre_r = take(c, (size_t)B * T);
+        ms->dpre = take(c, (size_t)B * T * D);
+        ms->pooled = take(c, (size_t)B * D);
+        ms->proj = take(c, (size_t)B * E);
+        ms->emb = take(c, (size_t)B * E);
+        ms->norm = take(c, (size_t)B);
+        ms->dpooled = take(c, (size_t)B * D);
+        ms->dproj = take(c, (size_t)B * E);
+        ms->demb = take(c, (size_t)B * E);
+    }
+    g->logits = take(c, (size_t)B * B);
+    g->prow = take(c, (size_t)B * B);
+    g->pcol = take(c, (size_t)B * B);
+}
+
+int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
+    *out = NULL;
+    if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
+    struct R(graph) *g = vlmoe_calloc(sizeof(*g), "graph");
+    if (!g) return VLMOE_ERR_NOMEM;
+    g->L = L;
+    g->B = B;
+    for (int e = 0; e < L->nenc; e++) {
+        g->enc[e].layers = vlmoe_calloc(sizeof(layer_acts) * (size_t)L->enc[e].layers, "layer acts");
+        if (!g->enc[e].layers) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    }
+    carver c = {NULL, 0};
+    plan(g, &c);
+    g->arena_n = c.used;
+    g->arena = vlmoe_alloc(sizeof(real) * c.used, "activation arena");
+    const size_t T = (size_t)L->mod[MOD_TEXT].seq;
+    g->ints = vlmoe_alloc(sizeof(int32_t) * ((size_t)B * T + (size_t)B), "token copies");
+    if (!g->arena || !g->ints) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    c = (carver){g->arena, 0};
+    plan(g, &c);
+    g->mod[MOD_TEXT].tokens = g->ints;
+    g->mod[MOD_TEXT].lens = g->ints + (size_t)B * T;
+    *out = g;
+    return VLMOE_OK;
+}
+
+void R(graph_free)(struct R(graph) *g) {
+    if (!g) return;
+    for (int e = 0; e < 2; e++) vlmoe_free_mem(g->enc[e].layers);
+    vlmoe_free_mem(g->arena);
+    vlmoe_free_mem(g->ints);
+    vlmoe_free_mem(g);
+}
+
+const real *R(graph_embeddings)(const struct R(graph) *g, int modality) {
+    return g->mod[modality].emb;
+}
+
+// Token range [t0, t0+n) of the segments present in this forward (they are contiguous: image
+// first, then text).
+static void active_range(const struct R(graph) *g, const enc_state *s, size_t *t0, size_t *n) {
+    size_t lo = s->ntok, hi = 0;
+    for (int k = 0; k < s->nseg; k++) {
+        if (!g->mod[s->mod_of_seg[k]].present) continue;
+        size_t a = s->seg[k].tok_off, b = a + (size_t)s->seg[k].nseq * s->seg[k].seqlen;
+        lo = a < lo ? a : lo;
+        hi = b > hi ? b : hi;
+    }
+    *t0 = lo;
+    *n = hi > lo ? hi - lo : 0;
+}
+
+// The feed-forward of one block: out (n,D) = res (n,D) + ffn(inp (n,D)).
+static void ffn_forward(const ffn_layout *f, layer_acts *a, const real *P, size_t t0, int n,
+                        int D, int M, int act) {
+    R(linear_forward)(a->h + t0 * M, a->ln2 + t0 * D, P + f->fc1_w, P + f->fc1_b, n, D, M, 0);
+    R(act_forward)(a->a + t0 * M, a->h + t0 * M, (size_t)n * M, act);
+    memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
+    R(linear_forward)(a->res2 + t0 * D, a->a + t0 * M, P + f->fc2_w, P + f->fc2_b, n, M, D, 1);
+}
+
+// Backward of the feed-forward: accumulates d(inp) into dln (zeroed here) from dres = d(out);
+// the residual's own gradient (identity) is left in dres for the caller.
+static void ffn_backward(const ffn_layout *f, const layer_acts *a, enc_state *s, const real *P,
+                         real *G, size_t t0, int n, int D, int M, int act) {
+    memset(s->da + t0 * M, 0, sizeof(real) * (size_t)n * M);
+    memset(s->dh + t0 * M, 0, sizeof(real) * (size_t)n * M);
+    memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
+    R(linear_backward)(s->da + t0 * M, G + f->fc2_w, G + f->fc2_b, s->dres + t0 * D, a->a + t0 * M,
+                       P + f->fc2_w, n, M, D);
+    R(act_backward)(s->dh + t0 * M, a->h + t0 * M, s->da + t0 * M, (size_t)n * M, act);
+    R(linear_backward)(s->dln + t0 * D, G + f->fc1_w, G + f->fc1_b, s->dh + t0 * M,
+                       a->ln2 + t0 * D, P + f->fc1_w, n, D, M);
+}
+
+static void encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
+    const encoder_layout *E = s->E;
+    const vlmoe_model_config *cfg = &g->L->cfg;
+    const int D = E->width, H = E->heads, M = E->mlp;
+    size_t t0, nn;
+    active_range(g, s, &t0, &nn);
+    if (nn == 0) return;
+    const int n = (int)nn;
+    const real *x = s->x0;
+    for (int l = 0; l < E->layers; l++) {
+        const block_layout *bl = &E->blocks[l];
+        layer_acts *a = &s->layers[l];
+        R(layernorm_forward)(a->ln1 + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D,
+                             P + bl->ln1_w, P + bl->ln1_b, n, D, cfg->ln_eps);
+        R(linear_forward)(a->qkv + t0 * 3 * D, a->ln1 + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n,
+                          D, 3 * D, 0);
+        for (int k = 0; k < s->nseg; k++)
+            if (g->mod[s->mod_of_seg[k]].present)
+                R(attention_forward)(a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
+        memcpy(a->res1 + t0 * D, x + t0 * D, sizeof(real) * (size_t)n * D);
+        R(linear_forward)(a->res1 + t0 * D, a->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D,
+                          D, 1);
+        R(layernorm_forward)(a->ln2 + t0 * D, a->ln2_m + t0, a->ln2_r + t0, a->res1 + t0 * D,
+                             P + bl->ln2_w, P + bl->ln2_b, n, D, cfg->ln_eps);
+        ffn_forward(&bl->ffn, a, P, t0, n, D, M, cfg->act);
+        x = a->res2;
+    }
+    R(layernorm_forward)(s->lnf + t0 * D, s->lnf_m + t0, s->lnf_r + t0, x + t0 * D, P + E->lnf_w,
+                         P + E->lnf_b, n, D, cfg->ln_eps);
+}
+
+static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, real *G) {
+    const encoder_layout *E = s->E;
+    const int D = E->width, H = E->heads, M = E->mlp;
+    size_t t0, nn;
+    active_range(g, s, &t0, &nn);
+    if (nn == 0) return;
+    const int n = (int)nn;
+    const real *xL = E->layers ? s->layers[E->layers - 1].res2 : s->x0;
+    memset(s->dres + t0 * D, 0, sizeof(real) * (size_t)n * D);
+    R(layernorm_backward)(s->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
+                          xL + t0 * D, P + E->lnf_w, s->lnf_m + t0, s->lnf_r + t0, n, D);
+    for (int l = E->layers - 1; l >= 0; l--) {
+        const block_layout *bl = &E->blocks[l];
+        const layer_acts *a = &s->layers[l];
+        const real *x = l ? s->layers[l - 1].res2 : s->x0;
+        // dres holds d(block output); the feed-forward half first
+        ffn_backward(&bl->ffn, a, s, P, G, t0, n, D, M, g->L->cfg.act);
+        R(layernorm_backward)(s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
+                              a->res1 + t0 * D, P + bl->ln2_w, a->ln2_m + t0, a->ln2_r + t0, n, D);
+        // dres now holds d(res1): the attention half
+        memset(s->datty + t0 * D, 0, sizeof(real) * (size_t)n * D);
+        R(linear_backward)(s->datty + t0 * D, G + bl->out_w, G + bl->out_b, s->dres + t0 * D,
+                           a->atty + t0 * D, P + bl->out_w, n, D, D);
+        memset(s->dqkv + t0 * 3 * D, 0, sizeof(real) * (size_t)n * 3 * D);
+        for (int k = 0; k < s->nseg; k++)
+            if (g->mod[s->mod_of_seg[k]].present)
+                R(attention_backward)(s->dqkv, s->datt + s->att_off[k], s->datty, a->qkv,
+                                      a->att + s->att_off[k], &s->seg[k], D, H);
+        memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
+        R(linear_backward)(s->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, s->dqkv + t0 * 3 * D,
+                           a->ln1 + t0 * D, P + bl->qkv_w, n, D, 3 * D);
+        R(layernorm_backward)(s->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, s->dln + t0 * D,
+                              x + t0 * D, P + bl->ln1_w, a->ln1_m + t0, a->ln1_r + t0, n, D);
+    }
+}
+
+// Embedding stem of one modality: writes the encoder input of its segment.
+static void stem_forward(struct R(graph) *g, int m, const real *P, const real *images) {
+    const model_layout *L = g->L;
+    const modality_layout *ml = &L->mod[m];
+    mod_state *ms = &g->mod[m];
+    enc_state *s = &g->enc[ml->enc];
+    const int B = g->B, D = L->enc[ml->enc].width, T = ml->seq;
+    real *x0 = s->x0 + s->seg[ms->seg].tok_off * D;
+    real *dst = ml->has_ln_pre ? ms->pre : x0;
+    if (m == MOD_IMAGE) {
+        const vlmoe_model_config *c = &L->cfg;
+        const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
+        const int pd = c->channels * c->patch_size * c->patch_size;
+        R(patchify_forward)(ms->patches, images, B, c->channels, c->image_size, c->patch_size);
+        R(linear_forward)(ms->pemb, ms->patches, P + ml->embed_w,
+                          ml->embed_b == NO_PARAM ? NULL : P + ml->embed_b, B * np, pd, D, 0);
+        if (ml->has_cls)
+            R(cls_forward)(dst, P + ml->cls, ms->pemb, B, np, D);
+        else
+            memcpy(dst, ms->pemb, sizeof(real) * (size_t)B * np * D);
+    } else {
+        R(embed_forward)(dst, ms->tokens, P + ml->embed_w, B * T, D);
+    }
+    R(posadd_forward)(dst, P + ml->pos, B, T, D);
+    if (ml->has_ln_pre)
+        R(layernorm_forward)(x0, ms->pre_m, ms->pre_r, ms->pre, P + ml->ln_pre_w, P + ml->ln_pre_b,
+                             B * T, D, L->cfg.ln_eps);
+}
+
+static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
+    const model_layout *L = g->L;
+    const modality_layout *ml = &L->mod[m];
+    mod_state *ms = &g->mod[m];
+    enc_state *s = &g->enc[ml->enc];
+    const int B = g->B, D = L->enc[ml->enc].width, T = ml->seq;
+    const real *dx0 = s->dres + s->seg[ms->seg].tok_off * D;
+    const real *d = dx0;
+    if (ml->has_ln_pre) {
+        memset(ms->dpre, 0, sizeof(real) * (size_t)B * T * D);
+        R(layernorm_backward)(ms->dpre, G + ml->ln_pre_w, G + ml->ln_pre_b, dx0, ms->pre,
+                              P + ml->ln_pre_w, ms->pre_m, ms->pre_r, B * T, D);
+        d = ms->dpre;
+    }
+    R(posadd_backward)(G + ml->pos, d, B, T, D);
+    if (m == MOD_IMAGE) {
+        const vlmoe_model_config *c = &L->cfg;
+        const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
+        const int pd = c->channels * c->patch_size * c->patch_size;
+        const real *dp = d;
+        if (ml->has_cls) {
+            memset(ms->dpemb, 0, sizeof(real) * (size_t)B * np * D);
+            R(cls_backward)(G + ml->cls, ms->dpemb, d, B, np, D);
+            dp = ms->dpemb;
+        }
+        R(linear_backward)(NULL, G + ml->embed_w, ml->embed_b == NO_PARAM ? NULL : G + ml->embed_b,
+                           dp, ms->patches, P + ml->embed_w, B * np, pd, D);
+    } else {
+        R(embed_backward)(G + ml->embed_w, d, ms->tokens, B * T, D);
+    }
+}
+
+int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
+                     const int32_t *lens, graph_result *res) {
+    const model_layout *L = g->L;
+    const vlmoe_model_config *cfg = &L->cfg;
+    const int B = g->B, E = cfg->embed_dim;
+    g->mod[MOD_IMAGE].present = images != NULL;
+    g->mod[MOD_TEXT].present = tokens != NULL;
+    g->have_loss = images && tokens;
+    if (tokens) {
+        const int T = L->mod[MOD_TEXT].seq;
+        if (!lens) return vlmoe_fail(VLMOE_ERR_ARG, "text batch without lengths");
+        for (int b = 0; b < B; b++) {
+            if (lens[b] < 1 || lens[b] > T)
+                return vlmoe_fail(VLMOE_ERR_ARG, "text %d: length %d outside [1, %d]", b, lens[b], T);
+            for (int t = 0; t < T; t++)
+                if (tokens[(size_t)b * T + t] < 0 || tokens[(size_t)b * T + t] >= cfg->vocab_size)
+                    return vlmoe_fail(VLMOE_ERR_ARG, "text %d: token %d at position %d outside the "
+                                      "vocabulary [0, %d)", b, tokens[(size_t)b * T + t], t,
+                                      cfg->vocab_size);
+        }
+        memcpy(g->mod[MOD_TEXT].tokens, tokens, sizeof(int32_t) * (size_t)B * T);
+        memcpy(g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
+        g->enc[L->mod[MOD_TEXT].enc].seg[g->mod[MOD_TEXT].seg].lens = g->mod[MOD_TEXT].lens;
+    }
+    for (int m = 0; m < NUM_MOD; m++)
+        if (g->mod[m].present) stem_forward(g, m, P, images);
+    for (int e = 0; e < L->nenc; e++) encoder_forward(g, &g->enc[e], P);
+    for (int m = 0; m < NUM_MOD; m++) {
+        mod_state *ms = &g->mod[m];
+        if (!ms->present) continue;
+        const modality_layout *ml = &L->mod[m];
+        const enc_state *s = &g->enc[ml->enc];
+        const int D = s->E->width;
+        R(pool_forward)(ms->pooled, s->lnf + s->seg[ms->seg].tok_off * D,
+                        m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
+        R(linear_forward)(ms->proj, ms->pooled, P + ml->proj, NULL, B, D, E, 0);
+        R(l2norm_forward)(ms->emb, ms->norm, ms->proj, B, E);
+    }
+    if (res) memset(res, 0, sizeof(*res));
+    if (g->have_loss && res)
+        res->loss = R(contrastive_forward)(g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
+                                           g->mod[MOD_TEXT].emb, P[L->logit_scale], B, E, res->acc);
+    return VLMOE_OK;
+}
+
+void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+    const model_layout *L = g->L;
+    const int B = g->B, E = L->cfg.embed_dim;
+    if (!g->have_loss) return;
+    mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
+    memset(mi->demb, 0, sizeof(real) * (size_t)B * E);
+    memset(mt->demb, 0, sizeof(real) * (size_t)B * E);
+    R(contrastive_backward)(mi->demb, mt->demb, G + L->logit_scale, g->logits, g->prow, g->pcol,
+                            mi->emb, mt->emb, P[L->logit_scale], B, E, 1.0);
+    for (int e = 0; e < L->nenc; e++)
+        memset(g->enc[e].dlnf, 0, sizeof(real) * g->enc[e].ntok * (size_t)g->enc[e].E->width);
+    for (int m = 0; m < NUM_MOD; m++) {
+        mod_state *ms = &g->mod[m];
+        const modality_layout *ml = &L->mod[m];
+        enc_state *s = &g->enc[ml->enc];
+        const int D = s->E->width;
+        memset(ms->dproj, 0, sizeof(real) * (size_t)B * E);
+        R(l2norm_backward)(ms->dproj, ms->demb, ms->emb, ms->norm, B, E);
+        memset(ms->dpooled, 0, sizeof(real) * (size_t)B * D);
+        R(linear_backward)(ms->dpooled, G + ml->proj, NULL, ms->dproj, ms->pooled, P + ml->proj, B,
+                           D, E);
+        R(pool_backward)(s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
+                         m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
+    }
+    for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);
+    for (int m = 0; m < NUM_MOD; m++) stem_backward(g, m, P, G);
+}

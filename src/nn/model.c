@@ -1,0 +1,385 @@
+// model.c: the model object: the parameter table (one flat float buffer of named views, with
+// gradients mirroring it), seeded initialisation, the float forward/backward entry points, the
+// embedding encoders, finite checks, and safetensors save/load with the config in the metadata.
+// Covered by tests/test_model.c.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "nn/model.h"
+
+#define CONFIG_KEY "vlmoe.config"
+
+typedef struct {
+    model_layout *L;
+    int cap;
+    size_t off;
+} table_builder;
+
+// Appends one named parameter and returns its offset.
+static size_t add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1) {
+    model_layout *L = tb->L;
+    if (L->nparams == tb->cap) {
+        int cap = tb->cap ? 2 * tb->cap : 64;
+        vlmoe_param_info *t = realloc(L->table, sizeof(*t) * (size_t)cap);
+        if (!t) return NO_PARAM;
+        L->table = t;
+        tb->cap = cap;
+    }
+    vlmoe_param_info *p = &L->table[L->nparams++];
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "%s", name);
+    p->ndim = ndim;
+    p->shape[0] = d0;
+    p->shape[1] = d1;
+    p->numel = ndim == 0 ? 1 : ndim == 1 ? (size_t)d0 : (size_t)d0 * (size_t)d1;
+    p->offset = tb->off;
+    p->decay = decay;
+    tb->off += p->numel;
+    return p->offset;
+}
+
+static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix) {
+    char n[96];
+    const int D = E->width, M = E->mlp;
+    for (int l = 0; l < E->layers; l++) {
+        block_layout *b = &E->blocks[l];
+#define NAME(s) (snprintf(n, sizeof(n), "%s.blocks.%d.%s", prefix, l, s), n)
+        b->ln1_w = add(tb, NAME("ln1.weight"), 0, 1, D, 0);
+        b->ln1_b = add(tb, NAME("ln1.bias"), 0, 1, D, 0);
+        b->qkv_w = add(tb, NAME("attn.qkv.weight"), 1, 2, 3 * D, D);
+        b->qkv_b = add(tb, NAME("attn.qkv.bias"), 0, 1, 3 * D, 0);
+        b->out_w = add(tb, NAME("attn.out.weight"), 1, 2, D, D);
+        b->out_b = add(tb, NAME("attn.out.bias"), 0, 1, D, 0);
+        b->ln2_w = add(tb, NAME("ln2.weight"), 0, 1, D, 0);
+        b->ln2_b = add(tb, NAME("ln2.bias"), 0, 1, D, 0);
+        b->ffn.kind = FFN_MLP;
+        b->ffn.fc1_w = add(tb, NAME("mlp.fc1.weight"), 1, 2, M, D);
+        b->ffn.fc1_b = add(tb, NAME("mlp.fc1.bias"), 0, 1, M, 0);
+        b->ffn.fc2_w = add(tb, NAME("mlp.fc2.weight"), 1, 2, D, M);
+        b->ffn.fc2_b = add(tb, NAME("mlp.fc2.bias"), 0, 1, D, 0);
+#undef NAME
+    }
+    snprintf(n, sizeof(n), "%s.ln_final.weight", prefix);
+    E->lnf_w = add(tb, n, 0, 1, D, 0);
+    snprintf(n, sizeof(n), "%s.ln_final.bias", prefix);
+    E->lnf_b = add(tb, n, 0, 1, D, 0);
+}
+
+int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
+    memset(L, 0, sizeof(*L));
+    int st = vlmoe_config_validate(cfg);
+    if (st) return st;
+    L->cfg = *cfg;
+    L->nenc = cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1;
+    for (int e = 0; e < L->nenc; e++) {
+        const vlmoe_encoder_config *ec = e ? &cfg->text_encoder : &cfg->encoder;
+        L->enc[e] = (encoder_layout){ec->width, ec->layers, ec->heads, ec->mlp_dim, NULL, 0, 0};
+        L->enc[e].blocks = calloc((size_t)(ec->layers ? ec->layers : 1), sizeof(block_layout));
+        if (!L->enc[e].blocks) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    }
+    table_builder tb = {L, 0, 0};
+    const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
+    const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
+    modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
+    const int Di = L->enc[0].width, Dt = L->enc[L->nenc - 1].width;
+    mi->enc = 0;
+    mi->has_cls = cfg->image_class_token;
+    mi->has_ln_pre = cfg->image_ln_pre;
+    mi->pool = cfg->image_pool;
+    mi->seq = np + mi->has_cls;
+    mi->embed_w = add(&tb, "image.patch_embed.weight", 1, 2, Di, pd);
+    mi->embed_b = cfg->patch_bias ? add(&tb, "image.patch_embed.bias", 0, 1, Di, 0) : NO_PARAM;
+    mi->cls = mi->has_cls ? add(&tb, "image.class_token", 0, 1, Di, 0) : NO_PARAM;
+    mi->pos = add(&tb, "image.pos_embed", 0, 2, mi->seq, Di);
+    mi->ln_pre_w = mi->has_ln_pre ? add(&tb, "image.ln_pre.weight", 0, 1, Di, 0) : NO_PARAM;
+    mi->ln_pre_b = mi->has_ln_pre ? add(&tb, "image.ln_pre.bias", 0, 1, Di, 0) : NO_PARAM;
+    mt->enc = L->nenc - 1;
+    mt->seq = cfg->context_length;
+    mt->has_cls = 0;
+    mt->has_ln_pre = 0;
+    mt->pool = cfg->text_pool;
+    mt->causal = cfg->text_causal;
+    mt->embed_w = add(&tb, "text.token_embed", 0, 2, cfg->vocab_size, Dt);
+    mt->embed_b = mt->cls = mt->ln_pre_w = mt->ln_pre_b = NO_PARAM;
+    mt->pos = add(&tb, "text.pos_embed", 0, 2, mt->seq, Dt);
+    if (L->nenc == 1) {
+        add_encoder(&tb, &L->enc[0], "encoder");
+    } else {
+        add_encoder(&tb, &L->enc[0], "image");
+        add_encoder(&tb, &L->enc[1], "text");
+    }
+    mi->proj = add(&tb, "image.proj", 1, 2, cfg->embed_dim, Di);
+    mt->proj = add(&tb, "text.proj", 1, 2, cfg->embed_dim, Dt);
+    L->logit_scale = add(&tb, "logit_scale", 0, 0, 0, 0);
+    if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    for (int i = 0; i < L->nparams; i++)
+        if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    L->total = tb.off;
+    return VLMOE_OK;
+}
+
+void model_layout_free(model_layout *L) {
+    for (int e = 0; e < 2; e++) free(L->enc[e].blocks);
+    free(L->table);
+    memset(L, 0, sizeof(*L));
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && !strcmp(s + n - k, suffix);
+}
+
+// ViT/CLIP-style init: LayerNorm (1, 0), biases 0, matrices Xavier-uniform (qkv as three square
+// blocks), patch embedding LeCun-normal, embeddings N(0, 0.02), projections N(0, width^-1/2),
+// logit_scale = log(init_temperature). Each tensor draws from its own seeded stream so adding a
+// tensor does not change the others.
+void model_layout_init_params(const model_layout *L, float *params, uint64_t seed) {
+    for (int i = 0; i < L->nparams; i++) {
+        const vlmoe_param_info *p = &L->table[i];
+        float *w = params + p->offset;
+        vlmoe_rng r;
+        vlmoe_rng_seed(&r, seed * 1000003ULL + (uint64_t)i);
+        if (!strcmp(p->name, "logit_scale")) {
+            w[0] = (float)log(L->cfg.init_temperature);
+        } else if (ends_with(p->name, "ln1.weight") || ends_with(p->name, "ln2.weight") ||
+                   strstr(p->name, "ln_final.weight") || strstr(p->name, "ln_pre.weight")) {
+            for (size_t k = 0; k < p->numel; k++) w[k] = 1;
+        } else if (p->ndim == 1 && !strstr(p->name, "class_token")) {
+            memset(w, 0, sizeof(float) * p->numel);
+        } else {
+            double std;
+            int xavier = 0;
+            if (strstr(p->name, "patch_embed")) std = 1.0 / sqrt((double)p->shape[1]);
+            else if (ends_with(p->name, ".proj")) std = 1.0 / sqrt((double)p->shape[1]);
+            else if (p->decay) xavier = 1, std = 0;
+            else std = 0.02;
+            int64_t rows = p->ndim == 2 ? p->shape[0] : 1, cols = p->ndim == 2 ? p->shape[1] : (int64_t)p->numel;
+            if (xavier && strstr(p->name, "qkv")) rows /= 3; // three (D, D) blocks
+            double lim = sqrt(6.0 / (double)(rows + cols));
+            for (size_t k = 0; k < p->numel; k++)
+                w[k] = xavier ? (float)((2 * vlmoe_rng_uniform(&r) - 1) * lim) : (float)(std * vlmoe_rng_normal(&r));
+        }
+    }
+}
+
+struct vlmoe_model {
+    model_layout L;
+    float *params, *grads;
+    graph_f32 *g;
+    int planned_B;
+    int have_forward;
+};
+
+int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed) {
+    *out = NULL;
+    vlmoe_model *m = calloc(1, sizeof(*m));
+    if (!m) return vlmoe_fail(VLMOE_ERR_NOMEM, "model");
+    int st = model_layout_build(&m->L, cfg);
+    if (st) return free(m), st;
+    m->params = vlmoe_alloc(sizeof(float) * m->L.total, "parameters");
+    m->grads = vlmoe_calloc(sizeof(float) * m->L.total, "gradients");
+    if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
+    model_layout_init_params(&m->L, m->params, seed);
+    *out = m;
+    return VLMOE_OK;
+}
+
+void vlmoe_model_free(vlmoe_model *m) {
+    if (!m) return;
+    graph_free_f32(m->g);
+    vlmoe_free_mem(m->params);
+    vlmoe_free_mem(m->grads);
+    model_layout_free(&m->L);
+    free(m);
+}
+
+const vlmoe_model_config *vlmoe_model_get_config(const vlmoe_model *m) { return &m->L.cfg; }
+const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count) {
+    if (count) *count = m->L.nparams;
+    return m->L.table;
+}
+size_t vlmoe_model_num_floats(const vlmoe_model *m) { return m->L.total; }
+float *vlmoe_model_param_data(vlmoe_model *m) { return m->params; }
+float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
+
+int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
+    if (m->g && m->planned_B == batch_size) return VLMOE_OK;
+    graph_free_f32(m->g);
+    m->g = NULL;
+    m->have_forward = 0;
+    int st = graph_create_f32(&m->g, &m->L, batch_size);
+    if (st) return st;
+    m->planned_B = batch_size;
+    return VLMOE_OK;
+}
+
+int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
+    if (!b->images || !b->tokens || !b->lengths)
+        return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
+    int st = vlmoe_model_plan(m, b->batch_size);
+    if (st) return st;
+    graph_result r;
+    if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
+    m->have_forward = 1;
+    if (stats) {
+        memset(stats, 0, sizeof(*stats));
+        stats->contrastive = r.loss;
+        stats->loss = r.loss;
+        stats->acc_i2t = r.acc[0];
+        stats->acc_t2i = r.acc[1];
+        stats->temperature = exp(m->params[m->L.logit_scale]);
+    }
+    if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
+    return VLMOE_OK;
+}
+
+int vlmoe_model_backward(vlmoe_model *m) {
+    if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
+    memset(m->grads, 0, sizeof(float) * m->L.total);
+    graph_backward_f32(m->g, m->params, m->grads);
+    return VLMOE_OK;
+}
+
+void vlmoe_model_clamp(vlmoe_model *m) {
+    float *s = &m->params[m->L.logit_scale], hi = (float)log(m->L.cfg.max_temperature);
+    *s = *s < 0 ? 0 : *s > hi ? hi : *s;
+}
+
+// Runs one modality in chunks of the planned batch size (the last chunk padded by repeating
+// its final item, whose outputs are discarded).
+static int encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
+                  const int32_t *lens, int n, float *out) {
+    if (!m->g) {
+        int st = vlmoe_model_plan(m, n < 64 ? (n > 0 ? n : 1) : 64);
+        if (st) return st;
+    }
+    const vlmoe_model_config *c = &m->L.cfg;
+    const int B = m->planned_B, E = c->embed_dim, T = c->context_length;
+    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    float *pad_img = NULL;
+    int32_t *pad_tok = NULL;
+    int st = VLMOE_OK;
+    for (int i0 = 0; i0 < n && !st; i0 += B) {
+        const int k = n - i0 < B ? n - i0 : B;
+        const float *im = images ? images + (size_t)i0 * isz : NULL;
+        const int32_t *tk = tokens ? tokens + (size_t)i0 * T : NULL, *ln = lens ? lens + i0 : NULL;
+        if (k < B) { // copy the tail into a full batch
+            if (images) {
+                pad_img = vlmoe_alloc(sizeof(float) * isz * B, "padded batch");
+                if (!pad_img) return VLMOE_ERR_NOMEM;
+                for (int j = 0; j < B; j++) memcpy(pad_img + j * isz, im + (j < k ? j : k - 1) * isz, sizeof(float) * isz);
+                im = pad_img;
+            } else {
+                pad_tok = vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch");
+                if (!pad_tok) return VLMOE_ERR_NOMEM;
+                for (int j = 0; j < B; j++) {
+                    int s = j < k ? j : k - 1;
+                    memcpy(pad_tok + (size_t)j * T, tk + (size_t)s * T, sizeof(int32_t) * T);
+                    pad_tok[(size_t)B * T + j] = ln[s];
+                }
+                tk = pad_tok;
+                ln = pad_tok + (size_t)B * T;
+            }
+        }
+        st = graph_forward_f32(m->g, m->params, im, tk, ln, NULL);
+        if (!st) memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
+    }
+    vlmoe_free_mem(pad_img);
+    vlmoe_free_mem(pad_tok);
+    m->have_forward = 0;
+    return st;
+}
+
+int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out) {
+    return encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
+}
+
+int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
+                             float *out) {
+    return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
+}
+
+int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {
+    const float *buf = grads ? m->grads : m->params;
+    for (int i = 0; i < m->L.nparams; i++) {
+        const vlmoe_param_info *p = &m->L.table[i];
+        for (size_t k = 0; k < p->numel; k++)
+            if (!isfinite(buf[p->offset + k]))
+                return vlmoe_fail(VLMOE_ERR_NUMERIC, "%s of '%s' holds %g at element %zu",
+                                  grads ? "the gradient" : "the value", p->name,
+                                  (double)buf[p->offset + k], k);
+    }
+    return VLMOE_OK;
+}
+
+int vlmoe_model_save(const vlmoe_model *m, const char *path) {
+    vlmoe_st_writer *w;
+    int st = vlmoe_st_writer_init(&w);
+    if (st) return st;
+    char *json = vlmoe_config_to_json(&m->L.cfg);
+    if (!json) st = vlmoe_fail(VLMOE_ERR_NOMEM, "config json");
+    if (!st) st = vlmoe_st_writer_meta(w, CONFIG_KEY, json);
+    if (!st) st = vlmoe_st_writer_meta(w, "format", "pt");
+    for (int i = 0; i < m->L.nparams && !st; i++) {
+        const vlmoe_param_info *p = &m->L.table[i];
+        st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
+    }
+    if (!st) st = vlmoe_st_writer_write(w, path);
+    free(json);
+    vlmoe_st_writer_free(w);
+    return st;
+}
+
+// Loads every parameter of the table from an open file (shapes must match exactly).
+int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
+    for (int i = 0; i < L->nparams; i++) {
+        const vlmoe_param_info *p = &L->table[i];
+        int idx = vlmoe_st_find(f, p->name);
+        if (idx < 0)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: missing tensor '%s'", vlmoe_st_path(f), p->name);
+        vlmoe_tensor_info ti;
+        int st = vlmoe_st_info(f, idx, &ti);
+        if (st) return st;
+        int same = ti.ndim == p->ndim;
+        for (int d = 0; same && d < p->ndim; d++) same = ti.shape[d] == p->shape[d];
+        if (!same)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' has shape [%lld, %lld] (%d dims), "
+                              "the config needs [%lld, %lld] (%d dims)", vlmoe_st_path(f), p->name,
+                              (long long)(ti.ndim > 0 ? ti.shape[0] : 0), (long long)(ti.ndim > 1 ? ti.shape[1] : 0),
+                              ti.ndim, (long long)p->shape[0], (long long)p->shape[1], p->ndim);
+        if ((st = vlmoe_st_read_f32(f, p->name, params + p->offset, p->numel))) return st;
+    }
+    return VLMOE_OK;
+}
+
+int vlmoe_model_load(vlmoe_model **out, const char *path) {
+    *out = NULL;
+    vlmoe_st *f;
+    int st = vlmoe_st_open(path, &f);
+    if (st) return st;
+    const char *json = vlmoe_st_metadata(f, CONFIG_KEY);
+    vlmoe_model_config cfg;
+    vlmoe_model *m = NULL;
+    if (!json) {
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no \"%s\" entry in the metadata: not a vlmoe model "
+                        "(use `vlmoe import` for OpenCLIP/HF checkpoints)", path, CONFIG_KEY);
+    } else if ((st = vlmoe_config_from_json(json, path, &cfg)) == VLMOE_OK &&
+               (st = vlmoe_model_init(&m, &cfg, 0)) == VLMOE_OK) {
+        st = model_read_params(&m->L, f, m->params);
+    }
+    vlmoe_st_close(f);
+    if (st) {
+        vlmoe_model_free(m);
+        return st;
+    }
+    if ((st = vlmoe_model_check_finite(m, 0))) {
+        vlmoe_error_prefix("%s", path);
+        vlmoe_model_free(m);
+        return st;
+    }
+    *out = m;
+    return VLMOE_OK;
+}

@@ -1,0 +1,76 @@
+// model.h: the model's layout (offsets of every parameter in the flat buffer, derived once from
+// the config) and the compute graph (forward/backward over a planned activation arena). The
+// graph is compiled for float and double (src/nn/graph.c); the layout is type-free.
+// Covered by tests/test_model.c and tests/test_parity.c.
+#ifndef VLMOE_MODEL_H
+#define VLMOE_MODEL_H
+#include "ops/ops.h"
+#include "vlmoe.h"
+
+enum { MOD_IMAGE = 0, MOD_TEXT = 1, NUM_MOD = 2 };
+enum { FFN_MLP = 0 };
+
+// The feed-forward of one block: whatever it is (a dense MLP today; an MoE layer plugs in here).
+typedef struct {
+    int kind;                        // FFN_MLP
+    size_t fc1_w, fc1_b, fc2_w, fc2_b;
+} ffn_layout;
+
+typedef struct {
+    size_t ln1_w, ln1_b, qkv_w, qkv_b, out_w, out_b, ln2_w, ln2_b;
+    ffn_layout ffn;
+} block_layout;
+
+typedef struct {
+    int width, layers, heads, mlp;
+    block_layout *blocks;            // (layers)
+    size_t lnf_w, lnf_b;             // final LayerNorm
+} encoder_layout;
+
+typedef struct {
+    int enc;                         // which encoder runs this modality
+    int seq;                         // tokens per sequence (image: patches + class token)
+    int has_cls, has_ln_pre, pool, causal;
+    size_t embed_w, embed_b;         // patch embedding (D, C*P*P) + bias, or token table (V, D)
+    size_t cls, pos, ln_pre_w, ln_pre_b, proj;
+} modality_layout;
+
+#define NO_PARAM ((size_t)-1)
+
+typedef struct {
+    vlmoe_model_config cfg;
+    int nenc;
+    encoder_layout enc[2];
+    modality_layout mod[NUM_MOD];
+    size_t logit_scale;
+    vlmoe_param_info *table;
+    int nparams;
+    size_t total;                    // floats in the flat buffer
+} model_layout;
+
+int model_layout_build(model_layout *L, const vlmoe_model_config *cfg);
+void model_layout_free(model_layout *L);
+// Seeded initialisation of a flat buffer (float), ViT/CLIP-style (see model.c).
+void model_layout_init_params(const model_layout *L, float *params, uint64_t seed);
+
+// What one forward computes: contrastive stats, and which modalities are present.
+typedef struct {
+    double loss, acc[2];
+} graph_result;
+
+#define GRAPH_DECL(T, S)                                                                       \
+    typedef struct graph_##S graph_##S;                                                          \
+    int graph_create_##S(graph_##S **out, const model_layout *L, int B);                         \
+    void graph_free_##S(graph_##S *g);                                                           \
+    /* images (B,C,H,W) or NULL; tokens (B,T)+lens or NULL; loss only when both are given */     \
+    int graph_forward_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens, \
+                          const int32_t *lens, graph_result *res);                              \
+    /* accumulates d(loss)/d(params) into grads (caller zeroes) */                              \
+    void graph_backward_##S(graph_##S *g, const T *params, T *grads);                            \
+    /* (B, embed_dim) normalised embeddings of the last forward, per modality */                 \
+    const T *graph_embeddings_##S(const graph_##S *g, int modality);
+
+GRAPH_DECL(float, f32)
+GRAPH_DECL(double, f64)
+
+#endif

@@ -1,0 +1,233 @@
+// test_model.c: whole-model checks. Finite differences in double over ALL parameters of tiny
+// one_tower (LIMoE layout) and two_tower (OpenAI CLIP layout) models: a directional derivative
+// along random directions, and one per parameter tensor so a failure names the tensor. Also:
+// config parsing errors, named configs, save/load round trip, bad checkpoints, float forward
+// matches double forward, and batch-of-one encodings equal batch-of-many.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/core.h"
+#include "nn/model.h"
+#include "test.h"
+
+static vlmoe_model_config small(vlmoe_arch arch) {
+    vlmoe_model_config c;
+    vlmoe_config_named(arch == VLMOE_ARCH_ONE_TOWER ? "tiny" : "tiny-clip", &c);
+    c.image_size = 8, c.patch_size = 4, c.vocab_size = 11, c.context_length = 5, c.embed_dim = 6;
+    c.encoder = (vlmoe_encoder_config){8, 2, 2, 16};
+    c.text_encoder = (vlmoe_encoder_config){6, 2, 3, 12};
+    return c;
+}
+
+typedef struct {
+    model_layout L;
+    graph_f64 *g;
+    double *p, *img;
+    int32_t tok[15], lens[3];
+} fd_model;
+
+static double model_loss(fd_model *m) {
+    graph_result r;
+    graph_forward_f64(m->g, m->p, m->img, m->tok, m->lens, &r);
+    return r.loss;
+}
+
+static void fd_model_check(vlmoe_arch arch, const char *label) {
+    fd_model m;
+    vlmoe_model_config cfg = small(arch);
+    CHECK(model_layout_build(&m.L, &cfg) == VLMOE_OK, "%s: layout: %s", label, vlmoe_last_error());
+    const int B = 3;
+    CHECK(graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+    float *pf = malloc(sizeof(float) * m.L.total);
+    model_layout_init_params(&m.L, pf, 7);
+    m.p = malloc(sizeof(double) * m.L.total);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 3);
+    // perturb everything (LayerNorm weights, biases, zero-initialised tensors too) so no
+    // gradient is trivially zero by symmetry
+    for (size_t i = 0; i < m.L.total; i++) m.p[i] = pf[i] + 0.1 * vlmoe_rng_normal(&r);
+    m.img = malloc(sizeof(double) * B * 3 * 64);
+    for (int i = 0; i < B * 3 * 64; i++) m.img[i] = vlmoe_rng_normal(&r);
+    int lens[3] = {5, 3, 2};
+    for (int b = 0; b < B; b++) {
+        m.lens[b] = lens[b];
+        for (int t = 0; t < 5; t++) m.tok[b * 5 + t] = t < lens[b] ? (int)vlmoe_rng_below(&r, 11) : 0;
+    }
+    double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
+    model_loss(&m);
+    graph_backward_f64(m.g, m.p, g);
+    // unit-length directions with a step of 1e-5: truncation error ~1e-10, round-off ~1e-11
+    const double h = 1e-5;
+    // one direction per parameter tensor: names the tensor whose gradient is wrong
+    int bad = 0;
+    for (int k = 0; k < m.L.nparams; k++) {
+        const vlmoe_param_info *pi = &m.L.table[k];
+        double gv = 0, vn = 0;
+        for (size_t i = 0; i < pi->numel; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
+        for (size_t i = 0; i < pi->numel; i++) v[i] /= sqrt(vn), gv += v[i] * g[pi->offset + i];
+        double *x = m.p + pi->offset;
+        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
+        double lp = model_loss(&m);
+        for (size_t i = 0; i < pi->numel; i++) x[i] -= 2 * h * v[i];
+        double lm = model_loss(&m);
+        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
+        double fd = (lp - lm) / (2 * h), err = fabs(fd - gv) / (1e-7 + fabs(fd) + fabs(gv));
+        if (err > 1e-6) {
+            bad++;
+            fprintf(stderr, "%s: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n",
+                    label, pi->name, fd, gv, err);
+        }
+        CHECK(fabs(gv) > 1e-9, "%s: %s has an all-zero gradient", label, pi->name);
+    }
+    CHECK(bad == 0, "%s: %d of %d parameter tensors fail the finite-difference check", label, bad, m.L.nparams);
+    // and all parameters at once, three random directions
+    for (int d = 0; d < 3; d++) {
+        double gv = 0, vn = 0;
+        for (size_t i = 0; i < m.L.total; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
+        for (size_t i = 0; i < m.L.total; i++) v[i] /= sqrt(vn), gv += v[i] * g[i];
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
+        double lp = model_loss(&m);
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] -= 2 * h * v[i];
+        double lm = model_loss(&m);
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
+        double fd = (lp - lm) / (2 * h);
+        CHECK(fabs(fd - gv) <= 1e-6 * (fabs(fd) + fabs(gv)), "%s: all-parameter direction %d: fd %.10g "
+              "grad %.10g", label, d, fd, gv);
+    }
+    free(pf), free(m.p), free(m.img), free(g), free(v);
+    graph_free_f64(m.g);
+    model_layout_free(&m.L);
+}
+
+static void test_configs(void) {
+    vlmoe_model_config c;
+    const char *names[] = {"tiny", "tiny-clip", "S/32", "B/32", "B/16", "ViT-B-32", "ViT-B-16"};
+    for (int i = 0; i < 7; i++) {
+        CHECK(vlmoe_config_named(names[i], &c) == VLMOE_OK, "named %s", names[i]);
+        char *js = vlmoe_config_to_json(&c);
+        vlmoe_model_config back;
+        CHECK(vlmoe_config_from_json(js, "roundtrip", &back) == VLMOE_OK, "json round trip %s: %s",
+              names[i], vlmoe_last_error());
+        CHECK(!memcmp(&back, &c, sizeof(c)), "json round trip of %s differs", names[i]);
+        free(js);
+    }
+    CHECK(vlmoe_config_named("B/17", &c) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "B/17"),
+          "unknown name message: %s", vlmoe_last_error());
+    // ViT-B-16 must be OpenAI CLIP exactly: 149.6M parameters
+    vlmoe_model *m;
+    vlmoe_config_named("ViT-B-16", &c);
+    model_layout L;
+    CHECK(model_layout_build(&L, &c) == VLMOE_OK, "ViT-B-16 layout");
+    CHECK(L.total == 149620737, "ViT-B-16 has %zu parameters, OpenAI's has 149620737", L.total);
+    model_layout_free(&L);
+    struct { const char *json, *expect; } bad[] = {
+        {"{\"base\": \"tiny\", \"image_size\": \"32\"}", "\"image_size\" must be an integer"},
+        {"{\"base\": \"tiny\", \"imagesize\": 32}", "unknown key \"imagesize\""},
+        {"{\"base\": \"tiny\", \"act\": \"relu\"}", "\"act\" must be"},
+        {"{\"base\": \"tiny\", \"image_size\": 30}", "not a multiple of patch_size"},
+        {"{\"base\": \"tiny\", \"encoder\": {\"width\": 64, \"heads\": 3}}", "must divide width"},
+        {"{\"arch\": \"one_tower\", \"image_size\": 32}", "missing key"},
+        {"[1, 2]", "not a JSON object"},
+        {"{\"base\": \"tiny\", ", "not a JSON object"},
+        {"{\"base\": \"tiny\", \"patch_bias\": 1}", "must be true or false"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int st = vlmoe_config_from_json(bad[i].json, "cfg.json", &c);
+        CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), bad[i].expect) &&
+                  strstr(vlmoe_last_error(), "cfg.json"),
+              "bad config %zu: status %d, message '%s', expected '%s'", i, st, vlmoe_last_error(), bad[i].expect);
+    }
+    CHECK(vlmoe_config_from_json("{\"base\": \"tiny\", \"image_size\": 64}", "x", &c) == VLMOE_OK &&
+              c.image_size == 64 && c.encoder.width == 64, "override of a named base");
+    (void)m;
+}
+
+// The float path computes what the double path computes, and encoders agree with the batch.
+static void test_float_vs_double(void) {
+    vlmoe_model_config cfg = small(VLMOE_ARCH_TWO_TOWER);
+    vlmoe_model *m;
+    CHECK(vlmoe_model_init(&m, &cfg, 5) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    const int B = 3, T = 5;
+    float img[3 * 3 * 64];
+    int32_t tok[15], lens[3] = {5, 4, 2};
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 9);
+    for (int i = 0; i < 3 * 3 * 64; i++) img[i] = (float)vlmoe_rng_normal(&r);
+    for (int i = 0; i < 15; i++) tok[i] = (int)vlmoe_rng_below(&r, 11);
+    vlmoe_batch b = {B, img, tok, lens};
+    vlmoe_step_stats s;
+    CHECK(vlmoe_model_forward(m, &b, &s) == VLMOE_OK, "forward: %s", vlmoe_last_error());
+    model_layout L;
+    model_layout_build(&L, &cfg);
+    graph_f64 *g;
+    graph_create_f64(&g, &L, B);
+    double *p = malloc(sizeof(double) * L.total), img64[3 * 3 * 64];
+    for (size_t i = 0; i < L.total; i++) p[i] = vlmoe_model_param_data(m)[i];
+    for (int i = 0; i < 3 * 3 * 64; i++) img64[i] = img[i];
+    graph_result rr;
+    graph_forward_f64(g, p, img64, tok, lens, &rr);
+    CHECK_CLOSE(s.contrastive, rr.loss, 1e-6, 1e-5, "float loss vs double loss");
+    float one[6 * 3], many[6 * 3];
+    CHECK(vlmoe_model_encode_texts(m, tok, lens, 3, many) == VLMOE_OK, "encode texts");
+    for (int i = 0; i < 3; i++) vlmoe_model_encode_texts(m, tok + i * T, lens + i, 1, one + i * 6);
+    double worst = 0;
+    for (int i = 0; i < 18; i++) worst = fmax(worst, fabs(one[i] - many[i]));
+    CHECK(worst < 1e-6, "text embeddings: batch of one vs batch of three differ by %g", worst);
+    CHECK(vlmoe_model_encode_images(m, img, 3, many) == VLMOE_OK, "encode images");
+    for (int i = 0; i < 3; i++) vlmoe_model_encode_images(m, img + i * 192, 1, one + i * 6);
+    worst = 0;
+    for (int i = 0; i < 18; i++) worst = fmax(worst, fabs(one[i] - many[i]));
+    CHECK(worst < 1e-6, "image embeddings: batch of one vs batch of three differ by %g", worst);
+    free(p);
+    graph_free_f64(g);
+    model_layout_free(&L);
+    vlmoe_model_free(m);
+}
+
+static void test_save_load(void) {
+    char dir[] = "/tmp/vlmoe_test_model_XXXXXX";
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    char path[256], bad[256];
+    snprintf(path, sizeof(path), "%s/m.safetensors", dir);
+    snprintf(bad, sizeof(bad), "%s/bad.safetensors", dir);
+    vlmoe_model_config cfg = small(VLMOE_ARCH_ONE_TOWER);
+    vlmoe_model *m, *back = NULL;
+    vlmoe_model_init(&m, &cfg, 11);
+    CHECK(vlmoe_model_save(m, path) == VLMOE_OK, "save: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_load(&back, path) == VLMOE_OK, "load: %s", vlmoe_last_error());
+    if (back) {
+        CHECK(vlmoe_model_num_floats(back) == vlmoe_model_num_floats(m) &&
+                  !memcmp(vlmoe_model_param_data(back), vlmoe_model_param_data(m),
+                          sizeof(float) * vlmoe_model_num_floats(m)),
+              "loaded parameters differ from saved ones");
+        vlmoe_model_free(back);
+    }
+    // truncated copy: a clear error naming the file
+    FILE *in = fopen(path, "rb"), *out = fopen(bad, "wb");
+    char buf[1000];
+    size_t n = fread(buf, 1, sizeof(buf), in);
+    fwrite(buf, 1, n, out);
+    fclose(in), fclose(out);
+    back = NULL;
+    CHECK(vlmoe_model_load(&back, bad) != VLMOE_OK && back == NULL && strstr(vlmoe_last_error(), bad),
+          "truncated checkpoint: %s", vlmoe_last_error());
+    // a NaN in the weights is refused
+    vlmoe_model_param_data(m)[3] = NAN;
+    vlmoe_model_save(m, bad);
+    CHECK(vlmoe_model_load(&back, bad) == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "patch_embed"),
+          "NaN checkpoint: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_load(&back, "/nonexistent/x.safetensors") != VLMOE_OK, "missing file");
+    unlink(path), unlink(bad), rmdir(dir);
+    vlmoe_model_free(m);
+}
+
+int main(void) {
+    fd_model_check(VLMOE_ARCH_ONE_TOWER, "one_tower");
+    fd_model_check(VLMOE_ARCH_TWO_TOWER, "two_tower");
+    test_configs();
+    test_float_vs_double();
+    test_save_load();
+    return test_summary("test_model");
+}
