@@ -1,0 +1,90 @@
+// args.c: see args.h.
+#include "args.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage) {
+    printf("%s\n\nOptions:\n", usage);
+    for (int i = 0; i < n; i++) {
+        char left[64];
+        snprintf(left, sizeof(left), "--%s%s%s", specs[i].name, specs[i].meta ? " " : "",
+                 specs[i].meta ? specs[i].meta : "");
+        printf("  %-28s %s\n", left, specs[i].help);
+    }
+    printf("  %-28s %s\n", "-h, --help", "show this help");
+    (void)cmd;
+}
+
+static int set_value(const char *cmd, const arg_spec *s, const char *v) {
+    char *end;
+    errno = 0;
+    switch (s->kind) {
+    case ARG_INT:
+    case ARG_LONG: {
+        long long x = strtoll(v, &end, 10);
+        if (errno || *end || end == v || (s->kind == ARG_INT && (x < -2147483647LL || x > 2147483647LL))) {
+            fprintf(stderr, "vlmoe %s: --%s expects an integer, got '%s'\n", cmd, s->name, v);
+            return 2;
+        }
+        if (s->kind == ARG_INT) *(int *)s->dest = (int)x;
+        else *(long *)s->dest = (long)x;
+        return 0;
+    }
+    case ARG_DOUBLE: {
+        double x = strtod(v, &end);
+        if (errno || *end || end == v) {
+            fprintf(stderr, "vlmoe %s: --%s expects a number, got '%s'\n", cmd, s->name, v);
+            return 2;
+        }
+        *(double *)s->dest = x;
+        return 0;
+    }
+    case ARG_STRING: *(const char **)s->dest = v; return 0;
+    case ARG_FLAG: *(int *)s->dest = 1; return 0;
+    }
+    return 2;
+}
+
+int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
+               const char *usage) {
+    for (int i = first; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            args_help(cmd, specs, n, usage);
+            return 1;
+        }
+        if (strncmp(a, "--", 2)) {
+            fprintf(stderr, "vlmoe %s: unexpected argument '%s' (flags start with --; see vlmoe %s --help)\n",
+                    cmd, a, cmd);
+            return 2;
+        }
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        const arg_spec *s = NULL;
+        for (int k = 0; k < n && !s; k++)
+            if (strlen(specs[k].name) == len && !strncmp(specs[k].name, name, len)) s = &specs[k];
+        if (!s) {
+            fprintf(stderr, "vlmoe %s: unknown flag '--%.*s' (see vlmoe %s --help)\n", cmd, (int)len, name, cmd);
+            return 2;
+        }
+        const char *v = NULL;
+        if (s->kind == ARG_FLAG) {
+            if (eq) {
+                fprintf(stderr, "vlmoe %s: --%s takes no value\n", cmd, s->name);
+                return 2;
+            }
+        } else if (eq) {
+            v = eq + 1;
+        } else if (i + 1 < argc) {
+            v = argv[++i];
+        } else {
+            fprintf(stderr, "vlmoe %s: --%s needs a value (%s)\n", cmd, s->name, s->meta ? s->meta : "");
+            return 2;
+        }
+        if (set_value(cmd, s, v)) return 2;
+    }
+    return 0;
+}

@@ -1,0 +1,22 @@
+// cli.h: the subcommands of the vlmoe command and their shared helpers. cli/ is the only place
+// that prints to the user or decides an exit status.
+#ifndef VLMOE_CLI_H
+#define VLMOE_CLI_H
+#include "vlmoe.h"
+
+int cmd_train(int argc, char **argv);
+
+// Prints "vlmoe CMD: message" to stderr and returns exit status 1.
+int cli_error(const char *cmd, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+typedef struct {
+    double top1, top5, i2t, t2i;
+    int classes, chunk;
+} cli_eval;
+int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, cli_eval *out);
+
+#endif

@@ -1,0 +1,37 @@
+// main.c: the vlmoe command: dispatches to one subcommand per file in cli/.
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+int cli_error(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "vlmoe %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+static const char *USAGE =
+    "vlmoe " VLMOE_VERSION ": sparse Mixture-of-Experts vision-language models (LIMoE, CLIP-UP, Soft MoE, VL-MoE)\n\n"
+    "usage: vlmoe <command> [options]     (vlmoe <command> --help for its options)\n\n"
+    "commands:\n"
+    "  train      train a contrastive image-text model\n"
+    "  version    print the version\n";
+
+int main(int argc, char **argv) {
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        fputs(USAGE, argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
+    if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
+        printf("vlmoe %s\n", VLMOE_VERSION);
+        return 0;
+    }
+    fprintf(stderr, "vlmoe: unknown command '%s'\n\n%s", argv[1], USAGE);
+    return 2;
+}
