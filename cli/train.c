@@ -17,7 +17,7 @@
 #include "vlmoe.h"
 
 typedef struct {
-    const char *model, *dataset_type, *train_data, *logs, *name, *optimizer, *scheduler;
+    const char *model, *dataset_type, *train_data, *logs, *name, *optimizer, *scheduler, *pretrained;
     int batch_size, image_size, context_length, threads, log_every, eval_samples;
     long steps, warmup, seed, cooldown;
     double lr, wd, beta1, beta2, eps, grad_clip;
@@ -88,12 +88,13 @@ static const char *USAGE =
     "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000";
 
 int cmd_train(int argc, char **argv) {
-    train_args a = {"tiny", "synthetic", NULL, "./logs", NULL, "adamw", "cosine",
+    train_args a = {"tiny", "synthetic", NULL, "./logs", NULL, "adamw", "cosine", NULL,
                     64, 0, 0, 0, 10, 1000,
                     300, 30, 0, 0,
                     1e-3, 0.1, 0.9, 0.98, 1e-6, 1.0};
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
+        {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
         {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "training data: synthetic (built-in, the default)"},
         {"train-data", ARG_STRING, &a.train_data, "PATH", "training data location (not used by synthetic)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step (default 64)"},
@@ -129,25 +130,37 @@ int cmd_train(int argc, char **argv) {
     if (a.log_every < 1) a.log_every = 1;
 
     vlmoe_model_config cfg;
-    if (vlmoe_config_load(a.model, &cfg)) return cli_error("train", "%s", vlmoe_last_error());
-    if (a.image_size) cfg.image_size = a.image_size;
-    if (a.context_length) cfg.context_length = a.context_length;
-    if (vlmoe_config_validate(&cfg)) return cli_error("train", "%s", vlmoe_last_error());
+    vlmoe_model *m = NULL;
+    if (a.pretrained) {
+        if (vlmoe_model_load(&m, a.pretrained)) return cli_error("train", "--pretrained: %s", vlmoe_last_error());
+        cfg = *vlmoe_model_get_config(m);
+        if ((a.image_size && a.image_size != cfg.image_size) ||
+            (a.context_length && a.context_length != cfg.context_length)) {
+            vlmoe_model_free(m);
+            return cli_error("train", "--image-size/--context-length cannot change a pretrained model");
+        }
+    } else {
+        if (vlmoe_config_load(a.model, &cfg)) return cli_error("train", "%s", vlmoe_last_error());
+        if (a.image_size) cfg.image_size = a.image_size;
+        if (a.context_length) cfg.context_length = a.context_length;
+        if (vlmoe_config_validate(&cfg)) return cli_error("train", "%s", vlmoe_last_error());
+    }
 
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     sp.image_size = cfg.image_size;
     sp.seed = (uint64_t)a.seed;
     vlmoe_synth *data;
-    if (vlmoe_synth_init(&data, &sp)) return cli_error("train", "synthetic data: %s", vlmoe_last_error());
+    if (vlmoe_synth_init(&data, &sp)) return vlmoe_model_free(m), cli_error("train", "synthetic data: %s", vlmoe_last_error());
     if (vlmoe_synth_vocab_size(data) > cfg.vocab_size || cfg.channels != 3) {
         vlmoe_synth_free(data);
+        vlmoe_model_free(m);
         return cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d",
                          cfg.name, vlmoe_synth_vocab_size(data));
     }
 
     vlmoe_train_params tp = vlmoe_train_default_params();
     if (!strcmp(a.optimizer, "adafactor")) tp.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
-    else if (strcmp(a.optimizer, "adamw")) return vlmoe_synth_free(data), cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
+    else if (strcmp(a.optimizer, "adamw")) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
     tp.optim.beta1 = (float)a.beta1;
     if (tp.optim.kind == VLMOE_OPT_ADAMW) {
         tp.optim.beta2 = (float)a.beta2;
@@ -160,7 +173,7 @@ int cmd_train(int argc, char **argv) {
     vlmoe_sched_kind sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE
                           : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
                           : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : (vlmoe_sched_kind)-1;
-    if ((int)sk < 0) return vlmoe_synth_free(data), cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
+    if ((int)sk < 0) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
     tp.schedule = (vlmoe_schedule){sk, a.lr, a.warmup, a.steps, 0.0, a.cooldown, 0.0};
 
     char run[512], path[1024], ts[64];
@@ -171,13 +184,13 @@ int cmd_train(int argc, char **argv) {
     for (char *p = run + strlen(a.logs) + 1; *p; p++)
         if (*p == '/') *p = '-'; // model names like S/32
     snprintf(path, sizeof(path), "%s/checkpoints", run);
-    if (mkdir_p(path)) return vlmoe_synth_free(data), cli_error("train", "cannot create %s: %s", path, strerror(errno));
+    if (mkdir_p(path)) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "cannot create %s: %s", path, strerror(errno));
 
-    vlmoe_model *m;
     vlmoe_trainer *tr = NULL;
-    if (vlmoe_model_init(&m, &cfg, (uint64_t)a.seed) || vlmoe_model_plan(m, a.batch_size) ||
+    if ((!m && vlmoe_model_init(&m, &cfg, (uint64_t)a.seed)) || vlmoe_model_plan(m, a.batch_size) ||
         vlmoe_trainer_init(&tr, m, &tp)) {
         cli_error("train", "%s", vlmoe_last_error());
+        vlmoe_model_free(m);
         vlmoe_synth_free(data);
         return 1;
     }
