@@ -1,0 +1,351 @@
+// aux.c: the auxiliary losses of one routing group and their gradients w.r.t. the router logits:
+// importance/load/v-loss (V-MoE, LIMoE B.1), z-loss and switch balance (ST-MoE, CLIP-UP eq. 5),
+// local/global entropy (LIMoE eq. 2), mutual information (B.1), target/merged entropy (E.1).
+// Covered by tests/test_moe_route.c (hand-worked values, finite differences, PyTorch fixture).
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core/real.h"
+#include "core/core.h"
+#include "moe/aux.h"
+
+// Entropies use the natural log with 0 log 0 = 0. Per-token entropies take log p from the
+// log-softmax (l - logsumexp), which is exact and finite even where p underflows to 0, so
+// p log p -> 0 and its gradient -p (log p + H) stays finite. Entropies of mean distributions
+// (global, mutual information, merged) use p log max(p, 1e-30): identical above 1e-30, and below
+// it the term is < 1e-28 in value and its gradient is finite (the torch reference does the same).
+#define AUX_TINY 1e-30
+
+// Doubles of scratch: P and G (S,E), three (S) vectors, eight (E) vectors.
+#define AUX_DOUBLES(S, E) (2 * (size_t)(S) * (size_t)(E) + 3 * (size_t)(S) + 8 * (size_t)(E))
+
+#ifndef VLMOE_REAL_F64
+// Plain (not suffixed): compiled once, in the float pass. Counted in floats, two per double, plus
+// one so a 4-byte-aligned float buffer can be aligned up to 8 bytes.
+size_t aux_scratch_floats(int S, int E) { return 2 * AUX_DOUBLES(S, E) + 1; }
+#endif
+
+typedef struct {
+    int S, E, K;
+    const real *l;          // (S,E) clean logits
+    const uint8_t *mod;     // (S) or NULL (all image)
+    int n[2];               // tokens per modality
+    double *P;              // (S,E) clean softmax
+    double *G;              // (S,E) accumulates d(loss)/d(P), taken through the softmax at the end
+    double *lse;            // (S) logsumexp of each token's logits
+    double *tS1, *tS2;      // (S) per-token temporaries
+    double *v[8];           // (E) per-expert temporaries
+} aux_ctx;
+
+static int mod_of(const aux_ctx *c, int s) { return c->mod ? c->mod[s] : VLMOE_MOD_IMAGE; }
+static double xlogx(double p) { return p * log(p > AUX_TINY ? p : AUX_TINY); }
+static double logt(double p) { return log(p > AUX_TINY ? p : AUX_TINY); }
+
+// Squared coefficient of variation (population std / mean)^2 of x (E); dx (E) receives its
+// gradient. d/dx_e [var/m^2] = 2 (x_e - m)/(E m^2) - 2 var/(E m^3). A zero mean (impossible for
+// importance, whose mean is S/E, and for load, whose top-K terms are >= 1/2) gives 0.
+static double cv2(const double *x, int E, double *dx) {
+    double m = 0, var = 0;
+    for (int e = 0; e < E; e++) m += x[e];
+    m /= E;
+    for (int e = 0; e < E; e++) var += (x[e] - m) * (x[e] - m);
+    var /= E;
+    for (int e = 0; e < E; e++) dx[e] = m != 0 ? 2.0 / (E * m * m) * ((x[e] - m) - var / m) : 0;
+    return m != 0 ? var / (m * m) : 0;
+}
+
+// Index of the k-th (0-based) largest of x (E) in the order (value descending, index ascending):
+// the same tie rule as the routing's top-K.
+static int kth_largest(const real *x, int E, int k) {
+    int prev = -1;
+    for (int r = 0; r <= k; r++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            if (prev >= 0 && !(x[e] < x[prev] || (x[e] == x[prev] && e > prev))) continue;
+            if (best < 0 || x[e] > x[best]) best = e;
+        }
+        prev = best;
+    }
+    return prev;
+}
+
+// importance: imp_e = sum_s P[s,e]; loss = cv2(imp). G += f dL/dP.
+static double loss_importance(aux_ctx *c, double f) {
+    double *imp = c->v[0], *dimp = c->v[1];
+    for (int e = 0; e < c->E; e++) imp[e] = 0;
+    for (int s = 0; s < c->S; s++)
+        for (int e = 0; e < c->E; e++) imp[e] += c->P[(size_t)s * c->E + e];
+    double L = cv2(imp, c->E, dimp);
+    for (int s = 0; s < c->S; s++)
+        for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += f * dimp[e];
+    return L;
+}
+
+// load (V-MoE; LIMoE B.1): thr_s = K-th largest noisy logit of token s, P[s,e] = 1 -
+// Phi((thr_s - l[s,e])/sigma), sigma = noise_std/E; load_e = mean_s P[s,e]; loss = cv2(load).
+// The gradient reaches l[s,e] and, like the V-MoE reference (which does not stop gradients), the
+// threshold's own logit: thr_s = l[s,e*] + fixed noise, so d thr_s / d l[s,e*] = 1. wf = weight*f
+// (this loss adds straight into dlogits; it does not go through the softmax).
+static double loss_load(aux_ctx *c, const real *nl, double noise_std, double wf, real *dl) {
+    const int S = c->S, E = c->E;
+    const double sigma = noise_std / E;
+    if (!nl || !(sigma > 0) || !isfinite(sigma)) return 0; // no noise: the loss does not apply
+    double *thr = c->tS1, *estar = c->tS2, *load = c->v[2], *dload = c->v[3];
+    for (int e = 0; e < E; e++) load[e] = 0;
+    for (int s = 0; s < S; s++) {
+        int k = kth_largest(nl + (size_t)s * E, E, c->K - 1);
+        estar[s] = k, thr[s] = nl[(size_t)s * E + k];
+        for (int e = 0; e < E; e++) {
+            double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
+            load[e] += 0.5 * erfc(z / sqrt(2.0)); // 1 - Phi(z) without cancellation
+        }
+    }
+    for (int e = 0; e < E; e++) load[e] /= S;
+    double L = cv2(load, E, dload);
+    if (dl) {
+        const double inv = 0.39894228040143267794; // 1/sqrt(2 pi)
+        double *row = c->v[4];
+        for (int s = 0; s < S; s++) {
+            // The direct and the threshold terms of l[s,e*] nearly cancel: sum them in double
+            // and round to the caller's type once.
+            double dthr = 0;
+            for (int e = 0; e < E; e++) {
+                double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
+                // dP/dz = -phi(z); dz/dl = -1/sigma; dz/dthr = +1/sigma.
+                row[e] = dload[e] / S * inv * exp(-0.5 * z * z) / sigma;
+                dthr -= row[e];
+            }
+            row[(int)estar[s]] += dthr;
+            for (int e = 0; e < E; e++) dl[(size_t)s * E + e] += (real)(wf * row[e]);
+        }
+    }
+    return L;
+}
+
+// z-loss (ST-MoE; LIMoE B.1): mean_s logsumexp(l_s)^2; d/dl[s,e] = 2/S lse_s P[s,e].
+static double loss_z(aux_ctx *c, double wf, real *dl) {
+    double L = 0;
+    for (int s = 0; s < c->S; s++) L += c->lse[s] * c->lse[s];
+    if (dl)
+        for (int s = 0; s < c->S; s++)
+            for (int e = 0; e < c->E; e++)
+                dl[(size_t)s * c->E + e] +=
+                    (real)(wf * 2.0 / c->S * c->lse[s] * c->P[(size_t)s * c->E + e]);
+    return L / c->S;
+}
+
+// switch balance (ST-MoE, CLIP-UP eq. 5): sum_e R_e P_e, R_e = E/(K S) wanted[e] (a constant:
+// counts are piecewise constant), P_e = mean_s P[s,e].
+static double loss_switch(aux_ctx *c, const int32_t *wanted, double f) {
+    const int S = c->S, E = c->E;
+    double *pm = c->v[0], L = 0;
+    for (int e = 0; e < E; e++) pm[e] = 0;
+    for (int s = 0; s < S; s++)
+        for (int e = 0; e < E; e++) pm[e] += c->P[(size_t)s * E + e];
+    for (int e = 0; e < E; e++) {
+        double R = (double)E / ((double)c->K * S) * wanted[e];
+        L += R * pm[e] / S;
+        for (int s = 0; s < S; s++) c->G[(size_t)s * E + e] += f * R / S;
+    }
+    return L;
+}
+
+// log p[s,e] from the log-softmax (exact, finite).
+static double logp(const aux_ctx *c, int s, int e) {
+    return (double)c->l[(size_t)s * c->E + e] - c->lse[s];
+}
+
+// Mean over the tokens of modality m (m < 0: all tokens) of H(p_s); 0 when there are none.
+static double mean_token_entropy(aux_ctx *c, int m) {
+    double H = 0;
+    int n = 0;
+    for (int s = 0; s < c->S; s++) {
+        if (m >= 0 && mod_of(c, s) != m) continue;
+        n++;
+        for (int e = 0; e < c->E; e++) H -= c->P[(size_t)s * c->E + e] * logp(c, s, e);
+    }
+    return n ? H / n : 0;
+}
+// G += fg * d(mean_token_entropy)/dP, fg being the outer derivative; dH/dp_e = -(log p_e + 1).
+static void mean_token_entropy_grad(aux_ctx *c, int m, double fg) {
+    int n = m < 0 ? c->S : c->n[m];
+    if (!n || fg == 0) return;
+    for (int s = 0; s < c->S; s++) {
+        if (m >= 0 && mod_of(c, s) != m) continue;
+        for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] -= fg * (logp(c, s, e) + 1) / n;
+    }
+}
+
+// pbar (E) = mean of P over the tokens of modality m (n_m > 0).
+static void mean_gate(const aux_ctx *c, int m, double *pbar) {
+    for (int e = 0; e < c->E; e++) pbar[e] = 0;
+    for (int s = 0; s < c->S; s++)
+        if (mod_of(c, s) == m)
+            for (int e = 0; e < c->E; e++) pbar[e] += c->P[(size_t)s * c->E + e];
+    for (int e = 0; e < c->E; e++) pbar[e] /= c->n[m];
+}
+
+static double entropy(const double *p, int E) {
+    double H = 0;
+    for (int e = 0; e < E; e++) H -= xlogx(p[e]);
+    return H;
+}
+
+// global entropy (LIMoE sec. 2.2.2, "thresholded"): max(0, tau_m - H(pbar_m)), tau_m = log(S_m)
+// when the config gives 0. At exactly tau_m = H the loss is inactive and its gradient 0 (relu).
+static double loss_global_entropy(aux_ctx *c, int m, double tau, double f) {
+    if (!c->n[m]) return 0;
+    double *pbar = c->v[0];
+    mean_gate(c, m, pbar);
+    if (tau == 0) tau = log((double)c->n[m]);
+    double L = tau - entropy(pbar, c->E);
+    if (!(L > 0)) return 0;
+    // dL/dpbar_e = log pbar_e + 1; dpbar_e/dP[s,e] = 1/S_m for tokens of m.
+    for (int s = 0; s < c->S; s++)
+        if (mod_of(c, s) == m)
+            for (int e = 0; e < c->E; e++)
+                c->G[(size_t)s * c->E + e] += f * (logt(pbar[e]) + 1) / c->n[m];
+    return L;
+}
+
+// mutual information (LIMoE B.1): (1/M) sum_m H(pbar_m) - H((1/M) sum_m pbar_m) over the M
+// modalities present in the group (M = 1 gives 0). dL/dpbar_m,e = (log mix_e - log pbar_m,e)/M.
+static double loss_mi(aux_ctx *c, double f) {
+    double *pb[2] = {c->v[0], c->v[1]}, *mix = c->v[2];
+    int M = 0;
+    for (int e = 0; e < c->E; e++) mix[e] = 0;
+    for (int m = 0; m < 2; m++) {
+        if (!c->n[m]) continue;
+        M++;
+        mean_gate(c, m, pb[m]);
+        for (int e = 0; e < c->E; e++) mix[e] += pb[m][e];
+    }
+    double L = 0;
+    for (int e = 0; e < c->E; e++) mix[e] /= M;
+    for (int m = 0; m < 2; m++)
+        if (c->n[m]) L += entropy(pb[m], c->E) / M;
+    L -= entropy(mix, c->E);
+    for (int s = 0; s < c->S; s++) {
+        int m = mod_of(c, s);
+        for (int e = 0; e < c->E; e++)
+            c->G[(size_t)s * c->E + e] +=
+                f * (logt(mix[e]) - logt(pb[m][e])) / ((double)M * c->n[m]);
+    }
+    return L;
+}
+
+// merged entropy (LIMoE E.1): per token the two-outcome distribution (q = sum of the top-K gates,
+// r = sum of the rest), mean_s H(q, r). r is summed directly, not 1 - q, so it keeps its digits.
+static double loss_merged(aux_ctx *c, double f) {
+    const int S = c->S, E = c->E, K = c->K;
+    double *top = c->v[0], L = 0;
+    for (int s = 0; s < S; s++) {
+        const real *ls = c->l + (size_t)s * E;
+        const double *p = c->P + (size_t)s * E;
+        for (int e = 0; e < E; e++) top[e] = 0;
+        // Top-K by logit (same order as by gate, without ties created by underflow).
+        for (int k = 0; k < K; k++) top[kth_largest(ls, E, k)] = 1;
+        double q = 0, r = 0;
+        for (int e = 0; e < E; e++) {
+            if (top[e] != 0) q += p[e];
+            else r += p[e];
+        }
+        L -= xlogx(q) + xlogx(r);
+        double gq = -(logt(q) + 1) / S, gr = -(logt(r) + 1) / S;
+        for (int e = 0; e < E; e++) c->G[(size_t)s * E + e] += f * (top[e] != 0 ? gq : gr);
+    }
+    return L / S;
+}
+
+double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, real *dlogits,
+                   real *scratch) {
+    if (!in || !in->logits || !scratch) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits and scratch must be given");
+        return NAN;
+    }
+    const int S = in->S, E = in->E, K = in->K;
+    if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss %d: need S >= 1, E >= 1, 1 <= K <= E (got S=%d E=%d K=%d)",
+                   (int)kind, S, E, K);
+        return NAN;
+    }
+    if (kind == VLMOE_AUX_SWITCH && !in->wanted) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` must be given");
+        return NAN;
+    }
+    aux_ctx c = {.S = S, .E = E, .K = K, .l = in->logits, .mod = in->modality};
+    for (int s = 0; s < S; s++) {
+        int m = mod_of(&c, s);
+        if (m != VLMOE_MOD_IMAGE && m != VLMOE_MOD_TEXT) {
+            vlmoe_fail(VLMOE_ERR_ARG, "aux loss %s: modality[%d] = %d is not image (0) or text (1)",
+                       vlmoe_aux_name(kind), s, m);
+            return NAN;
+        }
+        c.n[m]++;
+    }
+    // Double intermediates in the caller's buffer, aligned up to double (see aux.h).
+    uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
+    double *d = (double *)a;
+    const size_t SE = (size_t)S * E;
+    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
+    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+
+    // Clean gates in double: P = exp(l - logsumexp(l)).
+    for (int s = 0; s < S; s++) {
+        const real *ls = in->logits + (size_t)s * E;
+        double mx = ls[0], sum = 0;
+        for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
+        for (int e = 0; e < E; e++) sum += exp((double)ls[e] - mx);
+        c.lse[s] = mx + log(sum);
+        for (int e = 0; e < E; e++) c.P[(size_t)s * E + e] = exp((double)ls[e] - c.lse[s]);
+    }
+    memset(c.G, 0, SE * sizeof(double));
+
+    double L = 0;
+    switch (kind) {
+    case VLMOE_AUX_IMPORTANCE: L = loss_importance(&c, 1); break;
+    case VLMOE_AUX_LOAD: L = loss_load(&c, in->noisy_logits, in->noise_std, weight, dlogits); break;
+    case VLMOE_AUX_VLOSS: // V-MoE / VL-MoE: the mean of the two classic losses
+        L = 0.5 * loss_importance(&c, 0.5) +
+            0.5 * loss_load(&c, in->noisy_logits, in->noise_std, 0.5 * weight, dlogits);
+        break;
+    case VLMOE_AUX_ZLOSS: L = loss_z(&c, weight, dlogits); break;
+    case VLMOE_AUX_SWITCH: L = loss_switch(&c, in->wanted, 1); break;
+    case VLMOE_AUX_LOCAL_ENT_IMAGE:
+    case VLMOE_AUX_LOCAL_ENT_TEXT: {
+        int m = kind == VLMOE_AUX_LOCAL_ENT_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
+        L = mean_token_entropy(&c, m); // 0 when the group has no token of m
+        mean_token_entropy_grad(&c, m, 1);
+        break;
+    }
+    case VLMOE_AUX_GLOBAL_ENT_IMAGE:
+        L = loss_global_entropy(&c, VLMOE_MOD_IMAGE, in->global_tau[VLMOE_MOD_IMAGE], 1);
+        break;
+    case VLMOE_AUX_GLOBAL_ENT_TEXT:
+        L = loss_global_entropy(&c, VLMOE_MOD_TEXT, in->global_tau[VLMOE_MOD_TEXT], 1);
+        break;
+    case VLMOE_AUX_MI: L = loss_mi(&c, 1); break;
+    case VLMOE_AUX_TARGET_ENT: {
+        // LIMoE E.1 writes (log K - Omega_local(G_m))^2 per modality; MOE.md (and this code) take
+        // the local entropy over all tokens of the group, whatever their modality.
+        double local = mean_token_entropy(&c, -1), t = log((double)K) - local;
+        L = t * t;
+        mean_token_entropy_grad(&c, -1, -2 * t); // dL/dlocal = -2 (log K - local)
+        break;
+    }
+    case VLMOE_AUX_MERGED_ENT: L = loss_merged(&c, 1); break;
+    default: break;
+    }
+
+    // Gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e).
+    if (dlogits) {
+        for (int s = 0; s < S; s++) {
+            const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
+            double dot = 0;
+            for (int e = 0; e < E; e++) dot += g[e] * p[e];
+            for (int e = 0; e < E; e++) dlogits[(size_t)s * E + e] += (real)(weight * p[e] * (g[e] - dot));
+        }
+    }
+    return L;
+}

@@ -1,0 +1,42 @@
+// aux.h: the auxiliary losses of one routing group (MOE.md "Auxiliary losses"; V-MoE importance
+// and load, ST-MoE z-loss and switch balance, LIMoE sec. 2.2.2 and appendices B.1 / E.1), as pure
+// functions compiled for float (_f32, the training path) and double (_f64, the finite-difference
+// checks). Implemented in src/moe/aux.c; covered by tests/test_moe_route.c.
+#ifndef VLMOE_MOE_AUX_H
+#define VLMOE_MOE_AUX_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vlmoe.h"
+
+// Scratch the loss functions need, in elements of the caller's type (float or double). The
+// functions keep double intermediates in it, so pass memory from malloc / vlmoe_alloc (any
+// alignment of the element type is fine; the functions align it to double themselves).
+size_t aux_scratch_floats(int S, int E);
+
+// aux_input_<sfx> has the layout of vlmoe_aux_input with T-typed logits:
+//   logits (S,E) clean router logits; noisy_logits (S,E) the same plus the training noise (NULL:
+//   no noise, so the load loss is 0); noise_std as in the config (noise scale noise_std/E);
+//   modality (S) VLMOE_MOD_* per token (NULL: all image); wanted (E) assignments routed to each
+//   expert before capacity (switch loss only); global_tau per modality (0 = log(S_m)).
+// aux_loss_<sfx> returns the loss of `kind` on one group, computed in double. If dlogits (S,E) is
+// given it ACCUMULATES weight * d(loss)/d(logits). Never allocates: scratch holds
+// aux_scratch_floats(S,E) elements. Bad arguments (sizes, K outside [1,E], a modality value other
+// than 0/1, a NULL pointer the loss needs) return NaN with the thread's error set (VLMOE_ERR_ARG)
+// and leave dlogits untouched.
+#define AUX_DECL(T, SFX)                                                                          \
+    typedef struct {                                                                              \
+        int S, E, K;                                                                              \
+        const T *logits, *noisy_logits;                                                           \
+        double noise_std;                                                                         \
+        const uint8_t *modality;                                                                  \
+        const int32_t *wanted;                                                                    \
+        double global_tau[2];                                                                     \
+    } aux_input_##SFX;                                                                            \
+    double aux_loss_##SFX(vlmoe_aux_kind kind, const aux_input_##SFX *in, double weight,          \
+                          T *dlogits, T *scratch);
+
+AUX_DECL(float, f32)
+AUX_DECL(double, f64)
+
+#endif
