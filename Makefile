@@ -19,7 +19,7 @@ CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fop
 LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
-REAL_SRCS := $(wildcard src/ops/*.c src/loss/*.c) src/nn/graph.c
+REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)
 PLAIN_SRCS := $(filter-out $(REAL_SRCS),$(wildcard src/*/*.c))
 CLI_SRCS  := $(wildcard cli/*.c)
 TEST_SRCS := $(wildcard tests/test_*.c)
@@ -83,6 +83,16 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
+# ---- benchmarks (never timed inside tests)
+BENCHES := $(patsubst bench/%.c,$(B)/bench/%,$(wildcard bench/bench_*.c))
+$(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ libvlmoe.a $(LIBS)
+
+bench: all $(BENCHES)
+	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+	@./bench/limoe_failure.sh
+
 FIXTURES := build/fixtures/.stamp
 $(FIXTURES): $(wildcard tests/ref/*.py) | $(DEPS_STAMP)
 	@mkdir -p build/fixtures
@@ -106,5 +116,5 @@ install: all
 clean:
 	rm -rf build/rel build/asan build/fixtures libvlmoe.a libvlmoe.so vlmoe
 
-.PHONY: all test fixtures install clean
+.PHONY: all test fixtures install clean bench
 .SECONDARY:

@@ -177,6 +177,120 @@ typedef struct {
     int width, layers, heads, mlp_dim;
 } vlmoe_encoder_config;
 
+// ---------------------------------------------------------------------------------------------
+// Mixture-of-Experts (src/moe/): the exact semantics are those of ../shared/spec/MOE.md.
+typedef enum {
+    VLMOE_ROUTER_NONE = 0,     // dense MLP
+    VLMOE_ROUTER_TOKENS = 1,   // tokens choose their top-K experts (V-MoE, LIMoE, CLIP-UP)
+    VLMOE_ROUTER_EXPERTS = 2,  // experts choose their top-C tokens
+    VLMOE_ROUTER_SOFT = 3,     // Soft MoE: soft dispatch/combine over slots
+} vlmoe_router_kind;
+enum { VLMOE_ORDER_FIFO = 0, VLMOE_ORDER_BPR = 1, VLMOE_ORDER_RANDOM = 2 };
+enum { VLMOE_BPR_MAX = 0, VLMOE_BPR_SUM = 1 };
+enum { VLMOE_RENORM_NONE = 0, VLMOE_RENORM_AFTER_ROUTING = 1 };
+enum { VLMOE_MOD_IMAGE = 0, VLMOE_MOD_TEXT = 1 };
+// Auxiliary losses (MOE.md "Auxiliary losses"); per-modality LIMoE losses come in pairs.
+typedef enum {
+    VLMOE_AUX_IMPORTANCE = 0, VLMOE_AUX_LOAD, VLMOE_AUX_VLOSS, VLMOE_AUX_ZLOSS, VLMOE_AUX_SWITCH,
+    VLMOE_AUX_LOCAL_ENT_IMAGE, VLMOE_AUX_LOCAL_ENT_TEXT, VLMOE_AUX_GLOBAL_ENT_IMAGE,
+    VLMOE_AUX_GLOBAL_ENT_TEXT, VLMOE_AUX_MI, VLMOE_AUX_TARGET_ENT, VLMOE_AUX_MERGED_ENT,
+    VLMOE_AUX_COUNT
+} vlmoe_aux_kind;
+const char *vlmoe_aux_name(vlmoe_aux_kind k); // "importance", "load", ... "merged_entropy"
+
+// The MoE layers of one encoder (tower).
+typedef struct {
+    vlmoe_router_kind router;
+    uint64_t layers;             // bit l set: block l's feed-forward is an MoE layer
+    int num_experts, top_k;
+    double capacity_factor, eval_capacity_factor;
+    int capacity_multiple;       // round C up to a multiple of this (default 1)
+    int order, bpr_score;        // VLMOE_ORDER_*, VLMOE_BPR_*
+    int gate_renorm;             // VLMOE_RENORM_*
+    double noise_std;            // training noise on router logits: l + (noise_std/E) N(0,1)
+    int group_size;              // tokens per routing group, 0 = all tokens of the batch
+    int slots_per_expert;        // Soft MoE, 0 = rint(S/E)
+    double aux_weight[VLMOE_AUX_COUNT];
+    double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
+} vlmoe_moe_config;
+
+// Presets (MOE.md): "limoe" (tokens choice, K=1, BPR, noise 1, cf 1.05 train / 16 eval, importance + load + text
+// local entropy + image/text global entropy with tau log 20 / log 9, each 0.04/5) and "clipup"
+// (tokens choice, K=2, FIFO, cf 2, switch balance 0.01 + z-loss 0.001). Sets routing and losses;
+// keeps `layers` and sets num_experts to 8 if it is 0.
+int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c);
+// MoE in every n-th block (blocks n-1, 2n-1, ...: LIMoE's and CLIP-UP's "every second layer").
+uint64_t vlmoe_moe_every(int n, int layers);
+
+// Capacity per expert per group (MOE.md "Capacity"): C = ceil(cf*S*K/E) for tokens choice,
+// ceil(cf*S/E) for experts choice (K = 1), computed in double, rounded up to `multiple`.
+// C < 1 is VLMOE_ERR_CONFIG.
+int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C);
+
+// A routing decision for one group of S tokens, the explicit struct backward consumes.
+typedef struct {
+    int S, E, K, C;
+    int32_t *expert;    // (S,K) tokens choice: expert of each choice by rank (rank 0 = top gate)
+    int32_t *slot;      // (S,K) its position in that expert's buffer, -1 if dropped
+    int32_t *token;     // (E,C) token held by each expert slot, -1 if empty
+    float *weight;      // (E,C) combine weight of each filled slot (0 if empty)
+    int32_t *count;     // (E) accepted assignments
+    int32_t *wanted;    // (E) assignments routed to the expert before capacity
+    uint8_t *dropped;   // (S) 1 if all of the token's assignments were dropped
+    int32_t *work;      // internal scratch (2S), so that routing never allocates in a step
+} vlmoe_routing;
+int vlmoe_routing_alloc(vlmoe_routing *r, int S, int E, int K, int C);
+void vlmoe_routing_free(vlmoe_routing *r);
+
+typedef struct {
+    int top_k;
+    int capacity;               // C, from vlmoe_capacity
+    int order, bpr_score, gate_renorm;
+    uint64_t seed;              // for VLMOE_ORDER_RANDOM
+} vlmoe_route_params;
+// Tokens choice: gates (S,E) are the (noisy when training) softmax probabilities. Each token
+// takes its top-K experts (ties: lower index); all first choices are placed before any second
+// choice, tokens in the dispatch order; each expert accepts its first C assignments. Combine
+// weights are the gates of accepted choices (renormalised over them with after_routing).
+int vlmoe_route_tokens_choice(const float *gates, int S, int E, const vlmoe_route_params *p,
+                              vlmoe_routing *out);
+// Experts choice: each expert takes its top-C tokens by gate (ties: lower token index); combine
+// weight = gate. out->expert/slot are unused (K = 0).
+int vlmoe_route_experts_choice(const float *gates, int S, int E, int C, vlmoe_routing *out);
+
+// Routing statistics of one MoE layer for the last forward pass, per modality (VLMOE_MOD_*).
+typedef struct {
+    int encoder, block;         // where the layer sits
+    int num_experts;
+    int tokens[2];              // tokens of each modality routed
+    double success[2];          // fraction of tokens with at least one accepted assignment
+    double dropped[2];          // fraction of assignments dropped by capacity
+    double mean_max_gate[2];    // mean over tokens of the largest dispatch gate
+    double entropy_pre[2];      // mean per-token router entropy H(p) (pre-dispatch)
+    double entropy_post[2];     // entropy of the accepted assignments' spread over experts
+    double experts_used[2];     // exp(H(mean p)): experts the modality effectively uses
+    double *routed[2];          // (E) fraction of the modality's assignments sent to each expert
+                                //     before capacity
+    double *accepted[2];        // (E) fraction of the modality's tokens each expert processed
+    double aux[VLMOE_AUX_COUNT];// unweighted auxiliary losses, mean over groups (0 if unused)
+    double soft_minmax[4];      // Soft MoE: min/max dispatch weight, min/max combine weight
+} vlmoe_moe_stats;
+
+// Inputs of the auxiliary losses of one group.
+typedef struct {
+    int S, E, K;
+    const float *logits;        // (S,E) clean router logits
+    const float *noisy_logits;  // (S,E) logits with the training noise, NULL when no noise
+    double noise_std;           // as in the config (the noise scale is noise_std/E)
+    const uint8_t *modality;    // (S) VLMOE_MOD_* of each token; NULL = all image
+    const int32_t *wanted;      // (E) assignments routed before capacity (switch loss)
+    double global_tau[2];       // 0 = log(S_m)
+} vlmoe_aux_input;
+// One auxiliary loss of one group; if dlogits (S,E) is given, accumulates weight * d(loss)/d(logits)
+// (through the softmax, the noisy threshold of the load loss, ...). Losses of a modality with no
+// tokens in the group are 0. The load loss is 0 without noisy logits.
+double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double weight, float *dlogits);
+
 // Everything that decides a model's shape and computation. one_tower (LIMoE): one encoder shared
 // by both modalities (`encoder`); two_tower (CLIP): `encoder` is the image tower and `text_encoder`
 // the text tower. Serialised as JSON in every checkpoint's metadata (key "vlmoe.config").
@@ -198,6 +312,8 @@ typedef struct {
     int text_pool;           // VLMOE_POOL_MEAN or VLMOE_POOL_EOT
     double init_temperature; // exp(logit_scale) at init: LIMoE 10, CLIP 1/0.07
     double max_temperature;  // logit_scale is clamped to [0, log(max)] after each step (CLIP: 100)
+    vlmoe_moe_config moe;      // MoE layers of `encoder` (dense when router is NONE)
+    vlmoe_moe_config text_moe; // two_tower: MoE layers of `text_encoder`
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
@@ -250,6 +366,14 @@ void vlmoe_model_clamp(vlmoe_model *m);
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out);
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out);
+// Routing statistics of every MoE layer for the last forward pass (NULL, *count 0 if dense).
+const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
+// Sparse upcycling (CLIP-UP): a copy of dense model `dense` whose blocks named in moe->layers
+// (and text_moe->layers for two_tower) become MoE layers: every expert a copy of the block's MLP
+// (plus N(0, noise^2) if noise > 0), routers freshly initialised from seed, everything else
+// copied. VLMOE_ERR_CONFIG if `dense` already has MoE layers.
+int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe_moe_config *moe,
+                        const vlmoe_moe_config *text_moe, uint64_t seed, double noise);
 // Fails with VLMOE_ERR_NUMERIC naming the first parameter (or gradient) holding a NaN/Inf.
 int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
 // Weights + config in one safetensors file (atomic write); load validates names and shapes.

@@ -34,12 +34,18 @@ static double model_loss(fd_model *m) {
     return r.loss;
 }
 
-static void fd_model_check(vlmoe_arch arch, const char *label) {
+// training: MoE layers run in training mode (noise drawn from a fixed seed, so every evaluation
+// of the loss sees the same noise) with their auxiliary losses in the loss.
+static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, int training) {
     fd_model m;
-    vlmoe_model_config cfg = small(arch);
-    CHECK(model_layout_build(&m.L, &cfg) == VLMOE_OK, "%s: layout: %s", label, vlmoe_last_error());
+    vlmoe_model_config cfg = *cfgp;
+    if (model_layout_build(&m.L, &cfg) != VLMOE_OK) {
+        CHECK(0, "%s: layout: %s", label, vlmoe_last_error());
+        return;
+    }
     const int B = 3;
     CHECK(graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+    graph_set_mode_f64(m.g, training, 1234);
     float *pf = malloc(sizeof(float) * m.L.total);
     model_layout_init_params(&m.L, pf, 7);
     m.p = malloc(sizeof(double) * m.L.total);
@@ -50,10 +56,11 @@ static void fd_model_check(vlmoe_arch arch, const char *label) {
     for (size_t i = 0; i < m.L.total; i++) m.p[i] = pf[i] + 0.1 * vlmoe_rng_normal(&r);
     m.img = malloc(sizeof(double) * B * 3 * 64);
     for (int i = 0; i < B * 3 * 64; i++) m.img[i] = vlmoe_rng_normal(&r);
-    int lens[3] = {5, 3, 2};
+    const int T = cfg.context_length; // <= 5
+    int lens[3] = {T, 3, 2};
     for (int b = 0; b < B; b++) {
         m.lens[b] = lens[b];
-        for (int t = 0; t < 5; t++) m.tok[b * 5 + t] = t < lens[b] ? (int)vlmoe_rng_below(&r, 11) : 0;
+        for (int t = 0; t < T; t++) m.tok[b * T + t] = t < lens[b] ? (int)vlmoe_rng_below(&r, 11) : 0;
     }
     double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
     model_loss(&m);
@@ -223,9 +230,43 @@ static void test_save_load(void) {
     vlmoe_model_free(m);
 }
 
+// MoE variants of the small models: every router, top-2 with renormalisation, every loss.
+static void fd_moe_checks(void) {
+    vlmoe_model_config c = small(VLMOE_ARCH_ONE_TOWER);
+    c.moe.layers = vlmoe_moe_every(2, c.encoder.layers);
+    c.moe.num_experts = 4;
+    vlmoe_moe_preset("limoe", &c.moe);
+    c.moe.capacity_factor = 1.5; // some tokens are dropped, most are not
+    fd_model_check(&c, "limoe", 1);
+    vlmoe_model_config all = c; // every auxiliary loss at once, top-2, BPR by the sum of gates
+    all.moe.top_k = 2;
+    all.moe.bpr_score = VLMOE_BPR_SUM;
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++) all.moe.aux_weight[k] = 0.1;
+    fd_model_check(&all, "all aux losses, K=2", 1);
+    vlmoe_model_config cu = small(VLMOE_ARCH_TWO_TOWER);
+    cu.moe.layers = cu.text_moe.layers = vlmoe_moe_every(2, 2);
+    cu.moe.num_experts = cu.text_moe.num_experts = 3;
+    vlmoe_moe_preset("clipup", &cu.moe);
+    vlmoe_moe_preset("clipup", &cu.text_moe);
+    cu.moe.gate_renorm = VLMOE_RENORM_AFTER_ROUTING;
+    fd_model_check(&cu, "clipup two_tower, renormalised", 1);
+    vlmoe_model_config ec = c;
+    ec.moe.router = VLMOE_ROUTER_EXPERTS;
+    ec.moe.noise_std = 0;
+    fd_model_check(&ec, "experts choice", 1);
+    vlmoe_model_config soft = c;
+    soft.moe.router = VLMOE_ROUTER_SOFT;
+    soft.moe.group_size = 4; // one group per sequence: 4 patches, or 4 text tokens
+    soft.context_length = 4;
+    soft.moe.slots_per_expert = 2;
+    fd_model_check(&soft, "soft moe", 1);
+}
+
 int main(void) {
-    fd_model_check(VLMOE_ARCH_ONE_TOWER, "one_tower");
-    fd_model_check(VLMOE_ARCH_TWO_TOWER, "two_tower");
+    vlmoe_model_config c1 = small(VLMOE_ARCH_ONE_TOWER), c2 = small(VLMOE_ARCH_TWO_TOWER);
+    fd_model_check(&c1, "one_tower", 1);
+    fd_model_check(&c2, "two_tower", 1);
+    fd_moe_checks();
     test_configs();
     test_float_vs_double();
     test_save_load();

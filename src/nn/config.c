@@ -53,7 +53,67 @@ static vlmoe_model_config clip(const char *name, int img, int patch, int vw, int
     return c;
 }
 
-static const char *NAMES = "tiny, tiny-clip, S/32, B/32, B/16, ViT-B-32, ViT-B-16";
+static const char *NAMES = "tiny, tiny-clip, S/32, B/32, B/16, ViT-B-32, ViT-B-16, limoe-tiny, "
+                           "limoe-S/32, limoe-B/16, clipup-tiny, clipup-ViT-B-16, ec-tiny, soft-tiny";
+
+uint64_t vlmoe_moe_every(int n, int layers) {
+    uint64_t m = 0;
+    for (int l = n - 1; n > 0 && l < layers && l < 64; l += n) m |= 1ULL << l;
+    return m;
+}
+
+int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
+    uint64_t layers = c->layers;
+    int e = c->num_experts ? c->num_experts : 8;
+    memset(c, 0, sizeof(*c));
+    c->layers = layers;
+    c->num_experts = e;
+    c->router = VLMOE_ROUTER_TOKENS;
+    c->capacity_multiple = 1;
+    if (!strcmp(name, "limoe")) {
+        // LIMoE: top-1, BPR, noisy routing, classic importance + load losses and the per-modality
+        // entropy losses, "averaged and weighted by 0.04" (LIMoE B.1) over the 5 enabled losses
+        c->top_k = 1;
+        // LIMoE (appendix, "C_R >= 1 is a slack factor") builds on V-MoE's training capacity
+        // 1.05; it evaluates one-modality passes with C_R = 16 so that modality-specific experts
+        // do not drop tokens (appendix D)
+        c->capacity_factor = 1.05;
+        c->eval_capacity_factor = 16.0;
+        c->order = VLMOE_ORDER_BPR;
+        c->bpr_score = VLMOE_BPR_MAX;
+        c->noise_std = 1.0;
+        const double w = 0.04 / 5;
+        c->aux_weight[VLMOE_AUX_IMPORTANCE] = c->aux_weight[VLMOE_AUX_LOAD] = w;
+        c->aux_weight[VLMOE_AUX_LOCAL_ENT_TEXT] = w;
+        c->aux_weight[VLMOE_AUX_GLOBAL_ENT_TEXT] = c->aux_weight[VLMOE_AUX_GLOBAL_ENT_IMAGE] = w;
+        c->global_tau[VLMOE_MOD_IMAGE] = log(20.0);
+        c->global_tau[VLMOE_MOD_TEXT] = log(9.0);
+    } else if (!strcmp(name, "clipup")) {
+        // CLIP-UP: top-2 "first-come-first-serve", capacity factor 2, switch load balance
+        // (alpha 0.01) + router z-loss (beta 0.001) per tower
+        c->top_k = 2;
+        c->capacity_factor = c->eval_capacity_factor = 2.0;
+        c->order = VLMOE_ORDER_FIFO;
+        c->aux_weight[VLMOE_AUX_SWITCH] = 0.01;
+        c->aux_weight[VLMOE_AUX_ZLOSS] = 0.001;
+    } else {
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown MoE preset '%s' (known: limoe, clipup)", name);
+    }
+    return VLMOE_OK;
+}
+
+// A named base model turned sparse with a preset: MoE in every second block of each tower.
+static int moe_named(const char *base, const char *preset, vlmoe_model_config *out) {
+    int st = vlmoe_config_named(base, out);
+    if (st) return st;
+    out->moe.layers = vlmoe_moe_every(2, out->encoder.layers);
+    if ((st = vlmoe_moe_preset(preset, &out->moe))) return st;
+    if (out->arch == VLMOE_ARCH_TWO_TOWER) {
+        out->text_moe.layers = vlmoe_moe_every(2, out->text_encoder.layers);
+        st = vlmoe_moe_preset(preset, &out->text_moe);
+    }
+    return st;
+}
 
 const char *vlmoe_config_names(void) { return NAMES; }
 
@@ -75,10 +135,29 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         *out = clip(name, 224, 32, 768, 12, 12, 512, 12, 8, 512);
     } else if (!strcmp(name, "ViT-B-16")) {
         *out = clip(name, 224, 16, 768, 12, 12, 512, 12, 8, 512);
+    } else if (!strncmp(name, "limoe-", 6) || !strncmp(name, "clipup-", 7)) {
+        int lim = name[0] == 'l';
+        int st = moe_named(name + (lim ? 6 : 7), lim ? "limoe" : "clipup", out);
+        if (st) return st;
+    } else if (!strcmp(name, "ec-tiny") || !strcmp(name, "soft-tiny")) {
+        // V-MoE-style experts choice and Soft MoE variants of the tiny LIMoE layout
+        int st = moe_named("tiny", "limoe", out);
+        if (st) return st;
+        vlmoe_moe_config *m = &out->moe;
+        memset(m->aux_weight, 0, sizeof(m->aux_weight)); // neither router uses auxiliary losses
+        m->noise_std = 0;
+        if (name[0] == 'e') {
+            m->router = VLMOE_ROUTER_EXPERTS;
+        } else {
+            m->router = VLMOE_ROUTER_SOFT;
+            m->group_size = 16; // one routing group per sequence (16 patches or 16 text tokens)
+            m->slots_per_expert = 2;
+        }
     } else {
         return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown model '%s' (known: %s, or a .json config file)",
                           name, NAMES);
     }
+    snprintf(out->name, sizeof(out->name), "%s", name);
     return VLMOE_OK;
 }
 
@@ -112,6 +191,27 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
          "image_pool: must be \"mean\", or \"cls\" with image_class_token true");
     NEED(c->text_pool == VLMOE_POOL_MEAN || c->text_pool == VLMOE_POOL_EOT,
          "text_pool: must be \"mean\" or \"eot\"");
+    for (int t = 0; t < (c->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1); t++) {
+        const vlmoe_moe_config *m = t ? &c->text_moe : &c->moe;
+        const char *nm = t ? "text_moe" : "moe";
+        const int L = t ? c->text_encoder.layers : c->encoder.layers;
+        if (m->router == VLMOE_ROUTER_NONE) continue;
+        NEED(m->router >= VLMOE_ROUTER_TOKENS && m->router <= VLMOE_ROUTER_SOFT, "%s.router: unknown value %d", nm, (int)m->router);
+        NEED(m->layers != 0 && (L >= 64 || (m->layers >> L) == 0), "%s.layers: must name blocks in [0, %d)", nm, L);
+        NEED(m->num_experts >= 1 && m->num_experts <= 4096, "%s.num_experts: %d not in [1, 4096]", nm, m->num_experts);
+        NEED(m->router != VLMOE_ROUTER_TOKENS || (m->top_k >= 1 && m->top_k <= m->num_experts),
+             "%s.top_k: %d not in [1, num_experts = %d]", nm, m->top_k, m->num_experts);
+        NEED(m->router == VLMOE_ROUTER_SOFT || (m->capacity_factor > 0 && m->eval_capacity_factor > 0),
+             "%s.capacity_factor / eval_capacity_factor must be > 0", nm);
+        NEED(m->capacity_multiple >= 0, "%s.capacity_multiple: %d must be >= 1 (0 means 1)", nm, m->capacity_multiple);
+        NEED(m->order >= VLMOE_ORDER_FIFO && m->order <= VLMOE_ORDER_RANDOM, "%s.order: unknown value", nm);
+        NEED(m->noise_std >= 0, "%s.noise_std must be >= 0", nm);
+        NEED(m->group_size >= 0, "%s.group_size must be >= 0 (0 = the whole batch)", nm);
+        NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
+             "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
+        for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+            NEED(m->aux_weight[k] >= 0, "%s.aux.%s: weight must be >= 0", nm, vlmoe_aux_name(k));
+    }
     NEED(c->init_temperature > 0 && c->max_temperature >= 1 && c->init_temperature <= c->max_temperature,
          "temperature: need 0 < init_temperature (%g) <= max_temperature (%g), max >= 1",
          c->init_temperature, c->max_temperature);
@@ -175,6 +275,148 @@ static int read_encoder(const cJSON *o, const char *what, const char *key, vlmoe
     return VLMOE_OK;
 }
 
+
+// cJSON prints doubles with 15 significant digits when they compare "close enough"; configs must
+// round-trip exactly (the temperature, thresholds like log 9), so numbers are written with
+// the fewest digits that read back exactly.
+static cJSON *num(double v) {
+    char b[40];
+    for (int digits = 15; digits <= 17; digits++) { // the shortest that reads back exactly
+        snprintf(b, sizeof(b), "%.*g", digits, v);
+        if (strtod(b, NULL) == v) break;
+    }
+    return cJSON_CreateRaw(b);
+}
+
+static void add_num(cJSON *o, const char *key, double v) { cJSON_AddItemToObject(o, key, num(v)); }
+
+static const char *ROUTER_NAMES[] = {"none", "tokens_choice", "experts_choice", "soft"};
+static const char *ORDER_NAMES[] = {"fifo", "bpr", "random"};
+static const char *BPR_NAMES[] = {"max", "sum"};
+static const char *RENORM_NAMES[] = {"none", "after_routing"};
+
+static int read_enum(const cJSON *v, const char *what, const char *key, const char **names, int n, int *out) {
+    int idx = cJSON_IsString(v) ? enum_index(v->valuestring, names, n) : -1;
+    if (idx < 0) {
+        char list[256] = "";
+        for (int i = 0; i < n; i++)
+            snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s\"%s\"", i ? ", " : "", names[i]);
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be one of %s", what, key, list);
+    }
+    *out = idx;
+    return VLMOE_OK;
+}
+
+static int read_num(const cJSON *v, const char *what, const char *key, double *out) {
+    if (!cJSON_IsNumber(v)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be a number", what, key);
+    *out = v->valuedouble;
+    return VLMOE_OK;
+}
+
+// "moe": {"preset": "limoe", "layers": "every_2" | [1, 3], "num_experts": 8, ...}. The preset is
+// applied first, whatever its position; the other keys override it.
+// "every_N" is resolved by the caller once the encoder's depth is known (*every = N).
+static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe_config *m, int *every) {
+    char k[128];
+    if (!cJSON_IsObject(o)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be an object", what, key);
+    const cJSON *pre = cJSON_GetObjectItemCaseSensitive(o, "preset");
+    if (pre) {
+        if (!cJSON_IsString(pre)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s.preset\" must be a string", what, key);
+        int e = m->num_experts;
+        const cJSON *ne = cJSON_GetObjectItemCaseSensitive(o, "num_experts");
+        if (cJSON_IsNumber(ne)) m->num_experts = (int)ne->valuedouble;
+        if (vlmoe_moe_preset(pre->valuestring, m)) return vlmoe_error_prefix("%s: %s.preset", what, key), VLMOE_ERR_CONFIG;
+        if (!ne) m->num_experts = e ? e : m->num_experts;
+    }
+    int st = VLMOE_OK;
+    for (const cJSON *it = o->child; it && !st; it = it->next) {
+        const char *n = it->string;
+        snprintf(k, sizeof(k), "%s.%s", key, n);
+        int iv;
+        if (!strcmp(n, "preset")) continue;
+        if (!strcmp(n, "router")) {
+            if (!(st = read_enum(it, what, k, ROUTER_NAMES, 4, &iv))) m->router = (vlmoe_router_kind)iv;
+        } else if (!strcmp(n, "layers")) {
+            if (cJSON_IsString(it) && !strncmp(it->valuestring, "every_", 6) && atoi(it->valuestring + 6) > 0) {
+                *every = atoi(it->valuestring + 6);
+            } else if (cJSON_IsArray(it)) {
+                m->layers = 0;
+                *every = 0;
+                for (const cJSON *x = it->child; x && !st; x = x->next) {
+                    if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 || x->valuedouble > 63)
+                        st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must list block indices in [0, 63]", what, k);
+                    else
+                        m->layers |= 1ULL << (int)x->valuedouble;
+                }
+            } else {
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be \"every_N\" or a list of block indices", what, k);
+            }
+        } else if (!strcmp(n, "num_experts")) st = read_int(it, what, k, &m->num_experts);
+        else if (!strcmp(n, "top_k")) st = read_int(it, what, k, &m->top_k);
+        else if (!strcmp(n, "capacity_factor")) st = read_num(it, what, k, &m->capacity_factor);
+        else if (!strcmp(n, "eval_capacity_factor")) st = read_num(it, what, k, &m->eval_capacity_factor);
+        else if (!strcmp(n, "capacity_multiple")) st = read_int(it, what, k, &m->capacity_multiple);
+        else if (!strcmp(n, "order")) st = read_enum(it, what, k, ORDER_NAMES, 3, &m->order);
+        else if (!strcmp(n, "bpr_score")) st = read_enum(it, what, k, BPR_NAMES, 2, &m->bpr_score);
+        else if (!strcmp(n, "gate_renorm")) st = read_enum(it, what, k, RENORM_NAMES, 2, &m->gate_renorm);
+        else if (!strcmp(n, "noise_std")) st = read_num(it, what, k, &m->noise_std);
+        else if (!strcmp(n, "group_size")) st = read_int(it, what, k, &m->group_size);
+        else if (!strcmp(n, "slots_per_expert")) st = read_int(it, what, k, &m->slots_per_expert);
+        else if (!strcmp(n, "global_tau")) {
+            if (!cJSON_IsArray(it) || cJSON_GetArraySize(it) != 2 || !cJSON_IsNumber(it->child) || !cJSON_IsNumber(it->child->next))
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers (0 = log of the token count)", what, k);
+            else
+                m->global_tau[0] = it->child->valuedouble, m->global_tau[1] = it->child->next->valuedouble;
+        } else if (!strcmp(n, "aux")) {
+            if (!cJSON_IsObject(it)) {
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be an object {loss name: weight}", what, k);
+                break;
+            }
+            memset(m->aux_weight, 0, sizeof(m->aux_weight)); // an explicit list replaces the preset's
+            for (const cJSON *a = it->child; a && !st; a = a->next) {
+                int kind = 0;
+                while (kind < VLMOE_AUX_COUNT && strcmp(vlmoe_aux_name((vlmoe_aux_kind)kind), a->string)) kind++;
+                char ak[192];
+                snprintf(ak, sizeof(ak), "%s.%s", k, a->string);
+                if (kind == VLMOE_AUX_COUNT)
+                    st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: unknown auxiliary loss \"%s\"", what, ak);
+                else
+                    st = read_num(a, what, ak, &m->aux_weight[kind]);
+            }
+        } else {
+            st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: unknown key \"%s\"", what, k);
+        }
+    }
+    return st;
+}
+
+static cJSON *moe_json(const vlmoe_moe_config *m) {
+    cJSON *o = cJSON_CreateObject(), *layers = cJSON_CreateArray(), *aux = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "router", ROUTER_NAMES[m->router]);
+    for (int l = 0; l < 64; l++)
+        if (m->layers >> l & 1) cJSON_AddItemToArray(layers, num(l));
+    cJSON_AddItemToObject(o, "layers", layers);
+    add_num(o, "num_experts", m->num_experts);
+    add_num(o, "top_k", m->top_k);
+    add_num(o, "capacity_factor", m->capacity_factor);
+    add_num(o, "eval_capacity_factor", m->eval_capacity_factor);
+    add_num(o, "capacity_multiple", m->capacity_multiple);
+    cJSON_AddStringToObject(o, "order", ORDER_NAMES[m->order]);
+    cJSON_AddStringToObject(o, "bpr_score", BPR_NAMES[m->bpr_score]);
+    cJSON_AddStringToObject(o, "gate_renorm", RENORM_NAMES[m->gate_renorm]);
+    add_num(o, "noise_std", m->noise_std);
+    add_num(o, "group_size", m->group_size);
+    add_num(o, "slots_per_expert", m->slots_per_expert);
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+        if (m->aux_weight[k] != 0) add_num(aux, vlmoe_aux_name((vlmoe_aux_kind)k), m->aux_weight[k]);
+    cJSON_AddItemToObject(o, "aux", aux);
+    cJSON *tau = cJSON_CreateArray();
+    cJSON_AddItemToArray(tau, num(m->global_tau[0]));
+    cJSON_AddItemToArray(tau, num(m->global_tau[1]));
+    cJSON_AddItemToObject(o, "global_tau", tau);
+    return o;
+}
+
 static int read_key(const cJSON *v, const key_spec *k, const char *what, vlmoe_model_config *c) {
     char *field = (char *)c + k->off;
     int idx;
@@ -226,6 +468,7 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
     memset(&c, 0, sizeof(c));
     const cJSON *base = cJSON_GetObjectItemCaseSensitive(root, "base");
     const int complete = base == NULL;
+    int every[2] = {0, 0};
     if (base) {
         if (!cJSON_IsString(base)) {
             st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"base\" must be a model name", what);
@@ -238,6 +481,11 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
     }
     for (const cJSON *it = root->child; it; it = it->next) {
         if (!strcmp(it->string, "base")) continue;
+        if (!strcmp(it->string, "moe") || !strcmp(it->string, "text_moe")) {
+            int t = it->string[0] != 'm';
+            if ((st = read_moe(it, what, it->string, t ? &c.text_moe : &c.moe, &every[t]))) goto done;
+            continue;
+        }
         if (!strcmp(it->string, "encoder") || !strcmp(it->string, "text_encoder")) {
             vlmoe_encoder_config *e = it->string[0] == 'e' ? &c.encoder : &c.text_encoder;
             if ((st = read_encoder(it, what, it->string, e, complete))) goto done;
@@ -264,6 +512,8 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
             goto done;
         }
     }
+    if (every[0]) c.moe.layers = vlmoe_moe_every(every[0], c.encoder.layers);
+    if (every[1]) c.text_moe.layers = vlmoe_moe_every(every[1], c.text_encoder.layers);
     if ((st = vlmoe_config_validate(&c))) {
         vlmoe_error_prefix("%s", what);
         goto done;
@@ -301,10 +551,10 @@ int vlmoe_config_load(const char *path, vlmoe_model_config *out) {
 
 static cJSON *encoder_json(const vlmoe_encoder_config *e) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "width", e->width);
-    cJSON_AddNumberToObject(o, "layers", e->layers);
-    cJSON_AddNumberToObject(o, "heads", e->heads);
-    cJSON_AddNumberToObject(o, "mlp_dim", e->mlp_dim);
+    add_num(o, "width", e->width);
+    add_num(o, "layers", e->layers);
+    add_num(o, "heads", e->heads);
+    add_num(o, "mlp_dim", e->mlp_dim);
     return o;
 }
 
@@ -313,24 +563,27 @@ char *vlmoe_config_to_json(const vlmoe_model_config *c) {
     if (!o) return NULL;
     cJSON_AddStringToObject(o, "name", c->name);
     cJSON_AddStringToObject(o, "arch", c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower" : "two_tower");
-    cJSON_AddNumberToObject(o, "image_size", c->image_size);
-    cJSON_AddNumberToObject(o, "patch_size", c->patch_size);
-    cJSON_AddNumberToObject(o, "channels", c->channels);
-    cJSON_AddNumberToObject(o, "vocab_size", c->vocab_size);
-    cJSON_AddNumberToObject(o, "context_length", c->context_length);
-    cJSON_AddNumberToObject(o, "embed_dim", c->embed_dim);
+    add_num(o, "image_size", c->image_size);
+    add_num(o, "patch_size", c->patch_size);
+    add_num(o, "channels", c->channels);
+    add_num(o, "vocab_size", c->vocab_size);
+    add_num(o, "context_length", c->context_length);
+    add_num(o, "embed_dim", c->embed_dim);
     cJSON_AddItemToObject(o, "encoder", encoder_json(&c->encoder));
     if (c->arch == VLMOE_ARCH_TWO_TOWER) cJSON_AddItemToObject(o, "text_encoder", encoder_json(&c->text_encoder));
     cJSON_AddStringToObject(o, "act", ACT_NAMES[c->act]);
-    cJSON_AddNumberToObject(o, "ln_eps", c->ln_eps);
+    add_num(o, "ln_eps", c->ln_eps);
     cJSON_AddBoolToObject(o, "patch_bias", c->patch_bias);
     cJSON_AddBoolToObject(o, "image_class_token", c->image_class_token);
     cJSON_AddBoolToObject(o, "image_ln_pre", c->image_ln_pre);
     cJSON_AddStringToObject(o, "image_pool", POOL_NAMES[c->image_pool]);
     cJSON_AddBoolToObject(o, "text_causal", c->text_causal);
     cJSON_AddStringToObject(o, "text_pool", POOL_NAMES[c->text_pool]);
-    cJSON_AddNumberToObject(o, "init_temperature", c->init_temperature);
-    cJSON_AddNumberToObject(o, "max_temperature", c->max_temperature);
+    add_num(o, "init_temperature", c->init_temperature);
+    add_num(o, "max_temperature", c->max_temperature);
+    if (c->moe.router != VLMOE_ROUTER_NONE) cJSON_AddItemToObject(o, "moe", moe_json(&c->moe));
+    if (c->arch == VLMOE_ARCH_TWO_TOWER && c->text_moe.router != VLMOE_ROUTER_NONE)
+        cJSON_AddItemToObject(o, "text_moe", moe_json(&c->text_moe));
     char *s = cJSON_Print(o);
     cJSON_Delete(o);
     return s;

@@ -7,13 +7,16 @@
 // differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
 #include <string.h>
 
-#include "core/core.h"
 #include "core/real.h"
+#include "core/core.h"
+#include "moe/layer.h"
 #include "nn/model.h"
 
 typedef struct {
     real *ln1, *ln1_m, *ln1_r, *qkv, *att, *atty, *res1, *ln2, *ln2_m, *ln2_r;
     real *h, *a, *res2; // feed-forward: fc1 output (pre-activation), activation, block output
+    struct R(moe_state) *moe; // the MoE layer's own buffers, when this block has one
+    moe_spec spec;
 } layer_acts;
 
 typedef struct {
@@ -26,6 +29,7 @@ typedef struct {
     layer_acts *layers;
     // backward scratch, shared by all layers
     real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
+    uint8_t *modality;           // (ntok) VLMOE_MOD_* of every token
 } enc_state;
 
 typedef struct {
@@ -47,6 +51,10 @@ struct R(graph) {
     real *arena;
     size_t arena_n, ints_n;
     int32_t *ints;
+    int training;
+    uint64_t seed;
+    double aux;
+    vlmoe_moe_stats *stats;      // (L->nmoe)
 };
 
 // Carves the arena in two passes: first with base == NULL to count, then for real.
@@ -161,6 +169,27 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
     if (!g->arena || !g->ints) return R(graph_free)(g), VLMOE_ERR_NOMEM;
     c = (carver){g->arena, 0};
     plan(g, &c);
+    g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
+    if (!g->stats) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    for (int e = 0; e < L->nenc; e++) {
+        enc_state *s = &g->enc[e];
+        s->modality = vlmoe_alloc(s->ntok + 1, "token modalities");
+        if (!s->modality) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+        for (int k = 0; k < s->nseg; k++)
+            memset(s->modality + s->seg[k].tok_off, s->mod_of_seg[k] == MOD_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE,
+                   (size_t)s->seg[k].nseq * s->seg[k].seqlen);
+        for (int l = 0; l < L->enc[e].layers; l++) {
+            const ffn_layout *f = &L->enc[e].blocks[l].ffn;
+            if (f->kind != FFN_MOE) continue;
+            layer_acts *a = &s->layers[l];
+            a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
+                                 f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale};
+            int st = R(moe_state_create)(&a->moe, &a->spec, (int)s->ntok);
+            if (st) return R(graph_free)(g), st;
+            g->stats[f->moe_index].encoder = e;
+            g->stats[f->moe_index].block = l;
+        }
+    }
     g->mod[MOD_TEXT].tokens = g->ints;
     g->mod[MOD_TEXT].lens = g->ints + (size_t)B * T;
     *out = g;
@@ -169,7 +198,12 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
 
 void R(graph_free)(struct R(graph) *g) {
     if (!g) return;
-    for (int e = 0; e < 2; e++) vlmoe_free_mem(g->enc[e].layers);
+    for (int e = 0; e < 2; e++) {
+        for (int l = 0; g->enc[e].layers && l < g->L->enc[e].layers; l++) R(moe_state_free)(g->enc[e].layers[l].moe);
+        vlmoe_free_mem(g->enc[e].layers);
+        vlmoe_free_mem(g->enc[e].modality);
+    }
+    vlmoe_free_mem(g->stats);
     vlmoe_free_mem(g->arena);
     vlmoe_free_mem(g->ints);
     vlmoe_free_mem(g);
@@ -177,6 +211,16 @@ void R(graph_free)(struct R(graph) *g) {
 
 const real *R(graph_embeddings)(const struct R(graph) *g, int modality) {
     return g->mod[modality].emb;
+}
+
+void R(graph_set_mode)(struct R(graph) *g, int training, uint64_t seed) {
+    g->training = training;
+    g->seed = seed;
+}
+
+const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) {
+    if (count) *count = g->L->nmoe;
+    return g->L->nmoe ? g->stats : NULL;
 }
 
 // Token range [t0, t0+n) of the segments present in this forward (they are contiguous: image
@@ -193,9 +237,19 @@ static void active_range(const struct R(graph) *g, const enc_state *s, size_t *t
     *n = hi > lo ? hi - lo : 0;
 }
 
-// The feed-forward of one block: out (n,D) = res (n,D) + ffn(inp (n,D)).
-static void ffn_forward(const ffn_layout *f, layer_acts *a, const real *P, size_t t0, int n,
-                        int D, int M, int act) {
+// The feed-forward of one block: out (n,D) = res (n,D) + ffn(inp (n,D)), a dense MLP or an
+// MoE layer (whose auxiliary loss is added to the graph's).
+static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout *f, layer_acts *a,
+                        const real *P, size_t t0, int n, int D, int M, int act) {
+    if (f->kind == FFN_MOE) {
+        memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
+        // the seed differs per layer and per call, so every layer draws its own noise
+        moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0};
+        double aux = 0;
+        R(moe_forward)(a->moe, &c, P, a->ln2 + t0 * D, a->res2 + t0 * D, &aux, &g->stats[f->moe_index]);
+        g->aux += aux;
+        return;
+    }
     R(linear_forward)(a->h + t0 * M, a->ln2 + t0 * D, P + f->fc1_w, P + f->fc1_b, n, D, M, 0);
     R(act_forward)(a->a + t0 * M, a->h + t0 * M, (size_t)n * M, act);
     memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
@@ -206,6 +260,11 @@ static void ffn_forward(const ffn_layout *f, layer_acts *a, const real *P, size_
 // the residual's own gradient (identity) is left in dres for the caller.
 static void ffn_backward(const ffn_layout *f, const layer_acts *a, enc_state *s, const real *P,
                          real *G, size_t t0, int n, int D, int M, int act) {
+    if (f->kind == FFN_MOE) {
+        memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
+        R(moe_backward)(a->moe, P, G, a->ln2 + t0 * D, s->dres + t0 * D, s->dln + t0 * D, 1.0);
+        return;
+    }
     memset(s->da + t0 * M, 0, sizeof(real) * (size_t)n * M);
     memset(s->dh + t0 * M, 0, sizeof(real) * (size_t)n * M);
     memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
@@ -240,7 +299,7 @@ static void encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
                           D, 1);
         R(layernorm_forward)(a->ln2 + t0 * D, a->ln2_m + t0, a->ln2_r + t0, a->res1 + t0 * D,
                              P + bl->ln2_w, P + bl->ln2_b, n, D, cfg->ln_eps);
-        ffn_forward(&bl->ffn, a, P, t0, n, D, M, cfg->act);
+        ffn_forward(g, s, &bl->ffn, a, P, t0, n, D, M, cfg->act);
         x = a->res2;
     }
     R(layernorm_forward)(s->lnf + t0 * D, s->lnf_m + t0, s->lnf_r + t0, x + t0 * D, P + E->lnf_w,
@@ -368,6 +427,20 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         memcpy(g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
         g->enc[L->mod[MOD_TEXT].enc].seg[g->mod[MOD_TEXT].seg].lens = g->mod[MOD_TEXT].lens;
     }
+    // every MoE layer must be able to split this pass's tokens into its routing groups
+    for (int e = 0; e < L->nenc; e++) {
+        size_t t0, nn;
+        active_range(g, &g->enc[e], &t0, &nn);
+        for (int l = 0; l < L->enc[e].layers; l++) {
+            const layer_acts *a = &g->enc[e].layers[l];
+            int st = a->moe ? moe_check_groups(&a->spec, (int)nn, g->training) : VLMOE_OK;
+            if (st) {
+                vlmoe_error_prefix("encoder %d block %d", e, l);
+                return st;
+            }
+        }
+    }
+    g->aux = 0;
     for (int m = 0; m < NUM_MOD; m++)
         if (g->mod[m].present) stem_forward(g, m, P, images);
     for (int e = 0; e < L->nenc; e++) encoder_forward(g, &g->enc[e], P);
@@ -383,9 +456,12 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         R(l2norm_forward)(ms->emb, ms->norm, ms->proj, B, E);
     }
     if (res) memset(res, 0, sizeof(*res));
-    if (g->have_loss && res)
+    if (g->have_loss && res) {
         res->loss = R(contrastive_forward)(g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
                                            g->mod[MOD_TEXT].emb, P[L->logit_scale], B, E, res->acc);
+        res->aux = g->aux;
+        res->loss += g->aux;
+    }
     return VLMOE_OK;
 }
 

@@ -19,7 +19,8 @@ typedef struct {
 } table_builder;
 
 // Appends one named parameter and returns its offset.
-static size_t add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1) {
+static size_t add3(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1,
+                   int64_t d2) {
     model_layout *L = tb->L;
     if (L->nparams == tb->cap) {
         int cap = tb->cap ? 2 * tb->cap : 64;
@@ -34,16 +35,56 @@ static size_t add(table_builder *tb, const char *name, int decay, int ndim, int6
     p->ndim = ndim;
     p->shape[0] = d0;
     p->shape[1] = d1;
-    p->numel = ndim == 0 ? 1 : ndim == 1 ? (size_t)d0 : (size_t)d0 * (size_t)d1;
+    p->shape[2] = d2;
+    p->numel = ndim == 0 ? 1 : ndim == 1 ? (size_t)d0 : ndim == 2 ? (size_t)d0 * (size_t)d1
+                                                                 : (size_t)d0 * (size_t)d1 * (size_t)d2;
     p->offset = tb->off;
     p->decay = decay;
     tb->off += p->numel;
     return p->offset;
 }
 
+static size_t add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1) {
+    return add3(tb, name, decay, ndim, d0, d1, 0);
+}
+
+// The feed-forward of block l: a dense MLP, or an MoE layer whose experts are stored stacked
+// (E, ...) so a checkpoint does not depend on how experts are split over processes.
+static void add_ffn(table_builder *tb, encoder_layout *E, int l, const char *prefix) {
+    char n[128];
+    const int D = E->width, M = E->mlp;
+    ffn_layout *f = &E->blocks[l].ffn;
+    const vlmoe_moe_config *mc = E->moe;
+#define NAME(s) (snprintf(n, sizeof(n), "%s.blocks.%d.%s", prefix, l, s), n)
+    f->router_w = f->phi = f->scale = NO_PARAM;
+    if (mc->router == VLMOE_ROUTER_NONE || !(l < 64 && (mc->layers >> l & 1))) {
+        f->kind = FFN_MLP;
+        f->fc1_w = add(tb, NAME("mlp.fc1.weight"), 1, 2, M, D);
+        f->fc1_b = add(tb, NAME("mlp.fc1.bias"), 0, 1, M, 0);
+        f->fc2_w = add(tb, NAME("mlp.fc2.weight"), 1, 2, D, M);
+        f->fc2_b = add(tb, NAME("mlp.fc2.bias"), 0, 1, D, 0);
+        return;
+    }
+    const int X = mc->num_experts;
+    f->kind = FFN_MOE;
+    f->moe_index = tb->L->nmoe++;
+    if (mc->router == VLMOE_ROUTER_SOFT) {
+        int P = mc->slots_per_expert ? mc->slots_per_expert : (int)rint((double)mc->group_size / X);
+        f->phi = add3(tb, NAME("moe.soft.phi"), 1, 3, D, X, P < 1 ? 1 : P);
+        f->scale = add(tb, NAME("moe.soft.scale"), 0, 0, 0, 0);
+    } else {
+        f->router_w = add(tb, NAME("moe.router.weight"), 1, 2, X, D);
+    }
+    f->fc1_w = add3(tb, NAME("moe.experts.fc1.weight"), 1, 3, X, M, D);
+    f->fc1_b = add(tb, NAME("moe.experts.fc1.bias"), 0, 2, X, M);
+    f->fc2_w = add3(tb, NAME("moe.experts.fc2.weight"), 1, 3, X, D, M);
+    f->fc2_b = add(tb, NAME("moe.experts.fc2.bias"), 0, 2, X, D);
+#undef NAME
+}
+
 static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix) {
     char n[96];
-    const int D = E->width, M = E->mlp;
+    const int D = E->width;
     for (int l = 0; l < E->layers; l++) {
         block_layout *b = &E->blocks[l];
 #define NAME(s) (snprintf(n, sizeof(n), "%s.blocks.%d.%s", prefix, l, s), n)
@@ -55,12 +96,8 @@ static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix
         b->out_b = add(tb, NAME("attn.out.bias"), 0, 1, D, 0);
         b->ln2_w = add(tb, NAME("ln2.weight"), 0, 1, D, 0);
         b->ln2_b = add(tb, NAME("ln2.bias"), 0, 1, D, 0);
-        b->ffn.kind = FFN_MLP;
-        b->ffn.fc1_w = add(tb, NAME("mlp.fc1.weight"), 1, 2, M, D);
-        b->ffn.fc1_b = add(tb, NAME("mlp.fc1.bias"), 0, 1, M, 0);
-        b->ffn.fc2_w = add(tb, NAME("mlp.fc2.weight"), 1, 2, D, M);
-        b->ffn.fc2_b = add(tb, NAME("mlp.fc2.bias"), 0, 1, D, 0);
 #undef NAME
+        add_ffn(tb, E, l, prefix);
     }
     snprintf(n, sizeof(n), "%s.ln_final.weight", prefix);
     E->lnf_w = add(tb, n, 0, 1, D, 0);
@@ -76,7 +113,8 @@ int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     L->nenc = cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1;
     for (int e = 0; e < L->nenc; e++) {
         const vlmoe_encoder_config *ec = e ? &cfg->text_encoder : &cfg->encoder;
-        L->enc[e] = (encoder_layout){ec->width, ec->layers, ec->heads, ec->mlp_dim, NULL, 0, 0};
+        L->enc[e] = (encoder_layout){ec->width, ec->layers, ec->heads, ec->mlp_dim, NULL, 0, 0,
+                                     e ? &L->cfg.text_moe : &L->cfg.moe};
         L->enc[e].blocks = calloc((size_t)(ec->layers ? ec->layers : 1), sizeof(block_layout));
         if (!L->enc[e].blocks) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
     }
@@ -144,19 +182,24 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
         vlmoe_rng_seed(&r, seed * 1000003ULL + (uint64_t)i);
         if (!strcmp(p->name, "logit_scale")) {
             w[0] = (float)log(L->cfg.init_temperature);
+        } else if (ends_with(p->name, "soft.scale")) {
+            w[0] = 1; // Soft MoE's learned scale starts at 1 (MOE.md)
         } else if (ends_with(p->name, "ln1.weight") || ends_with(p->name, "ln2.weight") ||
                    strstr(p->name, "ln_final.weight") || strstr(p->name, "ln_pre.weight")) {
             for (size_t k = 0; k < p->numel; k++) w[k] = 1;
-        } else if (p->ndim == 1 && !strstr(p->name, "class_token")) {
+        } else if (ends_with(p->name, ".bias")) {
             memset(w, 0, sizeof(float) * p->numel);
         } else {
             double std;
             int xavier = 0;
-            if (strstr(p->name, "patch_embed")) std = 1.0 / sqrt((double)p->shape[1]);
-            else if (ends_with(p->name, ".proj")) std = 1.0 / sqrt((double)p->shape[1]);
+            if (strstr(p->name, "patch_embed") || ends_with(p->name, ".proj") || strstr(p->name, "soft.phi"))
+                std = 1.0 / sqrt((double)(p->ndim == 3 ? p->shape[0] : p->shape[1])); // LeCun normal
+            else if (strstr(p->name, "router")) std = 0.02;
             else if (p->decay) xavier = 1, std = 0;
             else std = 0.02;
-            int64_t rows = p->ndim == 2 ? p->shape[0] : 1, cols = p->ndim == 2 ? p->shape[1] : (int64_t)p->numel;
+            // fan-out x fan-in of one matrix: (out, in), or (E, out, in) for stacked experts
+            int64_t rows = p->ndim == 3 ? p->shape[1] : p->ndim == 2 ? p->shape[0] : 1;
+            int64_t cols = p->ndim == 3 ? p->shape[2] : p->ndim == 2 ? p->shape[1] : (int64_t)p->numel;
             if (xavier && strstr(p->name, "qkv")) rows /= 3; // three (D, D) blocks
             double lim = sqrt(6.0 / (double)(rows + cols));
             for (size_t k = 0; k < p->numel; k++)
@@ -171,6 +214,8 @@ struct vlmoe_model {
     graph_f32 *g;
     int planned_B;
     int have_forward;
+    uint64_t seed;           // the init seed: also seeds the routing noise
+    uint64_t forwards;       // training forwards so far: the routing noise of the next one
 };
 
 int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed) {
@@ -183,6 +228,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     m->grads = vlmoe_calloc(sizeof(float) * m->L.total, "gradients");
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
     model_layout_init_params(&m->L, m->params, seed);
+    m->seed = seed;
     *out = m;
     return VLMOE_OK;
 }
@@ -222,11 +268,13 @@ int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *
     int st = vlmoe_model_plan(m, b->batch_size);
     if (st) return st;
     graph_result r;
+    graph_set_mode_f32(m->g, 1, m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++);
     if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
     m->have_forward = 1;
     if (stats) {
         memset(stats, 0, sizeof(*stats));
-        stats->contrastive = r.loss;
+        stats->contrastive = r.loss - r.aux;
+        stats->aux = r.aux;
         stats->loss = r.loss;
         stats->acc_i2t = r.acc[0];
         stats->acc_t2i = r.acc[1];
@@ -284,6 +332,7 @@ static int encode(vlmoe_model *m, int modality, const float *images, const int32
                 ln = pad_tok + (size_t)B * T;
             }
         }
+        graph_set_mode_f32(m->g, 0, 0);
         st = graph_forward_f32(m->g, m->params, im, tk, ln, NULL);
         if (!st) memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
     }
@@ -300,6 +349,14 @@ int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float 
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out) {
     return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
+}
+
+const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count) {
+    if (!m->g) {
+        if (count) *count = 0;
+        return NULL;
+    }
+    return graph_moe_stats_f32(m->g, count);
 }
 
 int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {

@@ -8,12 +8,15 @@
 #include "vlmoe.h"
 
 enum { MOD_IMAGE = 0, MOD_TEXT = 1, NUM_MOD = 2 };
-enum { FFN_MLP = 0 };
+enum { FFN_MLP = 0, FFN_MOE = 1 };
 
-// The feed-forward of one block: whatever it is (a dense MLP today; an MoE layer plugs in here).
+// The feed-forward of one block: a dense MLP or an MoE layer (src/moe/layer.c).
 typedef struct {
-    int kind;                        // FFN_MLP
-    size_t fc1_w, fc1_b, fc2_w, fc2_b;
+    int kind;                        // FFN_MLP or FFN_MOE
+    size_t fc1_w, fc1_b, fc2_w, fc2_b; // MLP, or the experts' stacked (E, ...) weights
+    size_t router_w;                 // (E, D), tokens/experts choice
+    size_t phi, scale;               // Soft MoE slots (D, E, P) and scale
+    int moe_index;                   // this MoE layer's row in the model's routing statistics
 } ffn_layout;
 
 typedef struct {
@@ -25,6 +28,7 @@ typedef struct {
     int width, layers, heads, mlp;
     block_layout *blocks;            // (layers)
     size_t lnf_w, lnf_b;             // final LayerNorm
+    const vlmoe_moe_config *moe;     // points into the layout's config
 } encoder_layout;
 
 typedef struct {
@@ -46,6 +50,7 @@ typedef struct {
     vlmoe_param_info *table;
     int nparams;
     size_t total;                    // floats in the flat buffer
+    int nmoe;                        // MoE layers in the model
 } model_layout;
 
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg);
@@ -56,6 +61,7 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
 // What one forward computes: contrastive stats, and which modalities are present.
 typedef struct {
     double loss, acc[2];
+    double aux;            // weighted MoE auxiliary losses (included in loss)
 } graph_result;
 
 #define GRAPH_DECL(T, S)                                                                       \
@@ -68,7 +74,10 @@ typedef struct {
     /* accumulates d(loss)/d(params) into grads (caller zeroes) */                              \
     void graph_backward_##S(graph_##S *g, const T *params, T *grads);                            \
     /* (B, embed_dim) normalised embeddings of the last forward, per modality */                 \
-    const T *graph_embeddings_##S(const graph_##S *g, int modality);
+    const T *graph_embeddings_##S(const graph_##S *g, int modality);                            \
+    /* training: noise and the train capacity factor; seed draws the routing noise */           \
+    void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
+    const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);
 
 GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)

@@ -1,0 +1,46 @@
+// layer.h: the MoE feed-forward layer as the model graph uses it: router, routing decision,
+// per-expert matrix products over packed token buffers, combine, auxiliary losses, routing
+// statistics, and the backward of all of it. Compiled for float and double (src/moe/layer.c).
+// Covered by tests/test_moe_layer.c.
+#ifndef VLMOE_MOE_LAYER_H
+#define VLMOE_MOE_LAYER_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vlmoe.h"
+
+// Where one MoE layer's parameters live in the flat buffer, and its shapes.
+typedef struct {
+    const vlmoe_moe_config *cfg;
+    int D, M, act;
+    size_t router_w, w1, b1, w2, b2, phi, scale; // offsets (NO_PARAM where absent)
+} moe_spec;
+
+// One forward call over the n tokens of the active range.
+typedef struct {
+    int n;
+    int training;            // training: noise, train capacity factor; else eval factor
+    uint64_t seed;           // noise and random dispatch order of this call
+    const uint8_t *modality; // (n) VLMOE_MOD_* of each token
+} moe_call;
+
+#define MOE_LAYER_DECL(T, S)                                                                     \
+    typedef struct moe_state_##S moe_state_##S;                                                  \
+    /* plans buffers for up to nmax tokens; nothing is allocated later */                        \
+    int moe_state_create_##S(moe_state_##S **out, const moe_spec *spec, int nmax);               \
+    void moe_state_free_##S(moe_state_##S *st);                                                  \
+    /* out (n,D) += moe(x (n,D)); returns the weighted auxiliary loss; fills stats */           \
+    int moe_forward_##S(moe_state_##S *st, const moe_call *c, const T *P, const T *x, T *out,    \
+                        double *aux, vlmoe_moe_stats *stats);                                   \
+    /* dx (n,D) and the parameter gradients G accumulate; dout (n,D); daux scales the aux loss */\
+    void moe_backward_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout, T *dx,  \
+                          double daux);
+
+MOE_LAYER_DECL(float, f32)
+MOE_LAYER_DECL(double, f64)
+
+// Validates that n tokens split into routing groups for this layer (group_size divides n, the
+// capacity is >= 1, Soft MoE's slot count matches). Message names the layer's config.
+int moe_check_groups(const moe_spec *spec, int n, int training);
+
+#endif
