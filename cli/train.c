@@ -79,6 +79,42 @@ int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, c
     return st;
 }
 
+// Per-layer, per-modality routing statistics as JSON; succ gets the lowest success rate of each
+// modality over the layers (for the progress line).
+static cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
+    static const char *mod[2] = {"image", "text"};
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; i < n; i++) {
+        const vlmoe_moe_stats *x = &ms[i];
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "encoder", x->encoder);
+        cJSON_AddNumberToObject(o, "block", x->block);
+        for (int m = 0; m < 2; m++) {
+            if (!x->tokens[m]) continue;
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddNumberToObject(t, "tokens", x->tokens[m]);
+            cJSON_AddNumberToObject(t, "success", x->success[m]);
+            cJSON_AddNumberToObject(t, "dropped", x->dropped[m]);
+            cJSON_AddNumberToObject(t, "mean_max_gate", x->mean_max_gate[m]);
+            cJSON_AddNumberToObject(t, "entropy_pre", x->entropy_pre[m]);
+            cJSON_AddNumberToObject(t, "entropy_post", x->entropy_post[m]);
+            cJSON_AddNumberToObject(t, "experts_used", x->experts_used[m]);
+            if (x->routed[m]) {
+                cJSON_AddItemToObject(t, "routed", cJSON_CreateDoubleArray(x->routed[m], x->num_experts));
+                cJSON_AddItemToObject(t, "accepted", cJSON_CreateDoubleArray(x->accepted[m], x->num_experts));
+            }
+            cJSON_AddItemToObject(o, mod[m], t);
+            if (x->success[m] < succ[m]) succ[m] = x->success[m];
+        }
+        cJSON *aux = cJSON_CreateObject();
+        for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+            if (x->aux[k] != 0) cJSON_AddNumberToObject(aux, vlmoe_aux_name((vlmoe_aux_kind)k), x->aux[k]);
+        cJSON_AddItemToObject(o, "aux", aux);
+        cJSON_AddItemToArray(arr, o);
+    }
+    return arr;
+}
+
 static const char *USAGE =
     "usage: vlmoe train [options]\n\n"
     "Trains a contrastive image-text model (LIMoE one_tower or CLIP two_tower) and writes\n"
@@ -266,6 +302,10 @@ int cmd_train(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "grad_norm", s.grad_norm);
             cJSON_AddNumberToObject(o, "images_per_s", ips);
             cJSON_AddNumberToObject(o, "s_per_step", per);
+            double succ[2] = {1, 1};
+            int nmoe;
+            const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &nmoe);
+            if (nmoe) cJSON_AddItemToObject(o, "moe", cli_moe_json(ms, nmoe, succ));
             char *line = cJSON_PrintUnformatted(o);
             fprintf(metrics, "%s\n", line);
             fflush(metrics);
@@ -273,8 +313,10 @@ int cmd_train(int argc, char **argv) {
             cJSON_Delete(o);
             char eta[32];
             fmt_eta(eta, sizeof(eta), per * (double)(a.steps - step - 1));
-            fprintf(stderr, "%sstep %ld/%ld  loss %.4f (avg %.4f)  acc %.2f/%.2f  T %.1f  lr %.2e  %.0f img/s  ETA %s%s",
-                    tty ? "\r\033[K" : "", step + 1, a.steps, s.loss, sum_loss / (double)(step + 1 - last_step),
+            char moe[64] = "";
+            if (nmoe) snprintf(moe, sizeof(moe), "  aux %.4f  success %.2f/%.2f", s.aux, succ[0], succ[1]);
+            fprintf(stderr, "%sstep %ld/%ld  loss %.4f (avg %.4f)%s  acc %.2f/%.2f  T %.1f  lr %.2e  %.0f img/s  ETA %s%s",
+                    tty ? "\r\033[K" : "", step + 1, a.steps, s.loss, sum_loss / (double)(step + 1 - last_step), moe,
                     s.acc_i2t, s.acc_t2i, s.temperature, s.lr, ips, eta, tty ? "" : "\n");
             t_last = t;
             last_step = step + 1;
