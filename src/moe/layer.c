@@ -252,7 +252,8 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
         vlmoe_rng r;
         vlmoe_rng_seed(&r, c->seed);
         const double sigma = cfg->noise_std / E; // MOE.md: l + (noise_std/E) N(0,1)
-        for (size_t i = 0; i < (size_t)n * E; i++) st->noisy[i] = st->logits[i] + (real)(sigma * vlmoe_rng_normal(&r));
+        for (size_t i = 0; i < (size_t)n * E; i++)
+            st->noisy[i] = st->logits[i] + (real)(c->noise ? c->noise[i] : sigma * vlmoe_rng_normal(&r));
         R(softmax_forward)(st->gates, st->noisy, n, E);
     } else {
         memcpy(st->gates, st->probs, sizeof(real) * (size_t)n * E);

@@ -22,6 +22,8 @@ typedef struct {
     int training;            // training: noise, train capacity factor; else eval factor
     uint64_t seed;           // noise and random dispatch order of this call
     const uint8_t *modality; // (n) VLMOE_MOD_* of each token
+    const double *noise;     // (n,E) the additive logit noise to use instead of drawing it (tests
+                             // that pin the noise); NULL: draw (noise_std/E) N(0,1) from seed
 } moe_call;
 
 #define MOE_LAYER_DECL(T, S)                                                                     \

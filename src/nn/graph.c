@@ -244,7 +244,8 @@ static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout
     if (f->kind == FFN_MOE) {
         memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
         // the seed differs per layer and per call, so every layer draws its own noise
-        moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0};
+        moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0,
+                      NULL};
         double aux = 0;
         R(moe_forward)(a->moe, &c, P, a->ln2 + t0 * D, a->res2 + t0 * D, &aux, &g->stats[f->moe_index]);
         g->aux += aux;

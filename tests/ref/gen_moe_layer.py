@@ -1,0 +1,101 @@
+"""gen_moe_layer.py: a PyTorch reference of the tokens-choice and experts-choice MoE layers,
+written from ../shared/spec/MOE.md independently of src/moe/: router logits, explicit noise,
+softmax gates, top-K with capacity and FIFO or BPR order (first choices before second ones),
+combine by the gates (optionally renormalised after routing), stacked expert MLPs, and the
+auxiliary losses of gen_moe_aux.py. Dispatch is vectorised (cumulative counts over one-hot
+assignments). For each case NAME writes moe_layer_NAME.safetensors: inputs, parameters, noise,
+output, auxiliary loss and autograd gradients of loss = sum(out * r) + weighted aux.
+Consumed by tests/test_parity.c."""
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import gen_moe_aux as ga
+import st
+
+S, D, E, M = 24, 8, 4, 16
+N_IMAGE = 16  # tokens 0..15 are image tokens, 16..23 text (one_tower: images first)
+
+
+def route_tokens_choice(gates, k, cap, order):
+    """Returns a (S, E) 0/1 mask of accepted assignments."""
+    score = gates.max(-1).values
+    prio = torch.arange(S) if order == "fifo" else torch.sort(-score, stable=True).indices
+    topi = gates.topk(k, dim=-1).indices  # (S, K) by rank
+    accepted = torch.zeros(S, E)
+    used = torch.zeros(E)
+    for rank in range(k):  # every first choice before any second choice
+        onehot = F.one_hot(topi[prio, rank], E).float()  # in priority order
+        pos = used + onehot.cumsum(0) - onehot  # arrival position at the expert
+        ok = onehot * (pos < cap).float()
+        accepted[prio] += ok
+        used += onehot.sum(0)
+    return accepted, topi
+
+
+def experts(x, w1, b1, w2, b2, act):
+    # every expert on every token; the mask picks (a reference, not a fast path)
+    h = torch.einsum("sd,emd->esm", x, w1) + b1[:, None, :]
+    return torch.einsum("esm,edm->esd", act(h), w2) + b2[:, None, :]
+
+
+def case(out, name, router, k, cf, order, renorm, aux_weights, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, D, generator=g, requires_grad=True)
+    wr = (0.5 * torch.randn(E, D, generator=g)).requires_grad_(True)
+    w1 = (0.3 * torch.randn(E, M, D, generator=g)).requires_grad_(True)
+    b1 = (0.1 * torch.randn(E, M, generator=g)).requires_grad_(True)
+    w2 = (0.3 * torch.randn(E, D, M, generator=g)).requires_grad_(True)
+    b2 = (0.1 * torch.randn(E, D, generator=g)).requires_grad_(True)
+    noise_std = 1.0 if router == "tokens" else 0.0
+    noise = (noise_std / E) * torch.randn(S, E, generator=g, dtype=torch.float64)
+    r = torch.randn(S, D, generator=g)
+    mod = torch.tensor([0] * N_IMAGE + [1] * (S - N_IMAGE))
+    logits = x @ wr.t()
+    noisy = logits + noise.float() if noise_std > 0 else logits
+    gates = noisy.softmax(-1)
+    if router == "tokens":
+        cap = math.ceil(cf * S * k / E)
+        acc, topi = route_tokens_choice(gates.detach(), k, cap, order)
+        comb = gates * acc
+        if renorm:
+            comb = comb / comb.sum(-1, keepdim=True).clamp_min(1e-30)
+        wanted = F.one_hot(topi, E).sum((0, 1)).float()
+    else:
+        cap = min(math.ceil(cf * S / E), S)
+        top = gates.detach().t().topk(cap, dim=-1).indices  # (E, C): each expert's tokens
+        acc = torch.zeros(E, S).scatter(1, top, 1.0).t()
+        comb = gates * acc
+        wanted = acc.sum(0)
+    y_all = experts(x, w1, b1, w2, b2, lambda h: F.gelu(h, approximate="tanh"))  # (E, S, D)
+    y = torch.einsum("se,esd->sd", comb, y_all)
+    aux = torch.zeros(())
+    if aux_weights:
+        ga.S, ga.E, ga.K, ga.NOISE_STD = S, E, k, noise_std
+        ls = ga.losses(logits, noisy, mod, wanted, [math.log(20.0), math.log(9.0)])
+        for key, w in aux_weights.items():
+            aux = aux + w * ls[key]
+    loss = (y * r).sum() + aux
+    loss.backward()
+    t = {"x": x, "router": wr, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "r": r, "out": y,
+         "aux": aux.reshape(1), "dx": x.grad, "drouter": wr.grad, "dw1": w1.grad, "db1": b1.grad,
+         "dw2": w2.grad, "db2": b2.grad, "accepted": acc}
+    t = {key: v.detach().float().numpy().copy() for key, v in t.items()}
+    t["noise"] = noise.numpy()
+    t["modality"] = mod.to(torch.uint8).numpy()
+    meta = {"router": router, "top_k": k, "capacity_factor": cf, "order": order,
+            "renorm": int(renorm), "noise_std": noise_std,
+            "aux": ",".join(f"{key}={w}" for key, w in aux_weights.items())}
+    st.save(os.path.join(out, f"moe_layer_{name}.safetensors"), t, meta)
+
+
+def generate(out):
+    limoe = {"importance": 0.05, "load": 0.05, "local_entropy_text": 0.05,
+             "global_entropy_image": 0.05, "global_entropy_text": 0.05}
+    case(out, "bpr_k1", "tokens", 1, 1.0, "bpr", False, limoe, 11)
+    case(out, "fifo_k2_renorm", "tokens", 2, 0.75, "fifo", True,
+         {"switch": 0.01, "zloss": 0.001}, 12)
+    case(out, "experts_choice", "experts", 1, 1.0, "fifo", False, {}, 13)
