@@ -19,4 +19,12 @@ typedef struct {
 } cli_eval;
 int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, cli_eval *out);
 
+// Checkpoint folder helpers (cli/ckpt.c). ckpt_list returns the steps with a weights file,
+// newest first.
+void ckpt_paths(const char *dir, long step, char *weights, char *state, size_t cap);
+int ckpt_list(const char *dir, long *steps, int max);
+void ckpt_prune(const char *dir, int keep);
+// Removes temporary files left by a writer killed before its rename.
+void ckpt_clean_tmp(const char *dir);
+
 #endif

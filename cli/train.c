@@ -18,10 +18,41 @@
 
 typedef struct {
     const char *model, *dataset_type, *train_data, *logs, *name, *optimizer, *scheduler, *pretrained;
-    int batch_size, image_size, context_length, threads, log_every, eval_samples;
-    long steps, warmup, seed, cooldown;
+    const char *resume;
+    int batch_size, image_size, context_length, threads, log_every, eval_samples, keep;
+    long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip;
 } train_args;
+
+// Everything a run holds; run_free releases whatever was set up.
+typedef struct {
+    vlmoe_model *m;
+    vlmoe_trainer *t;
+    vlmoe_synth *data;
+    FILE *metrics;
+    float *images;
+    int32_t *tokens, *lens;
+    char dir[512], ckdir[600];
+} train_run;
+
+static void run_free(train_run *r) {
+    if (r->metrics) fclose(r->metrics);
+    vlmoe_trainer_free(r->t);
+    vlmoe_model_free(r->m);
+    vlmoe_synth_free(r->data);
+    free(r->images), free(r->tokens), free(r->lens);
+}
+
+// A JSON number that reads back as exactly the same double (metrics are compared bit for bit
+// between a resumed and an uninterrupted run).
+static cJSON *exact(double v) {
+    char b[40];
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(b, sizeof(b), "%.*g", digits, v);
+        if (strtod(b, NULL) == v) break;
+    }
+    return isfinite(v) ? cJSON_CreateRaw(b) : cJSON_CreateNull();
+}
 
 static double now(void) {
     struct timespec ts;
@@ -117,24 +148,146 @@ static cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
 
 static const char *USAGE =
     "usage: vlmoe train [options]\n\n"
-    "Trains a contrastive image-text model (LIMoE one_tower or CLIP two_tower) and writes\n"
-    "LOGS/NAME/{config.json, params.json, metrics.jsonl, checkpoints/step_N.safetensors}.\n\n"
+    "Trains a contrastive image-text model (LIMoE one_tower or CLIP two_tower, dense or MoE) and\n"
+    "writes LOGS/NAME/{config.json, params.json, metrics.jsonl, checkpoints/step_N.safetensors}.\n"
+    "A checkpoint is step_N.safetensors (weights + config, loadable by every command) plus\n"
+    "step_N.state.safetensors (optimizer moments, step, RNG states, data position); --resume latest\n"
+    "continues exactly where the newest complete checkpoint left off.\n\n"
     "examples:\n"
-    "  vlmoe train --model tiny --dataset-type synthetic --steps 300\n"
-    "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000";
+    "  vlmoe train --model limoe-tiny --dataset-type synthetic --steps 300\n"
+    "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000 \\\n"
+    "              --save-frequency 1000 --zeroshot-frequency 1000 --name run1\n"
+    "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
+
+// Sets up a fresh model, a --pretrained one, or a resumed run (newest complete checkpoint first,
+// falling back to older ones when one is unreadable).
+static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
+    const char *cmd = "train";
+    if (a->resume) {
+        long steps[4096];
+        int n = 0;
+        if (!strcmp(a->resume, "latest")) {
+            n = ckpt_list(r->ckdir, steps, 4096);
+            if (!n) return cli_error(cmd, "--resume latest: no checkpoint in %s", r->ckdir);
+        }
+        for (int i = 0; i < (n ? n : 1); i++) {
+            char w[1024], s[1024];
+            if (n) {
+                ckpt_paths(r->ckdir, steps[i], w, s, sizeof(w));
+            } else { // an explicit weights file: its state file sits beside it
+                snprintf(w, sizeof(w), "%s", a->resume);
+                size_t k = strlen(w);
+                if (k < 12 || strcmp(w + k - 12, ".safetensors"))
+                    return cli_error(cmd, "--resume %s: expected latest or a step_N.safetensors file", a->resume);
+                snprintf(s, sizeof(s), "%.*s.state.safetensors", (int)(k - 12), w);
+            }
+            vlmoe_model *m = NULL;
+            vlmoe_trainer *t = NULL;
+            int st = vlmoe_model_load(&m, w);
+            if (!st) st = vlmoe_model_plan(m, a->batch_size);
+            if (!st) st = vlmoe_trainer_init(&t, m, tp);
+            if (!st) st = vlmoe_trainer_load(t, w, s, NULL);
+            if (!st) {
+                r->m = m, r->t = t;
+                fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(t));
+                return 0;
+            }
+            fprintf(stderr, "vlmoe train: checkpoint %s is unusable: %s%s\n", w, vlmoe_last_error(),
+                    n && i + 1 < n ? "; trying the one before it" : "");
+            vlmoe_trainer_free(t);
+            vlmoe_model_free(m);
+        }
+        return cli_error(cmd, "--resume %s: no usable checkpoint", a->resume);
+    }
+    vlmoe_model_config cfg;
+    if (a->pretrained) {
+        if (vlmoe_model_load(&r->m, a->pretrained)) return cli_error(cmd, "--pretrained: %s", vlmoe_last_error());
+        cfg = *vlmoe_model_get_config(r->m);
+        if ((a->image_size && a->image_size != cfg.image_size) || (a->context_length && a->context_length != cfg.context_length))
+            return cli_error(cmd, "--image-size/--context-length cannot change a pretrained model");
+    } else {
+        if (vlmoe_config_load(a->model, &cfg)) return cli_error(cmd, "%s", vlmoe_last_error());
+        if (a->image_size) cfg.image_size = a->image_size;
+        if (a->context_length) cfg.context_length = a->context_length;
+        if (vlmoe_model_init(&r->m, &cfg, (uint64_t)a->seed)) return cli_error(cmd, "%s", vlmoe_last_error());
+    }
+    if (vlmoe_model_plan(r->m, a->batch_size) || vlmoe_trainer_init(&r->t, r->m, tp))
+        return cli_error(cmd, "%s", vlmoe_last_error());
+    return 0;
+}
+
+static int write_run_files(const train_args *a, train_run *r) {
+    char path[1024];
+    char *cj = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
+    snprintf(path, sizeof(path), "%s/config.json", r->dir);
+    int wr = !cj || write_text(path, cj);
+    free(cj);
+    cJSON *pj = cJSON_CreateObject();
+    cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
+    cJSON_AddStringToObject(pj, "dataset_type", a->dataset_type);
+    cJSON_AddNumberToObject(pj, "batch_size", a->batch_size);
+    cJSON_AddNumberToObject(pj, "steps", (double)a->steps);
+    cJSON_AddNumberToObject(pj, "lr", a->lr);
+    cJSON_AddNumberToObject(pj, "wd", a->wd);
+    cJSON_AddNumberToObject(pj, "warmup", (double)a->warmup);
+    cJSON_AddStringToObject(pj, "lr_scheduler", a->scheduler);
+    cJSON_AddStringToObject(pj, "optimizer", a->optimizer);
+    cJSON_AddNumberToObject(pj, "grad_clip_norm", a->grad_clip);
+    cJSON_AddNumberToObject(pj, "seed", (double)a->seed);
+    cJSON_AddNumberToObject(pj, "save_frequency", (double)a->save_every);
+    cJSON_AddNumberToObject(pj, "threads", omp_get_max_threads());
+    char *ps = cJSON_Print(pj);
+    cJSON_Delete(pj);
+    snprintf(path, sizeof(path), "%s/params.json", r->dir);
+    wr |= !ps || write_text(path, ps);
+    free(ps);
+    snprintf(path, sizeof(path), "%s/metrics.jsonl", r->dir);
+    r->metrics = fopen(path, a->resume ? "a" : "w");
+    return wr || !r->metrics ? cli_error("train", "cannot write into %s: %s", r->dir, strerror(errno)) : 0;
+}
+
+static int save_checkpoint(train_run *r, long step, int keep, int B) {
+    char w[1024], s[1024];
+    ckpt_paths(r->ckdir, step, w, s, sizeof(w));
+    vlmoe_data_state ds;
+    memset(&ds, 0, sizeof(ds));
+    ds.data_position = (uint64_t)step * (uint64_t)B;
+    if (vlmoe_trainer_save(r->t, w, s, &ds)) return cli_error("train", "checkpoint: %s", vlmoe_last_error());
+    if (keep > 0) ckpt_prune(r->ckdir, keep);
+    return 0;
+}
+
+static void log_eval(train_run *r, long step, int n, int B) {
+    cli_eval ev;
+    if (cli_eval_synthetic(r->m, r->data, n, B, &ev)) {
+        fprintf(stderr, "vlmoe train: evaluation failed: %s\n", vlmoe_last_error());
+        return;
+    }
+    printf("step %ld held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
+           "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)\n",
+           step, 100 * ev.top1, 100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t, 100 * ev.t2i,
+           ev.chunk, 100.0 / ev.chunk);
+    fflush(stdout);
+    fprintf(r->metrics, "{\"step\":%ld,\"eval_zeroshot_top1\":%.6f,\"eval_zeroshot_top5\":%.6f,"
+            "\"eval_pair_i2t\":%.6f,\"eval_pair_t2i\":%.6f}\n", step, ev.top1, ev.top5, ev.i2t, ev.t2i);
+    fflush(r->metrics);
+}
 
 int cmd_train(int argc, char **argv) {
-    train_args a = {"tiny", "synthetic", NULL, "./logs", NULL, "adamw", "cosine", NULL,
-                    64, 0, 0, 0, 10, 1000,
-                    300, 30, 0, 0,
+    train_args a = {"tiny", "synthetic", NULL, "./logs", NULL, "adamw", "cosine", NULL, NULL,
+                    64, 0, 0, 0, 10, 1000, 3,
+                    300, 30, 0, 0, 0, 0, 0, 10000,
                     1e-3, 0.1, 0.9, 0.98, 1e-6, 1.0};
+    long steps_given = -1, epochs = 0;
     const arg_spec specs[] = {
-        {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
+        {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
         {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "training data: synthetic (built-in, the default)"},
         {"train-data", ARG_STRING, &a.train_data, "PATH", "training data location (not used by synthetic)"},
+        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch (default 10000 for synthetic data)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step (default 64)"},
-        {"steps", ARG_LONG, &a.steps, "N", "optimisation steps (default 300)"},
+        {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
+        {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3)"},
         {"wd", ARG_DOUBLE, &a.wd, "WD", "decoupled weight decay on weight matrices (default 0.1)"},
         {"beta1", ARG_DOUBLE, &a.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9)"},
@@ -149,54 +302,38 @@ int cmd_train(int argc, char **argv) {
         {"image-size", ARG_INT, &a.image_size, "PX", "override the model's image size"},
         {"context-length", ARG_INT, &a.context_length, "N", "override the model's text context length"},
         {"logs", ARG_STRING, &a.logs, "DIR", "where runs are written (default ./logs)"},
-        {"name", ARG_STRING, &a.name, "NAME", "run name (default: date-time and model)"},
+        {"name", ARG_STRING, &a.name, "NAME", "run name (default: date-time and model; needed by --resume latest)"},
+        {"save-frequency", ARG_LONG, &a.save_every, "N", "write a checkpoint every N steps (default: at the end only)"},
+        {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (default 3, 0 = all)"},
+        {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest complete checkpoint, or step_N.safetensors"},
+        {"zeroshot-frequency", ARG_LONG, &a.zeroshot_every, "N", "held-out zero-shot evaluation every N steps (default: at the end)"},
+        {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples per evaluation (default 1000, 0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
-        {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples evaluated at the end (default 1000)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
-    int r = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
-    if (r) return r == 1 ? 0 : 2;
+    int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
+    if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (strcmp(a.dataset_type, "synthetic"))
-        return cli_error("train", "--dataset-type %s: this build reads only the built-in 'synthetic' data",
-                         a.dataset_type);
+        return cli_error("train", "--dataset-type %s: this build reads only the built-in 'synthetic' data", a.dataset_type);
     if (a.batch_size < 2) return cli_error("train", "--batch-size must be >= 2 for a contrastive loss");
+    if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
+    if (epochs > 0) {
+        if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
+        a.steps = (epochs * a.num_samples + a.batch_size - 1) / a.batch_size;
+    } else if (steps_given >= 0) {
+        a.steps = steps_given;
+    }
+    a.epochs = epochs;
     if (a.steps < 1) return cli_error("train", "--steps must be >= 1");
     if (a.log_every < 1) a.log_every = 1;
-
-    vlmoe_model_config cfg;
-    vlmoe_model *m = NULL;
-    if (a.pretrained) {
-        if (vlmoe_model_load(&m, a.pretrained)) return cli_error("train", "--pretrained: %s", vlmoe_last_error());
-        cfg = *vlmoe_model_get_config(m);
-        if ((a.image_size && a.image_size != cfg.image_size) ||
-            (a.context_length && a.context_length != cfg.context_length)) {
-            vlmoe_model_free(m);
-            return cli_error("train", "--image-size/--context-length cannot change a pretrained model");
-        }
-    } else {
-        if (vlmoe_config_load(a.model, &cfg)) return cli_error("train", "%s", vlmoe_last_error());
-        if (a.image_size) cfg.image_size = a.image_size;
-        if (a.context_length) cfg.context_length = a.context_length;
-        if (vlmoe_config_validate(&cfg)) return cli_error("train", "%s", vlmoe_last_error());
-    }
-
-    vlmoe_synth_params sp = vlmoe_synth_default_params();
-    sp.image_size = cfg.image_size;
-    sp.seed = (uint64_t)a.seed;
-    vlmoe_synth *data;
-    if (vlmoe_synth_init(&data, &sp)) return vlmoe_model_free(m), cli_error("train", "synthetic data: %s", vlmoe_last_error());
-    if (vlmoe_synth_vocab_size(data) > cfg.vocab_size || cfg.channels != 3) {
-        vlmoe_synth_free(data);
-        vlmoe_model_free(m);
-        return cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d",
-                         cfg.name, vlmoe_synth_vocab_size(data));
-    }
+    if (a.resume && !strcmp(a.resume, "latest") && !a.name)
+        return cli_error("train", "--resume latest needs --name (the run to continue)");
 
     vlmoe_train_params tp = vlmoe_train_default_params();
     if (!strcmp(a.optimizer, "adafactor")) tp.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
-    else if (strcmp(a.optimizer, "adamw")) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
+    else if (strcmp(a.optimizer, "adamw")) return cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
     tp.optim.beta1 = (float)a.beta1;
     if (tp.optim.kind == VLMOE_OPT_ADAMW) {
         tp.optim.beta2 = (float)a.beta2;
@@ -206,95 +343,86 @@ int cmd_train(int argc, char **argv) {
     }
     tp.optim.weight_decay = (float)a.wd;
     tp.grad_clip_norm = a.grad_clip;
-    vlmoe_sched_kind sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE
-                          : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
-                          : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : (vlmoe_sched_kind)-1;
-    if ((int)sk < 0) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
-    tp.schedule = (vlmoe_schedule){sk, a.lr, a.warmup, a.steps, 0.0, a.cooldown, 0.0};
+    int sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
+             : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : -1;
+    if (sk < 0) return cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
+    tp.schedule = (vlmoe_schedule){(vlmoe_sched_kind)sk, a.lr, a.warmup, a.steps, 0.0, a.cooldown, 0.0};
 
-    char run[512], path[1024], ts[64];
-    time_t t0 = time(NULL);
-    strftime(ts, sizeof(ts), "%Y_%m_%d-%H_%M_%S", localtime(&t0));
-    if (a.name) snprintf(run, sizeof(run), "%s/%s", a.logs, a.name);
-    else snprintf(run, sizeof(run), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, cfg.name, a.lr, a.batch_size);
-    for (char *p = run + strlen(a.logs) + 1; *p; p++)
-        if (*p == '/') *p = '-'; // model names like S/32
-    snprintf(path, sizeof(path), "%s/checkpoints", run);
-    if (mkdir_p(path)) return vlmoe_model_free(m), vlmoe_synth_free(data), cli_error("train", "cannot create %s: %s", path, strerror(errno));
-
-    vlmoe_trainer *tr = NULL;
-    if ((!m && vlmoe_model_init(&m, &cfg, (uint64_t)a.seed)) || vlmoe_model_plan(m, a.batch_size) ||
-        vlmoe_trainer_init(&tr, m, &tp)) {
-        cli_error("train", "%s", vlmoe_last_error());
-        vlmoe_model_free(m);
-        vlmoe_synth_free(data);
-        return 1;
+    train_run r;
+    memset(&r, 0, sizeof(r));
+    if (a.resume && strcmp(a.resume, "latest")) { // LOGS/NAME/checkpoints/step_N.safetensors
+        snprintf(r.dir, sizeof(r.dir), "%s", a.resume);
+        for (int up = 0; up < 2; up++) {
+            char *slash = strrchr(r.dir, '/');
+            if (slash) *slash = 0;
+            else snprintf(r.dir, sizeof(r.dir), ".");
+        }
+    } else if (a.name) {
+        snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name);
+    } else {
+        char ts[64], model[64];
+        time_t t0 = time(NULL);
+        strftime(ts, sizeof(ts), "%Y_%m_%d-%H_%M_%S", localtime(&t0));
+        snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : a.model);
+        for (char *p = model; *p; p++)
+            if (*p == '/') *p = '-'; // model names like S/32
+        snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
     }
-    char *cj = vlmoe_config_to_json(&cfg);
-    snprintf(path, sizeof(path), "%s/config.json", run);
-    int wr = write_text(path, cj);
-    free(cj);
-    cJSON *pj = cJSON_CreateObject();
-    cJSON_AddStringToObject(pj, "model", a.model);
-    cJSON_AddStringToObject(pj, "dataset_type", a.dataset_type);
-    cJSON_AddNumberToObject(pj, "batch_size", a.batch_size);
-    cJSON_AddNumberToObject(pj, "steps", (double)a.steps);
-    cJSON_AddNumberToObject(pj, "lr", a.lr);
-    cJSON_AddNumberToObject(pj, "wd", a.wd);
-    cJSON_AddNumberToObject(pj, "warmup", (double)a.warmup);
-    cJSON_AddStringToObject(pj, "lr_scheduler", a.scheduler);
-    cJSON_AddStringToObject(pj, "optimizer", a.optimizer);
-    cJSON_AddNumberToObject(pj, "grad_clip_norm", a.grad_clip);
-    cJSON_AddNumberToObject(pj, "seed", (double)a.seed);
-    cJSON_AddNumberToObject(pj, "threads", omp_get_max_threads());
-    char *ps = cJSON_Print(pj);
-    cJSON_Delete(pj);
-    snprintf(path, sizeof(path), "%s/params.json", run);
-    wr |= write_text(path, ps);
-    free(ps);
-    snprintf(path, sizeof(path), "%s/metrics.jsonl", run);
-    FILE *metrics = fopen(path, "w");
-    if (wr || !metrics) {
-        cli_error("train", "cannot write into %s", run);
-        if (metrics) fclose(metrics);
-        vlmoe_trainer_free(tr), vlmoe_model_free(m), vlmoe_synth_free(data);
-        return 1;
+    snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    if (mkdir_p(r.ckdir)) return cli_error("train", "cannot create %s: %s", r.ckdir, strerror(errno));
+    ckpt_clean_tmp(r.ckdir);
+    if ((rc = setup_model(&a, &tp, &r)) || (rc = write_run_files(&a, &r))) {
+        run_free(&r);
+        return rc;
     }
-
-    const int B = a.batch_size, T = cfg.context_length;
-    const size_t isz = (size_t)3 * cfg.image_size * cfg.image_size;
-    float *images = malloc(sizeof(float) * isz * B);
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)B * T), *lens = malloc(sizeof(int32_t) * B);
+    const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = cfg->image_size;
+    sp.seed = (uint64_t)a.seed;
+    if (vlmoe_synth_init(&r.data, &sp)) {
+        rc = cli_error("train", "synthetic data: %s", vlmoe_last_error());
+    } else if (vlmoe_synth_vocab_size(r.data) > cfg->vocab_size || cfg->channels != 3) {
+        rc = cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d", cfg->name,
+                       vlmoe_synth_vocab_size(r.data));
+    }
+    const int B = a.batch_size, T = cfg->context_length;
+    const size_t isz = (size_t)3 * cfg->image_size * cfg->image_size;
+    r.images = malloc(sizeof(float) * isz * B);
+    r.tokens = malloc(sizeof(int32_t) * (size_t)B * T);
+    r.lens = malloc(sizeof(int32_t) * B);
+    if (!rc && (!r.images || !r.tokens || !r.lens)) rc = cli_error("train", "out of memory");
+    if (rc) {
+        run_free(&r);
+        return rc;
+    }
+    const long start = vlmoe_trainer_get_step(r.t);
     const int tty = isatty(fileno(stderr));
-    int n;
-    vlmoe_model_params(m, &n);
-    fprintf(stderr, "vlmoe train: model %s (%zu parameters), %ld steps of %d pairs, %d threads, run %s\n",
-            cfg.name, vlmoe_model_num_floats(m), a.steps, B, omp_get_max_threads(), run);
-    int rc = 0;
+    fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
+            cfg->name, vlmoe_model_num_floats(r.m), start, a.steps, B, omp_get_max_threads(), r.dir);
     double t_start = now(), t_last = t_start, sum_loss = 0;
-    long last_step = 0;
-    for (long step = 0; step < a.steps; step++) {
-        if (vlmoe_synth_batch(data, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, images, tokens, lens)) {
+    long last_step = start;
+    for (long step = start; step < a.steps && !rc; step++) {
+        if (vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, r.images, r.tokens, r.lens)) {
             rc = cli_error("train", "data: %s", vlmoe_last_error());
             break;
         }
-        vlmoe_batch batch = {B, images, tokens, lens};
+        vlmoe_batch batch = {B, r.images, r.tokens, r.lens};
         vlmoe_step_stats s;
-        if (vlmoe_trainer_step(tr, &batch, &s)) {
-            rc = cli_error("train", "diverged: %s; the last checkpoint in %s/checkpoints is unaffected",
-                           vlmoe_last_error(), run);
+        if (vlmoe_trainer_step(r.t, &batch, &s)) {
+            rc = cli_error("train", "diverged: %s. Nothing was written for this step; continue from the last "
+                           "checkpoint with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
             break;
         }
         sum_loss += s.loss;
-        if ((step + 1) % a.log_every == 0 || step + 1 == a.steps) {
-            double t = now(), dt = t - t_last, per = dt / (double)(step + 1 - last_step);
-            double ips = B / per;
+        const long done = step + 1;
+        if (done % a.log_every == 0 || done == a.steps) {
+            double t = now(), per = (t - t_last) / (double)(done - last_step), ips = B / per;
             cJSON *o = cJSON_CreateObject();
-            cJSON_AddNumberToObject(o, "step", (double)(step + 1));
-            cJSON_AddNumberToObject(o, "loss", s.loss);
-            cJSON_AddNumberToObject(o, "contrastive_loss", s.contrastive);
-            cJSON_AddNumberToObject(o, "aux_loss", s.aux);
-            cJSON_AddNumberToObject(o, "loss_avg", sum_loss / (double)(step + 1 - last_step));
+            cJSON_AddNumberToObject(o, "step", (double)done);
+            cJSON_AddItemToObject(o, "loss", exact(s.loss));
+            cJSON_AddItemToObject(o, "contrastive_loss", exact(s.contrastive));
+            cJSON_AddItemToObject(o, "aux_loss", exact(s.aux));
+            cJSON_AddNumberToObject(o, "loss_avg", sum_loss / (double)(done - last_step));
             cJSON_AddNumberToObject(o, "acc_i2t", s.acc_i2t);
             cJSON_AddNumberToObject(o, "acc_t2i", s.acc_t2i);
             cJSON_AddNumberToObject(o, "lr", s.lr);
@@ -304,48 +432,37 @@ int cmd_train(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "s_per_step", per);
             double succ[2] = {1, 1};
             int nmoe;
-            const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &nmoe);
+            const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(r.m, &nmoe);
             if (nmoe) cJSON_AddItemToObject(o, "moe", cli_moe_json(ms, nmoe, succ));
             char *line = cJSON_PrintUnformatted(o);
-            fprintf(metrics, "%s\n", line);
-            fflush(metrics);
+            fprintf(r.metrics, "%s\n", line);
+            fflush(r.metrics);
             free(line);
             cJSON_Delete(o);
-            char eta[32];
-            fmt_eta(eta, sizeof(eta), per * (double)(a.steps - step - 1));
-            char moe[64] = "";
+            char eta[32], moe[64] = "";
+            fmt_eta(eta, sizeof(eta), per * (double)(a.steps - done));
             if (nmoe) snprintf(moe, sizeof(moe), "  aux %.4f  success %.2f/%.2f", s.aux, succ[0], succ[1]);
             fprintf(stderr, "%sstep %ld/%ld  loss %.4f (avg %.4f)%s  acc %.2f/%.2f  T %.1f  lr %.2e  %.0f img/s  ETA %s%s",
-                    tty ? "\r\033[K" : "", step + 1, a.steps, s.loss, sum_loss / (double)(step + 1 - last_step), moe,
+                    tty ? "\r\033[K" : "", done, a.steps, s.loss, sum_loss / (double)(done - last_step), moe,
                     s.acc_i2t, s.acc_t2i, s.temperature, s.lr, ips, eta, tty ? "" : "\n");
             t_last = t;
-            last_step = step + 1;
+            last_step = done;
             sum_loss = 0;
         }
-    }
-    if (tty) fputc('\n', stderr);
-    if (!rc) {
-        snprintf(path, sizeof(path), "%s/checkpoints/step_%ld.safetensors", run, a.steps);
-        if (vlmoe_model_save(m, path)) rc = cli_error("train", "%s", vlmoe_last_error());
-        else fprintf(stderr, "saved %s (%.1f s of training)\n", path, now() - t_start);
-    }
-    if (!rc && a.eval_samples > 0) {
-        cli_eval ev;
-        if (cli_eval_synthetic(m, data, a.eval_samples, B, &ev)) {
-            rc = cli_error("train", "evaluation: %s", vlmoe_last_error());
-        } else {
-            printf("held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
-                   "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)\n",
-                   100 * ev.top1, 100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t,
-                   100 * ev.t2i, ev.chunk, 100.0 / ev.chunk);
-            fprintf(metrics, "{\"step\":%ld,\"eval_zeroshot_top1\":%.6f,\"eval_zeroshot_top5\":%.6f,"
-                    "\"eval_pair_i2t\":%.6f,\"eval_pair_t2i\":%.6f}\n", a.steps, ev.top1, ev.top5, ev.i2t, ev.t2i);
+        if ((a.save_every > 0 && done % a.save_every == 0) || done == a.steps) {
+            if (tty) fputc('\n', stderr);
+            rc = save_checkpoint(&r, done, a.keep, B);
+        }
+        if (!rc && a.eval_samples > 0 && a.zeroshot_every > 0 && done % a.zeroshot_every == 0 && done != a.steps) {
+            if (tty) fputc('\n', stderr);
+            log_eval(&r, done, a.eval_samples, B);
         }
     }
-    fclose(metrics);
-    free(images), free(tokens), free(lens);
-    vlmoe_trainer_free(tr);
-    vlmoe_model_free(m);
-    vlmoe_synth_free(data);
+    if (!rc) {
+        fprintf(stderr, "%strained to step %ld in %.1f s; checkpoints in %s\n", tty ? "\n" : "", a.steps,
+                now() - t_start, r.ckdir);
+        if (a.eval_samples > 0) log_eval(&r, a.steps, a.eval_samples, B);
+    }
+    run_free(&r);
     return rc;
 }

@@ -398,6 +398,28 @@ void vlmoe_trainer_free(vlmoe_trainer *t);
 int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats);
 long vlmoe_trainer_get_step(const vlmoe_trainer *t);
 vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
+vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);
+const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t);
+
+// Checkpoints (src/train/checkpoint.c). A checkpoint is two files, each written atomically
+// (temporary file, fsync, rename): the weights (WEIGHTS, a vlmoe model file) and the training
+// state (STATE: optimizer moments, step, the routing-noise counter, the data position, the
+// data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC).
+typedef struct {
+    uint64_t data_position;  // index of the next training sample
+    uint64_t data_rng[4];    // state of the data order's RNG (shuffling), if any
+} vlmoe_data_state;
+int vlmoe_trainer_save(const vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                       const vlmoe_data_state *data);
+// Restores weights and state saved by vlmoe_trainer_save into a trainer whose model has the same
+// config and whose optimizer is of the same kind; every tensor is validated before anything is
+// changed, so a failed load leaves the trainer as it was.
+int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                       vlmoe_data_state *data);
+// The model's routing-noise RNG: {seed, training forwards so far}; the next training forward
+// draws its noise from both. Saved in the training state so a resumed run draws the same noise.
+void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]);
+void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]);
 
 // Fills a batch of n samples of the synthetic data, indices first..first+n-1 of `split`:
 // images (n, 3, H, W), tokens (n, ctx) and lengths (n). Samples are generated in parallel;
@@ -418,6 +440,40 @@ void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int c
 // Class embeddings for the synthetic classes: the mean of each class's template prompts,
 // re-normalised (CLIP's prompt ensembling). out: (num_classes, embed_dim).
 int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out);
+
+// Retrieval recall@K, CLIP / OpenCLIP's COCO and Flickr protocol (src/eval/metrics.c). img
+// (n_img, E) and txt (n_txt, E) are L2-normalised and scored by dot product; txt_image (n_txt)
+// is the image caption j describes (COCO: 5 captions per image; every image needs at least one).
+// i2t[q]: fraction of images with ANY of their captions among the top ks[q] texts; t2i[q]:
+// fraction of captions whose image is among the top ks[q] images (q < nk). Ties are pessimistic:
+// a wrong candidate scoring exactly as the (best) true one ranks ahead of it, so ties never
+// inflate recall. ks[q] >= 1, txt_image in [0, n_img), finite embeddings, else VLMOE_ERR_ARG.
+// Allocates score blocks of at most 1024 query rows (VLMOE_ERR_NOMEM if that fails).
+int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
+                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
+                           double *t2i);
+// Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
+// 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
+// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
+// w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
+// numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
+// n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.
+int vlmoe_ridge_fit(const float *x, const int32_t *y, int n, int dim, int classes, double lambda,
+                    double *w, double *b);
+// Few-shot linear evaluation (LIMoE's 10-shot protocol): fits the ridge probe on train for every
+// lambda in lambdas (nl), keeps the one with the best accuracy on the held-out val set (ties:
+// the larger lambda; val may be empty when nl == 1), and writes its test accuracy (argmax of
+// the scores, ties to the lower class) and the lambda. Features (n, dim), labels in [0, classes).
+int vlmoe_fewshot_ridge(const float *train_x, const int32_t *train_y, int n_train,
+                        const float *test_x, const int32_t *test_y, int n_test, int dim,
+                        int classes, const double *lambdas, int nl, const float *val_x,
+                        const int32_t *val_y, int n_val, double *accuracy, double *chosen_lambda);
+// K-shot subset: out_idx (classes, shots) gets `shots` distinct random indices of each class's
+// samples, class-major, each class's in increasing order. Deterministic in seed; each class draws
+// from its own stream, so for one seed a smaller `shots` picks a subset of a larger one.
+// VLMOE_ERR_ARG if a class has fewer than `shots` samples.
+int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
+                         int32_t *out_idx);
 
 #ifdef __cplusplus
 }

@@ -351,6 +351,16 @@ int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_
     return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
 }
 
+void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]) {
+    state[0] = m->seed;
+    state[1] = m->forwards;
+}
+
+void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]) {
+    m->seed = state[0];
+    m->forwards = state[1];
+}
+
 const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count) {
     if (!m->g) {
         if (count) *count = 0;
@@ -410,6 +420,31 @@ int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
         if ((st = vlmoe_st_read_f32(f, p->name, params + p->offset, p->numel))) return st;
     }
     return VLMOE_OK;
+}
+
+int model_load_into(vlmoe_model *m, const char *path) {
+    vlmoe_st *f;
+    int st = vlmoe_st_open(path, &f);
+    if (st) return st;
+    const char *json = vlmoe_st_metadata(f, CONFIG_KEY);
+    vlmoe_model_config cfg;
+    float *tmp = NULL;
+    if (!json) {
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no \"%s\" entry in the metadata: not a vlmoe model", path, CONFIG_KEY);
+    } else if (!(st = vlmoe_config_from_json(json, path, &cfg))) {
+        char *a = vlmoe_config_to_json(&cfg), *b = vlmoe_config_to_json(&m->L.cfg);
+        if (!a || !b || strcmp(a, b))
+            st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the checkpoint's model config differs from this run's", path);
+        free(a), free(b);
+    }
+    if (!st && !(tmp = vlmoe_alloc(sizeof(float) * m->L.total, "checkpoint weights"))) st = VLMOE_ERR_NOMEM;
+    if (!st) st = model_read_params(&m->L, f, tmp);
+    for (size_t i = 0; !st && i < m->L.total; i++)
+        if (!isfinite(tmp[i])) st = vlmoe_fail(VLMOE_ERR_NUMERIC, "%s: a weight is not finite", path);
+    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total);
+    vlmoe_free_mem(tmp);
+    vlmoe_st_close(f);
+    return st;
 }
 
 int vlmoe_model_load(vlmoe_model **out, const char *path) {

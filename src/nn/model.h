@@ -58,6 +58,11 @@ void model_layout_free(model_layout *L);
 // Seeded initialisation of a flat buffer (float), ViT/CLIP-style (see model.c).
 void model_layout_init_params(const model_layout *L, float *params, uint64_t seed);
 
+// Reads weights saved by vlmoe_model_save into an existing model of the same config; the model
+// is unchanged unless every tensor reads back valid and finite.
+typedef struct vlmoe_model vlmoe_model;
+int model_load_into(vlmoe_model *m, const char *path);
+
 // What one forward computes: contrastive stats, and which modalities are present.
 typedef struct {
     double loss, acc[2];

@@ -47,6 +47,8 @@ void vlmoe_trainer_free(vlmoe_trainer *t) {
 
 long vlmoe_trainer_get_step(const vlmoe_trainer *t) { return vlmoe_optim_get_step(t->opt); }
 vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t) { return t->opt; }
+vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t) { return t->m; }
+const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return &t->p; }
 
 int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
