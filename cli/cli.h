@@ -5,6 +5,8 @@
 #include "vlmoe.h"
 
 int cmd_train(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_soup(int argc, char **argv);
 
 // Prints "vlmoe CMD: message" to stderr and returns exit status 1.
 int cli_error(const char *cmd, const char *fmt, ...)
@@ -18,6 +20,11 @@ typedef struct {
     int classes, chunk;
 } cli_eval;
 int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, cli_eval *out);
+
+// Per-layer, per-modality routing statistics as JSON; succ (may be NULL) gets the lowest success
+// rate of each modality over the layers.
+struct cJSON;
+struct cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]);
 
 // Checkpoint folder helpers (cli/ckpt.c). ckpt_list returns the steps with a weights file,
 // newest first.

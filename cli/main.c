@@ -19,7 +19,9 @@ static const char *USAGE =
     "vlmoe " VLMOE_VERSION ": sparse Mixture-of-Experts vision-language models (LIMoE, CLIP-UP, Soft MoE, VL-MoE)\n\n"
     "usage: vlmoe <command> [options]     (vlmoe <command> --help for its options)\n\n"
     "commands:\n"
-    "  train      train a contrastive image-text model\n"
+    "  train      train a contrastive image-text model (dense or MoE)\n"
+    "  eval       zero-shot, retrieval, few-shot and routing report of a checkpoint\n"
+    "  soup       average checkpoints (uniform or greedy)\n"
     "  version    print the version\n";
 
 int main(int argc, char **argv) {
@@ -28,6 +30,8 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
+    if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
+    if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
         printf("vlmoe %s\n", VLMOE_VERSION);
         return 0;

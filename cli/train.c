@@ -110,9 +110,7 @@ int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, c
     return st;
 }
 
-// Per-layer, per-modality routing statistics as JSON; succ gets the lowest success rate of each
-// modality over the layers (for the progress line).
-static cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
+cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
     static const char *mod[2] = {"image", "text"};
     cJSON *arr = cJSON_CreateArray();
     for (int i = 0; i < n; i++) {
@@ -135,7 +133,7 @@ static cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
                 cJSON_AddItemToObject(t, "accepted", cJSON_CreateDoubleArray(x->accepted[m], x->num_experts));
             }
             cJSON_AddItemToObject(o, mod[m], t);
-            if (x->success[m] < succ[m]) succ[m] = x->success[m];
+            if (succ && x->success[m] < succ[m]) succ[m] = x->success[m];
         }
         cJSON *aux = cJSON_CreateObject();
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)

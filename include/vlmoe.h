@@ -358,6 +358,12 @@ float *vlmoe_model_grad_data(vlmoe_model *m);
 int vlmoe_model_plan(vlmoe_model *m, int batch_size);
 // Forward pass with both modalities and the contrastive loss.
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
+// The same forward in evaluation mode (no routing noise, the eval capacity factor): the loss,
+// accuracies and routing statistics of a held-out batch. Backward is not allowed after it.
+int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
+// Weight averaging ("model soups", LIMoE H/14): dst's parameters become the mean of the n
+// models' (every config must equal dst's; message names the first that differs).
+int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n);
 // Zeroes the gradient buffer and back-propagates the last forward's loss.
 int vlmoe_model_backward(vlmoe_model *m);
 // Clamps logit_scale into [0, log(max_temperature)] (after an optimizer step, like CLIP).

@@ -79,6 +79,20 @@ int main(int argc, char **argv) {
     CHECK(lines == 2, "metrics.jsonl has %d step lines, expected 2", lines);
     expect("train --pretrained runs/a/checkpoints/step_4.safetensors --steps 2 --batch-size 8 "
            "--eval-samples 0 --logs runs --name b", 0, "trained to step 2");
+    // eval and soup on the checkpoints just written
+    expect("eval --model runs/a/checkpoints/step_4.safetensors --samples 64 --batch-size 32 --few-shot 2",
+           0, "zero-shot (20 classes, 6 prompt templates): top-1");
+    expect("eval --model runs/a/checkpoints/step_4.safetensors --samples 64 --batch-size 32 --few-shot 0 --json",
+           0, "\"retrieval\":{\"i2t_R@1\":");
+    expect("eval --model corrupt.safetensors", 1, "corrupt.safetensors");
+    expect("eval", 1, "--model is required");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o soup.safetensors",
+           0, "soup of 2 checkpoints written to soup.safetensors");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o g.safetensors "
+           "--greedy --eval-samples 40", 0, "written to g.safetensors");
+    expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
+           1, "another config");
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");

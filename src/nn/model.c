@@ -262,15 +262,16 @@ int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
     return VLMOE_OK;
 }
 
-int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
+static int forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
     if (!b->images || !b->tokens || !b->lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
     int st = vlmoe_model_plan(m, b->batch_size);
     if (st) return st;
     graph_result r;
-    graph_set_mode_f32(m->g, 1, m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++);
+    graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+    m->have_forward = 0;
     if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
-    m->have_forward = 1;
+    m->have_forward = training;
     if (stats) {
         memset(stats, 0, sizeof(*stats));
         stats->contrastive = r.loss - r.aux;
@@ -281,6 +282,37 @@ int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *
         stats->temperature = exp(m->params[m->L.logit_scale]);
     }
     if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
+    return VLMOE_OK;
+}
+
+int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
+    return forward(m, b, stats, 1);
+}
+
+int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
+    return forward(m, b, stats, 0);
+}
+
+int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n) {
+    if (n < 1) return vlmoe_fail(VLMOE_ERR_ARG, "average: no models");
+    char *want = vlmoe_config_to_json(&dst->L.cfg);
+    int st = want ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "config json");
+    for (int i = 0; i < n && !st; i++) {
+        char *got = vlmoe_config_to_json(&models[i]->L.cfg);
+        if (!got || strcmp(got, want))
+            st = vlmoe_fail(VLMOE_ERR_CONFIG, "average: model %d (%s) has another config than %s", i,
+                            models[i]->L.cfg.name, dst->L.cfg.name);
+        free(got);
+    }
+    free(want);
+    if (st) return st;
+    // sum in double, in a fixed order, one parameter element per iteration
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < dst->L.total; k++) {
+        double s = 0;
+        for (int i = 0; i < n; i++) s += models[i]->params[k];
+        dst->params[k] = (float)(s / n);
+    }
     return VLMOE_OK;
 }
 
