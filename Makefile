@@ -16,7 +16,7 @@ OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
 WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
 CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
                -Iinclude -Isrc -I$(BLASINC) -g
-LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -lm -fopenmp -lpthread
+LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)
@@ -33,11 +33,15 @@ objs = $(patsubst %.c,$(1)/%.o,$(PLAIN_SRCS)) \
 B  := build/rel
 BA := build/asan
 DEPS_STAMP := build/.deps-ok
+TEST_DEPS_STAMP := build/.test-deps-ok
 
 all: $(DEPS_STAMP) libvlmoe.a libvlmoe.so vlmoe
 
 $(DEPS_STAMP): scripts/deps.sh
-	@./scripts/deps.sh
+	@./scripts/deps.sh build
+	@mkdir -p build && touch $@
+$(TEST_DEPS_STAMP): scripts/deps.sh
+	@./scripts/deps.sh test
 	@mkdir -p build && touch $@
 
 # ---- optimised build
@@ -94,7 +98,7 @@ bench: all $(BENCHES)
 	@./bench/limoe_failure.sh
 
 FIXTURES := build/fixtures/.stamp
-$(FIXTURES): $(wildcard tests/ref/*.py) | $(DEPS_STAMP)
+$(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 	@mkdir -p build/fixtures
 	/usr/bin/python3 tests/ref/gen_all.py build/fixtures
 	@touch $@

@@ -1,9 +1,16 @@
 #!/bin/sh
-# deps.sh: installs the Debian packages vlmoe needs to build, test and benchmark, if missing.
-# Called by `make` (once per machine; a stamp file in build/ remembers success). Needs root or
-# sudo for apt-get; otherwise it prints the apt-get line to run.
+# deps.sh: installs the Debian packages vlmoe needs, if missing. `deps.sh build` (what `make`
+# needs: compiler, OpenBLAS, cJSON, image and archive libraries) or `deps.sh test` (plus what
+# the tests' PyTorch/PIL reference generators need). Called by the Makefile, which remembers
+# success in a stamp file. Needs root or sudo for apt-get; otherwise it prints the command.
 set -e
-PKGS="gcc make pkg-config libopenblas-openmp-dev libcjson-dev python3 python3-numpy python3-torch"
+BUILD="gcc make pkg-config libopenblas-openmp-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev"
+TEST="python3 python3-numpy python3-torch python3-pil python3-regex"
+case "${1:-build}" in
+    build) PKGS="$BUILD" ;;
+    test) PKGS="$BUILD $TEST" ;;
+    *) echo "usage: deps.sh build|test" >&2; exit 2 ;;
+esac
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
