@@ -454,25 +454,48 @@ int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
     return VLMOE_OK;
 }
 
+// Opens a vlmoe model file and parses the config in its metadata.
+static int open_model_file(const char *path, vlmoe_st **f, vlmoe_model_config *cfg) {
+    int st = vlmoe_st_open(path, f);
+    if (st) return st;
+    const char *json = vlmoe_st_metadata(*f, CONFIG_KEY);
+    if (!json)
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no \"%s\" entry in the metadata: not a vlmoe model "
+                        "(use `vlmoe import` for OpenCLIP/HF checkpoints)", path, CONFIG_KEY);
+    else
+        st = vlmoe_config_from_json(json, path, cfg);
+    if (st) {
+        vlmoe_st_close(*f);
+        *f = NULL;
+    }
+    return st;
+}
+
+// Reads every parameter of m's layout from f into dst and refuses non-finite values.
+static int read_weights(const vlmoe_model *m, const vlmoe_st *f, float *dst) {
+    int st = model_read_params(&m->L, f, dst);
+    for (int i = 0; !st && i < m->L.nparams; i++) {
+        const vlmoe_param_info *p = &m->L.table[i];
+        for (size_t k = 0; k < p->numel && !st; k++)
+            if (!isfinite(dst[p->offset + k]))
+                st = vlmoe_fail(VLMOE_ERR_NUMERIC, "%s: the value of '%s' holds %g at element %zu", vlmoe_st_path(f),
+                                p->name, (double)dst[p->offset + k], k);
+    }
+    return st;
+}
+
 int model_load_into(vlmoe_model *m, const char *path) {
     vlmoe_st *f;
-    int st = vlmoe_st_open(path, &f);
-    if (st) return st;
-    const char *json = vlmoe_st_metadata(f, CONFIG_KEY);
     vlmoe_model_config cfg;
-    float *tmp = NULL;
-    if (!json) {
-        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no \"%s\" entry in the metadata: not a vlmoe model", path, CONFIG_KEY);
-    } else if (!(st = vlmoe_config_from_json(json, path, &cfg))) {
-        char *a = vlmoe_config_to_json(&cfg), *b = vlmoe_config_to_json(&m->L.cfg);
-        if (!a || !b || strcmp(a, b))
-            st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the checkpoint's model config differs from this run's", path);
-        free(a), free(b);
-    }
-    if (!st && !(tmp = vlmoe_alloc(sizeof(float) * m->L.total, "checkpoint weights"))) st = VLMOE_ERR_NOMEM;
-    if (!st) st = model_read_params(&m->L, f, tmp);
-    for (size_t i = 0; !st && i < m->L.total; i++)
-        if (!isfinite(tmp[i])) st = vlmoe_fail(VLMOE_ERR_NUMERIC, "%s: a weight is not finite", path);
+    int st = open_model_file(path, &f, &cfg);
+    if (st) return st;
+    char *a = vlmoe_config_to_json(&cfg), *b = vlmoe_config_to_json(&m->L.cfg);
+    if (!a || !b || strcmp(a, b))
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the checkpoint's model config differs from this run's", path);
+    free(a), free(b);
+    float *tmp = st ? NULL : vlmoe_alloc(sizeof(float) * m->L.total, "checkpoint weights");
+    if (!st && !tmp) st = VLMOE_ERR_NOMEM;
+    if (!st) st = read_weights(m, f, tmp); // into scratch: m changes only if all of it is valid
     if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total);
     vlmoe_free_mem(tmp);
     vlmoe_st_close(f);
@@ -482,25 +505,13 @@ int model_load_into(vlmoe_model *m, const char *path) {
 int vlmoe_model_load(vlmoe_model **out, const char *path) {
     *out = NULL;
     vlmoe_st *f;
-    int st = vlmoe_st_open(path, &f);
-    if (st) return st;
-    const char *json = vlmoe_st_metadata(f, CONFIG_KEY);
     vlmoe_model_config cfg;
     vlmoe_model *m = NULL;
-    if (!json) {
-        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no \"%s\" entry in the metadata: not a vlmoe model "
-                        "(use `vlmoe import` for OpenCLIP/HF checkpoints)", path, CONFIG_KEY);
-    } else if ((st = vlmoe_config_from_json(json, path, &cfg)) == VLMOE_OK &&
-               (st = vlmoe_model_init(&m, &cfg, 0)) == VLMOE_OK) {
-        st = model_read_params(&m->L, f, m->params);
-    }
+    int st = open_model_file(path, &f, &cfg);
+    if (st) return st;
+    if (!(st = vlmoe_model_init(&m, &cfg, 0))) st = read_weights(m, f, m->params);
     vlmoe_st_close(f);
     if (st) {
-        vlmoe_model_free(m);
-        return st;
-    }
-    if ((st = vlmoe_model_check_finite(m, 0))) {
-        vlmoe_error_prefix("%s", path);
         vlmoe_model_free(m);
         return st;
     }
