@@ -87,6 +87,14 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
+# ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
+DEMO_STEPS ?= 1500
+demo: all
+	rm -rf logs/demo
+	./vlmoe train --model limoe-tiny --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 100 \
+	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --logs logs --name demo
+	./vlmoe eval --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors
+
 # ---- benchmarks (never timed inside tests)
 BENCHES := $(patsubst bench/%.c,$(B)/bench/%,$(wildcard bench/bench_*.c))
 $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
@@ -120,5 +128,5 @@ install: all
 clean:
 	rm -rf build/rel build/asan build/fixtures libvlmoe.a libvlmoe.so vlmoe
 
-.PHONY: all test fixtures install clean bench
+.PHONY: all test fixtures install clean bench demo
 .SECONDARY:
