@@ -35,6 +35,31 @@ static inline int test_summary(const char *name) {
     return t_fail ? 1 : 0;
 }
 
+// Writes n bytes to path; a failure is a failed check.
+static inline void test_write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL, "cannot create %s", path);
+    if (!f) return;
+    if (n) CHECK(fwrite(data, 1, n, f) == n, "short write %s", path);
+    fclose(f);
+}
+
+// The whole file, NUL-terminated (malloc'd; NULL if it cannot be read); *n gets its size.
+static inline char *test_read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (n) *n = 0;
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc(len > 0 ? (size_t)len + 1 : 1);
+    size_t got = b && len > 0 ? fread(b, 1, (size_t)len, f) : 0;
+    fclose(f);
+    if (b) b[got] = 0;
+    if (n) *n = got;
+    return b;
+}
+
 // Fixture folder made by tests/ref/gen_all.py (build/fixtures unless VLMOE_FIXTURES is set).
 static inline const char *fixture_dir(void) {
     const char *d = getenv("VLMOE_FIXTURES");

@@ -30,26 +30,9 @@ static const char *tpath(const char *name) {
     return p;
 }
 
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    CHECK(f != NULL, "cannot create %s", path);
-    if (!f) return;
-    if (n) CHECK(fwrite(data, 1, n, f) == n, "short write %s", path);
-    fclose(f);
-}
+static void write_bytes(const char *path, const void *data, size_t n) { test_write_file(path, data, n); }
 
-static uint8_t *read_bytes(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    *n = 0;
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *b = malloc(len > 0 ? (size_t)len : 1);
-    if (b && len > 0 && fread(b, 1, (size_t)len, f) == (size_t)len) *n = (size_t)len;
-    fclose(f);
-    return b;
-}
+static uint8_t *read_bytes(const char *path, size_t *n) { return (uint8_t *)test_read_file(path, n); }
 
 // ---------------------------------------------------------------------------------------------
 // Encoders (test side)

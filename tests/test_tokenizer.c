@@ -60,15 +60,7 @@ static const char *tmp_path(const char *name) {
     return p;
 }
 
-static void write_bytes(const char *path, const char *s, size_t n) {
-    FILE *f = fopen(path, "wb");
-    if (!f) {
-        fprintf(stderr, "cannot write %s\n", path);
-        exit(2);
-    }
-    fwrite(s, 1, n, f);
-    fclose(f);
-}
+static void write_bytes(const char *path, const char *s, size_t n) { test_write_file(path, s, n); }
 
 static void write_text(const char *path, const char *s) { write_bytes(path, s, strlen(s)); }
 
@@ -78,19 +70,7 @@ static void write_gz(const char *path, const char *s) {
     gzclose(f);
 }
 
-static char *read_all(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)len + 1);
-    size_t got = fread(b, 1, (size_t)len, f);
-    fclose(f);
-    b[got] = 0;
-    if (n) *n = got;
-    return b;
-}
+static char *read_all(const char *path, size_t *n) { return test_read_file(path, n); }
 
 // "#version: 0.2\n" + one merge per line.
 static char *merges_text(const char *const *m, int n) {
