@@ -88,10 +88,10 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
 # ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
-DEMO_STEPS ?= 1500
+DEMO_STEPS ?= 2000
 demo: all
 	rm -rf logs/demo
-	./vlmoe train --model limoe-tiny --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 100 \
+	./vlmoe train --model limoe-mini --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 150 \
 	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --logs logs --name demo
 	./vlmoe eval --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors
 
