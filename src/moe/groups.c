@@ -1,6 +1,8 @@
 // groups.c: checks that the tokens of a forward pass split into this MoE layer's routing groups
 // (MOE.md "Grouped routing": the number of groups must divide the token count) and that the
 // capacity per group is at least one. Covered by tests/test_moe_layer.c.
+#include <math.h>
+
 #include "core/core.h"
 #include "moe/layer.h"
 
@@ -19,4 +21,8 @@ int moe_check_groups(const moe_spec *sp, int n, int training) {
                             c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C);
     if (st) vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts);
     return st;
+}
+
+int moe_slots_per_expert(const vlmoe_moe_config *c) {
+    return c->slots_per_expert ? c->slots_per_expert : (int)rint((double)c->group_size / c->num_experts);
 }

@@ -65,8 +65,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, int nmax)
     }
     ALLOC(st->hits, nmax);
     if (c->router == VLMOE_ROUTER_SOFT) {
-        soft_dims d = {Smax, D, E, 0, M, sp->act};
-        d.P = c->slots_per_expert ? c->slots_per_expert : (int)rint((double)c->group_size / E);
+        soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act};
         st->soft_acts_n = soft_moe_acts_floats(&d);
         ALLOC(st->soft_acts, st->soft_acts_n * (size_t)st->gmax);
         ALLOC(st->soft_scratch, soft_moe_scratch_floats(&d));
@@ -193,11 +192,9 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
     }
 }
 
-static void soft_params(const struct R(moe_state) *st, const real *P, int S, soft_dims *d) {
+static void soft_dims_of(const struct R(moe_state) *st, soft_dims *d) {
     const vlmoe_moe_config *c = st->sp.cfg;
-    d->S = S, d->D = st->sp.D, d->E = c->num_experts, d->M = st->sp.M, d->act = st->sp.act;
-    d->P = c->slots_per_expert ? c->slots_per_expert : (int)rint((double)c->group_size / c->num_experts);
-    (void)P;
+    *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act};
 }
 
 static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, real *out,
@@ -205,7 +202,7 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
     const moe_spec *sp = &st->sp;
     const int D = sp->D;
     soft_dims d;
-    soft_params(st, P, st->S, &d);
+    soft_dims_of(st, &d);
     s->soft_minmax[0] = s->soft_minmax[2] = INFINITY;
     s->soft_minmax[1] = s->soft_minmax[3] = -INFINITY;
     for (int g = 0; g < st->G; g++) {
@@ -350,7 +347,7 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     const int E = st->E, K = st->K, D = sp->D, M = sp->M, n = st->n;
     if (cfg->router == VLMOE_ROUTER_SOFT) {
         soft_dims d;
-        soft_params(st, P, st->S, &d);
+        soft_dims_of(st, &d);
         const R(soft_params) p2 = {P + sp->phi, P + sp->scale, P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
         const R(soft_grads) g2 = {G + sp->phi, G + sp->scale, G + sp->w1, G + sp->b1, G + sp->w2, G + sp->b2};
         for (int g = 0; g < st->G; g++) {

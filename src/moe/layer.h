@@ -41,6 +41,9 @@ typedef struct {
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)
 
+// Soft MoE slots per expert: slots_per_expert, or rint(group_size / E) (MOE.md; rint, not round).
+int moe_slots_per_expert(const vlmoe_moe_config *c);
+
 // Validates that n tokens split into routing groups for this layer (group_size divides n, the
 // capacity is >= 1, Soft MoE's slot count matches). Message names the layer's config.
 int moe_check_groups(const moe_spec *spec, int n, int training);

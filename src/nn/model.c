@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "moe/layer.h"
 #include "nn/model.h"
 
 #define CONFIG_KEY "vlmoe.config"
@@ -69,7 +70,7 @@ static void add_ffn(table_builder *tb, encoder_layout *E, int l, const char *pre
     f->kind = FFN_MOE;
     f->moe_index = tb->L->nmoe++;
     if (mc->router == VLMOE_ROUTER_SOFT) {
-        int P = mc->slots_per_expert ? mc->slots_per_expert : (int)rint((double)mc->group_size / X);
+        int P = moe_slots_per_expert(mc);
         f->phi = add3(tb, NAME("moe.soft.phi"), 1, 3, D, X, P < 1 ? 1 : P);
         f->scale = add(tb, NAME("moe.soft.scale"), 0, 0, 0, 0);
     } else {
