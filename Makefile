@@ -16,7 +16,7 @@ OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
 WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
 CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
                -Iinclude -Isrc -I$(BLASINC) -g
-LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
+LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)

@@ -6,22 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
+
+#include "bench.h"
 
 #include "core/core.h"
 #include "moe/layer.h"
 #include "ops/ops.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static float *randf(size_t n, vlmoe_rng *r, double s) {
     float *v = malloc(sizeof(float) * n);
@@ -69,7 +59,7 @@ int main(int argc, char **argv) {
     uint8_t *mod = calloc(n, 1);
     double *td = malloc(sizeof(double) * reps), *tm = malloc(sizeof(double) * reps);
     for (int it = -2; it < reps; it++) { // two warm-up rounds, then alternate dense and MoE
-        double t0 = now();
+        double t0 = bench_now();
         linear_forward_f32(h, x, w1, b1, n, D, M, 0);
         act_forward_f32(a, h, (size_t)n * M, VLMOE_ACT_GELU_TANH);
         linear_forward_f32(out, a, w2, b2, n, M, D, 0);
@@ -79,7 +69,7 @@ int main(int argc, char **argv) {
         linear_backward_f32(da, gw2, gb2, dout, a, w2, n, M, D);
         act_backward_f32(dh, h, da, (size_t)n * M, VLMOE_ACT_GELU_TANH);
         linear_backward_f32(dx, gw1, gb1, dh, x, w1, n, D, M);
-        double t1 = now();
+        double t1 = bench_now();
         moe_call c = {n, 1, (uint64_t)it + 7, mod, NULL};
         double aux;
         vlmoe_moe_stats s;
@@ -91,14 +81,14 @@ int main(int argc, char **argv) {
             return 1;
         }
         moe_backward_f32(st, P, G, x, dout, dx, 1.0);
-        double t2 = now();
+        double t2 = bench_now();
         if (it >= 0) td[it] = t1 - t0, tm[it] = t2 - t1;
         if (it == reps - 1)
             printf("last MoE pass: success rate %.3f, %d of %d tokens processed\n", s.success[0],
                    (int)lround(s.success[0] * n), n);
     }
-    qsort(td, reps, sizeof(double), cmp);
-    qsort(tm, reps, sizeof(double), cmp);
+    qsort(td, reps, sizeof(double), bench_cmp);
+    qsort(tm, reps, sizeof(double), bench_cmp);
     const double flops = 6.0 * 2.0 * n * D * M; // fwd + bwd of two matmuls, active FLOPs
     printf("shape: %d tokens, width %d, hidden %d, %d experts, top-1, capacity factor 1.0, BPR\n", n, D, M, E);
     printf("dense MLP fwd+bwd: median %.2f ms (min %.2f, max %.2f), %.1f GFLOP/s\n", 1e3 * td[reps / 2],

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/real.h" // float here: vexp is the float kernel's polynomial
 #include "ops/ops.h"
 #include "test.h"
 
@@ -282,8 +283,25 @@ static void test_contrastive(void) {
     free(c.img), free(c.txt), free(di), free(dt);
 }
 
+// The float build's vexp against libm's expf, in units in the last place, over the range the
+// kernels use; clamped ends give 0-ish and finite values, never Inf or NaN.
+static void test_vexp(void) {
+    double worst = 0;
+    for (float x = -87.0f; x < 88.0f; x += 0.0137f) {
+        float want = expf(x), got = vexp(x);
+        double ulp = fabs((double)got - want) / (nextafterf(want, INFINITY) - want);
+        worst = ulp > worst ? ulp : worst;
+    }
+    printf("vexp: worst %.2f ulp from expf on [-87, 88]\n", worst);
+    CHECK(worst <= 2.0, "vexp within 2 ulp of expf on [-87, 88]: worst %.2f ulp", worst);
+    CHECK(isfinite(vexp(1000.0f)) && vexp(-1000.0f) >= 0 &&
+          vexp(-1000.0f) < 1e-37f, "vexp clamps: e^1000 finite, e^-1000 ~ 0");
+    CHECK(vexp(0.0f) == 1.0f, "vexp(0) == 1 exactly");
+}
+
 int main(void) {
     vlmoe_rng_seed(&rng, 42);
+    test_vexp();
     test_linear();
     test_layernorm();
     test_activations();

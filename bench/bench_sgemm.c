@@ -1,0 +1,59 @@
+// bench_sgemm.c: the machine's SGEMM rate at a training step's shapes, the "peak" bench/speed.py
+// compares whole steps against. Runs OpenBLAS's threaded cblas_sgemm and oneDNN's threaded
+// dnnl_sgemm (what vlmoe calls, one block per thread) in their best case (one call, all
+// threads) on the forward and backward products of one transformer block (tokens x width x
+// mlp) and prints each library's FLOP-weighted rate as one JSON line.
+// Usage: bench_sgemm [tokens width mlp threads reps]
+#include <cblas.h>
+#include <dnnl.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "bench.h"
+
+typedef struct { int ta, tb, M, N, K; } shape;
+
+int main(int argc, char **argv) {
+    const int n = argc > 1 ? atoi(argv[1]) : 5120, D = argc > 2 ? atoi(argv[2]) : 256;
+    const int Mh = argc > 3 ? atoi(argv[3]) : 1024, threads = argc > 4 ? atoi(argv[4]) : 2;
+    const int reps = argc > 5 ? atoi(argv[5]) : 5;
+    omp_set_num_threads(threads);
+    openblas_set_num_threads(threads);
+    // forward x.W^T, backward dY.W and dY^T.X, for qkv (3D), out (D), fc1 (M), fc2 (D from M)
+    const shape S[] = {
+        {0, 1, n, 3 * D, D}, {0, 0, n, D, 3 * D}, {1, 0, 3 * D, D, n},
+        {0, 1, n, D, D},     {0, 0, n, D, D},     {1, 0, D, D, n},
+        {0, 1, n, Mh, D},    {0, 0, n, D, Mh},    {1, 0, Mh, D, n},
+        {0, 1, n, D, Mh},    {0, 0, n, Mh, D},    {1, 0, D, Mh, n},
+    };
+    const int ns = sizeof(S) / sizeof(S[0]);
+    size_t big = (size_t)n * (Mh > 3 * D ? Mh : 3 * D);
+    float *A = malloc(4 * big), *B = malloc(4 * big), *C = malloc(4 * big);
+    for (size_t i = 0; i < big; i++) A[i] = (float)(i % 7) * 0.1f, B[i] = (float)(i % 5) * 0.1f;
+    double flops = 0, best[2] = {1e30, 1e30};
+    for (int i = 0; i < ns; i++) flops += 2.0 * S[i].M * S[i].N * S[i].K;
+    for (int r = 0; r < reps + 1; r++) {
+        for (int lib = 0; lib < 2; lib++) {
+            double t0 = bench_now();
+            for (int i = 0; i < ns; i++) {
+                const shape *s = &S[i];
+                const int lda = s->ta ? s->M : s->K, ldb = s->tb ? s->K : s->N;
+                if (lib == 0)
+                    cblas_sgemm(CblasRowMajor, s->ta ? CblasTrans : CblasNoTrans,
+                                s->tb ? CblasTrans : CblasNoTrans, s->M, s->N, s->K, 1.0f, A, lda, B,
+                                ldb, 0.0f, C, s->N);
+                else
+                    dnnl_sgemm(s->ta ? 'T' : 'N', s->tb ? 'T' : 'N', s->M, s->N, s->K, 1.0f, A, lda, B,
+                               ldb, 0.0f, C, s->N);
+            }
+            double t = bench_now() - t0;
+            if (r > 0 && t < best[lib]) best[lib] = t; // round 0 warms caches and thread pools
+        }
+    }
+    printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"openblas_gflops\": %.1f, "
+           "\"onednn_gflops\": %.1f}\n", threads, openblas_get_corename(), flops / best[0] * 1e-9,
+           flops / best[1] * 1e-9);
+    free(A), free(B), free(C);
+    return 0;
+}

@@ -1,0 +1,108 @@
+// bench_step.c: one whole training step (forward + backward + AdamW) of a model config, the
+// vlmoe half of bench/speed.py (bench/torch_step.py is the PyTorch half and uses the same
+// inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
+// throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
+// Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#include "bench.h"
+
+#include "vlmoe.h"
+
+// Matrix-product FLOPs of one training step (forward, and backward at twice the forward),
+// counted from the shapes: patch embedding, q/k/v, attention scores and mixing, output
+// projection, MLP or active expert MLP (K experts per token), routers, projections, logits.
+static double step_flops(const vlmoe_model_config *c, int B) {
+    const vlmoe_encoder_config *e = &c->encoder;
+    const double D = e->width, M = e->mlp_dim, P = c->image_size / c->patch_size;
+    const double Ti = P * P + (c->image_class_token ? 1 : 0), Tt = c->context_length;
+    const double n = B * (Ti + Tt), pd = c->channels * c->patch_size * c->patch_size;
+    double f = 2 * B * P * P * pd * D;
+    for (int l = 0; l < e->layers; l++) {
+        const int moe = c->moe.router != VLMOE_ROUTER_NONE && (c->moe.layers >> l & 1);
+        f += 2 * n * D * 3 * D + 2 * n * D * D;
+        f += 2 * 2 * B * (Ti * Ti + Tt * Tt) * D;
+        f += 2 * 2 * n * D * M * (moe ? c->moe.top_k : 1);
+        if (moe) f += 2 * n * D * c->moe.num_experts;
+    }
+    f += 2 * 2 * B * D * c->embed_dim + 2 * (double)B * B * c->embed_dim;
+    return 3 * f;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N]\n");
+        return 2;
+    }
+    int B = 64, steps = 10, warmup = 2, threads = 0;
+    for (int i = 2; i + 1 < argc; i += 2) {
+        int v = atoi(argv[i + 1]);
+        if (!strcmp(argv[i], "--batch")) B = v;
+        else if (!strcmp(argv[i], "--steps")) steps = v;
+        else if (!strcmp(argv[i], "--warmup")) warmup = v;
+        else if (!strcmp(argv[i], "--threads")) threads = v;
+        else {
+            fprintf(stderr, "bench_step: unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (threads > 0) omp_set_num_threads(threads);
+    vlmoe_model_config cfg;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *tr = NULL;
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule.base_lr = 1e-4;
+    if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) || vlmoe_model_plan(m, B) ||
+        vlmoe_trainer_init(&tr, m, &tp)) {
+        fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
+        return 1;
+    }
+    // the same deterministic inputs as torch_step.py
+    const int S = cfg.image_size, C = cfg.channels, T = cfg.context_length;
+    float *img = malloc(sizeof(float) * (size_t)B * C * S * S), *emb = malloc(sizeof(float) * (size_t)B * cfg.embed_dim);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *len = malloc(sizeof(int32_t) * B);
+    for (size_t i = 0; i < (size_t)B * C * S * S; i++) img[i] = (float)sin(0.001 * (double)i);
+    for (int b = 0; b < B; b++) {
+        len[b] = T / 2 + b % (T / 2 + 1);
+        for (int t = 0; t < T; t++) tok[b * T + t] = t < len[b] ? (b * 131 + t * 17) % cfg.vocab_size : 0;
+    }
+    vlmoe_batch batch = {B, img, tok, len};
+    double *dt = malloc(sizeof(double) * (steps > 0 ? steps : 1));
+    vlmoe_step_stats st;
+    for (int i = 0; i < warmup + steps; i++) {
+        double t0 = bench_now();
+        if (vlmoe_trainer_step(tr, &batch, &st)) {
+            fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
+            return 1;
+        }
+        if (i >= warmup) dt[i - warmup] = bench_now() - t0;
+    }
+    qsort(dt, steps, sizeof(double), bench_cmp);
+    // inference throughput: one modality per call, as an embedding job runs
+    double ti = 1e30, tt = 1e30;
+    for (int r = 0; r < 5; r++) {
+        double t0 = bench_now();
+        vlmoe_model_encode_images(m, img, B, emb);
+        double t1 = bench_now();
+        vlmoe_model_encode_texts(m, tok, len, B, emb);
+        double t2 = bench_now();
+        ti = t1 - t0 < ti ? t1 - t0 : ti;
+        tt = t2 - t1 < tt ? t2 - t1 : tt;
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    printf("{\"impl\": \"vlmoe\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
+           "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
+           "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
+           cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
+           step_flops(&cfg, B) * 1e-9, B / ti, B / tt, ru.ru_maxrss / 1024.0);
+    free(img), free(emb), free(tok), free(len), free(dt);
+    vlmoe_trainer_free(tr);
+    vlmoe_model_free(m);
+    return 0;
+}
