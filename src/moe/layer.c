@@ -26,8 +26,11 @@ struct R(moe_state) {
     float *gates_f;                 // (S, E) the routing decision's input
     vlmoe_routing *rt;              // (gmax)
     int32_t *row_token, *row_expert, *expert_off, *cnt; // (rows_max), (rows_max), (E+1), (E)
+    int32_t *tok_off, *tok_rows;    // (nmax+1), (rows_max): each token's packed rows, in row order
     real *combine, *dcombine;       // (rows_max)
-    real *xp, *h, *a, *y, *dy, *da, *dh, *dxp;
+    real *xp, *h, *y;               // packed input, fc1 output, expert output (rows_max rows)
+    real *dy, *da, *dh, *dxp;       // backward scratch, possibly shared (moe_share_scratch)
+    int owns_scratch;
     real *aux_scratch;
     // Soft MoE
     real *soft_acts, *soft_scratch, *soft_out; // per group
@@ -96,14 +99,16 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, int nmax)
         ALLOC(st->cnt, E);
         ALLOC(st->combine, rm);
         ALLOC(st->dcombine, rm);
+        ALLOC(st->tok_off, (size_t)nmax + 1);
+        ALLOC(st->tok_rows, rm);
         ALLOC(st->xp, rm * D);
-        ALLOC(st->dxp, rm * D);
         ALLOC(st->y, rm * D);
-        ALLOC(st->dy, rm * D);
         ALLOC(st->h, rm * M);
-        ALLOC(st->a, rm * M);
+        ALLOC(st->dxp, rm * D);
+        ALLOC(st->dy, rm * D);
         ALLOC(st->dh, rm * M);
         ALLOC(st->da, rm * M);
+        st->owns_scratch = 1;
         ALLOC(st->aux_scratch, aux_scratch_floats(Smax, E));
     }
 #undef ALLOC
@@ -119,14 +124,35 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     if (!st) return;
     if (st->rt)
         for (int g = 0; g < st->gmax; g++) vlmoe_routing_free(&st->rt[g]);
+    if (st->owns_scratch) {
+        void *scratch[] = {st->dy, st->da, st->dh, st->dxp};
+        for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++) vlmoe_free_mem(scratch[i]);
+    }
     void *all[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
                    st->gates_f, st->rt, st->row_token, st->row_expert, st->expert_off, st->cnt,
-                   st->combine, st->dcombine, st->xp, st->h, st->a, st->y, st->dy, st->da, st->dh,
-                   st->dxp, st->aux_scratch, st->soft_acts, st->soft_scratch, st->soft_out,
+                   st->tok_off, st->tok_rows, st->combine, st->dcombine, st->xp, st->h, st->y,
+                   st->aux_scratch, st->soft_acts, st->soft_scratch, st->soft_out,
                    st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
                    st->pbar[1], st->hits};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) vlmoe_free_mem(all[i]);
     vlmoe_free_mem(st);
+}
+
+void R(moe_share_scratch)(struct R(moe_state) **states, int n) {
+    struct R(moe_state) *owner = NULL;
+    for (int i = 0; i < n; i++) {
+        struct R(moe_state) *st = states[i];
+        if (!st || !st->owns_scratch) continue;
+        if (!owner) {
+            owner = st;
+            continue;
+        }
+        if (st->rows_max != owner->rows_max || st->sp.D != owner->sp.D || st->sp.M != owner->sp.M) continue;
+        void *mine[] = {st->dy, st->da, st->dh, st->dxp};
+        for (size_t k = 0; k < sizeof(mine) / sizeof(mine[0]); k++) vlmoe_free_mem(mine[k]);
+        st->dy = owner->dy, st->da = owner->da, st->dh = owner->dh, st->dxp = owner->dxp;
+        st->owns_scratch = 0;
+    }
 }
 
 // Routing statistics of the last forward (tokens/experts choice), per modality.
@@ -303,24 +329,38 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
                 st->combine[r] = renorm ? gate / st->zsum[t] : gate;
             }
     }
+    // each token's rows in row order: the combine and its backward sum a token's rows in a
+    // fixed order with one thread per token
+    memset(st->tok_off, 0, sizeof(int32_t) * ((size_t)n + 1));
+    for (int r = 0; r < st->rows; r++) st->tok_off[st->row_token[r] + 1]++;
+    for (int t = 0; t < n; t++) st->tok_off[t + 1] += st->tok_off[t];
+    for (int r = 0; r < st->rows; r++) st->tok_rows[st->tok_off[st->row_token[r]]++] = r;
+    for (int t = n; t > 0; t--) st->tok_off[t] = st->tok_off[t - 1];
+    st->tok_off[0] = 0;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < st->rows; r++)
         memcpy(st->xp + (size_t)r * D, x + (size_t)st->row_token[r] * D, sizeof(real) * D);
-    // one matrix product per expert over all of its tokens
+    // one matrix product per expert over all of its tokens; the activation goes to scratch
+    // (backward recomputes it from h)
     for (int e = 0; e < E; e++) {
         const int o = st->expert_off[e], k = st->cnt[e];
         if (!k) continue;
         R(linear_forward)(st->h + (size_t)o * M, st->xp + (size_t)o * D, P + sp->w1 + (size_t)e * M * D,
                           P + sp->b1 + (size_t)e * M, k, D, M, 0);
-        R(act_forward)(st->a + (size_t)o * M, st->h + (size_t)o * M, (size_t)k * M, sp->act);
-        R(linear_forward)(st->y + (size_t)o * D, st->a + (size_t)o * M, P + sp->w2 + (size_t)e * D * M,
+        R(act_forward)(st->da + (size_t)o * M, st->h + (size_t)o * M, (size_t)k * M, sp->act);
+        R(linear_forward)(st->y + (size_t)o * D, st->da + (size_t)o * M, P + sp->w2 + (size_t)e * D * M,
                           P + sp->b2 + (size_t)e * D, k, M, D, 0);
     }
-    // combine: each thread owns a slice of channels, rows are added in a fixed order
 #pragma omp parallel for schedule(static)
-    for (int d = 0; d < D; d++)
-        for (int r = 0; r < st->rows; r++)
-            out[(size_t)st->row_token[r] * D + d] += st->combine[r] * st->y[(size_t)r * D + d];
+    for (int t = 0; t < n; t++) {
+        real *o = out + (size_t)t * D;
+        for (int j = st->tok_off[t]; j < st->tok_off[t + 1]; j++) {
+            const int r = st->tok_rows[j];
+            const real w = st->combine[r], *y = st->y + (size_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) o[d] += w * y[d];
+        }
+    }
     // auxiliary losses (tokens choice only: experts choice needs none, MOE.md)
     if (cfg->router == VLMOE_ROUTER_TOKENS)
         for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
@@ -370,20 +410,28 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     }
     const size_t rm = (size_t)st->rows;
     memset(st->da, 0, sizeof(real) * rm * M);
-    memset(st->dh, 0, sizeof(real) * rm * M);
     memset(st->dxp, 0, sizeof(real) * rm * D);
     for (int e = 0; e < E; e++) {
         const int o = st->expert_off[e], k = st->cnt[e];
         if (!k) continue;
-        R(linear_backward)(st->da + (size_t)o * M, G + sp->w2 + (size_t)e * D * M, G + sp->b2 + (size_t)e * D,
-                           st->dy + (size_t)o * D, st->a + (size_t)o * M, P + sp->w2 + (size_t)e * D * M, k, M, D);
-        R(act_backward)(st->dh + (size_t)o * M, st->h + (size_t)o * M, st->da + (size_t)o * M, (size_t)k * M, sp->act);
+        real *h = st->h + (size_t)o * M, *da = st->da + (size_t)o * M, *dh = st->dh + (size_t)o * M;
+        R(act_forward)(dh, h, (size_t)k * M, sp->act); // the activation again, in dh's space
+        R(linear_backward)(da, G + sp->w2 + (size_t)e * D * M, G + sp->b2 + (size_t)e * D,
+                           st->dy + (size_t)o * D, dh, P + sp->w2 + (size_t)e * D * M, k, M, D);
+        memset(dh, 0, sizeof(real) * (size_t)k * M);
+        R(act_backward)(dh, h, da, (size_t)k * M, sp->act);
         R(linear_backward)(st->dxp + (size_t)o * D, G + sp->w1 + (size_t)e * M * D, G + sp->b1 + (size_t)e * M,
-                           st->dh + (size_t)o * M, st->xp + (size_t)o * D, P + sp->w1 + (size_t)e * M * D, k, D, M);
+                           dh, st->xp + (size_t)o * D, P + sp->w1 + (size_t)e * M * D, k, D, M);
     }
 #pragma omp parallel for schedule(static)
-    for (int d = 0; d < D; d++)
-        for (int r = 0; r < st->rows; r++) dx[(size_t)st->row_token[r] * D + d] += st->dxp[(size_t)r * D + d];
+    for (int t = 0; t < n; t++) {
+        real *o = dx + (size_t)t * D;
+        for (int j = st->tok_off[t]; j < st->tok_off[t + 1]; j++) {
+            const real *g = st->dxp + (size_t)st->tok_rows[j] * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) o[d] += g[d];
+        }
+    }
     // into the gates
     memset(st->dgates, 0, sizeof(real) * (size_t)n * E);
     const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;

@@ -13,8 +13,10 @@
 #include "nn/model.h"
 
 typedef struct {
+    // ln1 and ln2 both point at the encoder's one LayerNorm buffer: forward uses each output
+    // right away, backward recomputes it from the saved mean and rstd
     real *ln1, *ln1_m, *ln1_r, *qkv, *att, *atty, *res1, *ln2, *ln2_m, *ln2_r;
-    real *h, *a, *res2; // feed-forward: fc1 output (pre-activation), activation, block output
+    real *h, *res2;     // feed-forward: fc1 output (pre-activation; dense only), block output
     struct R(moe_state) *moe; // the MoE layer's own buffers, when this block has one
     moe_spec spec;
 } layer_acts;
@@ -25,9 +27,10 @@ typedef struct {
     attn_segment seg[NUM_MOD];
     size_t att_off[NUM_MOD];     // offset of each segment's attention probabilities
     int mod_of_seg[NUM_MOD], nseg;
-    real *x0, *lnf, *lnf_m, *lnf_r;
+    real *x0, *ln, *lnf, *lnf_m, *lnf_r;
     layer_acts *layers;
     // backward scratch, shared by all layers
+    // da also holds the dense feed-forward's activation during forward (backward recomputes it)
     real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
     uint8_t *modality;           // (ntok) VLMOE_MOD_* of every token
 } enc_state;
@@ -93,20 +96,19 @@ static void plan(struct R(graph) *g, carver *c) {
         }
         const size_t n = s->ntok;
         s->x0 = take(c, n * D);
+        s->ln = take(c, n * D);
         for (int l = 0; l < s->E->layers; l++) {
             layer_acts *a = c->base ? &s->layers[l] : &(layer_acts){0};
-            a->ln1 = take(c, n * D);
+            a->ln1 = a->ln2 = s->ln;
             a->ln1_m = take(c, n);
             a->ln1_r = take(c, n);
             a->qkv = take(c, n * 3 * D);
             a->att = take(c, natt);
             a->atty = take(c, n * D);
             a->res1 = take(c, n * D);
-            a->ln2 = take(c, n * D);
             a->ln2_m = take(c, n);
             a->ln2_r = take(c, n);
-            a->h = take(c, n * M);
-            a->a = take(c, n * M);
+            a->h = s->E->blocks[l].ffn.kind == FFN_MOE ? NULL : take(c, n * M);
             a->res2 = take(c, n * D);
         }
         s->lnf = take(c, n * D);
@@ -190,6 +192,15 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
             g->stats[f->moe_index].block = l;
         }
     }
+    // backward visits one layer at a time: every MoE layer can use the same backward buffers
+    struct R(moe_state) **all = vlmoe_alloc(sizeof(*all) * ((size_t)L->nmoe + 1), "MoE layer list");
+    if (!all) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    int nm = 0;
+    for (int e = 0; e < L->nenc; e++)
+        for (int l = 0; l < L->enc[e].layers; l++)
+            if (g->enc[e].layers[l].moe) all[nm++] = g->enc[e].layers[l].moe;
+    R(moe_share_scratch)(all, nm);
+    vlmoe_free_mem(all);
     g->mod[MOD_TEXT].tokens = g->ints;
     g->mod[MOD_TEXT].lens = g->ints + (size_t)B * T;
     *out = g;
@@ -252,9 +263,9 @@ static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout
         return;
     }
     R(linear_forward)(a->h + t0 * M, a->ln2 + t0 * D, P + f->fc1_w, P + f->fc1_b, n, D, M, 0);
-    R(act_forward)(a->a + t0 * M, a->h + t0 * M, (size_t)n * M, act);
+    R(act_forward)(s->da + t0 * M, a->h + t0 * M, (size_t)n * M, act);
     memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
-    R(linear_forward)(a->res2 + t0 * D, a->a + t0 * M, P + f->fc2_w, P + f->fc2_b, n, M, D, 1);
+    R(linear_forward)(a->res2 + t0 * D, s->da + t0 * M, P + f->fc2_w, P + f->fc2_b, n, M, D, 1);
 }
 
 // Backward of the feed-forward: accumulates d(inp) into dln (zeroed here) from dres = d(out);
@@ -266,11 +277,12 @@ static void ffn_backward(const ffn_layout *f, const layer_acts *a, enc_state *s,
         R(moe_backward)(a->moe, P, G, a->ln2 + t0 * D, s->dres + t0 * D, s->dln + t0 * D, 1.0);
         return;
     }
-    memset(s->da + t0 * M, 0, sizeof(real) * (size_t)n * M);
-    memset(s->dh + t0 * M, 0, sizeof(real) * (size_t)n * M);
+    real *h = a->h + t0 * M, *da = s->da + t0 * M, *dh = s->dh + t0 * M;
+    R(act_forward)(dh, h, (size_t)n * M, act); // the activation again, in dh's space
+    memset(da, 0, sizeof(real) * (size_t)n * M);
     memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
-    R(linear_backward)(s->da + t0 * M, G + f->fc2_w, G + f->fc2_b, s->dres + t0 * D, a->a + t0 * M,
-                       P + f->fc2_w, n, M, D);
+    R(linear_backward)(da, G + f->fc2_w, G + f->fc2_b, s->dres + t0 * D, dh, P + f->fc2_w, n, M, D);
+    memset(dh, 0, sizeof(real) * (size_t)n * M);
     R(act_backward)(s->dh + t0 * M, a->h + t0 * M, s->da + t0 * M, (size_t)n * M, act);
     R(linear_backward)(s->dln + t0 * D, G + f->fc1_w, G + f->fc1_b, s->dh + t0 * M,
                        a->ln2 + t0 * D, P + f->fc1_w, n, D, M);
@@ -323,6 +335,8 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
         const layer_acts *a = &s->layers[l];
         const real *x = l ? s->layers[l - 1].res2 : s->x0;
         // dres holds d(block output); the feed-forward half first
+        R(layernorm_recompute)(a->ln2 + t0 * D, a->res1 + t0 * D, P + bl->ln2_w, P + bl->ln2_b,
+                               a->ln2_m + t0, a->ln2_r + t0, n, D);
         ffn_backward(&bl->ffn, a, s, P, G, t0, n, D, M, g->L->cfg.act);
         R(layernorm_backward)(s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
                               a->res1 + t0 * D, P + bl->ln2_w, a->ln2_m + t0, a->ln2_r + t0, n, D);
@@ -336,6 +350,8 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
                 R(attention_backward)(s->dqkv, s->datt + s->att_off[k], s->datty, a->qkv,
                                       a->att + s->att_off[k], &s->seg[k], D, H);
         memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
+        R(layernorm_recompute)(a->ln1 + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
+                               a->ln1_m + t0, a->ln1_r + t0, n, D);
         R(linear_backward)(s->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, s->dqkv + t0 * 3 * D,
                            a->ln1 + t0 * D, P + bl->qkv_w, n, D, 3 * D);
         R(layernorm_backward)(s->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, s->dln + t0 * D,

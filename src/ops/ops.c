@@ -33,10 +33,11 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
 static void gemm(int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B,
                  int ldb, real beta, real *C, int ldc) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
-    // blocks of >= 512 rows: each call packs the whole other operand, so small blocks repack it
-    // often (64-row blocks cost this model 8% more time)
-    int nb = dim / 512;
-    nb = nb < 1 ? 1 : nb > 64 ? 64 : nb;
+    // blocks of up to 512 rows: each call packs the whole other operand, so small blocks repack
+    // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
+    // make two blocks for two threads
+    int nb = (dim + 511) / 512;
+    nb = nb > 64 ? 64 : nb;
     const int bs = (dim + nb - 1) / nb;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < nb; b++) {
@@ -98,6 +99,12 @@ void R(linear_backward)(real *dinp, real *dw, real *db, const real *dout, const 
     if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
+// One normalised row; forward and recompute share it so both give the same bits.
+static inline void ln_row(real *o, const real *x, real m, real s, const real *w, const real *b, int C) {
+#pragma omp simd
+    for (int i = 0; i < C; i++) o[i] = (x[i] - m) * s * w[i] + b[i];
+}
+
 void R(layernorm_forward)(real *out, real *mean, real *rstd, const real *inp, const real *w,
                           const real *b, int N, int C, double eps) {
 #pragma omp parallel for schedule(static)
@@ -110,10 +117,17 @@ void R(layernorm_forward)(real *out, real *mean, real *rstd, const real *inp, co
         for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
         v /= C;
         real s = (real)(1.0 / sqrt((double)v + eps));
-        for (int i = 0; i < C; i++) o[i] = (x[i] - m) * s * w[i] + b[i];
+        ln_row(o, x, m, s, w, b, C);
         mean[n] = m;
         rstd[n] = s;
     }
+}
+
+void R(layernorm_recompute)(real *out, const real *inp, const real *w, const real *b,
+                            const real *mean, const real *rstd, int N, int C) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++)
+        ln_row(out + (size_t)n * C, inp + (size_t)n * C, mean[n], rstd[n], w, b, C);
 }
 
 void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,

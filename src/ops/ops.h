@@ -32,6 +32,9 @@ typedef struct {
     /* out (N,C) = (inp-mean)*rstd*w + b; mean, rstd (N) saved for backward */                     \
     void layernorm_forward_##S(T *out, T *mean, T *rstd, const T *inp, const T *w, const T *b,    \
                                int N, int C, double eps);                                         \
+    /* out (N,C) again from the mean and rstd a forward saved: bit-identical to that forward */  \
+    void layernorm_recompute_##S(T *out, const T *inp, const T *w, const T *b, const T *mean,     \
+                                 const T *rstd, int N, int C);                                    \
     void layernorm_backward_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp, const T *w,   \
                                 const T *mean, const T *rstd, int N, int C);                      \
     void act_forward_##S(T *out, const T *inp, size_t n, int kind);                               \
