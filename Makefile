@@ -88,7 +88,7 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
 # ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
-DEMO_STEPS ?= 2000
+DEMO_STEPS ?= 3000
 demo: all
 	rm -rf logs/demo
 	./vlmoe train --model limoe-mini --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 150 \
@@ -101,9 +101,12 @@ $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ libvlmoe.a $(LIBS)
 
-bench: all $(BENCHES)
-	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
-	@./bench/limoe_failure.sh
+# bench_step and bench_sgemm are the C halves of bench/speed.py (vlmoe against PyTorch)
+bench: all $(BENCHES) $(TEST_DEPS_STAMP)
+	@for b in $(filter-out %/bench_step %/bench_sgemm,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
+	@echo "== bench/speed.py" && /usr/bin/python3 bench/speed.py --bin $(B)/bench
+	@echo "== bench/limoe_failure.sh" && ./bench/limoe_failure.sh
+	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh
 
 FIXTURES := build/fixtures/.stamp
 $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)

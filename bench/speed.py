@@ -5,8 +5,9 @@ bench/torch_step.py) for several rounds, so bursts of machine noise hit both, an
 median step time over all rounds with the spread (min-max of the per-round medians). Matrix
 products are counted analytically (bench_step) and compared with the SGEMM rate of OpenBLAS and
 of oneDNN on this machine at the model's shapes (bench_sgemm). Each side gets its best
-settings: PyTorch runs with OMP_WAIT_POLICY=PASSIVE and its OpenBLAS pool limited to the same
-thread count (without that it spins a second pool against OpenMP's).
+settings: both wait passively at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE, what the vlmoe
+command sets for itself; spinning threads collapse under any background load), and PyTorch's
+OpenBLAS pool is limited to the same thread count (else it spins a second pool against OpenMP's).
 
 Usage: /usr/bin/python3 bench/speed.py [--rounds 3] [--steps 5] [--threads 2,1] [--b16]
 """
@@ -22,9 +23,9 @@ ROOT = os.path.dirname(HERE)
 
 
 def run(cmd, threads, torch):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
     if torch:
-        env.update(OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+        env.update(OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
