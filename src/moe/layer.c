@@ -29,8 +29,8 @@ struct R(moe_state) {
     int32_t *tok_off, *tok_rows;    // (nmax+1), (rows_max): each token's packed rows, in row order
     real *combine, *dcombine;       // (rows_max)
     real *xp, *h, *y;               // packed input, fc1 output, expert output (rows_max rows)
-    real *dy, *da, *dh, *dxp;       // backward scratch, possibly shared (moe_share_scratch)
-    int owns_scratch;
+    real *dy, *dxp, *da, *dh;       // scratch (da also holds forward's activation), maybe shared
+    int own_dy, own_da;             // whether dy/dxp and da/dh are this layer's own allocations
     real *aux_scratch;
     // Soft MoE
     real *soft_acts, *soft_scratch, *soft_out; // per group
@@ -108,7 +108,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, int nmax)
         ALLOC(st->dy, rm * D);
         ALLOC(st->dh, rm * M);
         ALLOC(st->da, rm * M);
-        st->owns_scratch = 1;
+        st->own_dy = st->own_da = 1;
         ALLOC(st->aux_scratch, aux_scratch_floats(Smax, E));
     }
 #undef ALLOC
@@ -124,10 +124,8 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     if (!st) return;
     if (st->rt)
         for (int g = 0; g < st->gmax; g++) vlmoe_routing_free(&st->rt[g]);
-    if (st->owns_scratch) {
-        void *scratch[] = {st->dy, st->da, st->dh, st->dxp};
-        for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++) vlmoe_free_mem(scratch[i]);
-    }
+    if (st->own_dy) vlmoe_free_mem(st->dy), vlmoe_free_mem(st->dxp);
+    if (st->own_da) vlmoe_free_mem(st->da), vlmoe_free_mem(st->dh);
     void *all[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
                    st->gates_f, st->rt, st->row_token, st->row_expert, st->expert_off, st->cnt,
                    st->tok_off, st->tok_rows, st->combine, st->dcombine, st->xp, st->h, st->y,
@@ -138,20 +136,21 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     vlmoe_free_mem(st);
 }
 
-void R(moe_share_scratch)(struct R(moe_state) **states, int n) {
+void R(moe_share_scratch)(struct R(moe_state) **states, int n, real *da, real *dh, size_t floats) {
     struct R(moe_state) *owner = NULL;
     for (int i = 0; i < n; i++) {
         struct R(moe_state) *st = states[i];
-        if (!st || !st->owns_scratch) continue;
+        if (!st || !st->own_dy) continue; // Soft MoE layers have none
+        if (da && (size_t)st->rows_max * st->sp.M <= floats) {
+            vlmoe_free_mem(st->da), vlmoe_free_mem(st->dh);
+            st->da = da, st->dh = dh, st->own_da = 0;
+        }
         if (!owner) {
             owner = st;
-            continue;
+        } else if (st->rows_max == owner->rows_max && st->sp.D == owner->sp.D) {
+            vlmoe_free_mem(st->dy), vlmoe_free_mem(st->dxp);
+            st->dy = owner->dy, st->dxp = owner->dxp, st->own_dy = 0;
         }
-        if (st->rows_max != owner->rows_max || st->sp.D != owner->sp.D || st->sp.M != owner->sp.M) continue;
-        void *mine[] = {st->dy, st->da, st->dh, st->dxp};
-        for (size_t k = 0; k < sizeof(mine) / sizeof(mine[0]); k++) vlmoe_free_mem(mine[k]);
-        st->dy = owner->dy, st->da = owner->da, st->dh = owner->dh, st->dxp = owner->dxp;
-        st->owns_scratch = 0;
     }
 }
 

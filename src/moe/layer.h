@@ -31,8 +31,9 @@ typedef struct {
     /* plans buffers for up to nmax tokens; nothing is allocated later */                        \
     int moe_state_create_##S(moe_state_##S **out, const moe_spec *spec, int nmax);               \
     void moe_state_free_##S(moe_state_##S *st);                                                  \
-    /* layers whose backward runs one after another share one set of backward buffers */         \
-    void moe_share_scratch_##S(moe_state_##S **states, int n);                                   \
+    /* layers that run one after another share scratch: dy/dxp among equal layers, and each    \
+       layer whose (rows_max, M) activations fit in `floats` takes da/dh (may be NULL) */        \
+    void moe_share_scratch_##S(moe_state_##S **states, int n, T *da, T *dh, size_t floats);      \
     /* out (n,D) += moe(x (n,D)); returns the weighted auxiliary loss; fills stats */           \
     int moe_forward_##S(moe_state_##S *st, const moe_call *c, const T *P, const T *x, T *out,    \
                         double *aux, vlmoe_moe_stats *stats);                                   \

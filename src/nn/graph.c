@@ -13,8 +13,9 @@
 #include "nn/model.h"
 
 typedef struct {
-    // ln1 and ln2 both point at the encoder's one LayerNorm buffer: forward uses each output
-    // right away, backward recomputes it from the saved mean and rstd
+    // ln1 and ln2 point at the encoder's one LayerNorm buffer, att and atty at its attention
+    // buffers: forward uses each output right away, backward recomputes it (LayerNorm from the
+    // saved mean and rstd, attention from qkv) with the same functions, so the bits are the same
     real *ln1, *ln1_m, *ln1_r, *qkv, *att, *atty, *res1, *ln2, *ln2_m, *ln2_r;
     real *h, *res2;     // feed-forward: fc1 output (pre-activation; dense only), block output
     struct R(moe_state) *moe; // the MoE layer's own buffers, when this block has one
@@ -97,14 +98,15 @@ static void plan(struct R(graph) *g, carver *c) {
         const size_t n = s->ntok;
         s->x0 = take(c, n * D);
         s->ln = take(c, n * D);
+        real *att = take(c, natt), *atty = take(c, n * D);
         for (int l = 0; l < s->E->layers; l++) {
             layer_acts *a = c->base ? &s->layers[l] : &(layer_acts){0};
             a->ln1 = a->ln2 = s->ln;
             a->ln1_m = take(c, n);
             a->ln1_r = take(c, n);
             a->qkv = take(c, n * 3 * D);
-            a->att = take(c, natt);
-            a->atty = take(c, n * D);
+            a->att = att;
+            a->atty = atty;
             a->res1 = take(c, n * D);
             a->ln2_m = take(c, n);
             a->ln2_r = take(c, n);
@@ -195,11 +197,14 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
     // backward visits one layer at a time: every MoE layer can use the same backward buffers
     struct R(moe_state) **all = vlmoe_alloc(sizeof(*all) * ((size_t)L->nmoe + 1), "MoE layer list");
     if (!all) return R(graph_free)(g), VLMOE_ERR_NOMEM;
-    int nm = 0;
-    for (int e = 0; e < L->nenc; e++)
+    for (int e = 0; e < L->nenc; e++) {
+        enc_state *s = &g->enc[e];
+        int nm = 0;
         for (int l = 0; l < L->enc[e].layers; l++)
-            if (g->enc[e].layers[l].moe) all[nm++] = g->enc[e].layers[l].moe;
-    R(moe_share_scratch)(all, nm);
+            if (s->layers[l].moe) all[nm++] = s->layers[l].moe;
+        // the dense feed-forward's activation buffers serve the MoE layers too
+        R(moe_share_scratch)(all, nm, s->da, s->dh, s->ntok * (size_t)L->enc[e].mlp);
+    }
     vlmoe_free_mem(all);
     g->mod[MOD_TEXT].tokens = g->ints;
     g->mod[MOD_TEXT].lens = g->ints + (size_t)B * T;
@@ -341,6 +346,9 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
         R(layernorm_backward)(s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
                               a->res1 + t0 * D, P + bl->ln2_w, a->ln2_m + t0, a->ln2_r + t0, n, D);
         // dres now holds d(res1): the attention half
+        for (int k = 0; k < s->nseg; k++)
+            if (g->mod[s->mod_of_seg[k]].present)
+                R(attention_forward)(a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
         memset(s->datty + t0 * D, 0, sizeof(real) * (size_t)n * D);
         R(linear_backward)(s->datty + t0 * D, G + bl->out_w, G + bl->out_b, s->dres + t0 * D,
                            a->atty + t0 * D, P + bl->out_w, n, D, D);
