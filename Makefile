@@ -87,6 +87,31 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
+# ---- fuzzing: libFuzzer targets fuzz/fuzz_*.c over the parsers (CSV, webdataset tar, tokenizer,
+# images, safetensors), built with clang and ASan + UBSan in build/fuzz from the library sources
+# they reach. `make fuzz` runs each for FUZZ_TIME seconds; `make test` runs them for FUZZ_TEST_TIME.
+FUZZ_CC   ?= clang
+FUZZ_TIME ?= 20
+FUZZ_TEST_TIME ?= 15
+FUZZ_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -Wno-pass-failed \
+               -fopenmp-simd -Iinclude -Isrc -g -O1 $(SAN) -fsanitize=fuzzer-no-link
+FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/io/safetensors.c
+FUZZ_BINS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/fuzz_*.c))
+FUZZ_SEEDS := build/fuzz/seeds/.stamp
+build/fuzz/obj/%.o: %.c $(HDRS) fuzz/fuzz.h | $(TEST_DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
+build/fuzz/fuzz_%: build/fuzz/obj/fuzz/fuzz_%.o $(patsubst %.c,build/fuzz/obj/%.o,$(FUZZ_LIB))
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^ \
+	    -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm
+$(FUZZ_SEEDS): fuzz/seeds.c tests/test_jpeg.h | $(TEST_DEPS_STAMP)
+	@mkdir -p build/fuzz/seeds
+	$(CC) -std=c11 -D_POSIX_C_SOURCE=200809L $(WARN) -O1 fuzz/seeds.c -o build/fuzz/make_seeds \
+	    -larchive -lpng -ljpeg -lwebp
+	build/fuzz/make_seeds build/fuzz/seeds && touch $@
+fuzz: $(FUZZ_BINS) $(FUZZ_SEEDS)
+	@./fuzz/run.sh $(FUZZ_TIME) $(FUZZ_BINS)
+
 # ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
 DEMO_STEPS ?= 3000
 demo: all
@@ -114,8 +139,8 @@ $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 	/usr/bin/python3 tests/ref/gen_all.py build/fixtures
 	@touch $@
 
-test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES)
-	@./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe
+test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS)
+	@FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
 
 fixtures: $(FIXTURES)
 
@@ -129,7 +154,7 @@ install: all
 	    vlmoe.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vlmoe.pc
 
 clean:
-	rm -rf build/rel build/asan build/fixtures libvlmoe.a libvlmoe.so vlmoe
+	rm -rf build/rel build/asan build/fixtures build/fuzz libvlmoe.a libvlmoe.so vlmoe
 
-.PHONY: all test fixtures install clean bench demo
+.PHONY: all test fixtures install clean bench demo fuzz
 .SECONDARY:

@@ -46,6 +46,10 @@ static int ends_with(const char *s, const char *suffix) {
     return n >= k && !strcasecmp(s + n - k, suffix);
 }
 
+int cli_load_tokenizer(const char *path, vlmoe_tokenizer **out) {
+    return ends_with(path, ".json") ? vlmoe_tokenizer_load_hf(out, path) : vlmoe_tokenizer_load_clip(out, path);
+}
+
 static const char *NEED_VOCAB =
     "a vocabulary file is needed: --tokenizer FILE with OpenAI CLIP's merges file "
     "(bpe_simple_vocab_16e6.txt or .txt.gz), an HF tokenizer.json of a CLIP model, or merges made by "
@@ -81,7 +85,7 @@ int cmd_tokenize(int argc, char **argv) {
     if (ctx < 2 || ctx > (1 << 20)) return free(texts), cli_error("tokenize", "--context-length %d: must be in [2, 1048576]", ctx);
 
     vlmoe_tokenizer *tok = NULL;
-    int st = ends_with(path, ".json") ? vlmoe_tokenizer_load_hf(&tok, path) : vlmoe_tokenizer_load_clip(&tok, path);
+    int st = cli_load_tokenizer(path, &tok);
     if (st) return free(texts), cli_error("tokenize", "%s", vlmoe_last_error());
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)ctx);
     if (!ids) st = cli_error("tokenize", "out of memory");
@@ -104,10 +108,9 @@ int cmd_tokenize(int argc, char **argv) {
     return st;
 }
 
-// One caption per line ('\n' or "\r\n"); blank lines are skipped.
-static int read_captions(const char *path, char ***out, size_t *n) {
+int cli_read_lines(const char *cmd, const char *path, char ***out, size_t *n) {
     FILE *f = fopen(path, "r");
-    if (!f) return cli_error("tokenizer train", "--captions %s: %s", path, strerror(errno));
+    if (!f) return cli_error(cmd, "%s: %s", path, strerror(errno));
     char *line = NULL, **v = NULL;
     size_t cap = 0, nv = 0, capv = 0;
     ssize_t len;
@@ -118,24 +121,28 @@ static int read_captions(const char *path, char ***out, size_t *n) {
         if (nv == capv) {
             char **nvv = realloc(v, sizeof(char *) * (capv = capv ? 2 * capv : 1024));
             if (!nvv) {
-                st = cli_error("tokenizer train", "out of memory reading %s", path);
+                st = cli_error(cmd, "out of memory reading %s", path);
                 break;
             }
             v = nvv;
         }
-        if (!(v[nv] = strdup(line))) st = cli_error("tokenizer train", "out of memory reading %s", path);
+        if (!(v[nv] = strdup(line))) st = cli_error(cmd, "out of memory reading %s", path);
         else nv++;
     }
-    if (!st && ferror(f)) st = cli_error("tokenizer train", "--captions %s: read error", path);
+    if (!st && ferror(f)) st = cli_error(cmd, "%s: read error", path);
     free(line);
     fclose(f);
     if (st) {
-        for (size_t i = 0; i < nv; i++) free(v[i]);
-        free(v);
+        cli_free_lines(v, nv);
         return st;
     }
     *out = v, *n = nv;
     return 0;
+}
+
+void cli_free_lines(char **v, size_t n) {
+    for (size_t i = 0; i < n; i++) free(v[i]);
+    free(v);
 }
 
 static const char *TOKENIZER_USAGE =
@@ -174,7 +181,7 @@ int cmd_tokenizer(int argc, char **argv) {
 
     char **texts = NULL;
     size_t n = 0;
-    if (read_captions(captions, &texts, &n)) return 1;
+    if (cli_read_lines("tokenizer train", captions, &texts, &n)) return 1;
     vlmoe_tokenizer *tok = NULL;
     int st = 0;
     if (vlmoe_tokenizer_train(&tok, (const char *const *)texts, n, vocab) || vlmoe_tokenizer_save_clip(tok, output))
@@ -183,8 +190,7 @@ int cmd_tokenizer(int argc, char **argv) {
         printf("vlmoe tokenizer train: %zu captions -> %d merges, vocabulary of %d%s -> %s\n", n,
                vlmoe_tokenizer_num_merges(tok), vlmoe_tokenizer_vocab_size(tok),
                vlmoe_tokenizer_vocab_size(tok) < vocab ? " (no pairs left)" : "", output);
-    for (size_t i = 0; i < n; i++) free(texts[i]);
-    free(texts);
+    cli_free_lines(texts, n);
     vlmoe_tokenizer_free(tok);
     return st;
 }

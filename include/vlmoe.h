@@ -443,8 +443,16 @@ void vlmoe_zeroshot_accuracy(const float *img, int n, const float *classes, int 
 // consecutive chunks of `chunk` pairs (chance 1/chunk); the last partial chunk counts too.
 void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int chunk,
                          double *i2t, double *t2i);
-// Class embeddings for the synthetic classes: the mean of each class's template prompts,
-// re-normalised (CLIP's prompt ensembling). out: (num_classes, embed_dim).
+// A tokenizer for vlmoe_class_embeddings: writes text's ids (ctx, SOT .. EOT then padding) and
+// returns how many precede the padding (>= 2), or a value < 2 with the message set on failure.
+typedef int (*vlmoe_tokenize_fn)(void *user, const char *text, int32_t *ids, int ctx);
+// Class embeddings by prompt ensembling (CLIP): each of the nt templates with its "{}" replaced by
+// the class name, tokenized (context_length ids), encoded, averaged per class and re-normalised.
+// out: (C, embed_dim). A template without "{}" is VLMOE_ERR_ARG naming it.
+int vlmoe_class_embeddings(vlmoe_model *m, const char *const *classes, int C,
+                           const char *const *templates, int nt, vlmoe_tokenize_fn tokenize,
+                           void *user, float *out);
+// The same for the synthetic classes with their templates and tokenizer. out: (num_classes, embed_dim).
 int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out);
 
 // Retrieval recall@K, CLIP / OpenCLIP's COCO and Flickr protocol (src/eval/metrics.c). img

@@ -1,7 +1,9 @@
 #!/bin/sh
 # run.sh: runs every test binary of the optimised build, then of the sanitizer build, and totals
-# them into one closing line "N passed, N failed". Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE
-rel=$1; asan=$2; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
+# them into one closing line "N passed, N failed"; with FUZZDIR, each libFuzzer target in it then
+# runs for $FUZZ_TIME seconds (fuzz/run.sh) and counts as one check.
+# Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE [FUZZDIR]
+rel=$1; asan=$2; fuzz=$5; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 pass=0; fail=0; bad=""
@@ -21,6 +23,10 @@ for dir in "$rel" "$asan"; do
             echo "ok   $t ($p checks)"
         fi
     done
+done
+for t in ${fuzz:+"$fuzz"/fuzz_*}; do
+    [ -x "$t" ] || continue
+    if ./fuzz/run.sh "${FUZZ_TIME:-15}" "$t"; then pass=$((pass + 1)); else fail=$((fail + 1)); bad="$bad $t"; fi
 done
 echo "$pass passed, $fail failed"
 [ -z "$bad" ]

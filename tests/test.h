@@ -36,6 +36,15 @@ static inline int test_summary(const char *name) {
 }
 
 // Writes n bytes to path; a failure is a failed check.
+// dir/rel, in one of a few rotating buffers (so a call can take several paths)
+static inline const char *test_path(const char *dir, const char *rel) {
+    static char bufs[8][512];
+    static int k;
+    char *b = bufs[k++ & 7];
+    snprintf(b, 512, "%s/%s", dir, rel);
+    return b;
+}
+
 static inline void test_write_file(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     CHECK(f != NULL, "cannot create %s", path);

@@ -11,14 +11,7 @@
 
 static char dir[64];
 
-static const char *P(const char *rel) {   // dir/rel in one of a few rotating buffers
-    static char bufs[8][512];
-    static int k;
-    char *b = bufs[k++ & 7];
-    snprintf(b, 512, "%s/%s", dir, rel);
-    return b;
-}
-
+static const char *P(const char *rel) { return test_path(dir, rel); }
 static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
 
 typedef struct { const char *name; const char *data; size_t len; } member;
@@ -335,6 +328,48 @@ static void test_webdataset(void) {
     }
 }
 
+// Damaged shards end the shard (counted) instead of looping on the failed header, and samples
+// keep their promises: image_len > 0, a caption that is non-empty as a C string.
+static void test_webdataset_damage(void) {
+    const member m[] = {M("000000.jpg", "JPEG0"), M("000000.txt", "first"), M("000001.png", "PNG1"),
+                        M("000001.txt", "second"), M("a.jpg", ""), M("a.txt", "empty image"),
+                        M("b.jpg", "B"), M("b.txt", "\0starts with NUL"), M("c.jpg", "C"), M("c.txt", "fine")};
+    write_tar(P("shards/damage.tar"), 0, m, 10);
+    size_t n = 0;
+    char *tar = test_read_file(P("shards/damage.tar"), &n);
+    CHECK(tar && n > 4096 + 512, "damage.tar");
+    if (!tar) return;
+    // 512-byte header + 512 bytes of data per member: member 4 (a.jpg) starts at 4096. The
+    // sample before it is complete; the one that the damaged header ends is dropped.
+    test_write_file(P("shards/cut_header.tar"), tar, 4096 + 100);   // inside member 4's header
+    tar[4096] ^= 0x20;                                              // its name: checksum now wrong
+    test_write_file(P("shards/bad_checksum.tar"), tar, n);
+    free(tar);
+    const char *names[] = {"shards/cut_header.tar", "shards/bad_checksum.tar", "shards/damage.tar"};
+    for (int k = 0; k < 3; k++) {
+        vlmoe_dataset *ds = open_ds(VLMOE_DATASET_WEBDATASET, P(names[k]), '\t');
+        if (!ds) continue;
+        vlmoe_sample s;
+        int got = 0, r;
+        while ((r = vlmoe_dataset_next(ds, &s)) == 1 && got < 10) {
+            CHECK(s.image_len > 0 && s.caption[0], "%s: sample %s: image %zu bytes, caption '%s'", names[k], s.key,
+                  s.image_len, s.caption);
+            got++;
+        }
+        const vlmoe_dataset_stats *st = vlmoe_dataset_get_stats(ds);
+        if (k < 2) {
+            CHECK(r == 0 && got == 1 && st->bad[VLMOE_BAD_TRUNCATED_SHARD] == 1, "%s: r %d, %d samples, %lld bad shards",
+                  names[k], r, got, (long long)st->bad[VLMOE_BAD_TRUNCATED_SHARD]);
+        } else {
+            CHECK(r == 0 && got == 3 && st->bad[VLMOE_BAD_UNREADABLE_IMAGE] == 1 && st->bad[VLMOE_BAD_EMPTY_CAPTION] == 1,
+                  "damage.tar: r %d, %d samples, unreadable %lld, empty caption %lld", r, got,
+                  (long long)st->bad[VLMOE_BAD_UNREADABLE_IMAGE], (long long)st->bad[VLMOE_BAD_EMPTY_CAPTION]);
+        }
+        vlmoe_dataset_free(ds);
+    }
+    CHECK(vlmoe_dataset_next(NULL, NULL) < 0, "a failure is < 0, never the 1 of a sample");
+}
+
 static void test_image_folder(void) {
     mkdir(P("zs"), 0755);
     mkdir(P("zs/zebra_fish"), 0755);
@@ -378,6 +413,7 @@ int main(void) {
     test_braces();
     test_csv();
     test_webdataset();
+    test_webdataset_damage();
     test_image_folder();
     vlmoe_dataset_stats empty = {0};
     CHECK(vlmoe_dataset_check_bad(&empty, 0.0) == VLMOE_OK, "no samples: nothing to check");

@@ -67,10 +67,13 @@ int vlmoe_add_ok(size_t a, size_t b, size_t *out) {
 }
 
 void *vlmoe_alloc(size_t bytes, const char *what) {
-    void *p = NULL;
     size_t n = (bytes + 63) & ~(size_t)63;
-    if (n < bytes || n == 0) n = 64;
-    p = aligned_alloc(64, n);
+    if (n < bytes) {   // rounding up wrapped around: no such allocation exists
+        vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for %s", bytes, what);
+        return NULL;
+    }
+    if (n == 0) n = 64;
+    void *p = aligned_alloc(64, n);
     if (!p) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for %s", bytes, what);
     return p;
 }

@@ -377,7 +377,8 @@ static int rec_field(vlmoe_dataset *ds) {
 // Reads one RFC 4180 record: fields NUL-terminated in ds->rec at ds->fld[i]. Quoted fields may
 // hold separators, newlines and doubled quotes; characters after a closing quote are kept
 // (lenient, like Python's csv). "\r\n" line ends are accepted. Blank lines are skipped (as
-// pandas does). Returns 1 record, 0 end of file, < 0 read error. *start_line gets its line.
+// pandas does). Returns 1 record, 0 end of file, or minus a status (read error, no memory; message
+// set): a positive status would read as "1 record". *start_line gets its line.
 static int csv_read_record(vlmoe_dataset *ds, int64_t *start_line) {
     FILE *f = ds->f;
     for (;;) {
@@ -388,7 +389,7 @@ static int csv_read_record(vlmoe_dataset *ds, int64_t *start_line) {
         int c = getc(f), st, any_quoted = 0;
         if (c == EOF) break;
         for (;;) {   // one field per iteration; c is its first character
-            if ((st = rec_field(ds))) return st;
+            if ((st = rec_field(ds))) return -st;
             if (c == '"') {
                 any_quoted = 1;
                 for (;;) {
@@ -400,14 +401,14 @@ static int csv_read_record(vlmoe_dataset *ds, int64_t *start_line) {
                     } else if (c == '\n') {
                         ds->line++;
                     }
-                    if ((st = rec_putc(ds, (char)c))) return st;
+                    if ((st = rec_putc(ds, (char)c))) return -st;
                 }
             }
             while (c != EOF && c != '\n' && c != ds->sep) {
-                if (c != '\r' && (st = rec_putc(ds, (char)c))) return st;
+                if (c != '\r' && (st = rec_putc(ds, (char)c))) return -st;
                 c = getc(f);
             }
-            if ((st = rec_putc(ds, 0))) return st;
+            if ((st = rec_putc(ds, 0))) return -st;
             if (c == ds->sep) { c = getc(f); continue; }
             break;
         }
@@ -418,7 +419,7 @@ static int csv_read_record(vlmoe_dataset *ds, int64_t *start_line) {
         }
         return 1;
     }
-    if (ferror(f)) return vlmoe_fail(VLMOE_ERR_IO, "%s: read error: %s", ds->csv_path, strerror(errno));
+    if (ferror(f)) return -vlmoe_fail(VLMOE_ERR_IO, "%s: read error: %s", ds->csv_path, strerror(errno));
     return 0;
 }
 
@@ -482,7 +483,7 @@ static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         }
         const char *capf = ds->rec + ds->fld[ds->cap_col];
         int st = set_caption(ds, capf, strlen(capf));
-        if (st) return st;
+        if (st) return -st;
         if (ds->cap_len == 0) {
             add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s:%lld: empty caption", ds->csv_path,
                     (long long)line);
@@ -497,13 +498,13 @@ static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         }
         st = ip[0] == '/' ? set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s", ip)
                           : set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s/%s", ds->csv_dir, ip);
-        if (st) return st;
+        if (st) return -st;
         if (read_image_file(ds, ds->pathbuf, why, sizeof why)) {
             add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: image %s: %s", ds->csv_path,
                     (long long)line, ds->pathbuf, why);
             continue;
         }
-        if ((st = set_str(&ds->key, &ds->key_cap, "%s:%lld", ds->csv_path, (long long)line))) return st;
+        if ((st = set_str(&ds->key, &ds->key_cap, "%s:%lld", ds->csv_path, (long long)line))) return -st;
         path_ext(ds->pathbuf, ds->ext, sizeof ds->ext);
         ds->stats.total++;
         s->image = ds->img; s->image_len = ds->img_len; s->image_ext = ds->ext;
@@ -528,7 +529,7 @@ static int csv_open(vlmoe_dataset *ds, const vlmoe_dataset_params *p) {
     ds->line = 1;
     int64_t line;
     int r = csv_read_record(ds, &line);
-    if (r < 0) return r;
+    if (r < 0) return -r;
     if (r == 0) return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: empty CSV file (no header row)", p->path);
     // A UTF-8 byte-order mark before the first column name is not part of it.
     if ((unsigned char)ds->rec[0] == 0xEF && (unsigned char)ds->rec[1] == 0xBB &&
@@ -569,7 +570,7 @@ static int csv_seek(vlmoe_dataset *ds, int64_t item) {
     while (ds->row < item) {
         int64_t line;
         int r = csv_read_record(ds, &line);
-        if (r < 0) return r;
+        if (r < 0) return -r;
         if (r == 0)
             return vlmoe_fail(VLMOE_ERR_ARG, "%s: cannot seek to row %lld: the file has %lld data rows",
                               ds->csv_path, (long long)item, (long long)ds->row);
@@ -598,19 +599,20 @@ static int wds_open_shard(vlmoe_dataset *ds) {
     return VLMOE_OK;
 }
 
-// The next header into ds->pname. 1 header, 0 end of archive, < 0 libarchive error (message set).
+// The next header into ds->pname. 1 header, 0 end of archive, or minus a status (libarchive error,
+// no memory; message set).
 static int wds_header(vlmoe_dataset *ds) {
     struct archive_entry *e;
     int r = archive_read_next_header(ds->a, &e);
     if (r == ARCHIVE_EOF) return 0;
-    if (r < ARCHIVE_WARN)
-        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: after member %lld: %s", ds->shards[ds->shard],
+    if (r != ARCHIVE_OK && r != ARCHIVE_WARN)   // ARCHIVE_RETRY too: no valid entry (damaged header)
+        return -vlmoe_fail(VLMOE_ERR_FORMAT, "%s: after member %lld: %s", ds->shards[ds->shard],
                           (long long)ds->member, archive_error_string(ds->a) ?
                           archive_error_string(ds->a) : "libarchive error");
     ds->member++;
     const char *name = archive_entry_pathname(e);
     int st = set_str(&ds->pname, &ds->pname_cap, "%s", name ? name : "");
-    if (st) return st;
+    if (st) return -st;
     // Directories and special files take part in no sample: an empty name marks them.
     if (archive_entry_filetype(e) != AE_IFREG) ds->pname[0] = 0;
     return 1;
@@ -629,7 +631,7 @@ static int is_image_ext(const char *e) {
     return !strcmp(e, "jpg") || !strcmp(e, "jpeg") || !strcmp(e, "png") || !strcmp(e, "webp");
 }
 
-// Reads the current member's data into *buf. 0 ok; < 0 libarchive error (message set).
+// Reads the current member's data into *buf. 0 ok, else a status (message set).
 static int wds_read_data(vlmoe_dataset *ds, uint8_t **buf, size_t *cap, size_t *len) {
     *len = 0;
     for (;;) {
@@ -661,12 +663,12 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         if (!ds->a) {
             if (ds->shard >= ds->n_shards) return 0;
             int st = wds_open_shard(ds);
-            if (st == VLMOE_ERR_NOMEM) return st;
+            if (st == VLMOE_ERR_NOMEM) return -st;
             if (st) { wds_bad_shard(ds); continue; }
         }
         if (!ds->pending) {
             int r = wds_header(ds);
-            if (r == VLMOE_ERR_NOMEM) return r;
+            if (r == -VLMOE_ERR_NOMEM) return r;
             if (r < 0) { wds_bad_shard(ds); continue; }
             if (r == 0) { wds_close(ds); ds->shard++; continue; }
         }
@@ -675,7 +677,7 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         const char *suf;
         size_t kl = key_len(ds->pname, &suf);
         int st = set_str(&ds->key, &ds->key_cap, "%s:%.*s", ds->shards[ds->shard], (int)kl, ds->pname);
-        if (st) return st;
+        if (st) return -st;
         size_t kstart = strlen(ds->shards[ds->shard]) + 1;   // the key inside ds->key
         int have_img = 0, have_txt = 0, eof = 0, failed = 0;
         for (;;) {   // members of this key; ds->pname is the current one
@@ -685,7 +687,7 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
             // accept any suffix ending in an image/text extension, as decoders do).
             if (suf && !have_img && is_image_ext(ext)) {
                 st = wds_read_data(ds, &ds->img, &ds->img_cap, &ds->img_len);
-                if (st == VLMOE_ERR_NOMEM) return st;
+                if (st == VLMOE_ERR_NOMEM) return -st;
                 if (st) { failed = 1; break; }
                 memcpy(ds->ext, ext, sizeof ext);
                 have_img = 1;
@@ -694,18 +696,18 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
                 size_t tl = 0;
                 st = wds_read_data(ds, &tb, &ds->cap_cap, &tl);
                 ds->cap = (char *)tb;
-                if (st == VLMOE_ERR_NOMEM) return st;
+                if (st == VLMOE_ERR_NOMEM) return -st;
                 if (st) { failed = 1; break; }
-                if ((st = grow(&ds->cap, &ds->cap_cap, tl + 1, 1, "a caption"))) return st;
+                if ((st = grow(&ds->cap, &ds->cap_cap, tl + 1, 1, "a caption"))) return -st;
                 ds->cap[tl] = 0;
-                size_t len = tl;
+                size_t len = strlen(ds->cap);   // a NUL byte ends the caption, as in a CSV field
                 char *t = trim(ds->cap, &len);
                 memmove(ds->cap, t, len + 1);
                 ds->cap_len = len;
                 have_txt = 1;
             }
             int r = wds_header(ds);
-            if (r == VLMOE_ERR_NOMEM) return r;
+            if (r == -VLMOE_ERR_NOMEM) return r;
             if (r < 0) { failed = 1; break; }
             if (r == 0) { eof = 1; break; }
             const char *suf2;
@@ -728,6 +730,10 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
             add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s: empty caption", ds->key);
             continue;
         }
+        if (ds->img_len == 0) {   // samples promise image_len > 0, as for CSV
+            add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s: empty .%s member", ds->key, ds->ext);
+            continue;
+        }
         ds->stats.total++;
         s->image = ds->img; s->image_len = ds->img_len; s->image_ext = ds->ext;
         s->caption = ds->cap; s->key = ds->key;
@@ -746,7 +752,7 @@ static int wds_seek(vlmoe_dataset *ds, vlmoe_dataset_pos pos) {
     int st = wds_open_shard(ds);
     while (!st && ds->member < pos.item) {
         int r = wds_header(ds);
-        if (r < 0) st = r;
+        if (r < 0) st = -r;
         else if (r == 0)
             st = vlmoe_fail(VLMOE_ERR_ARG, "%s: cannot seek to member %lld: the shard has %lld",
                             ds->shards[ds->shard], (long long)pos.item, (long long)ds->member);
@@ -800,7 +806,7 @@ int vlmoe_dataset_open(const vlmoe_dataset_params *p, vlmoe_dataset **out) {
 }
 
 int vlmoe_dataset_next(vlmoe_dataset *ds, vlmoe_sample *s) {
-    if (!ds || !s) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_dataset_next: NULL argument");
+    if (!ds || !s) return -vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_dataset_next: NULL argument");
     return ds->type == VLMOE_DATASET_CSV ? csv_next(ds, s) : wds_next(ds, s);
 }
 

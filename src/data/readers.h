@@ -27,7 +27,8 @@ void vlmoe_free_strings(char **s, int n);   // NULL is safe
 typedef enum {
     VLMOE_BAD_MISSING_COLUMN = 0,   // CSV row with fewer fields than the key columns need
     VLMOE_BAD_EMPTY_CAPTION = 1,    // caption empty after trimming whitespace
-    VLMOE_BAD_UNREADABLE_IMAGE = 2, // CSV image path empty, missing, unreadable or an empty file
+    VLMOE_BAD_UNREADABLE_IMAGE = 2, // CSV image path empty, missing, unreadable or an empty file;
+                                    // webdataset image member of 0 bytes
     VLMOE_BAD_NO_PARTNER = 3,       // webdataset key with an image but no .txt, or the reverse
     VLMOE_BAD_TRUNCATED_SHARD = 4,  // libarchive error (shard cut mid-member, corrupt, not a tar):
                                     // the partial sample is dropped, the rest of the shard skipped

@@ -1,6 +1,7 @@
 // eval.c: zero-shot classification accuracy (top-1/top-5), matched-pair retrieval accuracy and
-// prompt-ensembled class embeddings for the synthetic classes (CLIP's recipe: embed every
-// template filled with the class name, average, re-normalise). Covered by tests/test_train.c.
+// prompt-ensembled class embeddings (CLIP's recipe: embed every template filled with the class
+// name, average, re-normalise), for any class names or the synthetic classes. Covered by
+// tests/test_train.c and tests/test_eval_data.c.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,40 +56,90 @@ void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int c
     *t2i = n ? (double)b / n : 0;
 }
 
-int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out) {
+// Prompts of `cb` classes starting at c0, tokenized into tok (cb*nt, T) and lens (cb*nt).
+static int class_prompts(const char *const *classes, int c0, int cb, const char *const *templates,
+                         int nt, vlmoe_tokenize_fn tokenize, void *user, int T, int32_t *tok,
+                         int32_t *lens) {
+    char *prompt = NULL;
+    size_t cap = 0;
+    int st = VLMOE_OK;
+    for (int c = c0; c < c0 + cb && !st; c++)
+        for (int t = 0; t < nt && !st; t++) {
+            const char *tpl = templates[t], *hole = strstr(tpl, "{}");
+            const size_t need = strlen(tpl) + strlen(classes[c]) + 1;
+            if (need > cap) {
+                char *np = realloc(prompt, need);
+                if (!np) {
+                    st = vlmoe_fail(VLMOE_ERR_NOMEM, "class prompt of %zu bytes", need);
+                    break;
+                }
+                prompt = np, cap = need;
+            }
+            snprintf(prompt, cap, "%.*s%s%s", (int)(hole - tpl), tpl, classes[c], hole + 2);
+            const size_t k = (size_t)(c - c0) * nt + t;
+            const int len = tokenize(user, prompt, tok + k * T, T);
+            if (len < 2) {
+                vlmoe_error_prefix("class prompt '%s'", prompt);
+                st = VLMOE_ERR_ARG;
+            } else {
+                lens[k] = len;
+            }
+        }
+    free(prompt);
+    return st;
+}
+
+int vlmoe_class_embeddings(vlmoe_model *m, const char *const *classes, int C,
+                           const char *const *templates, int nt, vlmoe_tokenize_fn tokenize,
+                           void *user, float *out) {
+    if (!m || !classes || !templates || !tokenize || !out || C < 1 || nt < 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_class_embeddings: NULL argument, C = %d or nt = %d < 1", C, nt);
+    for (int t = 0; t < nt; t++)
+        if (!templates[t] || !strstr(templates[t], "{}"))
+            return vlmoe_fail(VLMOE_ERR_ARG, "prompt template %d ('%s') has no {} for the class name", t + 1,
+                              templates[t] ? templates[t] : "(null)");
     const vlmoe_model_config *cfg = vlmoe_model_get_config(m);
-    const int C = vlmoe_synth_num_classes(s), nt = vlmoe_synth_num_templates(s);
     const int T = cfg->context_length, E = cfg->embed_dim;
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)C * nt * (T + 1));
-    float *emb = malloc(sizeof(float) * (size_t)C * nt * E);
+    // classes go through in chunks of about 2048 prompts: ImageNet's 1000 x 80 stay small
+    const int cb = nt >= 2048 ? 1 : (2048 / nt < C ? 2048 / nt : C);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)cb * nt * (T + 1));
+    float *emb = malloc(sizeof(float) * (size_t)cb * nt * E);
     if (!tok || !emb) {
         free(tok), free(emb);
         return vlmoe_fail(VLMOE_ERR_NOMEM, "class prompts");
     }
-    int32_t *lens = tok + (size_t)C * nt * T;
+    int32_t *lens = tok + (size_t)cb * nt * T;
     int st = VLMOE_OK;
-    for (int c = 0; c < C && !st; c++)
-        for (int t = 0; t < nt && !st; t++) {
-            char prompt[256];
-            const char *tpl = vlmoe_synth_template(s, t), *hole = strstr(tpl, "{}");
-            snprintf(prompt, sizeof(prompt), "%.*s%s%s", (int)(hole - tpl), tpl,
-                     vlmoe_synth_class_name(s, c), hole + 2);
-            int len = vlmoe_synth_tokenize(s, prompt, tok + (size_t)(c * nt + t) * T, T);
-            if (len < 2) st = VLMOE_ERR_ARG;
-            else lens[c * nt + t] = len;
+    for (int c0 = 0; c0 < C && !st; c0 += cb) {
+        const int k = C - c0 < cb ? C - c0 : cb;
+        st = class_prompts(classes, c0, k, templates, nt, tokenize, user, T, tok, lens);
+        if (!st) st = vlmoe_model_encode_texts(m, tok, lens, k * nt, emb);
+        for (int c = 0; c < k && !st; c++) {
+            float *o = out + (size_t)(c0 + c) * E;
+            double norm = 0;
+            for (int e = 0; e < E; e++) {
+                double v = 0;
+                for (int t = 0; t < nt; t++) v += emb[(size_t)(c * nt + t) * E + e];
+                o[e] = (float)v;
+                norm += v * v;
+            }
+            norm = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
+            for (int e = 0; e < E; e++) o[e] = (float)(o[e] / norm);
         }
-    if (!st) st = vlmoe_model_encode_texts(m, tok, lens, C * nt, emb);
-    for (int c = 0; c < C && !st; c++) {
-        double norm = 0;
-        for (int e = 0; e < E; e++) {
-            double v = 0;
-            for (int t = 0; t < nt; t++) v += emb[(size_t)(c * nt + t) * E + e];
-            out[(size_t)c * E + e] = (float)v;
-            norm += v * v;
-        }
-        norm = sqrt(norm) > 1e-12 ? sqrt(norm) : 1e-12;
-        for (int e = 0; e < E; e++) out[(size_t)c * E + e] = (float)(out[(size_t)c * E + e] / norm);
     }
     free(tok), free(emb);
     return st;
+}
+
+static int synth_tokenize(void *s, const char *text, int32_t *ids, int ctx) {
+    return vlmoe_synth_tokenize(s, text, ids, ctx);
+}
+
+int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out) {
+    const int C = vlmoe_synth_num_classes(s), nt = vlmoe_synth_num_templates(s);
+    const char *names[64], *tpl[64];
+    if (C > 64 || nt > 64) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_synth_class_embeddings: %d classes, %d templates", C, nt);
+    for (int c = 0; c < C; c++) names[c] = vlmoe_synth_class_name(s, c);
+    for (int t = 0; t < nt; t++) tpl[t] = vlmoe_synth_template(s, t);
+    return vlmoe_class_embeddings(m, names, C, tpl, nt, synth_tokenize, (void *)s, out);
 }

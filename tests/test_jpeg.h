@@ -1,0 +1,43 @@
+// test_jpeg.h: the JPEG encoder side the tests use to make fixtures at test time (libjpeg-turbo
+// into memory). Used by tests/test_image.c and tests/test_eval_data.c.
+#ifndef VLMOE_TEST_JPEG_H
+#define VLMOE_TEST_JPEG_H
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jpeglib.h>
+
+// JPEG of comps = 1 (grey), 3 (RGB) or 4 (CMYK) components; returns malloc'd bytes.
+static inline uint8_t *enc_jpeg(const uint8_t *px, int w, int h, int comps, int quality,
+                                int progressive, size_t *n) {
+    struct jpeg_compress_struct c;
+    struct jpeg_error_mgr err;
+    unsigned char *mem = NULL;
+    unsigned long size = 0;
+    c.err = jpeg_std_error(&err);
+    jpeg_create_compress(&c);
+    jpeg_mem_dest(&c, &mem, &size);
+    c.image_width = (JDIMENSION)w;
+    c.image_height = (JDIMENSION)h;
+    c.input_components = comps;
+    c.in_color_space = comps == 1 ? JCS_GRAYSCALE : comps == 3 ? JCS_RGB : JCS_CMYK;
+    jpeg_set_defaults(&c);
+    jpeg_set_quality(&c, quality, TRUE);
+    if (progressive) jpeg_simple_progression(&c);
+    jpeg_start_compress(&c, TRUE);
+    while (c.next_scanline < c.image_height) {
+        JSAMPROW row = (JSAMPROW)(px + (size_t)c.next_scanline * w * comps);
+        jpeg_write_scanlines(&c, &row, 1);
+    }
+    jpeg_finish_compress(&c);
+    jpeg_destroy_compress(&c);
+    uint8_t *out = malloc(size);
+    memcpy(out, mem, size);
+    free(mem);
+    *n = size;
+    return out;
+}
+
+#endif
