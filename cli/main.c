@@ -25,6 +25,7 @@ static const char *USAGE =
     "  train      train a contrastive image-text model (dense or MoE)\n"
     "  eval       zero-shot, retrieval, few-shot and routing report of a checkpoint\n"
     "  soup       average checkpoints (uniform or greedy)\n"
+    "  prune      drop the experts a modality uses least, for one-modality inference\n"
     "  tokenize   CLIP BPE ids and pieces of a text\n"
     "  tokenizer  train a BPE vocabulary from captions (vlmoe tokenizer train)\n"
     "  version    print the version\n";
@@ -49,6 +50,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
+    if (!strcmp(argv[1], "prune")) return cmd_prune(argc, argv);
     if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc, argv);
     if (!strcmp(argv[1], "tokenizer")) return cmd_tokenizer(argc, argv);
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {

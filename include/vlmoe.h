@@ -212,6 +212,8 @@ typedef struct {
     int slots_per_expert;        // Soft MoE, 0 = rint(S/E)
     double aux_weight[VLMOE_AUX_COUNT];
     double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
+    uint64_t pruned[64];         // router_pred pruning (LIMoE E.4): bit e of pruned[l] keeps expert e
+                                 // of block l out of the top-K; the softmax still covers it
 } vlmoe_moe_config;
 
 // Presets (MOE.md): "limoe" (tokens choice, K=1, BPR, noise 1, cf 1.05 train / 16 eval, importance + load + text
@@ -386,6 +388,15 @@ int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
 int vlmoe_model_save(const vlmoe_model *m, const char *path);
 int vlmoe_model_load(vlmoe_model **out, const char *path);
 
+// LIMoE expert pruning for one-modality inference (appendix E.4). usage holds, for each MoE
+// layer of the tower serving `modality` (blocks in order), the share of that modality's tokens
+// each expert processed (nmoe x E, e.g. vlmoe_moe_stats.accepted averaged over training); every
+// layer keeps its `keep` most used experts. ROUTER_PRED (LIMoE's choice) keeps the softmax over
+// all experts and masks the pruned ones out of the top-K; ROUTER_DROP removes them, router rows
+// included, so the softmax renormalises over the kept ones and the model is smaller.
+typedef enum { VLMOE_PRUNE_ROUTER_PRED = 0, VLMOE_PRUNE_ROUTER_DROP = 1 } vlmoe_prune_mode;
+int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, const double *usage,
+                      int keep, vlmoe_prune_mode mode);
 // ---------------------------------------------------------------------------------------------
 // Training (src/train/): one optimisation step = forward, backward, divergence guard, clipping,
 // schedule, optimizer update, temperature clamp. Nothing is allocated inside a step.

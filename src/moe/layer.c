@@ -289,6 +289,11 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     vlmoe_route_params rp = {K, C, cfg->order, cfg->bpr_score, cfg->gate_renorm, c->seed ^ 0x5bd1e995ULL};
     for (int g = 0; g < st->G; g++) {
         for (size_t i = 0; i < (size_t)st->S * E; i++) st->gates_f[i] = (float)st->gates[(size_t)g * st->S * E + i];
+        // router_pred pruning: a pruned expert is never among the top K (every gate is >= 0);
+        // the kept experts' gates stay those of the softmax over all experts
+        if (sp->pruned)
+            for (size_t i = 0; i < (size_t)st->S * E; i++)
+                if (sp->pruned >> (i % E) & 1) st->gates_f[i] = -1;
         rp.seed = c->seed + 0x9e3779b97f4a7c15ULL * (uint64_t)(g + 1);
         // the arrays were sized for the largest group and capacity (create); this pass's
         // decision describes its own S and C

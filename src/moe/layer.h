@@ -14,6 +14,7 @@ typedef struct {
     const vlmoe_moe_config *cfg;
     int D, M, act;
     size_t router_w, w1, b1, w2, b2, phi, scale; // offsets (NO_PARAM where absent)
+    uint64_t pruned;         // router_pred pruning: experts never picked (vlmoe_moe_config.pruned)
 } moe_spec;
 
 // One forward call over the n tokens of the active range.

@@ -217,6 +217,17 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
             NEED(m->aux_weight[k] >= 0, "%s.aux.%s: weight must be >= 0", nm, vlmoe_aux_name(k));
+        for (int l = 0; l < 64; l++) {
+            if (!m->pruned[l]) continue;
+            int kept = 0;
+            for (int e = 0; e < m->num_experts && e < 64; e++) kept += !(m->pruned[l] >> e & 1);
+            NEED(m->router == VLMOE_ROUTER_TOKENS && (m->layers >> l & 1),
+                 "%s.pruned: block %d is not a tokens-choice MoE layer", nm, l);
+            NEED(m->num_experts <= 64 && (m->num_experts == 64 || !(m->pruned[l] >> m->num_experts)),
+                 "%s.pruned: block %d names an expert beyond num_experts = %d", nm, l, m->num_experts);
+            NEED(kept >= m->top_k, "%s.pruned: block %d keeps %d experts, fewer than top_k = %d", nm, l,
+                 kept, m->top_k);
+        }
     }
     NEED(c->init_temperature > 0 && c->max_temperature >= 1 && c->init_temperature <= c->max_temperature,
          "temperature: need 0 < init_temperature (%g) <= max_temperature (%g), max >= 1",
@@ -373,6 +384,29 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
                 st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers (0 = log of the token count)", what, k);
             else
                 m->global_tau[0] = it->child->valuedouble, m->global_tau[1] = it->child->next->valuedouble;
+        } else if (!strcmp(n, "pruned")) {
+            // {"block": [expert, ...], ...}: experts router_pred pruning masks out of the top-K
+            if (!cJSON_IsObject(it)) {
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be an object {block: [experts]}", what, k);
+                break;
+            }
+            memset(m->pruned, 0, sizeof(m->pruned));
+            for (const cJSON *b = it->child; b && !st; b = b->next) {
+                char *end;
+                long l = strtol(b->string, &end, 10);
+                if (*end || l < 0 || l > 63 || !cJSON_IsArray(b)) {
+                    st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s.%s\" must be a block index in [0, 63] "
+                                    "listing expert indices", what, k, b->string);
+                    break;
+                }
+                for (const cJSON *x = b->child; x && !st; x = x->next) {
+                    if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 || x->valuedouble > 63)
+                        st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s.%s\" must list expert indices in [0, 63]",
+                                        what, k, b->string);
+                    else
+                        m->pruned[l] |= 1ULL << (int)x->valuedouble;
+                }
+            }
         } else if (!strcmp(n, "aux")) {
             if (!cJSON_IsObject(it)) {
                 st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be an object {loss name: weight}", what, k);
@@ -420,6 +454,17 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     cJSON_AddItemToArray(tau, num(m->global_tau[0]));
     cJSON_AddItemToArray(tau, num(m->global_tau[1]));
     cJSON_AddItemToObject(o, "global_tau", tau);
+    cJSON *pruned = NULL;
+    for (int l = 0; l < 64; l++) {
+        if (!m->pruned[l]) continue;
+        char key[16];
+        snprintf(key, sizeof(key), "%d", l);
+        cJSON *list = cJSON_CreateArray();
+        for (int e = 0; e < 64; e++)
+            if (m->pruned[l] >> e & 1) cJSON_AddItemToArray(list, num(e));
+        if (!pruned) pruned = cJSON_AddObjectToObject(o, "pruned");
+        cJSON_AddItemToObject(pruned, key, list);
+    }
     return o;
 }
 

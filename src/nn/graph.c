@@ -187,7 +187,8 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
             if (f->kind != FFN_MOE) continue;
             layer_acts *a = &s->layers[l];
             a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
-                                 f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale};
+                                 f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale,
+                                 l < 64 ? L->enc[e].moe->pruned[l] : 0};
             int st = R(moe_state_create)(&a->moe, &a->spec, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
             g->stats[f->moe_index].encoder = e;

@@ -1,0 +1,195 @@
+// prune.c: `vlmoe prune`: LIMoE's expert pruning for one-modality inference (appendix E.4).
+// The experts' shares of a modality's tokens come from the run's metrics.jsonl (the mean over
+// the last logged steps, as LIMoE ranks experts by what they processed during training) or, for
+// models on the built-in synthetic vocabulary, from held-out synthetic data run through the model.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "args.h"
+#include "cli.h"
+#include "vlmoe.h"
+
+static const char *USAGE =
+    "usage: vlmoe prune --model M.safetensors --modality text|image --keep N -o OUT.safetensors\n"
+    "                   [--mode router_pred|router_drop] [--stats RUN/metrics.jsonl [--last N]]\n\n"
+    "Keeps, in every MoE layer serving the modality, the N experts that took the largest share of\n"
+    "its tokens, for inference on that modality alone. router_pred (LIMoE's choice) keeps the\n"
+    "router's softmax over all experts and only stops pruned ones from being picked; router_drop\n"
+    "removes them, router rows included (a smaller file; the gates renormalise over the kept).\n"
+    "Shares come from --stats (mean over the last logged steps of training) or, without it, from\n"
+    "held-out synthetic data run through the model (models trained on the synthetic data).\n\n"
+    "example:\n"
+    "  vlmoe prune --model logs/demo/checkpoints/step_3000.safetensors --modality text --keep 4 \\\n"
+    "      --stats logs/demo/metrics.jsonl -o text4.safetensors";
+
+// The tower serving `mod`: its MoE config and its encoder index in the statistics.
+static const vlmoe_moe_config *tower(const vlmoe_model_config *c, int mod, int *enc) {
+    const int two = c->arch == VLMOE_ARCH_TWO_TOWER;
+    *enc = two && mod == VLMOE_MOD_TEXT;
+    return two && mod == VLMOE_MOD_TEXT ? &c->text_moe : &c->moe;
+}
+
+// Mean "accepted" shares of the last `last` records of metrics.jsonl, layer by layer.
+static int usage_from_metrics(const char *path, const vlmoe_model_config *c, int mod, int last, double *u,
+                              int nl, int E) {
+    FILE *f = fopen(path, "r");
+    if (!f) return cli_error("prune", "cannot open %s", path);
+    int enc, seen = 0;
+    tower(c, mod, &enc);
+    const char *mname = mod == VLMOE_MOD_TEXT ? "text" : "image";
+    // a ring of the last `last` records' shares
+    double *ring = calloc((size_t)last * nl * E, sizeof(double));
+    char *line = NULL;
+    size_t cap = 0;
+    long lineno = 0;
+    int rc = 0;
+    while (!rc && ring && getline(&line, &cap, f) > 0) {
+        lineno++;
+        cJSON *o = cJSON_Parse(line), *moe = o ? cJSON_GetObjectItemCaseSensitive(o, "moe") : NULL;
+        if (!cJSON_IsArray(moe)) {
+            cJSON_Delete(o);
+            continue; // evaluation lines and the like
+        }
+        double *slot = ring + (size_t)(seen % last) * nl * E;
+        int l = 0;
+        for (const cJSON *it = moe->child; it && !rc; it = it->next) {
+            const cJSON *e = cJSON_GetObjectItemCaseSensitive(it, "encoder");
+            if (!cJSON_IsNumber(e) || (int)e->valuedouble != enc) continue;
+            const cJSON *acc = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(it, mname), "accepted");
+            if (l >= nl || cJSON_GetArraySize(acc) != E) {
+                rc = cli_error("prune", "%s:%ld: routing statistics do not match this model (%d MoE layers of %d experts)",
+                               path, lineno, nl, E);
+                break;
+            }
+            int k = 0;
+            for (const cJSON *x = acc->child; x; x = x->next) slot[(size_t)l * E + k++] = x->valuedouble;
+            l++;
+        }
+        if (!rc && l != nl) rc = cli_error("prune", "%s:%ld: %d MoE layers logged, the model has %d", path, lineno, l, nl);
+        seen++;
+        cJSON_Delete(o);
+    }
+    free(line);
+    fclose(f);
+    if (!ring) return cli_error("prune", "out of memory");
+    if (!rc && !seen) rc = cli_error("prune", "%s: no routing statistics (no \"moe\" entries)", path);
+    const int n = seen < last ? seen : last;
+    for (size_t i = 0; !rc && i < (size_t)nl * E; i++) {
+        u[i] = 0;
+        for (int r = 0; r < n; r++) u[i] += ring[(size_t)r * nl * E + i] / n;
+    }
+    if (!rc) fprintf(stderr, "vlmoe prune: %s shares: mean of the last %d of %d logged steps in %s\n", mname, n, seen, path);
+    free(ring);
+    return rc;
+}
+
+// Shares measured on held-out synthetic data of the modality (512 samples, eval capacity).
+static int usage_from_synthetic(vlmoe_model *m, int mod, double *u, int nl, int E) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = c->image_size;
+    vlmoe_synth *s = NULL;
+    if (vlmoe_synth_init(&s, &sp)) return cli_error("prune", "%s", vlmoe_last_error());
+    if (c->vocab_size < vlmoe_synth_vocab_size(s)) {
+        vlmoe_synth_free(s);
+        return cli_error("prune", "model '%s' was not trained on the synthetic data: give --stats RUN/metrics.jsonl", c->name);
+    }
+    const int B = 64, T = c->context_length, batches = 8;
+    float *img = malloc(sizeof(float) * (size_t)B * c->channels * c->image_size * c->image_size);
+    float *emb = malloc(sizeof(float) * (size_t)B * c->embed_dim);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *len = malloc(sizeof(int32_t) * B);
+    int rc = !img || !emb || !tok || !len ? cli_error("prune", "out of memory") : 0;
+    memset(u, 0, sizeof(double) * (size_t)nl * E);
+    int enc;
+    tower(c, mod, &enc);
+    for (int b = 0; b < batches && !rc; b++) {
+        int st = vlmoe_synth_batch(s, VLMOE_SPLIT_HELDOUT, (uint64_t)b * B, B, T, img, tok, len);
+        if (!st) st = mod == VLMOE_MOD_TEXT ? vlmoe_model_encode_texts(m, tok, len, B, emb) : vlmoe_model_encode_images(m, img, B, emb);
+        if (st) {
+            rc = cli_error("prune", "%s", vlmoe_last_error());
+            break;
+        }
+        int n, l = 0;
+        const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &n);
+        for (int i = 0; i < n; i++)
+            if (ms[i].encoder == enc && l < nl) {
+                for (int e = 0; e < E; e++) u[(size_t)l * E + e] += ms[i].accepted[mod][e] / batches;
+                l++;
+            }
+    }
+    if (!rc) fprintf(stderr, "vlmoe prune: %s shares measured on %d held-out synthetic samples\n",
+                     mod == VLMOE_MOD_TEXT ? "text" : "image", batches * B);
+    free(img), free(emb), free(tok), free(len);
+    vlmoe_synth_free(s);
+    return rc;
+}
+
+int cmd_prune(int argc, char **argv) {
+    const char *model = NULL, *out = NULL, *modality = NULL, *mode = "router_pred", *stats = NULL;
+    int keep = 0, last = 50;
+    const arg_spec specs[] = {
+        {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
+        {"modality", ARG_STRING, &modality, "M", "text or image: the modality the pruned model will serve"},
+        {"keep", ARG_INT, &keep, "N", "experts kept in each MoE layer of that modality's tower"},
+        {"mode", ARG_STRING, &mode, "MODE", "router_pred (default: softmax over all, pruned masked) or router_drop"},
+        {"stats", ARG_STRING, &stats, "FILE", "the run's metrics.jsonl: rank experts by their share during training"},
+        {"last", ARG_INT, &last, "N", "logged steps of --stats to average (default 50)"},
+        {"output", ARG_STRING, &out, "FILE", "where the pruned model is written (also -o)"},
+    };
+    char *rest[64];
+    int nrest = 0;
+    for (int i = 2; i < argc && nrest < 62; i++) {
+        if (!strcmp(argv[i], "-o") && i + 1 < argc) out = argv[++i];
+        else rest[nrest++] = argv[i];
+    }
+    int rc = args_parse("prune", specs, sizeof(specs) / sizeof(specs[0]), nrest, rest, 0, USAGE);
+    if (rc) return rc == 1 ? 0 : 2;
+    if (!model || !out || !modality || keep < 1)
+        return cli_error("prune", "give --model, --modality, --keep N >= 1 and -o (see vlmoe prune --help)");
+    const int mod = !strcmp(modality, "text") ? VLMOE_MOD_TEXT : !strcmp(modality, "image") ? VLMOE_MOD_IMAGE : -1;
+    const int pm = !strcmp(mode, "router_pred") ? VLMOE_PRUNE_ROUTER_PRED : !strcmp(mode, "router_drop") ? VLMOE_PRUNE_ROUTER_DROP : -1;
+    if (mod < 0) return cli_error("prune", "--modality must be text or image, not '%s'", modality);
+    if (pm < 0) return cli_error("prune", "--mode must be router_pred or router_drop, not '%s'", mode);
+    if (last < 1) return cli_error("prune", "--last must be >= 1");
+    vlmoe_model *m = NULL, *p = NULL;
+    if (vlmoe_model_load(&m, model)) return cli_error("prune", "%s", vlmoe_last_error());
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    int enc, nl = 0;
+    const vlmoe_moe_config *mc = tower(c, mod, &enc);
+    for (int l = 0; l < 64; l++) nl += mc->router != VLMOE_ROUTER_NONE && (mc->layers >> l & 1);
+    const int E = mc->num_experts;
+    double *u = nl ? calloc((size_t)nl * E, sizeof(double)) : NULL;
+    if (!nl) rc = cli_error("prune", "%s: model '%s' has no MoE layers serving %s", model, c->name, modality);
+    else if (!u) rc = cli_error("prune", "out of memory");
+    else rc = stats ? usage_from_metrics(stats, c, mod, last, u, nl, E) : usage_from_synthetic(m, mod, u, nl, E);
+    if (!rc && vlmoe_model_prune(&p, m, mod, u, keep, (vlmoe_prune_mode)pm))
+        rc = cli_error("prune", "%s: %s", model, vlmoe_last_error());
+    if (!rc && vlmoe_model_save(p, out)) rc = cli_error("prune", "%s", vlmoe_last_error());
+    for (int l = 0, b = 0; !rc && b < 64; b++) {
+        if (!(mc->layers >> b & 1)) continue;
+        // the kept experts are the `keep` largest shares; report their coverage
+        const double *ul = u + (size_t)l++ * E;
+        double cover = 0, tot = 0;
+        char list[512] = "";
+        int used[64] = {0};
+        for (int k = 0; k < keep; k++) {
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (!used[e] && (best < 0 || ul[e] > ul[best])) best = e;
+            used[best] = 1;
+            cover += ul[best];
+            snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%d", k ? "," : "", best);
+        }
+        for (int e = 0; e < E; e++) tot += ul[e];
+        printf("encoder %d block %d: kept experts %s, %.1f%% of the %s tokens went to them\n", enc, b, list,
+               tot > 0 ? 100 * cover / tot : 0, modality);
+    }
+    if (!rc) printf("pruned model (%s, %d of %d experts per layer) written to %s\n", mode, keep, E, out);
+    free(u);
+    vlmoe_model_free(p);
+    vlmoe_model_free(m);
+    return rc ? 1 : 0;
+}
