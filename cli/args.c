@@ -48,13 +48,20 @@ static int set_value(const char *cmd, const arg_spec *s, const char *v) {
     return 2;
 }
 
-int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
-               const char *usage) {
+int args_parse_pos(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
+                   const char *usage, char **pos, int maxpos, int *npos) {
+    if (npos) *npos = 0;
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             args_help(cmd, specs, n, usage);
             return 1;
+        }
+        for (int k = 0; k < n && !strcmp(a, "-o"); k++)
+            if (!strcmp(specs[k].name, "output")) a = "--output";
+        if (pos && strncmp(a, "--", 2) && *npos < maxpos) {
+            pos[(*npos)++] = argv[i];
+            continue;
         }
         if (strncmp(a, "--", 2)) {
             fprintf(stderr, "vlmoe %s: unexpected argument '%s' (flags start with --; see vlmoe %s --help)\n",
@@ -87,4 +94,9 @@ int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **a
         if (set_value(cmd, s, v)) return 2;
     }
     return 0;
+}
+
+int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
+               const char *usage) {
+    return args_parse_pos(cmd, specs, n, argc, argv, first, usage, NULL, 0, NULL);
 }

@@ -16,6 +16,11 @@ typedef struct {
 // printed to stderr naming the flag).
 int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
                const char *usage);
+// The same for commands with positional arguments: those not starting with "--" go to pos (more
+// than maxpos is a bad-argument error). In both, "-o FILE" means "--output FILE" where there is
+// an "output" flag.
+int args_parse_pos(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
+                   const char *usage, char **pos, int maxpos, int *npos);
 void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage);
 
 #endif

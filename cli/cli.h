@@ -8,6 +8,9 @@ int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_soup(int argc, char **argv);
 int cmd_prune(int argc, char **argv);
+int cmd_import(int argc, char **argv);
+int cmd_export(int argc, char **argv);
+int cmd_upcycle(int argc, char **argv);
 
 // Prints "vlmoe CMD: message" to stderr and returns exit status 1.
 int cli_error(const char *cmd, const char *fmt, ...)

@@ -26,6 +26,9 @@ static const char *USAGE =
     "  eval       zero-shot, retrieval, few-shot and routing report of a checkpoint\n"
     "  soup       average checkpoints (uniform or greedy)\n"
     "  prune      drop the experts a modality uses least, for one-modality inference\n"
+    "  import     a pretrained CLIP (OpenAI/OpenCLIP or HF names) -> a vlmoe model\n"
+    "  export     a dense two_tower model -> OpenAI/OpenCLIP or HF CLIP names\n"
+    "  upcycle    dense -> MoE: chosen MLPs become copied experts (CLIP-UP)\n"
     "  tokenize   CLIP BPE ids and pieces of a text\n"
     "  tokenizer  train a BPE vocabulary from captions (vlmoe tokenizer train)\n"
     "  version    print the version\n";
@@ -51,6 +54,9 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
     if (!strcmp(argv[1], "prune")) return cmd_prune(argc, argv);
+    if (!strcmp(argv[1], "import")) return cmd_import(argc, argv);
+    if (!strcmp(argv[1], "export")) return cmd_export(argc, argv);
+    if (!strcmp(argv[1], "upcycle")) return cmd_upcycle(argc, argv);
     if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc, argv);
     if (!strcmp(argv[1], "tokenizer")) return cmd_tokenizer(argc, argv);
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {

@@ -500,6 +500,28 @@ int vlmoe_fewshot_ridge(const float *train_x, const int32_t *train_y, int n_trai
 int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
                          int32_t *out_idx);
 
+// ---------------------------------------------------------------------------------------------
+// Pretrained CLIP weights (src/io/clip_import.c): OpenAI/OpenCLIP state-dict names
+// ("visual.transformer.resblocks.N.attn.in_proj_weight", "visual.proj" stored width x embed, ...)
+// or HF CLIPModel names ("vision_model.encoder.layers.N.self_attn.q_proj.weight",
+// "visual_projection.weight", ...) <-> vlmoe's two_tower layout (OpenAI CLIP's computation).
+typedef struct {
+    const char *naming;          // "openclip", "hf" or "auto" (from the keys; NULL = auto)
+    int image_heads, text_heads; // attention heads, not in any shape: 0 = width / 64 (OpenCLIP)
+    int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained)
+    const char *name;            // the config's name (NULL = "clip")
+} vlmoe_clip_import_params;
+vlmoe_clip_import_params vlmoe_clip_import_default_params(void);
+// Reads a CLIP checkpoint (F32, F16 or BF16; keys may share a prefix such as "module."), infers
+// widths, depths, MLP sizes, patch and image size, context length, vocabulary and embedding size
+// from the shapes. A missing tensor, a wrong shape, or a tensor that is not part of the
+// architecture (other than position_ids / attn_mask buffers) is VLMOE_ERR_FORMAT naming the file
+// and the tensor.
+int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p);
+// Writes a dense two_tower model with CLIP names ("openclip" or "hf") as F32, F16 or BF16;
+// VLMOE_ERR_CONFIG for MoE or one_tower models. Importing the result gives the model back.
+int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming, vlmoe_dtype dtype);
+
 #ifdef __cplusplus
 }
 #endif

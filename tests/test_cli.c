@@ -93,6 +93,28 @@ int main(int argc, char **argv) {
     expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
            1, "another config");
+    // CLIP import / export / upcycle on the PyTorch fixtures of tests/ref/gen_clip.py, then training
+    // on from the upcycled model
+    char fx[1024], args[1536];
+    CHECK(realpath(fixture_dir(), fx) != NULL, "no fixture folder %s", fixture_dir());
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clip.safetensors", fx);
+    expect(args, 0, "image tower: width 128, layers 2, heads 2, MLP 512, patch 8, image 32 px");
+    snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --text-heads 2", fx);
+    expect(args, 0, "text tower: width 64, layers 3, heads 2, MLP 256, context 16, vocabulary 100");
+    snprintf(args, sizeof(args), "import --from hf %s/clip_openclip.safetensors -o x.safetensors", fx);
+    expect(args, 1, "has OpenAI/OpenCLIP names, not HF CLIPModel ones");
+    expect("import corrupt.safetensors -o x.safetensors", 1, "corrupt.safetensors");
+    expect("import clip.safetensors -o x.safetensors", 1, "clip.safetensors: a vlmoe model file");
+    expect("import clip.safetensors", 1, "give IN.safetensors and -o OUT.safetensors");
+    expect("export --model clip.safetensors --to hf -o hf.safetensors --dtype bf16", 0, "(hf names, BF16)");
+    expect("export --model runs/a/checkpoints/step_4.safetensors --to openclip -o x.safetensors", 1, "one_tower");
+    expect("upcycle clip.safetensors -o up.safetensors --experts 4 --top-k 2 --moe-layers every_2 --towers image,text",
+           0, "text tower blocks 1: 4 experts, top-2, capacity factor 2 (eval 2)");
+    expect("upcycle clip.safetensors -o x.safetensors --moe-layers 0,7", 1, "--moe-layers 0,7");
+    expect("export --model up.safetensors --to hf -o x.safetensors", 1, "it has MoE layers");
+    expect("upcycle up.safetensors -o x.safetensors", 1, "already has MoE layers");
+    expect("train --pretrained up.safetensors --steps 2 --batch-size 8 --eval-samples 0 --logs runs --name up", 0,
+           "trained to step 2");
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");
