@@ -6,6 +6,8 @@
 
 int cmd_train(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_classify(int argc, char **argv);
+int cmd_embed(int argc, char **argv);
 int cmd_soup(int argc, char **argv);
 int cmd_prune(int argc, char **argv);
 int cmd_import(int argc, char **argv);

@@ -12,14 +12,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
+#include "common.h"
 #include "data/image.h"
 #include "data/readers.h"
-#include "tok/tok.h"
 #include "tokenize.h"
 #include "vlmoe.h"
 
@@ -42,12 +40,6 @@ static const char *USAGE =
     "  vlmoe eval --model clip.safetensors --tokenizer bpe_simple_vocab_16e6.txt.gz \\\n"
     "      --zeroshot-data imagenet/val --val-data coco_val.csv --csv-separator , --csv-img-key file";
 
-// "a photo of a {}." and the 7 of OpenAI CLIP's 80 ImageNet templates that their prompt
-// engineering notebook kept after a search over subsets.
-static const char *const TEMPLATES[] = {
-    "a photo of a {}.", "itap of a {}.", "a bad photo of the {}.", "a origami {}.",
-    "a photo of the large {}.", "a {} in a video game.", "art of the {}.", "a photo of the small {}.",
-};
 static const double LAMBDAS[] = {1e-3, 1e-2, 1e-1, 1, 10, 100, 1000};
 static const int KS[3] = {1, 5, 10};
 
@@ -80,57 +72,6 @@ static void say(text_buf *t, const char *fmt, ...) {
     t->n += (size_t)k;
 }
 
-// A progress line on stderr: rewritten in place on a terminal, a plain line every 30 s otherwise.
-typedef struct {
-    const char *what;
-    int tty, shown;
-    double t0, last;
-} progress;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static progress progress_start(const char *what) {
-    progress p = {what, isatty(2), 0, now_s(), 0};
-    p.last = p.t0;
-    return p;
-}
-
-static void progress_show(progress *p, long done, long total) {
-    const double t = now_s();
-    if (t - p->last < (p->tty ? 0.25 : 30)) return;
-    p->last = t, p->shown = 1;
-    char of[32] = "";
-    if (total > 0) snprintf(of, sizeof(of), "/%ld", total);
-    fprintf(stderr, p->tty ? "\r%s: %ld%s (%.0f/s)  " : "%s: %ld%s (%.0f/s)\n", p->what, done, of,
-            done / (t - p->t0));
-}
-
-static void progress_end(progress *p) {
-    if (p->tty && p->shown) fputs("\r\033[K", stderr);
-}
-
-// Skipped inputs: how many, and the first few messages for the warning.
-typedef struct {
-    long n;
-    char first[3][320];
-} bad_log;
-
-static void bad_add(bad_log *b, const char *msg) {
-    if (b->n < 3) snprintf(b->first[b->n], sizeof(b->first[0]), "%s", msg);
-    b->n++;
-}
-
-static void bad_warn(const bad_log *b, const char *what, const char *where) {
-    if (!b->n) return;
-    fprintf(stderr, "vlmoe eval: warning: skipped %ld %s%s of %s; first:", b->n, what, b->n == 1 ? "" : "s", where);
-    for (long i = 0; i < b->n && i < 3; i++) fprintf(stderr, "%s %s", i ? ";" : "", b->first[i]);
-    fputc('\n', stderr);
-}
-
 typedef struct {
     vlmoe_model *m;
     const vlmoe_model_config *c;
@@ -138,20 +79,12 @@ typedef struct {
     int pairs_routing;      // the routing report will come from --val-data's first batch
     uint64_t seed;
     vlmoe_image_params ip;
-    vlmoe_tokenizer *bpe;   // --tokenizer, else the synthetic data's word tokenizer:
-    vlmoe_synth *synth;
+    cli_text text;          // text.synth also makes the synthetic held-out split
     cJSON *out;
     text_buf txt;
     cJSON *routing;         // of the first batch that had MoE layers
     char routing_what[320], report[8192];
 } eval_ctx;
-
-static int tokenize(void *u, const char *text, int32_t *ids, int ctx) {
-    const eval_ctx *e = u;
-    int len;
-    if (!e->bpe) return vlmoe_synth_tokenize(e->synth, text, ids, ctx);
-    return vlmoe_tokenizer_encode(e->bpe, text, ids, ctx, &len) ? -1 : len;
-}
 
 // The routing report of the last forward: per layer and modality, success, experts used, tokens
 // per expert. Kept from the first forward that had MoE layers; `what` says which.
@@ -257,14 +190,14 @@ static void fewshot_json(eval_ctx *e, double acc, double lambda, const char *whe
 // Image embeddings and labels of n held-out samples starting at `first`; img/tok/lens are scratch.
 static int embed_synth(eval_ctx *e, uint64_t first, int n, float *img, int32_t *tok, int32_t *lens,
                        float *out, int32_t *labels) {
-    const int C = vlmoe_synth_num_classes(e->synth);
-    int st = vlmoe_synth_batch(e->synth, VLMOE_SPLIT_HELDOUT, first, n, e->c->context_length, img, tok, lens);
+    const int C = vlmoe_synth_num_classes(e->text.synth);
+    int st = vlmoe_synth_batch(e->text.synth, VLMOE_SPLIT_HELDOUT, first, n, e->c->context_length, img, tok, lens);
     for (int i = 0; i < n; i++) labels[i] = (int32_t)((first + (uint64_t)i) % (uint64_t)C);
     return st ? st : vlmoe_model_encode_images(e->m, img, n, out);
 }
 
 static int eval_synthetic(eval_ctx *e, int n) {
-    const int E = e->c->embed_dim, T = e->c->context_length, C = vlmoe_synth_num_classes(e->synth);
+    const int E = e->c->embed_dim, T = e->c->context_length, C = vlmoe_synth_num_classes(e->text.synth);
     const int shots = e->shots, B = e->B, pool = shots ? 3 * shots * C : 0, nval = shots ? 5 * C : 0;
     const int nmax = n > pool + nval ? n : pool + nval, ntr = n > shots * C ? n : shots * C;
     const size_t isz = (size_t)3 * e->c->image_size * e->c->image_size;
@@ -274,7 +207,7 @@ static int eval_synthetic(eval_ctx *e, int n) {
     int32_t *labels = malloc(sizeof(int32_t) * (size_t)(n + pool + nval)), *txt_image = malloc(sizeof(int32_t) * ntr);
     int st = img && ce && ie && te && tok && lens && labels && txt_image
                  ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "evaluation buffers");
-    if (!st && vlmoe_synth_vocab_size(e->synth) > e->c->vocab_size)
+    if (!st && vlmoe_synth_vocab_size(e->text.synth) > e->c->vocab_size)
         st = vlmoe_fail(VLMOE_ERR_ARG, "the model's vocabulary is too small for the synthetic data");
     cJSON_AddNumberToObject(e->out, "samples", n);
     // zero-shot and retrieval on held-out samples [0, n) (class-balanced: class = index % C)
@@ -282,7 +215,7 @@ static int eval_synthetic(eval_ctx *e, int n) {
     for (int i = 0; i < n && !st; i++) txt_image[i] = i;
     if (!st) st = embed_synth(e, 0, n, img, tok, lens, ie, labels);
     if (!st) st = vlmoe_model_encode_texts(e->m, tok, lens, n, te);
-    if (!st) st = vlmoe_synth_class_embeddings(e->m, e->synth, ce);
+    if (!st) st = vlmoe_synth_class_embeddings(e->m, e->text.synth, ce);
     if (!st) {
         vlmoe_zeroshot_accuracy(ie, n, ce, C, E, labels, &top1, &top5);
         st = vlmoe_retrieval_recall(ie, n, te, n, txt_image, E, KS, 3, i2t, t2i);
@@ -291,7 +224,7 @@ static int eval_synthetic(eval_ctx *e, int n) {
     if (!st) {
         zeroshot_json(e, top1, top5, C);
         say(&e->txt, "zero-shot (%d classes, %d prompt templates): top-1 %.1f%%  top-5 %.1f%%  (chance %.1f%%)\n",
-            C, vlmoe_synth_num_templates(e->synth), 100 * top1, 100 * top5, 100.0 / C);
+            C, vlmoe_synth_num_templates(e->text.synth), 100 * top1, 100 * top5, 100.0 / C);
         say(&e->txt, "retrieval (%d pairs)", n);
         retrieval_json(e, i2t, t2i);
     }
@@ -301,7 +234,7 @@ static int eval_synthetic(eval_ctx *e, int n) {
     snprintf(what, sizeof(what), "one held-out batch of %d pairs", B);
     for (int k = 0; k < n / B && !st; k++) {
         // the held-out pairs again, seen as training sees them: both modalities in one pass
-        st = vlmoe_synth_batch(e->synth, VLMOE_SPLIT_HELDOUT, (uint64_t)k * B, B, T, img, tok, lens);
+        st = vlmoe_synth_batch(e->text.synth, VLMOE_SPLIT_HELDOUT, (uint64_t)k * B, B, T, img, tok, lens);
         const vlmoe_batch bt = {B, img, tok, lens};
         if (!st) st = contrastive_batch(e, &bt, &cs, what);
     }
@@ -372,52 +305,48 @@ static int folder_fewshot(eval_ctx *e, const float *x, const int32_t *y, int n, 
     return st < 0 ? 1 : st ? -1 : 0;
 }
 
+// The routing of the folder's first batch, when --val-data gives none.
+typedef struct {
+    eval_ctx *e;
+    const char *dir;
+} folder_batch;
+
+static void folder_routing(void *u, int k) {
+    const folder_batch *fb = u;
+    char what[320];
+    snprintf(what, sizeof(what), "the first batch of %d images of %s", k, fb->dir);
+    capture_routing(fb->e, what);
+}
+
 static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, const char *tpl_path) {
     vlmoe_image_folder f;
     if (vlmoe_image_folder_load(dir, &f)) return cli_error("eval", "--zeroshot-data: %s", vlmoe_last_error());
     char **names_v = NULL, **tpl_v = NULL;
     size_t nn = 0, ntv = 0;
-    const int C = f.n_classes, E = e->c->embed_dim, S = e->c->image_size, B = e->B;
-    const size_t isz = (size_t)3 * S * S;
-    float *batch = malloc(sizeof(float) * isz * B), *ie = malloc(sizeof(float) * (size_t)f.n * E);
-    float *ce = malloc(sizeof(float) * (size_t)C * E);
-    int32_t *labels = malloc(sizeof(int32_t) * (size_t)f.n), *blab = malloc(sizeof(int32_t) * B);
-    vlmoe_image img = {0};
-    int rc = batch && ie && ce && labels && blab
-                 ? 0 : cli_error("eval", "out of memory for %lld images", (long long)f.n);
+    const int C = f.n_classes, E = e->c->embed_dim;
+    float *ie = malloc(sizeof(float) * (size_t)f.n * E), *ce = malloc(sizeof(float) * (size_t)C * E);
+    int32_t *labels = malloc(sizeof(int32_t) * (size_t)f.n);
+    uint8_t *ok = malloc((size_t)f.n);
+    int rc = ie && ce && labels && ok ? 0 : cli_error("eval", "out of memory for %lld images", (long long)f.n);
     if (!rc && names_path && !(rc = cli_read_lines("eval", names_path, &names_v, &nn)) && nn != (size_t)C)
         rc = cli_error("eval", "--classnames %s has %zu names, %s has %d class folders", names_path, nn, dir, C);
     if (!rc && tpl_path && !(rc = cli_read_lines("eval", tpl_path, &tpl_v, &ntv)) && !ntv)
         rc = cli_error("eval", "--templates %s: no templates", tpl_path);
     const char *const *names = names_v ? (const char *const *)names_v : (const char *const *)f.class_names;
-    const char *const *tpl = tpl_v ? (const char *const *)tpl_v : TEMPLATES;
-    const int nt = tpl_v ? (int)ntv : (int)(sizeof(TEMPLATES) / sizeof(TEMPLATES[0]));
+    const char *const *tpl = tpl_v ? (const char *const *)tpl_v : cli_templates;
+    const int nt = tpl_v ? (int)ntv : CLI_NUM_TEMPLATES;
     // image embeddings of every readable image, in batches of B
-    bad_log bad = {0};
-    progress pr = progress_start("zero-shot images");
-    int n = 0, k = 0, st = rc ? -1 : VLMOE_OK;
-    for (int64_t i = 0; i < f.n && !st; i++) {
-        if (vlmoe_image_load(f.paths[i], &img) || vlmoe_image_preprocess_eval(&img, &e->ip, batch + k * isz)) {
-            bad_add(&bad, vlmoe_last_error());
-        } else {
-            blab[k++] = f.labels[i];
-        }
-        if (k == B || (i == f.n - 1 && k)) {
-            char what[320];
-            snprintf(what, sizeof(what), "the first batch of %d images of %s", k, dir);
-            st = vlmoe_model_encode_images(e->m, batch, k, ie + (size_t)n * E);
-            if (!e->pairs_routing) capture_routing(e, what);
-            memcpy(labels + n, blab, sizeof(int32_t) * k);
-            n += k, k = 0;
-            progress_show(&pr, (long)(i + 1), (long)f.n);
-        }
-    }
-    progress_end(&pr);
+    cli_bad_log bad = {0};
+    folder_batch fb = {e, dir};
+    const cli_encode_params ep = {&e->ip, e->B, "zero-shot images", e->pairs_routing ? NULL : folder_routing, &fb};
+    int n = 0, st = rc ? -1 : cli_encode_images(e->m, (const char *const *)f.paths, (int)f.n, &ep, ie, ok, &bad, &n);
+    for (int64_t i = 0, k = 0; i < f.n && !rc && !st; i++)
+        if (ok[i]) labels[k++] = f.labels[i];
     if (!rc && !st && !n) {
-        bad_warn(&bad, "unreadable image", dir);
+        cli_bad_warn("eval", &bad, "unreadable image", dir);
         rc = cli_error("eval", "--zeroshot-data %s: none of its %lld images could be read", dir, (long long)f.n);
     }
-    if (!rc && !st) st = vlmoe_class_embeddings(e->m, names, C, tpl, nt, tokenize, e, ce);
+    if (!rc && !st) st = vlmoe_class_embeddings(e->m, names, C, tpl, nt, cli_tokenize, &e->text, ce);
     if (!rc && st) rc = cli_error("eval", "--zeroshot-data %s: %s", dir, vlmoe_last_error());
     if (!rc) {
         double top1, top5;
@@ -431,7 +360,7 @@ static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, con
         say(&e->txt, "zero-shot on %s (%d classes, %d prompt templates, %d images", dir, C, nt, n);
         if (bad.n) say(&e->txt, "; %ld unreadable skipped", bad.n);
         say(&e->txt, "): top-1 %.1f%%  top-5 %.1f%%  (chance %.1f%%)\n", 100 * top1, 100 * top5, 100.0 / C);
-        bad_warn(&bad, "unreadable image", dir);
+        cli_bad_warn("eval", &bad, "unreadable image", dir);
     }
     if (!rc && e->shots) {
         char why[512];
@@ -448,8 +377,7 @@ static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, con
             fewshot_json(e, acc, lambda, dir);
         }
     }
-    vlmoe_image_free(&img);
-    free(batch), free(ie), free(ce), free(labels), free(blab);
+    free(ie), free(ce), free(labels), free(ok);
     cli_free_lines(names_v, nn), cli_free_lines(tpl_v, ntv);
     vlmoe_image_folder_free(&f);
     return rc;
@@ -497,9 +425,9 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
     image_key *keys = NULL;
     size_t cap_i = 0, cap_t = 0, cap_k = 0;
     vlmoe_image img = {0};
-    bad_log bad = {0};
+    cli_bad_log bad = {0};
     contrastive_sum cs = {0};
-    progress pr = progress_start("validation pairs");
+    cli_progress pr = cli_progress_start("validation pairs");
     int st = batch && tok && lens ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "batch buffers");
     int n = 0, k = 0, done = 0;
     while (!st && !done) {
@@ -513,10 +441,10 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
         if (!done) {
             if (vlmoe_image_decode(s.image, s.image_len, s.key, &img) ||
                 vlmoe_image_preprocess_eval(&img, &e->ip, batch + k * isz)) {
-                bad_add(&bad, vlmoe_last_error());
+                cli_bad_add(&bad, vlmoe_last_error());
                 continue;
             }
-            const int len = tokenize(e, s.caption, tok + (size_t)k * T, T);
+            const int len = cli_tokenize(&e->text, s.caption, tok + (size_t)k * T, T);
             if (len < 2) {
                 vlmoe_error_prefix("%s: caption", s.key);
                 st = VLMOE_ERR_ARG;
@@ -537,10 +465,10 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
             if (!st) st = vlmoe_model_encode_images(e->m, batch, k, ie + (size_t)n * E);
             if (!st) st = vlmoe_model_encode_texts(e->m, tok, lens, k, te + (size_t)n * E);
             n += k, k = 0;
-            progress_show(&pr, n, -1);
+            cli_progress_show(&pr, n, -1);
         }
     }
-    progress_end(&pr);
+    cli_progress_end(&pr);
     const vlmoe_dataset_stats *dst = vlmoe_dataset_get_stats(ds);
     const long skipped = (long)vlmoe_dataset_stats_bad(dst) + bad.n;
     if (!st && n < 2) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %d usable image-caption pairs, expected at least 2",
@@ -578,7 +506,7 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
         vlmoe_dataset_stats_format(dst, sum, sizeof(sum));
         fprintf(stderr, "vlmoe eval: warning: %s: %s\n", dp->path, sum);
     }
-    bad_warn(&bad, "undecodable image", dp->path);
+    cli_bad_warn("eval", &bad, "undecodable image", dp->path);
     vlmoe_image_free(&img);
     vlmoe_dataset_free(ds);
     free(batch), free(ie), free(te), free(iu), free(tok), free(lens), free(txt_image), free(keys);
@@ -586,14 +514,6 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
 }
 
 // ---------------------------------------------------------------------------------------------
-
-// "R,G,B" or one value for all three channels.
-static int parse3(const char *flag, const char *v, float out[3]) {
-    char tail;
-    if (sscanf(v, "%f,%f,%f%c", &out[0], &out[1], &out[2], &tail) == 3) return 0;
-    if (sscanf(v, "%f%c", &out[0], &tail) == 1) return out[1] = out[2] = out[0], 0;
-    return cli_error("eval", "--%s expects R,G,B or one value, got '%s'", flag, v);
-}
 
 int cmd_eval(int argc, char **argv) {
     const char *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
@@ -649,23 +569,14 @@ int cmd_eval(int argc, char **argv) {
     eval_ctx e;
     memset(&e, 0, sizeof(e));
     e.B = B, e.shots = shots, e.seed = (uint64_t)seed, e.pairs_routing = val != NULL;
-    e.ip = vlmoe_image_default_params();
-    if ((mean && parse3("image-mean", mean, e.ip.mean)) || (std && parse3("image-std", std, e.ip.std))) return 1;
     if (vlmoe_model_load(&e.m, model)) return cli_error("eval", "%s", vlmoe_last_error());
     e.c = vlmoe_model_get_config(e.m);
-    e.ip.size = e.c->image_size;
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     sp.image_size = e.c->image_size;
     sp.seed = (uint64_t)seed;
-    rc = vlmoe_image_params_check(&e.ip) || vlmoe_synth_init(&e.synth, &sp)
-             ? cli_error("eval", "%s", vlmoe_last_error()) : 0;
-    if (!rc && tokenizer && cli_load_tokenizer(tokenizer, &e.bpe)) rc = cli_error("eval", "%s", vlmoe_last_error());
-    if (!rc && e.bpe && vlmoe_tokenizer_vocab_size(e.bpe) > e.c->vocab_size)
-        rc = cli_error("eval", "--tokenizer %s has %d ids, more than the model's vocabulary of %d", tokenizer,
-                       vlmoe_tokenizer_vocab_size(e.bpe), e.c->vocab_size);
-    if (!rc && user_data && !e.bpe && e.c->vocab_size >= 514)
-        rc = cli_error("eval", "--tokenizer is needed: the model's vocabulary of %d ids is not the synthetic data's "
-                       "(those models have fewer than 514)", e.c->vocab_size);
+    rc = cli_image_params("eval", mean, std, e.c, &e.ip);
+    if (!rc && vlmoe_synth_init(&e.text.synth, &sp)) rc = cli_error("eval", "%s", vlmoe_last_error());
+    if (!rc) rc = cli_text_init("eval", tokenizer, e.c, user_data, &e.text);
     e.out = cJSON_CreateObject();
     cJSON_AddStringToObject(e.out, "model", model);
     if (!rc && synthetic && eval_synthetic(&e, n)) rc = cli_error("eval", "%s", vlmoe_last_error());
@@ -684,8 +595,7 @@ int cmd_eval(int argc, char **argv) {
     }
     cJSON_Delete(e.out);
     free(e.txt.s);
-    vlmoe_tokenizer_free(e.bpe);
-    vlmoe_synth_free(e.synth);
+    cli_text_free(&e.text);
     vlmoe_model_free(e.m);
     return rc;
 }

@@ -24,6 +24,8 @@ static const char *USAGE =
     "commands:\n"
     "  train      train a contrastive image-text model (dense or MoE)\n"
     "  eval       zero-shot, retrieval, few-shot and routing report of a checkpoint\n"
+    "  classify   label probabilities of images for labels you name (zero-shot)\n"
+    "  embed      image or text embeddings -> a safetensors file\n"
     "  soup       average checkpoints (uniform or greedy)\n"
     "  prune      drop the experts a modality uses least, for one-modality inference\n"
     "  import     a pretrained CLIP (OpenAI/OpenCLIP or HF names) -> a vlmoe model\n"
@@ -52,6 +54,8 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
+    if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);
+    if (!strcmp(argv[1], "embed")) return cmd_embed(argc, argv);
     if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
     if (!strcmp(argv[1], "prune")) return cmd_prune(argc, argv);
     if (!strcmp(argv[1], "import")) return cmd_import(argc, argv);

@@ -108,36 +108,51 @@ int cmd_tokenize(int argc, char **argv) {
     return st;
 }
 
-int cli_read_lines(const char *cmd, const char *path, char ***out, size_t *n) {
+int cli_read_lines_numbered(const char *cmd, const char *path, char ***out, long **lineno, size_t *n) {
     FILE *f = fopen(path, "r");
     if (!f) return cli_error(cmd, "%s: %s", path, strerror(errno));
     char *line = NULL, **v = NULL;
+    long *num = NULL, at = 0;
     size_t cap = 0, nv = 0, capv = 0;
     ssize_t len;
     int st = 0;
     while (!st && (len = getline(&line, &cap, f)) >= 0) {
+        at++;
         while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (!len) continue;
         if (nv == capv) {
-            char **nvv = realloc(v, sizeof(char *) * (capv = capv ? 2 * capv : 1024));
-            if (!nvv) {
+            capv = capv ? 2 * capv : 1024;
+            char **nvv = realloc(v, sizeof(char *) * capv);
+            long *nnum = nvv && lineno ? realloc(num, sizeof(long) * capv) : NULL;
+            if (nvv) v = nvv;
+            if (nnum) num = nnum;
+            if (!nvv || (lineno && !nnum)) {
                 st = cli_error(cmd, "out of memory reading %s", path);
                 break;
             }
-            v = nvv;
         }
-        if (!(v[nv] = strdup(line))) st = cli_error(cmd, "out of memory reading %s", path);
-        else nv++;
+        if (!(v[nv] = strdup(line))) {
+            st = cli_error(cmd, "out of memory reading %s", path);
+        } else {
+            if (lineno) num[nv] = at;
+            nv++;
+        }
     }
     if (!st && ferror(f)) st = cli_error(cmd, "%s: read error", path);
     free(line);
     fclose(f);
     if (st) {
         cli_free_lines(v, nv);
+        free(num);
         return st;
     }
     *out = v, *n = nv;
+    if (lineno) *lineno = num;
     return 0;
+}
+
+int cli_read_lines(const char *cmd, const char *path, char ***out, size_t *n) {
+    return cli_read_lines_numbered(cmd, path, out, NULL, n);
 }
 
 void cli_free_lines(char **v, size_t n) {

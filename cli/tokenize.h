@@ -18,6 +18,9 @@ int cli_load_tokenizer(const char *path, struct vlmoe_tokenizer **out);
 // The non-blank lines of a text file ('\n' or "\r\n" ends), malloc'd; errors are printed
 // ("vlmoe CMD: PATH: why") and returned as exit status 1. Free with cli_free_lines.
 int cli_read_lines(const char *cmd, const char *path, char ***out, size_t *n);
+// The same with each line's number in the file (1-based, blank lines counted) in *lineno
+// (malloc'd, n entries; NULL: not wanted).
+int cli_read_lines_numbered(const char *cmd, const char *path, char ***out, long **lineno, size_t *n);
 void cli_free_lines(char **v, size_t n);
 
 #endif

@@ -1,0 +1,257 @@
+// common.c: helpers of the inference subcommands (eval, classify, embed): image flags, image
+// folders and batched image encoding, the tokenizer choice, progress lines, skipped inputs.
+// See common.h; covered through tests/test_eval_data.c and tests/test_classify_embed.c.
+#include "common.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "data/readers.h"
+#include "tokenize.h"
+
+const char *const cli_templates[CLI_NUM_TEMPLATES] = {
+    "a photo of a {}.", "itap of a {}.", "a bad photo of the {}.", "a origami {}.",
+    "a photo of the large {}.", "a {} in a video game.", "art of the {}.", "a photo of the small {}.",
+};
+
+// "R,G,B" or one value for all three channels.
+static int parse3(const char *cmd, const char *flag, const char *v, float out[3]) {
+    char tail;
+    if (sscanf(v, "%f,%f,%f%c", &out[0], &out[1], &out[2], &tail) == 3) return 0;
+    if (sscanf(v, "%f%c", &out[0], &tail) == 1) return out[1] = out[2] = out[0], 0;
+    return cli_error(cmd, "--%s expects R,G,B or one value, got '%s'", flag, v);
+}
+
+int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
+                     vlmoe_image_params *out) {
+    *out = vlmoe_image_default_params();
+    out->size = c->image_size;
+    if ((mean && parse3(cmd, "image-mean", mean, out->mean)) || (std && parse3(cmd, "image-std", std, out->std)))
+        return 1;
+    return vlmoe_image_params_check(out) ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
+}
+
+int cli_text_init(const char *cmd, const char *path, const vlmoe_model_config *c, int need, cli_text *t) {
+    if (path && cli_load_tokenizer(path, &t->bpe)) return cli_error(cmd, "%s", vlmoe_last_error());
+    if (t->bpe && vlmoe_tokenizer_vocab_size(t->bpe) > c->vocab_size)
+        return cli_error(cmd, "--tokenizer %s has %d ids, more than the model's vocabulary of %d", path,
+                         vlmoe_tokenizer_vocab_size(t->bpe), c->vocab_size);
+    if (t->bpe || !need) return 0;
+    if (c->vocab_size >= 514)
+        return cli_error(cmd, "--tokenizer is needed: the model's vocabulary of %d ids is not the synthetic data's "
+                         "(those models have fewer than 514)", c->vocab_size);
+    if (!t->synth) {
+        const vlmoe_synth_params sp = vlmoe_synth_default_params();
+        if (vlmoe_synth_init(&t->synth, &sp)) return cli_error(cmd, "%s", vlmoe_last_error());
+    }
+    if (vlmoe_synth_vocab_size(t->synth) > c->vocab_size)
+        return cli_error(cmd, "the model's vocabulary of %d ids is smaller than the synthetic data's %d: give "
+                         "--tokenizer", c->vocab_size, vlmoe_synth_vocab_size(t->synth));
+    return 0;
+}
+
+int cli_tokenize(void *u, const char *text, int32_t *ids, int ctx) {
+    const cli_text *t = u;
+    int len;
+    if (!t->bpe) return vlmoe_synth_tokenize(t->synth, text, ids, ctx);
+    return vlmoe_tokenizer_encode(t->bpe, text, ids, ctx, &len) ? -1 : len;
+}
+
+void cli_text_free(cli_text *t) {
+    vlmoe_tokenizer_free(t->bpe);
+    vlmoe_synth_free(t->synth);
+    t->bpe = NULL, t->synth = NULL;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+cli_progress cli_progress_start(const char *what) {
+    cli_progress p = {what, isatty(2), 0, now_s(), 0};
+    p.last = p.t0;
+    return p;
+}
+
+void cli_progress_show(cli_progress *p, long done, long total) {
+    const double t = now_s();
+    if (t - p->last < (p->tty ? 0.25 : 30)) return;
+    p->last = t, p->shown = 1;
+    char of[32] = "";
+    if (total > 0) snprintf(of, sizeof(of), "/%ld", total);
+    fprintf(stderr, p->tty ? "\r%s: %ld%s (%.0f/s)  " : "%s: %ld%s (%.0f/s)\n", p->what, done, of,
+            done / (t - p->t0));
+}
+
+void cli_progress_end(cli_progress *p) {
+    if (p->tty && p->shown) fputs("\r\033[K", stderr);
+}
+
+void cli_bad_add(cli_bad_log *b, const char *msg) {
+    if (b->n < 3) snprintf(b->first[b->n], sizeof(b->first[0]), "%s", msg);
+    b->n++;
+}
+
+void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where) {
+    if (!b->n) return;
+    fprintf(stderr, "vlmoe %s: warning: skipped %ld %s%s of %s; first:", cmd, b->n, what, b->n == 1 ? "" : "s",
+            where);
+    for (long i = 0; i < b->n && i < 3; i++) fprintf(stderr, "%s %s", i ? ";" : "", b->first[i]);
+    fputc('\n', stderr);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Image files
+
+typedef struct {
+    char **v;
+    int n, cap;
+} path_list;
+
+static int push(path_list *l, const char *path) {
+    if (l->n == l->cap) {
+        const int cap = l->cap ? 2 * l->cap : 256;
+        char **v = realloc(l->v, sizeof(char *) * (size_t)cap);
+        if (!v) return -1;
+        l->v = v, l->cap = cap;
+    }
+    return (l->v[l->n] = strdup(path)) ? (l->n++, 0) : -1;
+}
+
+static int is_image_name(const char *name) {
+    static const char *const EXT[] = {".jpg", ".jpeg", ".png", ".webp"};
+    const size_t n = strlen(name);
+    for (size_t i = 0; i < sizeof(EXT) / sizeof(EXT[0]); i++) {
+        const size_t k = strlen(EXT[i]);
+        if (n > k && !strcasecmp(name + n - k, EXT[i])) return 1;
+    }
+    return 0;
+}
+
+static int by_name(const struct dirent **a, const struct dirent **b) { return strcmp((*a)->d_name, (*b)->d_name); }
+
+// The image files under dir, depth first in name order (so the listing is the same on every
+// file system); hidden entries are left out.
+static int walk(const char *cmd, const char *dir, path_list *l, int depth) {
+    struct dirent **ents;
+    const int ne = scandir(dir, &ents, NULL, by_name);
+    if (ne < 0) return cli_error(cmd, "%s: %s", dir, strerror(errno));
+    int rc = depth > 64 ? cli_error(cmd, "%s: folders nested more than 64 deep", dir) : 0;
+    const size_t dl = strlen(dir);
+    for (int i = 0; i < ne; i++) {
+        const char *name = ents[i]->d_name;
+        if (!rc && name[0] != '.') {
+            char *p = malloc(dl + strlen(name) + 2);
+            struct stat sb;
+            if (!p) {
+                rc = cli_error(cmd, "out of memory listing %s", dir);
+            } else {
+                sprintf(p, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", name);
+                if (stat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) rc = walk(cmd, p, l, depth + 1);
+                else if (is_image_name(name) && push(l, p)) rc = cli_error(cmd, "out of memory listing %s", dir);
+                free(p);
+            }
+        }
+        free(ents[i]);
+    }
+    free(ents);
+    return rc;
+}
+
+int cli_list_images(const char *cmd, const char *const *args, int nargs, char ***out, int *n) {
+    path_list l = {0};
+    int rc = 0;
+    for (int a = 0; a < nargs && !rc; a++) {
+        struct stat sb;
+        if (stat(args[a], &sb) == 0 && S_ISDIR(sb.st_mode)) {
+            const int before = l.n;
+            rc = walk(cmd, args[a], &l, 0);
+            if (!rc && l.n == before)
+                rc = cli_error(cmd, "%s: a folder without image files (.jpg, .jpeg, .png, .webp)", args[a]);
+        } else if (push(&l, args[a])) {
+            rc = cli_error(cmd, "out of memory");
+        }
+    }
+    if (rc) {
+        vlmoe_free_strings(l.v, l.n);
+        return rc;
+    }
+    *out = l.v, *n = l.n;
+    return 0;
+}
+
+int cli_plan(vlmoe_model *m, int n, int B) {
+    const int b = n < B ? n : B;
+    return vlmoe_model_plan(m, b > 2 ? b : 2);
+}
+
+int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli_encode_params *p, float *out,
+                      uint8_t *ok, cli_bad_log *bad, int *n_ok) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    const int E = c->embed_dim, B = p->batch_size;
+    const size_t isz = (size_t)3 * c->image_size * c->image_size;
+    *n_ok = 0;
+    int st = cli_plan(m, n, B);
+    if (st) return st;
+    float *batch = malloc(sizeof(float) * isz * (size_t)B);
+    if (!batch) return vlmoe_fail(VLMOE_ERR_NOMEM, "a batch of %d images", B);
+    vlmoe_image img = {0};
+    cli_progress pr = cli_progress_start(p->progress);
+    int done = 0, k = 0;
+    for (int i = 0; i < n && !st; i++) {
+        const int good = !vlmoe_image_load(paths[i], &img) && !vlmoe_image_preprocess_eval(&img, p->ip, batch + k * isz);
+        if (ok) ok[i] = (uint8_t)good;
+        if (good) k++;
+        else cli_bad_add(bad, vlmoe_last_error());
+        if (k == B || (i == n - 1 && k)) {
+            st = vlmoe_model_encode_images(m, batch, k, out + (size_t)done * E);
+            if (!st && p->after_batch) p->after_batch(p->user, k);
+            done += k, k = 0;
+            cli_progress_show(&pr, i + 1, n);
+        }
+    }
+    cli_progress_end(&pr);
+    vlmoe_image_free(&img);
+    free(batch);
+    *n_ok = done;
+    return st;
+}
+
+int cli_no_images(const char *cmd, const cli_bad_log *bad, int n) {
+    if (n == 1) return cli_error(cmd, "%s", bad->first[0]);
+    return cli_error(cmd, "none of the %d images could be read; first: %s", n, bad->first[0]);
+}
+
+int cli_take_multi(const char *cmd, const char *name, int argc, char **argv, int first, const char **vals,
+                   int *nvals, char **rest, int *nrest) {
+    const size_t k = strlen(name);
+    *nvals = 0, *nrest = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const int is = i >= first && !strncmp(a, "--", 2) && !strncmp(a + 2, name, k);
+        if (is && a[2 + k] == '=') {
+            vals[(*nvals)++] = a + 3 + k;
+        } else if (is && !a[2 + k]) {
+            if (i + 1 >= argc || argv[i + 1][0] == '-') {
+                fprintf(stderr, "vlmoe %s: --%s needs a value (see vlmoe %s --help)\n", cmd, name, cmd);
+                return 2;
+            }
+            vals[(*nvals)++] = argv[++i];
+        } else {
+            rest[(*nrest)++] = argv[i];
+            continue;
+        }
+        while (i + 1 < argc && argv[i + 1][0] != '-') vals[(*nvals)++] = argv[++i];
+    }
+    return 0;
+}

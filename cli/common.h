@@ -1,0 +1,94 @@
+// common.h: what the inference subcommands (eval, classify, embed) share: the image flags and
+// batched encoding of image files, the text tokenizer choice, CLIP's default prompt templates,
+// progress lines and the log of skipped inputs. Implemented in cli/common.c; covered through
+// tests/test_eval_data.c and tests/test_classify_embed.c.
+#ifndef VLMOE_CLI_COMMON_H
+#define VLMOE_CLI_COMMON_H
+
+#include <stdint.h>
+
+#include "data/image.h"
+#include "tok/tok.h"
+#include "vlmoe.h"
+
+// "a photo of a {}." and the 7 of OpenAI CLIP's 80 ImageNet templates that their prompt
+// engineering notebook kept after a search over subsets.
+enum { CLI_NUM_TEMPLATES = 8 };
+extern const char *const cli_templates[CLI_NUM_TEMPLATES];
+
+// The eval transform of model config c with --image-mean / --image-std ("R,G,B" or one value for
+// all three; NULL keeps CLIP's). Errors are printed ("vlmoe CMD: ...") and returned as exit status 1.
+int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
+                     vlmoe_image_params *out);
+
+// Texts of the user's: --tokenizer PATH (NULL: none) or, without one, the synthetic data's word
+// tokenizer, which only a model with fewer than 514 ids (too few for BPE) can have been trained
+// with. With need = 0 only a given PATH is loaded. A synth already set by the caller is used
+// for the fallback and freed by cli_text_free. Errors are printed and returned as exit status 1.
+typedef struct {
+    vlmoe_tokenizer *bpe;
+    vlmoe_synth *synth;
+} cli_text;
+int cli_text_init(const char *cmd, const char *path, const vlmoe_model_config *c, int need, cli_text *t);
+// A vlmoe_tokenize_fn over a cli_text.
+int cli_tokenize(void *t, const char *text, int32_t *ids, int ctx);
+void cli_text_free(cli_text *t);
+
+// A progress line on stderr: rewritten in place on a terminal, a plain line every 30 s otherwise.
+typedef struct {
+    const char *what;
+    int tty, shown;
+    double t0, last;
+} cli_progress;
+cli_progress cli_progress_start(const char *what);
+void cli_progress_show(cli_progress *p, long done, long total);   // total <= 0: unknown
+void cli_progress_end(cli_progress *p);
+
+// Skipped inputs: how many, and the first few messages for the warning.
+typedef struct {
+    long n;
+    char first[3][320];
+} cli_bad_log;
+void cli_bad_add(cli_bad_log *b, const char *msg);
+// "vlmoe CMD: warning: skipped N WHATs of WHERE; first: ..." on stderr, if any were skipped.
+void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where);
+
+// Image files from command-line arguments: a file is taken as it is, a folder for the image
+// files (.jpg .jpeg .png .webp, any case) under it, recursively, sorted by path. *out gets
+// malloc'd copies (free with vlmoe_free_strings). A folder that cannot be read or holds no image
+// is printed and returned as exit status 1; a missing file is kept, to be counted as unreadable.
+int cli_list_images(const char *cmd, const char *const *args, int nargs, char ***out, int *n);
+
+// Takes every "--NAME V" and "--NAME=V" out of argv[first..argc) into vals, with the arguments
+// that follow V up to the next one starting with '-' ("--images a.jpg b/ c.png"); the others go
+// to rest (argv[0..first) first). vals and rest need argc entries. A --NAME without a value is
+// printed and returned as exit status 2.
+int cli_take_multi(const char *cmd, const char *name, int argc, char **argv, int first, const char **vals,
+                   int *nvals, char **rest, int *nrest);
+
+// Plans m for n inputs in batches of at most B: min(n, B), but at least 2. oneDNN's sgemm sums
+// a product with a single row (the embedding projection of a batch of one) in another order than
+// one with several, so a lone input's embedding would differ in its last bit from the same input
+// in a batch; a batch of one padded to two (one extra copy) gives every row the same bits however
+// the inputs are batched. The message is in vlmoe_last_error().
+int cli_plan(vlmoe_model *m, int n, int B);
+
+// Encodes image files in batches of batch_size (one model call per batch, planned with cli_plan
+// for n): every readable image's
+// L2-normalised embedding goes to out (n, E), packed in file order, and ok[i] (may be NULL) says
+// which files were readable; the others are logged in bad. after_batch (may be NULL) runs after
+// each model call with the number of images it encoded (eval captures the routing there).
+typedef struct {
+    const vlmoe_image_params *ip;
+    int batch_size;
+    const char *progress;              // progress label, e.g. "images"
+    void (*after_batch)(void *user, int k);
+    void *user;
+} cli_encode_params;
+int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli_encode_params *p, float *out,
+                      uint8_t *ok, cli_bad_log *bad, int *n_ok);
+// The error when none of n image files could be read: the file's own message when n is 1.
+// Returns exit status 1.
+int cli_no_images(const char *cmd, const cli_bad_log *bad, int n);
+
+#endif
