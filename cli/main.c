@@ -7,6 +7,7 @@
 
 #include "cli.h"
 #include "tokenize.h"
+#include "vlmoe_train.h"
 
 int cli_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
@@ -33,6 +34,7 @@ static const char *USAGE =
     "  upcycle    dense -> MoE: chosen MLPs become copied experts (CLIP-UP)\n"
     "  tokenize   CLIP BPE ids and pieces of a text\n"
     "  tokenizer  train a BPE vocabulary from captions (vlmoe tokenizer train)\n"
+    "  vq         learn the k-means codebook of visual tokens for VL-MoE's MIM (vlmoe vq train)\n"
     "  version    print the version\n";
 
 // OpenMP threads that wait at a barrier spin by default. When another process takes one of the
@@ -52,7 +54,8 @@ int main(int argc, char **argv) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
-    if (!strcmp(argv[1], "train")) return cmd_train(argc, argv);
+    if (!strcmp(argv[1], "train")) return cli_train_is_mome(argc, argv) ? cmd_train_mome(argc, argv) : cmd_train(argc, argv);
+    if (!strcmp(argv[1], "vq")) return cmd_vq(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);
     if (!strcmp(argv[1], "embed")) return cmd_embed(argc, argv);

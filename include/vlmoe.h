@@ -169,7 +169,7 @@ int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, i
 
 // ---------------------------------------------------------------------------------------------
 // Models (src/nn/): config, parameters, forward/backward, save/load.
-typedef enum { VLMOE_ARCH_ONE_TOWER = 0, VLMOE_ARCH_TWO_TOWER = 1 } vlmoe_arch;
+typedef enum { VLMOE_ARCH_ONE_TOWER = 0, VLMOE_ARCH_TWO_TOWER = 1, VLMOE_ARCH_MOME = 2 } vlmoe_arch;
 enum { VLMOE_ACT_GELU = 0, VLMOE_ACT_GELU_TANH = 1, VLMOE_ACT_QUICK_GELU = 2 };
 enum { VLMOE_POOL_MEAN = 0, VLMOE_POOL_CLS = 1, VLMOE_POOL_EOT = 2 };
 
@@ -315,7 +315,13 @@ typedef struct {
     double init_temperature; // exp(logit_scale) at init: LIMoE 10, CLIP 1/0.07
     double max_temperature;  // logit_scale is clamped to [0, log(max)] after each step (CLIP: 100)
     vlmoe_moe_config moe;      // MoE layers of `encoder` (dense when router is NONE)
-    vlmoe_moe_config text_moe; // two_tower: MoE layers of `text_encoder`
+    vlmoe_moe_config text_moe; // two_tower: MoE layers of `text_encoder`; mome: the T-MoE layers
+                               // (`moe` holds the V-MoE layers)
+    // mome (VL-MoE) only: JSON keys "vl_layers", "mim_vocab", "mask_token"
+    int vl_layers;           // F: the top F blocks run image-text pairs through VL-FFN
+    int mim_vocab;           // size of the visual-token codebook the MIM head predicts
+    int mask_token;          // the [MASK] id of the text vocabulary ([T_CLS]/[T_SEP] are the
+                             // tokenizer's start/end tokens, the first and last of each text)
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
@@ -382,12 +388,6 @@ const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
 // copied. VLMOE_ERR_CONFIG if `dense` already has MoE layers.
 int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe_moe_config *moe,
                         const vlmoe_moe_config *text_moe, uint64_t seed, double noise);
-// Fails with VLMOE_ERR_NUMERIC naming the first parameter (or gradient) holding a NaN/Inf.
-int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
-// Weights + config in one safetensors file (atomic write); load validates names and shapes.
-int vlmoe_model_save(const vlmoe_model *m, const char *path);
-int vlmoe_model_load(vlmoe_model **out, const char *path);
-
 // LIMoE expert pruning for one-modality inference (appendix E.4). usage holds, for each MoE
 // layer of the tower serving `modality` (blocks in order), the share of that modality's tokens
 // each expert processed (nmoe x E, e.g. vlmoe_moe_stats.accepted averaged over training); every
@@ -397,6 +397,95 @@ int vlmoe_model_load(vlmoe_model **out, const char *path);
 typedef enum { VLMOE_PRUNE_ROUTER_PRED = 0, VLMOE_PRUNE_ROUTER_DROP = 1 } vlmoe_prune_mode;
 int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, const double *usage,
                       int keep, vlmoe_prune_mode mode);
+// Fails with VLMOE_ERR_NUMERIC naming the first parameter (or gradient) holding a NaN/Inf.
+int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
+// Weights + config in one safetensors file (atomic write); load validates names and shapes.
+int vlmoe_model_save(const vlmoe_model *m, const char *path);
+int vlmoe_model_load(vlmoe_model **out, const char *path);
+
+// ---------------------------------------------------------------------------------------------
+// VL-MoE (arch "mome", src/nn/mome.c; VL-MoE sec. 3, VLMo's MoME transformer): one transformer
+// whose self-attention is shared and whose feed-forward is chosen by modality: V-FFN for image
+// tokens, T-FFN for text tokens, and in the top vl_layers blocks VL-FFN for every token of an
+// image-text pair. V-FFN/T-FFN of the blocks in `moe.layers` / `text_moe.layers` (only below the
+// VL blocks) are sparse MoEs with their own routers (V-MoE: BPR, v-loss; T-MoE: load loss).
+// Inputs: [I_CLS] + patch embeddings + image positions; [T_CLS] text [T_SEP] + text positions;
+// a pair is the concatenation of both. Heads: MLM (width -> vocab) and MIM (width -> mim_vocab).
+typedef enum { VLMOE_ENC_IMAGE = 0, VLMOE_ENC_TEXT = 1, VLMOE_ENC_PAIR = 2 } vlmoe_encoding;
+// Tokens per sequence of an encoding: 1 + patches (image), context_length (text), their sum (pair).
+int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc);
+// One encoding of B sequences with its masked-modeling targets.
+typedef struct {
+    vlmoe_encoding encoding;
+    int batch_size;
+    const float *images;         // (B,C,H,W): image and pair encodings
+    const int32_t *tokens;       // (B,context_length) model input (after MLM corruption): text, pair
+    const int32_t *lengths;      // (B) tokens before the padding, [T_CLS] and [T_SEP] included
+    const int32_t *text_labels;  // (B,context_length) the id to predict, -1 where nothing is
+                                 // predicted; NULL: no MLM loss
+    const int32_t *patch_labels; // (B,num_patches) codebook id of each MASKED patch (its embedding
+                                 // becomes the learned image mask token), -1 elsewhere; NULL: none
+} vlmoe_mome_batch;
+typedef struct {
+    double loss;                 // text + image + aux
+    double text, image;          // mean cross-entropy over the labelled text tokens / patches
+    double aux;                  // weighted MoE auxiliary losses
+    double text_acc, image_acc;  // top-1 accuracy of those predictions
+    int text_count, image_count; // labelled positions
+} vlmoe_mome_stats;
+// Forward of one encoding (training: routing noise and the train capacity factor). MLM is a text
+// batch with text_labels, MIM an image batch with patch_labels, VLM a pair batch with both.
+int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, vlmoe_mome_stats *s);
+// Back-propagates the last training forward's loss into the gradient buffer; accumulate = 0
+// zeroes it first (the three objectives of a step accumulate into one buffer).
+int vlmoe_mome_backward(vlmoe_model *m, int accumulate);
+// Final hidden states (after the last LayerNorm) of n inputs, out (n, seq_len, width), in eval
+// mode; images (n,C,H,W) and/or tokens (n,ctx) + lengths as the encoding needs.
+int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out);
+
+// Masking (src/data/masking.c), seeded: the same seed gives the same masks on any machine.
+typedef struct {
+    double prob;         // fraction of text tokens to predict: 0.15 (MLM), 0.5 (VLM)
+    double mask_frac;    // of those, replaced by [MASK]: 0.8
+    double random_frac;  // replaced by a random token from [random_lo, random_hi): 0.1 (rest kept)
+    int32_t mask_id, random_lo, random_hi;
+} vlmoe_mlm_params;
+// BERT's defaults for a config: 0.15 / 0.8 / 0.1, its mask_token, random tokens among the ids
+// >= 4 (after the synthetic tokenizer's PAD/SOT/EOT/UNK) other than [MASK].
+vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c);
+// Each token strictly between [T_CLS] (position 0) and [T_SEP] (position len-1) is chosen with
+// probability prob; a chosen token gets its label and is replaced by [MASK] (mask_frac), a random
+// token (random_frac) or kept. input, labels (B,T): input ids and labels (-1 where not chosen).
+// Sequence b draws from its own stream (seed, b).
+int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
+                   const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels);
+// BEiT's block-wise masking (BEiT sec. 2.5, Algorithm 1, its masking_generator): rectangles of
+// at least min(16, target) patches with log-uniform aspect ratio in [0.3, 1/0.3] are added until
+// target = round(ratio * h * w) patches are masked (a block that would overshoot is redrawn; the
+// loop ends when 10 draws in a row add nothing). mask (h*w): 1 = masked.
+int vlmoe_mim_block_mask(int h, int w, double ratio, uint64_t seed, uint8_t *mask);
+
+// Discrete visual tokens (src/data/kmeans.c): a k-means codebook over raw patch vectors stands in
+// for BEiT's image tokenizer. x (n, dim) -> centroids (K, dim): k-means++ seeding, then Lloyd's
+// iterations until no assignment changes or `iters`; an empty cluster takes the point farthest
+// from its centroid. *inertia (may be NULL): the final mean squared distance.
+int vlmoe_kmeans(const float *x, size_t n, int dim, int K, int iters, uint64_t seed,
+                 float *centroids, double *inertia);
+// Nearest centroid (squared Euclidean, ties to the lower id) of each of n vectors.
+void vlmoe_kmeans_assign(const float *centroids, int K, int dim, const float *x, size_t n, int32_t *ids);
+// A codebook file: safetensors with "codebook" (K, dim) F32 and metadata "vlmoe.codebook".
+int vlmoe_codebook_save(const char *path, const float *centroids, int K, int dim);
+// Loads a codebook (malloc'd; free()); fails unless K and dim are as expected (> 0 to check).
+int vlmoe_codebook_load(const char *path, int want_K, int want_dim, float **centroids, int *K, int *dim);
+// images (B,C,H,W) -> raw patch vectors (B, num_patches, C*P*P), the order the model embeds.
+int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches);
+// MIM labels of B images: block masks of `ratio` (seed, image b) and the codebook id of every
+// masked patch; labels (B, num_patches), -1 where not masked. The codebook must have mim_vocab
+// entries of dimension C*P*P.
+int vlmoe_mim_labels(const vlmoe_model_config *c, const float *codebook, int K, const float *images,
+                     int B, double ratio, uint64_t seed, int32_t *labels);
+
 // ---------------------------------------------------------------------------------------------
 // Training (src/train/): one optimisation step = forward, backward, divergence guard, clipping,
 // schedule, optimizer update, temperature clamp. Nothing is allocated inside a step.
@@ -413,6 +502,12 @@ void vlmoe_trainer_free(vlmoe_trainer *t);
 // One step on a batch. A non-finite loss or gradient returns VLMOE_ERR_NUMERIC naming the tensor
 // and leaves the parameters untouched.
 int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats);
+// One VL-MoE step (arch mome): the forward and backward of every part (e.g. a text batch with
+// MLM labels, an image batch with MIM labels, a pair batch with both: VL-MoE's equally weighted
+// objectives), their gradients summed, then the same guard, clipping, schedule and update.
+// part_stats (nparts, may be NULL) gets each part's losses; stats the totals.
+int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
+                            vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats);
 long vlmoe_trainer_get_step(const vlmoe_trainer *t);
 vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
 vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);

@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "nn/mome.h"
 #include "test.h"
 
 static vlmoe_st *open_fixture(const char *name) {
@@ -455,7 +456,101 @@ static void test_moe_layer_case(const char *name) {
     vlmoe_st_close(f);
 }
 
+// VL-MoE's MoME model against tests/ref/gen_mome.py: for each encoding (image with MIM labels,
+// text with MLM labels, pair with both), with the router noise of every MoE layer injected and
+// ample capacity: the losses, the final hidden states and every parameter gradient.
+static void test_mome(void) {
+    vlmoe_st *f = open_fixture("mome.ref.safetensors");
+    if (!f) return;
+    char path[512], name[160];
+    snprintf(path, sizeof(path), "%s/mome.init.safetensors", fixture_dir());
+    vlmoe_model *m = NULL;
+    if (vlmoe_model_load(&m, path) != VLMOE_OK) {
+        CHECK(0, "load %s: %s", path, vlmoe_last_error());
+        vlmoe_st_close(f);
+        return;
+    }
+    const model_layout *L = &m->L;
+    const int B = 3, D = L->enc[0].width;
+    mome_graph_f32 *g = NULL;
+    CHECK(mome_graph_create_f32(&g, L, B) == VLMOE_OK, "mome graph: %s", vlmoe_last_error());
+    float *images = get(f, "input.images", NULL), *G = zerosf(L->total);
+    int32_t *tokens = get_i32(f, "input.tokens"), *lens = get_i32(f, "input.lens");
+    int32_t *tl = get_i32(f, "input.text_labels"), *pl = get_i32(f, "input.patch_labels");
+    double *noise[64] = {0};
+    const char *encs[3] = {"image", "text", "pair"};
+    for (int e = 0; e < 3 && g && images && tokens && lens && tl && pl; e++) {
+        for (int i = 0; i < L->nmoe && i < 64; i++) {
+            snprintf(name, sizeof(name), "%s.noise.%d", encs[e], i);
+            free(noise[i]);
+            noise[i] = NULL;
+            if (vlmoe_st_find(f, name) < 0) {
+                mome_graph_set_noise_f32(g, i, NULL);
+                continue;
+            }
+            size_t n;
+            float *v = get(f, name, &n);
+            noise[i] = malloc(sizeof(double) * n);
+            for (size_t k = 0; k < n; k++) noise[i][k] = v[k];
+            free(v);
+            mome_graph_set_noise_f32(g, i, noise[i]);
+        }
+        mome_input_f32 in = {e, e != VLMOE_ENC_TEXT ? images : NULL, e != VLMOE_ENC_IMAGE ? tokens : NULL, lens,
+                             e != VLMOE_ENC_IMAGE ? tl : NULL, e != VLMOE_ENC_TEXT ? pl : NULL};
+        vlmoe_mome_stats s;
+        mome_graph_set_mode_f32(g, 1, 0);
+        if (mome_graph_forward_f32(g, m->params, &in, &s) != VLMOE_OK) {
+            CHECK(0, "mome %s forward: %s", encs[e], vlmoe_last_error());
+            continue;
+        }
+        const double got[4] = {s.loss, s.text, s.image, s.aux};
+        const char *parts[4] = {"loss", "text", "image", "aux"};
+        for (int k = 0; k < 4; k++) {
+            snprintf(name, sizeof(name), "%s.%s", encs[e], parts[k]);
+            float *ref = get(f, name, NULL);
+            if (ref) CHECK(fabs(got[k] - ref[0]) <= 2e-6 * fabs(ref[0]) + 1e-7, "mome %s: %s %.9g, torch %.9g",
+                           encs[e], parts[k], got[k], ref[0]);
+            free(ref);
+        }
+        int T;
+        const float *hid = mome_graph_hidden_f32(g, &T);
+        snprintf(name, sizeof(name), "%s.hidden", encs[e]);
+        float *href = get(f, name, NULL);
+        double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
+        CHECK(herr <= 2e-6, "mome %s: hidden states: max error %.3g of max |ref|", encs[e], herr);
+        free(href);
+        memset(G, 0, sizeof(float) * L->total);
+        mome_graph_backward_f32(g, m->params, G);
+        double worst = 0;
+        const char *wname = "";
+        for (int k = 0; k < L->nparams; k++) {
+            snprintf(name, sizeof(name), "%s.grad.%s", encs[e], L->table[k].name);
+            float *ref = get(f, name, NULL);
+            if (!ref) continue;
+            double err = 0, den = 1e-30;
+            for (size_t i = 0; i < L->table[k].numel; i++) {
+                err = fmax(err, fabs((double)G[L->table[k].offset + i] - ref[i]));
+                den = fmax(den, fabs((double)ref[i]));
+            }
+            // a tensor the encoding does not reach has an exactly zero gradient on both sides
+            err = den > 1e-30 ? err / den : err;
+            if (err > worst) worst = err, wname = L->table[k].name;
+            CHECK(err <= 2e-5, "mome %s: gradient of %s: max error %.3g of max |ref|", encs[e], L->table[k].name, err);
+            free(ref);
+        }
+        printf("mome %s: loss %.6f (text %.6f, image %.6f, aux %.6f), hidden states within %.2g, %d parameter "
+               "gradients match torch, worst %.2g (%s)\n", encs[e], s.loss, s.text, s.image, s.aux, herr,
+               L->nparams, worst, wname);
+    }
+    for (int i = 0; i < 64; i++) free(noise[i]);
+    free(images), free(G), free(tokens), free(lens), free(tl), free(pl);
+    mome_graph_free_f32(g);
+    vlmoe_model_free(m);
+    vlmoe_st_close(f);
+}
+
 int main(void) {
+    test_mome();
     test_ops();
     test_block();
     test_model("one_tower");

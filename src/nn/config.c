@@ -55,7 +55,7 @@ static vlmoe_model_config clip(const char *name, int img, int patch, int vw, int
 
 static const char *NAMES = "tiny, mini, tiny-clip, S/32, B/32, B/16, ViT-B-32, ViT-B-16, limoe-tiny, "
                            "limoe-mini, limoe-S/32, limoe-B/16, clipup-tiny, clipup-ViT-B-16, ec-tiny, "
-                           "soft-tiny";
+                           "soft-tiny, vlmoe-tiny, mome-tiny";
 
 uint64_t vlmoe_moe_every(int n, int layers) {
     uint64_t m = 0;
@@ -97,8 +97,20 @@ int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
         c->order = VLMOE_ORDER_FIFO;
         c->aux_weight[VLMOE_AUX_SWITCH] = 0.01;
         c->aux_weight[VLMOE_AUX_ZLOSS] = 0.001;
+    } else if (!strcmp(name, "vlmoe-v") || !strcmp(name, "vlmoe-t")) {
+        // VL-MoE (sec. 4.1, "MoE Setting"): top-1; V-MoE with BPR and the v-loss (importance and
+        // load averaged), T-MoE with the load loss, ratio 0.01; capacity factor 1.05 in training
+        // and 1.0 at inference (V-MoE); noisy routing, which the load loss needs
+        const int vision = name[6] == 'v';
+        c->top_k = 1;
+        c->capacity_factor = 1.05;
+        c->eval_capacity_factor = 1.0;
+        c->order = vision ? VLMOE_ORDER_BPR : VLMOE_ORDER_FIFO;
+        c->bpr_score = VLMOE_BPR_MAX;
+        c->noise_std = 1.0;
+        c->aux_weight[vision ? VLMOE_AUX_VLOSS : VLMOE_AUX_LOAD] = 0.01;
     } else {
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown MoE preset '%s' (known: limoe, clipup)", name);
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown MoE preset '%s' (known: limoe, clipup, vlmoe-v, vlmoe-t)", name);
     }
     return VLMOE_OK;
 }
@@ -145,6 +157,21 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         int lim = name[0] == 'l';
         int st = moe_named(name + (lim ? 6 : 7), lim ? "limoe" : "clipup", out);
         if (st) return st;
+    } else if (!strcmp(name, "vlmoe-tiny") || !strcmp(name, "mome-tiny")) {
+        // VL-MoE at test size: 4 blocks, VL-FFN in the last one, V-MoE and T-MoE (4 experts) in
+        // every second of the first three (block 1); mome-tiny is its dense MoME twin
+        *out = one_tower(name, 32, 8, 64, 4, 2, 256, 16, 64);
+        out->arch = VLMOE_ARCH_MOME;
+        out->image_class_token = 1;   // [I_CLS]
+        out->vl_layers = 1;
+        out->mim_vocab = 1024;
+        out->mask_token = 255;        // the last id is reserved for [MASK]
+        if (name[0] == 'v') {
+            out->moe.num_experts = out->text_moe.num_experts = 4;
+            out->moe.layers = out->text_moe.layers = vlmoe_moe_every(2, 3);
+            vlmoe_moe_preset("vlmoe-v", &out->moe);
+            vlmoe_moe_preset("vlmoe-t", &out->text_moe);
+        }
     } else if (!strcmp(name, "ec-tiny") || !strcmp(name, "soft-tiny")) {
         // V-MoE-style experts choice and Soft MoE variants of the tiny LIMoE layout
         int st = moe_named("tiny", "limoe", out);
@@ -170,8 +197,17 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
 int vlmoe_config_validate(const vlmoe_model_config *c) {
 #define NEED(cond, ...) \
     if (!(cond)) return vlmoe_fail(VLMOE_ERR_CONFIG, __VA_ARGS__)
-    NEED(c->arch == VLMOE_ARCH_ONE_TOWER || c->arch == VLMOE_ARCH_TWO_TOWER, "arch: unknown value %d",
-         (int)c->arch);
+    NEED(c->arch == VLMOE_ARCH_ONE_TOWER || c->arch == VLMOE_ARCH_TWO_TOWER || c->arch == VLMOE_ARCH_MOME,
+         "arch: unknown value %d", (int)c->arch);
+    if (c->arch == VLMOE_ARCH_MOME) {
+        NEED(c->vl_layers >= 0 && c->vl_layers <= c->encoder.layers, "vl_layers: %d not in [0, encoder.layers = %d]",
+             c->vl_layers, c->encoder.layers);
+        NEED(c->mim_vocab >= 2 && c->mim_vocab <= 1 << 20, "mim_vocab: %d not in [2, 2^20]", c->mim_vocab);
+        NEED(c->mask_token >= 0 && c->mask_token < c->vocab_size, "mask_token: %d not in [0, vocab_size = %d)",
+             c->mask_token, c->vocab_size);
+        NEED(c->image_class_token && !c->image_ln_pre && !c->text_causal,
+             "mome: needs image_class_token true ([I_CLS]), image_ln_pre and text_causal false");
+    }
     NEED(c->channels >= 1 && c->channels <= 4, "channels: %d not in [1, 4]", c->channels);
     NEED(c->patch_size >= 1 && c->image_size >= c->patch_size && c->image_size <= 4096,
          "image_size %d / patch_size %d: need 1 <= patch_size <= image_size <= 4096", c->image_size,
@@ -197,10 +233,13 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
          "image_pool: must be \"mean\", or \"cls\" with image_class_token true");
     NEED(c->text_pool == VLMOE_POOL_MEAN || c->text_pool == VLMOE_POOL_EOT,
          "text_pool: must be \"mean\" or \"eot\"");
-    for (int t = 0; t < (c->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1); t++) {
+    for (int t = 0; t < (c->arch == VLMOE_ARCH_ONE_TOWER ? 1 : 2); t++) {
         const vlmoe_moe_config *m = t ? &c->text_moe : &c->moe;
         const char *nm = t ? "text_moe" : "moe";
-        const int L = t ? c->text_encoder.layers : c->encoder.layers;
+        // mome: MoE only below the VL blocks (VL-MoE sec. 3.2: "we only use MoE for V-FFN and
+        // T-FFN in the first (L - F) layers")
+        const int L = c->arch == VLMOE_ARCH_MOME ? c->encoder.layers - c->vl_layers
+                      : t ? c->text_encoder.layers : c->encoder.layers;
         if (m->router == VLMOE_ROUTER_NONE) continue;
         NEED(m->router >= VLMOE_ROUTER_TOKENS && m->router <= VLMOE_ROUTER_SOFT, "%s.router: unknown value %d", nm, (int)m->router);
         NEED(m->layers != 0 && (L >= 64 || (m->layers >> L) == 0), "%s.layers: must name blocks in [0, %d)", nm, L);
@@ -238,6 +277,9 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
 
 static const char *ACT_NAMES[] = {"gelu", "gelu_tanh", "quick_gelu"};
 static const char *POOL_NAMES[] = {"mean", "cls", "eot"};
+static const char *ARCH_NAMES[] = {"one_tower", "two_tower", "mome"};
+// mome's own keys: optional in the JSON (absent: 0), written only for mome configs
+static const char *MOME_KEYS[] = {"vl_layers", "mim_vocab", "mask_token"};
 
 static int enum_index(const char *s, const char **names, int n) {
     for (int i = 0; i < n; i++)
@@ -499,10 +541,10 @@ static int read_key(const cJSON *v, const key_spec *k, const char *what, vlmoe_m
         *(int *)field = idx;
         return VLMOE_OK;
     case K_ARCH:
-        if (!cJSON_IsString(v) || (strcmp(v->valuestring, "one_tower") && strcmp(v->valuestring, "two_tower")))
-            return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be \"one_tower\" or \"two_tower\"",
+        if (!cJSON_IsString(v) || (idx = enum_index(v->valuestring, ARCH_NAMES, 3)) < 0)
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be \"one_tower\", \"two_tower\" or \"mome\"",
                               what, k->key);
-        *(vlmoe_arch *)field = strcmp(v->valuestring, "one_tower") ? VLMOE_ARCH_TWO_TOWER : VLMOE_ARCH_ONE_TOWER;
+        *(vlmoe_arch *)field = (vlmoe_arch)idx;
         return VLMOE_OK;
     }
     return VLMOE_ERR_CONFIG;
@@ -542,6 +584,12 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
             if ((st = read_encoder(it, what, it->string, e, complete))) goto done;
             continue;
         }
+        const int mk = enum_index(it->string, MOME_KEYS, 3);
+        if (mk >= 0) {
+            int *f[3] = {&c.vl_layers, &c.mim_vocab, &c.mask_token};
+            if ((st = read_int(it, what, it->string, f[mk]))) goto done;
+            continue;
+        }
         int k = 0;
         while (k < NKEYS && strcmp(KEYS[k].key, it->string)) k++;
         if (k == NKEYS) {
@@ -563,8 +611,9 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
             goto done;
         }
     }
-    if (every[0]) c.moe.layers = vlmoe_moe_every(every[0], c.encoder.layers);
-    if (every[1]) c.text_moe.layers = vlmoe_moe_every(every[1], c.text_encoder.layers);
+    const int mome = c.arch == VLMOE_ARCH_MOME, below_vl = c.encoder.layers - c.vl_layers;
+    if (every[0]) c.moe.layers = vlmoe_moe_every(every[0], mome ? below_vl : c.encoder.layers);
+    if (every[1]) c.text_moe.layers = vlmoe_moe_every(every[1], mome ? below_vl : c.text_encoder.layers);
     if ((st = vlmoe_config_validate(&c))) {
         vlmoe_error_prefix("%s", what);
         goto done;
@@ -613,7 +662,7 @@ char *vlmoe_config_to_json(const vlmoe_model_config *c) {
     cJSON *o = cJSON_CreateObject();
     if (!o) return NULL;
     cJSON_AddStringToObject(o, "name", c->name);
-    cJSON_AddStringToObject(o, "arch", c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower" : "two_tower");
+    cJSON_AddStringToObject(o, "arch", ARCH_NAMES[c->arch]);
     add_num(o, "image_size", c->image_size);
     add_num(o, "patch_size", c->patch_size);
     add_num(o, "channels", c->channels);
@@ -633,8 +682,13 @@ char *vlmoe_config_to_json(const vlmoe_model_config *c) {
     add_num(o, "init_temperature", c->init_temperature);
     add_num(o, "max_temperature", c->max_temperature);
     if (c->moe.router != VLMOE_ROUTER_NONE) cJSON_AddItemToObject(o, "moe", moe_json(&c->moe));
-    if (c->arch == VLMOE_ARCH_TWO_TOWER && c->text_moe.router != VLMOE_ROUTER_NONE)
+    if (c->arch != VLMOE_ARCH_ONE_TOWER && c->text_moe.router != VLMOE_ROUTER_NONE)
         cJSON_AddItemToObject(o, "text_moe", moe_json(&c->text_moe));
+    if (c->arch == VLMOE_ARCH_MOME) {
+        add_num(o, "vl_layers", c->vl_layers);
+        add_num(o, "mim_vocab", c->mim_vocab);
+        add_num(o, "mask_token", c->mask_token);
+    }
     char *s = cJSON_Print(o);
     cJSON_Delete(o);
     return s;

@@ -10,18 +10,12 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "nn/mome.h"
 
 #define CONFIG_KEY "vlmoe.config"
 
-typedef struct {
-    model_layout *L;
-    int cap;
-    size_t off;
-} table_builder;
-
-// Appends one named parameter and returns its offset.
-static size_t add3(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1,
-                   int64_t d2) {
+size_t layout_add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1,
+                  int64_t d2) {
     model_layout *L = tb->L;
     if (L->nparams == tb->cap) {
         int cap = tb->cap ? 2 * tb->cap : 64;
@@ -46,19 +40,17 @@ static size_t add3(table_builder *tb, const char *name, int decay, int ndim, int
 }
 
 static size_t add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1) {
-    return add3(tb, name, decay, ndim, d0, d1, 0);
+    return layout_add(tb, name, decay, ndim, d0, d1, 0);
 }
 
 // The feed-forward of block l: a dense MLP, or an MoE layer whose experts are stored stacked
 // (E, ...) so a checkpoint does not depend on how experts are split over processes.
-static void add_ffn(table_builder *tb, encoder_layout *E, int l, const char *prefix) {
-    char n[128];
-    const int D = E->width, M = E->mlp;
-    ffn_layout *f = &E->blocks[l].ffn;
-    const vlmoe_moe_config *mc = E->moe;
-#define NAME(s) (snprintf(n, sizeof(n), "%s.blocks.%d.%s", prefix, l, s), n)
+void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc, int l, int D, int M,
+                    const char *prefix) {
+    char n[160];
+#define NAME(s) (snprintf(n, sizeof(n), "%s.%s", prefix, s), n)
     f->router_w = f->phi = f->scale = NO_PARAM;
-    if (mc->router == VLMOE_ROUTER_NONE || !(l < 64 && (mc->layers >> l & 1))) {
+    if (!mc || mc->router == VLMOE_ROUTER_NONE || !(l < 64 && (mc->layers >> l & 1))) {
         f->kind = FFN_MLP;
         f->fc1_w = add(tb, NAME("mlp.fc1.weight"), 1, 2, M, D);
         f->fc1_b = add(tb, NAME("mlp.fc1.bias"), 0, 1, M, 0);
@@ -71,15 +63,27 @@ static void add_ffn(table_builder *tb, encoder_layout *E, int l, const char *pre
     f->moe_index = tb->L->nmoe++;
     if (mc->router == VLMOE_ROUTER_SOFT) {
         int P = moe_slots_per_expert(mc);
-        f->phi = add3(tb, NAME("moe.soft.phi"), 1, 3, D, X, P < 1 ? 1 : P);
+        f->phi = layout_add(tb, NAME("moe.soft.phi"), 1, 3, D, X, P < 1 ? 1 : P);
         f->scale = add(tb, NAME("moe.soft.scale"), 0, 0, 0, 0);
     } else {
         f->router_w = add(tb, NAME("moe.router.weight"), 1, 2, X, D);
     }
-    f->fc1_w = add3(tb, NAME("moe.experts.fc1.weight"), 1, 3, X, M, D);
+    f->fc1_w = layout_add(tb, NAME("moe.experts.fc1.weight"), 1, 3, X, M, D);
     f->fc1_b = add(tb, NAME("moe.experts.fc1.bias"), 0, 2, X, M);
-    f->fc2_w = add3(tb, NAME("moe.experts.fc2.weight"), 1, 3, X, D, M);
+    f->fc2_w = layout_add(tb, NAME("moe.experts.fc2.weight"), 1, 3, X, D, M);
     f->fc2_b = add(tb, NAME("moe.experts.fc2.bias"), 0, 2, X, D);
+#undef NAME
+}
+
+void layout_add_attention(table_builder *tb, block_layout *b, int D, const char *prefix) {
+    char n[160];
+#define NAME(s) (snprintf(n, sizeof(n), "%s.%s", prefix, s), n)
+    b->ln1_w = add(tb, NAME("ln1.weight"), 0, 1, D, 0);
+    b->ln1_b = add(tb, NAME("ln1.bias"), 0, 1, D, 0);
+    b->qkv_w = add(tb, NAME("attn.qkv.weight"), 1, 2, 3 * D, D);
+    b->qkv_b = add(tb, NAME("attn.qkv.bias"), 0, 1, 3 * D, 0);
+    b->out_w = add(tb, NAME("attn.out.weight"), 1, 2, D, D);
+    b->out_b = add(tb, NAME("attn.out.bias"), 0, 1, D, 0);
 #undef NAME
 }
 
@@ -88,17 +92,14 @@ static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix
     const int D = E->width;
     for (int l = 0; l < E->layers; l++) {
         block_layout *b = &E->blocks[l];
-#define NAME(s) (snprintf(n, sizeof(n), "%s.blocks.%d.%s", prefix, l, s), n)
-        b->ln1_w = add(tb, NAME("ln1.weight"), 0, 1, D, 0);
-        b->ln1_b = add(tb, NAME("ln1.bias"), 0, 1, D, 0);
-        b->qkv_w = add(tb, NAME("attn.qkv.weight"), 1, 2, 3 * D, D);
-        b->qkv_b = add(tb, NAME("attn.qkv.bias"), 0, 1, 3 * D, 0);
-        b->out_w = add(tb, NAME("attn.out.weight"), 1, 2, D, D);
-        b->out_b = add(tb, NAME("attn.out.bias"), 0, 1, D, 0);
-        b->ln2_w = add(tb, NAME("ln2.weight"), 0, 1, D, 0);
-        b->ln2_b = add(tb, NAME("ln2.bias"), 0, 1, D, 0);
-#undef NAME
-        add_ffn(tb, E, l, prefix);
+        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
+        layout_add_attention(tb, b, D, n);
+        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.weight", prefix, l);
+        b->ln2_w = add(tb, n, 0, 1, D, 0);
+        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.bias", prefix, l);
+        b->ln2_b = add(tb, n, 0, 1, D, 0);
+        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
+        layout_add_ffn(tb, &b->ffn, E->moe, l, D, E->mlp, n);
     }
     snprintf(n, sizeof(n), "%s.ln_final.weight", prefix);
     E->lnf_w = add(tb, n, 0, 1, D, 0);
@@ -110,6 +111,7 @@ int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     memset(L, 0, sizeof(*L));
     int st = vlmoe_config_validate(cfg);
     if (st) return st;
+    if (cfg->arch == VLMOE_ARCH_MOME) return mome_layout_build(L, cfg);
     L->cfg = *cfg;
     L->nenc = cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1;
     for (int e = 0; e < L->nenc; e++) {
@@ -162,6 +164,7 @@ int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
 
 void model_layout_free(model_layout *L) {
     for (int e = 0; e < 2; e++) free(L->enc[e].blocks);
+    mome_layout_free(L->mome);
     free(L->table);
     memset(L, 0, sizeof(*L));
 }
@@ -186,6 +189,7 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
         } else if (ends_with(p->name, "soft.scale")) {
             w[0] = 1; // Soft MoE's learned scale starts at 1 (MOE.md)
         } else if (ends_with(p->name, "ln1.weight") || ends_with(p->name, "ln2.weight") ||
+                   ends_with(p->name, "ffn.ln.weight") ||
                    strstr(p->name, "ln_final.weight") || strstr(p->name, "ln_pre.weight")) {
             for (size_t k = 0; k < p->numel; k++) w[k] = 1;
         } else if (ends_with(p->name, ".bias")) {
@@ -209,16 +213,6 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
     }
 }
 
-struct vlmoe_model {
-    model_layout L;
-    float *params, *grads;
-    graph_f32 *g;
-    int planned_B;
-    int have_forward;
-    uint64_t seed;           // the init seed: also seeds the routing noise
-    uint64_t forwards;       // training forwards so far: the routing noise of the next one
-};
-
 int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed) {
     *out = NULL;
     vlmoe_model *m = calloc(1, sizeof(*m));
@@ -237,6 +231,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
 void vlmoe_model_free(vlmoe_model *m) {
     if (!m) return;
     graph_free_f32(m->g);
+    mome_graph_free_f32(m->mg);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -253,6 +248,7 @@ float *vlmoe_model_param_data(vlmoe_model *m) { return m->params; }
 float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
+    if (m->L.mome) return mome_model_plan(m, batch_size);
     if (m->g && m->planned_B == batch_size) return VLMOE_OK;
     graph_free_f32(m->g);
     m->g = NULL;
@@ -263,7 +259,15 @@ int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
     return VLMOE_OK;
 }
 
+// A mome model has no contrastive head: its losses are the masked-modeling ones (vlmoe_mome_*).
+static int not_mome(const vlmoe_model *m, const char *what) {
+    return m->L.mome ? vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is a VL-MoE (arch mome) model: use "
+                                  "vlmoe_mome_forward / vlmoe_mome_encode", what, m->L.cfg.name)
+                     : VLMOE_OK;
+}
+
 static int forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
+    if (not_mome(m, "contrastive forward")) return VLMOE_ERR_ARG;
     if (!b->images || !b->tokens || !b->lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
     int st = vlmoe_model_plan(m, b->batch_size);
@@ -325,6 +329,7 @@ int vlmoe_model_backward(vlmoe_model *m) {
 }
 
 void vlmoe_model_clamp(vlmoe_model *m) {
+    if (m->L.logit_scale == NO_PARAM) return; // mome: no temperature
     float *s = &m->params[m->L.logit_scale], hi = (float)log(m->L.cfg.max_temperature);
     *s = *s < 0 ? 0 : *s > hi ? hi : *s;
 }
@@ -333,6 +338,7 @@ void vlmoe_model_clamp(vlmoe_model *m) {
 // its final item, whose outputs are discarded).
 static int encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
                   const int32_t *lens, int n, float *out) {
+    if (not_mome(m, modality == MOD_IMAGE ? "encode images" : "encode texts")) return VLMOE_ERR_ARG;
     if (!m->g) {
         int st = vlmoe_model_plan(m, n < 64 ? (n > 0 ? n : 1) : 64);
         if (st) return st;
@@ -395,6 +401,7 @@ void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]) {
 }
 
 const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count) {
+    if (m->mg) return mome_graph_moe_stats_f32(m->mg, count);
     if (!m->g) {
         if (count) *count = 0;
         return NULL;

@@ -41,6 +41,8 @@ typedef struct {
 
 #define NO_PARAM ((size_t)-1)
 
+struct mome_layout; // src/nn/mome.h
+
 typedef struct {
     vlmoe_model_config cfg;
     int nenc;
@@ -51,7 +53,25 @@ typedef struct {
     int nparams;
     size_t total;                    // floats in the flat buffer
     int nmoe;                        // MoE layers in the model
+    struct mome_layout *mome;        // arch mome: the modality experts and heads (else NULL)
 } model_layout;
+
+// Builds the parameter table one named tensor at a time (model.c, and mome_model.c for mome).
+typedef struct {
+    model_layout *L;
+    int cap;
+    size_t off;
+} table_builder;
+// Appends one named parameter of shape (d0[, d1[, d2]]) and returns its offset (NO_PARAM when
+// out of memory).
+size_t layout_add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1,
+                  int64_t d2);
+// A feed-forward named "<prefix>.mlp.*" (dense), or "<prefix>.moe.*" when block l is one of mc's
+// MoE layers (mc may be NULL: dense), experts stacked (E, ...).
+// "<prefix>.ln1.*", "<prefix>.attn.qkv.*", "<prefix>.attn.out.*": a block's attention half.
+void layout_add_attention(table_builder *tb, block_layout *b, int D, const char *prefix);
+void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc, int l, int D, int M,
+                    const char *prefix);
 
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg);
 void model_layout_free(model_layout *L);
@@ -86,5 +106,19 @@ typedef struct {
 
 GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)
+
+struct mome_graph_f32; // src/nn/mome.h
+
+// The model object behind the public handle (model.c; the mome entry points in mome_model.c).
+struct vlmoe_model {
+    model_layout L;
+    float *params, *grads;
+    graph_f32 *g;
+    struct mome_graph_f32 *mg;  // arch mome: its graph instead of g
+    int planned_B;
+    int have_forward;
+    uint64_t seed;           // the init seed: also seeds the routing noise
+    uint64_t forwards;       // training forwards so far: the routing noise of the next one
+};
 
 #endif

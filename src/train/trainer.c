@@ -1,9 +1,11 @@
-// trainer.c: one optimisation step of a contrastive model: forward, backward, the divergence
-// guard (a non-finite loss or gradient stops the step before any parameter changes), global-norm
+// trainer.c: one optimisation step of a contrastive model, or of a VL-MoE model over several
+// masked-modeling batches whose gradients add up: forward, backward, the divergence guard (a
+// non-finite loss or gradient stops the step before any parameter changes), global-norm
 // clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp.
-// Covered by tests/test_train.c and, against PyTorch, tests/test_parity.c.
+// Covered by tests/test_train.c, tests/test_mome.c and, against PyTorch, tests/test_parity.c.
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/core.h"
 #include "vlmoe.h"
@@ -50,6 +52,22 @@ vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t) { return t->opt; }
 vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t) { return t->m; }
 const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return &t->p; }
 
+// The rest of a step once the gradients are in the model's buffer: the divergence guard,
+// clipping, the schedule, the update and the temperature clamp.
+static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
+    int st = vlmoe_model_check_finite(t->m, 1);
+    if (st) {
+        vlmoe_error_prefix("step %ld", step);
+        return st;
+    }
+    float *g = vlmoe_model_grad_data(t->m);
+    s->grad_norm = vlmoe_clip_grad_norm(g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
+    s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
+    vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s->lr);
+    vlmoe_model_clamp(t->m);
+    return VLMOE_OK;
+}
+
 int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
     const long step = vlmoe_optim_get_step(t->opt);
@@ -59,15 +77,31 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
         return st;
     }
     if ((st = vlmoe_model_backward(t->m))) return st;
-    if ((st = vlmoe_model_check_finite(t->m, 1))) {
-        vlmoe_error_prefix("step %ld", step);
-        return st;
+    if ((st = apply(t, step, &s))) return st;
+    if (stats) *stats = s;
+    return VLMOE_OK;
+}
+
+int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
+                            vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats) {
+    vlmoe_step_stats s;
+    memset(&s, 0, sizeof(s));
+    const long step = vlmoe_optim_get_step(t->opt);
+    if (nparts < 1) return vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step);
+    for (int i = 0; i < nparts; i++) {
+        vlmoe_mome_stats ps;
+        int st = vlmoe_mome_forward(t->m, &parts[i], 1, &ps);
+        if (!st) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
+        if (st) {
+            vlmoe_error_prefix("step %ld, batch %d", step, i);
+            return st;
+        }
+        if (part_stats) part_stats[i] = ps;
+        s.loss += ps.loss;
+        s.aux += ps.aux;
     }
-    float *g = vlmoe_model_grad_data(t->m);
-    s.grad_norm = vlmoe_clip_grad_norm(g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
-    s.lr = vlmoe_schedule_lr(&t->p.schedule, step);
-    vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s.lr);
-    vlmoe_model_clamp(t->m);
+    int st = apply(t, step, &s);
+    if (st) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
 }

@@ -1,0 +1,11 @@
+// vlmoe_train.h: the VL-MoE commands (cli/vlmoe_train.c): `vlmoe vq train` and `vlmoe train`
+// for arch mome models (masked data modeling instead of the contrastive loss).
+#ifndef VLMOE_CLI_VLMOE_TRAIN_H
+#define VLMOE_CLI_VLMOE_TRAIN_H
+
+int cmd_vq(int argc, char **argv);
+// Whether `vlmoe train ...` names a mome model (then cmd_train_mome runs it).
+int cli_train_is_mome(int argc, char **argv);
+int cmd_train_mome(int argc, char **argv);
+
+#endif

@@ -1,0 +1,532 @@
+// mome.c: forward and backward of VL-MoE's MoME transformer (VL-MoE sec. 3.2, Figure 1) for one
+// encoding of B sequences: image only ([I_CLS] + patches), text only ([T_CLS] text [T_SEP]) or
+// image-text pair (both concatenated into one sequence). Every block: x + attn(ln1(x)) with the
+// attention shared by all tokens of a sequence, then each token's modality expert: image tokens
+// through V-FFN, text tokens through T-FFN, and in the top vl_layers blocks of a pair every token
+// through VL-FFN; an expert is its own LayerNorm + a dense MLP or an MoE layer (src/moe/layer.c).
+// The tokens of one expert ("stream") are gathered into a contiguous buffer, so an MoE layer
+// routes all image (or text) tokens of the batch as one group set. Final LayerNorm, then the MLM
+// head over labelled text positions and the MIM head over masked patches, each a mean softmax
+// cross-entropy (src/loss/masked.c). Activations come from one arena planned for B sequences of
+// the longest (pair) encoding. Compiled as float and double (src/core/real.h); covered by
+// tests/test_mome.c (finite differences) and tests/test_parity.c (PyTorch, tests/ref/gen_mome.py).
+//
+// A pair is laid out image first, then text. VL-MoE writes [H^w; H^v], but position embeddings
+// are added per modality before the concatenation and attention is permutation-equivariant, so
+// the order changes nothing computed; image first lets the text padding sit at the end of the
+// sequence, where attention's key-length mask expresses it.
+#include <string.h>
+
+#include "core/real.h"
+#include "core/core.h"
+#include "loss/masked.h"
+#include "moe/layer.h"
+#include "nn/mome.h"
+
+typedef struct {
+    real *ln1_m, *ln1_r, *qkv, *res1; // attention half (ln1 and the attention output are recomputed)
+    real *sln, *sln_m, *sln_r, *sh;   // experts, stream-major: LayerNorm output, dense fc1 output
+    real *res2;                       // block output
+    struct R(moe_state) *moe[2];      // V-MoE and T-MoE of this block (NULL where dense)
+    moe_spec spec[2];
+} mome_acts;
+
+// The tokens one expert sees: positions [off, off+len) of every sequence, stored in the stream
+// buffers from row row0 on.
+typedef struct {
+    int which, off, len;
+    size_t row0;
+} stream;
+
+enum { HEAD_TEXT = 0, HEAD_IMAGE = 1 };
+
+struct R(mome_graph) {
+    const model_layout *L;
+    const mome_layout *X;
+    int B, D, H, M;
+    // the current forward
+    int enc, T, n, text_off, training, have_forward;
+    uint64_t seed;
+    double aux;
+    // stem
+    real *patches, *pemb, *ximg, *xtxt, *dpemb, *dximg, *dxtxt, *x0;
+    mome_acts *layers;
+    real *ln1, *att, *atty, *lnf, *lnf_m, *lnf_r;
+    // heads: 0 text (MLM), 1 image (MIM)
+    real *hsel[2], *probs[2], *dlog, *dhsel;
+    int32_t *rows[2], *labels[2];
+    int count[2];
+    // backward scratch, shared by the layers
+    real *dres, *dln, *datty, *dqkv, *datt, *dlnf, *sx, *sdy, *sdln, *sa, *sda, *sdh;
+    int32_t *tokens, *lens, *seqlens;
+    uint8_t *masked;                 // (B,np) patch replaced by the mask token
+    uint8_t *mods[2];                // all VLMOE_MOD_IMAGE / all VLMOE_MOD_TEXT
+    const double **noise;            // (nmoe) test hook
+    vlmoe_moe_stats *stats;          // (nmoe)
+    real *arena;
+    int32_t *ints;
+};
+
+typedef struct { real *base; size_t used; } carver;
+static real *take(carver *c, size_t n) {
+    real *p = c->base ? c->base + c->used : NULL;
+    c->used += (n + 15) & ~(size_t)15; // 64-byte aligned buffers
+    return p;
+}
+
+static void plan(struct R(mome_graph) *g, carver *c) {
+    const mome_layout *X = g->X;
+    const size_t B = (size_t)g->B, D = (size_t)g->D, M = (size_t)g->M, H = (size_t)g->H;
+    const size_t Tmax = (size_t)X->Ti + X->Tt, n = B * Tmax, np = (size_t)X->np;
+    const size_t V = (size_t)g->L->cfg.vocab_size, K = (size_t)g->L->cfg.mim_vocab;
+    g->patches = take(c, B * np * X->pd);
+    g->pemb = take(c, B * np * D);
+    g->dpemb = take(c, B * np * D);
+    g->ximg = take(c, B * X->Ti * D);
+    g->dximg = take(c, B * X->Ti * D);
+    g->xtxt = take(c, B * X->Tt * D);
+    g->dxtxt = take(c, B * X->Tt * D);
+    g->x0 = take(c, n * D);
+    for (int l = 0; l < g->L->enc[0].layers; l++) {
+        mome_acts *a = c->base ? &g->layers[l] : &(mome_acts){0};
+        a->ln1_m = take(c, n);
+        a->ln1_r = take(c, n);
+        a->qkv = take(c, n * 3 * D);
+        a->res1 = take(c, n * D);
+        a->sln = take(c, n * D);
+        a->sln_m = take(c, n);
+        a->sln_r = take(c, n);
+        a->sh = take(c, n * M);
+        a->res2 = take(c, n * D);
+    }
+    g->ln1 = take(c, n * D);
+    g->att = take(c, B * H * Tmax * Tmax);
+    g->atty = take(c, n * D);
+    g->lnf = take(c, n * D);
+    g->lnf_m = take(c, n);
+    g->lnf_r = take(c, n);
+    g->hsel[HEAD_TEXT] = take(c, B * X->Tt * D);
+    g->probs[HEAD_TEXT] = take(c, B * X->Tt * V);
+    g->hsel[HEAD_IMAGE] = take(c, B * np * D);
+    g->probs[HEAD_IMAGE] = take(c, B * np * K);
+    g->dlog = take(c, B * X->Tt * V > B * np * K ? B * X->Tt * V : B * np * K);
+    g->dhsel = take(c, (B * X->Tt > B * np ? B * X->Tt : B * np) * D);
+    g->dres = take(c, n * D);
+    g->dln = take(c, n * D);
+    g->datty = take(c, n * D);
+    g->dqkv = take(c, n * 3 * D);
+    g->datt = take(c, B * H * Tmax * Tmax);
+    g->dlnf = take(c, n * D);
+    g->sx = take(c, n * D);
+    g->sdy = take(c, n * D);
+    g->sdln = take(c, n * D);
+    g->sa = take(c, n * M);
+    g->sda = take(c, n * M);
+    g->sdh = take(c, n * M);
+}
+
+static const mome_ffn *ffn_of(const struct R(mome_graph) *g, int l, int which) {
+    return &g->X->ffn[l * MOME_NFFN + which];
+}
+
+int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int B) {
+    *out = NULL;
+    if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
+    if (!L->mome) return vlmoe_fail(VLMOE_ERR_ARG, "mome graph: model '%s' is not arch mome", L->cfg.name);
+    struct R(mome_graph) *g = vlmoe_calloc(sizeof(*g), "mome graph");
+    if (!g) return VLMOE_ERR_NOMEM;
+    const mome_layout *X = L->mome;
+    const int nl = L->enc[0].layers, n = B * (X->Ti + X->Tt);
+    g->L = L;
+    g->X = X;
+    g->B = B;
+    g->D = L->enc[0].width;
+    g->H = L->enc[0].heads;
+    g->M = L->enc[0].mlp;
+    g->layers = vlmoe_calloc(sizeof(mome_acts) * (size_t)(nl ? nl : 1), "mome layers");
+    g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
+    g->noise = vlmoe_calloc(sizeof(*g->noise) * (size_t)(L->nmoe + 1), "noise hooks");
+    const size_t nints = (size_t)B * X->Tt * 3 + 2 * (size_t)B + (size_t)B * X->np * 2;
+    g->ints = vlmoe_alloc(sizeof(int32_t) * nints, "token copies");
+    g->masked = vlmoe_calloc((size_t)B * X->np, "patch mask");
+    g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
+    g->mods[1] = vlmoe_alloc((size_t)n, "modalities");
+    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1])
+        return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
+    memset(g->mods[1], VLMOE_MOD_TEXT, (size_t)n);
+    g->tokens = g->ints;
+    g->lens = g->tokens + (size_t)B * X->Tt;
+    g->seqlens = g->lens + B;
+    g->rows[HEAD_TEXT] = g->seqlens + B;
+    g->labels[HEAD_TEXT] = g->rows[HEAD_TEXT] + (size_t)B * X->Tt;
+    g->rows[HEAD_IMAGE] = g->labels[HEAD_TEXT] + (size_t)B * X->Tt;
+    g->labels[HEAD_IMAGE] = g->rows[HEAD_IMAGE] + (size_t)B * X->np;
+    carver c = {NULL, 0};
+    plan(g, &c);
+    g->arena = vlmoe_alloc(sizeof(real) * c.used, "activation arena");
+    if (!g->arena) return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
+    c = (carver){g->arena, 0};
+    plan(g, &c);
+    for (int l = 0; l < nl; l++)
+        for (int k = MOME_V; k <= MOME_T; k++) {
+            const mome_ffn *f = ffn_of(g, l, k);
+            if (f->ffn.kind != FFN_MOE) continue;
+            mome_acts *a = &g->layers[l];
+            a->spec[k] = (moe_spec){.cfg = f->moe, .D = g->D, .M = g->M, .act = L->cfg.act,
+                                    .router_w = f->ffn.router_w, .w1 = f->ffn.fc1_w, .b1 = f->ffn.fc1_b,
+                                    .w2 = f->ffn.fc2_w, .b2 = f->ffn.fc2_b, .phi = f->ffn.phi,
+                                    .scale = f->ffn.scale, .pruned = l < 64 ? f->moe->pruned[l] : 0};
+            int st = R(moe_state_create)(&a->moe[k], &a->spec[k], B * (k == MOME_V ? X->Ti : X->Tt));
+            if (st) return R(mome_graph_free)(g), st;
+            g->stats[f->ffn.moe_index].encoder = 0;
+            g->stats[f->ffn.moe_index].block = l;
+        }
+    *out = g;
+    return VLMOE_OK;
+}
+
+void R(mome_graph_free)(struct R(mome_graph) *g) {
+    if (!g) return;
+    for (int l = 0; g->layers && l < g->L->enc[0].layers; l++)
+        for (int k = 0; k < 2; k++) R(moe_state_free)(g->layers[l].moe[k]);
+    void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->arena};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) vlmoe_free_mem(all[i]);
+    vlmoe_free_mem(g);
+}
+
+void R(mome_graph_set_mode)(struct R(mome_graph) *g, int training, uint64_t seed) {
+    g->training = training;
+    g->seed = seed;
+}
+
+void R(mome_graph_set_noise)(struct R(mome_graph) *g, int index, const double *noise) {
+    if (index >= 0 && index < g->L->nmoe) g->noise[index] = noise;
+}
+
+const real *R(mome_graph_hidden)(const struct R(mome_graph) *g, int *seq) {
+    if (seq) *seq = g->T;
+    return g->lnf;
+}
+
+const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
+    if (count) *count = g->L->nmoe;
+    return g->L->nmoe ? g->stats : NULL;
+}
+
+// rows [off, off+len) of each of B sequences of T tokens <-> a contiguous (B*len, D) buffer
+static void gather(real *dst, const real *src, int B, int T, int off, int len, int D) {
+    for (int b = 0; b < B; b++)
+        memcpy(dst + (size_t)b * len * D, src + ((size_t)b * T + off) * D, sizeof(real) * (size_t)len * D);
+}
+static void scatter(real *dst, const real *src, int B, int T, int off, int len, int D) {
+    for (int b = 0; b < B; b++)
+        memcpy(dst + ((size_t)b * T + off) * D, src + (size_t)b * len * D, sizeof(real) * (size_t)len * D);
+}
+
+// The experts block l runs in this encoding (Figure 1): V and/or T, or VL for a pair's top blocks.
+static int streams_of(const struct R(mome_graph) *g, int l, stream *s) {
+    const mome_layout *X = g->X;
+    if (g->enc == VLMOE_ENC_PAIR && l >= g->L->enc[0].layers - g->L->cfg.vl_layers) {
+        s[0] = (stream){MOME_VL, 0, g->T, 0};
+        return 1;
+    }
+    int k = 0;
+    if (g->enc != VLMOE_ENC_TEXT) s[k++] = (stream){MOME_V, 0, X->Ti, 0};
+    if (g->enc != VLMOE_ENC_IMAGE) {
+        s[k] = (stream){MOME_T, g->text_off, X->Tt, k ? (size_t)g->B * X->Ti : 0};
+        k++;
+    }
+    return k;
+}
+
+// res2 = res1 + expert(ln(res1)) over one stream's tokens.
+static int stream_forward(struct R(mome_graph) *g, const real *P, int l, const stream *s) {
+    mome_acts *a = &g->layers[l];
+    const mome_ffn *f = ffn_of(g, l, s->which);
+    const int B = g->B, D = g->D, M = g->M, ns = B * s->len;
+    real *xs = g->sx + s->row0 * D, *ln = a->sln + s->row0 * D;
+    gather(xs, a->res1, B, g->T, s->off, s->len, D);
+    R(layernorm_forward)(ln, a->sln_m + s->row0, a->sln_r + s->row0, xs, P + f->ln_w, P + f->ln_b, ns, D,
+                         g->L->cfg.ln_eps);
+    if (f->ffn.kind == FFN_MOE) {
+        const int idx = f->ffn.moe_index;
+        // the seed differs per layer and per call, so every layer draws its own noise
+        moe_call c = {ns, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1, g->mods[s->which],
+                      g->noise[idx]};
+        double aux = 0;
+        int st = R(moe_forward)(a->moe[s->which], &c, P, ln, xs, &aux, &g->stats[idx]);
+        if (st) return st;
+        g->aux += aux;
+    } else {
+        real *h = a->sh + s->row0 * M, *act = g->sa + s->row0 * M;
+        R(linear_forward)(h, ln, P + f->ffn.fc1_w, P + f->ffn.fc1_b, ns, D, M, 0);
+        R(act_forward)(act, h, (size_t)ns * M, g->L->cfg.act);
+        R(linear_forward)(xs, act, P + f->ffn.fc2_w, P + f->ffn.fc2_b, ns, M, D, 1);
+    }
+    scatter(a->res2, xs, B, g->T, s->off, s->len, D);
+    return VLMOE_OK;
+}
+
+// dres holds d(res2) on entry and d(res1) on return, for this stream's tokens.
+static void stream_backward(struct R(mome_graph) *g, const real *P, real *G, int l, const stream *s) {
+    mome_acts *a = &g->layers[l];
+    const mome_ffn *f = ffn_of(g, l, s->which);
+    const int B = g->B, D = g->D, M = g->M, ns = B * s->len, act = g->L->cfg.act;
+    real *dy = g->sdy + s->row0 * D, *dln = g->sdln + s->row0 * D, *xs = g->sx + s->row0 * D;
+    const real *ln = a->sln + s->row0 * D;
+    gather(dy, g->dres, B, g->T, s->off, s->len, D);
+    memset(dln, 0, sizeof(real) * (size_t)ns * D);
+    if (f->ffn.kind == FFN_MOE) {
+        R(moe_backward)(a->moe[s->which], P, G, ln, dy, dln, 1.0);
+    } else {
+        real *h = a->sh + s->row0 * M, *y = g->sa + s->row0 * M, *da = g->sda + s->row0 * M, *dh = g->sdh + s->row0 * M;
+        R(act_forward)(y, h, (size_t)ns * M, act); // the activation again
+        memset(da, 0, sizeof(real) * (size_t)ns * M);
+        R(linear_backward)(da, G + f->ffn.fc2_w, G + f->ffn.fc2_b, dy, y, P + f->ffn.fc2_w, ns, M, D);
+        memset(dh, 0, sizeof(real) * (size_t)ns * M);
+        R(act_backward)(dh, h, da, (size_t)ns * M, act);
+        R(linear_backward)(dln, G + f->ffn.fc1_w, G + f->ffn.fc1_b, dh, ln, P + f->ffn.fc1_w, ns, D, M);
+    }
+    gather(xs, a->res1, B, g->T, s->off, s->len, D);
+    R(layernorm_backward)(dy, G + f->ln_w, G + f->ln_b, dln, xs, P + f->ln_w, a->sln_m + s->row0,
+                          a->sln_r + s->row0, ns, D);
+    scatter(g->dres, dy, B, g->T, s->off, s->len, D);
+}
+
+static attn_segment segment(const struct R(mome_graph) *g) {
+    const int32_t *lens = g->enc == VLMOE_ENC_IMAGE ? NULL : g->enc == VLMOE_ENC_TEXT ? g->lens : g->seqlens;
+    return (attn_segment){0, g->B, g->T, 0, lens};
+}
+
+static const char *ENC_NAMES[] = {"image", "text", "pair"};
+
+// Validates and copies the inputs of one forward; fills the heads' row lists.
+static int take_inputs(struct R(mome_graph) *g, const R(mome_input) *in) {
+    const int enc = in->encoding;
+    const int32_t *tokens = in->tokens, *lens = in->lens, *tl = in->text_labels, *pl = in->patch_labels;
+    const mome_layout *X = g->X;
+    const vlmoe_model_config *c = &g->L->cfg;
+    const int B = g->B;
+    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", enc);
+    const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
+    if (img && !in->images)
+        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs images%s", ENC_NAMES[enc],
+                          enc == VLMOE_ENC_PAIR ? " and texts: text-only data cannot stand in for image-text pairs" : "");
+    if (txt && (!tokens || !lens))
+        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs texts (tokens and lengths)%s", ENC_NAMES[enc],
+                          enc == VLMOE_ENC_PAIR ? ": image-only data cannot stand in for image-text pairs" : "");
+    g->enc = enc;
+    g->text_off = enc == VLMOE_ENC_PAIR ? X->Ti : 0;
+    g->T = enc == VLMOE_ENC_IMAGE ? X->Ti : enc == VLMOE_ENC_TEXT ? X->Tt : X->Ti + X->Tt;
+    g->n = B * g->T;
+    g->count[HEAD_TEXT] = g->count[HEAD_IMAGE] = 0;
+    if (txt) {
+        for (int b = 0; b < B; b++) {
+            if (lens[b] < 1 || lens[b] > X->Tt)
+                return vlmoe_fail(VLMOE_ERR_ARG, "text %d: length %d outside [1, %d]", b, lens[b], X->Tt);
+            for (int t = 0; t < X->Tt; t++) {
+                const int32_t id = tokens[(size_t)b * X->Tt + t], y = tl ? tl[(size_t)b * X->Tt + t] : -1;
+                if (id < 0 || id >= c->vocab_size)
+                    return vlmoe_fail(VLMOE_ERR_ARG, "text %d: token %d at position %d outside the vocabulary [0, %d)",
+                                      b, id, t, c->vocab_size);
+                if (y < -1 || y >= c->vocab_size || (y >= 0 && t >= lens[b]))
+                    return vlmoe_fail(VLMOE_ERR_ARG, "text %d: label %d at position %d: need -1, or an id in "
+                                      "[0, %d) inside the text (length %d)", b, y, t, c->vocab_size, lens[b]);
+                if (y >= 0) {
+                    const int i = g->count[HEAD_TEXT]++;
+                    g->rows[HEAD_TEXT][i] = b * g->T + g->text_off + t;
+                    g->labels[HEAD_TEXT][i] = y;
+                }
+            }
+            g->seqlens[b] = g->text_off + lens[b];
+        }
+        memcpy(g->tokens, tokens, sizeof(int32_t) * (size_t)B * X->Tt);
+        memcpy(g->lens, lens, sizeof(int32_t) * (size_t)B);
+    }
+    memset(g->masked, 0, (size_t)B * X->np);
+    if (img && pl)
+        for (int b = 0; b < B; b++)
+            for (int p = 0; p < X->np; p++) {
+                const int32_t y = pl[(size_t)b * X->np + p];
+                if (y < -1 || y >= c->mim_vocab)
+                    return vlmoe_fail(VLMOE_ERR_ARG, "image %d: patch %d has label %d: need -1 or a visual token "
+                                      "in [0, mim_vocab = %d)", b, p, y, c->mim_vocab);
+                if (y < 0) continue;
+                const int i = g->count[HEAD_IMAGE]++;
+                g->masked[(size_t)b * X->np + p] = 1;
+                g->rows[HEAD_IMAGE][i] = b * g->T + 1 + p; // after [I_CLS]
+                g->labels[HEAD_IMAGE][i] = y;
+            }
+    // every MoE layer must be able to split its stream into routing groups
+    for (int l = 0; l < g->L->enc[0].layers; l++)
+        for (int k = MOME_V; k <= MOME_T; k++) {
+            const mome_acts *a = &g->layers[l];
+            if (!a->moe[k] || (k == MOME_V ? !img : !txt)) continue;
+            int st = moe_check_groups(&a->spec[k], B * (k == MOME_V ? X->Ti : X->Tt), g->training);
+            if (st) {
+                vlmoe_error_prefix("block %d %s", l, k == MOME_V ? "V-MoE" : "T-MoE");
+                return st;
+            }
+        }
+    return VLMOE_OK;
+}
+
+static void stem_forward(struct R(mome_graph) *g, const real *P, const real *images) {
+    const model_layout *L = g->L;
+    const mome_layout *X = g->X;
+    const vlmoe_model_config *c = &L->cfg;
+    const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
+    const int B = g->B, D = g->D;
+    if (g->enc != VLMOE_ENC_TEXT) {
+        R(patchify_forward)(g->patches, images, B, c->channels, c->image_size, c->patch_size);
+        R(linear_forward)(g->pemb, g->patches, P + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : P + mi->embed_b,
+                          B * X->np, X->pd, D, 0);
+        for (size_t i = 0; i < (size_t)B * X->np; i++) // BEiT: a masked patch becomes the mask token
+            if (g->masked[i]) memcpy(g->pemb + i * D, P + X->mask_patch, sizeof(real) * D);
+        R(cls_forward)(g->ximg, P + mi->cls, g->pemb, B, X->np, D);
+        R(posadd_forward)(g->ximg, P + mi->pos, B, X->Ti, D);
+        scatter(g->x0, g->ximg, B, g->T, 0, X->Ti, D);
+    }
+    if (g->enc != VLMOE_ENC_IMAGE) {
+        R(embed_forward)(g->xtxt, g->tokens, P + mt->embed_w, B * X->Tt, D);
+        R(posadd_forward)(g->xtxt, P + mt->pos, B, X->Tt, D);
+        scatter(g->x0, g->xtxt, B, g->T, g->text_off, X->Tt, D);
+    }
+}
+
+static void stem_backward(struct R(mome_graph) *g, const real *P, real *G) {
+    const model_layout *L = g->L;
+    const mome_layout *X = g->X;
+    const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
+    const int B = g->B, D = g->D;
+    if (g->enc != VLMOE_ENC_TEXT) {
+        gather(g->dximg, g->dres, B, g->T, 0, X->Ti, D);
+        R(posadd_backward)(G + mi->pos, g->dximg, B, X->Ti, D);
+        memset(g->dpemb, 0, sizeof(real) * (size_t)B * X->np * D);
+        R(cls_backward)(G + mi->cls, g->dpemb, g->dximg, B, X->np, D);
+        for (size_t i = 0; i < (size_t)B * X->np; i++) {
+            if (!g->masked[i]) continue;
+            real *d = g->dpemb + i * D;
+            for (int k = 0; k < D; k++) G[X->mask_patch + k] += d[k];
+            memset(d, 0, sizeof(real) * D); // the patch's own embedding did not reach the output
+        }
+        R(linear_backward)(NULL, G + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : G + mi->embed_b, g->dpemb,
+                           g->patches, P + mi->embed_w, B * X->np, X->pd, D);
+    }
+    if (g->enc != VLMOE_ENC_IMAGE) {
+        gather(g->dxtxt, g->dres, B, g->T, g->text_off, X->Tt, D);
+        R(posadd_backward)(G + mt->pos, g->dxtxt, B, X->Tt, D);
+        R(embed_backward)(G + mt->embed_w, g->dxtxt, g->tokens, B * X->Tt, D);
+    }
+}
+
+static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t *b, int *C) {
+    const mome_layout *X = g->X;
+    *w = h == HEAD_TEXT ? X->mlm_w : X->mim_w;
+    *b = h == HEAD_TEXT ? X->mlm_b : X->mim_b;
+    *C = h == HEAD_TEXT ? g->L->cfg.vocab_size : g->L->cfg.mim_vocab;
+}
+
+int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_input) *in,
+                          vlmoe_mome_stats *res) {
+    const model_layout *L = g->L;
+    const encoder_layout *E = &L->enc[0];
+    const int D = g->D, H = g->H;
+    g->have_forward = 0;
+    int st = take_inputs(g, in);
+    if (st) return st;
+    const int n = g->n;
+    g->aux = 0;
+    stem_forward(g, P, in->images);
+    const attn_segment seg = segment(g);
+    const real *x = g->x0;
+    stream s[2];
+    for (int l = 0; l < E->layers; l++) {
+        const block_layout *bl = &E->blocks[l];
+        mome_acts *a = &g->layers[l];
+        R(layernorm_forward)(g->ln1, a->ln1_m, a->ln1_r, x, P + bl->ln1_w, P + bl->ln1_b, n, D, L->cfg.ln_eps);
+        R(linear_forward)(a->qkv, g->ln1, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
+        R(attention_forward)(g->atty, g->att, a->qkv, &seg, D, H);
+        memcpy(a->res1, x, sizeof(real) * (size_t)n * D);
+        R(linear_forward)(a->res1, g->atty, P + bl->out_w, P + bl->out_b, n, D, D, 1);
+        const int ns = streams_of(g, l, s);
+        for (int k = 0; k < ns; k++)
+            if ((st = stream_forward(g, P, l, &s[k]))) return vlmoe_error_prefix("block %d", l), st;
+        x = a->res2;
+    }
+    R(layernorm_forward)(g->lnf, g->lnf_m, g->lnf_r, x, P + E->lnf_w, P + E->lnf_b, n, D, L->cfg.ln_eps);
+    double loss[2] = {0, 0}, acc[2] = {0, 0};
+    for (int h = 0; h < 2; h++) {
+        const int cnt = g->count[h];
+        if (!cnt) continue;
+        size_t w, b;
+        int C, right = 0;
+        head_params(g, h, &w, &b, &C);
+        for (int i = 0; i < cnt; i++)
+            memcpy(g->hsel[h] + (size_t)i * D, g->lnf + (size_t)g->rows[h][i] * D, sizeof(real) * D);
+        R(linear_forward)(g->probs[h], g->hsel[h], P + w, P + b, cnt, D, C, 0);
+        loss[h] = R(xent_forward)(g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / cnt;
+        acc[h] = (double)right / cnt;
+    }
+    g->have_forward = 1;
+    if (res) {
+        memset(res, 0, sizeof(*res));
+        res->text = loss[HEAD_TEXT];
+        res->image = loss[HEAD_IMAGE];
+        res->text_acc = acc[HEAD_TEXT];
+        res->image_acc = acc[HEAD_IMAGE];
+        res->text_count = g->count[HEAD_TEXT];
+        res->image_count = g->count[HEAD_IMAGE];
+        res->aux = g->aux;
+        res->loss = res->text + res->image + res->aux;
+    }
+    return VLMOE_OK;
+}
+
+void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
+    if (!g->have_forward) return;
+    const model_layout *L = g->L;
+    const encoder_layout *E = &L->enc[0];
+    const int D = g->D, H = g->H, n = g->n;
+    // heads: each a mean over its labelled positions
+    memset(g->dlnf, 0, sizeof(real) * (size_t)n * D);
+    for (int h = 0; h < 2; h++) {
+        const int cnt = g->count[h];
+        if (!cnt) continue;
+        size_t w, b;
+        int C;
+        head_params(g, h, &w, &b, &C);
+        memset(g->dlog, 0, sizeof(real) * (size_t)cnt * C);
+        R(xent_backward)(g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
+        memset(g->dhsel, 0, sizeof(real) * (size_t)cnt * D);
+        R(linear_backward)(g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
+        for (int i = 0; i < cnt; i++) {
+            real *d = g->dlnf + (size_t)g->rows[h][i] * D;
+            const real *s = g->dhsel + (size_t)i * D;
+            for (int k = 0; k < D; k++) d[k] += s[k];
+        }
+    }
+    const real *xL = E->layers ? g->layers[E->layers - 1].res2 : g->x0;
+    memset(g->dres, 0, sizeof(real) * (size_t)n * D);
+    R(layernorm_backward)(g->dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
+    const attn_segment seg = segment(g);
+    stream s[2];
+    for (int l = E->layers - 1; l >= 0; l--) {
+        const block_layout *bl = &E->blocks[l];
+        const mome_acts *a = &g->layers[l];
+        const real *x = l ? g->layers[l - 1].res2 : g->x0;
+        const int ns = streams_of(g, l, s);
+        for (int k = 0; k < ns; k++) stream_backward(g, P, G, l, &s[k]);
+        // dres holds d(res1): the attention half, its outputs recomputed
+        R(attention_forward)(g->atty, g->att, a->qkv, &seg, D, H);
+        memset(g->datty, 0, sizeof(real) * (size_t)n * D);
+        R(linear_backward)(g->datty, G + bl->out_w, G + bl->out_b, g->dres, g->atty, P + bl->out_w, n, D, D);
+        memset(g->dqkv, 0, sizeof(real) * (size_t)n * 3 * D);
+        R(attention_backward)(g->dqkv, g->datt, g->datty, a->qkv, g->att, &seg, D, H);
+        R(layernorm_recompute)(g->ln1, x, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m, a->ln1_r, n, D);
+        memset(g->dln, 0, sizeof(real) * (size_t)n * D);
+        R(linear_backward)(g->dln, G + bl->qkv_w, G + bl->qkv_b, g->dqkv, g->ln1, P + bl->qkv_w, n, D, 3 * D);
+        R(layernorm_backward)(g->dres, G + bl->ln1_w, G + bl->ln1_b, g->dln, x, P + bl->ln1_w, a->ln1_m, a->ln1_r, n, D);
+    }
+    stem_backward(g, P, G);
+}

@@ -1,0 +1,63 @@
+// mome.h: VL-MoE's MoME transformer (VL-MoE sec. 3.2; VLMo's mixture-of-modality-experts):
+// shared self-attention, a feed-forward chosen by modality (V-FFN, T-FFN, VL-FFN in the top
+// vl_layers blocks for pairs), V-FFN/T-FFN of chosen lower blocks as MoE layers, the MLM and MIM
+// heads. The layout and the model entry points are in mome_model.c, the float/double graph in
+// mome.c. Covered by tests/test_mome.c (finite differences) and tests/test_parity.c (PyTorch).
+#ifndef VLMOE_MOME_H
+#define VLMOE_MOME_H
+#include "nn/model.h"
+
+enum { MOME_V = 0, MOME_T = 1, MOME_VL = 2, MOME_NFFN = 3 };
+
+// One modality expert of a block: its own pre-LayerNorm (VLMo's norm2_imag/_text/_vl) and a
+// dense MLP or an MoE layer.
+typedef struct {
+    size_t ln_w, ln_b;              // NO_PARAM: this block has no such expert (VL below the top F)
+    ffn_layout ffn;
+    const vlmoe_moe_config *moe;    // the MoE layer's config (points into the layout's config)
+} mome_ffn;
+
+// The shared parts live in the ordinary layout: L->enc[0] (attention of every block, final
+// LayerNorm; ln2 and ffn unused), L->mod[MOD_IMAGE] (patch embedding, [I_CLS] as class token,
+// position embeddings of 1 + patches), L->mod[MOD_TEXT] (token and position embeddings).
+typedef struct mome_layout {
+    mome_ffn *ffn;                  // (layers, MOME_NFFN)
+    size_t mask_patch;              // (D) learned embedding of a masked patch (BEiT's mask token)
+    size_t mlm_w, mlm_b;            // (vocab, D), (vocab)
+    size_t mim_w, mim_b;            // (mim_vocab, D), (mim_vocab)
+    int np, pd;                     // patches per image, values per patch
+    int Ti, Tt;                     // image sequence (1 + np), text sequence (context_length)
+} mome_layout;
+
+int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg);
+void mome_layout_free(mome_layout *m);
+// Plans the model's mome graph for batch size B (once; again only if B changes).
+int mome_model_plan(vlmoe_model *m, int B);
+
+#define MOME_DECL(T, S)                                                                          \
+    typedef struct mome_graph_##S mome_graph_##S;                                                 \
+    typedef struct {                                                                              \
+        int encoding;                /* VLMOE_ENC_* */                                            \
+        const T *images;             /* (B,C,H,W) */                                              \
+        const int32_t *tokens, *lens; /* (B,Tt), (B) */                                            \
+        const int32_t *text_labels;  /* (B,Tt), -1: no prediction; NULL: none */                  \
+        const int32_t *patch_labels; /* (B,np), >= 0: masked patch and its target; NULL: none */   \
+    } mome_input_##S;                                                                             \
+    int mome_graph_create_##S(mome_graph_##S **out, const model_layout *L, int B);               \
+    void mome_graph_free_##S(mome_graph_##S *g);                                                  \
+    void mome_graph_set_mode_##S(mome_graph_##S *g, int training, uint64_t seed);                 \
+    /* tests: the additive router noise (n,E) of MoE layer `index` in the next forwards, in */    \
+    /* place of drawing it (NULL: draw again) */                                                 \
+    void mome_graph_set_noise_##S(mome_graph_##S *g, int index, const double *noise);             \
+    int mome_graph_forward_##S(mome_graph_##S *g, const T *P, const mome_input_##S *in,          \
+                               vlmoe_mome_stats *res);                                            \
+    /* accumulates d(loss)/d(params) of the last forward into G (the caller zeroes) */           \
+    void mome_graph_backward_##S(mome_graph_##S *g, const T *P, T *G);                            \
+    /* (B, seq, D) final hidden states of the last forward; *seq gets the sequence length */     \
+    const T *mome_graph_hidden_##S(const mome_graph_##S *g, int *seq);                            \
+    const vlmoe_moe_stats *mome_graph_moe_stats_##S(const mome_graph_##S *g, int *count);
+
+MOME_DECL(float, f32)
+MOME_DECL(double, f64)
+
+#endif

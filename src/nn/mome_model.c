@@ -1,0 +1,170 @@
+// mome_model.c: VL-MoE (arch mome, VL-MoE sec. 3.2) in the model object: the parameter table
+// (shared attention, per-modality experts V-FFN / T-FFN / VL-FFN each with its own LayerNorm,
+// [I_CLS], the image mask token, MLM and MIM heads) and the float entry points: forward and
+// backward of one encoding, the three encodings' hidden states. Save/load go through model.c.
+// Covered by tests/test_mome.c and tests/test_parity.c.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "nn/mome.h"
+
+int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc) {
+    const int g = c->image_size / c->patch_size, Ti = 1 + g * g;
+    return enc == VLMOE_ENC_IMAGE ? Ti : enc == VLMOE_ENC_TEXT ? c->context_length : Ti + c->context_length;
+}
+
+int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
+    L->cfg = *cfg;
+    L->nenc = 1;
+    const vlmoe_encoder_config *ec = &cfg->encoder;
+    const int D = ec->width, M = ec->mlp_dim, nl = ec->layers;
+    L->enc[0] = (encoder_layout){D, nl, ec->heads, M, NULL, 0, 0, &L->cfg.moe};
+    L->enc[0].blocks = calloc((size_t)(nl ? nl : 1), sizeof(block_layout));
+    L->mome = calloc(1, sizeof(mome_layout));
+    mome_layout *X = L->mome;
+    if (!L->enc[0].blocks || !X || !(X->ffn = calloc((size_t)(nl ? nl : 1) * MOME_NFFN, sizeof(mome_ffn))))
+        return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    table_builder tb = {L, 0, 0};
+    const int g = cfg->image_size / cfg->patch_size;
+    X->np = g * g;
+    X->pd = cfg->channels * cfg->patch_size * cfg->patch_size;
+    X->Ti = 1 + X->np;
+    X->Tt = cfg->context_length;
+    modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
+    *mi = (modality_layout){.seq = X->Ti, .has_cls = 1, .pool = VLMOE_POOL_CLS, .ln_pre_w = NO_PARAM,
+                            .ln_pre_b = NO_PARAM, .proj = NO_PARAM};
+    *mt = (modality_layout){.seq = X->Tt, .pool = VLMOE_POOL_CLS, .embed_b = NO_PARAM, .cls = NO_PARAM,
+                            .ln_pre_w = NO_PARAM, .ln_pre_b = NO_PARAM, .proj = NO_PARAM};
+    mi->embed_w = layout_add(&tb, "image.patch_embed.weight", 1, 2, D, X->pd, 0);
+    mi->embed_b = cfg->patch_bias ? layout_add(&tb, "image.patch_embed.bias", 0, 1, D, 0, 0) : NO_PARAM;
+    mi->cls = layout_add(&tb, "image.class_token", 0, 1, D, 0, 0); // [I_CLS]
+    mi->pos = layout_add(&tb, "image.pos_embed", 0, 2, X->Ti, D, 0);
+    X->mask_patch = layout_add(&tb, "image.mask_token", 0, 1, D, 0, 0);
+    mt->embed_w = layout_add(&tb, "text.token_embed", 0, 2, cfg->vocab_size, D, 0);
+    mt->pos = layout_add(&tb, "text.pos_embed", 0, 2, X->Tt, D, 0);
+    static const char *const which[MOME_NFFN] = {"v_ffn", "t_ffn", "vl_ffn"};
+    const vlmoe_moe_config *moe[MOME_NFFN] = {&L->cfg.moe, &L->cfg.text_moe, NULL};
+    char n[128];
+    for (int l = 0; l < nl; l++) {
+        block_layout *b = &L->enc[0].blocks[l];
+        snprintf(n, sizeof(n), "encoder.blocks.%d", l);
+        layout_add_attention(&tb, b, D, n);
+        b->ln2_w = b->ln2_b = NO_PARAM;
+        for (int k = 0; k < MOME_NFFN; k++) {
+            mome_ffn *f = &X->ffn[l * MOME_NFFN + k];
+            f->ln_w = f->ln_b = NO_PARAM;
+            if (k == MOME_VL && l < nl - cfg->vl_layers) continue; // VL-FFN: the top F blocks only
+            snprintf(n, sizeof(n), "encoder.blocks.%d.%s.ln.weight", l, which[k]);
+            f->ln_w = layout_add(&tb, n, 0, 1, D, 0, 0);
+            snprintf(n, sizeof(n), "encoder.blocks.%d.%s.ln.bias", l, which[k]);
+            f->ln_b = layout_add(&tb, n, 0, 1, D, 0, 0);
+            snprintf(n, sizeof(n), "encoder.blocks.%d.%s", l, which[k]);
+            layout_add_ffn(&tb, &f->ffn, moe[k], l, D, M, n);
+            f->moe = f->ffn.kind == FFN_MOE ? moe[k] : NULL;
+        }
+    }
+    L->enc[0].lnf_w = layout_add(&tb, "encoder.ln_final.weight", 0, 1, D, 0, 0);
+    L->enc[0].lnf_b = layout_add(&tb, "encoder.ln_final.bias", 0, 1, D, 0, 0);
+    X->mlm_w = layout_add(&tb, "mlm_head.weight", 1, 2, cfg->vocab_size, D, 0);
+    X->mlm_b = layout_add(&tb, "mlm_head.bias", 0, 1, cfg->vocab_size, 0, 0);
+    X->mim_w = layout_add(&tb, "mim_head.weight", 1, 2, cfg->mim_vocab, D, 0);
+    X->mim_b = layout_add(&tb, "mim_head.bias", 0, 1, cfg->mim_vocab, 0, 0);
+    L->logit_scale = NO_PARAM;
+    if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    for (int i = 0; i < L->nparams; i++)
+        if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    L->total = tb.off;
+    return VLMOE_OK;
+}
+
+void mome_layout_free(mome_layout *m) {
+    if (!m) return;
+    free(m->ffn);
+    free(m);
+}
+
+int mome_model_plan(vlmoe_model *m, int B) {
+    if (m->mg && m->planned_B == B) return VLMOE_OK;
+    mome_graph_free_f32(m->mg);
+    m->mg = NULL;
+    m->have_forward = 0;
+    int st = mome_graph_create_f32(&m->mg, &m->L, B);
+    if (st) return st;
+    m->planned_B = B;
+    return VLMOE_OK;
+}
+
+static int need_mome(const vlmoe_model *m, const char *what) {
+    return m->L.mome ? VLMOE_OK
+                     : vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is not a VL-MoE (arch mome) model", what,
+                                  m->L.cfg.name);
+}
+
+int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, vlmoe_mome_stats *s) {
+    int st = need_mome(m, "mome forward");
+    if (st) return st;
+    if (!b || b->batch_size < 1) return vlmoe_fail(VLMOE_ERR_ARG, "mome forward: empty batch");
+    if ((st = mome_model_plan(m, b->batch_size))) return st;
+    mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels};
+    mome_graph_set_mode_f32(m->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+    m->have_forward = 0;
+    vlmoe_mome_stats r;
+    if ((st = mome_graph_forward_f32(m->mg, m->params, &in, &r))) return st;
+    if (s) *s = r;
+    if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the masked-modeling loss is %g", r.loss);
+    m->have_forward = training;
+    return VLMOE_OK;
+}
+
+int vlmoe_mome_backward(vlmoe_model *m, int accumulate) {
+    if (!m->mg || !m->have_forward)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome backward called without a training forward pass");
+    if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
+    mome_graph_backward_f32(m->mg, m->params, m->grads);
+    m->have_forward = 0; // each forward's loss is back-propagated once
+    return VLMOE_OK;
+}
+
+int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out) {
+    int st = need_mome(m, "mome encode");
+    if (st) return st;
+    if (n < 1) return VLMOE_OK;
+    if (!m->mg && (st = mome_model_plan(m, n < 64 ? n : 64))) return st;
+    const vlmoe_model_config *c = &m->L.cfg;
+    const int B = m->planned_B, T = c->context_length, D = c->encoder.width;
+    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    const size_t per = (size_t)vlmoe_mome_seq_len(c, enc) * D;
+    const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
+    // the last chunk is padded by repeating its final item, whose outputs are discarded
+    float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
+    int32_t *ptok = txt ? vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch") : NULL;
+    if ((img && !pimg) || (txt && !ptok)) st = VLMOE_ERR_NOMEM;
+    mome_graph_set_mode_f32(m->mg, 0, 0);
+    for (int i0 = 0; i0 < n && !st; i0 += B) {
+        const int k = n - i0 < B ? n - i0 : B;
+        for (int j = 0; j < B; j++) {
+            const size_t s = (size_t)i0 + (size_t)(j < k ? j : k - 1);
+            if (img) memcpy(pimg + j * isz, images + s * isz, sizeof(float) * isz);
+            if (txt) memcpy(ptok + (size_t)j * T, tokens + s * T, sizeof(int32_t) * T), ptok[(size_t)B * T + j] = lengths[s];
+        }
+        mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL};
+        st = mome_graph_forward_f32(m->mg, m->params, &in, NULL);
+        if (!st) memcpy(out + (size_t)i0 * per, mome_graph_hidden_f32(m->mg, NULL), sizeof(float) * per * k);
+    }
+    vlmoe_free_mem(pimg);
+    vlmoe_free_mem(ptok);
+    m->have_forward = 0;
+    return st;
+}
+
+int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches) {
+    if (B < 1 || c->channels < 1 || c->patch_size < 1 || c->image_size % c->patch_size)
+        return vlmoe_fail(VLMOE_ERR_ARG, "patchify: %d images of %d px in patches of %d", B, c->image_size,
+                          c->patch_size);
+    patchify_forward_f32(patches, images, B, c->channels, c->image_size, c->patch_size);
+    return VLMOE_OK;
+}

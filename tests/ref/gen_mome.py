@@ -1,0 +1,257 @@
+"""gen_mome.py: a PyTorch reference of VL-MoE's MoME transformer, written from the VL-MoE paper
+(sec. 3.1-3.2, Figure 1, A.3) and ../shared/spec/MODEL.md + MOE.md, independently of src/nn/mome.c:
+shared nn.MultiheadAttention per block, modality experts chosen by token type (V-FFN / T-FFN, and
+VL-FFN for every token of a pair in the top F blocks), each expert a LayerNorm + MLP (VLMo's
+per-modality norm2) or, in the chosen lower blocks, a top-1 MoE with its own router (noisy
+gates with the noise given explicitly, ample capacity so nothing is dropped; V-MoE v-loss, T-MoE
+load loss, ratio 0.01, from gen_moe_aux.py). A pair is [H^w; H^v] as the paper writes it: text
+first, then [I_CLS] + patches (vlmoe puts the image first; the hidden states are compared after
+reordering). Masked patches take a learned mask token (BEiT); MLM/MIM heads are linear; losses
+are mean cross-entropies over the labelled positions, summed with the auxiliary losses.
+
+Writes mome.init.safetensors (a vlmoe checkpoint) and mome.ref.safetensors: the inputs with
+explicit masks and labels, and per encoding ENC in (image, text, pair): the router noise of every
+MoE layer (ENC.noise.I), the losses (ENC.loss, ENC.text, ENC.image, ENC.aux), the final hidden
+states in vlmoe's order (ENC.hidden) and every parameter gradient (ENC.grad.NAME).
+Consumed by tests/test_parity.c."""
+import json
+import math
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gen_moe_aux as ga
+import st
+
+CFG = {"name": "parity-mome", "arch": "mome", "image_size": 16, "patch_size": 4, "channels": 3,
+       "vocab_size": 50, "context_length": 8, "embed_dim": 16,
+       "encoder": {"width": 32, "layers": 3, "heads": 4, "mlp_dim": 64},
+       "act": "gelu", "ln_eps": 1e-6, "patch_bias": True, "image_class_token": True,
+       "image_ln_pre": False, "image_pool": "mean", "text_causal": False, "text_pool": "mean",
+       "init_temperature": 10.0, "max_temperature": 100.0,
+       "vl_layers": 1, "mim_vocab": 12, "mask_token": 49}
+E = 4
+MOE_BLOCKS = [0, 1]
+CF = 4.0  # capacity = every token of the group: nothing is dropped, the order does not matter
+V_AUX = {"vloss": 0.01}
+T_AUX = {"load": 0.01}
+
+
+def moe_cfg(order, aux):
+    return {"router": "tokens_choice", "layers": MOE_BLOCKS, "num_experts": E, "top_k": 1,
+            "capacity_factor": CF, "eval_capacity_factor": CF, "order": order, "noise_std": 1.0,
+            "aux": aux}
+
+
+class Expert(nn.Module):
+    """LayerNorm + MLP, or LayerNorm + top-1 MoE of E such MLPs with a bias-free router."""
+
+    def __init__(self, d, m, moe, aux):
+        super().__init__()
+        self.ln = nn.LayerNorm(d, eps=CFG["ln_eps"])
+        self.moe, self.aux = moe, aux
+        if moe:
+            self.router = nn.Parameter(0.3 * torch.randn(E, d))
+            self.w1 = nn.Parameter(torch.randn(E, m, d) / math.sqrt(d))
+            self.b1 = nn.Parameter(0.1 * torch.randn(E, m))
+            self.w2 = nn.Parameter(torch.randn(E, d, m) / math.sqrt(m))
+            self.b2 = nn.Parameter(0.1 * torch.randn(E, d))
+        else:
+            self.fc1, self.fc2 = nn.Linear(d, m), nn.Linear(m, d)
+
+    def forward(self, x, noise, modality):
+        """x (n, D) -> (n, D), aux loss."""
+        h = self.ln(x)
+        if not self.moe:
+            return self.fc2(F.gelu(self.fc1(h))), torch.zeros(())
+        logits = h @ self.router.t()
+        noisy = logits + noise.float()
+        gates = noisy.softmax(-1)
+        top = F.one_hot(gates.argmax(-1), E).float()  # ample capacity: every first choice is kept
+        ys = torch.einsum("nd,emd->enm", h, self.w1) + self.b1[:, None, :]
+        ys = torch.einsum("enm,edm->end", F.gelu(ys), self.w2) + self.b2[:, None, :]
+        y = torch.einsum("ne,end->nd", gates * top, ys)
+        ga.S, ga.E, ga.K, ga.NOISE_STD = x.shape[0], E, 1, 1.0
+        mod = torch.full((x.shape[0],), modality)
+        wanted = top.sum(0)
+        ls = ga.losses(logits, noisy, mod, wanted, [1.0, 1.0])
+        return y, sum(w * ls[k] for k, w in self.aux.items())
+
+    def names(self, p):
+        out = {f"{p}.ln.weight": self.ln.weight, f"{p}.ln.bias": self.ln.bias}
+        if self.moe:
+            out.update({f"{p}.moe.router.weight": self.router, f"{p}.moe.experts.fc1.weight": self.w1,
+                        f"{p}.moe.experts.fc1.bias": self.b1, f"{p}.moe.experts.fc2.weight": self.w2,
+                        f"{p}.moe.experts.fc2.bias": self.b2})
+        else:
+            out.update({f"{p}.mlp.fc1.weight": self.fc1.weight, f"{p}.mlp.fc1.bias": self.fc1.bias,
+                        f"{p}.mlp.fc2.weight": self.fc2.weight, f"{p}.mlp.fc2.bias": self.fc2.bias})
+        return out
+
+
+class MoME(nn.Module):
+    def __init__(self):
+        super().__init__()
+        c, e = CFG, CFG["encoder"]
+        d, m, p = e["width"], e["mlp_dim"], c["patch_size"]
+        self.L, self.F = e["layers"], c["vl_layers"]
+        self.np = (c["image_size"] // p) ** 2
+        self.patch = nn.Conv2d(c["channels"], d, p, stride=p)
+        self.i_cls = nn.Parameter(0.1 * torch.randn(d))
+        self.ipos = nn.Parameter(0.1 * torch.randn(self.np + 1, d))
+        self.mask_token = nn.Parameter(0.1 * torch.randn(d))
+        self.tok = nn.Embedding(c["vocab_size"], d)
+        self.tpos = nn.Parameter(0.1 * torch.randn(c["context_length"], d))
+        self.ln1 = nn.ModuleList([nn.LayerNorm(d, eps=c["ln_eps"]) for _ in range(self.L)])
+        self.attn = nn.ModuleList([nn.MultiheadAttention(d, e["heads"], batch_first=True)
+                                   for _ in range(self.L)])
+        self.v = nn.ModuleList([Expert(d, m, l in MOE_BLOCKS, V_AUX) for l in range(self.L)])
+        self.t = nn.ModuleList([Expert(d, m, l in MOE_BLOCKS, T_AUX) for l in range(self.L)])
+        self.vl = nn.ModuleDict({str(l): Expert(d, m, False, {}) for l in range(self.L - self.F, self.L)})
+        self.ln_f = nn.LayerNorm(d, eps=c["ln_eps"])
+        self.mlm = nn.Linear(d, c["vocab_size"])
+        self.mim = nn.Linear(d, c["mim_vocab"])
+
+    def moe_order(self):
+        """MoE layers in the order vlmoe numbers them: by block, V before T."""
+        out = []
+        for l in range(self.L):
+            for name, ex in (("v", self.v[l]), ("t", self.t[l])):
+                if ex.moe:
+                    out.append((l, name))
+        return out
+
+    def forward(self, enc, images, tokens, lens, tlab, plab, noise):
+        """Returns loss, text loss, image loss, aux and the hidden states (text first in a pair)."""
+        parts, kinds = [], []
+        b = images.shape[0] if images is not None else tokens.shape[0]
+        if enc in ("text", "pair"):
+            parts.append(self.tok(tokens) + self.tpos)
+            kinds.append("t")
+        if enc in ("image", "pair"):
+            pe = self.patch(images).flatten(2).transpose(1, 2)  # (B, np, D)
+            pe = torch.where((plab >= 0)[..., None], self.mask_token.expand_as(pe), pe)
+            parts.append(torch.cat([self.i_cls.expand(b, 1, -1), pe], 1) + self.ipos)
+            kinds.append("v")
+        x = torch.cat(parts, 1)  # pair: [H^w; H^v]
+        tt = tokens.shape[1] if "t" in kinds else 0
+        pad = torch.zeros(b, x.shape[1], dtype=torch.bool)
+        if "t" in kinds:
+            pad[:, :tt] = torch.arange(tt)[None, :] >= lens[:, None]
+        aux = torch.zeros(())
+        moe_ids = {k: i for i, k in enumerate(self.moe_order())}
+        for l in range(self.L):
+            h = self.ln1[l](x)
+            x = x + self.attn[l](h, h, h, need_weights=False, key_padding_mask=pad if pad.any() else None)[0]
+            d = x.shape[-1]
+            if enc == "pair" and l >= self.L - self.F:
+                y, a = self.vl[str(l)](x.reshape(-1, d), None, 0)
+                x = x + y.reshape(x.shape)
+                aux = aux + a
+                continue
+            outs, off = [], 0
+            for kind in kinds:
+                n = tt if kind == "t" else self.np + 1
+                seg = x[:, off:off + n]
+                ex = self.t[l] if kind == "t" else self.v[l]
+                nz = noise.get(moe_ids.get((l, kind)))
+                y, a = ex(seg.reshape(-1, d), nz, 1 if kind == "t" else 0)
+                outs.append(seg + y.reshape(seg.shape))
+                aux = aux + a
+                off += n
+            x = torch.cat(outs, 1)
+        h = self.ln_f(x)
+        losses = []
+        for kind, head, lab in (("t", self.mlm, tlab), ("v", self.mim, plab)):
+            if kind not in kinds or lab is None or not (lab >= 0).any():
+                losses.append(torch.zeros(()))
+                continue
+            if kind == "t":
+                rows = h[:, :tt][lab >= 0]
+            else:
+                off = tt if enc == "pair" else 0
+                rows = h[:, off + 1:off + 1 + self.np][lab >= 0]
+            losses.append(F.cross_entropy(head(rows), lab[lab >= 0].long()))
+        loss = losses[0] + losses[1] + aux
+        if enc == "pair":  # vlmoe's order: image first
+            h = torch.cat([h[:, tt:], h[:, :tt]], 1)
+        return loss, losses[0], losses[1], aux, h
+
+    def to_vlmoe(self):
+        out = {"image.patch_embed.weight": self.patch.weight, "image.patch_embed.bias": self.patch.bias,
+               "image.class_token": self.i_cls, "image.pos_embed": self.ipos,
+               "image.mask_token": self.mask_token, "text.token_embed": self.tok.weight,
+               "text.pos_embed": self.tpos}
+        for l in range(self.L):
+            p = f"encoder.blocks.{l}"
+            out.update({f"{p}.ln1.weight": self.ln1[l].weight, f"{p}.ln1.bias": self.ln1[l].bias,
+                        f"{p}.attn.qkv.weight": self.attn[l].in_proj_weight,
+                        f"{p}.attn.qkv.bias": self.attn[l].in_proj_bias,
+                        f"{p}.attn.out.weight": self.attn[l].out_proj.weight,
+                        f"{p}.attn.out.bias": self.attn[l].out_proj.bias})
+            out.update(self.v[l].names(f"{p}.v_ffn"))
+            out.update(self.t[l].names(f"{p}.t_ffn"))
+            if str(l) in self.vl:
+                out.update(self.vl[str(l)].names(f"{p}.vl_ffn"))
+        out.update({"encoder.ln_final.weight": self.ln_f.weight, "encoder.ln_final.bias": self.ln_f.bias,
+                    "mlm_head.weight": self.mlm.weight, "mlm_head.bias": self.mlm.bias,
+                    "mim_head.weight": self.mim.weight, "mim_head.bias": self.mim.bias})
+        return out
+
+
+def arr(name, t):
+    a = t.detach().float().numpy().copy()
+    return a.reshape(a.shape[0], -1) if name == "image.patch_embed.weight" else a
+
+
+def generate(out):
+    torch.manual_seed(8)
+    cfg = dict(CFG, moe=moe_cfg("bpr", V_AUX), text_moe=moe_cfg("fifo", T_AUX))
+    m = MoME()
+    with torch.no_grad():  # random LayerNorm affine and biases: no gradient trivially structured
+        for name, p in m.named_parameters():
+            if p.dim() == 1 and "cls" not in name and "mask_token" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    names = m.to_vlmoe()
+    st.save(os.path.join(out, "mome.init.safetensors"), {k: arr(k, v) for k, v in names.items()},
+            {"vlmoe.config": json.dumps(cfg), "format": "pt"})
+    b, tt, np_ = 3, CFG["context_length"], m.np
+    images = torch.randn(b, 3, CFG["image_size"], CFG["image_size"])
+    lens = torch.tensor([8, 5, 3])
+    tokens = torch.randint(4, 49, (b, tt))
+    tokens[:, 0] = 1  # [T_CLS]
+    tokens[torch.arange(b), lens - 1] = 2  # [T_SEP]
+    tokens[torch.arange(tt)[None, :] >= lens[:, None]] = 0
+    tlab = torch.full((b, tt), -1)
+    for i, j in ((0, 1), (0, 4), (0, 6), (1, 2), (1, 3), (2, 1)):  # MLM positions, explicitly
+        tlab[i, j] = tokens[i, j]
+        tokens[i, j] = 49 if (i + j) % 3 else 7  # [MASK], or a random token
+    plab = torch.full((b, np_), -1)
+    for i, j in ((0, 0), (0, 1), (0, 4), (0, 5), (1, 10), (1, 11), (1, 14), (2, 7)):  # blocks
+        plab[i, j] = (3 * i + j) % CFG["mim_vocab"]
+    ref = {"input.images": images.numpy(), "input.tokens": tokens.int().numpy(),
+           "input.lens": lens.int().numpy(), "input.text_labels": tlab.int().numpy(),
+           "input.patch_labels": plab.int().numpy()}
+    g = torch.Generator().manual_seed(9)
+    for enc in ("image", "text", "pair"):
+        noise = {}
+        for i, (l, kind) in enumerate(m.moe_order()):
+            if (kind == "v" and enc == "text") or (kind == "t" and enc == "image"):
+                continue
+            n = b * (tt if kind == "t" else np_ + 1)
+            noise[i] = (1.0 / E) * torch.randn(n, E, generator=g, dtype=torch.float64)
+            ref[f"{enc}.noise.{i}"] = noise[i].numpy()
+        m.zero_grad()
+        loss, lt, li, aux, h = m(enc, images if enc != "text" else None, tokens if enc != "image" else None,
+                                 lens, tlab if enc != "image" else None, plab if enc != "text" else None,
+                                 noise)
+        loss.backward()
+        for k, v in (("loss", loss), ("text", lt), ("image", li), ("aux", aux)):
+            ref[f"{enc}.{k}"] = np.array([v.item()], dtype=np.float64)
+        ref[f"{enc}.hidden"] = h.detach().numpy()
+        for k, p in names.items():
+            ref[f"{enc}.grad.{k}"] = arr(k, p.grad) if p.grad is not None else np.zeros_like(arr(k, p))
+    st.save(os.path.join(out, "mome.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})

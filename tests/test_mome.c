@@ -1,0 +1,521 @@
+// test_mome.c: VL-MoE (arch mome). Finite differences in double over every parameter of a tiny
+// MoME model with V-MoE and T-MoE layers, for each encoding and objective (MIM on images, MLM on
+// texts, VLM on pairs), with the rule that a tensor's gradient is zero exactly when the encoding
+// does not use it; the masked cross-entropy's golden value; MLM and MIM masking statistics over
+// many seeded draws (binomial bounds); k-means on hand-made clusters and codebook files; the
+// float path against the double one; the three encodings, save/load and a few training steps
+// through the public API; bad input on purpose.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/core.h"
+#include "loss/masked.h"
+#include "nn/mome.h"
+#include "test.h"
+
+// 8x8 images in 4x4 patches (Ti = 5), 5 text tokens of 11 ([MASK] = 10), width 8, 3 blocks, the
+// top one with VL-FFN, V-MoE and T-MoE (3 experts) in blocks 0 and 1.
+static vlmoe_model_config small(void) {
+    vlmoe_model_config c;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    c.image_size = 8, c.patch_size = 4, c.vocab_size = 11, c.context_length = 5, c.mask_token = 10;
+    c.encoder = (vlmoe_encoder_config){8, 3, 2, 16};
+    c.vl_layers = 1;
+    c.mim_vocab = 6;
+    c.moe.layers = c.text_moe.layers = 3;
+    c.moe.num_experts = c.text_moe.num_experts = 3;
+    c.moe.capacity_factor = c.text_moe.capacity_factor = 1.5; // a few drops, most tokens kept
+    // ample capacity in eval mode: an item's encoding then does not depend on its batch
+    c.moe.eval_capacity_factor = c.text_moe.eval_capacity_factor = 3.0;
+    return c;
+}
+
+typedef struct {
+    model_layout L;
+    mome_graph_f64 *g;
+    double *p;
+    mome_input_f64 in;
+} fd_model;
+
+static double loss_of(fd_model *m) {
+    vlmoe_mome_stats s;
+    int st = mome_graph_forward_f64(m->g, m->p, &m->in, &s);
+    CHECK(st == VLMOE_OK, "forward: %s", vlmoe_last_error());
+    return s.loss;
+}
+
+// Whether the encoding reaches this tensor (Figure 1 of VL-MoE).
+static int used(const char *name, int enc, int nl, int F) {
+    int blk = -1;
+    const char *b = strstr(name, "blocks.");
+    if (b) blk = atoi(b + 7);
+    const int top = blk >= nl - F;
+    if (enc == VLMOE_ENC_IMAGE)
+        return !strstr(name, "text.") && !strstr(name, "t_ffn") && !strstr(name, "vl_ffn") && !strstr(name, "mlm_head");
+    if (enc == VLMOE_ENC_TEXT)
+        return !strstr(name, "image.") && !strstr(name, "v_ffn") && !strstr(name, "vl_ffn") && !strstr(name, "mim_head");
+    return !((strstr(name, "v_ffn") || strstr(name, "t_ffn")) && top);
+}
+
+static void fd_check(int enc, const char *label) {
+    vlmoe_model_config cfg = small();
+    fd_model m;
+    if (model_layout_build(&m.L, &cfg) != VLMOE_OK) {
+        CHECK(0, "layout: %s", vlmoe_last_error());
+        return;
+    }
+    const int B = 3, T = 5, np = 4;
+    CHECK(mome_graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+    mome_graph_set_mode_f64(m.g, 1, 99); // training: noise drawn from a fixed seed every time
+    float *pf = malloc(sizeof(float) * m.L.total);
+    model_layout_init_params(&m.L, pf, 7);
+    m.p = malloc(sizeof(double) * m.L.total);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 3);
+    for (size_t i = 0; i < m.L.total; i++) m.p[i] = pf[i] + 0.1 * vlmoe_rng_normal(&r);
+    double img[3 * 3 * 64];
+    for (int i = 0; i < 3 * 3 * 64; i++) img[i] = vlmoe_rng_normal(&r);
+    int32_t tok[15], lens[3] = {5, 4, 3}, tl[15], pl[12];
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            tok[b * T + t] = t == 0 ? 1 : t == lens[b] - 1 ? 2 : t < lens[b] ? 4 + (int)vlmoe_rng_below(&r, 6) : 0;
+            tl[b * T + t] = t > 0 && t < lens[b] - 1 && (b + t) % 2 ? 4 + (int)vlmoe_rng_below(&r, 6) : -1;
+        }
+    tok[1] = 10; // a [MASK] in the input
+    for (int i = 0; i < B * np; i++) pl[i] = i % 3 == 1 ? (int)vlmoe_rng_below(&r, 6) : -1;
+    m.in = (mome_input_f64){enc, img, tok, lens, tl, pl};
+    double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
+    loss_of(&m);
+    mome_graph_backward_f64(m.g, m.p, g);
+    const double h = 1e-5;
+    int bad = 0, zero_rule = 0;
+    double worst = 0;
+    for (int k = 0; k < m.L.nparams; k++) {
+        const vlmoe_param_info *pi = &m.L.table[k];
+        double gv = 0, vn = 0, gmax = 0;
+        for (size_t i = 0; i < pi->numel; i++) gmax = fmax(gmax, fabs(g[pi->offset + i]));
+        const int u = used(pi->name, enc, cfg.encoder.layers, cfg.vl_layers);
+        if (u != (gmax > 0)) {
+            zero_rule++;
+            fprintf(stderr, "%s: %s: the encoding %s it, but its gradient is %s\n", label, pi->name,
+                    u ? "uses" : "does not use", gmax > 0 ? "non-zero" : "all zero");
+        }
+        for (size_t i = 0; i < pi->numel; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
+        for (size_t i = 0; i < pi->numel; i++) v[i] /= sqrt(vn), gv += v[i] * g[pi->offset + i];
+        double *x = m.p + pi->offset;
+        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
+        double lp = loss_of(&m);
+        for (size_t i = 0; i < pi->numel; i++) x[i] -= 2 * h * v[i];
+        double lm = loss_of(&m);
+        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
+        double fd = (lp - lm) / (2 * h), err = fabs(fd - gv) / (1e-7 + fabs(fd) + fabs(gv));
+        worst = fmax(worst, err);
+        if (err > 1e-6) {
+            bad++;
+            fprintf(stderr, "%s: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n", label,
+                    pi->name, fd, gv, err);
+        }
+    }
+    CHECK(bad == 0, "%s: %d of %d parameter tensors fail the finite-difference check", label, bad, m.L.nparams);
+    CHECK(zero_rule == 0, "%s: %d tensors break the used <=> non-zero gradient rule", label, zero_rule);
+    for (int d = 0; d < 2; d++) { // all parameters at once
+        double gv = 0, vn = 0;
+        for (size_t i = 0; i < m.L.total; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
+        for (size_t i = 0; i < m.L.total; i++) v[i] /= sqrt(vn), gv += v[i] * g[i];
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
+        double lp = loss_of(&m);
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] -= 2 * h * v[i];
+        double lm = loss_of(&m);
+        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
+        double fd = (lp - lm) / (2 * h);
+        CHECK(fabs(fd - gv) <= 1e-6 * (fabs(fd) + fabs(gv)), "%s: all-parameter direction %d: fd %.10g grad %.10g",
+              label, d, fd, gv);
+    }
+    vlmoe_mome_stats s;
+    mome_graph_forward_f64(m.g, m.p, &m.in, &s);
+    printf("%s: %d tensors, worst relative finite-difference error %.2g; loss %.4f = text %.4f (%d) + image "
+           "%.4f (%d) + aux %.5f\n", label, m.L.nparams, worst, s.loss, s.text, s.text_count, s.image,
+           s.image_count, s.aux);
+    CHECK(s.aux > 0, "%s: the MoE auxiliary losses are part of the loss", label);
+    free(pf), free(m.p), free(g), free(v);
+    mome_graph_free_f64(m.g);
+    model_layout_free(&m.L);
+}
+
+static void test_xent(void) {
+    double logits[6] = {1, 2, 3, 0.5, 0.5, -1}, probs[6], d[6] = {0};
+    int32_t lab[2] = {2, 1};
+    int right;
+    double l = xent_forward_f64(probs, logits, lab, 2, 3, &right);
+    // log(e + e^2 + e^3) - 3 and log(2 e^0.5 + e^-1) - 0.5, by hand
+    const double want = (log(exp(1) + exp(2) + exp(3)) - 3) + (log(2 * exp(0.5) + exp(-1)) - 0.5);
+    CHECK(fabs(l - want) < 1e-12, "xent %.15g, expected %.15g", l, want);
+    CHECK(right == 1, "argmax ties go to the lower class: %d right", right);
+    xent_backward_f64(d, probs, lab, 2, 3, 0.5);
+    CHECK(fabs(d[2] - 0.5 * (probs[2] - 1)) < 1e-15 && fabs(d[0] - 0.5 * probs[0]) < 1e-15, "xent gradient");
+}
+
+// |x - p n| within 5 binomial standard deviations
+static int binom_ok(long x, long n, double p) { return fabs(x - p * n) <= 5 * sqrt(n * p * (1 - p)) + 1; }
+
+static void test_mlm_mask(void) {
+    vlmoe_model_config c;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    vlmoe_mlm_params p = vlmoe_mlm_default_params(&c);
+    CHECK(p.prob == 0.15 && p.mask_frac == 0.8 && p.random_frac == 0.1 && p.mask_id == 255, "MLM defaults");
+    enum { B = 4000, T = 16 };
+    int32_t *tok = malloc(sizeof(int32_t) * B * T), *in = malloc(sizeof(int32_t) * B * T);
+    int32_t *lab = malloc(sizeof(int32_t) * B * T), *in2 = malloc(sizeof(int32_t) * B * T);
+    int32_t *lab2 = malloc(sizeof(int32_t) * B * T), lens[B];
+    long *hist = calloc(256, sizeof(long));
+    for (double prob = 0.15; prob < 0.6; prob += 0.35) { // MLM and VLM's 50%
+        p.prob = prob;
+        for (int b = 0; b < B; b++) {
+            lens[b] = 3 + b % (T - 2); // 3..16
+            for (int t = 0; t < T; t++)
+                tok[b * T + t] = t == 0 ? 1 : t == lens[b] - 1 ? 2 : t < lens[b] ? 3 : 0; // UNK: never a random pick
+        }
+        CHECK(vlmoe_mlm_mask(&p, 42, tok, lens, B, T, in, lab) == VLMOE_OK, "mlm mask: %s", vlmoe_last_error());
+        long cand = 0, chosen = 0, nmask = 0, nrand = 0, nkeep = 0, wrong = 0;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                const int i = b * T + t, inner = t > 0 && t < lens[b] - 1;
+                cand += inner;
+                if (lab[i] < 0) {
+                    wrong += in[i] != tok[i];
+                    continue;
+                }
+                wrong += !inner || lab[i] != tok[i];
+                chosen++;
+                if (in[i] == 255) nmask++;
+                else if (in[i] == tok[i]) nkeep++;
+                else {
+                    nrand++;
+                    wrong += in[i] < 4 || in[i] >= 255;
+                    hist[in[i]]++;
+                }
+            }
+        CHECK(wrong == 0, "MLM: %ld labels/inputs outside the rule (specials, padding, labels = originals)", wrong);
+        CHECK(binom_ok(chosen, cand, prob), "MLM %.2f: %ld of %ld tokens chosen", prob, chosen, cand);
+        CHECK(binom_ok(nmask, chosen, 0.8), "MLM: %ld of %ld chosen became [MASK] (80%%)", nmask, chosen);
+        CHECK(binom_ok(nrand, chosen, 0.1), "MLM: %ld of %ld chosen became a random token (10%%)", nrand, chosen);
+        CHECK(binom_ok(nkeep, chosen, 0.1), "MLM: %ld of %ld chosen were kept (10%%)", nkeep, chosen);
+        printf("MLM %.2f over %ld tokens: chosen %.4f, of those [MASK] %.4f random %.4f kept %.4f\n", prob, cand,
+               (double)chosen / cand, (double)nmask / chosen, (double)nrand / chosen, (double)nkeep / chosen);
+    }
+    long total = 0, worst_dev = 0;
+    for (int id = 4; id < 255; id++) total += hist[id];
+    for (int id = 4; id < 255; id++) // each random id about equally often (251 ids)
+        if (!binom_ok(hist[id], total, 1.0 / 251)) worst_dev++;
+    CHECK(worst_dev <= 2 && hist[255] == 0, "random tokens: %ld of 251 ids outside 5 sigma of uniform", worst_dev);
+    // seeded and reproducible; another seed, other masks; a sequence's mask depends only on (seed, b)
+    vlmoe_mlm_mask(&p, 42, tok, lens, B, T, in2, lab2);
+    CHECK(!memcmp(in, in2, sizeof(int32_t) * B * T) && !memcmp(lab, lab2, sizeof(int32_t) * B * T), "same seed, same masks");
+    vlmoe_mlm_mask(&p, 43, tok, lens, B, T, in2, lab2);
+    CHECK(memcmp(lab, lab2, sizeof(int32_t) * B * T), "another seed, other masks");
+    vlmoe_mlm_mask(&p, 42, tok, lens, 7, T, in2, lab2);
+    CHECK(!memcmp(lab, lab2, sizeof(int32_t) * 7 * T), "the first sequences do not depend on the batch size");
+    vlmoe_mlm_params badp = p;
+    badp.mask_frac = 0.95;
+    CHECK(vlmoe_mlm_mask(&badp, 1, tok, lens, B, T, in, lab) == VLMOE_ERR_ARG, "fractions above 1 refused");
+    lens[0] = T + 1;
+    CHECK(vlmoe_mlm_mask(&p, 1, tok, lens, B, T, in, lab) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "length"),
+          "bad length: %s", vlmoe_last_error());
+    free(tok), free(in), free(lab), free(in2), free(lab2), free(hist);
+}
+
+static void test_mim_mask(void) {
+    enum { G = 14, N = 2000 };
+    uint8_t m[G * G], m2[G * G];
+    const int target = 78; // rint(0.4 * 196)
+    long sum = 0, below = 0, over = 0, masked = 0, with_neighbour = 0, pos[G * G] = {0};
+    for (int s = 0; s < N; s++) {
+        CHECK(vlmoe_mim_block_mask(G, G, 0.4, (uint64_t)s, m) == VLMOE_OK, "block mask");
+        int cnt = 0;
+        for (int i = 0; i < G * G; i++) {
+            cnt += m[i];
+            pos[i] += m[i];
+            if (!m[i]) continue;
+            const int y = i / G, x = i % G;
+            masked++;
+            with_neighbour += (y > 0 && m[i - G]) || (y < G - 1 && m[i + G]) || (x > 0 && m[i - 1]) || (x < G - 1 && m[i + 1]);
+        }
+        sum += cnt;
+        over += cnt > target;
+        below += cnt < target;
+    }
+    const double mean = (double)sum / N, blocky = (double)with_neighbour / masked;
+    long pmin = N, pmax = 0;
+    for (int i = 0; i < G * G; i++) pmin = pos[i] < pmin ? pos[i] : pmin, pmax = pos[i] > pmax ? pos[i] : pmax;
+    printf("MIM 14x14, 40%%: mean %.2f of target %d patches masked, %ld of %d masks short of it; %.4f of masked "
+           "patches have a masked neighbour; per-patch frequency %.3f..%.3f\n", mean, target, below, N, blocky,
+           (double)pmin / N, (double)pmax / N);
+    CHECK(over == 0, "%ld masks exceed the 40%% target", over);
+    CHECK(mean >= 0.97 * target, "mean masked %.2f, target %d", mean, target);
+    CHECK(blocky > 0.97, "masks are blocks: only %.3f of masked patches have a masked neighbour", blocky);
+    CHECK(pmin > 0.01 * N && pmax < 0.9 * N, "every position is masked sometimes, none nearly always");
+    vlmoe_mim_block_mask(G, G, 0.4, 7, m);
+    vlmoe_mim_block_mask(G, G, 0.4, 7, m2);
+    CHECK(!memcmp(m, m2, sizeof(m)), "same seed, same block mask");
+    vlmoe_mim_block_mask(G, G, 0.4, 8, m2);
+    CHECK(memcmp(m, m2, sizeof(m)), "another seed, another block mask");
+    long small = 0;
+    for (int s = 0; s < 500; s++) { // the tiny models' 4x4 grid: 6 patches
+        vlmoe_mim_block_mask(4, 4, 0.4, (uint64_t)s, m);
+        int cnt = 0;
+        for (int i = 0; i < 16; i++) cnt += m[i];
+        CHECK(cnt >= 1 && cnt <= 6, "4x4 mask of %d patches", cnt);
+        small += cnt;
+    }
+    printf("MIM 4x4, 40%%: mean %.2f of 6 patches masked\n", small / 500.0);
+    CHECK(vlmoe_mim_block_mask(0, 4, 0.4, 1, m) == VLMOE_ERR_ARG, "empty grid refused");
+}
+
+static void test_kmeans(void) {
+    // three hand-made clusters of four points: means (0.5, 0.5), (10.5, 10.5), (0.5, 20.5), every
+    // point at squared distance 0.5 from its mean
+    const float pts[24] = {0, 0, 1, 0, 0, 1, 1, 1, 10, 10, 11, 10, 10, 11, 11, 11, 0, 20, 1, 20, 0, 21, 1, 21};
+    const float means[6] = {0.5f, 0.5f, 10.5f, 10.5f, 0.5f, 20.5f};
+    float c[6];
+    double inertia = -1;
+    int32_t ids[12];
+    CHECK(vlmoe_kmeans(pts, 12, 2, 3, 20, 5, c, &inertia) == VLMOE_OK, "kmeans: %s", vlmoe_last_error());
+    vlmoe_kmeans_assign(c, 3, 2, pts, 12, ids);
+    int found = 0;
+    for (int k = 0; k < 3; k++)
+        for (int j = 0; j < 3; j++) found += c[2 * k] == means[2 * j] && c[2 * k + 1] == means[2 * j + 1];
+    CHECK(found == 3, "centroids are the cluster means: (%g %g) (%g %g) (%g %g)", c[0], c[1], c[2], c[3], c[4], c[5]);
+    CHECK(fabs(inertia - 0.5) < 1e-6, "inertia %g, by hand 0.5", inertia);
+    for (int i = 0; i < 12; i++) CHECK(ids[i] == ids[i / 4 * 4] && ids[i] != ids[(i / 4 * 4 + 4) % 12], "assignment %d", i);
+    const float two[4] = {0, 0, 2, 0}, mid[2] = {1, 0};
+    vlmoe_kmeans_assign(two, 2, 2, mid, 1, ids);
+    CHECK(ids[0] == 0, "a tie goes to the lower id");
+    // 16 clusters of 40 noisy points in 12 dimensions: every point with its own cluster
+    enum { K = 16, P = 40, DIM = 12 };
+    float *x = malloc(sizeof(float) * K * P * DIM), centres[K * DIM], *cb = malloc(sizeof(float) * K * DIM);
+    int32_t *id = malloc(sizeof(int32_t) * K * P);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 11);
+    for (int i = 0; i < K * DIM; i++) centres[i] = (float)(4 * vlmoe_rng_normal(&r));
+    for (int i = 0; i < K * P; i++)
+        for (int d = 0; d < DIM; d++) x[i * DIM + d] = centres[(i % K) * DIM + d] + (float)(0.1 * vlmoe_rng_normal(&r));
+    CHECK(vlmoe_kmeans(x, K * P, DIM, K, 50, 1, cb, &inertia) == VLMOE_OK, "kmeans 16");
+    vlmoe_kmeans_assign(cb, K, DIM, x, K * P, id);
+    int pure = 1;
+    for (int i = K; i < K * P; i++) pure &= id[i] == id[i % K];
+    int distinct = 1;
+    for (int a = 0; a < K; a++)
+        for (int b = a + 1; b < K; b++) distinct &= id[a] != id[b];
+    CHECK(pure && distinct, "16 clusters: assignment accuracy below 100%%");
+    CHECK(inertia < 0.2, "16 clusters: mean squared distance %g (noise 0.12)", inertia);
+    // codebook files
+    char dir[] = "/tmp/vlmoe_test_mome_XXXXXX", path[256];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(path, sizeof(path), "%s/cb.safetensors", dir);
+    CHECK(vlmoe_codebook_save(path, cb, K, DIM) == VLMOE_OK, "save codebook: %s", vlmoe_last_error());
+    float *back = NULL;
+    int k2, d2;
+    CHECK(vlmoe_codebook_load(path, K, DIM, &back, &k2, &d2) == VLMOE_OK && back && k2 == K && d2 == DIM &&
+              !memcmp(back, cb, sizeof(float) * K * DIM), "codebook round trip: %s", vlmoe_last_error());
+    free(back);
+    back = NULL;
+    CHECK(vlmoe_codebook_load(path, 1024, DIM, &back, &k2, &d2) == VLMOE_ERR_CONFIG && !back &&
+              strstr(vlmoe_last_error(), "mim_vocab") && strstr(vlmoe_last_error(), "16 x 12"),
+          "size mismatch: %s", vlmoe_last_error());
+    vlmoe_model *m;
+    vlmoe_model_config cfg = small();
+    vlmoe_model_init(&m, &cfg, 1);
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    vlmoe_model_save(m, path);
+    CHECK(vlmoe_codebook_load(path, 0, 0, &back, &k2, &d2) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "vq train"),
+          "a model file is not a codebook: %s", vlmoe_last_error());
+    vlmoe_model_free(m);
+    unlink(path);
+    snprintf(path, sizeof(path), "%s/cb.safetensors", dir);
+    unlink(path);
+    rmdir(dir);
+    CHECK(vlmoe_kmeans(x, 3, DIM, K, 5, 1, cb, NULL) == VLMOE_ERR_ARG, "fewer points than clusters refused");
+    free(x), free(cb), free(id);
+}
+
+// The public API: float forward = double forward, the three encodings, MIM labels, save/load,
+// training steps that lower the loss, and bad input.
+static void test_api(void) {
+    vlmoe_model_config cfg = small();
+    vlmoe_model *m = NULL;
+    CHECK(vlmoe_model_init(&m, &cfg, 5) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    if (!m) return;
+    const int B = 4, T = 5, np = 4, D = 8;
+    float img[4 * 3 * 64];
+    int32_t tok[20], lens[4] = {5, 4, 3, 5}, tl[20], pl[16];
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 9);
+    for (int i = 0; i < 4 * 3 * 64; i++) img[i] = (float)vlmoe_rng_normal(&r);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) tok[b * T + t] = t == 0 ? 1 : t == lens[b] - 1 ? 2 : t < lens[b] ? 4 + b + t : 0;
+    vlmoe_mlm_params mp = vlmoe_mlm_default_params(&cfg);
+    mp.prob = 0.5;
+    int32_t in[20];
+    CHECK(vlmoe_mlm_mask(&mp, 3, tok, lens, B, T, in, tl) == VLMOE_OK, "mlm");
+    float cb[6 * 48];
+    for (int i = 0; i < 6 * 48; i++) cb[i] = (float)vlmoe_rng_normal(&r);
+    CHECK(vlmoe_mim_labels(&cfg, cb, 6, img, B, 0.4, 5, pl) == VLMOE_OK, "mim labels: %s", vlmoe_last_error());
+    int nmasked = 0;
+    for (int i = 0; i < B * np; i++) {
+        nmasked += pl[i] >= 0;
+        CHECK(pl[i] >= -1 && pl[i] < 6, "label %d", pl[i]);
+    }
+    CHECK(nmasked == B * 2, "4 patches at 40%%: 2 per image, got %d of %d", nmasked, B * np);
+    CHECK(vlmoe_mim_labels(&cfg, cb, 5, img, B, 0.4, 5, pl) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "mim_vocab"),
+          "codebook size mismatch: %s", vlmoe_last_error());
+    // float vs double, pair encoding with both objectives, eval mode
+    vlmoe_mome_batch pair = {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl};
+    vlmoe_mome_stats s;
+    CHECK(vlmoe_mome_forward(m, &pair, 0, &s) == VLMOE_OK, "pair forward: %s", vlmoe_last_error());
+    model_layout L;
+    model_layout_build(&L, &cfg);
+    mome_graph_f64 *g;
+    mome_graph_create_f64(&g, &L, B);
+    double *p = malloc(sizeof(double) * L.total), img64[4 * 3 * 64];
+    for (size_t i = 0; i < L.total; i++) p[i] = vlmoe_model_param_data(m)[i];
+    for (int i = 0; i < 4 * 3 * 64; i++) img64[i] = img[i];
+    mome_input_f64 in64 = {VLMOE_ENC_PAIR, img64, in, lens, tl, pl};
+    vlmoe_mome_stats s64;
+    mome_graph_set_mode_f64(g, 0, 0);
+    mome_graph_forward_f64(g, p, &in64, &s64);
+    CHECK(fabs(s.loss - s64.loss) <= 1e-5 * fabs(s64.loss), "float loss %.9g vs double %.9g", s.loss, s64.loss);
+    CHECK(s.text_count > 0 && s.image_count == nmasked, "labelled positions %d text, %d image", s.text_count, s.image_count);
+    // the three encodings: a batch of one equals the same item in a batch of four
+    const vlmoe_encoding encs[3] = {VLMOE_ENC_IMAGE, VLMOE_ENC_TEXT, VLMOE_ENC_PAIR};
+    for (int e = 0; e < 3; e++) {
+        const int S = vlmoe_mome_seq_len(&cfg, encs[e]);
+        CHECK(S == (e == 0 ? 5 : e == 1 ? 5 : 10), "sequence length %d", S);
+        float *all = malloc(sizeof(float) * B * S * D), *one = malloc(sizeof(float) * S * D);
+        CHECK(vlmoe_mome_encode(m, encs[e], img, tok, lens, B, all) == VLMOE_OK, "encode %d: %s", e, vlmoe_last_error());
+        CHECK(vlmoe_mome_encode(m, encs[e], img + 2 * 192, tok + 2 * T, lens + 2, 1, one) == VLMOE_OK, "encode one");
+        double worst = 0;
+        for (int i = 0; i < S * D; i++) worst = fmax(worst, fabs(one[i] - all[2 * S * D + i]));
+        CHECK(worst < 1e-5, "encoding %d: batch of one vs batch of four differ by %g", e, worst);
+        free(all), free(one);
+    }
+    // bad input: pairs without texts (or images), labels out of range
+    vlmoe_mome_batch bad = pair;
+    bad.tokens = NULL;
+    CHECK(vlmoe_mome_forward(m, &bad, 1, &s) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "pairs"),
+          "pair without texts: %s", vlmoe_last_error());
+    bad = pair;
+    bad.images = NULL;
+    CHECK(vlmoe_mome_forward(m, &bad, 1, &s) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "needs images"),
+          "pair without images: %s", vlmoe_last_error());
+    bad = pair;
+    int32_t badpl[16];
+    memcpy(badpl, pl, sizeof(badpl));
+    badpl[3] = 6;
+    bad.patch_labels = badpl;
+    CHECK(vlmoe_mome_forward(m, &bad, 1, &s) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "mim_vocab"),
+          "patch label beyond the codebook: %s", vlmoe_last_error());
+    CHECK(vlmoe_mome_backward(m, 0) == VLMOE_ERR_ARG, "backward after a failed forward refused");
+    vlmoe_batch contrastive = {B, img, tok, lens};
+    CHECK(vlmoe_model_forward(m, &contrastive, NULL) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "mome"),
+          "contrastive forward of a mome model: %s", vlmoe_last_error());
+    // save / load
+    char dir[] = "/tmp/vlmoe_test_mome_XXXXXX", path[256];
+    CHECK(mkdtemp(dir) != NULL, "mkdtemp");
+    snprintf(path, sizeof(path), "%s/m.safetensors", dir);
+    vlmoe_model *back = NULL;
+    CHECK(vlmoe_model_save(m, path) == VLMOE_OK, "save: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_load(&back, path) == VLMOE_OK, "load: %s", vlmoe_last_error());
+    if (back) {
+        CHECK(vlmoe_model_get_config(back)->arch == VLMOE_ARCH_MOME && vlmoe_model_num_floats(back) == L.total &&
+                  !memcmp(vlmoe_model_param_data(back), vlmoe_model_param_data(m), sizeof(float) * L.total),
+              "loaded mome model differs");
+        vlmoe_model_free(back);
+    }
+    unlink(path), rmdir(dir);
+    // a few steps on the three objectives lower each loss
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_CONST, 3e-3, 0, 100, 0, 0, 0};
+    tp.optim.weight_decay = 0;
+    vlmoe_trainer *t;
+    CHECK(vlmoe_trainer_init(&t, m, &tp) == VLMOE_OK, "trainer");
+    vlmoe_mome_batch parts[3] = {{VLMOE_ENC_TEXT, B, NULL, in, lens, tl, NULL},
+                                 {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl},
+                                 {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl}};
+    vlmoe_mome_stats first[3], last[3];
+    vlmoe_step_stats ss;
+    for (int step = 0; step < 40; step++) {
+        int st = vlmoe_trainer_step_mome(t, parts, 3, step ? last : first, &ss);
+        CHECK(st == VLMOE_OK, "step %d: %s", step, vlmoe_last_error());
+        if (st) break;
+    }
+    for (int k = 0; k < 3; k++)
+        CHECK(last[k].loss < 0.7 * first[k].loss, "objective %d: loss %.4f after 40 steps, %.4f at the first", k,
+              last[k].loss, first[k].loss);
+    printf("40 steps on one batch: MLM %.3f -> %.3f, MIM %.3f -> %.3f, VLM %.3f -> %.3f\n", first[0].loss,
+           last[0].loss, first[1].loss, last[1].loss, first[2].loss, last[2].loss);
+    int nst;
+    const vlmoe_moe_stats *rs = vlmoe_model_moe_stats(m, &nst);
+    CHECK(rs && nst == 4, "4 MoE layers (V and T in blocks 0, 1): %d", nst);
+    vlmoe_trainer_free(t);
+    free(p);
+    mome_graph_free_f64(g);
+    model_layout_free(&L);
+    vlmoe_model_free(m);
+}
+
+static void test_config(void) {
+    vlmoe_model_config c, back;
+    const char *names[2] = {"vlmoe-tiny", "mome-tiny"};
+    for (int i = 0; i < 2; i++) {
+        CHECK(vlmoe_config_named(names[i], &c) == VLMOE_OK, "named %s", names[i]);
+        char *js = vlmoe_config_to_json(&c);
+        CHECK(js && strstr(js, "\"mome\"") && vlmoe_config_from_json(js, "rt", &back) == VLMOE_OK &&
+                  !memcmp(&back, &c, sizeof(c)), "json round trip of %s: %s", names[i], vlmoe_last_error());
+        free(js);
+    }
+    vlmoe_config_named("vlmoe-tiny", &c);
+    CHECK(c.moe.layers == 2 && c.text_moe.layers == 2 && c.moe.order == VLMOE_ORDER_BPR &&
+              c.text_moe.order == VLMOE_ORDER_FIFO && c.moe.aux_weight[VLMOE_AUX_VLOSS] == 0.01 &&
+              c.text_moe.aux_weight[VLMOE_AUX_LOAD] == 0.01 && c.moe.capacity_factor == 1.05 &&
+              c.moe.eval_capacity_factor == 1.0, "vlmoe-tiny: V-MoE / T-MoE as in VL-MoE sec. 4.1");
+    CHECK(vlmoe_config_from_json("{\"base\": \"vlmoe-tiny\", \"vl_layers\": 2, \"moe\": {\"layers\": \"every_1\"}}",
+                                 "x", &c) == VLMOE_OK && c.moe.layers == 3, "every_N counts the blocks below VL");
+    struct { const char *json, *expect; } bad[] = {
+        {"{\"base\": \"vlmoe-tiny\", \"moe\": {\"layers\": [3]}}", "moe.layers"},
+        {"{\"base\": \"vlmoe-tiny\", \"vl_layers\": 5}", "vl_layers"},
+        {"{\"base\": \"vlmoe-tiny\", \"mask_token\": 256}", "mask_token"},
+        {"{\"base\": \"vlmoe-tiny\", \"mim_vocab\": \"8192\"}", "\"mim_vocab\" must be an integer"},
+        {"{\"base\": \"tiny\", \"arch\": \"momo\"}", "\"mome\""},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK(vlmoe_config_from_json(bad[i].json, "cfg.json", &c) == VLMOE_ERR_CONFIG &&
+                  strstr(vlmoe_last_error(), bad[i].expect), "bad config %zu: %s", i, vlmoe_last_error());
+    model_layout L;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    CHECK(model_layout_build(&L, &c) == VLMOE_OK && L.nmoe == 2, "vlmoe-tiny layout");
+    int have[4] = {0};
+    for (int i = 0; i < L.nparams; i++) {
+        have[0] |= !strcmp(L.table[i].name, "encoder.blocks.1.v_ffn.moe.router.weight");
+        have[1] |= !strcmp(L.table[i].name, "encoder.blocks.1.t_ffn.moe.experts.fc1.weight");
+        have[2] |= !strcmp(L.table[i].name, "encoder.blocks.3.vl_ffn.mlp.fc2.bias");
+        have[3] |= strstr(L.table[i].name, "blocks.2.vl_ffn") != NULL;
+    }
+    CHECK(have[0] && have[1] && have[2] && !have[3], "parameter names: V-MoE, T-MoE in block 1, VL-FFN only in block 3");
+    printf("vlmoe-tiny: %zu parameters\n", L.total);
+    model_layout_free(&L);
+}
+
+int main(void) {
+    test_config();
+    test_xent();
+    fd_check(VLMOE_ENC_IMAGE, "MIM (image only)");
+    fd_check(VLMOE_ENC_TEXT, "MLM (text only)");
+    fd_check(VLMOE_ENC_PAIR, "VLM (image-text pair)");
+    test_mlm_mask();
+    test_mim_mask();
+    test_kmeans();
+    test_api();
+    return test_summary("test_mome");
+}
