@@ -299,9 +299,26 @@ static void test_vexp(void) {
     CHECK(vexp(0.0f) == 1.0f, "vexp(0) == 1 exactly");
 }
 
+// A row's linear output does not depend on how many rows go with it (batch-size invariance).
+static void test_linear_rows(void) {
+    enum { K = 37, O = 29, N = 6 };
+    float x[N * K], w[O * K], b[O], all[N * O], one[O];
+    for (int i = 0; i < N * K; i++) x[i] = (float)vlmoe_rng_normal(&rng);
+    for (int i = 0; i < O * K; i++) w[i] = (float)vlmoe_rng_normal(&rng);
+    for (int i = 0; i < O; i++) b[i] = (float)vlmoe_rng_normal(&rng);
+    linear_forward_f32(all, x, w, b, N, K, O, 0);
+    int same = 1;
+    for (int n = 0; n < N; n++) {
+        linear_forward_f32(one, x + n * K, w, b, 1, K, O, 0);
+        same &= !memcmp(one, all + n * O, sizeof(one));
+    }
+    CHECK(same, "a row alone and the same row in a batch of %d differ", N);
+}
+
 int main(void) {
     vlmoe_rng_seed(&rng, 42);
     test_vexp();
+    test_linear_rows();
     test_linear();
     test_layernorm();
     test_activations();

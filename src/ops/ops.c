@@ -4,6 +4,7 @@
 // outputs a thread owns, so results are identical for any thread count.
 // Covered by tests/test_ops.c (finite differences) and tests/test_parity.c (PyTorch).
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <dnnl.h>
@@ -21,6 +22,21 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
     cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N,
                 K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
+    if (M == 1) {
+        // a 1-row product takes oneDNN's gemv path, whose sums differ in the last bit from the
+        // same row inside a larger product; as 2 rows, a batch of one gives what a batch of many
+        // gives for the same input (if the scratch cannot be had, the direct call still works)
+        real *s = malloc(sizeof(real) * 2 * ((size_t)K + (size_t)N));
+        if (s) {
+            real *a2 = s, *c2 = s + 2 * (size_t)K;
+            for (int k = 0; k < K; k++) a2[k] = a2[K + k] = ta ? A[(size_t)k * lda] : A[k];
+            for (int j = 0; j < N; j++) c2[j] = c2[N + j] = beta != 0 ? C[j] : 0;
+            dnnl_sgemm('N', tb ? 'T' : 'N', 2, N, K, alpha, a2, K, B, ldb, beta, c2, N);
+            memcpy(C, c2, sizeof(real) * N);
+            free(s);
+            return;
+        }
+    }
     dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
 }
