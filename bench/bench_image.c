@@ -1,7 +1,9 @@
 // bench_image.c: images/s of the eval input pipeline (src/data/image.c, MODEL.md "Data"):
 // read + decode a JPEG + resize shorter side to 224 (bicubic) + center crop + normalise into
 // (3, 224, 224) floats, over 64 generated 500x375 photo-like JPEGs, with 1 and 2 OpenMP threads
-// (one image per iteration). Then runs bench/bench_image_pil.py on the same files for PIL's rate.
+// (one image per iteration), then the same through the training data loader (src/data/loader.c:
+// a CSV of the files, worker threads, batches of 64 assembled in order). Then runs
+// bench/bench_image_pil.py on the same files for PIL's rate.
 // Usage: bench_image [rounds]   (from the repository root; VLMOE_BENCH_NO_PIL=1 skips PIL)
 #include <dirent.h>
 #include <omp.h>
@@ -15,6 +17,7 @@
 
 #include "core/core.h"
 #include "data/image.h"
+#include "data/loader.h"
 
 enum { NIMG = 64, W = 500, H = 375, S = 224 };
 
@@ -120,6 +123,43 @@ static double pass(char paths[][512], vlmoe_image *decoded, int nt, stage what, 
 
 typedef struct { double wall, cpu; } rate;
 
+// Through the loader: `rounds` passes of 4 batches of NIMG images (one epoch each, file order)
+// from csv with nw workers, eval or train transform, no tokenizer; the median images/s of wall
+// and of process CPU time. Timed from the first batch request (the workers start there) to the
+// last batch: what the workers do ahead of it is not counted as done.
+static rate loader_rate(const char *csv, int nw, int train, int rounds, double *sum) {
+    double w[64], c[64];
+    if (rounds > 64) rounds = 64;
+    vlmoe_loader_params p = vlmoe_loader_default_params();
+    p.data.path = csv;
+    p.data.separator = ',';
+    p.image.size = S;
+    p.train = train;
+    p.shuffle = 0;
+    p.batch_size = NIMG;
+    p.workers = nw;
+    for (int k = 0; k < rounds; k++) {
+        vlmoe_loader *ld = NULL;
+        vlmoe_batch b = {0, NULL, NULL, NULL};
+        int st = vlmoe_loader_open(&p, &ld);
+        double t0 = clock_s(CLOCK_MONOTONIC), c0 = clock_s(CLOCK_PROCESS_CPUTIME_ID);
+        for (int i = 0; !st && i < 4; i++) {
+            st = vlmoe_loader_next(ld, &b, NULL);
+            if (!st) *sum += b.images[0] + b.images[(size_t)NIMG * 3 * S * S - 1];
+        }
+        w[k] = 4 * NIMG / (clock_s(CLOCK_MONOTONIC) - t0);
+        c[k] = 4 * NIMG / (clock_s(CLOCK_PROCESS_CPUTIME_ID) - c0);
+        vlmoe_loader_free(ld);
+        if (st) {
+            fprintf(stderr, "bench_image: loader: %s\n", vlmoe_last_error());
+            return (rate){-1, -1};
+        }
+    }
+    qsort(w, (size_t)rounds, sizeof(double), cmp);
+    qsort(c, (size_t)rounds, sizeof(double), cmp);
+    return (rate){w[rounds / 2], c[rounds / 2]};
+}
+
 static rate median_rate(char paths[][512], vlmoe_image *decoded, int nt, stage what, int rounds,
                         double *sum) {
     double w[64], c[64];
@@ -140,6 +180,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     static char paths[NIMG][512];
+    char csv[600];
+    snprintf(csv, sizeof csv, "%s/files.csv", dir);
+    FILE *fc = fopen(csv, "w");
+    if (fc) fputs("filepath,title\n", fc);
     size_t bytes = 0;
     for (int i = 0; i < NIMG; i++) {
         snprintf(paths[i], sizeof paths[i], "%s/img%02d.jpg", dir, i);
@@ -147,12 +191,17 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_image: cannot write %s\n", paths[i]);
             return 1;
         }
+        if (fc) fprintf(fc, "img%02d.jpg,image %d\n", i, i);
         FILE *f = fopen(paths[i], "rb");
         if (f) {
             fseek(f, 0, SEEK_END);
             bytes += (size_t)ftell(f);
             fclose(f);
         }
+    }
+    if (!fc || fclose(fc)) {
+        fprintf(stderr, "bench_image: cannot write %s\n", csv);
+        return 1;
     }
     vlmoe_image decoded[NIMG];
     memset(decoded, 0, sizeof decoded);
@@ -169,6 +218,8 @@ int main(int argc, char **argv) {
     rate dec1 = median_rate(paths, decoded, 1, DECODE, rounds, &sum);
     rate pre1 = median_rate(paths, decoded, 1, PREPROCESS, rounds, &sum);
     rate train1 = median_rate(paths, decoded, 1, TRAIN, rounds, &sum);
+    rate ld1 = loader_rate(csv, 1, 0, rounds, &sum), ld2 = loader_rate(csv, 2, 0, rounds, &sum);
+    rate ldt2 = loader_rate(csv, 2, 1, rounds, &sum);
     printf("  %-36s %9s %9s %14s\n", "", "images/s", "per CPU-s", "CPU ms/image");
     const char *fmt = "  %-36s %9.1f %9.1f %14.2f\n";
     printf(fmt, "vlmoe decode+eval, 1 thread", full1.wall, full1.cpu, 1e3 / full1.cpu);
@@ -176,6 +227,9 @@ int main(int argc, char **argv) {
     printf(fmt, "vlmoe read+decode only, 1 thread", dec1.wall, dec1.cpu, 1e3 / dec1.cpu);
     printf(fmt, "vlmoe eval preprocess only, 1 thread", pre1.wall, pre1.cpu, 1e3 / pre1.cpu);
     printf(fmt, "vlmoe train preprocess (RRC), 1 thr.", train1.wall, train1.cpu, 1e3 / train1.cpu);
+    printf(fmt, "vlmoe loader, eval, 1 worker", ld1.wall, ld1.cpu, 1e3 / ld1.cpu);
+    printf(fmt, "vlmoe loader, eval, 2 workers", ld2.wall, ld2.cpu, 1e3 / ld2.cpu);
+    printf(fmt, "vlmoe loader, train (RRC), 2 workers", ldt2.wall, ldt2.cpu, 1e3 / ldt2.cpu);
     printf("  (2 threads: x%.2f wall; checksum %.6g)\n", full2.wall / full1.wall, sum);
     fflush(stdout);
     for (int i = 0; i < NIMG; i++) vlmoe_image_free(&decoded[i]);
@@ -193,7 +247,8 @@ int main(int argc, char **argv) {
         }
     }
     for (int i = 0; i < NIMG; i++) unlink(paths[i]);
+    unlink(csv);
     rmdir(dir);
     return full1.wall < 0 || full2.wall < 0 || dec1.wall < 0 || pre1.wall < 0 ||
-           train1.wall < 0 || rc != 0;
+           train1.wall < 0 || ld1.wall < 0 || ld2.wall < 0 || ldt2.wall < 0 || rc != 0;
 }

@@ -1,6 +1,8 @@
-// train.c: `vlmoe train`: contrastive training behind OpenCLIP-style flags. Writes the resolved
-// model config and training params, metrics as JSON lines, a progress line, the final
-// checkpoint, and a held-out evaluation at the end.
+// train.c: `vlmoe train`: contrastive training behind OpenCLIP-style flags, on the built-in
+// synthetic data or on an OpenCLIP CSV / webdataset shards through the loader (src/data/loader.h).
+// Writes the resolved model config and training params, metrics as JSON lines, a progress line,
+// the checkpoints, and on synthetic data a held-out evaluation at the end. Covered by
+// tests/test_cli.c, tests/test_checkpoint.c and tests/test_loader.c.
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -14,21 +16,27 @@
 
 #include "args.h"
 #include "cli.h"
+#include "common.h"
+#include "data/loader.h"
 #include "vlmoe.h"
 
 typedef struct {
-    const char *model, *dataset_type, *train_data, *logs, *name, *optimizer, *scheduler, *pretrained;
-    const char *resume;
-    int batch_size, image_size, context_length, threads, log_every, eval_samples, keep;
+    const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained;
+    const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std;
+    int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
-    double lr, wd, beta1, beta2, eps, grad_clip;
+    double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
+    vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
 } train_args;
 
 // Everything a run holds; run_free releases whatever was set up.
 typedef struct {
     vlmoe_model *m;
     vlmoe_trainer *t;
-    vlmoe_synth *data;
+    vlmoe_synth *data;           // synthetic data, or
+    vlmoe_loader *loader;        // --train-data through the loader,
+    cli_text text;               // its captions' tokenizer
+    vlmoe_data_state resumed;    // the data position of the checkpoint resumed from
     FILE *metrics;
     float *images;
     int32_t *tokens, *lens;
@@ -37,6 +45,8 @@ typedef struct {
 
 static void run_free(train_run *r) {
     if (r->metrics) fclose(r->metrics);
+    vlmoe_loader_free(r->loader);
+    cli_text_free(&r->text);
     vlmoe_trainer_free(r->t);
     vlmoe_model_free(r->m);
     vlmoe_synth_free(r->data);
@@ -150,9 +160,20 @@ static const char *USAGE =
     "writes LOGS/NAME/{config.json, params.json, metrics.jsonl, checkpoints/step_N.safetensors}.\n"
     "A checkpoint is step_N.safetensors (weights + config, loadable by every command) plus\n"
     "step_N.state.safetensors (optimizer moments, step, RNG states, data position); --resume latest\n"
-    "continues exactly where the newest complete checkpoint left off.\n\n"
+    "continues exactly where the newest complete checkpoint left off, with the next samples.\n\n"
+    "Data: the built-in synthetic data, or --train-data: an OpenCLIP CSV/TSV (image paths relative to\n"
+    "its folder) or webdataset shards (000123.jpg + 000123.txt), read by --workers threads that\n"
+    "decode, random-resized-crop to the model's image size, normalise (--image-mean/--image-std)\n"
+    "and tokenize ahead of the step; shuffled per epoch from --seed, the same for any --workers.\n"
+    "Bad samples are skipped and counted; more than --max-bad-fraction of them stops the run.\n"
+    "Without --tokenizer, a model with at least 514 ids gets a BPE vocabulary trained on the first\n"
+    "10000 captions (saved as LOGS/NAME/tokenizer.txt, for vlmoe eval --tokenizer); a smaller one\n"
+    "uses the synthetic data's word tokenizer.\n\n"
     "examples:\n"
     "  vlmoe train --model limoe-tiny --dataset-type synthetic --steps 300\n"
+    "  vlmoe train --model limoe-S/32 --train-data cc3m.csv --csv-separator , --csv-img-key file \\\n"
+    "              --csv-caption-key caption --tokenizer bpe_simple_vocab_16e6.txt.gz --workers 4\n"
+    "  vlmoe train --model limoe-B/16 --train-data 'shards/train-{000000..000099}.tar' --steps 5000\n"
     "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000 \\\n"
     "              --save-frequency 1000 --zeroshot-frequency 1000 --name run1\n"
     "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
@@ -184,7 +205,7 @@ static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_
             int st = vlmoe_model_load(&m, w);
             if (!st) st = vlmoe_model_plan(m, a->batch_size);
             if (!st) st = vlmoe_trainer_init(&t, m, tp);
-            if (!st) st = vlmoe_trainer_load(t, w, s, NULL);
+            if (!st) st = vlmoe_trainer_load(t, w, s, &r->resumed);
             if (!st) {
                 r->m = m, r->t = t;
                 fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(t));
@@ -223,6 +244,11 @@ static int write_run_files(const train_args *a, train_run *r) {
     cJSON *pj = cJSON_CreateObject();
     cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
     cJSON_AddStringToObject(pj, "dataset_type", a->dataset_type);
+    if (r->loader) {
+        cJSON_AddStringToObject(pj, "train_data", a->data.path);
+        cJSON_AddNumberToObject(pj, "workers", a->workers);
+        cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
+    }
     cJSON_AddNumberToObject(pj, "batch_size", a->batch_size);
     cJSON_AddNumberToObject(pj, "steps", (double)a->steps);
     cJSON_AddNumberToObject(pj, "lr", a->lr);
@@ -250,6 +276,7 @@ static int save_checkpoint(train_run *r, long step, int keep, int B) {
     vlmoe_data_state ds;
     memset(&ds, 0, sizeof(ds));
     ds.data_position = (uint64_t)step * (uint64_t)B;
+    if (r->loader) vlmoe_loader_position(r->loader, &ds);
     if (vlmoe_trainer_save(r->t, w, s, &ds)) return cli_error("train", "checkpoint: %s", vlmoe_last_error());
     if (keep > 0) ckpt_prune(r->ckdir, keep);
     return 0;
@@ -271,18 +298,128 @@ static void log_eval(train_run *r, long step, int n, int B) {
     fflush(r->metrics);
 }
 
+// Opens --train-data once before anything is written, so that a missing file or shard, a bad CSV
+// header or shard pattern stops the run at once. count (may be NULL) gets a CSV's usable rows.
+static int check_data(const vlmoe_dataset_params *dp, long *count) {
+    vlmoe_dataset_params p = *dp;
+    p.defer_images = 1;
+    vlmoe_dataset *ds = NULL;
+    int st = vlmoe_dataset_open(&p, &ds);
+    if (!st && count && vlmoe_dataset_get_type(ds) != VLMOE_DATASET_CSV)
+        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: give --train-num-samples with --epochs (the samples in webdataset "
+                        "shards are not known before reading them)", dp->path);
+    if (count) *count = 0;
+    vlmoe_sample s;
+    int got = 0;
+    while (!st && count && (got = vlmoe_dataset_next(ds, &s)) == 1) ++*count;
+    if (got < 0) st = -got;
+    vlmoe_dataset_free(ds);
+    return st ? cli_error("train", "--train-data: %s", vlmoe_last_error()) : 0;
+}
+
+enum { VOCAB_CAPTIONS = 10000 };
+
+// A BPE vocabulary for a model that has none: trained on the first captions of the data (file
+// order) up to the model's vocabulary size and saved where a resumed run finds it.
+static int train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, const char *path) {
+    vlmoe_dataset_params p = *dp;
+    p.defer_images = 1;
+    vlmoe_dataset *ds = NULL;
+    char **texts = calloc(VOCAB_CAPTIONS, sizeof(char *));
+    size_t n = 0;
+    int st = texts ? vlmoe_dataset_open(&p, &ds) : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    vlmoe_sample s;
+    while (!st && n < VOCAB_CAPTIONS && (got = vlmoe_dataset_next(ds, &s)) == 1)
+        if (!(texts[n++] = strdup(s.caption))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
+    if (!st && got < 0) st = -got;
+    vlmoe_tokenizer *tok = NULL;
+    if (!st) st = vlmoe_tokenizer_train(&tok, (const char *const *)texts, n, vocab_size);
+    if (!st) st = vlmoe_tokenizer_save_clip(tok, path);
+    if (!st)
+        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions "
+                "of %s, saved as %s (give it to vlmoe eval as --tokenizer)\n", vlmoe_tokenizer_vocab_size(tok), n,
+                dp->path, path);
+    vlmoe_tokenizer_free(tok);
+    vlmoe_dataset_free(ds);
+    for (size_t i = 0; i < n; i++) free(texts[i]);
+    free(texts);
+    return st ? cli_error("train", "vocabulary for %s: %s", dp->path, vlmoe_last_error()) : 0;
+}
+
+// The tokenizer of the captions: --tokenizer, else the vocabulary this run trained (trained now on
+// a first run), else for a model with too few ids for BPE the synthetic data's word tokenizer.
+static int setup_text(const train_args *a, const vlmoe_model_config *c, train_run *r) {
+    char path[1024];
+    const char *use = a->tokenizer;
+    if (!use && c->vocab_size >= 514) {
+        snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
+        use = path;
+        if (access(path, R_OK) == 0)
+            fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
+        else if (train_vocabulary(&a->data, c->vocab_size, path))
+            return 1;
+    }
+    if (cli_text_init("train", use, c, 1, &r->text)) return 1;
+    if (!use)
+        fprintf(stderr, "vlmoe train: captions are tokenized with the synthetic data's word tokenizer (the model's "
+                "%d ids are too few for BPE; --tokenizer FILE for another)\n", c->vocab_size);
+    return 0;
+}
+
+// The loader over --train-data: the model's image size, --image-mean/--image-std, the tokenizer
+// above; a resumed run continues at the checkpoint's data position.
+static int setup_loader(const train_args *a, const vlmoe_model_config *c, train_run *r) {
+    if (c->channels != 3) return cli_error("train", "model %s has %d image channels; images are RGB", c->name, c->channels);
+    vlmoe_loader_params lp = vlmoe_loader_default_params();
+    if (cli_image_params("train", a->image_mean, a->image_std, c, &lp.image) || setup_text(a, c, r)) return 1;
+    lp.data = a->data;
+    lp.seed = (uint64_t)a->seed;
+    lp.batch_size = a->batch_size;
+    lp.context_length = c->context_length;
+    lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
+    lp.workers = a->workers;
+    lp.max_bad_fraction = a->max_bad;
+    if (vlmoe_loader_open(&lp, &r->loader) || (a->resume && vlmoe_loader_seek(r->loader, &r->resumed)))
+        return cli_error("train", "--train-data: %s", vlmoe_last_error());
+    const int64_t rows = vlmoe_loader_epoch_size(r->loader);
+    char what[64] = "webdataset shards";
+    if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
+    fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
+    return 0;
+}
+
+// A warning with the bad-sample counts and the first messages, if there were any.
+static void warn_bad(const train_run *r, const char *path) {
+    const vlmoe_dataset_stats *st = r->loader ? vlmoe_loader_stats(r->loader) : NULL;
+    if (!st || !vlmoe_dataset_stats_bad(st)) return;
+    char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
+    vlmoe_dataset_stats_format(st, sum, sizeof(sum));
+    fprintf(stderr, "vlmoe train: warning: %s: %s\n", path, sum);
+}
+
 int cmd_train(int argc, char **argv) {
-    train_args a = {"tiny", "synthetic", NULL, "./logs", NULL, "adamw", "cosine", NULL, NULL,
-                    64, 0, 0, 0, 10, 1000, 3,
-                    300, 30, 0, 0, 0, 0, 0, 10000,
-                    1e-3, 0.1, 0.9, 0.98, 1e-6, 1.0};
+    train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
+                    .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
+                    .workers = 2, .steps = 300, .warmup = 30, .lr = 1e-3, .wd = 0.1, .beta1 = 0.9, .beta2 = 0.98,
+                    .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
+    a.data = vlmoe_dataset_default_params();
     long steps_given = -1, epochs = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
-        {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "training data: synthetic (built-in, the default)"},
-        {"train-data", ARG_STRING, &a.train_data, "PATH", "training data location (not used by synthetic)"},
-        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch (default 10000 for synthetic data)"},
+        {"train-data", ARG_STRING, &a.data.path, "PATH", "image-text pairs: an OpenCLIP CSV/TSV file, or webdataset shards "
+                                                       "('train-{000000..000099}.tar', lists joined by '::')"},
+        {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "synthetic (built-in; the default without --train-data), csv, "
+                                                             "webdataset, auto (by the name; the default with it)"},
+        {"csv-separator", ARG_STRING, &a.csv_separator, "C", "CSV field separator (default tab; \\t for tab)"},
+        {"csv-img-key", ARG_STRING, &a.data.img_key, "NAME", "CSV column of image paths (default filepath)"},
+        {"csv-caption-key", ARG_STRING, &a.data.caption_key, "NAME", "CSV column of captions (default title)"},
+        {"workers", ARG_INT, &a.workers, "N", "threads loading --train-data ahead of the step (default 2; 0: the training thread)"},
+        {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "captions' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
+        {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
+        {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
+        {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
+        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step (default 64)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
@@ -313,10 +450,28 @@ int cmd_train(int argc, char **argv) {
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
-    if (strcmp(a.dataset_type, "synthetic"))
-        return cli_error("train", "--dataset-type %s: this build reads only the built-in 'synthetic' data", a.dataset_type);
+    a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
+    const int synthetic = !strcmp(a.dataset_type, "synthetic");
+    if (synthetic && a.data.path)
+        return cli_error("train", "--train-data: --dataset-type synthetic trains on the built-in data (csv, webdataset or "
+                         "auto read --train-data)");
+    if (!synthetic) {
+        a.data.type = !strcmp(a.dataset_type, "csv") ? VLMOE_DATASET_CSV
+                      : !strcmp(a.dataset_type, "webdataset") ? VLMOE_DATASET_WEBDATASET : VLMOE_DATASET_AUTO;
+        if (a.data.type == VLMOE_DATASET_AUTO && strcmp(a.dataset_type, "auto"))
+            return cli_error("train", "--dataset-type %s: expected synthetic, csv, webdataset or auto", a.dataset_type);
+        if (!a.data.path) return cli_error("train", "--dataset-type %s needs --train-data PATH", a.dataset_type);
+        if (!strcmp(a.csv_separator, "\\t")) a.csv_separator = "\t";
+        if (strlen(a.csv_separator) != 1)
+            return cli_error("train", "--csv-separator expects one character, got '%s'", a.csv_separator);
+        a.data.separator = a.csv_separator[0];
+        if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
+            return cli_error("train", "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
+    }
     if (a.batch_size < 2) return cli_error("train", "--batch-size must be >= 2 for a contrastive loss");
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
+    if (!synthetic && (rc = check_data(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))) return rc;
+    if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
     if (epochs > 0) {
         if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
         a.steps = (epochs * a.num_samples + a.batch_size - 1) / a.batch_size;
@@ -369,26 +524,31 @@ int cmd_train(int argc, char **argv) {
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (mkdir_p(r.ckdir)) return cli_error("train", "cannot create %s: %s", r.ckdir, strerror(errno));
     ckpt_clean_tmp(r.ckdir);
-    if ((rc = setup_model(&a, &tp, &r)) || (rc = write_run_files(&a, &r))) {
+    if ((rc = setup_model(&a, &tp, &r))) {
         run_free(&r);
         return rc;
     }
     const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
-    vlmoe_synth_params sp = vlmoe_synth_default_params();
-    sp.image_size = cfg->image_size;
-    sp.seed = (uint64_t)a.seed;
-    if (vlmoe_synth_init(&r.data, &sp)) {
-        rc = cli_error("train", "synthetic data: %s", vlmoe_last_error());
-    } else if (vlmoe_synth_vocab_size(r.data) > cfg->vocab_size || cfg->channels != 3) {
-        rc = cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d", cfg->name,
-                       vlmoe_synth_vocab_size(r.data));
-    }
     const int B = a.batch_size, T = cfg->context_length;
-    const size_t isz = (size_t)3 * cfg->image_size * cfg->image_size;
-    r.images = malloc(sizeof(float) * isz * B);
-    r.tokens = malloc(sizeof(int32_t) * (size_t)B * T);
-    r.lens = malloc(sizeof(int32_t) * B);
-    if (!rc && (!r.images || !r.tokens || !r.lens)) rc = cli_error("train", "out of memory");
+    if (!synthetic) {
+        rc = setup_loader(&a, cfg, &r);
+    } else {
+        vlmoe_synth_params sp = vlmoe_synth_default_params();
+        sp.image_size = cfg->image_size;
+        sp.seed = (uint64_t)a.seed;
+        if (vlmoe_synth_init(&r.data, &sp)) {
+            rc = cli_error("train", "synthetic data: %s", vlmoe_last_error());
+        } else if (vlmoe_synth_vocab_size(r.data) > cfg->vocab_size || cfg->channels != 3) {
+            rc = cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d", cfg->name,
+                           vlmoe_synth_vocab_size(r.data));
+        }
+        const size_t isz = (size_t)3 * cfg->image_size * cfg->image_size;
+        r.images = malloc(sizeof(float) * isz * B);
+        r.tokens = malloc(sizeof(int32_t) * (size_t)B * T);
+        r.lens = malloc(sizeof(int32_t) * B);
+        if (!rc && (!r.images || !r.tokens || !r.lens)) rc = cli_error("train", "out of memory");
+    }
+    if (!rc) rc = write_run_files(&a, &r);
     if (rc) {
         run_free(&r);
         return rc;
@@ -400,11 +560,12 @@ int cmd_train(int argc, char **argv) {
     double t_start = now(), t_last = t_start, sum_loss = 0;
     long last_step = start;
     for (long step = start; step < a.steps && !rc; step++) {
-        if (vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, r.images, r.tokens, r.lens)) {
+        vlmoe_batch batch = {B, r.images, r.tokens, r.lens};
+        if (r.loader ? vlmoe_loader_next(r.loader, &batch, NULL)
+                     : vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, r.images, r.tokens, r.lens)) {
             rc = cli_error("train", "data: %s", vlmoe_last_error());
             break;
         }
-        vlmoe_batch batch = {B, r.images, r.tokens, r.lens};
         vlmoe_step_stats s;
         if (vlmoe_trainer_step(r.t, &batch, &s)) {
             rc = cli_error("train", "diverged: %s. Nothing was written for this step; continue from the last "
@@ -428,6 +589,12 @@ int cmd_train(int argc, char **argv) {
             cJSON_AddNumberToObject(o, "grad_norm", s.grad_norm);
             cJSON_AddNumberToObject(o, "images_per_s", ips);
             cJSON_AddNumberToObject(o, "s_per_step", per);
+            if (r.loader) {
+                vlmoe_data_state pos;
+                vlmoe_loader_position(r.loader, &pos);
+                cJSON_AddNumberToObject(o, "epoch", (double)pos.data_epoch);
+                cJSON_AddNumberToObject(o, "bad_samples", (double)vlmoe_dataset_stats_bad(vlmoe_loader_stats(r.loader)));
+            }
             double succ[2] = {1, 1};
             int nmoe;
             const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(r.m, &nmoe);
@@ -451,7 +618,8 @@ int cmd_train(int argc, char **argv) {
             if (tty) fputc('\n', stderr);
             rc = save_checkpoint(&r, done, a.keep, B);
         }
-        if (!rc && a.eval_samples > 0 && a.zeroshot_every > 0 && done % a.zeroshot_every == 0 && done != a.steps) {
+        if (!rc && synthetic && a.eval_samples > 0 && a.zeroshot_every > 0 && done % a.zeroshot_every == 0 &&
+            done != a.steps) {
             if (tty) fputc('\n', stderr);
             log_eval(&r, done, a.eval_samples, B);
         }
@@ -459,8 +627,9 @@ int cmd_train(int argc, char **argv) {
     if (!rc) {
         fprintf(stderr, "%strained to step %ld in %.1f s; checkpoints in %s\n", tty ? "\n" : "", a.steps,
                 now() - t_start, r.ckdir);
-        if (a.eval_samples > 0) log_eval(&r, a.steps, a.eval_samples, B);
+        if (synthetic && a.eval_samples > 0) log_eval(&r, a.steps, a.eval_samples, B);
     }
+    if (!rc) warn_bad(&r, a.data.path);   // a run stopped by bad samples said so with the counts
     run_free(&r);
     return rc;
 }

@@ -518,8 +518,13 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t);
 // state (STATE: optimizer moments, step, the routing-noise counter, the data position, the
 // data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC).
 typedef struct {
-    uint64_t data_position;  // index of the next training sample
-    uint64_t data_rng[4];    // state of the data order's RNG (shuffling), if any
+    uint64_t data_position;  // index of the next training sample (over all epochs)
+    uint64_t data_rng[4];    // state of the data order's RNG (shuffling), if any; the loader's
+                             // order is a function of (seed, epoch, index): it keeps its seed here
+    int64_t data_epoch;      // loader: epoch of the next sample
+    int64_t data_index;      // loader: index of the next sample within its epoch
+    int64_t data_block[2];   // loader, webdataset: (shard in the epoch's shard order, tar member)
+                             // where the shuffle block holding the next sample starts
 } vlmoe_data_state;
 int vlmoe_trainer_save(const vlmoe_trainer *t, const char *weights_path, const char *state_path,
                        const vlmoe_data_state *data);

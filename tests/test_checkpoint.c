@@ -66,14 +66,15 @@ static void test_library_resume(void) {
     for (long i = 0; i < 8; i++) {
         la[i] = lrun_step(&a, i);
         if (i == 3) {
-            vlmoe_data_state ds = {4 * 16, {1, 2, 3, 4}};
+            vlmoe_data_state ds = {4 * 16, {1, 2, 3, 4}, 5, 6, {7, 8}};
             CHECK(vlmoe_trainer_save(a.t, w, s, &ds) == VLMOE_OK, "save: %s", vlmoe_last_error());
         }
     }
     lrun_init(&b, 99); // different weights until the checkpoint replaces them
     vlmoe_data_state got;
     CHECK(vlmoe_trainer_load(b.t, w, s, &got) == VLMOE_OK, "load: %s", vlmoe_last_error());
-    CHECK(got.data_position == 64 && got.data_rng[3] == 4, "data state %llu", (unsigned long long)got.data_position);
+    CHECK(got.data_position == 64 && got.data_rng[3] == 4 && got.data_epoch == 5 && got.data_index == 6 &&
+          got.data_block[0] == 7 && got.data_block[1] == 8, "data state %llu", (unsigned long long)got.data_position);
     CHECK(vlmoe_trainer_get_step(b.t) == 4, "step after load %ld", vlmoe_trainer_get_step(b.t));
     for (long i = 4; i < 8; i++) lb[i] = lrun_step(&b, i);
     CHECK(!memcmp(la + 4, lb + 4, 4 * sizeof(double)), "resumed losses differ: %.17g vs %.17g (step 7)", la[7], lb[7]);
@@ -150,30 +151,59 @@ static int count_tmp(const char *run) {
     return n;
 }
 
+// Whether run/checkpoints holds a complete checkpoint (weights and training state of one step).
+static int have_checkpoint(const char *run) {
+    char path[256], state[300];
+    snprintf(path, sizeof(path), "%s/%s/checkpoints", dir, run);
+    DIR *d = opendir(path);
+    int have = 0;
+    struct dirent *e;
+    long step;
+    while (d && (e = readdir(d)))
+        if (!strstr(e->d_name, ".tmp.") && !strstr(e->d_name, ".state.") && sscanf(e->d_name, "step_%ld.safetensors", &step) == 1) {
+            snprintf(state, sizeof(state), "%s/step_%ld.state.safetensors", path, step);
+            have |= access(state, F_OK) == 0;
+        }
+    if (d) closedir(d);
+    return have;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 static void test_kill_and_resume(void) {
+    // kills land at random moments after the start-up (long under ASan, on a busy machine),
+    // within a quarter of a run's length, so every run is cut several times
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "%s version > /dev/null 2>&1", bin);
+    double t0 = now_ms();
+    CHECK(system(cmd) == 0, "%s version failed", bin);
+    double t1 = now_ms();
     CHECK(run_cmd("--name full") == 0, "uninterrupted run failed");
+    const long start_ms = (long)(t1 - t0), window = (long)fmax(20, (now_ms() - t1 - (t1 - t0)) / 4);
     static char full[NSTEPS][40], killed[NSTEPS][40];
     CHECK(read_losses("full", full, NSTEPS) == NSTEPS, "uninterrupted run logged %d steps", read_losses("full", full, NSTEPS));
     int kills = 0, midwrite = 0, done = 0;
     srand(12345);
-    for (int attempt = 0; attempt < 200 && !done; attempt++) {
-        char ckdir[256];
-        snprintf(ckdir, sizeof(ckdir), "%s/killed/checkpoints", dir);
-        DIR *d = opendir(ckdir);
-        int have = 0; // resume once a checkpoint exists; before that, start afresh
-        struct dirent *e;
-        while (d && (e = readdir(d))) have |= !strncmp(e->d_name, "step_", 5) && !strstr(e->d_name, ".tmp.");
-        if (d) closedir(d);
+    for (int attempt = 0; attempt < 400 && !(done && midwrite); attempt++) {
+        if (done) { // finished without a kill during a write: once more from scratch
+            snprintf(cmd, sizeof(cmd), "rm -rf %s/killed", dir);
+            CHECK(system(cmd) == 0, "cleanup");
+            done = 0;
+        }
+        const int have = have_checkpoint("killed"); // resume once a checkpoint exists
         pid_t pid = fork();
         if (pid == 0) {
-            char cmd[1024];
             snprintf(cmd, sizeof(cmd), "exec %s %s --logs %s --name killed %s > /dev/null 2>&1", bin, TRAIN_ARGS,
                      dir, have ? "--resume latest" : "");
             execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
             _exit(127);
         }
-        // let it start, then kill it at a random moment (the run's steps take a few ms each)
-        struct timespec ts = {0, (long)(20 + rand() % 100) * 1000000L};
+        const long ms = start_ms + rand() % window;
+        struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
         nanosleep(&ts, NULL);
         int status;
         if (waitpid(pid, &status, WNOHANG) == pid) {

@@ -1,41 +1,17 @@
 // test_readers.c: tests for src/data/readers.c (MODEL.md "Data"): brace expansion, OpenCLIP
 // CSV/TSV with RFC 4180 quoting and bad rows, webdataset shards (plain, gzip, cut mid-member),
 // position/seek, bad-sample policy and the image-folder reader. Fixtures are built in a mkdtemp dir.
-#include <archive.h>
-#include <archive_entry.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "data/readers.h"
 #include "test.h"
+#include "test_tar.h"
 
 static char dir[64];
 
 static const char *P(const char *rel) { return test_path(dir, rel); }
 static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
-
-typedef struct { const char *name; const char *data; size_t len; } member;
-
-static void write_tar(const char *path, int gzip, const member *m, int n) {
-    struct archive *a = archive_write_new();
-    archive_write_set_format_ustar(a);
-    if (gzip) archive_write_add_filter_gzip(a);
-    CHECK(archive_write_open_filename(a, path) == ARCHIVE_OK, "open %s for writing", path);
-    for (int i = 0; i < n; i++) {
-        struct archive_entry *e = archive_entry_new();
-        archive_entry_set_pathname(e, m[i].name);
-        archive_entry_set_size(e, (la_int64_t)m[i].len);
-        archive_entry_set_filetype(e, AE_IFREG);
-        archive_entry_set_perm(e, 0644);
-        CHECK(archive_write_header(a, e) == ARCHIVE_OK, "tar header %s", m[i].name);
-        if (m[i].len) CHECK(archive_write_data(a, m[i].data, m[i].len) == (la_ssize_t)m[i].len, "data");
-        archive_entry_free(e);
-    }
-    archive_write_close(a);
-    archive_write_free(a);
-}
-
-#define M(name, str) {name, str, sizeof(str) - 1}
 
 static int expand_eq(const char *pat, const char **want, int nwant) {
     char **v; int n;

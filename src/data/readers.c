@@ -184,7 +184,7 @@ int vlmoe_expand_braces(const char *pattern, char ***out, int *n) {
 // ---- bad-sample accounting ------------------------------------------------------------------
 static const char *bad_names[VLMOE_BAD_N] = {
     "missing_column", "empty_caption", "unreadable_image", "no_partner", "truncated_shard",
-    "malformed_row",
+    "malformed_row", "undecodable_image",
 };
 
 const char *vlmoe_bad_reason_name(int r) {
@@ -197,12 +197,7 @@ int64_t vlmoe_dataset_stats_bad(const vlmoe_dataset_stats *s) {
     return b;
 }
 
-static void add_bad(vlmoe_dataset_stats *s, int reason, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
-static void add_bad(vlmoe_dataset_stats *s, int reason, const char *fmt, ...) {
+void vlmoe_dataset_stats_add_bad(vlmoe_dataset_stats *s, int reason, const char *fmt, ...) {
     s->total++;
     s->bad[reason]++;
     if (s->n_msgs < VLMOE_BAD_MSGS) {
@@ -211,6 +206,13 @@ static void add_bad(vlmoe_dataset_stats *s, int reason, const char *fmt, ...) {
         vsnprintf(s->msgs[s->n_msgs++], VLMOE_BAD_MSG_LEN, fmt, ap);
         va_end(ap);
     }
+}
+
+void vlmoe_dataset_stats_merge(vlmoe_dataset_stats *dst, const vlmoe_dataset_stats *src) {
+    dst->total += src->total;
+    for (int i = 0; i < VLMOE_BAD_N; i++) dst->bad[i] += src->bad[i];
+    for (int i = 0; i < src->n_msgs && dst->n_msgs < VLMOE_BAD_MSGS; i++)
+        memcpy(dst->msgs[dst->n_msgs++], src->msgs[i], VLMOE_BAD_MSG_LEN);
 }
 
 // snprintf-append that never overruns and keeps counting the wanted length.
@@ -268,6 +270,7 @@ struct vlmoe_dataset {
     FILE *f;
     long data_off;              // file offset of the first data row
     int64_t data_line, line;    // line of the first data row; line being read
+    int defer;                  // defer_images: paths only, image files are not opened
     int64_t row;                // index of the next data row
     int img_col, cap_col;
     char *rec; size_t rec_len, rec_cap;        // fields of the current row, NUL-separated
@@ -327,7 +330,7 @@ static int ends_with(const char *s, const char *suf) {
 }
 
 vlmoe_dataset_params vlmoe_dataset_default_params(void) {
-    vlmoe_dataset_params p = {VLMOE_DATASET_AUTO, NULL, '\t', "filepath", "title"};
+    vlmoe_dataset_params p = {VLMOE_DATASET_AUTO, NULL, '\t', "filepath", "title", 0};
     return p;
 }
 
@@ -470,44 +473,46 @@ static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         if (r <= 0) return r;
         ds->row++;
         if (ds->rec_unterminated) {
-            add_bad(&ds->stats, VLMOE_BAD_MALFORMED_ROW, "%s:%lld: quoted field never closed",
-                    ds->csv_path, (long long)line);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_MALFORMED_ROW,
+                    "%s:%lld: quoted field never closed", ds->csv_path, (long long)line);
             continue;
         }
         int need = (ds->img_col > ds->cap_col ? ds->img_col : ds->cap_col) + 1;
         if (ds->nfld < need) {
-            add_bad(&ds->stats, VLMOE_BAD_MISSING_COLUMN, "%s:%lld: row has %d field%s, the %s "
-                    "column needs %d", ds->csv_path, (long long)line, ds->nfld,
-                    ds->nfld == 1 ? "" : "s", ds->img_col >= ds->nfld ? "image" : "caption", need);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_MISSING_COLUMN,
+                    "%s:%lld: row has %d field%s, the %s column needs %d", ds->csv_path,
+                    (long long)line, ds->nfld, ds->nfld == 1 ? "" : "s",
+                    ds->img_col >= ds->nfld ? "image" : "caption", need);
             continue;
         }
         const char *capf = ds->rec + ds->fld[ds->cap_col];
         int st = set_caption(ds, capf, strlen(capf));
         if (st) return -st;
         if (ds->cap_len == 0) {
-            add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s:%lld: empty caption", ds->csv_path,
-                    (long long)line);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s:%lld: empty caption",
+                    ds->csv_path, (long long)line);
             continue;
         }
         const char *ip = ds->rec + ds->fld[ds->img_col];
         char why[200];
         if (!*ip) {
-            add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: empty image path",
-                    ds->csv_path, (long long)line);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE,
+                    "%s:%lld: empty image path", ds->csv_path, (long long)line);
             continue;
         }
         st = ip[0] == '/' ? set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s", ip)
                           : set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s/%s", ds->csv_dir, ip);
         if (st) return -st;
-        if (read_image_file(ds, ds->pathbuf, why, sizeof why)) {
-            add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: image %s: %s", ds->csv_path,
-                    (long long)line, ds->pathbuf, why);
+        if (!ds->defer && read_image_file(ds, ds->pathbuf, why, sizeof why)) {
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: image %s: %s",
+                    ds->csv_path, (long long)line, ds->pathbuf, why);
             continue;
         }
         if ((st = set_str(&ds->key, &ds->key_cap, "%s:%lld", ds->csv_path, (long long)line))) return -st;
         path_ext(ds->pathbuf, ds->ext, sizeof ds->ext);
         ds->stats.total++;
-        s->image = ds->img; s->image_len = ds->img_len; s->image_ext = ds->ext;
+        s->image = ds->defer ? NULL : ds->img; s->image_len = ds->defer ? 0 : ds->img_len;
+        s->image_path = ds->pathbuf; s->image_ext = ds->ext;
         s->caption = ds->cap; s->key = ds->key;
         return 1;
     }
@@ -515,6 +520,7 @@ static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
 
 static int csv_open(vlmoe_dataset *ds, const vlmoe_dataset_params *p) {
     ds->sep = p->separator;
+    ds->defer = p->defer_images;
     if (ds->sep == '"' || ds->sep == '\n' || ds->sep == '\r' || ds->sep == 0)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: CSV separator must be one character other than a "
                           "quote or a line end", p->path);
@@ -653,7 +659,7 @@ static int wds_read_data(vlmoe_dataset *ds, uint8_t **buf, size_t *cap, size_t *
 }
 
 static void wds_bad_shard(vlmoe_dataset *ds) {
-    add_bad(&ds->stats, VLMOE_BAD_TRUNCATED_SHARD, "%s (rest of shard skipped)", vlmoe_last_error());
+    vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_TRUNCATED_SHARD, "%s (rest of shard skipped)", vlmoe_last_error());
     wds_close(ds);
     ds->shard++;
 }
@@ -722,20 +728,20 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
         if (eof) { wds_close(ds); ds->shard++; }
         if (!have_img && !have_txt) continue;   // e.g. only .json/.cls members: not a sample
         if (!have_img || !have_txt) {
-            add_bad(&ds->stats, VLMOE_BAD_NO_PARTNER, "%s: %s without %s", ds->key,
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_NO_PARTNER, "%s: %s without %s", ds->key,
                     have_img ? "image" : "caption", have_img ? "a .txt caption" : "an image");
             continue;
         }
         if (ds->cap_len == 0) {
-            add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s: empty caption", ds->key);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_EMPTY_CAPTION, "%s: empty caption", ds->key);
             continue;
         }
         if (ds->img_len == 0) {   // samples promise image_len > 0, as for CSV
-            add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s: empty .%s member", ds->key, ds->ext);
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s: empty .%s member", ds->key, ds->ext);
             continue;
         }
         ds->stats.total++;
-        s->image = ds->img; s->image_len = ds->img_len; s->image_ext = ds->ext;
+        s->image = ds->img; s->image_len = ds->img_len; s->image_path = NULL; s->image_ext = ds->ext;
         s->caption = ds->cap; s->key = ds->key;
         return 1;
     }
@@ -846,6 +852,10 @@ const vlmoe_dataset_stats *vlmoe_dataset_get_stats(const vlmoe_dataset *ds) {
 
 void vlmoe_dataset_reset_stats(vlmoe_dataset *ds) {
     if (ds) memset(&ds->stats, 0, sizeof ds->stats);
+}
+
+vlmoe_dataset_type vlmoe_dataset_get_type(const vlmoe_dataset *ds) {
+    return ds ? ds->type : VLMOE_DATASET_AUTO;
 }
 
 int vlmoe_dataset_n_shards(const vlmoe_dataset *ds) {

@@ -33,7 +33,9 @@ typedef enum {
     VLMOE_BAD_TRUNCATED_SHARD = 4,  // libarchive error (shard cut mid-member, corrupt, not a tar):
                                     // the partial sample is dropped, the rest of the shard skipped
     VLMOE_BAD_MALFORMED_ROW = 5,    // CSV quote never closed before end of file
-    VLMOE_BAD_N = 6
+    VLMOE_BAD_UNDECODABLE_IMAGE = 6,// image bytes that do not decode (counted by the loader, which
+                                    // decodes; the readers never look inside an image)
+    VLMOE_BAD_N = 7
 } vlmoe_bad_reason;
 const char *vlmoe_bad_reason_name(int reason);   // "missing_column", ...
 
@@ -46,6 +48,15 @@ typedef struct {
     char msgs[VLMOE_BAD_MSGS][VLMOE_BAD_MSG_LEN];
 } vlmoe_dataset_stats;
 int64_t vlmoe_dataset_stats_bad(const vlmoe_dataset_stats *s);   // sum over reasons
+// Counts one bad sample of `reason` (total and bad[reason]) and keeps its message while fewer than
+// VLMOE_BAD_MSGS are kept.
+void vlmoe_dataset_stats_add_bad(vlmoe_dataset_stats *s, int reason, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+// dst += src: counts added, src's messages appended while dst has room.
+void vlmoe_dataset_stats_merge(vlmoe_dataset_stats *dst, const vlmoe_dataset_stats *src);
 // Writes a one-paragraph summary ("bad samples: 3 of 10 (30.0%): empty_caption 2, ...; first:
 // ...") into buf (always NUL-terminated when cap > 0); returns the length it wanted, as snprintf.
 int vlmoe_dataset_stats_format(const vlmoe_dataset_stats *s, char *buf, size_t cap);
@@ -65,13 +76,18 @@ typedef struct {
     char separator;           // CSV field separator: OpenCLIP's --csv-separator, default '\t'
     const char *img_key;      // --csv-img-key, default "filepath"
     const char *caption_key;  // --csv-caption-key, default "title"
+    int defer_images;         // CSV: do not open image files (default 0): samples carry image_path
+                              // only (image NULL, image_len 0) and a missing or unreadable image is
+                              // the caller's to find and count. Ignored by webdataset.
 } vlmoe_dataset_params;
 vlmoe_dataset_params vlmoe_dataset_default_params(void);
 
 // One sample. Every pointer is owned by the dataset and valid until the next call on it.
 typedef struct {
-    const uint8_t *image;   // encoded bytes (JPEG/PNG/WebP; not checked here)
-    size_t image_len;       // > 0
+    const uint8_t *image;   // encoded bytes (JPEG/PNG/WebP; not checked here); NULL if deferred
+    size_t image_len;       // > 0 (0 if deferred)
+    const char *image_path; // CSV: the image file (relative paths joined to the CSV's folder);
+                            // webdataset: NULL
     const char *image_ext;  // lower-case extension without '.' ("jpg"; CSV: from the path, may be "")
     const char *caption;    // trimmed, non-empty, NUL-terminated
     const char *key;        // for messages: CSV "file.csv:LINE" (line where the row starts,
@@ -106,6 +122,7 @@ int vlmoe_dataset_seek(vlmoe_dataset *ds, vlmoe_dataset_pos pos);
 const vlmoe_dataset_stats *vlmoe_dataset_get_stats(const vlmoe_dataset *ds);
 void vlmoe_dataset_reset_stats(vlmoe_dataset *ds);
 int vlmoe_dataset_n_shards(const vlmoe_dataset *ds);   // 1 for CSV
+vlmoe_dataset_type vlmoe_dataset_get_type(const vlmoe_dataset *ds);   // CSV or WEBDATASET (AUTO resolved)
 void vlmoe_dataset_free(vlmoe_dataset *ds);           // NULL is safe
 
 // ---- image folder (zero-shot classification) ------------------------------------------------

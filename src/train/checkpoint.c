@@ -1,8 +1,8 @@
 // checkpoint.c: exact-resume checkpoints. The weights go to a vlmoe model file; the training
-// state (every optimizer buffer, the step, the model's routing-noise RNG, the data position
-// and data RNG) to a second safetensors file. Both are written atomically by the safetensors
-// writer (temporary file, fsync, rename), weights first, so a crash at any moment leaves the
-// previous complete pair loadable. Covered by tests/test_checkpoint.c.
+// state (every optimizer buffer, the step, the model's routing-noise RNG, the data position, the
+// data RNG and the loader's epoch, index and shuffle block) to a second safetensors file. Both are
+// written atomically by the safetensors writer (temporary file, fsync, rename), weights first, so
+// a crash at any moment leaves the previous complete pair loadable. Covered by tests/test_checkpoint.c.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +42,12 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
     vlmoe_model_get_rng(m, model_rng);
     const uint64_t pos = data ? data->data_position : 0;
     uint64_t rng[4] = {0, 0, 0, 0};
-    if (data) memcpy(rng, data->data_rng, sizeof(rng));
+    int64_t loader[4] = {0, 0, 0, 0};
+    if (data) {
+        memcpy(rng, data->data_rng, sizeof(rng));
+        loader[0] = data->data_epoch, loader[1] = data->data_index;
+        loader[2] = data->data_block[0], loader[3] = data->data_block[1];
+    }
     char kind[8];
     snprintf(kind, sizeof(kind), "%d", (int)vlmoe_trainer_params(t)->optim.kind);
     st = vlmoe_st_writer_meta(w, "vlmoe.state_version", STATE_VERSION);
@@ -51,6 +56,7 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
     if (!st) st = vlmoe_st_writer_add_raw(w, "model.rng", VLMOE_DT_U64, 1, two, model_rng);
     if (!st) st = vlmoe_st_writer_add_raw(w, "data.position", VLMOE_DT_U64, 1, one, &pos);
     if (!st) st = vlmoe_st_writer_add_raw(w, "data.rng", VLMOE_DT_U64, 1, four, rng);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "data.loader", VLMOE_DT_I64, 1, four, loader);
     for (int i = 0; i < ns && !st; i++) {
         const char *name;
         float *d;
@@ -97,6 +103,9 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     if (!st) st = read_ints(f, "model.rng", VLMOE_DT_U64, 2, model_rng);
     if (!st) st = read_ints(f, "data.position", VLMOE_DT_U64, 1, &ds.data_position);
     if (!st) st = read_ints(f, "data.rng", VLMOE_DT_U64, 4, ds.data_rng);
+    int64_t loader[4] = {0, 0, 0, 0}; // absent from states written before the loader existed
+    if (!st && vlmoe_st_find(f, "data.loader") >= 0) st = read_ints(f, "data.loader", VLMOE_DT_I64, 4, loader);
+    ds.data_epoch = loader[0], ds.data_index = loader[1], ds.data_block[0] = loader[2], ds.data_block[1] = loader[3];
     if (!st && step < 0) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: negative step %lld", state_path, (long long)step);
     // read every optimizer buffer into scratch first: nothing changes unless all are valid
     const int ns = vlmoe_optim_state_count(o);

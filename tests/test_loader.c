@@ -1,0 +1,457 @@
+// test_loader.c: the training data loader (src/data/loader.c, MODEL.md "Data") on JPEG images,
+// an OpenCLIP CSV and webdataset shards made here: batches identical for 0, 1, 2 and 4 workers;
+// a seeded order that visits every sample once per epoch; resume mid-epoch (and mid shuffle
+// block) continuing with exactly the next samples; bad samples skipped and counted; too many bad
+// samples, an epoch without a usable one and missing files are errors. Then `vlmoe train` on a
+// CSV and on tar shards (with a vocabulary it trains itself), stopped and resumed, logs the
+// losses of an uninterrupted run. Runs $VLMOE_BIN(_ASAN) for that part, as tests/run.sh sets it.
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "data/loader.h"
+#include "test.h"
+#include "test_jpeg.h"
+#include "test_tar.h"
+
+enum { NIMG = 30, BS = 4, MAXB = 24, KL = 160 };
+static char dir[64];
+
+static const char *P(const char *rel) { return test_path(dir, rel); }
+static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
+
+// Image i: a gradient with a colour of its own, sizes varying so that crops differ.
+static uint8_t *jpeg_of(int i, size_t *n) {
+    const int w = 36 + 4 * (i % 4), h = 28 + 2 * (i % 3);
+    uint8_t *px = malloc((size_t)w * h * 3);
+    for (int y = 0; y < h; y++)
+        for (int x = 0; x < w; x++)
+            for (int c = 0; c < 3; c++) px[(y * w + x) * 3 + c] = (uint8_t)(37 * i + 60 * c + 3 * x + 5 * y);
+    uint8_t *jpg = enc_jpeg(px, w, h, 3, 90, 0, n);
+    free(px);
+    return jpg;
+}
+
+static const char *CORRUPT = "\xff\xd8\xff\xe0 not really a JPEG";
+
+// data.csv: NIMG good rows, a missing image (row 11), a corrupt one (row 21), an empty caption.
+// shards/s-{0..2}.tar: 10 good samples each; shard 1 also a corrupt image, shard 2 an image
+// without its caption.
+static void make_data(void) {
+    mkdir(P("img"), 0755);
+    mkdir(P("shards"), 0755);
+    char csv[8192] = "filepath,title\n", name[64];
+    member m[32];
+    char caps[NIMG][48];
+    uint8_t *jpg[NIMG];
+    size_t len[NIMG];
+    for (int i = 0; i < NIMG; i++) {
+        jpg[i] = jpeg_of(i, &len[i]);
+        snprintf(name, sizeof name, "img/i%02d.jpg", i);
+        test_write_file(P(name), jpg[i], len[i]);
+        snprintf(caps[i], sizeof caps[i], "photo number %d", i);
+        size_t k = strlen(csv);
+        snprintf(csv + k, sizeof csv - k, "%s,%s\n", name, caps[i]);
+        if (i == 10) strcat(csv, "img/missing.jpg,a missing file\n");
+        if (i == 20) strcat(csv, "img/corrupt.jpg,corrupt bytes\n");
+        if (i == 25) strcat(csv, "img/i05.jpg,   \n");
+    }
+    test_write_file(P("img/corrupt.jpg"), CORRUPT, strlen(CORRUPT));
+    put("data.csv", csv);
+    static char names[NIMG][2][32];
+    for (int s = 0; s < 3; s++) {
+        int n = 0;
+        for (int i = 10 * s; i < 10 * s + 10; i++) {
+            snprintf(names[i][0], 32, "%d_%02d.jpg", s, i);
+            snprintf(names[i][1], 32, "%d_%02d.txt", s, i);
+            m[n++] = (member){names[i][0], (const char *)jpg[i], len[i]};
+            m[n++] = (member){names[i][1], caps[i], strlen(caps[i])};
+            if (s == 1 && i == 14) {
+                m[n++] = (member){"bad.jpg", CORRUPT, strlen(CORRUPT)};
+                m[n++] = (member)M("bad.txt", "a corrupt image");
+            }
+        }
+        if (s == 2) m[n++] = (member)M("lonely.jpg", "\xff\xd8 no caption");
+        snprintf(name, sizeof name, "shards/s-%d.tar", s);
+        write_tar(P(name), 0, m, n);
+    }
+    for (int i = 0; i < NIMG; i++) free(jpg[i]);
+}
+
+// The captions' bytes as ids: [1] bytes [2] then 0 (a stand-in for a tokenizer).
+static int tok_bytes(void *user, const char *text, int32_t *ids, int ctx) {
+    int n = 0;
+    ids[n++] = 1;
+    for (const char *p = text; *p && n < ctx - 1; p++) ids[n++] = (unsigned char)*p;
+    ids[n++] = 2;
+    for (int i = n; i < ctx; i++) ids[i] = 0;
+    (void)user;
+    return n;
+}
+
+static vlmoe_loader_params params(const char *path, int workers) {
+    vlmoe_loader_params p = vlmoe_loader_default_params();
+    p.data.path = P(path);
+    p.data.separator = ',';
+    p.image.size = 16;
+    p.image.flip_prob = 0.5;
+    p.image.scale_min = 0.3;
+    p.batch_size = BS;
+    p.context_length = 12;
+    p.tokenize = tok_bytes;
+    p.shuffle_block = 8;
+    p.seed = 7;
+    p.workers = workers;
+    p.max_bad_fraction = 0.5;
+    return p;
+}
+
+typedef struct {
+    int n, st;                   // batches read; status of the call that stopped (0: all read)
+    uint64_t hash[MAXB];         // of each batch's images, tokens and lengths
+    char keys[MAXB * BS][KL];
+    vlmoe_data_state pos[MAXB];  // after each batch
+    vlmoe_dataset_stats stats;
+} run_out;
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 1099511628211ull;
+    return h;
+}
+
+// nb batches of a loader opened with p, from `from` (NULL: the start).
+static void run(const vlmoe_loader_params *p, const vlmoe_data_state *from, int nb, run_out *o) {
+    memset(o, 0, sizeof *o);
+    vlmoe_loader *ld = NULL;
+    o->st = vlmoe_loader_open(p, &ld);
+    if (!o->st && from) o->st = vlmoe_loader_seek(ld, from);
+    for (; !o->st && o->n < nb; o->n++) {
+        vlmoe_batch b;
+        const char *const *keys;
+        if ((o->st = vlmoe_loader_next(ld, &b, &keys))) break;
+        const size_t S = (size_t)p->image.size;
+        uint64_t h = fnv(1469598103934665603ull, b.images, sizeof(float) * 3 * S * S * BS);
+        h = fnv(h, b.tokens, sizeof(int32_t) * (size_t)p->context_length * BS);
+        o->hash[o->n] = fnv(h, b.lengths, sizeof(int32_t) * BS);
+        for (int i = 0; i < BS; i++) snprintf(o->keys[o->n * BS + i], KL, "%s", strrchr(keys[i], '/') + 1);
+        vlmoe_loader_position(ld, &o->pos[o->n]);
+    }
+    if (ld) o->stats = *vlmoe_loader_stats(ld);
+    vlmoe_loader_free(ld);
+}
+
+static run_out ra, rb;   // big: static
+
+static void test_workers(const char *path) {
+    vlmoe_loader_params p = params(path, 0);
+    run(&p, NULL, 20, &ra);
+    CHECK(ra.st == VLMOE_OK && ra.n == 20, "%s, 0 workers: %d batches: %s", path, ra.n, vlmoe_last_error());
+    const int workers[] = {1, 2, 4};
+    for (int w = 0; w < 3; w++) {
+        p.workers = workers[w];
+        p.prefetch = w + 1;
+        run(&p, NULL, 20, &rb);
+        int same = rb.n == 20;
+        for (int i = 0; same && i < 20; i++) same = ra.hash[i] == rb.hash[i];
+        for (int i = 0; same && i < 20 * BS; i++) same = !strcmp(ra.keys[i], rb.keys[i]);
+        CHECK(same, "%s: %d workers (prefetch %d) give other batches than 0 workers", path, workers[w], w + 1);
+    }
+}
+
+static int cmp_key(const void *a, const void *b) { return strcmp(a, b); }
+
+// keys[0..n) sorted equal to want (sorted)?
+static int same_set(char (*keys)[KL], int n, char (*want)[KL]) {
+    static char tmp[MAXB * BS][KL];
+    memcpy(tmp, keys, sizeof(tmp[0]) * (size_t)n);
+    qsort(tmp, (size_t)n, KL, cmp_key);
+    for (int i = 0; i < n; i++)
+        if (strcmp(tmp[i], want[i])) return 0;
+    return 1;
+}
+
+static void test_order(const char *path) {
+    // file order: the good samples of epoch 0, which every shuffled epoch must permute
+    static char file[MAXB * BS][KL];
+    vlmoe_loader_params p = params(path, 2);
+    p.shuffle = 0;
+    run(&p, NULL, 20, &ra);
+    CHECK(ra.st == VLMOE_OK, "%s: %s", path, vlmoe_last_error());
+    CHECK(ra.pos[6].data_epoch == 0 && ra.pos[7].data_epoch == 1, "%s: epochs %lld, %lld after 28, 32 samples", path,
+          (long long)ra.pos[6].data_epoch, (long long)ra.pos[7].data_epoch);
+    memcpy(file, ra.keys, sizeof file);
+    CHECK(!strcmp(file[0], !strcmp(path, "data.csv") ? "data.csv:2" : "s-0.tar:0_00") &&
+          !strcmp(file[NIMG - 1], !strcmp(path, "data.csv") ? "data.csv:34" : "s-2.tar:2_29") &&
+          !strcmp(file[NIMG], file[0]), "%s unshuffled: %s .. %s, then %s", path, file[0], file[NIMG - 1], file[NIMG]);
+    qsort(file, NIMG, KL, cmp_key);
+    p.shuffle = 1;
+    run(&p, NULL, 20, &ra);
+    CHECK(same_set(ra.keys, NIMG, file) && same_set(ra.keys + NIMG, NIMG, file),
+          "%s: epochs 0 and 1 are not permutations of the samples", path);
+    int moved = 0, differ = 0;
+    for (int i = 0; i < NIMG; i++) moved += strcmp(ra.keys[i], file[i]) != 0, differ += strcmp(ra.keys[i], ra.keys[NIMG + i]) != 0;
+    CHECK(moved > NIMG / 2 && differ > NIMG / 2, "%s: shuffle moved %d samples, epochs differ at %d places", path,
+          moved, differ);
+    p.seed = 8;
+    run(&p, NULL, 8, &rb);
+    int same = 0;
+    for (int i = 0; i < NIMG; i++) same += !strcmp(ra.keys[i], rb.keys[i]);
+    CHECK(same < NIMG / 2, "%s: seeds 7 and 8 agree on %d of %d places", path, same, NIMG);
+}
+
+static void test_resume(const char *path) {
+    vlmoe_loader_params p = params(path, 2);
+    run(&p, NULL, 20, &ra);
+    const int cuts[] = {1, 2, 3, 7, 8, 13};
+    for (int c = 0; c < 6; c++) {
+        const int k = cuts[c];
+        p.workers = c % 3;
+        run(&p, &ra.pos[k - 1], 20 - k, &rb);
+        int same = rb.n == 20 - k;
+        for (int i = 0; same && i < 20 - k; i++)
+            same = rb.hash[i] == ra.hash[k + i] && rb.pos[i].data_position == ra.pos[k + i].data_position;
+        for (int i = 0; same && i < (20 - k) * BS; i++) same = !strcmp(rb.keys[i], ra.keys[k * BS + i]);
+        CHECK(same, "%s: resumed after batch %d (epoch %lld, sample %lld): next keys %s %s, want %s %s", path, k,
+              (long long)ra.pos[k - 1].data_epoch, (long long)ra.pos[k - 1].data_index, rb.keys[0], rb.keys[1],
+              ra.keys[k * BS], ra.keys[k * BS + 1]);
+    }
+    // positions of another seed, not a loader's, or after the first batch are refused
+    vlmoe_loader *ld = NULL;
+    vlmoe_data_state bad = ra.pos[3];
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_OK, "open");
+    bad.data_rng[0] = 99;
+    CHECK(vlmoe_loader_seek(ld, &bad) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "seed 99"), "%s",
+          vlmoe_last_error());
+    memset(&bad, 0, sizeof bad);
+    CHECK(vlmoe_loader_seek(ld, &bad) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "not a loader's"), "%s",
+          vlmoe_last_error());
+    bad = ra.pos[3];
+    bad.data_index = 1001;                       // CSV: past the rows; webdataset: past the (empty)
+    bad.data_block[0] = 3, bad.data_block[1] = 0;  // block that starts after the last shard
+    int st = vlmoe_loader_seek(ld, &bad);
+    vlmoe_batch b;
+    if (!st) st = vlmoe_loader_next(ld, &b, NULL);   // webdataset finds out when it reads the block
+    CHECK(st == VLMOE_ERR_ARG, "%s: a position past the data: %d %s", path, st, vlmoe_last_error());
+    vlmoe_loader_free(ld);
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_OK && vlmoe_loader_next(ld, &b, NULL) == VLMOE_OK, "open");
+    CHECK(vlmoe_loader_seek(ld, &ra.pos[3]) == VLMOE_ERR_ARG, "seek after the first batch");
+    vlmoe_loader_free(ld);
+}
+
+static void test_bad(void) {
+    // file order, batches of 4: after 8 batches (32 good samples) all of epoch 0 was consumed
+    vlmoe_loader_params p = params("data.csv", 2);
+    p.shuffle = 0;
+    run(&p, NULL, 8, &ra);
+    const vlmoe_dataset_stats *s = &ra.stats;
+    CHECK(ra.st == VLMOE_OK && s->total == 35 && s->bad[VLMOE_BAD_EMPTY_CAPTION] == 1 &&
+          s->bad[VLMOE_BAD_UNREADABLE_IMAGE] == 1 && s->bad[VLMOE_BAD_UNDECODABLE_IMAGE] == 1 &&
+          vlmoe_dataset_stats_bad(s) == 3, "csv: %lld samples, %lld bad", (long long)s->total,
+          (long long)vlmoe_dataset_stats_bad(s));
+    CHECK(s->n_msgs == 3 && strstr(s->msgs[0], "data.csv:30: empty caption") &&
+          strstr(s->msgs[1], "data.csv:13: ") && strstr(s->msgs[1], "missing.jpg") &&
+          strstr(s->msgs[2], "data.csv:24: ") && strstr(s->msgs[2], "corrupt.jpg"),
+          "messages: %s | %s | %s", s->msgs[0], s->msgs[1], s->msgs[2]);
+    p = params("shards/s-{0..2}.tar", 2);
+    p.shuffle = 0;
+    run(&p, NULL, 8, &ra);
+    CHECK(ra.st == VLMOE_OK && s->total == 34 && s->bad[VLMOE_BAD_NO_PARTNER] == 1 &&
+          s->bad[VLMOE_BAD_UNDECODABLE_IMAGE] == 1 && vlmoe_dataset_stats_bad(s) == 2 &&
+          strstr(s->msgs[0], "s-1.tar:bad: ") && strstr(s->msgs[1], "s-2.tar:lonely: image without"),
+          "shards: %lld samples, %lld bad: %s | %s", (long long)s->total, (long long)vlmoe_dataset_stats_bad(s),
+          s->msgs[0], s->msgs[1]);
+}
+
+// Batches until an error (at most 40); returns the error.
+static int read_until_error(const vlmoe_loader_params *p) {
+    vlmoe_loader *ld = NULL;
+    int st = vlmoe_loader_open(p, &ld);
+    vlmoe_batch b;
+    for (int i = 0; !st && i < 40; i++) st = vlmoe_loader_next(ld, &b, NULL);
+    if (st && ld) {   // sticky
+        char first[1024];
+        snprintf(first, sizeof first, "%s", vlmoe_last_error());
+        CHECK(vlmoe_loader_next(ld, &b, NULL) == st && !strcmp(vlmoe_last_error(), first), "not sticky: %s",
+              vlmoe_last_error());
+    }
+    vlmoe_loader_free(ld);
+    return st;
+}
+
+static void test_bad_fraction(void) {
+    const char *paths[] = {"data.csv", "shards/s-{0..2}.tar"};
+    for (int k = 0; k < 2; k++) {
+        vlmoe_loader_params p = params(paths[k], 2);
+        p.max_bad_fraction = 0.04;   // 3 of 33 CSV rows, 2 of 32 shard samples
+        int st = read_until_error(&p);
+        CHECK(st == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "too many bad samples") &&
+              strstr(vlmoe_last_error(), k ? "s-{0..2}.tar" : "data.csv"), "%s: %d %s", paths[k], st, vlmoe_last_error());
+        p.bad_check_min = 1;
+        p.shuffle = 0;
+        p.max_bad_fraction = 1.0 / 40;   // found before the end of the epoch once a bad one is counted
+        CHECK(read_until_error(&p) == VLMOE_ERR_FORMAT, "%s with bad_check_min 1", paths[k]);
+    }
+    // rows rejected when the CSV is indexed: too many, or none left
+    put("few.csv", "filepath,title\nimg/i00.jpg,ok\nimg/i01.jpg,\nimg/i02.jpg,\n");
+    vlmoe_loader_params p = params("few.csv", 1);
+    vlmoe_loader *ld = NULL;
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_FORMAT && !ld && strstr(vlmoe_last_error(), "few.csv") &&
+          strstr(vlmoe_last_error(), "empty_caption 2"), "%s", vlmoe_last_error());
+    put("none.csv", "filepath,title\nimg/i00.jpg,\n");
+    p = params("none.csv", 1);
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "no usable rows"), "%s",
+          vlmoe_last_error());
+    // every image unreadable, even with every sample allowed to be bad: an error, not a hang
+    put("gone.csv", "filepath,title\nimg/gone1.jpg,one\nimg/gone2.jpg,two\n");
+    p = params("gone.csv", 2);
+    p.max_bad_fraction = 1;
+    CHECK(read_until_error(&p) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "no usable sample"), "%s",
+          vlmoe_last_error());
+    put("shards/empty.tar", "");
+    p = params("shards/empty.tar", 2);
+    p.max_bad_fraction = 1;
+    CHECK(read_until_error(&p) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "no usable sample"), "%s",
+          vlmoe_last_error());
+    // missing data: errors at open naming the file
+    p = params("nope.csv", 1);
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_IO && strstr(vlmoe_last_error(), "nope.csv"), "%s",
+          vlmoe_last_error());
+    p = params("shards/s-{0..3}.tar", 1);
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_IO && strstr(vlmoe_last_error(), "s-3.tar"), "%s",
+          vlmoe_last_error());
+    p = params("data.csv", 1);
+    p.batch_size = 0;
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_ARG, "batch size 0");
+}
+
+// ---- the command ----------------------------------------------------------------------------
+static const char *bin;
+static char out[1 << 16];
+
+static int cmd(const char *args) {
+    char c[4096];
+    snprintf(c, sizeof c, "cd %s && %s %s 2>&1", dir, bin, args);
+    FILE *f = popen(c, "r");
+    size_t n = f ? fread(out, 1, sizeof out - 1, f) : 0;
+    out[n] = 0;
+    int st = f ? pclose(f) : -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// The "loss" of each step of run NAME's metrics (the last line of a step wins); the steps read.
+static int losses(const char *name, char (*l)[40], int max) {
+    char rel[128], line[16384];
+    snprintf(rel, sizeof rel, "runs/%s/metrics.jsonl", name);
+    FILE *f = fopen(P(rel), "r");
+    int n = 0, step;
+    while (f && fgets(line, sizeof line, f)) {
+        const char *q = strstr(line, "\"loss\":");
+        if (q && sscanf(line, "{\"step\":%d", &step) == 1 && step >= 1 && step <= max) {
+            sscanf(q + 7, "%39[^,}]", l[step - 1]);
+            if (step > n) n = step;
+        }
+    }
+    if (f) fclose(f);
+    return n;
+}
+
+// Trains NAME for `steps` in one go and, as NAME_r, for `steps / 2` then resumed to `steps`:
+// both log the same losses.
+static void train_and_resume(const char *name, const char *args, int steps, const char *say) {
+    char a[2048], resumed[64], full[16][40], res[16][40];
+    snprintf(a, sizeof a, "train %s --steps %d --name %s", args, steps, name);
+    int st = cmd(a);
+    CHECK(st == 0 && strstr(out, say), "`vlmoe %s`: exit %d, output lacks '%s':\n%s", a, st, say, out);
+    snprintf(a, sizeof a, "train %s --steps %d --name %s_r --workers 1", args, steps / 2, name);
+    st = cmd(a);
+    CHECK(st == 0, "`vlmoe %s`: exit %d:\n%s", a, st, out);
+    snprintf(a, sizeof a, "train %s --steps %d --name %s_r --workers 0 --resume latest", args, steps, name);
+    st = cmd(a);
+    CHECK(st == 0 && strstr(out, "resuming from"), "`vlmoe %s`: exit %d:\n%s", a, st, out);
+    snprintf(resumed, sizeof resumed, "%s_r", name);
+    int n = losses(name, full, 16), m = losses(resumed, res, 16), same = n == steps && m == steps;
+    for (int i = 0; same && i < steps; i++) same = !strcmp(full[i], res[i]);
+    CHECK(same, "%s: resumed run's losses differ (%d and %d steps; step %d: %s vs %s)", name, n, m, steps,
+          full[steps - 1], res[steps - 1]);
+}
+
+static void test_cli(void) {
+    // 48 pairs of the synthetic vocabulary's words; half of them in two shards too
+    static const char *const colour[] = {"red", "green", "blue"}, *const shape[] = {"circle", "square"};
+    mkdir(P("cli"), 0755);
+    char csv[8192] = "filepath\tcaption\n", name[64], txt[48][64];
+    static char names[48][2][16];
+    member m[96];
+    uint8_t *jpg[48];
+    size_t len[48];
+    for (int i = 0; i < 48; i++) {
+        jpg[i] = jpeg_of(i, &len[i]);
+        snprintf(name, sizeof name, "cli/%02d.jpg", i);
+        test_write_file(P(name), jpg[i], len[i]);
+        snprintf(txt[i], sizeof txt[i], "a photo of a %s %s", colour[i % 3], shape[i / 3 % 2]);
+        size_t k = strlen(csv);
+        snprintf(csv + k, sizeof csv - k, "%02d.jpg\t%s\n", i, txt[i]);
+        snprintf(names[i][0], 16, "%02d.jpg", i);
+        snprintf(names[i][1], 16, "%02d.txt", i);
+        m[2 * i] = (member){names[i][0], (const char *)jpg[i], len[i]};
+        m[2 * i + 1] = (member){names[i][1], txt[i], strlen(txt[i])};
+    }
+    put("cli/pairs.tsv", csv);
+    write_tar(P("cli/part-0.tar"), 0, m, 48);
+    write_tar(P("cli/part-1.tar"), 0, m + 48, 48);
+    for (int i = 0; i < 48; i++) free(jpg[i]);
+    put("vocab600.json", "{\"base\": \"tiny\", \"vocab_size\": 600}");
+    const char *common = "--batch-size 8 --lr-scheduler const --warmup 0 --save-frequency 2 --log-every-n-steps 1 "
+                         "--logs runs --threads 2";
+    char a[1024];
+    snprintf(a, sizeof a, "--model tiny --train-data cli/pairs.tsv --csv-caption-key caption %s", common);
+    train_and_resume("csv", a, 6, "word tokenizer");
+    CHECK(strstr(out, "data cli/pairs.tsv (48 usable rows)"), "%s", out);
+    snprintf(a, sizeof a, "--model vocab600.json --train-data 'cli/part-{0..1}.tar' --workers 3 %s", common);
+    train_and_resume("wds", a, 4, "trained a BPE vocabulary");
+    CHECK(strstr(out, "runs/wds_r/tokenizer.txt, the vocabulary this run trained"), "%s", out);
+    CHECK(access(P("runs/wds/tokenizer.txt"), R_OK) == 0, "runs/wds/tokenizer.txt");
+    // the vocabulary the run trained is what vlmoe eval needs
+    CHECK(cmd("eval --model runs/wds/checkpoints/step_4.safetensors --val-data 'cli/part-{0..1}.tar' "
+              "--tokenizer runs/wds/tokenizer.txt --batch-size 16") == 0 && strstr(out, "retrieval on"), "%s", out);
+    // errors before training, and a run stopped by bad samples
+    CHECK(cmd("train --train-data cli/nope.csv --steps 2") == 1 && strstr(out, "cli/nope.csv") &&
+          access(P("logs"), F_OK) != 0, "missing CSV:\n%s", out);
+    CHECK(cmd("train --train-data 'cli/part-{0..2}.tar' --steps 2") == 1 && strstr(out, "part-2.tar: shard missing"),
+          "missing shard:\n%s", out);
+    CHECK(cmd("train --dataset-type csv --steps 2") == 1 && strstr(out, "needs --train-data"), "%s", out);
+    CHECK(cmd("train --dataset-type parquet --train-data x --steps 2") == 1 && strstr(out, "expected synthetic"), "%s", out);
+    put("cli/holes.tsv", "filepath\ttitle\n00.jpg\ta red circle\nnone1.jpg\ta\nnone2.jpg\tb\n01.jpg\ta blue square\n");
+    CHECK(cmd("train --model tiny --train-data cli/holes.tsv --steps 4 --batch-size 2 --logs runs --name holes") == 1 &&
+          strstr(out, "too many bad samples") && strstr(out, "none1.jpg"), "bad samples:\n%s", out);
+}
+
+int main(int argc, char **argv) {
+    snprintf(dir, sizeof dir, "/tmp/vlmoe_loader_XXXXXX");
+    if (!mkdtemp(dir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    make_data();
+    const char *paths[] = {"data.csv", "shards/s-{0..2}.tar"};
+    for (int k = 0; k < 2; k++) {
+        test_workers(paths[k]);
+        test_order(paths[k]);
+        test_resume(paths[k]);
+    }
+    test_bad();
+    test_bad_fraction();
+    static char abs_bin[1024];
+    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
+    if (bin && realpath(bin, abs_bin)) {
+        bin = abs_bin;
+        test_cli();
+    } else {
+        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
+    }
+    char c[128];
+    snprintf(c, sizeof c, "rm -rf '%s'", dir);
+    if (system(c) != 0) fprintf(stderr, "could not remove %s\n", dir);
+    (void)argc;
+    return test_summary("test_loader");
+}
