@@ -21,7 +21,7 @@
 #include "vlmoe.h"
 
 typedef struct {
-    const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained;
+    const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
@@ -228,7 +228,27 @@ static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_
         if (vlmoe_config_load(a->model, &cfg)) return cli_error(cmd, "%s", vlmoe_last_error());
         if (a->image_size) cfg.image_size = a->image_size;
         if (a->context_length) cfg.context_length = a->context_length;
-        if (vlmoe_model_init(&r->m, &cfg, (uint64_t)a->seed)) return cli_error(cmd, "%s", vlmoe_last_error());
+    }
+    if (a->preset) { // the preset's routing and losses on the model's own MoE layers
+        const int two = cfg.arch == VLMOE_ARCH_TWO_TOWER;
+        if (cfg.moe.router == VLMOE_ROUTER_NONE && !(two && cfg.text_moe.router != VLMOE_ROUTER_NONE))
+            return cli_error(cmd, "--preset %s: model '%s' has no MoE layers (make some with vlmoe upcycle)", a->preset, cfg.name);
+        int st = cfg.moe.router != VLMOE_ROUTER_NONE ? vlmoe_moe_preset(a->preset, &cfg.moe) : VLMOE_OK;
+        if (!st && two && cfg.text_moe.router != VLMOE_ROUTER_NONE) st = vlmoe_moe_preset(a->preset, &cfg.text_moe);
+        if (st) return cli_error(cmd, "--preset: %s", vlmoe_last_error());
+    }
+    if (!a->pretrained || a->preset) {
+        vlmoe_model *m = NULL;
+        if (vlmoe_model_init(&m, &cfg, (uint64_t)a->seed)) return cli_error(cmd, "%s", vlmoe_last_error());
+        if (r->m) { // the pretrained weights under the preset's config (same tensors)
+            if (vlmoe_model_num_floats(m) != vlmoe_model_num_floats(r->m)) {
+                vlmoe_model_free(m);
+                return cli_error(cmd, "--preset %s changes the shapes of %s's tensors", a->preset, a->pretrained);
+            }
+            memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(r->m), sizeof(float) * vlmoe_model_num_floats(m));
+            vlmoe_model_free(r->m);
+        }
+        r->m = m;
     }
     if (vlmoe_model_plan(r->m, a->batch_size) || vlmoe_trainer_init(&r->t, r->m, tp))
         return cli_error(cmd, "%s", vlmoe_last_error());
@@ -400,13 +420,15 @@ static void warn_bad(const train_run *r, const char *path) {
 int cmd_train(int argc, char **argv) {
     train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
                     .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
-                    .workers = 2, .steps = 300, .warmup = 30, .lr = 1e-3, .wd = 0.1, .beta1 = 0.9, .beta2 = 0.98,
+                    .workers = 2, .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
                     .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1, epochs = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
+        {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers: clipup (CLIP-UP; also lr 5e-5 "
+                                                  "and wd 0.05, its upcycled phase, unless given) or limoe"},
         {"train-data", ARG_STRING, &a.data.path, "PATH", "image-text pairs: an OpenCLIP CSV/TSV file, or webdataset shards "
                                                        "('train-{000000..000099}.tar', lists joined by '::')"},
         {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "synthetic (built-in; the default without --train-data), csv, "
@@ -423,8 +445,8 @@ int cmd_train(int argc, char **argv) {
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step (default 64)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
-        {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3)"},
-        {"wd", ARG_DOUBLE, &a.wd, "WD", "decoupled weight decay on weight matrices (default 0.1)"},
+        {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
+        {"wd", ARG_DOUBLE, &a.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
         {"beta1", ARG_DOUBLE, &a.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9)"},
         {"beta2", ARG_DOUBLE, &a.beta2, "B2", "AdamW beta2 (default 0.98)"},
         {"eps", ARG_DOUBLE, &a.eps, "EPS", "AdamW epsilon (default 1e-6)"},
@@ -450,6 +472,11 @@ int cmd_train(int argc, char **argv) {
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
+    // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
+    const int clipup = a.preset && !strcmp(a.preset, "clipup");
+    if (isnan(a.lr)) a.lr = clipup ? 5e-5 : 1e-3;
+    if (isnan(a.wd)) a.wd = clipup ? 0.05 : 0.1;
     a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
     const int synthetic = !strcmp(a.dataset_type, "synthetic");
     if (synthetic && a.data.path)

@@ -115,6 +115,16 @@ int main(int argc, char **argv) {
     expect("upcycle up.safetensors -o x.safetensors", 1, "already has MoE layers");
     expect("train --pretrained up.safetensors --steps 2 --batch-size 8 --eval-samples 0 --logs runs --name up", 0,
            "trained to step 2");
+    // --preset clipup: CLIP-UP's routing and losses, and its upcycled-phase lr and weight decay
+    expect("train --pretrained up.safetensors --preset clipup --steps 2 --batch-size 8 --eval-samples 0 --logs runs "
+           "--name upp", 0, "trained to step 2");
+    char pj[256];
+    snprintf(pj, sizeof(pj), "%s/runs/upp/params.json", dir);
+    char *params = test_read_file(pj, NULL);
+    CHECK(params && strstr(params, "\"lr\":\t5e-05") && strstr(params, "\"wd\":\t0.05"), "--preset clipup lr/wd: %s",
+          params ? params : "no params.json");
+    free(params);
+    expect("train --pretrained clip.safetensors --preset clipup --steps 1 --logs runs --name d", 1, "has no MoE layers");
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");
