@@ -7,6 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+
+#include "core/core.h"
 
 static int t_pass, t_fail;
 
@@ -33,6 +36,36 @@ static int t_pass, t_fail;
 static inline int test_summary(const char *name) {
     printf("%s: %d passed, %d failed\n", name, t_pass, t_fail);
     return t_fail ? 1 : 0;
+}
+
+// Central difference of loss(ctx) along a random unit direction v (n values, drawn from r) of
+// the parameters x, against the analytic gradient g: *fd and *gv get both directional
+// derivatives; returns their relative difference. x is restored.
+typedef double (*test_loss_fn)(void *ctx);
+static inline double test_fd_direction(double *x, const double *g, double *v, size_t n, double h,
+                                       test_loss_fn loss, void *ctx, vlmoe_rng *r, double *fd, double *gv) {
+    double vn = 0, dot = 0;
+    for (size_t i = 0; i < n; i++) v[i] = vlmoe_rng_normal(r), vn += v[i] * v[i];
+    for (size_t i = 0; i < n; i++) v[i] /= sqrt(vn), dot += v[i] * g[i];
+    for (size_t i = 0; i < n; i++) x[i] += h * v[i];
+    const double lp = loss(ctx);
+    for (size_t i = 0; i < n; i++) x[i] -= 2 * h * v[i];
+    const double lm = loss(ctx);
+    for (size_t i = 0; i < n; i++) x[i] += h * v[i];
+    *fd = (lp - lm) / (2 * h), *gv = dot;
+    return fabs(*fd - dot) / (1e-7 + fabs(*fd) + fabs(dot));
+}
+
+// Runs `BIN ARGS` in folder dir; its stdout (and stderr when fold) in out (NUL-terminated, at
+// most cap - 1 bytes); returns the exit status (-1 if it did not exit normally).
+static inline int test_run_in(const char *dir, const char *bin, const char *args, int fold, char *out, size_t cap) {
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "cd %s && %s %s %s", dir, bin, args, fold ? "2>&1" : "2>/dev/null");
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, cap - 1, p) : 0;
+    out[n] = 0;
+    int st = p ? pclose(p) : -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 // Writes n bytes to path; a failure is a failed check.

@@ -29,15 +29,7 @@ static const char *P(const char *rel) { return test_path(dir, rel); }
 static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
 
 // Runs `vlmoe ARGS` in dir; stdout in `out`, stderr appended when fold; the exit status.
-static int run(const char *args, int fold) {
-    char cmd[4096];
-    snprintf(cmd, sizeof(cmd), "cd %s && %s %s %s", dir, bin, args, fold ? "2>&1" : "2>/dev/null");
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, sizeof(out) - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run(const char *args, int fold) { return test_run_in(dir, bin, args, fold, out, sizeof(out)); }
 
 static void expect(const char *args, int status, const char *needle) {
     int st = run(args, 1);

@@ -14,15 +14,8 @@ static const char *bin;
 static char dir[64], out[8192];
 
 // Runs `vlmoe ARGS` with stderr folded into stdout; returns the exit status (-1 if signalled).
-static int run(const char *args) {
-    char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "cd %s && %s %s 2>&1", dir, bin, args);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, sizeof(out) - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+// Runs `vlmoe ARGS` in dir; stdout and stderr in `out`; the exit status.
+static int run(const char *args) { return test_run_in(dir, bin, args, 1, out, sizeof(out)); }
 
 static void write_file(const char *name, const char *text, size_t n) {
     char path[256];

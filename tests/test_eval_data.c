@@ -28,16 +28,8 @@ static char dir[64], out[1 << 16];
 static const char *P(const char *rel) { return test_path(dir, rel); }
 static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
 
-// Runs `vlmoe ARGS` in dir; stdout in `out`, stderr appended to it when fold; the exit status.
-static int run(const char *args, int fold) {
-    char cmd[4096];
-    snprintf(cmd, sizeof(cmd), "cd %s && %s %s %s", dir, bin, args, fold ? "2>&1" : "2>/dev/null");
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, sizeof(out) - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+// Runs `vlmoe ARGS` in dir; stdout in `out`, stderr appended when fold; the exit status.
+static int run(const char *args, int fold) { return test_run_in(dir, bin, args, fold, out, sizeof(out)); }
 
 // Image i of class c: solid colour, a little different per image; PNG for even i, JPEG for odd.
 static void image_path(int c, int i, char *buf, size_t cap) {

@@ -33,6 +33,7 @@ static double model_loss(fd_model *m) {
     graph_forward_f64(m->g, m->p, m->img, m->tok, m->lens, &r);
     return r.loss;
 }
+static double loss_cb(void *m) { return model_loss(m); }
 
 // training: MoE layers run in training mode (noise drawn from a fixed seed, so every evaluation
 // of the loss sees the same noise) with their auxiliary losses in the loss.
@@ -71,16 +72,8 @@ static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, in
     int bad = 0;
     for (int k = 0; k < m.L.nparams; k++) {
         const vlmoe_param_info *pi = &m.L.table[k];
-        double gv = 0, vn = 0;
-        for (size_t i = 0; i < pi->numel; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
-        for (size_t i = 0; i < pi->numel; i++) v[i] /= sqrt(vn), gv += v[i] * g[pi->offset + i];
-        double *x = m.p + pi->offset;
-        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
-        double lp = model_loss(&m);
-        for (size_t i = 0; i < pi->numel; i++) x[i] -= 2 * h * v[i];
-        double lm = model_loss(&m);
-        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
-        double fd = (lp - lm) / (2 * h), err = fabs(fd - gv) / (1e-7 + fabs(fd) + fabs(gv));
+        double fd, gv;
+        const double err = test_fd_direction(m.p + pi->offset, g + pi->offset, v, pi->numel, h, loss_cb, &m, &r, &fd, &gv);
         if (err > 1e-6) {
             bad++;
             fprintf(stderr, "%s: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n",
@@ -91,15 +84,8 @@ static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, in
     CHECK(bad == 0, "%s: %d of %d parameter tensors fail the finite-difference check", label, bad, m.L.nparams);
     // and all parameters at once, three random directions
     for (int d = 0; d < 3; d++) {
-        double gv = 0, vn = 0;
-        for (size_t i = 0; i < m.L.total; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
-        for (size_t i = 0; i < m.L.total; i++) v[i] /= sqrt(vn), gv += v[i] * g[i];
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
-        double lp = model_loss(&m);
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] -= 2 * h * v[i];
-        double lm = model_loss(&m);
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
-        double fd = (lp - lm) / (2 * h);
+        double fd, gv;
+        test_fd_direction(m.p, g, v, m.L.total, h, loss_cb, &m, &r, &fd, &gv);
         CHECK(fabs(fd - gv) <= 1e-6 * (fabs(fd) + fabs(gv)), "%s: all-parameter direction %d: fd %.10g "
               "grad %.10g", label, d, fd, gv);
     }

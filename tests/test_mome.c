@@ -45,6 +45,7 @@ static double loss_of(fd_model *m) {
     CHECK(st == VLMOE_OK, "forward: %s", vlmoe_last_error());
     return s.loss;
 }
+static double loss_cb(void *m) { return loss_of(m); }
 
 // Whether the encoding reaches this tensor (Figure 1 of VL-MoE).
 static int used(const char *name, int enc, int nl, int F) {
@@ -94,7 +95,7 @@ static void fd_check(int enc, const char *label) {
     double worst = 0;
     for (int k = 0; k < m.L.nparams; k++) {
         const vlmoe_param_info *pi = &m.L.table[k];
-        double gv = 0, vn = 0, gmax = 0;
+        double gmax = 0;
         for (size_t i = 0; i < pi->numel; i++) gmax = fmax(gmax, fabs(g[pi->offset + i]));
         const int u = used(pi->name, enc, cfg.encoder.layers, cfg.vl_layers);
         if (u != (gmax > 0)) {
@@ -102,15 +103,8 @@ static void fd_check(int enc, const char *label) {
             fprintf(stderr, "%s: %s: the encoding %s it, but its gradient is %s\n", label, pi->name,
                     u ? "uses" : "does not use", gmax > 0 ? "non-zero" : "all zero");
         }
-        for (size_t i = 0; i < pi->numel; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
-        for (size_t i = 0; i < pi->numel; i++) v[i] /= sqrt(vn), gv += v[i] * g[pi->offset + i];
-        double *x = m.p + pi->offset;
-        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
-        double lp = loss_of(&m);
-        for (size_t i = 0; i < pi->numel; i++) x[i] -= 2 * h * v[i];
-        double lm = loss_of(&m);
-        for (size_t i = 0; i < pi->numel; i++) x[i] += h * v[i];
-        double fd = (lp - lm) / (2 * h), err = fabs(fd - gv) / (1e-7 + fabs(fd) + fabs(gv));
+        double fd, gv;
+        const double err = test_fd_direction(m.p + pi->offset, g + pi->offset, v, pi->numel, h, loss_cb, &m, &r, &fd, &gv);
         worst = fmax(worst, err);
         if (err > 1e-6) {
             bad++;
@@ -121,15 +115,8 @@ static void fd_check(int enc, const char *label) {
     CHECK(bad == 0, "%s: %d of %d parameter tensors fail the finite-difference check", label, bad, m.L.nparams);
     CHECK(zero_rule == 0, "%s: %d tensors break the used <=> non-zero gradient rule", label, zero_rule);
     for (int d = 0; d < 2; d++) { // all parameters at once
-        double gv = 0, vn = 0;
-        for (size_t i = 0; i < m.L.total; i++) v[i] = vlmoe_rng_normal(&r), vn += v[i] * v[i];
-        for (size_t i = 0; i < m.L.total; i++) v[i] /= sqrt(vn), gv += v[i] * g[i];
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
-        double lp = loss_of(&m);
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] -= 2 * h * v[i];
-        double lm = loss_of(&m);
-        for (size_t i = 0; i < m.L.total; i++) m.p[i] += h * v[i];
-        double fd = (lp - lm) / (2 * h);
+        double fd, gv;
+        test_fd_direction(m.p, g, v, m.L.total, h, loss_cb, &m, &r, &fd, &gv);
         CHECK(fabs(fd - gv) <= 1e-6 * (fabs(fd) + fabs(gv)), "%s: all-parameter direction %d: fd %.10g grad %.10g",
               label, d, fd, gv);
     }
