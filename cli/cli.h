@@ -13,6 +13,7 @@ int cmd_prune(int argc, char **argv);
 int cmd_import(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_upcycle(int argc, char **argv);
+int cmd_finetune(int argc, char **argv); // cli/finetune.c: VL-MoE classification heads
 
 // Prints "vlmoe CMD: message" to stderr and returns exit status 1.
 int cli_error(const char *cmd, const char *fmt, ...)

@@ -158,9 +158,9 @@ int cmd_train_mome(int argc, char **argv) {
         if (!st) st = vlmoe_mim_labels(&cfg, cb, K, img + 2 * B * isz, B, 0.4, ms ^ 0xaaaaULL, pl + (size_t)B * np);
         if (st) break;
         const vlmoe_mome_batch parts[3] = {
-            {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl},
-            {VLMOE_ENC_TEXT, B, NULL, tin, lens + B, tl, NULL},
-            {VLMOE_ENC_PAIR, B, img + 2 * B * isz, tin + (size_t)B * T, lens + 2 * B, tl + (size_t)B * T, pl + (size_t)B * np}};
+            {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl, NULL},
+            {VLMOE_ENC_TEXT, B, NULL, tin, lens + B, tl, NULL, NULL},
+            {VLMOE_ENC_PAIR, B, img + 2 * B * isz, tin + (size_t)B * T, lens + 2 * B, tl + (size_t)B * T, pl + (size_t)B * np, NULL}};
         vlmoe_mome_stats ps[3];
         vlmoe_step_stats s;
         if ((st = vlmoe_trainer_step_mome(t, parts, 3, ps, &s))) break;

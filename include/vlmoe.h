@@ -322,6 +322,8 @@ typedef struct {
     int mim_vocab;           // size of the visual-token codebook the MIM head predicts
     int mask_token;          // the [MASK] id of the text vocabulary ([T_CLS]/[T_SEP] are the
                              // tokenizer's start/end tokens, the first and last of each text)
+    int num_classes;         // mome: classes of the fine-tuning head "cls_head" (JSON key
+                             // "num_classes", written when > 0); 0 = no head
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
@@ -425,6 +427,8 @@ typedef struct {
                                  // predicted; NULL: no MLM loss
     const int32_t *patch_labels; // (B,num_patches) codebook id of each MASKED patch (its embedding
                                  // becomes the learned image mask token), -1 elsewhere; NULL: none
+    const int32_t *class_labels; // (B) class in [0, num_classes) of each sequence for the
+                                 // fine-tuning head; NULL: no classification loss
 } vlmoe_mome_batch;
 typedef struct {
     double loss;                 // text + image + aux
@@ -432,6 +436,8 @@ typedef struct {
     double aux;                  // weighted MoE auxiliary losses
     double text_acc, image_acc;  // top-1 accuracy of those predictions
     int text_count, image_count; // labelled positions
+    double cls, cls_acc;         // classification head: mean cross-entropy, top-1 accuracy
+    int cls_count;               // sequences with a class label (B, or 0)
 } vlmoe_mome_stats;
 // Forward of one encoding (training: routing noise and the train capacity factor). MLM is a text
 // batch with text_labels, MIM an image batch with patch_labels, VLM a pair batch with both.
@@ -442,6 +448,19 @@ int vlmoe_mome_backward(vlmoe_model *m, int accumulate);
 // Final hidden states (after the last LayerNorm) of n inputs, out (n, seq_len, width), in eval
 // mode; images (n,C,H,W) and/or tokens (n,ctx) + lengths as the encoding needs.
 int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out);
+// Fine-tuning heads (VL-MoE sec. 4.2, BEiT-3/VLMo's recipes): a linear head "cls_head" (num_classes,
+// width) + bias, part of the model's parameter table when config.num_classes > 0, on a pooled final
+// feature chosen by the encoding: image -> mean of the patch tokens' features ([I_CLS] excluded,
+// BEiT's image classification), text -> the [T_CLS] feature (first token; MNLI-style sentence
+// pairs are one text joined by [T_SEP]), pair -> the fused [T_CLS] of the pair (VQA as answer
+// classification). The loss is the mean softmax cross-entropy over the batch's class_labels,
+// added to the batch's other losses; vlmoe_trainer_step_mome trains it.
+// A copy of mome model m with a freshly initialised head of num_classes (>= 2; seeded) and every
+// other tensor copied; m may already have a head (it is replaced).
+int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed);
+// Class scores (n, num_classes) of n inputs of an encoding, eval mode, computed in chunks.
+int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
                       const int32_t *lengths, int n, float *out);
 
 // Masking (src/data/masking.c), seeded: the same seed gives the same masks on any machine.
@@ -493,6 +512,10 @@ typedef struct {
     vlmoe_optim_params optim;
     vlmoe_schedule schedule;  // base_lr, warmup, total steps, ...
     double grad_clip_norm;    // 0 = off
+    int freeze_moe;           // fine-tuning (VL-MoE sec. 4.2): every router and expert tensor
+                              // (names holding ".moe.") is left out of the optimizer and its
+                              // gradient zeroed before clipping, so it stays bit-identical
+                              // (weight decay and old moments do not move it either)
 } vlmoe_train_params;
 vlmoe_train_params vlmoe_train_default_params(void);
 

@@ -4,7 +4,9 @@
 // does not use it; the masked cross-entropy's golden value; MLM and MIM masking statistics over
 // many seeded draws (binomial bounds); k-means on hand-made clusters and codebook files; the
 // float path against the double one; the three encodings, save/load and a few training steps
-// through the public API; bad input on purpose.
+// through the public API; bad input on purpose. Fine-tuning: the classification head on each
+// encoding in the same finite-difference check, the pooling's golden values by hand, and
+// freeze_moe keeping every router/expert tensor bit-identical while the rest trains.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +50,8 @@ static double loss_of(fd_model *m) {
 static double loss_cb(void *m) { return loss_of(m); }
 
 // Whether the encoding reaches this tensor (Figure 1 of VL-MoE).
-static int used(const char *name, int enc, int nl, int F) {
+static int used(const char *name, int enc, int nl, int F, int cls) {
+    if (strstr(name, "cls_head")) return cls;
     int blk = -1;
     const char *b = strstr(name, "blocks.");
     if (b) blk = atoi(b + 7);
@@ -60,8 +63,10 @@ static int used(const char *name, int enc, int nl, int F) {
     return !((strstr(name, "v_ffn") || strstr(name, "t_ffn")) && top);
 }
 
-static void fd_check(int enc, const char *label) {
+// cls: also the classification head on the encoding's pooled feature, with class labels.
+static void fd_check(int enc, int cls, const char *label) {
     vlmoe_model_config cfg = small();
+    cfg.num_classes = cls ? 3 : 0;
     fd_model m;
     if (model_layout_build(&m.L, &cfg) != VLMOE_OK) {
         CHECK(0, "layout: %s", vlmoe_last_error());
@@ -86,7 +91,8 @@ static void fd_check(int enc, const char *label) {
         }
     tok[1] = 10; // a [MASK] in the input
     for (int i = 0; i < B * np; i++) pl[i] = i % 3 == 1 ? (int)vlmoe_rng_below(&r, 6) : -1;
-    m.in = (mome_input_f64){enc, img, tok, lens, tl, pl};
+    const int32_t cl[3] = {2, 0, 2};
+    m.in = (mome_input_f64){enc, img, tok, lens, tl, pl, cls ? cl : NULL};
     double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
     loss_of(&m);
     mome_graph_backward_f64(m.g, m.p, g);
@@ -97,7 +103,7 @@ static void fd_check(int enc, const char *label) {
         const vlmoe_param_info *pi = &m.L.table[k];
         double gmax = 0;
         for (size_t i = 0; i < pi->numel; i++) gmax = fmax(gmax, fabs(g[pi->offset + i]));
-        const int u = used(pi->name, enc, cfg.encoder.layers, cfg.vl_layers);
+        const int u = used(pi->name, enc, cfg.encoder.layers, cfg.vl_layers, cls);
         if (u != (gmax > 0)) {
             zero_rule++;
             fprintf(stderr, "%s: %s: the encoding %s it, but its gradient is %s\n", label, pi->name,
@@ -123,8 +129,10 @@ static void fd_check(int enc, const char *label) {
     vlmoe_mome_stats s;
     mome_graph_forward_f64(m.g, m.p, &m.in, &s);
     printf("%s: %d tensors, worst relative finite-difference error %.2g; loss %.4f = text %.4f (%d) + image "
-           "%.4f (%d) + aux %.5f\n", label, m.L.nparams, worst, s.loss, s.text, s.text_count, s.image,
-           s.image_count, s.aux);
+           "%.4f (%d) + cls %.4f (%d) + aux %.5f\n", label, m.L.nparams, worst, s.loss, s.text, s.text_count, s.image,
+           s.image_count, s.cls, s.cls_count, s.aux);
+    CHECK(cls ? s.cls > 0 && s.cls_count == B : s.cls_count == 0, "%s: classification loss %g over %d", label, s.cls,
+          s.cls_count);
     CHECK(s.aux > 0, "%s: the MoE auxiliary losses are part of the loss", label);
     free(pf), free(m.p), free(g), free(v);
     mome_graph_free_f64(m.g);
@@ -327,6 +335,200 @@ static void test_kmeans(void) {
     free(x), free(cb), free(id);
 }
 
+static const vlmoe_param_info *param_named(const vlmoe_model *m, const char *name) {
+    int n;
+    const vlmoe_param_info *t = vlmoe_model_params(m, &n);
+    for (int i = 0; i < n; i++)
+        if (!strcmp(t[i].name, name)) return &t[i];
+    return NULL;
+}
+
+// The head's pooling by hand. (1) ln_final weight 0, bias beta: every final feature is beta, the
+// head W = rows e0, e1, e2 and bias (1, 2, 3), so every encoding's scores are beta[0..2] + (1, 2, 3)
+// = (1.5, 1, 5). (2) With the model's own weights: image scores are the mean of the final
+// features of patches 1..4 ([I_CLS] left out), text scores the [T_CLS] row, pair scores the row
+// of the text's [T_CLS] in the fused sequence (position 5), each + bias.
+static void test_pooling(void) {
+    vlmoe_model_config cfg = small();
+    vlmoe_model *base = NULL, *m = NULL;
+    CHECK(vlmoe_model_init(&base, &cfg, 5) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    if (!base) return;
+    CHECK(vlmoe_mome_with_head(&m, base, 3, 1) == VLMOE_OK, "with head: %s", vlmoe_last_error());
+    if (!m) {
+        vlmoe_model_free(base);
+        return;
+    }
+    const vlmoe_param_info *w = param_named(m, "cls_head.weight"), *b = param_named(m, "cls_head.bias"),
+                           *lw = param_named(m, "encoder.ln_final.weight"), *lb = param_named(m, "encoder.ln_final.bias");
+    CHECK(w && b && lw && lb && w->shape[0] == 3 && w->shape[1] == 8 && !param_named(base, "cls_head.bias"),
+          "the head (3, 8) is in the table of the model with a head only");
+    if (!w || !b || !lw || !lb) {
+        vlmoe_model_free(base);
+        vlmoe_model_free(m);
+        return;
+    }
+    // the copy keeps every other tensor
+    const vlmoe_param_info *q = param_named(base, "encoder.blocks.1.v_ffn.moe.router.weight"),
+                           *q2 = param_named(m, "encoder.blocks.1.v_ffn.moe.router.weight");
+    CHECK(q && q2 && !memcmp(vlmoe_model_param_data(base) + q->offset, vlmoe_model_param_data(m) + q2->offset,
+                             sizeof(float) * q->numel), "with_head copies the router");
+    float *P = vlmoe_model_param_data(m);
+    memset(P + w->offset, 0, sizeof(float) * w->numel);
+    for (int c = 0; c < 3; c++) P[w->offset + c * 8 + c] = 1, P[b->offset + c] = (float)(c + 1);
+    float keep_w[8], keep_b[8];
+    memcpy(keep_w, P + lw->offset, sizeof(keep_w));
+    memcpy(keep_b, P + lb->offset, sizeof(keep_b));
+    const float beta[8] = {0.5f, -1, 2, 7, 7, 7, 7, 7};
+    memset(P + lw->offset, 0, sizeof(keep_w));
+    memcpy(P + lb->offset, beta, sizeof(beta));
+    const int B = 2;
+    float img[2 * 3 * 64], logits[2 * 3], hid[2 * 10 * 8];
+    int32_t tok[10] = {1, 5, 6, 2, 0, 1, 7, 2, 0, 0}, lens[2] = {4, 3};
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 4);
+    for (int i = 0; i < 2 * 3 * 64; i++) img[i] = (float)vlmoe_rng_normal(&r);
+    const float want[3] = {1.5f, 1, 5};
+    for (int e = 0; e < 3; e++) {
+        CHECK(vlmoe_mome_logits(m, (vlmoe_encoding)e, img, tok, lens, B, logits) == VLMOE_OK, "logits: %s",
+              vlmoe_last_error());
+        for (int i = 0; i < B * 3; i++) CHECK_CLOSE(logits[i], want[i % 3], 1e-6, 0, "constant features: score");
+    }
+    // the same head through the loss: label 2 of scores (1.5, 1, 5)
+    int32_t cl[2] = {2, 0};
+    vlmoe_mome_batch ib = {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, NULL, cl};
+    vlmoe_mome_stats s;
+    CHECK(vlmoe_mome_forward(m, &ib, 0, &s) == VLMOE_OK, "forward: %s", vlmoe_last_error());
+    const double lse = log(exp(1.5) + exp(1) + exp(5));
+    CHECK_CLOSE(s.cls, ((lse - 5) + (lse - 1.5)) / 2, 1e-5, 0, "classification loss by hand");
+    CHECK(s.cls_acc == 0.5 && s.cls_count == 2 && s.text_count == 0 && s.image_count == 0, "accuracy %g of %d",
+          s.cls_acc, s.cls_count);
+    memcpy(P + lw->offset, keep_w, sizeof(keep_w));
+    memcpy(P + lb->offset, keep_b, sizeof(keep_b));
+    double worst = 0;
+    for (int e = 0; e < 3; e++) {
+        const int S = vlmoe_mome_seq_len(&cfg, (vlmoe_encoding)e);
+        CHECK(vlmoe_mome_encode(m, (vlmoe_encoding)e, img, tok, lens, B, hid) == VLMOE_OK, "encode");
+        CHECK(vlmoe_mome_logits(m, (vlmoe_encoding)e, img, tok, lens, B, logits) == VLMOE_OK, "logits");
+        for (int i = 0; i < B; i++)
+            for (int c = 0; c < 3; c++) {
+                const float *h = hid + (size_t)i * S * 8;
+                double x = 0;
+                if (e == VLMOE_ENC_IMAGE) x = (h[1 * 8 + c] + h[2 * 8 + c] + h[3 * 8 + c] + h[4 * 8 + c]) / 4.0;
+                else x = h[(e == VLMOE_ENC_PAIR ? 5 : 0) * 8 + c];
+                worst = fmax(worst, fabs(logits[i * 3 + c] - (x + c + 1)));
+            }
+    }
+    CHECK(worst < 1e-5, "scores = pooled feature + bias: worst difference %g", worst);
+    // bad input: labels without a head, out of range, a one-class head
+    vlmoe_mome_batch bad = ib;
+    CHECK(vlmoe_mome_forward(base, &bad, 1, &s) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "no classification head"),
+          "labels without a head: %s", vlmoe_last_error());
+    cl[1] = 3;
+    CHECK(vlmoe_mome_forward(m, &bad, 1, &s) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "class label 3"),
+          "label out of range: %s", vlmoe_last_error());
+    vlmoe_model *one = NULL;
+    CHECK(vlmoe_mome_with_head(&one, base, 1, 1) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "num_classes") && !one,
+          "one class: %s", vlmoe_last_error());
+    CHECK(vlmoe_mome_logits(base, VLMOE_ENC_IMAGE, img, NULL, NULL, 1, logits) == VLMOE_ERR_ARG, "logits without a head");
+    // save/load keeps the head and num_classes
+    char path[] = "/tmp/vlmoe_head_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd >= 0) close(fd);
+    vlmoe_model *back = NULL;
+    CHECK(vlmoe_model_save(m, path) == VLMOE_OK && vlmoe_model_load(&back, path) == VLMOE_OK, "save/load: %s",
+          vlmoe_last_error());
+    if (back) {
+        CHECK(vlmoe_model_get_config(back)->num_classes == 3 &&
+                  !memcmp(vlmoe_model_param_data(back), P, sizeof(float) * vlmoe_model_num_floats(m)),
+              "the head survives save/load");
+        vlmoe_model_free(back);
+    }
+    unlink(path);
+    printf("pooling: scores match the pooled features to %.2g\n", worst);
+    vlmoe_model_free(base);
+    vlmoe_model_free(m);
+}
+
+// Whether every ".moe." tensor of m equals the one of `before` bit for bit (*moe), and how many
+// other tensors changed (*other_changed of *other).
+static void compare_params(const vlmoe_model *m, const float *before, int *moe_same, int *moe, int *other_changed,
+                           int *other) {
+    int n;
+    const vlmoe_param_info *t = vlmoe_model_params(m, &n);
+    const float *p = vlmoe_model_param_data((vlmoe_model *)m);
+    *moe_same = *moe = *other_changed = *other = 0;
+    for (int i = 0; i < n; i++) {
+        const int same = !memcmp(p + t[i].offset, before + t[i].offset, sizeof(float) * t[i].numel);
+        if (strstr(t[i].name, ".moe.")) (*moe)++, *moe_same += same;
+        else (*other)++, *other_changed += !same;
+    }
+}
+
+// freeze_moe (VL-MoE fine-tuning): 30 AdamW steps with weight decay on image classification
+// (+ MIM) leave every router and expert tensor bit-identical while the rest trains; without it they
+// move. The image classes (by the sign of the mean pixel) are learnt on the training images.
+static void test_freeze_moe(void) {
+    vlmoe_model_config cfg = small();
+    cfg.num_classes = 2;
+    const int B = 4, np = 4;
+    float img[4 * 3 * 64];
+    int32_t cl[4] = {0, 1, 0, 1}, pl[16];
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < 3 * 64; i++) img[b * 192 + i] = (cl[b] ? 0.8f : -0.8f) + 0.1f * (float)((i * 7 + b) % 5 - 2);
+    for (int i = 0; i < B * np; i++) pl[i] = i % 3 == 0 ? i % 6 : -1;
+    const vlmoe_mome_batch batch = {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl, cl};
+    for (int freeze = 1; freeze >= 0; freeze--) {
+        vlmoe_model *m = NULL;
+        CHECK(vlmoe_model_init(&m, &cfg, 11) == VLMOE_OK, "init: %s", vlmoe_last_error());
+        if (!m) return;
+        const size_t n = vlmoe_model_num_floats(m);
+        float *before = malloc(sizeof(float) * n);
+        memcpy(before, vlmoe_model_param_data(m), sizeof(float) * n);
+        vlmoe_train_params tp = vlmoe_train_default_params();
+        tp.schedule = (vlmoe_schedule){VLMOE_SCHED_CONST, 3e-3, 0, 30, 0, 0, 0};
+        tp.optim.weight_decay = 0.1f;
+        tp.freeze_moe = freeze;
+        vlmoe_trainer *t = NULL;
+        CHECK(vlmoe_trainer_init(&t, m, &tp) == VLMOE_OK, "trainer: %s", vlmoe_last_error());
+        vlmoe_mome_stats first, last;
+        for (int step = 0; t && step < 30; step++) {
+            int st = vlmoe_trainer_step_mome(t, &batch, 1, step ? &last : &first, NULL);
+            CHECK(st == VLMOE_OK, "step %d: %s", step, vlmoe_last_error());
+            if (st) break;
+        }
+        int moe_same, nmoe, changed, nother;
+        compare_params(m, before, &moe_same, &nmoe, &changed, &nother);
+        float logits[8];
+        int right = 0;
+        CHECK(vlmoe_mome_logits(m, VLMOE_ENC_IMAGE, img, NULL, NULL, B, logits) == VLMOE_OK, "logits");
+        for (int b = 0; b < B; b++) right += (logits[2 * b + 1] > logits[2 * b]) == cl[b];
+        printf("freeze_moe %d: %d of %d MoE tensors unchanged, %d of %d others changed; cls loss %.4f -> %.4f, "
+               "train accuracy %d/%d\n", freeze, moe_same, nmoe, changed, nother, first.cls, last.cls, right, B);
+        CHECK(nmoe == 20, "router + 4 expert tensors in the V-MoE and T-MoE of blocks 0 and 1: %d", nmoe);
+        if (freeze) {
+            CHECK(moe_same == nmoe, "freeze_moe: %d of %d MoE tensors moved", nmoe - moe_same, nmoe);
+            const float *g = vlmoe_model_grad_data(m);
+            int n2;
+            const vlmoe_param_info *tab = vlmoe_model_params(m, &n2);
+            double gm = 0;
+            for (int i = 0; i < n2; i++)
+                if (strstr(tab[i].name, ".moe."))
+                    for (size_t k = 0; k < tab[i].numel; k++) gm = fmax(gm, fabs(g[tab[i].offset + k]));
+            CHECK(gm == 0, "frozen gradients are zeroed: max %g", gm);
+        } else {
+            CHECK(moe_same < nmoe, "without freeze_moe the image-side MoE tensors train");
+        }
+        // image encoding: the text embeddings, T-FFN/T-MoE, VL-FFN and MLM head get no gradient, but
+        // weight decay still moves their matrices; the image-side tensors train
+        CHECK(changed >= nother / 2, "%d of %d other tensors changed", changed, nother);
+        CHECK(last.cls < first.cls && right == B, "classification trains: %.4f -> %.4f, %d/%d right", first.cls, last.cls,
+              right, B);
+        free(before);
+        vlmoe_trainer_free(t);
+        vlmoe_model_free(m);
+    }
+}
+
 // The public API: float forward = double forward, the three encodings, MIM labels, save/load,
 // training steps that lower the loss, and bad input.
 static void test_api(void) {
@@ -358,7 +560,7 @@ static void test_api(void) {
     CHECK(vlmoe_mim_labels(&cfg, cb, 5, img, B, 0.4, 5, pl) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "mim_vocab"),
           "codebook size mismatch: %s", vlmoe_last_error());
     // float vs double, pair encoding with both objectives, eval mode
-    vlmoe_mome_batch pair = {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl};
+    vlmoe_mome_batch pair = {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl, NULL};
     vlmoe_mome_stats s;
     CHECK(vlmoe_mome_forward(m, &pair, 0, &s) == VLMOE_OK, "pair forward: %s", vlmoe_last_error());
     model_layout L;
@@ -368,7 +570,7 @@ static void test_api(void) {
     double *p = malloc(sizeof(double) * L.total), img64[4 * 3 * 64];
     for (size_t i = 0; i < L.total; i++) p[i] = vlmoe_model_param_data(m)[i];
     for (int i = 0; i < 4 * 3 * 64; i++) img64[i] = img[i];
-    mome_input_f64 in64 = {VLMOE_ENC_PAIR, img64, in, lens, tl, pl};
+    mome_input_f64 in64 = {VLMOE_ENC_PAIR, img64, in, lens, tl, pl, NULL};
     vlmoe_mome_stats s64;
     mome_graph_set_mode_f64(g, 0, 0);
     mome_graph_forward_f64(g, p, &in64, &s64);
@@ -427,9 +629,9 @@ static void test_api(void) {
     tp.optim.weight_decay = 0;
     vlmoe_trainer *t;
     CHECK(vlmoe_trainer_init(&t, m, &tp) == VLMOE_OK, "trainer");
-    vlmoe_mome_batch parts[3] = {{VLMOE_ENC_TEXT, B, NULL, in, lens, tl, NULL},
-                                 {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl},
-                                 {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl}};
+    vlmoe_mome_batch parts[3] = {{VLMOE_ENC_TEXT, B, NULL, in, lens, tl, NULL, NULL},
+                                 {VLMOE_ENC_IMAGE, B, img, NULL, NULL, NULL, pl, NULL},
+                                 {VLMOE_ENC_PAIR, B, img, in, lens, tl, pl, NULL}};
     vlmoe_mome_stats first[3], last[3];
     vlmoe_step_stats ss;
     for (int step = 0; step < 40; step++) {
@@ -497,9 +699,14 @@ static void test_config(void) {
 int main(void) {
     test_config();
     test_xent();
-    fd_check(VLMOE_ENC_IMAGE, "MIM (image only)");
-    fd_check(VLMOE_ENC_TEXT, "MLM (text only)");
-    fd_check(VLMOE_ENC_PAIR, "VLM (image-text pair)");
+    fd_check(VLMOE_ENC_IMAGE, 0, "MIM (image only)");
+    fd_check(VLMOE_ENC_TEXT, 0, "MLM (text only)");
+    fd_check(VLMOE_ENC_PAIR, 0, "VLM (image-text pair)");
+    fd_check(VLMOE_ENC_IMAGE, 1, "MIM + image classification");
+    fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification");
+    fd_check(VLMOE_ENC_PAIR, 1, "VLM + pair classification");
+    test_pooling();
+    test_freeze_moe();
     test_mlm_mask();
     test_mim_mask();
     test_kmeans();

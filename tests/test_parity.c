@@ -496,7 +496,7 @@ static void test_mome(void) {
             mome_graph_set_noise_f32(g, i, noise[i]);
         }
         mome_input_f32 in = {e, e != VLMOE_ENC_TEXT ? images : NULL, e != VLMOE_ENC_IMAGE ? tokens : NULL, lens,
-                             e != VLMOE_ENC_IMAGE ? tl : NULL, e != VLMOE_ENC_TEXT ? pl : NULL};
+                             e != VLMOE_ENC_IMAGE ? tl : NULL, e != VLMOE_ENC_TEXT ? pl : NULL, NULL};
         vlmoe_mome_stats s;
         mome_graph_set_mode_f32(g, 1, 0);
         if (mome_graph_forward_f32(g, m->params, &in, &s) != VLMOE_OK) {

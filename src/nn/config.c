@@ -205,6 +205,8 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(c->mim_vocab >= 2 && c->mim_vocab <= 1 << 20, "mim_vocab: %d not in [2, 2^20]", c->mim_vocab);
         NEED(c->mask_token >= 0 && c->mask_token < c->vocab_size, "mask_token: %d not in [0, vocab_size = %d)",
              c->mask_token, c->vocab_size);
+        NEED(c->num_classes == 0 || (c->num_classes >= 2 && c->num_classes <= 1 << 20),
+             "num_classes: %d: need 0 (no classification head) or [2, 2^20]", c->num_classes);
         NEED(c->image_class_token && !c->image_ln_pre && !c->text_causal,
              "mome: needs image_class_token true ([I_CLS]), image_ln_pre and text_causal false");
     }
@@ -279,7 +281,7 @@ static const char *ACT_NAMES[] = {"gelu", "gelu_tanh", "quick_gelu"};
 static const char *POOL_NAMES[] = {"mean", "cls", "eot"};
 static const char *ARCH_NAMES[] = {"one_tower", "two_tower", "mome"};
 // mome's own keys: optional in the JSON (absent: 0), written only for mome configs
-static const char *MOME_KEYS[] = {"vl_layers", "mim_vocab", "mask_token"};
+static const char *MOME_KEYS[] = {"vl_layers", "mim_vocab", "mask_token", "num_classes"};
 
 static int enum_index(const char *s, const char **names, int n) {
     for (int i = 0; i < n; i++)
@@ -584,9 +586,9 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
             if ((st = read_encoder(it, what, it->string, e, complete))) goto done;
             continue;
         }
-        const int mk = enum_index(it->string, MOME_KEYS, 3);
+        const int mk = enum_index(it->string, MOME_KEYS, 4);
         if (mk >= 0) {
-            int *f[3] = {&c.vl_layers, &c.mim_vocab, &c.mask_token};
+            int *f[4] = {&c.vl_layers, &c.mim_vocab, &c.mask_token, &c.num_classes};
             if ((st = read_int(it, what, it->string, f[mk]))) goto done;
             continue;
         }
@@ -688,6 +690,7 @@ char *vlmoe_config_to_json(const vlmoe_model_config *c) {
         add_num(o, "vl_layers", c->vl_layers);
         add_num(o, "mim_vocab", c->mim_vocab);
         add_num(o, "mask_token", c->mask_token);
+        if (c->num_classes > 0) add_num(o, "num_classes", c->num_classes);
     }
     char *s = cJSON_Print(o);
     cJSON_Delete(o);

@@ -7,7 +7,9 @@
 // The tokens of one expert ("stream") are gathered into a contiguous buffer, so an MoE layer
 // routes all image (or text) tokens of the batch as one group set. Final LayerNorm, then the MLM
 // head over labelled text positions and the MIM head over masked patches, each a mean softmax
-// cross-entropy (src/loss/masked.c). Activations come from one arena planned for B sequences of
+// cross-entropy (src/loss/masked.c); with a fine-tuning head (num_classes > 0) a linear classifier
+// on the pooled feature (mean of the image patches, or the [T_CLS] of a text or pair) and its mean
+// cross-entropy over the batch's class labels. Activations come from one arena planned for B sequences of
 // the longest (pair) encoding. Compiled as float and double (src/core/real.h); covered by
 // tests/test_mome.c (finite differences) and tests/test_parity.c (PyTorch, tests/ref/gen_mome.py).
 //
@@ -56,6 +58,10 @@ struct R(mome_graph) {
     real *hsel[2], *probs[2], *dlog, *dhsel;
     int32_t *rows[2], *labels[2];
     int count[2];
+    // classification head (fine-tuning): pooled feature, scores, their softmax; labels (B)
+    real *pooled, *clogits, *cprobs, *dpooled;
+    int32_t *clabels;
+    int have_cls;
     // backward scratch, shared by the layers
     real *dres, *dln, *datty, *dqkv, *datt, *dlnf, *sx, *sdy, *sdln, *sa, *sda, *sdh;
     int32_t *tokens, *lens, *seqlens;
@@ -109,8 +115,15 @@ static void plan(struct R(mome_graph) *g, carver *c) {
     g->probs[HEAD_TEXT] = take(c, B * X->Tt * V);
     g->hsel[HEAD_IMAGE] = take(c, B * np * D);
     g->probs[HEAD_IMAGE] = take(c, B * np * K);
-    g->dlog = take(c, B * X->Tt * V > B * np * K ? B * X->Tt * V : B * np * K);
+    const size_t NC = (size_t)g->L->cfg.num_classes;
+    size_t ndlog = B * X->Tt * V > B * np * K ? B * X->Tt * V : B * np * K;
+    ndlog = ndlog > B * NC ? ndlog : B * NC; // the classification head's scores too
+    g->dlog = take(c, ndlog);
     g->dhsel = take(c, (B * X->Tt > B * np ? B * X->Tt : B * np) * D);
+    g->pooled = take(c, B * D);
+    g->dpooled = take(c, B * D);
+    g->clogits = take(c, B * NC);
+    g->cprobs = take(c, B * NC);
     g->dres = take(c, n * D);
     g->dln = take(c, n * D);
     g->datty = take(c, n * D);
@@ -146,7 +159,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
     g->layers = vlmoe_calloc(sizeof(mome_acts) * (size_t)(nl ? nl : 1), "mome layers");
     g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
     g->noise = vlmoe_calloc(sizeof(*g->noise) * (size_t)(L->nmoe + 1), "noise hooks");
-    const size_t nints = (size_t)B * X->Tt * 3 + 2 * (size_t)B + (size_t)B * X->np * 2;
+    const size_t nints = (size_t)B * X->Tt * 3 + 3 * (size_t)B + (size_t)B * X->np * 2;
     g->ints = vlmoe_alloc(sizeof(int32_t) * nints, "token copies");
     g->masked = vlmoe_calloc((size_t)B * X->np, "patch mask");
     g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
@@ -161,6 +174,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
     g->labels[HEAD_TEXT] = g->rows[HEAD_TEXT] + (size_t)B * X->Tt;
     g->rows[HEAD_IMAGE] = g->labels[HEAD_TEXT] + (size_t)B * X->Tt;
     g->labels[HEAD_IMAGE] = g->rows[HEAD_IMAGE] + (size_t)B * X->np;
+    g->clabels = g->labels[HEAD_IMAGE] + (size_t)B * X->np;
     carver c = {NULL, 0};
     plan(g, &c);
     g->arena = vlmoe_alloc(sizeof(real) * c.used, "activation arena");
@@ -206,6 +220,10 @@ void R(mome_graph_set_noise)(struct R(mome_graph) *g, int index, const double *n
 const real *R(mome_graph_hidden)(const struct R(mome_graph) *g, int *seq) {
     if (seq) *seq = g->T;
     return g->lnf;
+}
+
+const real *R(mome_graph_logits)(const struct R(mome_graph) *g) {
+    return g->X->cls_w == NO_PARAM ? NULL : g->clogits;
 }
 
 const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
@@ -343,6 +361,17 @@ static int take_inputs(struct R(mome_graph) *g, const R(mome_input) *in) {
         memcpy(g->tokens, tokens, sizeof(int32_t) * (size_t)B * X->Tt);
         memcpy(g->lens, lens, sizeof(int32_t) * (size_t)B);
     }
+    g->have_cls = in->class_labels != NULL;
+    if (in->class_labels) {
+        if (X->cls_w == NO_PARAM)
+            return vlmoe_fail(VLMOE_ERR_ARG, "class labels given, but model '%s' has no classification head "
+                              "(num_classes = 0)", c->name);
+        for (int b = 0; b < B; b++)
+            if (in->class_labels[b] < 0 || in->class_labels[b] >= c->num_classes)
+                return vlmoe_fail(VLMOE_ERR_ARG, "sequence %d: class label %d outside [0, num_classes = %d)", b,
+                                  in->class_labels[b], c->num_classes);
+        memcpy(g->clabels, in->class_labels, sizeof(int32_t) * (size_t)B);
+    }
     memset(g->masked, 0, (size_t)B * X->np);
     if (img && pl)
         for (int b = 0; b < B; b++)
@@ -427,6 +456,41 @@ static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t 
     *C = h == HEAD_TEXT ? g->L->cfg.vocab_size : g->L->cfg.mim_vocab;
 }
 
+// The classification head's input (VL-MoE sec. 4.2): the mean of the final features of the
+// image's patch tokens ([I_CLS] left out, as BEiT pools) for images; the [T_CLS] feature for
+// texts and, fused, for pairs (the first text token, at text_off). pooled (B,D) from lnf (B,T,D).
+static void pool_forward(struct R(mome_graph) *g) {
+    const int B = g->B, D = g->D, np = g->X->np;
+    for (int b = 0; b < B; b++) {
+        real *o = g->pooled + (size_t)b * D;
+        const real *x = g->lnf + (size_t)b * g->T * D;
+        if (g->enc != VLMOE_ENC_IMAGE) {
+            memcpy(o, x + (size_t)g->text_off * D, sizeof(real) * D);
+            continue;
+        }
+        for (int k = 0; k < D; k++) {
+            double acc = 0;
+            for (int p = 1; p <= np; p++) acc += x[(size_t)p * D + k];
+            o[k] = (real)(acc / np);
+        }
+    }
+}
+
+// Accumulates d(pooled) (B,D) into dlnf (B,T,D).
+static void pool_backward(struct R(mome_graph) *g) {
+    const int B = g->B, D = g->D, np = g->X->np;
+    for (int b = 0; b < B; b++) {
+        const real *d = g->dpooled + (size_t)b * D;
+        real *x = g->dlnf + (size_t)b * g->T * D;
+        if (g->enc != VLMOE_ENC_IMAGE) {
+            for (int k = 0; k < D; k++) x[(size_t)g->text_off * D + k] += d[k];
+            continue;
+        }
+        for (int p = 1; p <= np; p++)
+            for (int k = 0; k < D; k++) x[(size_t)p * D + k] += d[k] / (real)np;
+    }
+}
+
 int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_input) *in,
                           vlmoe_mome_stats *res) {
     const model_layout *L = g->L;
@@ -468,6 +532,18 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         loss[h] = R(xent_forward)(g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / cnt;
         acc[h] = (double)right / cnt;
     }
+    double closs = 0, cacc = 0;
+    const size_t cw = g->X->cls_w, cb = g->X->cls_b;
+    const int NC = L->cfg.num_classes;
+    if (cw != NO_PARAM) {
+        pool_forward(g);
+        R(linear_forward)(g->clogits, g->pooled, P + cw, P + cb, g->B, D, NC, 0);
+        if (g->have_cls) {
+            int right = 0;
+            closs = R(xent_forward)(g->cprobs, g->clogits, g->clabels, g->B, NC, &right) / g->B;
+            cacc = (double)right / g->B;
+        }
+    }
     g->have_forward = 1;
     if (res) {
         memset(res, 0, sizeof(*res));
@@ -478,7 +554,10 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         res->text_count = g->count[HEAD_TEXT];
         res->image_count = g->count[HEAD_IMAGE];
         res->aux = g->aux;
-        res->loss = res->text + res->image + res->aux;
+        res->cls = closs;
+        res->cls_acc = cacc;
+        res->cls_count = g->have_cls ? g->B : 0;
+        res->loss = res->text + res->image + res->cls + res->aux;
     }
     return VLMOE_OK;
 }
@@ -505,6 +584,15 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
             const real *s = g->dhsel + (size_t)i * D;
             for (int k = 0; k < D; k++) d[k] += s[k];
         }
+    }
+    if (g->have_cls) { // the classification head: a mean over the B sequences
+        const size_t cw = g->X->cls_w, cb = g->X->cls_b;
+        const int NC = L->cfg.num_classes;
+        memset(g->dlog, 0, sizeof(real) * (size_t)g->B * NC);
+        R(xent_backward)(g->dlog, g->cprobs, g->clabels, g->B, NC, 1.0 / g->B);
+        memset(g->dpooled, 0, sizeof(real) * (size_t)g->B * D);
+        R(linear_backward)(g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, g->B, D, NC);
+        pool_backward(g);
     }
     const real *xL = E->layers ? g->layers[E->layers - 1].res2 : g->x0;
     memset(g->dres, 0, sizeof(real) * (size_t)n * D);

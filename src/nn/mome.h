@@ -25,6 +25,7 @@ typedef struct mome_layout {
     size_t mask_patch;              // (D) learned embedding of a masked patch (BEiT's mask token)
     size_t mlm_w, mlm_b;            // (vocab, D), (vocab)
     size_t mim_w, mim_b;            // (mim_vocab, D), (mim_vocab)
+    size_t cls_w, cls_b;            // (num_classes, D), (num_classes); NO_PARAM without a head
     int np, pd;                     // patches per image, values per patch
     int Ti, Tt;                     // image sequence (1 + np), text sequence (context_length)
 } mome_layout;
@@ -42,6 +43,7 @@ int mome_model_plan(vlmoe_model *m, int B);
         const int32_t *tokens, *lens; /* (B,Tt), (B) */                                            \
         const int32_t *text_labels;  /* (B,Tt), -1: no prediction; NULL: none */                  \
         const int32_t *patch_labels; /* (B,np), >= 0: masked patch and its target; NULL: none */   \
+        const int32_t *class_labels; /* (B) classes for the fine-tuning head; NULL: none */        \
     } mome_input_##S;                                                                             \
     int mome_graph_create_##S(mome_graph_##S **out, const model_layout *L, int B);               \
     void mome_graph_free_##S(mome_graph_##S *g);                                                  \
@@ -55,6 +57,8 @@ int mome_model_plan(vlmoe_model *m, int B);
     void mome_graph_backward_##S(mome_graph_##S *g, const T *P, T *G);                            \
     /* (B, seq, D) final hidden states of the last forward; *seq gets the sequence length */     \
     const T *mome_graph_hidden_##S(const mome_graph_##S *g, int *seq);                            \
+    /* (B, num_classes) class scores of the last forward (NULL without a head) */               \
+    const T *mome_graph_logits_##S(const mome_graph_##S *g);                                      \
     const vlmoe_moe_stats *mome_graph_moe_stats_##S(const mome_graph_##S *g, int *count);
 
 MOME_DECL(float, f32)

@@ -1,7 +1,8 @@
 // mome_model.c: VL-MoE (arch mome, VL-MoE sec. 3.2) in the model object: the parameter table
 // (shared attention, per-modality experts V-FFN / T-FFN / VL-FFN each with its own LayerNorm,
-// [I_CLS], the image mask token, MLM and MIM heads) and the float entry points: forward and
-// backward of one encoding, the three encodings' hidden states. Save/load go through model.c.
+// [I_CLS], the image mask token, MLM and MIM heads, the optional classification head) and the
+// float entry points: forward and backward of one encoding, the three encodings' hidden states
+// and class scores, a copy of a model with a fresh classification head. Save/load go through model.c.
 // Covered by tests/test_mome.c and tests/test_parity.c.
 #include <math.h>
 #include <stdio.h>
@@ -72,6 +73,11 @@ int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     X->mlm_b = layout_add(&tb, "mlm_head.bias", 0, 1, cfg->vocab_size, 0, 0);
     X->mim_w = layout_add(&tb, "mim_head.weight", 1, 2, cfg->mim_vocab, D, 0);
     X->mim_b = layout_add(&tb, "mim_head.bias", 0, 1, cfg->mim_vocab, 0, 0);
+    X->cls_w = X->cls_b = NO_PARAM;
+    if (cfg->num_classes > 0) {
+        X->cls_w = layout_add(&tb, "cls_head.weight", 1, 2, cfg->num_classes, D, 0);
+        X->cls_b = layout_add(&tb, "cls_head.bias", 0, 1, cfg->num_classes, 0, 0);
+    }
     L->logit_scale = NO_PARAM;
     if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
     for (int i = 0; i < L->nparams; i++)
@@ -108,7 +114,8 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     if (st) return st;
     if (!b || b->batch_size < 1) return vlmoe_fail(VLMOE_ERR_ARG, "mome forward: empty batch");
     if ((st = mome_model_plan(m, b->batch_size))) return st;
-    mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels};
+    mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels,
+                         b->class_labels};
     mome_graph_set_mode_f32(m->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = 0;
     vlmoe_mome_stats r;
@@ -128,16 +135,22 @@ int vlmoe_mome_backward(vlmoe_model *m, int accumulate) {
     return VLMOE_OK;
 }
 
-int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
-                      const int32_t *lengths, int n, float *out) {
-    int st = need_mome(m, "mome encode");
+// Eval-mode forwards of n inputs in chunks of the planned batch size; writes per item either the
+// final hidden states (seq_len, width) or the class scores (num_classes).
+static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out, int logits) {
+    int st = need_mome(m, logits ? "mome logits" : "mome encode");
     if (st) return st;
+    if (logits && m->L.cfg.num_classes < 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: model '%s' has no classification head (num_classes = 0)",
+                          m->L.cfg.name);
+    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
     if (n < 1) return VLMOE_OK;
     if (!m->mg && (st = mome_model_plan(m, n < 64 ? n : 64))) return st;
     const vlmoe_model_config *c = &m->L.cfg;
     const int B = m->planned_B, T = c->context_length, D = c->encoder.width;
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
-    const size_t per = (size_t)vlmoe_mome_seq_len(c, enc) * D;
+    const size_t per = logits ? (size_t)c->num_classes : (size_t)vlmoe_mome_seq_len(c, enc) * D;
     const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
     // the last chunk is padded by repeating its final item, whose outputs are discarded
     float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
@@ -151,14 +164,48 @@ int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
             if (img) memcpy(pimg + j * isz, images + s * isz, sizeof(float) * isz);
             if (txt) memcpy(ptok + (size_t)j * T, tokens + s * T, sizeof(int32_t) * T), ptok[(size_t)B * T + j] = lengths[s];
         }
-        mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL};
+        mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL, NULL};
         st = mome_graph_forward_f32(m->mg, m->params, &in, NULL);
-        if (!st) memcpy(out + (size_t)i0 * per, mome_graph_hidden_f32(m->mg, NULL), sizeof(float) * per * k);
+        const float *res = logits ? mome_graph_logits_f32(m->mg) : mome_graph_hidden_f32(m->mg, NULL);
+        if (!st) memcpy(out + (size_t)i0 * per, res, sizeof(float) * per * k);
     }
     vlmoe_free_mem(pimg);
     vlmoe_free_mem(ptok);
     m->have_forward = 0;
     return st;
+}
+
+int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out) {
+    return run_chunks(m, enc, images, tokens, lengths, n, out, 0);
+}
+
+int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                      const int32_t *lengths, int n, float *out) {
+    return run_chunks(m, enc, images, tokens, lengths, n, out, 1);
+}
+
+int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed) {
+    *out = NULL;
+    int st = need_mome(m, "mome head");
+    if (st) return st;
+    vlmoe_model_config c = m->L.cfg;
+    c.num_classes = num_classes;
+    vlmoe_model *h;
+    if ((st = vlmoe_model_init(&h, &c, seed))) return st; // validates num_classes
+    // every tensor but the head has the same name and shape in both tables
+    for (int i = 0; i < h->L.nparams; i++) {
+        const vlmoe_param_info *p = &h->L.table[i];
+        if (!strncmp(p->name, "cls_head.", 9)) continue;
+        for (int j = 0; j < m->L.nparams; j++)
+            if (!strcmp(m->L.table[j].name, p->name)) {
+                memcpy(h->params + p->offset, m->params + m->L.table[j].offset, sizeof(float) * p->numel);
+                break;
+            }
+    }
+    vlmoe_model_set_rng(h, (const uint64_t[2]){m->seed, m->forwards});
+    *out = h;
+    return VLMOE_OK;
 }
 
 int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches) {

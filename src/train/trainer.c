@@ -14,7 +14,15 @@ struct vlmoe_trainer {
     vlmoe_model *m;
     vlmoe_optim *opt;
     vlmoe_train_params p;
+    vlmoe_param_info *frozen;   // freeze_moe: the router and expert tensors (not in the optimizer)
+    int nfrozen;
 };
+
+// VL-MoE freezes routers and experts when fine-tuning: with freeze_moe every tensor of an MoE
+// layer ("<block>.moe.*": router, experts, Soft MoE's phi and scale) is kept out of the optimizer's
+// table, so neither AdamW's decay nor moments left from earlier steps can move it, and its
+// gradient is zeroed before clipping so the global norm is that of the trained tensors.
+static int is_moe_param(const vlmoe_param_info *p) { return strstr(p->name, ".moe.") != NULL; }
 
 vlmoe_train_params vlmoe_train_default_params(void) {
     vlmoe_train_params p;
@@ -24,6 +32,7 @@ vlmoe_train_params vlmoe_train_default_params(void) {
     p.optim.weight_decay = 0.2f;
     p.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 5e-4, 100, 1000, 0.0, 0, 0};
     p.grad_clip_norm = 1.0;
+    p.freeze_moe = 0;
     return p;
 }
 
@@ -35,8 +44,22 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
     t->p = *p;
     int n;
     const vlmoe_param_info *tab = vlmoe_model_params(m, &n);
+    vlmoe_param_info *train = NULL;
+    if (p->freeze_moe) {
+        train = malloc(sizeof(*train) * (size_t)n);
+        t->frozen = malloc(sizeof(*train) * (size_t)n);
+        if (!train || !t->frozen) return free(train), vlmoe_trainer_free(t), vlmoe_fail(VLMOE_ERR_NOMEM, "trainer");
+        int nt = 0;
+        for (int i = 0; i < n; i++) {
+            if (is_moe_param(&tab[i])) t->frozen[t->nfrozen++] = tab[i];
+            else train[nt++] = tab[i];
+        }
+        tab = train;
+        n = nt;
+    }
     int st = vlmoe_optim_init(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m));
-    if (st) return free(t), st;
+    free(train);
+    if (st) return vlmoe_trainer_free(t), st;
     *out = t;
     return VLMOE_OK;
 }
@@ -44,6 +67,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
 void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (!t) return;
     vlmoe_optim_free(t->opt);
+    free(t->frozen);
     free(t);
 }
 
@@ -61,6 +85,7 @@ static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
         return st;
     }
     float *g = vlmoe_model_grad_data(t->m);
+    for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
     s->grad_norm = vlmoe_clip_grad_norm(g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
     s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
     vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s->lr);

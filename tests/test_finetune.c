@@ -1,0 +1,182 @@
+// test_finetune.c: `vlmoe finetune` (cli/finetune.c) on data this test writes: an image folder of
+// solid-colour PNGs in three class folders (image-cls, with --freeze-moe: the routers and experts
+// of the written model equal the pretrained ones bit for bit), a TSV of sentences labelled by
+// their colour word (text-cls) and a TSV of image/question/answer rows whose answer needs both
+// (pair-cls); each must reach a training accuracy above chance. Bad input on purpose: missing
+// columns, a non-mome model, an unknown task. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+#include <png.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "test.h"
+#include "vlmoe.h"
+
+static const char *bin;
+static char dir[64], out[16384];
+#define P(rel) test_path(dir, rel)
+
+static int run(const char *args) {
+    char cmd[2048];
+    snprintf(cmd, sizeof(cmd), "cd %s && %s %s 2>&1", dir, bin, args);
+    FILE *p = popen(cmd, "r");
+    size_t n = p ? fread(out, 1, sizeof(out) - 1, p) : 0;
+    out[n] = 0;
+    int st = p ? pclose(p) : -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
+
+static const uint8_t RGB[3][3] = {{220, 30, 30}, {30, 200, 40}, {40, 50, 230}};
+static const char *const COLOUR[3] = {"red", "green", "blue"};
+
+// A solid-colour PNG, brightness varied by `shade` so the examples of a class differ a little.
+static void write_png(const char *rel, int colour, int shade) {
+    const int w = 32 + 4 * shade, h = 32;
+    uint8_t *px = malloc((size_t)w * h * 3);
+    for (int k = 0; k < w * h; k++)
+        for (int c = 0; c < 3; c++) px[3 * k + c] = (uint8_t)(RGB[colour][c] - 8 * shade);
+    png_image im;
+    memset(&im, 0, sizeof(im));
+    im.version = PNG_IMAGE_VERSION, im.width = (png_uint_32)w, im.height = (png_uint_32)h;
+    im.format = PNG_FORMAT_RGB;
+    CHECK(png_image_write_to_file(&im, P(rel), 0, px, 0, NULL), "write %s", rel);
+    free(px);
+}
+
+static void make_data(void) {
+    char rel[128];
+    mkdir(P("imgs"), 0755);
+    for (int c = 0; c < 3; c++) {
+        snprintf(rel, sizeof(rel), "imgs/%s", COLOUR[c]);
+        mkdir(P(rel), 0755);
+        for (int s = 0; s < 4; s++) {
+            snprintf(rel, sizeof(rel), "imgs/%s/%d.png", COLOUR[c], s);
+            write_png(rel, c, s);
+        }
+    }
+    // text-cls: the label is the sentence's colour word
+    static const char *const tpl[4] = {"a photo of a %s circle", "the %s square", "a large %s triangle on a plain background",
+                                       "there is a small %s cross"};
+    char tsv[4096] = "", line[256];
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < 3; c++) {
+            char text[128];
+            snprintf(text, sizeof(text), tpl[t], COLOUR[c]);
+            snprintf(line, sizeof(line), "%s\t%s\n", text, COLOUR[c]);
+            strcat(tsv, line);
+        }
+    put("texts.tsv", tsv);
+    // pair-cls: "is it red" on a red/green/blue image: yes or no, which needs image and question
+    tsv[0] = 0;
+    for (int s = 0; s < 2; s++)
+        for (int c = 0; c < 3; c++)
+            for (int q = 0; q < 3; q++) {
+                snprintf(line, sizeof(line), "imgs/%s/%d.png\tis there a %s square\t%s\n", COLOUR[c], s, COLOUR[q],
+                         c == q ? "yes" : "no");
+                strcat(tsv, line);
+            }
+    put("pairs.tsv", tsv);
+    put("bad_pairs.tsv", "imgs/red/0.png\tis there a red square\tyes\nimgs/red/1.png\tno answer here\n");
+}
+
+static double field(const char *key) {
+    const char *p = strstr(out, key);
+    return p ? atof(p + strlen(key)) : -1;
+}
+
+static void finetune(const char *task, const char *data, const char *extra, double chance, double want) {
+    char args[1024];
+    snprintf(args, sizeof(args), "finetune --model pre.safetensors --task %s --data %s -o %s.safetensors %s", task, data,
+             task, extra);
+    const int st = run(args);
+    const double acc = field("train accuracy ");
+    printf("%s: train accuracy %.3f (chance %.3f), held-out %.3f\n", task, acc, chance, field("held-out accuracy "));
+    CHECK(st == 0 && acc >= want, "`vlmoe %s`: exit %d, train accuracy %.3f, want >= %.3f (chance %.3f):\n%s", args, st,
+          acc, want, chance, out);
+}
+
+static void expect(const char *args, int status, const char *needle) {
+    const int st = run(args);
+    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks \"%s\":\n%s", args, st, status,
+          needle, out);
+}
+
+// Whether every ".moe." tensor of a equals b's bit for bit; *others_changed counts the rest that differ.
+static int moe_identical(vlmoe_model *a, vlmoe_model *b, int *others_changed) {
+    int n, same = 1;
+    const vlmoe_param_info *t = vlmoe_model_params(a, &n);
+    const float *pa = vlmoe_model_param_data(a), *pb = vlmoe_model_param_data(b);
+    *others_changed = 0;
+    int nb;
+    const vlmoe_param_info *tb = vlmoe_model_params(b, &nb);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < nb; j++) {
+            if (strcmp(t[i].name, tb[j].name)) continue;
+            const int eq = !memcmp(pa + t[i].offset, pb + tb[j].offset, sizeof(float) * t[i].numel);
+            if (strstr(t[i].name, ".moe.")) same &= eq;
+            else *others_changed += !eq;
+        }
+    return same;
+}
+
+int main(int argc, char **argv) {
+    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
+    char abs[1024];
+    if (!bin || !realpath(bin, abs)) {
+        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
+        return test_summary("test_finetune");
+    }
+    bin = abs;
+    snprintf(dir, sizeof(dir), "/tmp/vlmoe_finetune_XXXXXX");
+    if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
+    make_data();
+    // a "pretrained" VL-MoE: vlmoe-tiny at random (V-MoE and T-MoE in block 1), and a CLIP model
+    vlmoe_model_config cfg, clip;
+    vlmoe_config_named("vlmoe-tiny", &cfg);
+    vlmoe_config_named("tiny", &clip);
+    vlmoe_model *pre = NULL, *c = NULL;
+    CHECK(vlmoe_model_init(&pre, &cfg, 3) == VLMOE_OK && vlmoe_model_save(pre, P("pre.safetensors")) == VLMOE_OK &&
+              vlmoe_model_init(&c, &clip, 3) == VLMOE_OK && vlmoe_model_save(c, P("clip.safetensors")) == VLMOE_OK,
+          "models: %s", vlmoe_last_error());
+    vlmoe_model_free(c);
+
+    finetune("image-cls", "imgs", "--steps 40 --batch-size 9 --freeze-moe", 1.0 / 3, 0.99);
+    CHECK(strstr(out, "3 classes, 9 training and 3 held-out examples") && strstr(out, "frozen"), "split:\n%s", out);
+    size_t n;
+    char *labels = test_read_file(P("image-cls.safetensors.labels"), &n);
+    CHECK(labels && !strcmp(labels, "blue\ngreen\nred\n"), "class names in class order: %s", labels ? labels : "(none)");
+    free(labels);
+    vlmoe_model *ft = NULL;
+    CHECK(vlmoe_model_load(&ft, P("image-cls.safetensors")) == VLMOE_OK, "load: %s", vlmoe_last_error());
+    if (ft && pre) {
+        int changed;
+        const int same = moe_identical(ft, pre, &changed);
+        CHECK(same && changed > 0 && vlmoe_model_get_config(ft)->num_classes == 3,
+              "--freeze-moe: routers and experts unchanged (%d), %d other tensors trained", same, changed);
+        printf("image-cls --freeze-moe: MoE tensors bit-identical %d, %d other tensors changed\n", same, changed);
+    }
+    vlmoe_model_free(ft);
+    vlmoe_model_free(pre);
+
+    finetune("text-cls", "texts.tsv", "--steps 40 --batch-size 9", 1.0 / 3, 0.99);
+    finetune("pair-cls", "pairs.tsv", "--steps 60 --batch-size 12 --lr 2e-3 --holdout 0", 0.5, 0.75);
+
+    expect("finetune --model pre.safetensors --task pair-cls --data bad_pairs.tsv -o x.safetensors", 1,
+           "bad_pairs.tsv:2: expected 3 non-empty tab-separated columns (image path, question, answer), found 2");
+    expect("finetune --model pre.safetensors --task pair-cls --data texts.tsv -o x.safetensors", 1, "texts.tsv:1: expected 3");
+    expect("finetune --model clip.safetensors --task text-cls --data texts.tsv -o x.safetensors", 1, "not a VL-MoE");
+    expect("finetune --model pre.safetensors --task retrieval --data texts.tsv -o x.safetensors", 1, "--task retrieval");
+    expect("finetune --model pre.safetensors --task text-cls -o x.safetensors", 1, "required");
+    put("one.tsv", "a red circle\tred\nthe red square\tred\n");
+    expect("finetune --model pre.safetensors --task text-cls --data one.tsv -o x.safetensors", 1, "1 class");
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    if (system(cmd)) fprintf(stderr, "could not remove %s\n", dir);
+    return test_summary("test_finetune");
+}
