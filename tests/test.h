@@ -56,6 +56,15 @@ static inline double test_fd_direction(double *x, const double *g, double *v, si
     return fabs(*fd - dot) / (1e-7 + fabs(*fd) + fabs(dot));
 }
 
+// The vlmoe binary a CLI test runs: $VLMOE_BIN, or $VLMOE_BIN_ASAN for a test built in
+// build/asan, made absolute into abs (PATH_MAX bytes); NULL, and a failed check, if unset or missing.
+static inline const char *test_vlmoe_bin(const char *argv0, char *abs) {
+    const char *b = getenv(strstr(argv0, "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
+    if (b && realpath(b, abs)) return abs;
+    CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
+    return NULL;
+}
+
 // Runs `BIN ARGS` in folder dir; its stdout (and stderr when fold) in out (NUL-terminated, at
 // most cap - 1 bytes); returns the exit status (-1 if it did not exit normally).
 static inline int test_run_in(const char *dir, const char *bin, const char *args, int fold, char *out, size_t cap) {

@@ -261,14 +261,10 @@ int main(int argc, char **argv) {
     snprintf(dir, sizeof(dir), "/tmp/vlmoe_ckpt_XXXXXX");
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
     test_library_resume();
-    static char abs[1024];
-    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
-    if (bin && realpath(bin, abs)) {
-        bin = abs;
+    static char abs[4096];
+    if ((bin = test_vlmoe_bin(argv[0], abs))) {
         test_kill_and_resume();
         test_corrupt_latest();
-    } else {
-        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN (make test does)");
     }
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);

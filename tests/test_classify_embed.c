@@ -314,13 +314,8 @@ static void test_classify(const char *model, const vlmoe_model_config *cfg) {
 }
 
 int main(int argc, char **argv) {
-    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
-    char abs[1024];
-    if (!bin || !realpath(bin, abs)) {
-        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
-        return test_summary("test_classify_embed");
-    }
-    bin = abs;
+    static char abs[4096];
+    if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_classify_embed");
     snprintf(dir, sizeof(dir), "/tmp/vlmoe_classify_XXXXXX");
     if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
     make_data();

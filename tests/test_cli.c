@@ -32,14 +32,8 @@ static void expect(const char *args, int status, const char *needle) {
 }
 
 int main(int argc, char **argv) {
-    int asan = strstr(argv[0], "/asan/") != NULL;
-    bin = getenv(asan ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
-    char abs[1024];
-    if (!bin || !realpath(bin, abs)) {
-        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
-        return test_summary("test_cli");
-    }
-    bin = abs;
+    static char abs[4096];
+    if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_cli");
     snprintf(dir, sizeof(dir), "/tmp/vlmoe_cli_XXXXXX");
     CHECK(mkdtemp(dir) != NULL, "mkdtemp");
     expect("frobnicate", 2, "unknown command 'frobnicate'");

@@ -297,13 +297,8 @@ static void expect(const char *args, int status, const char *needle) {
 }
 
 int main(int argc, char **argv) {
-    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
-    char abs[1024];
-    if (!bin || !realpath(bin, abs)) {
-        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
-        return test_summary("test_eval_data");
-    }
-    bin = abs;
+    static char abs[4096];
+    if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_eval_data");
     snprintf(dir, sizeof(dir), "/tmp/vlmoe_evaldata_XXXXXX");
     if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
     make_data();

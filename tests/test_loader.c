@@ -441,14 +441,8 @@ int main(int argc, char **argv) {
     }
     test_bad();
     test_bad_fraction();
-    static char abs_bin[1024];
-    bin = getenv(strstr(argv[0], "/asan/") ? "VLMOE_BIN_ASAN" : "VLMOE_BIN");
-    if (bin && realpath(bin, abs_bin)) {
-        bin = abs_bin;
-        test_cli();
-    } else {
-        CHECK(0, "set VLMOE_BIN / VLMOE_BIN_ASAN to the vlmoe binary (make test does)");
-    }
+    static char abs_bin[4096];
+    if ((bin = test_vlmoe_bin(argv[0], abs_bin))) test_cli();
     char c[128];
     snprintf(c, sizeof c, "rm -rf '%s'", dir);
     if (system(c) != 0) fprintf(stderr, "could not remove %s\n", dir);
