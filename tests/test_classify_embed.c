@@ -5,7 +5,6 @@
 // vlmoe_class_embeddings; embed --texts equals vlmoe_model_encode_texts; bad inputs exit non-zero
 // naming the file. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN for the sanitizer build).
 #include <cjson/cJSON.h>
-#include <png.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -42,18 +41,7 @@ static void write_image(int i) {
     const int w = 30 + 7 * i, h = 26 + 3 * (i % 4);
     uint8_t *px = malloc((size_t)w * h * 3);
     for (int k = 0; k < w * h; k++) memcpy(px + 3 * k, RGB[i], 3);
-    if (strstr(FILES[i], ".jpg")) {
-        size_t n;
-        uint8_t *jpg = enc_jpeg(px, w, h, 3, 95, 0, &n);
-        test_write_file(P(FILES[i]), jpg, n);
-        free(jpg);
-    } else {
-        png_image im;
-        memset(&im, 0, sizeof(im));
-        im.version = PNG_IMAGE_VERSION, im.width = (png_uint_32)w, im.height = (png_uint_32)h;
-        im.format = PNG_FORMAT_RGB;
-        CHECK(png_image_write_to_file(&im, P(FILES[i]), 0, px, 0, NULL), "write %s", FILES[i]);
-    }
+    CHECK(test_write_rgb(P(FILES[i]), px, w, h, strstr(FILES[i], ".jpg") != NULL), "write %s", FILES[i]);
     free(px);
 }
 

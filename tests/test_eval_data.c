@@ -5,7 +5,6 @@
 // vocabulary must give exactly the numbers computed here through the library on the same
 // features; bad paths and a missing tokenizer fail with a message. Runs $VLMOE_BIN(_ASAN).
 #include <cjson/cJSON.h>
-#include <png.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -46,18 +45,7 @@ static void write_image(int c, int i) {
         }
     char rel[128];
     image_path(c, i, rel, sizeof(rel));
-    if (i % 2) {
-        size_t n;
-        uint8_t *jpg = enc_jpeg(px, w, h, 3, 95, 0, &n);
-        test_write_file(P(rel), jpg, n);
-        free(jpg);
-    } else {
-        png_image im;
-        memset(&im, 0, sizeof(im));
-        im.version = PNG_IMAGE_VERSION, im.width = (png_uint_32)w, im.height = (png_uint_32)h;
-        im.format = PNG_FORMAT_RGB;
-        CHECK(png_image_write_to_file(&im, P(rel), 0, px, 0, NULL), "write %s", rel);
-    }
+    CHECK(test_write_rgb(P(rel), px, w, h, i % 2), "write %s", rel);
     free(px);
 }
 

@@ -4,7 +4,6 @@
 // their colour word (text-cls) and a TSV of image/question/answer rows whose answer needs both
 // (pair-cls); each must reach a training accuracy above chance. Bad input on purpose: missing
 // columns, a non-mome model, an unknown task. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
-#include <png.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +13,7 @@
 #include <unistd.h>
 
 #include "test.h"
+#include "test_jpeg.h"
 #include "vlmoe.h"
 
 static const char *bin;
@@ -41,11 +41,7 @@ static void write_png(const char *rel, int colour, int shade) {
     uint8_t *px = malloc((size_t)w * h * 3);
     for (int k = 0; k < w * h; k++)
         for (int c = 0; c < 3; c++) px[3 * k + c] = (uint8_t)(RGB[colour][c] - 8 * shade);
-    png_image im;
-    memset(&im, 0, sizeof(im));
-    im.version = PNG_IMAGE_VERSION, im.width = (png_uint_32)w, im.height = (png_uint_32)h;
-    im.format = PNG_FORMAT_RGB;
-    CHECK(png_image_write_to_file(&im, P(rel), 0, px, 0, NULL), "write %s", rel);
+    CHECK(test_write_rgb(P(rel), px, w, h, 0), "write %s", rel);
     free(px);
 }
 

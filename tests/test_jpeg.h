@@ -1,5 +1,5 @@
-// test_jpeg.h: the JPEG encoder side the tests use to make fixtures at test time (libjpeg-turbo
-// into memory). Used by tests/test_image.c and tests/test_eval_data.c.
+// test_jpeg.h: the image encoders the tests use to make fixtures at test time (libjpeg-turbo
+// into memory, libpng's simplified API to a file).
 #ifndef VLMOE_TEST_JPEG_H
 #define VLMOE_TEST_JPEG_H
 #include <stdint.h>
@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <png.h>
 
 // JPEG of comps = 1 (grey), 3 (RGB) or 4 (CMYK) components; returns malloc'd bytes.
 static inline uint8_t *enc_jpeg(const uint8_t *px, int w, int h, int comps, int quality,
@@ -38,6 +39,24 @@ static inline uint8_t *enc_jpeg(const uint8_t *px, int w, int h, int comps, int 
     free(mem);
     *n = size;
     return out;
+}
+
+// Writes an RGB image (w x h x 3 bytes) as a JPEG of quality 95 or a PNG; 1 on success.
+static inline int test_write_rgb(const char *path, const uint8_t *px, int w, int h, int jpeg) {
+    if (!jpeg) {
+        png_image im;
+        memset(&im, 0, sizeof(im));
+        im.version = PNG_IMAGE_VERSION, im.width = (png_uint_32)w, im.height = (png_uint_32)h;
+        im.format = PNG_FORMAT_RGB;
+        return png_image_write_to_file(&im, path, 0, px, 0, NULL) != 0;
+    }
+    size_t n;
+    uint8_t *b = enc_jpeg(px, w, h, 3, 95, 0, &n);
+    FILE *f = b ? fopen(path, "wb") : NULL;
+    int ok = f && fwrite(b, 1, n, f) == n;
+    if (f) ok &= fclose(f) == 0;
+    free(b);
+    return ok;
 }
 
 #endif
