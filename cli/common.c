@@ -192,7 +192,7 @@ int cli_list_images(const char *cmd, const char *const *args, int nargs, char **
 
 int cli_plan(vlmoe_model *m, int n, int B) {
     const int b = n < B ? n : B;
-    return vlmoe_model_plan(m, b > 2 ? b : 2);
+    return vlmoe_model_plan(m, b > 1 ? b : 1);
 }
 
 int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli_encode_params *p, float *out,

@@ -66,11 +66,9 @@ int cli_list_images(const char *cmd, const char *const *args, int nargs, char **
 int cli_take_multi(const char *cmd, const char *name, int argc, char **argv, int first, const char **vals,
                    int *nvals, char **rest, int *nrest);
 
-// Plans m for n inputs in batches of at most B: min(n, B), but at least 2. oneDNN's sgemm sums
-// a product with a single row (the embedding projection of a batch of one) in another order than
-// one with several, so a lone input's embedding would differ in its last bit from the same input
-// in a batch; a batch of one padded to two (one extra copy) gives every row the same bits however
-// the inputs are batched. The message is in vlmoe_last_error().
+// Plans m for n inputs in batches of at most B: min(n, B) (at least 1). Every row's embedding has
+// the same bits however the inputs are batched (src/ops runs 1-row products as 2 rows). The
+// message is in vlmoe_last_error().
 int cli_plan(vlmoe_model *m, int n, int B);
 
 // Encodes image files in batches of batch_size (one model call per batch, planned with cli_plan
