@@ -102,6 +102,13 @@ void cli_bad_add(cli_bad_log *b, const char *msg) {
     b->n++;
 }
 
+int cli_separator(const char *cmd, const char *sep, char *out) {
+    if (!strcmp(sep, "\\t")) sep = "\t";
+    if (strlen(sep) != 1) return cli_error(cmd, "--csv-separator expects one character, got '%s'", sep);
+    *out = sep[0];
+    return 0;
+}
+
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where) {
     if (!b->n) return;
     fprintf(stderr, "vlmoe %s: warning: skipped %ld %s%s of %s; first:", cmd, b->n, what, b->n == 1 ? "" : "s",

@@ -52,6 +52,8 @@ typedef struct {
 void cli_bad_add(cli_bad_log *b, const char *msg);
 // "vlmoe CMD: warning: skipped N WHATs of WHERE; first: ..." on stderr, if any were skipped.
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where);
+// --csv-separator: one character, or the two characters \t for a tab; non-zero after an error.
+int cli_separator(const char *cmd, const char *sep, char *out);
 
 // Image files from command-line arguments: a file is taken as it is, a folder for the image
 // files (.jpg .jpeg .png .webp, any case) under it, recursively, sorted by path. *out gets

@@ -562,9 +562,8 @@ int cmd_eval(int argc, char **argv) {
         return cli_error("eval", "--classnames and --templates need --zeroshot-data");
     if (n < 2 || B < 2 || shots < 0)
         return cli_error("eval", "--samples and --batch-size must be >= 2, --few-shot >= 0");
-    if (!strcmp(sep, "\\t")) sep = "\t";
-    if (strlen(sep) != 1) return cli_error("eval", "--csv-separator expects one character, got '%s'", sep);
-    dp.separator = sep[0], dp.path = val;
+    if (cli_separator("eval", sep, &dp.separator)) return 1;
+    dp.path = val;
 
     eval_ctx e;
     memset(&e, 0, sizeof(e));

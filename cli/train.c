@@ -488,10 +488,7 @@ int cmd_train(int argc, char **argv) {
         if (a.data.type == VLMOE_DATASET_AUTO && strcmp(a.dataset_type, "auto"))
             return cli_error("train", "--dataset-type %s: expected synthetic, csv, webdataset or auto", a.dataset_type);
         if (!a.data.path) return cli_error("train", "--dataset-type %s needs --train-data PATH", a.dataset_type);
-        if (!strcmp(a.csv_separator, "\\t")) a.csv_separator = "\t";
-        if (strlen(a.csv_separator) != 1)
-            return cli_error("train", "--csv-separator expects one character, got '%s'", a.csv_separator);
-        a.data.separator = a.csv_separator[0];
+        if (cli_separator("train", a.csv_separator, &a.data.separator)) return 1;
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error("train", "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
     }

@@ -324,6 +324,12 @@ typedef struct {
                              // tokenizer's start/end tokens, the first and last of each text)
     int num_classes;         // mome: classes of the fine-tuning head "cls_head" (JSON key
                              // "num_classes", written when > 0); 0 = no head
+    int cls_sequences;       // mome: sequences pooled into one example of the head: 1 (0 reads as
+                             // 1), or 2 for NLVR2 (two image-text pairs, their fused [T_CLS]
+                             // features concatenated); JSON "cls_sequences", written when 2
+    int retrieval_head;      // mome: 1 adds the contrastive retrieval head: projections of the
+                             // [I_CLS] and [T_CLS] features to embed_dim and a logit_scale
+                             // (JSON "retrieval_head", written when 1)
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
@@ -437,7 +443,8 @@ typedef struct {
     double text_acc, image_acc;  // top-1 accuracy of those predictions
     int text_count, image_count; // labelled positions
     double cls, cls_acc;         // classification head: mean cross-entropy, top-1 accuracy
-    int cls_count;               // sequences with a class label (B, or 0)
+    int cls_count;               // examples with a class label (B/cls_sequences, or 0)
+    double itc, itc_acc[2];      // retrieval: contrastive loss, image->text and text->image top-1
 } vlmoe_mome_stats;
 // Forward of one encoding (training: routing noise and the train capacity factor). MLM is a text
 // batch with text_labels, MIM an image batch with patch_labels, VLM a pair batch with both.
@@ -456,12 +463,34 @@ int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
 // pairs are one text joined by [T_SEP]), pair -> the fused [T_CLS] of the pair (VQA as answer
 // classification). The loss is the mean softmax cross-entropy over the batch's class_labels,
 // added to the batch's other losses; vlmoe_trainer_step_mome trains it.
+// With cls_sequences = 2 (NLVR2, VLMo/BEiT-3's recipe) an example is two consecutive sequences
+// of the batch, typically the pairs (image 1, text) and (image 2, text): the head (num_classes,
+// 2*width) sees their pooled features concatenated, and class_labels holds B/2 labels.
 // A copy of mome model m with a freshly initialised head of num_classes (>= 2; seeded) and every
 // other tensor copied; m may already have a head (it is replaced).
 int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed);
-// Class scores (n, num_classes) of n inputs of an encoding, eval mode, computed in chunks.
+// The same with every head chosen: num_classes 0 (none) or >= 2, cls_sequences 1 or 2, and
+// retrieval_head 0/1 (below); all heads fresh, every other tensor copied.
+int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
+                          int retrieval_head, uint64_t seed);
+// Class scores (n/cls_sequences, num_classes) of n inputs of an encoding, eval mode, in chunks.
 int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
                       const int32_t *lengths, int n, float *out);
+// Retrieval head (config retrieval_head = 1; VL-MoE sec. 4.2 fine-tunes retrieval contrastively
+// with image and text encoded separately, as VLMo): the final [I_CLS] of an image-only encoding
+// and the final [T_CLS] of a text-only encoding, each through its own linear projection
+// "itc.image_proj" / "itc.text_proj" (embed_dim, width) and L2-normalised; the loss is the
+// symmetric contrastive loss of the B x B similarities times exp(logit_scale) (as CLIP's).
+// Normalised embeddings (n, embed_dim) of n images (VLMOE_ENC_IMAGE) or texts (VLMOE_ENC_TEXT).
+int vlmoe_mome_embed(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                     const int32_t *lengths, int n, float *out);
+// The contrastive loss of B matching image-text pairs (training: routing noise, train capacity):
+// s->itc, s->itc_acc, s->aux (both encodings' MoE losses), s->loss = itc + aux. Routing
+// statistics (vlmoe_model_moe_stats) are then the image side's.
+int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
+                                 int B, int training, vlmoe_mome_stats *s);
+// Back-propagates the last training retrieval forward (accumulate = 0 zeroes the gradients first).
+int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate);
 
 // Masking (src/data/masking.c), seeded: the same seed gives the same masks on any machine.
 typedef struct {
@@ -531,6 +560,9 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
 // part_stats (nparts, may be NULL) gets each part's losses; stats the totals.
 int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
                             vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats);
+// One retrieval fine-tuning step (vlmoe_mome_forward_retrieval, then the update).
+int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
+                                      const int32_t *lengths, int B, vlmoe_mome_stats *s, vlmoe_step_stats *stats);
 long vlmoe_trainer_get_step(const vlmoe_trainer *t);
 vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
 vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);

@@ -59,7 +59,7 @@ static void make_data(void) {
     // text-cls: the label is the sentence's colour word
     static const char *const tpl[4] = {"a photo of a %s circle", "the %s square", "a large %s triangle on a plain background",
                                        "there is a small %s cross"};
-    char tsv[4096] = "", line[256];
+    char tsv[8192] = "", line[256];
     for (int t = 0; t < 4; t++)
         for (int c = 0; c < 3; c++) {
             char text[128];
@@ -79,6 +79,29 @@ static void make_data(void) {
             }
     put("pairs.tsv", tsv);
     put("bad_pairs.tsv", "imgs/red/0.png\tis there a red square\tyes\nimgs/red/1.png\tno answer here\n");
+    // pair-cls with 4 columns (NLVR2): "there is a <colour> square", true when either image of the
+    // example shows it: each pair's fused feature can tell whether its image matches the sentence,
+    // and the head must combine the two
+    tsv[0] = 0;
+    for (int s = 0; s < 2; s++)
+        for (int c1 = 0; c1 < 3; c1++)
+            for (int c2 = 0; c2 < 3; c2++)
+                for (int q = 0; q < 3; q++) {
+                    snprintf(line, sizeof(line), "imgs/%s/%d.png\timgs/%s/%d.png\tthere is a %s square\t%s\n",
+                             COLOUR[c1], s, COLOUR[c2], (s + c1 + c2) % 4, COLOUR[q], c1 == q || c2 == q ? "true" : "false");
+                    strcat(tsv, line);
+                }
+    put("nlvr2.tsv", tsv);
+    put("bad_nlvr2.tsv", "imgs/red/0.png\timgs/red/1.png\tthe same colour\ttrue\nimgs/red/1.png\tthe same colour\tfalse\n");
+    // retrieval: an OpenCLIP CSV (tab-separated) of images and captions naming their colour
+    static const char *const shape[4] = {"circle", "square", "triangle", "cross"};
+    strcpy(tsv, "filepath\ttitle\n");
+    for (int s = 0; s < 4; s++)
+        for (int c = 0; c < 3; c++) {
+            snprintf(line, sizeof(line), "imgs/%s/%d.png\ta %s %s\n", COLOUR[c], s, COLOUR[c], shape[s]);
+            strcat(tsv, line);
+        }
+    put("captions.tsv", tsv);
 }
 
 static double field(const char *key) {
@@ -157,12 +180,41 @@ int main(int argc, char **argv) {
 
     finetune("text-cls", "texts.tsv", "--steps 40 --batch-size 9", 1.0 / 3, 0.99);
     finetune("pair-cls", "pairs.tsv", "--steps 60 --batch-size 12 --lr 2e-3 --holdout 0", 0.5, 0.75);
+    finetune("pair-cls", "nlvr2.tsv", "--steps 80 --batch-size 18 --lr 2e-3 --holdout 0", 5.0 / 9, 0.85);
+    CHECK(strstr(out, "NLVR2: two image-text pairs per example") && strstr(out, "2 classes, 54 training"),
+          "NLVR2 read as 54 two-pair examples:\n%s", out);
+    vlmoe_model *nl = NULL;
+    CHECK(vlmoe_model_load(&nl, P("pair-cls.safetensors")) == VLMOE_OK && vlmoe_model_get_config(nl)->cls_sequences == 2,
+          "the NLVR2 model keeps its two-pair head: %s", vlmoe_last_error());
+    vlmoe_model_free(nl);
+    // retrieval: images and captions learn to match by colour; 4 captions per colour, so R@5 and
+    // not R@1 is what learning the colours buys (chance R@5 = 5/12)
+    {
+        const int st = run("finetune --model pre.safetensors --task retrieval --data captions.tsv -o ret.safetensors "
+                           "--steps 60 --batch-size 12 --lr 2e-3 --holdout 0");
+        const char *p = strstr(out, "train retrieval (12 pairs)");
+        double i2t[3] = {-1, -1, -1}, t2i[3] = {-1, -1, -1};
+        if (p)
+            sscanf(p, "train retrieval (12 pairs): image->text R@1 %lf R@5 %lf R@10 %lf; text->image R@1 %lf R@5 %lf R@10 %lf",
+                   &i2t[0], &i2t[1], &i2t[2], &t2i[0], &t2i[1], &t2i[2]);
+        printf("retrieval: train R@5 image->text %.3f, text->image %.3f (chance 0.417)\n", i2t[1], t2i[1]);
+        CHECK(st == 0 && i2t[1] >= 0.9 && t2i[1] >= 0.9, "retrieval fine-tuning: exit %d, R@5 %.3f / %.3f:\n%s", st,
+              i2t[1], t2i[1], out);
+        vlmoe_model *rm = NULL;
+        CHECK(vlmoe_model_load(&rm, P("ret.safetensors")) == VLMOE_OK && vlmoe_model_get_config(rm)->retrieval_head == 1,
+              "the retrieval model has its head: %s", vlmoe_last_error());
+        vlmoe_model_free(rm);
+    }
 
     expect("finetune --model pre.safetensors --task pair-cls --data bad_pairs.tsv -o x.safetensors", 1,
            "bad_pairs.tsv:2: expected 3 non-empty tab-separated columns (image path, question, answer), found 2");
     expect("finetune --model pre.safetensors --task pair-cls --data texts.tsv -o x.safetensors", 1, "texts.tsv:1: expected 3");
     expect("finetune --model clip.safetensors --task text-cls --data texts.tsv -o x.safetensors", 1, "not a VL-MoE");
-    expect("finetune --model pre.safetensors --task retrieval --data texts.tsv -o x.safetensors", 1, "--task retrieval");
+    expect("finetune --model pre.safetensors --task retrieval --data texts.tsv -o x.safetensors", 1, "filepath");
+    expect("finetune --model pre.safetensors --task pair-cls --data bad_nlvr2.tsv -o x.safetensors", 1,
+           "bad_nlvr2.tsv:2: expected 4 non-empty tab-separated columns (image 1, image 2, sentence, label), found 3");
+    expect("finetune --model pre.safetensors --task captioning --data texts.tsv -o x.safetensors", 1,
+           "expected image-cls, text-cls, pair-cls or retrieval");
     expect("finetune --model pre.safetensors --task text-cls -o x.safetensors", 1, "required");
     put("one.tsv", "a red circle\tred\nthe red square\tred\n");
     expect("finetune --model pre.safetensors --task text-cls --data one.tsv -o x.safetensors", 1, "1 class");

@@ -51,7 +51,7 @@ static double loss_cb(void *m) { return loss_of(m); }
 
 // Whether the encoding reaches this tensor (Figure 1 of VL-MoE).
 static int used(const char *name, int enc, int nl, int F, int cls) {
-    if (strstr(name, "cls_head")) return cls;
+    if (strstr(name, "cls_head")) return cls != 0;
     int blk = -1;
     const char *b = strstr(name, "blocks.");
     if (b) blk = atoi(b + 7);
@@ -63,16 +63,18 @@ static int used(const char *name, int enc, int nl, int F, int cls) {
     return !((strstr(name, "v_ffn") || strstr(name, "t_ffn")) && top);
 }
 
-// cls: also the classification head on the encoding's pooled feature, with class labels.
+// cls: also the classification head on the encoding's pooled feature, with class labels; cls 2:
+// the NLVR2 head on two sequences per example (4 sequences, 2 examples).
 static void fd_check(int enc, int cls, const char *label) {
     vlmoe_model_config cfg = small();
     cfg.num_classes = cls ? 3 : 0;
+    cfg.cls_sequences = cls == 2 ? 2 : 1;
     fd_model m;
     if (model_layout_build(&m.L, &cfg) != VLMOE_OK) {
         CHECK(0, "layout: %s", vlmoe_last_error());
         return;
     }
-    const int B = 3, T = 5, np = 4;
+    const int B = cls == 2 ? 4 : 3, T = 5, np = 4;
     CHECK(mome_graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
     mome_graph_set_mode_f64(m.g, 1, 99); // training: noise drawn from a fixed seed every time
     float *pf = malloc(sizeof(float) * m.L.total);
@@ -81,9 +83,9 @@ static void fd_check(int enc, int cls, const char *label) {
     vlmoe_rng r;
     vlmoe_rng_seed(&r, 3);
     for (size_t i = 0; i < m.L.total; i++) m.p[i] = pf[i] + 0.1 * vlmoe_rng_normal(&r);
-    double img[3 * 3 * 64];
-    for (int i = 0; i < 3 * 3 * 64; i++) img[i] = vlmoe_rng_normal(&r);
-    int32_t tok[15], lens[3] = {5, 4, 3}, tl[15], pl[12];
+    double img[4 * 3 * 64];
+    for (int i = 0; i < 4 * 3 * 64; i++) img[i] = vlmoe_rng_normal(&r);
+    int32_t tok[20], lens[4] = {5, 4, 3, 4}, tl[20], pl[16];
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             tok[b * T + t] = t == 0 ? 1 : t == lens[b] - 1 ? 2 : t < lens[b] ? 4 + (int)vlmoe_rng_below(&r, 6) : 0;
@@ -91,7 +93,7 @@ static void fd_check(int enc, int cls, const char *label) {
         }
     tok[1] = 10; // a [MASK] in the input
     for (int i = 0; i < B * np; i++) pl[i] = i % 3 == 1 ? (int)vlmoe_rng_below(&r, 6) : -1;
-    const int32_t cl[3] = {2, 0, 2};
+    const int32_t cl[3] = {2, 0, 2}; // the NLVR2 head reads the first two
     m.in = (mome_input_f64){enc, img, tok, lens, tl, pl, cls ? cl : NULL};
     double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
     loss_of(&m);
@@ -131,11 +133,99 @@ static void fd_check(int enc, int cls, const char *label) {
     printf("%s: %d tensors, worst relative finite-difference error %.2g; loss %.4f = text %.4f (%d) + image "
            "%.4f (%d) + cls %.4f (%d) + aux %.5f\n", label, m.L.nparams, worst, s.loss, s.text, s.text_count, s.image,
            s.image_count, s.cls, s.cls_count, s.aux);
-    CHECK(cls ? s.cls > 0 && s.cls_count == B : s.cls_count == 0, "%s: classification loss %g over %d", label, s.cls,
+    CHECK(cls ? s.cls > 0 && s.cls_count == B / cfg.cls_sequences : s.cls_count == 0, "%s: classification loss %g over %d", label, s.cls,
           s.cls_count);
     CHECK(s.aux > 0, "%s: the MoE auxiliary losses are part of the loss", label);
     free(pf), free(m.p), free(g), free(v);
     mome_graph_free_f64(m.g);
+    model_layout_free(&m.L);
+}
+
+// The retrieval head: an image forward and a text forward of the same 3 pairs, their [I_CLS] and
+// [T_CLS] features projected, normalised and compared contrastively; the loss also holds both
+// encodings' MoE losses. Every tensor's gradient against central differences.
+typedef struct {
+    model_layout L;
+    mome_graph_f64 *g[2];
+    mome_itc_f64 *c;
+    double *p;
+    mome_input_f64 in[2];
+    double acc[2];
+} itc_model;
+
+static double itc_loss(void *ctx) {
+    itc_model *m = ctx;
+    double aux = 0;
+    for (int k = 0; k < 2; k++) {
+        vlmoe_mome_stats s;
+        CHECK(mome_graph_forward_f64(m->g[k], m->p, &m->in[k], &s) == VLMOE_OK, "forward: %s", vlmoe_last_error());
+        aux += s.aux;
+    }
+    return mome_itc_forward_f64(m->c, m->g[0], m->g[1], m->p, m->acc) + aux;
+}
+
+static void fd_check_retrieval(void) {
+    vlmoe_model_config cfg = small();
+    cfg.retrieval_head = 1;
+    cfg.embed_dim = 6;
+    itc_model m;
+    if (model_layout_build(&m.L, &cfg) != VLMOE_OK) {
+        CHECK(0, "layout: %s", vlmoe_last_error());
+        return;
+    }
+    const int B = 3, T = 5;
+    for (int k = 0; k < 2; k++) {
+        CHECK(mome_graph_create_f64(&m.g[k], &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+        mome_graph_set_mode_f64(m.g[k], 1, 40 + (uint64_t)k);
+    }
+    CHECK(mome_itc_create_f64(&m.c, &m.L, B) == VLMOE_OK, "itc: %s", vlmoe_last_error());
+    float *pf = malloc(sizeof(float) * m.L.total);
+    model_layout_init_params(&m.L, pf, 5);
+    m.p = malloc(sizeof(double) * m.L.total);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 8);
+    for (size_t i = 0; i < m.L.total; i++) m.p[i] = pf[i] + 0.1 * vlmoe_rng_normal(&r);
+    m.p[m.L.logit_scale] = 1.2; // a temperature of e^1.2 keeps the softmax away from saturation
+    double img[3 * 3 * 64];
+    for (int i = 0; i < 3 * 3 * 64; i++) img[i] = vlmoe_rng_normal(&r);
+    int32_t tok[15], lens[3] = {5, 4, 3};
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            tok[b * T + t] = t == 0 ? 1 : t == lens[b] - 1 ? 2 : t < lens[b] ? 4 + (int)vlmoe_rng_below(&r, 6) : 0;
+    m.in[0] = (mome_input_f64){VLMOE_ENC_IMAGE, img, NULL, NULL, NULL, NULL, NULL};
+    m.in[1] = (mome_input_f64){VLMOE_ENC_TEXT, NULL, tok, lens, NULL, NULL, NULL};
+    double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
+    const double loss = itc_loss(&m);
+    mome_itc_backward_f64(m.c, m.g[0], m.g[1], m.p, g);
+    int bad = 0, zero_rule = 0;
+    double worst = 0;
+    for (int k = 0; k < m.L.nparams; k++) {
+        const vlmoe_param_info *pi = &m.L.table[k];
+        double gmax = 0, fd, gv;
+        for (size_t i = 0; i < pi->numel; i++) gmax = fmax(gmax, fabs(g[pi->offset + i]));
+        // used: everything of the image and text encodings but the VL experts and the MLM/MIM heads
+        const int u = !strstr(pi->name, "vl_ffn") && !strstr(pi->name, "_head") && !strstr(pi->name, "mask_token");
+        if (u != (gmax > 0)) {
+            zero_rule++;
+            fprintf(stderr, "retrieval: %s: %s, but its gradient is %s\n", pi->name, u ? "used" : "unused",
+                    gmax > 0 ? "non-zero" : "all zero");
+        }
+        const double err = test_fd_direction(m.p + pi->offset, g + pi->offset, v, pi->numel, 1e-5, itc_loss, &m, &r, &fd, &gv);
+        worst = fmax(worst, err);
+        if (err > 1e-6) {
+            bad++;
+            fprintf(stderr, "retrieval: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n",
+                    pi->name, fd, gv, err);
+        }
+    }
+    CHECK(bad == 0, "retrieval: %d of %d parameter tensors fail the finite-difference check", bad, m.L.nparams);
+    CHECK(zero_rule == 0, "retrieval: %d tensors break the used <=> non-zero gradient rule", zero_rule);
+    CHECK(loss > 0 && isfinite(loss), "retrieval loss %g", loss);
+    printf("retrieval (contrastive on [I_CLS]/[T_CLS]): %d tensors, worst relative finite-difference error %.2g; "
+           "loss %.4f\n", m.L.nparams, worst, loss);
+    free(pf), free(m.p), free(g), free(v);
+    mome_itc_free_f64(m.c);
+    mome_graph_free_f64(m.g[0]), mome_graph_free_f64(m.g[1]);
     model_layout_free(&m.L);
 }
 
@@ -654,11 +744,122 @@ static void test_api(void) {
     vlmoe_model_free(m);
 }
 
+// The NLVR2 and retrieval heads through the public API: scores and embeddings recomputed by hand
+// from the final hidden states, a model saved and loaded with both heads, retrieval fine-tuning
+// that learns to match 4 pairs, and the errors of wrong batch shapes.
+static void test_heads_api(void) {
+    vlmoe_model_config cfg = small();
+    cfg.embed_dim = 5;
+    vlmoe_model *base = NULL, *m = NULL, *back = NULL;
+    CHECK(vlmoe_model_init(&base, &cfg, 9) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    if (!base) return;
+    CHECK(vlmoe_mome_with_heads(&m, base, 3, 2, 1, 2) == VLMOE_OK, "with heads: %s", vlmoe_last_error());
+    if (!m) {
+        vlmoe_model_free(base);
+        return;
+    }
+    const vlmoe_param_info *w = param_named(m, "cls_head.weight"), *bb = param_named(m, "cls_head.bias"),
+                           *pi = param_named(m, "itc.image_proj.weight"), *pt = param_named(m, "itc.text_proj.weight");
+    CHECK(w && bb && pi && pt && param_named(m, "logit_scale") && w->shape[1] == 16 && pi->shape[0] == 5 &&
+              pi->shape[1] == 8, "NLVR2 head (3, 2x8), projections (5, 8) and logit_scale in the table");
+    if (!w || !bb || !pi || !pt) {
+        vlmoe_model_free(base), vlmoe_model_free(m);
+        return;
+    }
+    const float *P = vlmoe_model_param_data(m);
+    const int n = 4, Ti = 5, Tp = 10, D = 8;
+    float img[4 * 3 * 64], hid[4 * 10 * 8], logits[4 * 3], emb[4 * 5];
+    int32_t tok[20] = {1, 5, 6, 2, 0, 1, 7, 2, 0, 0, 1, 4, 9, 8, 2, 1, 3, 2, 0, 0}, lens[4] = {4, 3, 5, 3};
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 6);
+    for (int i = 0; i < 4 * 3 * 64; i++) img[i] = (float)vlmoe_rng_normal(&r);
+    // NLVR2: example k is the pairs 2k and 2k+1; its scores read both fused [T_CLS] features
+    CHECK(vlmoe_mome_logits(m, VLMOE_ENC_PAIR, img, tok, lens, n, logits) == VLMOE_OK, "logits: %s", vlmoe_last_error());
+    CHECK(vlmoe_mome_encode(m, VLMOE_ENC_PAIR, img, tok, lens, n, hid) == VLMOE_OK, "encode: %s", vlmoe_last_error());
+    double err = 0;
+    for (int k = 0; k < 2; k++)
+        for (int c = 0; c < 3; c++) {
+            double z = P[bb->offset + c];
+            for (int h = 0; h < 2; h++)
+                for (int d = 0; d < D; d++)
+                    z += P[w->offset + (size_t)c * 16 + h * D + d] * hid[((size_t)(2 * k + h) * Tp + Ti) * D + d];
+            err = fmax(err, fabs(z - logits[k * 3 + c]));
+        }
+    CHECK(err < 1e-5, "NLVR2 scores from the two fused [T_CLS] features: max error %g", err);
+    CHECK(vlmoe_mome_logits(m, VLMOE_ENC_PAIR, img, tok, lens, 3, logits) == VLMOE_ERR_ARG &&
+              strstr(vlmoe_last_error(), "multiple"), "3 pairs for a two-pair head: %s", vlmoe_last_error());
+    int32_t cl[2] = {1, 2};
+    vlmoe_mome_batch odd = {VLMOE_ENC_PAIR, 3, img, tok, lens, NULL, NULL, cl};
+    CHECK(vlmoe_mome_forward(m, &odd, 1, NULL) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "two image-text pairs"),
+          "odd batch: %s", vlmoe_last_error());
+    // retrieval embeddings: the normalised projections of [I_CLS] and [T_CLS]
+    for (int e = 0; e < 2; e++) {
+        const int S = e ? 5 : Ti;
+        CHECK(vlmoe_mome_embed(m, (vlmoe_encoding)e, img, tok, lens, n, emb) == VLMOE_OK, "embed: %s", vlmoe_last_error());
+        CHECK(vlmoe_mome_encode(m, (vlmoe_encoding)e, img, tok, lens, n, hid) == VLMOE_OK, "encode: %s", vlmoe_last_error());
+        const vlmoe_param_info *pw = e ? pt : pi;
+        double eerr = 0;
+        for (int i = 0; i < n; i++) {
+            double z[5], nn = 0;
+            for (int j = 0; j < 5; j++) {
+                z[j] = 0;
+                for (int d = 0; d < D; d++) z[j] += P[pw->offset + (size_t)j * D + d] * hid[(size_t)i * S * D + d];
+                nn += z[j] * z[j];
+            }
+            for (int j = 0; j < 5; j++) eerr = fmax(eerr, fabs(z[j] / sqrt(nn) - emb[i * 5 + j]));
+        }
+        CHECK(eerr < 1e-5, "%s embeddings from the first token's feature: max error %g", e ? "text" : "image", eerr);
+    }
+    CHECK(vlmoe_mome_embed(m, VLMOE_ENC_PAIR, img, tok, lens, n, emb) == VLMOE_ERR_ARG, "pairs are not embedded");
+    CHECK(vlmoe_mome_embed(base, VLMOE_ENC_IMAGE, img, tok, lens, n, emb) == VLMOE_ERR_ARG &&
+              strstr(vlmoe_last_error(), "retrieval_head"), "no head: %s", vlmoe_last_error());
+    // saved and loaded with both heads
+    char path[] = "/tmp/vlmoe_heads_XXXXXX";
+    int fd = mkstemp(path);
+    if (fd >= 0) close(fd);
+    CHECK(vlmoe_model_save(m, path) == VLMOE_OK && vlmoe_model_load(&back, path) == VLMOE_OK, "save/load: %s",
+          vlmoe_last_error());
+    if (back) {
+        const vlmoe_model_config *bc = vlmoe_model_get_config(back);
+        CHECK(bc->cls_sequences == 2 && bc->retrieval_head == 1 && bc->num_classes == 3 &&
+                  !memcmp(vlmoe_model_param_data(back), P, sizeof(float) * vlmoe_model_num_floats(m)),
+              "the loaded model has both heads and the same weights");
+    }
+    remove(path);
+    // retrieval fine-tuning learns to tell 4 pairs apart
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_CONST, 3e-3, 0, 60, 0, 0, 0};
+    vlmoe_trainer *t = NULL;
+    CHECK(vlmoe_trainer_init(&t, m, &tp) == VLMOE_OK, "trainer: %s", vlmoe_last_error());
+    vlmoe_mome_stats first = {0}, last = {0};
+    for (int step = 0; t && step < 60; step++) {
+        vlmoe_mome_stats s;
+        if (vlmoe_trainer_step_mome_retrieval(t, img, tok, lens, n, &s, NULL) != VLMOE_OK) {
+            CHECK(0, "retrieval step: %s", vlmoe_last_error());
+            break;
+        }
+        if (!step) first = s;
+        last = s;
+    }
+    vlmoe_mome_stats ev;
+    CHECK(vlmoe_mome_forward_retrieval(m, img, tok, lens, n, 0, &ev) == VLMOE_OK, "eval: %s", vlmoe_last_error());
+    printf("retrieval fine-tuning on 4 pairs: loss %.4f -> %.4f, eval accuracy i2t %.2f t2i %.2f\n", first.itc,
+           last.itc, ev.itc_acc[0], ev.itc_acc[1]);
+    CHECK(last.itc < 0.5 * first.itc && ev.itc_acc[0] == 1 && ev.itc_acc[1] == 1 && first.aux > 0,
+          "retrieval trains: %.4f -> %.4f, accuracy %.2f/%.2f", first.itc, last.itc, ev.itc_acc[0], ev.itc_acc[1]);
+    CHECK(vlmoe_mome_backward_retrieval(m, 0) == VLMOE_ERR_ARG, "backward after an eval forward is refused");
+    vlmoe_trainer_free(t);
+    vlmoe_model_free(back);
+    vlmoe_model_free(m);
+    vlmoe_model_free(base);
+}
+
 static void test_config(void) {
     vlmoe_model_config c, back;
-    const char *names[2] = {"vlmoe-tiny", "mome-tiny"};
-    for (int i = 0; i < 2; i++) {
+    const char *names[3] = {"vlmoe-tiny", "mome-tiny", "vlmoe-tiny"};
+    for (int i = 0; i < 3; i++) {
         CHECK(vlmoe_config_named(names[i], &c) == VLMOE_OK, "named %s", names[i]);
+        if (i == 2) c.num_classes = 2, c.cls_sequences = 2, c.retrieval_head = 1; // both heads
         char *js = vlmoe_config_to_json(&c);
         CHECK(js && strstr(js, "\"mome\"") && vlmoe_config_from_json(js, "rt", &back) == VLMOE_OK &&
                   !memcmp(&back, &c, sizeof(c)), "json round trip of %s: %s", names[i], vlmoe_last_error());
@@ -677,6 +878,8 @@ static void test_config(void) {
         {"{\"base\": \"vlmoe-tiny\", \"mask_token\": 256}", "mask_token"},
         {"{\"base\": \"vlmoe-tiny\", \"mim_vocab\": \"8192\"}", "\"mim_vocab\" must be an integer"},
         {"{\"base\": \"tiny\", \"arch\": \"momo\"}", "\"mome\""},
+        {"{\"base\": \"vlmoe-tiny\", \"cls_sequences\": 3}", "NLVR2"},
+        {"{\"base\": \"vlmoe-tiny\", \"retrieval_head\": 2}", "retrieval_head"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         CHECK(vlmoe_config_from_json(bad[i].json, "cfg.json", &c) == VLMOE_ERR_CONFIG &&
@@ -705,6 +908,9 @@ int main(void) {
     fd_check(VLMOE_ENC_IMAGE, 1, "MIM + image classification");
     fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification");
     fd_check(VLMOE_ENC_PAIR, 1, "VLM + pair classification");
+    fd_check(VLMOE_ENC_PAIR, 2, "VLM + NLVR2 classification (two pairs per example)");
+    fd_check_retrieval();
+    test_heads_api();
     test_pooling();
     test_freeze_moe();
     test_mlm_mask();

@@ -232,6 +232,8 @@ void vlmoe_model_free(vlmoe_model *m) {
     if (!m) return;
     graph_free_f32(m->g);
     mome_graph_free_f32(m->mg);
+    mome_graph_free_f32(m->mg_text);
+    mome_itc_free_f32(m->itc);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);

@@ -108,6 +108,7 @@ GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)
 
 struct mome_graph_f32; // src/nn/mome.h
+struct mome_itc_f32;
 
 // The model object behind the public handle (model.c; the mome entry points in mome_model.c).
 struct vlmoe_model {
@@ -115,6 +116,9 @@ struct vlmoe_model {
     float *params, *grads;
     graph_f32 *g;
     struct mome_graph_f32 *mg;  // arch mome: its graph instead of g
+    struct mome_graph_f32 *mg_text; // mome retrieval: the text side's graph (mg holds the images)
+    struct mome_itc_f32 *itc;   // mome retrieval head's buffers, for batches of itc_B
+    int itc_B, have_itc;        // have_itc: a training retrieval forward awaits its backward
     int planned_B;
     int have_forward;
     uint64_t seed;           // the init seed: also seeds the routing noise

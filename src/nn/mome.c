@@ -9,8 +9,11 @@
 // head over labelled text positions and the MIM head over masked patches, each a mean softmax
 // cross-entropy (src/loss/masked.c); with a fine-tuning head (num_classes > 0) a linear classifier
 // on the pooled feature (mean of the image patches, or the [T_CLS] of a text or pair) and its mean
-// cross-entropy over the batch's class labels. Activations come from one arena planned for B sequences of
-// the longest (pair) encoding. Compiled as float and double (src/core/real.h); covered by
+// cross-entropy over the batch's class labels (NLVR2: two consecutive sequences per example, their
+// pooled features side by side). The retrieval head (mome_itc_*, at the end) couples an image
+// graph and a text graph: their [I_CLS]/[T_CLS] features, projected and normalised, under the
+// contrastive loss, whose feature gradients each graph's backward takes in. Activations come
+// from one arena planned for B sequences of the longest (pair) encoding. Compiled as float and double (src/core/real.h); covered by
 // tests/test_mome.c (finite differences) and tests/test_parity.c (PyTorch, tests/ref/gen_mome.py).
 //
 // A pair is laid out image first, then text. VL-MoE writes [H^w; H^v], but position embeddings
@@ -62,6 +65,7 @@ struct R(mome_graph) {
     real *pooled, *clogits, *cprobs, *dpooled;
     int32_t *clabels;
     int have_cls;
+    const real *dfeat;               // (B,D) an outside loss's gradient at the retrieval feature
     // backward scratch, shared by the layers
     real *dres, *dln, *datty, *dqkv, *datt, *dlnf, *sx, *sdy, *sdln, *sa, *sda, *sdh;
     int32_t *tokens, *lens, *seqlens;
@@ -231,6 +235,13 @@ const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, in
     return g->L->nmoe ? g->stats : NULL;
 }
 
+// text_off is 0 for images and texts, so the row is [I_CLS] or [T_CLS] (fused, for pairs).
+const real *R(mome_graph_feature)(const struct R(mome_graph) *g, int b) {
+    return g->lnf + ((size_t)b * g->T + g->text_off) * g->D;
+}
+
+void R(mome_graph_set_feature_grad)(struct R(mome_graph) *g, const real *dfeat) { g->dfeat = dfeat; }
+
 // rows [off, off+len) of each of B sequences of T tokens <-> a contiguous (B*len, D) buffer
 static void gather(real *dst, const real *src, int B, int T, int off, int len, int D) {
     for (int b = 0; b < B; b++)
@@ -362,15 +373,18 @@ static int take_inputs(struct R(mome_graph) *g, const R(mome_input) *in) {
         memcpy(g->lens, lens, sizeof(int32_t) * (size_t)B);
     }
     g->have_cls = in->class_labels != NULL;
+    if (in->class_labels && B % X->cs)
+        return vlmoe_fail(VLMOE_ERR_ARG, "the classification head takes %d sequences per example (NLVR2: two "
+                          "image-text pairs), but the batch holds %d", X->cs, B);
     if (in->class_labels) {
         if (X->cls_w == NO_PARAM)
             return vlmoe_fail(VLMOE_ERR_ARG, "class labels given, but model '%s' has no classification head "
                               "(num_classes = 0)", c->name);
-        for (int b = 0; b < B; b++)
+        for (int b = 0; b < B / X->cs; b++)
             if (in->class_labels[b] < 0 || in->class_labels[b] >= c->num_classes)
-                return vlmoe_fail(VLMOE_ERR_ARG, "sequence %d: class label %d outside [0, num_classes = %d)", b,
+                return vlmoe_fail(VLMOE_ERR_ARG, "example %d: class label %d outside [0, num_classes = %d)", b,
                                   in->class_labels[b], c->num_classes);
-        memcpy(g->clabels, in->class_labels, sizeof(int32_t) * (size_t)B);
+        memcpy(g->clabels, in->class_labels, sizeof(int32_t) * (size_t)(B / X->cs));
     }
     memset(g->masked, 0, (size_t)B * X->np);
     if (img && pl)
@@ -534,14 +548,14 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     }
     double closs = 0, cacc = 0;
     const size_t cw = g->X->cls_w, cb = g->X->cls_b;
-    const int NC = L->cfg.num_classes;
-    if (cw != NO_PARAM) {
+    const int NC = L->cfg.num_classes, cs = g->X->cs, ne = g->B / cs;
+    if (cw != NO_PARAM) { // pooled (B,D) read as (B/cs, cs*D): NLVR2's two features side by side
         pool_forward(g);
-        R(linear_forward)(g->clogits, g->pooled, P + cw, P + cb, g->B, D, NC, 0);
+        R(linear_forward)(g->clogits, g->pooled, P + cw, P + cb, ne, cs * D, NC, 0);
         if (g->have_cls) {
             int right = 0;
-            closs = R(xent_forward)(g->cprobs, g->clogits, g->clabels, g->B, NC, &right) / g->B;
-            cacc = (double)right / g->B;
+            closs = R(xent_forward)(g->cprobs, g->clogits, g->clabels, ne, NC, &right) / ne;
+            cacc = (double)right / ne;
         }
     }
     g->have_forward = 1;
@@ -556,7 +570,7 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         res->aux = g->aux;
         res->cls = closs;
         res->cls_acc = cacc;
-        res->cls_count = g->have_cls ? g->B : 0;
+        res->cls_count = g->have_cls ? ne : 0;
         res->loss = res->text + res->image + res->cls + res->aux;
     }
     return VLMOE_OK;
@@ -585,15 +599,20 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
             for (int k = 0; k < D; k++) d[k] += s[k];
         }
     }
-    if (g->have_cls) { // the classification head: a mean over the B sequences
+    if (g->have_cls) { // the classification head: a mean over the B/cs examples
         const size_t cw = g->X->cls_w, cb = g->X->cls_b;
-        const int NC = L->cfg.num_classes;
-        memset(g->dlog, 0, sizeof(real) * (size_t)g->B * NC);
-        R(xent_backward)(g->dlog, g->cprobs, g->clabels, g->B, NC, 1.0 / g->B);
+        const int NC = L->cfg.num_classes, cs = g->X->cs, ne = g->B / cs;
+        memset(g->dlog, 0, sizeof(real) * (size_t)ne * NC);
+        R(xent_backward)(g->dlog, g->cprobs, g->clabels, ne, NC, 1.0 / ne);
         memset(g->dpooled, 0, sizeof(real) * (size_t)g->B * D);
-        R(linear_backward)(g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, g->B, D, NC);
+        R(linear_backward)(g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, ne, cs * D, NC);
         pool_backward(g);
     }
+    if (g->dfeat) // an outside loss on the retrieval features (mome_itc_backward)
+        for (int b = 0; b < g->B; b++) {
+            real *d = g->dlnf + ((size_t)b * g->T + g->text_off) * D;
+            for (int k = 0; k < D; k++) d[k] += g->dfeat[(size_t)b * D + k];
+        }
     const real *xL = E->layers ? g->layers[E->layers - 1].res2 : g->x0;
     memset(g->dres, 0, sizeof(real) * (size_t)n * D);
     R(layernorm_backward)(g->dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
@@ -617,4 +636,92 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         R(layernorm_backward)(g->dres, G + bl->ln1_w, G + bl->ln1_b, g->dln, x, P + bl->ln1_w, a->ln1_m, a->ln1_r, n, D);
     }
     stem_backward(g, P, G);
+}
+
+// ---- the retrieval head: contrastive fine-tuning on separately encoded images and texts
+
+struct R(mome_itc) {
+    const model_layout *L;
+    int B, D, E;
+    real *feat[2], *proj[2], *norm[2], *emb[2]; // per side: (B,D) features, (B,E) projections,
+                                                // (B) norms, (B,E) normalised embeddings
+    real *demb[2], *dproj[2], *dfeat[2];
+    real *logits, *prow, *pcol;                 // (B,B)
+    real *arena;
+};
+
+static void itc_plan(struct R(mome_itc) *c, carver *k) {
+    const size_t B = (size_t)c->B, D = (size_t)c->D, E = (size_t)c->E;
+    for (int s = 0; s < 2; s++) {
+        c->feat[s] = take(k, B * D);
+        c->proj[s] = take(k, B * E);
+        c->norm[s] = take(k, B);
+        c->emb[s] = take(k, B * E);
+        c->demb[s] = take(k, B * E);
+        c->dproj[s] = take(k, B * E);
+        c->dfeat[s] = take(k, B * D);
+    }
+    c->logits = take(k, B * B);
+    c->prow = take(k, B * B);
+    c->pcol = take(k, B * B);
+}
+
+int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, int B) {
+    *out = NULL;
+    if (!L->mome || L->mome->itc_proj[0] == NO_PARAM)
+        return vlmoe_fail(VLMOE_ERR_ARG, "model '%s' has no retrieval head (retrieval_head = 0)", L->cfg.name);
+    if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
+    struct R(mome_itc) *c = vlmoe_calloc(sizeof(*c), "retrieval head");
+    if (!c) return VLMOE_ERR_NOMEM;
+    *c = (struct R(mome_itc)){.L = L, .B = B, .D = L->enc[0].width, .E = L->cfg.embed_dim};
+    carver k = {NULL, 0};
+    itc_plan(c, &k);
+    if (!(c->arena = vlmoe_alloc(sizeof(real) * k.used, "retrieval head"))) return R(mome_itc_free)(c), VLMOE_ERR_NOMEM;
+    k = (carver){c->arena, 0};
+    itc_plan(c, &k);
+    *out = c;
+    return VLMOE_OK;
+}
+
+void R(mome_itc_free)(struct R(mome_itc) *c) {
+    if (!c) return;
+    vlmoe_free_mem(c->arena);
+    vlmoe_free_mem(c);
+}
+
+const real *R(mome_itc_embed)(struct R(mome_itc) *c, const struct R(mome_graph) *g, const real *P, int which) {
+    const int D = c->D, E = c->E;
+    for (int b = 0; b < c->B; b++) memcpy(c->feat[which] + (size_t)b * D, R(mome_graph_feature)(g, b), sizeof(real) * D);
+    R(linear_forward)(c->proj[which], c->feat[which], P + c->L->mome->itc_proj[which], NULL, c->B, D, E, 0);
+    R(l2norm_forward)(c->emb[which], c->norm[which], c->proj[which], c->B, E);
+    return c->emb[which];
+}
+
+double R(mome_itc_forward)(struct R(mome_itc) *c, const struct R(mome_graph) *gi, const struct R(mome_graph) *gt,
+                           const real *P, double *acc) {
+    R(mome_itc_embed)(c, gi, P, 0);
+    R(mome_itc_embed)(c, gt, P, 1);
+    return R(contrastive_forward)(c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[c->L->logit_scale], c->B,
+                                  c->E, acc);
+}
+
+void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struct R(mome_graph) *gt, const real *P,
+                          real *G) {
+    const int B = c->B, D = c->D, E = c->E;
+    const size_t ls = c->L->logit_scale;
+    memset(c->demb[0], 0, sizeof(real) * (size_t)B * E);
+    memset(c->demb[1], 0, sizeof(real) * (size_t)B * E);
+    R(contrastive_backward)(c->demb[0], c->demb[1], G + ls, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[ls],
+                            B, E, 1.0);
+    struct R(mome_graph) *g[2] = {gi, gt};
+    for (int s = 0; s < 2; s++) {
+        memset(c->dproj[s], 0, sizeof(real) * (size_t)B * E);
+        R(l2norm_backward)(c->dproj[s], c->demb[s], c->emb[s], c->norm[s], B, E);
+        memset(c->dfeat[s], 0, sizeof(real) * (size_t)B * D);
+        const size_t w = c->L->mome->itc_proj[s];
+        R(linear_backward)(c->dfeat[s], G + w, NULL, c->dproj[s], c->feat[s], P + w, B, D, E);
+        R(mome_graph_set_feature_grad)(g[s], c->dfeat[s]);
+        R(mome_graph_backward)(g[s], P, G);
+        R(mome_graph_set_feature_grad)(g[s], NULL);
+    }
 }

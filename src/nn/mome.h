@@ -25,7 +25,11 @@ typedef struct mome_layout {
     size_t mask_patch;              // (D) learned embedding of a masked patch (BEiT's mask token)
     size_t mlm_w, mlm_b;            // (vocab, D), (vocab)
     size_t mim_w, mim_b;            // (mim_vocab, D), (mim_vocab)
-    size_t cls_w, cls_b;            // (num_classes, D), (num_classes); NO_PARAM without a head
+    size_t cls_w, cls_b;            // (num_classes, cs*D), (num_classes); NO_PARAM without a head
+    int cs;                         // sequences per example of the head: 1, or 2 (NLVR2)
+    size_t itc_proj[2];             // (embed_dim, D) projections of the image [I_CLS] and the text
+                                    // [T_CLS] features (retrieval head; NO_PARAM without), and
+                                    // model_layout.logit_scale
     int np, pd;                     // patches per image, values per patch
     int Ti, Tt;                     // image sequence (1 + np), text sequence (context_length)
 } mome_layout;
@@ -57,9 +61,27 @@ int mome_model_plan(vlmoe_model *m, int B);
     void mome_graph_backward_##S(mome_graph_##S *g, const T *P, T *G);                            \
     /* (B, seq, D) final hidden states of the last forward; *seq gets the sequence length */     \
     const T *mome_graph_hidden_##S(const mome_graph_##S *g, int *seq);                            \
-    /* (B, num_classes) class scores of the last forward (NULL without a head) */               \
+    /* (B/cs, num_classes) class scores of the last forward (NULL without a head) */            \
     const T *mome_graph_logits_##S(const mome_graph_##S *g);                                      \
-    const vlmoe_moe_stats *mome_graph_moe_stats_##S(const mome_graph_##S *g, int *count);
+    const vlmoe_moe_stats *mome_graph_moe_stats_##S(const mome_graph_##S *g, int *count);         \
+    /* The retrieval feature of sequence b of the last forward: the final [I_CLS] (image) or */   \
+    /* [T_CLS] (text, pair) feature (D) */                                                       \
+    const T *mome_graph_feature_##S(const mome_graph_##S *g, int b);                               \
+    /* (B,D) d(loss)/d(feature) of an outside loss, added in the next backward (NULL: none) */    \
+    void mome_graph_set_feature_grad_##S(mome_graph_##S *g, const T *dfeat);                      \
+    /* The retrieval head (contrastive fine-tuning, VL-MoE sec. 4.2 / VLMo): the [I_CLS] of an */ \
+    /* image forward and the [T_CLS] of a text forward of the same B, each projected to */        \
+    /* embed_dim and L2-normalised; the symmetric contrastive loss of src/loss/contrastive.c. */  \
+    typedef struct mome_itc_##S mome_itc_##S;                                                     \
+    int mome_itc_create_##S(mome_itc_##S **out, const model_layout *L, int B);                   \
+    void mome_itc_free_##S(mome_itc_##S *c);                                                      \
+    /* (B, embed_dim) embeddings of g's last forward (which: 0 its [I_CLS], 1 its [T_CLS]) */     \
+    const T *mome_itc_embed_##S(mome_itc_##S *c, const mome_graph_##S *g, const T *P, int which);  \
+    /* the contrastive loss of gi (images) against gt (texts); acc: i2t and t2i top-1 */          \
+    double mome_itc_forward_##S(mome_itc_##S *c, const mome_graph_##S *gi, const mome_graph_##S *gt, \
+                                const T *P, double *acc);                                         \
+    /* accumulates into G the gradient of the contrastive loss plus both graphs' own losses */   \
+    void mome_itc_backward_##S(mome_itc_##S *c, mome_graph_##S *gi, mome_graph_##S *gt, const T *P, T *G);
 
 MOME_DECL(float, f32)
 MOME_DECL(double, f64)

@@ -74,11 +74,17 @@ int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     X->mim_w = layout_add(&tb, "mim_head.weight", 1, 2, cfg->mim_vocab, D, 0);
     X->mim_b = layout_add(&tb, "mim_head.bias", 0, 1, cfg->mim_vocab, 0, 0);
     X->cls_w = X->cls_b = NO_PARAM;
+    X->cs = cfg->cls_sequences == 2 ? 2 : 1;
     if (cfg->num_classes > 0) {
-        X->cls_w = layout_add(&tb, "cls_head.weight", 1, 2, cfg->num_classes, D, 0);
+        X->cls_w = layout_add(&tb, "cls_head.weight", 1, 2, cfg->num_classes, (int64_t)X->cs * D, 0);
         X->cls_b = layout_add(&tb, "cls_head.bias", 0, 1, cfg->num_classes, 0, 0);
     }
-    L->logit_scale = NO_PARAM;
+    X->itc_proj[0] = X->itc_proj[1] = L->logit_scale = NO_PARAM;
+    if (cfg->retrieval_head) {
+        X->itc_proj[0] = layout_add(&tb, "itc.image_proj.weight", 1, 2, cfg->embed_dim, D, 0);
+        X->itc_proj[1] = layout_add(&tb, "itc.text_proj.weight", 1, 2, cfg->embed_dim, D, 0);
+        L->logit_scale = layout_add(&tb, "logit_scale", 0, 0, 0, 0, 0);
+    }
     if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
     for (int i = 0; i < L->nparams; i++)
         if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
@@ -96,7 +102,7 @@ int mome_model_plan(vlmoe_model *m, int B) {
     if (m->mg && m->planned_B == B) return VLMOE_OK;
     mome_graph_free_f32(m->mg);
     m->mg = NULL;
-    m->have_forward = 0;
+    m->have_forward = m->have_itc = 0;
     int st = mome_graph_create_f32(&m->mg, &m->L, B);
     if (st) return st;
     m->planned_B = B;
@@ -117,7 +123,7 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels,
                          b->class_labels};
     mome_graph_set_mode_f32(m->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
-    m->have_forward = 0;
+    m->have_forward = m->have_itc = 0;
     vlmoe_mome_stats r;
     if ((st = mome_graph_forward_f32(m->mg, m->params, &in, &r))) return st;
     if (s) *s = r;
@@ -135,22 +141,45 @@ int vlmoe_mome_backward(vlmoe_model *m, int accumulate) {
     return VLMOE_OK;
 }
 
+// The retrieval head's buffers for batches of B (once; again only if B changes).
+static int itc_plan(vlmoe_model *m, int B) {
+    if (m->itc && m->itc_B == B) return VLMOE_OK;
+    mome_itc_free_f32(m->itc);
+    m->itc = NULL;
+    int st = mome_itc_create_f32(&m->itc, &m->L, B);
+    if (!st) m->itc_B = B;
+    return st;
+}
+
+enum { OUT_HIDDEN, OUT_LOGITS, OUT_EMBED };
+
 // Eval-mode forwards of n inputs in chunks of the planned batch size; writes per item either the
-// final hidden states (seq_len, width) or the class scores (num_classes).
+// final hidden states (seq_len, width), the retrieval embedding (embed_dim), or per example (cs
+// items) the class scores (num_classes).
 static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
-                      const int32_t *lengths, int n, float *out, int logits) {
-    int st = need_mome(m, logits ? "mome logits" : "mome encode");
+                      const int32_t *lengths, int n, float *out, int kind) {
+    static const char *what[] = {"mome encode", "mome logits", "mome embed"};
+    int st = need_mome(m, what[kind]);
     if (st) return st;
-    if (logits && m->L.cfg.num_classes < 1)
-        return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: model '%s' has no classification head (num_classes = 0)",
-                          m->L.cfg.name);
-    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
-    if (n < 1) return VLMOE_OK;
-    if (!m->mg && (st = mome_model_plan(m, n < 64 ? n : 64))) return st;
     const vlmoe_model_config *c = &m->L.cfg;
+    const int cs = kind == OUT_LOGITS ? m->L.mome->cs : 1;
+    if (kind == OUT_LOGITS && c->num_classes < 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: model '%s' has no classification head (num_classes = 0)", c->name);
+    if (kind == OUT_EMBED && !c->retrieval_head)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: model '%s' has no retrieval head (retrieval_head = 0)", c->name);
+    if (kind == OUT_EMBED && enc == VLMOE_ENC_PAIR)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: retrieval embeds images and texts separately, not pairs");
+    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
+    if (n % cs)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: the head takes %d sequences per example, %d is not a multiple",
+                          cs, n);
+    if (n < 1) return VLMOE_OK;
+    if ((!m->mg || m->planned_B % cs) && (st = mome_model_plan(m, n < 64 ? n : 64))) return st; // n % cs == 0
     const int B = m->planned_B, T = c->context_length, D = c->encoder.width;
+    if (kind == OUT_EMBED && (st = itc_plan(m, B))) return st;
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
-    const size_t per = logits ? (size_t)c->num_classes : (size_t)vlmoe_mome_seq_len(c, enc) * D;
+    const size_t per = kind == OUT_LOGITS ? (size_t)c->num_classes
+                     : kind == OUT_EMBED  ? (size_t)c->embed_dim : (size_t)vlmoe_mome_seq_len(c, enc) * D;
     const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
     // the last chunk is padded by repeating its final item, whose outputs are discarded
     float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
@@ -166,37 +195,96 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
         }
         mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL, NULL};
         st = mome_graph_forward_f32(m->mg, m->params, &in, NULL);
-        const float *res = logits ? mome_graph_logits_f32(m->mg) : mome_graph_hidden_f32(m->mg, NULL);
-        if (!st) memcpy(out + (size_t)i0 * per, res, sizeof(float) * per * k);
+        if (st) break;
+        const float *res = kind == OUT_LOGITS ? mome_graph_logits_f32(m->mg)
+                         : kind == OUT_EMBED ? mome_itc_embed_f32(m->itc, m->mg, m->params, enc == VLMOE_ENC_TEXT)
+                         : mome_graph_hidden_f32(m->mg, NULL);
+        memcpy(out + (size_t)i0 / cs * per, res, sizeof(float) * per * (size_t)(k / cs));
     }
     vlmoe_free_mem(pimg);
     vlmoe_free_mem(ptok);
-    m->have_forward = 0;
+    m->have_forward = m->have_itc = 0;
     return st;
 }
 
 int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
                       const int32_t *lengths, int n, float *out) {
-    return run_chunks(m, enc, images, tokens, lengths, n, out, 0);
+    return run_chunks(m, enc, images, tokens, lengths, n, out, OUT_HIDDEN);
 }
 
 int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
                       const int32_t *lengths, int n, float *out) {
-    return run_chunks(m, enc, images, tokens, lengths, n, out, 1);
+    return run_chunks(m, enc, images, tokens, lengths, n, out, OUT_LOGITS);
+}
+
+int vlmoe_mome_embed(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                     const int32_t *lengths, int n, float *out) {
+    return run_chunks(m, enc, images, tokens, lengths, n, out, OUT_EMBED);
+}
+
+int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
+                                 int B, int training, vlmoe_mome_stats *s) {
+    int st = need_mome(m, "mome retrieval");
+    if (st) return st;
+    if (!m->L.cfg.retrieval_head)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval: model '%s' has no retrieval head (retrieval_head = 0)",
+                          m->L.cfg.name);
+    if (B < 2) return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval: the contrastive loss needs >= 2 pairs, got %d", B);
+    if (!images || !tokens || !lengths)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval: needs B images and their B texts");
+    if ((st = mome_model_plan(m, B)) || (st = itc_plan(m, B))) return st;
+    if (!m->mg_text && (st = mome_graph_create_f32(&m->mg_text, &m->L, B))) return st;
+    m->have_forward = m->have_itc = 0;
+    const mome_input_f32 ii = {VLMOE_ENC_IMAGE, images, NULL, NULL, NULL, NULL, NULL},
+                         it = {VLMOE_ENC_TEXT, NULL, tokens, lengths, NULL, NULL, NULL};
+    vlmoe_mome_stats ri, rt;
+    struct mome_graph_f32 *g[2] = {m->mg, m->mg_text};
+    const mome_input_f32 *in[2] = {&ii, &it};
+    vlmoe_mome_stats *r[2] = {&ri, &rt};
+    for (int k = 0; k < 2; k++) {
+        mome_graph_set_mode_f32(g[k], training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+        if ((st = mome_graph_forward_f32(g[k], m->params, in[k], r[k]))) return st;
+    }
+    vlmoe_mome_stats res;
+    memset(&res, 0, sizeof(res));
+    res.itc = mome_itc_forward_f32(m->itc, m->mg, m->mg_text, m->params, res.itc_acc);
+    res.aux = ri.aux + rt.aux;
+    res.loss = res.itc + res.aux;
+    if (s) *s = res;
+    if (!isfinite(res.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the retrieval loss is %g", res.loss);
+    m->have_itc = training;
+    return VLMOE_OK;
+}
+
+int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate) {
+    if (!m->have_itc || !m->itc || !m->mg_text || m->itc_B != m->planned_B)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval backward called without a training retrieval forward");
+    if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
+    mome_itc_backward_f32(m->itc, m->mg, m->mg_text, m->params, m->grads);
+    m->have_itc = 0;
+    return VLMOE_OK;
 }
 
 int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed) {
+    return vlmoe_mome_with_heads(out, m, num_classes, 1, 0, seed);
+}
+
+int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
+                          int retrieval_head, uint64_t seed) {
     *out = NULL;
     int st = need_mome(m, "mome head");
     if (st) return st;
     vlmoe_model_config c = m->L.cfg;
     c.num_classes = num_classes;
+    c.cls_sequences = num_classes ? cls_sequences : 0;
+    c.retrieval_head = retrieval_head;
     vlmoe_model *h;
     if ((st = vlmoe_model_init(&h, &c, seed))) return st; // validates num_classes
     // every tensor but the head has the same name and shape in both tables
     for (int i = 0; i < h->L.nparams; i++) {
         const vlmoe_param_info *p = &h->L.table[i];
-        if (!strncmp(p->name, "cls_head.", 9)) continue;
+        if (!strncmp(p->name, "cls_head.", 9) || !strncmp(p->name, "itc.", 4) || !strcmp(p->name, "logit_scale"))
+            continue; // the fresh heads
         for (int j = 0; j < m->L.nparams; j++)
             if (!strcmp(m->L.table[j].name, p->name)) {
                 memcpy(h->params + p->offset, m->params + m->L.table[j].offset, sizeof(float) * p->numel);

@@ -107,6 +107,26 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
     return VLMOE_OK;
 }
 
+int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
+                                      const int32_t *lengths, int B, vlmoe_mome_stats *ms, vlmoe_step_stats *stats) {
+    vlmoe_step_stats s;
+    memset(&s, 0, sizeof(s));
+    const long step = vlmoe_optim_get_step(t->opt);
+    vlmoe_mome_stats r;
+    int st = vlmoe_mome_forward_retrieval(t->m, images, tokens, lengths, B, 1, &r);
+    if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
+    if (st) {
+        vlmoe_error_prefix("step %ld", step);
+        return st;
+    }
+    s.loss = r.loss;
+    s.aux = r.aux;
+    if ((st = apply(t, step, &s))) return st;
+    if (ms) *ms = r;
+    if (stats) *stats = s;
+    return VLMOE_OK;
+}
+
 int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
                             vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
