@@ -2,7 +2,9 @@
 // tests/ref/gen_ops.py and gen_model.py with Debian's python3-torch): every op's output and
 // input gradients, one transformer block (nn.MultiheadAttention with a padding mask), and whole
 // tiny one_tower and two_tower models: loss, logits and every parameter gradient, then the
-// losses and parameters after one and five AdamW steps with clipping and the logit-scale clamp.
+// losses and parameters after one and five AdamW steps with clipping and the logit-scale clamp;
+// MoE layers (gen_moe_layer.py), and the VL-MoE (MoME) model of gen_mome.py, with and without its
+// classification head: losses, hidden states, class scores and every parameter gradient.
 // Tolerances are stated per comparison as the max abs error over the max abs reference value.
 #include <math.h>
 #include <stdlib.h>
@@ -456,96 +458,182 @@ static void test_moe_layer_case(const char *name) {
     vlmoe_st_close(f);
 }
 
-// VL-MoE's MoME model against tests/ref/gen_mome.py: for each encoding (image with MIM labels,
-// text with MLM labels, pair with both), with the router noise of every MoE layer injected and
-// ample capacity: the losses, the final hidden states and every parameter gradient.
+// VL-MoE's MoME model against tests/ref/gen_mome.py: the fixture's inputs (B = 3, the explicit
+// masks and labels) and the router noise of every MoE layer of the encoding being run.
+typedef struct {
+    const vlmoe_st *f;
+    float *images;                               // (B,C,H,W)
+    int32_t *tokens, *lens, *tl, *pl, *cl;       // (B,Tt), (B), (B,Tt), (B,np), (B)
+    double *const *noise;                        // [MoE layer] (n,E); NULL: not run by the encoding
+} mome_fixture;
+
+// One model of the test, its graph and its gradient buffer.
+typedef struct {
+    const char *what;  // printed name
+    vlmoe_model *m;
+    mome_graph_f32 *g;
+    float *G;          // (total)
+} mome_side;
+
+static int mome_side_open(mome_side *sd, const char *what, const char *file, int B) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/%s", fixture_dir(), file);
+    *sd = (mome_side){what, NULL, NULL, NULL};
+    if (vlmoe_model_load(&sd->m, path) != VLMOE_OK) {
+        CHECK(0, "load %s: %s", path, vlmoe_last_error());
+        return 0;
+    }
+    if (mome_graph_create_f32(&sd->g, &sd->m->L, B) != VLMOE_OK) {
+        CHECK(0, "mome graph of %s: %s", path, vlmoe_last_error());
+        return 0;
+    }
+    sd->G = zerosf(sd->m->L.total);
+    return 1;
+}
+
+static void mome_side_close(mome_side *sd) {
+    mome_graph_free_f32(sd->g);
+    vlmoe_model_free(sd->m);
+    free(sd->G);
+}
+
+// Reads a fixture scalar into *v; 0 (and a failed check) if it is missing.
+static int mome_scalar(const vlmoe_st *f, const char *name, double *v) {
+    float *r = get(f, name, NULL);
+    const int ok = r != NULL;
+    if (ok) *v = r[0];
+    free(r);
+    return ok;
+}
+
+// One forward and backward of encoding e on side sd, without class labels or (labels) with the
+// fixture's: every loss, the final hidden states, the class scores of a model with a head, and
+// every parameter gradient against torch's. The fixture keys of a run with labels that differ
+// from those without (the total loss, the gradients) carry the prefix "ENC.cls."; the class
+// scores (ENC.cls.logits) do not depend on the labels.
+static void mome_run(const mome_fixture *fx, mome_side *sd, int e, int labels) {
+    static const char *const encs[3] = {"image", "text", "pair"};
+    const model_layout *L = &sd->m->L;
+    const int B = 3, D = L->enc[0].width, NC = L->cfg.num_classes;
+    const char *run = labels ? "cls." : "";
+    char name[192];
+    for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd->g, i, fx->noise[i]);
+    mome_input_f32 in = {e, e != VLMOE_ENC_TEXT ? fx->images : NULL, e != VLMOE_ENC_IMAGE ? fx->tokens : NULL,
+                         fx->lens, e != VLMOE_ENC_IMAGE ? fx->tl : NULL, e != VLMOE_ENC_TEXT ? fx->pl : NULL,
+                         labels ? fx->cl : NULL};
+    vlmoe_mome_stats s;
+    mome_graph_set_mode_f32(sd->g, 1, 0);
+    if (mome_graph_forward_f32(sd->g, sd->m->params, &in, &s) != VLMOE_OK) {
+        CHECK(0, "mome %s %s forward: %s", sd->what, encs[e], vlmoe_last_error());
+        return;
+    }
+    // losses: the total and the classification loss depend on the labels, the others do not
+    const double got[5] = {s.loss, s.text, s.image, s.aux, s.cls};
+    const char *parts[5] = {"loss", "text", "image", "aux", "cls"};
+    double lerr = 0; // the worst |loss - torch's| / |torch's| over the nonzero ones
+    for (int k = 0; k < 5; k++) {
+        double ref = 0;
+        if (k == 4 && !labels) { // no class labels: no classification loss
+            CHECK(got[k] == 0 && s.cls_count == 0, "mome %s %s: classification loss %.9g over %d sequences "
+                  "without class labels", sd->what, encs[e], got[k], s.cls_count);
+            continue;
+        }
+        snprintf(name, sizeof(name), "%s.%s%s", encs[e], k == 0 || k == 4 ? run : "", parts[k]);
+        if (!mome_scalar(fx->f, name, &ref)) continue;
+        if (ref != 0) lerr = fmax(lerr, fabs(got[k] - ref) / fabs(ref));
+        CHECK(fabs(got[k] - ref) <= 2e-6 * fabs(ref) + 1e-7, "mome %s %s: %s %.9g, torch %.9g", sd->what,
+              encs[e], parts[k], got[k], ref);
+    }
+    if (labels) CHECK(s.cls_count == B, "mome %s %s: %d sequences classified, want %d", sd->what, encs[e],
+                      s.cls_count, B);
+    int T;
+    const float *hid = mome_graph_hidden_f32(sd->g, &T);
+    snprintf(name, sizeof(name), "%s.hidden", encs[e]);
+    float *href = get(fx->f, name, NULL);
+    const double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
+    CHECK(herr <= 2e-6, "mome %s %s: hidden states: max error %.3g of max |ref|", sd->what, encs[e], herr);
+    free(href);
+    // the class scores: the pooled feature (mean of the patches, or the [T_CLS]) through cls_head
+    const float *logits = mome_graph_logits_f32(sd->g);
+    double cerr = 0;
+    if (NC > 0) {
+        snprintf(name, sizeof(name), "%s.cls.logits", encs[e]);
+        float *lref = get(fx->f, name, NULL);
+        cerr = lref && logits ? rel_err(logits, lref, (size_t)B * NC) : 1;
+        CHECK(cerr <= 2e-6, "mome %s %s: class scores: max error %.3g of max |ref|", sd->what, encs[e], cerr);
+        free(lref);
+    } else {
+        CHECK(logits == NULL, "mome %s %s: class scores without a head", sd->what, encs[e]);
+    }
+    memset(sd->G, 0, sizeof(float) * L->total);
+    mome_graph_backward_f32(sd->g, sd->m->params, sd->G);
+    double worst = 0, head = 0;
+    const char *wname = "";
+    for (int k = 0; k < L->nparams; k++) {
+        snprintf(name, sizeof(name), "%s.%sgrad.%s", encs[e], run, L->table[k].name);
+        float *ref = get(fx->f, name, NULL);
+        if (!ref) continue;
+        double err = 0, den = 1e-30;
+        for (size_t i = 0; i < L->table[k].numel; i++) {
+            err = fmax(err, fabs((double)sd->G[L->table[k].offset + i] - ref[i]));
+            den = fmax(den, fabs((double)ref[i]));
+        }
+        // a tensor the run does not reach (cls_head without labels) has an exactly zero gradient
+        // on both sides
+        err = den > 1e-30 ? err / den : err;
+        if (err > worst) worst = err, wname = L->table[k].name;
+        if (!strncmp(L->table[k].name, "cls_head.", 9)) head = fmax(head, err);
+        CHECK(err <= 2e-5, "mome %s %s: gradient of %s: max error %.3g of max |ref|", sd->what, encs[e],
+              L->table[k].name, err);
+        free(ref);
+    }
+    printf("mome %s %s: loss %.6f (text %.6f, image %.6f, cls %.6f, aux %.6f) within %.2g, hidden states "
+           "within %.2g", sd->what, encs[e], s.loss, s.text, s.image, s.cls, s.aux, lerr, herr);
+    if (NC > 0) printf(", class scores within %.2g", cerr);
+    printf(", %d parameter gradients match torch, worst %.2g (%s)", L->nparams, worst, wname);
+    if (NC > 0) printf(", cls_head %.2g", head);
+    printf("\n");
+}
+
+// For each encoding (image with MIM labels, text with MLM labels, pair with both), with the
+// router noise of every MoE layer injected and ample capacity: the model without a head, then
+// the same weights with a classification head of 3 classes (gen_mome.py's
+// mome_cls.init.safetensors) without and with class labels.
 static void test_mome(void) {
     vlmoe_st *f = open_fixture("mome.ref.safetensors");
     if (!f) return;
-    char path[512], name[160];
-    snprintf(path, sizeof(path), "%s/mome.init.safetensors", fixture_dir());
-    vlmoe_model *m = NULL;
-    if (vlmoe_model_load(&m, path) != VLMOE_OK) {
-        CHECK(0, "load %s: %s", path, vlmoe_last_error());
-        vlmoe_st_close(f);
-        return;
-    }
-    const model_layout *L = &m->L;
-    const int B = 3, D = L->enc[0].width;
-    mome_graph_f32 *g = NULL;
-    CHECK(mome_graph_create_f32(&g, L, B) == VLMOE_OK, "mome graph: %s", vlmoe_last_error());
-    float *images = get(f, "input.images", NULL), *G = zerosf(L->total);
-    int32_t *tokens = get_i32(f, "input.tokens"), *lens = get_i32(f, "input.lens");
-    int32_t *tl = get_i32(f, "input.text_labels"), *pl = get_i32(f, "input.patch_labels");
+    const int B = 3;
+    char name[160];
+    mome_side plain = {0}, head = {0}; // closing either is safe even if its open never ran
+    const int ok = mome_side_open(&plain, "no head", "mome.init.safetensors", B) &&
+                   mome_side_open(&head, "head", "mome_cls.init.safetensors", B);
+    if (ok) CHECK(plain.m->L.nmoe == head.m->L.nmoe && head.m->L.cfg.num_classes == 3 &&
+                  plain.m->L.cfg.num_classes == 0, "mome: the two fixture models differ beyond the head");
     double *noise[64] = {0};
+    mome_fixture fx = {f, get(f, "input.images", NULL), get_i32(f, "input.tokens"), get_i32(f, "input.lens"),
+                       get_i32(f, "input.text_labels"), get_i32(f, "input.patch_labels"),
+                       get_i32(f, "input.class_labels"), noise};
     const char *encs[3] = {"image", "text", "pair"};
-    for (int e = 0; e < 3 && g && images && tokens && lens && tl && pl; e++) {
-        for (int i = 0; i < L->nmoe && i < 64; i++) {
+    for (int e = 0; e < 3 && ok && fx.images && fx.tokens && fx.lens && fx.tl && fx.pl && fx.cl; e++) {
+        for (int i = 0; i < plain.m->L.nmoe && i < 64; i++) {
             snprintf(name, sizeof(name), "%s.noise.%d", encs[e], i);
             free(noise[i]);
             noise[i] = NULL;
-            if (vlmoe_st_find(f, name) < 0) {
-                mome_graph_set_noise_f32(g, i, NULL);
-                continue;
-            }
+            if (vlmoe_st_find(f, name) < 0) continue;
             size_t n;
             float *v = get(f, name, &n);
             noise[i] = malloc(sizeof(double) * n);
             for (size_t k = 0; k < n; k++) noise[i][k] = v[k];
             free(v);
-            mome_graph_set_noise_f32(g, i, noise[i]);
         }
-        mome_input_f32 in = {e, e != VLMOE_ENC_TEXT ? images : NULL, e != VLMOE_ENC_IMAGE ? tokens : NULL, lens,
-                             e != VLMOE_ENC_IMAGE ? tl : NULL, e != VLMOE_ENC_TEXT ? pl : NULL, NULL};
-        vlmoe_mome_stats s;
-        mome_graph_set_mode_f32(g, 1, 0);
-        if (mome_graph_forward_f32(g, m->params, &in, &s) != VLMOE_OK) {
-            CHECK(0, "mome %s forward: %s", encs[e], vlmoe_last_error());
-            continue;
-        }
-        const double got[4] = {s.loss, s.text, s.image, s.aux};
-        const char *parts[4] = {"loss", "text", "image", "aux"};
-        for (int k = 0; k < 4; k++) {
-            snprintf(name, sizeof(name), "%s.%s", encs[e], parts[k]);
-            float *ref = get(f, name, NULL);
-            if (ref) CHECK(fabs(got[k] - ref[0]) <= 2e-6 * fabs(ref[0]) + 1e-7, "mome %s: %s %.9g, torch %.9g",
-                           encs[e], parts[k], got[k], ref[0]);
-            free(ref);
-        }
-        int T;
-        const float *hid = mome_graph_hidden_f32(g, &T);
-        snprintf(name, sizeof(name), "%s.hidden", encs[e]);
-        float *href = get(f, name, NULL);
-        double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
-        CHECK(herr <= 2e-6, "mome %s: hidden states: max error %.3g of max |ref|", encs[e], herr);
-        free(href);
-        memset(G, 0, sizeof(float) * L->total);
-        mome_graph_backward_f32(g, m->params, G);
-        double worst = 0;
-        const char *wname = "";
-        for (int k = 0; k < L->nparams; k++) {
-            snprintf(name, sizeof(name), "%s.grad.%s", encs[e], L->table[k].name);
-            float *ref = get(f, name, NULL);
-            if (!ref) continue;
-            double err = 0, den = 1e-30;
-            for (size_t i = 0; i < L->table[k].numel; i++) {
-                err = fmax(err, fabs((double)G[L->table[k].offset + i] - ref[i]));
-                den = fmax(den, fabs((double)ref[i]));
-            }
-            // a tensor the encoding does not reach has an exactly zero gradient on both sides
-            err = den > 1e-30 ? err / den : err;
-            if (err > worst) worst = err, wname = L->table[k].name;
-            CHECK(err <= 2e-5, "mome %s: gradient of %s: max error %.3g of max |ref|", encs[e], L->table[k].name, err);
-            free(ref);
-        }
-        printf("mome %s: loss %.6f (text %.6f, image %.6f, aux %.6f), hidden states within %.2g, %d parameter "
-               "gradients match torch, worst %.2g (%s)\n", encs[e], s.loss, s.text, s.image, s.aux, herr,
-               L->nparams, worst, wname);
+        mome_run(&fx, &plain, e, 0);
+        mome_run(&fx, &head, e, 0);
+        mome_run(&fx, &head, e, 1);
     }
     for (int i = 0; i < 64; i++) free(noise[i]);
-    free(images), free(G), free(tokens), free(lens), free(tl), free(pl);
-    mome_graph_free_f32(g);
-    vlmoe_model_free(m);
+    free(fx.images), free(fx.tokens), free(fx.lens), free(fx.tl), free(fx.pl), free(fx.cl);
+    mome_side_close(&plain);
+    mome_side_close(&head);
     vlmoe_st_close(f);
 }
 

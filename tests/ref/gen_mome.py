@@ -8,12 +8,20 @@ load loss, ratio 0.01, from gen_moe_aux.py). A pair is [H^w; H^v] as the paper w
 first, then [I_CLS] + patches (vlmoe puts the image first; the hidden states are compared after
 reordering). Masked patches take a learned mask token (BEiT); MLM/MIM heads are linear; losses
 are mean cross-entropies over the labelled positions, summed with the auxiliary losses.
+The fine-tuning head (VL-MoE sec. 4.2; BEiT-3's recipes, as include/vlmoe.h words them) is a
+linear classifier of NC classes on a pooled final feature: the mean over the patch tokens
+([I_CLS] left out) of an image, the [T_CLS] (first text token) of a text, and of a pair the
+fused [T_CLS], which is the pair's first token here; its mean cross-entropy over the class
+labels joins the sum.
 
-Writes mome.init.safetensors (a vlmoe checkpoint) and mome.ref.safetensors: the inputs with
-explicit masks and labels, and per encoding ENC in (image, text, pair): the router noise of every
-MoE layer (ENC.noise.I), the losses (ENC.loss, ENC.text, ENC.image, ENC.aux), the final hidden
-states in vlmoe's order (ENC.hidden) and every parameter gradient (ENC.grad.NAME).
-Consumed by tests/test_parity.c."""
+Writes mome.init.safetensors (a vlmoe checkpoint without the head), mome_cls.init.safetensors
+(the same weights plus cls_head, num_classes = NC) and mome.ref.safetensors: the inputs with
+explicit masks and labels (input.class_labels too), and per encoding ENC in (image, text, pair):
+the router noise of every MoE layer (ENC.noise.I), the losses without class labels (ENC.loss,
+ENC.text, ENC.image, ENC.aux), the final hidden states in vlmoe's order (ENC.hidden), every
+parameter gradient (ENC.grad.NAME, cls_head's zero), the class scores (ENC.cls.logits, which
+class labels do not change), and with class labels the losses (ENC.cls.loss, the total, and
+ENC.cls.cls) and every gradient (ENC.cls.grad.NAME). Consumed by tests/test_parity.c."""
 import json
 import math
 import os
@@ -36,6 +44,7 @@ CFG = {"name": "parity-mome", "arch": "mome", "image_size": 16, "patch_size": 4,
 E = 4
 MOE_BLOCKS = [0, 1]
 CF = 4.0  # capacity = every token of the group: nothing is dropped, the order does not matter
+NC = 3  # classes of the fine-tuning head
 V_AUX = {"vloss": 0.01}
 T_AUX = {"load": 0.01}
 
@@ -114,6 +123,14 @@ class MoME(nn.Module):
         self.ln_f = nn.LayerNorm(d, eps=c["ln_eps"])
         self.mlm = nn.Linear(d, c["vocab_size"])
         self.mim = nn.Linear(d, c["mim_vocab"])
+        self.head_w = self.head_b = None
+
+    def add_head(self, g):
+        """The classification head, drawn from generator g alone: the global generator, and so
+        the inputs and noise drawn after this, stay as they were without a head."""
+        d = CFG["encoder"]["width"]
+        self.head_w = nn.Parameter(torch.randn(NC, d, generator=g) / math.sqrt(d))
+        self.head_b = nn.Parameter(0.1 * torch.randn(NC, generator=g))
 
     def moe_order(self):
         """MoE layers in the order vlmoe numbers them: by block, V before T."""
@@ -124,8 +141,10 @@ class MoME(nn.Module):
                     out.append((l, name))
         return out
 
-    def forward(self, enc, images, tokens, lens, tlab, plab, noise):
-        """Returns loss, text loss, image loss, aux and the hidden states (text first in a pair)."""
+    def forward(self, enc, images, tokens, lens, tlab, plab, noise, clab=None):
+        """Returns loss, text loss, image loss, aux, the hidden states (vlmoe's order: image first
+        in a pair), the class scores (None without a head) and the classification loss (zero
+        without class labels clab)."""
         parts, kinds = [], []
         b = images.shape[0] if images is not None else tokens.shape[0]
         if enc in ("text", "pair"):
@@ -175,10 +194,17 @@ class MoME(nn.Module):
                 off = tt if enc == "pair" else 0
                 rows = h[:, off + 1:off + 1 + self.np][lab >= 0]
             losses.append(F.cross_entropy(head(rows), lab[lab >= 0].long()))
-        loss = losses[0] + losses[1] + aux
+        logits, lc = None, torch.zeros(())
+        if self.head_w is not None:
+            # image: mean of the patch tokens, [I_CLS] left out; text and pair ([H^w; H^v]): [T_CLS]
+            pooled = h[:, 1:1 + self.np].mean(1) if enc == "image" else h[:, 0]
+            logits = F.linear(pooled, self.head_w, self.head_b)
+            if clab is not None:
+                lc = F.cross_entropy(logits, clab.long())
+        loss = losses[0] + losses[1] + lc + aux
         if enc == "pair":  # vlmoe's order: image first
             h = torch.cat([h[:, tt:], h[:, :tt]], 1)
-        return loss, losses[0], losses[1], aux, h
+        return loss, losses[0], losses[1], aux, h, logits, lc
 
     def to_vlmoe(self):
         out = {"image.patch_embed.weight": self.patch.weight, "image.patch_embed.bias": self.patch.bias,
@@ -199,6 +225,8 @@ class MoME(nn.Module):
         out.update({"encoder.ln_final.weight": self.ln_f.weight, "encoder.ln_final.bias": self.ln_f.bias,
                     "mlm_head.weight": self.mlm.weight, "mlm_head.bias": self.mlm.bias,
                     "mim_head.weight": self.mim.weight, "mim_head.bias": self.mim.bias})
+        if self.head_w is not None:
+            out.update({"cls_head.weight": self.head_w, "cls_head.bias": self.head_b})
         return out
 
 
@@ -218,6 +246,10 @@ def generate(out):
     names = m.to_vlmoe()
     st.save(os.path.join(out, "mome.init.safetensors"), {k: arr(k, v) for k, v in names.items()},
             {"vlmoe.config": json.dumps(cfg), "format": "pt"})
+    m.add_head(torch.Generator().manual_seed(10))  # its own generator: the weights above stay put
+    names = m.to_vlmoe()
+    st.save(os.path.join(out, "mome_cls.init.safetensors"), {k: arr(k, v) for k, v in names.items()},
+            {"vlmoe.config": json.dumps(dict(cfg, num_classes=NC)), "format": "pt"})
     b, tt, np_ = 3, CFG["context_length"], m.np
     images = torch.randn(b, 3, CFG["image_size"], CFG["image_size"])
     lens = torch.tensor([8, 5, 3])
@@ -232,9 +264,10 @@ def generate(out):
     plab = torch.full((b, np_), -1)
     for i, j in ((0, 0), (0, 1), (0, 4), (0, 5), (1, 10), (1, 11), (1, 14), (2, 7)):  # blocks
         plab[i, j] = (3 * i + j) % CFG["mim_vocab"]
+    clab = torch.tensor([2, 0, 1])  # every class once
     ref = {"input.images": images.numpy(), "input.tokens": tokens.int().numpy(),
            "input.lens": lens.int().numpy(), "input.text_labels": tlab.int().numpy(),
-           "input.patch_labels": plab.int().numpy()}
+           "input.patch_labels": plab.int().numpy(), "input.class_labels": clab.int().numpy()}
     g = torch.Generator().manual_seed(9)
     for enc in ("image", "text", "pair"):
         noise = {}
@@ -244,14 +277,21 @@ def generate(out):
             n = b * (tt if kind == "t" else np_ + 1)
             noise[i] = (1.0 / E) * torch.randn(n, E, generator=g, dtype=torch.float64)
             ref[f"{enc}.noise.{i}"] = noise[i].numpy()
-        m.zero_grad()
-        loss, lt, li, aux, h = m(enc, images if enc != "text" else None, tokens if enc != "image" else None,
-                                 lens, tlab if enc != "image" else None, plab if enc != "text" else None,
-                                 noise)
-        loss.backward()
-        for k, v in (("loss", loss), ("text", lt), ("image", li), ("aux", aux)):
-            ref[f"{enc}.{k}"] = np.array([v.item()], dtype=np.float64)
-        ref[f"{enc}.hidden"] = h.detach().numpy()
-        for k, p in names.items():
-            ref[f"{enc}.grad.{k}"] = arr(k, p.grad) if p.grad is not None else np.zeros_like(arr(k, p))
+        for key, cl in ((enc, None), (f"{enc}.cls", clab)):  # without, then with class labels
+            m.zero_grad(set_to_none=True)
+            loss, lt, li, aux, h, logits, lc = m(enc, images if enc != "text" else None,
+                                                 tokens if enc != "image" else None, lens,
+                                                 tlab if enc != "image" else None,
+                                                 plab if enc != "text" else None, noise, cl)
+            loss.backward()
+            if cl is None:
+                for k, v in (("text", lt), ("image", li), ("aux", aux)):
+                    ref[f"{enc}.{k}"] = np.array([v.item()], dtype=np.float64)
+                ref[f"{enc}.hidden"] = h.detach().numpy()
+                ref[f"{enc}.cls.logits"] = logits.detach().numpy()
+            else:
+                ref[f"{key}.cls"] = np.array([lc.item()], dtype=np.float64)
+            ref[f"{key}.loss"] = np.array([loss.item()], dtype=np.float64)
+            for k, p in names.items():
+                ref[f"{key}.grad.{k}"] = arr(k, p.grad) if p.grad is not None else np.zeros_like(arr(k, p))
     st.save(os.path.join(out, "mome.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
