@@ -372,7 +372,9 @@ float *vlmoe_model_param_data(vlmoe_model *m);
 float *vlmoe_model_grad_data(vlmoe_model *m);
 // Plans the activation arena for batch size B (done once; forward re-plans only if B changes).
 int vlmoe_model_plan(vlmoe_model *m, int batch_size);
-// Forward pass with both modalities and the contrastive loss.
+// Forward pass with both modalities and the contrastive loss. A VL-MoE (arch mome) model with a
+// retrieval head takes this path too (and backward, evaluate, the encoders below, and with them
+// `vlmoe eval`, `embed` and `classify`): vlmoe_mome_forward_retrieval / vlmoe_mome_embed.
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
 // The same forward in evaluation mode (no routing noise, the eval capacity factor): the loss,
 // accuracies and routing statistics of a held-out batch. Backward is not allowed after it.

@@ -205,6 +205,10 @@ int main(int argc, char **argv) {
               "the retrieval model has its head: %s", vlmoe_last_error());
         vlmoe_model_free(rm);
     }
+    // a model with a retrieval head serves the contrastive commands: eval --val-data, embed
+    expect("eval --model ret.safetensors --val-data captions.tsv", 0, "retrieval on captions.tsv");
+    expect("embed --model ret.safetensors --images imgs -o emb.safetensors", 0, "image_embeds (12, 64)");
+    expect("embed --model pre.safetensors --images imgs -o emb.safetensors", 1, "without a retrieval head");
 
     expect("finetune --model pre.safetensors --task pair-cls --data bad_pairs.tsv -o x.safetensors", 1,
            "bad_pairs.tsv:2: expected 3 non-empty tab-separated columns (image path, question, answer), found 2");

@@ -262,16 +262,30 @@ int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
 }
 
 // A mome model has no contrastive head: its losses are the masked-modeling ones (vlmoe_mome_*).
+// A VL-MoE model takes the contrastive entry points only through its retrieval head.
 static int not_mome(const vlmoe_model *m, const char *what) {
-    return m->L.mome ? vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is a VL-MoE (arch mome) model: use "
-                                  "vlmoe_mome_forward / vlmoe_mome_encode", what, m->L.cfg.name)
-                     : VLMOE_OK;
+    return m->L.mome && !m->L.cfg.retrieval_head
+               ? vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is a VL-MoE (arch mome) model without a retrieval head: "
+                            "fine-tune one with `vlmoe finetune --task retrieval`, or use vlmoe_mome_encode", what,
+                            m->L.cfg.name)
+               : VLMOE_OK;
 }
 
 static int forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
     if (not_mome(m, "contrastive forward")) return VLMOE_ERR_ARG;
     if (!b->images || !b->tokens || !b->lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
+    if (m->L.mome) {
+        vlmoe_mome_stats r;
+        int st = vlmoe_mome_forward_retrieval(m, b->images, b->tokens, b->lengths, b->batch_size, training, &r);
+        if (!st && stats) {
+            memset(stats, 0, sizeof(*stats));
+            stats->contrastive = r.itc, stats->aux = r.aux, stats->loss = r.loss;
+            stats->acc_i2t = r.itc_acc[0], stats->acc_t2i = r.itc_acc[1];
+            stats->temperature = exp(m->params[m->L.logit_scale]);
+        }
+        return st;
+    }
     int st = vlmoe_model_plan(m, b->batch_size);
     if (st) return st;
     graph_result r;
@@ -324,6 +338,7 @@ int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n) {
 }
 
 int vlmoe_model_backward(vlmoe_model *m) {
+    if (m->L.mome) return vlmoe_mome_backward_retrieval(m, 0);
     if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
     memset(m->grads, 0, sizeof(float) * m->L.total);
     graph_backward_f32(m->g, m->params, m->grads);
@@ -341,6 +356,8 @@ void vlmoe_model_clamp(vlmoe_model *m) {
 static int encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
                   const int32_t *lens, int n, float *out) {
     if (not_mome(m, modality == MOD_IMAGE ? "encode images" : "encode texts")) return VLMOE_ERR_ARG;
+    if (m->L.mome)
+        return vlmoe_mome_embed(m, modality == MOD_IMAGE ? VLMOE_ENC_IMAGE : VLMOE_ENC_TEXT, images, tokens, lens, n, out);
     if (!m->g) {
         int st = vlmoe_model_plan(m, n < 64 ? (n > 0 ? n : 1) : 64);
         if (st) return st;
