@@ -4,7 +4,9 @@
 // tiny one_tower and two_tower models: loss, logits and every parameter gradient, then the
 // losses and parameters after one and five AdamW steps with clipping and the logit-scale clamp;
 // MoE layers (gen_moe_layer.py), and the VL-MoE (MoME) model of gen_mome.py, with and without its
-// classification head: losses, hidden states, class scores and every parameter gradient.
+// classification head: losses, hidden states, class scores and every parameter gradient; then its
+// NLVR2 two-pair head (losses, hidden states, class scores, gradients) and its retrieval head (the
+// contrastive loss of separate image and text forwards, both embeddings, every gradient).
 // Tolerances are stated per comparison as the max abs error over the max abs reference value.
 #include <math.h>
 #include <stdlib.h>
@@ -506,6 +508,65 @@ static int mome_scalar(const vlmoe_st *f, const char *name, double *v) {
     return ok;
 }
 
+// Loads the router noise "PREFIX.noise.I" of every MoE layer I into noise[I] (doubles; NULL where
+// the fixture has none: the forward does not run that layer), freeing what was there.
+static void mome_noise(const vlmoe_st *f, const char *prefix, double **noise, int nmoe) {
+    char name[160];
+    for (int i = 0; i < nmoe && i < 64; i++) {
+        free(noise[i]);
+        noise[i] = NULL;
+        snprintf(name, sizeof(name), "%s.noise.%d", prefix, i);
+        if (vlmoe_st_find(f, name) < 0) continue;
+        size_t n;
+        float *v = get(f, name, &n);
+        if (!v) continue;
+        noise[i] = malloc(sizeof(double) * n);
+        for (size_t k = 0; k < n; k++) noise[i][k] = v[k];
+        free(v);
+    }
+}
+
+// The worst gradient errors of one run: over all tensors, over cls_head.*, over the retrieval
+// head (itc.*, logit_scale).
+typedef struct {
+    double worst, cls, itc;
+    const char *wname;
+} grad_report;
+
+// Every parameter gradient G against the fixture's "KEYgrad.NAME" (max abs error over max |ref|,
+// tolerance 2e-5); a tensor the run does not reach has an exactly zero gradient on both sides.
+static grad_report mome_grads(const vlmoe_st *f, const model_layout *L, const float *G, const char *key,
+                              const char *what) {
+    grad_report r = {0, 0, 0, ""};
+    char name[192];
+    for (int k = 0; k < L->nparams; k++) {
+        snprintf(name, sizeof(name), "%sgrad.%s", key, L->table[k].name);
+        float *ref = get(f, name, NULL);
+        if (!ref) continue;
+        double err = 0, den = 1e-30;
+        for (size_t i = 0; i < L->table[k].numel; i++) {
+            err = fmax(err, fabs((double)G[L->table[k].offset + i] - ref[i]));
+            den = fmax(den, fabs((double)ref[i]));
+        }
+        err = den > 1e-30 ? err / den : err;
+        if (err > r.worst) r.worst = err, r.wname = L->table[k].name;
+        if (!strncmp(L->table[k].name, "cls_head.", 9)) r.cls = fmax(r.cls, err);
+        if (!strncmp(L->table[k].name, "itc.", 4) || !strcmp(L->table[k].name, "logit_scale")) r.itc = fmax(r.itc, err);
+        CHECK(err <= 2e-5, "%s: gradient of %s: max error %.3g of max |ref|", what, L->table[k].name, err);
+        free(ref);
+    }
+    return r;
+}
+
+// A loss against the fixture's scalar `name` (2e-6 relative + 1e-7); *lerr keeps the worst
+// relative error over the nonzero ones.
+static void mome_loss(const vlmoe_st *f, const char *name, double got, const char *what, double *lerr) {
+    double ref = 0;
+    if (!mome_scalar(f, name, &ref)) return;
+    if (ref != 0) *lerr = fmax(*lerr, fabs(got - ref) / fabs(ref));
+    CHECK(fabs(got - ref) <= 2e-6 * fabs(ref) + 1e-7, "%s: %s %.9g, torch %.9g", what, name, got, ref);
+}
+
 // One forward and backward of encoding e on side sd, without class labels or (labels) with the
 // fixture's: every loss, the final hidden states, the class scores of a model with a head, and
 // every parameter gradient against torch's. The fixture keys of a run with labels that differ
@@ -567,31 +628,16 @@ static void mome_run(const mome_fixture *fx, mome_side *sd, int e, int labels) {
     }
     memset(sd->G, 0, sizeof(float) * L->total);
     mome_graph_backward_f32(sd->g, sd->m->params, sd->G);
-    double worst = 0, head = 0;
-    const char *wname = "";
-    for (int k = 0; k < L->nparams; k++) {
-        snprintf(name, sizeof(name), "%s.%sgrad.%s", encs[e], run, L->table[k].name);
-        float *ref = get(fx->f, name, NULL);
-        if (!ref) continue;
-        double err = 0, den = 1e-30;
-        for (size_t i = 0; i < L->table[k].numel; i++) {
-            err = fmax(err, fabs((double)sd->G[L->table[k].offset + i] - ref[i]));
-            den = fmax(den, fabs((double)ref[i]));
-        }
-        // a tensor the run does not reach (cls_head without labels) has an exactly zero gradient
-        // on both sides
-        err = den > 1e-30 ? err / den : err;
-        if (err > worst) worst = err, wname = L->table[k].name;
-        if (!strncmp(L->table[k].name, "cls_head.", 9)) head = fmax(head, err);
-        CHECK(err <= 2e-5, "mome %s %s: gradient of %s: max error %.3g of max |ref|", sd->what, encs[e],
-              L->table[k].name, err);
-        free(ref);
-    }
+    // a tensor the run does not reach (cls_head without labels) has a zero gradient on both sides
+    char key[64], what[96];
+    snprintf(key, sizeof(key), "%s.%s", encs[e], run);
+    snprintf(what, sizeof(what), "mome %s %s", sd->what, encs[e]);
+    const grad_report gr = mome_grads(fx->f, L, sd->G, key, what);
     printf("mome %s %s: loss %.6f (text %.6f, image %.6f, cls %.6f, aux %.6f) within %.2g, hidden states "
            "within %.2g", sd->what, encs[e], s.loss, s.text, s.image, s.cls, s.aux, lerr, herr);
     if (NC > 0) printf(", class scores within %.2g", cerr);
-    printf(", %d parameter gradients match torch, worst %.2g (%s)", L->nparams, worst, wname);
-    if (NC > 0) printf(", cls_head %.2g", head);
+    printf(", %d parameter gradients match torch, worst %.2g (%s)", L->nparams, gr.worst, gr.wname);
+    if (NC > 0) printf(", cls_head %.2g", gr.cls);
     printf("\n");
 }
 
@@ -603,7 +649,6 @@ static void test_mome(void) {
     vlmoe_st *f = open_fixture("mome.ref.safetensors");
     if (!f) return;
     const int B = 3;
-    char name[160];
     mome_side plain = {0}, head = {0}; // closing either is safe even if its open never ran
     const int ok = mome_side_open(&plain, "no head", "mome.init.safetensors", B) &&
                    mome_side_open(&head, "head", "mome_cls.init.safetensors", B);
@@ -615,17 +660,7 @@ static void test_mome(void) {
                        get_i32(f, "input.class_labels"), noise};
     const char *encs[3] = {"image", "text", "pair"};
     for (int e = 0; e < 3 && ok && fx.images && fx.tokens && fx.lens && fx.tl && fx.pl && fx.cl; e++) {
-        for (int i = 0; i < plain.m->L.nmoe && i < 64; i++) {
-            snprintf(name, sizeof(name), "%s.noise.%d", encs[e], i);
-            free(noise[i]);
-            noise[i] = NULL;
-            if (vlmoe_st_find(f, name) < 0) continue;
-            size_t n;
-            float *v = get(f, name, &n);
-            noise[i] = malloc(sizeof(double) * n);
-            for (size_t k = 0; k < n; k++) noise[i][k] = v[k];
-            free(v);
-        }
+        mome_noise(f, encs[e], noise, plain.m->L.nmoe);
         mome_run(&fx, &plain, e, 0);
         mome_run(&fx, &head, e, 0);
         mome_run(&fx, &head, e, 1);
@@ -637,8 +672,132 @@ static void test_mome(void) {
     vlmoe_st_close(f);
 }
 
+// NLVR2 (gen_mome.py's mome_heads.*): the pair encoding of 4 sequences, fixture noise in every
+// MoE layer, 2 class labels, no masking; example k reads the fused [T_CLS] of pairs 2k and 2k+1
+// side by side. The losses, hidden states, class scores (2, 3) and every gradient against torch.
+static void mome_nlvr2(const vlmoe_st *f, mome_side *sd, const float *images, const int32_t *tokens,
+                       const int32_t *lens) {
+    const model_layout *L = &sd->m->L;
+    const int B = 4, D = L->enc[0].width, NC = L->cfg.num_classes;
+    double *noise[64] = {0};
+    int32_t *cl = get_i32(f, "nlvr2.class_labels");
+    mome_noise(f, "nlvr2", noise, L->nmoe);
+    for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd->g, i, noise[i]);
+    const mome_input_f32 in = {VLMOE_ENC_PAIR, images, tokens, lens, NULL, NULL, cl};
+    vlmoe_mome_stats s;
+    mome_graph_set_mode_f32(sd->g, 1, 0);
+    if (!cl || mome_graph_forward_f32(sd->g, sd->m->params, &in, &s) != VLMOE_OK) {
+        CHECK(0, "mome nlvr2 forward: %s", vlmoe_last_error());
+    } else {
+        double lerr = 0;
+        mome_loss(f, "nlvr2.loss", s.loss, "mome nlvr2", &lerr);
+        mome_loss(f, "nlvr2.cls", s.cls, "mome nlvr2", &lerr);
+        mome_loss(f, "nlvr2.aux", s.aux, "mome nlvr2", &lerr);
+        CHECK(s.text == 0 && s.image == 0 && s.cls_count == B / 2, "mome nlvr2: text %g, image %g without "
+              "masking, %d examples classified (want %d)", s.text, s.image, s.cls_count, B / 2);
+        int T;
+        const float *hid = mome_graph_hidden_f32(sd->g, &T);
+        float *href = get(f, "nlvr2.hidden", NULL), *lref = get(f, "nlvr2.logits", NULL);
+        const float *logits = mome_graph_logits_f32(sd->g);
+        const double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
+        const double cerr = lref && logits ? rel_err(logits, lref, (size_t)(B / 2) * NC) : 1;
+        CHECK(herr <= 2e-6, "mome nlvr2: hidden states: max error %.3g of max |ref|", herr);
+        CHECK(cerr <= 2e-6, "mome nlvr2: class scores: max error %.3g of max |ref|", cerr);
+        free(href), free(lref);
+        memset(sd->G, 0, sizeof(float) * L->total);
+        mome_graph_backward_f32(sd->g, sd->m->params, sd->G);
+        const grad_report gr = mome_grads(f, L, sd->G, "nlvr2.", "mome nlvr2");
+        printf("mome nlvr2 (4 pairs, 2 examples): loss %.6f (cls %.6f, aux %.6f) within %.2g, hidden states "
+               "within %.2g, class scores within %.2g, %d parameter gradients match torch, worst %.2g (%s), "
+               "cls_head %.2g\n", s.loss, s.cls, s.aux, lerr, herr, cerr, L->nparams, gr.worst, gr.wname, gr.cls);
+    }
+    for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd->g, i, NULL);
+    for (int i = 0; i < 64; i++) free(noise[i]);
+    free(cl);
+}
+
+// Retrieval on the same 4 pairs: an image forward on sd's graph (the fixture's noise in its V-MoE
+// layers) and a text forward on a second graph (noise in its T-MoE layers), both training; the
+// contrastive loss, both MoE losses, both embeddings and every gradient against torch.
+static void mome_retrieval(const vlmoe_st *f, mome_side *sd, const float *images, const int32_t *tokens,
+                           const int32_t *lens) {
+    const model_layout *L = &sd->m->L;
+    const int B = 4, E = L->cfg.embed_dim;
+    mome_graph_f32 *gt = NULL;
+    mome_itc_f32 *c = NULL;
+    double *noise[2][64] = {{0}};
+    if (mome_graph_create_f32(&gt, L, B) != VLMOE_OK || mome_itc_create_f32(&c, L, B) != VLMOE_OK) {
+        CHECK(0, "mome retrieval: text graph and head: %s", vlmoe_last_error());
+        mome_graph_free_f32(gt);
+        return;
+    }
+    mome_graph_f32 *g[2] = {sd->g, gt};
+    const mome_input_f32 in[2] = {{VLMOE_ENC_IMAGE, images, NULL, NULL, NULL, NULL, NULL},
+                                  {VLMOE_ENC_TEXT, NULL, tokens, lens, NULL, NULL, NULL}};
+    const char *side[2] = {"itc.image", "itc.text"};
+    vlmoe_mome_stats s[2];
+    int ok = 1;
+    for (int k = 0; k < 2 && ok; k++) {
+        mome_noise(f, side[k], noise[k], L->nmoe);
+        for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(g[k], i, noise[k][i]);
+        mome_graph_set_mode_f32(g[k], 1, 0);
+        ok = mome_graph_forward_f32(g[k], sd->m->params, &in[k], &s[k]) == VLMOE_OK;
+        CHECK(ok, "mome retrieval %s forward: %s", side[k], vlmoe_last_error());
+    }
+    if (ok) {
+        double acc[2], lerr = 0, eerr[2] = {0, 0};
+        const double itc = mome_itc_forward_f32(c, g[0], g[1], sd->m->params, acc);
+        mome_loss(f, "itc.itc", itc, "mome retrieval", &lerr);
+        mome_loss(f, "itc.image.aux", s[0].aux, "mome retrieval", &lerr);
+        mome_loss(f, "itc.text.aux", s[1].aux, "mome retrieval", &lerr);
+        mome_loss(f, "itc.loss", itc + s[0].aux + s[1].aux, "mome retrieval", &lerr);
+        for (int k = 0; k < 2; k++) { // the normalised projections of [I_CLS] and [T_CLS]
+            char name[64];
+            snprintf(name, sizeof(name), "%s.embed", side[k]);
+            float *ref = get(f, name, NULL);
+            eerr[k] = ref ? rel_err(mome_itc_embed_f32(c, g[k], sd->m->params, k), ref, (size_t)B * E) : 1;
+            CHECK(eerr[k] <= 2e-6, "mome retrieval: %s embeddings: max error %.3g of max |ref|", side[k], eerr[k]);
+            free(ref);
+        }
+        memset(sd->G, 0, sizeof(float) * L->total);
+        mome_itc_backward_f32(c, g[0], g[1], sd->m->params, sd->G);
+        const grad_report gr = mome_grads(f, L, sd->G, "itc.", "mome retrieval");
+        printf("mome retrieval (4 pairs): loss %.6f (contrastive %.6f, aux %.6f + %.6f) within %.2g, embeddings "
+               "within %.2g / %.2g, %d parameter gradients match torch, worst %.2g (%s), itc.* and logit_scale "
+               "%.2g\n", itc + s[0].aux + s[1].aux, itc, s[0].aux, s[1].aux, lerr, eerr[0], eerr[1], L->nparams,
+               gr.worst, gr.wname, gr.itc);
+    }
+    for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd->g, i, NULL);
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 64; i++) free(noise[k][i]);
+    mome_itc_free_f32(c);
+    mome_graph_free_f32(gt);
+}
+
+// The mome weights of test_mome with both new heads (gen_mome.py's mome_heads.init.safetensors:
+// NLVR2's (3, 2 x width) cls_head and the retrieval head) on 4 image-text pairs of their own.
+static void test_mome_heads(void) {
+    vlmoe_st *f = open_fixture("mome_heads.ref.safetensors");
+    if (!f) return;
+    mome_side sd = {0};
+    float *images = get(f, "heads.images", NULL);
+    int32_t *tokens = get_i32(f, "heads.tokens"), *lens = get_i32(f, "heads.lens");
+    if (mome_side_open(&sd, "heads", "mome_heads.init.safetensors", 4) && images && tokens && lens) {
+        const model_layout *L = &sd.m->L;
+        CHECK(L->cfg.num_classes == 3 && L->mome->cs == 2 && L->mome->itc_proj[0] != NO_PARAM &&
+              L->mome->itc_proj[1] != NO_PARAM && L->logit_scale != NO_PARAM,
+              "mome heads: the fixture model lacks the NLVR2 head of 3 classes or the retrieval head");
+        mome_nlvr2(f, &sd, images, tokens, lens);
+        mome_retrieval(f, &sd, images, tokens, lens);
+    }
+    free(images), free(tokens), free(lens);
+    mome_side_close(&sd);
+    vlmoe_st_close(f);
+}
+
 int main(void) {
     test_mome();
+    test_mome_heads();
     test_ops();
     test_block();
     test_model("one_tower");

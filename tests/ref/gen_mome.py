@@ -12,7 +12,12 @@ The fine-tuning head (VL-MoE sec. 4.2; BEiT-3's recipes, as include/vlmoe.h word
 linear classifier of NC classes on a pooled final feature: the mean over the patch tokens
 ([I_CLS] left out) of an image, the [T_CLS] (first text token) of a text, and of a pair the
 fused [T_CLS], which is the pair's first token here; its mean cross-entropy over the class
-labels joins the sum.
+labels joins the sum. NLVR2's head (cls_sequences = 2) reads two consecutive sequences as one
+example: their pooled features side by side, (NC, 2*width), one label per two sequences. The
+retrieval head (VLMo's contrastive fine-tuning) encodes images and texts separately: the final
+[I_CLS] of an image-only and the final [T_CLS] of a text-only forward, each through its own
+bias-free projection to embed_dim, L2-normalised; CLIP's symmetric cross-entropy of
+exp(logit_scale) times the similarities, summed with both forwards' auxiliary losses.
 
 Writes mome.init.safetensors (a vlmoe checkpoint without the head), mome_cls.init.safetensors
 (the same weights plus cls_head, num_classes = NC) and mome.ref.safetensors: the inputs with
@@ -21,7 +26,17 @@ the router noise of every MoE layer (ENC.noise.I), the losses without class labe
 ENC.text, ENC.image, ENC.aux), the final hidden states in vlmoe's order (ENC.hidden), every
 parameter gradient (ENC.grad.NAME, cls_head's zero), the class scores (ENC.cls.logits, which
 class labels do not change), and with class labels the losses (ENC.cls.loss, the total, and
-ENC.cls.cls) and every gradient (ENC.cls.grad.NAME). Consumed by tests/test_parity.c."""
+ENC.cls.cls) and every gradient (ENC.cls.grad.NAME).
+Then, on the same weights with both new heads (mome_heads.init.safetensors: NLVR2's head of NC
+classes on two pairs and the retrieval head), mome_heads.ref.safetensors: four image-text pairs
+(heads.images, heads.tokens, heads.lens), drawn with the heads from their own generators so
+that the files above stay byte for byte as they were; NLVR2 on the pair encoding of the four
+(two examples, nlvr2.class_labels, no masking): the noise (nlvr2.noise.I), the losses
+(nlvr2.loss, nlvr2.cls, nlvr2.aux), hidden states, class scores (nlvr2.logits) and every
+gradient (nlvr2.grad.NAME); retrieval of the four: the noise of the image forward's V-MoE
+layers (itc.image.noise.I) and the text forward's T-MoE layers (itc.text.noise.I), the losses
+(itc.loss = itc.itc + itc.image.aux + itc.text.aux), both embeddings (itc.image.embed,
+itc.text.embed) and every gradient (itc.grad.NAME). Consumed by tests/test_parity.c."""
 import json
 import math
 import os
@@ -124,13 +139,21 @@ class MoME(nn.Module):
         self.mlm = nn.Linear(d, c["vocab_size"])
         self.mim = nn.Linear(d, c["mim_vocab"])
         self.head_w = self.head_b = None
+        self.itc_w = self.logit_scale = None
 
-    def add_head(self, g):
-        """The classification head, drawn from generator g alone: the global generator, and so
-        the inputs and noise drawn after this, stay as they were without a head."""
-        d = CFG["encoder"]["width"]
-        self.head_w = nn.Parameter(torch.randn(NC, d, generator=g) / math.sqrt(d))
+    def add_head(self, g, cs=1):
+        """The classification head on cs sequences per example, drawn from generator g alone: the
+        global generator, and so the inputs and noise drawn after this, stay as they were."""
+        k = cs * CFG["encoder"]["width"]
+        self.head_w = nn.Parameter(torch.randn(NC, k, generator=g) / math.sqrt(k))
         self.head_b = nn.Parameter(0.1 * torch.randn(NC, generator=g))
+
+    def add_itc(self, g):
+        """The retrieval head from generator g: image and text projections, a logit scale."""
+        d, e = CFG["encoder"]["width"], CFG["embed_dim"]
+        self.itc_w = nn.ParameterList([nn.Parameter(torch.randn(e, d, generator=g) / math.sqrt(d))
+                                       for _ in range(2)])
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(8.0)))
 
     def moe_order(self):
         """MoE layers in the order vlmoe numbers them: by block, V before T."""
@@ -152,7 +175,8 @@ class MoME(nn.Module):
             kinds.append("t")
         if enc in ("image", "pair"):
             pe = self.patch(images).flatten(2).transpose(1, 2)  # (B, np, D)
-            pe = torch.where((plab >= 0)[..., None], self.mask_token.expand_as(pe), pe)
+            if plab is not None:
+                pe = torch.where((plab >= 0)[..., None], self.mask_token.expand_as(pe), pe)
             parts.append(torch.cat([self.i_cls.expand(b, 1, -1), pe], 1) + self.ipos)
             kinds.append("v")
         x = torch.cat(parts, 1)  # pair: [H^w; H^v]
@@ -198,13 +222,26 @@ class MoME(nn.Module):
         if self.head_w is not None:
             # image: mean of the patch tokens, [I_CLS] left out; text and pair ([H^w; H^v]): [T_CLS]
             pooled = h[:, 1:1 + self.np].mean(1) if enc == "image" else h[:, 0]
-            logits = F.linear(pooled, self.head_w, self.head_b)
+            # NLVR2: sequences 2k and 2k+1 are one example, their pooled features side by side
+            logits = F.linear(pooled.reshape(-1, self.head_w.shape[1]), self.head_w, self.head_b)
             if clab is not None:
                 lc = F.cross_entropy(logits, clab.long())
         loss = losses[0] + losses[1] + lc + aux
         if enc == "pair":  # vlmoe's order: image first
             h = torch.cat([h[:, tt:], h[:, :tt]], 1)
         return loss, losses[0], losses[1], aux, h, logits, lc
+
+    def retrieval(self, images, tokens, lens, noise_i, noise_t):
+        """Contrastive loss of B matching pairs, image and text encoded apart (no labels): total,
+        contrastive part, the two forwards' aux losses, the image and text embeddings (B, E)."""
+        _, _, _, aux_i, hi, _, _ = self("image", images, None, None, None, None, noise_i)
+        _, _, _, aux_t, ht, _, _ = self("text", None, tokens, lens, None, None, noise_t)
+        zi = F.normalize(hi[:, 0] @ self.itc_w[0].t(), dim=-1)  # [I_CLS]
+        zt = F.normalize(ht[:, 0] @ self.itc_w[1].t(), dim=-1)  # [T_CLS]
+        logits = self.logit_scale.exp() * zi @ zt.t()
+        tgt = torch.arange(logits.shape[0])
+        itc = (F.cross_entropy(logits, tgt) + F.cross_entropy(logits.t(), tgt)) / 2
+        return itc + aux_i + aux_t, itc, aux_i, aux_t, zi, zt
 
     def to_vlmoe(self):
         out = {"image.patch_embed.weight": self.patch.weight, "image.patch_embed.bias": self.patch.bias,
@@ -227,6 +264,9 @@ class MoME(nn.Module):
                     "mim_head.weight": self.mim.weight, "mim_head.bias": self.mim.bias})
         if self.head_w is not None:
             out.update({"cls_head.weight": self.head_w, "cls_head.bias": self.head_b})
+        if self.itc_w is not None:
+            out.update({"itc.image_proj.weight": self.itc_w[0], "itc.text_proj.weight": self.itc_w[1],
+                        "logit_scale": self.logit_scale})
         return out
 
 
@@ -292,6 +332,69 @@ def generate(out):
             else:
                 ref[f"{key}.cls"] = np.array([lc.item()], dtype=np.float64)
             ref[f"{key}.loss"] = np.array([loss.item()], dtype=np.float64)
-            for k, p in names.items():
-                ref[f"{key}.grad.{k}"] = arr(k, p.grad) if p.grad is not None else np.zeros_like(arr(k, p))
+            grads(ref, key, names)
     st.save(os.path.join(out, "mome.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
+    generate_heads(out, m, cfg)
+
+
+def grads(ref, key, names):
+    for k, p in names.items():
+        ref[f"{key}.grad.{k}"] = arr(k, p.grad) if p.grad is not None else np.zeros_like(arr(k, p))
+
+
+def draw_noise(m, g, b, kinds):
+    """Router noise (n,E) of every MoE layer of the kinds ("v", "t") a forward of b runs."""
+    noise = {}
+    for i, (l, kind) in enumerate(m.moe_order()):
+        if kind in kinds:
+            n = b * (CFG["context_length"] if kind == "t" else m.np + 1)
+            noise[i] = (1.0 / E) * torch.randn(n, E, generator=g, dtype=torch.float64)
+    return noise
+
+
+def generate_heads(out, m, cfg):
+    """NLVR2's two-pair head and the retrieval head on m's weights, with inputs of their own."""
+    g = torch.Generator().manual_seed(11)
+    m.add_head(g, cs=2)
+    m.add_itc(g)
+    names = m.to_vlmoe()
+    hcfg = dict(cfg, num_classes=NC, cls_sequences=2, retrieval_head=1)
+    st.save(os.path.join(out, "mome_heads.init.safetensors"), {k: arr(k, v) for k, v in names.items()},
+            {"vlmoe.config": json.dumps(hcfg), "format": "pt"})
+    g = torch.Generator().manual_seed(12)
+    b, tt = 4, CFG["context_length"]
+    images = torch.randn(b, 3, CFG["image_size"], CFG["image_size"], generator=g)
+    lens = torch.tensor([6, 8, 3, 5])
+    tokens = torch.randint(4, 49, (b, tt), generator=g)
+    tokens[:, 0] = 1  # [T_CLS]
+    tokens[torch.arange(b), lens - 1] = 2  # [T_SEP]
+    tokens[torch.arange(tt)[None, :] >= lens[:, None]] = 0
+    clab = torch.tensor([2, 1])  # examples (pairs 0, 1) and (pairs 2, 3)
+    ref = {"heads.images": images.numpy(), "heads.tokens": tokens.int().numpy(),
+           "heads.lens": lens.int().numpy(), "nlvr2.class_labels": clab.int().numpy()}
+    g = torch.Generator().manual_seed(13)
+    # NLVR2: the pair encoding of the four, fine-tuning (no masking), two examples
+    noise = draw_noise(m, g, b, ("v", "t"))
+    for i, v in noise.items():
+        ref[f"nlvr2.noise.{i}"] = v.numpy()
+    m.zero_grad(set_to_none=True)
+    loss, lt, li, aux, h, logits, lc = m("pair", images, tokens, lens, None, None, noise, clab)
+    loss.backward()
+    for k, v in (("loss", loss), ("cls", lc), ("aux", aux)):
+        ref[f"nlvr2.{k}"] = np.array([v.item()], dtype=np.float64)
+    ref["nlvr2.hidden"] = h.detach().numpy()
+    ref["nlvr2.logits"] = logits.detach().numpy()
+    grads(ref, "nlvr2", names)
+    # retrieval: an image forward (V-MoE only) and a text forward (T-MoE only), each its own noise
+    noise_i, noise_t = draw_noise(m, g, b, ("v",)), draw_noise(m, g, b, ("t",))
+    for side, nz in (("image", noise_i), ("text", noise_t)):
+        for i, v in nz.items():
+            ref[f"itc.{side}.noise.{i}"] = v.numpy()
+    m.zero_grad(set_to_none=True)
+    loss, itc, aux_i, aux_t, zi, zt = m.retrieval(images, tokens, lens, noise_i, noise_t)
+    loss.backward()
+    for k, v in (("loss", loss), ("itc", itc), ("image.aux", aux_i), ("text.aux", aux_t)):
+        ref[f"itc.{k}"] = np.array([v.item()], dtype=np.float64)
+    ref["itc.image.embed"], ref["itc.text.embed"] = zi.detach().numpy(), zt.detach().numpy()
+    grads(ref, "itc", names)
+    st.save(os.path.join(out, "mome_heads.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
