@@ -2,9 +2,11 @@
 // config) + step_N.state.safetensors (training state). Lists the steps present, names the files
 // and removes all but the newest K pairs.
 #include <dirent.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -58,4 +60,23 @@ void ckpt_clean_tmp(const char *dir) {
             unlink(path);
         }
     closedir(d);
+}
+
+int cli_mkdir_p(const char *path) {
+    char tmp[1024];
+    snprintf(tmp, sizeof(tmp), "%s", path);
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(tmp, 0755) && errno != EEXIST) return -1;
+            *p = '/';
+        }
+    return mkdir(tmp, 0755) && errno != EEXIST ? -1 : 0;
+}
+
+int cli_write_text(const char *path, const char *text) {
+    FILE *f = text ? fopen(path, "w") : NULL;
+    if (!f) return -1;
+    const int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
+    return fclose(f) == 0 && ok ? 0 : -1;
 }

@@ -14,6 +14,7 @@ int cmd_import(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 int cmd_upcycle(int argc, char **argv);
 int cmd_finetune(int argc, char **argv); // cli/finetune.c: VL-MoE classification heads
+int cmd_synth(int argc, char **argv);    // cli/synth.c: `vlmoe synth export`, the synthetic data as files
 
 // Prints "vlmoe CMD: message" to stderr and returns exit status 1.
 int cli_error(const char *cmd, const char *fmt, ...)
@@ -40,5 +41,10 @@ int ckpt_list(const char *dir, long *steps, int max);
 void ckpt_prune(const char *dir, int keep);
 // Removes temporary files left by a writer killed before its rename.
 void ckpt_clean_tmp(const char *dir);
+// mkdir -p (0 or -1 with errno); writes text and a newline to path (0 or -1).
+int cli_mkdir_p(const char *path);
+int cli_write_text(const char *path, const char *text);
+// Monotonic seconds.
+double cli_now(void);
 
 #endif

@@ -71,20 +71,20 @@ void cli_text_free(cli_text *t) {
     t->bpe = NULL, t->synth = NULL;
 }
 
-static double now_s(void) {
+double cli_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 cli_progress cli_progress_start(const char *what) {
-    cli_progress p = {what, isatty(2), 0, now_s(), 0};
+    cli_progress p = {what, isatty(2), 0, cli_now(), 0};
     p.last = p.t0;
     return p;
 }
 
 void cli_progress_show(cli_progress *p, long done, long total) {
-    const double t = now_s();
+    const double t = cli_now();
     if (t - p->last < (p->tty ? 0.25 : 30)) return;
     p->last = t, p->shown = 1;
     char of[32] = "";

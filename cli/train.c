@@ -64,31 +64,6 @@ static cJSON *exact(double v) {
     return isfinite(v) ? cJSON_CreateRaw(b) : cJSON_CreateNull();
 }
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static int mkdir_p(const char *path) {
-    char tmp[1024];
-    snprintf(tmp, sizeof(tmp), "%s", path);
-    for (char *p = tmp + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(tmp, 0755) && errno != EEXIST) return -1;
-            *p = '/';
-        }
-    return mkdir(tmp, 0755) && errno != EEXIST ? -1 : 0;
-}
-
-static int write_text(const char *path, const char *text) {
-    FILE *f = fopen(path, "w");
-    if (!f) return -1;
-    int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-    return fclose(f) == 0 && ok ? 0 : -1;
-}
-
 static void fmt_eta(char *buf, size_t n, double s) {
     long t = (long)(s + 0.5);
     snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
@@ -259,7 +234,7 @@ static int write_run_files(const train_args *a, train_run *r) {
     char path[1024];
     char *cj = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
     snprintf(path, sizeof(path), "%s/config.json", r->dir);
-    int wr = !cj || write_text(path, cj);
+    int wr = !cj || cli_write_text(path, cj);
     free(cj);
     cJSON *pj = cJSON_CreateObject();
     cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
@@ -283,7 +258,7 @@ static int write_run_files(const train_args *a, train_run *r) {
     char *ps = cJSON_Print(pj);
     cJSON_Delete(pj);
     snprintf(path, sizeof(path), "%s/params.json", r->dir);
-    wr |= !ps || write_text(path, ps);
+    wr |= !ps || cli_write_text(path, ps);
     free(ps);
     snprintf(path, sizeof(path), "%s/metrics.jsonl", r->dir);
     r->metrics = fopen(path, a->resume ? "a" : "w");
@@ -546,7 +521,7 @@ int cmd_train(int argc, char **argv) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (mkdir_p(r.ckdir)) return cli_error("train", "cannot create %s: %s", r.ckdir, strerror(errno));
+    if (cli_mkdir_p(r.ckdir)) return cli_error("train", "cannot create %s: %s", r.ckdir, strerror(errno));
     ckpt_clean_tmp(r.ckdir);
     if ((rc = setup_model(&a, &tp, &r))) {
         run_free(&r);
@@ -581,7 +556,7 @@ int cmd_train(int argc, char **argv) {
     const int tty = isatty(fileno(stderr));
     fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
             cfg->name, vlmoe_model_num_floats(r.m), start, a.steps, B, omp_get_max_threads(), r.dir);
-    double t_start = now(), t_last = t_start, sum_loss = 0;
+    double t_start = cli_now(), t_last = t_start, sum_loss = 0;
     long last_step = start;
     for (long step = start; step < a.steps && !rc; step++) {
         vlmoe_batch batch = {B, r.images, r.tokens, r.lens};
@@ -599,7 +574,7 @@ int cmd_train(int argc, char **argv) {
         sum_loss += s.loss;
         const long done = step + 1;
         if (done % a.log_every == 0 || done == a.steps) {
-            double t = now(), per = (t - t_last) / (double)(done - last_step), ips = B / per;
+            double t = cli_now(), per = (t - t_last) / (double)(done - last_step), ips = B / per;
             cJSON *o = cJSON_CreateObject();
             cJSON_AddNumberToObject(o, "step", (double)done);
             cJSON_AddItemToObject(o, "loss", exact(s.loss));
@@ -650,7 +625,7 @@ int cmd_train(int argc, char **argv) {
     }
     if (!rc) {
         fprintf(stderr, "%strained to step %ld in %.1f s; checkpoints in %s\n", tty ? "\n" : "", a.steps,
-                now() - t_start, r.ckdir);
+                cli_now() - t_start, r.ckdir);
         if (synthetic && a.eval_samples > 0) log_eval(&r, a.steps, a.eval_samples, B);
     }
     if (!rc) warn_bad(&r, a.data.path);   // a run stopped by bad samples said so with the counts

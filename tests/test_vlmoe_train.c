@@ -1,0 +1,248 @@
+// test_vlmoe_train.c: VL-MoE pretraining from the command line (cli/vlmoe_train.c). (a) `vlmoe vq
+// train` then `vlmoe train` on the synthetic data: MIM, MLM and both VLM losses fall from the first
+// to the last logged step and every logged step holds the routing of each stream; (b) the same on an
+// image folder, a text file and an OpenCLIP CSV written here (PNG files), and on the CSV alone; (c)
+// a run of N steps equals a run of N/2 steps resumed to N (metrics lines and checkpoint bytes), with
+// an uneven --mix on that data, and with the cosine schedule from a mid-run checkpoint on synthetic
+// data; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "test.h"
+#include "test_jpeg.h"
+
+static const char *bin;
+static char dir[64], out[65536];
+#define P(rel) test_path(dir, rel)
+
+// Runs `vlmoe ARGS` in the test folder, output in out; a sanitizer report is a failure.
+static int run(const char *args) {
+    const int st = test_run_in(dir, bin, args, 1, out, sizeof(out));
+    CHECK(!strstr(out, "Sanitizer") && !strstr(out, "runtime error:"), "`vlmoe %s`:\n%s", args, out);
+    return st;
+}
+
+static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
+
+static const char *const COLOUR[3] = {"red", "green", "blue"};
+static const uint8_t RGB[3][3] = {{220, 30, 30}, {30, 200, 40}, {40, 50, 230}};
+
+// A coloured square (colour c) at a place and size that vary with i, on a grey background.
+static void write_png(const char *rel, int c, int i) {
+    const int w = 40 + 4 * (i % 3), h = 36, s = 10 + 2 * (i % 4), x0 = (7 * i) % (w - s), y0 = (5 * i) % (h - s);
+    uint8_t *px = malloc((size_t)w * h * 3);
+    for (int y = 0; y < h; y++)
+        for (int x = 0; x < w; x++)
+            for (int k = 0; k < 3; k++) {
+                const int in = x >= x0 && x < x0 + s && y >= y0 && y < y0 + s;
+                px[3 * ((size_t)y * w + x) + k] = in ? RGB[c][k] : (uint8_t)(110 + 3 * (i % 5));
+            }
+    CHECK(test_write_rgb(P(rel), px, w, h, 0), "write %s", rel);
+    free(px);
+}
+
+// imgs/<colour>/N.png (a folder of folders), texts.txt, pairs.csv over imgs/, empty and blank texts.
+static void make_data(void) {
+    char rel[128], csv[8192] = "filepath\ttitle\n", txt[8192] = "", line[256];
+    static const char *const shape[4] = {"square", "circle", "triangle", "cross"};
+    static const char *const size[3] = {"small", "medium", "large"};
+    mkdir(P("imgs"), 0755);
+    for (int c = 0; c < 3; c++) {
+        snprintf(rel, sizeof(rel), "imgs/%s", COLOUR[c]);
+        mkdir(P(rel), 0755);
+        for (int i = 0; i < 8; i++) {
+            snprintf(rel, sizeof(rel), "imgs/%s/%d.png", COLOUR[c], i);
+            write_png(rel, c, 8 * c + i);
+            snprintf(line, sizeof(line), "%s\ta photo of a %s %s square\n", rel, size[i % 3], COLOUR[c]);
+            strcat(csv, line);
+        }
+    }
+    for (int i = 0; i < 36; i++) {
+        snprintf(line, sizeof(line), "there is a %s %s %s on the %s\n", size[i % 3], COLOUR[i / 3 % 3], shape[i / 9],
+                 i % 2 ? "left" : "right");
+        strcat(txt, line);
+    }
+    put("pairs.csv", csv);
+    put("texts.txt", txt);
+    put("empty.txt", "");
+    put("blank.txt", "\n\n  \n");
+    put("m.json", "{\"base\": \"vlmoe-tiny\", \"mim_vocab\": 64}");
+    mkdir(P("some_bad"), 0755); // two PNGs and a file that is no image
+    write_png("some_bad/a.png", 0, 1);
+    write_png("some_bad/c.png", 2, 3);
+    put("some_bad/b.png", "not a PNG");
+    mkdir(P("all_bad"), 0755);
+    put("all_bad/x.jpg", "not a JPEG either");
+}
+
+// The metrics lines of run NAME (under runs/), malloc'd; NULL if missing.
+static char *metrics(const char *name) {
+    char rel[128];
+    snprintf(rel, sizeof(rel), "runs/%s/metrics.jsonl", name);
+    return test_read_file(P(rel), NULL);
+}
+
+// The number after "KEY": in line, or NAN.
+static double num(const char *line, const char *key) {
+    char k[64];
+    snprintf(k, sizeof(k), "\"%s\":", key);
+    const char *p = strstr(line, k);
+    return p ? atof(p + strlen(k)) : NAN;
+}
+
+// Checks that run NAME's metrics hold `steps` lines, each with the routing of every stream, and
+// that the four masked-modeling losses fell from the first line to the last.
+static void check_learned(const char *name, int steps) {
+    char *m = metrics(name), *line[512];
+    CHECK(m != NULL, "%s: no metrics.jsonl", name);
+    if (!m) return;
+    int n = 0, routed = 0;
+    for (char *l = strtok(m, "\n"); l && n < 512; l = strtok(NULL, "\n")) {
+        line[n++] = l;
+        const char *moe = strstr(l, "\"moe\":{\"image\":[{\"encoder\":0,\"block\":1,\"image\":{\"tokens\":");
+        const char *text = moe ? strstr(moe, "\"text\":[{\"encoder\":0,\"block\":1,\"text\":{") : NULL;
+        const char *pair = text ? strstr(text, "\"pair\":[{") : NULL;
+        routed += pair && strstr(pair, "\"success\":") && strstr(pair, "\"dropped\":") && strstr(pair, "\"experts_used\":");
+    }
+    CHECK(n == steps && routed == steps, "%s: %d metrics lines (want %d), %d with routing of all three streams", name, n,
+          steps, routed);
+    static const char *const loss[4] = {"mim", "mlm", "vlm_text", "vlm_image"};
+    for (int k = 0; k < 4 && n > 1; k++) {
+        const double a = num(line[0], loss[k]), b = num(line[n - 1], loss[k]);
+        printf("%s: %s %.3f -> %.3f\n", name, loss[k], a, b);
+        CHECK(a > 0 && b > 0 && b < a - 0.3, "%s: %s went from %.4f (step 1) to %.4f (step %d)", name, loss[k], a, b, n);
+    }
+    free(m);
+}
+
+static void expect(const char *args, int status, const char *needle, const char *needle2) {
+    const int st = run(args);
+    CHECK(st == status && strstr(out, needle) && (!needle2 || strstr(out, needle2)),
+          "`vlmoe %s`: exit %d (want %d), output lacks \"%s\"%s%s:\n%s", args, st, status, needle, needle2 ? " or " : "",
+          needle2 ? needle2 : "", out);
+}
+
+// Whether two files have the same bytes (and exist).
+static int same_file(const char *a, const char *b) {
+    size_t na, nb;
+    char *x = test_read_file(P(a), &na), *y = test_read_file(P(b), &nb);
+    const int same = x && y && na == nb && !memcmp(x, y, na);
+    free(x), free(y);
+    return same;
+}
+
+// Run `full` and run `other` (resumed) logged the same metrics lines and wrote the same step_N
+// weights and training state.
+static void check_same(const char *full, const char *other, int steps) {
+    char *a = metrics(full), *b = metrics(other), wa[128], wb[128], sa[128], sb[128];
+    int line = 1, at = 0;
+    while (a && b && a[at] && a[at] == b[at]) line += a[at++] == '\n';
+    CHECK(a && b && a[at] == b[at], "%s and %s: metrics differ from line %d on:\n%.300s\nvs\n%.300s", full, other, line,
+          a ? a + at : "(none)", b ? b + at : "(none)");
+    free(a), free(b);
+    snprintf(wa, sizeof(wa), "runs/%s/checkpoints/step_%d.safetensors", full, steps);
+    snprintf(wb, sizeof(wb), "runs/%s/checkpoints/step_%d.safetensors", other, steps);
+    snprintf(sa, sizeof(sa), "runs/%s/checkpoints/step_%d.state.safetensors", full, steps);
+    snprintf(sb, sizeof(sb), "runs/%s/checkpoints/step_%d.state.safetensors", other, steps);
+    CHECK(same_file(wa, wb) && same_file(sa, sb), "%s and %s: step %d weights or training state differ", full, other, steps);
+}
+
+int main(int argc, char **argv) {
+    static char abs[4096];
+    if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_vlmoe_train");
+    snprintf(dir, sizeof(dir), "/tmp/vlmoe_vltrain_XXXXXX");
+    if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
+    make_data();
+    const char *common = "--model m.json --logs runs --log-every-n-steps 1 --warmup 5 --lr 2e-3 --threads 2";
+    char a[2048];
+
+    // (a) synthetic data
+    expect("vq train --model m.json --size 64 -o cb.safetensors", 0, "64 visual tokens of 192 values", "synthetic images");
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --steps 40 --batch-size 24 --name syn", common);
+    expect(a, 0, "routing  image: b1 V-MoE success", "| text: b1 T-MoE success");
+    CHECK(strstr(out, "| pair: b1 V-MoE success") && strstr(out, "8 images + 8 texts + 8 pairs"), "%s", out);
+    check_learned("syn", 40);
+
+    // (b) an image folder, a text file and a CSV of pairs; then the CSV alone for all three streams
+    expect("vq train --model m.json --size 64 --image-data imgs -o cbf.safetensors", 0, "of 24 images under imgs", NULL);
+    snprintf(a, sizeof(a), "train %s --codebook cbf.safetensors --steps 40 --batch-size 24 --image-data imgs "
+             "--text-data texts.txt --train-data pairs.csv --workers 1 --name files", common);
+    expect(a, 0, "images: 24 files under imgs", "texts: 36 sentences of texts.txt");
+    CHECK(strstr(out, "data pairs.csv (24 usable rows): 8 of each step's samples"), "%s", out);
+    check_learned("files", 40);
+    snprintf(a, sizeof(a), "train %s --codebook cbf.safetensors --steps 3 --batch-size 6 --train-data pairs.csv --name csv",
+             common);
+    expect(a, 0, "data pairs.csv (24 usable rows): 6 of each step's samples", "trained to step 3");
+    char *params = test_read_file(P("runs/csv/params.json"), NULL);
+    int sources = 0; // "source": "train-data" for each of the three streams
+    for (const char *p = params; p && (p = strstr(p, "\"train-data\"")); p++) sources++;
+    CHECK(sources == 3, "--train-data alone gives images and texts too:\n%s", params ? params : "(no params.json)");
+    free(params);
+
+    // (c) exact resume: 8 steps against 4 + resume to 8, on the files with an uneven mix (forwards
+    // of 3: 3 images, 3 texts, 6 pairs) and the const schedule, then with the cosine schedule from
+    // the step-4 checkpoint of a copy of an 8-step synthetic run
+    const char *files = "--codebook cbf.safetensors --batch-size 12 --mix 1,1,2 --lr-scheduler const --image-data imgs "
+                        "--text-data texts.txt --train-data pairs.csv --save-every-n-steps 2";
+    snprintf(a, sizeof(a), "train %s %s --steps 8 --name full", common, files);
+    expect(a, 0, "3 images + 3 texts + 6 pairs (forwards of 3)", "trained to step 8");
+    snprintf(a, sizeof(a), "train %s %s --steps 4 --name half --workers 0", common, files);
+    expect(a, 0, "trained to step 4", NULL);
+    snprintf(a, sizeof(a), "train %s %s --steps 8 --name half --workers 3 --resume latest", common, files);
+    expect(a, 0, "resuming from runs/half/checkpoints/step_4.safetensors (step 4)", "trained to step 8");
+    check_same("full", "half", 8);
+    snprintf(a, sizeof(a), "train %s %s --mix 1,1,1 --steps 8 --name half --resume latest", common, files);
+    expect(a, 1, "written with another data set-up", NULL);
+
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 8 --save-every-n-steps 4 --name cos",
+             common);
+    expect(a, 0, "trained to step 8", NULL);
+    snprintf(a, sizeof(a), "cp -r %s %s", P("runs/cos"), P("runs/cos2"));
+    CHECK(system(a) == 0, "%s failed", a);
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 8 --save-every-n-steps 4 "
+             "--resume runs/cos2/checkpoints/step_4.safetensors", common);
+    expect(a, 0, "resuming from runs/cos2/checkpoints/step_4.safetensors", "trained to step 8");
+    check_same("cos", "cos2", 8);
+
+    // (d) bad input
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --text-data texts.txt", 1, "the pair stream has weight 1",
+           "pairs need --train-data");
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --text-data texts.txt --mix 1,1,0", 1,
+           "the image stream has weight 1 in --mix 1,1,0 but no data", NULL);
+    expect("vq train --model m.json --size 32 -o cb32.safetensors", 0, "32 visual tokens", NULL);
+    expect("train --model m.json --codebook cb32.safetensors --steps 1", 1, "cb32.safetensors: the codebook is 32 x 192",
+           "needs 64 visual tokens (mim_vocab)");
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --text-data empty.txt --mix 0,1,0", 1,
+           "--text-data empty.txt: no sentences", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --text-data blank.txt --mix 0,1,0", 1,
+           "--text-data blank.txt: no sentences", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --mix 1,x,1", 1, "--mix '1,x,1': expected three", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --mix 1,1", 1, "--mix '1,1': expected three", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --mix 0,0,0", 1, "--mix '0,0,0'", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --mix 1,-1,1", 1, "--mix '1,-1,1'", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --mix 1,2,1 --batch-size 6", 1,
+           "--batch-size 6 does not split 1:2:1", "multiple of 4");
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --frobnicate 3", 2, "unknown flag '--frobnicate'", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data texts.txt --mix 1,0,0", 1,
+           "--image-data texts.txt: not a folder", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data imgs --mix 0,1,1 --train-data pairs.csv", 1,
+           "--image-data imgs is unused", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --train-data missing.csv", 1, "missing.csv", NULL);
+    // an unreadable file is skipped (the next one takes its place); a folder of them stops the run
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data some_bad --mix 1,0,0 --batch-size 3 "
+           "--logs runs --name some_bad", 0, "warning: --image-data some_bad: skipped", "; first: some_bad/b.png: not a JPEG");
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data all_bad --mix 1,0,0 --batch-size 3", 1,
+           "--image-data all_bad: no image could be read; first: all_bad/x.jpg", NULL);
+    expect("train --steps 2 --model m.json --codebook nothere.safetensors", 1, "nothere.safetensors", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --name none --resume latest", 1,
+           "no checkpoint in logs/none/checkpoints", NULL);
+
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    if (system(cmd)) fprintf(stderr, "could not remove %s\n", dir);
+    return test_summary("test_vlmoe_train");
+}
