@@ -35,7 +35,8 @@ static const char *USAGE =
     "  tokenize   CLIP BPE ids and pieces of a text\n"
     "  tokenizer  train a BPE vocabulary from captions (vlmoe tokenizer train)\n"
     "  vq         learn the k-means codebook of visual tokens for VL-MoE's MIM (vlmoe vq train)\n"
-    "  finetune   a VL-MoE model + a classification head (image-cls, text-cls, pair-cls)\n"
+    "  finetune   fine-tune a VL-MoE model: image-cls, text-cls, pair-cls (VQA, NLVR2), retrieval\n"
+    "  synth      write the built-in synthetic data as image files + captions (vlmoe synth export)\n"
     "  version    print the version\n";
 
 // OpenMP threads that wait at a barrier spin by default. When another process takes one of the
@@ -58,6 +59,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "train")) return cli_train_is_mome(argc, argv) ? cmd_train_mome(argc, argv) : cmd_train(argc, argv);
     if (!strcmp(argv[1], "vq")) return cmd_vq(argc, argv);
     if (!strcmp(argv[1], "finetune")) return cmd_finetune(argc, argv);
+    if (!strcmp(argv[1], "synth")) return cmd_synth(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);
     if (!strcmp(argv[1], "embed")) return cmd_embed(argc, argv);
