@@ -166,7 +166,8 @@ static int read_folder(const char *dir, ft_data *d) {
 
 // Image-caption pairs for retrieval (OpenCLIP CSV/TSV or webdataset shards), decoded and
 // tokenized as they are read; bad images are skipped and reported.
-static int read_pairs(const vlmoe_dataset_params *dp, const vlmoe_model_config *c, const char *tokenizer, ft_data *d) {
+static int read_pairs(const vlmoe_dataset_params *dp, const vlmoe_model_config *c, const char *tokenizer,
+                      const char *const norm[2], ft_data *d) {
     vlmoe_dataset *ds = NULL;
     if (vlmoe_dataset_open(dp, &ds)) return cli_error(CMD, "--data: %s", vlmoe_last_error());
     vlmoe_image_params ip;
@@ -174,7 +175,7 @@ static int read_pairs(const vlmoe_dataset_params *dp, const vlmoe_model_config *
     cli_bad_log bad = {0};
     vlmoe_image im = {0};
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size, T = (size_t)c->context_length;
-    int rc = cli_image_params(CMD, NULL, NULL, c, &ip) || cli_text_init(CMD, tokenizer, c, 1, &t), cap = 0;
+    int rc = cli_image_params(CMD, norm[0], norm[1], c, &ip) || cli_text_init(CMD, tokenizer, c, 1, &t), cap = 0;
     cli_progress pr = cli_progress_start("image-caption pairs");
     while (!rc) {
         vlmoe_sample s;
@@ -214,11 +215,11 @@ static int read_pairs(const vlmoe_dataset_params *dp, const vlmoe_model_config *
 }
 
 // Decodes and preprocesses the images, tokenizes the texts (retrieval data arrives ready).
-static int prepare(ft_data *d, const vlmoe_model_config *c, const char *tokenizer) {
+static int prepare(ft_data *d, const vlmoe_model_config *c, const char *tokenizer, const char *const norm[2]) {
     const int ns = d->n * d->per;
     if (d->paths && !d->images) {
         vlmoe_image_params ip;
-        if (cli_image_params(CMD, NULL, NULL, c, &ip)) return 1;
+        if (cli_image_params(CMD, norm[0], norm[1], c, &ip)) return 1;
         const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
         if (!(d->images = malloc(sizeof(float) * isz * (size_t)ns))) return cli_error(CMD, "out of memory");
         for (int i = 0; i < ns; i++) {
@@ -351,6 +352,7 @@ static int report(vlmoe_model *m, const ft_data *d, int task, const int *idx, in
 
 int cmd_finetune(int argc, char **argv) {
     const char *model = NULL, *task = NULL, *data = NULL, *output = NULL, *tokenizer = NULL, *sep = "\t";
+    const char *norm[2] = {NULL, NULL};
     int steps = 100, batch = 16, holdout = 4, freeze = 0, log_every = 10;
     double lr = 1e-3, wd = 0.05;
     long seed = 0;
@@ -364,6 +366,9 @@ int cmd_finetune(int argc, char **argv) {
                                             "webdataset shards of image-caption pairs"},
         {"output", ARG_STRING, &output, "FILE", "fine-tuned model to write (also -o); class names go to FILE.labels"},
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "BPE tokenizer of the model (default: the synthetic words)"},
+        {"image-mean", ARG_STRING, &norm[0], "R,G,B", "normalisation mean (default CLIP's; the synthetic data's and "
+                                                      "LIMoE's [-1, 1]: 0.5)"},
+        {"image-std", ARG_STRING, &norm[1], "R,G,B", "normalisation std (default CLIP's; [-1, 1]: 0.5)"},
         {"csv-img-key", ARG_STRING, &dp.img_key, "NAME", "retrieval CSV: column of image paths (filepath)"},
         {"csv-caption-key", ARG_STRING, &dp.caption_key, "NAME", "retrieval CSV: column of captions (title)"},
         {"csv-separator", ARG_STRING, &sep, "C", "retrieval CSV: field separator (tab; \\t for tab)"},
@@ -408,9 +413,9 @@ int cmd_finetune(int argc, char **argv) {
     const vlmoe_model_config *c = vlmoe_model_get_config(pre);
     if (c->arch != VLMOE_ARCH_MOME) rc = cli_error(CMD, "%s: model '%s' is not a VL-MoE (arch mome) model", model, c->name);
     if (!rc) rc = tk == VLMOE_ENC_IMAGE ? read_folder(data, &d)
-                : tk == TASK_RETRIEVAL ? read_pairs(&dp, c, tokenizer, &d) : read_tsv(data, tk == VLMOE_ENC_TEXT, &d);
+                : tk == TASK_RETRIEVAL ? read_pairs(&dp, c, tokenizer, norm, &d) : read_tsv(data, tk == VLMOE_ENC_TEXT, &d);
     if (!rc && tk != TASK_RETRIEVAL) rc = number_classes(&d);
-    if (!rc) rc = prepare(&d, c, tokenizer);
+    if (!rc) rc = prepare(&d, c, tokenizer, norm);
     if (!rc && vlmoe_mome_with_heads(&m, pre, tk == TASK_RETRIEVAL ? 0 : d.classes, d.per, tk == TASK_RETRIEVAL,
                                      (uint64_t)seed))
         rc = cli_error(CMD, "%s", vlmoe_last_error());

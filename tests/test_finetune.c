@@ -160,7 +160,7 @@ int main(int argc, char **argv) {
           "models: %s", vlmoe_last_error());
     vlmoe_model_free(c);
 
-    finetune("image-cls", "imgs", "--steps 40 --batch-size 9 --freeze-moe", 1.0 / 3, 0.99);
+    finetune("image-cls", "imgs", "--steps 40 --batch-size 9 --freeze-moe --image-mean 0.5 --image-std 0.5", 1.0 / 3, 0.99);
     CHECK(strstr(out, "3 classes, 9 training and 3 held-out examples") && strstr(out, "frozen"), "split:\n%s", out);
     size_t n;
     char *labels = test_read_file(P("image-cls.safetensors.labels"), &n);
@@ -220,6 +220,8 @@ int main(int argc, char **argv) {
     expect("finetune --model pre.safetensors --task captioning --data texts.tsv -o x.safetensors", 1,
            "expected image-cls, text-cls, pair-cls or retrieval");
     expect("finetune --model pre.safetensors --task text-cls -o x.safetensors", 1, "required");
+    expect("finetune --model pre.safetensors --task image-cls --data imgs --image-mean 0.5,0.5 -o x.safetensors", 1,
+           "--image-mean expects R,G,B");
     put("one.tsv", "a red circle\tred\nthe red square\tred\n");
     expect("finetune --model pre.safetensors --task text-cls --data one.tsv -o x.safetensors", 1, "1 class");
     char cmd[256];
