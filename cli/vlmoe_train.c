@@ -650,7 +650,7 @@ static int write_run_files(const mome_args *a, const int w[NSTREAMS], mome_run *
     free(cj);
     cJSON *p = cJSON_CreateObject();
     cJSON_AddStringToObject(p, "model", a->model);
-    cJSON_AddStringToObject(p, "codebook", a->codebook);
+    cJSON_AddStringToObject(p, "codebook", a->codebook ? a->codebook : "(the checkpoint's)");
     cJSON *streams = cJSON_AddObjectToObject(p, "streams");
     for (int k = 0; k < NSTREAMS; k++) {
         cJSON *s = cJSON_AddObjectToObject(streams, STREAM_NAME[k]);
@@ -878,7 +878,9 @@ int cmd_train_mome(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (!a.model) return cli_error(CMD, "--model is required");
-    if (!a.codebook) return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`)");
+    if (!a.codebook && !a.resume)
+        return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`; a resumed "
+                         "run takes its checkpoint's)");
     if (a.steps < 1 || a.log_every < 1 || a.save_every < 0 || a.keep < 0 || a.warmup < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --save-every-n-steps, --keep-checkpoints "
                          "and --warmup >= 0");
@@ -897,10 +899,7 @@ int cmd_train_mome(int argc, char **argv) {
                                                                                          : VLMOE_DATASET_AUTO;
         if (a.data.type == VLMOE_DATASET_AUTO && strcmp(dt, "auto"))
             return cli_error(CMD, "--dataset-type %s: expected csv, webdataset or auto", dt);
-        if (!strcmp(a.csv_separator, "\\t")) a.csv_separator = "\t";
-        if (strlen(a.csv_separator) != 1)
-            return cli_error(CMD, "--csv-separator expects one character, got '%s'", a.csv_separator);
-        a.data.separator = a.csv_separator[0];
+        if (cli_separator(CMD, a.csv_separator, &a.data.separator)) return 1;
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error(CMD, "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
     } else if (a.dataset_type) {
@@ -921,7 +920,7 @@ int cmd_train_mome(int argc, char **argv) {
     for (int k = 0; k < NSTREAMS; k++) r.signature = mix64(mix64(r.signature, (uint64_t)r.s[k].n), (uint64_t)r.s[k].src) | 1;
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
     int dim;
-    if (vlmoe_codebook_load(a.codebook, r.cfg.mim_vocab, pd, &r.cb, &r.K, &dim)) return lib_error("--codebook");
+    if (a.codebook && vlmoe_codebook_load(a.codebook, r.cfg.mim_vocab, pd, &r.cb, &r.K, &dim)) return lib_error("--codebook");
     r.mlm = vlmoe_mlm_default_params(&r.cfg);
     r.nparts = a.batch / r.chunk;
     if ((rc = setup_data(&a, &r)) || (rc = alloc_buffers(&r))) {
@@ -936,6 +935,15 @@ int cmd_train_mome(int argc, char **argv) {
     tp.schedule = (vlmoe_schedule){cosine ? VLMOE_SCHED_COSINE : VLMOE_SCHED_CONST, a.lr, a.warmup, a.steps, 0.0, 0, 0};
     long start = 0;
     if (!(rc = make_run_dir(&a, &r)) && !(rc = setup_model(&a, &tp, &r))) start = vlmoe_trainer_get_step(r.t);
+    // the checkpoints carry the codebook: a resumed run without --codebook takes its checkpoint's
+    if (!rc && !r.cb) {
+        const float *c = vlmoe_mome_codebook(r.m);
+        const size_t n = (size_t)r.cfg.mim_vocab * pd;
+        if (!c) rc = cli_error(CMD, "--resume %s: the checkpoint carries no codebook: give --codebook FILE", a.resume);
+        else if (!(r.cb = malloc(sizeof(float) * n))) rc = cli_error(CMD, "out of memory");
+        else memcpy(r.cb, c, sizeof(float) * n), r.K = r.cfg.mim_vocab;
+    }
+    if (!rc && vlmoe_mome_set_codebook(r.m, r.cb, r.K, pd)) rc = lib_error("--codebook");
     if (!rc && r.loader && start > 0 && vlmoe_loader_seek(r.loader, &r.resumed)) rc = lib_error("--train-data");
     if (!rc && start >= a.steps) {
         printf("the run is at step %ld already, not before --steps %ld: nothing to train\n", start, a.steps);
@@ -966,7 +974,7 @@ int cmd_train_mome(int argc, char **argv) {
     if (!rc) {
         char wp[1024], sp[1024];
         ckpt_paths(r.ckdir, a.steps, wp, sp, sizeof(wp));
-        printf("trained to step %ld; weights in %s (MIM targets: %s)\n", a.steps, wp, a.codebook);
+        printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
     }
     if (r.n_bad_images) {
         fprintf(stderr, "vlmoe train: warning: --image-data %s: skipped %ld unreadable images (the next file took each "

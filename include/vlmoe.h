@@ -527,7 +527,13 @@ void vlmoe_kmeans_assign(const float *centroids, int K, int dim, const float *x,
 // A codebook file: safetensors with "codebook" (K, dim) F32 and metadata "vlmoe.codebook".
 int vlmoe_codebook_save(const char *path, const float *centroids, int K, int dim);
 // Loads a codebook (malloc'd; free()); fails unless K and dim are as expected (> 0 to check).
+// A VL-MoE model file that carries one (below) is a codebook file too.
 int vlmoe_codebook_load(const char *path, int want_K, int want_dim, float **centroids, int *K, int *dim);
+// The codebook travels with a mome model: a copy attached here (NULL detaches; K must be
+// mim_vocab and dim channels x patch_size^2) is saved with the weights, loaded back by
+// vlmoe_model_load and kept by vlmoe_mome_with_heads. NULL when the model has none.
+int vlmoe_mome_set_codebook(vlmoe_model *m, const float *centroids, int K, int dim);
+const float *vlmoe_mome_codebook(const vlmoe_model *m);
 // images (B,C,H,W) -> raw patch vectors (B, num_patches, C*P*P), the order the model embeds.
 int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches);
 // MIM labels of B images: block masks of `ratio` (seed, image b) and the codebook id of every

@@ -415,7 +415,27 @@ static void test_kmeans(void) {
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
     vlmoe_model_save(m, path);
     CHECK(vlmoe_codebook_load(path, 0, 0, &back, &k2, &d2) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "vq train"),
-          "a model file is not a codebook: %s", vlmoe_last_error());
+          "a model file without a codebook is not a codebook: %s", vlmoe_last_error());
+    // the codebook travels with the model: saved, loaded, kept by with_heads, readable as a codebook file
+    const int pd = cfg.channels * cfg.patch_size * cfg.patch_size;
+    float *mcb = malloc(sizeof(float) * (size_t)cfg.mim_vocab * pd);
+    for (int i = 0; i < cfg.mim_vocab * pd; i++) mcb[i] = (float)vlmoe_rng_normal(&r);
+    CHECK(vlmoe_mome_set_codebook(m, mcb, K, DIM) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "mim_vocab"),
+          "a codebook of the wrong size is refused: %s", vlmoe_last_error());
+    CHECK(vlmoe_mome_set_codebook(m, mcb, cfg.mim_vocab, pd) == VLMOE_OK && vlmoe_model_save(m, path) == VLMOE_OK,
+          "attach and save: %s", vlmoe_last_error());
+    vlmoe_model *loaded = NULL, *headed = NULL;
+    CHECK(vlmoe_model_load(&loaded, path) == VLMOE_OK && vlmoe_mome_codebook(loaded) &&
+              !memcmp(vlmoe_mome_codebook(loaded), mcb, sizeof(float) * (size_t)cfg.mim_vocab * pd),
+          "the loaded model carries the codebook: %s", vlmoe_last_error());
+    CHECK(loaded && vlmoe_mome_with_heads(&headed, loaded, 2, 1, 1, 3) == VLMOE_OK && vlmoe_mome_codebook(headed) &&
+              !memcmp(vlmoe_mome_codebook(headed), mcb, sizeof(float) * (size_t)cfg.mim_vocab * pd),
+          "with_heads keeps the codebook");
+    CHECK(vlmoe_codebook_load(path, cfg.mim_vocab, pd, &back, &k2, &d2) == VLMOE_OK && back &&
+              !memcmp(back, mcb, sizeof(float) * (size_t)cfg.mim_vocab * pd), "the model file is a codebook file: %s",
+          vlmoe_last_error());
+    free(back), free(mcb);
+    vlmoe_model_free(loaded), vlmoe_model_free(headed);
     vlmoe_model_free(m);
     unlink(path);
     snprintf(path, sizeof(path), "%s/cb.safetensors", dir);

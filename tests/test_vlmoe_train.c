@@ -185,7 +185,7 @@ int main(int argc, char **argv) {
 
     // (c) exact resume: 8 steps against 4 + resume to 8, on the files with an uneven mix (forwards
     // of 3: 3 images, 3 texts, 6 pairs) and the const schedule, then with the cosine schedule from
-    // the step-4 checkpoint of a copy of an 8-step synthetic run
+    // the step-4 checkpoint of a copy of an 8-step synthetic run, without --codebook
     const char *files = "--codebook cbf.safetensors --batch-size 12 --mix 1,1,2 --lr-scheduler const --image-data imgs "
                         "--text-data texts.txt --train-data pairs.csv --save-every-n-steps 2";
     snprintf(a, sizeof(a), "train %s %s --steps 8 --name full", common, files);
@@ -203,7 +203,8 @@ int main(int argc, char **argv) {
     expect(a, 0, "trained to step 8", NULL);
     snprintf(a, sizeof(a), "cp -r %s %s", P("runs/cos"), P("runs/cos2"));
     CHECK(system(a) == 0, "%s failed", a);
-    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 8 --save-every-n-steps 4 "
+    // no --codebook: the checkpoint carries it
+    snprintf(a, sizeof(a), "train %s --batch-size 12 --steps 8 --save-every-n-steps 4 "
              "--resume runs/cos2/checkpoints/step_4.safetensors", common);
     expect(a, 0, "resuming from runs/cos2/checkpoints/step_4.safetensors", "trained to step 8");
     check_same("cos", "cos2", 8);

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "core/core.h"
-#include "vlmoe.h"
+#include "nn/model.h"
 
 enum { BLOCK = 512 };
 
@@ -170,18 +170,24 @@ int vlmoe_kmeans(const float *x, size_t n, int dim, int K, int iters, uint64_t s
 
 #define CODEBOOK_KEY "vlmoe.codebook"
 
+int codebook_add(vlmoe_st_writer *w, const float *centroids, int K, int dim) {
+    const int64_t shape[2] = {K, dim};
+    int st = vlmoe_st_writer_add_f32(w, "codebook", VLMOE_DT_F32, 2, shape, centroids);
+    return st ? st : vlmoe_st_writer_meta(w, CODEBOOK_KEY, "kmeans over raw patch vectors");
+}
+
 int vlmoe_codebook_save(const char *path, const float *centroids, int K, int dim) {
     if (K < 1 || dim < 1) return vlmoe_fail(VLMOE_ERR_ARG, "%s: codebook of %d x %d", path, K, dim);
     vlmoe_st_writer *w;
     int st = vlmoe_st_writer_init(&w);
     if (st) return st;
-    const int64_t shape[2] = {K, dim};
-    st = vlmoe_st_writer_add_f32(w, "codebook", VLMOE_DT_F32, 2, shape, centroids);
-    if (!st) st = vlmoe_st_writer_meta(w, CODEBOOK_KEY, "kmeans over raw patch vectors");
+    st = codebook_add(w, centroids, K, dim);
     if (!st) st = vlmoe_st_writer_write(w, path);
     vlmoe_st_writer_free(w);
     return st;
 }
+
+int codebook_present(const vlmoe_st *f) { return vlmoe_st_metadata(f, CODEBOOK_KEY) && vlmoe_st_find(f, "codebook") >= 0; }
 
 int vlmoe_codebook_load(const char *path, int want_K, int want_dim, float **centroids, int *K, int *dim) {
     *centroids = NULL;

@@ -234,6 +234,7 @@ void vlmoe_model_free(vlmoe_model *m) {
     mome_graph_free_f32(m->mg);
     mome_graph_free_f32(m->mg_text);
     mome_itc_free_f32(m->itc);
+    vlmoe_free_mem(m->codebook);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -453,6 +454,7 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
         const vlmoe_param_info *p = &m->L.table[i];
         st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
     }
+    if (!st && m->codebook) st = codebook_add(w, m->codebook, m->L.cfg.mim_vocab, m->L.mome->pd);
     if (!st) st = vlmoe_st_writer_write(w, path);
     free(json);
     vlmoe_st_writer_free(w);
@@ -537,7 +539,12 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     int st = open_model_file(path, &f, &cfg);
     if (st) return st;
     if (!(st = vlmoe_model_init(&m, &cfg, 0))) st = read_weights(m, f, m->params);
+    const int cb = !st && m->L.mome && codebook_present(f);
     vlmoe_st_close(f);
+    if (cb) { // a VL-MoE checkpoint carries its MIM codebook
+        int K, dim;
+        st = vlmoe_codebook_load(path, cfg.mim_vocab, m->L.mome->pd, &m->codebook, &K, &dim);
+    }
     if (st) {
         vlmoe_model_free(m);
         return st;

@@ -107,6 +107,10 @@ typedef struct {
 GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)
 
+// The codebook as tensor "codebook" + its metadata key, as in a codebook file (src/data/kmeans.c).
+int codebook_add(vlmoe_st_writer *w, const float *centroids, int K, int dim);
+int codebook_present(const vlmoe_st *f);
+
 struct mome_graph_f32; // src/nn/mome.h
 struct mome_itc_f32;
 
@@ -119,6 +123,8 @@ struct vlmoe_model {
     struct mome_graph_f32 *mg_text; // mome retrieval: the text side's graph (mg holds the images)
     struct mome_itc_f32 *itc;   // mome retrieval head's buffers, for batches of itc_B
     int itc_B, have_itc;        // have_itc: a training retrieval forward awaits its backward
+    float *codebook;            // mome: the MIM targets' codebook (mim_vocab, patch values) or NULL;
+                                // saved with the weights as a codebook file's tensor
     int planned_B;
     int have_forward;
     uint64_t seed;           // the init seed: also seeds the routing noise

@@ -292,9 +292,27 @@ int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_class
             }
     }
     vlmoe_model_set_rng(h, (const uint64_t[2]){m->seed, m->forwards});
+    if (m->codebook && (st = vlmoe_mome_set_codebook(h, m->codebook, c.mim_vocab, m->L.mome->pd)))
+        return vlmoe_model_free(h), st;
     *out = h;
     return VLMOE_OK;
 }
+
+int vlmoe_mome_set_codebook(vlmoe_model *m, const float *centroids, int K, int dim) {
+    int st = need_mome(m, "mome codebook");
+    if (st) return st;
+    if (centroids && (K != m->L.cfg.mim_vocab || dim != m->L.mome->pd))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "the codebook is %d x %d, model '%s' needs %d visual tokens (mim_vocab) of "
+                          "%d values (channels x patch_size^2)", K, dim, m->L.cfg.name, m->L.cfg.mim_vocab, m->L.mome->pd);
+    float *c = centroids ? vlmoe_alloc(sizeof(float) * (size_t)K * dim, "codebook") : NULL;
+    if (centroids && !c) return VLMOE_ERR_NOMEM;
+    if (c) memcpy(c, centroids, sizeof(float) * (size_t)K * dim);
+    vlmoe_free_mem(m->codebook);
+    m->codebook = c;
+    return VLMOE_OK;
+}
+
+const float *vlmoe_mome_codebook(const vlmoe_model *m) { return m->L.mome ? m->codebook : NULL; }
 
 int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches) {
     if (B < 1 || c->channels < 1 || c->patch_size < 1 || c->image_size % c->patch_size)
