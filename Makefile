@@ -132,6 +132,7 @@ bench: all $(BENCHES) $(TEST_DEPS_STAMP)
 	@echo "== bench/speed.py" && /usr/bin/python3 bench/speed.py --bin $(B)/bench
 	@echo "== bench/limoe_failure.sh" && ./bench/limoe_failure.sh
 	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh
+	@echo "== bench/vlmoe_vs_mome.sh" && ./bench/vlmoe_vs_mome.sh
 
 FIXTURES := build/fixtures/.stamp
 $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
