@@ -534,8 +534,8 @@ static vlmoe_mome_batch part_of(const mome_run *r, int k, int at) {
 }
 
 // Routing of one stream: an eval-mode forward of its first chunk (the layers the encoding runs:
-// V-MoE layers carry image tokens, T-MoE layers text tokens; the others keep an earlier forward's
-// numbers and are left out). Appends a compact summary to line.
+// V-MoE layers carry image tokens, T-MoE layers text tokens; the others report no tokens and are
+// left out). Appends a compact summary to line.
 static int stream_routing(mome_run *r, int k, cJSON *obj, char *line, size_t cap) {
     vlmoe_mome_batch b = part_of(r, k, 0);
     vlmoe_mome_stats es;

@@ -390,7 +390,8 @@ void vlmoe_model_clamp(vlmoe_model *m);
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out);
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out);
-// Routing statistics of every MoE layer for the last forward pass (NULL, *count 0 if dense).
+// Routing statistics of every MoE layer for the last forward pass (NULL, *count 0 if dense); a
+// VL-MoE layer the last forward did not run (a V-MoE layer in a text encoding) has 0 tokens.
 const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
 // Sparse upcycling (CLIP-UP): a copy of dense model `dense` whose blocks named in moe->layers
 // (and text_moe->layers for two_tower) become MoE layers: every expert a copy of the block's MLP

@@ -868,6 +868,15 @@ static void test_heads_api(void) {
     CHECK(last.itc < 0.5 * first.itc && ev.itc_acc[0] == 1 && ev.itc_acc[1] == 1 && first.aux > 0,
           "retrieval trains: %.4f -> %.4f, accuracy %.2f/%.2f", first.itc, last.itc, ev.itc_acc[0], ev.itc_acc[1]);
     CHECK(vlmoe_mome_backward_retrieval(m, 0) == VLMOE_ERR_ARG, "backward after an eval forward is refused");
+    // routing statistics describe the last forward only: after a text forward no layer has image
+    // tokens (the V-MoE layers ran in the retrieval forward's image half before it)
+    vlmoe_mome_batch tb = {VLMOE_ENC_TEXT, n, NULL, tok, lens, NULL, NULL, NULL};
+    CHECK(vlmoe_mome_forward(m, &tb, 0, NULL) == VLMOE_OK, "text forward: %s", vlmoe_last_error());
+    int nms, with_text = 0, with_image = 0;
+    const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &nms);
+    for (int i = 0; ms && i < nms; i++) with_text += ms[i].tokens[VLMOE_MOD_TEXT] > 0, with_image += ms[i].tokens[VLMOE_MOD_IMAGE] > 0;
+    CHECK(nms == 4 && with_text == 2 && with_image == 0, "after a text forward: %d of %d layers with text tokens, %d with "
+          "image tokens (want 2 and 0)", with_text, nms, with_image);
     vlmoe_trainer_free(t);
     vlmoe_model_free(back);
     vlmoe_model_free(m);

@@ -515,6 +515,15 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     if (st) return st;
     const int n = g->n;
     g->aux = 0;
+    // layers this encoding does not run (V-MoE for texts, T-MoE for images) report 0 tokens, not
+    // the numbers of an earlier forward
+    for (int i = 0; i < L->nmoe; i++) {
+        vlmoe_moe_stats *s = &g->stats[i];
+        const vlmoe_moe_stats keep = *s;
+        memset(s, 0, sizeof(*s));
+        s->encoder = keep.encoder, s->block = keep.block, s->num_experts = keep.num_experts;
+        for (int m = 0; m < 2; m++) s->routed[m] = keep.routed[m], s->accepted[m] = keep.accepted[m];
+    }
     stem_forward(g, P, in->images);
     const attn_segment seg = segment(g);
     const real *x = g->x0;
