@@ -109,6 +109,14 @@ int cli_separator(const char *cmd, const char *sep, char *out) {
     return 0;
 }
 
+int cli_dataset_type(const char *cmd, const char *name, int synthetic_ok, vlmoe_dataset_type *out) {
+    static const char *const names[3] = {"auto", "csv", "webdataset"};
+    static const vlmoe_dataset_type types[3] = {VLMOE_DATASET_AUTO, VLMOE_DATASET_CSV, VLMOE_DATASET_WEBDATASET};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, names[i])) return *out = types[i], 0;
+    return cli_error(cmd, "--dataset-type %s: expected %sauto, csv or webdataset", name, synthetic_ok ? "synthetic, " : "");
+}
+
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where) {
     if (!b->n) return;
     fprintf(stderr, "vlmoe %s: warning: skipped %ld %s%s of %s; first:", cmd, b->n, what, b->n == 1 ? "" : "s",

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "data/image.h"
+#include "data/readers.h"
 #include "tok/tok.h"
 #include "vlmoe.h"
 
@@ -54,6 +55,9 @@ void cli_bad_add(cli_bad_log *b, const char *msg);
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where);
 // --csv-separator: one character, or the two characters \t for a tab; non-zero after an error.
 int cli_separator(const char *cmd, const char *sep, char *out);
+// --dataset-type of a file dataset: auto, csv or webdataset (the error also names "synthetic"
+// where the command takes it, which the caller checks first); non-zero after an error.
+int cli_dataset_type(const char *cmd, const char *name, int synthetic_ok, vlmoe_dataset_type *out);
 
 // Image files from command-line arguments: a file is taken as it is, a folder for the image
 // files (.jpg .jpeg .png .webp, any case) under it, recursively, sorted by path. *out gets

@@ -548,12 +548,7 @@ int cmd_eval(int argc, char **argv) {
     if (!model) return cli_error("eval", "--model is required (see vlmoe eval --help)");
     const int user_data = zs_dir || val;
     const int synthetic = dataset ? !strcmp(dataset, "synthetic") : !user_data;
-    if (dataset && !synthetic) {
-        if (!strcmp(dataset, "auto")) dp.type = VLMOE_DATASET_AUTO;
-        else if (!strcmp(dataset, "csv")) dp.type = VLMOE_DATASET_CSV;
-        else if (!strcmp(dataset, "webdataset")) dp.type = VLMOE_DATASET_WEBDATASET;
-        else return cli_error("eval", "--dataset-type %s: expected auto, csv, webdataset or synthetic", dataset);
-    }
+    if (dataset && !synthetic && cli_dataset_type("eval", dataset, 1, &dp.type)) return 1;
     if (synthetic && user_data)
         return cli_error("eval", "--dataset-type synthetic evaluates on the built-in data; leave it out with "
                          "--zeroshot-data or --val-data");

@@ -458,10 +458,7 @@ int cmd_train(int argc, char **argv) {
         return cli_error("train", "--train-data: --dataset-type synthetic trains on the built-in data (csv, webdataset or "
                          "auto read --train-data)");
     if (!synthetic) {
-        a.data.type = !strcmp(a.dataset_type, "csv") ? VLMOE_DATASET_CSV
-                      : !strcmp(a.dataset_type, "webdataset") ? VLMOE_DATASET_WEBDATASET : VLMOE_DATASET_AUTO;
-        if (a.data.type == VLMOE_DATASET_AUTO && strcmp(a.dataset_type, "auto"))
-            return cli_error("train", "--dataset-type %s: expected synthetic, csv, webdataset or auto", a.dataset_type);
+        if (cli_dataset_type("train", a.dataset_type, 1, &a.data.type)) return 1;
         if (!a.data.path) return cli_error("train", "--dataset-type %s needs --train-data PATH", a.dataset_type);
         if (cli_separator("train", a.csv_separator, &a.data.separator)) return 1;
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))

@@ -894,11 +894,7 @@ int cmd_train_mome(int argc, char **argv) {
         return cli_error(CMD, "--batch-size %d does not split %d:%d:%d (--mix %s) into whole samples: use a positive "
                          "multiple of %d", a.batch, w[0], w[1], w[2], a.mix, unit);
     if (a.data.path) {
-        const char *dt = a.dataset_type ? a.dataset_type : "auto";
-        a.data.type = !strcmp(dt, "csv") ? VLMOE_DATASET_CSV : !strcmp(dt, "webdataset") ? VLMOE_DATASET_WEBDATASET
-                                                                                         : VLMOE_DATASET_AUTO;
-        if (a.data.type == VLMOE_DATASET_AUTO && strcmp(dt, "auto"))
-            return cli_error(CMD, "--dataset-type %s: expected csv, webdataset or auto", dt);
+        if (cli_dataset_type(CMD, a.dataset_type ? a.dataset_type : "auto", 0, &a.data.type)) return 1;
         if (cli_separator(CMD, a.csv_separator, &a.data.separator)) return 1;
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error(CMD, "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
