@@ -77,6 +77,16 @@ static inline int test_run_in(const char *dir, const char *bin, const char *args
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
+// Runs `BIN ARGS` in dir with stderr folded into out; a failed check unless it exits with status
+// and its output holds needle. Returns the exit status.
+static inline int test_expect_in(const char *dir, const char *bin, const char *args, int status, const char *needle,
+                                 char *out, size_t cap) {
+    const int st = test_run_in(dir, bin, args, 1, out, cap);
+    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks \"%s\":\n%s", args, st,
+          status, needle, out);
+    return st;
+}
+
 // Writes n bytes to path; a failure is a failed check.
 // dir/rel, in one of a few rotating buffers (so a call can take several paths)
 static inline const char *test_path(const char *dir, const char *rel) {

@@ -31,9 +31,7 @@ static void put(const char *rel, const char *text) { test_write_file(P(rel), tex
 static int run(const char *args, int fold) { return test_run_in(dir, bin, args, fold, out, sizeof(out)); }
 
 static void expect(const char *args, int status, const char *needle) {
-    int st = run(args, 1);
-    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks '%s':\n%s", args, st,
-          status, needle, out);
+    test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
 // Image i: solid colour, sizes differing (so the resize and crop differ); PNG or JPEG by name.

@@ -13,10 +13,6 @@
 static const char *bin;
 static char dir[64], out[8192];
 
-// Runs `vlmoe ARGS` with stderr folded into stdout; returns the exit status (-1 if signalled).
-// Runs `vlmoe ARGS` in dir; stdout and stderr in `out`; the exit status.
-static int run(const char *args) { return test_run_in(dir, bin, args, 1, out, sizeof(out)); }
-
 static void write_file(const char *name, const char *text, size_t n) {
     char path[256];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
@@ -26,9 +22,7 @@ static void write_file(const char *name, const char *text, size_t n) {
 }
 
 static void expect(const char *args, int status, const char *needle) {
-    int st = run(args);
-    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks '%s':\n%s",
-          args, st, status, needle, out);
+    test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
 int main(int argc, char **argv) {

@@ -279,9 +279,7 @@ done:
 }
 
 static void expect(const char *args, int status, const char *needle) {
-    int st = run(args, 1);
-    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks '%s':\n%s", args, st,
-          status, needle, out);
+    test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
 int main(int argc, char **argv) {

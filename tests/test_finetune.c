@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "test.h"
@@ -20,15 +19,7 @@ static const char *bin;
 static char dir[64], out[16384];
 #define P(rel) test_path(dir, rel)
 
-static int run(const char *args) {
-    char cmd[2048];
-    snprintf(cmd, sizeof(cmd), "cd %s && %s %s 2>&1", dir, bin, args);
-    FILE *p = popen(cmd, "r");
-    size_t n = p ? fread(out, 1, sizeof(out) - 1, p) : 0;
-    out[n] = 0;
-    int st = p ? pclose(p) : -1;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run(const char *args) { return test_run_in(dir, bin, args, 1, out, sizeof(out)); }
 
 static void put(const char *rel, const char *text) { test_write_file(P(rel), text, strlen(text)); }
 
@@ -121,9 +112,7 @@ static void finetune(const char *task, const char *data, const char *extra, doub
 }
 
 static void expect(const char *args, int status, const char *needle) {
-    const int st = run(args);
-    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks \"%s\":\n%s", args, st, status,
-          needle, out);
+    test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
 // Whether every ".moe." tensor of a equals b's bit for bit; *others_changed counts the rest that differ.

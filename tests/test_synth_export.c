@@ -20,13 +20,8 @@ static const char *bin;
 static char dir[64], out[1 << 15];
 
 static const char *P(const char *rel) { return test_path(dir, rel); }
-// `vlmoe ARGS` in dir with stderr folded into out; the exit status.
-static int run(const char *args) { return test_run_in(dir, bin, args, 1, out, sizeof(out)); }
-
 static void expect(const char *args, int status, const char *needle) {
-    const int st = run(args);
-    CHECK(st == status && strstr(out, needle), "`vlmoe %s`: exit %d (want %d), output lacks \"%s\":\n%s", args, st,
-          status, needle, out);
+    test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
 // Lines of a text file, split in place: *n lines (the last newline ends the last line).
