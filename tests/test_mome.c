@@ -846,6 +846,16 @@ static void test_heads_api(void) {
               "the loaded model has both heads and the same weights");
     }
     remove(path);
+    // a retrieval forward of 2 pairs, then of 4: the second re-plans both encodings' graphs and
+    // gives the loss of a model that only ever saw batches of 4
+    vlmoe_model *twin = NULL;
+    vlmoe_mome_stats s2, s4, want4;
+    CHECK(vlmoe_mome_with_heads(&twin, base, 3, 2, 1, 2) == VLMOE_OK &&
+              vlmoe_mome_forward_retrieval(twin, img, tok, lens, n, 0, &want4) == VLMOE_OK &&
+              vlmoe_mome_forward_retrieval(m, img, tok, lens, 2, 0, &s2) == VLMOE_OK &&
+              vlmoe_mome_forward_retrieval(m, img, tok, lens, n, 0, &s4) == VLMOE_OK && s4.itc == want4.itc,
+          "retrieval loss of 4 pairs after a batch of 2: %.9g, want %.9g (%s)", s4.itc, want4.itc, vlmoe_last_error());
+    vlmoe_model_free(twin);
     // retrieval fine-tuning learns to tell 4 pairs apart
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule = (vlmoe_schedule){VLMOE_SCHED_CONST, 3e-3, 0, 60, 0, 0, 0};

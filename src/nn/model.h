@@ -122,7 +122,8 @@ struct vlmoe_model {
     struct mome_graph_f32 *mg;  // arch mome: its graph instead of g
     struct mome_graph_f32 *mg_text; // mome retrieval: the text side's graph (mg holds the images)
     struct mome_itc_f32 *itc;   // mome retrieval head's buffers, for batches of itc_B
-    int itc_B, have_itc;        // have_itc: a training retrieval forward awaits its backward
+    int itc_B, text_B;          // batch sizes itc and mg_text are planned for
+    int have_itc;               // a training retrieval forward awaits its backward
     float *codebook;            // mome: the MIM targets' codebook (mim_vocab, patch values) or NULL;
                                 // saved with the weights as a codebook file's tensor
     int planned_B;

@@ -233,7 +233,12 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     if (!images || !tokens || !lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval: needs B images and their B texts");
     if ((st = mome_model_plan(m, B)) || (st = itc_plan(m, B))) return st;
-    if (!m->mg_text && (st = mome_graph_create_f32(&m->mg_text, &m->L, B))) return st;
+    if (!m->mg_text || m->text_B != B) {
+        mome_graph_free_f32(m->mg_text);
+        m->mg_text = NULL;
+        if ((st = mome_graph_create_f32(&m->mg_text, &m->L, B))) return st;
+        m->text_B = B;
+    }
     m->have_forward = m->have_itc = 0;
     const mome_input_f32 ii = {VLMOE_ENC_IMAGE, images, NULL, NULL, NULL, NULL, NULL},
                          it = {VLMOE_ENC_TEXT, NULL, tokens, lengths, NULL, NULL, NULL};
