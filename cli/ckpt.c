@@ -80,3 +80,34 @@ int cli_write_text(const char *path, const char *text) {
     const int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
     return fclose(f) == 0 && ok ? 0 : -1;
 }
+
+int ckpt_resume(const char *cmd, const char *ckdir, const char *resume, const vlmoe_train_params *tp, int plan_B,
+                vlmoe_model **m, vlmoe_trainer **t, vlmoe_data_state *ds, char *w, size_t cap) {
+    long steps[4096];
+    int n = 0;
+    if (!strcmp(resume, "latest") && !(n = ckpt_list(ckdir, steps, 4096)))
+        return cli_error(cmd, "--resume latest: no checkpoint in %s", ckdir);
+    for (int i = 0; i < (n ? n : 1); i++) {
+        char s[1100];
+        if (n) {
+            ckpt_paths(ckdir, steps[i], w, s, cap < sizeof(s) ? cap : sizeof(s));
+        } else { // an explicit weights file: its state file sits beside it
+            snprintf(w, cap, "%s", resume);
+            const size_t k = strlen(w);
+            if (k < 12 || strcmp(w + k - 12, ".safetensors"))
+                return cli_error(cmd, "--resume %s: expected latest or a step_N.safetensors file", resume);
+            snprintf(s, sizeof(s), "%.*s.state.safetensors", (int)(k - 12), w);
+        }
+        int st = vlmoe_model_load(m, w);
+        if (!st && plan_B) st = vlmoe_model_plan(*m, plan_B);
+        if (!st) st = vlmoe_trainer_init(t, *m, tp);
+        if (!st) st = vlmoe_trainer_load(*t, w, s, ds);
+        if (!st) return 0;
+        fprintf(stderr, "vlmoe %s: checkpoint %s is unusable: %s%s\n", cmd, w, vlmoe_last_error(),
+                n && i + 1 < n ? "; trying the one before it" : "");
+        vlmoe_trainer_free(*t);
+        vlmoe_model_free(*m);
+        *t = NULL, *m = NULL;
+    }
+    return cli_error(cmd, "--resume %s: no usable checkpoint", resume);
+}

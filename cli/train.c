@@ -158,40 +158,10 @@ static const char *USAGE =
 static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
     const char *cmd = "train";
     if (a->resume) {
-        long steps[4096];
-        int n = 0;
-        if (!strcmp(a->resume, "latest")) {
-            n = ckpt_list(r->ckdir, steps, 4096);
-            if (!n) return cli_error(cmd, "--resume latest: no checkpoint in %s", r->ckdir);
-        }
-        for (int i = 0; i < (n ? n : 1); i++) {
-            char w[1024], s[1024];
-            if (n) {
-                ckpt_paths(r->ckdir, steps[i], w, s, sizeof(w));
-            } else { // an explicit weights file: its state file sits beside it
-                snprintf(w, sizeof(w), "%s", a->resume);
-                size_t k = strlen(w);
-                if (k < 12 || strcmp(w + k - 12, ".safetensors"))
-                    return cli_error(cmd, "--resume %s: expected latest or a step_N.safetensors file", a->resume);
-                snprintf(s, sizeof(s), "%.*s.state.safetensors", (int)(k - 12), w);
-            }
-            vlmoe_model *m = NULL;
-            vlmoe_trainer *t = NULL;
-            int st = vlmoe_model_load(&m, w);
-            if (!st) st = vlmoe_model_plan(m, a->batch_size);
-            if (!st) st = vlmoe_trainer_init(&t, m, tp);
-            if (!st) st = vlmoe_trainer_load(t, w, s, &r->resumed);
-            if (!st) {
-                r->m = m, r->t = t;
-                fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(t));
-                return 0;
-            }
-            fprintf(stderr, "vlmoe train: checkpoint %s is unusable: %s%s\n", w, vlmoe_last_error(),
-                    n && i + 1 < n ? "; trying the one before it" : "");
-            vlmoe_trainer_free(t);
-            vlmoe_model_free(m);
-        }
-        return cli_error(cmd, "--resume %s: no usable checkpoint", a->resume);
+        char w[1024];
+        if (ckpt_resume(cmd, r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w))) return 1;
+        fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
+        return 0;
     }
     vlmoe_model_config cfg;
     if (a->pretrained) {

@@ -568,53 +568,20 @@ static int setup_model(const mome_args *a, const vlmoe_train_params *tp, mome_ru
         if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_trainer_init(&r->t, r->m, tp)) return lib_error("");
         return 0;
     }
-    long steps[4096];
-    int n = 0;
-    if (!strcmp(a->resume, "latest") && !(n = ckpt_list(r->ckdir, steps, 4096)))
-        return cli_error(CMD, "--resume latest: no checkpoint in %s", r->ckdir);
-    char *want = vlmoe_config_to_json(&r->cfg);
-    int rc = -1;
-    for (int i = 0; i < (n ? n : 1) && rc < 0; i++) {
-        char w[1024], s[1024];
-        if (n) {
-            ckpt_paths(r->ckdir, steps[i], w, s, sizeof(w));
-        } else { // an explicit weights file: its state file sits beside it
-            snprintf(w, sizeof(w), "%s", a->resume);
-            const size_t k = strlen(w);
-            if (k < 12 || strcmp(w + k - 12, ".safetensors")) {
-                rc = cli_error(CMD, "--resume %s: expected latest or a step_N.safetensors file", a->resume);
-                break;
-            }
-            snprintf(s, sizeof(s), "%.*s.state.safetensors", (int)(k - 12), w);
-        }
-        vlmoe_model *m = NULL;
-        vlmoe_trainer *t = NULL;
-        int st = vlmoe_model_load(&m, w);
-        if (!st) st = vlmoe_trainer_init(&t, m, tp);
-        if (!st) st = vlmoe_trainer_load(t, w, s, &r->resumed);
-        if (!st) {
-            char *have = vlmoe_config_to_json(vlmoe_model_get_config(m));
-            const int same = want && have && !strcmp(want, have);
-            free(have);
-            r->m = m, r->t = t;
-            if (!same)
-                rc = cli_error(CMD, "--resume: %s holds another model than --model %s; resume with the first run's "
-                               "--model", w, a->model);
-            else if (r->resumed.data_rng[3] != r->signature)
-                rc = cli_error(CMD, "--resume: %s was written with another data set-up (--mix, --batch-size, the data "
-                               "flags or --seed): the run would not continue with the samples it was due; resume with "
-                               "the first run's flags", w);
-            else
-                rc = 0, fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(t));
-            break;
-        }
-        fprintf(stderr, "vlmoe train: checkpoint %s is unusable: %s%s\n", w, vlmoe_last_error(),
-                n && i + 1 < n ? "; trying the one before it" : "");
-        vlmoe_trainer_free(t);
-        vlmoe_model_free(m);
-    }
-    free(want);
-    return rc < 0 ? cli_error(CMD, "--resume %s: no usable checkpoint", a->resume) : rc;
+    char w[1024];
+    if (ckpt_resume(CMD, r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w))) return 1;
+    char *want = vlmoe_config_to_json(&r->cfg), *have = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
+    const int same = want && have && !strcmp(want, have);
+    free(want), free(have);
+    if (!same)
+        return cli_error(CMD, "--resume: %s holds another model than --model %s; resume with the first run's --model", w,
+                         a->model);
+    if (r->resumed.data_rng[3] != r->signature)
+        return cli_error(CMD, "--resume: %s was written with another data set-up (--mix, --batch-size, the data flags or "
+                         "--seed): the run would not continue with the samples it was due; resume with the first run's "
+                         "flags", w);
+    fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
+    return 0;
 }
 
 // Opens metrics.jsonl: a fresh file, or after a resume the lines of the steps up to `start` (a
