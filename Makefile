@@ -6,6 +6,7 @@
 # float for the library's training path and double for the finite-difference gradient checks.
 
 CC      ?= cc
+comma   := ,
 PREFIX  ?= /usr/local
 NATIVE  ?= 1
 WERROR  ?= $(if $(CI),1,0)
@@ -16,11 +17,21 @@ OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
 WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
 CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
                -Iinclude -Isrc -I$(BLASINC) -g
-LIBS    := -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
+CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++,)
+LIBS    := $(CUDA_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)
-PLAIN_SRCS := $(filter-out $(REAL_SRCS),$(wildcard src/*/*.c))
+# src/cuda: without CUDA=1 the stub, whose error says how to build the real backend; with
+# CUDA=1 the .cu files, compiled by nvcc and linked with the CUDA runtime and cuBLAS
+CUDA    ?= 0
+NVCC    ?= nvcc
+CUDA_HOME ?= /usr/local/cuda
+NVCCFLAGS := -std=c++17 -O2 -fmad=false -Xcompiler -fPIC,-Wall -Iinclude -Isrc -I$(BLASINC) \
+             -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+CUDA_SRCS := $(wildcard src/cuda/*.cu)
+PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/%,$(wildcard src/*/*.c)) \
+              $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c)
 CLI_SRCS  := $(wildcard cli/*.c)
 TEST_SRCS := $(wildcard tests/test_*.c)
 HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
@@ -28,7 +39,8 @@ HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
 # $(call objs,builddir): object files of the library for one build flavour
 objs = $(patsubst %.c,$(1)/%.o,$(PLAIN_SRCS)) \
        $(patsubst %.c,$(1)/f32/%.o,$(REAL_SRCS)) \
-       $(patsubst %.c,$(1)/f64/%.o,$(REAL_SRCS))
+       $(patsubst %.c,$(1)/f64/%.o,$(REAL_SRCS)) \
+       $(if $(filter 1,$(CUDA)),$(patsubst %.cu,$(1)/%.o,$(CUDA_SRCS)))
 
 B  := build/rel
 BA := build/asan
@@ -54,6 +66,13 @@ $(B)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 $(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
+
+$(B)/%.o: %.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+$(BA)/%.o: %.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 libvlmoe.a: $(call objs,$(B))
 	rm -f $@ && ar rcs $@ $^
@@ -134,14 +153,29 @@ bench: all $(BENCHES) $(TEST_DEPS_STAMP)
 	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh
 	@echo "== bench/vlmoe_vs_mome.sh" && ./bench/vlmoe_vs_mome.sh
 
+# CI has no GPU but has nvcc: `make test` compiles src/cuda and links tests/test_backend_ops
+# against it (build/cuda), so the CUDA code cannot rot; without a device its CUDA rows skip.
+# Without nvcc on PATH this step is left out with a message.
+HAVE_NVCC := $(shell command -v $(NVCC) >/dev/null 2>&1 && echo 1)
+CUDA_CHECK := $(if $(HAVE_NVCC),build/cuda/tests/test_backend_ops,)
+build/cuda/backend_cuda.o: src/cuda/backend_cuda.cu $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+build/cuda/tests/test_backend_ops: tests/test_backend_ops.c build/cuda/backend_cuda.o libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/backend_cuda.o libvlmoe.a \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(LIBS)
+cuda-check: $(CUDA_CHECK)
+
 FIXTURES := build/fixtures/.stamp
 $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 	@mkdir -p build/fixtures
 	/usr/bin/python3 tests/ref/gen_all.py build/fixtures
 	@touch $@
 
-test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS)
-	@FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
+test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS) $(CUDA_CHECK)
+	@$(if $(HAVE_NVCC),,echo "note: $(NVCC) not found: the CUDA backend was not compiled")
+	@CUDADIR=$(if $(HAVE_NVCC),build/cuda,) FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
 
 fixtures: $(FIXTURES)
 
@@ -155,7 +189,7 @@ install: all
 	    vlmoe.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vlmoe.pc
 
 clean:
-	rm -rf build/rel build/asan build/fixtures build/fuzz libvlmoe.a libvlmoe.so vlmoe
+	rm -rf build/rel build/asan build/cuda build/fixtures build/fuzz libvlmoe.a libvlmoe.so vlmoe
 
-.PHONY: all test fixtures install clean bench demo fuzz
+.PHONY: all test fixtures install clean bench demo fuzz cuda-check
 .SECONDARY:

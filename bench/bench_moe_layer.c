@@ -52,7 +52,7 @@ int main(int argc, char **argv) {
     sp.b2 = off, off += (size_t)E * D;
     float *P = randf(off, &r, 0.05), *G = calloc(off, 4);
     moe_state_f32 *st;
-    if (moe_state_create_f32(&st, &sp, n)) {
+    if (moe_state_create_f32(&st, &sp, backend_cpu_f32(), n)) {
         fprintf(stderr, "bench_moe_layer: %s\n", vlmoe_last_error());
         return 1;
     }

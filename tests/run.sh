@@ -9,7 +9,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # tiny tests with busy-waiting OpenMP threads slow down a hundredfold when another process holds a core
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 pass=0; fail=0; bad=""
-for dir in "$rel" "$asan"; do
+# CUDADIR (set by make test when nvcc is present): tests linked against the CUDA backend
+for dir in "$rel" "$asan" ${CUDADIR:+"$CUDADIR"}; do
     for t in "$dir"/tests/test_*; do
         [ -x "$t" ] || continue
         out=$("$t" 2>&1); rc=$?

@@ -45,7 +45,7 @@ static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, in
         return;
     }
     const int B = 3;
-    CHECK(graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+    CHECK(graph_create_f64(&m.g, &m.L, backend_cpu_f64(), B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
     graph_set_mode_f64(m.g, training, 1234);
     float *pf = malloc(sizeof(float) * m.L.total);
     model_layout_init_params(&m.L, pf, 7);
@@ -155,7 +155,7 @@ static void test_float_vs_double(void) {
     model_layout L;
     model_layout_build(&L, &cfg);
     graph_f64 *g;
-    graph_create_f64(&g, &L, B);
+    graph_create_f64(&g, &L, backend_cpu_f64(), B);
     double *p = malloc(sizeof(double) * L.total), img64[3 * 3 * 64];
     for (size_t i = 0; i < L.total; i++) p[i] = vlmoe_model_param_data(m)[i];
     for (int i = 0; i < 3 * 3 * 64; i++) img64[i] = img[i];

@@ -75,8 +75,12 @@ static void fd_check(int enc, int cls, const char *label) {
         return;
     }
     const int B = cls == 2 ? 4 : 3, T = 5, np = 4;
-    CHECK(mome_graph_create_f64(&m.g, &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
-    mome_graph_set_mode_f64(m.g, 1, 99); // training: noise drawn from a fixed seed every time
+    CHECK(mome_graph_create_f64(&m.g, &m.L, backend_cpu_f64(), B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+    // training: noise drawn from a fixed seed every time. A finite difference across a routing
+    // decision is no derivative: the seed is one whose draw keeps every test point's decisions
+    // more than h from a tie (with position-keyed noise, seed 99 put a BPR near-tie in the pair
+    // + classification case within h of the test point: rel err 1.9e-6 on one tensor)
+    mome_graph_set_mode_f64(m.g, 1, 98);
     float *pf = malloc(sizeof(float) * m.L.total);
     model_layout_init_params(&m.L, pf, 7);
     m.p = malloc(sizeof(double) * m.L.total);
@@ -175,10 +179,10 @@ static void fd_check_retrieval(void) {
     }
     const int B = 3, T = 5;
     for (int k = 0; k < 2; k++) {
-        CHECK(mome_graph_create_f64(&m.g[k], &m.L, B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
+        CHECK(mome_graph_create_f64(&m.g[k], &m.L, backend_cpu_f64(), B) == VLMOE_OK, "graph: %s", vlmoe_last_error());
         mome_graph_set_mode_f64(m.g[k], 1, 40 + (uint64_t)k);
     }
-    CHECK(mome_itc_create_f64(&m.c, &m.L, B) == VLMOE_OK, "itc: %s", vlmoe_last_error());
+    CHECK(mome_itc_create_f64(&m.c, &m.L, backend_cpu_f64(), B) == VLMOE_OK, "itc: %s", vlmoe_last_error());
     float *pf = malloc(sizeof(float) * m.L.total);
     model_layout_init_params(&m.L, pf, 5);
     m.p = malloc(sizeof(double) * m.L.total);
@@ -676,7 +680,7 @@ static void test_api(void) {
     model_layout L;
     model_layout_build(&L, &cfg);
     mome_graph_f64 *g;
-    mome_graph_create_f64(&g, &L, B);
+    mome_graph_create_f64(&g, &L, backend_cpu_f64(), B);
     double *p = malloc(sizeof(double) * L.total), img64[4 * 3 * 64];
     for (size_t i = 0; i < L.total; i++) p[i] = vlmoe_model_param_data(m)[i];
     for (int i = 0; i < 4 * 3 * 64; i++) img64[i] = img[i];

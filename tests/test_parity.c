@@ -438,7 +438,7 @@ static void test_moe_layer_case(const char *name) {
     vlmoe_moe_stats stats;
     memset(&stats, 0, sizeof(stats));
     moe_call c = {S, 1, 0, mod, noise};
-    CHECK(moe_state_create_f32(&st, &sp, S) == VLMOE_OK, "moe state: %s", vlmoe_last_error());
+    CHECK(moe_state_create_f32(&st, &sp, backend_cpu_f32(), S) == VLMOE_OK, "moe state: %s", vlmoe_last_error());
     if (st && x && r && noisef) {
         CHECK(moe_forward_f32(st, &c, P, x, out, &auxv, &stats) == VLMOE_OK, "%s forward: %s", name, vlmoe_last_error());
         moe_backward_f32(st, P, G, x, r, dx, 1.0);
@@ -485,7 +485,7 @@ static int mome_side_open(mome_side *sd, const char *what, const char *file, int
         CHECK(0, "load %s: %s", path, vlmoe_last_error());
         return 0;
     }
-    if (mome_graph_create_f32(&sd->g, &sd->m->L, B) != VLMOE_OK) {
+    if (mome_graph_create_f32(&sd->g, &sd->m->L, backend_cpu_f32(), B) != VLMOE_OK) {
         CHECK(0, "mome graph of %s: %s", path, vlmoe_last_error());
         return 0;
     }
@@ -726,7 +726,7 @@ static void mome_retrieval(const vlmoe_st *f, mome_side *sd, const float *images
     mome_graph_f32 *gt = NULL;
     mome_itc_f32 *c = NULL;
     double *noise[2][64] = {{0}};
-    if (mome_graph_create_f32(&gt, L, B) != VLMOE_OK || mome_itc_create_f32(&c, L, B) != VLMOE_OK) {
+    if (mome_graph_create_f32(&gt, L, backend_cpu_f32(), B) != VLMOE_OK || mome_itc_create_f32(&c, L, backend_cpu_f32(), B) != VLMOE_OK) {
         CHECK(0, "mome retrieval: text graph and head: %s", vlmoe_last_error());
         mome_graph_free_f32(gt);
         return;

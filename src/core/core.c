@@ -121,6 +121,21 @@ double vlmoe_rng_normal(vlmoe_rng *r) {
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
+uint64_t vlmoe_mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+double vlmoe_normal_at(uint64_t key, uint64_t counter) {
+    const uint64_t a = vlmoe_mix64(key ^ vlmoe_mix64(2 * counter));
+    const uint64_t b = vlmoe_mix64(key ^ vlmoe_mix64(2 * counter + 1));
+    const double u1 = ((double)(a >> 11) + 1.0) * 0x1.0p-53; // (0, 1]: log stays finite
+    const double u2 = (double)(b >> 11) * 0x1.0p-53;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
 uint32_t vlmoe_rng_below(vlmoe_rng *r, uint32_t n) {
     // Lemire's multiply-shift with rejection: unbiased for any n > 0.
     uint64_t m = (uint64_t)(uint32_t)(vlmoe_rng_u64(r) >> 32) * n;

@@ -42,4 +42,10 @@ double vlmoe_rng_uniform(vlmoe_rng *r);   // [0, 1)
 double vlmoe_rng_normal(vlmoe_rng *r);    // N(0, 1), Box-Muller (one draw per call, no cache)
 uint32_t vlmoe_rng_below(vlmoe_rng *r, uint32_t n); // uniform in [0, n), unbiased
 
+// Counter-based draws: a pure function of (key, counter), so a value depends on what it is for
+// (a token, an expert) and never on how many draws came before. vlmoe_mix64 is splitmix64's
+// finaliser; vlmoe_normal_at is N(0,1) by Box-Muller from two mixed words of (key, counter).
+uint64_t vlmoe_mix64(uint64_t x);
+double vlmoe_normal_at(uint64_t key, uint64_t counter);
+
 #endif

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ops/backend.h"
 #include "vlmoe.h"
 
 // Where one MoE layer's parameters live in the flat buffer, and its shapes.
@@ -25,12 +26,21 @@ typedef struct {
     const uint8_t *modality; // (n) VLMOE_MOD_* of each token
     const double *noise;     // (n,E) the additive logit noise to use instead of drawing it (tests
                              // that pin the noise); NULL: draw (noise_std/E) N(0,1) from seed
+    const uint64_t *keys;    // (n) what each token is (sample, modality, position: see
+                             // moe_token_key), so its noise is the same wherever it is routed;
+                             // NULL: the token's row index
 } moe_call;
+
+// The noise key of one token: its global sample index, modality and position in the sequence.
+static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
+    return sample << 21 | (uint64_t)modality << 20 | (uint64_t)pos;
+}
 
 #define MOE_LAYER_DECL(T, S)                                                                     \
     typedef struct moe_state_##S moe_state_##S;                                                  \
     /* plans buffers for up to nmax tokens; nothing is allocated later */                        \
-    int moe_state_create_##S(moe_state_##S **out, const moe_spec *spec, int nmax);               \
+    int moe_state_create_##S(moe_state_##S **out, const moe_spec *spec,                          \
+                             const vlmoe_backend_##S *be, int nmax);                             \
     void moe_state_free_##S(moe_state_##S *st);                                                  \
     /* layers that run one after another share scratch: dy/dxp among equal layers, and each    \
        layer whose (rows_max, M) activations fit in `floats` takes da/dh (may be NULL) */        \

@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "ops/backend.h"
 
 typedef struct {
     // ln1 and ln2 point at the encoder's one LayerNorm buffer, att and atty at its attention
@@ -34,12 +35,14 @@ typedef struct {
     // da also holds the dense feed-forward's activation during forward (backward recomputes it)
     real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
     uint8_t *modality;           // (ntok) VLMOE_MOD_* of every token
+    uint64_t *keys;              // (ntok) every token's routing-noise key (moe_token_key)
 } enc_state;
 
 typedef struct {
     int present;
     int seg;                     // segment index inside its encoder
     real *patches, *pemb, *pre, *pre_m, *pre_r; // image stem
+    real *images;                // (B,C,H,W) the forward's images, uploaded
     real *pooled, *proj, *emb, *norm;
     real *dpre, *dpemb, *dpooled, *dproj, *demb;
     int32_t *tokens, *lens;      // text: copies kept for backward
@@ -47,6 +50,7 @@ typedef struct {
 
 struct R(graph) {
     const model_layout *L;
+    const R(vlmoe_backend) *be;  // every kernel, and the arena's memory
     int B;
     enc_state enc[2];
     mod_state mod[NUM_MOD];
@@ -132,6 +136,7 @@ static void plan(struct R(graph) *g, carver *c) {
         if (m == MOD_IMAGE) {
             const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
             const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
+            ms->images = take(c, (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
             ms->patches = take(c, (size_t)B * np * pd);
             ms->pemb = take(c, (size_t)B * np * D);
             ms->dpemb = take(c, (size_t)B * np * D);
@@ -153,12 +158,13 @@ static void plan(struct R(graph) *g, carver *c) {
     g->pcol = take(c, (size_t)B * B);
 }
 
-int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
+int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
     *out = NULL;
     if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
     struct R(graph) *g = vlmoe_calloc(sizeof(*g), "graph");
     if (!g) return VLMOE_ERR_NOMEM;
     g->L = L;
+    g->be = be;
     g->B = B;
     for (int e = 0; e < L->nenc; e++) {
         g->enc[e].layers = vlmoe_calloc(sizeof(layer_acts) * (size_t)L->enc[e].layers, "layer acts");
@@ -167,9 +173,9 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
     carver c = {NULL, 0};
     plan(g, &c);
     g->arena_n = c.used;
-    g->arena = vlmoe_alloc(sizeof(real) * c.used, "activation arena");
+    g->arena = be->alloc(be, sizeof(real) * c.used, "activation arena");
     const size_t T = (size_t)L->mod[MOD_TEXT].seq;
-    g->ints = vlmoe_alloc(sizeof(int32_t) * ((size_t)B * T + (size_t)B), "token copies");
+    g->ints = be->alloc(be, sizeof(int32_t) * ((size_t)B * T + (size_t)B), "token copies");
     if (!g->arena || !g->ints) return R(graph_free)(g), VLMOE_ERR_NOMEM;
     c = (carver){g->arena, 0};
     plan(g, &c);
@@ -178,10 +184,15 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
     for (int e = 0; e < L->nenc; e++) {
         enc_state *s = &g->enc[e];
         s->modality = vlmoe_alloc(s->ntok + 1, "token modalities");
-        if (!s->modality) return R(graph_free)(g), VLMOE_ERR_NOMEM;
-        for (int k = 0; k < s->nseg; k++)
-            memset(s->modality + s->seg[k].tok_off, s->mod_of_seg[k] == MOD_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE,
-                   (size_t)s->seg[k].nseq * s->seg[k].seqlen);
+        s->keys = vlmoe_alloc(sizeof(uint64_t) * (s->ntok + 1), "token noise keys");
+        if (!s->modality || !s->keys) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+        for (int k = 0; k < s->nseg; k++) {
+            const attn_segment *sg = &s->seg[k];
+            const int mod = s->mod_of_seg[k] == MOD_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
+            memset(s->modality + sg->tok_off, mod, (size_t)sg->nseq * sg->seqlen);
+            for (size_t i = 0; i < (size_t)sg->nseq * sg->seqlen; i++)
+                s->keys[sg->tok_off + i] = moe_token_key(i / (size_t)sg->seqlen, mod, (int)(i % (size_t)sg->seqlen));
+        }
         for (int l = 0; l < L->enc[e].layers; l++) {
             const ffn_layout *f = &L->enc[e].blocks[l].ffn;
             if (f->kind != FFN_MOE) continue;
@@ -189,7 +200,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, int B) {
             a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
                                  f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale,
                                  l < 64 ? L->enc[e].moe->pruned[l] : 0};
-            int st = R(moe_state_create)(&a->moe, &a->spec, (int)s->ntok);
+            int st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
             g->stats[f->moe_index].encoder = e;
             g->stats[f->moe_index].block = l;
@@ -219,10 +230,11 @@ void R(graph_free)(struct R(graph) *g) {
         for (int l = 0; g->enc[e].layers && l < g->L->enc[e].layers; l++) R(moe_state_free)(g->enc[e].layers[l].moe);
         vlmoe_free_mem(g->enc[e].layers);
         vlmoe_free_mem(g->enc[e].modality);
+        vlmoe_free_mem(g->enc[e].keys);
     }
     vlmoe_free_mem(g->stats);
-    vlmoe_free_mem(g->arena);
-    vlmoe_free_mem(g->ints);
+    g->be->free(g->be, g->arena);
+    g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
 }
 
@@ -258,43 +270,45 @@ static void active_range(const struct R(graph) *g, const enc_state *s, size_t *t
 // MoE layer (whose auxiliary loss is added to the graph's).
 static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout *f, layer_acts *a,
                         const real *P, size_t t0, int n, int D, int M, int act) {
+    const R(vlmoe_backend) *be = g->be;
     if (f->kind == FFN_MOE) {
-        memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
+        be->copy(be, a->res2 + t0 * D, a->res1 + t0 * D, (size_t)n * D);
         // the seed differs per layer and per call, so every layer draws its own noise
         moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0,
-                      NULL};
+                      NULL, s->keys + t0};
         double aux = 0;
         R(moe_forward)(a->moe, &c, P, a->ln2 + t0 * D, a->res2 + t0 * D, &aux, &g->stats[f->moe_index]);
         g->aux += aux;
         return;
     }
-    R(linear_forward)(a->h + t0 * M, a->ln2 + t0 * D, P + f->fc1_w, P + f->fc1_b, n, D, M, 0);
-    R(act_forward)(s->da + t0 * M, a->h + t0 * M, (size_t)n * M, act);
-    memcpy(a->res2 + t0 * D, a->res1 + t0 * D, sizeof(real) * (size_t)n * D);
-    R(linear_forward)(a->res2 + t0 * D, s->da + t0 * M, P + f->fc2_w, P + f->fc2_b, n, M, D, 1);
+    // a dense MLP is the expert bank of one expert, added onto the residual
+    const int32_t off[2] = {0, n};
+    const be_experts ex = {1, D, M, act, off};
+    const real *const w[4] = {P + f->fc1_w, P + f->fc1_b, P + f->fc2_w, P + f->fc2_b};
+    be->copy(be, a->res2 + t0 * D, a->res1 + t0 * D, (size_t)n * D);
+    be->experts_forward(be, a->res2 + t0 * D, a->h + t0 * M, s->da + t0 * M, a->ln2 + t0 * D, w, &ex, 1);
 }
 
 // Backward of the feed-forward: accumulates d(inp) into dln (zeroed here) from dres = d(out);
 // the residual's own gradient (identity) is left in dres for the caller.
-static void ffn_backward(const ffn_layout *f, const layer_acts *a, enc_state *s, const real *P,
+static void ffn_backward(const R(vlmoe_backend) *be, const ffn_layout *f, const layer_acts *a, enc_state *s, const real *P,
                          real *G, size_t t0, int n, int D, int M, int act) {
     if (f->kind == FFN_MOE) {
-        memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
+        be->zero(be, s->dln + t0 * D, (size_t)n * D);
         R(moe_backward)(a->moe, P, G, a->ln2 + t0 * D, s->dres + t0 * D, s->dln + t0 * D, 1.0);
         return;
     }
-    real *h = a->h + t0 * M, *da = s->da + t0 * M, *dh = s->dh + t0 * M;
-    R(act_forward)(dh, h, (size_t)n * M, act); // the activation again, in dh's space
-    memset(da, 0, sizeof(real) * (size_t)n * M);
-    memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
-    R(linear_backward)(da, G + f->fc2_w, G + f->fc2_b, s->dres + t0 * D, dh, P + f->fc2_w, n, M, D);
-    memset(dh, 0, sizeof(real) * (size_t)n * M);
-    R(act_backward)(s->dh + t0 * M, a->h + t0 * M, s->da + t0 * M, (size_t)n * M, act);
-    R(linear_backward)(s->dln + t0 * D, G + f->fc1_w, G + f->fc1_b, s->dh + t0 * M,
-                       a->ln2 + t0 * D, P + f->fc1_w, n, D, M);
+    const int32_t off[2] = {0, n};
+    const be_experts ex = {1, D, M, act, off};
+    const real *const w[4] = {P + f->fc1_w, P + f->fc1_b, P + f->fc2_w, P + f->fc2_b};
+    real *const dw[4] = {G + f->fc1_w, G + f->fc1_b, G + f->fc2_w, G + f->fc2_b};
+    be->zero(be, s->dln + t0 * D, (size_t)n * D);
+    be->experts_backward(be, s->dln + t0 * D, dw, s->dres + t0 * D, a->ln2 + t0 * D, a->h + t0 * M, w,
+                         s->da + t0 * M, s->dh + t0 * M, &ex);
 }
 
 static void encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
+    const R(vlmoe_backend) *be = g->be;
     const encoder_layout *E = s->E;
     const vlmoe_model_config *cfg = &g->L->cfg;
     const int D = E->width, H = E->heads, M = E->mlp;
@@ -306,26 +320,27 @@ static void encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
     for (int l = 0; l < E->layers; l++) {
         const block_layout *bl = &E->blocks[l];
         layer_acts *a = &s->layers[l];
-        R(layernorm_forward)(a->ln1 + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D,
+        be->layernorm_forward(be, a->ln1 + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D,
                              P + bl->ln1_w, P + bl->ln1_b, n, D, cfg->ln_eps);
-        R(linear_forward)(a->qkv + t0 * 3 * D, a->ln1 + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n,
+        be->linear_forward(be, a->qkv + t0 * 3 * D, a->ln1 + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n,
                           D, 3 * D, 0);
         for (int k = 0; k < s->nseg; k++)
             if (g->mod[s->mod_of_seg[k]].present)
-                R(attention_forward)(a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
-        memcpy(a->res1 + t0 * D, x + t0 * D, sizeof(real) * (size_t)n * D);
-        R(linear_forward)(a->res1 + t0 * D, a->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D,
+                be->attention_forward(be, a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
+        be->copy(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
+        be->linear_forward(be, a->res1 + t0 * D, a->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D,
                           D, 1);
-        R(layernorm_forward)(a->ln2 + t0 * D, a->ln2_m + t0, a->ln2_r + t0, a->res1 + t0 * D,
+        be->layernorm_forward(be, a->ln2 + t0 * D, a->ln2_m + t0, a->ln2_r + t0, a->res1 + t0 * D,
                              P + bl->ln2_w, P + bl->ln2_b, n, D, cfg->ln_eps);
         ffn_forward(g, s, &bl->ffn, a, P, t0, n, D, M, cfg->act);
         x = a->res2;
     }
-    R(layernorm_forward)(s->lnf + t0 * D, s->lnf_m + t0, s->lnf_r + t0, x + t0 * D, P + E->lnf_w,
+    be->layernorm_forward(be, s->lnf + t0 * D, s->lnf_m + t0, s->lnf_r + t0, x + t0 * D, P + E->lnf_w,
                          P + E->lnf_b, n, D, cfg->ln_eps);
 }
 
 static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
     const encoder_layout *E = s->E;
     const int D = E->width, H = E->heads, M = E->mlp;
     size_t t0, nn;
@@ -333,43 +348,44 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
     if (nn == 0) return;
     const int n = (int)nn;
     const real *xL = E->layers ? s->layers[E->layers - 1].res2 : s->x0;
-    memset(s->dres + t0 * D, 0, sizeof(real) * (size_t)n * D);
-    R(layernorm_backward)(s->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
+    be->zero(be, s->dres + t0 * D, (size_t)n * D);
+    be->layernorm_backward(be, s->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
                           xL + t0 * D, P + E->lnf_w, s->lnf_m + t0, s->lnf_r + t0, n, D);
     for (int l = E->layers - 1; l >= 0; l--) {
         const block_layout *bl = &E->blocks[l];
         const layer_acts *a = &s->layers[l];
         const real *x = l ? s->layers[l - 1].res2 : s->x0;
         // dres holds d(block output); the feed-forward half first
-        R(layernorm_recompute)(a->ln2 + t0 * D, a->res1 + t0 * D, P + bl->ln2_w, P + bl->ln2_b,
+        be->layernorm_recompute(be, a->ln2 + t0 * D, a->res1 + t0 * D, P + bl->ln2_w, P + bl->ln2_b,
                                a->ln2_m + t0, a->ln2_r + t0, n, D);
-        ffn_backward(&bl->ffn, a, s, P, G, t0, n, D, M, g->L->cfg.act);
-        R(layernorm_backward)(s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
+        ffn_backward(be, &bl->ffn, a, s, P, G, t0, n, D, M, g->L->cfg.act);
+        be->layernorm_backward(be, s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
                               a->res1 + t0 * D, P + bl->ln2_w, a->ln2_m + t0, a->ln2_r + t0, n, D);
         // dres now holds d(res1): the attention half
         for (int k = 0; k < s->nseg; k++)
             if (g->mod[s->mod_of_seg[k]].present)
-                R(attention_forward)(a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
-        memset(s->datty + t0 * D, 0, sizeof(real) * (size_t)n * D);
-        R(linear_backward)(s->datty + t0 * D, G + bl->out_w, G + bl->out_b, s->dres + t0 * D,
+                be->attention_forward(be, a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
+        be->zero(be, s->datty + t0 * D, (size_t)n * D);
+        be->linear_backward(be, s->datty + t0 * D, G + bl->out_w, G + bl->out_b, s->dres + t0 * D,
                            a->atty + t0 * D, P + bl->out_w, n, D, D);
-        memset(s->dqkv + t0 * 3 * D, 0, sizeof(real) * (size_t)n * 3 * D);
+        be->zero(be, s->dqkv + t0 * 3 * D, (size_t)n * 3 * D);
         for (int k = 0; k < s->nseg; k++)
             if (g->mod[s->mod_of_seg[k]].present)
-                R(attention_backward)(s->dqkv, s->datt + s->att_off[k], s->datty, a->qkv,
+                be->attention_backward(be, s->dqkv, s->datt + s->att_off[k], s->datty, a->qkv,
                                       a->att + s->att_off[k], &s->seg[k], D, H);
-        memset(s->dln + t0 * D, 0, sizeof(real) * (size_t)n * D);
-        R(layernorm_recompute)(a->ln1 + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
+        be->zero(be, s->dln + t0 * D, (size_t)n * D);
+        be->layernorm_recompute(be, a->ln1 + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
                                a->ln1_m + t0, a->ln1_r + t0, n, D);
-        R(linear_backward)(s->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, s->dqkv + t0 * 3 * D,
+        be->linear_backward(be, s->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, s->dqkv + t0 * 3 * D,
                            a->ln1 + t0 * D, P + bl->qkv_w, n, D, 3 * D);
-        R(layernorm_backward)(s->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, s->dln + t0 * D,
+        be->layernorm_backward(be, s->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, s->dln + t0 * D,
                               x + t0 * D, P + bl->ln1_w, a->ln1_m + t0, a->ln1_r + t0, n, D);
     }
 }
 
 // Embedding stem of one modality: writes the encoder input of its segment.
 static void stem_forward(struct R(graph) *g, int m, const real *P, const real *images) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const modality_layout *ml = &L->mod[m];
     mod_state *ms = &g->mod[m];
@@ -381,23 +397,25 @@ static void stem_forward(struct R(graph) *g, int m, const real *P, const real *i
         const vlmoe_model_config *c = &L->cfg;
         const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
         const int pd = c->channels * c->patch_size * c->patch_size;
-        R(patchify_forward)(ms->patches, images, B, c->channels, c->image_size, c->patch_size);
-        R(linear_forward)(ms->pemb, ms->patches, P + ml->embed_w,
+        be->upload(be, ms->images, images, (size_t)B * c->channels * c->image_size * c->image_size);
+        be->patchify_forward(be, ms->patches, ms->images, B, c->channels, c->image_size, c->patch_size);
+        be->linear_forward(be, ms->pemb, ms->patches, P + ml->embed_w,
                           ml->embed_b == NO_PARAM ? NULL : P + ml->embed_b, B * np, pd, D, 0);
         if (ml->has_cls)
-            R(cls_forward)(dst, P + ml->cls, ms->pemb, B, np, D);
+            be->cls_forward(be, dst, P + ml->cls, ms->pemb, B, np, D);
         else
-            memcpy(dst, ms->pemb, sizeof(real) * (size_t)B * np * D);
+            be->copy(be, dst, ms->pemb, (size_t)B * np * D);
     } else {
-        R(embed_forward)(dst, ms->tokens, P + ml->embed_w, B * T, D);
+        be->embed_forward(be, dst, ms->tokens, P + ml->embed_w, B * T, D);
     }
-    R(posadd_forward)(dst, P + ml->pos, B, T, D);
+    be->posadd_forward(be, dst, P + ml->pos, B, T, D);
     if (ml->has_ln_pre)
-        R(layernorm_forward)(x0, ms->pre_m, ms->pre_r, ms->pre, P + ml->ln_pre_w, P + ml->ln_pre_b,
+        be->layernorm_forward(be, x0, ms->pre_m, ms->pre_r, ms->pre, P + ml->ln_pre_w, P + ml->ln_pre_b,
                              B * T, D, L->cfg.ln_eps);
 }
 
 static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const modality_layout *ml = &L->mod[m];
     mod_state *ms = &g->mod[m];
@@ -406,31 +424,32 @@ static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
     const real *dx0 = s->dres + s->seg[ms->seg].tok_off * D;
     const real *d = dx0;
     if (ml->has_ln_pre) {
-        memset(ms->dpre, 0, sizeof(real) * (size_t)B * T * D);
-        R(layernorm_backward)(ms->dpre, G + ml->ln_pre_w, G + ml->ln_pre_b, dx0, ms->pre,
+        be->zero(be, ms->dpre, (size_t)B * T * D);
+        be->layernorm_backward(be, ms->dpre, G + ml->ln_pre_w, G + ml->ln_pre_b, dx0, ms->pre,
                               P + ml->ln_pre_w, ms->pre_m, ms->pre_r, B * T, D);
         d = ms->dpre;
     }
-    R(posadd_backward)(G + ml->pos, d, B, T, D);
+    be->posadd_backward(be, G + ml->pos, d, B, T, D);
     if (m == MOD_IMAGE) {
         const vlmoe_model_config *c = &L->cfg;
         const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
         const int pd = c->channels * c->patch_size * c->patch_size;
         const real *dp = d;
         if (ml->has_cls) {
-            memset(ms->dpemb, 0, sizeof(real) * (size_t)B * np * D);
-            R(cls_backward)(G + ml->cls, ms->dpemb, d, B, np, D);
+            be->zero(be, ms->dpemb, (size_t)B * np * D);
+            be->cls_backward(be, G + ml->cls, ms->dpemb, d, B, np, D);
             dp = ms->dpemb;
         }
-        R(linear_backward)(NULL, G + ml->embed_w, ml->embed_b == NO_PARAM ? NULL : G + ml->embed_b,
+        be->linear_backward(be, NULL, G + ml->embed_w, ml->embed_b == NO_PARAM ? NULL : G + ml->embed_b,
                            dp, ms->patches, P + ml->embed_w, B * np, pd, D);
     } else {
-        R(embed_backward)(G + ml->embed_w, d, ms->tokens, B * T, D);
+        be->embed_backward(be, G + ml->embed_w, d, ms->tokens, B * T, D);
     }
 }
 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
                      const int32_t *lens, graph_result *res) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const vlmoe_model_config *cfg = &L->cfg;
     const int B = g->B, E = cfg->embed_dim;
@@ -449,8 +468,8 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
                                       "vocabulary [0, %d)", b, tokens[(size_t)b * T + t], t,
                                       cfg->vocab_size);
         }
-        memcpy(g->mod[MOD_TEXT].tokens, tokens, sizeof(int32_t) * (size_t)B * T);
-        memcpy(g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
+        g->be->upload_bytes(g->be, g->mod[MOD_TEXT].tokens, tokens, sizeof(int32_t) * (size_t)B * T);
+        g->be->upload_bytes(g->be, g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
         g->enc[L->mod[MOD_TEXT].enc].seg[g->mod[MOD_TEXT].seg].lens = g->mod[MOD_TEXT].lens;
     }
     // every MoE layer must be able to split this pass's tokens into its routing groups
@@ -476,14 +495,14 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         const modality_layout *ml = &L->mod[m];
         const enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
-        R(pool_forward)(ms->pooled, s->lnf + s->seg[ms->seg].tok_off * D,
+        be->pool_forward(be, ms->pooled, s->lnf + s->seg[ms->seg].tok_off * D,
                         m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
-        R(linear_forward)(ms->proj, ms->pooled, P + ml->proj, NULL, B, D, E, 0);
-        R(l2norm_forward)(ms->emb, ms->norm, ms->proj, B, E);
+        be->linear_forward(be, ms->proj, ms->pooled, P + ml->proj, NULL, B, D, E, 0);
+        be->l2norm_forward(be, ms->emb, ms->norm, ms->proj, B, E);
     }
     if (res) memset(res, 0, sizeof(*res));
     if (g->have_loss && res) {
-        res->loss = R(contrastive_forward)(g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
+        res->loss = be->contrastive_forward(be, g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
                                            g->mod[MOD_TEXT].emb, P[L->logit_scale], B, E, res->acc);
         res->aux = g->aux;
         res->loss += g->aux;
@@ -492,27 +511,28 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
 }
 
 void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const int B = g->B, E = L->cfg.embed_dim;
     if (!g->have_loss) return;
     mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
-    memset(mi->demb, 0, sizeof(real) * (size_t)B * E);
-    memset(mt->demb, 0, sizeof(real) * (size_t)B * E);
-    R(contrastive_backward)(mi->demb, mt->demb, G + L->logit_scale, g->logits, g->prow, g->pcol,
+    be->zero(be, mi->demb, (size_t)B * E);
+    be->zero(be, mt->demb, (size_t)B * E);
+    be->contrastive_backward(be, mi->demb, mt->demb, G + L->logit_scale, g->logits, g->prow, g->pcol,
                             mi->emb, mt->emb, P[L->logit_scale], B, E, 1.0);
     for (int e = 0; e < L->nenc; e++)
-        memset(g->enc[e].dlnf, 0, sizeof(real) * g->enc[e].ntok * (size_t)g->enc[e].E->width);
+        be->zero(be, g->enc[e].dlnf, g->enc[e].ntok * (size_t)g->enc[e].E->width);
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
         const modality_layout *ml = &L->mod[m];
         enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
-        memset(ms->dproj, 0, sizeof(real) * (size_t)B * E);
-        R(l2norm_backward)(ms->dproj, ms->demb, ms->emb, ms->norm, B, E);
-        memset(ms->dpooled, 0, sizeof(real) * (size_t)B * D);
-        R(linear_backward)(ms->dpooled, G + ml->proj, NULL, ms->dproj, ms->pooled, P + ml->proj, B,
+        be->zero(be, ms->dproj, (size_t)B * E);
+        be->l2norm_backward(be, ms->dproj, ms->demb, ms->emb, ms->norm, B, E);
+        be->zero(be, ms->dpooled, (size_t)B * D);
+        be->linear_backward(be, ms->dpooled, G + ml->proj, NULL, ms->dproj, ms->pooled, P + ml->proj, B,
                            D, E);
-        R(pool_backward)(s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
+        be->pool_backward(be, s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
     }
     for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);

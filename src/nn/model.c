@@ -217,6 +217,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     *out = NULL;
     vlmoe_model *m = calloc(1, sizeof(*m));
     if (!m) return vlmoe_fail(VLMOE_ERR_NOMEM, "model");
+    m->be = backend_cpu_f32();
     int st = model_layout_build(&m->L, cfg);
     if (st) return free(m), st;
     m->params = vlmoe_alloc(sizeof(float) * m->L.total, "parameters");
@@ -256,7 +257,7 @@ int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
     graph_free_f32(m->g);
     m->g = NULL;
     m->have_forward = 0;
-    int st = graph_create_f32(&m->g, &m->L, batch_size);
+    int st = graph_create_f32(&m->g, &m->L, m->be, batch_size);
     if (st) return st;
     m->planned_B = batch_size;
     return VLMOE_OK;

@@ -4,6 +4,7 @@
 // Covered by tests/test_model.c and tests/test_parity.c.
 #ifndef VLMOE_MODEL_H
 #define VLMOE_MODEL_H
+#include "ops/backend.h"
 #include "ops/ops.h"
 #include "vlmoe.h"
 
@@ -91,7 +92,8 @@ typedef struct {
 
 #define GRAPH_DECL(T, S)                                                                       \
     typedef struct graph_##S graph_##S;                                                          \
-    int graph_create_##S(graph_##S **out, const model_layout *L, int B);                         \
+    int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
+                         int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
     /* images (B,C,H,W) or NULL; tokens (B,T)+lens or NULL; loss only when both are given */     \
     int graph_forward_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens, \
@@ -117,6 +119,7 @@ struct mome_itc_f32;
 // The model object behind the public handle (model.c; the mome entry points in mome_model.c).
 struct vlmoe_model {
     model_layout L;
+    const vlmoe_backend_f32 *be;   // where the graphs run (the CPU table unless chosen otherwise)
     float *params, *grads;
     graph_f32 *g;
     struct mome_graph_f32 *mg;  // arch mome: its graph instead of g

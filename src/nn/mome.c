@@ -27,6 +27,7 @@
 #include "loss/masked.h"
 #include "moe/layer.h"
 #include "nn/mome.h"
+#include "ops/backend.h"
 
 typedef struct {
     real *ln1_m, *ln1_r, *qkv, *res1; // attention half (ln1 and the attention output are recomputed)
@@ -47,6 +48,7 @@ enum { HEAD_TEXT = 0, HEAD_IMAGE = 1 };
 
 struct R(mome_graph) {
     const model_layout *L;
+    const R(vlmoe_backend) *be;      // every kernel, and the arena's memory
     const mome_layout *X;
     int B, D, H, M;
     // the current forward
@@ -71,6 +73,7 @@ struct R(mome_graph) {
     int32_t *tokens, *lens, *seqlens;
     uint8_t *masked;                 // (B,np) patch replaced by the mask token
     uint8_t *mods[2];                // all VLMOE_MOD_IMAGE / all VLMOE_MOD_TEXT
+    uint64_t *keys;                  // (B*(Ti+Tt)) routing-noise keys of the stream rows
     const double **noise;            // (nmoe) test hook
     vlmoe_moe_stats *stats;          // (nmoe)
     real *arena;
@@ -146,7 +149,8 @@ static const mome_ffn *ffn_of(const struct R(mome_graph) *g, int l, int which) {
     return &g->X->ffn[l * MOME_NFFN + which];
 }
 
-int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int B) {
+int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, const R(vlmoe_backend) *be,
+                         int B) {
     *out = NULL;
     if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
     if (!L->mome) return vlmoe_fail(VLMOE_ERR_ARG, "mome graph: model '%s' is not arch mome", L->cfg.name);
@@ -155,6 +159,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
     const mome_layout *X = L->mome;
     const int nl = L->enc[0].layers, n = B * (X->Ti + X->Tt);
     g->L = L;
+    g->be = be;
     g->X = X;
     g->B = B;
     g->D = L->enc[0].width;
@@ -168,7 +173,8 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
     g->masked = vlmoe_calloc((size_t)B * X->np, "patch mask");
     g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
     g->mods[1] = vlmoe_alloc((size_t)n, "modalities");
-    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1])
+    g->keys = vlmoe_alloc(sizeof(uint64_t) * (size_t)n, "token noise keys");
+    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1] || !g->keys)
         return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
     memset(g->mods[1], VLMOE_MOD_TEXT, (size_t)n);
     g->tokens = g->ints;
@@ -181,7 +187,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
     g->clabels = g->labels[HEAD_IMAGE] + (size_t)B * X->np;
     carver c = {NULL, 0};
     plan(g, &c);
-    g->arena = vlmoe_alloc(sizeof(real) * c.used, "activation arena");
+    g->arena = be->alloc(be, sizeof(real) * c.used, "activation arena");
     if (!g->arena) return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
     c = (carver){g->arena, 0};
     plan(g, &c);
@@ -194,7 +200,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, int 
                                     .router_w = f->ffn.router_w, .w1 = f->ffn.fc1_w, .b1 = f->ffn.fc1_b,
                                     .w2 = f->ffn.fc2_w, .b2 = f->ffn.fc2_b, .phi = f->ffn.phi,
                                     .scale = f->ffn.scale, .pruned = l < 64 ? f->moe->pruned[l] : 0};
-            int st = R(moe_state_create)(&a->moe[k], &a->spec[k], B * (k == MOME_V ? X->Ti : X->Tt));
+            int st = R(moe_state_create)(&a->moe[k], &a->spec[k], be, B * (k == MOME_V ? X->Ti : X->Tt));
             if (st) return R(mome_graph_free)(g), st;
             g->stats[f->ffn.moe_index].encoder = 0;
             g->stats[f->ffn.moe_index].block = l;
@@ -207,8 +213,9 @@ void R(mome_graph_free)(struct R(mome_graph) *g) {
     if (!g) return;
     for (int l = 0; g->layers && l < g->L->enc[0].layers; l++)
         for (int k = 0; k < 2; k++) R(moe_state_free)(g->layers[l].moe[k]);
-    void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->arena};
+    void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->keys};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) vlmoe_free_mem(all[i]);
+    g->be->free(g->be, g->arena);
     vlmoe_free_mem(g);
 }
 
@@ -243,13 +250,13 @@ const real *R(mome_graph_feature)(const struct R(mome_graph) *g, int b) {
 void R(mome_graph_set_feature_grad)(struct R(mome_graph) *g, const real *dfeat) { g->dfeat = dfeat; }
 
 // rows [off, off+len) of each of B sequences of T tokens <-> a contiguous (B*len, D) buffer
-static void gather(real *dst, const real *src, int B, int T, int off, int len, int D) {
+static void gather(const R(vlmoe_backend) *be, real *dst, const real *src, int B, int T, int off, int len, int D) {
     for (int b = 0; b < B; b++)
-        memcpy(dst + (size_t)b * len * D, src + ((size_t)b * T + off) * D, sizeof(real) * (size_t)len * D);
+        be->copy(be, dst + (size_t)b * len * D, src + ((size_t)b * T + off) * D, (size_t)len * D);
 }
-static void scatter(real *dst, const real *src, int B, int T, int off, int len, int D) {
+static void scatter(const R(vlmoe_backend) *be, real *dst, const real *src, int B, int T, int off, int len, int D) {
     for (int b = 0; b < B; b++)
-        memcpy(dst + ((size_t)b * T + off) * D, src + (size_t)b * len * D, sizeof(real) * (size_t)len * D);
+        be->copy(be, dst + ((size_t)b * T + off) * D, src + (size_t)b * len * D, (size_t)len * D);
 }
 
 // The experts block l runs in this encoding (Figure 1): V and/or T, or VL for a pair's top blocks.
@@ -270,56 +277,63 @@ static int streams_of(const struct R(mome_graph) *g, int l, stream *s) {
 
 // res2 = res1 + expert(ln(res1)) over one stream's tokens.
 static int stream_forward(struct R(mome_graph) *g, const real *P, int l, const stream *s) {
+    const R(vlmoe_backend) *be = g->be;
     mome_acts *a = &g->layers[l];
     const mome_ffn *f = ffn_of(g, l, s->which);
     const int B = g->B, D = g->D, M = g->M, ns = B * s->len;
     real *xs = g->sx + s->row0 * D, *ln = a->sln + s->row0 * D;
-    gather(xs, a->res1, B, g->T, s->off, s->len, D);
-    R(layernorm_forward)(ln, a->sln_m + s->row0, a->sln_r + s->row0, xs, P + f->ln_w, P + f->ln_b, ns, D,
+    gather(be, xs, a->res1, B, g->T, s->off, s->len, D);
+    be->layernorm_forward(be, ln, a->sln_m + s->row0, a->sln_r + s->row0, xs, P + f->ln_w, P + f->ln_b, ns, D,
                          g->L->cfg.ln_eps);
     if (f->ffn.kind == FFN_MOE) {
         const int idx = f->ffn.moe_index;
         // the seed differs per layer and per call, so every layer draws its own noise
+        // every row's noise key: its sequence, its modality and its position in the sequence
+        uint64_t *keys = g->keys + s->row0;
+        const int mod = s->which == MOME_V ? VLMOE_MOD_IMAGE : VLMOE_MOD_TEXT;
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < s->len; i++) keys[(size_t)b * s->len + i] = moe_token_key((uint64_t)b, mod, s->off + i);
         moe_call c = {ns, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1, g->mods[s->which],
-                      g->noise[idx]};
+                      g->noise[idx], keys};
         double aux = 0;
         int st = R(moe_forward)(a->moe[s->which], &c, P, ln, xs, &aux, &g->stats[idx]);
         if (st) return st;
         g->aux += aux;
     } else {
-        real *h = a->sh + s->row0 * M, *act = g->sa + s->row0 * M;
-        R(linear_forward)(h, ln, P + f->ffn.fc1_w, P + f->ffn.fc1_b, ns, D, M, 0);
-        R(act_forward)(act, h, (size_t)ns * M, g->L->cfg.act);
-        R(linear_forward)(xs, act, P + f->ffn.fc2_w, P + f->ffn.fc2_b, ns, M, D, 1);
+        // a dense MLP is the expert bank of one expert, added onto the residual
+        const int32_t off[2] = {0, ns};
+        const be_experts ex = {1, D, M, g->L->cfg.act, off};
+        const real *const w[4] = {P + f->ffn.fc1_w, P + f->ffn.fc1_b, P + f->ffn.fc2_w, P + f->ffn.fc2_b};
+        be->experts_forward(be, xs, a->sh + s->row0 * M, g->sa + s->row0 * M, ln, w, &ex, 1);
     }
-    scatter(a->res2, xs, B, g->T, s->off, s->len, D);
+    scatter(be, a->res2, xs, B, g->T, s->off, s->len, D);
     return VLMOE_OK;
 }
 
 // dres holds d(res2) on entry and d(res1) on return, for this stream's tokens.
 static void stream_backward(struct R(mome_graph) *g, const real *P, real *G, int l, const stream *s) {
+    const R(vlmoe_backend) *be = g->be;
     mome_acts *a = &g->layers[l];
     const mome_ffn *f = ffn_of(g, l, s->which);
     const int B = g->B, D = g->D, M = g->M, ns = B * s->len, act = g->L->cfg.act;
     real *dy = g->sdy + s->row0 * D, *dln = g->sdln + s->row0 * D, *xs = g->sx + s->row0 * D;
     const real *ln = a->sln + s->row0 * D;
-    gather(dy, g->dres, B, g->T, s->off, s->len, D);
-    memset(dln, 0, sizeof(real) * (size_t)ns * D);
+    gather(be, dy, g->dres, B, g->T, s->off, s->len, D);
+    be->zero(be, dln, (size_t)ns * D);
     if (f->ffn.kind == FFN_MOE) {
         R(moe_backward)(a->moe[s->which], P, G, ln, dy, dln, 1.0);
     } else {
-        real *h = a->sh + s->row0 * M, *y = g->sa + s->row0 * M, *da = g->sda + s->row0 * M, *dh = g->sdh + s->row0 * M;
-        R(act_forward)(y, h, (size_t)ns * M, act); // the activation again
-        memset(da, 0, sizeof(real) * (size_t)ns * M);
-        R(linear_backward)(da, G + f->ffn.fc2_w, G + f->ffn.fc2_b, dy, y, P + f->ffn.fc2_w, ns, M, D);
-        memset(dh, 0, sizeof(real) * (size_t)ns * M);
-        R(act_backward)(dh, h, da, (size_t)ns * M, act);
-        R(linear_backward)(dln, G + f->ffn.fc1_w, G + f->ffn.fc1_b, dh, ln, P + f->ffn.fc1_w, ns, D, M);
+        const int32_t off[2] = {0, ns};
+        const be_experts ex = {1, D, M, act, off};
+        const real *const w[4] = {P + f->ffn.fc1_w, P + f->ffn.fc1_b, P + f->ffn.fc2_w, P + f->ffn.fc2_b};
+        real *const dw[4] = {G + f->ffn.fc1_w, G + f->ffn.fc1_b, G + f->ffn.fc2_w, G + f->ffn.fc2_b};
+        be->experts_backward(be, dln, dw, dy, ln, a->sh + s->row0 * M, w, g->sda + s->row0 * M,
+                             g->sdh + s->row0 * M, &ex);
     }
-    gather(xs, a->res1, B, g->T, s->off, s->len, D);
-    R(layernorm_backward)(dy, G + f->ln_w, G + f->ln_b, dln, xs, P + f->ln_w, a->sln_m + s->row0,
+    gather(be, xs, a->res1, B, g->T, s->off, s->len, D);
+    be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, xs, P + f->ln_w, a->sln_m + s->row0,
                           a->sln_r + s->row0, ns, D);
-    scatter(g->dres, dy, B, g->T, s->off, s->len, D);
+    scatter(be, g->dres, dy, B, g->T, s->off, s->len, D);
 }
 
 static attn_segment segment(const struct R(mome_graph) *g) {
@@ -415,51 +429,53 @@ static int take_inputs(struct R(mome_graph) *g, const R(mome_input) *in) {
 }
 
 static void stem_forward(struct R(mome_graph) *g, const real *P, const real *images) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const mome_layout *X = g->X;
     const vlmoe_model_config *c = &L->cfg;
     const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
     const int B = g->B, D = g->D;
     if (g->enc != VLMOE_ENC_TEXT) {
-        R(patchify_forward)(g->patches, images, B, c->channels, c->image_size, c->patch_size);
-        R(linear_forward)(g->pemb, g->patches, P + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : P + mi->embed_b,
+        be->patchify_forward(be, g->patches, images, B, c->channels, c->image_size, c->patch_size);
+        be->linear_forward(be, g->pemb, g->patches, P + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : P + mi->embed_b,
                           B * X->np, X->pd, D, 0);
         for (size_t i = 0; i < (size_t)B * X->np; i++) // BEiT: a masked patch becomes the mask token
-            if (g->masked[i]) memcpy(g->pemb + i * D, P + X->mask_patch, sizeof(real) * D);
-        R(cls_forward)(g->ximg, P + mi->cls, g->pemb, B, X->np, D);
-        R(posadd_forward)(g->ximg, P + mi->pos, B, X->Ti, D);
-        scatter(g->x0, g->ximg, B, g->T, 0, X->Ti, D);
+            if (g->masked[i]) be->copy(be, g->pemb + i * D, P + X->mask_patch, D);
+        be->cls_forward(be, g->ximg, P + mi->cls, g->pemb, B, X->np, D);
+        be->posadd_forward(be, g->ximg, P + mi->pos, B, X->Ti, D);
+        scatter(be, g->x0, g->ximg, B, g->T, 0, X->Ti, D);
     }
     if (g->enc != VLMOE_ENC_IMAGE) {
-        R(embed_forward)(g->xtxt, g->tokens, P + mt->embed_w, B * X->Tt, D);
-        R(posadd_forward)(g->xtxt, P + mt->pos, B, X->Tt, D);
-        scatter(g->x0, g->xtxt, B, g->T, g->text_off, X->Tt, D);
+        be->embed_forward(be, g->xtxt, g->tokens, P + mt->embed_w, B * X->Tt, D);
+        be->posadd_forward(be, g->xtxt, P + mt->pos, B, X->Tt, D);
+        scatter(be, g->x0, g->xtxt, B, g->T, g->text_off, X->Tt, D);
     }
 }
 
 static void stem_backward(struct R(mome_graph) *g, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const mome_layout *X = g->X;
     const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
     const int B = g->B, D = g->D;
     if (g->enc != VLMOE_ENC_TEXT) {
-        gather(g->dximg, g->dres, B, g->T, 0, X->Ti, D);
-        R(posadd_backward)(G + mi->pos, g->dximg, B, X->Ti, D);
-        memset(g->dpemb, 0, sizeof(real) * (size_t)B * X->np * D);
-        R(cls_backward)(G + mi->cls, g->dpemb, g->dximg, B, X->np, D);
+        gather(be, g->dximg, g->dres, B, g->T, 0, X->Ti, D);
+        be->posadd_backward(be, G + mi->pos, g->dximg, B, X->Ti, D);
+        be->zero(be, g->dpemb, (size_t)B * X->np * D);
+        be->cls_backward(be, G + mi->cls, g->dpemb, g->dximg, B, X->np, D);
         for (size_t i = 0; i < (size_t)B * X->np; i++) {
             if (!g->masked[i]) continue;
             real *d = g->dpemb + i * D;
-            for (int k = 0; k < D; k++) G[X->mask_patch + k] += d[k];
-            memset(d, 0, sizeof(real) * D); // the patch's own embedding did not reach the output
+            be->add(be, G + X->mask_patch, d, D);
+            be->zero(be, d, D); // the patch's own embedding did not reach the output
         }
-        R(linear_backward)(NULL, G + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : G + mi->embed_b, g->dpemb,
+        be->linear_backward(be, NULL, G + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : G + mi->embed_b, g->dpemb,
                            g->patches, P + mi->embed_w, B * X->np, X->pd, D);
     }
     if (g->enc != VLMOE_ENC_IMAGE) {
-        gather(g->dxtxt, g->dres, B, g->T, g->text_off, X->Tt, D);
-        R(posadd_backward)(G + mt->pos, g->dxtxt, B, X->Tt, D);
-        R(embed_backward)(G + mt->embed_w, g->dxtxt, g->tokens, B * X->Tt, D);
+        gather(be, g->dxtxt, g->dres, B, g->T, g->text_off, X->Tt, D);
+        be->posadd_backward(be, G + mt->pos, g->dxtxt, B, X->Tt, D);
+        be->embed_backward(be, G + mt->embed_w, g->dxtxt, g->tokens, B * X->Tt, D);
     }
 }
 
@@ -474,12 +490,13 @@ static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t 
 // image's patch tokens ([I_CLS] left out, as BEiT pools) for images; the [T_CLS] feature for
 // texts and, fused, for pairs (the first text token, at text_off). pooled (B,D) from lnf (B,T,D).
 static void pool_forward(struct R(mome_graph) *g) {
+    const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D, np = g->X->np;
     for (int b = 0; b < B; b++) {
         real *o = g->pooled + (size_t)b * D;
         const real *x = g->lnf + (size_t)b * g->T * D;
         if (g->enc != VLMOE_ENC_IMAGE) {
-            memcpy(o, x + (size_t)g->text_off * D, sizeof(real) * D);
+            be->copy(be, o, x + (size_t)g->text_off * D, D);
             continue;
         }
         for (int k = 0; k < D; k++) {
@@ -507,6 +524,7 @@ static void pool_backward(struct R(mome_graph) *g) {
 
 int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_input) *in,
                           vlmoe_mome_stats *res) {
+    const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const encoder_layout *E = &L->enc[0];
     const int D = g->D, H = g->H;
@@ -531,17 +549,17 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     for (int l = 0; l < E->layers; l++) {
         const block_layout *bl = &E->blocks[l];
         mome_acts *a = &g->layers[l];
-        R(layernorm_forward)(g->ln1, a->ln1_m, a->ln1_r, x, P + bl->ln1_w, P + bl->ln1_b, n, D, L->cfg.ln_eps);
-        R(linear_forward)(a->qkv, g->ln1, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
-        R(attention_forward)(g->atty, g->att, a->qkv, &seg, D, H);
-        memcpy(a->res1, x, sizeof(real) * (size_t)n * D);
-        R(linear_forward)(a->res1, g->atty, P + bl->out_w, P + bl->out_b, n, D, D, 1);
+        be->layernorm_forward(be, g->ln1, a->ln1_m, a->ln1_r, x, P + bl->ln1_w, P + bl->ln1_b, n, D, L->cfg.ln_eps);
+        be->linear_forward(be, a->qkv, g->ln1, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
+        be->attention_forward(be, g->atty, g->att, a->qkv, &seg, D, H);
+        be->copy(be, a->res1, x, (size_t)n * D);
+        be->linear_forward(be, a->res1, g->atty, P + bl->out_w, P + bl->out_b, n, D, D, 1);
         const int ns = streams_of(g, l, s);
         for (int k = 0; k < ns; k++)
             if ((st = stream_forward(g, P, l, &s[k]))) return vlmoe_error_prefix("block %d", l), st;
         x = a->res2;
     }
-    R(layernorm_forward)(g->lnf, g->lnf_m, g->lnf_r, x, P + E->lnf_w, P + E->lnf_b, n, D, L->cfg.ln_eps);
+    be->layernorm_forward(be, g->lnf, g->lnf_m, g->lnf_r, x, P + E->lnf_w, P + E->lnf_b, n, D, L->cfg.ln_eps);
     double loss[2] = {0, 0}, acc[2] = {0, 0};
     for (int h = 0; h < 2; h++) {
         const int cnt = g->count[h];
@@ -550,9 +568,9 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         int C, right = 0;
         head_params(g, h, &w, &b, &C);
         for (int i = 0; i < cnt; i++)
-            memcpy(g->hsel[h] + (size_t)i * D, g->lnf + (size_t)g->rows[h][i] * D, sizeof(real) * D);
-        R(linear_forward)(g->probs[h], g->hsel[h], P + w, P + b, cnt, D, C, 0);
-        loss[h] = R(xent_forward)(g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / cnt;
+            be->copy(be, g->hsel[h] + (size_t)i * D, g->lnf + (size_t)g->rows[h][i] * D, D);
+        be->linear_forward(be, g->probs[h], g->hsel[h], P + w, P + b, cnt, D, C, 0);
+        loss[h] = be->xent_forward(be, g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / cnt;
         acc[h] = (double)right / cnt;
     }
     double closs = 0, cacc = 0;
@@ -560,10 +578,10 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     const int NC = L->cfg.num_classes, cs = g->X->cs, ne = g->B / cs;
     if (cw != NO_PARAM) { // pooled (B,D) read as (B/cs, cs*D): NLVR2's two features side by side
         pool_forward(g);
-        R(linear_forward)(g->clogits, g->pooled, P + cw, P + cb, ne, cs * D, NC, 0);
+        be->linear_forward(be, g->clogits, g->pooled, P + cw, P + cb, ne, cs * D, NC, 0);
         if (g->have_cls) {
             int right = 0;
-            closs = R(xent_forward)(g->cprobs, g->clogits, g->clabels, ne, NC, &right) / ne;
+            closs = be->xent_forward(be, g->cprobs, g->clogits, g->clabels, ne, NC, &right) / ne;
             cacc = (double)right / ne;
         }
     }
@@ -586,22 +604,23 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
 }
 
 void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
     if (!g->have_forward) return;
     const model_layout *L = g->L;
     const encoder_layout *E = &L->enc[0];
     const int D = g->D, H = g->H, n = g->n;
     // heads: each a mean over its labelled positions
-    memset(g->dlnf, 0, sizeof(real) * (size_t)n * D);
+    be->zero(be, g->dlnf, (size_t)n * D);
     for (int h = 0; h < 2; h++) {
         const int cnt = g->count[h];
         if (!cnt) continue;
         size_t w, b;
         int C;
         head_params(g, h, &w, &b, &C);
-        memset(g->dlog, 0, sizeof(real) * (size_t)cnt * C);
-        R(xent_backward)(g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
-        memset(g->dhsel, 0, sizeof(real) * (size_t)cnt * D);
-        R(linear_backward)(g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
+        be->zero(be, g->dlog, (size_t)cnt * C);
+        be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
+        be->zero(be, g->dhsel, (size_t)cnt * D);
+        be->linear_backward(be, g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
         for (int i = 0; i < cnt; i++) {
             real *d = g->dlnf + (size_t)g->rows[h][i] * D;
             const real *s = g->dhsel + (size_t)i * D;
@@ -611,10 +630,10 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
     if (g->have_cls) { // the classification head: a mean over the B/cs examples
         const size_t cw = g->X->cls_w, cb = g->X->cls_b;
         const int NC = L->cfg.num_classes, cs = g->X->cs, ne = g->B / cs;
-        memset(g->dlog, 0, sizeof(real) * (size_t)ne * NC);
-        R(xent_backward)(g->dlog, g->cprobs, g->clabels, ne, NC, 1.0 / ne);
-        memset(g->dpooled, 0, sizeof(real) * (size_t)g->B * D);
-        R(linear_backward)(g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, ne, cs * D, NC);
+        be->zero(be, g->dlog, (size_t)ne * NC);
+        be->xent_backward(be, g->dlog, g->cprobs, g->clabels, ne, NC, 1.0 / ne);
+        be->zero(be, g->dpooled, (size_t)g->B * D);
+        be->linear_backward(be, g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, ne, cs * D, NC);
         pool_backward(g);
     }
     if (g->dfeat) // an outside loss on the retrieval features (mome_itc_backward)
@@ -623,8 +642,8 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
             for (int k = 0; k < D; k++) d[k] += g->dfeat[(size_t)b * D + k];
         }
     const real *xL = E->layers ? g->layers[E->layers - 1].res2 : g->x0;
-    memset(g->dres, 0, sizeof(real) * (size_t)n * D);
-    R(layernorm_backward)(g->dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
+    be->zero(be, g->dres, (size_t)n * D);
+    be->layernorm_backward(be, g->dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
     const attn_segment seg = segment(g);
     stream s[2];
     for (int l = E->layers - 1; l >= 0; l--) {
@@ -634,15 +653,15 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         const int ns = streams_of(g, l, s);
         for (int k = 0; k < ns; k++) stream_backward(g, P, G, l, &s[k]);
         // dres holds d(res1): the attention half, its outputs recomputed
-        R(attention_forward)(g->atty, g->att, a->qkv, &seg, D, H);
-        memset(g->datty, 0, sizeof(real) * (size_t)n * D);
-        R(linear_backward)(g->datty, G + bl->out_w, G + bl->out_b, g->dres, g->atty, P + bl->out_w, n, D, D);
-        memset(g->dqkv, 0, sizeof(real) * (size_t)n * 3 * D);
-        R(attention_backward)(g->dqkv, g->datt, g->datty, a->qkv, g->att, &seg, D, H);
-        R(layernorm_recompute)(g->ln1, x, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m, a->ln1_r, n, D);
-        memset(g->dln, 0, sizeof(real) * (size_t)n * D);
-        R(linear_backward)(g->dln, G + bl->qkv_w, G + bl->qkv_b, g->dqkv, g->ln1, P + bl->qkv_w, n, D, 3 * D);
-        R(layernorm_backward)(g->dres, G + bl->ln1_w, G + bl->ln1_b, g->dln, x, P + bl->ln1_w, a->ln1_m, a->ln1_r, n, D);
+        be->attention_forward(be, g->atty, g->att, a->qkv, &seg, D, H);
+        be->zero(be, g->datty, (size_t)n * D);
+        be->linear_backward(be, g->datty, G + bl->out_w, G + bl->out_b, g->dres, g->atty, P + bl->out_w, n, D, D);
+        be->zero(be, g->dqkv, (size_t)n * 3 * D);
+        be->attention_backward(be, g->dqkv, g->datt, g->datty, a->qkv, g->att, &seg, D, H);
+        be->layernorm_recompute(be, g->ln1, x, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m, a->ln1_r, n, D);
+        be->zero(be, g->dln, (size_t)n * D);
+        be->linear_backward(be, g->dln, G + bl->qkv_w, G + bl->qkv_b, g->dqkv, g->ln1, P + bl->qkv_w, n, D, 3 * D);
+        be->layernorm_backward(be, g->dres, G + bl->ln1_w, G + bl->ln1_b, g->dln, x, P + bl->ln1_w, a->ln1_m, a->ln1_r, n, D);
     }
     stem_backward(g, P, G);
 }
@@ -651,6 +670,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
 
 struct R(mome_itc) {
     const model_layout *L;
+    const R(vlmoe_backend) *be;
     int B, D, E;
     real *feat[2], *proj[2], *norm[2], *emb[2]; // per side: (B,D) features, (B,E) projections,
                                                 // (B) norms, (B,E) normalised embeddings
@@ -675,17 +695,17 @@ static void itc_plan(struct R(mome_itc) *c, carver *k) {
     c->pcol = take(k, B * B);
 }
 
-int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, int B) {
+int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
     *out = NULL;
     if (!L->mome || L->mome->itc_proj[0] == NO_PARAM)
         return vlmoe_fail(VLMOE_ERR_ARG, "model '%s' has no retrieval head (retrieval_head = 0)", L->cfg.name);
     if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
     struct R(mome_itc) *c = vlmoe_calloc(sizeof(*c), "retrieval head");
     if (!c) return VLMOE_ERR_NOMEM;
-    *c = (struct R(mome_itc)){.L = L, .B = B, .D = L->enc[0].width, .E = L->cfg.embed_dim};
+    *c = (struct R(mome_itc)){.L = L, .be = be, .B = B, .D = L->enc[0].width, .E = L->cfg.embed_dim};
     carver k = {NULL, 0};
     itc_plan(c, &k);
-    if (!(c->arena = vlmoe_alloc(sizeof(real) * k.used, "retrieval head"))) return R(mome_itc_free)(c), VLMOE_ERR_NOMEM;
+    if (!(c->arena = be->alloc(be, sizeof(real) * k.used, "retrieval head"))) return R(mome_itc_free)(c), VLMOE_ERR_NOMEM;
     k = (carver){c->arena, 0};
     itc_plan(c, &k);
     *out = c;
@@ -694,41 +714,44 @@ int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, int B) {
 
 void R(mome_itc_free)(struct R(mome_itc) *c) {
     if (!c) return;
-    vlmoe_free_mem(c->arena);
+    c->be->free(c->be, c->arena);
     vlmoe_free_mem(c);
 }
 
 const real *R(mome_itc_embed)(struct R(mome_itc) *c, const struct R(mome_graph) *g, const real *P, int which) {
+    const R(vlmoe_backend) *be = g->be;
     const int D = c->D, E = c->E;
-    for (int b = 0; b < c->B; b++) memcpy(c->feat[which] + (size_t)b * D, R(mome_graph_feature)(g, b), sizeof(real) * D);
-    R(linear_forward)(c->proj[which], c->feat[which], P + c->L->mome->itc_proj[which], NULL, c->B, D, E, 0);
-    R(l2norm_forward)(c->emb[which], c->norm[which], c->proj[which], c->B, E);
+    for (int b = 0; b < c->B; b++) be->copy(be, c->feat[which] + (size_t)b * D, R(mome_graph_feature)(g, b), D);
+    be->linear_forward(be, c->proj[which], c->feat[which], P + c->L->mome->itc_proj[which], NULL, c->B, D, E, 0);
+    be->l2norm_forward(be, c->emb[which], c->norm[which], c->proj[which], c->B, E);
     return c->emb[which];
 }
 
 double R(mome_itc_forward)(struct R(mome_itc) *c, const struct R(mome_graph) *gi, const struct R(mome_graph) *gt,
                            const real *P, double *acc) {
+    const R(vlmoe_backend) *be = c->be;
     R(mome_itc_embed)(c, gi, P, 0);
     R(mome_itc_embed)(c, gt, P, 1);
-    return R(contrastive_forward)(c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[c->L->logit_scale], c->B,
+    return be->contrastive_forward(be, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[c->L->logit_scale], c->B,
                                   c->E, acc);
 }
 
 void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struct R(mome_graph) *gt, const real *P,
                           real *G) {
+    const R(vlmoe_backend) *be = c->be;
     const int B = c->B, D = c->D, E = c->E;
     const size_t ls = c->L->logit_scale;
-    memset(c->demb[0], 0, sizeof(real) * (size_t)B * E);
-    memset(c->demb[1], 0, sizeof(real) * (size_t)B * E);
-    R(contrastive_backward)(c->demb[0], c->demb[1], G + ls, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[ls],
+    be->zero(be, c->demb[0], (size_t)B * E);
+    be->zero(be, c->demb[1], (size_t)B * E);
+    be->contrastive_backward(be, c->demb[0], c->demb[1], G + ls, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[ls],
                             B, E, 1.0);
     struct R(mome_graph) *g[2] = {gi, gt};
     for (int s = 0; s < 2; s++) {
-        memset(c->dproj[s], 0, sizeof(real) * (size_t)B * E);
-        R(l2norm_backward)(c->dproj[s], c->demb[s], c->emb[s], c->norm[s], B, E);
-        memset(c->dfeat[s], 0, sizeof(real) * (size_t)B * D);
+        be->zero(be, c->dproj[s], (size_t)B * E);
+        be->l2norm_backward(be, c->dproj[s], c->demb[s], c->emb[s], c->norm[s], B, E);
+        be->zero(be, c->dfeat[s], (size_t)B * D);
         const size_t w = c->L->mome->itc_proj[s];
-        R(linear_backward)(c->dfeat[s], G + w, NULL, c->dproj[s], c->feat[s], P + w, B, D, E);
+        be->linear_backward(be, c->dfeat[s], G + w, NULL, c->dproj[s], c->feat[s], P + w, B, D, E);
         R(mome_graph_set_feature_grad)(g[s], c->dfeat[s]);
         R(mome_graph_backward)(g[s], P, G);
         R(mome_graph_set_feature_grad)(g[s], NULL);

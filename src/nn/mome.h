@@ -49,7 +49,8 @@ int mome_model_plan(vlmoe_model *m, int B);
         const int32_t *patch_labels; /* (B,np), >= 0: masked patch and its target; NULL: none */   \
         const int32_t *class_labels; /* (B) classes for the fine-tuning head; NULL: none */        \
     } mome_input_##S;                                                                             \
-    int mome_graph_create_##S(mome_graph_##S **out, const model_layout *L, int B);               \
+    int mome_graph_create_##S(mome_graph_##S **out, const model_layout *L,                       \
+                              const vlmoe_backend_##S *be, int B);                               \
     void mome_graph_free_##S(mome_graph_##S *g);                                                  \
     void mome_graph_set_mode_##S(mome_graph_##S *g, int training, uint64_t seed);                 \
     /* tests: the additive router noise (n,E) of MoE layer `index` in the next forwards, in */    \
@@ -73,7 +74,8 @@ int mome_model_plan(vlmoe_model *m, int B);
     /* image forward and the [T_CLS] of a text forward of the same B, each projected to */        \
     /* embed_dim and L2-normalised; the symmetric contrastive loss of src/loss/contrastive.c. */  \
     typedef struct mome_itc_##S mome_itc_##S;                                                     \
-    int mome_itc_create_##S(mome_itc_##S **out, const model_layout *L, int B);                   \
+    int mome_itc_create_##S(mome_itc_##S **out, const model_layout *L,                           \
+                            const vlmoe_backend_##S *be, int B);                                 \
     void mome_itc_free_##S(mome_itc_##S *c);                                                      \
     /* (B, embed_dim) embeddings of g's last forward (which: 0 its [I_CLS], 1 its [T_CLS]) */     \
     const T *mome_itc_embed_##S(mome_itc_##S *c, const mome_graph_##S *g, const T *P, int which);  \

@@ -103,7 +103,7 @@ int mome_model_plan(vlmoe_model *m, int B) {
     mome_graph_free_f32(m->mg);
     m->mg = NULL;
     m->have_forward = m->have_itc = 0;
-    int st = mome_graph_create_f32(&m->mg, &m->L, B);
+    int st = mome_graph_create_f32(&m->mg, &m->L, m->be, B);
     if (st) return st;
     m->planned_B = B;
     return VLMOE_OK;
@@ -146,7 +146,7 @@ static int itc_plan(vlmoe_model *m, int B) {
     if (m->itc && m->itc_B == B) return VLMOE_OK;
     mome_itc_free_f32(m->itc);
     m->itc = NULL;
-    int st = mome_itc_create_f32(&m->itc, &m->L, B);
+    int st = mome_itc_create_f32(&m->itc, &m->L, m->be, B);
     if (!st) m->itc_B = B;
     return st;
 }
@@ -236,7 +236,7 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     if (!m->mg_text || m->text_B != B) {
         mome_graph_free_f32(m->mg_text);
         m->mg_text = NULL;
-        if ((st = mome_graph_create_f32(&m->mg_text, &m->L, B))) return st;
+        if ((st = mome_graph_create_f32(&m->mg_text, &m->L, m->be, B))) return st;
         m->text_B = B;
     }
     m->have_forward = m->have_itc = 0;

@@ -1,0 +1,210 @@
+// backend.h: the compute backend table (after ggml's backend interface). Every kernel the model
+// code runs on activations, parameters and gradients goes through one of these tables: memory
+// (alloc, free, upload, download, zero, copy, sync), every op of src/ops/ops.h, the masked and
+// contrastive losses, the MoE dispatch (row gather, combine and their backward, router noise,
+// combine weights), the Soft MoE group kernels and the trainer's flat-buffer ops (sum of squares
+// with a finite check, scale, the AdamW update, clamp). Pointers given to a table are its own
+// memory ("device pointers"); the host reads them only through download. `supports` lets a
+// backend refuse an op, or one configuration of it, with an error naming the op.
+//
+// Tables: src/ops/backend_cpu.c (float and double, wrapping today's kernels; the double table is
+// the reference build tests/test_backend_ops.c compares against) and src/cuda/ (built with
+// `make CUDA=1`; a stub that says how to build it otherwise). Covered by tests/test_backend_ops.c.
+#ifndef VLMOE_OPS_BACKEND_H
+#define VLMOE_OPS_BACKEND_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe/aux.h"
+#include "moe/soft.h"
+#include "ops/ops.h"
+
+// Every entry of the table that computes, by name (append-only: the test prints these).
+typedef enum {
+    BE_OP_LINEAR, BE_OP_LAYERNORM, BE_OP_ACT, BE_OP_SOFTMAX, BE_OP_ATTENTION, BE_OP_PATCHIFY,
+    BE_OP_EMBED, BE_OP_POSADD, BE_OP_CLS, BE_OP_POOL, BE_OP_L2NORM, BE_OP_CONTRASTIVE, BE_OP_XENT,
+    BE_OP_GATHER_ROWS, BE_OP_COMBINE, BE_OP_COMBINE_WEIGHTS, BE_OP_ROUTER_NOISE, BE_OP_AUX_LOSS,
+    BE_OP_SOFT_MOE, BE_OP_EXPERTS, BE_OP_SUMSQ, BE_OP_SCALE, BE_OP_ADAMW, BE_OP_CLAMP,
+    BE_OP_COUNT
+} be_op;
+const char *be_op_name(be_op op);
+
+// The scalars of one AdamW update (torch.optim.AdamW's order of operations, src/optim/optim.c).
+typedef struct {
+    float b1, b2, ab1, ab2;  // beta1, beta2, 1-beta1, 1-beta2 (as floats)
+    float neg_step;          // -lr / (1 - beta1^t)
+    float bc2_sqrt;          // sqrt(1 - beta2^t)
+    float eps;
+    float shrink;            // 1 - lr*weight_decay, applied when decay is set
+    int decay;
+} be_adamw;
+
+// One MoE dispatch: rows ordered by expert; row r holds token row_token[r] for expert
+// row_expert[r]; token t's rows are tok_rows[tok_off[t] .. tok_off[t+1]) in row order.
+typedef struct {
+    int n, rows, E;
+    const int32_t *row_token, *row_expert, *tok_off, *tok_rows;
+} be_dispatch;
+
+// A bank of E two-layer MLPs (w1 (E,M,D), b1 (E,M), w2 (E,D,M), b2 (E,D): PyTorch's Linear
+// layout, experts stacked) over rows packed by expert: expert e owns rows [off[e], off[e+1]).
+// A dense MLP is the bank of one expert. off is host memory (the counts are known on the host
+// after routing).
+typedef struct {
+    int E, D, M, act;
+    const int32_t *off;      // (E+1)
+} be_experts;
+
+// Counter-based router noise: noise(key, e) = (sigma) N(0,1) from splitmix64 of
+// (seed, key[t], e) through Box-Muller, so a token's noise depends only on who it is, never on
+// the order the tokens are visited in (src/moe/layer.c builds the keys).
+typedef struct {
+    uint64_t seed;
+    double sigma;
+    const uint64_t *key;     // (n) one key per token
+} be_noise;
+
+#define BACKEND_DECL(T, S)                                                                       \
+    typedef struct vlmoe_backend_##S vlmoe_backend_##S;                                          \
+    struct vlmoe_backend_##S {                                                                   \
+        const char *name;                                                                        \
+        void *ctx;                                                                               \
+        /* 1 when the backend can run op with this configuration (cfg: the op's own struct, */   \
+        /* or NULL for "at all") */                                                              \
+        int (*supports)(const vlmoe_backend_##S *be, be_op op, const void *cfg);                 \
+        /* memory: alloc counts bytes (zeroed), the others elements of T; free(NULL) is safe */   \
+        void *(*alloc)(const vlmoe_backend_##S *be, size_t bytes, const char *what);             \
+        void (*free)(const vlmoe_backend_##S *be, void *p);                                      \
+        void (*upload)(const vlmoe_backend_##S *be, T *dst, const T *host, size_t n);            \
+        void (*download)(const vlmoe_backend_##S *be, T *host, const T *src, size_t n);          \
+        void (*upload_bytes)(const vlmoe_backend_##S *be, void *dst, const void *host, size_t n); \
+        void (*zero)(const vlmoe_backend_##S *be, T *p, size_t n);                               \
+        void (*copy)(const vlmoe_backend_##S *be, T *dst, const T *src, size_t n);               \
+        void (*add)(const vlmoe_backend_##S *be, T *dst, const T *src, size_t n); /* dst += src */\
+        int (*sync)(const vlmoe_backend_##S *be);                                                \
+        /* the ops of src/ops/ops.h, same arguments after be */                                  \
+        void (*linear_forward)(const vlmoe_backend_##S *be, T *out, const T *inp, const T *w,    \
+                               const T *b, int N, int K, int O, int beta);                       \
+        void (*linear_backward)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,              \
+                                const T *dout, const T *inp, const T *w, int N, int K, int O);   \
+        void (*layernorm_forward)(const vlmoe_backend_##S *be, T *out, T *mean, T *rstd,         \
+                                  const T *inp, const T *w, const T *b, int N, int C, double eps); \
+        void (*layernorm_recompute)(const vlmoe_backend_##S *be, T *out, const T *inp,           \
+                                    const T *w, const T *b, const T *mean, const T *rstd, int N,  \
+                                    int C);                                                      \
+        void (*layernorm_backward)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,           \
+                                   const T *dout, const T *inp, const T *w, const T *mean,        \
+                                   const T *rstd, int N, int C);                                  \
+        void (*act_forward)(const vlmoe_backend_##S *be, T *out, const T *inp, size_t n, int kind); \
+        void (*act_backward)(const vlmoe_backend_##S *be, T *dinp, const T *inp, const T *dout,  \
+                             size_t n, int kind);                                                \
+        void (*softmax_forward)(const vlmoe_backend_##S *be, T *out, const T *inp, int N, int C); \
+        void (*softmax_backward)(const vlmoe_backend_##S *be, T *dinp, const T *out,             \
+                                 const T *dout, int N, int C);                                   \
+        void (*attention_forward)(const vlmoe_backend_##S *be, T *out, T *att, const T *qkv,     \
+                                  const attn_segment *seg, int D, int H);                        \
+        void (*attention_backward)(const vlmoe_backend_##S *be, T *dqkv, T *datt, const T *dout, \
+                                   const T *qkv, const T *att, const attn_segment *seg, int D,    \
+                                   int H);                                                       \
+        void (*patchify_forward)(const vlmoe_backend_##S *be, T *patches, const T *images, int B, \
+                                 int C, int HW, int P);                                          \
+        void (*patchify_backward)(const vlmoe_backend_##S *be, T *dimages, const T *dpatches,    \
+                                  int B, int C, int HW, int P);                                  \
+        void (*embed_forward)(const vlmoe_backend_##S *be, T *out, const int32_t *ids,           \
+                              const T *wte, int BT, int D);                                      \
+        void (*embed_backward)(const vlmoe_backend_##S *be, T *dwte, const T *dout,              \
+                               const int32_t *ids, int BT, int D);                               \
+        void (*posadd_forward)(const vlmoe_backend_##S *be, T *out, const T *pos, int B, int T_, \
+                               int D);                                                           \
+        void (*posadd_backward)(const vlmoe_backend_##S *be, T *dpos, const T *dout, int B,      \
+                                int T_, int D);                                                  \
+        void (*cls_forward)(const vlmoe_backend_##S *be, T *out, const T *cls, const T *x, int B, \
+                            int N, int D);                                                       \
+        void (*cls_backward)(const vlmoe_backend_##S *be, T *dcls, T *dx, const T *dout, int B,  \
+                             int N, int D);                                                      \
+        void (*pool_forward)(const vlmoe_backend_##S *be, T *out, const T *x,                    \
+                             const int32_t *lens, int B, int T_, int D, int kind);               \
+        void (*pool_backward)(const vlmoe_backend_##S *be, T *dx, const T *dout,                 \
+                              const int32_t *lens, int B, int T_, int D, int kind);              \
+        void (*l2norm_forward)(const vlmoe_backend_##S *be, T *out, T *norm, const T *x, int N,  \
+                               int C);                                                           \
+        void (*l2norm_backward)(const vlmoe_backend_##S *be, T *dx, const T *dout, const T *out, \
+                                const T *norm, int N, int C);                                    \
+        double (*contrastive_forward)(const vlmoe_backend_##S *be, T *logits, T *prow, T *pcol,  \
+                                      const T *img, const T *txt, T scale, int B, int E,          \
+                                      double *acc);                                              \
+        void (*contrastive_backward)(const vlmoe_backend_##S *be, T *dimg, T *dtxt, T *dscale,   \
+                                     const T *logits, const T *prow, const T *pcol, const T *img, \
+                                     const T *txt, T scale, int B, int E, double dloss);         \
+        /* masked modeling cross-entropy (src/loss/masked.h) */                                 \
+        double (*xent_forward)(const vlmoe_backend_##S *be, T *probs, const T *logits,           \
+                               const int32_t *labels, int n, int C, int *correct);               \
+        void (*xent_backward)(const vlmoe_backend_##S *be, T *dlogits, const T *probs,           \
+                              const int32_t *labels, int n, int C, double scale);                \
+        /* MoE dispatch. gather_rows: dst (rows,D) row r = src row idx[r]. */                    \
+        void (*gather_rows)(const vlmoe_backend_##S *be, T *dst, const T *src,                   \
+                            const int32_t *idx, int rows, int D);                                \
+        /* out (n,D) += sum over token t's rows of w[r] y[r] (rows in row order) */              \
+        void (*combine_forward)(const vlmoe_backend_##S *be, T *out, const T *y, const T *w,     \
+                                const be_dispatch *d, int D);                                    \
+        /* dy (rows,D) = w[r] dout[token]; dw[r] = dout[token].y[r]; then, when dx is given, */ \
+        /* dx[t] += the sum of dxp over token t's rows: the backward of gather_rows */           \
+        void (*combine_backward)(const vlmoe_backend_##S *be, T *dy, T *dw, const T *dout,       \
+                                 const T *y, const T *w, const be_dispatch *d, int D);           \
+        void (*gather_rows_backward)(const vlmoe_backend_##S *be, T *dx, const T *dxp,           \
+                                     const be_dispatch *d, int D);                               \
+        /* w[r] = gates[token, expert] (renorm: divided by zsum[t], the sum of the token's */    \
+        /* accepted gates, written to zsum) */                                                   \
+        void (*combine_weights)(const vlmoe_backend_##S *be, T *w, T *zsum, const T *gates,      \
+                                const be_dispatch *d, int renorm);                               \
+        /* dgates (n,E) += the gradient of the combine weights dw (rows) */                     \
+        void (*combine_weights_backward)(const vlmoe_backend_##S *be, T *dgates, const T *dw,    \
+                                         const T *gates, const T *zsum, const be_dispatch *d,     \
+                                         int renorm);                                            \
+        /* noisy (n,E) = logits + noise (be_noise) */                                            \
+        void (*router_noise)(const vlmoe_backend_##S *be, T *noisy, const T *logits, int n,      \
+                             int E, const be_noise *nz);                                         \
+        /* the auxiliary losses of one group (src/moe/aux.h) */                                  \
+        double (*aux_loss)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                     \
+                           const aux_input_##S *in, double weight, T *dlogits, T *scratch);      \
+        /* one Soft MoE group (src/moe/soft.h) */                                                \
+        void (*soft_moe_forward)(const vlmoe_backend_##S *be, T *out, T *acts, const T *x,       \
+                                 const soft_params_##S *p, const soft_dims *d);                  \
+        void (*soft_moe_backward)(const vlmoe_backend_##S *be, T *dx, const soft_grads_##S *g,   \
+                                  const T *dout, const T *acts, const T *x,                       \
+                                  const soft_params_##S *p, const soft_dims *d, T *scratch);      \
+        /* the expert bank (be_experts): h (rows,M) = x.w1^T + b1 (saved); a (rows,M) =      */ \
+        /* act(h) (scratch); y (rows,D) = a.w2^T + b2, written (beta 0) or added (beta 1)     */ \
+        void (*experts_forward)(const vlmoe_backend_##S *be, T *y, T *h, T *a, const T *x,       \
+                                const T *const w[4], const be_experts *ex, int beta);            \
+        /* dx (rows,D) and the gradients dw {dw1, db1, dw2, db2} ACCUMULATE; dy (rows,D); h and */\
+        /* x from the forward; da, dh (rows,M) scratch */                                        \
+        void (*experts_backward)(const vlmoe_backend_##S *be, T *dx, T *const dw[4],             \
+                                 const T *dy, const T *x, const T *h, const T *const w[4],        \
+                                 T *da, T *dh, const be_experts *ex);                            \
+        /* trainer: sum of squares in a fixed chunk order (any thread count gives the same */    \
+        /* bits); *nonfinite set to 1 when an element is NaN or infinite */                      \
+        double (*sumsq)(const vlmoe_backend_##S *be, const T *x, size_t n, int *nonfinite);      \
+        void (*scale)(const vlmoe_backend_##S *be, T *x, size_t n, float s);                     \
+        void (*adamw)(const vlmoe_backend_##S *be, T *p, T *m, T *v, const T *g, size_t n,       \
+                      const be_adamw *a);                                                        \
+        void (*clamp)(const vlmoe_backend_##S *be, T *x, size_t n, double lo, double hi);        \
+    };                                                                                           \
+    /* the CPU table (process-wide constant) */                                                  \
+    const vlmoe_backend_##S *backend_cpu_##S(void);                                              \
+    /* VLMOE_OK when be supports op with cfg, else an error naming the backend and the op */     \
+    int backend_require_##S(const vlmoe_backend_##S *be, be_op op, const void *cfg);
+
+BACKEND_DECL(float, f32)
+BACKEND_DECL(double, f64)
+
+// The CUDA table: VLMOE_OK and *out set on a machine with a device and a `make CUDA=1` build;
+// otherwise an error saying why (src/cuda/). device: the CUDA ordinal. backend_cuda_free(NULL)
+// is safe.
+int backend_cuda_init(vlmoe_backend_f32 **out, int device);
+void backend_cuda_free(vlmoe_backend_f32 *be);
+
+// Picks a table by name: "cpu", "cuda" or "cuda:N".
+int backend_by_name(const vlmoe_backend_f32 **out, vlmoe_backend_f32 **owned, const char *name);
+
+#endif
