@@ -148,7 +148,7 @@ $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 	@touch $@
 
 test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS)
-	@FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
+	@VLMOE_SO=libvlmoe.so FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
 
 fixtures: $(FIXTURES)
 
