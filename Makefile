@@ -47,6 +47,13 @@ BA := build/asan
 DEPS_STAMP := build/.deps-ok
 TEST_DEPS_STAMP := build/.test-deps-ok
 
+# Library objects are compiled with hidden visibility, so libvlmoe.so exports only what
+# include/vlmoe.h marks VLMOE_API: kernels, the graph and internal helpers stay private to it and
+# cannot clash with a program's own symbols (tests/check_exports.sh checks the export list under
+# `make test`). Visibility means nothing inside a static archive, so the CLI, tests and benches,
+# which link libvlmoe.a, still reach every internal function. CLI objects keep the default.
+$(call objs,$(B)) $(call objs,$(BA)): LIB_VIS := -fvisibility=hidden
+
 all: $(DEPS_STAMP) libvlmoe.a libvlmoe.so vlmoe
 
 $(DEPS_STAMP): scripts/deps.sh
@@ -59,13 +66,13 @@ $(TEST_DEPS_STAMP): scripts/deps.sh
 # ---- optimised build
 $(B)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -c $< -o $@
 $(B)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -c $< -o $@
 $(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
+	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 
 $(B)/%.o: %.cu $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
@@ -84,13 +91,13 @@ vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) libvlmoe.a
 # ---- sanitizer build (tests only)
 $(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -c $< -o $@
 $(BA)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -c $< -o $@
 $(BA)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 $(BA)/libvlmoe.a: $(call objs,$(BA))
 	rm -f $@ && ar rcs $@ $^
 $(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/libvlmoe.a
@@ -175,7 +182,7 @@ $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 
 test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS) $(CUDA_CHECK)
 	@$(if $(HAVE_NVCC),,echo "note: $(NVCC) not found: the CUDA backend was not compiled")
-	@CUDADIR=$(if $(HAVE_NVCC),build/cuda,) FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
+	@VLMOE_SO=libvlmoe.so CUDADIR=$(if $(HAVE_NVCC),build/cuda,) FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
 
 fixtures: $(FIXTURES)
 

@@ -17,6 +17,15 @@ extern "C" {
 
 #define VLMOE_VERSION "0.1.0"
 
+// VLMOE_API marks every function of this header, the only ones libvlmoe.so exports: the library
+// is compiled with -fvisibility=hidden, so its kernels and internal helpers stay private to it
+// (tests/check_exports.sh checks that the exports are exactly the functions declared here).
+#if defined(__GNUC__) || defined(__clang__)
+#define VLMOE_API __attribute__((visibility("default")))
+#else
+#define VLMOE_API
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Status and errors
 enum {
@@ -28,9 +37,9 @@ enum {
     VLMOE_ERR_CONFIG = 5,  // a config is missing a key, has a wrong type or an invalid value
     VLMOE_ERR_NUMERIC = 6, // a non-finite loss or gradient
 };
-const char *vlmoe_last_error(void);   // message of the last failure on this thread
-void vlmoe_clear_error(void);
-const char *vlmoe_status_name(int status);
+VLMOE_API const char *vlmoe_last_error(void);   // message of the last failure on this thread
+VLMOE_API void vlmoe_clear_error(void);
+VLMOE_API const char *vlmoe_status_name(int status);
 
 // ---------------------------------------------------------------------------------------------
 // safetensors (src/io/safetensors.c): the format HF uses. 8-byte little-endian header length,
@@ -43,8 +52,8 @@ typedef enum {
     VLMOE_DT_I64 = 4, VLMOE_DT_I32 = 5, VLMOE_DT_U8 = 6, VLMOE_DT_I8 = 7,
     VLMOE_DT_BOOL = 8, VLMOE_DT_U64 = 9,
 } vlmoe_dtype;
-const char *vlmoe_dtype_name(vlmoe_dtype dt);   // "F32", "BF16", ...
-size_t vlmoe_dtype_size(vlmoe_dtype dt);
+VLMOE_API const char *vlmoe_dtype_name(vlmoe_dtype dt);   // "F32", "BF16", ...
+VLMOE_API size_t vlmoe_dtype_size(vlmoe_dtype dt);
 
 #define VLMOE_MAX_DIMS 8
 typedef struct {
@@ -58,30 +67,30 @@ typedef struct {
 } vlmoe_tensor_info;
 
 typedef struct vlmoe_st vlmoe_st;
-int vlmoe_st_open(const char *path, vlmoe_st **out);
-void vlmoe_st_close(vlmoe_st *st);
-int vlmoe_st_count(const vlmoe_st *st);
-int vlmoe_st_find(const vlmoe_st *st, const char *name);        // index or -1
-int vlmoe_st_info(const vlmoe_st *st, int index, vlmoe_tensor_info *info);
+VLMOE_API int vlmoe_st_open(const char *path, vlmoe_st **out);
+VLMOE_API void vlmoe_st_close(vlmoe_st *st);
+VLMOE_API int vlmoe_st_count(const vlmoe_st *st);
+VLMOE_API int vlmoe_st_find(const vlmoe_st *st, const char *name);        // index or -1
+VLMOE_API int vlmoe_st_info(const vlmoe_st *st, int index, vlmoe_tensor_info *info);
 // Copies tensor `name` into dst as float32, converting F16/BF16/F64; fails unless its element
 // count is exactly n (message names the file, tensor, expected and found shapes).
-int vlmoe_st_read_f32(const vlmoe_st *st, const char *name, float *dst, size_t n);
-const char *vlmoe_st_metadata(const vlmoe_st *st, const char *key); // NULL if absent
-const char *vlmoe_st_path(const vlmoe_st *st);
+VLMOE_API int vlmoe_st_read_f32(const vlmoe_st *st, const char *name, float *dst, size_t n);
+VLMOE_API const char *vlmoe_st_metadata(const vlmoe_st *st, const char *key); // NULL if absent
+VLMOE_API const char *vlmoe_st_path(const vlmoe_st *st);
 
 typedef struct vlmoe_st_writer vlmoe_st_writer;
-int vlmoe_st_writer_init(vlmoe_st_writer **out);
-void vlmoe_st_writer_free(vlmoe_st_writer *w);
+VLMOE_API int vlmoe_st_writer_init(vlmoe_st_writer **out);
+VLMOE_API void vlmoe_st_writer_free(vlmoe_st_writer *w);
 // Adds a float32 tensor stored as `dtype` (F32, F16 or BF16, round-to-nearest-even). The data
 // pointer is read at write time: keep it alive until vlmoe_st_writer_write returns.
-int vlmoe_st_writer_add_f32(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
-                            const int64_t *shape, const float *data);
+VLMOE_API int vlmoe_st_writer_add_f32(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
+                                      const int64_t *shape, const float *data);
 // Adds raw little-endian bytes of any dtype (integers, RNG state, ...), same lifetime rule.
-int vlmoe_st_writer_add_raw(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
-                            const int64_t *shape, const void *data);
-int vlmoe_st_writer_meta(vlmoe_st_writer *w, const char *key, const char *value);
+VLMOE_API int vlmoe_st_writer_add_raw(vlmoe_st_writer *w, const char *name, vlmoe_dtype dtype, int ndim,
+                                      const int64_t *shape, const void *data);
+VLMOE_API int vlmoe_st_writer_meta(vlmoe_st_writer *w, const char *key, const char *value);
 // Writes atomically: PATH.tmp.<pid>, fflush + fsync, rename over PATH, fsync of the directory.
-int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path);
+VLMOE_API int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path);
 
 // ---------------------------------------------------------------------------------------------
 // Parameter table: one flat float buffer, described by named views (src/nn/model.c).
@@ -108,24 +117,24 @@ typedef struct {
     float clip_threshold; // Adafactor update clipping d, default 1.0 (0 = off)
     int min_dim_to_factor;// Adafactor: factor a matrix only if both dims >= this (default 128)
 } vlmoe_optim_params;
-vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
+VLMOE_API vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
 
 typedef struct vlmoe_optim vlmoe_optim;
-int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
-                     const vlmoe_param_info *table, int nparams, size_t total);
-void vlmoe_optim_free(vlmoe_optim *o);
+VLMOE_API int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
+                               const vlmoe_param_info *table, int nparams, size_t total);
+VLMOE_API void vlmoe_optim_free(vlmoe_optim *o);
 // One update of params (total floats) from grads at learning rate lr; increments the step count.
-void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr);
-long vlmoe_optim_get_step(const vlmoe_optim *o);
-void vlmoe_optim_set_step(vlmoe_optim *o, long step);
+VLMOE_API void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr);
+VLMOE_API long vlmoe_optim_get_step(const vlmoe_optim *o);
+VLMOE_API void vlmoe_optim_set_step(vlmoe_optim *o, long step);
 // The optimizer's state as named float buffers (for checkpoints): "adamw.m", "adamw.v", or per
 // factored parameter "adafactor.vr.<param>", "adafactor.vc.<param>", "adafactor.v.<param>", ...
-int vlmoe_optim_state_count(const vlmoe_optim *o);
-int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data, size_t *n);
+VLMOE_API int vlmoe_optim_state_count(const vlmoe_optim *o);
+VLMOE_API int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data, size_t *n);
 
 // Scales grads so their global L2 norm is at most max_norm (max_norm <= 0: no-op). Returns the
 // norm before clipping (computed in double).
-double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm);
+VLMOE_API double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm);
 
 typedef enum { VLMOE_SCHED_COSINE = 0, VLMOE_SCHED_RSQRT = 1, VLMOE_SCHED_CONST = 2 } vlmoe_sched_kind;
 typedef struct {
@@ -137,7 +146,7 @@ typedef struct {
     long cooldown_steps; // rsqrt: linear cooldown to 0 over the last cooldown_steps
     double timescale;    // rsqrt: lr = base_lr * sqrt(timescale / max(step, timescale)) after warmup
 } vlmoe_schedule;
-double vlmoe_schedule_lr(const vlmoe_schedule *s, long step); // step counts from 0
+VLMOE_API double vlmoe_schedule_lr(const vlmoe_schedule *s, long step); // step counts from 0
 
 // ---------------------------------------------------------------------------------------------
 // Synthetic image-caption data (src/data/synthetic.c): coloured shapes on varied backgrounds,
@@ -146,26 +155,26 @@ typedef struct {
     int image_size;     // square images, >= 16
     uint64_t seed;
 } vlmoe_synth_params;
-vlmoe_synth_params vlmoe_synth_default_params(void);
+VLMOE_API vlmoe_synth_params vlmoe_synth_default_params(void);
 typedef struct vlmoe_synth vlmoe_synth;
 enum { VLMOE_SPLIT_TRAIN = 0, VLMOE_SPLIT_HELDOUT = 1 };
-int vlmoe_synth_init(vlmoe_synth **out, const vlmoe_synth_params *p);
-void vlmoe_synth_free(vlmoe_synth *s);
-int vlmoe_synth_num_classes(const vlmoe_synth *s);
-int vlmoe_synth_image_size(const vlmoe_synth *s);
-const char *vlmoe_synth_class_name(const vlmoe_synth *s, int c);   // e.g. "red circle"
-int vlmoe_synth_num_templates(const vlmoe_synth *s);
-const char *vlmoe_synth_template(const vlmoe_synth *s, int t);    // e.g. "a photo of a {}."
+VLMOE_API int vlmoe_synth_init(vlmoe_synth **out, const vlmoe_synth_params *p);
+VLMOE_API void vlmoe_synth_free(vlmoe_synth *s);
+VLMOE_API int vlmoe_synth_num_classes(const vlmoe_synth *s);
+VLMOE_API int vlmoe_synth_image_size(const vlmoe_synth *s);
+VLMOE_API const char *vlmoe_synth_class_name(const vlmoe_synth *s, int c);   // e.g. "red circle"
+VLMOE_API int vlmoe_synth_num_templates(const vlmoe_synth *s);
+VLMOE_API const char *vlmoe_synth_template(const vlmoe_synth *s, int t);    // e.g. "a photo of a {}."
 // Writes sample `index` of `split`: image (3, H, W) in [-1, 1] (channel-major), its caption
 // (NUL-terminated, truncated to cap bytes) and its zero-shot class. Deterministic in
 // (seed, split, index) and thread-safe.
-int vlmoe_synth_sample(const vlmoe_synth *s, int split, uint64_t index, float *image,
-                       char *caption, size_t cap, int *class_id);
+VLMOE_API int vlmoe_synth_sample(const vlmoe_synth *s, int split, uint64_t index, float *image,
+                                 char *caption, size_t cap, int *class_id);
 // Word-level tokenizer of the synthetic vocabulary: ids[0] = SOT, words, EOT, then PAD (0) up
 // to ctx; truncation keeps EOT last. Unknown words map to UNK. Returns the length with SOT/EOT.
 enum { VLMOE_TOK_PAD = 0, VLMOE_TOK_SOT = 1, VLMOE_TOK_EOT = 2, VLMOE_TOK_UNK = 3 };
-int vlmoe_synth_vocab_size(const vlmoe_synth *s);
-int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, int ctx);
+VLMOE_API int vlmoe_synth_vocab_size(const vlmoe_synth *s);
+VLMOE_API int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, int ctx);
 
 // ---------------------------------------------------------------------------------------------
 // Models (src/nn/): config, parameters, forward/backward, save/load.
@@ -196,7 +205,7 @@ typedef enum {
     VLMOE_AUX_GLOBAL_ENT_TEXT, VLMOE_AUX_MI, VLMOE_AUX_TARGET_ENT, VLMOE_AUX_MERGED_ENT,
     VLMOE_AUX_COUNT
 } vlmoe_aux_kind;
-const char *vlmoe_aux_name(vlmoe_aux_kind k); // "importance", "load", ... "merged_entropy"
+VLMOE_API const char *vlmoe_aux_name(vlmoe_aux_kind k); // "importance", "load", ... "merged_entropy"
 
 // The MoE layers of one encoder (tower).
 typedef struct {
@@ -220,14 +229,14 @@ typedef struct {
 // local entropy + image/text global entropy with tau log 20 / log 9, each 0.04/5) and "clipup"
 // (tokens choice, K=2, FIFO, cf 2, switch balance 0.01 + z-loss 0.001). Sets routing and losses;
 // keeps `layers` and sets num_experts to 8 if it is 0.
-int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c);
+VLMOE_API int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c);
 // MoE in every n-th block (blocks n-1, 2n-1, ...: LIMoE's and CLIP-UP's "every second layer").
-uint64_t vlmoe_moe_every(int n, int layers);
+VLMOE_API uint64_t vlmoe_moe_every(int n, int layers);
 
 // Capacity per expert per group (MOE.md "Capacity"): C = ceil(cf*S*K/E) for tokens choice,
 // ceil(cf*S/E) for experts choice (K = 1), computed in double, rounded up to `multiple`.
 // C < 1 is VLMOE_ERR_CONFIG.
-int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C);
+VLMOE_API int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C);
 
 // A routing decision for one group of S tokens, the explicit struct backward consumes.
 typedef struct {
@@ -241,8 +250,8 @@ typedef struct {
     uint8_t *dropped;   // (S) 1 if all of the token's assignments were dropped
     int32_t *work;      // internal scratch (2S), so that routing never allocates in a step
 } vlmoe_routing;
-int vlmoe_routing_alloc(vlmoe_routing *r, int S, int E, int K, int C);
-void vlmoe_routing_free(vlmoe_routing *r);
+VLMOE_API int vlmoe_routing_alloc(vlmoe_routing *r, int S, int E, int K, int C);
+VLMOE_API void vlmoe_routing_free(vlmoe_routing *r);
 
 typedef struct {
     int top_k;
@@ -254,11 +263,11 @@ typedef struct {
 // takes its top-K experts (ties: lower index); all first choices are placed before any second
 // choice, tokens in the dispatch order; each expert accepts its first C assignments. Combine
 // weights are the gates of accepted choices (renormalised over them with after_routing).
-int vlmoe_route_tokens_choice(const float *gates, int S, int E, const vlmoe_route_params *p,
-                              vlmoe_routing *out);
+VLMOE_API int vlmoe_route_tokens_choice(const float *gates, int S, int E, const vlmoe_route_params *p,
+                                        vlmoe_routing *out);
 // Experts choice: each expert takes its top-C tokens by gate (ties: lower token index); combine
 // weight = gate. out->expert/slot are unused (K = 0).
-int vlmoe_route_experts_choice(const float *gates, int S, int E, int C, vlmoe_routing *out);
+VLMOE_API int vlmoe_route_experts_choice(const float *gates, int S, int E, int C, vlmoe_routing *out);
 
 // Routing statistics of one MoE layer for the last forward pass, per modality (VLMOE_MOD_*).
 typedef struct {
@@ -291,7 +300,7 @@ typedef struct {
 // One auxiliary loss of one group; if dlogits (S,E) is given, accumulates weight * d(loss)/d(logits)
 // (through the softmax, the noisy threshold of the load loss, ...). Losses of a modality with no
 // tokens in the group are 0. The load loss is 0 without noisy logits.
-double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double weight, float *dlogits);
+VLMOE_API double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double weight, float *dlogits);
 
 // Everything that decides a model's shape and computation. one_tower (LIMoE): one encoder shared
 // by both modalities (`encoder`); two_tower (CLIP): `encoder` is the image tower and `text_encoder`
@@ -335,14 +344,14 @@ typedef struct {
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
 // "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the
 // list of known names.
-int vlmoe_config_named(const char *name, vlmoe_model_config *out);
-const char *vlmoe_config_names(void); // comma-separated list
+VLMOE_API int vlmoe_config_named(const char *name, vlmoe_model_config *out);
+VLMOE_API const char *vlmoe_config_names(void); // comma-separated list
 // JSON config: either complete, or {"base": "<name>", ...overrides}. Unknown keys, missing keys
 // and wrong types are errors naming the key; `what` names the source (a file path) in messages.
-int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_config *out);
-int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
-char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
-int vlmoe_config_validate(const vlmoe_model_config *cfg);
+VLMOE_API int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_config *out);
+VLMOE_API int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
+VLMOE_API char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
+VLMOE_API int vlmoe_config_validate(const vlmoe_model_config *cfg);
 
 typedef struct vlmoe_model vlmoe_model;
 // A batch of B image-text pairs: images (B, C, H, W) floats; tokens (B, context_length) with
@@ -363,42 +372,42 @@ typedef struct {
     double grad_norm;     // global gradient norm before clipping (trainer only)
 } vlmoe_step_stats;
 
-int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed);
-void vlmoe_model_free(vlmoe_model *m);
-const vlmoe_model_config *vlmoe_model_get_config(const vlmoe_model *m);
-const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count);
-size_t vlmoe_model_num_floats(const vlmoe_model *m);
-float *vlmoe_model_param_data(vlmoe_model *m);
-float *vlmoe_model_grad_data(vlmoe_model *m);
+VLMOE_API int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed);
+VLMOE_API void vlmoe_model_free(vlmoe_model *m);
+VLMOE_API const vlmoe_model_config *vlmoe_model_get_config(const vlmoe_model *m);
+VLMOE_API const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count);
+VLMOE_API size_t vlmoe_model_num_floats(const vlmoe_model *m);
+VLMOE_API float *vlmoe_model_param_data(vlmoe_model *m);
+VLMOE_API float *vlmoe_model_grad_data(vlmoe_model *m);
 // Plans the activation arena for batch size B (done once; forward re-plans only if B changes).
-int vlmoe_model_plan(vlmoe_model *m, int batch_size);
+VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
 // Forward pass with both modalities and the contrastive loss. A VL-MoE (arch mome) model with a
 // retrieval head takes this path too (and backward, evaluate, the encoders below, and with them
 // `vlmoe eval`, `embed` and `classify`): vlmoe_mome_forward_retrieval / vlmoe_mome_embed.
-int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
+VLMOE_API int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
 // The same forward in evaluation mode (no routing noise, the eval capacity factor): the loss,
 // accuracies and routing statistics of a held-out batch. Backward is not allowed after it.
-int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
+VLMOE_API int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *batch, vlmoe_step_stats *stats);
 // Weight averaging ("model soups", LIMoE H/14): dst's parameters become the mean of the n
 // models' (every config must equal dst's; message names the first that differs).
-int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n);
+VLMOE_API int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n);
 // Zeroes the gradient buffer and back-propagates the last forward's loss.
-int vlmoe_model_backward(vlmoe_model *m);
+VLMOE_API int vlmoe_model_backward(vlmoe_model *m);
 // Clamps logit_scale into [0, log(max_temperature)] (after an optimizer step, like CLIP).
-void vlmoe_model_clamp(vlmoe_model *m);
+VLMOE_API void vlmoe_model_clamp(vlmoe_model *m);
 // L2-normalised embeddings (n, embed_dim), computed in chunks of the planned batch size.
-int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out);
-int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
-                             float *out);
+VLMOE_API int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out);
+VLMOE_API int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
+                                       float *out);
 // Routing statistics of every MoE layer for the last forward pass (NULL, *count 0 if dense); a
 // VL-MoE layer the last forward did not run (a V-MoE layer in a text encoding) has 0 tokens.
-const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
+VLMOE_API const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
 // Sparse upcycling (CLIP-UP): a copy of dense model `dense` whose blocks named in moe->layers
 // (and text_moe->layers for two_tower) become MoE layers: every expert a copy of the block's MLP
 // (plus N(0, noise^2) if noise > 0), routers freshly initialised from seed, everything else
 // copied. VLMOE_ERR_CONFIG if `dense` already has MoE layers.
-int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe_moe_config *moe,
-                        const vlmoe_moe_config *text_moe, uint64_t seed, double noise);
+VLMOE_API int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe_moe_config *moe,
+                                  const vlmoe_moe_config *text_moe, uint64_t seed, double noise);
 // LIMoE expert pruning for one-modality inference (appendix E.4). usage holds, for each MoE
 // layer of the tower serving `modality` (blocks in order), the share of that modality's tokens
 // each expert processed (nmoe x E, e.g. vlmoe_moe_stats.accepted averaged over training); every
@@ -406,13 +415,13 @@ int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe
 // all experts and masks the pruned ones out of the top-K; ROUTER_DROP removes them, router rows
 // included, so the softmax renormalises over the kept ones and the model is smaller.
 typedef enum { VLMOE_PRUNE_ROUTER_PRED = 0, VLMOE_PRUNE_ROUTER_DROP = 1 } vlmoe_prune_mode;
-int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, const double *usage,
-                      int keep, vlmoe_prune_mode mode);
+VLMOE_API int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, const double *usage,
+                                int keep, vlmoe_prune_mode mode);
 // Fails with VLMOE_ERR_NUMERIC naming the first parameter (or gradient) holding a NaN/Inf.
-int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
+VLMOE_API int vlmoe_model_check_finite(const vlmoe_model *m, int grads);
 // Weights + config in one safetensors file (atomic write); load validates names and shapes.
-int vlmoe_model_save(const vlmoe_model *m, const char *path);
-int vlmoe_model_load(vlmoe_model **out, const char *path);
+VLMOE_API int vlmoe_model_save(const vlmoe_model *m, const char *path);
+VLMOE_API int vlmoe_model_load(vlmoe_model **out, const char *path);
 
 // ---------------------------------------------------------------------------------------------
 // VL-MoE (arch "mome", src/nn/mome.c; VL-MoE sec. 3, VLMo's MoME transformer): one transformer
@@ -424,7 +433,7 @@ int vlmoe_model_load(vlmoe_model **out, const char *path);
 // a pair is the concatenation of both. Heads: MLM (width -> vocab) and MIM (width -> mim_vocab).
 typedef enum { VLMOE_ENC_IMAGE = 0, VLMOE_ENC_TEXT = 1, VLMOE_ENC_PAIR = 2 } vlmoe_encoding;
 // Tokens per sequence of an encoding: 1 + patches (image), context_length (text), their sum (pair).
-int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc);
+VLMOE_API int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc);
 // One encoding of B sequences with its masked-modeling targets.
 typedef struct {
     vlmoe_encoding encoding;
@@ -451,14 +460,14 @@ typedef struct {
 } vlmoe_mome_stats;
 // Forward of one encoding (training: routing noise and the train capacity factor). MLM is a text
 // batch with text_labels, MIM an image batch with patch_labels, VLM a pair batch with both.
-int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, vlmoe_mome_stats *s);
+VLMOE_API int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, vlmoe_mome_stats *s);
 // Back-propagates the last training forward's loss into the gradient buffer; accumulate = 0
 // zeroes it first (the three objectives of a step accumulate into one buffer).
-int vlmoe_mome_backward(vlmoe_model *m, int accumulate);
+VLMOE_API int vlmoe_mome_backward(vlmoe_model *m, int accumulate);
 // Final hidden states (after the last LayerNorm) of n inputs, out (n, seq_len, width), in eval
 // mode; images (n,C,H,W) and/or tokens (n,ctx) + lengths as the encoding needs.
-int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
-                      const int32_t *lengths, int n, float *out);
+VLMOE_API int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                                const int32_t *lengths, int n, float *out);
 // Fine-tuning heads (VL-MoE sec. 4.2, BEiT-3/VLMo's recipes): a linear head "cls_head" (num_classes,
 // width) + bias, part of the model's parameter table when config.num_classes > 0, on a pooled final
 // feature chosen by the encoding: image -> mean of the patch tokens' features ([I_CLS] excluded,
@@ -471,29 +480,29 @@ int vlmoe_mome_encode(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
 // 2*width) sees their pooled features concatenated, and class_labels holds B/2 labels.
 // A copy of mome model m with a freshly initialised head of num_classes (>= 2; seeded) and every
 // other tensor copied; m may already have a head (it is replaced).
-int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed);
+VLMOE_API int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed);
 // The same with every head chosen: num_classes 0 (none) or >= 2, cls_sequences 1 or 2, and
 // retrieval_head 0/1 (below); all heads fresh, every other tensor copied.
-int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
-                          int retrieval_head, uint64_t seed);
+VLMOE_API int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
+                                    int retrieval_head, uint64_t seed);
 // Class scores (n/cls_sequences, num_classes) of n inputs of an encoding, eval mode, in chunks.
-int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
-                      const int32_t *lengths, int n, float *out);
+VLMOE_API int vlmoe_mome_logits(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                                const int32_t *lengths, int n, float *out);
 // Retrieval head (config retrieval_head = 1; VL-MoE sec. 4.2 fine-tunes retrieval contrastively
 // with image and text encoded separately, as VLMo): the final [I_CLS] of an image-only encoding
 // and the final [T_CLS] of a text-only encoding, each through its own linear projection
 // "itc.image_proj" / "itc.text_proj" (embed_dim, width) and L2-normalised; the loss is the
 // symmetric contrastive loss of the B x B similarities times exp(logit_scale) (as CLIP's).
 // Normalised embeddings (n, embed_dim) of n images (VLMOE_ENC_IMAGE) or texts (VLMOE_ENC_TEXT).
-int vlmoe_mome_embed(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
-                     const int32_t *lengths, int n, float *out);
+VLMOE_API int vlmoe_mome_embed(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
+                               const int32_t *lengths, int n, float *out);
 // The contrastive loss of B matching image-text pairs (training: routing noise, train capacity):
 // s->itc, s->itc_acc, s->aux (both encodings' MoE losses), s->loss = itc + aux. Routing
 // statistics (vlmoe_model_moe_stats) are then the image side's.
-int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
-                                 int B, int training, vlmoe_mome_stats *s);
+VLMOE_API int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
+                                           int B, int training, vlmoe_mome_stats *s);
 // Back-propagates the last training retrieval forward (accumulate = 0 zeroes the gradients first).
-int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate);
+VLMOE_API int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate);
 
 // Masking (src/data/masking.c), seeded: the same seed gives the same masks on any machine.
 typedef struct {
@@ -504,44 +513,44 @@ typedef struct {
 } vlmoe_mlm_params;
 // BERT's defaults for a config: 0.15 / 0.8 / 0.1, its mask_token, random tokens among the ids
 // >= 4 (after the synthetic tokenizer's PAD/SOT/EOT/UNK) other than [MASK].
-vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c);
+VLMOE_API vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c);
 // Each token strictly between [T_CLS] (position 0) and [T_SEP] (position len-1) is chosen with
 // probability prob; a chosen token gets its label and is replaced by [MASK] (mask_frac), a random
 // token (random_frac) or kept. input, labels (B,T): input ids and labels (-1 where not chosen).
 // Sequence b draws from its own stream (seed, b).
-int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
-                   const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels);
+VLMOE_API int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
+                             const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels);
 // BEiT's block-wise masking (BEiT sec. 2.5, Algorithm 1, its masking_generator): rectangles of
 // at least min(16, target) patches with log-uniform aspect ratio in [0.3, 1/0.3] are added until
 // target = round(ratio * h * w) patches are masked (a block that would overshoot is redrawn; the
 // loop ends when 10 draws in a row add nothing). mask (h*w): 1 = masked.
-int vlmoe_mim_block_mask(int h, int w, double ratio, uint64_t seed, uint8_t *mask);
+VLMOE_API int vlmoe_mim_block_mask(int h, int w, double ratio, uint64_t seed, uint8_t *mask);
 
 // Discrete visual tokens (src/data/kmeans.c): a k-means codebook over raw patch vectors stands in
 // for BEiT's image tokenizer. x (n, dim) -> centroids (K, dim): k-means++ seeding, then Lloyd's
 // iterations until no assignment changes or `iters`; an empty cluster takes the point farthest
 // from its centroid. *inertia (may be NULL): the final mean squared distance.
-int vlmoe_kmeans(const float *x, size_t n, int dim, int K, int iters, uint64_t seed,
-                 float *centroids, double *inertia);
+VLMOE_API int vlmoe_kmeans(const float *x, size_t n, int dim, int K, int iters, uint64_t seed,
+                           float *centroids, double *inertia);
 // Nearest centroid (squared Euclidean, ties to the lower id) of each of n vectors.
-void vlmoe_kmeans_assign(const float *centroids, int K, int dim, const float *x, size_t n, int32_t *ids);
+VLMOE_API void vlmoe_kmeans_assign(const float *centroids, int K, int dim, const float *x, size_t n, int32_t *ids);
 // A codebook file: safetensors with "codebook" (K, dim) F32 and metadata "vlmoe.codebook".
-int vlmoe_codebook_save(const char *path, const float *centroids, int K, int dim);
+VLMOE_API int vlmoe_codebook_save(const char *path, const float *centroids, int K, int dim);
 // Loads a codebook (malloc'd; free()); fails unless K and dim are as expected (> 0 to check).
 // A VL-MoE model file that carries one (below) is a codebook file too.
-int vlmoe_codebook_load(const char *path, int want_K, int want_dim, float **centroids, int *K, int *dim);
+VLMOE_API int vlmoe_codebook_load(const char *path, int want_K, int want_dim, float **centroids, int *K, int *dim);
 // The codebook travels with a mome model: a copy attached here (NULL detaches; K must be
 // mim_vocab and dim channels x patch_size^2) is saved with the weights, loaded back by
 // vlmoe_model_load and kept by vlmoe_mome_with_heads. NULL when the model has none.
-int vlmoe_mome_set_codebook(vlmoe_model *m, const float *centroids, int K, int dim);
-const float *vlmoe_mome_codebook(const vlmoe_model *m);
+VLMOE_API int vlmoe_mome_set_codebook(vlmoe_model *m, const float *centroids, int K, int dim);
+VLMOE_API const float *vlmoe_mome_codebook(const vlmoe_model *m);
 // images (B,C,H,W) -> raw patch vectors (B, num_patches, C*P*P), the order the model embeds.
-int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches);
+VLMOE_API int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches);
 // MIM labels of B images: block masks of `ratio` (seed, image b) and the codebook id of every
 // masked patch; labels (B, num_patches), -1 where not masked. The codebook must have mim_vocab
 // entries of dimension C*P*P.
-int vlmoe_mim_labels(const vlmoe_model_config *c, const float *codebook, int K, const float *images,
-                     int B, double ratio, uint64_t seed, int32_t *labels);
+VLMOE_API int vlmoe_mim_labels(const vlmoe_model_config *c, const float *codebook, int K, const float *images,
+                               int B, double ratio, uint64_t seed, int32_t *labels);
 
 // ---------------------------------------------------------------------------------------------
 // Training (src/train/): one optimisation step = forward, backward, divergence guard, clipping,
@@ -555,27 +564,27 @@ typedef struct {
                               // gradient zeroed before clipping, so it stays bit-identical
                               // (weight decay and old moments do not move it either)
 } vlmoe_train_params;
-vlmoe_train_params vlmoe_train_default_params(void);
+VLMOE_API vlmoe_train_params vlmoe_train_default_params(void);
 
 typedef struct vlmoe_trainer vlmoe_trainer;
-int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_params *p);
-void vlmoe_trainer_free(vlmoe_trainer *t);
+VLMOE_API int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_params *p);
+VLMOE_API void vlmoe_trainer_free(vlmoe_trainer *t);
 // One step on a batch. A non-finite loss or gradient returns VLMOE_ERR_NUMERIC naming the tensor
 // and leaves the parameters untouched.
-int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats);
+VLMOE_API int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats);
 // One VL-MoE step (arch mome): the forward and backward of every part (e.g. a text batch with
 // MLM labels, an image batch with MIM labels, a pair batch with both: VL-MoE's equally weighted
 // objectives), their gradients summed, then the same guard, clipping, schedule and update.
 // part_stats (nparts, may be NULL) gets each part's losses; stats the totals.
-int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
-                            vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats);
+VLMOE_API int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
+                                      vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats);
 // One retrieval fine-tuning step (vlmoe_mome_forward_retrieval, then the update).
-int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
-                                      const int32_t *lengths, int B, vlmoe_mome_stats *s, vlmoe_step_stats *stats);
-long vlmoe_trainer_get_step(const vlmoe_trainer *t);
-vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
-vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);
-const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t);
+VLMOE_API int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
+                                                const int32_t *lengths, int B, vlmoe_mome_stats *s, vlmoe_step_stats *stats);
+VLMOE_API long vlmoe_trainer_get_step(const vlmoe_trainer *t);
+VLMOE_API vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
+VLMOE_API vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);
+VLMOE_API const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t);
 
 // Checkpoints (src/train/checkpoint.c). A checkpoint is two files, each written atomically
 // (temporary file, fsync, rename): the weights (WEIGHTS, a vlmoe model file) and the training
@@ -590,45 +599,45 @@ typedef struct {
     int64_t data_block[2];   // loader, webdataset: (shard in the epoch's shard order, tar member)
                              // where the shuffle block holding the next sample starts
 } vlmoe_data_state;
-int vlmoe_trainer_save(const vlmoe_trainer *t, const char *weights_path, const char *state_path,
-                       const vlmoe_data_state *data);
+VLMOE_API int vlmoe_trainer_save(const vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                                 const vlmoe_data_state *data);
 // Restores weights and state saved by vlmoe_trainer_save into a trainer whose model has the same
 // config and whose optimizer is of the same kind; every tensor is validated before anything is
 // changed, so a failed load leaves the trainer as it was.
-int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
-                       vlmoe_data_state *data);
+VLMOE_API int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                                 vlmoe_data_state *data);
 // The model's routing-noise RNG: {seed, training forwards so far}; the next training forward
 // draws its noise from both. Saved in the training state so a resumed run draws the same noise.
-void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]);
-void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]);
+VLMOE_API void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]);
+VLMOE_API void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]);
 
 // Fills a batch of n samples of the synthetic data, indices first..first+n-1 of `split`:
 // images (n, 3, H, W), tokens (n, ctx) and lengths (n). Samples are generated in parallel;
 // the result does not depend on the thread count.
-int vlmoe_synth_batch(const vlmoe_synth *s, int split, uint64_t first, int n, int ctx,
-                      float *images, int32_t *tokens, int32_t *lengths);
+VLMOE_API int vlmoe_synth_batch(const vlmoe_synth *s, int split, uint64_t first, int n, int ctx,
+                                float *images, int32_t *tokens, int32_t *lengths);
 
 // ---------------------------------------------------------------------------------------------
 // Evaluation (src/eval/)
 // Zero-shot: image embeddings (n, E) against class embeddings (C, E), all L2-normalised.
 // Counts top-1/top-5 hits against labels (ties broken toward the lower class index).
-void vlmoe_zeroshot_accuracy(const float *img, int n, const float *classes, int C, int E,
-                             const int32_t *labels, double *top1, double *top5);
+VLMOE_API void vlmoe_zeroshot_accuracy(const float *img, int n, const float *classes, int C, int E,
+                                       const int32_t *labels, double *top1, double *top5);
 // Mean image->text and text->image top-1 accuracy of matched pairs (n, E), scored within
 // consecutive chunks of `chunk` pairs (chance 1/chunk); the last partial chunk counts too.
-void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int chunk,
-                         double *i2t, double *t2i);
+VLMOE_API void vlmoe_pair_accuracy(const float *img, const float *txt, int n, int E, int chunk,
+                                   double *i2t, double *t2i);
 // A tokenizer for vlmoe_class_embeddings: writes text's ids (ctx, SOT .. EOT then padding) and
 // returns how many precede the padding (>= 2), or a value < 2 with the message set on failure.
 typedef int (*vlmoe_tokenize_fn)(void *user, const char *text, int32_t *ids, int ctx);
 // Class embeddings by prompt ensembling (CLIP): each of the nt templates with its "{}" replaced by
 // the class name, tokenized (context_length ids), encoded, averaged per class and re-normalised.
 // out: (C, embed_dim). A template without "{}" is VLMOE_ERR_ARG naming it.
-int vlmoe_class_embeddings(vlmoe_model *m, const char *const *classes, int C,
-                           const char *const *templates, int nt, vlmoe_tokenize_fn tokenize,
-                           void *user, float *out);
+VLMOE_API int vlmoe_class_embeddings(vlmoe_model *m, const char *const *classes, int C,
+                                     const char *const *templates, int nt, vlmoe_tokenize_fn tokenize,
+                                     void *user, float *out);
 // The same for the synthetic classes with their templates and tokenizer. out: (num_classes, embed_dim).
-int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out);
+VLMOE_API int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *out);
 
 // Retrieval recall@K, CLIP / OpenCLIP's COCO and Flickr protocol (src/eval/metrics.c). img
 // (n_img, E) and txt (n_txt, E) are L2-normalised and scored by dot product; txt_image (n_txt)
@@ -638,31 +647,31 @@ int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s, float *ou
 // a wrong candidate scoring exactly as the (best) true one ranks ahead of it, so ties never
 // inflate recall. ks[q] >= 1, txt_image in [0, n_img), finite embeddings, else VLMOE_ERR_ARG.
 // Allocates score blocks of at most 1024 query rows (VLMOE_ERR_NOMEM if that fails).
-int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
-                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
-                           double *t2i);
+VLMOE_API int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
+                                     const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
+                                     double *t2i);
 // Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
 // 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
 // bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
 // w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
 // numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
 // n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.
-int vlmoe_ridge_fit(const float *x, const int32_t *y, int n, int dim, int classes, double lambda,
-                    double *w, double *b);
+VLMOE_API int vlmoe_ridge_fit(const float *x, const int32_t *y, int n, int dim, int classes, double lambda,
+                              double *w, double *b);
 // Few-shot linear evaluation (LIMoE's 10-shot protocol): fits the ridge probe on train for every
 // lambda in lambdas (nl), keeps the one with the best accuracy on the held-out val set (ties:
 // the larger lambda; val may be empty when nl == 1), and writes its test accuracy (argmax of
 // the scores, ties to the lower class) and the lambda. Features (n, dim), labels in [0, classes).
-int vlmoe_fewshot_ridge(const float *train_x, const int32_t *train_y, int n_train,
-                        const float *test_x, const int32_t *test_y, int n_test, int dim,
-                        int classes, const double *lambdas, int nl, const float *val_x,
-                        const int32_t *val_y, int n_val, double *accuracy, double *chosen_lambda);
+VLMOE_API int vlmoe_fewshot_ridge(const float *train_x, const int32_t *train_y, int n_train,
+                                  const float *test_x, const int32_t *test_y, int n_test, int dim,
+                                  int classes, const double *lambdas, int nl, const float *val_x,
+                                  const int32_t *val_y, int n_val, double *accuracy, double *chosen_lambda);
 // K-shot subset: out_idx (classes, shots) gets `shots` distinct random indices of each class's
 // samples, class-major, each class's in increasing order. Deterministic in seed; each class draws
 // from its own stream, so for one seed a smaller `shots` picks a subset of a larger one.
 // VLMOE_ERR_ARG if a class has fewer than `shots` samples.
-int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
-                         int32_t *out_idx);
+VLMOE_API int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
+                                   int32_t *out_idx);
 
 // ---------------------------------------------------------------------------------------------
 // Pretrained CLIP weights (src/io/clip_import.c): OpenAI/OpenCLIP state-dict names
@@ -675,16 +684,16 @@ typedef struct {
     int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained)
     const char *name;            // the config's name (NULL = "clip")
 } vlmoe_clip_import_params;
-vlmoe_clip_import_params vlmoe_clip_import_default_params(void);
+VLMOE_API vlmoe_clip_import_params vlmoe_clip_import_default_params(void);
 // Reads a CLIP checkpoint (F32, F16 or BF16; keys may share a prefix such as "module."), infers
 // widths, depths, MLP sizes, patch and image size, context length, vocabulary and embedding size
 // from the shapes. A missing tensor, a wrong shape, or a tensor that is not part of the
 // architecture (other than position_ids / attn_mask buffers) is VLMOE_ERR_FORMAT naming the file
 // and the tensor.
-int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p);
+VLMOE_API int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p);
 // Writes a dense two_tower model with CLIP names ("openclip" or "hf") as F32, F16 or BF16;
 // VLMOE_ERR_CONFIG for MoE or one_tower models. Importing the result gives the model back.
-int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming, vlmoe_dtype dtype);
+VLMOE_API int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming, vlmoe_dtype dtype);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,8 @@
 #!/bin/sh
 # run.sh: runs every test binary of the optimised build, then of the sanitizer build, and totals
 # them into one closing line "N passed, N failed"; with FUZZDIR, each libFuzzer target in it then
-# runs for $FUZZ_TIME seconds (fuzz/run.sh) and counts as one check.
+# runs for $FUZZ_TIME seconds (fuzz/run.sh) and counts as one check. tests/check_exports.sh (the
+# shared library $VLMOE_SO, default libvlmoe.so, exports exactly include/vlmoe.h) counts as one too.
 # Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE [FUZZDIR]
 rel=$1; asan=$2; fuzz=$5; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
@@ -27,6 +28,12 @@ for dir in "$rel" "$asan" ${CUDADIR:+"$CUDADIR"}; do
         fi
     done
 done
+if out=$(./tests/check_exports.sh "${VLMOE_SO:-libvlmoe.so}" include/vlmoe.h 2>&1); then
+    pass=$((pass + 1)); printf '%s\n' "$out" | tail -n 1 | sed 's/^check_exports: /ok   /'
+else
+    fail=$((fail + 1)); bad="$bad tests/check_exports.sh"; printf '%s\n' "$out"
+    echo "FAILED: tests/check_exports.sh"
+fi
 for t in ${fuzz:+"$fuzz"/fuzz_*}; do
     [ -x "$t" ] || continue
     if ./fuzz/run.sh "${FUZZ_TIME:-15}" "$t"; then pass=$((pass + 1)); else fail=$((fail + 1)); bad="$bad $t"; fi
