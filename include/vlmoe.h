@@ -122,6 +122,12 @@ void vlmoe_optim_set_step(vlmoe_optim *o, long step);
 // factored parameter "adafactor.vr.<param>", "adafactor.vc.<param>", "adafactor.v.<param>", ...
 int vlmoe_optim_state_count(const vlmoe_optim *o);
 int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data, size_t *n);
+// How state buffer i is laid out, so checkpoints can store it per parameter: *flat = 1 when it is
+// laid out like the flat parameter vector (AdamW's m and v: `total` floats, parameter k's at
+// table[k].offset; *ndim = 1, shape = {total}), 0 when it belongs to one parameter; then
+// *ndim/shape give its natural shape (at most 4 dims): the parameter's own for Adafactor's v and
+// m, the leading dims then rows for vr, the leading dims then cols for vc.
+int vlmoe_optim_state_layout(const vlmoe_optim *o, int i, int *flat, int *ndim, int64_t shape[4]);
 
 // Scales grads so their global L2 norm is at most max_norm (max_norm <= 0: no-op). Returns the
 // norm before clipping (computed in double).
