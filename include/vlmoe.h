@@ -586,7 +586,10 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t);
 // Checkpoints (src/train/checkpoint.c). A checkpoint is two files, each written atomically
 // (temporary file, fsync, rename): the weights (WEIGHTS, a vlmoe model file) and the training
 // state (STATE: optimizer moments, step, the routing-noise counter, the data position, the
-// data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC).
+// data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC). The
+// optimizer state is stored per parameter tensor, keyed by the parameter's name and shaped like it
+// (optim.adamw.m.<param>; layout in src/train/checkpoint.c), so it does not depend on how the
+// parameters are laid out; state files of version 1 (one flat vector per buffer) are still read.
 typedef struct {
     uint64_t data_position;  // index of the next training sample (over all epochs)
     uint64_t data_rng[4];    // state of the data order's RNG (shuffling), if any; the loader's
