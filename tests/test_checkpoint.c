@@ -3,9 +3,10 @@
 // LIMoE model whose routing noise must resume too; the state holds the optimizer's buffers per
 // parameter (optim.adamw.m.<param>, Adafactor's vr/vc/v/m with their own shapes), and a version 1
 // state (flat buffers, written here the old way) resumes bit for bit too, with AdamW and Adafactor;
-// a truncated state file is refused without touching the trainer. (2) The command: a run killed
-// with SIGKILL again and again (some kills land while a checkpoint is being written) and resumed
-// each time with --resume latest logs exactly the losses of an uninterrupted run. (3) A corrupted newest checkpoint is reported and the previous
+// bad state files (truncated, a moment misshapen, missing, NaN or for an unknown parameter) are
+// refused, naming the tensor, without touching the trainer. (2) The command: a run killed with
+// SIGKILL again and again (some kills land while a checkpoint is being written) and resumed each
+// time with --resume latest logs exactly the losses of an uninterrupted run. (3) A corrupted newest checkpoint is reported and the previous
 // one is used.
 #include <dirent.h>
 #include <math.h>
@@ -120,6 +121,46 @@ static void write_v1_state(vlmoe_trainer *t, const char *path, const vlmoe_data_
     vlmoe_st_writer_free(w);
 }
 
+// How copy_state changes one tensor of a state file.
+typedef enum { EDIT_DROP, EDIT_SHAPE, EDIT_NAN, EDIT_ADD } state_edit;
+
+// Copies state file src to dst tensor by tensor with one change to tensor `key`: dropped, given
+// (ndim, shape), a NaN at element 1, or (EDIT_ADD) added as 2 zeros.
+static void copy_state(const char *src, const char *dst, state_edit e, const char *key, int ndim, const int64_t *shape) {
+    vlmoe_st *f = NULL;
+    vlmoe_st_writer *w = NULL;
+    int st = vlmoe_st_open(src, &f);
+    if (!st) st = vlmoe_st_writer_init(&w);
+    const char *meta[2] = {"vlmoe.state_version", "optimizer"};
+    for (int i = 0; i < 2 && !st; i++) st = vlmoe_st_writer_meta(w, meta[i], vlmoe_st_metadata(f, meta[i]));
+    float *nan_copy = NULL, zeros[2] = {0, 0};
+    const int64_t two[1] = {2};
+    int hit = 0;
+    for (int i = 0; !st && i < vlmoe_st_count(f); i++) {
+        vlmoe_tensor_info ti;
+        if ((st = vlmoe_st_info(f, i, &ti))) break;
+        const int mine = !strcmp(ti.name, key);
+        hit |= mine;
+        if (mine && e == EDIT_DROP) continue;
+        if (mine && e == EDIT_SHAPE) {
+            st = vlmoe_st_writer_add_raw(w, ti.name, ti.dtype, ndim, shape, ti.data);
+        } else if (mine && e == EDIT_NAN) {
+            nan_copy = malloc(ti.nbytes);
+            memcpy(nan_copy, ti.data, ti.nbytes);
+            nan_copy[1] = NAN;
+            st = vlmoe_st_writer_add_raw(w, ti.name, ti.dtype, ti.ndim, ti.shape, nan_copy);
+        } else {
+            st = vlmoe_st_writer_add_raw(w, ti.name, ti.dtype, ti.ndim, ti.shape, ti.data);
+        }
+    }
+    if (!st && e == EDIT_ADD) st = vlmoe_st_writer_add_f32(w, key, VLMOE_DT_F32, 1, two, zeros), hit = 1;
+    if (!st) st = vlmoe_st_writer_write(w, dst);
+    CHECK(st == VLMOE_OK && hit, "copying %s with '%s' changed: %s", src, key, hit ? vlmoe_last_error() : "no such tensor");
+    vlmoe_st_writer_free(w);
+    vlmoe_st_close(f);
+    free(nan_copy);
+}
+
 // The first parameter with ndim dims whose name holds `part`.
 static const vlmoe_param_info *find_param(const vlmoe_model *m, int ndim, const char *part) {
     int n;
@@ -176,6 +217,56 @@ static void test_per_param_layout(const char *state, vlmoe_model *m, const float
     vlmoe_st_close(f);
 }
 
+// (d) Bad optimizer tensors are refused, naming the file and the tensor, and leave the trainer
+// exactly as it was: a wrong shape (same element count), a missing tensor, a NaN, a tensor for a
+// parameter the model does not have, a flat version 1 tensor in a version 2 file, and a version 1
+// file whose flat buffer has the wrong length.
+static void test_bad_state(lrun *r, const char *w, const char *good, const char *good_v1) {
+    const vlmoe_param_info *bank = find_param(r->m, 3, ".moe.experts.fc1.weight");
+    if (!bank) return;
+    char bad[128], key_m[160], key_v[160];
+    snprintf(bad, sizeof(bad), "%s/bad_optim.state.safetensors", dir);
+    snprintf(key_m, sizeof(key_m), "optim.adamw.m.%s", bank->name);
+    snprintf(key_v, sizeof(key_v), "optim.adamw.v.%s", bank->name);
+    const int64_t swapped[3] = {bank->shape[0], bank->shape[2], bank->shape[1]}, wrong_len[1] = {17};
+    struct {
+        const char *src;
+        state_edit e;
+        const char *key;
+        int ndim;
+        const int64_t *shape;
+        const char *why;
+    } cases[] = {
+        {good, EDIT_SHAPE, key_m, 3, swapped, "has shape"},
+        {good, EDIT_DROP, key_v, 0, NULL, "missing tensor"},
+        {good, EDIT_NAN, key_m, 0, NULL, "holds nan"},
+        {good, EDIT_ADD, "optim.adamw.m.encoder.blocks.99.ln1.weight", 0, NULL, "which this model does not have"},
+        {good, EDIT_ADD, "optim.adamw.m", 0, NULL, "not part of this run's optimizer state"},
+        {good_v1, EDIT_SHAPE, "optim.adamw.v", 1, wrong_len, "has shape"},
+    };
+    size_t n;
+    float *snap = optim_snapshot(r->t, &n);
+    const size_t np = vlmoe_model_num_floats(r->m);
+    float *params = malloc(sizeof(float) * np);
+    memcpy(params, vlmoe_model_param_data(r->m), sizeof(float) * np);
+    const long step = vlmoe_trainer_get_step(r->t);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        copy_state(cases[i].src, bad, cases[i].e, cases[i].key, cases[i].ndim, cases[i].shape);
+        const int st = vlmoe_trainer_load(r->t, w, bad, NULL);
+        const char *msg = vlmoe_last_error();
+        char quoted[200];
+        snprintf(quoted, sizeof(quoted), "'%s'", cases[i].key);
+        CHECK(st != VLMOE_OK && strstr(msg, "bad_optim.state") && strstr(msg, quoted) && strstr(msg, cases[i].why),
+              "case %zu (%s): status %d, message \"%s\"", i, cases[i].why, st, msg);
+        CHECK(optim_same(r->t, snap, n) && vlmoe_trainer_get_step(r->t) == step &&
+                  !memcmp(params, vlmoe_model_param_data(r->m), sizeof(float) * np),
+              "case %zu (%s): a refused state changed the trainer", i, cases[i].why);
+        if (i == 0) printf("bad optimizer state refused, e.g.: %s\n", msg);
+    }
+    free(params);
+    free(snap);
+}
+
 static void test_library_resume(void) {
     char w[128], s[128], s1[128], bad[128];
     snprintf(w, sizeof(w), "%s/lib_step4.safetensors", dir);
@@ -217,6 +308,7 @@ static void test_library_resume(void) {
           la[7], lc[7]);
     printf("version 1 (flat) state: resumed, steps 4..7 bit-identical\n");
     lrun_free(&c1);
+    test_bad_state(&b, w, s, s1);
     free(snap);
     // a truncated state file is refused and the trainer keeps its state
     FILE *in = fopen(s, "rb"), *out = fopen(bad, "wb");

@@ -186,6 +186,36 @@ static int read_state_tensor(const vlmoe_st *f, const state_tensor *t, float *ds
     return VLMOE_OK;
 }
 
+// Refuses optimizer tensors beyond the listed ones, which were all found: one for a parameter the
+// model does not have means the state belongs to another model, and silently dropping it would
+// hide that.
+static int check_no_extra(const vlmoe_st *f, const vlmoe_model *m, const state_tensor *ts, int nt) {
+    const int n = vlmoe_st_count(f);
+    int nopt = 0;
+    vlmoe_tensor_info ti;
+    for (int i = 0; i < n; i++) nopt += !vlmoe_st_info(f, i, &ti) && !strncmp(ti.name, "optim.", 6);
+    if (nopt == nt) return VLMOE_OK; // names in a file are unique
+    for (int i = 0; i < n; i++) {
+        if (vlmoe_st_info(f, i, &ti) || strncmp(ti.name, "optim.", 6)) continue;
+        int known = 0;
+        for (int k = 0; k < nt && !known; k++) known = !strcmp(ts[k].key, ti.name);
+        if (known) continue;
+        // keys are optim.<optimizer>.<buffer>.<param>: the parameter's name follows the third dot
+        const char *param = ti.name;
+        for (int dots = 0; param && dots < 3; dots++)
+            if ((param = strchr(param, '.'))) param++;
+        int nparams, have = 0;
+        const vlmoe_param_info *tab = vlmoe_model_params(m, &nparams);
+        for (int p = 0; param && p < nparams && !have; p++) have = !strcmp(tab[p].name, param);
+        if (param && !have)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' is optimizer state of parameter '%s', which this "
+                              "model does not have", vlmoe_st_path(f), ti.name, param);
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' is not part of this run's optimizer state",
+                          vlmoe_st_path(f), ti.name);
+    }
+    return VLMOE_OK;
+}
+
 int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
                        vlmoe_data_state *data) {
     vlmoe_model *m = vlmoe_trainer_model(t);
@@ -221,6 +251,7 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
     size_t off = 0;
     for (int i = 0; i < nt && !st; off += ts[i++].n) st = read_state_tensor(f, &ts[i], tmp + off);
+    if (!st) st = check_no_extra(f, m, ts, nt);
     vlmoe_st_close(f);
     if (!st) st = model_load_into(m, weights_path); // validates before it changes the model
     if (!st) {
