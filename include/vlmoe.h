@@ -131,6 +131,12 @@ VLMOE_API void vlmoe_optim_set_step(vlmoe_optim *o, long step);
 // factored parameter "adafactor.vr.<param>", "adafactor.vc.<param>", "adafactor.v.<param>", ...
 VLMOE_API int vlmoe_optim_state_count(const vlmoe_optim *o);
 VLMOE_API int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data, size_t *n);
+// How state buffer i is laid out, so checkpoints can store it per parameter: *flat = 1 when it is
+// laid out like the flat parameter vector (AdamW's m and v: `total` floats, parameter k's at
+// table[k].offset; *ndim = 1, shape = {total}), 0 when it belongs to one parameter; then
+// *ndim/shape give its natural shape (at most 4 dims): the parameter's own for Adafactor's v and
+// m, the leading dims then rows for vr, the leading dims then cols for vc.
+VLMOE_API int vlmoe_optim_state_layout(const vlmoe_optim *o, int i, int *flat, int *ndim, int64_t shape[4]);
 
 // Scales grads so their global L2 norm is at most max_norm (max_norm <= 0: no-op). Returns the
 // norm before clipping (computed in double).
@@ -589,7 +595,10 @@ VLMOE_API const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t)
 // Checkpoints (src/train/checkpoint.c). A checkpoint is two files, each written atomically
 // (temporary file, fsync, rename): the weights (WEIGHTS, a vlmoe model file) and the training
 // state (STATE: optimizer moments, step, the routing-noise counter, the data position, the
-// data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC).
+// data RNG). Parameters or moments holding a NaN/Inf are never written (VLMOE_ERR_NUMERIC). The
+// optimizer state is stored per parameter tensor, keyed by the parameter's name and shaped like it
+// (optim.adamw.m.<param>; layout in src/train/checkpoint.c), so it does not depend on how the
+// parameters are laid out; state files of version 1 (one flat vector per buffer) are still read.
 typedef struct {
     uint64_t data_position;  // index of the next training sample (over all epochs)
     uint64_t data_rng[4];    // state of the data order's RNG (shuffling), if any; the loader's

@@ -70,6 +70,12 @@ static void test_adamw_hand(void) {
     size_t n = 0;
     float *m = state_named(o, "adamw.m", &n), *v = state_named(o, "adamw.v", &n);
     CHECK(m && v && n == 6, "adamw state buffers missing or sized %zu", n);
+    for (int i = 0; i < 2; i++) { // laid out like the flat parameter vector
+        int flat = -1, nd = -1;
+        int64_t sh[4] = {0};
+        CHECK(vlmoe_optim_state_layout(o, i, &flat, &nd, sh) == VLMOE_OK && flat == 1 && nd == 1 && sh[0] == 6,
+              "adamw state %d: flat %d, %d dims, [%lld]", i, flat, nd, (long long)sh[0]);
+    }
     if (m && v) {
         const double wm[6] = {0.05, -0.1, 0.025, 0.1, -0.05, 0};
         // v = (1 - beta2) g^2 with beta2 the float 0.999f = 0.99900001: 1 - beta2 is
@@ -148,6 +154,9 @@ static void test_adafactor_hand(void) {
         const char *names[5] = {"adafactor.vr.W", "adafactor.vc.W", "adafactor.vr.E",
                                 "adafactor.vc.E", "adafactor.v.u"};
         const size_t sizes[5] = {2, 3, 4, 4, 3};
+        // Per-parameter shapes for checkpoints: vr drops the last dim, vc the second-to-last.
+        const int ndims[5] = {1, 1, 2, 2, 1};
+        const int64_t shapes[5][2] = {{2}, {3}, {2, 2}, {2, 2}, {3}};
         CHECK(vlmoe_optim_state_count(o) == 5, "state count %d", vlmoe_optim_state_count(o));
         for (int i = 0; i < 5 && i < vlmoe_optim_state_count(o); i++) {
             const char *nm = NULL;
@@ -157,6 +166,12 @@ static void test_adafactor_hand(void) {
             CHECK(nm && strcmp(nm, names[i]) == 0 && n == sizes[i] && d,
                   "state %d: %s (%zu), expected %s (%zu)", i, nm ? nm : "(null)", n, names[i],
                   sizes[i]);
+            int flat = -1, nd = -1;
+            int64_t sh[4] = {0};
+            CHECK(vlmoe_optim_state_layout(o, i, &flat, &nd, sh) == VLMOE_OK, "state_layout %d", i);
+            CHECK(flat == 0 && nd == ndims[i] && sh[0] == shapes[i][0] && (nd < 2 || sh[1] == shapes[i][1]),
+                  "state %s: flat %d, shape (%d dims) [%lld, %lld], expected [%lld, %lld]", names[i], flat, nd,
+                  (long long)sh[0], (long long)sh[1], (long long)shapes[i][0], (long long)shapes[i][1]);
         }
 
         vlmoe_optim_step(o, x, g1, 0.1f);
@@ -423,6 +438,7 @@ static void test_invalid(void) {
     size_t n;
     CHECK(vlmoe_optim_state_get(o, 2, &nm, &d, &n) == VLMOE_ERR_ARG, "state index 2 accepted");
     CHECK(vlmoe_optim_state_get(o, -1, &nm, &d, &n) == VLMOE_ERR_ARG, "state index -1 accepted");
+    CHECK(vlmoe_optim_state_layout(o, 2, NULL, NULL, NULL) == VLMOE_ERR_ARG, "layout index 2 accepted");
     vlmoe_optim_free(o);
     vlmoe_optim_free(NULL);
 }

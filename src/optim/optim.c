@@ -20,6 +20,9 @@ typedef struct {
     char name[128];  // "adamw.m", "adafactor.vr.<param>", ...
     float *data;     // into vlmoe_optim.pool
     size_t n;
+    int flat;        // 1: laid out like the flat parameter vector (n = total), else one parameter's
+    int ndim;        // the natural shape of a per-parameter buffer (see vlmoe_optim_state_layout)
+    int64_t shape[4];
 } optim_state;
 
 // Adafactor's view of one parameter: factored over its last two dims (rows, cols) with the
@@ -135,7 +138,7 @@ static int check_table(const vlmoe_param_info *table, int nparams, size_t total)
     return VLMOE_OK;
 }
 
-typedef struct { const char *kind; float **dst; size_t n; } state_part;
+typedef struct { const char *kind; float **dst; size_t n; int ndim; int64_t shape[4]; } state_part;
 
 // Fills o->slots and the state list for Adafactor; `pool` NULL only counts floats into *nfloats.
 static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
@@ -155,15 +158,25 @@ static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
         }
         // Sizes are bounded by numel, which fit in `total`, so these sums cannot overflow
         // before the final check on the whole pool below.
-        state_part parts[3];
+        // Shapes for checkpoints: v and m are shaped like the parameter; vr drops its last dim
+        // (lead..., rows) and vc its second-to-last (lead..., cols), as they average over them.
+        state_part parts[3], whole = {"v", &s.v, t->numel, t->ndim, {0}};
+        memcpy(whole.shape, t->shape, sizeof whole.shape);
         int np = 0;
         if (s.factored) {
-            parts[np++] = (state_part){"vr", &s.vr, s.lead * s.rows};
-            parts[np++] = (state_part){"vc", &s.vc, s.lead * s.cols};
+            parts[np] = (state_part){"vr", &s.vr, s.lead * s.rows, t->ndim - 1, {0}};
+            memcpy(parts[np++].shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim - 1));
+            parts[np] = (state_part){"vc", &s.vc, s.lead * s.cols, t->ndim - 1, {0}};
+            memcpy(parts[np].shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim - 2));
+            parts[np++].shape[t->ndim - 2] = t->shape[t->ndim - 1];
         } else {
-            parts[np++] = (state_part){"v", &s.v, t->numel};
+            parts[np++] = whole;
         }
-        if (o->p.beta1 > 0.0f) parts[np++] = (state_part){"m", &s.m, t->numel};
+        if (o->p.beta1 > 0.0f) {
+            parts[np] = whole;
+            parts[np].kind = "m";
+            parts[np++].dst = &s.m;
+        }
         for (int k = 0; k < np; k++) {
             if (vlmoe_add_ok(used, parts[k].n, &used))
                 return vlmoe_fail(VLMOE_ERR_ARG, "optim: Adafactor state size overflows size_t");
@@ -173,6 +186,8 @@ static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
                 snprintf(st->name, sizeof st->name, "adafactor.%s.%s", parts[k].kind, t->name);
                 st->data = *parts[k].dst;
                 st->n = parts[k].n;
+                st->ndim = parts[k].ndim;
+                memcpy(st->shape, parts[k].shape, sizeof st->shape);
             }
             ns++;
         }
@@ -225,7 +240,12 @@ int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
         snprintf(o->states[1].name, sizeof o->states[1].name, "adamw.v");
         o->states[0].data = o->pool;
         o->states[1].data = o->pool + total;
-        o->states[0].n = o->states[1].n = total;
+        for (int k = 0; k < 2; k++) {
+            o->states[k].n = total;
+            o->states[k].flat = 1;
+            o->states[k].ndim = 1;
+            o->states[k].shape[0] = (int64_t)total;
+        }
     } else {
         size_t max_lead = 1;
         o->slots = vlmoe_calloc((size_t)nparams * sizeof *o->slots, "Adafactor slots");
@@ -271,6 +291,17 @@ int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data
     if (name) *name = o->states[i].name;
     if (data) *data = o->states[i].data;
     if (n) *n = o->states[i].n;
+    return VLMOE_OK;
+}
+
+int vlmoe_optim_state_layout(const vlmoe_optim *o, int i, int *flat, int *ndim, int64_t shape[4]) {
+    if (!o) return vlmoe_fail(VLMOE_ERR_ARG, "optim: state_layout on a NULL optimizer");
+    if (i < 0 || i >= o->nstates)
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: state index %d out of range [0, %d)", i,
+                          o->nstates);
+    if (flat) *flat = o->states[i].flat;
+    if (ndim) *ndim = o->states[i].ndim;
+    if (shape) memcpy(shape, o->states[i].shape, sizeof o->states[i].shape);
     return VLMOE_OK;
 }
 

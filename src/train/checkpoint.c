@@ -3,6 +3,19 @@
 // data RNG and the loader's epoch, index and shuffle block) to a second safetensors file. Both are
 // written atomically by the safetensors writer (temporary file, fsync, rename), weights first, so
 // a crash at any moment leaves the previous complete pair loadable. Covered by tests/test_checkpoint.c.
+//
+// The state file, version 2 (metadata "vlmoe.state_version" = "2", "optimizer" = the kind's number):
+//   trainer.step I64 [1], model.rng U64 [2], data.position U64 [1], data.rng U64 [4], data.loader I64 [4]
+//   optim.<buffer>.<param>  F32, the parameter's shape: a buffer laid out like the flat parameter
+//                           vector, one tensor per parameter of the model's table (AdamW:
+//                           optim.adamw.m.<param>, optim.adamw.v.<param>)
+//   optim.adafactor.<k>.<param>  F32: Adafactor's own per-parameter buffers, for the parameters it
+//                           updates; k = v or m: the parameter's shape; for a factored parameter of
+//                           shape (lead..., rows, cols), k = vr: (lead..., rows), k = vc: (lead..., cols)
+// Every tensor is keyed by the parameter's name and has its shape, so the file does not depend on
+// how the flat buffer is laid out or split over processes (expert parallelism). Version 1 stored
+// each buffer as one flat vector optim.<buffer> (optim.adamw.m over all parameters in table order,
+// optim.adafactor.vr.<param> as a vector); it is still read, into the same in-memory buffers.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,7 +25,80 @@
 #include "nn/model.h"
 #include "vlmoe.h"
 
-#define STATE_VERSION "1"
+#define STATE_VERSION "2" // 1: optimizer buffers as flat vectors, still read
+
+// One tensor of the optimizer's state as a state file of some version stores it.
+// key cannot be cut short: a state name is under 128 bytes and a parameter name under 96.
+typedef struct {
+    char key[256]; // "optim.adamw.m.<param>", "optim.adafactor.vr.<param>", v1 "optim.adamw.m"
+    int ndim;
+    int64_t shape[4];
+    size_t n;
+    float *data;   // the optimizer's own floats for it
+} state_tensor;
+
+// Lists the tensors that hold o's state in a file of layout version `ver` (1 or 2), in the order
+// the writer adds them; *out is allocated (vlmoe_free_mem) and *nfloats gets their total size.
+static int list_state(vlmoe_optim *o, const vlmoe_model *m, int ver, state_tensor **out, int *count,
+                      size_t *nfloats) {
+    int nparams;
+    const vlmoe_param_info *tab = vlmoe_model_params(m, &nparams);
+    const int ns = vlmoe_optim_state_count(o);
+    int cap = 0;
+    for (int i = 0; i < ns; i++) {
+        int flat;
+        vlmoe_optim_state_layout(o, i, &flat, NULL, NULL);
+        cap += ver >= 2 && flat ? nparams : 1;
+    }
+    state_tensor *ts = vlmoe_calloc(sizeof(*ts) * (size_t)(cap + 1), "optimizer state list");
+    if (!ts) return VLMOE_ERR_NOMEM;
+    int k = 0, st = VLMOE_OK;
+    size_t sum = 0;
+    for (int i = 0; i < ns && !st; i++) {
+        const char *name;
+        float *d;
+        size_t n;
+        int flat, ndim;
+        int64_t shape[4];
+        vlmoe_optim_state_get(o, i, &name, &d, &n);
+        vlmoe_optim_state_layout(o, i, &flat, &ndim, shape);
+        if (ver < 2 || !flat) {
+            state_tensor *t = &ts[k++];
+            snprintf(t->key, sizeof(t->key), "optim.%s", name);
+            t->ndim = ver < 2 ? 1 : ndim; // version 1 wrote every buffer as a vector
+            if (ver < 2) t->shape[0] = (int64_t)n;
+            else memcpy(t->shape, shape, sizeof(shape));
+            t->n = n, t->data = d;
+            sum += n;
+            continue;
+        }
+        // A flat buffer spans the model's parameter vector (the optimizer may update only some of
+        // it, e.g. with freeze_moe): split it by the model's table, whose views tile that vector.
+        if (n != vlmoe_model_num_floats(m)) {
+            st = vlmoe_fail(VLMOE_ERR_ARG, "optimizer state '%s' holds %zu floats, the model %zu", name, n,
+                            vlmoe_model_num_floats(m));
+            break;
+        }
+        for (int p = 0; p < nparams; p++) {
+            state_tensor *t = &ts[k++];
+            snprintf(t->key, sizeof(t->key), "optim.%s.%s", name, tab[p].name);
+            t->ndim = tab[p].ndim;
+            memcpy(t->shape, tab[p].shape, sizeof(t->shape));
+            t->n = tab[p].numel, t->data = d + tab[p].offset;
+            sum += t->n;
+        }
+    }
+    if (st) return vlmoe_free_mem(ts), st;
+    *out = ts, *count = k, *nfloats = sum;
+    return VLMOE_OK;
+}
+
+static void fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    int len = snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && len > 0 && (size_t)len < cap; d++)
+        len += snprintf(buf + len, cap - (size_t)len, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (len > 0 && (size_t)len < cap) snprintf(buf + len, cap - (size_t)len, "]");
+}
 
 int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const char *state_path,
                        const vlmoe_data_state *data) {
@@ -21,20 +107,19 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
     vlmoe_optim *o = vlmoe_trainer_optim(t);
     int st = vlmoe_model_check_finite(m, 0);
     if (st) return vlmoe_error_prefix("refusing to write %s", weights_path), st;
-    const int ns = vlmoe_optim_state_count(o);
-    for (int i = 0; i < ns; i++) {
-        const char *name;
-        float *d;
-        size_t n;
-        vlmoe_optim_state_get(o, i, &name, &d, &n);
-        for (size_t k = 0; k < n; k++)
-            if (!isfinite(d[k]))
-                return vlmoe_fail(VLMOE_ERR_NUMERIC, "refusing to write %s: optimizer state '%s' holds %g",
-                                  state_path, name, (double)d[k]);
-    }
-    if ((st = vlmoe_model_save(m, weights_path))) return st;
-    vlmoe_st_writer *w;
-    if ((st = vlmoe_st_writer_init(&w))) return st;
+    state_tensor *ts;
+    int nt;
+    size_t nfloats;
+    if ((st = list_state(o, m, 2, &ts, &nt, &nfloats)))
+        return vlmoe_error_prefix("refusing to write %s", state_path), st;
+    for (int i = 0; i < nt && !st; i++)
+        for (size_t k = 0; k < ts[i].n && !st; k++)
+            if (!isfinite(ts[i].data[k]))
+                st = vlmoe_fail(VLMOE_ERR_NUMERIC, "refusing to write %s: optimizer state '%s' holds %g at element %zu",
+                                state_path, ts[i].key, (double)ts[i].data[k], k);
+    if (!st) st = vlmoe_model_save(m, weights_path);
+    vlmoe_st_writer *w = NULL;
+    if (!st) st = vlmoe_st_writer_init(&w);
     const int64_t one[1] = {1}, four[1] = {4};
     const int64_t step = vlmoe_optim_get_step(o);
     const int64_t two[1] = {2};
@@ -50,25 +135,18 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
     }
     char kind[8];
     snprintf(kind, sizeof(kind), "%d", (int)vlmoe_trainer_params(t)->optim.kind);
-    st = vlmoe_st_writer_meta(w, "vlmoe.state_version", STATE_VERSION);
+    if (!st) st = vlmoe_st_writer_meta(w, "vlmoe.state_version", STATE_VERSION);
     if (!st) st = vlmoe_st_writer_meta(w, "optimizer", kind);
     if (!st) st = vlmoe_st_writer_add_raw(w, "trainer.step", VLMOE_DT_I64, 1, one, &step);
     if (!st) st = vlmoe_st_writer_add_raw(w, "model.rng", VLMOE_DT_U64, 1, two, model_rng);
     if (!st) st = vlmoe_st_writer_add_raw(w, "data.position", VLMOE_DT_U64, 1, one, &pos);
     if (!st) st = vlmoe_st_writer_add_raw(w, "data.rng", VLMOE_DT_U64, 1, four, rng);
     if (!st) st = vlmoe_st_writer_add_raw(w, "data.loader", VLMOE_DT_I64, 1, four, loader);
-    for (int i = 0; i < ns && !st; i++) {
-        const char *name;
-        float *d;
-        size_t n;
-        vlmoe_optim_state_get(o, i, &name, &d, &n);
-        const int64_t shape[1] = {(int64_t)n};
-        char key[160];
-        snprintf(key, sizeof(key), "optim.%s", name);
-        st = vlmoe_st_writer_add_f32(w, key, VLMOE_DT_F32, 1, shape, d);
-    }
+    for (int i = 0; i < nt && !st; i++)
+        st = vlmoe_st_writer_add_f32(w, ts[i].key, VLMOE_DT_F32, ts[i].ndim, ts[i].shape, ts[i].data);
     if (!st) st = vlmoe_st_writer_write(w, state_path);
     vlmoe_st_writer_free(w);
+    vlmoe_free_mem(ts);
     return st;
 }
 
@@ -83,6 +161,61 @@ static int read_ints(const vlmoe_st *f, const char *name, vlmoe_dtype dt, size_t
     return VLMOE_OK;
 }
 
+// Reads tensor t of the state file into dst (t->n floats) once it is known to exist with t's shape;
+// refuses values that are not finite.
+static int read_state_tensor(const vlmoe_st *f, const state_tensor *t, float *dst) {
+    const int idx = vlmoe_st_find(f, t->key);
+    if (idx < 0) return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: missing tensor '%s'", vlmoe_st_path(f), t->key);
+    vlmoe_tensor_info ti;
+    int st = vlmoe_st_info(f, idx, &ti);
+    if (st) return st;
+    int same = ti.ndim == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = ti.shape[d] == t->shape[d];
+    if (!same) {
+        char got[128], want[128];
+        fmt_shape(got, sizeof(got), ti.ndim, ti.shape);
+        fmt_shape(want, sizeof(want), t->ndim, t->shape);
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' has shape %s, this run needs %s", vlmoe_st_path(f),
+                          t->key, got, want);
+    }
+    if ((st = vlmoe_st_read_f32(f, t->key, dst, t->n))) return st;
+    for (size_t k = 0; k < t->n; k++)
+        if (!isfinite(dst[k]))
+            return vlmoe_fail(VLMOE_ERR_NUMERIC, "%s: tensor '%s' holds %g at element %zu", vlmoe_st_path(f), t->key,
+                              (double)dst[k], k);
+    return VLMOE_OK;
+}
+
+// Refuses optimizer tensors beyond the listed ones, which were all found: one for a parameter the
+// model does not have means the state belongs to another model, and silently dropping it would
+// hide that.
+static int check_no_extra(const vlmoe_st *f, const vlmoe_model *m, const state_tensor *ts, int nt) {
+    const int n = vlmoe_st_count(f);
+    int nopt = 0;
+    vlmoe_tensor_info ti;
+    for (int i = 0; i < n; i++) nopt += !vlmoe_st_info(f, i, &ti) && !strncmp(ti.name, "optim.", 6);
+    if (nopt == nt) return VLMOE_OK; // names in a file are unique
+    for (int i = 0; i < n; i++) {
+        if (vlmoe_st_info(f, i, &ti) || strncmp(ti.name, "optim.", 6)) continue;
+        int known = 0;
+        for (int k = 0; k < nt && !known; k++) known = !strcmp(ts[k].key, ti.name);
+        if (known) continue;
+        // keys are optim.<optimizer>.<buffer>.<param>: the parameter's name follows the third dot
+        const char *param = ti.name;
+        for (int dots = 0; param && dots < 3; dots++)
+            if ((param = strchr(param, '.'))) param++;
+        int nparams, have = 0;
+        const vlmoe_param_info *tab = vlmoe_model_params(m, &nparams);
+        for (int p = 0; param && p < nparams && !have; p++) have = !strcmp(tab[p].name, param);
+        if (param && !have)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' is optimizer state of parameter '%s', which this "
+                              "model does not have", vlmoe_st_path(f), ti.name, param);
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s' is not part of this run's optimizer state",
+                          vlmoe_st_path(f), ti.name);
+    }
+    return VLMOE_OK;
+}
+
 int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
                        vlmoe_data_state *data) {
     vlmoe_model *m = vlmoe_trainer_model(t);
@@ -91,12 +224,14 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     int st = vlmoe_st_open(state_path, &f);
     if (st) return st;
     const char *ver = vlmoe_st_metadata(f, "vlmoe.state_version"), *kind = vlmoe_st_metadata(f, "optimizer");
+    const int version = !ver ? 0 : !strcmp(ver, "1") ? 1 : !strcmp(ver, STATE_VERSION) ? 2 : 0;
     int64_t step = 0;
     uint64_t model_rng[2] = {0, 0};
     vlmoe_data_state ds;
     memset(&ds, 0, sizeof(ds));
-    if (!ver || strcmp(ver, STATE_VERSION))
-        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: not a vlmoe training state (version %s)", state_path, ver ? ver : "missing");
+    if (!version)
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: not a vlmoe training state of version 1 or " STATE_VERSION
+                        " (version %s)", state_path, ver ? ver : "missing");
     else if (!kind || atoi(kind) != (int)vlmoe_trainer_params(t)->optim.kind)
         st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: saved with another optimizer than this run's", state_path);
     if (!st) st = read_ints(f, "trainer.step", VLMOE_DT_I64, 1, &step);
@@ -107,41 +242,26 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     if (!st && vlmoe_st_find(f, "data.loader") >= 0) st = read_ints(f, "data.loader", VLMOE_DT_I64, 4, loader);
     ds.data_epoch = loader[0], ds.data_index = loader[1], ds.data_block[0] = loader[2], ds.data_block[1] = loader[3];
     if (!st && step < 0) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: negative step %lld", state_path, (long long)step);
-    // read every optimizer buffer into scratch first: nothing changes unless all are valid
-    const int ns = vlmoe_optim_state_count(o);
-    size_t total = 0;
-    for (int i = 0; i < ns; i++) {
-        size_t n;
-        vlmoe_optim_state_get(o, i, NULL, NULL, &n);
-        total += n;
-    }
-    float *tmp = st ? NULL : vlmoe_alloc(sizeof(float) * (total + 1), "optimizer state");
+    // read every optimizer tensor into scratch first: nothing changes unless all are valid
+    state_tensor *ts = NULL;
+    int nt = 0;
+    size_t nfloats = 0;
+    if (!st && (st = list_state(o, m, version, &ts, &nt, &nfloats))) vlmoe_error_prefix("%s", state_path);
+    float *tmp = st ? NULL : vlmoe_alloc(sizeof(float) * (nfloats + 1), "optimizer state");
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
-    for (int i = 0, off = 0; i < ns && !st; i++) {
-        const char *name;
-        size_t n;
-        vlmoe_optim_state_get(o, i, &name, NULL, &n);
-        char key[160];
-        snprintf(key, sizeof(key), "optim.%s", name);
-        st = vlmoe_st_read_f32(f, key, tmp + off, n);
-        for (size_t k = 0; !st && k < n; k++)
-            if (!isfinite(tmp[off + k])) st = vlmoe_fail(VLMOE_ERR_NUMERIC, "%s: '%s' is not finite", state_path, key);
-        off += (int)n;
-    }
+    size_t off = 0;
+    for (int i = 0; i < nt && !st; off += ts[i++].n) st = read_state_tensor(f, &ts[i], tmp + off);
+    if (!st) st = check_no_extra(f, m, ts, nt);
     vlmoe_st_close(f);
     if (!st) st = model_load_into(m, weights_path); // validates before it changes the model
     if (!st) {
-        for (int i = 0, off = 0; i < ns; i++) {
-            float *d;
-            size_t n;
-            vlmoe_optim_state_get(o, i, NULL, &d, &n);
-            memcpy(d, tmp + off, sizeof(float) * n);
-            off += (int)n;
-        }
+        off = 0;
+        for (int i = 0; i < nt; off += ts[i++].n) memcpy(ts[i].data, tmp + off, sizeof(float) * ts[i].n);
         vlmoe_optim_set_step(o, (long)step);
         vlmoe_model_set_rng(m, model_rng);
         if (data) *data = ds;
     }
     vlmoe_free_mem(tmp);
+    vlmoe_free_mem(ts);
     return st;
 }
