@@ -349,8 +349,7 @@ int vlmoe_model_backward(vlmoe_model *m) {
 
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // mome: no temperature
-    float *s = &m->params[m->L.logit_scale], hi = (float)log(m->L.cfg.max_temperature);
-    *s = *s < 0 ? 0 : *s > hi ? hi : *s;
+    m->be->clamp(m->be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
 }
 
 // Runs one modality in chunks of the planned batch size (the last chunk padded by repeating

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "ops/backend.h"
 
 // Loops over at least this many elements run on OpenMP threads; below it the fork costs more
 // than the work. Every loop is elementwise or owns its outputs, so results never depend on it.
@@ -317,32 +318,18 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
     const double t = (double)o->step + 1.0;
     const double b1 = o->p.beta1, b2 = o->p.beta2;
     const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
-    const float fb1 = (float)b1, fb2 = (float)b2;
-    const float ab1 = (float)(1.0 - b1), ab2 = (float)(1.0 - b2);
-    const float neg_step = (float)(-(double)lr / bc1);
-    const float bc2_sqrt = (float)sqrt(bc2);
-    const float eps = o->p.eps;
-    const float shrink = (float)(1.0 - (double)lr * (double)o->p.weight_decay);
+    // the update of each tensor is the backend's adamw op (src/ops/backend_cpu.c), whose
+    // element-wise order of operations is the one written above
+    be_adamw a = {(float)b1, (float)b2, (float)(1.0 - b1), (float)(1.0 - b2), (float)(-(double)lr / bc1),
+                  (float)sqrt(bc2), o->p.eps, (float)(1.0 - (double)lr * (double)o->p.weight_decay), 0};
+    const vlmoe_backend_f32 *be = backend_cpu_f32();
     float *m_all = o->states[0].data, *v_all = o->states[1].data;
     for (int k = 0; k < o->nparams; k++) {
         const vlmoe_param_info *info = &o->table[k];
-        float *p = params + info->offset, *m = m_all + info->offset, *v = v_all + info->offset;
-        const float *g = grads + info->offset;
-        const size_t n = info->numel;
+        const size_t off = info->offset;
         // torch multiplies by exactly 1.0 when weight_decay is 0, so skipping is identical.
-        const int decay = info->decay && o->p.weight_decay != 0.0f;
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-        for (size_t i = 0; i < n; i++) {
-            float pi = p[i];
-            if (decay) pi *= shrink;
-            const float gi = g[i];
-            const float mi = fb1 * m[i] + ab1 * gi;
-            const float vi = fb2 * v[i] + (ab2 * gi) * gi;
-            m[i] = mi;
-            v[i] = vi;
-            const float denom = sqrtf(vi) / bc2_sqrt + eps;
-            p[i] = pi + (neg_step * mi) / denom;
-        }
+        a.decay = info->decay && o->p.weight_decay != 0.0f;
+        be->adamw(be, params + off, m_all + off, v_all + off, grads + off, info->numel, &a);
     }
 }
 
@@ -482,24 +469,10 @@ void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float l
 // double); if norm > max_norm, g *= max_norm / (norm + 1e-6). Returns the norm before clipping.
 double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm) {
     if (!grads || n == 0) return 0.0;
-    double part[NCHUNK];
-    const size_t per = (n + NCHUNK - 1) / NCHUNK;
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-    for (int k = 0; k < NCHUNK; k++) {
-        const size_t a = (size_t)k * per < n ? (size_t)k * per : n;
-        const size_t b = a + per < n ? a + per : n;
-        double acc = 0;
-        for (size_t i = a; i < b; i++) acc += (double)grads[i] * grads[i];
-        part[k] = acc;
-    }
-    double sum = 0;
-    for (int k = 0; k < NCHUNK; k++) sum += part[k];
-    const double norm = sqrt(sum);
-    if (max_norm > 0.0 && norm > max_norm) {
-        // torch computes this coefficient as a float32 tensor before multiplying.
-        const float coef = (float)(max_norm / (norm + 1e-6));
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-        for (size_t i = 0; i < n; i++) grads[i] *= coef;
-    }
+    // the sum in NCHUNK fixed chunks and the scaling are the backend's ops (src/ops/backend_cpu.c)
+    const vlmoe_backend_f32 *be = backend_cpu_f32();
+    const double norm = sqrt(be->sumsq(be, grads, n, NULL));
+    // torch computes this coefficient as a float32 tensor before multiplying.
+    if (max_norm > 0.0 && norm > max_norm) be->scale(be, grads, n, (float)(max_norm / (norm + 1e-6)));
     return norm;
 }
