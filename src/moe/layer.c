@@ -38,7 +38,7 @@ struct R(moe_state) {
     vlmoe_routing *rt;              // (gmax)
     int32_t *row_token, *row_expert, *expert_off, *cnt; // (rows_max), (rows_max), (E+1), (E)
     int32_t *tok_off, *tok_rows;    // (nmax+1), (rows_max): each token's packed rows, in row order
-    uint64_t *keys;                 // (nmax) noise keys: the caller's, or row indices
+    uint64_t *keys;                 // (nmax) noise keys when the caller gives none: row indices
     // Soft MoE
     real *soft_acts, *soft_scratch, *soft_out; // per group
     size_t soft_acts_n;
@@ -291,8 +291,12 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         be->upload(be, st->noisy, h, (size_t)n * E);
     } else if (st->noisy_on) {
         // MOE.md: l + (noise_std/E) N(0,1), drawn per (call seed, token key, expert)
-        for (int t = 0; t < n; t++) st->keys[t] = c->keys ? c->keys[t] : (uint64_t)t;
-        be->upload_bytes(be, st->d_keys, st->keys, sizeof(uint64_t) * (size_t)n);
+        const uint64_t *keys = c->keys;
+        if (!keys) {
+            for (int t = 0; t < n; t++) st->keys[t] = (uint64_t)t;
+            keys = st->keys;
+        }
+        be->upload_bytes(be, st->d_keys, keys, sizeof(uint64_t) * (size_t)n);
         const be_noise nz = {c->seed, cfg->noise_std / E, st->d_keys};
         be->router_noise(be, st->noisy, st->logits, n, E, &nz);
     }

@@ -42,7 +42,7 @@ typedef struct {
     int present;
     int seg;                     // segment index inside its encoder
     real *patches, *pemb, *pre, *pre_m, *pre_r; // image stem
-    real *images;                // (B,C,H,W) the forward's images, uploaded
+    real *images;                // (B,C,H,W) the forward's images, uploaded (device memory only)
     real *pooled, *proj, *emb, *norm;
     real *dpre, *dpemb, *dpooled, *dproj, *demb;
     int32_t *tokens, *lens;      // text: copies kept for backward
@@ -136,7 +136,8 @@ static void plan(struct R(graph) *g, carver *c) {
         if (m == MOD_IMAGE) {
             const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
             const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
-            ms->images = take(c, (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
+            // a backend with host memory reads the caller's images where they are
+            ms->images = take(c, g->be->host_memory ? 0 : (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
             ms->patches = take(c, (size_t)B * np * pd);
             ms->pemb = take(c, (size_t)B * np * D);
             ms->dpemb = take(c, (size_t)B * np * D);
@@ -397,8 +398,9 @@ static void stem_forward(struct R(graph) *g, int m, const real *P, const real *i
         const vlmoe_model_config *c = &L->cfg;
         const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
         const int pd = c->channels * c->patch_size * c->patch_size;
-        be->upload(be, ms->images, images, (size_t)B * c->channels * c->image_size * c->image_size);
-        be->patchify_forward(be, ms->patches, ms->images, B, c->channels, c->image_size, c->patch_size);
+        if (!be->host_memory)
+            be->upload(be, ms->images, images, (size_t)B * c->channels * c->image_size * c->image_size);
+        be->patchify_forward(be, ms->patches, be->host_memory ? images : ms->images, B, c->channels, c->image_size, c->patch_size);
         be->linear_forward(be, ms->pemb, ms->patches, P + ml->embed_w,
                           ml->embed_b == NO_PARAM ? NULL : P + ml->embed_b, B * np, pd, D, 0);
         if (ml->has_cls)
@@ -468,8 +470,8 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
                                       "vocabulary [0, %d)", b, tokens[(size_t)b * T + t], t,
                                       cfg->vocab_size);
         }
-        g->be->upload_bytes(g->be, g->mod[MOD_TEXT].tokens, tokens, sizeof(int32_t) * (size_t)B * T);
-        g->be->upload_bytes(g->be, g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
+        be->upload_bytes(be, g->mod[MOD_TEXT].tokens, tokens, sizeof(int32_t) * (size_t)B * T);
+        be->upload_bytes(be, g->mod[MOD_TEXT].lens, lens, sizeof(int32_t) * (size_t)B);
         g->enc[L->mod[MOD_TEXT].enc].seg[g->mod[MOD_TEXT].seg].lens = g->mod[MOD_TEXT].lens;
     }
     // every MoE layer must be able to split this pass's tokens into its routing groups

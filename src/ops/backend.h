@@ -69,6 +69,8 @@ typedef struct {
     struct vlmoe_backend_##S {                                                                   \
         const char *name;                                                                        \
         void *ctx;                                                                               \
+        /* 1 when the table's memory is the host's: callers may hand it host arrays as they are */ \
+        int host_memory;                                                                         \
         /* 1 when the backend can run op with this configuration (cfg: the op's own struct, */   \
         /* or NULL for "at all") */                                                              \
         int (*supports)(const vlmoe_backend_##S *be, be_op op, const void *cfg);                 \

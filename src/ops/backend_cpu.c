@@ -26,7 +26,8 @@ static void *cpu_alloc(const backend *be, size_t bytes, const char *what) {
     return vlmoe_calloc(bytes + 64, what);
 }
 static void cpu_free(const backend *be, void *p) { vlmoe_free_mem(p); }
-static void cpu_upload(const backend *be, real *dst, const real *src, size_t n) {
+// upload, download and copy alike: the table's memory is the host's
+static void cpu_memcpy(const backend *be, real *dst, const real *src, size_t n) {
     if (n && dst != src) memcpy(dst, src, sizeof(real) * n);
 }
 static void cpu_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
@@ -354,14 +355,15 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
 
 static const backend cpu_table = {
     .name = "cpu",
+    .host_memory = 1,
     .supports = cpu_supports,
     .alloc = cpu_alloc,
     .free = cpu_free,
-    .upload = cpu_upload,
-    .download = cpu_upload,
+    .upload = cpu_memcpy,
+    .download = cpu_memcpy,
     .upload_bytes = cpu_upload_bytes,
     .zero = cpu_zero,
-    .copy = cpu_upload,
+    .copy = cpu_memcpy,
     .add = cpu_add,
     .sync = cpu_sync,
     .linear_forward = cpu_linear_forward,
