@@ -204,8 +204,8 @@ static void cuda_gather_rows_backward(const backend *be, float *dx, const float 
 
 __global__ static void k_combine_back(float *dy, float *dw, const float *dout, const float *y, const float *w,
                                       be_dispatch d, int D) {
-    const int r = blockIdx.x;
-    if (r >= d.rows || threadIdx.x) return; // one thread per row: the dot product in CPU order
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= d.rows) return; // one thread per row: the dot product in CPU order
     const float *g = dout + (size_t)d.row_token[r] * D, *yr = y + (size_t)r * D;
     float dot = 0;
     for (int k = 0; k < D; k++) {
@@ -216,7 +216,7 @@ __global__ static void k_combine_back(float *dy, float *dw, const float *dout, c
 }
 static void cuda_combine_backward(const backend *be, float *dy, float *dw, const float *dout, const float *y,
                                   const float *w, const be_dispatch *d, int D) {
-    if (d->rows > 0) k_combine_back<<<d->rows, 32, 0, ctx_of(be)->stream>>>(dy, dw, dout, y, w, *d, D);
+    if (d->rows > 0) k_combine_back<<<blocks_for((size_t)d->rows, 128), 128, 0, ctx_of(be)->stream>>>(dy, dw, dout, y, w, *d, D);
 }
 
 extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
@@ -239,6 +239,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
         return VLMOE_ERR_ARG;
     }
     be->name = "cuda";
+    be->host_memory = 0; // device memory: host arrays are uploaded
     be->ctx = c;
     be->supports = cuda_supports;
     be->alloc = cuda_alloc;
