@@ -267,6 +267,23 @@ static void test_bad_state(lrun *r, const char *w, const char *good, const char 
     free(snap);
 }
 
+// Runs r for 8 steps (losses into loss), saving after step 3 to weights w and state s (plus a
+// version 1 state at s1); returns a copy of the optimizer state at the save (*n floats).
+static float *run_saving_at_step4(lrun *r, double loss[8], const char *w, const char *s, const char *s1,
+                                  size_t *n) {
+    float *snap = NULL;
+    for (long i = 0; i < 8; i++) {
+        loss[i] = lrun_step(r, i);
+        if (i == 3) {
+            vlmoe_data_state ds = {4 * 16, {1, 2, 3, 4}, 5, 6, {7, 8}};
+            CHECK(vlmoe_trainer_save(r->t, w, s, &ds) == VLMOE_OK, "save: %s", vlmoe_last_error());
+            write_v1_state(r->t, s1, &ds);
+            snap = optim_snapshot(r->t, n);
+        }
+    }
+    return snap;
+}
+
 static void test_library_resume(void) {
     char w[128], s[128], s1[128], bad[128];
     snprintf(w, sizeof(w), "%s/lib_step4.safetensors", dir);
@@ -275,18 +292,10 @@ static void test_library_resume(void) {
     snprintf(s1, sizeof(s1), "%s/lib_step4.v1.state.safetensors", dir);
     static lrun a, b, c1;
     double la[8], lb[8], lc[8];
-    float *snap = NULL;
+    float *snap;
     size_t nsnap = 0;
     lrun_init(&a, 1, NULL);
-    for (long i = 0; i < 8; i++) {
-        la[i] = lrun_step(&a, i);
-        if (i == 3) {
-            vlmoe_data_state ds = {4 * 16, {1, 2, 3, 4}, 5, 6, {7, 8}};
-            CHECK(vlmoe_trainer_save(a.t, w, s, &ds) == VLMOE_OK, "save: %s", vlmoe_last_error());
-            write_v1_state(a.t, s1, &ds);
-            snap = optim_snapshot(a.t, &nsnap);
-        }
-    }
+    snap = run_saving_at_step4(&a, la, w, s, s1, &nsnap);
     test_per_param_layout(s, a.m, snap);
     lrun_init(&b, 99, NULL); // different weights until the checkpoint replaces them
     vlmoe_data_state got;
@@ -355,18 +364,10 @@ static void test_adafactor_resume(void) {
     tp.schedule.total_steps = 8;
     static lrun a, b;
     double la[8], lb[8];
-    float *snap = NULL;
+    float *snap;
     size_t nsnap = 0;
     lrun_init(&a, 3, &tp);
-    for (long i = 0; i < 8; i++) {
-        la[i] = lrun_step(&a, i);
-        if (i == 3) {
-            vlmoe_data_state ds = {4 * 16, {1, 2, 3, 4}, 5, 6, {7, 8}};
-            CHECK(vlmoe_trainer_save(a.t, w, s, &ds) == VLMOE_OK, "save: %s", vlmoe_last_error());
-            write_v1_state(a.t, s1, &ds);
-            snap = optim_snapshot(a.t, &nsnap);
-        }
-    }
+    snap = run_saving_at_step4(&a, la, w, s, s1, &nsnap);
     const vlmoe_param_info *bank = find_param(a.m, 3, ".moe.experts.fc1.weight"), *vec = find_param(a.m, 1, "ln1.weight");
     vlmoe_st *f = NULL;
     CHECK(vlmoe_st_open(s, &f) == VLMOE_OK, "open %s: %s", s, vlmoe_last_error());
