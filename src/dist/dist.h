@@ -1,0 +1,59 @@
+// dist.h: the process group a training run works in: rank, world, and the collectives data and
+// expert parallelism need (all-reduce, all-gather and its backward, all-to-all with variable
+// counts, broadcast, barrier). Implementations, chosen at run time by vlmoe_dist_open: "single"
+// (a world of one, no MPI needed: src/dist/single.c), "mpi" (src/dist/mpi.c, built when libmpi is
+// present) and "nccl" (GPU buffers over an MPI bootstrap, built with CUDA=1). Covered by
+// tests/test_dist.c (and, under mpirun, tests/test_dist_mpi.sh).
+#ifndef VLMOE_DIST_H
+#define VLMOE_DIST_H
+#include <stddef.h>
+
+typedef enum {
+    VLMOE_DIST_F32,
+    VLMOE_DIST_F64,
+    VLMOE_DIST_I32,
+    VLMOE_DIST_I64,
+    VLMOE_DIST_U8,
+} vlmoe_dist_type;
+
+size_t vlmoe_dist_type_size(vlmoe_dist_type t);
+
+// Every collective is called by every rank of the world in the same order with matching counts,
+// returns VLMOE_OK or a status with the message set (vlmoe_last_error), and is in place where it
+// says so. Buffers are host memory for "single" and "mpi", device memory for "nccl". Counts are
+// in elements of `t`.
+typedef struct vlmoe_dist vlmoe_dist;
+struct vlmoe_dist {
+    const char *name;       // "single", "mpi", "nccl"
+    int rank, world;        // this process and the number of processes
+    int local_rank, local_world; // on this node (picks the GPU)
+    void *ctx;
+    // buf (n) = sum over ranks of buf (n), in place; every rank gets the same bits (the sum is
+    // formed in one fixed order, so the result does not depend on which rank computes it)
+    int (*allreduce_sum)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t);
+    // buf (n) = max over ranks of buf (n), in place (flags, divergence checks)
+    int (*allreduce_max)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t);
+    // recv (world, n) = every rank's send (n), in rank order
+    int (*allgather)(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t);
+    // the backward of allgather: recv (n) = sum over ranks r of send (world, n)[this rank], so the
+    // gradient of a gathered tensor reaches the rank that owns each slice
+    int (*reduce_scatter_sum)(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t);
+    // rank r sends scount[j] elements at send + sdispl[j] to rank j, and receives rcount[j]
+    // elements from rank j at recv + rdispl[j]; counts and displacements in elements
+    int (*alltoallv)(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
+                     const void *send, const size_t *scount, const size_t *sdispl, vlmoe_dist_type t);
+    // buf (n) on every rank = buf (n) of rank `root`
+    int (*broadcast)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root);
+    int (*barrier)(vlmoe_dist *d);
+    void (*close)(vlmoe_dist *d);
+};
+
+// kind: "single", "mpi", "nccl", or "auto" (NULL): "mpi" when the process was started by mpirun
+// or srun and MPI is built in, else "single". Asking for a kind that is not built in is an error
+// that says how to build it. The world of one needs nothing and cannot fail except on memory.
+int vlmoe_dist_open(vlmoe_dist **out, const char *kind);
+// a world of one, for callers that never go distributed (tests, the single-process paths)
+vlmoe_dist *vlmoe_dist_single(void);
+void vlmoe_dist_close(vlmoe_dist *d); // NULL-safe; the world of one is static and never freed
+
+#endif

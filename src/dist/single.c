@@ -1,0 +1,56 @@
+// single.c: the world of one, the default when the process was not started by mpirun: every
+// collective is the identity (a copy where input and output differ), so the training loop calls
+// the same collectives whether it runs on one process or many. Covered by tests/test_dist.c.
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "dist/dist.h"
+
+size_t vlmoe_dist_type_size(vlmoe_dist_type t) {
+    switch (t) {
+    case VLMOE_DIST_F32: return 4;
+    case VLMOE_DIST_F64: return 8;
+    case VLMOE_DIST_I32: return 4;
+    case VLMOE_DIST_I64: return 8;
+    case VLMOE_DIST_U8: return 1;
+    }
+    return 0;
+}
+
+static int single_inplace(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) { return VLMOE_OK; }
+
+static int single_copy(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+    if (recv != send && n) memmove(recv, send, n * vlmoe_dist_type_size(t));
+    return VLMOE_OK;
+}
+
+static int single_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
+                            const void *send, const size_t *scount, const size_t *sdispl,
+                            vlmoe_dist_type t) {
+    if (rcount[0] != scount[0])
+        return vlmoe_fail(VLMOE_ERR_ARG, "alltoallv: rank 0 sends %zu elements to itself but "
+                          "expects %zu", scount[0], rcount[0]);
+    const size_t es = vlmoe_dist_type_size(t);
+    if (scount[0]) memmove((char *)recv + rdispl[0] * es, (const char *)send + sdispl[0] * es, scount[0] * es);
+    return VLMOE_OK;
+}
+
+static int single_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
+    return root == 0 ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_ARG, "broadcast from rank %d in a world of 1", root);
+}
+
+static int single_barrier(vlmoe_dist *d) { return VLMOE_OK; }
+static void single_close(vlmoe_dist *d) {}
+
+static vlmoe_dist g_single = {
+    "single", 0, 1, 0, 1, NULL,
+    single_inplace, single_inplace, single_copy, single_copy, single_alltoallv,
+    single_broadcast, single_barrier, single_close,
+};
+
+vlmoe_dist *vlmoe_dist_single(void) { return &g_single; }
+
+void vlmoe_dist_close(vlmoe_dist *d) {
+    if (d && d != &g_single && d->close) d->close(d);
+}
