@@ -15,6 +15,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "train/run.h"
 #include "common.h"
 #include "data/image.h"
 #include "data/readers.h"
@@ -92,7 +93,7 @@ static void capture_routing(eval_ctx *e, const char *what) {
     int nm;
     const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(e->m, &nm);
     if (e->routing || !nm) return;
-    e->routing = cli_moe_json(ms, nm, NULL);
+    e->routing = vlmoe_metrics_moe(ms, nm, NULL, NULL);
     snprintf(e->routing_what, sizeof(e->routing_what), "%s", what);
     char *buf = e->report;
     const size_t cap = sizeof(e->report);

@@ -7,6 +7,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "train/tasks.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
@@ -20,9 +21,9 @@ static double score(vlmoe_model *m, int n) {
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     sp.image_size = c->image_size;
     vlmoe_synth *s;
-    cli_eval ev;
+    vlmoe_synth_eval ev;
     if (vlmoe_synth_init(&s, &sp)) return -1;
-    int st = cli_eval_synthetic(m, s, n, 64, &ev);
+    int st = vlmoe_synth_evaluate(m, s, n, 64, &ev);
     vlmoe_synth_free(s);
     return st ? -1 : ev.top1;
 }

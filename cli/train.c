@@ -1,23 +1,21 @@
 // train.c: `vlmoe train`: contrastive training behind OpenCLIP-style flags, on the built-in
 // synthetic data or on an OpenCLIP CSV / webdataset shards through the loader (src/data/loader.h).
-// Writes the resolved model config and training params, metrics as JSON lines, a progress line,
-// the checkpoints, and on synthetic data a held-out evaluation at the end. Covered by
-// tests/test_cli.c, tests/test_checkpoint.c and tests/test_loader.c.
+// The flags become a model source, a data source and a run (src/train/run.h, the contrastive task
+// of src/train/tasks.h); this file prints and picks the exit code. Covered by tests/test_cli.c,
+// tests/test_checkpoint.c and tests/test_loader.c.
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
 #include "common.h"
-#include "data/loader.h"
+#include "train/tasks.h"
 #include "vlmoe.h"
 
 typedef struct {
@@ -33,100 +31,22 @@ typedef struct {
 typedef struct {
     vlmoe_model *m;
     vlmoe_trainer *t;
-    vlmoe_synth *data;           // synthetic data, or
+    vlmoe_synth *synth;          // synthetic data, or
     vlmoe_loader *loader;        // --train-data through the loader,
     cli_text text;               // its captions' tokenizer
+    vlmoe_contrastive *task;
     vlmoe_data_state resumed;    // the data position of the checkpoint resumed from
-    FILE *metrics;
-    float *images;
-    int32_t *tokens, *lens;
+    int tty, open_line;          // progress redrawn in place on a terminal
     char dir[512], ckdir[600];
 } train_run;
 
 static void run_free(train_run *r) {
-    if (r->metrics) fclose(r->metrics);
+    vlmoe_contrastive_free(r->task);
     vlmoe_loader_free(r->loader);
     cli_text_free(&r->text);
     vlmoe_trainer_free(r->t);
     vlmoe_model_free(r->m);
-    vlmoe_synth_free(r->data);
-    free(r->images), free(r->tokens), free(r->lens);
-}
-
-// A JSON number that reads back as exactly the same double (metrics are compared bit for bit
-// between a resumed and an uninterrupted run).
-static cJSON *exact(double v) {
-    char b[40];
-    for (int digits = 15; digits <= 17; digits++) {
-        snprintf(b, sizeof(b), "%.*g", digits, v);
-        if (strtod(b, NULL) == v) break;
-    }
-    return isfinite(v) ? cJSON_CreateRaw(b) : cJSON_CreateNull();
-}
-
-static void fmt_eta(char *buf, size_t n, double s) {
-    long t = (long)(s + 0.5);
-    snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
-}
-
-// Held-out evaluation on the synthetic data: zero-shot top-1/top-5 over `n` class-balanced
-// held-out images, and matched-pair retrieval accuracy in chunks of the batch size.
-int cli_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, cli_eval *out) {
-    const vlmoe_model_config *c = vlmoe_model_get_config(m);
-    const int E = c->embed_dim, T = c->context_length, C = vlmoe_synth_num_classes(s);
-    const size_t isz = (size_t)3 * c->image_size * c->image_size;
-    float *img = malloc(sizeof(float) * isz * n), *ie = malloc(sizeof(float) * (size_t)n * E);
-    float *te = malloc(sizeof(float) * (size_t)n * E), *ce = malloc(sizeof(float) * (size_t)C * E);
-    int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * T), *lens = malloc(sizeof(int32_t) * n);
-    int32_t *labels = malloc(sizeof(int32_t) * n);
-    int st = img && ie && te && ce && tok && lens && labels ? VLMOE_OK : VLMOE_ERR_NOMEM;
-    if (!st) st = vlmoe_synth_batch(s, VLMOE_SPLIT_HELDOUT, 0, n, T, img, tok, lens);
-    for (int i = 0; i < n; i++) labels[i] = i % C; // held-out class of sample i (synthetic.c)
-    if (!st) st = vlmoe_model_encode_images(m, img, n, ie);
-    if (!st) st = vlmoe_model_encode_texts(m, tok, lens, n, te);
-    if (!st) st = vlmoe_synth_class_embeddings(m, s, ce);
-    if (!st) {
-        vlmoe_zeroshot_accuracy(ie, n, ce, C, E, labels, &out->top1, &out->top5);
-        vlmoe_pair_accuracy(ie, te, n, E, chunk, &out->i2t, &out->t2i);
-        out->classes = C;
-        out->chunk = chunk;
-    }
-    free(img), free(ie), free(te), free(ce), free(tok), free(lens), free(labels);
-    return st;
-}
-
-cJSON *cli_moe_json(const vlmoe_moe_stats *ms, int n, double succ[2]) {
-    static const char *mod[2] = {"image", "text"};
-    cJSON *arr = cJSON_CreateArray();
-    for (int i = 0; i < n; i++) {
-        const vlmoe_moe_stats *x = &ms[i];
-        cJSON *o = cJSON_CreateObject();
-        cJSON_AddNumberToObject(o, "encoder", x->encoder);
-        cJSON_AddNumberToObject(o, "block", x->block);
-        for (int m = 0; m < 2; m++) {
-            if (!x->tokens[m]) continue;
-            cJSON *t = cJSON_CreateObject();
-            cJSON_AddNumberToObject(t, "tokens", x->tokens[m]);
-            cJSON_AddNumberToObject(t, "success", x->success[m]);
-            cJSON_AddNumberToObject(t, "dropped", x->dropped[m]);
-            cJSON_AddNumberToObject(t, "mean_max_gate", x->mean_max_gate[m]);
-            cJSON_AddNumberToObject(t, "entropy_pre", x->entropy_pre[m]);
-            cJSON_AddNumberToObject(t, "entropy_post", x->entropy_post[m]);
-            cJSON_AddNumberToObject(t, "experts_used", x->experts_used[m]);
-            if (x->routed[m]) {
-                cJSON_AddItemToObject(t, "routed", cJSON_CreateDoubleArray(x->routed[m], x->num_experts));
-                cJSON_AddItemToObject(t, "accepted", cJSON_CreateDoubleArray(x->accepted[m], x->num_experts));
-            }
-            cJSON_AddItemToObject(o, mod[m], t);
-            if (succ && x->success[m] < succ[m]) succ[m] = x->success[m];
-        }
-        cJSON *aux = cJSON_CreateObject();
-        for (int k = 0; k < VLMOE_AUX_COUNT; k++)
-            if (x->aux[k] != 0) cJSON_AddNumberToObject(aux, vlmoe_aux_name((vlmoe_aux_kind)k), x->aux[k]);
-        cJSON_AddItemToObject(o, "aux", aux);
-        cJSON_AddItemToArray(arr, o);
-    }
-    return arr;
+    vlmoe_synth_free(r->synth);
 }
 
 static const char *USAGE =
@@ -153,58 +73,26 @@ static const char *USAGE =
     "              --save-frequency 1000 --zeroshot-frequency 1000 --name run1\n"
     "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
 
-// Sets up a fresh model, a --pretrained one, or a resumed run (newest complete checkpoint first,
-// falling back to older ones when one is unreadable).
-static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
-    const char *cmd = "train";
-    if (a->resume) {
-        char w[1024];
-        if (ckpt_resume(cmd, r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w))) return 1;
-        fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
-        return 0;
+
+// Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
+static void on_progress(void *u, int what, const char *line) {
+    train_run *r = u;
+    if (what == VLMOE_RUN_STEP) {
+        fprintf(stderr, "%s%s%s", r->tty ? "\r\033[K" : "", line, r->tty ? "" : "\n");
+        r->open_line = r->tty;
+        return;
     }
-    vlmoe_model_config cfg;
-    if (a->pretrained) {
-        if (vlmoe_model_load(&r->m, a->pretrained)) return cli_error(cmd, "--pretrained: %s", vlmoe_last_error());
-        cfg = *vlmoe_model_get_config(r->m);
-        if ((a->image_size && a->image_size != cfg.image_size) || (a->context_length && a->context_length != cfg.context_length))
-            return cli_error(cmd, "--image-size/--context-length cannot change a pretrained model");
-    } else {
-        if (vlmoe_config_load(a->model, &cfg)) return cli_error(cmd, "%s", vlmoe_last_error());
-        if (a->image_size) cfg.image_size = a->image_size;
-        if (a->context_length) cfg.context_length = a->context_length;
-    }
-    if (a->preset) { // the preset's routing and losses on the model's own MoE layers
-        const int two = cfg.arch == VLMOE_ARCH_TWO_TOWER;
-        if (cfg.moe.router == VLMOE_ROUTER_NONE && !(two && cfg.text_moe.router != VLMOE_ROUTER_NONE))
-            return cli_error(cmd, "--preset %s: model '%s' has no MoE layers (make some with vlmoe upcycle)", a->preset, cfg.name);
-        int st = cfg.moe.router != VLMOE_ROUTER_NONE ? vlmoe_moe_preset(a->preset, &cfg.moe) : VLMOE_OK;
-        if (!st && two && cfg.text_moe.router != VLMOE_ROUTER_NONE) st = vlmoe_moe_preset(a->preset, &cfg.text_moe);
-        if (st) return cli_error(cmd, "--preset: %s", vlmoe_last_error());
-    }
-    if (!a->pretrained || a->preset) {
-        vlmoe_model *m = NULL;
-        if (vlmoe_model_init(&m, &cfg, (uint64_t)a->seed)) return cli_error(cmd, "%s", vlmoe_last_error());
-        if (r->m) { // the pretrained weights under the preset's config (same tensors)
-            if (vlmoe_model_num_floats(m) != vlmoe_model_num_floats(r->m)) {
-                vlmoe_model_free(m);
-                return cli_error(cmd, "--preset %s changes the shapes of %s's tensors", a->preset, a->pretrained);
-            }
-            memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(r->m), sizeof(float) * vlmoe_model_num_floats(m));
-            vlmoe_model_free(r->m);
-        }
-        r->m = m;
-    }
-    if (vlmoe_model_plan(r->m, a->batch_size) || vlmoe_trainer_init(&r->t, r->m, tp))
-        return cli_error(cmd, "%s", vlmoe_last_error());
-    return 0;
+    if (r->open_line) fputc('\n', stderr), r->open_line = 0;
+    if (what == VLMOE_RUN_EVAL) printf("%s\n", line), fflush(stdout);
 }
+
+static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
 static int write_run_files(const train_args *a, train_run *r) {
     char path[1024];
     char *cj = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
     snprintf(path, sizeof(path), "%s/config.json", r->dir);
-    int wr = !cj || cli_write_text(path, cj);
+    int st = vlmoe_write_text(path, cj);
     free(cj);
     cJSON *pj = cJSON_CreateObject();
     cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
@@ -215,6 +103,8 @@ static int write_run_files(const train_args *a, train_run *r) {
         cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
     }
     cJSON_AddNumberToObject(pj, "batch_size", a->batch_size);
+    cJSON_AddNumberToObject(pj, "world_size", 1);
+    cJSON_AddNumberToObject(pj, "global_batch_size", a->batch_size);
     cJSON_AddNumberToObject(pj, "steps", (double)a->steps);
     cJSON_AddNumberToObject(pj, "lr", a->lr);
     cJSON_AddNumberToObject(pj, "wd", a->wd);
@@ -228,101 +118,46 @@ static int write_run_files(const train_args *a, train_run *r) {
     char *ps = cJSON_Print(pj);
     cJSON_Delete(pj);
     snprintf(path, sizeof(path), "%s/params.json", r->dir);
-    wr |= !ps || cli_write_text(path, ps);
+    if (!st) st = vlmoe_write_text(path, ps);
     free(ps);
-    snprintf(path, sizeof(path), "%s/metrics.jsonl", r->dir);
-    r->metrics = fopen(path, a->resume ? "a" : "w");
-    return wr || !r->metrics ? cli_error("train", "cannot write into %s: %s", r->dir, strerror(errno)) : 0;
+    return st ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
-static int save_checkpoint(train_run *r, long step, int keep, int B) {
-    char w[1024], s[1024];
-    ckpt_paths(r->ckdir, step, w, s, sizeof(w));
-    vlmoe_data_state ds;
-    memset(&ds, 0, sizeof(ds));
-    ds.data_position = (uint64_t)step * (uint64_t)B;
-    if (r->loader) vlmoe_loader_position(r->loader, &ds);
-    if (vlmoe_trainer_save(r->t, w, s, &ds)) return cli_error("train", "checkpoint: %s", vlmoe_last_error());
-    if (keep > 0) ckpt_prune(r->ckdir, keep);
+// The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained.
+static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
+    if (a->resume) {
+        char w[1024];
+        if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w),
+                              on_warn, NULL))
+            return cli_error("train", "%s", vlmoe_last_error());
+        fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
+        return 0;
+    }
+    const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length,
+                                    (uint64_t)a->seed};
+    if (vlmoe_model_from_source(&r->m, &src) || vlmoe_model_plan(r->m, a->batch_size) ||
+        vlmoe_trainer_init(&r->t, r->m, tp))
+        return cli_error("train", "%s", vlmoe_last_error());
     return 0;
 }
 
-static void log_eval(train_run *r, long step, int n, int B) {
-    cli_eval ev;
-    if (cli_eval_synthetic(r->m, r->data, n, B, &ev)) {
-        fprintf(stderr, "vlmoe train: evaluation failed: %s\n", vlmoe_last_error());
-        return;
-    }
-    printf("step %ld held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
-           "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)\n",
-           step, 100 * ev.top1, 100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t, 100 * ev.t2i,
-           ev.chunk, 100.0 / ev.chunk);
-    fflush(stdout);
-    fprintf(r->metrics, "{\"step\":%ld,\"eval_zeroshot_top1\":%.6f,\"eval_zeroshot_top5\":%.6f,"
-            "\"eval_pair_i2t\":%.6f,\"eval_pair_t2i\":%.6f}\n", step, ev.top1, ev.top5, ev.i2t, ev.t2i);
-    fflush(r->metrics);
-}
-
-// Opens --train-data once before anything is written, so that a missing file or shard, a bad CSV
-// header or shard pattern stops the run at once. count (may be NULL) gets a CSV's usable rows.
-static int check_data(const vlmoe_dataset_params *dp, long *count) {
-    vlmoe_dataset_params p = *dp;
-    p.defer_images = 1;
-    vlmoe_dataset *ds = NULL;
-    int st = vlmoe_dataset_open(&p, &ds);
-    if (!st && count && vlmoe_dataset_get_type(ds) != VLMOE_DATASET_CSV)
-        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: give --train-num-samples with --epochs (the samples in webdataset "
-                        "shards are not known before reading them)", dp->path);
-    if (count) *count = 0;
-    vlmoe_sample s;
-    int got = 0;
-    while (!st && count && (got = vlmoe_dataset_next(ds, &s)) == 1) ++*count;
-    if (got < 0) st = -got;
-    vlmoe_dataset_free(ds);
-    return st ? cli_error("train", "--train-data: %s", vlmoe_last_error()) : 0;
-}
-
-enum { VOCAB_CAPTIONS = 10000 };
-
-// A BPE vocabulary for a model that has none: trained on the first captions of the data (file
-// order) up to the model's vocabulary size and saved where a resumed run finds it.
-static int train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, const char *path) {
-    vlmoe_dataset_params p = *dp;
-    p.defer_images = 1;
-    vlmoe_dataset *ds = NULL;
-    char **texts = calloc(VOCAB_CAPTIONS, sizeof(char *));
-    size_t n = 0;
-    int st = texts ? vlmoe_dataset_open(&p, &ds) : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
-    vlmoe_sample s;
-    while (!st && n < VOCAB_CAPTIONS && (got = vlmoe_dataset_next(ds, &s)) == 1)
-        if (!(texts[n++] = strdup(s.caption))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
-    if (!st && got < 0) st = -got;
-    vlmoe_tokenizer *tok = NULL;
-    if (!st) st = vlmoe_tokenizer_train(&tok, (const char *const *)texts, n, vocab_size);
-    if (!st) st = vlmoe_tokenizer_save_clip(tok, path);
-    if (!st)
-        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions "
-                "of %s, saved as %s (give it to vlmoe eval as --tokenizer)\n", vlmoe_tokenizer_vocab_size(tok), n,
-                dp->path, path);
-    vlmoe_tokenizer_free(tok);
-    vlmoe_dataset_free(ds);
-    for (size_t i = 0; i < n; i++) free(texts[i]);
-    free(texts);
-    return st ? cli_error("train", "vocabulary for %s: %s", dp->path, vlmoe_last_error()) : 0;
-}
-
-// The tokenizer of the captions: --tokenizer, else the vocabulary this run trained (trained now on
-// a first run), else for a model with too few ids for BPE the synthetic data's word tokenizer.
+// The captions' tokenizer: --tokenizer, else the vocabulary this run trained (on a first run, from
+// the first 10000 captions), else for a model with too few ids for BPE the synthetic words.
 static int setup_text(const train_args *a, const vlmoe_model_config *c, train_run *r) {
     char path[1024];
     const char *use = a->tokenizer;
     if (!use && c->vocab_size >= 514) {
         snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
         use = path;
+        size_t n;
+        int ids;
         if (access(path, R_OK) == 0)
             fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
-        else if (train_vocabulary(&a->data, c->vocab_size, path))
-            return 1;
+        else if (vlmoe_train_vocabulary(&a->data, c->vocab_size, 10000, path, &n, &ids))
+            return cli_error("train", "%s", vlmoe_last_error());
+        else
+            fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions "
+                    "of %s, saved as %s (give it to vlmoe eval as --tokenizer)\n", ids, n, a->data.path, path);
     }
     if (cli_text_init("train", use, c, 1, &r->text)) return 1;
     if (!use)
@@ -331,9 +166,16 @@ static int setup_text(const train_args *a, const vlmoe_model_config *c, train_ru
     return 0;
 }
 
-// The loader over --train-data: the model's image size, --image-mean/--image-std, the tokenizer
-// above; a resumed run continues at the checkpoint's data position.
-static int setup_loader(const train_args *a, const vlmoe_model_config *c, train_run *r) {
+// The data: the synthetic pairs, or the loader over --train-data (at the checkpoint's position
+// when resuming).
+static int setup_data(const train_args *a, train_run *r) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
+    if (!a->data.path) {
+        vlmoe_synth_params sp = vlmoe_synth_default_params();
+        sp.image_size = c->image_size;
+        sp.seed = (uint64_t)a->seed;
+        return vlmoe_synth_init(&r->synth, &sp) ? cli_error("train", "synthetic data: %s", vlmoe_last_error()) : 0;
+    }
     if (c->channels != 3) return cli_error("train", "model %s has %d image channels; images are RGB", c->name, c->channels);
     vlmoe_loader_params lp = vlmoe_loader_default_params();
     if (cli_image_params("train", a->image_mean, a->image_std, c, &lp.image) || setup_text(a, c, r)) return 1;
@@ -351,15 +193,6 @@ static int setup_loader(const train_args *a, const vlmoe_model_config *c, train_
     if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
     fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
     return 0;
-}
-
-// A warning with the bad-sample counts and the first messages, if there were any.
-static void warn_bad(const train_run *r, const char *path) {
-    const vlmoe_dataset_stats *st = r->loader ? vlmoe_loader_stats(r->loader) : NULL;
-    if (!st || !vlmoe_dataset_stats_bad(st)) return;
-    char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
-    vlmoe_dataset_stats_format(st, sum, sizeof(sum));
-    fprintf(stderr, "vlmoe train: warning: %s: %s\n", path, sum);
 }
 
 int cmd_train(int argc, char **argv) {
@@ -436,7 +269,8 @@ int cmd_train(int argc, char **argv) {
     }
     if (a.batch_size < 2) return cli_error("train", "--batch-size must be >= 2 for a contrastive loss");
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
-    if (!synthetic && (rc = check_data(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))) return rc;
+    if (!synthetic && vlmoe_dataset_check(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))
+        return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
     if (epochs > 0) {
         if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
@@ -470,12 +304,7 @@ int cmd_train(int argc, char **argv) {
     train_run r;
     memset(&r, 0, sizeof(r));
     if (a.resume && strcmp(a.resume, "latest")) { // LOGS/NAME/checkpoints/step_N.safetensors
-        snprintf(r.dir, sizeof(r.dir), "%s", a.resume);
-        for (int up = 0; up < 2; up++) {
-            char *slash = strrchr(r.dir, '/');
-            if (slash) *slash = 0;
-            else snprintf(r.dir, sizeof(r.dir), ".");
-        }
+        vlmoe_run_dir_of(a.resume, r.dir, sizeof(r.dir));
     } else if (a.name) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name);
     } else {
@@ -488,114 +317,41 @@ int cmd_train(int argc, char **argv) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (cli_mkdir_p(r.ckdir)) return cli_error("train", "cannot create %s: %s", r.ckdir, strerror(errno));
-    ckpt_clean_tmp(r.ckdir);
-    if ((rc = setup_model(&a, &tp, &r))) {
-        run_free(&r);
-        return rc;
-    }
-    const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
-    const int B = a.batch_size, T = cfg->context_length;
-    if (!synthetic) {
-        rc = setup_loader(&a, cfg, &r);
-    } else {
-        vlmoe_synth_params sp = vlmoe_synth_default_params();
-        sp.image_size = cfg->image_size;
-        sp.seed = (uint64_t)a.seed;
-        if (vlmoe_synth_init(&r.data, &sp)) {
-            rc = cli_error("train", "synthetic data: %s", vlmoe_last_error());
-        } else if (vlmoe_synth_vocab_size(r.data) > cfg->vocab_size || cfg->channels != 3) {
-            rc = cli_error("train", "model %s: the synthetic data needs channels 3 and vocab_size >= %d", cfg->name,
-                           vlmoe_synth_vocab_size(r.data));
-        }
-        const size_t isz = (size_t)3 * cfg->image_size * cfg->image_size;
-        r.images = malloc(sizeof(float) * isz * B);
-        r.tokens = malloc(sizeof(int32_t) * (size_t)B * T);
-        r.lens = malloc(sizeof(int32_t) * B);
-        if (!rc && (!r.images || !r.tokens || !r.lens)) rc = cli_error("train", "out of memory");
+    if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
+    vlmoe_ckpt_clean_tmp(r.ckdir);
+    if (!(rc = setup_model(&a, &tp, &r)) && !(rc = setup_data(&a, &r))) {
+        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples};
+        if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
     }
     if (!rc) rc = write_run_files(&a, &r);
     if (rc) {
         run_free(&r);
         return rc;
     }
-    const long start = vlmoe_trainer_get_step(r.t);
-    const int tty = isatty(fileno(stderr));
+    const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
+    r.tty = isatty(fileno(stderr));
     fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
-            cfg->name, vlmoe_model_num_floats(r.m), start, a.steps, B, omp_get_max_threads(), r.dir);
-    double t_start = cli_now(), t_last = t_start, sum_loss = 0;
-    long last_step = start;
-    for (long step = start; step < a.steps && !rc; step++) {
-        vlmoe_batch batch = {B, r.images, r.tokens, r.lens};
-        if (r.loader ? vlmoe_loader_next(r.loader, &batch, NULL)
-                     : vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, r.images, r.tokens, r.lens)) {
-            rc = cli_error("train", "data: %s", vlmoe_last_error());
-            break;
-        }
-        vlmoe_step_stats s;
-        if (vlmoe_trainer_step(r.t, &batch, &s)) {
-            rc = cli_error("train", "diverged: %s. Nothing was written for this step; continue from the last "
-                           "checkpoint with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
-            break;
-        }
-        sum_loss += s.loss;
-        const long done = step + 1;
-        if (done % a.log_every == 0 || done == a.steps) {
-            double t = cli_now(), per = (t - t_last) / (double)(done - last_step), ips = B / per;
-            cJSON *o = cJSON_CreateObject();
-            cJSON_AddNumberToObject(o, "step", (double)done);
-            cJSON_AddItemToObject(o, "loss", exact(s.loss));
-            cJSON_AddItemToObject(o, "contrastive_loss", exact(s.contrastive));
-            cJSON_AddItemToObject(o, "aux_loss", exact(s.aux));
-            cJSON_AddNumberToObject(o, "loss_avg", sum_loss / (double)(done - last_step));
-            cJSON_AddNumberToObject(o, "acc_i2t", s.acc_i2t);
-            cJSON_AddNumberToObject(o, "acc_t2i", s.acc_t2i);
-            cJSON_AddNumberToObject(o, "lr", s.lr);
-            cJSON_AddNumberToObject(o, "temperature", s.temperature);
-            cJSON_AddNumberToObject(o, "grad_norm", s.grad_norm);
-            cJSON_AddNumberToObject(o, "images_per_s", ips);
-            cJSON_AddNumberToObject(o, "s_per_step", per);
-            if (r.loader) {
-                vlmoe_data_state pos;
-                vlmoe_loader_position(r.loader, &pos);
-                cJSON_AddNumberToObject(o, "epoch", (double)pos.data_epoch);
-                cJSON_AddNumberToObject(o, "bad_samples", (double)vlmoe_dataset_stats_bad(vlmoe_loader_stats(r.loader)));
-            }
-            double succ[2] = {1, 1};
-            int nmoe;
-            const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(r.m, &nmoe);
-            if (nmoe) cJSON_AddItemToObject(o, "moe", cli_moe_json(ms, nmoe, succ));
-            char *line = cJSON_PrintUnformatted(o);
-            fprintf(r.metrics, "%s\n", line);
-            fflush(r.metrics);
-            free(line);
-            cJSON_Delete(o);
-            char eta[32], moe[64] = "";
-            fmt_eta(eta, sizeof(eta), per * (double)(a.steps - done));
-            if (nmoe) snprintf(moe, sizeof(moe), "  aux %.4f  success %.2f/%.2f", s.aux, succ[0], succ[1]);
-            fprintf(stderr, "%sstep %ld/%ld  loss %.4f (avg %.4f)%s  acc %.2f/%.2f  T %.1f  lr %.2e  %.0f img/s  ETA %s%s",
-                    tty ? "\r\033[K" : "", done, a.steps, s.loss, sum_loss / (double)(done - last_step), moe,
-                    s.acc_i2t, s.acc_t2i, s.temperature, s.lr, ips, eta, tty ? "" : "\n");
-            t_last = t;
-            last_step = done;
-            sum_loss = 0;
-        }
-        if ((a.save_every > 0 && done % a.save_every == 0) || done == a.steps) {
-            if (tty) fputc('\n', stderr);
-            rc = save_checkpoint(&r, done, a.keep, B);
-        }
-        if (!rc && synthetic && a.eval_samples > 0 && a.zeroshot_every > 0 && done % a.zeroshot_every == 0 &&
-            done != a.steps) {
-            if (tty) fputc('\n', stderr);
-            log_eval(&r, done, a.eval_samples, B);
-        }
+            cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
+            omp_get_max_threads(), r.dir);
+    const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
+    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, a.zeroshot_every, 1,
+                                 a.batch_size, NULL, on_progress, &r};
+    const double t0 = cli_now();
+    int st = vlmoe_run_train(r.t, &task, &rp);
+    if (r.open_line) fputc('\n', stderr);
+    if (st == VLMOE_ERR_NUMERIC)
+        rc = cli_error("train", "diverged: %s. Nothing was written for this step; continue from the last checkpoint "
+                       "with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
+    else if (st)
+        rc = cli_error("train", "%s", vlmoe_last_error());
+    else
+        fprintf(stderr, "trained to step %ld in %.1f s; checkpoints in %s\n", a.steps, cli_now() - t0, r.ckdir);
+    const vlmoe_dataset_stats *bs = r.loader ? vlmoe_loader_stats(r.loader) : NULL;
+    if (bs && vlmoe_dataset_stats_bad(bs)) { // a run stopped by bad samples said so with the counts
+        char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
+        vlmoe_dataset_stats_format(bs, sum, sizeof(sum));
+        fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
-    if (!rc) {
-        fprintf(stderr, "%strained to step %ld in %.1f s; checkpoints in %s\n", tty ? "\n" : "", a.steps,
-                cli_now() - t_start, r.ckdir);
-        if (synthetic && a.eval_samples > 0) log_eval(&r, a.steps, a.eval_samples, B);
-    }
-    if (!rc) warn_bad(&r, a.data.path);   // a run stopped by bad samples said so with the counts
     run_free(&r);
     return rc;
 }

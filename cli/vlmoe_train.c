@@ -20,6 +20,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "train/run.h"
 #include "common.h"
 #include "data/loader.h"
 #include "tokenize.h"
@@ -548,7 +549,7 @@ static int stream_routing(mome_run *r, int k, cJSON *obj, char *line, size_t cap
         if ((k != S_TEXT && ms[i].tokens[VLMOE_MOD_IMAGE] > 0 && !ms[i].tokens[VLMOE_MOD_TEXT]) ||
             (k != S_IMAGE && ms[i].tokens[VLMOE_MOD_TEXT] > 0 && !ms[i].tokens[VLMOE_MOD_IMAGE]))
             keep[nk++] = ms[i];
-    if (nk) cJSON_AddItemToObject(obj, STREAM_NAME[k], cli_moe_json(keep, nk, NULL));
+    if (nk) cJSON_AddItemToObject(obj, STREAM_NAME[k], vlmoe_metrics_moe(keep, nk, NULL, NULL));
     size_t at = strlen(line);
     if (nk && at < cap) at += (size_t)snprintf(line + at, cap - at, "%s%s:", at ? " | " : "", STREAM_NAME[k]);
     for (int i = 0; i < nk && at < cap; i++) {
@@ -561,6 +562,8 @@ static int stream_routing(mome_run *r, int k, cJSON *obj, char *line, size_t cap
     return 0;
 }
 
+static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
+
 // A fresh model from --model, or the newest usable checkpoint (--resume latest, falling back to
 // older ones) or the one named (--resume FILE).
 static int setup_model(const mome_args *a, const vlmoe_train_params *tp, mome_run *r) {
@@ -569,7 +572,8 @@ static int setup_model(const mome_args *a, const vlmoe_train_params *tp, mome_ru
         return 0;
     }
     char w[1024];
-    if (ckpt_resume(CMD, r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w))) return 1;
+    if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
+        return lib_error("");
     char *want = vlmoe_config_to_json(&r->cfg), *have = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
     const int same = want && have && !strcmp(want, have);
     free(want), free(have);
@@ -613,7 +617,7 @@ static int write_run_files(const mome_args *a, const int w[NSTREAMS], mome_run *
     char path[1024];
     char *cj = vlmoe_config_to_json(&r->cfg);
     snprintf(path, sizeof(path), "%s/config.json", r->dir);
-    int bad = cli_write_text(path, cj);
+    int bad = vlmoe_write_text(path, cj);
     free(cj);
     cJSON *p = cJSON_CreateObject();
     cJSON_AddStringToObject(p, "model", a->model);
@@ -642,21 +646,21 @@ static int write_run_files(const mome_args *a, const int w[NSTREAMS], mome_run *
     char *ps = cJSON_Print(p);
     cJSON_Delete(p);
     snprintf(path, sizeof(path), "%s/params.json", r->dir);
-    bad |= cli_write_text(path, ps);
+    bad |= vlmoe_write_text(path, ps);
     free(ps);
     return bad ? cli_error(CMD, "cannot write into %s: %s", r->dir, strerror(errno)) : 0;
 }
 
 static int save_checkpoint(mome_run *r, long step, int keep) {
     char w[1024], s[1024];
-    ckpt_paths(r->ckdir, step, w, s, sizeof(w));
+    vlmoe_ckpt_paths(r->ckdir, step, w, s, sizeof(w));
     vlmoe_data_state ds;
     memset(&ds, 0, sizeof(ds));
     if (r->loader) vlmoe_loader_position(r->loader, &ds); // seed and order in data_rng[0..2]
     else ds.data_position = (uint64_t)step * (uint64_t)r->n_synth;
     ds.data_rng[3] = r->signature;
     if (vlmoe_trainer_save(r->t, w, s, &ds)) return lib_error("checkpoint");
-    if (keep > 0) ckpt_prune(r->ckdir, keep);
+    if (keep > 0) vlmoe_ckpt_prune(r->ckdir, keep);
     return 0;
 }
 
@@ -768,8 +772,8 @@ static int make_run_dir(const mome_args *a, mome_run *r) {
             if (*p == '/') *p = '_'; // model names like S/32
     }
     snprintf(r->ckdir, sizeof(r->ckdir), "%s/checkpoints", r->dir);
-    if (cli_mkdir_p(r->ckdir)) return cli_error(CMD, "cannot create %s: %s", r->ckdir, strerror(errno));
-    ckpt_clean_tmp(r->ckdir);
+    if (vlmoe_mkdir_p(r->ckdir)) return lib_error("");
+    vlmoe_ckpt_clean_tmp(r->ckdir);
     return 0;
 }
 
@@ -936,7 +940,7 @@ int cmd_train_mome(int argc, char **argv) {
     }
     if (!rc) {
         char wp[1024], sp[1024];
-        ckpt_paths(r.ckdir, a.steps, wp, sp, sizeof(wp));
+        vlmoe_ckpt_paths(r.ckdir, a.steps, wp, sp, sizeof(wp));
         printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
     }
     if (r.n_bad_images) {

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "data/order.h"
 
 #define MAX_WORKERS 256
 #define MSG_LEN 640
@@ -111,28 +112,24 @@ vlmoe_loader_params vlmoe_loader_default_params(void) {
 }
 
 // ---- seeded streams -------------------------------------------------------------------------
-static uint64_t mix(uint64_t a, uint64_t b) {   // splitmix64's finaliser of a combined with b
-    uint64_t z = a ^ (b + 0x9E3779B97F4A7C15ull + (a << 6) + (a >> 2));
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+// The key of stream (stream, epoch, index) of the run's seed (src/data/order.c's mixing).
+static uint64_t stream_key(uint64_t seed, int stream, int64_t epoch, int64_t index) {
+    return vlmoe_order_mix(vlmoe_order_mix(vlmoe_order_mix(seed, (uint64_t)stream), (uint64_t)epoch), (uint64_t)index);
 }
 
 static void seed_rng(vlmoe_rng *r, uint64_t seed, int stream, int64_t epoch, int64_t index) {
-    vlmoe_rng_seed(r, mix(mix(mix(seed, (uint64_t)stream), (uint64_t)epoch), (uint64_t)index));
+    vlmoe_rng_seed(r, stream_key(seed, stream, epoch, index));
 }
 
-// perm = 0..n-1, shuffled (Fisher-Yates) by the stream (stream, epoch, index) when shuffling.
+// perm = 0..n-1, shuffled by the stream (stream, epoch, index) when shuffling: the data order of
+// src/data/order.c, keyed by the loader's own stream.
 static void make_perm(const vlmoe_loader *ld, uint32_t *perm, uint32_t n, int stream, int64_t epoch,
                       int64_t index) {
-    for (uint32_t i = 0; i < n; i++) perm[i] = i;
-    if (!ld->p.shuffle) return;
-    vlmoe_rng r;
-    seed_rng(&r, ld->p.seed, stream, epoch, index);
-    for (uint32_t i = n; i > 1; i--) {
-        uint32_t j = vlmoe_rng_below(&r, i), t = perm[i - 1];
-        perm[i - 1] = perm[j], perm[j] = t;
+    if (!ld->p.shuffle) {
+        for (uint32_t i = 0; i < n; i++) perm[i] = i;
+        return;
     }
+    vlmoe_order_shuffle(perm, n, stream_key(ld->p.seed, stream, epoch, index));
 }
 
 static int grow(void *pp, size_t *cap, size_t need, size_t elem, const char *what) {

@@ -1,0 +1,235 @@
+// contrastive_task.c: contrastive training (LIMoE one_tower, CLIP two_tower, dense or MoE) as a
+// task of the loop in src/train/run.c: a batch of pairs from the synthetic data or the loader,
+// one trainer step, the train record's losses, accuracies and routing statistics, and the
+// held-out synthetic evaluation. Also the model a run starts from and the vocabulary a run
+// trains. Covered by tests/test_cli.c, tests/test_checkpoint.c and tests/test_loader.c.
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "tok/tok.h"
+#include "train/tasks.h"
+
+struct vlmoe_contrastive {
+    vlmoe_contrastive_params p;
+    int T;
+    float *images;
+    int32_t *tokens, *lens;
+    vlmoe_batch batch;
+};
+
+int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p) {
+    *out = NULL;
+    if (!p->model || p->batch_size < 2 || !p->synth == !p->loader)
+        return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: a model, a batch of >= 2 pairs and one data source");
+    const vlmoe_model_config *c = vlmoe_model_get_config(p->model);
+    vlmoe_contrastive *r = calloc(1, sizeof(*r));
+    if (!r) return vlmoe_fail(VLMOE_ERR_NOMEM, "contrastive run");
+    r->p = *p;
+    r->T = c->context_length;
+    if (p->synth) {
+        if (vlmoe_synth_vocab_size(p->synth) > c->vocab_size || c->channels != 3) {
+            free(r);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "model %s: the synthetic data needs channels 3 and vocab_size >= %d",
+                              c->name, vlmoe_synth_vocab_size(p->synth));
+        }
+        const size_t B = (size_t)p->batch_size, isz = (size_t)3 * c->image_size * c->image_size;
+        r->images = malloc(sizeof(float) * isz * B);
+        r->tokens = malloc(sizeof(int32_t) * B * (size_t)r->T);
+        r->lens = malloc(sizeof(int32_t) * B);
+        if (!r->images || !r->tokens || !r->lens) {
+            vlmoe_contrastive_free(r);
+            return vlmoe_fail(VLMOE_ERR_NOMEM, "a batch of %d pairs", p->batch_size);
+        }
+    }
+    *out = r;
+    return VLMOE_OK;
+}
+
+void vlmoe_contrastive_free(vlmoe_contrastive *c) {
+    if (!c) return;
+    free(c->images), free(c->tokens), free(c->lens);
+    free(c);
+}
+
+static int c_fill(void *u, long step) {
+    vlmoe_contrastive *r = u;
+    const int B = r->p.batch_size;
+    r->batch = (vlmoe_batch){B, r->images, r->tokens, r->lens};
+    int st = r->p.loader ? vlmoe_loader_next(r->p.loader, &r->batch, NULL)
+                         : vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, (uint64_t)step * (uint64_t)B, B, r->T,
+                                             r->images, r->tokens, r->lens);
+    if (st) vlmoe_error_prefix("data");
+    return st;
+}
+
+static int c_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
+    vlmoe_contrastive *r = u;
+    return vlmoe_trainer_step(t, &r->batch, s);
+}
+
+static int c_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char *line, size_t cap) {
+    vlmoe_contrastive *r = u;
+    cJSON_AddItemToObject(rec, "contrastive_loss", vlmoe_metrics_exact(s->contrastive));
+    cJSON_AddNumberToObject(rec, "acc_i2t", s->acc_i2t);
+    cJSON_AddNumberToObject(rec, "acc_t2i", s->acc_t2i);
+    cJSON_AddNumberToObject(rec, "temperature", s->temperature);
+    if (r->p.loader) {
+        vlmoe_data_state pos;
+        vlmoe_loader_position(r->p.loader, &pos);
+        cJSON_AddNumberToObject(rec, "epoch", (double)pos.data_epoch);
+        cJSON_AddNumberToObject(rec, "bad_samples", (double)vlmoe_dataset_stats_bad(vlmoe_loader_stats(r->p.loader)));
+    }
+    double succ[2] = {1, 1};
+    int nmoe;
+    const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(r->p.model, &nmoe);
+    size_t at = 0;
+    if (nmoe) {
+        cJSON_AddItemToObject(rec, "moe", vlmoe_metrics_moe(ms, nmoe, NULL, succ));
+        at = (size_t)snprintf(line, cap, "  aux %.4f  success %.2f/%.2f", s->aux, succ[0], succ[1]);
+    }
+    if (at < cap) snprintf(line + at, cap - at, "  acc %.2f/%.2f  T %.1f", s->acc_i2t, s->acc_t2i, s->temperature);
+    return VLMOE_OK;
+}
+
+static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
+    vlmoe_contrastive *r = u;
+    vlmoe_synth_eval ev;
+    int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size, &ev);
+    if (st) return st;
+    cJSON_AddNumberToObject(rec, "eval_zeroshot_top1", ev.top1);
+    cJSON_AddNumberToObject(rec, "eval_zeroshot_top5", ev.top5);
+    cJSON_AddNumberToObject(rec, "eval_pair_i2t", ev.i2t);
+    cJSON_AddNumberToObject(rec, "eval_pair_t2i", ev.t2i);
+    snprintf(line, cap, "step %ld held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
+             "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)", done, 100 * ev.top1,
+             100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t, 100 * ev.t2i, ev.chunk, 100.0 / ev.chunk);
+    return VLMOE_OK;
+}
+
+static void c_data_state(void *u, long done, vlmoe_data_state *ds) {
+    vlmoe_contrastive *r = u;
+    ds->data_position = (uint64_t)done * (uint64_t)r->p.batch_size;
+    if (r->p.loader) vlmoe_loader_position(r->p.loader, ds);
+}
+
+vlmoe_run_task vlmoe_contrastive_task(vlmoe_contrastive *c) {
+    vlmoe_run_task t = {c, c_fill, c_step, c_log, NULL, c_data_state};
+    if (c->p.synth && c->p.eval_samples > 0) t.eval = c_eval;
+    return t;
+}
+
+int vlmoe_synth_evaluate(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, vlmoe_synth_eval *out) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    const int E = c->embed_dim, T = c->context_length, C = vlmoe_synth_num_classes(s);
+    if (n < 1 || chunk < 1) return vlmoe_fail(VLMOE_ERR_ARG, "held-out evaluation of %d samples in chunks of %d", n, chunk);
+    const size_t isz = (size_t)3 * c->image_size * c->image_size;
+    float *img = malloc(sizeof(float) * isz * n), *ie = malloc(sizeof(float) * (size_t)n * E);
+    float *te = malloc(sizeof(float) * (size_t)n * E), *ce = malloc(sizeof(float) * (size_t)C * E);
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * T), *lens = malloc(sizeof(int32_t) * n);
+    int32_t *labels = malloc(sizeof(int32_t) * n);
+    int st = img && ie && te && ce && tok && lens && labels ? VLMOE_OK
+                                                            : vlmoe_fail(VLMOE_ERR_NOMEM, "held-out evaluation");
+    if (!st) st = vlmoe_synth_batch(s, VLMOE_SPLIT_HELDOUT, 0, n, T, img, tok, lens);
+    for (int i = 0; i < n; i++) labels[i] = i % C; // held-out class of sample i (src/data/synthetic.c)
+    if (!st) st = vlmoe_model_encode_images(m, img, n, ie);
+    if (!st) st = vlmoe_model_encode_texts(m, tok, lens, n, te);
+    if (!st) st = vlmoe_synth_class_embeddings(m, s, ce);
+    if (!st) {
+        vlmoe_zeroshot_accuracy(ie, n, ce, C, E, labels, &out->top1, &out->top5);
+        vlmoe_pair_accuracy(ie, te, n, E, chunk, &out->i2t, &out->t2i);
+        out->classes = C;
+        out->chunk = chunk;
+    }
+    free(img), free(ie), free(te), free(ce), free(tok), free(lens), free(labels);
+    return st;
+}
+
+int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
+    *out = NULL;
+    vlmoe_model_config cfg;
+    vlmoe_model *pre = NULL;
+    int st;
+    if (s->pretrained) {
+        if ((st = vlmoe_model_load(&pre, s->pretrained))) return vlmoe_error_prefix("--pretrained"), st;
+        cfg = *vlmoe_model_get_config(pre);
+        if ((s->image_size && s->image_size != cfg.image_size) ||
+            (s->context_length && s->context_length != cfg.context_length)) {
+            vlmoe_model_free(pre);
+            return vlmoe_fail(VLMOE_ERR_ARG, "--image-size/--context-length cannot change a pretrained model");
+        }
+    } else {
+        if ((st = vlmoe_config_load(s->model, &cfg))) return st;
+        if (s->image_size) cfg.image_size = s->image_size;
+        if (s->context_length) cfg.context_length = s->context_length;
+    }
+    if (s->preset) { // the preset's routing and losses on the model's own MoE layers
+        const int two = cfg.arch == VLMOE_ARCH_TWO_TOWER;
+        if (cfg.moe.router == VLMOE_ROUTER_NONE && !(two && cfg.text_moe.router != VLMOE_ROUTER_NONE)) {
+            vlmoe_model_free(pre);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s: model '%s' has no MoE layers (make some with vlmoe "
+                              "upcycle)", s->preset, cfg.name);
+        }
+        st = cfg.moe.router != VLMOE_ROUTER_NONE ? vlmoe_moe_preset(s->preset, &cfg.moe) : VLMOE_OK;
+        if (!st && two && cfg.text_moe.router != VLMOE_ROUTER_NONE) st = vlmoe_moe_preset(s->preset, &cfg.text_moe);
+        if (st) return vlmoe_model_free(pre), vlmoe_error_prefix("--preset"), st;
+    }
+    if (pre && !s->preset) {
+        *out = pre;
+        return VLMOE_OK;
+    }
+    vlmoe_model *m = NULL;
+    if ((st = vlmoe_model_init(&m, &cfg, s->seed))) return vlmoe_model_free(pre), st;
+    if (pre) { // the pretrained weights under the preset's config (same tensors)
+        if (vlmoe_model_num_floats(m) != vlmoe_model_num_floats(pre)) {
+            vlmoe_model_free(m), vlmoe_model_free(pre);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s changes the shapes of %s's tensors", s->preset, s->pretrained);
+        }
+        memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(pre), sizeof(float) * vlmoe_model_num_floats(m));
+        vlmoe_model_free(pre);
+    }
+    *out = m;
+    return VLMOE_OK;
+}
+
+int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count) {
+    vlmoe_dataset_params p = *dp;
+    p.defer_images = 1;
+    vlmoe_dataset *ds = NULL;
+    int st = vlmoe_dataset_open(&p, &ds);
+    if (!st && count && vlmoe_dataset_get_type(ds) != VLMOE_DATASET_CSV)
+        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: give --train-num-samples with --epochs (the samples in webdataset "
+                        "shards are not known before reading them)", dp->path);
+    if (count) *count = 0;
+    vlmoe_sample s;
+    int got = 0;
+    while (!st && count && (got = vlmoe_dataset_next(ds, &s)) == 1) ++*count;
+    if (got < 0) st = -got;
+    vlmoe_dataset_free(ds);
+    return st;
+}
+
+int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
+                           const char *path, size_t *n_read, int *ids) {
+    vlmoe_dataset_params p = *dp;
+    p.defer_images = 1;
+    vlmoe_dataset *ds = NULL;
+    char **texts = calloc(max_captions ? max_captions : 1, sizeof(char *));
+    size_t n = 0;
+    int st = texts ? vlmoe_dataset_open(&p, &ds) : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    vlmoe_sample s;
+    while (!st && n < max_captions && (got = vlmoe_dataset_next(ds, &s)) == 1)
+        if (!(texts[n++] = strdup(s.caption))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
+    if (!st && got < 0) st = -got;
+    vlmoe_tokenizer *tok = NULL;
+    if (!st) st = vlmoe_tokenizer_train(&tok, (const char *const *)texts, n, vocab_size);
+    if (!st) st = vlmoe_tokenizer_save_clip(tok, path);
+    if (!st && ids) *ids = vlmoe_tokenizer_vocab_size(tok);
+    vlmoe_tokenizer_free(tok);
+    vlmoe_dataset_free(ds);
+    for (size_t i = 0; i < n; i++) free(texts[i]);
+    free(texts);
+    if (n_read) *n_read = n;
+    if (st) vlmoe_error_prefix("vocabulary for %s", dp->path);
+    return st;
+}

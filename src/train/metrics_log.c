@@ -1,0 +1,149 @@
+// metrics_log.c: the metrics sink and reader of a training run: metrics.jsonl, one JSON object per
+// line in the schema of docs/METRICS.md ("step" first, then "kind"), written by the loop of
+// src/train/run.c and read by `vlmoe prune --stats` (cli/prune.c). Covered by tests/test_cli.c,
+// tests/test_checkpoint.c and tests/test_vlmoe_train.c.
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "train/run.h"
+
+struct vlmoe_metrics {
+    FILE *f;
+    char path[1024];
+};
+
+// The "step" of a line that starts a record, or -1.
+static long line_step(const char *line) {
+    long s;
+    return sscanf(line, "{\"step\":%ld", &s) == 1 ? s : -1;
+}
+
+int vlmoe_metrics_open(vlmoe_metrics **out, const char *path, long start) {
+    *out = NULL;
+    vlmoe_metrics *m = calloc(1, sizeof(*m));
+    if (!m) return vlmoe_fail(VLMOE_ERR_NOMEM, "metrics sink");
+    snprintf(m->path, sizeof(m->path), "%s", path);
+    if (start > 0) { // keep the records of the steps up to start, through a renamed copy
+        char tmp[1100];
+        snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+        FILE *in = fopen(path, "r"), *o = fopen(tmp, "w");
+        char *line = NULL;
+        size_t cap = 0;
+        int ok = o != NULL;
+        ssize_t len;
+        while (ok && in && (len = getline(&line, &cap, in)) > 0) {
+            const long s = line_step(line); // a line cut short by a killed writer is dropped
+            if (s >= 0 && s <= start && line[len - 1] == '\n') ok = fputs(line, o) >= 0;
+        }
+        free(line);
+        if (in) fclose(in);
+        if (o && fclose(o)) ok = 0;
+        if (!ok || rename(tmp, path)) {
+            const int e = errno;
+            remove(tmp);
+            free(m);
+            return vlmoe_fail(VLMOE_ERR_IO, "cannot rewrite %s: %s", path, strerror(e));
+        }
+    }
+    if (!(m->f = fopen(path, start > 0 ? "a" : "w"))) {
+        const int e = errno;
+        free(m);
+        return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(e));
+    }
+    *out = m;
+    return VLMOE_OK;
+}
+
+void vlmoe_metrics_close(vlmoe_metrics *m) {
+    if (!m) return;
+    if (m->f) fclose(m->f);
+    free(m);
+}
+
+cJSON *vlmoe_metrics_record(long step, const char *kind) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddNumberToObject(o, "step", (double)step);
+    cJSON_AddStringToObject(o, "kind", kind);
+    return o;
+}
+
+int vlmoe_metrics_write(vlmoe_metrics *m, cJSON *rec) {
+    char *line = rec ? cJSON_PrintUnformatted(rec) : NULL;
+    cJSON_Delete(rec);
+    const int ok = line && fprintf(m->f, "%s\n", line) >= 0 && fflush(m->f) == 0;
+    free(line);
+    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", m->path, line ? strerror(errno) : "out of memory");
+}
+
+cJSON *vlmoe_metrics_exact(double v) {
+    char b[40];
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(b, sizeof(b), "%.*g", digits, v);
+        if (strtod(b, NULL) == v) break;
+    }
+    return isfinite(v) ? cJSON_CreateRaw(b) : cJSON_CreateNull();
+}
+
+cJSON *vlmoe_metrics_moe(const vlmoe_moe_stats *ms, int n, const char *stream, double succ[2]) {
+    static const char *mod[2] = {"image", "text"};
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; arr && i < n; i++) {
+        const vlmoe_moe_stats *x = &ms[i];
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "encoder", x->encoder);
+        cJSON_AddNumberToObject(o, "block", x->block);
+        if (stream) cJSON_AddStringToObject(o, "stream", stream);
+        for (int k = 0; k < 2; k++) {
+            if (!x->tokens[k]) continue;
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddNumberToObject(t, "tokens", x->tokens[k]);
+            cJSON_AddNumberToObject(t, "success", x->success[k]);
+            cJSON_AddNumberToObject(t, "dropped", x->dropped[k]);
+            cJSON_AddNumberToObject(t, "mean_max_gate", x->mean_max_gate[k]);
+            cJSON_AddNumberToObject(t, "entropy_pre", x->entropy_pre[k]);
+            cJSON_AddNumberToObject(t, "entropy_post", x->entropy_post[k]);
+            cJSON_AddNumberToObject(t, "experts_used", x->experts_used[k]);
+            if (x->routed[k]) {
+                cJSON_AddItemToObject(t, "routed", cJSON_CreateDoubleArray(x->routed[k], x->num_experts));
+                cJSON_AddItemToObject(t, "accepted", cJSON_CreateDoubleArray(x->accepted[k], x->num_experts));
+            }
+            cJSON_AddItemToObject(o, mod[k], t);
+            if (succ && x->success[k] < succ[k]) succ[k] = x->success[k];
+        }
+        cJSON *aux = cJSON_CreateObject();
+        for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+            if (x->aux[k] != 0) cJSON_AddNumberToObject(aux, vlmoe_aux_name((vlmoe_aux_kind)k), x->aux[k]);
+        cJSON_AddItemToObject(o, "aux", aux);
+        cJSON_AddItemToArray(arr, o);
+    }
+    return arr;
+}
+
+int vlmoe_metrics_read(const char *path, int (*each)(void *user, const cJSON *rec, long line), void *user) {
+    FILE *f = fopen(path, "r");
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    char *line = NULL;
+    size_t cap = 0;
+    long lineno = 0;
+    int st = VLMOE_OK;
+    ssize_t len;
+    while (!st && (len = getline(&line, &cap, f)) >= 0) {
+        lineno++;
+        if (len <= 1 && (len == 0 || line[0] == '\n')) continue; // a blank line
+        cJSON *o = cJSON_Parse(line);
+        const cJSON *s = o ? cJSON_GetObjectItemCaseSensitive(o, "step") : NULL;
+        if (!cJSON_IsObject(o) || !cJSON_IsNumber(s))
+            st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s:%ld: not a metrics record (a JSON object with a \"step\")", path, lineno);
+        else
+            st = each(user, o, lineno);
+        cJSON_Delete(o);
+    }
+    free(line);
+    fclose(f);
+    return st;
+}

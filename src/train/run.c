@@ -1,0 +1,127 @@
+// run.c: the one training loop (src/train/run.h): from the trainer's step to the last, the task
+// fills a batch and takes a step; on the cadences the loop writes a train record (docs/METRICS.md)
+// and a progress line, a checkpoint with the task's data position, and the task's evaluation.
+// Only rank 0 of the process group writes files. Covered by tests/test_cli.c,
+// tests/test_checkpoint.c and tests/test_vlmoe_train.c.
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+#include "train/run.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void progress(const vlmoe_run_params *p, int what, const char *line) {
+    if (p->progress) p->progress(p->progress_user, what, line);
+}
+
+static int save(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_run_params *p, const char *ckdir, long done) {
+    char w[1100], s[1100], line[1200];
+    vlmoe_ckpt_paths(ckdir, done, w, s, sizeof(w));
+    vlmoe_data_state ds;
+    memset(&ds, 0, sizeof(ds));
+    if (task->data_state) task->data_state(task->user, done, &ds);
+    int st = vlmoe_trainer_save(t, w, s, &ds);
+    if (st) {
+        vlmoe_error_prefix("checkpoint");
+        return st;
+    }
+    if (p->keep > 0) vlmoe_ckpt_prune(ckdir, p->keep);
+    snprintf(line, sizeof(line), "checkpoint %s", w);
+    progress(p, VLMOE_RUN_CHECKPOINT, line);
+    return VLMOE_OK;
+}
+
+static int evaluate(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe_metrics *mx, long done) {
+    char line[2048] = "";
+    cJSON *rec = vlmoe_metrics_record(done, "eval");
+    if (!rec) return vlmoe_fail(VLMOE_ERR_NOMEM, "metrics record");
+    int st = task->eval(task->user, done, rec, line, sizeof(line));
+    if (st) {
+        cJSON_Delete(rec);
+        vlmoe_error_prefix("evaluation at step %ld", done);
+        return st;
+    }
+    st = mx ? vlmoe_metrics_write(mx, rec) : (cJSON_Delete(rec), VLMOE_OK);
+    if (!st && line[0]) progress(p, VLMOE_RUN_EVAL, line);
+    return st;
+}
+
+static void fmt_eta(char *buf, size_t n, double s) {
+    long t = (long)(s + 0.5);
+    snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+}
+
+// The train record of step `done` and its progress line.
+static int log_step(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe_metrics *mx, long done,
+                    const vlmoe_step_stats *s, double loss_avg, double per) {
+    char line[4096], eta[32];
+    size_t at = (size_t)snprintf(line, sizeof(line), "step %ld/%ld  loss %.4f (avg %.4f)", done, p->steps, s->loss, loss_avg);
+    cJSON *rec = vlmoe_metrics_record(done, "train");
+    if (!rec) return vlmoe_fail(VLMOE_ERR_NOMEM, "metrics record");
+    cJSON_AddItemToObject(rec, "loss", vlmoe_metrics_exact(s->loss));
+    cJSON_AddItemToObject(rec, "aux_loss", vlmoe_metrics_exact(s->aux));
+    cJSON_AddNumberToObject(rec, "lr", s->lr);
+    cJSON_AddNumberToObject(rec, "grad_norm", s->grad_norm);
+    int st = task->log ? task->log(task->user, done, s, rec, line + at, sizeof(line) - at) : VLMOE_OK;
+    if (st) {
+        cJSON_Delete(rec);
+        return st;
+    }
+    // wall-clock fields last, in their own object: the only part of a record that differs
+    // between a resumed and an uninterrupted run
+    cJSON *tm = cJSON_AddObjectToObject(rec, "time");
+    cJSON_AddNumberToObject(tm, "s_per_step", per);
+    cJSON_AddNumberToObject(tm, "samples_per_s", (double)p->samples_per_step / per);
+    st = mx ? vlmoe_metrics_write(mx, rec) : (cJSON_Delete(rec), VLMOE_OK);
+    at = strlen(line);
+    fmt_eta(eta, sizeof(eta), per * (double)(p->steps - done));
+    snprintf(line + at, sizeof(line) - at, "  lr %.2e  %.0f samples/s  ETA %s", s->lr,
+             (double)p->samples_per_step / per, eta);
+    if (!st) progress(p, VLMOE_RUN_STEP, line);
+    return st;
+}
+
+int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_run_params *p) {
+    if (!task || !task->step || !p || !p->dir || p->steps < 1 || p->log_every < 1 || p->save_every < 0 ||
+        p->eval_every < 0 || p->keep < 0 || p->samples_per_step < 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, folder, or a non-positive step count, cadence "
+                          "or batch");
+    vlmoe_dist *dist = p->dist ? p->dist : vlmoe_dist_single();
+    if (dist->world != 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "run: training on %d processes is not built yet (the loop runs one process)",
+                          dist->world);
+    const int writer = dist->rank == 0;
+    char ckdir[1100], path[1100];
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir);
+    snprintf(path, sizeof(path), "%s/metrics.jsonl", p->dir);
+    const long start = vlmoe_trainer_get_step(t);
+    vlmoe_metrics *mx = NULL;
+    int st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;
+    double t_last = now(), sum_loss = 0;
+    long last = start;
+    for (long step = start; step < p->steps && !st; step++) {
+        if (task->fill && (st = task->fill(task->user, step))) break;
+        vlmoe_step_stats s;
+        if ((st = task->step(task->user, t, step, &s))) break;
+        sum_loss += s.loss;
+        const long done = step + 1;
+        if (done % p->log_every == 0 || done == p->steps) {
+            const double tn = now(), per = (tn - t_last) / (double)(done - last);
+            st = log_step(task, p, mx, done, &s, sum_loss / (double)(done - last), per);
+            t_last = tn, last = done, sum_loss = 0;
+        }
+        if (!st && writer && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps))
+            st = save(t, task, p, ckdir, done);
+        if (!st && task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps)
+            st = evaluate(task, p, mx, done);
+    }
+    if (!st && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
+    vlmoe_metrics_close(mx);
+    return st;
+}

@@ -1,0 +1,53 @@
+// tasks.h: the kinds of training that plug into the loop of src/train/run.h: contrastive training
+// of LIMoE / CLIP models (src/train/contrastive_task.c), VL-MoE masked-modeling pre-training
+// (src/train/mome_task.c) and VL-MoE fine-tuning (src/train/finetune_task.c); and what they
+// share: setting up the model of a run. Covered by tests/test_cli.c, tests/test_checkpoint.c,
+// tests/test_loader.c, tests/test_vlmoe_train.c and tests/test_finetune.c.
+#ifndef VLMOE_TRAIN_TASKS_H
+#define VLMOE_TRAIN_TASKS_H
+#include "data/loader.h"
+#include "train/run.h"
+#include "vlmoe.h"
+
+// ---- contrastive training (OpenCLIP's loop): a batch of image-text pairs per step
+typedef struct {
+    vlmoe_model *model;
+    int batch_size;              // pairs per step and process
+    vlmoe_synth *synth;          // the built-in data (sample step*B + j of the train split), or
+    vlmoe_loader *loader;        // --train-data through the loader
+    int eval_samples;            // synthetic data: held-out samples per evaluation (0: none)
+} vlmoe_contrastive_params;
+typedef struct vlmoe_contrastive vlmoe_contrastive;
+int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p);
+void vlmoe_contrastive_free(vlmoe_contrastive *c);
+vlmoe_run_task vlmoe_contrastive_task(vlmoe_contrastive *c);
+
+// The held-out evaluation on the synthetic data: zero-shot top-1/top-5 over n class-balanced
+// held-out images, and matched-pair retrieval accuracy in chunks of `chunk`.
+typedef struct {
+    double top1, top5, i2t, t2i;
+    int classes, chunk;
+} vlmoe_synth_eval;
+int vlmoe_synth_evaluate(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk, vlmoe_synth_eval *out);
+
+// The model a contrastive run starts from: a config (name or JSON file) with overrides, or
+// pretrained weights; a routing preset ("clipup", "limoe") applied to its MoE layers.
+typedef struct {
+    const char *model;           // config name or JSON file (without pretrained)
+    const char *pretrained;      // a vlmoe checkpoint whose weights start the run (may be NULL)
+    const char *preset;          // may be NULL
+    int image_size, context_length; // overrides of the config (0: keep)
+    uint64_t seed;
+} vlmoe_model_source;
+int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s);
+
+// Opens --train-data as the loader will, so a missing file, bad header or shard pattern stops a
+// run before anything is written; count (may be NULL) gets a CSV's usable rows.
+int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count);
+// A BPE vocabulary of vocab_size ids trained on the first `max_captions` captions of the data
+// (file order), saved at path in CLIP's merges format; *n gets the captions read and *ids the
+// vocabulary's size (at most vocab_size).
+int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
+                           const char *path, size_t *n, int *ids);
+
+#endif
