@@ -39,8 +39,8 @@ print(f"| model | params (active) | s/step | zero-shot top-1 | top-5 | R@1 i2t /
 print("|---|---|---|---|---|---|---|")
 for model in ("mini", "limoe-mini"):
     ev = json.load(open(os.path.join(d, f"{model}.eval.json")))
-    rows = [json.loads(l) for l in open(os.path.join(d, model, "metrics.jsonl")) if '"s_per_step"' in l]
-    sps = statistics.median(r["s_per_step"] for r in rows)
+    rows = [json.loads(l) for l in open(os.path.join(d, model, "metrics.jsonl")) if '"kind":"train"' in l]
+    sps = statistics.median(r["time"]["s_per_step"] for r in rows)
     total, active = params(os.path.join(d, model, "checkpoints", f"step_{steps}.safetensors"))
     print(f"| {model} | {total / 1e6:.2f}M ({active / 1e6:.2f}M) | {sps:.3f} | "
           f"{100 * ev['zeroshot']['top1']:.1f}% | {100 * ev['zeroshot']['top5']:.1f}% | "

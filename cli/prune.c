@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "train/run.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
@@ -35,55 +36,12 @@ static const vlmoe_moe_config *tower(const vlmoe_model_config *c, int mod, int *
 // Mean "accepted" shares of the last `last` records of metrics.jsonl, layer by layer.
 static int usage_from_metrics(const char *path, const vlmoe_model_config *c, int mod, int last, double *u,
                               int nl, int E) {
-    FILE *f = fopen(path, "r");
-    if (!f) return cli_error("prune", "cannot open %s", path);
-    int enc, seen = 0;
+    int enc, seen;
     tower(c, mod, &enc);
-    const char *mname = mod == VLMOE_MOD_TEXT ? "text" : "image";
-    // a ring of the last `last` records' shares
-    double *ring = calloc((size_t)last * nl * E, sizeof(double));
-    char *line = NULL;
-    size_t cap = 0;
-    long lineno = 0;
-    int rc = 0;
-    while (!rc && ring && getline(&line, &cap, f) > 0) {
-        lineno++;
-        cJSON *o = cJSON_Parse(line), *moe = o ? cJSON_GetObjectItemCaseSensitive(o, "moe") : NULL;
-        if (!cJSON_IsArray(moe)) {
-            cJSON_Delete(o);
-            continue; // evaluation lines and the like
-        }
-        double *slot = ring + (size_t)(seen % last) * nl * E;
-        int l = 0;
-        for (const cJSON *it = moe->child; it && !rc; it = it->next) {
-            const cJSON *e = cJSON_GetObjectItemCaseSensitive(it, "encoder");
-            if (!cJSON_IsNumber(e) || (int)e->valuedouble != enc) continue;
-            const cJSON *acc = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(it, mname), "accepted");
-            if (l >= nl || cJSON_GetArraySize(acc) != E) {
-                rc = cli_error("prune", "%s:%ld: routing statistics do not match this model (%d MoE layers of %d experts)",
-                               path, lineno, nl, E);
-                break;
-            }
-            int k = 0;
-            for (const cJSON *x = acc->child; x; x = x->next) slot[(size_t)l * E + k++] = x->valuedouble;
-            l++;
-        }
-        if (!rc && l != nl) rc = cli_error("prune", "%s:%ld: %d MoE layers logged, the model has %d", path, lineno, l, nl);
-        seen++;
-        cJSON_Delete(o);
-    }
-    free(line);
-    fclose(f);
-    if (!ring) return cli_error("prune", "out of memory");
-    if (!rc && !seen) rc = cli_error("prune", "%s: no routing statistics (no \"moe\" entries)", path);
-    const int n = seen < last ? seen : last;
-    for (size_t i = 0; !rc && i < (size_t)nl * E; i++) {
-        u[i] = 0;
-        for (int r = 0; r < n; r++) u[i] += ring[(size_t)r * nl * E + i] / n;
-    }
-    if (!rc) fprintf(stderr, "vlmoe prune: %s shares: mean of the last %d of %d logged steps in %s\n", mname, n, seen, path);
-    free(ring);
-    return rc;
+    if (vlmoe_metrics_expert_shares(path, enc, mod, last, nl, E, u, &seen)) return cli_error("prune", "%s", vlmoe_last_error());
+    fprintf(stderr, "vlmoe prune: %s shares: mean of the last %d of %d logged steps in %s\n",
+            mod == VLMOE_MOD_TEXT ? "text" : "image", seen < last ? seen : last, seen, path);
+    return 0;
 }
 
 // Shares measured on held-out synthetic data of the modality (512 samples, eval capacity).

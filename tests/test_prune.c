@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "test.h"
+#include "train/run.h"
 #include "vlmoe.h"
 
 #define E 8
@@ -143,7 +144,43 @@ static void test_errors(void) {
     vlmoe_model_free(dense), vlmoe_model_free(m);
 }
 
+// The shares `vlmoe prune --stats` ranks experts by: the mean "accepted" fractions of the last N
+// train records of a metrics file (docs/METRICS.md), layer by layer, for one encoder and modality.
+// Hand-made file: 2 layers of encoder 0 with 2 experts, plus an encoder-1 layer and an eval record
+// that must be skipped; 3 train records, the last 2 averaged.
+static void test_metrics_shares(void) {
+    const char *path = "test_prune_metrics.jsonl";
+    FILE *f = fopen(path, "w");
+    for (int r = 0; f && r < 3; r++) {
+        const double a = 0.1 * (r + 1), b = 0.2 * (r + 1);
+        fprintf(f, "{\"step\":%d,\"kind\":\"train\",\"loss\":1,\"moe\":["
+                   "{\"encoder\":0,\"block\":1,\"text\":{\"accepted\":[%g,%g]},\"image\":{\"accepted\":[9,9]}},"
+                   "{\"encoder\":1,\"block\":1,\"text\":{\"accepted\":[7,7]}},"
+                   "{\"encoder\":0,\"block\":3,\"text\":{\"accepted\":[%g,%g]}}]}\n", r + 1, a, 1 - a, b, 1 - b);
+        fprintf(f, "{\"step\":%d,\"kind\":\"eval\",\"eval_zeroshot_top1\":0.5}\n", r + 1);
+    }
+    if (f) fclose(f);
+    double u[4];
+    int seen = 0;
+    CHECK(vlmoe_metrics_expert_shares(path, 0, VLMOE_MOD_TEXT, 2, 2, 2, u, &seen) == VLMOE_OK, "%s", vlmoe_last_error());
+    const double want[4] = {0.25, 0.75, 0.5, 0.5}; // (0.2+0.3)/2, (0.8+0.7)/2; (0.4+0.6)/2, (0.6+0.4)/2
+    for (int i = 0; i < 4; i++) CHECK_CLOSE(u[i], want[i], 1e-12, 0, "share");
+    CHECK(seen == 3, "records with routing: %d", seen);
+    // the model has 3 layers: the file does not match it
+    double v[6];
+    CHECK(vlmoe_metrics_expert_shares(path, 0, VLMOE_MOD_TEXT, 2, 3, 2, v, NULL) == VLMOE_ERR_FORMAT &&
+              strstr(vlmoe_last_error(), "test_prune_metrics.jsonl:1"), "layer count mismatch: %s", vlmoe_last_error());
+    // a line that is not a record names the file and line
+    f = fopen(path, "a");
+    if (f) fputs("{\"step\":4,\"kind\":\"tr\n", f), fclose(f);
+    CHECK(vlmoe_metrics_expert_shares(path, 0, VLMOE_MOD_TEXT, 2, 2, 2, u, NULL) == VLMOE_ERR_FORMAT &&
+              strstr(vlmoe_last_error(), "test_prune_metrics.jsonl:7"), "truncated line: %s", vlmoe_last_error());
+    remove(path);
+    CHECK(vlmoe_metrics_expert_shares(path, 0, VLMOE_MOD_TEXT, 2, 2, 2, u, NULL) == VLMOE_ERR_IO, "missing file");
+}
+
 int main(void) {
+    test_metrics_shares();
     check_mode(VLMOE_PRUNE_ROUTER_PRED, "router_pred");
     check_mode(VLMOE_PRUNE_ROUTER_DROP, "router_drop");
     test_errors();

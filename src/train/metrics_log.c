@@ -147,3 +147,51 @@ int vlmoe_metrics_read(const char *path, int (*each)(void *user, const cJSON *re
     fclose(f);
     return st;
 }
+
+// ---- expert shares for pruning: the mean "accepted" shares of the last records
+typedef struct {
+    int enc, nl, E, last, seen;
+    const char *mod, *path;
+    double *ring;            // (last, nl, E): the shares of the last `last` train records
+} shares_reader;
+
+static int shares_each(void *u, const cJSON *rec, long line) {
+    shares_reader *r = u;
+    const cJSON *moe = cJSON_GetObjectItemCaseSensitive(rec, "moe");
+    if (!cJSON_IsArray(moe)) return VLMOE_OK; // evaluation records and the like
+    double *slot = r->ring + (size_t)(r->seen % r->last) * r->nl * r->E;
+    int l = 0;
+    for (const cJSON *it = moe->child; it; it = it->next) {
+        const cJSON *e = cJSON_GetObjectItemCaseSensitive(it, "encoder");
+        const cJSON *acc = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(it, r->mod), "accepted");
+        if (!cJSON_IsNumber(e) || (int)e->valuedouble != r->enc || !acc) continue;
+        if (l >= r->nl || cJSON_GetArraySize(acc) != r->E)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s:%ld: routing statistics do not match this model (%d MoE layers of %d "
+                              "experts)", r->path, line, r->nl, r->E);
+        int k = 0;
+        for (const cJSON *x = acc->child; x; x = x->next) slot[(size_t)l * r->E + k++] = x->valuedouble;
+        l++;
+    }
+    if (l != r->nl)
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s:%ld: %d MoE layers logged for the %s tokens of encoder %d, the model has "
+                          "%d", r->path, line, l, r->mod, r->enc, r->nl);
+    r->seen++;
+    return VLMOE_OK;
+}
+
+int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int last, int nl, int E, double *u,
+                                int *seen) {
+    if (last < 1 || nl < 1 || E < 1) return vlmoe_fail(VLMOE_ERR_ARG, "expert shares: last %d, %d layers of %d experts", last, nl, E);
+    shares_reader r = {encoder, nl, E, last, 0, modality == VLMOE_MOD_TEXT ? "text" : "image", path, NULL};
+    if (!(r.ring = calloc((size_t)last * nl * E, sizeof(double)))) return vlmoe_fail(VLMOE_ERR_NOMEM, "expert shares");
+    int st = vlmoe_metrics_read(path, shares_each, &r);
+    if (!st && !r.seen) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: no routing statistics of the %s tokens (no \"moe\" entries)", path, r.mod);
+    const int n = r.seen < last ? r.seen : last;
+    for (size_t i = 0; !st && i < (size_t)nl * E; i++) {
+        u[i] = 0;
+        for (int k = 0; k < n; k++) u[i] += r.ring[(size_t)k * nl * E + i] / n;
+    }
+    free(r.ring);
+    if (seen) *seen = r.seen;
+    return st;
+}

@@ -61,6 +61,11 @@ cJSON *vlmoe_metrics_moe(const vlmoe_moe_stats *ms, int n, const char *stream, d
 // a JSON object with a numeric "step"; a line that is not is an error naming the file and line.
 // A non-zero return of each stops the reading and is returned.
 int vlmoe_metrics_read(const char *path, int (*each)(void *user, const cJSON *rec, long line), void *user);
+// The experts' shares of one modality's tokens (VLMOE_MOD_*) in the nl MoE layers of one encoder:
+// the mean of the "accepted" fractions over the last `last` train records, u (nl, E); *seen (may
+// be NULL) gets the number of records with routing statistics.
+int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int last, int nl, int E, double *u,
+                                int *seen);
 
 // ---- the loop
 // What one kind of training plugs into the loop. step is required; the others may be NULL.
