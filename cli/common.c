@@ -128,81 +128,8 @@ void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const
 // ---------------------------------------------------------------------------------------------
 // Image files
 
-typedef struct {
-    char **v;
-    int n, cap;
-} path_list;
-
-static int push(path_list *l, const char *path) {
-    if (l->n == l->cap) {
-        const int cap = l->cap ? 2 * l->cap : 256;
-        char **v = realloc(l->v, sizeof(char *) * (size_t)cap);
-        if (!v) return -1;
-        l->v = v, l->cap = cap;
-    }
-    return (l->v[l->n] = strdup(path)) ? (l->n++, 0) : -1;
-}
-
-static int is_image_name(const char *name) {
-    static const char *const EXT[] = {".jpg", ".jpeg", ".png", ".webp"};
-    const size_t n = strlen(name);
-    for (size_t i = 0; i < sizeof(EXT) / sizeof(EXT[0]); i++) {
-        const size_t k = strlen(EXT[i]);
-        if (n > k && !strcasecmp(name + n - k, EXT[i])) return 1;
-    }
-    return 0;
-}
-
-static int by_name(const struct dirent **a, const struct dirent **b) { return strcmp((*a)->d_name, (*b)->d_name); }
-
-// The image files under dir, depth first in name order (so the listing is the same on every
-// file system); hidden entries are left out.
-static int walk(const char *cmd, const char *dir, path_list *l, int depth) {
-    struct dirent **ents;
-    const int ne = scandir(dir, &ents, NULL, by_name);
-    if (ne < 0) return cli_error(cmd, "%s: %s", dir, strerror(errno));
-    int rc = depth > 64 ? cli_error(cmd, "%s: folders nested more than 64 deep", dir) : 0;
-    const size_t dl = strlen(dir);
-    for (int i = 0; i < ne; i++) {
-        const char *name = ents[i]->d_name;
-        if (!rc && name[0] != '.') {
-            char *p = malloc(dl + strlen(name) + 2);
-            struct stat sb;
-            if (!p) {
-                rc = cli_error(cmd, "out of memory listing %s", dir);
-            } else {
-                sprintf(p, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", name);
-                if (stat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) rc = walk(cmd, p, l, depth + 1);
-                else if (is_image_name(name) && push(l, p)) rc = cli_error(cmd, "out of memory listing %s", dir);
-                free(p);
-            }
-        }
-        free(ents[i]);
-    }
-    free(ents);
-    return rc;
-}
-
 int cli_list_images(const char *cmd, const char *const *args, int nargs, char ***out, int *n) {
-    path_list l = {0};
-    int rc = 0;
-    for (int a = 0; a < nargs && !rc; a++) {
-        struct stat sb;
-        if (stat(args[a], &sb) == 0 && S_ISDIR(sb.st_mode)) {
-            const int before = l.n;
-            rc = walk(cmd, args[a], &l, 0);
-            if (!rc && l.n == before)
-                rc = cli_error(cmd, "%s: a folder without image files (.jpg, .jpeg, .png, .webp)", args[a]);
-        } else if (push(&l, args[a])) {
-            rc = cli_error(cmd, "out of memory");
-        }
-    }
-    if (rc) {
-        vlmoe_free_strings(l.v, l.n);
-        return rc;
-    }
-    *out = l.v, *n = l.n;
-    return 0;
+    return vlmoe_list_images(args, nargs, out, n) ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
 }
 
 int cli_plan(vlmoe_model *m, int n, int B) {

@@ -115,4 +115,9 @@ int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_param
 // internal
 int vlmoe_image_params_check(const vlmoe_image_params *p);
 
+// The image files of args: a folder stands for every .jpg/.jpeg/.png/.webp under it (depth first,
+// name order, hidden entries left out; a folder without any is an error), a file for itself.
+// *out: n malloc'd paths (vlmoe_free_strings).
+int vlmoe_list_images(const char *const *args, int nargs, char ***out, int *n);
+
 #endif

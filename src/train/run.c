@@ -88,18 +88,18 @@ static int log_step(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe
 }
 
 int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_run_params *p) {
-    if (!task || !task->step || !p || !p->dir || p->steps < 1 || p->log_every < 1 || p->save_every < 0 ||
+    if (!task || !task->step || !p || p->steps < 1 || p->log_every < 1 || p->save_every < 0 ||
         p->eval_every < 0 || p->keep < 0 || p->samples_per_step < 1)
-        return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, folder, or a non-positive step count, cadence "
+        return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, or a non-positive step count, cadence "
                           "or batch");
     vlmoe_dist *dist = p->dist ? p->dist : vlmoe_dist_single();
     if (dist->world != 1)
         return vlmoe_fail(VLMOE_ERR_ARG, "run: training on %d processes is not built yet (the loop runs one process)",
                           dist->world);
-    const int writer = dist->rank == 0;
+    const int writer = dist->rank == 0 && p->dir; // no folder: a run that keeps nothing but the model
     char ckdir[1100], path[1100];
-    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir);
-    snprintf(path, sizeof(path), "%s/metrics.jsonl", p->dir);
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir ? p->dir : ".");
+    snprintf(path, sizeof(path), "%s/metrics.jsonl", p->dir ? p->dir : ".");
     const long start = vlmoe_trainer_get_step(t);
     vlmoe_metrics *mx = NULL;
     int st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;

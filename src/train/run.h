@@ -87,7 +87,8 @@ typedef struct {
 enum { VLMOE_RUN_STEP = 0, VLMOE_RUN_EVAL = 1, VLMOE_RUN_CHECKPOINT = 2 };
 
 typedef struct {
-    const char *dir;          // the run folder (metrics.jsonl; checkpoints/ under it)
+    const char *dir;          // the run folder (metrics.jsonl; checkpoints/ under it); NULL: no
+                              // files (fine-tuning writes its model when the run is done)
     long steps;               // train until this step
     int log_every;            // a train record and a progress line every N steps and at the end
     long save_every;          // a checkpoint every N steps (0: at the end only)

@@ -50,4 +50,56 @@ int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count);
 int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
                            const char *path, size_t *n, int *ids);
 
+// ---- VL-MoE fine-tuning (VL-MoE sec. 4.2): a classification head or a retrieval head
+typedef enum {
+    VLMOE_FT_IMAGE_CLS = 0,      // an image folder, one subfolder per class
+    VLMOE_FT_TEXT_CLS = 1,       // a TSV of text<TAB>label
+    VLMOE_FT_PAIR_CLS = 2,       // a TSV of image<TAB>question<TAB>answer (VQA) or
+                                 // image1<TAB>image2<TAB>sentence<TAB>label (NLVR2)
+    VLMOE_FT_RETRIEVAL = 3,      // image-caption pairs: OpenCLIP CSV/TSV or webdataset shards
+} vlmoe_ft_kind;
+
+typedef struct {
+    vlmoe_ft_kind kind;
+    vlmoe_dataset_params data;   // data.path: the folder, TSV or pairs; the CSV flags for retrieval
+    vlmoe_image_params image;    // the eval transform of every image
+    vlmoe_tokenize_fn tokenize;  // texts, questions, captions
+    void *tokenize_user;
+    int holdout;                 // every holdout-th example is held out (0: none)
+    void (*progress)(void *user, long read); // retrieval pairs read so far (may be NULL)
+    void *progress_user;
+} vlmoe_ft_data_params;
+
+typedef struct {
+    int examples, per, classes;  // per: sequences per example (2 for NLVR2)
+    int train, held;             // the split
+    long bad_images;             // retrieval: pairs skipped for an unreadable image
+    char first_bad[320];         // the first one's message
+} vlmoe_ft_info;
+
+typedef struct vlmoe_ft_data vlmoe_ft_data;
+// Reads, numbers the classes (sorted distinct labels), decodes and tokenizes the data for a model
+// of config c, and splits it; errors name the file and line.
+int vlmoe_ft_data_load(vlmoe_ft_data **out, const vlmoe_ft_data_params *p, const vlmoe_model_config *c);
+void vlmoe_ft_data_free(vlmoe_ft_data *d);
+void vlmoe_ft_data_info(const vlmoe_ft_data *d, vlmoe_ft_info *out);
+// OUT.labels: the class names, one per line, in class order.
+int vlmoe_ft_write_labels(const vlmoe_ft_data *d, const char *output);
+
+// The fine-tuning task: batches of `batch` training examples in the data order of
+// src/data/order.h drawn from seed, one trainer step each.
+typedef struct vlmoe_finetune vlmoe_finetune;
+int vlmoe_finetune_init(vlmoe_finetune **out, vlmoe_model *m, const vlmoe_ft_data *d, int batch, uint64_t seed);
+void vlmoe_finetune_free(vlmoe_finetune *f);
+vlmoe_run_task vlmoe_finetune_task(vlmoe_finetune *f);
+
+// Accuracy (classification) or recall@1/5/10 both ways (retrieval) of the training or the held-out
+// examples; n = 0 when there are too few to score.
+typedef struct {
+    int n;
+    double accuracy;
+    double i2t[3], t2i[3];
+} vlmoe_ft_score;
+int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmoe_ft_score *out);
+
 #endif
