@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "test.h"
+#include "optim/optim.h"
 #include "vlmoe.h"
 
 static vlmoe_param_info pinfo(const char *name, int ndim, const int64_t *shape, size_t offset,
@@ -501,7 +502,30 @@ static void test_adamw_torch(void) {
     vlmoe_optim_free(o);
 }
 
+// The optimizer runs on the table it is given, and refuses one that cannot hold its state or
+// lacks one of its ops, naming the backend and the op.
+static int no_adamw(const vlmoe_backend_f32 *be, be_op op, const void *cfg) { return op != BE_OP_ADAMW; }
+
+static void test_backend_table(void) {
+    vlmoe_param_info tab[1] = {{"w", 1, {4, 0, 0, 0}, 0, 4, 1}};
+    vlmoe_optim_params p = vlmoe_optim_default_params(VLMOE_OPT_ADAMW);
+    vlmoe_backend_f32 dev = *backend_cpu_f32(), lacking = *backend_cpu_f32();
+    dev.name = "device", dev.host_memory = 0;
+    lacking.name = "lacking", lacking.supports = no_adamw;
+    vlmoe_optim *o = NULL;
+    CHECK(optim_init_backend(&o, &p, tab, 1, 4, &dev) == VLMOE_ERR_CONFIG && !o &&
+              strstr(vlmoe_last_error(), "device"), "state off the host: %s", vlmoe_last_error());
+    CHECK(optim_init_backend(&o, &p, tab, 1, 4, &lacking) == VLMOE_ERR_ARG && !o &&
+              strstr(vlmoe_last_error(), "lacking") && strstr(vlmoe_last_error(), "adamw"),
+          "a table without adamw: %s", vlmoe_last_error());
+    p = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
+    CHECK(optim_init_backend(&o, &p, tab, 1, 4, &lacking) == VLMOE_OK, "Adafactor needs no adamw op: %s",
+          vlmoe_last_error());
+    vlmoe_optim_free(o);
+}
+
 int main(void) {
+    test_backend_table();
     test_adamw_hand();
     test_adafactor_hand();
     test_adafactor_clip();

@@ -8,6 +8,7 @@
 
 #include "core/core.h"
 #include "ops/backend.h"
+#include "optim/optim.h"
 
 // Loops over at least this many elements run on OpenMP threads; below it the fork costs more
 // than the work. Every loop is elementwise or owns its outputs, so results never depend on it.
@@ -48,6 +49,7 @@ struct vlmoe_optim {
     int nstates;
     adafactor_slot *slots;    // Adafactor only, one per parameter
     float *row_mean;          // Adafactor scratch: mean(vr) per leading index, max lead floats
+    const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
 };
 
 vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind) {
@@ -201,8 +203,22 @@ static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
 
 int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
                      const vlmoe_param_info *table, int nparams, size_t total) {
+    return optim_init_backend(out, p, table, nparams, total, backend_cpu_f32());
+}
+
+int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlmoe_param_info *table, int nparams,
+                       size_t total, const vlmoe_backend_f32 *be) {
     if (!out) return vlmoe_fail(VLMOE_ERR_ARG, "optim: out is NULL");
     *out = NULL;
+    // the state lives in host memory and is written to checkpoints from there; a device table
+    // runs the update once the state moves to the device with it (the CUDA backend's issue)
+    if (!be || !be->host_memory)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: the optimizer state cannot live on backend %s yet (host memory "
+                          "only)", be ? be->name : "(none)");
+    int rq = p && p->kind == VLMOE_OPT_ADAMW ? backend_require_f32(be, BE_OP_ADAMW, NULL) : VLMOE_OK;
+    if (!rq) rq = backend_require_f32(be, BE_OP_SUMSQ, NULL);
+    if (!rq) rq = backend_require_f32(be, BE_OP_SCALE, NULL);
+    if (rq) return vlmoe_error_prefix("optim"), rq;
     if (!p) return vlmoe_fail(VLMOE_ERR_ARG, "optim: params is NULL");
     if (nparams < 1 || !table)
         return vlmoe_fail(VLMOE_ERR_ARG, "optim: the parameter table must hold at least one "
@@ -214,6 +230,7 @@ int vlmoe_optim_init(vlmoe_optim **out, const vlmoe_optim_params *p,
     vlmoe_optim *o = vlmoe_calloc(sizeof *o, "optimizer");
     if (!o) return VLMOE_ERR_NOMEM;
     o->p = *p;
+    o->be = be;
     o->nparams = nparams;
     o->total = total;
     o->table = vlmoe_alloc((size_t)nparams * sizeof *table, "optimizer parameter table");
@@ -322,7 +339,7 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
     // element-wise order of operations is the one written above
     be_adamw a = {(float)b1, (float)b2, (float)(1.0 - b1), (float)(1.0 - b2), (float)(-(double)lr / bc1),
                   (float)sqrt(bc2), o->p.eps, (float)(1.0 - (double)lr * (double)o->p.weight_decay), 0};
-    const vlmoe_backend_f32 *be = backend_cpu_f32();
+    const vlmoe_backend_f32 *be = o->be;
     float *m_all = o->states[0].data, *v_all = o->states[1].data;
     for (int k = 0; k < o->nparams; k++) {
         const vlmoe_param_info *info = &o->table[k];
@@ -468,9 +485,12 @@ void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float l
 // Global-norm clipping as torch.nn.utils.clip_grad_norm_: norm = ||g||_2 over every float (in
 // double); if norm > max_norm, g *= max_norm / (norm + 1e-6). Returns the norm before clipping.
 double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm) {
+    return optim_clip_grad_norm(backend_cpu_f32(), grads, n, max_norm);
+}
+
+double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm) {
     if (!grads || n == 0) return 0.0;
     // the sum in NCHUNK fixed chunks and the scaling are the backend's ops (src/ops/backend_cpu.c)
-    const vlmoe_backend_f32 *be = backend_cpu_f32();
     const double norm = sqrt(be->sumsq(be, grads, n, NULL));
     // torch computes this coefficient as a float32 tensor before multiplying.
     if (max_norm > 0.0 && norm > max_norm) be->scale(be, grads, n, (float)(max_norm / (norm + 1e-6)));

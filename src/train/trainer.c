@@ -8,6 +8,8 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
+#include "optim/optim.h"
 #include "vlmoe.h"
 
 struct vlmoe_trainer {
@@ -57,7 +59,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
         tab = train;
         n = nt;
     }
-    int st = vlmoe_optim_init(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m));
+    int st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), m->be);
     free(train);
     if (st) return vlmoe_trainer_free(t), st;
     *out = t;
@@ -86,7 +88,7 @@ static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     }
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
-    s->grad_norm = vlmoe_clip_grad_norm(g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
+    s->grad_norm = optim_clip_grad_norm(t->m->be, g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
     s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
     vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s->lr);
     vlmoe_model_clamp(t->m);
