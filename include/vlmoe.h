@@ -229,6 +229,8 @@ typedef struct {
     double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
     uint64_t pruned[64];         // router_pred pruning (LIMoE E.4): bit e of pruned[l] keeps expert e
                                  // of block l out of the top-K; the softmax still covers it
+    int text_first;              // one_tower: a routing group visits its text tokens before its image
+                                 // tokens (fifo positions, BPR ties); 0 = image first (LIMoE Fig. 6)
 } vlmoe_moe_config;
 
 // Presets (MOE.md): "limoe" (tokens choice, K=1, BPR, noise 1, cf 1.05 train / 16 eval, importance + load + text

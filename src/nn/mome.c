@@ -294,7 +294,7 @@ static int stream_forward(struct R(mome_graph) *g, const real *P, int l, const s
         for (int b = 0; b < B; b++)
             for (int i = 0; i < s->len; i++) keys[(size_t)b * s->len + i] = moe_token_key((uint64_t)b, mod, s->off + i);
         moe_call c = {ns, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1, g->mods[s->which],
-                      g->noise[idx], keys};
+                      g->noise[idx], keys, NULL};
         double aux = 0;
         int st = R(moe_forward)(a->moe[s->which], &c, P, ln, xs, &aux, &g->stats[idx]);
         if (st) return st;
