@@ -533,3 +533,47 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->linear_backward(be, dx, G + sp->router_w, NULL, st->dlogits, x, P + sp->router_w, n, D, E);
 }
 
+// The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).
+int R(moe_routing)(const struct R(moe_state) *st, vlmoe_token_route *out, int cap, int *count) {
+    const vlmoe_moe_config *cfg = st->sp.cfg;
+    const int E = st->E, K = st->K, n = st->n, tc = cfg->router == VLMOE_ROUTER_TOKENS;
+    *count = 0;
+    if (cfg->router == VLMOE_ROUTER_SOFT)
+        return vlmoe_fail(VLMOE_ERR_ARG, "routing: a Soft MoE layer has no per-token decision (every token "
+                          "reaches every slot with a weight; see the stats' soft_minmax)");
+    int total = 0;
+    for (int t = 0; t < n; t++) total += tc ? K : (st->hits[t] > 0 ? st->hits[t] : 1);
+    if (out && cap < total)
+        return vlmoe_fail(VLMOE_ERR_ARG, "routing: %d entries needed, room for %d", total, cap);
+    *count = total;
+    if (!out) return VLMOE_OK;
+    vlmoe_token_route *o = out;
+    for (int t = 0; t < n; t++) {
+        const int p = st->ordered ? st->inv[t] : t, g = p / st->S, i = p % st->S;
+        const vlmoe_routing *rt = &st->rt[g];
+        const real *q = st->gates_h + (size_t)t * E;
+        const vlmoe_token_route base = {t, st->have_keys ? (int32_t)(st->keys[t] >> 21) : -1,
+                                        st->have_keys ? (int32_t)(st->keys[t] & 0xFFFFF) : -1, g, i, 0, -1, -1,
+                                        0.0f, 0.0f, (uint8_t)(st->modality ? st->modality[t] : 0), 1};
+        if (tc) {
+            for (int k = 0; k < K; k++, o++) {
+                const int e = rt->expert[i * K + k], slot = rt->slot[i * K + k];
+                *o = base;
+                o->rank = k, o->expert = e, o->slot = slot, o->gate = (float)q[e];
+                o->weight = slot >= 0 ? rt->weight[e * rt->C + slot] : 0.0f;
+                o->dropped = slot < 0;
+            }
+            continue;
+        }
+        if (st->tok_off[t] == st->tok_off[t + 1]) *o++ = base; // no expert took it
+        for (int j = st->tok_off[t], k = 0; j < st->tok_off[t + 1]; j++, k++, o++) {
+            const int e = st->row_expert[st->tok_rows[j]];
+            int slot = 0;
+            while (slot < rt->count[e] && rt->token[e * rt->C + slot] != i) slot++;
+            *o = base;
+            o->rank = k, o->expert = e, o->slot = slot, o->gate = (float)q[e];
+            o->weight = rt->weight[e * rt->C + slot], o->dropped = 0;
+        }
+    }
+    return VLMOE_OK;
+}

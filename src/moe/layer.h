@@ -64,7 +64,10 @@ static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
                         double *aux, vlmoe_moe_stats *stats);                                   \
     /* dx (n,D) and the parameter gradients G accumulate; dout (n,D); daux scales the aux loss */\
     void moe_backward_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout, T *dx,  \
-                          double daux);
+                          double daux);                                                         \
+    /* the last forward's decision per token (vlmoe_model_routing's entries): sets *count; */   \
+    /* writes them when out is given and cap >= *count; Soft MoE: VLMOE_ERR_ARG */               \
+    int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);
 
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)

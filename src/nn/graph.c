@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
@@ -254,6 +255,13 @@ void R(graph_set_mode)(struct R(graph) *g, int training, uint64_t seed) {
 const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) {
     if (count) *count = g->L->nmoe;
     return g->L->nmoe ? g->stats : NULL;
+}
+
+const struct R(moe_state) *R(graph_moe_layer)(const struct R(graph) *g, int index) {
+    for (int e = 0; e < g->L->nenc; e++)
+        for (int l = 0; l < g->L->enc[e].layers; l++)
+            if (g->enc[e].layers[l].moe && g->L->enc[e].blocks[l].ffn.moe_index == index) return g->enc[e].layers[l].moe;
+    return NULL;
 }
 
 // Token range [t0, t0+n) of the segments present in this forward (they are contiguous: image

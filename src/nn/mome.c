@@ -27,6 +27,7 @@
 #include "loss/masked.h"
 #include "moe/layer.h"
 #include "nn/mome.h"
+#include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
@@ -240,6 +241,13 @@ const real *R(mome_graph_logits)(const struct R(mome_graph) *g) {
 const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
     if (count) *count = g->L->nmoe;
     return g->L->nmoe ? g->stats : NULL;
+}
+
+const struct R(moe_state) *R(mome_graph_moe_layer)(const struct R(mome_graph) *g, int index) {
+    for (int l = 0; l < g->L->enc[0].layers; l++)
+        for (int k = MOME_V; k <= MOME_T; k++)
+            if (g->layers[l].moe[k] && ffn_of(g, l, k)->ffn.moe_index == index) return g->layers[l].moe[k];
+    return NULL;
 }
 
 // text_off is 0 for images and texts, so the row is [I_CLS] or [T_CLS] (fused, for pairs).
