@@ -175,6 +175,22 @@ static void test_named(void) {
         free(js);
     }
     vlmoe_model_config c;
+    // text_first: read, written only when set (older files lack it), round trips
+    const char *tf = "{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"layers\": \"every_2\", "
+                     "\"group_size\": 64, \"text_first\": true}}";
+    CHECK(vlmoe_config_from_json(tf, "tf.json", &c) == VLMOE_OK && c.moe.text_first == 1 && c.moe.group_size == 64,
+          "text_first: %s", vlmoe_last_error());
+    {
+        vlmoe_model_config back;
+        char *js = vlmoe_config_to_json(&c);
+        CHECK(js && strstr(js, "\"text_first\"") && vlmoe_config_from_json(js, "tf", &back) == VLMOE_OK &&
+                  !memcmp(&back, &c, sizeof(c)), "text_first: JSON round trip: %s", vlmoe_last_error());
+        free(js);
+        vlmoe_config_named("limoe-tiny", &back);
+        js = vlmoe_config_to_json(&back);
+        CHECK(js && !strstr(js, "text_first"), "text_first 0 is not written");
+        free(js);
+    }
     vlmoe_config_named("clipup-ViT-B-16", &c);
     CHECK(c.moe.num_experts == 8 && c.moe.top_k == 2 && c.moe.capacity_factor == 2 && c.moe.layers == 0xAAA &&
               c.text_moe.layers == 0xAAA && c.moe.aux_weight[VLMOE_AUX_SWITCH] == 0.01 &&
@@ -186,6 +202,7 @@ static void test_named(void) {
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"aux\": {\"entropy\": 1}}}", "unknown auxiliary loss"},
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"order\": \"lifo\"}}", "\"fifo\", \"bpr\", \"random\""},
         {"{\"base\": \"tiny\", \"moe\": {\"router\": \"soft\", \"layers\": \"every_2\", \"num_experts\": 4}}", "slots_per_expert"},
+        {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"text_first\": 1}}", "must be true or false"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         CHECK(vlmoe_config_from_json(bad[i][0], "moe.json", &c) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), bad[i][1]),
