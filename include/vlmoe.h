@@ -415,8 +415,9 @@ typedef struct {
     int32_t token;      // the token's row in the layer's pass: one_tower, all images' tokens then
                         // all texts' tokens of the modalities present; two_tower, the tower's;
                         // VL-MoE, the stream of the expert's modality
-    int32_t example;    // its example (index in the batch), -1 if unknown
-    int32_t position;   // its position in its image or text sequence, -1 if unknown
+    int32_t example;    // its example: the sample index its routing noise is keyed by (the index
+                        // in the batch)
+    int32_t position;   // its position in its image or text sequence
     int32_t group;      // the routing group it was routed in (MOE.md "Grouped routing")
     int32_t group_pos;  // its position in the group: the fifo priority (one_tower groups hold
                         // whole examples, image tokens first unless moe.text_first)
