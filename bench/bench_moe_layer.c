@@ -70,7 +70,7 @@ int main(int argc, char **argv) {
         act_backward_f32(dh, h, da, (size_t)n * M, VLMOE_ACT_GELU_TANH);
         linear_backward_f32(dx, gw1, gb1, dh, x, w1, n, D, M);
         double t1 = bench_now();
-        moe_call c = {n, 1, (uint64_t)it + 7, mod, NULL, NULL};
+        moe_call c = {n, 1, (uint64_t)it + 7, mod, NULL, NULL, NULL};
         double aux;
         vlmoe_moe_stats s;
         memset(&s, 0, sizeof(s));

@@ -229,6 +229,8 @@ typedef struct {
     double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
     uint64_t pruned[64];         // router_pred pruning (LIMoE E.4): bit e of pruned[l] keeps expert e
                                  // of block l out of the top-K; the softmax still covers it
+    int text_first;              // one_tower: a routing group visits its text tokens before its image
+                                 // tokens (fifo positions, BPR ties); 0 = image first (LIMoE Fig. 6)
 } vlmoe_moe_config;
 
 // Presets (MOE.md): "limoe" (tokens choice, K=1, BPR, noise 1, cf 1.05 train / 16 eval, importance + load + text
@@ -408,6 +410,36 @@ VLMOE_API int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, co
 // Routing statistics of every MoE layer for the last forward pass (NULL, *count 0 if dense); a
 // VL-MoE layer the last forward did not run (a V-MoE layer in a text encoding) has 0 tokens.
 VLMOE_API const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count);
+// One routing assignment of one token in the last forward pass (vlmoe_model_routing).
+typedef struct {
+    int32_t token;      // the token's row in the layer's pass: one_tower, all images' tokens then
+                        // all texts' tokens of the modalities present; two_tower, the tower's;
+                        // VL-MoE, the stream of the expert's modality
+    int32_t example;    // its example: the sample index its routing noise is keyed by (the index
+                        // in the batch)
+    int32_t position;   // its position in its image or text sequence
+    int32_t group;      // the routing group it was routed in (MOE.md "Grouped routing")
+    int32_t group_pos;  // its position in the group: the fifo priority (one_tower groups hold
+                        // whole examples, image tokens first unless moe.text_first)
+    int32_t rank;       // which of the token's assignments: tokens choice, k-th largest gate
+    int32_t expert;     // the expert; -1 for an experts-choice token that no expert took
+    int32_t slot;       // its position in the expert's capacity buffer of the group, -1 if dropped
+    float gate;         // the router's gate for this expert (noisy in training): what routing saw
+    float weight;       // combine weight: the gate, renormalised with after_routing; 0 if dropped
+    uint8_t modality;   // VLMOE_MOD_*
+    uint8_t dropped;    // 1 if capacity dropped this assignment (or no expert took the token)
+} vlmoe_token_route;
+// The per-token routing decision of MoE layer `moe_layer` (indexed as vlmoe_model_moe_stats) in
+// the last forward pass. Tokens choice: top_k entries per token, by token then rank (dropped ones
+// included); experts choice: each token's accepted assignments by expert, or one entry with
+// expert -1 if no expert took it. Sets *n to the number of entries; with out NULL only counts;
+// cap < *n is VLMOE_ERR_ARG (nothing written). VLMOE_ERR_ARG also: moe_layer out of range, a
+// Soft MoE layer (every token reaches every slot with a weight: no per-token decision; see
+// vlmoe_moe_stats.soft_minmax), or a layer that routed no tokens in the last forward (no forward
+// yet, or a VL-MoE layer the last encoding did not run). The entries agree with the layer's
+// vlmoe_moe_stats (tokens, success, dropped, accepted).
+VLMOE_API int vlmoe_model_routing(const vlmoe_model *m, int moe_layer, vlmoe_token_route *out, int cap,
+                                  int *n);
 // Sparse upcycling (CLIP-UP): a copy of dense model `dense` whose blocks named in moe->layers
 // (and text_moe->layers for two_tower) become MoE layers: every expert a copy of the block's MLP
 // (plus N(0, noise^2) if noise > 0), routers freshly initialised from seed, everything else

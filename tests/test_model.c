@@ -229,6 +229,14 @@ static void fd_moe_checks(void) {
     all.moe.bpr_score = VLMOE_BPR_SUM;
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) all.moe.aux_weight[k] = 0.1;
     fd_model_check(&all, "all aux losses, K=2", 1);
+    // routing groups of whole examples (MOE.md "Notation"): the aux losses and the decision see each
+    // group's rows in group order, the combine writes the original rows
+    vlmoe_model_config grp = all;
+    grp.moe.group_size = 9; // one example per group: its 4 patches, then its 5 text tokens
+    fd_model_check(&grp, "all aux losses, K=2, groups of one example", 1);
+    grp.moe.group_size = 0; // one group of all 3 examples, text tokens first
+    grp.moe.text_first = 1;
+    fd_model_check(&grp, "all aux losses, K=2, text first", 1);
     vlmoe_model_config cu = small(VLMOE_ARCH_TWO_TOWER);
     cu.moe.layers = cu.text_moe.layers = vlmoe_moe_every(2, 2);
     cu.moe.num_experts = cu.text_moe.num_experts = 3;
@@ -242,7 +250,7 @@ static void fd_moe_checks(void) {
     fd_model_check(&ec, "experts choice", 1);
     vlmoe_model_config soft = c;
     soft.moe.router = VLMOE_ROUTER_SOFT;
-    soft.moe.group_size = 4; // one group per sequence: 4 patches, or 4 text tokens
+    soft.moe.group_size = 8; // one group per example: its 4 patches and 4 text tokens
     soft.context_length = 4;
     soft.moe.slots_per_expert = 2;
     fd_model_check(&soft, "soft moe", 1);

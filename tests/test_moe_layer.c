@@ -2,14 +2,18 @@
 // with K=1, after_routing renormalisation and ample capacity compute the dense model's loss,
 // embeddings and gradients), routing statistics that add up, a clear error when tokens do not
 // split into routing groups, named MoE configs, and a tiny LIMoE that trains with success rates
-// above 0.9 for both modalities under the limoe preset. Finite differences through every router
-// are in tests/test_model.c.
+// above 0.9 for both modalities under the limoe preset. One-tower routing groups of whole
+// examples (MOE.md "Notation", LIMoE E.5): a hand-worked layer whose drops and losses depend on
+// which tokens share a group, image first vs text_first, and the group order of LIMoE's batch.
+// Finite differences through every router are in tests/test_model.c.
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
+#include "moe/layer.h"
+#include "ops/backend.h"
 #include "test.h"
 #include "vlmoe.h"
 
@@ -171,6 +175,22 @@ static void test_named(void) {
         free(js);
     }
     vlmoe_model_config c;
+    // text_first: read, written only when set (older files lack it), round trips
+    const char *tf = "{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"layers\": \"every_2\", "
+                     "\"group_size\": 64, \"text_first\": true}}";
+    CHECK(vlmoe_config_from_json(tf, "tf.json", &c) == VLMOE_OK && c.moe.text_first == 1 && c.moe.group_size == 64,
+          "text_first: %s", vlmoe_last_error());
+    {
+        vlmoe_model_config back;
+        char *js = vlmoe_config_to_json(&c);
+        CHECK(js && strstr(js, "\"text_first\"") && vlmoe_config_from_json(js, "tf", &back) == VLMOE_OK &&
+                  !memcmp(&back, &c, sizeof(c)), "text_first: JSON round trip: %s", vlmoe_last_error());
+        free(js);
+        vlmoe_config_named("limoe-tiny", &back);
+        js = vlmoe_config_to_json(&back);
+        CHECK(js && !strstr(js, "text_first"), "text_first 0 is not written");
+        free(js);
+    }
     vlmoe_config_named("clipup-ViT-B-16", &c);
     CHECK(c.moe.num_experts == 8 && c.moe.top_k == 2 && c.moe.capacity_factor == 2 && c.moe.layers == 0xAAA &&
               c.text_moe.layers == 0xAAA && c.moe.aux_weight[VLMOE_AUX_SWITCH] == 0.01 &&
@@ -182,6 +202,7 @@ static void test_named(void) {
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"aux\": {\"entropy\": 1}}}", "unknown auxiliary loss"},
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"order\": \"lifo\"}}", "\"fifo\", \"bpr\", \"random\""},
         {"{\"base\": \"tiny\", \"moe\": {\"router\": \"soft\", \"layers\": \"every_2\", \"num_experts\": 4}}", "slots_per_expert"},
+        {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"text_first\": 1}}", "must be true or false"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
         CHECK(vlmoe_config_from_json(bad[i][0], "moe.json", &c) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), bad[i][1]),
@@ -263,7 +284,160 @@ static void test_thread_determinism(void) {
     omp_set_num_threads(nt);
 }
 
+// One MoE layer by hand: D = 2, E = 2, K = 1, M = 1. The router is the identity (logits = x)
+// and the experts are their output biases (w1 = w2 = 0: expert e returns b2[e] for any input),
+// so a token's output is gate * b2[expert], or 0 when capacity drops it. Two examples of 2 image
+// tokens and 1 text token: rows 0-1 (example 0's image), 2-3 (example 1's image), 4 (example 0's
+// text), 5 (example 1's text). Image tokens x = (1,0), gates (s, 1-s) with s = e/(e+1); text
+// tokens x = (2,0), gates (a, 1-a) with a = e^2/(e^2+1). Everyone's top expert is 0. group_size 3
+// = one example; eval capacity factor 0.5: C = ceil(0.5*3/2) = 1, so each group's expert 0 takes
+// one token and drops the other two.
+typedef struct {
+    int order, text_first, examples, aux_text; // fifo/bpr, text first, groups of examples, loss on
+} golden_case;
+
+static void golden_run(const golden_case *gc, double out[12], vlmoe_moe_stats *s, double *aux,
+                       vlmoe_token_route rt[6]) {
+    vlmoe_moe_config mc;
+    memset(&mc, 0, sizeof(mc));
+    mc.router = VLMOE_ROUTER_TOKENS, mc.layers = 1, mc.num_experts = 2, mc.top_k = 1;
+    mc.capacity_factor = mc.eval_capacity_factor = 0.5, mc.capacity_multiple = 1;
+    mc.order = gc->order, mc.group_size = 3, mc.text_first = gc->text_first;
+    mc.aux_weight[VLMOE_AUX_LOCAL_ENT_TEXT] = gc->aux_text;
+    // parameters: router (2,2), w1 (2,1,2), b1 (2,1), w2 (2,2,1), b2 (2,2)
+    double P[16] = {1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    const double b2[4] = {1, 2, 3, 4};
+    memcpy(P + 12, b2, sizeof(b2));
+    const moe_spec sp = {&mc, 2, 1, VLMOE_ACT_GELU_TANH, 0, 4, 8, 10, 12, (size_t)-1, (size_t)-1, 0};
+    const double x[12] = {1, 0, 1, 0, 1, 0, 1, 0, 2, 0, 2, 0};
+    const uint8_t mod[6] = {0, 0, 0, 0, 1, 1};
+    const uint64_t keys[6] = {moe_token_key(0, 0, 0), moe_token_key(0, 0, 1), moe_token_key(1, 0, 0),
+                              moe_token_key(1, 0, 1), moe_token_key(0, 1, 0), moe_token_key(1, 1, 0)};
+    const moe_examples ex = {2, {2, 1}};
+    moe_call c = {6, 0, 1, mod, NULL, keys, gc->examples ? &ex : NULL};
+    moe_state_f64 *st = NULL;
+    memset(out, 0, sizeof(double) * 12);
+    memset(s, 0, sizeof(*s));
+    *aux = -1;
+    int n = -1;
+    CHECK(moe_state_create_f64(&st, &sp, backend_cpu_f64(), 6) == VLMOE_OK, "golden state: %s", vlmoe_last_error());
+    if (!st) return;
+    CHECK(moe_forward_f64(st, &c, P, x, out, aux, s) == VLMOE_OK, "golden forward: %s", vlmoe_last_error());
+    CHECK(moe_routing_f64(st, rt, 6, &n) == VLMOE_OK && n == 6, "golden routing: %d entries: %s", n,
+          vlmoe_last_error());
+    moe_state_free_f64(st);
+}
+
+static void test_golden_groups(void) {
+    const double s1 = exp(1) / (exp(1) + 1), a = exp(2) / (exp(2) + 1);
+    const double htext = -(a * log(a) + (1 - a) * log(1 - a)); // a text token's router entropy
+    double out[12], aux;
+    vlmoe_moe_stats s;
+    vlmoe_token_route rt[6];
+    // which rows expert 0 takes (the rest get output 0), and each row's (group, position)
+    struct {
+        golden_case gc;
+        const char *what;
+        int kept[2], group[6], pos[6];
+        double success[2], aux;
+    } cases[] = {
+        // image first: groups {0,1,4} and {2,3,5}; fifo keeps each group's first image token
+        {{VLMOE_ORDER_FIFO, 0, 1, 1}, "image first", {0, 2}, {0, 0, 1, 1, 0, 1}, {0, 1, 0, 1, 2, 2},
+         {0.5, 0}, htext},
+        // text first: groups {4,0,1} and {5,2,3}; fifo keeps each group's text token
+        {{VLMOE_ORDER_FIFO, 1, 1, 1}, "text first", {4, 5}, {0, 0, 1, 1, 0, 1}, {1, 2, 1, 2, 0, 0},
+         {0, 1}, htext},
+        // BPR: the text tokens' gate a > s wins in either order
+        {{VLMOE_ORDER_BPR, 0, 1, 1}, "image first, bpr", {4, 5}, {0, 0, 1, 1, 0, 1}, {0, 1, 0, 1, 2, 2},
+         {0, 1}, htext},
+        // without examples (two_tower, MoME): groups of 3 consecutive rows {0,1,2} and {3,4,5}: the
+        // first holds image tokens of two examples and no text, so the text entropy is (0 + H) / 2
+        {{VLMOE_ORDER_FIFO, 0, 0, 1}, "consecutive rows", {0, 3}, {0, 0, 0, 1, 1, 1}, {0, 1, 2, 0, 1, 2},
+         {0.5, 0}, htext / 2},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        golden_run(&cases[i].gc, out, &s, &aux, rt);
+        const char *w = cases[i].what;
+        for (int t = 0; t < 6; t++) {
+            const int kept = t == cases[i].kept[0] || t == cases[i].kept[1];
+            const double g = t < 4 ? s1 : a;
+            // the softmax's rounding: within 1e-15 of the hand value; a dropped row is exactly 0
+            CHECK(kept ? fabs(out[2 * t] - g) < 1e-15 && fabs(out[2 * t + 1] - 2 * g) < 2e-15
+                       : out[2 * t] == 0 && out[2 * t + 1] == 0,
+                  "%s: row %d output (%.17g, %.17g), expected %s", w, t, out[2 * t], out[2 * t + 1],
+                  kept ? "gate * (1, 2)" : "0 (dropped)");
+            const vlmoe_token_route *r = &rt[t];
+            CHECK(r->token == t && r->rank == 0 && r->expert == 0 && r->slot == (kept ? 0 : -1) &&
+                  r->dropped == !kept && r->group == cases[i].group[t] && r->group_pos == cases[i].pos[t] &&
+                  r->modality == (t >= 4) && fabs(r->gate - g) < 1e-7 && r->weight == (kept ? r->gate : 0.0f),
+                  "%s: row %d routed to expert %d slot %d (group %d position %d), gate %g weight %g", w, t,
+                  r->expert, r->slot, r->group, r->group_pos, r->gate, r->weight);
+            const int example = t < 4 ? t / 2 : t - 4, pos = t < 4 ? t % 2 : 0;
+            CHECK(r->example == example && r->position == pos, "%s: row %d is example %d position %d, not %d %d",
+                  w, t, r->example, r->position, example, pos);
+        }
+        CHECK(s.tokens[0] == 4 && s.tokens[1] == 2 && s.success[0] == cases[i].success[0] &&
+              s.success[1] == cases[i].success[1], "%s: success image %g text %g", w, s.success[0], s.success[1]);
+        CHECK(fabs(aux - cases[i].aux) < 1e-12 && fabs(s.aux[VLMOE_AUX_LOCAL_ENT_TEXT] - cases[i].aux) < 1e-12,
+              "%s: text local entropy %.17g, expected %.17g", w, aux, cases[i].aux);
+    }
+}
+
+// LIMoE E.5's batch: 128 image-text pairs of 196 image and 16 text tokens, 8 groups of 16 pairs.
+static void test_group_order(void) {
+    vlmoe_moe_config mc;
+    memset(&mc, 0, sizeof(mc));
+    mc.router = VLMOE_ROUTER_TOKENS, mc.layers = 1, mc.num_experts = 32, mc.top_k = 1;
+    mc.capacity_factor = mc.eval_capacity_factor = 1.05, mc.capacity_multiple = 1;
+    mc.group_size = 16 * (196 + 16);
+    const moe_spec sp = {&mc, 8, 8, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0};
+    const int B = 128, ti = 196, tt = 16, n = B * (ti + tt);
+    const moe_examples ex = {B, {ti, tt}};
+    uint8_t *mod = malloc((size_t)n);
+    int32_t *order = malloc(sizeof(int32_t) * n);
+    char *seen = calloc((size_t)n, 1);
+    for (int tf = 0; tf < 2; tf++) {
+        mc.text_first = tf;
+        memset(mod, VLMOE_MOD_IMAGE, (size_t)B * ti);
+        memset(mod + (size_t)B * ti, VLMOE_MOD_TEXT, (size_t)B * tt);
+        int S = 0, ordered = 0, perm = 1, whole = 1;
+        CHECK(moe_plan_groups(&sp, n, 1, &ex, mod, &S, order, &ordered) == VLMOE_OK && S == mc.group_size &&
+              ordered, "E.5 groups: %s (S %d)", vlmoe_last_error(), S);
+        memset(seen, 0, (size_t)n);
+        for (int p = 0; p < n; p++) {
+            if (order[p] < 0 || order[p] >= n || seen[order[p]]) perm = 0;
+            else seen[order[p]] = 1;
+            // position p: group g = p / S holds examples [16 g, 16 g + 16): first 16 x 196 image
+            // rows (16 x 16 text rows with text_first), example by example, then the other modality
+            const int g = p / S, i = p % S, first = tf ? tt : ti, second = tf ? ti : tt;
+            const int text = (i >= 16 * first) != tf, j = i < 16 * first ? i : i - 16 * first;
+            const int per = i < 16 * first ? first : second, b = 16 * g + j / per;
+            const int row = text ? B * ti + b * tt + j % per : b * ti + j % per;
+            if (order[p] != row) whole = 0;
+        }
+        CHECK(perm, "text_first %d: the order is not a permutation of the %d rows", tf, n);
+        CHECK(whole, "text_first %d: a group does not hold its 16 examples' image then text tokens", tf);
+        // an image-only pass: groups of 16 consecutive images, in row order
+        CHECK(moe_plan_groups(&sp, B * ti, 0, &ex, mod, &S, order, &ordered) == VLMOE_OK && S == 16 * ti &&
+              !ordered, "image-only groups: S %d ordered %d: %s", S, ordered, vlmoe_last_error());
+        CHECK(moe_plan_groups(&sp, B * tt, 0, &ex, mod + (size_t)B * ti, &S, order, &ordered) == VLMOE_OK &&
+              S == 16 * tt && !ordered, "text-only groups: S %d ordered %d", S, ordered);
+    }
+    // a group size that cuts an example is an error naming the sizes that would work
+    mc.group_size = 3000;
+    CHECK(moe_check_examples(&sp, n, 1, &ex, mod) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "group_size 3000") && strstr(vlmoe_last_error(), "multiple of 212") &&
+              strstr(vlmoe_last_error(), "212, 424, 848, 1696, 3392, 6784, 13568, 27136"),
+          "bad group size: %s", vlmoe_last_error());
+    mc.group_size = 5; // consecutive rows: a divisor of the row count
+    CHECK(moe_check_groups(&sp, 12, 1) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "valid: 1, 2, 3, 4, 6, 12"),
+          "bad group size without examples: %s", vlmoe_last_error());
+    free(mod), free(order), free(seen);
+}
+
 int main(void) {
+    test_golden_groups();
+    test_group_order();
     test_named();
     test_thread_determinism();
     test_upcycle_identity();

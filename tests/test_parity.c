@@ -437,7 +437,7 @@ static void test_moe_layer_case(const char *name) {
     double auxv = 0;
     vlmoe_moe_stats stats;
     memset(&stats, 0, sizeof(stats));
-    moe_call c = {S, 1, 0, mod, noise, NULL};
+    moe_call c = {S, 1, 0, mod, noise, NULL, NULL};
     CHECK(moe_state_create_f32(&st, &sp, backend_cpu_f32(), S) == VLMOE_OK, "moe state: %s", vlmoe_last_error());
     if (st && x && r && noisef) {
         CHECK(moe_forward_f32(st, &c, P, x, out, &auxv, &stats) == VLMOE_OK, "%s forward: %s", name, vlmoe_last_error());

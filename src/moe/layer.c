@@ -38,7 +38,18 @@ struct R(moe_state) {
     vlmoe_routing *rt;              // (gmax)
     int32_t *row_token, *row_expert, *expert_off, *cnt; // (rows_max), (rows_max), (E+1), (E)
     int32_t *tok_off, *tok_rows;    // (nmax+1), (rows_max): each token's packed rows, in row order
-    uint64_t *keys;                 // (nmax) noise keys when the caller gives none: row indices
+    uint64_t *keys;                 // (nmax) the call's noise keys (row indices when it gives none)
+    int have_keys;                  // whether the last call gave keys (sample, modality, position)
+    // routing groups of whole examples (moe_call.examples, src/moe/groups.c): position p of the
+    // group-major order reads row order[p]; routing, aux losses and statistics follow positions,
+    // the dispatch and combine read and write rows
+    int ordered;                    // 0: the order is the identity and none of this is used
+    int32_t *order, *inv;           // (nmax) position -> row, row -> position
+    uint8_t *mod_pos;               // (nmax) modality by position
+    int32_t *d_perm;                // device: order (nmax), inv (nmax), 0..nmax (nmax+1)
+    be_dispatch perm;               // position-ordered rows back onto tokens: token t <- row inv[t]
+    real *lg, *ng, *dlg;            // (nmax, E) logits, noisy logits, their gradient by position
+    real *xg, *yg, *dxg;            // Soft MoE (nmax, D): x, out (then dout) and dx by position
     // Soft MoE
     real *soft_acts, *soft_scratch, *soft_out; // per group
     size_t soft_acts_n;
@@ -51,6 +62,11 @@ struct R(moe_state) {
 
 static int group_size(const moe_spec *sp, int n) {
     return sp->cfg->group_size > 0 ? sp->cfg->group_size : n;
+}
+
+// The activation row at position p of the group-major order.
+static inline int row_of(const struct R(moe_state) *st, int p) {
+    return st->ordered ? st->order[p] : p;
 }
 
 int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(vlmoe_backend) *be,
@@ -80,12 +96,27 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         ALLOC(st->pbar[m], E);
     }
     ALLOC(st->hits, nmax);
+    ALLOC(st->keys, nmax);
+    ALLOC(st->order, nmax);
+    ALLOC(st->inv, nmax);
+    ALLOC(st->mod_pos, nmax);
+    DALLOC(st->d_perm, 3 * (size_t)nmax + 1);
+    if (ok) { // the identity offsets of the permutation's dispatch: one row per token
+        int32_t *h = vlmoe_alloc(sizeof(int32_t) * ((size_t)nmax + 1), "moe identity");
+        ok = h != NULL;
+        for (int i = 0; ok && i <= nmax; i++) h[i] = i;
+        if (ok) be->upload_bytes(be, st->d_perm + 2 * (size_t)nmax, h, sizeof(int32_t) * ((size_t)nmax + 1));
+        vlmoe_free_mem(h);
+    }
     if (c->router == VLMOE_ROUTER_SOFT) {
         soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act};
         st->soft_acts_n = soft_moe_acts_floats(&d);
         DALLOC(st->soft_acts, st->soft_acts_n * (size_t)st->gmax);
         DALLOC(st->soft_scratch, soft_moe_scratch_floats(&d));
         DALLOC(st->soft_out, (size_t)Smax * D);
+        DALLOC(st->xg, (size_t)nmax * D);
+        DALLOC(st->yg, (size_t)nmax * D);
+        DALLOC(st->dxg, (size_t)nmax * D);
     } else {
         double cf = c->capacity_factor > c->eval_capacity_factor ? c->capacity_factor : c->eval_capacity_factor;
         int C = 1;
@@ -103,6 +134,9 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->dgates, ne);
         DALLOC(st->dlogits, ne);
         DALLOC(st->zsum, nmax);
+        DALLOC(st->lg, ne);
+        DALLOC(st->ng, ne);
+        DALLOC(st->dlg, ne);
         DALLOC(st->combine, rm);
         DALLOC(st->dcombine, rm);
         DALLOC(st->xp, rm * D);
@@ -127,7 +161,6 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         ALLOC(st->cnt, E);
         ALLOC(st->tok_off, (size_t)nmax + 1);
         ALLOC(st->tok_rows, rm);
-        ALLOC(st->keys, nmax);
     }
 #undef ALLOC
 #undef DALLOC
@@ -148,12 +181,13 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     if (st->own_da) be->free(be, st->da), be->free(be, st->dh);
     void *dev[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
                    st->combine, st->dcombine, st->xp, st->h, st->y, st->aux_scratch, st->d_rows,
-                   st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out};
+                   st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out, st->d_perm, st->lg,
+                   st->ng, st->dlg, st->xg, st->yg, st->dxg};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits};
+                    st->pbar[1], st->hits, st->order, st->inv, st->mod_pos};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
     vlmoe_free_mem(st);
 }
@@ -192,7 +226,7 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
     for (int g = 0; g < st->G; g++) {
         const vlmoe_routing *rt = &st->rt[g];
         for (int i = 0; i < st->S; i++) {
-            const int t = g * st->S + i, m = st->modality ? st->modality[t] : 0;
+            const int t = row_of(st, g * st->S + i), m = st->modality ? st->modality[t] : 0;
             const real *p = st->probs_h + (size_t)t * E, *q = st->gates_h + (size_t)t * E;
             double mx = 0, h = 0;
             for (int e = 0; e < E; e++) {
@@ -254,11 +288,18 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
     soft_dims_of(st, &d);
     s->soft_minmax[0] = s->soft_minmax[2] = INFINITY;
     s->soft_minmax[1] = s->soft_minmax[3] = -INFINITY;
+    // groups of whole examples: the rows in group order, and the outputs back onto their rows
+    if (st->ordered) be->gather_rows(be, st->xg, x, st->perm.row_token, st->n, D);
     for (int g = 0; g < st->G; g++) {
         real *acts = st->soft_acts + st->soft_acts_n * (size_t)g;
+        const size_t o = (size_t)g * st->S * D;
         const R(soft_params) sp2 = {P + sp->phi, P + sp->scale, P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
-        be->soft_moe_forward(be, st->soft_out, acts, x + (size_t)g * st->S * D, &sp2, &d);
-        be->add(be, out + (size_t)g * st->S * D, st->soft_out, (size_t)st->S * D);
+        if (st->ordered) {
+            be->soft_moe_forward(be, st->yg + o, acts, st->xg + o, &sp2, &d);
+        } else {
+            be->soft_moe_forward(be, st->soft_out, acts, x + o, &sp2, &d);
+            be->add(be, out + o, st->soft_out, (size_t)st->S * D);
+        }
         double mm[4];
         R(soft_moe_stats)(acts, &d, mm);
         s->soft_minmax[0] = fmin(s->soft_minmax[0], mm[0]);
@@ -266,6 +307,7 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
         s->soft_minmax[2] = fmin(s->soft_minmax[2], mm[2]);
         s->soft_minmax[3] = fmax(s->soft_minmax[3], mm[3]);
     }
+    if (st->ordered) be->gather_rows_backward(be, out, st->yg, &st->perm, D);
     for (int m = 0; m < 2; m++) s->tokens[m] = 0;
     for (int t = 0; t < st->n; t++) s->tokens[st->modality ? st->modality[t] : 0]++;
     for (int m = 0; m < 2; m++) s->success[m] = s->tokens[m] ? 1 : 0; // Soft MoE drops nothing
@@ -291,12 +333,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         be->upload(be, st->noisy, h, (size_t)n * E);
     } else if (st->noisy_on) {
         // MOE.md: l + (noise_std/E) N(0,1), drawn per (call seed, token key, expert)
-        const uint64_t *keys = c->keys;
-        if (!keys) {
-            for (int t = 0; t < n; t++) st->keys[t] = (uint64_t)t;
-            keys = st->keys;
-        }
-        be->upload_bytes(be, st->d_keys, keys, sizeof(uint64_t) * (size_t)n);
+        be->upload_bytes(be, st->d_keys, st->keys, sizeof(uint64_t) * (size_t)n);
         const be_noise nz = {c->seed, cfg->noise_std / E, st->d_keys};
         be->router_noise(be, st->noisy, st->logits, n, E, &nz);
     }
@@ -306,6 +343,10 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         be->copy(be, st->gates, st->probs, (size_t)n * E);
     be->download(be, st->gates_h, st->gates, (size_t)n * E);
     be->download(be, st->probs_h, st->probs, (size_t)n * E);
+    if (st->ordered) { // the auxiliary losses see each group's rows together, in group order
+        be->gather_rows(be, st->lg, st->logits, st->perm.row_token, n, E);
+        if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, st->perm.row_token, n, E);
+    }
     // the routing decision of each group
     const double cf = c->training ? cfg->capacity_factor : cfg->eval_capacity_factor;
     int C, stt;
@@ -314,7 +355,10 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
     st->C = C;
     vlmoe_route_params rp = {K, C, cfg->order, cfg->bpr_score, cfg->gate_renorm, 0};
     for (int g = 0; g < st->G; g++) {
-        for (size_t i = 0; i < (size_t)st->S * E; i++) st->gates_f[i] = (float)st->gates_h[(size_t)g * st->S * E + i];
+        for (int i = 0; i < st->S; i++) {
+            const real *q = st->gates_h + (size_t)row_of(st, g * st->S + i) * E;
+            for (int e = 0; e < E; e++) st->gates_f[(size_t)i * E + e] = (float)q[e];
+        }
         // router_pred pruning: a pruned expert is never among the top K (every gate is >= 0);
         // the kept experts' gates stay those of the softmax over all experts
         if (sp->pruned)
@@ -341,7 +385,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         int r = st->expert_off[e];
         for (int g = 0; g < st->G; g++)
             for (int k = 0; k < st->rt[g].count[e]; k++, r++) {
-                st->row_token[r] = g * st->S + st->rt[g].token[e * st->rt[g].C + k];
+                st->row_token[r] = row_of(st, g * st->S + st->rt[g].token[e * st->rt[g].C + k]);
                 st->row_expert[r] = e;
             }
     }
@@ -378,16 +422,21 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const int E = st->E;
     double total = 0;
     if (cfg->router != VLMOE_ROUTER_TOKENS) return 0;
+    // groups of whole examples: the position-ordered copies, whose gradient goes back onto rows
+    const real *lg = st->ordered ? st->lg : st->logits, *ng = st->ordered ? st->ng : st->noisy;
+    const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
+    real *dl = dlogits && st->ordered ? st->dlg : dlogits;
+    if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         if (cfg->aux_weight[k] == 0) continue;
         double v = 0;
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * E;
-            R(aux_input) in = {st->S, E, st->K, st->logits + o, st->noisy_on ? st->noisy + o : NULL,
-                               cfg->noise_std, st->modality ? st->modality + (size_t)g * st->S : NULL,
+            R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
+                               cfg->noise_std, mod ? mod + (size_t)g * st->S : NULL,
                                st->rt[g].wanted, {cfg->global_tau[0], cfg->global_tau[1]}};
-            if (dlogits)
-                be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dlogits + o,
+            if (dl)
+                be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);
             else
                 v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
@@ -395,6 +444,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
         if (s) s->aux[k] = v / st->G;
         total += cfg->aux_weight[k] * (v / st->G);
     }
+    if (dl && dl != dlogits) be->gather_rows_backward(be, dlogits, dl, &st->perm, E);
     return total;
 }
 
@@ -403,13 +453,25 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     const R(vlmoe_backend) *be = st->be;
     const moe_spec *sp = &st->sp;
     const int D = sp->D, n = c->n;
-    int stt = moe_check_groups(sp, n, c->training);
+    int S, stt = moe_plan_groups(sp, n, c->training, c->examples, c->modality, &S, st->order, &st->ordered);
     if (stt) return stt;
     st->n = n;
-    st->S = group_size(sp, n) < n ? group_size(sp, n) : n;
-    st->G = n / st->S;
+    st->S = S;
+    st->G = S ? n / S : 0;
     st->training = c->training;
     st->modality = c->modality;
+    st->have_keys = c->keys != NULL;
+    for (int t = 0; t < n; t++) st->keys[t] = c->keys ? c->keys[t] : (uint64_t)t;
+    if (st->ordered) {
+        for (int p = 0; p < n; p++) {
+            st->inv[st->order[p]] = p;
+            st->mod_pos[p] = c->modality[st->order[p]];
+        }
+        const size_t nm = (size_t)st->nmax;
+        be->upload_bytes(be, st->d_perm, st->order, sizeof(int32_t) * (size_t)n);
+        be->upload_bytes(be, st->d_perm + nm, st->inv, sizeof(int32_t) * (size_t)n);
+        st->perm = (be_dispatch){n, n, 1, st->d_perm, NULL, st->d_perm + 2 * nm, st->d_perm + nm};
+    }
     *aux = 0;
     memset(s->aux, 0, sizeof(s->aux));
     s->num_experts = st->E;
@@ -437,11 +499,19 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
         soft_dims_of(st, &d);
         const R(soft_params) p2 = {P + sp->phi, P + sp->scale, P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
         const R(soft_grads) g2 = {G + sp->phi, G + sp->scale, G + sp->w1, G + sp->b1, G + sp->w2, G + sp->b2};
+        if (st->ordered) { // dout by position; dx by position, then back onto the rows
+            be->gather_rows(be, st->yg, dout, st->perm.row_token, n, D);
+            be->zero(be, st->dxg, (size_t)n * D);
+        }
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * D;
-            be->soft_moe_backward(be, dx + o, &g2, dout + o, st->soft_acts + st->soft_acts_n * (size_t)g,
-                                  x + o, &p2, &d, st->soft_scratch);
+            const real *acts = st->soft_acts + st->soft_acts_n * (size_t)g;
+            if (st->ordered)
+                be->soft_moe_backward(be, st->dxg + o, &g2, st->yg + o, acts, st->xg + o, &p2, &d, st->soft_scratch);
+            else
+                be->soft_moe_backward(be, dx + o, &g2, dout + o, acts, x + o, &p2, &d, st->soft_scratch);
         }
+        if (st->ordered) be->gather_rows_backward(be, dx, st->dxg, &st->perm, D);
         return;
     }
     // combine, experts, dispatch: back to the tokens
@@ -461,4 +531,49 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->softmax_backward(be, st->dlogits, st->gates, st->dgates, n, E);
     moe_aux(st, NULL, daux, st->dlogits);
     be->linear_backward(be, dx, G + sp->router_w, NULL, st->dlogits, x, P + sp->router_w, n, D, E);
+}
+
+// The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).
+int R(moe_routing)(const struct R(moe_state) *st, vlmoe_token_route *out, int cap, int *count) {
+    const vlmoe_moe_config *cfg = st->sp.cfg;
+    const int E = st->E, K = st->K, n = st->n, tc = cfg->router == VLMOE_ROUTER_TOKENS;
+    *count = 0;
+    if (cfg->router == VLMOE_ROUTER_SOFT)
+        return vlmoe_fail(VLMOE_ERR_ARG, "routing: a Soft MoE layer has no per-token decision (every token "
+                          "reaches every slot with a weight; see the stats' soft_minmax)");
+    int total = 0;
+    for (int t = 0; t < n; t++) total += tc ? K : (st->hits[t] > 0 ? st->hits[t] : 1);
+    if (out && cap < total)
+        return vlmoe_fail(VLMOE_ERR_ARG, "routing: %d entries needed, room for %d", total, cap);
+    *count = total;
+    if (!out) return VLMOE_OK;
+    vlmoe_token_route *o = out;
+    for (int t = 0; t < n; t++) {
+        const int p = st->ordered ? st->inv[t] : t, g = p / st->S, i = p % st->S;
+        const vlmoe_routing *rt = &st->rt[g];
+        const real *q = st->gates_h + (size_t)t * E;
+        const vlmoe_token_route base = {t, st->have_keys ? (int32_t)(st->keys[t] >> 21) : -1,
+                                        st->have_keys ? (int32_t)(st->keys[t] & 0xFFFFF) : -1, g, i, 0, -1, -1,
+                                        0.0f, 0.0f, (uint8_t)(st->modality ? st->modality[t] : 0), 1};
+        if (tc) {
+            for (int k = 0; k < K; k++, o++) {
+                const int e = rt->expert[i * K + k], slot = rt->slot[i * K + k];
+                *o = base;
+                o->rank = k, o->expert = e, o->slot = slot, o->gate = (float)q[e];
+                o->weight = slot >= 0 ? rt->weight[e * rt->C + slot] : 0.0f;
+                o->dropped = slot < 0;
+            }
+            continue;
+        }
+        if (st->tok_off[t] == st->tok_off[t + 1]) *o++ = base; // no expert took it
+        for (int j = st->tok_off[t], k = 0; j < st->tok_off[t + 1]; j++, k++, o++) {
+            const int e = st->row_expert[st->tok_rows[j]];
+            int slot = 0;
+            while (slot < rt->count[e] && rt->token[e * rt->C + slot] != i) slot++;
+            *o = base;
+            o->rank = k, o->expert = e, o->slot = slot, o->gate = (float)q[e];
+            o->weight = rt->weight[e * rt->C + slot], o->dropped = 0;
+        }
+    }
+    return VLMOE_OK;
 }

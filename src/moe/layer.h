@@ -18,6 +18,17 @@ typedef struct {
     uint64_t pruned;         // router_pred pruning: experts never picked (vlmoe_moe_config.pruned)
 } moe_spec;
 
+// The examples of a one-tower encoder's token buffer (MOE.md "Notation"): B image-text pairs laid
+// out as all B examples' image tokens, then all B examples' text tokens (src/nn/graph.c). With it
+// a routing group holds whole examples (LIMoE E.5): group_size must be a multiple of
+// tokens[0] + tokens[1], and the group's rows are visited image tokens first (text first with
+// vlmoe_moe_config.text_first). A pass with one modality only groups the same number of
+// consecutive examples of that modality.
+typedef struct {
+    int B;                   // examples in the buffer
+    int tokens[2];           // tokens per example of each modality (VLMOE_MOD_*)
+} moe_examples;
+
 // One forward call over the n tokens of the active range.
 typedef struct {
     int n;
@@ -29,6 +40,9 @@ typedef struct {
     const uint64_t *keys;    // (n) what each token is (sample, modality, position: see
                              // moe_token_key), so its noise is the same wherever it is routed;
                              // NULL: the token's row index
+    const moe_examples *examples; // one-tower encoders: groups hold whole examples (the
+                             // modalities present are read off modality[0] and modality[n-1]);
+                             // NULL: groups of group_size consecutive rows
 } moe_call;
 
 // The noise key of one token: its global sample index, modality and position in the sequence.
@@ -50,7 +64,10 @@ static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
                         double *aux, vlmoe_moe_stats *stats);                                   \
     /* dx (n,D) and the parameter gradients G accumulate; dout (n,D); daux scales the aux loss */\
     void moe_backward_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout, T *dx,  \
-                          double daux);
+                          double daux);                                                         \
+    /* the last forward's decision per token (vlmoe_model_routing's entries): sets *count; */   \
+    /* writes them when out is given and cap >= *count; Soft MoE: VLMOE_ERR_ARG */               \
+    int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);
 
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)
@@ -59,7 +76,17 @@ MOE_LAYER_DECL(double, f64)
 int moe_slots_per_expert(const vlmoe_moe_config *c);
 
 // Validates that n tokens split into routing groups for this layer (group_size divides n, the
-// capacity is >= 1, Soft MoE's slot count matches). Message names the layer's config.
+// capacity is >= 1). The message names the layer's config and the group sizes that would work.
 int moe_check_groups(const moe_spec *spec, int n, int training);
+
+// The routing groups of one pass (src/moe/groups.c): S tokens per group and, when order is not
+// NULL, order (n): position p in group-major order -> the row it reads (group g holds positions
+// [g S, (g+1) S)). *ordered is 0 when that order is the identity. With ex NULL this is
+// moe_check_groups: groups of group_size consecutive rows. modality (n) is the pass's.
+int moe_plan_groups(const moe_spec *spec, int n, int training, const moe_examples *ex,
+                    const uint8_t *modality, int *S, int32_t *order, int *ordered);
+// The same check for a call with examples (moe_call.examples, modality): NULL ex is moe_check_groups.
+int moe_check_examples(const moe_spec *spec, int n, int training, const moe_examples *ex,
+                       const uint8_t *modality);
 
 #endif

@@ -183,7 +183,7 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
             m->router = VLMOE_ROUTER_EXPERTS;
         } else {
             m->router = VLMOE_ROUTER_SOFT;
-            m->group_size = 16; // one routing group per sequence (16 patches or 16 text tokens)
+            m->group_size = 32; // one routing group per example: its 16 patches and 16 text tokens
             m->slots_per_expert = 2;
         }
     } else {
@@ -257,6 +257,7 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(m->order >= VLMOE_ORDER_FIFO && m->order <= VLMOE_ORDER_RANDOM, "%s.order: unknown value", nm);
         NEED(m->noise_std >= 0, "%s.noise_std must be >= 0", nm);
         NEED(m->group_size >= 0, "%s.group_size must be >= 0 (0 = the whole batch)", nm);
+        NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
@@ -427,6 +428,10 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
         else if (!strcmp(n, "noise_std")) st = read_num(it, what, k, &m->noise_std);
         else if (!strcmp(n, "group_size")) st = read_int(it, what, k, &m->group_size);
         else if (!strcmp(n, "slots_per_expert")) st = read_int(it, what, k, &m->slots_per_expert);
+        else if (!strcmp(n, "text_first")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
+            else m->text_first = cJSON_IsTrue(it);
+        }
         else if (!strcmp(n, "global_tau")) {
             if (!cJSON_IsArray(it) || cJSON_GetArraySize(it) != 2 || !cJSON_IsNumber(it->child) || !cJSON_IsNumber(it->child->next))
                 st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers (0 = log of the token count)", what, k);
@@ -495,6 +500,7 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     add_num(o, "noise_std", m->noise_std);
     add_num(o, "group_size", m->group_size);
     add_num(o, "slots_per_expert", m->slots_per_expert);
+    if (m->text_first) cJSON_AddBoolToObject(o, "text_first", 1); // written when set: older files lack it
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (m->aux_weight[k] != 0) add_num(aux, vlmoe_aux_name((vlmoe_aux_kind)k), m->aux_weight[k]);
     cJSON_AddItemToObject(o, "aux", aux);

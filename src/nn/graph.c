@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
@@ -36,6 +37,7 @@ typedef struct {
     real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
     uint8_t *modality;           // (ntok) VLMOE_MOD_* of every token
     uint64_t *keys;              // (ntok) every token's routing-noise key (moe_token_key)
+    moe_examples ex;             // both modalities (one_tower): routing groups hold whole examples
 } enc_state;
 
 typedef struct {
@@ -193,7 +195,9 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             memset(s->modality + sg->tok_off, mod, (size_t)sg->nseq * sg->seqlen);
             for (size_t i = 0; i < (size_t)sg->nseq * sg->seqlen; i++)
                 s->keys[sg->tok_off + i] = moe_token_key(i / (size_t)sg->seqlen, mod, (int)(i % (size_t)sg->seqlen));
+            s->ex.tokens[mod] = sg->seqlen;
         }
+        s->ex.B = s->nseg == NUM_MOD ? B : 0; // images then texts: groups of whole pairs (MOE.md)
         for (int l = 0; l < L->enc[e].layers; l++) {
             const ffn_layout *f = &L->enc[e].blocks[l].ffn;
             if (f->kind != FFN_MOE) continue;
@@ -253,6 +257,13 @@ const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) 
     return g->L->nmoe ? g->stats : NULL;
 }
 
+const struct R(moe_state) *R(graph_moe_layer)(const struct R(graph) *g, int index) {
+    for (int e = 0; e < g->L->nenc; e++)
+        for (int l = 0; l < g->L->enc[e].layers; l++)
+            if (g->enc[e].layers[l].moe && g->L->enc[e].blocks[l].ffn.moe_index == index) return g->enc[e].layers[l].moe;
+    return NULL;
+}
+
 // Token range [t0, t0+n) of the segments present in this forward (they are contiguous: image
 // first, then text).
 static void active_range(const struct R(graph) *g, const enc_state *s, size_t *t0, size_t *n) {
@@ -276,7 +287,7 @@ static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout
         be->copy(be, a->res2 + t0 * D, a->res1 + t0 * D, (size_t)n * D);
         // the seed differs per layer and per call, so every layer draws its own noise
         moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0,
-                      NULL, s->keys + t0};
+                      NULL, s->keys + t0, s->ex.B ? &s->ex : NULL};
         double aux = 0;
         R(moe_forward)(a->moe, &c, P, a->ln2 + t0 * D, a->res2 + t0 * D, &aux, &g->stats[f->moe_index]);
         g->aux += aux;
@@ -480,7 +491,8 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         active_range(g, &g->enc[e], &t0, &nn);
         for (int l = 0; l < L->enc[e].layers; l++) {
             const layer_acts *a = &g->enc[e].layers[l];
-            int st = a->moe ? moe_check_groups(&a->spec, (int)nn, g->training) : VLMOE_OK;
+            const moe_examples *ex = g->enc[e].ex.B ? &g->enc[e].ex : NULL;
+            int st = a->moe ? moe_check_examples(&a->spec, (int)nn, g->training, ex, g->enc[e].modality + t0) : VLMOE_OK;
             if (st) {
                 vlmoe_error_prefix("encoder %d block %d", e, l);
                 return st;

@@ -27,6 +27,7 @@
 #include "loss/masked.h"
 #include "moe/layer.h"
 #include "nn/mome.h"
+#include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
@@ -242,6 +243,13 @@ const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, in
     return g->L->nmoe ? g->stats : NULL;
 }
 
+const struct R(moe_state) *R(mome_graph_moe_layer)(const struct R(mome_graph) *g, int index) {
+    for (int l = 0; l < g->L->enc[0].layers; l++)
+        for (int k = MOME_V; k <= MOME_T; k++)
+            if (g->layers[l].moe[k] && ffn_of(g, l, k)->ffn.moe_index == index) return g->layers[l].moe[k];
+    return NULL;
+}
+
 // text_off is 0 for images and texts, so the row is [I_CLS] or [T_CLS] (fused, for pairs).
 const real *R(mome_graph_feature)(const struct R(mome_graph) *g, int b) {
     return g->lnf + ((size_t)b * g->T + g->text_off) * g->D;
@@ -294,7 +302,7 @@ static int stream_forward(struct R(mome_graph) *g, const real *P, int l, const s
         for (int b = 0; b < B; b++)
             for (int i = 0; i < s->len; i++) keys[(size_t)b * s->len + i] = moe_token_key((uint64_t)b, mod, s->off + i);
         moe_call c = {ns, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1, g->mods[s->which],
-                      g->noise[idx], keys};
+                      g->noise[idx], keys, NULL};
         double aux = 0;
         int st = R(moe_forward)(a->moe[s->which], &c, P, ln, xs, &aux, &g->stats[idx]);
         if (st) return st;
