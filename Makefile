@@ -22,7 +22,7 @@ CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fop
 # it when Open MPI's `mpicc --showme` (or `pkg-config ompi`) gives its flags, MPI=1 insists on it,
 # MPI=0 compiles src/dist/mpi_stub.c instead, whose error says how to get it. The flags are looked
 # up once, after scripts/deps.sh has installed libopenmpi-dev, into build/mpi.mk (make reads it
-# again when it is made; delete it to look again).
+# again when it is made; delete it to look again). With CUDA=1 and MPI, src/dist/nccl.c too.
 MPI     ?= auto
 MPI_MK  := build/mpi.mk
 ifeq ($(filter clean,$(MAKECMDGOALS)),)
@@ -36,10 +36,11 @@ endif
 endif
 endif
 HAVE_MPI  := $(if $(filter 0,$(MPI)),,$(if $(strip $(MPI_FOUND_LIBS)),1,))
+HAVE_NCCL := $(and $(filter 1,$(CUDA)),$(HAVE_MPI))
 MPI_LIBS  := $(if $(HAVE_MPI),$(MPI_FOUND_LIBS),)
 DIST_SRCS := $(if $(HAVE_MPI),src/dist/mpi.c,src/dist/mpi_stub.c) \
-             src/dist/nccl_stub.c
-CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++,)
+             $(if $(HAVE_NCCL),src/dist/nccl.c,src/dist/nccl_stub.c)
+CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(HAVE_NCCL),-lnccl,) -lcublas -lcudart -lstdc++,)
 LIBS    := $(CUDA_LIBS) $(MPI_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
@@ -76,6 +77,7 @@ TEST_DEPS_STAMP := build/.test-deps-ok
 $(call objs,$(B)) $(call objs,$(BA)): LIB_VIS := -fvisibility=hidden
 # the headers of the engines src/dist builds on, for its files only
 $(B)/src/dist/mpi.o $(BA)/src/dist/mpi.o: SRC_FLAGS := $(MPI_FOUND_CFLAGS)
+$(B)/src/dist/nccl.o $(BA)/src/dist/nccl.o build/cuda/dist_nccl.o: SRC_FLAGS := -I$(CUDA_HOME)/include
 
 all: $(DEPS_STAMP) libvlmoe.a libvlmoe.so vlmoe
 
@@ -201,6 +203,18 @@ build/cuda/tests/test_backend_ops: tests/test_backend_ops.c build/cuda/backend_c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/backend_cuda.o libvlmoe.a \
 	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(LIBS)
+# src/dist/nccl.c (needs MPI for its bootstrap) is compiled the same way and linked into
+# tests/test_dist, whose NCCL checks skip without a device.
+ifneq ($(HAVE_MPI),)
+CUDA_CHECK += $(if $(HAVE_NVCC),build/cuda/tests/test_dist,)
+endif
+build/cuda/dist_nccl.o: src/dist/nccl.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
+build/cuda/tests/test_dist: tests/test_dist.c build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lstdc++ $(LIBS)
 cuda-check: $(CUDA_CHECK)
 
 FIXTURES := build/fixtures/.stamp
