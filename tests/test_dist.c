@@ -356,6 +356,13 @@ int main(int argc, char **argv) {
     const char *env = getenv("OMPI_COMM_WORLD_SIZE");
     if (env) size = strtol(env, NULL, 10);
     vlmoe_dist *d = NULL;
+    if (size > 0 && !dist_mpi_built()) {
+        // under mpirun, built without MPI: each copy refuses to train alone
+        CHECK(vlmoe_dist_open(&d, NULL) == (size > 1 ? VLMOE_ERR_CONFIG : VLMOE_OK) &&
+              (size == 1 || strstr(vlmoe_last_error(), "built without MPI")), "auto under mpirun without MPI: %s",
+              vlmoe_last_error());
+        return test_summary("test_dist");
+    }
     if (size > 0) {
         // under mpirun: "auto" is MPI, with mpirun's rank and world
         CHECK(vlmoe_dist_open(&d, NULL) == VLMOE_OK, "open auto under mpirun: %s", vlmoe_last_error());
