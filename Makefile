@@ -6,6 +6,7 @@
 # float for the library's training path and double for the finite-difference gradient checks.
 
 CC      ?= cc
+CUDA    ?= 0
 comma   := ,
 PREFIX  ?= /usr/local
 NATIVE  ?= 1
@@ -17,21 +18,42 @@ OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
 WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
 CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
                -Iinclude -Isrc -I$(BLASINC) -g
-CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++,)
-LIBS    := $(CUDA_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
+# MPI (src/dist/mpi.c, the process group of a run started by mpirun or srun): MPI ?= auto builds
+# it when Open MPI's `mpicc --showme` (or `pkg-config ompi`) gives its flags, MPI=1 insists on it,
+# MPI=0 compiles src/dist/mpi_stub.c instead, whose error says how to get it. The flags are looked
+# up once, after scripts/deps.sh has installed libopenmpi-dev, into build/mpi.mk (make reads it
+# again when it is made; delete it to look again). With CUDA=1 and MPI, src/dist/nccl.c too.
+MPI     ?= auto
+MPI_MK  := build/mpi.mk
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+-include $(MPI_MK)
+endif
+ifeq ($(MPI),1)
+ifneq ($(wildcard $(MPI_MK)),)
+ifeq ($(strip $(MPI_FOUND_LIBS)),)
+$(error MPI=1 but neither `mpicc --showme` nor `pkg-config ompi` finds MPI: install openmpi-bin and libopenmpi-dev, then rm $(MPI_MK))
+endif
+endif
+endif
+HAVE_MPI  := $(if $(filter 0,$(MPI)),,$(if $(strip $(MPI_FOUND_LIBS)),1,))
+HAVE_NCCL := $(and $(filter 1,$(CUDA)),$(HAVE_MPI))
+MPI_LIBS  := $(if $(HAVE_MPI),$(MPI_FOUND_LIBS),)
+DIST_SRCS := $(if $(HAVE_MPI),src/dist/mpi.c,src/dist/mpi_stub.c) \
+             $(if $(HAVE_NCCL),src/dist/nccl.c,src/dist/nccl_stub.c)
+CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(HAVE_NCCL),-lnccl,) -lcublas -lcudart -lstdc++,)
+LIBS    := $(CUDA_LIBS) $(MPI_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)
 # src/cuda: without CUDA=1 the stub, whose error says how to build the real backend; with
 # CUDA=1 the .cu files, compiled by nvcc and linked with the CUDA runtime and cuBLAS
-CUDA    ?= 0
 NVCC    ?= nvcc
 CUDA_HOME ?= /usr/local/cuda
 NVCCFLAGS := -std=c++17 -O2 -fmad=false -Xcompiler -fPIC,-Wall -Iinclude -Isrc -I$(BLASINC) \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 CUDA_SRCS := $(wildcard src/cuda/*.cu)
-PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/%,$(wildcard src/*/*.c)) \
-              $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c)
+PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/% src/dist/mpi%.c src/dist/nccl%.c,$(wildcard src/*/*.c)) \
+              $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c) $(DIST_SRCS)
 CLI_SRCS  := $(wildcard cli/*.c)
 TEST_SRCS := $(wildcard tests/test_*.c)
 HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
@@ -53,6 +75,9 @@ TEST_DEPS_STAMP := build/.test-deps-ok
 # `make test`). Visibility means nothing inside a static archive, so the CLI, tests and benches,
 # which link libvlmoe.a, still reach every internal function. CLI objects keep the default.
 $(call objs,$(B)) $(call objs,$(BA)): LIB_VIS := -fvisibility=hidden
+# the headers of the engines src/dist builds on, for its files only
+$(B)/src/dist/mpi.o $(BA)/src/dist/mpi.o: SRC_FLAGS := $(MPI_FOUND_CFLAGS)
+$(B)/src/dist/nccl.o $(BA)/src/dist/nccl.o build/cuda/dist_nccl.o: SRC_FLAGS := -I$(CUDA_HOME)/include
 
 all: $(DEPS_STAMP) libvlmoe.a libvlmoe.so vlmoe
 
@@ -62,11 +87,17 @@ $(DEPS_STAMP): scripts/deps.sh
 $(TEST_DEPS_STAMP): scripts/deps.sh
 	@./scripts/deps.sh test
 	@mkdir -p build && touch $@
+$(MPI_MK): $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	@if c=$$(mpicc --showme:compile 2>/dev/null) && l=$$(mpicc --showme:link 2>/dev/null); then :; \
+	elif c=$$(pkg-config --cflags ompi 2>/dev/null) && l=$$(pkg-config --libs ompi 2>/dev/null); then :; \
+	else c= l=; echo "note: no MPI found (mpicc --showme, pkg-config ompi): src/dist/mpi_stub.c is built"; fi; \
+	printf 'MPI_FOUND_CFLAGS := %s\nMPI_FOUND_LIBS := %s\n' "$$c" "$$l" >$@
 
 # ---- optimised build
 $(B)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
 $(B)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -c $< -o $@
@@ -91,7 +122,7 @@ vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) libvlmoe.a
 # ---- sanitizer build (tests only)
 $(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -c $< -o $@
+	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
 $(BA)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -c $< -o $@
@@ -172,6 +203,18 @@ build/cuda/tests/test_backend_ops: tests/test_backend_ops.c build/cuda/backend_c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/backend_cuda.o libvlmoe.a \
 	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(LIBS)
+# src/dist/nccl.c (needs MPI for its bootstrap) is compiled the same way and linked into
+# tests/test_dist, whose NCCL checks skip without a device.
+ifneq ($(HAVE_MPI),)
+CUDA_CHECK += $(if $(HAVE_NVCC),build/cuda/tests/test_dist,)
+endif
+build/cuda/dist_nccl.o: src/dist/nccl.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
+build/cuda/tests/test_dist: tests/test_dist.c build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lstdc++ $(LIBS)
 cuda-check: $(CUDA_CHECK)
 
 FIXTURES := build/fixtures/.stamp
@@ -196,7 +239,7 @@ install: all
 	    vlmoe.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/vlmoe.pc
 
 clean:
-	rm -rf build/rel build/asan build/cuda build/fixtures build/fuzz libvlmoe.a libvlmoe.so vlmoe
+	rm -rf build/rel build/asan build/cuda build/fixtures build/fuzz $(MPI_MK) libvlmoe.a libvlmoe.so vlmoe
 
 .PHONY: all test fixtures install clean bench demo fuzz cuda-check
 .SECONDARY:

@@ -2,7 +2,8 @@
 # run.sh: runs every test binary of the optimised build, then of the sanitizer build, and totals
 # them into one closing line "N passed, N failed"; with FUZZDIR, each libFuzzer target in it then
 # runs for $FUZZ_TIME seconds (fuzz/run.sh) and counts as one check. tests/check_exports.sh (the
-# shared library $VLMOE_SO, default libvlmoe.so, exports exactly include/vlmoe.h) counts as one too.
+# shared library $VLMOE_SO, default libvlmoe.so, exports exactly include/vlmoe.h) counts as one too,
+# and tests/test_dist_mpi.sh (test_dist under mpirun) adds the checks of its ranks.
 # Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE [FUZZDIR]
 rel=$1; asan=$2; fuzz=$5; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
@@ -34,6 +35,16 @@ else
     fail=$((fail + 1)); bad="$bad tests/check_exports.sh"; printf '%s\n' "$out"
     echo "FAILED: tests/check_exports.sh"
 fi
+# the process groups under mpirun (2 and 3 ranks), optimised build only: Open MPI's allocations
+# look like leaks to LeakSanitizer (the ASan test_dist covers the MPI world of one, suppressed)
+out=$(./tests/test_dist_mpi.sh "$rel" 2>&1); rc=$?
+line=$(printf '%s\n' "$out" | grep -E '^test_dist_mpi: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
+p=$(printf '%s' "$line" | sed -E 's/.*: ([0-9]+) passed.*/\1/'); p=${p:-0}
+f=$(printf '%s' "$line" | sed -E 's/.* ([0-9]+) failed/\1/'); f=${f:-0}
+if [ $rc -ne 0 ] && [ "$f" = 0 ]; then f=1; fi
+pass=$((pass + p)); fail=$((fail + f))
+printf '%s\n' "$out" | grep -v '^test_dist_mpi: [0-9]'
+[ $rc -ne 0 ] && { bad="$bad tests/test_dist_mpi.sh"; echo "FAILED: tests/test_dist_mpi.sh"; }
 for t in ${fuzz:+"$fuzz"/fuzz_*}; do
     [ -x "$t" ] || continue
     if ./fuzz/run.sh "${FUZZ_TIME:-15}" "$t"; then pass=$((pass + 1)); else fail=$((fail + 1)); bad="$bad $t"; fi

@@ -28,15 +28,18 @@ struct vlmoe_dist {
     int rank, world;        // this process and the number of processes
     int local_rank, local_world; // on this node (picks the GPU)
     void *ctx;
-    // buf (n) = sum over ranks of buf (n), in place; every rank gets the same bits (the sum is
-    // formed in one fixed order, so the result does not depend on which rank computes it)
+    // buf (n) = sum over ranks of buf (n), in place; every rank gets the same bits. "single" and
+    // "mpi" add in rank order, ((rank 0 + rank 1) + rank 2) + ..., whatever MPI's own algorithm;
+    // "nccl" in NCCL's order (ring, tree, ...), the same on every rank (docs/DISTRIBUTED.md)
     int (*allreduce_sum)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t);
-    // buf (n) = max over ranks of buf (n), in place (flags, divergence checks)
+    // buf (n) = max over ranks of buf (n), in place (flags, divergence checks); exact, but which
+    // value wins against a NaN is the engine's choice: turn NaNs into a flag first
     int (*allreduce_max)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t);
-    // recv (world, n) = every rank's send (n), in rank order
+    // recv (world, n) = every rank's send (n), in rank order; in place when send is this rank's
+    // row of recv
     int (*allgather)(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t);
     // the backward of allgather: recv (n) = sum over ranks r of send (world, n)[this rank], so the
-    // gradient of a gathered tensor reaches the rank that owns each slice
+    // gradient of a gathered tensor reaches the rank that owns each slice; summed like allreduce_sum
     int (*reduce_scatter_sum)(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t);
     // rank r sends scount[j] elements at send + sdispl[j] to rank j, and receives rcount[j]
     // elements from rank j at recv + rdispl[j]; counts and displacements in elements
@@ -49,8 +52,10 @@ struct vlmoe_dist {
 };
 
 // kind: "single", "mpi", "nccl", or "auto" (NULL): "mpi" when the process was started by mpirun
-// or srun and MPI is built in, else "single". Asking for a kind that is not built in is an error
-// that says how to build it. The world of one needs nothing and cannot fail except on memory.
+// or srun and MPI is built in, else "single" (but an error when a launcher started several copies
+// of a build without MPI: they would each train alone). Asking for a kind that is not built in is
+// an error that says how to build it. The world of one needs nothing and cannot fail. MPI starts
+// once per process: open "mpi" (or "nccl", which opens it) and keep it until the end of the run.
 int vlmoe_dist_open(vlmoe_dist **out, const char *kind);
 // a world of one, for callers that never go distributed (tests, the single-process paths)
 vlmoe_dist *vlmoe_dist_single(void);

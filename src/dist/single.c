@@ -18,25 +18,35 @@ size_t vlmoe_dist_type_size(vlmoe_dist_type t) {
     return 0;
 }
 
-static int single_inplace(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) { return VLMOE_OK; }
+static int bad_type(vlmoe_dist_type t, const char *what) {
+    return vlmoe_fail(VLMOE_ERR_ARG, "%s: unknown element type %d", what, (int)t);
+}
+
+static int single_inplace(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+    return vlmoe_dist_type_size(t) ? VLMOE_OK : bad_type(t, "allreduce");
+}
 
 static int single_copy(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
-    if (recv != send && n) memmove(recv, send, n * vlmoe_dist_type_size(t));
+    const size_t es = vlmoe_dist_type_size(t);
+    if (!es) return bad_type(t, "allgather/reduce_scatter_sum");
+    if (recv != send && n) memmove(recv, send, n * es);
     return VLMOE_OK;
 }
 
 static int single_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
                             const void *send, const size_t *scount, const size_t *sdispl,
                             vlmoe_dist_type t) {
+    const size_t es = vlmoe_dist_type_size(t);
+    if (!es) return bad_type(t, "alltoallv");
     if (rcount[0] != scount[0])
         return vlmoe_fail(VLMOE_ERR_ARG, "alltoallv: rank 0 sends %zu elements to itself but "
                           "expects %zu", scount[0], rcount[0]);
-    const size_t es = vlmoe_dist_type_size(t);
     if (scount[0]) memmove((char *)recv + rdispl[0] * es, (const char *)send + sdispl[0] * es, scount[0] * es);
     return VLMOE_OK;
 }
 
 static int single_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
+    if (!vlmoe_dist_type_size(t)) return bad_type(t, "broadcast");
     return root == 0 ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_ARG, "broadcast from rank %d in a world of 1", root);
 }
 

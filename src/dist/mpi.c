@@ -1,0 +1,285 @@
+// mpi.c: the process group over MPI (src/dist/dist.h): a duplicate of MPI_COMM_WORLD whose errors
+// come back as statuses, host buffers. Sums are formed in rank order by this file, not by the MPI
+// library, so every rank gets the same bits whatever algorithm MPI picks (docs/DISTRIBUTED.md).
+// Covered by tests/test_dist.c, under mpirun by tests/test_dist_mpi.sh.
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <mpi.h>
+
+#include "core/core.h"
+#include "dist/impl.h"
+
+// Sums go through a scratch of about this many elements at a time (32 MiB of doubles), however
+// long the buffer: the memory stays bounded and every MPI count fits an int.
+#define SUM_SEGMENT ((size_t)1 << 22)
+// In-place max and broadcast are cut into pieces MPI counts (int) can hold.
+#define INT_SEGMENT ((size_t)1 << 30)
+
+typedef struct {
+    MPI_Comm comm;
+    int *cnt;              // (4, world): send counts, send displacements, receive counts, receive displacements
+    void *scratch;         // the rows a rank-order sum adds up
+    size_t scratch_bytes;
+} mpi_ctx;
+
+// MPI is process-wide state: it is initialised once and cannot be again after MPI_Finalize. The
+// process groups opened here count themselves, and the last to close finalizes MPI if one of
+// them initialised it (a program that initialised MPI itself finalizes it itself).
+static int g_open, g_we_initialised;
+
+int dist_mpi_built(void) { return 1; }
+
+static int mpi_fail(const vlmoe_dist *d, int rc, const char *call, const char *what) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error code %d", rc);
+    if (d) return vlmoe_fail(VLMOE_ERR_IO, "%s (rank %d of %d): %s failed: %s", what, d->rank, d->world, call, msg);
+    return vlmoe_fail(VLMOE_ERR_IO, "%s: %s failed: %s", what, call, msg);
+}
+
+static int mpi_type(vlmoe_dist_type t, MPI_Datatype *out, const char *what) {
+    switch (t) {
+    case VLMOE_DIST_F32: *out = MPI_FLOAT; return VLMOE_OK;
+    case VLMOE_DIST_F64: *out = MPI_DOUBLE; return VLMOE_OK;
+    case VLMOE_DIST_I32: *out = MPI_INT32_T; return VLMOE_OK;
+    case VLMOE_DIST_I64: *out = MPI_INT64_T; return VLMOE_OK;
+    case VLMOE_DIST_U8: *out = MPI_UINT8_T; return VLMOE_OK;
+    }
+    return vlmoe_fail(VLMOE_ERR_ARG, "%s: unknown element type %d", what, (int)t);
+}
+
+static int grow_scratch(mpi_ctx *c, size_t bytes) {
+    if (bytes <= c->scratch_bytes) return VLMOE_OK;
+    void *p = vlmoe_alloc(bytes, "MPI sum scratch");
+    if (!p) return VLMOE_ERR_NOMEM;
+    vlmoe_free_mem(c->scratch);
+    c->scratch = p, c->scratch_bytes = bytes;
+    return VLMOE_OK;
+}
+
+// dst (c) = rows (world, c) summed over the rows in order: ((row 0 + row 1) + row 2) + ...
+// Integers add as unsigned, so an overflow wraps (as MPI_SUM does) instead of being undefined.
+static void sum_rows(void *dst, const void *rows, int world, size_t c, vlmoe_dist_type t) {
+    const size_t es = vlmoe_dist_type_size(t);
+    if (dst != rows) memmove(dst, rows, c * es);
+    for (int r = 1; r < world; r++) {
+        const char *row = (const char *)rows + (size_t)r * c * es;
+        switch (t) {
+#define ADD_ROW(T)                                                      \
+    do {                                                                \
+        T *o = dst;                                                     \
+        const T *x = (const T *)row;                                    \
+        for (size_t i = 0; i < c; i++) o[i] += x[i];                    \
+    } while (0)
+        case VLMOE_DIST_F32: ADD_ROW(float); break;
+        case VLMOE_DIST_F64: ADD_ROW(double); break;
+        case VLMOE_DIST_I32: ADD_ROW(uint32_t); break;
+        case VLMOE_DIST_I64: ADD_ROW(uint64_t); break;
+        case VLMOE_DIST_U8: ADD_ROW(uint8_t); break;
+#undef ADD_ROW
+        }
+    }
+}
+
+// The sum in rank order, for any MPI: each rank owns a contiguous slice of every segment, receives
+// that slice from every rank (all-to-all), adds the copies in rank order, and the owners' sums are
+// gathered back to everyone. The data moved is that of a ring all-reduce; the bits are those of a
+// sequential loop over the ranks, on every rank, for any MPI library and algorithm.
+static int mpi_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "allreduce_sum");
+    if (st || d->world == 1 || n == 0) return st;
+    const size_t es = vlmoe_dist_type_size(t), W = (size_t)d->world, me = (size_t)d->rank;
+    // owned slices of a segment of m elements: [m*j/W, m*(j+1)/W); the largest is ceil(m/W)
+    const size_t seg_max = n < SUM_SEGMENT ? n : SUM_SEGMENT;
+    if ((st = grow_scratch(c, (seg_max / W + 1) * W * es))) return st;
+    int *scnt = c->cnt, *sdis = scnt + W, *rcnt = sdis + W, *rdis = rcnt + W;
+    for (size_t off = 0; off < n; off += seg_max) {
+        const size_t m = n - off < seg_max ? n - off : seg_max;
+        char *seg = (char *)buf + off * es;
+        const size_t lo = m * me / W, mine = m * (me + 1) / W - lo;
+        for (size_t j = 0; j < W; j++) {
+            scnt[j] = (int)(m * (j + 1) / W - m * j / W), sdis[j] = (int)(m * j / W);
+            rcnt[j] = (int)mine, rdis[j] = (int)(j * mine);
+        }
+        int rc = MPI_Alltoallv(seg, scnt, sdis, dt, c->scratch, rcnt, rdis, dt, c->comm);
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Alltoallv", "allreduce_sum");
+        sum_rows(seg + lo * es, c->scratch, d->world, mine, t);
+        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, seg, scnt, sdis, dt, c->comm);
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Allgatherv", "allreduce_sum");
+    }
+    return VLMOE_OK;
+}
+
+// Max is exact and does not depend on the order it is taken in (a NaN aside: which rank's value
+// wins against a NaN is MPI's choice, so turn NaNs into a flag before asking).
+static int mpi_allreduce_max(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "allreduce_max");
+    if (st) return st;
+    const size_t es = vlmoe_dist_type_size(t);
+    for (size_t off = 0; off < n; off += INT_SEGMENT) {
+        const size_t m = n - off < INT_SEGMENT ? n - off : INT_SEGMENT;
+        int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * es, (int)m, dt, MPI_MAX, c->comm);
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Allreduce", "allreduce_max");
+    }
+    return VLMOE_OK;
+}
+
+// n elements per rank and n * world in all must be MPI counts (int): the (world, n) collectives
+// are not cut into segments, since a segment of each rank's slice is not contiguous.
+static int check_rows(const vlmoe_dist *d, size_t n, const char *what) {
+    if (n > (size_t)INT_MAX / (size_t)d->world)
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: %zu elements per rank on %d ranks is more than MPI's int "
+                          "counts hold (%d in all); split the call", what, n, d->world, INT_MAX);
+    return VLMOE_OK;
+}
+
+// In place when send is this rank's row of recv (MPI_IN_PLACE), as in the world of one.
+static int mpi_allgather(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "allgather");
+    if (st || (st = check_rows(d, n, "allgather"))) return st;
+    const size_t es = vlmoe_dist_type_size(t);
+    const int in_place = send == (const char *)recv + (size_t)d->rank * n * es;
+    int rc = MPI_Allgather(in_place ? MPI_IN_PLACE : send, (int)n, dt, recv, (int)n, dt, c->comm);
+    return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Allgather", "allgather");
+}
+
+// Rank order again: every rank's row for this rank arrives by all-to-all and is added in order,
+// so the gradient a rank keeps does not depend on MPI's reduction algorithm. recv may alias send.
+static int mpi_reduce_scatter_sum(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "reduce_scatter_sum");
+    if (st || (st = check_rows(d, n, "reduce_scatter_sum"))) return st;
+    if (n == 0) return VLMOE_OK;
+    const size_t es = vlmoe_dist_type_size(t);
+    if ((st = grow_scratch(c, n * (size_t)d->world * es))) return st;
+    int rc = MPI_Alltoall(send, (int)n, dt, c->scratch, (int)n, dt, c->comm);
+    if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Alltoall", "reduce_scatter_sum");
+    sum_rows(recv, c->scratch, d->world, n, t);
+    return VLMOE_OK;
+}
+
+// size_t counts and displacements become MPI's ints, or an error naming the one that does not fit.
+static int to_int(int *out, const size_t *v, int world, const char *which) {
+    for (int j = 0; j < world; j++) {
+        if (v[j] > (size_t)INT_MAX)
+            return vlmoe_fail(VLMOE_ERR_ARG, "alltoallv: %s[%d] = %zu is more than MPI's int counts "
+                              "hold (%d); split the exchange", which, j, v[j], INT_MAX);
+        out[j] = (int)v[j];
+    }
+    return VLMOE_OK;
+}
+
+static int mpi_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
+                         const void *send, const size_t *scount, const size_t *sdispl, vlmoe_dist_type t) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    const int W = d->world;
+    int *scnt = c->cnt, *sdis = scnt + W, *rcnt = sdis + W, *rdis = rcnt + W;
+    int st = mpi_type(t, &dt, "alltoallv");
+    if (st || (st = to_int(scnt, scount, W, "scount")) || (st = to_int(sdis, sdispl, W, "sdispl")) ||
+        (st = to_int(rcnt, rcount, W, "rcount")) || (st = to_int(rdis, rdispl, W, "rdispl")))
+        return st;
+    int rc = MPI_Alltoallv(send, scnt, sdis, dt, recv, rcnt, rdis, dt, c->comm);
+    return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Alltoallv", "alltoallv");
+}
+
+static int mpi_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "broadcast");
+    if (st) return st;
+    if (root < 0 || root >= d->world)
+        return vlmoe_fail(VLMOE_ERR_ARG, "broadcast from rank %d in a world of %d", root, d->world);
+    const size_t es = vlmoe_dist_type_size(t);
+    for (size_t off = 0; off < n; off += INT_SEGMENT) {
+        const size_t m = n - off < INT_SEGMENT ? n - off : INT_SEGMENT;
+        int rc = MPI_Bcast((char *)buf + off * es, (int)m, dt, root, c->comm);
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Bcast", "broadcast");
+    }
+    return VLMOE_OK;
+}
+
+static int mpi_barrier(vlmoe_dist *d) {
+    mpi_ctx *c = d->ctx;
+    int rc = MPI_Barrier(c->comm);
+    return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Barrier", "barrier");
+}
+
+static void mpi_close(vlmoe_dist *d) {
+    mpi_ctx *c = d->ctx;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (c) {
+        if (!finalized && c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
+        free(c->cnt);
+        vlmoe_free_mem(c->scratch);
+        free(c);
+    }
+    free(d);
+    if (--g_open == 0 && g_we_initialised && !finalized) {
+        MPI_Finalize();
+        g_we_initialised = 0;
+    }
+}
+
+int dist_mpi_open(vlmoe_dist **out) {
+    *out = NULL;
+    int inited = 0, finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "distributed backend \"mpi\": MPI was already finalized in "
+                          "this process (it cannot start twice); keep one process group open");
+    MPI_Initialized(&inited);
+    if (!inited) {
+        // the training loop calls MPI from its main thread only; OpenMP threads never do
+        int provided = 0, rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        if (rc != MPI_SUCCESS) return mpi_fail(NULL, rc, "MPI_Init_thread", "distributed backend \"mpi\"");
+        g_we_initialised = 1;
+    }
+    vlmoe_dist *d = calloc(1, sizeof *d);
+    mpi_ctx *c = calloc(1, sizeof *c);
+    if (!d || !c) {
+        free(d), free(c);
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "distributed backend \"mpi\": out of memory");
+    }
+    g_open++;
+    c->comm = MPI_COMM_NULL;
+    *d = (vlmoe_dist){"mpi", 0, 1, 0, 1, c, mpi_allreduce_sum, mpi_allreduce_max, mpi_allgather,
+                      mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_close};
+    // A private communicator: our messages never match the program's own, and its error handler
+    // returns codes instead of aborting the job.
+    int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c->comm);
+    const char *call = "MPI_Comm_dup";
+    MPI_Comm node = MPI_COMM_NULL;
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_set_errhandler", rc = MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_rank", rc = MPI_Comm_rank(c->comm, &d->rank);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_size", rc = MPI_Comm_size(c->comm, &d->world);
+    // the ranks sharing memory with this one are those on its node: local_rank picks the GPU
+    if (rc == MPI_SUCCESS)
+        call = "MPI_Comm_split_type", rc = MPI_Comm_split_type(c->comm, MPI_COMM_TYPE_SHARED, d->rank, MPI_INFO_NULL, &node);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_rank", rc = MPI_Comm_rank(node, &d->local_rank);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_size", rc = MPI_Comm_size(node, &d->local_world);
+    if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+    if (rc != MPI_SUCCESS) {
+        int st = mpi_fail(NULL, rc, call, "distributed backend \"mpi\"");
+        mpi_close(d);
+        return st;
+    }
+    if (!(c->cnt = malloc(4 * (size_t)d->world * sizeof *c->cnt))) {
+        mpi_close(d);
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "distributed backend \"mpi\": out of memory for %d ranks", d->world);
+    }
+    *out = d;
+    return VLMOE_OK;
+}
