@@ -1,5 +1,5 @@
 // order.c: the one data order of training runs: per-epoch Fisher-Yates permutations drawn from
-// (seed, stream, epoch), and each process's interleaved share of a global batch (src/data/order.h).
+// (seed, stream, epoch), and each process's contiguous block of a global batch (src/data/order.h).
 // Covered by tests/test_loader.c.
 #include <stdlib.h>
 
@@ -51,6 +51,6 @@ uint32_t vlmoe_order_at(vlmoe_order *o, uint64_t i) {
 }
 
 uint32_t vlmoe_order_local(vlmoe_order *o, uint64_t step, int local_batch, int j) {
-    const uint64_t W = (uint64_t)o->world;
-    return vlmoe_order_at(o, step * (uint64_t)local_batch * W + (uint64_t)j * W + (uint64_t)o->rank);
+    const uint64_t B = (uint64_t)local_batch;
+    return vlmoe_order_at(o, (step * (uint64_t)o->world + (uint64_t)o->rank) * B + (uint64_t)j);
 }

@@ -4,11 +4,12 @@
 // VL-MoE file streams (src/train/mome_task.c) and fine-tuning (src/train/finetune_task.c) draw their
 // orders from it. Covered by tests/test_loader.c.
 //
-// Processes. Global sample g of a run goes to process g mod world: process r takes samples
-// r, r + W, r + 2W, ... of each global batch (interleaved, not contiguous blocks), so a run on W
-// processes at a per-process batch of B/W consumes exactly the global batches one process consumes
-// at batch B, and sample j of process r in global batch `step` is global sample
-// step*B + j*W + r.
+// Processes. Each global batch is cut into contiguous blocks, one per process in rank order:
+// sample j of process r in global batch `step` is global sample step*G + r*B + j, with B the
+// per-process batch and G = B*W the global one. A run on W processes at batch B therefore
+// consumes exactly the global batches one process consumes at batch G, and gathering the
+// processes' rows in rank order gives back the one process's batch row for row (so a loss over
+// gathered embeddings sees the same matrix).
 #ifndef VLMOE_DATA_ORDER_H
 #define VLMOE_DATA_ORDER_H
 #include <stddef.h>

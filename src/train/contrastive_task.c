@@ -20,12 +20,15 @@ struct vlmoe_contrastive {
 
 int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p) {
     *out = NULL;
-    if (!p->model || p->batch_size < 2 || !p->synth == !p->loader)
-        return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: a model, a batch of >= 2 pairs and one data source");
+    if (!p->model || p->batch_size < 1 || p->batch_size * (p->world > 1 ? p->world : 1) < 2 || !p->synth == !p->loader)
+        return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: a model, a global batch of >= 2 pairs and one data source");
     const vlmoe_model_config *c = vlmoe_model_get_config(p->model);
+    if (p->world < 0 || p->rank < 0 || p->rank >= (p->world ? p->world : 1))
+        return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: rank %d of a world of %d", p->rank, p->world);
     vlmoe_contrastive *r = calloc(1, sizeof(*r));
     if (!r) return vlmoe_fail(VLMOE_ERR_NOMEM, "contrastive run");
     r->p = *p;
+    if (!r->p.world) r->p.world = 1;
     r->T = c->context_length;
     if (p->synth) {
         if (vlmoe_synth_vocab_size(p->synth) > c->vocab_size || c->channels != 3) {
@@ -52,13 +55,29 @@ void vlmoe_contrastive_free(vlmoe_contrastive *c) {
     free(c);
 }
 
+// This process's block of global batch `step`: samples (step*W + rank)*B ... of the synthetic
+// data, or rows rank*B ... of the loader's global batch (every process reads the whole global
+// batch, so skipped bad samples shift every process alike).
 static int c_fill(void *u, long step) {
     vlmoe_contrastive *r = u;
     const int B = r->p.batch_size;
+    const uint64_t first = ((uint64_t)step * (uint64_t)r->p.world + (uint64_t)r->p.rank) * (uint64_t)B;
     r->batch = (vlmoe_batch){B, r->images, r->tokens, r->lens};
-    int st = r->p.loader ? vlmoe_loader_next(r->p.loader, &r->batch, NULL)
-                         : vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, (uint64_t)step * (uint64_t)B, B, r->T,
-                                             r->images, r->tokens, r->lens);
+    int st = VLMOE_OK;
+    if (r->p.loader) {
+        vlmoe_batch g;
+        if (!(st = vlmoe_loader_next(r->p.loader, &g, NULL))) {
+            const size_t at = (size_t)r->p.rank * B;
+            if (g.batch_size != B * r->p.world)
+                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d processes x %d",
+                                  g.batch_size, r->p.world, B);
+            const vlmoe_model_config *c = vlmoe_model_get_config(r->p.model);
+            const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+            r->batch = (vlmoe_batch){B, g.images + at * isz, g.tokens + at * (size_t)r->T, g.lengths + at};
+        }
+    } else {
+        st = vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, first, B, r->T, r->images, r->tokens, r->lens);
+    }
     if (st) vlmoe_error_prefix("data");
     return st;
 }
@@ -109,7 +128,7 @@ static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
 
 static void c_data_state(void *u, long done, vlmoe_data_state *ds) {
     vlmoe_contrastive *r = u;
-    ds->data_position = (uint64_t)done * (uint64_t)r->p.batch_size;
+    ds->data_position = (uint64_t)done * (uint64_t)r->p.batch_size * (uint64_t)r->p.world;
     if (r->p.loader) vlmoe_loader_position(r->p.loader, ds);
 }
 

@@ -93,10 +93,22 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
         return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, or a non-positive step count, cadence "
                           "or batch");
     vlmoe_dist *dist = p->dist ? p->dist : vlmoe_dist_single();
-    if (dist->world != 1)
-        return vlmoe_fail(VLMOE_ERR_ARG, "run: training on %d processes is not built yet (the loop runs one process)",
-                          dist->world);
-    const int writer = dist->rank == 0 && p->dir; // no folder: a run that keeps nothing but the model
+    const int lead = dist->rank == 0;             // prints, evaluates and writes
+    const int writer = lead && p->dir;            // no folder: a run that keeps nothing but the model
+    vlmoe_run_params q = *p;
+    if (!lead) q.progress = NULL;
+    p = &q;
+    vlmoe_trainer_set_dist(t, dist);
+    if (dist->world > 1) { // every process starts from rank 0's parameters and step
+        vlmoe_model *m = vlmoe_trainer_model(t);
+        int64_t at = vlmoe_trainer_get_step(t);
+        int e = dist->broadcast(dist, vlmoe_model_param_data(m), vlmoe_model_num_floats(m), VLMOE_DIST_F32, 0);
+        if (!e) e = dist->allreduce_max(dist, &at, 1, VLMOE_DIST_I64);
+        if (!e && at != vlmoe_trainer_get_step(t))
+            e = vlmoe_fail(VLMOE_ERR_ARG, "run: process %d resumes at step %ld, another at step %lld: every process "
+                           "must load the same checkpoint", dist->rank, vlmoe_trainer_get_step(t), (long long)at);
+        if (e) return vlmoe_error_prefix("run on %d processes", dist->world), e;
+    }
     char ckdir[1100], path[1100];
     snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir ? p->dir : ".");
     snprintf(path, sizeof(path), "%s/metrics.jsonl", p->dir ? p->dir : ".");
@@ -118,10 +130,11 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
         }
         if (!st && writer && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps))
             st = save(t, task, p, ckdir, done);
-        if (!st && task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps)
+        if (!st && lead && task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps)
             st = evaluate(task, p, mx, done);
     }
-    if (!st && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
+    if (!st && lead && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
+    vlmoe_trainer_set_dist(t, NULL);
     vlmoe_metrics_close(mx);
     return st;
 }

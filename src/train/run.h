@@ -67,6 +67,11 @@ int vlmoe_metrics_read(const char *path, int (*each)(void *user, const cJSON *re
 int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int last, int nl, int E, double *u,
                                 int *seen);
 
+// Data parallelism: the trainer's steps average their gradients (and statistics) over d's
+// processes before clipping and the update (a world of one or NULL: no collective at all).
+// vlmoe_run_train sets it from its params.
+void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d);
+
 // ---- the loop
 // What one kind of training plugs into the loop. step is required; the others may be NULL.
 typedef struct {

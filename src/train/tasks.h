@@ -14,8 +14,11 @@ typedef struct {
     vlmoe_model *model;
     int batch_size;              // pairs per step and process
     vlmoe_synth *synth;          // the built-in data (sample step*B + j of the train split), or
-    vlmoe_loader *loader;        // --train-data through the loader
+    vlmoe_loader *loader;        // --train-data through the loader, opened for the global batch
+                                 // (batch_size * world): this process takes its block of it
     int eval_samples;            // synthetic data: held-out samples per evaluation (0: none)
+    int rank, world;             // this process's block of each global batch (src/data/order.h);
+                                 // world 0 is a world of one
 } vlmoe_contrastive_params;
 typedef struct vlmoe_contrastive vlmoe_contrastive;
 int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p);

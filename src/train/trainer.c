@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "dist/dist.h"
 #include "nn/model.h"
 #include "optim/optim.h"
 #include "vlmoe.h"
@@ -18,7 +19,32 @@ struct vlmoe_trainer {
     vlmoe_train_params p;
     vlmoe_param_info *frozen;   // freeze_moe: the router and expert tensors (not in the optimizer)
     int nfrozen;
+    vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
 };
+
+void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d) { t->dist = d && d->world > 1 ? d : NULL; }
+
+// Data parallelism: every process agrees whether the step diverged (one flag, its maximum), then
+// the gradients become their mean over the processes (one all-reduce of the flat buffer, summed
+// in rank order, so every process holds the same bits and takes the same update), as DDP does.
+// The step's statistics become their means too.
+static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s) {
+    vlmoe_dist *d = t->dist;
+    int32_t bad = st != VLMOE_OK;
+    int e = d->allreduce_max(d, &bad, 1, VLMOE_DIST_I32);
+    if (e) return vlmoe_error_prefix("step %ld", step), e;
+    if (st) return st;
+    if (bad) return vlmoe_fail(VLMOE_ERR_NUMERIC, "step %ld: the loss or a gradient of another process is not finite", step);
+    float *g = vlmoe_model_grad_data(t->m);
+    const size_t n = vlmoe_model_num_floats(t->m);
+    double v[5] = {s->loss, s->contrastive, s->aux, s->acc_i2t, s->acc_t2i};
+    if ((e = d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) || (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
+        return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
+    t->m->be->scale(t->m->be, g, n, (float)(1.0 / d->world));
+    s->loss = v[0] / d->world, s->contrastive = v[1] / d->world, s->aux = v[2] / d->world;
+    s->acc_i2t = v[3] / d->world, s->acc_t2i = v[4] / d->world;
+    return VLMOE_OK;
+}
 
 // VL-MoE freezes routers and experts when fine-tuning: with freeze_moe every tensor of an MoE
 // layer ("<block>.moe.*": router, experts, Soft MoE's phi and scale) is kept out of the optimizer's
@@ -82,10 +108,9 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return 
 // clipping, the schedule, the update and the temperature clamp.
 static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     int st = vlmoe_model_check_finite(t->m, 1);
-    if (st) {
-        vlmoe_error_prefix("step %ld", step);
-        return st;
-    }
+    if (st) vlmoe_error_prefix("step %ld", step);
+    if (t->dist) st = reduce_step(t, st, step, s);
+    if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
     s->grad_norm = optim_clip_grad_norm(t->m->be, g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
@@ -95,15 +120,22 @@ static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     return VLMOE_OK;
 }
 
+// A step that failed before its update: with data parallelism the other processes still learn
+// that it did (they wait in the divergence flag's all-reduce), so none is left hanging.
+static int failed(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s) {
+    return t->dist ? reduce_step(t, st, step, s) : st;
+}
+
 int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
+    memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
     int st = vlmoe_model_forward(t->m, b, &s);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
-        return st;
+        return failed(t, st, step, &s);
     }
-    if ((st = vlmoe_model_backward(t->m))) return st;
+    if ((st = vlmoe_model_backward(t->m))) return failed(t, st, step, &s);
     if ((st = apply(t, step, &s))) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
@@ -119,7 +151,7 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
     if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
-        return st;
+        return failed(t, st, step, &s);
     }
     s.loss = r.loss;
     s.aux = r.aux;
@@ -134,14 +166,14 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
-    if (nparts < 1) return vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step);
+    if (nparts < 1) return failed(t, vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step), step, &s);
     for (int i = 0; i < nparts; i++) {
         vlmoe_mome_stats ps;
         int st = vlmoe_mome_forward(t->m, &parts[i], 1, &ps);
         if (!st) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
         if (st) {
             vlmoe_error_prefix("step %ld, batch %d", step, i);
-            return st;
+            return failed(t, st, step, &s);
         }
         if (part_stats) part_stats[i] = ps;
         s.loss += ps.loss;

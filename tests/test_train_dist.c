@@ -1,0 +1,111 @@
+// test_train_dist.c: data-parallel training against the one-process path, step by step. Every
+// process trains limoe-tiny (and a VL-MoE model) from the same seed on its block of each global
+// batch (src/data/order.h) with the gradients averaged over the processes (src/train/trainer.c)
+// and the contrastive loss over the embeddings gathered from every process; rank 0 then trains
+// the same model alone at the global batch, and the losses and parameters of the two runs must
+// agree to float rounding (the gradient sums run in another order). Alone (a world of one), the
+// data-parallel path must equal the plain one bit for bit. tests/test_dist_mpi.sh runs it under
+// mpirun on 2 and 3 processes.
+#include <stdint.h>
+
+#include "dist/dist.h"
+#include "test.h"
+#include "train/run.h"
+#include "train/tasks.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
+const char *__lsan_default_suppressions(void) {
+    return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:libhwloc.so\n"
+           "leak:libpmix.so\nleak:libevent\nleak:mca_\n";
+}
+#endif
+
+enum { STEPS = 4 };
+
+// Trains `model` for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
+// synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
+static int train(const char *model, vlmoe_dist *d, int batch, double *losses, float **params, size_t *n) {
+    vlmoe_model_config c;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *t = NULL;
+    vlmoe_synth *s = NULL;
+    vlmoe_contrastive *task = NULL;
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    int st = vlmoe_config_named(model, &c);
+    sp.image_size = c.image_size;
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 2, STEPS, 0.0, 0, 0};
+    if (!st) st = vlmoe_model_init(&m, &c, 7);
+    if (!st) st = vlmoe_model_plan(m, batch);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    if (!st) st = vlmoe_synth_init(&s, &sp);
+    const vlmoe_contrastive_params cp = {m, batch, s, NULL, 0, d ? d->rank : 0, d ? d->world : 1};
+    if (!st) st = vlmoe_contrastive_init(&task, &cp);
+    const vlmoe_run_task rt = task ? vlmoe_contrastive_task(task) : (vlmoe_run_task){0};
+    vlmoe_trainer_set_dist(t, d);
+    for (long step = 0; !st && step < STEPS; step++) {
+        vlmoe_step_stats ss;
+        st = rt.fill(rt.user, step);
+        if (!st) st = rt.step(rt.user, t, step, &ss);
+        if (!st) losses[step] = ss.loss;
+    }
+    if (!st && params) {
+        *n = vlmoe_model_num_floats(m);
+        *params = malloc(sizeof(float) * *n);
+        memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
+    }
+    if (st) fprintf(stderr, "train %s: %s\n", model, vlmoe_last_error());
+    vlmoe_trainer_set_dist(t, NULL);
+    vlmoe_contrastive_free(task);
+    vlmoe_synth_free(s);
+    vlmoe_trainer_free(t);
+    vlmoe_model_free(m);
+    return st;
+}
+
+static void compare(const char *model, vlmoe_dist *d, int batch) {
+    double dp[STEPS] = {0}, one[STEPS] = {0};
+    float *pd = NULL, *p1 = NULL;
+    size_t n = 0, n1 = 0;
+    CHECK(train(model, d, batch, dp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    // every process holds the same parameters after the same updates
+    if (pd && d->world > 1) {
+        float *r0 = malloc(sizeof(float) * n);
+        memcpy(r0, pd, sizeof(float) * n);
+        d->broadcast(d, r0, n, VLMOE_DIST_F32, 0);
+        CHECK(!memcmp(r0, pd, sizeof(float) * n), "%s: process %d's parameters differ from process 0's", model, d->rank);
+        free(r0);
+    }
+    if (d->rank == 0) {
+        CHECK(train(model, NULL, batch * d->world, one, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
+        double worst = 0, pworst = 0;
+        for (int s = 0; s < STEPS; s++) {
+            const double rel = fabs(dp[s] - one[s]) / fabs(one[s]);
+            worst = rel > worst ? rel : worst;
+            if (d->world == 1) CHECK(dp[s] == one[s], "%s step %d: %.17g vs %.17g in a world of one", model, s + 1, dp[s], one[s]);
+        }
+        for (size_t i = 0; p1 && pd && i < n; i++) {
+            const double e = fabs((double)pd[i] - (double)p1[i]);
+            pworst = e > pworst ? e : pworst;
+        }
+        printf("%s: %d processes x %d pairs vs 1 x %d: losses %.6f..%.6f, max rel loss diff %.2e, max param diff %.2e\n",
+               model, d->world, batch, batch * d->world, one[0], one[STEPS - 1], worst, pworst);
+        CHECK(worst <= 2e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
+        CHECK(pworst <= 2e-5, "%s: parameters differ by %.3e from the one-process run", model, pworst);
+        if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
+    }
+    free(pd), free(p1);
+}
+
+int main(void) {
+    vlmoe_dist *d = NULL;
+    if (vlmoe_dist_open(&d, "auto")) {
+        fprintf(stderr, "test_train_dist: %s\n", vlmoe_last_error());
+        return 1;
+    }
+    compare("tiny", d, 4);        // dense CLIP-style one_tower
+    compare("limoe-tiny", d, 4);  // LIMoE: MoE layers, routing noise and groups
+    vlmoe_dist_close(d);
+    return test_summary("test_train_dist");
+}
