@@ -320,7 +320,7 @@ int cmd_train(int argc, char **argv) {
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     vlmoe_ckpt_clean_tmp(r.ckdir);
     if (!(rc = setup_model(&a, &tp, &r)) && !(rc = setup_data(&a, &r))) {
-        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples};
+        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, 0, 1};
         if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
     }
     if (!rc) rc = write_run_files(&a, &r);
