@@ -1,6 +1,6 @@
-// vlmoe_train.h: the VL-MoE commands (cli/vlmoe_train.c): `vlmoe vq train` and `vlmoe train`
-// for arch mome models (masked data modeling on image, text and pair streams instead of the
-// contrastive loss). Covered by tests/test_vlmoe_train.c.
+// vlmoe_train.h: the VL-MoE commands: `vlmoe vq train` (cli/vq.c, the MIM codebook) and
+// `vlmoe train` for arch mome models (cli/vlmoe_train.c: masked data modeling on image, text and
+// pair streams instead of the contrastive loss). Covered by tests/test_vlmoe_train.c.
 #ifndef VLMOE_CLI_VLMOE_TRAIN_H
 #define VLMOE_CLI_VLMOE_TRAIN_H
 

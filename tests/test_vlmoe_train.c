@@ -2,9 +2,9 @@
 // train` then `vlmoe train` on the synthetic data: MIM, MLM and both VLM losses fall from the first
 // to the last logged step and every logged step holds the routing of each stream; (b) the same on an
 // image folder, a text file and an OpenCLIP CSV written here (PNG files), and on the CSV alone; (c)
-// a run of N steps equals a run of N/2 steps resumed to N (metrics lines and checkpoint bytes), with
-// an uneven --mix on that data, and with the cosine schedule from a mid-run checkpoint on synthetic
-// data; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+// a run of N steps equals a run of N/2 steps resumed to N (metrics records but for their "time"
+// object, and checkpoint bytes), with an uneven --mix on that data, and with the cosine schedule
+// from a mid-run checkpoint on synthetic data; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -103,10 +103,12 @@ static void check_learned(const char *name, int steps) {
     int n = 0, routed = 0;
     for (char *l = strtok(m, "\n"); l && n < 512; l = strtok(NULL, "\n")) {
         line[n++] = l;
-        const char *moe = strstr(l, "\"moe\":{\"image\":[{\"encoder\":0,\"block\":1,\"image\":{\"tokens\":");
-        const char *text = moe ? strstr(moe, "\"text\":[{\"encoder\":0,\"block\":1,\"text\":{") : NULL;
-        const char *pair = text ? strstr(text, "\"pair\":[{") : NULL;
-        routed += pair && strstr(pair, "\"success\":") && strstr(pair, "\"dropped\":") && strstr(pair, "\"experts_used\":");
+        // "moe": one array of layer records, the image stream's first, each naming its stream
+        const char *moe = strstr(l, "\"moe\":[{\"encoder\":0,\"block\":1,\"stream\":\"image\",\"image\":{\"tokens\":");
+        const char *text = moe ? strstr(moe, "{\"encoder\":0,\"block\":1,\"stream\":\"text\",\"text\":{") : NULL;
+        const char *pair = text ? strstr(text, "\"stream\":\"pair\",") : NULL;
+        routed += pair && strstr(pair, "\"success\":") && strstr(pair, "\"dropped\":") &&
+                  strstr(pair, "\"experts_used\":") && strstr(l, "\"kind\":\"train\"");
     }
     CHECK(n == steps && routed == steps, "%s: %d metrics lines (want %d), %d with routing of all three streams", name, n,
           steps, routed);
@@ -135,10 +137,27 @@ static int same_file(const char *a, const char *b) {
     return same;
 }
 
-// Run `full` and run `other` (resumed) logged the same metrics lines and wrote the same step_N
-// weights and training state.
+// The metrics lines of run NAME without their trailing "time" object (wall-clock fields, which
+// differ between any two runs), malloc'd; NULL if missing.
+static char *metrics_untimed(const char *name) {
+    char *m = metrics(name), *w = m;
+    for (const char *l = m; l && *l;) {
+        const char *end = strchr(l, '\n'), *t = strstr(l, ",\"time\":");
+        if (!end) end = l + strlen(l);
+        const size_t n = (size_t)((t && t < end ? t : end) - l);
+        memmove(w, l, n);
+        w += n;
+        *w++ = '\n';
+        l = *end ? end + 1 : end;
+    }
+    if (w) *w = 0;
+    return m;
+}
+
+// Run `full` and run `other` (resumed) logged the same metrics records (but for their timing) and
+// wrote the same step_N weights and training state.
 static void check_same(const char *full, const char *other, int steps) {
-    char *a = metrics(full), *b = metrics(other), wa[128], wb[128], sa[128], sb[128];
+    char *a = metrics_untimed(full), *b = metrics_untimed(other), wa[128], wb[128], sa[128], sb[128];
     int line = 1, at = 0;
     while (a && b && a[at] && a[at] == b[at]) line += a[at++] == '\n';
     CHECK(a && b && a[at] == b[at], "%s and %s: metrics differ from line %d on:\n%.300s\nvs\n%.300s", full, other, line,

@@ -105,4 +105,81 @@ typedef struct {
 } vlmoe_ft_score;
 int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmoe_ft_score *out);
 
+// ---- VL-MoE pre-training (src/train/mome_task.c; VL-MoE sec. 3.1): masked data modeling on three
+// streams per step: images (MIM: 40% block masks, the codebook's visual tokens as targets), texts
+// (MLM, 15%) and image-text pairs (VLM: 50% of the text plus MIM), their losses summed with the MoE
+// auxiliary losses. Every sample and mask follows from (seed, step), or from the loader's position.
+enum { VLMOE_MOME_IMAGE = 0, VLMOE_MOME_TEXT = 1, VLMOE_MOME_PAIR = 2, VLMOE_MOME_STREAMS = 3 };
+// Where a stream's samples come from.
+enum { VLMOE_MOME_NONE = 0, VLMOE_MOME_SYNTH, VLMOE_MOME_LOADER, VLMOE_MOME_FOLDER, VLMOE_MOME_LINES };
+const char *vlmoe_mome_stream_name(int stream);   // "image", "text", "pair"
+const char *vlmoe_mome_source_name(int source);   // "none", "synthetic", "train-data", "image-data", "text-data"
+
+// The strings and arrays are the caller's and must outlive the run. The messages name the flags
+// of `vlmoe train` (--mix, --image-data, ...).
+typedef struct {
+    const vlmoe_model_config *config; // the VL-MoE (arch mome) model the run trains
+    int batch_size;                   // samples per step, split between the streams by mix
+    int mix[VLMOE_MOME_STREAMS];      // weights of the image, text and pair streams (>= 0, not all 0)
+    uint64_t seed;                    // data orders, masks and the synthetic data
+    // The data; without any of the three, the synthetic data for every stream.
+    const char *image_data;           // images: a folder (NULL: none), with its image files, sorted
+    const char *const *image_files;
+    int n_image_files;
+    const char *text_data;            // texts: a file (NULL: none), with its lines and their
+    const char *const *text_lines;    // 1-based numbers in the file; blank lines are skipped
+    const long *text_lineno;
+    size_t n_text_lines;
+    vlmoe_dataset_params train_data;  // pairs, and the images / texts without their own data (path
+                                      // NULL: none)
+    int workers;                      // loader threads (0: the training thread)
+    double max_bad_fraction;          // of the loader's samples
+    vlmoe_image_params image;         // the train transform of image files
+    vlmoe_tokenize_fn tokenize;       // texts of files (thread-safe); not needed for synthetic data
+    void *tokenize_user;
+    int text_vocab;                   // the ids tokenize writes (0: the synthetic word tokenizer):
+    const char *tokenizer;            // [MASK] must lie outside them; the file, for messages
+} vlmoe_mome_params;
+
+// How a step splits: each stream's source and samples, and the forwards of `chunk` samples (every
+// forward of a step has one batch size, the greatest common divisor of the streams' sizes, as the
+// model plans its activations for one size).
+typedef struct {
+    int src[VLMOE_MOME_STREAMS], n[VLMOE_MOME_STREAMS];
+    int chunk, nparts;
+} vlmoe_mome_split;
+// VLMOE_ERR_ARG when the mix does not split batch_size into whole samples, a stream with a weight
+// has no data, or data is given that no stream uses.
+int vlmoe_mome_split_batch(const vlmoe_mome_params *p, vlmoe_mome_split *out);
+
+// What a run reports for the caller to print: the split, the data found, the routing summary of
+// the last logged step (per stream, per MoE layer: success, dropped, experts used) and the image
+// files skipped so far (each replaced by the next file of the folder).
+typedef struct {
+    vlmoe_mome_split split;
+    size_t n_sentences;               // text_data's non-blank lines
+    int n_loader;                     // samples of each step from the loader
+    int64_t loader_rows;              // a CSV's usable rows (-1: webdataset shards)
+    const vlmoe_dataset_stats *loader_stats; // NULL without the loader
+    uint64_t signature;               // of the data set-up, kept in the checkpoints (data_rng[3])
+    char routing[2048];
+    long bad_images, n_bad_first;     // skips, and distinct reasons (the first 3 kept)
+    char bad_first[3][VLMOE_BAD_MSG_LEN];
+} vlmoe_mome_report;
+
+typedef struct vlmoe_mome_run vlmoe_mome_run;
+// Opens the data of the streams (a missing or empty file stops the run before anything is
+// written) and allocates the step's buffers.
+int vlmoe_mome_init(vlmoe_mome_run **out, const vlmoe_mome_params *p);
+void vlmoe_mome_free(vlmoe_mome_run *r);
+// Binds the model the run trains (fresh or from checkpoint `ckpt`, for messages; its config must
+// be p->config) and its MIM codebook: `codebook` (mim_vocab entries, attached to the model) or,
+// when NULL, the one the checkpoint carried. After a resume (resumed: the checkpoint's data state)
+// the data set-up must be the checkpoint's (else VLMOE_ERR_ARG) and the loader continues at its
+// position.
+int vlmoe_mome_start(vlmoe_mome_run *r, vlmoe_model *m, const float *codebook, const vlmoe_data_state *resumed,
+                     const char *ckpt);
+vlmoe_run_task vlmoe_mome_task(vlmoe_mome_run *r);
+const vlmoe_mome_report *vlmoe_mome_get_report(const vlmoe_mome_run *r);
+
 #endif
