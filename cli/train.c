@@ -36,11 +36,17 @@ typedef struct {
     cli_text text;               // its captions' tokenizer
     vlmoe_contrastive *task;
     vlmoe_data_state resumed;    // the data position of the checkpoint resumed from
+    vlmoe_dist *dist;            // the processes of the run (mpirun); rank 0 prints and writes
+    int lead;
     int tty, open_line;          // progress redrawn in place on a terminal
     char dir[512], ckdir[600];
 } train_run;
 
-static void run_free(train_run *r) {
+// Releases the run; the process group too, except after a failure on several processes, where
+// this process leaves without finalising MPI so that mpirun stops the others (they may be
+// waiting in a collective this one will never join).
+static void run_free(train_run *r, int rc) {
+    if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
     vlmoe_contrastive_free(r->task);
     vlmoe_loader_free(r->loader);
     cli_text_free(&r->text);
@@ -89,11 +95,6 @@ static void on_progress(void *u, int what, const char *line) {
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
 static int write_run_files(const train_args *a, train_run *r) {
-    char path[1024];
-    char *cj = vlmoe_config_to_json(vlmoe_model_get_config(r->m));
-    snprintf(path, sizeof(path), "%s/config.json", r->dir);
-    int st = vlmoe_write_text(path, cj);
-    free(cj);
     cJSON *pj = cJSON_CreateObject();
     cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
     cJSON_AddStringToObject(pj, "dataset_type", a->dataset_type);
@@ -102,25 +103,16 @@ static int write_run_files(const train_args *a, train_run *r) {
         cJSON_AddNumberToObject(pj, "workers", a->workers);
         cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
     }
-    cJSON_AddNumberToObject(pj, "batch_size", a->batch_size);
-    cJSON_AddNumberToObject(pj, "world_size", 1);
-    cJSON_AddNumberToObject(pj, "global_batch_size", a->batch_size);
-    cJSON_AddNumberToObject(pj, "steps", (double)a->steps);
-    cJSON_AddNumberToObject(pj, "lr", a->lr);
-    cJSON_AddNumberToObject(pj, "wd", a->wd);
-    cJSON_AddNumberToObject(pj, "warmup", (double)a->warmup);
+    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
+    const double nv[] = {a->batch_size, r->dist->world, (double)a->batch_size * r->dist->world, (double)a->steps,
+                         a->lr, a->wd, (double)a->warmup};
+    for (int i = 0; i < 7; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
     cJSON_AddStringToObject(pj, "lr_scheduler", a->scheduler);
     cJSON_AddStringToObject(pj, "optimizer", a->optimizer);
-    cJSON_AddNumberToObject(pj, "grad_clip_norm", a->grad_clip);
-    cJSON_AddNumberToObject(pj, "seed", (double)a->seed);
-    cJSON_AddNumberToObject(pj, "save_frequency", (double)a->save_every);
-    cJSON_AddNumberToObject(pj, "threads", omp_get_max_threads());
-    char *ps = cJSON_Print(pj);
-    cJSON_Delete(pj);
-    snprintf(path, sizeof(path), "%s/params.json", r->dir);
-    if (!st) st = vlmoe_write_text(path, ps);
-    free(ps);
-    return st ? cli_error("train", "%s", vlmoe_last_error()) : 0;
+    const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
+    const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
+    for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
+    return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
 // The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained.
@@ -130,7 +122,7 @@ static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_
         if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w),
                               on_warn, NULL))
             return cli_error("train", "%s", vlmoe_last_error());
-        fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
+        if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
         return 0;
     }
     const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length,
@@ -150,17 +142,18 @@ static int setup_text(const train_args *a, const vlmoe_model_config *c, train_ru
         snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
         use = path;
         size_t n;
-        int ids;
-        if (access(path, R_OK) == 0)
+        int ids, st = 0; // rank 0 trains it; the others read it once it is written
+        if (r->lead && access(path, R_OK) == 0)
             fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
-        else if (vlmoe_train_vocabulary(&a->data, c->vocab_size, 10000, path, &n, &ids))
+        else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, c->vocab_size, 10000, path, &n, &ids)))
             return cli_error("train", "%s", vlmoe_last_error());
-        else
+        else if (r->lead)
             fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions "
                     "of %s, saved as %s (give it to vlmoe eval as --tokenizer)\n", ids, n, a->data.path, path);
+        if (r->dist->barrier(r->dist)) return cli_error("train", "%s", vlmoe_last_error());
     }
     if (cli_text_init("train", use, c, 1, &r->text)) return 1;
-    if (!use)
+    if (!use && r->lead)
         fprintf(stderr, "vlmoe train: captions are tokenized with the synthetic data's word tokenizer (the model's "
                 "%d ids are too few for BPE; --tokenizer FILE for another)\n", c->vocab_size);
     return 0;
@@ -181,7 +174,7 @@ static int setup_data(const train_args *a, train_run *r) {
     if (cli_image_params("train", a->image_mean, a->image_std, c, &lp.image) || setup_text(a, c, r)) return 1;
     lp.data = a->data;
     lp.seed = (uint64_t)a->seed;
-    lp.batch_size = a->batch_size;
+    lp.batch_size = a->batch_size * r->dist->world; // every process reads the global batch, takes its block
     lp.context_length = c->context_length;
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;
@@ -191,7 +184,7 @@ static int setup_data(const train_args *a, train_run *r) {
     const int64_t rows = vlmoe_loader_epoch_size(r->loader);
     char what[64] = "webdataset shards";
     if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
-    fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
+    if (r->lead) fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
     return 0;
 }
 
@@ -220,7 +213,7 @@ int cmd_train(int argc, char **argv) {
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step (default 64)"},
+        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
@@ -267,14 +260,19 @@ int cmd_train(int argc, char **argv) {
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error("train", "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
     }
-    if (a.batch_size < 2) return cli_error("train", "--batch-size must be >= 2 for a contrastive loss");
+    vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
+    if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
+    if (a.batch_size * dist->world < 2)
+        return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
+                         "processes)", dist->world);
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
     if (!synthetic && vlmoe_dataset_check(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
     if (epochs > 0) {
         if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-        a.steps = (epochs * a.num_samples + a.batch_size - 1) / a.batch_size;
+        const long G = (long)a.batch_size * dist->world;
+        a.steps = (epochs * a.num_samples + G - 1) / G;
     } else if (steps_given >= 0) {
         a.steps = steps_given;
     }
@@ -303,6 +301,7 @@ int cmd_train(int argc, char **argv) {
 
     train_run r;
     memset(&r, 0, sizeof(r));
+    r.dist = dist, r.lead = dist->rank == 0;
     if (a.resume && strcmp(a.resume, "latest")) { // LOGS/NAME/checkpoints/step_N.safetensors
         vlmoe_run_dir_of(a.resume, r.dir, sizeof(r.dir));
     } else if (a.name) {
@@ -318,24 +317,31 @@ int cmd_train(int argc, char **argv) {
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
-    vlmoe_ckpt_clean_tmp(r.ckdir);
+    if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     if (!(rc = setup_model(&a, &tp, &r)) && !(rc = setup_data(&a, &r))) {
-        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, 0, 1};
+        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
+                                             r.dist->world};
         if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
     }
-    if (!rc) rc = write_run_files(&a, &r);
+    if (!rc && r.lead) rc = write_run_files(&a, &r);
     if (rc) {
-        run_free(&r);
+        run_free(&r, rc);
         return rc;
     }
     const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
     r.tty = isatty(fileno(stderr));
-    fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
-            cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
-            omp_get_max_threads(), r.dir);
+    const int W = r.dist->world;
+    if (r.lead && W > 1)
+        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs (%d processes x %d), %d "
+                "threads each, run %s\n", cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps,
+                a.batch_size * W, W, a.batch_size, omp_get_max_threads(), r.dir);
+    else if (r.lead)
+        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
+                cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
+                omp_get_max_threads(), r.dir);
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, a.zeroshot_every, 1,
-                                 a.batch_size, NULL, on_progress, &r};
+                                 (long)a.batch_size * W, r.dist, on_progress, &r};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);
     if (r.open_line) fputc('\n', stderr);
@@ -344,14 +350,14 @@ int cmd_train(int argc, char **argv) {
                        "with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
     else if (st)
         rc = cli_error("train", "%s", vlmoe_last_error());
-    else
+    else if (r.lead)
         fprintf(stderr, "trained to step %ld in %.1f s; checkpoints in %s\n", a.steps, cli_now() - t0, r.ckdir);
-    const vlmoe_dataset_stats *bs = r.loader ? vlmoe_loader_stats(r.loader) : NULL;
+    const vlmoe_dataset_stats *bs = r.loader && r.lead ? vlmoe_loader_stats(r.loader) : NULL;
     if (bs && vlmoe_dataset_stats_bad(bs)) { // a run stopped by bad samples said so with the counts
         char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
         vlmoe_dataset_stats_format(bs, sum, sizeof(sum));
         fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
-    run_free(&r);
+    run_free(&r, rc);
     return rc;
 }

@@ -139,11 +139,6 @@ static int setup_model(const mome_args *a, const vlmoe_train_params *tp, mome_cl
 
 static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r->task);
-    char path[1024];
-    char *cj = vlmoe_config_to_json(&r->cfg);
-    snprintf(path, sizeof(path), "%s/config.json", r->dir);
-    int bad = vlmoe_write_text(path, cj);
-    free(cj);
     cJSON *p = cJSON_CreateObject();
     cJSON_AddStringToObject(p, "model", a->model);
     cJSON_AddStringToObject(p, "codebook", a->codebook ? a->codebook : "(the checkpoint's)");
@@ -165,12 +160,7 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
     const char *mk[] = {"warmup", "wd", "seed", "save_every_n_steps", "threads"};
     const double mv[] = {(double)a->warmup, a->wd, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
     for (int i = 0; i < 5; i++) cJSON_AddNumberToObject(p, mk[i], mv[i]);
-    char *ps = cJSON_Print(p);
-    cJSON_Delete(p);
-    snprintf(path, sizeof(path), "%s/params.json", r->dir);
-    bad |= vlmoe_write_text(path, ps);
-    free(ps);
-    return bad ? lib_error("") : 0;
+    return vlmoe_run_write_files(r->dir, &r->cfg, p) ? lib_error("") : 0;
 }
 
 // Step lines on stdout, each followed by the routing of the streams; checkpoints are not announced.

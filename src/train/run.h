@@ -36,6 +36,8 @@ int vlmoe_ckpt_resume(const char *ckdir, const char *resume, const vlmoe_train_p
 // path and the system's reason.
 int vlmoe_mkdir_p(const char *path);
 int vlmoe_write_text(const char *path, const char *text);
+// config.json (the resolved model config) and params.json (the run's settings, freed here) in dir.
+int vlmoe_run_write_files(const char *dir, const vlmoe_model_config *c, cJSON *params);
 // The run folder a --resume FILE belongs to (LOGS/NAME of LOGS/NAME/checkpoints/step_N...).
 void vlmoe_run_dir_of(const char *weights, char *dir, size_t cap);
 

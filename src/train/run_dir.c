@@ -130,3 +130,15 @@ int vlmoe_ckpt_resume(const char *ckdir, const char *resume, const vlmoe_train_p
     }
     return vlmoe_fail(VLMOE_ERR_ARG, "--resume %s: no usable checkpoint", resume);
 }
+
+int vlmoe_run_write_files(const char *dir, const vlmoe_model_config *c, cJSON *params) {
+    char path[1100];
+    char *cj = vlmoe_config_to_json(c), *ps = params ? cJSON_Print(params) : NULL;
+    cJSON_Delete(params);
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    int st = vlmoe_write_text(path, cj);
+    snprintf(path, sizeof(path), "%s/params.json", dir);
+    if (!st) st = vlmoe_write_text(path, ps);
+    free(cj), free(ps);
+    return st;
+}
