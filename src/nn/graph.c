@@ -52,7 +52,7 @@ struct R(graph) {
     int B;
     enc_state enc[2];
     mod_state mod[NUM_MOD];
-    real *logits, *prow, *pcol;
+    struct R(contrastive_step) *loss; // graph_forward's loss step over this graph's B pairs
     int have_loss;
     real *arena;
     size_t arena_n, ints_n;
@@ -124,9 +124,6 @@ static void plan(struct R(graph) *g, carver *c) {
         ms->dproj = carve(c, (size_t)B * E);
         ms->demb = carve(c, (size_t)B * E);
     }
-    g->logits = carve(c, (size_t)B * B);
-    g->prow = carve(c, (size_t)B * B);
-    g->pcol = carve(c, (size_t)B * B);
 }
 
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
@@ -152,6 +149,8 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
     plan(g, &c);
     g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
     if (!g->stats) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    int st = R(contrastive_step_create)(&g->loss, be, B, L->cfg.embed_dim);
+    if (st) return R(graph_free)(g), st;
     for (int e = 0; e < L->nenc; e++) {
         enc_state *s = &g->enc[e];
         s->modality = vlmoe_alloc(s->ntok + 1, "token modalities");
@@ -171,7 +170,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
                                  f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale,
                                  l < 64 ? L->enc[e].moe->pruned[l] : 0};
-            int st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
+            st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
             g->stats[f->moe_index].encoder = e;
             g->stats[f->moe_index].block = l;
@@ -204,6 +203,7 @@ void R(graph_free)(struct R(graph) *g) {
         vlmoe_free_mem(g->enc[e].keys);
     }
     vlmoe_free_mem(g->stats);
+    R(contrastive_step_free)(g->loss);
     g->be->free(g->be, g->arena);
     g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
@@ -376,15 +376,15 @@ static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
     }
 }
 
-int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
-                     const int32_t *lens, graph_result *res) {
+int R(graph_encode)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
+                    const int32_t *lens, double *aux) {
     const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const vlmoe_model_config *cfg = &L->cfg;
     const int B = g->B, E = cfg->embed_dim;
     g->mod[MOD_IMAGE].present = images != NULL;
     g->mod[MOD_TEXT].present = tokens != NULL;
-    g->have_loss = images && tokens;
+    g->have_loss = 0;
     if (tokens) {
         const int T = L->mod[MOD_TEXT].seq;
         if (!lens) return vlmoe_fail(VLMOE_ERR_ARG, "text batch without lengths");
@@ -432,35 +432,24 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         be->linear_forward(be, ms->proj, ms->pooled, P + ml->proj, NULL, B, D, E, 0);
         be->l2norm_forward(be, ms->emb, ms->norm, ms->proj, B, E);
     }
-    if (res) memset(res, 0, sizeof(*res));
-    if (g->have_loss && res) {
-        res->loss = be->contrastive_forward(be, g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
-                                           g->mod[MOD_TEXT].emb, P[L->logit_scale], B, E, res->acc);
-        res->aux = g->aux;
-        res->loss += g->aux;
-    }
+    if (aux) *aux = g->aux;
     return VLMOE_OK;
 }
 
-void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const real *const demb[NUM_MOD]) {
     const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const int B = g->B, E = L->cfg.embed_dim;
-    if (!g->have_loss) return;
-    mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
-    be->zero(be, mi->demb, (size_t)B * E);
-    be->zero(be, mt->demb, (size_t)B * E);
-    be->contrastive_backward(be, mi->demb, mt->demb, G + L->logit_scale, g->logits, g->prow, g->pcol,
-                            mi->emb, mt->emb, P[L->logit_scale], B, E, 1.0);
     for (int e = 0; e < L->nenc; e++)
         be->zero(be, g->enc[e].dlnf, g->enc[e].ntok * (size_t)g->enc[e].E->width);
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
+        if (!ms->present) continue;
         const modality_layout *ml = &L->mod[m];
         enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
         be->zero(be, ms->dproj, (size_t)B * E);
-        be->l2norm_backward(be, ms->dproj, ms->demb, ms->emb, ms->norm, B, E);
+        be->l2norm_backward(be, ms->dproj, demb[m], ms->emb, ms->norm, B, E);
         be->zero(be, ms->dpooled, (size_t)B * D);
         be->linear_backward(be, ms->dpooled, G + ml->proj, NULL, ms->dproj, ms->pooled, P + ml->proj, B,
                            D, E);
@@ -468,5 +457,84 @@ void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
     }
     for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);
-    for (int m = 0; m < NUM_MOD; m++) stem_backward(g, m, P, G);
+    for (int m = 0; m < NUM_MOD; m++)
+        if (g->mod[m].present) stem_backward(g, m, P, G);
+}
+
+int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
+                     const int32_t *lens, graph_result *res) {
+    double aux = 0;
+    int st = R(graph_encode)(g, P, images, tokens, lens, &aux);
+    if (st) return st;
+    if (res) memset(res, 0, sizeof(*res));
+    if (!images || !tokens) return VLMOE_OK;
+    double acc[2];
+    const double loss = R(contrastive_step_forward)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb,
+                                                    P + g->L->logit_scale, acc);
+    g->have_loss = 1;
+    if (res) {
+        res->loss = loss + aux;
+        res->aux = aux;
+        res->acc[0] = acc[0], res->acc[1] = acc[1];
+    }
+    return VLMOE_OK;
+}
+
+void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
+    const size_t n = (size_t)g->B * g->L->cfg.embed_dim;
+    if (!g->have_loss) return;
+    mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
+    be->zero(be, mi->demb, n);
+    be->zero(be, mt->demb, n);
+    R(contrastive_step_backward)(g->loss, mi->demb, mt->demb, G + g->L->logit_scale, 1.0);
+    const real *const demb[NUM_MOD] = {mi->demb, mt->demb};
+    R(graph_encode_backward)(g, P, G, demb);
+}
+
+// ---- the contrastive loss step, apart from the encoders that made its embeddings
+
+struct R(contrastive_step) {
+    const R(vlmoe_backend) *be;
+    int B, E;
+    real *logits, *prow, *pcol;  // (B,B) scores and their row / column softmax, for backward
+    const real *img, *txt;       // the last forward's embeddings
+    real scale;                  // and its logit scale
+};
+
+int R(contrastive_step_create)(struct R(contrastive_step) **out, const R(vlmoe_backend) *be, int B, int E) {
+    *out = NULL;
+    if (B < 1 || E < 1) return vlmoe_fail(VLMOE_ERR_ARG, "contrastive loss over %d pairs of %d values", B, E);
+    struct R(contrastive_step) *c = vlmoe_calloc(sizeof(*c), "contrastive loss");
+    if (!c) return VLMOE_ERR_NOMEM;
+    *c = (struct R(contrastive_step)){.be = be, .B = B, .E = E};
+    const size_t bb = (size_t)B * B;
+    c->logits = be->alloc(be, sizeof(real) * 3 * bb, "contrastive loss scores");
+    if (!c->logits) return R(contrastive_step_free)(c), VLMOE_ERR_NOMEM;
+    c->prow = c->logits + bb;
+    c->pcol = c->prow + bb;
+    *out = c;
+    return VLMOE_OK;
+}
+
+void R(contrastive_step_free)(struct R(contrastive_step) *c) {
+    if (!c) return;
+    c->be->free(c->be, c->logits);
+    vlmoe_free_mem(c);
+}
+
+double R(contrastive_step_forward)(struct R(contrastive_step) *c, const real *img, const real *txt,
+                                   const real *scale, double *acc) {
+    const R(vlmoe_backend) *be = c->be;
+    // the kernels take the scale by value: one element read back from the table's memory
+    be->download(be, &c->scale, scale, 1);
+    c->img = img;
+    c->txt = txt;
+    return be->contrastive_forward(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, acc);
+}
+
+void R(contrastive_step_backward)(struct R(contrastive_step) *c, real *dimg, real *dtxt, real *dscale, double dloss) {
+    const R(vlmoe_backend) *be = c->be;
+    be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
+                            c->E, dloss);
 }

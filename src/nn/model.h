@@ -95,16 +95,38 @@ typedef struct {
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
-    /* images (B,C,H,W) or NULL; tokens (B,T)+lens or NULL; loss only when both are given */     \
+    /* The towers: images (B,C,H,W) or NULL, tokens (B,T)+lens or NULL -> the normalised */      \
+    /* embeddings of each given modality (graph_embeddings); *aux (may be NULL) gets the pass's */ \
+    /* weighted MoE auxiliary losses */                                                         \
+    int graph_encode_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens,  \
+                         const int32_t *lens, double *aux);                                     \
+    /* backward of the last encode: demb[m] (B, embed_dim) d(loss)/d(embeddings) of each */      \
+    /* modality it encoded; the MoE auxiliary losses' gradients included; grads accumulate */    \
+    void graph_encode_backward_##S(graph_##S *g, const T *params, T *grads,                      \
+                                   const T *const demb[NUM_MOD]);                                \
+    /* encode, then the contrastive loss (its own step, below) when both modalities are given */ \
     int graph_forward_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens, \
                           const int32_t *lens, graph_result *res);                              \
-    /* accumulates d(loss)/d(params) into grads (caller zeroes) */                              \
+    /* accumulates d(loss)/d(params) of the last graph_forward's loss into grads (caller zeroes) */ \
     void graph_backward_##S(graph_##S *g, const T *params, T *grads);                            \
     /* (B, embed_dim) normalised embeddings of the last forward, per modality */                 \
     const T *graph_embeddings_##S(const graph_##S *g, int modality);                            \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
     void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
-    const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);
+    const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
+    /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
+    /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
+    typedef struct contrastive_step_##S contrastive_step_##S;                                    \
+    int contrastive_step_create_##S(contrastive_step_##S **out, const vlmoe_backend_##S *be,     \
+                                    int B, int E);                                               \
+    void contrastive_step_free_##S(contrastive_step_##S *c);                                     \
+    /* loss of img (B,E) against txt (B,E) at logit scale exp(*scale) (scale: one element of */  \
+    /* the backend's memory); acc: i2t and t2i top-1. img and txt stay unchanged until backward */\
+    double contrastive_step_forward_##S(contrastive_step_##S *c, const T *img, const T *txt,     \
+                                        const T *scale, double *acc);                            \
+    /* dimg, dtxt (B,E) and *dscale ACCUMULATE dloss times the last forward's gradients */       \
+    void contrastive_step_backward_##S(contrastive_step_##S *c, T *dimg, T *dtxt, T *dscale,    \
+                                       double dloss);
 
 GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)

@@ -443,6 +443,9 @@ static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t 
 // The classification head's input (VL-MoE sec. 4.2): the mean of the final features of the
 // image's patch tokens ([I_CLS] left out, as BEiT pools) for images; the [T_CLS] feature for
 // texts and, fused, for pairs (the first text token, at text_off). pooled (B,D) from lnf (B,T,D).
+// The image mean (and its backward) still reads and writes the buffers on the host, as the stem
+// hands the caller's images to the backend as they are: MoME assumes a backend with host memory
+// (the table has no patch-mean op yet).
 static void pool_forward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D, np = g->X->np;
@@ -463,12 +466,13 @@ static void pool_forward(struct R(mome_graph) *g) {
 
 // Accumulates d(pooled) (B,D) into dlnf (B,T,D).
 static void pool_backward(struct R(mome_graph) *g) {
+    const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D, np = g->X->np;
     for (int b = 0; b < B; b++) {
         const real *d = g->dpooled + (size_t)b * D;
         real *x = g->dlnf + (size_t)b * g->T * D;
         if (g->enc != VLMOE_ENC_IMAGE) {
-            for (int k = 0; k < D; k++) x[(size_t)g->text_off * D + k] += d[k];
+            be->add(be, x + (size_t)g->text_off * D, d, D);
             continue;
         }
         for (int p = 1; p <= np; p++)
@@ -567,11 +571,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
         be->zero(be, g->dhsel, (size_t)cnt * D);
         be->linear_backward(be, g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
-        for (int i = 0; i < cnt; i++) {
-            real *d = g->dlnf + (size_t)g->rows[h][i] * D;
-            const real *s = g->dhsel + (size_t)i * D;
-            for (int k = 0; k < D; k++) d[k] += s[k];
-        }
+        for (int i = 0; i < cnt; i++) be->add(be, g->dlnf + (size_t)g->rows[h][i] * D, g->dhsel + (size_t)i * D, D);
     }
     if (g->have_cls) { // the classification head: a mean over the B/cs examples
         const size_t cw = g->X->cls_w, cb = g->X->cls_b;
@@ -583,10 +583,8 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         pool_backward(g);
     }
     if (g->dfeat) // an outside loss on the retrieval features (mome_itc_backward)
-        for (int b = 0; b < g->B; b++) {
-            real *d = g->dlnf + ((size_t)b * g->T + g->text_off) * D;
-            for (int k = 0; k < D; k++) d[k] += g->dfeat[(size_t)b * D + k];
-        }
+        for (int b = 0; b < g->B; b++)
+            be->add(be, g->dlnf + ((size_t)b * g->T + g->text_off) * D, g->dfeat + (size_t)b * D, D);
     const real *xL = E->layers ? g->layers[E->layers - 1].a.res2 : g->x0;
     real *dres = g->pass.dres;
     set_pass(g);
@@ -609,7 +607,7 @@ struct R(mome_itc) {
     real *feat[2], *proj[2], *norm[2], *emb[2]; // per side: (B,D) features, (B,E) projections,
                                                 // (B) norms, (B,E) normalised embeddings
     real *demb[2], *dproj[2], *dfeat[2];
-    real *logits, *prow, *pcol;                 // (B,B)
+    struct R(contrastive_step) *loss;
     real *arena;
 };
 
@@ -624,9 +622,6 @@ static void itc_plan(struct R(mome_itc) *c, carver *k) {
         c->dproj[s] = carve(k, B * E);
         c->dfeat[s] = carve(k, B * D);
     }
-    c->logits = carve(k, B * B);
-    c->prow = carve(k, B * B);
-    c->pcol = carve(k, B * B);
 }
 
 int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
@@ -640,6 +635,8 @@ int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(
     carver k = {NULL, 0};
     itc_plan(c, &k);
     if (!(c->arena = be->alloc(be, sizeof(real) * k.used, "retrieval head"))) return R(mome_itc_free)(c), VLMOE_ERR_NOMEM;
+    int st = R(contrastive_step_create)(&c->loss, be, B, c->E);
+    if (st) return R(mome_itc_free)(c), st;
     k = (carver){c->arena, 0};
     itc_plan(c, &k);
     *out = c;
@@ -648,6 +645,7 @@ int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(
 
 void R(mome_itc_free)(struct R(mome_itc) *c) {
     if (!c) return;
+    R(contrastive_step_free)(c->loss);
     c->be->free(c->be, c->arena);
     vlmoe_free_mem(c);
 }
@@ -663,11 +661,9 @@ const real *R(mome_itc_embed)(struct R(mome_itc) *c, const struct R(mome_graph) 
 
 double R(mome_itc_forward)(struct R(mome_itc) *c, const struct R(mome_graph) *gi, const struct R(mome_graph) *gt,
                            const real *P, double *acc) {
-    const R(vlmoe_backend) *be = c->be;
     R(mome_itc_embed)(c, gi, P, 0);
     R(mome_itc_embed)(c, gt, P, 1);
-    return be->contrastive_forward(be, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[c->L->logit_scale], c->B,
-                                  c->E, acc);
+    return R(contrastive_step_forward)(c->loss, c->emb[0], c->emb[1], P + c->L->logit_scale, acc);
 }
 
 void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struct R(mome_graph) *gt, const real *P,
@@ -677,8 +673,7 @@ void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struc
     const size_t ls = c->L->logit_scale;
     be->zero(be, c->demb[0], (size_t)B * E);
     be->zero(be, c->demb[1], (size_t)B * E);
-    be->contrastive_backward(be, c->demb[0], c->demb[1], G + ls, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[ls],
-                            B, E, 1.0);
+    R(contrastive_step_backward)(c->loss, c->demb[0], c->demb[1], G + ls, 1.0);
     struct R(mome_graph) *g[2] = {gi, gt};
     for (int s = 0; s < 2; s++) {
         be->zero(be, c->dproj[s], (size_t)B * E);
