@@ -1,7 +1,8 @@
 // test_model.c: whole-model checks. Finite differences in double over ALL parameters of tiny
 // one_tower (LIMoE layout) and two_tower (OpenAI CLIP layout) models: a directional derivative
 // along random directions, and one per parameter tensor so a failure names the tensor. Also:
-// config parsing errors, named configs, save/load round trip, bad checkpoints, float forward
+// the encode / contrastive-step split matches the whole forward bit for bit, config parsing
+// errors, named configs, save/load round trip, bad checkpoints, float forward
 // matches double forward, and batch-of-one encodings equal batch-of-many.
 #include <math.h>
 #include <stdlib.h>
@@ -35,6 +36,31 @@ static double model_loss(fd_model *m) {
 }
 static double loss_cb(void *m) { return model_loss(m); }
 
+// The seam a data-parallel run cuts at: graph_encode, then a contrastive step of its own on the
+// embeddings, then graph_encode_backward from their gradients, gives graph_forward's loss and
+// graph_backward's gradients (g) bit for bit.
+static void check_split(fd_model *m, double loss, const double *g, const char *label) {
+    const int B = 3, E = m->L.cfg.embed_dim;
+    contrastive_step_f64 *c;
+    CHECK(contrastive_step_create_f64(&c, backend_cpu_f64(), B, E) == VLMOE_OK, "%s: step: %s", label,
+          vlmoe_last_error());
+    double aux = -1, acc[2], *d = calloc((size_t)2 * B * E, sizeof(double)), *g2 = calloc(m->L.total, sizeof(double));
+    CHECK(graph_encode_f64(m->g, m->p, m->img, m->tok, m->lens, &aux) == VLMOE_OK, "%s: encode: %s", label,
+          vlmoe_last_error());
+    const double l = contrastive_step_forward_f64(c, graph_embeddings_f64(m->g, MOD_IMAGE),
+                                                  graph_embeddings_f64(m->g, MOD_TEXT), m->p + m->L.logit_scale, acc);
+    contrastive_step_backward_f64(c, d, d + (size_t)B * E, g2 + m->L.logit_scale, 1.0);
+    const double *const demb[NUM_MOD] = {d, d + (size_t)B * E};
+    graph_encode_backward_f64(m->g, m->p, g2, demb);
+    CHECK(l + aux == loss, "%s: encode + loss step gives %.17g, graph_forward %.17g", label, l + aux, loss);
+    size_t k = 0;
+    while (k < m->L.total && g[k] == g2[k]) k++;
+    CHECK(k == m->L.total, "%s: split backward differs at parameter float %zu: %.17g vs %.17g", label, k,
+          k < m->L.total ? g2[k] : 0.0, k < m->L.total ? g[k] : 0.0);
+    contrastive_step_free_f64(c);
+    free(d), free(g2);
+}
+
 // training: MoE layers run in training mode (noise drawn from a fixed seed, so every evaluation
 // of the loss sees the same noise) with their auxiliary losses in the loss.
 static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, int training) {
@@ -64,8 +90,9 @@ static void fd_model_check(const vlmoe_model_config *cfgp, const char *label, in
         for (int t = 0; t < T; t++) m.tok[b * T + t] = t < lens[b] ? (int)vlmoe_rng_below(&r, 11) : 0;
     }
     double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
-    model_loss(&m);
+    const double loss0 = model_loss(&m);
     graph_backward_f64(m.g, m.p, g);
+    check_split(&m, loss0, g, label);
     // unit-length directions with a step of 1e-5: truncation error ~1e-10, round-off ~1e-11
     const double h = 1e-5;
     // one direction per parameter tensor: names the tensor whose gradient is wrong

@@ -2,7 +2,8 @@
 // layout) over one activation arena planned for a batch size: nothing is allocated per step.
 // An encoder runs all the sequences assigned to it as one token buffer (image segment first,
 // then text): attention stays inside each sequence, every other layer sees all tokens at once,
-// which is where a one_tower MoE layer shares routing groups across modalities.
+// which is where a one_tower MoE layer shares routing groups across modalities. Every block is
+// the one block of src/nn/block.c with a single feed-forward part over all active tokens.
 // Compiled as float and double (src/core/real.h). Covered by tests/test_model.c (finite
 // differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
 #include <string.h>
@@ -10,16 +11,13 @@
 #include "core/real.h"
 #include "core/core.h"
 #include "moe/layer.h"
+#include "nn/block.h"
 #include "nn/model.h"
 #include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
-    // ln1 and ln2 point at the encoder's one LayerNorm buffer, att and atty at its attention
-    // buffers: forward uses each output right away, backward recomputes it (LayerNorm from the
-    // saved mean and rstd, attention from qkv) with the same functions, so the bits are the same
-    real *ln1, *ln1_m, *ln1_r, *qkv, *att, *atty, *res1, *ln2, *ln2_m, *ln2_r;
-    real *h, *res2;     // feed-forward: fc1 output (pre-activation; dense only), block output
+    R(block_acts) a;
     struct R(moe_state) *moe; // the MoE layer's own buffers, when this block has one
     moe_spec spec;
 } layer_acts;
@@ -30,11 +28,11 @@ typedef struct {
     attn_segment seg[NUM_MOD];
     size_t att_off[NUM_MOD];     // offset of each segment's attention probabilities
     int mod_of_seg[NUM_MOD], nseg;
-    real *x0, *ln, *lnf, *lnf_m, *lnf_r;
+    attn_segment live[NUM_MOD];  // the segments present in this forward, and their offsets
+    size_t live_off[NUM_MOD];
+    R(block_pass) pass;          // the blocks' shared scratch and this forward's token range
+    real *x0, *lnf, *lnf_m, *lnf_r, *dlnf;
     layer_acts *layers;
-    // backward scratch, shared by all layers
-    // da also holds the dense feed-forward's activation during forward (backward recomputes it)
-    real *dres, *dln, *datty, *dqkv, *datt, *dh, *da, *dlnf;
     uint8_t *modality;           // (ntok) VLMOE_MOD_* of every token
     uint64_t *keys;              // (ntok) every token's routing-noise key (moe_token_key)
     moe_examples ex;             // both modalities (one_tower): routing groups hold whole examples
@@ -56,7 +54,7 @@ struct R(graph) {
     int B;
     enc_state enc[2];
     mod_state mod[NUM_MOD];
-    real *logits, *prow, *pcol;
+    struct R(contrastive_step) *loss; // graph_forward's loss step over this graph's B pairs
     int have_loss;
     real *arena;
     size_t arena_n, ints_n;
@@ -66,14 +64,6 @@ struct R(graph) {
     double aux;
     vlmoe_moe_stats *stats;      // (L->nmoe)
 };
-
-// Carves the arena in two passes: first with base == NULL to count, then for real.
-typedef struct { real *base; size_t used; } carver;
-static real *take(carver *c, size_t n) {
-    real *p = c->base ? c->base + c->used : NULL;
-    c->used += (n + 15) & ~(size_t)15; // keep every buffer 64-byte aligned
-    return p;
-}
 
 static void plan(struct R(graph) *g, carver *c) {
     const model_layout *L = g->L;
@@ -102,34 +92,14 @@ static void plan(struct R(graph) *g, carver *c) {
             natt += (size_t)B * H * T * T;
         }
         const size_t n = s->ntok;
-        s->x0 = take(c, n * D);
-        s->ln = take(c, n * D);
-        real *att = take(c, natt), *atty = take(c, n * D);
-        for (int l = 0; l < s->E->layers; l++) {
-            layer_acts *a = c->base ? &s->layers[l] : &(layer_acts){0};
-            a->ln1 = a->ln2 = s->ln;
-            a->ln1_m = take(c, n);
-            a->ln1_r = take(c, n);
-            a->qkv = take(c, n * 3 * D);
-            a->att = att;
-            a->atty = atty;
-            a->res1 = take(c, n * D);
-            a->ln2_m = take(c, n);
-            a->ln2_r = take(c, n);
-            a->h = s->E->blocks[l].ffn.kind == FFN_MOE ? NULL : take(c, n * M);
-            a->res2 = take(c, n * D);
-        }
-        s->lnf = take(c, n * D);
-        s->lnf_m = take(c, n);
-        s->lnf_r = take(c, n);
-        s->dres = take(c, n * D);
-        s->dln = take(c, n * D);
-        s->datty = take(c, n * D);
-        s->dqkv = take(c, n * 3 * D);
-        s->datt = take(c, natt);
-        s->dh = take(c, n * M);
-        s->da = take(c, n * M);
-        s->dlnf = take(c, n * D);
+        s->x0 = carve(c, n * D);
+        R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0);
+        for (int l = 0; l < s->E->layers; l++)
+            R(block_plan)(c, &s->layers[l].a, n, D, M, s->E->blocks[l].ffn.kind != FFN_MOE);
+        s->lnf = carve(c, n * D);
+        s->lnf_m = carve(c, n);
+        s->lnf_r = carve(c, n);
+        s->dlnf = carve(c, n * D);
     }
     for (int m = 0; m < NUM_MOD; m++) {
         const modality_layout *ml = &L->mod[m];
@@ -139,26 +109,23 @@ static void plan(struct R(graph) *g, carver *c) {
             const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
             const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
             // a backend with host memory reads the caller's images where they are
-            ms->images = take(c, g->be->host_memory ? 0 : (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
-            ms->patches = take(c, (size_t)B * np * pd);
-            ms->pemb = take(c, (size_t)B * np * D);
-            ms->dpemb = take(c, (size_t)B * np * D);
+            ms->images = carve(c, g->be->host_memory ? 0 : (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
+            ms->patches = carve(c, (size_t)B * np * pd);
+            ms->pemb = carve(c, (size_t)B * np * D);
+            ms->dpemb = carve(c, (size_t)B * np * D);
         }
-        ms->pre = take(c, (size_t)B * T * D);
-        ms->pre_m = take(c, (size_t)B * T);
-        ms->pre_r = take(c, (size_t)B * T);
-        ms->dpre = take(c, (size_t)B * T * D);
-        ms->pooled = take(c, (size_t)B * D);
-        ms->proj = take(c, (size_t)B * E);
-        ms->emb = take(c, (size_t)B * E);
-        ms->norm = take(c, (size_t)B);
-        ms->dpooled = take(c, (size_t)B * D);
-        ms->dproj = take(c, (size_t)B * E);
-        ms->demb = take(c, (size_t)B * E);
+        ms->pre = carve(c, (size_t)B * T * D);
+        ms->pre_m = carve(c, (size_t)B * T);
+        ms->pre_r = carve(c, (size_t)B * T);
+        ms->dpre = carve(c, (size_t)B * T * D);
+        ms->pooled = carve(c, (size_t)B * D);
+        ms->proj = carve(c, (size_t)B * E);
+        ms->emb = carve(c, (size_t)B * E);
+        ms->norm = carve(c, (size_t)B);
+        ms->dpooled = carve(c, (size_t)B * D);
+        ms->dproj = carve(c, (size_t)B * E);
+        ms->demb = carve(c, (size_t)B * E);
     }
-    g->logits = take(c, (size_t)B * B);
-    g->prow = take(c, (size_t)B * B);
-    g->pcol = take(c, (size_t)B * B);
 }
 
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
@@ -184,6 +151,8 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
     plan(g, &c);
     g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
     if (!g->stats) return R(graph_free)(g), VLMOE_ERR_NOMEM;
+    int st = R(contrastive_step_create)(&g->loss, be, B, L->cfg.embed_dim);
+    if (st) return R(graph_free)(g), st;
     for (int e = 0; e < L->nenc; e++) {
         enc_state *s = &g->enc[e];
         s->modality = vlmoe_alloc(s->ntok + 1, "token modalities");
@@ -205,7 +174,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
                                  f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale,
                                  l < 64 ? L->enc[e].moe->pruned[l] : 0};
-            int st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
+            st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
             g->stats[f->moe_index].encoder = e;
             g->stats[f->moe_index].block = l;
@@ -220,7 +189,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
         for (int l = 0; l < L->enc[e].layers; l++)
             if (s->layers[l].moe) all[nm++] = s->layers[l].moe;
         // the dense feed-forward's activation buffers serve the MoE layers too
-        R(moe_share_scratch)(all, nm, s->da, s->dh, s->ntok * (size_t)L->enc[e].mlp);
+        R(moe_share_scratch)(all, nm, s->pass.da, s->pass.dh, s->ntok * (size_t)L->enc[e].mlp);
     }
     vlmoe_free_mem(all);
     g->mod[MOD_TEXT].tokens = g->ints;
@@ -238,6 +207,7 @@ void R(graph_free)(struct R(graph) *g) {
         vlmoe_free_mem(g->enc[e].keys);
     }
     vlmoe_free_mem(g->stats);
+    R(contrastive_step_free)(g->loss);
     g->be->free(g->be, g->arena);
     g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
@@ -252,16 +222,16 @@ void R(graph_set_mode)(struct R(graph) *g, int training, uint64_t seed) {
     g->seed = seed;
 }
 
-const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) {
-    if (count) *count = g->L->nmoe;
-    return g->L->nmoe ? g->stats : NULL;
-}
-
 const struct R(moe_state) *R(graph_moe_layer)(const struct R(graph) *g, int index) {
     for (int e = 0; e < g->L->nenc; e++)
         for (int l = 0; l < g->L->enc[e].layers; l++)
             if (g->enc[e].layers[l].moe && g->L->enc[e].blocks[l].ffn.moe_index == index) return g->enc[e].layers[l].moe;
     return NULL;
+}
+
+const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) {
+    if (count) *count = g->L->nmoe;
+    return g->L->nmoe ? g->stats : NULL;
 }
 
 // Token range [t0, t0+n) of the segments present in this forward (they are contiguous: image
@@ -278,120 +248,77 @@ static void active_range(const struct R(graph) *g, const enc_state *s, size_t *t
     *n = hi > lo ? hi - lo : 0;
 }
 
-// The feed-forward of one block: out (n,D) = res (n,D) + ffn(inp (n,D)), a dense MLP or an
-// MoE layer (whose auxiliary loss is added to the graph's).
-static void ffn_forward(struct R(graph) *g, const enc_state *s, const ffn_layout *f, layer_acts *a,
-                        const real *P, size_t t0, int n, int D, int M, int act) {
-    const R(vlmoe_backend) *be = g->be;
-    if (f->kind == FFN_MOE) {
-        be->copy(be, a->res2 + t0 * D, a->res1 + t0 * D, (size_t)n * D);
-        // the seed differs per layer and per call, so every layer draws its own noise
-        moe_call c = {n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)f->moe_index + 1, s->modality + t0,
-                      NULL, s->keys + t0, s->ex.B ? &s->ex : NULL};
-        double aux = 0;
-        R(moe_forward)(a->moe, &c, P, a->ln2 + t0 * D, a->res2 + t0 * D, &aux, &g->stats[f->moe_index]);
-        g->aux += aux;
-        return;
-    }
-    // a dense MLP is the expert bank of one expert, added onto the residual
-    const int32_t off[2] = {0, n};
-    const be_experts ex = {1, D, M, act, off};
-    const real *const w[4] = {P + f->fc1_w, P + f->fc1_b, P + f->fc2_w, P + f->fc2_b};
-    be->copy(be, a->res2 + t0 * D, a->res1 + t0 * D, (size_t)n * D);
-    be->experts_forward(be, a->res2 + t0 * D, a->h + t0 * M, s->da + t0 * M, a->ln2 + t0 * D, w, &ex, 1);
-}
-
-// Backward of the feed-forward: accumulates d(inp) into dln (zeroed here) from dres = d(out);
-// the residual's own gradient (identity) is left in dres for the caller.
-static void ffn_backward(const R(vlmoe_backend) *be, const ffn_layout *f, const layer_acts *a, enc_state *s, const real *P,
-                         real *G, size_t t0, int n, int D, int M, int act) {
-    if (f->kind == FFN_MOE) {
-        be->zero(be, s->dln + t0 * D, (size_t)n * D);
-        R(moe_backward)(a->moe, P, G, a->ln2 + t0 * D, s->dres + t0 * D, s->dln + t0 * D, 1.0);
-        return;
-    }
-    const int32_t off[2] = {0, n};
-    const be_experts ex = {1, D, M, act, off};
-    const real *const w[4] = {P + f->fc1_w, P + f->fc1_b, P + f->fc2_w, P + f->fc2_b};
-    real *const dw[4] = {G + f->fc1_w, G + f->fc1_b, G + f->fc2_w, G + f->fc2_b};
-    be->zero(be, s->dln + t0 * D, (size_t)n * D);
-    be->experts_backward(be, s->dln + t0 * D, dw, s->dres + t0 * D, a->ln2 + t0 * D, a->h + t0 * M, w,
-                         s->da + t0 * M, s->dh + t0 * M, &ex);
-}
-
-static void encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
-    const R(vlmoe_backend) *be = g->be;
-    const encoder_layout *E = s->E;
-    const vlmoe_model_config *cfg = &g->L->cfg;
-    const int D = E->width, H = E->heads, M = E->mlp;
+// Sets the pass of encoder s for this forward's active tokens and present segments; 0 when
+// no token of s is present.
+static int set_pass(const struct R(graph) *g, enc_state *s) {
     size_t t0, nn;
     active_range(g, s, &t0, &nn);
-    if (nn == 0) return;
-    const int n = (int)nn;
+    R(block_pass) *p = &s->pass;
+    p->be = g->be;
+    p->D = s->E->width, p->H = s->E->heads, p->M = s->E->mlp, p->act = g->L->cfg.act;
+    p->eps = g->L->cfg.ln_eps;
+    p->t0 = t0;
+    p->n = (int)nn;
+    int k = 0;
+    for (int j = 0; j < s->nseg; j++)
+        if (g->mod[s->mod_of_seg[j]].present) s->live[k] = s->seg[j], s->live_off[k++] = s->att_off[j];
+    p->seg = s->live;
+    p->att_off = s->live_off;
+    p->nseg = k;
+    return nn > 0;
+}
+
+// Block l of encoder s: one feed-forward part over all active tokens (ln2 + dense MLP or MoE).
+static R(block) block_of(struct R(graph) *g, enc_state *s, int l, R(block_ffn) *f) {
+    const block_layout *bl = &s->E->blocks[l];
+    layer_acts *la = &s->layers[l];
+    const R(block_pass) *p = &s->pass;
+    *f = (R(block_ffn)){.ln_w = bl->ln2_w, .ln_b = bl->ln2_b, .f = &bl->ffn, .moe = la->moe, .nseq = 1,
+                        .seqlen = p->n, .off = 0, .len = p->n, .row0 = p->t0};
+    if (bl->ffn.kind == FFN_MOE) {
+        // the seed differs per layer and per call, so every layer draws its own noise
+        f->call = (moe_call){p->n, g->training, g->seed * 0x100000001b3ULL + (uint64_t)bl->ffn.moe_index + 1,
+                             s->modality + p->t0, NULL, s->keys + p->t0, s->ex.B ? &s->ex : NULL};
+        f->stats = &g->stats[bl->ffn.moe_index];
+    }
+    return (R(block)){bl, &la->a, f, 1};
+}
+
+static int encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
+    const R(vlmoe_backend) *be = g->be;
+    const encoder_layout *E = s->E;
+    if (!set_pass(g, s)) return VLMOE_OK;
+    const R(block_pass) *p = &s->pass;
+    const int D = p->D, n = p->n;
+    const size_t t0 = p->t0;
     const real *x = s->x0;
     for (int l = 0; l < E->layers; l++) {
-        const block_layout *bl = &E->blocks[l];
-        layer_acts *a = &s->layers[l];
-        be->layernorm_forward(be, a->ln1 + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D,
-                             P + bl->ln1_w, P + bl->ln1_b, n, D, cfg->ln_eps);
-        be->linear_forward(be, a->qkv + t0 * 3 * D, a->ln1 + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n,
-                          D, 3 * D, 0);
-        for (int k = 0; k < s->nseg; k++)
-            if (g->mod[s->mod_of_seg[k]].present)
-                be->attention_forward(be, a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
-        be->copy(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
-        be->linear_forward(be, a->res1 + t0 * D, a->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D,
-                          D, 1);
-        be->layernorm_forward(be, a->ln2 + t0 * D, a->ln2_m + t0, a->ln2_r + t0, a->res1 + t0 * D,
-                             P + bl->ln2_w, P + bl->ln2_b, n, D, cfg->ln_eps);
-        ffn_forward(g, s, &bl->ffn, a, P, t0, n, D, M, cfg->act);
-        x = a->res2;
+        R(block_ffn) f;
+        const R(block) b = block_of(g, s, l, &f);
+        int st = R(block_forward)(p, &b, P, x, &g->aux);
+        if (st) return vlmoe_error_prefix("block %d", l), st;
+        x = b.a->res2;
     }
     be->layernorm_forward(be, s->lnf + t0 * D, s->lnf_m + t0, s->lnf_r + t0, x + t0 * D, P + E->lnf_w,
-                         P + E->lnf_b, n, D, cfg->ln_eps);
+                         P + E->lnf_b, n, D, g->L->cfg.ln_eps);
+    return VLMOE_OK;
 }
 
 static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, real *G) {
     const R(vlmoe_backend) *be = g->be;
     const encoder_layout *E = s->E;
-    const int D = E->width, H = E->heads, M = E->mlp;
-    size_t t0, nn;
-    active_range(g, s, &t0, &nn);
-    if (nn == 0) return;
-    const int n = (int)nn;
-    const real *xL = E->layers ? s->layers[E->layers - 1].res2 : s->x0;
-    be->zero(be, s->dres + t0 * D, (size_t)n * D);
-    be->layernorm_backward(be, s->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
+    if (!set_pass(g, s)) return;
+    const R(block_pass) *p = &s->pass;
+    const int D = p->D, n = p->n;
+    const size_t t0 = p->t0;
+    const real *xL = E->layers ? s->layers[E->layers - 1].a.res2 : s->x0;
+    be->zero(be, p->dres + t0 * D, (size_t)n * D);
+    be->layernorm_backward(be, p->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
                           xL + t0 * D, P + E->lnf_w, s->lnf_m + t0, s->lnf_r + t0, n, D);
     for (int l = E->layers - 1; l >= 0; l--) {
-        const block_layout *bl = &E->blocks[l];
-        const layer_acts *a = &s->layers[l];
-        const real *x = l ? s->layers[l - 1].res2 : s->x0;
-        // dres holds d(block output); the feed-forward half first
-        be->layernorm_recompute(be, a->ln2 + t0 * D, a->res1 + t0 * D, P + bl->ln2_w, P + bl->ln2_b,
-                               a->ln2_m + t0, a->ln2_r + t0, n, D);
-        ffn_backward(be, &bl->ffn, a, s, P, G, t0, n, D, M, g->L->cfg.act);
-        be->layernorm_backward(be, s->dres + t0 * D, G + bl->ln2_w, G + bl->ln2_b, s->dln + t0 * D,
-                              a->res1 + t0 * D, P + bl->ln2_w, a->ln2_m + t0, a->ln2_r + t0, n, D);
-        // dres now holds d(res1): the attention half
-        for (int k = 0; k < s->nseg; k++)
-            if (g->mod[s->mod_of_seg[k]].present)
-                be->attention_forward(be, a->atty, a->att + s->att_off[k], a->qkv, &s->seg[k], D, H);
-        be->zero(be, s->datty + t0 * D, (size_t)n * D);
-        be->linear_backward(be, s->datty + t0 * D, G + bl->out_w, G + bl->out_b, s->dres + t0 * D,
-                           a->atty + t0 * D, P + bl->out_w, n, D, D);
-        be->zero(be, s->dqkv + t0 * 3 * D, (size_t)n * 3 * D);
-        for (int k = 0; k < s->nseg; k++)
-            if (g->mod[s->mod_of_seg[k]].present)
-                be->attention_backward(be, s->dqkv, s->datt + s->att_off[k], s->datty, a->qkv,
-                                      a->att + s->att_off[k], &s->seg[k], D, H);
-        be->zero(be, s->dln + t0 * D, (size_t)n * D);
-        be->layernorm_recompute(be, a->ln1 + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
-                               a->ln1_m + t0, a->ln1_r + t0, n, D);
-        be->linear_backward(be, s->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, s->dqkv + t0 * 3 * D,
-                           a->ln1 + t0 * D, P + bl->qkv_w, n, D, 3 * D);
-        be->layernorm_backward(be, s->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, s->dln + t0 * D,
-                              x + t0 * D, P + bl->ln1_w, a->ln1_m + t0, a->ln1_r + t0, n, D);
+        R(block_ffn) f;
+        const R(block) b = block_of(g, s, l, &f);
+        R(block_backward)(p, &b, P, G, l ? s->layers[l - 1].a.res2 : s->x0);
     }
 }
 
@@ -434,7 +361,7 @@ static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
     mod_state *ms = &g->mod[m];
     enc_state *s = &g->enc[ml->enc];
     const int B = g->B, D = L->enc[ml->enc].width, T = ml->seq;
-    const real *dx0 = s->dres + s->seg[ms->seg].tok_off * D;
+    const real *dx0 = s->pass.dres + s->seg[ms->seg].tok_off * D;
     const real *d = dx0;
     if (ml->has_ln_pre) {
         be->zero(be, ms->dpre, (size_t)B * T * D);
@@ -460,15 +387,15 @@ static void stem_backward(struct R(graph) *g, int m, const real *P, real *G) {
     }
 }
 
-int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
-                     const int32_t *lens, graph_result *res) {
+int R(graph_encode)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
+                    const int32_t *lens, double *aux) {
     const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const vlmoe_model_config *cfg = &L->cfg;
     const int B = g->B, E = cfg->embed_dim;
     g->mod[MOD_IMAGE].present = images != NULL;
     g->mod[MOD_TEXT].present = tokens != NULL;
-    g->have_loss = images && tokens;
+    g->have_loss = 0;
     if (tokens) {
         const int T = L->mod[MOD_TEXT].seq;
         if (!lens) return vlmoe_fail(VLMOE_ERR_ARG, "text batch without lengths");
@@ -502,7 +429,10 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
     g->aux = 0;
     for (int m = 0; m < NUM_MOD; m++)
         if (g->mod[m].present) stem_forward(g, m, P, images);
-    for (int e = 0; e < L->nenc; e++) encoder_forward(g, &g->enc[e], P);
+    for (int e = 0; e < L->nenc; e++) {
+        int st = encoder_forward(g, &g->enc[e], P);
+        if (st) return vlmoe_error_prefix("encoder %d", e), st;
+    }
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
         if (!ms->present) continue;
@@ -514,35 +444,24 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
         be->linear_forward(be, ms->proj, ms->pooled, P + ml->proj, NULL, B, D, E, 0);
         be->l2norm_forward(be, ms->emb, ms->norm, ms->proj, B, E);
     }
-    if (res) memset(res, 0, sizeof(*res));
-    if (g->have_loss && res) {
-        res->loss = be->contrastive_forward(be, g->logits, g->prow, g->pcol, g->mod[MOD_IMAGE].emb,
-                                           g->mod[MOD_TEXT].emb, P[L->logit_scale], B, E, res->acc);
-        res->aux = g->aux;
-        res->loss += g->aux;
-    }
+    if (aux) *aux = g->aux;
     return VLMOE_OK;
 }
 
-void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const real *const demb[NUM_MOD]) {
     const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const int B = g->B, E = L->cfg.embed_dim;
-    if (!g->have_loss) return;
-    mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
-    be->zero(be, mi->demb, (size_t)B * E);
-    be->zero(be, mt->demb, (size_t)B * E);
-    be->contrastive_backward(be, mi->demb, mt->demb, G + L->logit_scale, g->logits, g->prow, g->pcol,
-                            mi->emb, mt->emb, P[L->logit_scale], B, E, 1.0);
     for (int e = 0; e < L->nenc; e++)
         be->zero(be, g->enc[e].dlnf, g->enc[e].ntok * (size_t)g->enc[e].E->width);
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
+        if (!ms->present) continue;
         const modality_layout *ml = &L->mod[m];
         enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
         be->zero(be, ms->dproj, (size_t)B * E);
-        be->l2norm_backward(be, ms->dproj, ms->demb, ms->emb, ms->norm, B, E);
+        be->l2norm_backward(be, ms->dproj, demb[m], ms->emb, ms->norm, B, E);
         be->zero(be, ms->dpooled, (size_t)B * D);
         be->linear_backward(be, ms->dpooled, G + ml->proj, NULL, ms->dproj, ms->pooled, P + ml->proj, B,
                            D, E);
@@ -550,5 +469,84 @@ void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
     }
     for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);
-    for (int m = 0; m < NUM_MOD; m++) stem_backward(g, m, P, G);
+    for (int m = 0; m < NUM_MOD; m++)
+        if (g->mod[m].present) stem_backward(g, m, P, G);
+}
+
+int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
+                     const int32_t *lens, graph_result *res) {
+    double aux = 0;
+    int st = R(graph_encode)(g, P, images, tokens, lens, &aux);
+    if (st) return st;
+    if (res) memset(res, 0, sizeof(*res));
+    if (!images || !tokens) return VLMOE_OK;
+    double acc[2];
+    const double loss = R(contrastive_step_forward)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb,
+                                                    P + g->L->logit_scale, acc);
+    g->have_loss = 1;
+    if (res) {
+        res->loss = loss + aux;
+        res->aux = aux;
+        res->acc[0] = acc[0], res->acc[1] = acc[1];
+    }
+    return VLMOE_OK;
+}
+
+void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
+    const R(vlmoe_backend) *be = g->be;
+    const size_t n = (size_t)g->B * g->L->cfg.embed_dim;
+    if (!g->have_loss) return;
+    mod_state *mi = &g->mod[MOD_IMAGE], *mt = &g->mod[MOD_TEXT];
+    be->zero(be, mi->demb, n);
+    be->zero(be, mt->demb, n);
+    R(contrastive_step_backward)(g->loss, mi->demb, mt->demb, G + g->L->logit_scale, 1.0);
+    const real *const demb[NUM_MOD] = {mi->demb, mt->demb};
+    R(graph_encode_backward)(g, P, G, demb);
+}
+
+// ---- the contrastive loss step, apart from the encoders that made its embeddings
+
+struct R(contrastive_step) {
+    const R(vlmoe_backend) *be;
+    int B, E;
+    real *logits, *prow, *pcol;  // (B,B) scores and their row / column softmax, for backward
+    const real *img, *txt;       // the last forward's embeddings
+    real scale;                  // and its logit scale
+};
+
+int R(contrastive_step_create)(struct R(contrastive_step) **out, const R(vlmoe_backend) *be, int B, int E) {
+    *out = NULL;
+    if (B < 1 || E < 1) return vlmoe_fail(VLMOE_ERR_ARG, "contrastive loss over %d pairs of %d values", B, E);
+    struct R(contrastive_step) *c = vlmoe_calloc(sizeof(*c), "contrastive loss");
+    if (!c) return VLMOE_ERR_NOMEM;
+    *c = (struct R(contrastive_step)){.be = be, .B = B, .E = E};
+    const size_t bb = (size_t)B * B;
+    c->logits = be->alloc(be, sizeof(real) * 3 * bb, "contrastive loss scores");
+    if (!c->logits) return R(contrastive_step_free)(c), VLMOE_ERR_NOMEM;
+    c->prow = c->logits + bb;
+    c->pcol = c->prow + bb;
+    *out = c;
+    return VLMOE_OK;
+}
+
+void R(contrastive_step_free)(struct R(contrastive_step) *c) {
+    if (!c) return;
+    c->be->free(c->be, c->logits);
+    vlmoe_free_mem(c);
+}
+
+double R(contrastive_step_forward)(struct R(contrastive_step) *c, const real *img, const real *txt,
+                                   const real *scale, double *acc) {
+    const R(vlmoe_backend) *be = c->be;
+    // the kernels take the scale by value: one element read back from the table's memory
+    be->download(be, &c->scale, scale, 1);
+    c->img = img;
+    c->txt = txt;
+    return be->contrastive_forward(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, acc);
+}
+
+void R(contrastive_step_backward)(struct R(contrastive_step) *c, real *dimg, real *dtxt, real *dscale, double dloss) {
+    const R(vlmoe_backend) *be = c->be;
+    be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
+                            c->E, dloss);
 }

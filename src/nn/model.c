@@ -1,7 +1,8 @@
 // model.c: the model object: the parameter table (one flat float buffer of named views, with
-// gradients mirroring it), seeded initialisation, the float forward/backward entry points, the
-// embedding encoders, finite checks, and safetensors save/load with the config in the metadata.
-// Covered by tests/test_model.c.
+// gradients mirroring it) and its builders, seeded initialisation, finite checks, averaging, and
+// safetensors save/load with the config in the metadata. The forward/backward, encoder and
+// routing-statistics entry points go through the architecture's table (model_arch, chosen in
+// model_layout_build): src/nn/towers_model.c or src/nn/mome_model.c. Covered by tests/test_model.c.
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,7 +11,6 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
-#include "nn/mome.h"
 
 #define CONFIG_KEY "vlmoe.config"
 
@@ -87,84 +87,18 @@ void layout_add_attention(table_builder *tb, block_layout *b, int D, const char 
 #undef NAME
 }
 
-static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix) {
-    char n[96];
-    const int D = E->width;
-    for (int l = 0; l < E->layers; l++) {
-        block_layout *b = &E->blocks[l];
-        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
-        layout_add_attention(tb, b, D, n);
-        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.weight", prefix, l);
-        b->ln2_w = add(tb, n, 0, 1, D, 0);
-        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.bias", prefix, l);
-        b->ln2_b = add(tb, n, 0, 1, D, 0);
-        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
-        layout_add_ffn(tb, &b->ffn, E->moe, l, D, E->mlp, n);
-    }
-    snprintf(n, sizeof(n), "%s.ln_final.weight", prefix);
-    E->lnf_w = add(tb, n, 0, 1, D, 0);
-    snprintf(n, sizeof(n), "%s.ln_final.bias", prefix);
-    E->lnf_b = add(tb, n, 0, 1, D, 0);
-}
-
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     memset(L, 0, sizeof(*L));
     int st = vlmoe_config_validate(cfg);
     if (st) return st;
-    if (cfg->arch == VLMOE_ARCH_MOME) return mome_layout_build(L, cfg);
-    L->cfg = *cfg;
-    L->nenc = cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1;
-    for (int e = 0; e < L->nenc; e++) {
-        const vlmoe_encoder_config *ec = e ? &cfg->text_encoder : &cfg->encoder;
-        L->enc[e] = (encoder_layout){ec->width, ec->layers, ec->heads, ec->mlp_dim, NULL, 0, 0,
-                                     e ? &L->cfg.text_moe : &L->cfg.moe};
-        L->enc[e].blocks = calloc((size_t)(ec->layers ? ec->layers : 1), sizeof(block_layout));
-        if (!L->enc[e].blocks) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
-    }
-    table_builder tb = {L, 0, 0};
-    const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
-    const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
-    modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
-    const int Di = L->enc[0].width, Dt = L->enc[L->nenc - 1].width;
-    mi->enc = 0;
-    mi->has_cls = cfg->image_class_token;
-    mi->has_ln_pre = cfg->image_ln_pre;
-    mi->pool = cfg->image_pool;
-    mi->seq = np + mi->has_cls;
-    mi->embed_w = add(&tb, "image.patch_embed.weight", 1, 2, Di, pd);
-    mi->embed_b = cfg->patch_bias ? add(&tb, "image.patch_embed.bias", 0, 1, Di, 0) : NO_PARAM;
-    mi->cls = mi->has_cls ? add(&tb, "image.class_token", 0, 1, Di, 0) : NO_PARAM;
-    mi->pos = add(&tb, "image.pos_embed", 0, 2, mi->seq, Di);
-    mi->ln_pre_w = mi->has_ln_pre ? add(&tb, "image.ln_pre.weight", 0, 1, Di, 0) : NO_PARAM;
-    mi->ln_pre_b = mi->has_ln_pre ? add(&tb, "image.ln_pre.bias", 0, 1, Di, 0) : NO_PARAM;
-    mt->enc = L->nenc - 1;
-    mt->seq = cfg->context_length;
-    mt->has_cls = 0;
-    mt->has_ln_pre = 0;
-    mt->pool = cfg->text_pool;
-    mt->causal = cfg->text_causal;
-    mt->embed_w = add(&tb, "text.token_embed", 0, 2, cfg->vocab_size, Dt);
-    mt->embed_b = mt->cls = mt->ln_pre_w = mt->ln_pre_b = NO_PARAM;
-    mt->pos = add(&tb, "text.pos_embed", 0, 2, mt->seq, Dt);
-    if (L->nenc == 1) {
-        add_encoder(&tb, &L->enc[0], "encoder");
-    } else {
-        add_encoder(&tb, &L->enc[0], "image");
-        add_encoder(&tb, &L->enc[1], "text");
-    }
-    mi->proj = add(&tb, "image.proj", 1, 2, cfg->embed_dim, Di);
-    mt->proj = add(&tb, "text.proj", 1, 2, cfg->embed_dim, Dt);
-    L->logit_scale = add(&tb, "logit_scale", 0, 0, 0, 0);
-    if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
-    for (int i = 0; i < L->nparams; i++)
-        if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
-    L->total = tb.off;
-    return VLMOE_OK;
+    // the one place the architecture is chosen: everything after goes through L->arch
+    L->arch = cfg->arch == VLMOE_ARCH_MOME ? &model_arch_mome : &model_arch_towers;
+    return L->arch->layout_build(L, cfg);
 }
 
 void model_layout_free(model_layout *L) {
     for (int e = 0; e < 2; e++) free(L->enc[e].blocks);
-    mome_layout_free(L->mome);
+    if (L->arch && L->arch->layout_free) L->arch->layout_free(L);
     free(L->table);
     memset(L, 0, sizeof(*L));
 }
@@ -225,17 +159,14 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
     model_layout_init_params(&m->L, m->params, seed);
     m->seed = seed;
+    if (m->L.arch->init && (st = m->L.arch->init(m))) return vlmoe_model_free(m), st;
     *out = m;
     return VLMOE_OK;
 }
 
 void vlmoe_model_free(vlmoe_model *m) {
     if (!m) return;
-    graph_free_f32(m->g);
-    mome_graph_free_f32(m->mg);
-    mome_graph_free_f32(m->mg_text);
-    mome_itc_free_f32(m->itc);
-    vlmoe_free_mem(m->codebook);
+    if (m->L.arch) m->L.arch->free(m);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -251,69 +182,14 @@ size_t vlmoe_model_num_floats(const vlmoe_model *m) { return m->L.total; }
 float *vlmoe_model_param_data(vlmoe_model *m) { return m->params; }
 float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
-int vlmoe_model_plan(vlmoe_model *m, int batch_size) {
-    if (m->L.mome) return mome_model_plan(m, batch_size);
-    if (m->g && m->planned_B == batch_size) return VLMOE_OK;
-    graph_free_f32(m->g);
-    m->g = NULL;
-    m->have_forward = 0;
-    int st = graph_create_f32(&m->g, &m->L, m->be, batch_size);
-    if (st) return st;
-    m->planned_B = batch_size;
-    return VLMOE_OK;
-}
-
-// A mome model has no contrastive head: its losses are the masked-modeling ones (vlmoe_mome_*).
-// A VL-MoE model takes the contrastive entry points only through its retrieval head.
-static int not_mome(const vlmoe_model *m, const char *what) {
-    return m->L.mome && !m->L.cfg.retrieval_head
-               ? vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is a VL-MoE (arch mome) model without a retrieval head: "
-                            "fine-tune one with `vlmoe finetune --task retrieval`, or use vlmoe_mome_encode", what,
-                            m->L.cfg.name)
-               : VLMOE_OK;
-}
-
-static int forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
-    if (not_mome(m, "contrastive forward")) return VLMOE_ERR_ARG;
-    if (!b->images || !b->tokens || !b->lengths)
-        return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
-    if (m->L.mome) {
-        vlmoe_mome_stats r;
-        int st = vlmoe_mome_forward_retrieval(m, b->images, b->tokens, b->lengths, b->batch_size, training, &r);
-        if (!st && stats) {
-            memset(stats, 0, sizeof(*stats));
-            stats->contrastive = r.itc, stats->aux = r.aux, stats->loss = r.loss;
-            stats->acc_i2t = r.itc_acc[0], stats->acc_t2i = r.itc_acc[1];
-            stats->temperature = exp(m->params[m->L.logit_scale]);
-        }
-        return st;
-    }
-    int st = vlmoe_model_plan(m, b->batch_size);
-    if (st) return st;
-    graph_result r;
-    graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
-    m->have_forward = 0;
-    if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
-    m->have_forward = training;
-    if (stats) {
-        memset(stats, 0, sizeof(*stats));
-        stats->contrastive = r.loss - r.aux;
-        stats->aux = r.aux;
-        stats->loss = r.loss;
-        stats->acc_i2t = r.acc[0];
-        stats->acc_t2i = r.acc[1];
-        stats->temperature = exp(m->params[m->L.logit_scale]);
-    }
-    if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
-    return VLMOE_OK;
-}
+int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
 
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
-    return forward(m, b, stats, 1);
+    return m->L.arch->forward(m, b, stats, 1);
 }
 
 int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
-    return forward(m, b, stats, 0);
+    return m->L.arch->forward(m, b, stats, 0);
 }
 
 int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n) {
@@ -339,75 +215,20 @@ int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n) {
     return VLMOE_OK;
 }
 
-int vlmoe_model_backward(vlmoe_model *m) {
-    if (m->L.mome) return vlmoe_mome_backward_retrieval(m, 0);
-    if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
-    memset(m->grads, 0, sizeof(float) * m->L.total);
-    graph_backward_f32(m->g, m->params, m->grads);
-    return VLMOE_OK;
-}
+int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 
 void vlmoe_model_clamp(vlmoe_model *m) {
-    if (m->L.logit_scale == NO_PARAM) return; // mome: no temperature
+    if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
     m->be->clamp(m->be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
 }
 
-// Runs one modality in chunks of the planned batch size (the last chunk padded by repeating
-// its final item, whose outputs are discarded).
-static int encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
-                  const int32_t *lens, int n, float *out) {
-    if (not_mome(m, modality == MOD_IMAGE ? "encode images" : "encode texts")) return VLMOE_ERR_ARG;
-    if (m->L.mome)
-        return vlmoe_mome_embed(m, modality == MOD_IMAGE ? VLMOE_ENC_IMAGE : VLMOE_ENC_TEXT, images, tokens, lens, n, out);
-    if (!m->g) {
-        int st = vlmoe_model_plan(m, n < 64 ? (n > 0 ? n : 1) : 64);
-        if (st) return st;
-    }
-    const vlmoe_model_config *c = &m->L.cfg;
-    const int B = m->planned_B, E = c->embed_dim, T = c->context_length;
-    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
-    float *pad_img = NULL;
-    int32_t *pad_tok = NULL;
-    int st = VLMOE_OK;
-    for (int i0 = 0; i0 < n && !st; i0 += B) {
-        const int k = n - i0 < B ? n - i0 : B;
-        const float *im = images ? images + (size_t)i0 * isz : NULL;
-        const int32_t *tk = tokens ? tokens + (size_t)i0 * T : NULL, *ln = lens ? lens + i0 : NULL;
-        if (k < B) { // copy the tail into a full batch
-            if (images) {
-                pad_img = vlmoe_alloc(sizeof(float) * isz * B, "padded batch");
-                if (!pad_img) return VLMOE_ERR_NOMEM;
-                for (int j = 0; j < B; j++) memcpy(pad_img + j * isz, im + (j < k ? j : k - 1) * isz, sizeof(float) * isz);
-                im = pad_img;
-            } else {
-                pad_tok = vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch");
-                if (!pad_tok) return VLMOE_ERR_NOMEM;
-                for (int j = 0; j < B; j++) {
-                    int s = j < k ? j : k - 1;
-                    memcpy(pad_tok + (size_t)j * T, tk + (size_t)s * T, sizeof(int32_t) * T);
-                    pad_tok[(size_t)B * T + j] = ln[s];
-                }
-                tk = pad_tok;
-                ln = pad_tok + (size_t)B * T;
-            }
-        }
-        graph_set_mode_f32(m->g, 0, 0);
-        st = graph_forward_f32(m->g, m->params, im, tk, ln, NULL);
-        if (!st) memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
-    }
-    vlmoe_free_mem(pad_img);
-    vlmoe_free_mem(pad_tok);
-    m->have_forward = 0;
-    return st;
-}
-
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out) {
-    return encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
+    return m->L.arch->encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
 }
 
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out) {
-    return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
+    return m->L.arch->encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
 }
 
 void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]) {
@@ -421,12 +242,7 @@ void vlmoe_model_set_rng(vlmoe_model *m, const uint64_t state[2]) {
 }
 
 const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count) {
-    if (m->mg) return mome_graph_moe_stats_f32(m->mg, count);
-    if (!m->g) {
-        if (count) *count = 0;
-        return NULL;
-    }
-    return graph_moe_stats_f32(m->g, count);
+    return m->L.arch->moe_stats(m, count);
 }
 
 int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {
@@ -454,7 +270,7 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
         const vlmoe_param_info *p = &m->L.table[i];
         st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
     }
-    if (!st && m->codebook) st = codebook_add(w, m->codebook, m->L.cfg.mim_vocab, m->L.mome->pd);
+    if (!st && m->L.arch->save) st = m->L.arch->save(m, w);
     if (!st) st = vlmoe_st_writer_write(w, path);
     free(json);
     vlmoe_st_writer_free(w);
@@ -539,12 +355,8 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     int st = open_model_file(path, &f, &cfg);
     if (st) return st;
     if (!(st = vlmoe_model_init(&m, &cfg, 0))) st = read_weights(m, f, m->params);
-    const int cb = !st && m->L.mome && codebook_present(f);
+    if (!st && m->L.arch->load) st = m->L.arch->load(m, f, path);
     vlmoe_st_close(f);
-    if (cb) { // a VL-MoE checkpoint carries its MIM codebook
-        int K, dim;
-        st = vlmoe_codebook_load(path, cfg.mim_vocab, m->L.mome->pd, &m->codebook, &K, &dim);
-    }
     if (st) {
         vlmoe_model_free(m);
         return st;

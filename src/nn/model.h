@@ -1,6 +1,8 @@
 // model.h: the model's layout (offsets of every parameter in the flat buffer, derived once from
-// the config) and the compute graph (forward/backward over a planned activation arena). The
-// graph is compiled for float and double (src/nn/graph.c); the layout is type-free.
+// the config), the towers' compute graph (encode over a planned activation arena, then the
+// contrastive loss step), the per-architecture table (model_arch) and the model object. The
+// graph is compiled for float and double (src/nn/graph.c); the layout is type-free. This header
+// names no architecture's internals: VL-MoE's are in src/nn/mome.h, which includes this one.
 // Covered by tests/test_model.c and tests/test_parity.c.
 #ifndef VLMOE_MODEL_H
 #define VLMOE_MODEL_H
@@ -43,6 +45,7 @@ typedef struct {
 #define NO_PARAM ((size_t)-1)
 
 struct mome_layout; // src/nn/mome.h
+struct model_arch;  // below
 
 typedef struct {
     vlmoe_model_config cfg;
@@ -55,6 +58,7 @@ typedef struct {
     size_t total;                    // floats in the flat buffer
     int nmoe;                        // MoE layers in the model
     struct mome_layout *mome;        // arch mome: the modality experts and heads (else NULL)
+    const struct model_arch *arch;   // the architecture's entry points (model_layout_build)
 } model_layout;
 
 // Builds the parameter table one named tensor at a time (model.c, and mome_model.c for mome).
@@ -74,6 +78,7 @@ void layout_add_attention(table_builder *tb, block_layout *b, int D, const char 
 void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc, int l, int D, int M,
                     const char *prefix);
 
+// Validates cfg, picks the architecture (L->arch) and builds its parameter table.
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg);
 void model_layout_free(model_layout *L);
 // Seeded initialisation of a flat buffer (float), ViT/CLIP-style (see model.c).
@@ -95,16 +100,38 @@ typedef struct {
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
-    /* images (B,C,H,W) or NULL; tokens (B,T)+lens or NULL; loss only when both are given */     \
+    /* The towers: images (B,C,H,W) or NULL, tokens (B,T)+lens or NULL -> the normalised */      \
+    /* embeddings of each given modality (graph_embeddings); *aux (may be NULL) gets the pass's */ \
+    /* weighted MoE auxiliary losses */                                                         \
+    int graph_encode_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens,  \
+                         const int32_t *lens, double *aux);                                     \
+    /* backward of the last encode: demb[m] (B, embed_dim) d(loss)/d(embeddings) of each */      \
+    /* modality it encoded; the MoE auxiliary losses' gradients included; grads accumulate */    \
+    void graph_encode_backward_##S(graph_##S *g, const T *params, T *grads,                      \
+                                   const T *const demb[NUM_MOD]);                                \
+    /* encode, then the contrastive loss (its own step, below) when both modalities are given */ \
     int graph_forward_##S(graph_##S *g, const T *params, const T *images, const int32_t *tokens, \
                           const int32_t *lens, graph_result *res);                              \
-    /* accumulates d(loss)/d(params) into grads (caller zeroes) */                              \
+    /* accumulates d(loss)/d(params) of the last graph_forward's loss into grads (caller zeroes) */ \
     void graph_backward_##S(graph_##S *g, const T *params, T *grads);                            \
     /* (B, embed_dim) normalised embeddings of the last forward, per modality */                 \
     const T *graph_embeddings_##S(const graph_##S *g, int modality);                            \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
     void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
-    const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);
+    const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
+    /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
+    /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
+    typedef struct contrastive_step_##S contrastive_step_##S;                                    \
+    int contrastive_step_create_##S(contrastive_step_##S **out, const vlmoe_backend_##S *be,     \
+                                    int B, int E);                                               \
+    void contrastive_step_free_##S(contrastive_step_##S *c);                                     \
+    /* loss of img (B,E) against txt (B,E) at logit scale exp(*scale) (scale: one element of */  \
+    /* the backend's memory); acc: i2t and t2i top-1. img and txt stay unchanged until backward */\
+    double contrastive_step_forward_##S(contrastive_step_##S *c, const T *img, const T *txt,     \
+                                        const T *scale, double *acc);                            \
+    /* dimg, dtxt (B,E) and *dscale ACCUMULATE dloss times the last forward's gradients */       \
+    void contrastive_step_backward_##S(contrastive_step_##S *c, T *dimg, T *dtxt, T *dscale,    \
+                                       double dloss);
 
 GRAPH_DECL(float, f32)
 GRAPH_DECL(double, f64)
@@ -113,22 +140,44 @@ GRAPH_DECL(double, f64)
 int codebook_add(vlmoe_st_writer *w, const float *centroids, int K, int dim);
 int codebook_present(const vlmoe_st *f);
 
-struct mome_graph_f32; // src/nn/mome.h
-struct mome_itc_f32;
+struct mome_model; // src/nn/mome_model.c
 
-// The model object behind the public handle (model.c; the mome entry points in mome_model.c).
+// One architecture behind the model object, chosen once by model_layout_build: the towers
+// (one_tower, two_tower: src/nn/towers_model.c) or VL-MoE (arch mome: src/nn/mome_model.c).
+// model.c reaches an architecture only through this table.
+typedef struct model_arch {
+    const char *name;
+    // the parameter table of cfg (valid; L zeroed but for arch); model_layout_free on failure
+    int (*layout_build)(model_layout *L, const vlmoe_model_config *cfg);
+    void (*layout_free)(model_layout *L);    // what layout_build added (NULL: nothing)
+    int (*init)(vlmoe_model *m);              // the model's own state once the parameters exist
+                                              // (NULL: none)
+    void (*free)(vlmoe_model *m);             // graphs and state (init may have failed halfway)
+    int (*plan)(vlmoe_model *m, int B);       // vlmoe_model_plan
+    // vlmoe_model_forward (training 1) and vlmoe_model_evaluate (0), vlmoe_model_backward
+    int (*forward)(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training);
+    int (*backward)(vlmoe_model *m);
+    // vlmoe_model_encode_images (MOD_IMAGE) and _texts (MOD_TEXT)
+    int (*encode)(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
+                  const int32_t *lens, int n, float *out);
+    const vlmoe_moe_stats *(*moe_stats)(const vlmoe_model *m, int *count);
+    // the MoE layer behind routing-statistics index `index` in the last planned graph (NULL: none)
+    const struct moe_state_f32 *(*moe_layer)(const vlmoe_model *m, int index);
+    // tensors a model file carries besides the parameter table (NULL: none)
+    int (*save)(const vlmoe_model *m, vlmoe_st_writer *w);
+    int (*load)(vlmoe_model *m, const vlmoe_st *f, const char *path);
+} model_arch;
+
+extern const model_arch model_arch_towers; // src/nn/towers_model.c
+extern const model_arch model_arch_mome;   // src/nn/mome_model.c
+
+// The model object behind the public handle (model.c; the architectures' parts in their files).
 struct vlmoe_model {
-    model_layout L;
+    model_layout L;                // L.arch: the architecture
     const vlmoe_backend_f32 *be;   // where the graphs run (the CPU table unless chosen otherwise)
     float *params, *grads;
-    graph_f32 *g;
-    struct mome_graph_f32 *mg;  // arch mome: its graph instead of g
-    struct mome_graph_f32 *mg_text; // mome retrieval: the text side's graph (mg holds the images)
-    struct mome_itc_f32 *itc;   // mome retrieval head's buffers, for batches of itc_B
-    int itc_B, text_B;          // batch sizes itc and mg_text are planned for
-    int have_itc;               // a training retrieval forward awaits its backward
-    float *codebook;            // mome: the MIM targets' codebook (mim_vocab, patch values) or NULL;
-                                // saved with the weights as a codebook file's tensor
+    graph_f32 *g;                  // towers: the graph planned for planned_B
+    struct mome_model *mome;       // arch mome: its graphs, retrieval head and codebook
     int planned_B;
     int have_forward;
     uint64_t seed;           // the init seed: also seeds the routing noise

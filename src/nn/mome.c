@@ -5,7 +5,8 @@
 // through V-FFN, text tokens through T-FFN, and in the top vl_layers blocks of a pair every token
 // through VL-FFN; an expert is its own LayerNorm + a dense MLP or an MoE layer (src/moe/layer.c).
 // The tokens of one expert ("stream") are gathered into a contiguous buffer, so an MoE layer
-// routes all image (or text) tokens of the batch as one group set. Final LayerNorm, then the MLM
+// routes all image (or text) tokens of the batch as one group set; a block is the one block of
+// src/nn/block.c with each stream's expert as a feed-forward part. Final LayerNorm, then the MLM
 // head over labelled text positions and the MIM head over masked patches, each a mean softmax
 // cross-entropy (src/loss/masked.c); with a fine-tuning head (num_classes > 0) a linear classifier
 // on the pooled feature (mean of the image patches, or the [T_CLS] of a text or pair) and its mean
@@ -26,14 +27,13 @@
 #include "core/core.h"
 #include "loss/masked.h"
 #include "moe/layer.h"
+#include "nn/block.h"
 #include "nn/mome.h"
 #include "nn/routing.h"
 #include "ops/backend.h"
 
 typedef struct {
-    real *ln1_m, *ln1_r, *qkv, *res1; // attention half (ln1 and the attention output are recomputed)
-    real *sln, *sln_m, *sln_r, *sh;   // experts, stream-major: LayerNorm output, dense fc1 output
-    real *res2;                       // block output
+    R(block_acts) a;                  // the block's activations; its experts' rows are stream-major
     struct R(moe_state) *moe[2];      // V-MoE and T-MoE of this block (NULL where dense)
     moe_spec spec[2];
 } mome_acts;
@@ -59,7 +59,9 @@ struct R(mome_graph) {
     // stem
     real *patches, *pemb, *ximg, *xtxt, *dpemb, *dximg, *dxtxt, *x0;
     mome_acts *layers;
-    real *ln1, *att, *atty, *lnf, *lnf_m, *lnf_r;
+    R(block_pass) pass;              // the blocks' scratch; every forward runs all B*T tokens
+    attn_segment seg;                // this forward's attention: B sequences of T
+    real *lnf, *lnf_m, *lnf_r;
     // heads: 0 text (MLM), 1 image (MIM)
     real *hsel[2], *probs[2], *dlog, *dhsel;
     int32_t *rows[2], *labels[2];
@@ -69,8 +71,7 @@ struct R(mome_graph) {
     int32_t *clabels;
     int have_cls;
     const real *dfeat;               // (B,D) an outside loss's gradient at the retrieval feature
-    // backward scratch, shared by the layers
-    real *dres, *dln, *datty, *dqkv, *datt, *dlnf, *sx, *sdy, *sdln, *sa, *sda, *sdh;
+    real *dlnf;
     int32_t *tokens, *lens, *seqlens;
     uint8_t *masked;                 // (B,np) patch replaced by the mask token
     uint8_t *mods[2];                // all VLMOE_MOD_IMAGE / all VLMOE_MOD_TEXT
@@ -81,69 +82,45 @@ struct R(mome_graph) {
     int32_t *ints;
 };
 
-typedef struct { real *base; size_t used; } carver;
-static real *take(carver *c, size_t n) {
-    real *p = c->base ? c->base + c->used : NULL;
-    c->used += (n + 15) & ~(size_t)15; // 64-byte aligned buffers
-    return p;
-}
-
 static void plan(struct R(mome_graph) *g, carver *c) {
     const mome_layout *X = g->X;
     const size_t B = (size_t)g->B, D = (size_t)g->D, M = (size_t)g->M, H = (size_t)g->H;
     const size_t Tmax = (size_t)X->Ti + X->Tt, n = B * Tmax, np = (size_t)X->np;
     const size_t V = (size_t)g->L->cfg.vocab_size, K = (size_t)g->L->cfg.mim_vocab;
-    g->patches = take(c, B * np * X->pd);
-    g->pemb = take(c, B * np * D);
-    g->dpemb = take(c, B * np * D);
-    g->ximg = take(c, B * X->Ti * D);
-    g->dximg = take(c, B * X->Ti * D);
-    g->xtxt = take(c, B * X->Tt * D);
-    g->dxtxt = take(c, B * X->Tt * D);
-    g->x0 = take(c, n * D);
+    g->patches = carve(c, B * np * X->pd);
+    g->pemb = carve(c, B * np * D);
+    g->dpemb = carve(c, B * np * D);
+    g->ximg = carve(c, B * X->Ti * D);
+    g->dximg = carve(c, B * X->Ti * D);
+    g->xtxt = carve(c, B * X->Tt * D);
+    g->dxtxt = carve(c, B * X->Tt * D);
+    g->x0 = carve(c, n * D);
     for (int l = 0; l < g->L->enc[0].layers; l++) {
-        mome_acts *a = c->base ? &g->layers[l] : &(mome_acts){0};
-        a->ln1_m = take(c, n);
-        a->ln1_r = take(c, n);
-        a->qkv = take(c, n * 3 * D);
-        a->res1 = take(c, n * D);
-        a->sln = take(c, n * D);
-        a->sln_m = take(c, n);
-        a->sln_r = take(c, n);
-        a->sh = take(c, n * M);
-        a->res2 = take(c, n * D);
+        int dense = 0; // a dense expert keeps its fc1 output
+        for (int k = 0; k < MOME_NFFN; k++) {
+            const mome_ffn *f = &X->ffn[l * MOME_NFFN + k];
+            dense |= f->ln_w != NO_PARAM && f->ffn.kind != FFN_MOE;
+        }
+        R(block_plan)(c, &g->layers[l].a, n, (int)D, (int)M, dense);
     }
-    g->ln1 = take(c, n * D);
-    g->att = take(c, B * H * Tmax * Tmax);
-    g->atty = take(c, n * D);
-    g->lnf = take(c, n * D);
-    g->lnf_m = take(c, n);
-    g->lnf_r = take(c, n);
-    g->hsel[HEAD_TEXT] = take(c, B * X->Tt * D);
-    g->probs[HEAD_TEXT] = take(c, B * X->Tt * V);
-    g->hsel[HEAD_IMAGE] = take(c, B * np * D);
-    g->probs[HEAD_IMAGE] = take(c, B * np * K);
+    R(block_plan_pass)(c, &g->pass, n, B * H * Tmax * Tmax, (int)D, (int)M, 1);
+    g->lnf = carve(c, n * D);
+    g->lnf_m = carve(c, n);
+    g->lnf_r = carve(c, n);
+    g->hsel[HEAD_TEXT] = carve(c, B * X->Tt * D);
+    g->probs[HEAD_TEXT] = carve(c, B * X->Tt * V);
+    g->hsel[HEAD_IMAGE] = carve(c, B * np * D);
+    g->probs[HEAD_IMAGE] = carve(c, B * np * K);
     const size_t NC = (size_t)g->L->cfg.num_classes;
     size_t ndlog = B * X->Tt * V > B * np * K ? B * X->Tt * V : B * np * K;
     ndlog = ndlog > B * NC ? ndlog : B * NC; // the classification head's scores too
-    g->dlog = take(c, ndlog);
-    g->dhsel = take(c, (B * X->Tt > B * np ? B * X->Tt : B * np) * D);
-    g->pooled = take(c, B * D);
-    g->dpooled = take(c, B * D);
-    g->clogits = take(c, B * NC);
-    g->cprobs = take(c, B * NC);
-    g->dres = take(c, n * D);
-    g->dln = take(c, n * D);
-    g->datty = take(c, n * D);
-    g->dqkv = take(c, n * 3 * D);
-    g->datt = take(c, B * H * Tmax * Tmax);
-    g->dlnf = take(c, n * D);
-    g->sx = take(c, n * D);
-    g->sdy = take(c, n * D);
-    g->sdln = take(c, n * D);
-    g->sa = take(c, n * M);
-    g->sda = take(c, n * M);
-    g->sdh = take(c, n * M);
+    g->dlog = carve(c, ndlog);
+    g->dhsel = carve(c, (B * X->Tt > B * np ? B * X->Tt : B * np) * D);
+    g->pooled = carve(c, B * D);
+    g->dpooled = carve(c, B * D);
+    g->clogits = carve(c, B * NC);
+    g->cprobs = carve(c, B * NC);
+    g->dlnf = carve(c, n * D);
 }
 
 static const mome_ffn *ffn_of(const struct R(mome_graph) *g, int l, int which) {
@@ -238,16 +215,16 @@ const real *R(mome_graph_logits)(const struct R(mome_graph) *g) {
     return g->X->cls_w == NO_PARAM ? NULL : g->clogits;
 }
 
-const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
-    if (count) *count = g->L->nmoe;
-    return g->L->nmoe ? g->stats : NULL;
-}
-
 const struct R(moe_state) *R(mome_graph_moe_layer)(const struct R(mome_graph) *g, int index) {
     for (int l = 0; l < g->L->enc[0].layers; l++)
         for (int k = MOME_V; k <= MOME_T; k++)
             if (g->layers[l].moe[k] && ffn_of(g, l, k)->ffn.moe_index == index) return g->layers[l].moe[k];
     return NULL;
+}
+
+const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
+    if (count) *count = g->L->nmoe;
+    return g->L->nmoe ? g->stats : NULL;
 }
 
 // text_off is 0 for images and texts, so the row is [I_CLS] or [T_CLS] (fused, for pairs).
@@ -283,70 +260,47 @@ static int streams_of(const struct R(mome_graph) *g, int l, stream *s) {
     return k;
 }
 
-// res2 = res1 + expert(ln(res1)) over one stream's tokens.
-static int stream_forward(struct R(mome_graph) *g, const real *P, int l, const stream *s) {
-    const R(vlmoe_backend) *be = g->be;
+// Block l of this forward: the shared attention, then each stream's expert as one feed-forward
+// part (its own LayerNorm, dense MLP or MoE layer). forward: also writes the MoE streams' noise
+// keys, each row's sequence, modality and position in the sequence.
+static R(block) block_of(struct R(mome_graph) *g, int l, R(block_ffn) *f, int forward) {
     mome_acts *a = &g->layers[l];
-    const mome_ffn *f = ffn_of(g, l, s->which);
-    const int B = g->B, D = g->D, M = g->M, ns = B * s->len;
-    real *xs = g->sx + s->row0 * D, *ln = a->sln + s->row0 * D;
-    gather(be, xs, a->res1, B, g->T, s->off, s->len, D);
-    be->layernorm_forward(be, ln, a->sln_m + s->row0, a->sln_r + s->row0, xs, P + f->ln_w, P + f->ln_b, ns, D,
-                         g->L->cfg.ln_eps);
-    if (f->ffn.kind == FFN_MOE) {
-        const int idx = f->ffn.moe_index;
+    stream s[2];
+    const int ns = streams_of(g, l, s);
+    for (int k = 0; k < ns; k++) {
+        const mome_ffn *mf = ffn_of(g, l, s[k].which);
+        f[k] = (R(block_ffn)){.ln_w = mf->ln_w, .ln_b = mf->ln_b, .f = &mf->ffn, .nseq = g->B, .seqlen = g->T,
+                              .off = s[k].off, .len = s[k].len, .row0 = s[k].row0};
+        if (mf->ffn.kind != FFN_MOE) continue;
+        const int idx = mf->ffn.moe_index, mod = s[k].which == MOME_V ? VLMOE_MOD_IMAGE : VLMOE_MOD_TEXT;
+        uint64_t *keys = g->keys + s[k].row0;
+        if (forward)
+            for (int b = 0; b < g->B; b++)
+                for (int i = 0; i < s[k].len; i++)
+                    keys[(size_t)b * s[k].len + i] = moe_token_key((uint64_t)b, mod, s[k].off + i);
+        f[k].moe = a->moe[s[k].which];
         // the seed differs per layer and per call, so every layer draws its own noise
-        // every row's noise key: its sequence, its modality and its position in the sequence
-        uint64_t *keys = g->keys + s->row0;
-        const int mod = s->which == MOME_V ? VLMOE_MOD_IMAGE : VLMOE_MOD_TEXT;
-        for (int b = 0; b < B; b++)
-            for (int i = 0; i < s->len; i++) keys[(size_t)b * s->len + i] = moe_token_key((uint64_t)b, mod, s->off + i);
-        moe_call c = {ns, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1, g->mods[s->which],
-                      g->noise[idx], keys, NULL};
-        double aux = 0;
-        int st = R(moe_forward)(a->moe[s->which], &c, P, ln, xs, &aux, &g->stats[idx]);
-        if (st) return st;
-        g->aux += aux;
-    } else {
-        // a dense MLP is the expert bank of one expert, added onto the residual
-        const int32_t off[2] = {0, ns};
-        const be_experts ex = {1, D, M, g->L->cfg.act, off};
-        const real *const w[4] = {P + f->ffn.fc1_w, P + f->ffn.fc1_b, P + f->ffn.fc2_w, P + f->ffn.fc2_b};
-        be->experts_forward(be, xs, a->sh + s->row0 * M, g->sa + s->row0 * M, ln, w, &ex, 1);
+        f[k].call = (moe_call){g->B * s[k].len, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1,
+                               g->mods[s[k].which], g->noise[idx], keys, NULL};
+        f[k].stats = &g->stats[idx];
     }
-    scatter(be, a->res2, xs, B, g->T, s->off, s->len, D);
-    return VLMOE_OK;
+    return (R(block)){&g->L->enc[0].blocks[l], &a->a, f, ns};
 }
 
-// dres holds d(res2) on entry and d(res1) on return, for this stream's tokens.
-static void stream_backward(struct R(mome_graph) *g, const real *P, real *G, int l, const stream *s) {
-    const R(vlmoe_backend) *be = g->be;
-    mome_acts *a = &g->layers[l];
-    const mome_ffn *f = ffn_of(g, l, s->which);
-    const int B = g->B, D = g->D, M = g->M, ns = B * s->len, act = g->L->cfg.act;
-    real *dy = g->sdy + s->row0 * D, *dln = g->sdln + s->row0 * D, *xs = g->sx + s->row0 * D;
-    const real *ln = a->sln + s->row0 * D;
-    gather(be, dy, g->dres, B, g->T, s->off, s->len, D);
-    be->zero(be, dln, (size_t)ns * D);
-    if (f->ffn.kind == FFN_MOE) {
-        R(moe_backward)(a->moe[s->which], P, G, ln, dy, dln, 1.0);
-    } else {
-        const int32_t off[2] = {0, ns};
-        const be_experts ex = {1, D, M, act, off};
-        const real *const w[4] = {P + f->ffn.fc1_w, P + f->ffn.fc1_b, P + f->ffn.fc2_w, P + f->ffn.fc2_b};
-        real *const dw[4] = {G + f->ffn.fc1_w, G + f->ffn.fc1_b, G + f->ffn.fc2_w, G + f->ffn.fc2_b};
-        be->experts_backward(be, dln, dw, dy, ln, a->sh + s->row0 * M, w, g->sda + s->row0 * M,
-                             g->sdh + s->row0 * M, &ex);
-    }
-    gather(be, xs, a->res1, B, g->T, s->off, s->len, D);
-    be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, xs, P + f->ln_w, a->sln_m + s->row0,
-                          a->sln_r + s->row0, ns, D);
-    scatter(be, g->dres, dy, B, g->T, s->off, s->len, D);
-}
-
-static attn_segment segment(const struct R(mome_graph) *g) {
+// The blocks' pass of this forward: all B*T tokens, one attention segment of B sequences of T.
+static void set_pass(struct R(mome_graph) *g) {
+    static const size_t att_off[1] = {0};
     const int32_t *lens = g->enc == VLMOE_ENC_IMAGE ? NULL : g->enc == VLMOE_ENC_TEXT ? g->lens : g->seqlens;
-    return (attn_segment){0, g->B, g->T, 0, lens};
+    R(block_pass) *p = &g->pass;
+    g->seg = (attn_segment){0, g->B, g->T, 0, lens};
+    p->be = g->be;
+    p->D = g->D, p->H = g->H, p->M = g->M, p->act = g->L->cfg.act;
+    p->eps = g->L->cfg.ln_eps;
+    p->t0 = 0;
+    p->n = g->n;
+    p->seg = &g->seg;
+    p->att_off = att_off;
+    p->nseg = 1;
 }
 
 static const char *ENC_NAMES[] = {"image", "text", "pair"};
@@ -467,7 +421,7 @@ static void stem_backward(struct R(mome_graph) *g, const real *P, real *G) {
     const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
     const int B = g->B, D = g->D;
     if (g->enc != VLMOE_ENC_TEXT) {
-        gather(be, g->dximg, g->dres, B, g->T, 0, X->Ti, D);
+        gather(be, g->dximg, g->pass.dres, B, g->T, 0, X->Ti, D);
         be->posadd_backward(be, G + mi->pos, g->dximg, B, X->Ti, D);
         be->zero(be, g->dpemb, (size_t)B * X->np * D);
         be->cls_backward(be, G + mi->cls, g->dpemb, g->dximg, B, X->np, D);
@@ -481,7 +435,7 @@ static void stem_backward(struct R(mome_graph) *g, const real *P, real *G) {
                            g->patches, P + mi->embed_w, B * X->np, X->pd, D);
     }
     if (g->enc != VLMOE_ENC_IMAGE) {
-        gather(be, g->dxtxt, g->dres, B, g->T, g->text_off, X->Tt, D);
+        gather(be, g->dxtxt, g->pass.dres, B, g->T, g->text_off, X->Tt, D);
         be->posadd_backward(be, G + mt->pos, g->dxtxt, B, X->Tt, D);
         be->embed_backward(be, G + mt->embed_w, g->dxtxt, g->tokens, B * X->Tt, D);
     }
@@ -497,6 +451,9 @@ static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t 
 // The classification head's input (VL-MoE sec. 4.2): the mean of the final features of the
 // image's patch tokens ([I_CLS] left out, as BEiT pools) for images; the [T_CLS] feature for
 // texts and, fused, for pairs (the first text token, at text_off). pooled (B,D) from lnf (B,T,D).
+// The image mean (and its backward) still reads and writes the buffers on the host, as the stem
+// hands the caller's images to the backend as they are: MoME assumes a backend with host memory
+// (the table has no patch-mean op yet).
 static void pool_forward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D, np = g->X->np;
@@ -517,12 +474,13 @@ static void pool_forward(struct R(mome_graph) *g) {
 
 // Accumulates d(pooled) (B,D) into dlnf (B,T,D).
 static void pool_backward(struct R(mome_graph) *g) {
+    const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D, np = g->X->np;
     for (int b = 0; b < B; b++) {
         const real *d = g->dpooled + (size_t)b * D;
         real *x = g->dlnf + (size_t)b * g->T * D;
         if (g->enc != VLMOE_ENC_IMAGE) {
-            for (int k = 0; k < D; k++) x[(size_t)g->text_off * D + k] += d[k];
+            be->add(be, x + (size_t)g->text_off * D, d, D);
             continue;
         }
         for (int p = 1; p <= np; p++)
@@ -535,7 +493,7 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     const R(vlmoe_backend) *be = g->be;
     const model_layout *L = g->L;
     const encoder_layout *E = &L->enc[0];
-    const int D = g->D, H = g->H;
+    const int D = g->D;
     g->have_forward = 0;
     int st = take_inputs(g, in);
     if (st) return st;
@@ -551,21 +509,13 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         for (int m = 0; m < 2; m++) s->routed[m] = keep.routed[m], s->accepted[m] = keep.accepted[m];
     }
     stem_forward(g, P, in->images);
-    const attn_segment seg = segment(g);
+    set_pass(g);
     const real *x = g->x0;
-    stream s[2];
     for (int l = 0; l < E->layers; l++) {
-        const block_layout *bl = &E->blocks[l];
-        mome_acts *a = &g->layers[l];
-        be->layernorm_forward(be, g->ln1, a->ln1_m, a->ln1_r, x, P + bl->ln1_w, P + bl->ln1_b, n, D, L->cfg.ln_eps);
-        be->linear_forward(be, a->qkv, g->ln1, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
-        be->attention_forward(be, g->atty, g->att, a->qkv, &seg, D, H);
-        be->copy(be, a->res1, x, (size_t)n * D);
-        be->linear_forward(be, a->res1, g->atty, P + bl->out_w, P + bl->out_b, n, D, D, 1);
-        const int ns = streams_of(g, l, s);
-        for (int k = 0; k < ns; k++)
-            if ((st = stream_forward(g, P, l, &s[k]))) return vlmoe_error_prefix("block %d", l), st;
-        x = a->res2;
+        R(block_ffn) f[2];
+        const R(block) b = block_of(g, l, f, 1);
+        if ((st = R(block_forward)(&g->pass, &b, P, x, &g->aux))) return vlmoe_error_prefix("block %d", l), st;
+        x = b.a->res2;
     }
     be->layernorm_forward(be, g->lnf, g->lnf_m, g->lnf_r, x, P + E->lnf_w, P + E->lnf_b, n, D, L->cfg.ln_eps);
     double loss[2] = {0, 0}, acc[2] = {0, 0};
@@ -616,7 +566,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
     if (!g->have_forward) return;
     const model_layout *L = g->L;
     const encoder_layout *E = &L->enc[0];
-    const int D = g->D, H = g->H, n = g->n;
+    const int D = g->D, n = g->n;
     // heads: each a mean over its labelled positions
     be->zero(be, g->dlnf, (size_t)n * D);
     for (int h = 0; h < 2; h++) {
@@ -629,11 +579,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
         be->zero(be, g->dhsel, (size_t)cnt * D);
         be->linear_backward(be, g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
-        for (int i = 0; i < cnt; i++) {
-            real *d = g->dlnf + (size_t)g->rows[h][i] * D;
-            const real *s = g->dhsel + (size_t)i * D;
-            for (int k = 0; k < D; k++) d[k] += s[k];
-        }
+        for (int i = 0; i < cnt; i++) be->add(be, g->dlnf + (size_t)g->rows[h][i] * D, g->dhsel + (size_t)i * D, D);
     }
     if (g->have_cls) { // the classification head: a mean over the B/cs examples
         const size_t cw = g->X->cls_w, cb = g->X->cls_b;
@@ -645,31 +591,17 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         pool_backward(g);
     }
     if (g->dfeat) // an outside loss on the retrieval features (mome_itc_backward)
-        for (int b = 0; b < g->B; b++) {
-            real *d = g->dlnf + ((size_t)b * g->T + g->text_off) * D;
-            for (int k = 0; k < D; k++) d[k] += g->dfeat[(size_t)b * D + k];
-        }
-    const real *xL = E->layers ? g->layers[E->layers - 1].res2 : g->x0;
-    be->zero(be, g->dres, (size_t)n * D);
-    be->layernorm_backward(be, g->dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
-    const attn_segment seg = segment(g);
-    stream s[2];
+        for (int b = 0; b < g->B; b++)
+            be->add(be, g->dlnf + ((size_t)b * g->T + g->text_off) * D, g->dfeat + (size_t)b * D, D);
+    const real *xL = E->layers ? g->layers[E->layers - 1].a.res2 : g->x0;
+    real *dres = g->pass.dres;
+    set_pass(g);
+    be->zero(be, dres, (size_t)n * D);
+    be->layernorm_backward(be, dres, G + E->lnf_w, G + E->lnf_b, g->dlnf, xL, P + E->lnf_w, g->lnf_m, g->lnf_r, n, D);
     for (int l = E->layers - 1; l >= 0; l--) {
-        const block_layout *bl = &E->blocks[l];
-        const mome_acts *a = &g->layers[l];
-        const real *x = l ? g->layers[l - 1].res2 : g->x0;
-        const int ns = streams_of(g, l, s);
-        for (int k = 0; k < ns; k++) stream_backward(g, P, G, l, &s[k]);
-        // dres holds d(res1): the attention half, its outputs recomputed
-        be->attention_forward(be, g->atty, g->att, a->qkv, &seg, D, H);
-        be->zero(be, g->datty, (size_t)n * D);
-        be->linear_backward(be, g->datty, G + bl->out_w, G + bl->out_b, g->dres, g->atty, P + bl->out_w, n, D, D);
-        be->zero(be, g->dqkv, (size_t)n * 3 * D);
-        be->attention_backward(be, g->dqkv, g->datt, g->datty, a->qkv, g->att, &seg, D, H);
-        be->layernorm_recompute(be, g->ln1, x, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m, a->ln1_r, n, D);
-        be->zero(be, g->dln, (size_t)n * D);
-        be->linear_backward(be, g->dln, G + bl->qkv_w, G + bl->qkv_b, g->dqkv, g->ln1, P + bl->qkv_w, n, D, 3 * D);
-        be->layernorm_backward(be, g->dres, G + bl->ln1_w, G + bl->ln1_b, g->dln, x, P + bl->ln1_w, a->ln1_m, a->ln1_r, n, D);
+        R(block_ffn) f[2];
+        const R(block) b = block_of(g, l, f, 0);
+        R(block_backward)(&g->pass, &b, P, G, l ? g->layers[l - 1].a.res2 : g->x0);
     }
     stem_backward(g, P, G);
 }
@@ -683,24 +615,21 @@ struct R(mome_itc) {
     real *feat[2], *proj[2], *norm[2], *emb[2]; // per side: (B,D) features, (B,E) projections,
                                                 // (B) norms, (B,E) normalised embeddings
     real *demb[2], *dproj[2], *dfeat[2];
-    real *logits, *prow, *pcol;                 // (B,B)
+    struct R(contrastive_step) *loss;
     real *arena;
 };
 
 static void itc_plan(struct R(mome_itc) *c, carver *k) {
     const size_t B = (size_t)c->B, D = (size_t)c->D, E = (size_t)c->E;
     for (int s = 0; s < 2; s++) {
-        c->feat[s] = take(k, B * D);
-        c->proj[s] = take(k, B * E);
-        c->norm[s] = take(k, B);
-        c->emb[s] = take(k, B * E);
-        c->demb[s] = take(k, B * E);
-        c->dproj[s] = take(k, B * E);
-        c->dfeat[s] = take(k, B * D);
+        c->feat[s] = carve(k, B * D);
+        c->proj[s] = carve(k, B * E);
+        c->norm[s] = carve(k, B);
+        c->emb[s] = carve(k, B * E);
+        c->demb[s] = carve(k, B * E);
+        c->dproj[s] = carve(k, B * E);
+        c->dfeat[s] = carve(k, B * D);
     }
-    c->logits = take(k, B * B);
-    c->prow = take(k, B * B);
-    c->pcol = take(k, B * B);
 }
 
 int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
@@ -714,6 +643,8 @@ int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(
     carver k = {NULL, 0};
     itc_plan(c, &k);
     if (!(c->arena = be->alloc(be, sizeof(real) * k.used, "retrieval head"))) return R(mome_itc_free)(c), VLMOE_ERR_NOMEM;
+    int st = R(contrastive_step_create)(&c->loss, be, B, c->E);
+    if (st) return R(mome_itc_free)(c), st;
     k = (carver){c->arena, 0};
     itc_plan(c, &k);
     *out = c;
@@ -722,6 +653,7 @@ int R(mome_itc_create)(struct R(mome_itc) **out, const model_layout *L, const R(
 
 void R(mome_itc_free)(struct R(mome_itc) *c) {
     if (!c) return;
+    R(contrastive_step_free)(c->loss);
     c->be->free(c->be, c->arena);
     vlmoe_free_mem(c);
 }
@@ -737,11 +669,9 @@ const real *R(mome_itc_embed)(struct R(mome_itc) *c, const struct R(mome_graph) 
 
 double R(mome_itc_forward)(struct R(mome_itc) *c, const struct R(mome_graph) *gi, const struct R(mome_graph) *gt,
                            const real *P, double *acc) {
-    const R(vlmoe_backend) *be = c->be;
     R(mome_itc_embed)(c, gi, P, 0);
     R(mome_itc_embed)(c, gt, P, 1);
-    return be->contrastive_forward(be, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[c->L->logit_scale], c->B,
-                                  c->E, acc);
+    return R(contrastive_step_forward)(c->loss, c->emb[0], c->emb[1], P + c->L->logit_scale, acc);
 }
 
 void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struct R(mome_graph) *gt, const real *P,
@@ -751,8 +681,7 @@ void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struc
     const size_t ls = c->L->logit_scale;
     be->zero(be, c->demb[0], (size_t)B * E);
     be->zero(be, c->demb[1], (size_t)B * E);
-    be->contrastive_backward(be, c->demb[0], c->demb[1], G + ls, c->logits, c->prow, c->pcol, c->emb[0], c->emb[1], P[ls],
-                            B, E, 1.0);
+    R(contrastive_step_backward)(c->loss, c->demb[0], c->demb[1], G + ls, 1.0);
     struct R(mome_graph) *g[2] = {gi, gt};
     for (int s = 0; s < 2; s++) {
         be->zero(be, c->dproj[s], (size_t)B * E);

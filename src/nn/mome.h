@@ -35,7 +35,6 @@ typedef struct mome_layout {
 } mome_layout;
 
 int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg);
-void mome_layout_free(mome_layout *m);
 // Plans the model's mome graph for batch size B (once; again only if B changes).
 int mome_model_plan(vlmoe_model *m, int B);
 

@@ -11,6 +11,18 @@
 
 #include "core/core.h"
 #include "nn/mome.h"
+#include "nn/routing.h"
+
+// What a VL-MoE model holds besides its parameters (vlmoe_model.mome).
+struct mome_model {
+    mome_graph_f32 *mg;         // the graph planned for planned_B (the image side for retrieval)
+    mome_graph_f32 *mg_text;    // retrieval: the text side's graph
+    mome_itc_f32 *itc;          // the retrieval head's buffers, for batches of itc_B
+    int itc_B, text_B;          // batch sizes itc and mg_text are planned for
+    int have_itc;               // a training retrieval forward awaits its backward
+    float *codebook;            // the MIM targets' codebook (mim_vocab, patch values) or NULL;
+                                // saved with the weights as a codebook file's tensor
+};
 
 int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc) {
     const int g = c->image_size / c->patch_size, Ti = 1 + g * g;
@@ -92,18 +104,12 @@ int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
     return VLMOE_OK;
 }
 
-void mome_layout_free(mome_layout *m) {
-    if (!m) return;
-    free(m->ffn);
-    free(m);
-}
-
 int mome_model_plan(vlmoe_model *m, int B) {
-    if (m->mg && m->planned_B == B) return VLMOE_OK;
-    mome_graph_free_f32(m->mg);
-    m->mg = NULL;
-    m->have_forward = m->have_itc = 0;
-    int st = mome_graph_create_f32(&m->mg, &m->L, m->be, B);
+    if (m->mome->mg && m->planned_B == B) return VLMOE_OK;
+    mome_graph_free_f32(m->mome->mg);
+    m->mome->mg = NULL;
+    m->have_forward = m->mome->have_itc = 0;
+    int st = mome_graph_create_f32(&m->mome->mg, &m->L, m->be, B);
     if (st) return st;
     m->planned_B = B;
     return VLMOE_OK;
@@ -122,10 +128,10 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     if ((st = mome_model_plan(m, b->batch_size))) return st;
     mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels,
                          b->class_labels};
-    mome_graph_set_mode_f32(m->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
-    m->have_forward = m->have_itc = 0;
+    mome_graph_set_mode_f32(m->mome->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+    m->have_forward = m->mome->have_itc = 0;
     vlmoe_mome_stats r;
-    if ((st = mome_graph_forward_f32(m->mg, m->params, &in, &r))) return st;
+    if ((st = mome_graph_forward_f32(m->mome->mg, m->params, &in, &r))) return st;
     if (s) *s = r;
     if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the masked-modeling loss is %g", r.loss);
     m->have_forward = training;
@@ -133,21 +139,21 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
 }
 
 int vlmoe_mome_backward(vlmoe_model *m, int accumulate) {
-    if (!m->mg || !m->have_forward)
+    if (!m->mome || !m->mome->mg || !m->have_forward)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome backward called without a training forward pass");
     if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
-    mome_graph_backward_f32(m->mg, m->params, m->grads);
+    mome_graph_backward_f32(m->mome->mg, m->params, m->grads);
     m->have_forward = 0; // each forward's loss is back-propagated once
     return VLMOE_OK;
 }
 
 // The retrieval head's buffers for batches of B (once; again only if B changes).
 static int itc_plan(vlmoe_model *m, int B) {
-    if (m->itc && m->itc_B == B) return VLMOE_OK;
-    mome_itc_free_f32(m->itc);
-    m->itc = NULL;
-    int st = mome_itc_create_f32(&m->itc, &m->L, m->be, B);
-    if (!st) m->itc_B = B;
+    if (m->mome->itc && m->mome->itc_B == B) return VLMOE_OK;
+    mome_itc_free_f32(m->mome->itc);
+    m->mome->itc = NULL;
+    int st = mome_itc_create_f32(&m->mome->itc, &m->L, m->be, B);
+    if (!st) m->mome->itc_B = B;
     return st;
 }
 
@@ -174,7 +180,7 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
         return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: the head takes %d sequences per example, %d is not a multiple",
                           cs, n);
     if (n < 1) return VLMOE_OK;
-    if ((!m->mg || m->planned_B % cs) && (st = mome_model_plan(m, n < 64 ? n : 64))) return st; // n % cs == 0
+    if ((!m->mome->mg || m->planned_B % cs) && (st = mome_model_plan(m, n < 64 ? n : 64))) return st; // n % cs == 0
     const int B = m->planned_B, T = c->context_length, D = c->encoder.width;
     if (kind == OUT_EMBED && (st = itc_plan(m, B))) return st;
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
@@ -185,7 +191,7 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
     float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
     int32_t *ptok = txt ? vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch") : NULL;
     if ((img && !pimg) || (txt && !ptok)) st = VLMOE_ERR_NOMEM;
-    mome_graph_set_mode_f32(m->mg, 0, 0);
+    mome_graph_set_mode_f32(m->mome->mg, 0, 0);
     for (int i0 = 0; i0 < n && !st; i0 += B) {
         const int k = n - i0 < B ? n - i0 : B;
         for (int j = 0; j < B; j++) {
@@ -194,16 +200,16 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
             if (txt) memcpy(ptok + (size_t)j * T, tokens + s * T, sizeof(int32_t) * T), ptok[(size_t)B * T + j] = lengths[s];
         }
         mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL, NULL};
-        st = mome_graph_forward_f32(m->mg, m->params, &in, NULL);
+        st = mome_graph_forward_f32(m->mome->mg, m->params, &in, NULL);
         if (st) break;
-        const float *res = kind == OUT_LOGITS ? mome_graph_logits_f32(m->mg)
-                         : kind == OUT_EMBED ? mome_itc_embed_f32(m->itc, m->mg, m->params, enc == VLMOE_ENC_TEXT)
-                         : mome_graph_hidden_f32(m->mg, NULL);
+        const float *res = kind == OUT_LOGITS ? mome_graph_logits_f32(m->mome->mg)
+                         : kind == OUT_EMBED ? mome_itc_embed_f32(m->mome->itc, m->mome->mg, m->params, enc == VLMOE_ENC_TEXT)
+                         : mome_graph_hidden_f32(m->mome->mg, NULL);
         memcpy(out + (size_t)i0 / cs * per, res, sizeof(float) * per * (size_t)(k / cs));
     }
     vlmoe_free_mem(pimg);
     vlmoe_free_mem(ptok);
-    m->have_forward = m->have_itc = 0;
+    m->have_forward = m->mome->have_itc = 0;
     return st;
 }
 
@@ -233,17 +239,17 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     if (!images || !tokens || !lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval: needs B images and their B texts");
     if ((st = mome_model_plan(m, B)) || (st = itc_plan(m, B))) return st;
-    if (!m->mg_text || m->text_B != B) {
-        mome_graph_free_f32(m->mg_text);
-        m->mg_text = NULL;
-        if ((st = mome_graph_create_f32(&m->mg_text, &m->L, m->be, B))) return st;
-        m->text_B = B;
+    if (!m->mome->mg_text || m->mome->text_B != B) {
+        mome_graph_free_f32(m->mome->mg_text);
+        m->mome->mg_text = NULL;
+        if ((st = mome_graph_create_f32(&m->mome->mg_text, &m->L, m->be, B))) return st;
+        m->mome->text_B = B;
     }
-    m->have_forward = m->have_itc = 0;
+    m->have_forward = m->mome->have_itc = 0;
     const mome_input_f32 ii = {VLMOE_ENC_IMAGE, images, NULL, NULL, NULL, NULL, NULL},
                          it = {VLMOE_ENC_TEXT, NULL, tokens, lengths, NULL, NULL, NULL};
     vlmoe_mome_stats ri, rt;
-    struct mome_graph_f32 *g[2] = {m->mg, m->mg_text};
+    struct mome_graph_f32 *g[2] = {m->mome->mg, m->mome->mg_text};
     const mome_input_f32 *in[2] = {&ii, &it};
     vlmoe_mome_stats *r[2] = {&ri, &rt};
     for (int k = 0; k < 2; k++) {
@@ -252,21 +258,21 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     }
     vlmoe_mome_stats res;
     memset(&res, 0, sizeof(res));
-    res.itc = mome_itc_forward_f32(m->itc, m->mg, m->mg_text, m->params, res.itc_acc);
+    res.itc = mome_itc_forward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, m->params, res.itc_acc);
     res.aux = ri.aux + rt.aux;
     res.loss = res.itc + res.aux;
     if (s) *s = res;
     if (!isfinite(res.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the retrieval loss is %g", res.loss);
-    m->have_itc = training;
+    m->mome->have_itc = training;
     return VLMOE_OK;
 }
 
 int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate) {
-    if (!m->have_itc || !m->itc || !m->mg_text || m->itc_B != m->planned_B)
+    if (!m->mome || !m->mome->have_itc || !m->mome->itc || !m->mome->mg_text || m->mome->itc_B != m->planned_B)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval backward called without a training retrieval forward");
     if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
-    mome_itc_backward_f32(m->itc, m->mg, m->mg_text, m->params, m->grads);
-    m->have_itc = 0;
+    mome_itc_backward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, m->params, m->grads);
+    m->mome->have_itc = 0;
     return VLMOE_OK;
 }
 
@@ -297,7 +303,7 @@ int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_class
             }
     }
     vlmoe_model_set_rng(h, (const uint64_t[2]){m->seed, m->forwards});
-    if (m->codebook && (st = vlmoe_mome_set_codebook(h, m->codebook, c.mim_vocab, m->L.mome->pd)))
+    if (m->mome->codebook && (st = vlmoe_mome_set_codebook(h, m->mome->codebook, c.mim_vocab, m->L.mome->pd)))
         return vlmoe_model_free(h), st;
     *out = h;
     return VLMOE_OK;
@@ -312,12 +318,12 @@ int vlmoe_mome_set_codebook(vlmoe_model *m, const float *centroids, int K, int d
     float *c = centroids ? vlmoe_alloc(sizeof(float) * (size_t)K * dim, "codebook") : NULL;
     if (centroids && !c) return VLMOE_ERR_NOMEM;
     if (c) memcpy(c, centroids, sizeof(float) * (size_t)K * dim);
-    vlmoe_free_mem(m->codebook);
-    m->codebook = c;
+    vlmoe_free_mem(m->mome->codebook);
+    m->mome->codebook = c;
     return VLMOE_OK;
 }
 
-const float *vlmoe_mome_codebook(const vlmoe_model *m) { return m->L.mome ? m->codebook : NULL; }
+const float *vlmoe_mome_codebook(const vlmoe_model *m) { return m->mome ? m->mome->codebook : NULL; }
 
 int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, float *patches) {
     if (B < 1 || c->channels < 1 || c->patch_size < 1 || c->image_size % c->patch_size)
@@ -326,3 +332,96 @@ int vlmoe_patchify(const vlmoe_model_config *c, const float *images, int B, floa
     patchify_forward_f32(patches, images, B, c->channels, c->image_size, c->patch_size);
     return VLMOE_OK;
 }
+
+// ---- the model object's entry points for arch mome (model_arch, src/nn/model.h)
+
+static void arch_layout_free(model_layout *L) {
+    if (L->mome) free(L->mome->ffn);
+    free(L->mome);
+    L->mome = NULL;
+}
+
+static int arch_init(vlmoe_model *m) {
+    m->mome = vlmoe_calloc(sizeof(*m->mome), "VL-MoE model state");
+    return m->mome ? VLMOE_OK : VLMOE_ERR_NOMEM;
+}
+
+static void arch_free(vlmoe_model *m) {
+    if (!m->mome) return;
+    mome_graph_free_f32(m->mome->mg);
+    mome_graph_free_f32(m->mome->mg_text);
+    mome_itc_free_f32(m->mome->itc);
+    vlmoe_free_mem(m->mome->codebook);
+    vlmoe_free_mem(m->mome);
+    m->mome = NULL;
+}
+
+// A mome model has no contrastive head: its losses are the masked-modeling ones (vlmoe_mome_*).
+// A VL-MoE model takes the contrastive entry points only through its retrieval head.
+static int need_retrieval(const vlmoe_model *m, const char *what) {
+    return !m->L.cfg.retrieval_head
+               ? vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is a VL-MoE (arch mome) model without a retrieval head: "
+                            "fine-tune one with `vlmoe finetune --task retrieval`, or use vlmoe_mome_encode", what,
+                            m->L.cfg.name)
+               : VLMOE_OK;
+}
+
+static int arch_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
+    if (need_retrieval(m, "contrastive forward")) return VLMOE_ERR_ARG;
+    if (!b->images || !b->tokens || !b->lengths)
+        return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
+    vlmoe_mome_stats r;
+    int st = vlmoe_mome_forward_retrieval(m, b->images, b->tokens, b->lengths, b->batch_size, training, &r);
+    if (!st && stats) {
+        memset(stats, 0, sizeof(*stats));
+        stats->contrastive = r.itc, stats->aux = r.aux, stats->loss = r.loss;
+        stats->acc_i2t = r.itc_acc[0], stats->acc_t2i = r.itc_acc[1];
+        stats->temperature = exp(m->params[m->L.logit_scale]);
+    }
+    return st;
+}
+
+static int arch_backward(vlmoe_model *m) { return vlmoe_mome_backward_retrieval(m, 0); }
+
+static int arch_encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens, const int32_t *lens,
+                       int n, float *out) {
+    if (need_retrieval(m, modality == MOD_IMAGE ? "encode images" : "encode texts")) return VLMOE_ERR_ARG;
+    return vlmoe_mome_embed(m, modality == MOD_IMAGE ? VLMOE_ENC_IMAGE : VLMOE_ENC_TEXT, images, tokens, lens, n, out);
+}
+
+static const vlmoe_moe_stats *arch_moe_stats(const vlmoe_model *m, int *count) {
+    if (m->mome->mg) return mome_graph_moe_stats_f32(m->mome->mg, count);
+    if (count) *count = 0;
+    return NULL;
+}
+
+static const struct moe_state_f32 *arch_moe_layer(const vlmoe_model *m, int index) {
+    return m->mome->mg ? mome_graph_moe_layer_f32(m->mome->mg, index) : NULL;
+}
+
+// A VL-MoE model file carries its MIM codebook, when it has one.
+static int arch_save(const vlmoe_model *m, vlmoe_st_writer *w) {
+    return m->mome->codebook ? codebook_add(w, m->mome->codebook, m->L.cfg.mim_vocab, m->L.mome->pd) : VLMOE_OK;
+}
+
+static int arch_load(vlmoe_model *m, const vlmoe_st *f, const char *path) {
+    if (!codebook_present(f)) return VLMOE_OK;
+    int K, dim;
+    return vlmoe_codebook_load(path, m->L.cfg.mim_vocab, m->L.mome->pd, &m->mome->codebook, &K, &dim);
+}
+
+const model_arch model_arch_mome = {
+    .name = "mome",
+    .layout_build = mome_layout_build,
+    .layout_free = arch_layout_free,
+    .init = arch_init,
+    .free = arch_free,
+    .plan = mome_model_plan,
+    .forward = arch_forward,
+    .backward = arch_backward,
+    .encode = arch_encode,
+    .moe_stats = arch_moe_stats,
+    .moe_layer = arch_moe_layer,
+    .save = arch_save,
+    .load = arch_load,
+};

@@ -1,9 +1,8 @@
 // routing.c: vlmoe_model_routing, the per-token decision of one MoE layer in the last forward
 // pass (include/vlmoe.h): finds the layer behind a routing-statistics index in the model's graph
-// and reads its decision (moe_routing_f32, src/moe/layer.c). Covered by tests/test_routing.c.
+// (through the architecture's table, src/nn/model.h) and reads its decision (moe_routing_f32, src/moe/layer.c). Covered by tests/test_routing.c.
 #include "core/core.h"
 #include "moe/layer.h"
-#include "nn/mome.h"
 #include "nn/model.h"
 #include "nn/routing.h"
 
@@ -17,8 +16,7 @@ int vlmoe_model_routing(const vlmoe_model *m, int moe_layer, vlmoe_token_route *
     if (moe_layer < 0 || moe_layer >= nmoe)
         return vlmoe_fail(VLMOE_ERR_ARG, "routing: MoE layer %d outside [0, %d) (the model has %d MoE "
                           "layers)", moe_layer, nmoe, nmoe);
-    const moe_state_f32 *st = m->mg ? mome_graph_moe_layer_f32(m->mg, moe_layer)
-                              : m->g ? graph_moe_layer_f32(m->g, moe_layer) : NULL;
+    const moe_state_f32 *st = m->L.arch->moe_layer ? m->L.arch->moe_layer(m, moe_layer) : NULL;
     // a layer that routed nothing in the last forward still holds an older pass's decision
     if (!st || !stats || moe_layer >= count || stats[moe_layer].tokens[0] + stats[moe_layer].tokens[1] == 0)
         return vlmoe_fail(VLMOE_ERR_ARG, "routing: MoE layer %d routed no tokens in the last forward pass "

@@ -1,0 +1,204 @@
+// towers_model.c: the towers architectures (one_tower: ViT/LIMoE, one encoder for images and
+// texts; two_tower: CLIP/CLIP-UP, an encoder each) behind the model object: their parameter
+// table, and the model_arch entry points (plan, contrastive forward/backward, encoders, routing
+// statistics) over the graph of src/nn/graph.c. Covered by tests/test_model.c and tests/test_train.c.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "nn/model.h"
+#include "nn/routing.h"
+
+static size_t add(table_builder *tb, const char *name, int decay, int ndim, int64_t d0, int64_t d1) {
+    return layout_add(tb, name, decay, ndim, d0, d1, 0);
+}
+
+static void add_encoder(table_builder *tb, encoder_layout *E, const char *prefix) {
+    char n[96];
+    const int D = E->width;
+    for (int l = 0; l < E->layers; l++) {
+        block_layout *b = &E->blocks[l];
+        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
+        layout_add_attention(tb, b, D, n);
+        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.weight", prefix, l);
+        b->ln2_w = add(tb, n, 0, 1, D, 0);
+        snprintf(n, sizeof(n), "%s.blocks.%d.ln2.bias", prefix, l);
+        b->ln2_b = add(tb, n, 0, 1, D, 0);
+        snprintf(n, sizeof(n), "%s.blocks.%d", prefix, l);
+        layout_add_ffn(tb, &b->ffn, E->moe, l, D, E->mlp, n);
+    }
+    snprintf(n, sizeof(n), "%s.ln_final.weight", prefix);
+    E->lnf_w = add(tb, n, 0, 1, D, 0);
+    snprintf(n, sizeof(n), "%s.ln_final.bias", prefix);
+    E->lnf_b = add(tb, n, 0, 1, D, 0);
+}
+
+// The parameter table of a one_tower or two_tower config (L zeroed but for L->arch, cfg valid).
+static int towers_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
+    L->cfg = *cfg;
+    L->nenc = cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1;
+    for (int e = 0; e < L->nenc; e++) {
+        const vlmoe_encoder_config *ec = e ? &cfg->text_encoder : &cfg->encoder;
+        L->enc[e] = (encoder_layout){ec->width, ec->layers, ec->heads, ec->mlp_dim, NULL, 0, 0,
+                                     e ? &L->cfg.text_moe : &L->cfg.moe};
+        L->enc[e].blocks = calloc((size_t)(ec->layers ? ec->layers : 1), sizeof(block_layout));
+        if (!L->enc[e].blocks) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    }
+    table_builder tb = {L, 0, 0};
+    const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
+    const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
+    modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
+    const int Di = L->enc[0].width, Dt = L->enc[L->nenc - 1].width;
+    mi->enc = 0;
+    mi->has_cls = cfg->image_class_token;
+    mi->has_ln_pre = cfg->image_ln_pre;
+    mi->pool = cfg->image_pool;
+    mi->seq = np + mi->has_cls;
+    mi->embed_w = add(&tb, "image.patch_embed.weight", 1, 2, Di, pd);
+    mi->embed_b = cfg->patch_bias ? add(&tb, "image.patch_embed.bias", 0, 1, Di, 0) : NO_PARAM;
+    mi->cls = mi->has_cls ? add(&tb, "image.class_token", 0, 1, Di, 0) : NO_PARAM;
+    mi->pos = add(&tb, "image.pos_embed", 0, 2, mi->seq, Di);
+    mi->ln_pre_w = mi->has_ln_pre ? add(&tb, "image.ln_pre.weight", 0, 1, Di, 0) : NO_PARAM;
+    mi->ln_pre_b = mi->has_ln_pre ? add(&tb, "image.ln_pre.bias", 0, 1, Di, 0) : NO_PARAM;
+    mt->enc = L->nenc - 1;
+    mt->seq = cfg->context_length;
+    mt->has_cls = 0;
+    mt->has_ln_pre = 0;
+    mt->pool = cfg->text_pool;
+    mt->causal = cfg->text_causal;
+    mt->embed_w = add(&tb, "text.token_embed", 0, 2, cfg->vocab_size, Dt);
+    mt->embed_b = mt->cls = mt->ln_pre_w = mt->ln_pre_b = NO_PARAM;
+    mt->pos = add(&tb, "text.pos_embed", 0, 2, mt->seq, Dt);
+    if (L->nenc == 1) {
+        add_encoder(&tb, &L->enc[0], "encoder");
+    } else {
+        add_encoder(&tb, &L->enc[0], "image");
+        add_encoder(&tb, &L->enc[1], "text");
+    }
+    mi->proj = add(&tb, "image.proj", 1, 2, cfg->embed_dim, Di);
+    mt->proj = add(&tb, "text.proj", 1, 2, cfg->embed_dim, Dt);
+    L->logit_scale = add(&tb, "logit_scale", 0, 0, 0, 0);
+    if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    for (int i = 0; i < L->nparams; i++)
+        if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
+    L->total = tb.off;
+    return VLMOE_OK;
+}
+
+static int towers_plan(vlmoe_model *m, int batch_size) {
+    if (m->g && m->planned_B == batch_size) return VLMOE_OK;
+    graph_free_f32(m->g);
+    m->g = NULL;
+    m->have_forward = 0;
+    int st = graph_create_f32(&m->g, &m->L, m->be, batch_size);
+    if (st) return st;
+    m->planned_B = batch_size;
+    return VLMOE_OK;
+}
+
+static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
+    if (!b->images || !b->tokens || !b->lengths)
+        return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
+    int st = towers_plan(m, b->batch_size);
+    if (st) return st;
+    graph_result r;
+    graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+    m->have_forward = 0;
+    if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
+    m->have_forward = training;
+    if (stats) {
+        memset(stats, 0, sizeof(*stats));
+        stats->contrastive = r.loss - r.aux;
+        stats->aux = r.aux;
+        stats->loss = r.loss;
+        stats->acc_i2t = r.acc[0];
+        stats->acc_t2i = r.acc[1];
+        stats->temperature = exp(m->params[m->L.logit_scale]);
+    }
+    if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
+    return VLMOE_OK;
+}
+
+static int towers_backward(vlmoe_model *m) {
+    if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
+    memset(m->grads, 0, sizeof(float) * m->L.total);
+    graph_backward_f32(m->g, m->params, m->grads);
+    return VLMOE_OK;
+}
+
+// Runs one modality in chunks of the planned batch size (the last chunk padded by repeating
+// its final item, whose outputs are discarded).
+static int towers_encode(vlmoe_model *m, int modality, const float *images, const int32_t *tokens,
+                         const int32_t *lens, int n, float *out) {
+    if (!m->g) {
+        int st = towers_plan(m, n < 64 ? (n > 0 ? n : 1) : 64);
+        if (st) return st;
+    }
+    const vlmoe_model_config *c = &m->L.cfg;
+    const int B = m->planned_B, E = c->embed_dim, T = c->context_length;
+    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    float *pad_img = NULL;
+    int32_t *pad_tok = NULL;
+    int st = VLMOE_OK;
+    for (int i0 = 0; i0 < n && !st; i0 += B) {
+        const int k = n - i0 < B ? n - i0 : B;
+        const float *im = images ? images + (size_t)i0 * isz : NULL;
+        const int32_t *tk = tokens ? tokens + (size_t)i0 * T : NULL, *ln = lens ? lens + i0 : NULL;
+        if (k < B) { // copy the tail into a full batch
+            if (images) {
+                pad_img = vlmoe_alloc(sizeof(float) * isz * B, "padded batch");
+                if (!pad_img) return VLMOE_ERR_NOMEM;
+                for (int j = 0; j < B; j++) memcpy(pad_img + j * isz, im + (j < k ? j : k - 1) * isz, sizeof(float) * isz);
+                im = pad_img;
+            } else {
+                pad_tok = vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch");
+                if (!pad_tok) return VLMOE_ERR_NOMEM;
+                for (int j = 0; j < B; j++) {
+                    int s = j < k ? j : k - 1;
+                    memcpy(pad_tok + (size_t)j * T, tk + (size_t)s * T, sizeof(int32_t) * T);
+                    pad_tok[(size_t)B * T + j] = ln[s];
+                }
+                tk = pad_tok;
+                ln = pad_tok + (size_t)B * T;
+            }
+        }
+        graph_set_mode_f32(m->g, 0, 0);
+        st = graph_forward_f32(m->g, m->params, im, tk, ln, NULL);
+        if (!st) memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
+    }
+    vlmoe_free_mem(pad_img);
+    vlmoe_free_mem(pad_tok);
+    m->have_forward = 0;
+    return st;
+}
+
+static const vlmoe_moe_stats *towers_moe_stats(const vlmoe_model *m, int *count) {
+    if (!m->g) {
+        if (count) *count = 0;
+        return NULL;
+    }
+    return graph_moe_stats_f32(m->g, count);
+}
+
+static const struct moe_state_f32 *towers_moe_layer(const vlmoe_model *m, int index) {
+    return m->g ? graph_moe_layer_f32(m->g, index) : NULL;
+}
+
+static void towers_free(vlmoe_model *m) {
+    graph_free_f32(m->g);
+    m->g = NULL;
+}
+
+const model_arch model_arch_towers = {
+    .name = "towers",
+    .layout_build = towers_layout_build,
+    .free = towers_free,
+    .plan = towers_plan,
+    .forward = towers_forward,
+    .backward = towers_backward,
+    .encode = towers_encode,
+    .moe_stats = towers_moe_stats,
+    .moe_layer = towers_moe_layer,
+};
