@@ -410,6 +410,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->clamp = cuda_clamp;
     cuda_fill_nn(be);
     cuda_fill_embed(be);
+    cuda_fill_loss(be);
     *out = be;
     return VLMOE_OK;
 }
