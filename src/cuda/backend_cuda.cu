@@ -411,6 +411,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     cuda_fill_nn(be);
     cuda_fill_embed(be);
     cuda_fill_loss(be);
+    cuda_fill_moe(be);
     *out = be;
     return VLMOE_OK;
 }
