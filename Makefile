@@ -105,10 +105,10 @@ $(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 
-$(B)/%.o: %.cu $(HDRS) | $(DEPS_STAMP)
+$(B)/%.o: %.cu $(wildcard src/cuda/*.cuh) $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
-$(BA)/%.o: %.cu $(HDRS) | $(DEPS_STAMP)
+$(BA)/%.o: %.cu $(wildcard src/cuda/*.cuh) $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -196,13 +196,14 @@ bench: all $(BENCHES) $(TEST_DEPS_STAMP)
 # Without nvcc on PATH this step is left out with a message.
 HAVE_NVCC := $(shell command -v $(NVCC) >/dev/null 2>&1 && echo 1)
 CUDA_CHECK := $(if $(HAVE_NVCC),build/cuda/tests/test_backend_ops,)
-build/cuda/backend_cuda.o: src/cuda/backend_cuda.cu $(HDRS) | $(DEPS_STAMP)
+CUDA_CHECK_OBJS := $(patsubst src/cuda/%.cu,build/cuda/%.o,$(CUDA_SRCS))
+build/cuda/%.o: src/cuda/%.cu $(wildcard src/cuda/*.cuh) $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
-build/cuda/tests/test_backend_ops: tests/test_backend_ops.c build/cuda/backend_cuda.o libvlmoe.a $(HDRS)
+build/cuda/tests/test_backend_ops: tests/test_backend_ops.c $(CUDA_CHECK_OBJS) libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/backend_cuda.o libvlmoe.a \
-	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++ $(LIBS)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ $(CUDA_CHECK_OBJS) libvlmoe.a \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++ $(LIBS)
 # src/dist/nccl.c (needs MPI for its bootstrap) is compiled the same way and linked into
 # tests/test_dist, whose NCCL checks skip without a device.
 ifneq ($(HAVE_MPI),)
@@ -211,10 +212,10 @@ endif
 build/cuda/dist_nccl.o: src/dist/nccl.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
-build/cuda/tests/test_dist: tests/test_dist.c build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a $(HDRS)
+build/cuda/tests/test_dist: tests/test_dist.c build/cuda/dist_nccl.o $(CUDA_CHECK_OBJS) libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/dist_nccl.o build/cuda/backend_cuda.o libvlmoe.a \
-	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcudart -lstdc++ $(LIBS)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ build/cuda/dist_nccl.o $(CUDA_CHECK_OBJS) libvlmoe.a \
+	    -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lnccl -lcublas -lcudart -lstdc++ $(LIBS)
 cuda-check: $(CUDA_CHECK)
 
 FIXTURES := build/fixtures/.stamp

@@ -1,48 +1,168 @@
 // backend_cuda.cu: the CUDA backend table (src/ops/backend.h), built by `make CUDA=1` in place of
-// src/cuda/cuda_stub.c. Today it holds device memory (cudaMalloc, copies on one stream), the
-// elementwise trainer ops (scale, clamp, AdamW), the sum of squares with its finite check, and
-// the MoE row gather, combine and their backward (combine's weights still come from the CPU); `supports` refuses every other op with an error naming it, so
-// a model asks for what is missing before it runs. Every CUDA status is checked and turned into
-// a vlmoe error naming the call (the library never exits). Covered by tests/test_backend_ops.c,
-// whose CUDA rows run only on a machine with a device.
-#include <cuda_runtime.h>
-
+// src/cuda/cuda_stub.c. This file holds what the other .cu files share (context, checks, cuBLAS
+// GEMMs in fp32 without TF32, the workspace, fixed-order reductions), device memory (cudaMalloc,
+// copies on one stream), the trainer's flat-buffer ops (scale, clamp, AdamW, the sum of squares
+// with its finite check) and the MoE row gather, combine and their backward; the model kernels
+// live in nn_cuda.cu, embed_cuda.cu, loss_cuda.cu and moe_cuda.cu. Every CUDA and cuBLAS status
+// is checked and turned into a vlmoe error naming the op (the library never exits). Covered by
+// tests/test_backend_ops.c, whose CUDA rows run only on a machine with a device.
 #include <math.h>
 #include <stdlib.h>
 
-extern "C" {
-#include "core/core.h"
-#include "ops/backend.h"
-}
+#include "cuda/cuda_internal.cuh"
 
-typedef vlmoe_backend_f32 backend;
-
-struct cuda_ctx {
-    int device;
-    cudaStream_t stream;
-    double *partial;  // (NCHUNK) sum-of-squares partials on the device
-    int *flag;        // (1) non-finite flag on the device
-};
-
-#define NCHUNK 64
-
-static cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
-
-// Records a failed CUDA call as the thread's error; returns 1 when it failed.
-static int cuda_failed(cudaError_t e, const char *call) {
+int cu_failed(cudaError_t e, const char *op, const char *call) {
     if (e == cudaSuccess) return 0;
-    vlmoe_fail(VLMOE_ERR_ARG, "CUDA %s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+    vlmoe_fail(VLMOE_ERR_ARG, "CUDA backend, op %s: %s: %s (%s)", op, call, cudaGetErrorString(e),
+               cudaGetErrorName(e));
     return 1;
 }
-#define CK(call) cuda_failed((call), #call)
 
+int cublas_failed(cublasStatus_t s, const char *op, const char *call) {
+    if (s == CUBLAS_STATUS_SUCCESS) return 0;
+    vlmoe_fail(VLMOE_ERR_ARG, "CUDA backend, op %s: %s: %s (%s)", op, call, cublasGetStatusString(s),
+               cublasGetStatusName(s));
+    return 1;
+}
+#define BK(op, call) cublas_failed((call), (op), #call)
+
+void *cu_workspace(const backend *be, size_t bytes, const char *op) {
+    cuda_ctx *c = ctx_of(be);
+    if (bytes <= c->ws_bytes) return c->ws;
+    // kernels queued earlier may still read the old buffer
+    if (CK(op, cudaStreamSynchronize(c->stream))) return NULL;
+    if (c->ws && CK(op, cudaFree(c->ws))) return NULL;
+    c->ws = NULL;
+    c->ws_bytes = 0;
+    const size_t want = (bytes + (bytes >> 2) + 4095) & ~(size_t)4095; // room to grow a little
+    cudaError_t e = cudaMalloc(&c->ws, want);
+    if (e != cudaSuccess) {
+        c->ws = NULL;
+        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA backend, op %s: out of memory for a %zu-byte workspace (%s)", op,
+                   want, cudaGetErrorString(e));
+        return NULL;
+    }
+    c->ws_bytes = want;
+    return c->ws;
+}
+
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, the
+// transpose flags stay.
+int cu_gemm(const backend *be, const char *op, int ta, int tb, int M, int N, int K, float alpha,
+            const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return 0;
+    // an empty inner dimension (K = 0) reads nothing, but cuBLAS still wants leading dims >= 1
+    lda = lda < 1 ? 1 : lda, ldb = ldb < 1 ? 1 : ldb;
+    return BK(op, cublasSgemm(ctx_of(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                              N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc));
+}
+
+int cu_gemm_batched(const backend *be, const char *op, int ta, int tb, int M, int N, int K, float alpha,
+                    const float *A, int lda, long long sA, const float *B, int ldb, long long sB,
+                    float beta, float *C, int ldc, long long sC, int batch) {
+    if (M <= 0 || N <= 0 || batch <= 0) return 0;
+    lda = lda < 1 ? 1 : lda, ldb = ldb < 1 ? 1 : ldb;
+    return BK(op, cublasSgemmStridedBatched(ctx_of(be)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                            ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &alpha, B, ldb, sB, A,
+                                            lda, sA, &beta, C, ldc, sC, batch));
+}
+
+// Column sums: blocks of 32 columns x 8 row lanes; lane y sums rows y, y+8, ... in order, then
+// the 8 partials add in lane order. The same grouping every run.
+__global__ static void k_colsum(float *out, const float *in, const float *x, const float *mean,
+                                const float *rstd, int rows, int C) {
+    __shared__ float sh[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x, g = blockIdx.y;
+    const size_t r0 = (size_t)g * rows;
+    float s = 0;
+    if (c < C)
+        for (int r = threadIdx.y; r < rows; r += 8) {
+            const size_t i = (r0 + r) * C + c;
+            s = x ? __fadd_rn(s, __fmul_rn(__fmul_rn(in[i], __fsub_rn(x[i], mean[r0 + r])), rstd[r0 + r]))
+                  : __fadd_rn(s, in[i]);
+        }
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float t = sh[0][threadIdx.x];
+        for (int k = 1; k < 8; k++) t = __fadd_rn(t, sh[k][threadIdx.x]);
+        out[(size_t)g * C + c] += t;
+    }
+}
+void cu_colsum(const backend *be, const char *op, float *out, const float *in, const float *x,
+               const float *mean, const float *rstd, int rows, int C, int groups) {
+    if (C <= 0 || groups <= 0) return;
+    k_colsum<<<dim3(cu_blocks((size_t)C, 32), groups), dim3(32, 8), 0, stream_of(be)>>>(out, in, x, mean, rstd,
+                                                                                       rows, C);
+    LAUNCHED(op);
+}
+
+__global__ static void k_transpose(float *dst, const float *src, int R, int C, int add) {
+    __shared__ float tile[32][33];
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+    for (int k = threadIdx.y; k < 32; k += 8) {
+        const int r = r0 + k, c = c0 + threadIdx.x;
+        if (r < R && c < C) tile[k][threadIdx.x] = src[(size_t)r * C + c];
+    }
+    __syncthreads();
+    for (int k = threadIdx.y; k < 32; k += 8) {
+        const int c = c0 + k, r = r0 + threadIdx.x;
+        if (r < R && c < C) {
+            const size_t i = (size_t)c * R + r;
+            dst[i] = add ? __fadd_rn(dst[i], tile[threadIdx.x][k]) : tile[threadIdx.x][k];
+        }
+    }
+}
+void cu_transpose(const backend *be, const char *op, float *dst, const float *src, int R, int C, int add) {
+    if (R <= 0 || C <= 0) return;
+    k_transpose<<<dim3(cu_blocks((size_t)C, 32), cu_blocks((size_t)R, 32)), dim3(32, 8), 0, stream_of(be)>>>(
+        dst, src, R, C, add);
+    LAUNCHED(op);
+}
+
+__global__ static void k_sum_doubles(double *out, const double *in, size_t n) {
+    __shared__ double sh[256];
+    double s = 0;
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) s += in[i];
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) *out = s;
+}
+void cu_sum_doubles(const backend *be, const char *op, double *out, const double *in, size_t n) {
+    k_sum_doubles<<<1, 256, 0, stream_of(be)>>>(out, in, n);
+    LAUNCHED(op);
+}
+
+// An op is supported when every table entry it needs has a device kernel.
 static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     switch (op) {
-    case BE_OP_GATHER_ROWS: case BE_OP_SUMSQ: case BE_OP_SCALE: case BE_OP_ADAMW:
-    case BE_OP_CLAMP:
-        return 1;
-    default:
-        return 0; // the model kernels arrive with the CUDA backend issue
+    case BE_OP_LINEAR: return be->linear_forward && be->linear_backward;
+    case BE_OP_LAYERNORM: return be->layernorm_forward && be->layernorm_recompute && be->layernorm_backward;
+    case BE_OP_ACT: return be->act_forward && be->act_backward;
+    case BE_OP_SOFTMAX: return be->softmax_forward && be->softmax_backward;
+    case BE_OP_ATTENTION: return be->attention_forward && be->attention_backward;
+    case BE_OP_PATCHIFY: return be->patchify_forward && be->patchify_backward;
+    case BE_OP_EMBED: return be->embed_forward && be->embed_backward;
+    case BE_OP_POSADD: return be->posadd_forward && be->posadd_backward;
+    case BE_OP_CLS: return be->cls_forward && be->cls_backward;
+    case BE_OP_POOL: return be->pool_forward && be->pool_backward;
+    case BE_OP_L2NORM: return be->l2norm_forward && be->l2norm_backward;
+    case BE_OP_CONTRASTIVE: return be->contrastive_forward && be->contrastive_backward;
+    case BE_OP_XENT: return be->xent_forward && be->xent_backward;
+    case BE_OP_GATHER_ROWS: return be->gather_rows && be->gather_rows_backward;
+    // the test's dispatch case runs the whole dispatch family under this name
+    case BE_OP_COMBINE:
+        return be->gather_rows && be->combine_forward && be->combine_backward && be->gather_rows_backward &&
+               be->combine_weights && be->combine_weights_backward;
+    case BE_OP_COMBINE_WEIGHTS: return be->combine_weights && be->combine_weights_backward;
+    case BE_OP_ROUTER_NOISE: return be->router_noise != NULL;
+    case BE_OP_AUX_LOSS: return be->aux_loss != NULL;
+    case BE_OP_SOFT_MOE: return be->soft_moe_forward && be->soft_moe_backward;
+    case BE_OP_EXPERTS: return be->experts_forward && be->experts_backward;
+    case BE_OP_SUMSQ: return be->sumsq != NULL;
+    case BE_OP_SCALE: return be->scale != NULL;
+    case BE_OP_ADAMW: return be->adamw != NULL;
+    case BE_OP_CLAMP: return be->clamp != NULL;
+    default: return 0;
     }
 }
 
@@ -56,48 +176,51 @@ static void *cuda_alloc(const backend *be, size_t bytes, const char *what) {
                    bytes, free_b, total_b, cudaGetErrorString(e));
         return NULL;
     }
-    if (CK(cudaMemsetAsync(p, 0, bytes, ctx_of(be)->stream))) return cudaFree(p), (void *)NULL;
+    if (CK("alloc", cudaMemsetAsync(p, 0, bytes, stream_of(be)))) return cudaFree(p), (void *)NULL;
     return p;
 }
 static void cuda_free(const backend *be, void *p) {
-    if (p) CK(cudaFree(p));
+    if (p) CK("free", cudaFree(p));
 }
 static void cuda_upload(const backend *be, float *dst, const float *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyHostToDevice, ctx_of(be)->stream));
+    if (n) CK("upload", cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyHostToDevice, stream_of(be)));
 }
 static void cuda_download(const backend *be, float *dst, const float *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToHost, ctx_of(be)->stream));
-    CK(cudaStreamSynchronize(ctx_of(be)->stream));
+    if (n && !CK("download", cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_of(be))))
+        CK("download", cudaStreamSynchronize(stream_of(be)));
 }
 static void cuda_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, ctx_of(be)->stream));
+    if (n) CK("upload_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_of(be)));
 }
 static void cuda_zero(const backend *be, float *p, size_t n) {
-    CK(cudaMemsetAsync(p, 0, sizeof(float) * n, ctx_of(be)->stream));
+    if (n) CK("zero", cudaMemsetAsync(p, 0, sizeof(float) * n, stream_of(be)));
 }
 static void cuda_copy(const backend *be, float *dst, const float *src, size_t n) {
-    CK(cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToDevice, ctx_of(be)->stream));
+    if (n && dst != src)
+        CK("copy", cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToDevice, stream_of(be)));
 }
 static int cuda_sync(const backend *be) {
-    return CK(cudaStreamSynchronize(ctx_of(be)->stream)) ? VLMOE_ERR_ARG : VLMOE_OK;
+    return CK("sync", cudaStreamSynchronize(stream_of(be))) ? VLMOE_ERR_ARG : VLMOE_OK;
 }
-
-static unsigned blocks_for(size_t n, unsigned threads) { return (unsigned)((n + threads - 1) / threads); }
 
 __global__ static void k_add(float *dst, const float *src, size_t n) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) dst[i] += src[i];
+    if (i < n) dst[i] = __fadd_rn(dst[i], src[i]);
 }
 static void cuda_add(const backend *be, float *dst, const float *src, size_t n) {
-    if (n) k_add<<<blocks_for(n, 256), 256, 0, ctx_of(be)->stream>>>(dst, src, n);
+    if (!n) return;
+    k_add<<<cu_blocks(n, 256), 256, 0, stream_of(be)>>>(dst, src, n);
+    LAUNCHED("add");
 }
 
 __global__ static void k_scale(float *x, size_t n, float s) {
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    if (i < n) x[i] *= s;
+    if (i < n) x[i] = __fmul_rn(x[i], s);
 }
 static void cuda_scale(const backend *be, float *x, size_t n, float s) {
-    if (n) k_scale<<<blocks_for(n, 256), 256, 0, ctx_of(be)->stream>>>(x, n, s);
+    if (!n) return;
+    k_scale<<<cu_blocks(n, 256), 256, 0, stream_of(be)>>>(x, n, s);
+    LAUNCHED("scale");
 }
 
 __global__ static void k_clamp(float *x, size_t n, float lo, float hi) {
@@ -105,7 +228,9 @@ __global__ static void k_clamp(float *x, size_t n, float lo, float hi) {
     if (i < n) x[i] = x[i] < lo ? lo : x[i] > hi ? hi : x[i];
 }
 static void cuda_clamp(const backend *be, float *x, size_t n, double lo, double hi) {
-    if (n) k_clamp<<<blocks_for(n, 256), 256, 0, ctx_of(be)->stream>>>(x, n, (float)lo, (float)hi);
+    if (!n) return;
+    k_clamp<<<cu_blocks(n, 256), 256, 0, stream_of(be)>>>(x, n, (float)lo, (float)hi);
+    LAUNCHED("clamp");
 }
 
 // the same expression order as src/ops/backend_cpu.c (no fused multiply-adds: -fmad=false)
@@ -124,7 +249,9 @@ __global__ static void k_adamw(float *p, float *m, float *v, const float *g, siz
 }
 static void cuda_adamw(const backend *be, float *p, float *m, float *v, const float *g, size_t n,
                        const be_adamw *a) {
-    if (n) k_adamw<<<blocks_for(n, 256), 256, 0, ctx_of(be)->stream>>>(p, m, v, g, n, *a);
+    if (!n) return;
+    k_adamw<<<cu_blocks(n, 256), 256, 0, stream_of(be)>>>(p, m, v, g, n, *a);
+    LAUNCHED("adamw");
 }
 
 // One block per chunk of the CPU's chunking, summed in double in a fixed tree order: the bits do
@@ -134,15 +261,10 @@ __global__ static void k_sumsq(double *partial, int *flag, const float *x, size_
     const size_t a = blockIdx.x * per < n ? blockIdx.x * per : n, b = a + per < n ? a + per : n;
     double acc = 0;
     for (size_t i = a + threadIdx.x; i < b; i += blockDim.x) acc += (double)x[i] * x[i];
-    s[threadIdx.x] = acc;
-    __syncthreads();
-    for (unsigned k = blockDim.x / 2; k > 0; k /= 2) {
-        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
-        __syncthreads();
-    }
+    acc = block_sum(acc, s);
     if (threadIdx.x == 0) {
-        partial[blockIdx.x] = s[0];
-        if (!isfinite(s[0])) *flag = 1;
+        partial[blockIdx.x] = acc;
+        if (!isfinite(acc)) *flag = 1;
     }
 }
 static double cuda_sumsq(const backend *be, const float *x, size_t n, int *nonfinite) {
@@ -150,11 +272,14 @@ static double cuda_sumsq(const backend *be, const float *x, size_t n, int *nonfi
     double part[NCHUNK];
     int flag = 0;
     const size_t per = (n + NCHUNK - 1) / NCHUNK;
-    if (CK(cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream))) return NAN;
-    if (n) k_sumsq<<<NCHUNK, 256, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
-    if (CK(cudaMemcpyAsync(part, c->partial, sizeof(part), cudaMemcpyDeviceToHost, c->stream)) ||
-        CK(cudaMemcpyAsync(&flag, c->flag, sizeof(int), cudaMemcpyDeviceToHost, c->stream)) ||
-        CK(cudaStreamSynchronize(c->stream)))
+    if (CK("sumsq", cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream))) return NAN;
+    if (n) {
+        k_sumsq<<<NCHUNK, 256, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
+        if (LAUNCHED("sumsq")) return NAN;
+    }
+    if (CK("sumsq", cudaMemcpyAsync(part, c->partial, sizeof(part), cudaMemcpyDeviceToHost, c->stream)) ||
+        CK("sumsq", cudaMemcpyAsync(&flag, c->flag, sizeof(int), cudaMemcpyDeviceToHost, c->stream)) ||
+        CK("sumsq", cudaStreamSynchronize(c->stream)))
         return NAN;
     double sum = 0;
     for (int k = 0; k < NCHUNK && n; k++) sum += part[k];
@@ -168,7 +293,9 @@ __global__ static void k_gather_rows(float *dst, const float *src, const int32_t
     for (int k = threadIdx.x; k < D; k += blockDim.x) dst[(size_t)r * D + k] = src[(size_t)idx[r] * D + k];
 }
 static void cuda_gather_rows(const backend *be, float *dst, const float *src, const int32_t *idx, int rows, int D) {
-    if (rows > 0) k_gather_rows<<<rows, 128, 0, ctx_of(be)->stream>>>(dst, src, idx, rows, D);
+    if (rows <= 0) return;
+    k_gather_rows<<<rows, 128, 0, stream_of(be)>>>(dst, src, idx, rows, D);
+    LAUNCHED("gather_rows");
 }
 
 // one block per token: its rows in row order, so no atomics and the same sum every run
@@ -186,7 +313,9 @@ __global__ static void k_combine(float *out, const float *y, const float *w, be_
 }
 static void cuda_combine_forward(const backend *be, float *out, const float *y, const float *w,
                                  const be_dispatch *d, int D) {
-    if (d->n > 0) k_combine<<<d->n, 128, 0, ctx_of(be)->stream>>>(out, y, w, *d, D);
+    if (d->n <= 0) return;
+    k_combine<<<d->n, 128, 0, stream_of(be)>>>(out, y, w, *d, D);
+    LAUNCHED("combine");
 }
 
 __global__ static void k_gather_back(float *dx, const float *dxp, be_dispatch d, int D) {
@@ -199,7 +328,9 @@ __global__ static void k_gather_back(float *dx, const float *dxp, be_dispatch d,
     }
 }
 static void cuda_gather_rows_backward(const backend *be, float *dx, const float *dxp, const be_dispatch *d, int D) {
-    if (d->n > 0) k_gather_back<<<d->n, 128, 0, ctx_of(be)->stream>>>(dx, dxp, *d, D);
+    if (d->n <= 0) return;
+    k_gather_back<<<d->n, 128, 0, stream_of(be)>>>(dx, dxp, *d, D);
+    LAUNCHED("gather_rows");
 }
 
 __global__ static void k_combine_back(float *dy, float *dw, const float *dout, const float *y, const float *w,
@@ -216,7 +347,18 @@ __global__ static void k_combine_back(float *dy, float *dw, const float *dout, c
 }
 static void cuda_combine_backward(const backend *be, float *dy, float *dw, const float *dout, const float *y,
                                   const float *w, const be_dispatch *d, int D) {
-    if (d->rows > 0) k_combine_back<<<blocks_for((size_t)d->rows, 128), 128, 0, ctx_of(be)->stream>>>(dy, dw, dout, y, w, *d, D);
+    if (d->rows <= 0) return;
+    k_combine_back<<<cu_blocks((size_t)d->rows, 128), 128, 0, stream_of(be)>>>(dy, dw, dout, y, w, *d, D);
+    LAUNCHED("combine");
+}
+
+static void ctx_release(cuda_ctx *c) {
+    if (!c) return;
+    if (c->blas) cublasDestroy(c->blas);
+    cudaFree(c->partial);
+    cudaFree(c->flag);
+    cudaFree(c->ws);
+    if (c->stream) cudaStreamDestroy(c->stream);
 }
 
 extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
@@ -227,13 +369,20 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
         return vlmoe_fail(VLMOE_ERR_ARG, "device cuda:%d: no usable CUDA device (%s)", device, cudaGetErrorString(e));
     if (device < 0 || device >= count)
         return vlmoe_fail(VLMOE_ERR_ARG, "device cuda:%d: this machine has %d CUDA device(s)", device, count);
-    if (CK(cudaSetDevice(device))) return VLMOE_ERR_ARG;
+    if (CK("init", cudaSetDevice(device))) return VLMOE_ERR_ARG;
     backend *be = (backend *)vlmoe_calloc(sizeof(backend), "CUDA backend");
     cuda_ctx *c = (cuda_ctx *)vlmoe_calloc(sizeof(cuda_ctx), "CUDA backend");
     if (!be || !c) return vlmoe_free_mem(be), vlmoe_free_mem(c), VLMOE_ERR_NOMEM;
     c->device = device;
-    if (CK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) ||
-        CK(cudaMalloc((void **)&c->partial, sizeof(double) * NCHUNK)) || CK(cudaMalloc((void **)&c->flag, sizeof(int)))) {
+    // fp32 products in fp32: the pedantic mode rules out TF32 and any reduced-precision path
+    if (CK("init", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) ||
+        CK("init", cudaMalloc((void **)&c->partial, sizeof(double) * NCHUNK)) ||
+        CK("init", cudaMalloc((void **)&c->flag, sizeof(int) * 4)) || BK("init", cublasCreate(&c->blas)) ||
+        BK("init", cublasSetStream(c->blas, c->stream)) ||
+        BK("init", cublasSetMathMode(c->blas, CUBLAS_PEDANTIC_MATH)) ||
+        BK("init", cublasSetAtomicsMode(c->blas, CUBLAS_ATOMICS_NOT_ALLOWED)) ||
+        BK("init", cublasSetPointerMode(c->blas, CUBLAS_POINTER_MODE_HOST))) {
+        ctx_release(c);
         vlmoe_free_mem(be);
         vlmoe_free_mem(c);
         return VLMOE_ERR_ARG;
@@ -259,6 +408,10 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->scale = cuda_scale;
     be->adamw = cuda_adamw;
     be->clamp = cuda_clamp;
+    cuda_fill_nn(be);
+    cuda_fill_embed(be);
+    cuda_fill_loss(be);
+    cuda_fill_moe(be);
     *out = be;
     return VLMOE_OK;
 }
@@ -266,11 +419,8 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
 extern "C" void backend_cuda_free(vlmoe_backend_f32 *be) {
     if (!be) return;
     cuda_ctx *c = ctx_of(be);
-    if (c) {
-        cudaFree(c->partial);
-        cudaFree(c->flag);
-        cudaStreamDestroy(c->stream);
-    }
+    if (c) cudaStreamSynchronize(c->stream);
+    ctx_release(c);
     vlmoe_free_mem(c);
     vlmoe_free_mem(be);
 }

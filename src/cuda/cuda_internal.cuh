@@ -1,0 +1,128 @@
+// cuda_internal.cuh: what the .cu files of the CUDA backend share: the table's context (stream,
+// cuBLAS handle, a growable workspace), the checks that turn a failed CUDA or cuBLAS call into a
+// vlmoe error naming the op, row-major GEMMs on cuBLAS, deterministic block reductions, and the
+// kernels one op group borrows from another (linear, activation, softmax for the experts and
+// Soft MoE). Every reduction sums in a fixed order (no float atomics): a run gives the same bits
+// as the one before it. Covered by tests/test_backend_ops.c on a machine with a device.
+#ifndef VLMOE_CUDA_INTERNAL_CUH
+#define VLMOE_CUDA_INTERNAL_CUH
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "core/core.h"
+#include "ops/backend.h"
+}
+
+// Internal to the library: hidden from libvlmoe.so's export list (tests/check_exports.sh).
+#define CU_INTERNAL __attribute__((visibility("hidden")))
+
+typedef vlmoe_backend_f32 backend;
+
+#define NCHUNK 64
+
+struct cuda_ctx {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    double *partial;  // (NCHUNK) reduction partials and downloaded scalars on the device
+    int *flag;        // (4) flags and counts on the device
+    void *ws;         // workspace for ops that need scratch the table does not pass (grows)
+    size_t ws_bytes;
+};
+
+static inline cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
+static inline cudaStream_t stream_of(const backend *be) { return ctx_of(be)->stream; }
+
+// Record a failed call as the thread's error naming op; return 1 when it failed.
+CU_INTERNAL int cu_failed(cudaError_t e, const char *op, const char *call);
+CU_INTERNAL int cublas_failed(cublasStatus_t s, const char *op, const char *call);
+#define CK(op, call) cu_failed((call), (op), #call)
+// after a kernel launch: a bad configuration is reported at once, naming the op
+#define LAUNCHED(op) cu_failed(cudaGetLastError(), (op), "kernel launch")
+
+// The workspace, at least `bytes` long (NULL with the error set when it cannot be had). One op
+// takes it once and carves it: a second call may move it.
+CU_INTERNAL void *cu_workspace(const backend *be, size_t bytes, const char *op);
+
+// Row-major C (M,N) = alpha op(A) op(B) + beta C with leading dimensions (strided views are
+// fine), fp32 on cuBLAS with no TF32. Returns 1 on failure (error set, naming op).
+CU_INTERNAL int cu_gemm(const backend *be, const char *op, int ta, int tb, int M, int N, int K,
+                        float alpha, const float *A, int lda, const float *B, int ldb, float beta,
+                        float *C, int ldc);
+// The same over `batch` products, the i-th at A + i sA, B + i sB, C + i sC.
+CU_INTERNAL int cu_gemm_batched(const backend *be, const char *op, int ta, int tb, int M, int N,
+                                int K, float alpha, const float *A, int lda, long long sA,
+                                const float *B, int ldb, long long sB, float beta, float *C,
+                                int ldc, long long sC, int batch);
+
+static inline unsigned cu_blocks(size_t n, unsigned threads) {
+    return (unsigned)((n + threads - 1) / threads);
+}
+
+// out[g*C + c] += sum over rows r of group g (rows [g*rows, (g+1)*rows)) of in[r*C + c], the
+// rows summed in order per column slice: the column sums of bias and LayerNorm gradients. When
+// x is given (LayerNorm's weight gradient) the term is in (x - mean_r) rstd_r instead.
+CU_INTERNAL void cu_colsum(const backend *be, const char *op, float *out, const float *in,
+                           const float *x, const float *mean, const float *rstd, int rows, int C,
+                           int groups);
+
+// The ops other files run inside their own (same semantics as the table entries).
+CU_INTERNAL void cu_linear_forward(const backend *be, float *out, const float *inp, const float *w,
+                                   const float *b, int N, int K, int O, int beta);
+CU_INTERNAL void cu_linear_backward(const backend *be, float *dinp, float *dw, float *db,
+                                    const float *dout, const float *inp, const float *w, int N,
+                                    int K, int O);
+CU_INTERNAL void cu_act_forward(const backend *be, float *out, const float *inp, size_t n, int kind);
+CU_INTERNAL void cu_act_backward(const backend *be, float *dinp, const float *inp, const float *dout,
+                                 size_t n, int kind);
+CU_INTERNAL void cu_softmax_forward(const backend *be, float *out, const float *inp, int N, int C);
+CU_INTERNAL void cu_softmax_backward(const backend *be, float *dinp, const float *out,
+                                     const float *dout, int N, int C);
+// dst (C,R) = src (R,C)^T; with add, dst += src^T
+CU_INTERNAL void cu_transpose(const backend *be, const char *op, float *dst, const float *src, int R,
+                              int C, int add);
+// *out (one double on the device) = the sum of in (n doubles) in a fixed order
+CU_INTERNAL void cu_sum_doubles(const backend *be, const char *op, double *out, const double *in,
+                                size_t n);
+
+// Each file fills its part of the table.
+CU_INTERNAL void cuda_fill_nn(backend *be);    // src/cuda/nn_cuda.cu
+CU_INTERNAL void cuda_fill_embed(backend *be); // src/cuda/embed_cuda.cu
+CU_INTERNAL void cuda_fill_loss(backend *be);  // src/cuda/loss_cuda.cu
+CU_INTERNAL void cuda_fill_moe(backend *be);   // src/cuda/moe_cuda.cu
+
+// ---- device helpers (header-only: each .cu file gets its own copy)
+
+// Sum of v over the block (blockDim.x a power of two <= 1024) in a fixed tree order; every
+// thread gets the result. sh holds blockDim.x values of T.
+template <typename T>
+__device__ static inline T block_sum(T v, T *sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + k];
+        __syncthreads();
+    }
+    T r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// Maximum of v over the block (same shape rules as block_sum).
+__device__ static inline float block_max(float v, float *sh) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + k]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+#endif

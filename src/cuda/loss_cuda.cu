@@ -1,0 +1,601 @@
+// loss_cuda.cu: the losses of the backend table on the device: the symmetric image-text
+// contrastive loss (src/loss/contrastive.c; logits on cuBLAS), the masked-modeling
+// cross-entropy (src/loss/masked.c) and the auxiliary MoE losses of one routing group
+// (src/moe/aux.c, ported line by line to one thread block in double). Each scalar the CPU returns
+// is reduced on the device in a fixed order and downloaded, so a run repeats the previous one's
+// bits. Covered by tests/test_backend_ops.c against the CPU table in double.
+#include <math.h>
+
+#include "cuda/cuda_internal.cuh"
+
+#define ROW_THREADS 128
+
+// Block argmax of (v, i) pairs: the larger value, on a tie the lower index (the CPU's strict `>`
+// scan from index 0).
+__device__ static inline int block_argmax(float v, int i, float *shv, int *shi) {
+    shv[threadIdx.x] = v, shi[threadIdx.x] = i;
+    __syncthreads();
+    for (unsigned k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) {
+            const float v2 = shv[threadIdx.x + k];
+            const int i2 = shi[threadIdx.x + k];
+            if (i2 >= 0 && (shi[threadIdx.x] < 0 || v2 > shv[threadIdx.x] || (v2 == shv[threadIdx.x] && i2 < shi[threadIdx.x])))
+                shv[threadIdx.x] = v2, shi[threadIdx.x] = i2;
+        }
+        __syncthreads();
+    }
+    const int r = shi[0];
+    __syncthreads();
+    return r;
+}
+
+// *loss = the sum of part (n doubles), *count = the sum of cnt (n ints), both in a fixed order
+__global__ static void k_sum_parts(double *loss, int *count, const double *part, const int *cnt, int n) {
+    __shared__ double sh[256];
+    __shared__ int shc[256];
+    double s = 0;
+    int c = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += part[i], c += cnt[i];
+    s = block_sum(s, sh);
+    c = block_sum(c, shc);
+    if (threadIdx.x == 0) *loss = s, *count = c;
+}
+
+// Downloads the scalar and count the last k_sum_parts left in the context. 1 on failure.
+static int fetch_scalar(const backend *be, const char *op, double *v, int *count) {
+    cuda_ctx *c = ctx_of(be);
+    return CK(op, cudaMemcpyAsync(v, c->partial, sizeof(double), cudaMemcpyDeviceToHost, c->stream)) ||
+           CK(op, cudaMemcpyAsync(count, c->flag, sizeof(int), cudaMemcpyDeviceToHost, c->stream)) ||
+           CK(op, cudaStreamSynchronize(c->stream));
+}
+
+// ---- contrastive: logits (B,B) = exp(scale) img.txt^T; row (image->text) and column
+// (text->image) softmaxes prow, pcol (B,B); returns the mean of the two cross-entropies
+
+// One block per row (cols 0) or column (cols 1) of the logits: its softmax, its loss term
+// -(l_ii - max - log sum) and whether its argmax is the diagonal.
+__global__ static void k_contrastive_line(float *p, double *part, int *right, const float *logits, int B, int cols) {
+    __shared__ float shv[ROW_THREADS];
+    __shared__ int shi[ROW_THREADS];
+    __shared__ double shd[ROW_THREADS];
+    const int i = blockIdx.x;
+    const size_t step = cols ? (size_t)B : 1, base = cols ? (size_t)i : (size_t)i * B;
+    float mx = -INFINITY;
+    int arg = -1;
+    for (int j = threadIdx.x; j < B; j += blockDim.x) {
+        const float v = logits[base + j * step];
+        if (arg < 0 || v > mx) mx = v, arg = j;
+    }
+    arg = block_argmax(mx, arg, shv, shi);
+    mx = logits[base + (size_t)arg * step];
+    double s = 0;
+    for (int j = threadIdx.x; j < B; j += blockDim.x) {
+        const float e = expf(__fsub_rn(logits[base + j * step], mx));
+        p[base + j * step] = e;
+        s += e;
+    }
+    s = block_sum(s, shd);
+    for (int j = threadIdx.x; j < B; j += blockDim.x) p[base + j * step] = (float)(p[base + j * step] / s);
+    if (threadIdx.x == 0) {
+        part[i] = -((double)__fsub_rn(logits[base + (size_t)i * step], mx) - log(s));
+        right[i] = arg == i;
+    }
+}
+
+static double cuda_contrastive_forward(const backend *be, float *logits, float *prow, float *pcol, const float *img,
+                                       const float *txt, float scale, int B, int E, double *acc) {
+    if (B <= 0) return NAN;
+    cudaStream_t st = stream_of(be);
+    const float t = expf(scale);
+    if (cu_gemm(be, "contrastive", 0, 1, B, B, E, t, img, E, txt, E, 0.0f, logits, B)) return NAN;
+    char *ws = (char *)cu_workspace(be, (sizeof(double) + sizeof(int)) * 2 * (size_t)B, "contrastive");
+    if (!ws) return NAN;
+    double *part = (double *)ws;
+    int *right = (int *)(part + 2 * (size_t)B);
+    k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(prow, part, right, logits, B, 0);
+    k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(pcol, part + B, right + B, logits, B, 1);
+    if (LAUNCHED("contrastive")) return NAN;
+    // the accuracy counts both directions together; split them: two sums
+    k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial, ctx_of(be)->flag, part, right, 2 * B);
+    k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial + 1, ctx_of(be)->flag + 1, part, right, B);
+    if (LAUNCHED("contrastive")) return NAN;
+    double loss = 0;
+    int both = 0, i2t = 0;
+    if (fetch_scalar(be, "contrastive", &loss, &both) ||
+        CK("contrastive", cudaMemcpyAsync(&i2t, ctx_of(be)->flag + 1, sizeof(int), cudaMemcpyDeviceToHost, st)) ||
+        CK("contrastive", cudaStreamSynchronize(st)))
+        return NAN;
+    if (acc) {
+        acc[0] = (double)i2t / B;
+        acc[1] = (double)(both - i2t) / B;
+    }
+    return loss / (2.0 * B);
+}
+
+// G (B,B) = k (prow + pcol - 2 [i == j]), the gradient of the loss w.r.t. the logits; part[i] =
+// row i's share of d/dscale = sum_j G_ij logits_ij (logits = exp(scale) dot)
+__global__ static void k_contrastive_grad(float *G, double *part, const float *logits, const float *prow,
+                                          const float *pcol, float k, int B) {
+    __shared__ double sh[ROW_THREADS];
+    const int i = blockIdx.x;
+    double ds = 0;
+    for (int j = threadIdx.x; j < B; j += blockDim.x) {
+        const size_t ij = (size_t)i * B + j;
+        const float g = __fmul_rn(k, __fsub_rn(__fadd_rn(prow[ij], pcol[ij]), i == j ? 2.0f : 0.0f));
+        G[ij] = g;
+        ds += (double)g * logits[ij];
+    }
+    ds = block_sum(ds, sh);
+    if (threadIdx.x == 0) part[i] = ds;
+}
+__global__ static void k_add_scalar(float *dst, const double *v) { *dst = __fadd_rn(*dst, (float)*v); }
+
+// dimg, dtxt (B,E) and *dscale accumulate the gradient of loss * dloss
+static void cuda_contrastive_backward(const backend *be, float *dimg, float *dtxt, float *dscale, const float *logits,
+                                      const float *prow, const float *pcol, const float *img, const float *txt,
+                                      float scale, int B, int E, double dloss) {
+    if (B <= 0) return;
+    cudaStream_t st = stream_of(be);
+    const float t = expf(scale), k = (float)(dloss * 0.5 / B);
+    const size_t gb = (sizeof(float) * (size_t)B * B + 255) & ~(size_t)255;
+    char *ws = (char *)cu_workspace(be, gb + sizeof(double) * (size_t)B, "contrastive");
+    if (!ws) return;
+    float *G = (float *)ws;
+    double *part = (double *)(ws + gb);
+    k_contrastive_grad<<<B, ROW_THREADS, 0, st>>>(G, part, logits, prow, pcol, k, B);
+    if (LAUNCHED("contrastive")) return;
+    // dimg += t G txt; dtxt += t G^T img
+    if (cu_gemm(be, "contrastive", 0, 0, B, E, B, t, G, B, txt, E, 1.0f, dimg, E) ||
+        cu_gemm(be, "contrastive", 1, 0, B, E, B, t, G, B, img, E, 1.0f, dtxt, E))
+        return;
+    cu_sum_doubles(be, "contrastive", ctx_of(be)->partial, part, (size_t)B);
+    k_add_scalar<<<1, 1, 0, st>>>(dscale, ctx_of(be)->partial);
+    LAUNCHED("contrastive");
+}
+
+// ---- masked cross-entropy: probs (n,C) = softmax(logits) (may alias logits); returns the sum of
+// -log probs[label]; *correct counts rows whose argmax (ties: lower index) is the label
+
+__global__ static void k_xent_row(float *probs, double *part, int *right, const float *logits, const int32_t *labels,
+                                  int C) {
+    __shared__ float shv[ROW_THREADS];
+    __shared__ int shi[ROW_THREADS];
+    __shared__ double shd[ROW_THREADS];
+    const size_t i = blockIdx.x;
+    const float *l = logits + i * C;
+    const int label = labels[i];
+    const double target = l[label];
+    float mx = -INFINITY;
+    int arg = -1;
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        if (arg < 0 || l[c] > mx) mx = l[c], arg = c;
+    arg = block_argmax(mx, arg, shv, shi);
+    const double m = l[arg];
+    double s = 0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += exp((double)l[c] - m);
+    s = block_sum(s, shd); // every read of the row is done: probs may now overwrite it
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const double e = exp((double)l[c] - m);
+        probs[i * C + c] = (float)(e / s);
+    }
+    if (threadIdx.x == 0) {
+        part[i] = log(s) + m - target;
+        right[i] = arg == label;
+    }
+}
+
+static double cuda_xent_forward(const backend *be, float *probs, const float *logits, const int32_t *labels, int n,
+                                int C, int *correct) {
+    if (n <= 0) {
+        if (correct) *correct = 0;
+        return 0;
+    }
+    cudaStream_t st = stream_of(be);
+    char *ws = (char *)cu_workspace(be, (sizeof(double) + sizeof(int)) * (size_t)n, "xent");
+    if (!ws) return NAN;
+    double *part = (double *)ws;
+    int *right = (int *)(part + n);
+    k_xent_row<<<n, ROW_THREADS, 0, st>>>(probs, part, right, logits, labels, C);
+    k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial, ctx_of(be)->flag, part, right, n);
+    if (LAUNCHED("xent")) return NAN;
+    double loss = 0;
+    int right_n = 0;
+    if (fetch_scalar(be, "xent", &loss, &right_n)) return NAN;
+    if (correct) *correct = right_n;
+    return loss;
+}
+
+// dlogits (n,C) += scale (probs - onehot(label)), in the CPU's two steps
+__global__ static void k_xent_bwd(float *dlogits, const float *probs, const int32_t *labels, size_t total, int C,
+                                  float k) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    float d = __fadd_rn(dlogits[i], __fmul_rn(k, probs[i]));
+    if ((int)(i % C) == labels[i / C]) d = __fsub_rn(d, k);
+    dlogits[i] = d;
+}
+static void cuda_xent_backward(const backend *be, float *dlogits, const float *probs, const int32_t *labels, int n,
+                               int C, double scale) {
+    const size_t total = (size_t)n * C;
+    if (!total) return;
+    k_xent_bwd<<<cu_blocks(total, 256), 256, 0, stream_of(be)>>>(dlogits, probs, labels, total, C, (float)scale);
+    LAUNCHED("xent");
+}
+
+// ---- auxiliary losses of one group: src/moe/aux.c on one block. Loops over tokens give each
+// thread whole tokens (rows of P, G, dlogits); loops over experts give each thread whole experts,
+// walking the tokens in order; scalars are folded by thread 0. All in double, as on the CPU.
+
+#define AUX_THREADS 256
+#define AUX_TINY 1e-30
+
+typedef struct {
+    int S, E, K;
+    const float *l, *nl;   // (S,E) clean and noisy logits (nl may be NULL)
+    double noise_std;
+    const uint8_t *mod;    // (S) or NULL
+    const int32_t *wanted; // (E) or NULL
+    double tau[2];
+    double *P, *G, *lse, *tS1, *tS2, *v[8];
+    int n[2];
+} aux_dev;
+
+__device__ static inline int aux_mod(const aux_dev *c, int s) { return c->mod ? c->mod[s] : VLMOE_MOD_IMAGE; }
+__device__ static inline double xlogx(double p) { return p * log(p > AUX_TINY ? p : AUX_TINY); }
+__device__ static inline double logt(double p) { return log(p > AUX_TINY ? p : AUX_TINY); }
+__device__ static inline double logp(const aux_dev *c, int s, int e) {
+    return (double)c->l[(size_t)s * c->E + e] - c->lse[s];
+}
+
+// v from thread 0, to every thread
+__device__ static double bcast(double v) {
+    __shared__ double slot;
+    if (threadIdx.x == 0) slot = v;
+    __syncthreads();
+    const double r = slot;
+    __syncthreads();
+    return r;
+}
+
+// cv2 of src/moe/aux.c (thread 0 only)
+__device__ static double cv2(const double *x, int E, double *dx) {
+    double m = 0, var = 0;
+    for (int e = 0; e < E; e++) m += x[e];
+    m /= E;
+    for (int e = 0; e < E; e++) var += (x[e] - m) * (x[e] - m);
+    var /= E;
+    for (int e = 0; e < E; e++) dx[e] = m != 0 ? 2.0 / (E * m * m) * ((x[e] - m) - var / m) : 0;
+    return m != 0 ? var / (m * m) : 0;
+}
+
+// The expert of rank k in the order (value descending, index ascending): kth_largest of aux.c.
+__device__ static int kth_largest(const float *x, int E, int k) {
+    for (int e = 0; e < E; e++) {
+        int rank = 0;
+        for (int e2 = 0; e2 < E; e2++) rank += x[e2] > x[e] || (x[e2] == x[e] && e2 < e);
+        if (rank == k) return e;
+    }
+    return 0;
+}
+__device__ static int in_top(const float *x, int E, int K, int e) {
+    int rank = 0;
+    for (int e2 = 0; e2 < E; e2++) rank += x[e2] > x[e] || (x[e2] == x[e] && e2 < e);
+    return rank < K;
+}
+
+__device__ static double aux_importance(aux_dev *c, double f) {
+    double *imp = c->v[0], *dimp = c->v[1];
+    for (int e = threadIdx.x; e < c->E; e += blockDim.x) {
+        double s = 0;
+        for (int t = 0; t < c->S; t++) s += c->P[(size_t)t * c->E + e];
+        imp[e] = s;
+    }
+    __syncthreads();
+    const double L = bcast(threadIdx.x == 0 ? cv2(imp, c->E, dimp) : 0);
+    for (int s = threadIdx.x; s < c->S; s += blockDim.x)
+        for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += f * dimp[e];
+    __syncthreads();
+    return L;
+}
+
+__device__ static double aux_load(aux_dev *c, double wf, float *dl) {
+    const int S = c->S, E = c->E;
+    const double sigma = c->noise_std / E;
+    if (!c->nl || !(sigma > 0) || !isfinite(sigma)) return 0;
+    double *thr = c->tS1, *estar = c->tS2, *load = c->v[2], *dload = c->v[3];
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const int k = kth_largest(c->nl + (size_t)s * E, E, c->K - 1);
+        estar[s] = k, thr[s] = c->nl[(size_t)s * E + k];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        double a = 0;
+        for (int s = 0; s < S; s++) {
+            const double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
+            a += 0.5 * erfc(z / sqrt(2.0));
+        }
+        load[e] = a / S;
+    }
+    __syncthreads();
+    const double L = bcast(threadIdx.x == 0 ? cv2(load, E, dload) : 0);
+    if (dl) {
+        const double inv = 0.39894228040143267794; // 1/sqrt(2 pi)
+        for (int s = threadIdx.x; s < S; s += blockDim.x) {
+            double dthr = 0;
+            for (int e = 0; e < E; e++) {
+                const double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
+                dthr -= dload[e] / S * inv * exp(-0.5 * z * z) / sigma;
+            }
+            for (int e = 0; e < E; e++) {
+                const double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
+                double row = dload[e] / S * inv * exp(-0.5 * z * z) / sigma;
+                if (e == (int)estar[s]) row += dthr;
+                dl[(size_t)s * E + e] += (float)(wf * row);
+            }
+        }
+    }
+    __syncthreads();
+    return L;
+}
+
+__device__ static double aux_z(aux_dev *c, double wf, float *dl) {
+    double L = 0;
+    if (threadIdx.x == 0)
+        for (int s = 0; s < c->S; s++) L += c->lse[s] * c->lse[s];
+    L = bcast(L);
+    if (dl)
+        for (int s = threadIdx.x; s < c->S; s += blockDim.x)
+            for (int e = 0; e < c->E; e++)
+                dl[(size_t)s * c->E + e] += (float)(wf * 2.0 / c->S * c->lse[s] * c->P[(size_t)s * c->E + e]);
+    __syncthreads();
+    return L / c->S;
+}
+
+__device__ static double aux_switch(aux_dev *c, double f) {
+    const int S = c->S, E = c->E;
+    double *pm = c->v[0];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        double a = 0;
+        for (int s = 0; s < S; s++) a += c->P[(size_t)s * E + e];
+        pm[e] = a;
+    }
+    __syncthreads();
+    double L = 0;
+    if (threadIdx.x == 0)
+        for (int e = 0; e < E; e++) L += (double)E / ((double)c->K * S) * c->wanted[e] * pm[e] / S;
+    L = bcast(L);
+    for (int s = threadIdx.x; s < S; s += blockDim.x)
+        for (int e = 0; e < E; e++) {
+            const double R = (double)E / ((double)c->K * S) * c->wanted[e];
+            c->G[(size_t)s * E + e] += f * R / S;
+        }
+    __syncthreads();
+    return L;
+}
+
+// mean over the tokens of modality m (m < 0: all) of H(p_s); 0 when there are none
+__device__ static double aux_mean_token_entropy(aux_dev *c, int m) {
+    for (int s = threadIdx.x; s < c->S; s += blockDim.x) {
+        double H = 0;
+        if (m < 0 || aux_mod(c, s) == m)
+            for (int e = 0; e < c->E; e++) H -= c->P[(size_t)s * c->E + e] * logp(c, s, e);
+        c->tS1[s] = H;
+    }
+    __syncthreads();
+    double H = 0;
+    const int n = m < 0 ? c->S : c->n[m];
+    if (threadIdx.x == 0)
+        for (int s = 0; s < c->S; s++) H += c->tS1[s];
+    H = bcast(H);
+    return n ? H / n : 0;
+}
+__device__ static void aux_mean_token_entropy_grad(aux_dev *c, int m, double fg) {
+    const int n = m < 0 ? c->S : c->n[m];
+    if (!n || fg == 0) return;
+    for (int s = threadIdx.x; s < c->S; s += blockDim.x) {
+        if (m >= 0 && aux_mod(c, s) != m) continue;
+        for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] -= fg * (logp(c, s, e) + 1) / n;
+    }
+    __syncthreads();
+}
+
+// pbar (E) = mean of P over the tokens of modality m (n_m > 0), one expert per thread
+__device__ static void aux_mean_gate_e(const aux_dev *c, int m, int e, double *pbar) {
+    double a = 0;
+    for (int s = 0; s < c->S; s++)
+        if (aux_mod(c, s) == m) a += c->P[(size_t)s * c->E + e];
+    pbar[e] = a / c->n[m];
+}
+
+__device__ static double entropy(const double *p, int E) {
+    double H = 0;
+    for (int e = 0; e < E; e++) H -= xlogx(p[e]);
+    return H;
+}
+
+__device__ static double aux_global_entropy(aux_dev *c, int m, double tau, double f) {
+    if (!c->n[m]) return 0;
+    double *pbar = c->v[0];
+    for (int e = threadIdx.x; e < c->E; e += blockDim.x) aux_mean_gate_e(c, m, e, pbar);
+    __syncthreads();
+    if (tau == 0) tau = log((double)c->n[m]);
+    const double L = bcast(threadIdx.x == 0 ? tau - entropy(pbar, c->E) : 0);
+    if (!(L > 0)) return 0;
+    for (int s = threadIdx.x; s < c->S; s += blockDim.x)
+        if (aux_mod(c, s) == m)
+            for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += f * (logt(pbar[e]) + 1) / c->n[m];
+    __syncthreads();
+    return L;
+}
+
+__device__ static double aux_mi(aux_dev *c, double f) {
+    double *pb[2] = {c->v[0], c->v[1]}, *mix = c->v[2];
+    const int M = (c->n[0] > 0) + (c->n[1] > 0);
+    for (int e = threadIdx.x; e < c->E; e += blockDim.x) {
+        mix[e] = 0;
+        for (int m = 0; m < 2; m++) {
+            if (!c->n[m]) continue;
+            aux_mean_gate_e(c, m, e, pb[m]);
+            mix[e] += pb[m][e];
+        }
+        mix[e] /= M;
+    }
+    __syncthreads();
+    double L = 0;
+    if (threadIdx.x == 0) {
+        for (int m = 0; m < 2; m++)
+            if (c->n[m]) L += entropy(pb[m], c->E) / M;
+        L -= entropy(mix, c->E);
+    }
+    L = bcast(L);
+    for (int s = threadIdx.x; s < c->S; s += blockDim.x) {
+        const int m = aux_mod(c, s);
+        for (int e = 0; e < c->E; e++)
+            c->G[(size_t)s * c->E + e] += f * (logt(mix[e]) - logt(pb[m][e])) / ((double)M * c->n[m]);
+    }
+    __syncthreads();
+    return L;
+}
+
+__device__ static double aux_merged(aux_dev *c, double f) {
+    const int S = c->S, E = c->E, K = c->K;
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const float *ls = c->l + (size_t)s * E;
+        const double *p = c->P + (size_t)s * E;
+        double q = 0, r = 0;
+        for (int e = 0; e < E; e++) {
+            if (in_top(ls, E, K, e)) q += p[e];
+            else r += p[e];
+        }
+        c->tS1[s] = xlogx(q) + xlogx(r);
+        const double gq = -(logt(q) + 1) / S, gr = -(logt(r) + 1) / S;
+        for (int e = 0; e < E; e++) c->G[(size_t)s * E + e] += f * (in_top(ls, E, K, e) ? gq : gr);
+    }
+    __syncthreads();
+    double L = 0;
+    if (threadIdx.x == 0)
+        for (int s = 0; s < S; s++) L -= c->tS1[s];
+    L = bcast(L);
+    return L / S;
+}
+
+// *loss = the loss of `kind`; dl ACCUMULATES weight d(loss)/d(logits) when given. A modality
+// other than 0/1 leaves everything untouched and stores 1 + the first such token in *bad.
+__global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, double *loss, int *bad) {
+    __shared__ int n[2], first_bad;
+    const int S = c.S, E = c.E;
+    if (threadIdx.x == 0) n[0] = n[1] = 0, first_bad = S;
+    __syncthreads();
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const int m = aux_mod(&c, s);
+        if (m != VLMOE_MOD_IMAGE && m != VLMOE_MOD_TEXT) atomicMin(&first_bad, s);
+        else atomicAdd(&n[m], 1); // integer counts: the same whatever the order
+    }
+    __syncthreads();
+    if (first_bad < S) {
+        if (threadIdx.x == 0) *bad = 1 + first_bad, *loss = NAN;
+        return;
+    }
+    c.n[0] = n[0], c.n[1] = n[1];
+    // clean gates in double: P = exp(l - logsumexp(l)); G zeroed
+    for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        const float *ls = c.l + (size_t)s * E;
+        double mx = ls[0], sum = 0;
+        for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
+        for (int e = 0; e < E; e++) sum += exp((double)ls[e] - mx);
+        c.lse[s] = mx + log(sum);
+        for (int e = 0; e < E; e++) {
+            c.P[(size_t)s * E + e] = exp((double)ls[e] - c.lse[s]);
+            c.G[(size_t)s * E + e] = 0;
+        }
+    }
+    __syncthreads();
+    double L = 0;
+    switch (kind) {
+    case VLMOE_AUX_IMPORTANCE: L = aux_importance(&c, 1); break;
+    case VLMOE_AUX_LOAD: L = aux_load(&c, weight, dl); break;
+    case VLMOE_AUX_VLOSS: {
+        const double li = aux_importance(&c, 0.5);
+        L = 0.5 * li + 0.5 * aux_load(&c, 0.5 * weight, dl);
+        break;
+    }
+    case VLMOE_AUX_ZLOSS: L = aux_z(&c, weight, dl); break;
+    case VLMOE_AUX_SWITCH: L = aux_switch(&c, 1); break;
+    case VLMOE_AUX_LOCAL_ENT_IMAGE:
+    case VLMOE_AUX_LOCAL_ENT_TEXT: {
+        const int m = kind == VLMOE_AUX_LOCAL_ENT_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
+        L = aux_mean_token_entropy(&c, m);
+        aux_mean_token_entropy_grad(&c, m, 1);
+        break;
+    }
+    case VLMOE_AUX_GLOBAL_ENT_IMAGE: L = aux_global_entropy(&c, VLMOE_MOD_IMAGE, c.tau[VLMOE_MOD_IMAGE], 1); break;
+    case VLMOE_AUX_GLOBAL_ENT_TEXT: L = aux_global_entropy(&c, VLMOE_MOD_TEXT, c.tau[VLMOE_MOD_TEXT], 1); break;
+    case VLMOE_AUX_MI: L = aux_mi(&c, 1); break;
+    case VLMOE_AUX_TARGET_ENT: {
+        const double local = aux_mean_token_entropy(&c, -1), t = log((double)c.K) - local;
+        L = t * t;
+        aux_mean_token_entropy_grad(&c, -1, -2 * t);
+        break;
+    }
+    case VLMOE_AUX_MERGED_ENT: L = aux_merged(&c, 1); break;
+    default: break;
+    }
+    // gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e)
+    if (dl)
+        for (int s = threadIdx.x; s < S; s += blockDim.x) {
+            const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
+            double dot = 0;
+            for (int e = 0; e < E; e++) dot += g[e] * p[e];
+            for (int e = 0; e < E; e++) dl[(size_t)s * E + e] += (float)(weight * p[e] * (g[e] - dot));
+        }
+    if (threadIdx.x == 0) *loss = L, *bad = 0;
+}
+
+// The arguments are checked as aux_loss_f32 checks them (same messages); the pointers in `in`
+// and scratch are device memory (scratch: aux_scratch_floats(S,E) floats).
+static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
+                            float *dlogits, float *scratch) {
+    if (!in || !in->logits || !scratch) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits and scratch must be given");
+        return NAN;
+    }
+    const int S = in->S, E = in->E, K = in->K;
+    if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss %d: need S >= 1, E >= 1, 1 <= K <= E (got S=%d E=%d K=%d)", (int)kind, S,
+                   E, K);
+        return NAN;
+    }
+    if (kind == VLMOE_AUX_SWITCH && !in->wanted) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` must be given");
+        return NAN;
+    }
+    aux_dev c = {};
+    c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
+    c.mod = in->modality, c.wanted = in->wanted, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
+    // the doubles of aux.c's layout in the caller's scratch, aligned up to double
+    const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
+    double *d = (double *)a;
+    const size_t SE = (size_t)S * E;
+    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
+    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    cuda_ctx *x = ctx_of(be);
+    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, weight, dlogits, x->partial, x->flag);
+    if (LAUNCHED("aux_loss")) return NAN;
+    double L = NAN;
+    int bad = 0;
+    if (fetch_scalar(be, "aux_loss", &L, &bad)) return NAN;
+    if (bad) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss %s: modality[%d] is not image (0) or text (1)", vlmoe_aux_name(kind),
+                   bad - 1);
+        return NAN;
+    }
+    return L;
+}
+
+void cuda_fill_loss(backend *be) {
+    be->contrastive_forward = cuda_contrastive_forward;
+    be->contrastive_backward = cuda_contrastive_backward;
+    be->xent_forward = cuda_xent_forward;
+    be->xent_backward = cuda_xent_backward;
+    be->aux_loss = cuda_aux_loss;
+}
