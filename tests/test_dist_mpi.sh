@@ -1,10 +1,13 @@
 #!/bin/sh
-# test_dist_mpi.sh: tests/test_dist under mpirun, on 2 ranks and on 3 (oversubscribed on a small
-# machine): every collective of src/dist/mpi.c with rank-dependent values, checked on every rank.
+# test_dist_mpi.sh: tests/test_dist and tests/test_train_dist under mpirun, on 2 ranks and on 3
+# (oversubscribed on a small machine): every collective of src/dist/mpi.c with rank-dependent
+# values, checked on every rank, and data-parallel training against one process at the global
+# batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5).
 # Run by tests/run.sh on the optimised build only (Open MPI's own allocations look like leaks to
 # LeakSanitizer); skipped, saying why, when mpirun is absent or the build has no MPI. Closes with
 # "test_dist_mpi: N passed, N failed" (the ranks' checks summed). Usage: test_dist_mpi.sh RELDIR
-bin=${1:-build/rel}/tests/test_dist
+rel=${1:-build/rel}
+bin=$rel/tests/test_dist
 name=test_dist_mpi
 if ! command -v mpirun >/dev/null 2>&1; then
     echo "$name: skipped: mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
@@ -21,20 +24,43 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=se
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMP_NUM_THREADS=1
 pass=0; fail=0
+for t in test_dist test_train_dist; do
 for np in 2 3; do
-    out=$(timeout 60 mpirun -np $np --oversubscribe "$bin" 2>&1); rc=$?
+    b=$rel/tests/$t
+    out=$(timeout 300 mpirun -np $np --oversubscribe "$b" 2>&1); rc=$?
     p=0; f=0; ranks=0
-    for line in $(printf '%s\n' "$out" | grep -E '^test_dist: [0-9]+ passed, [0-9]+ failed$' | sed -E 's/^test_dist: ([0-9]+) passed, ([0-9]+) failed$/\1:\2/'); do
+    for line in $(printf '%s\n' "$out" | grep -E "^$t: [0-9]+ passed, [0-9]+ failed\$" | sed -E "s/^$t: ([0-9]+) passed, ([0-9]+) failed\$/\\1:\\2/"); do
         p=$((p + ${line%%:*})); f=$((f + ${line##*:})); ranks=$((ranks + 1))
     done
     if [ $rc -ne 0 ] || [ $ranks -ne $np ]; then
         printf '%s\n' "$out" | tail -n 40
-        echo "FAILED: mpirun -np $np $bin (exit $rc, $ranks of $np ranks reported)"
+        echo "FAILED: mpirun -np $np $b (exit $rc, $ranks of $np ranks reported)"
         [ "$f" = 0 ] && f=1
     else
-        echo "ok   mpirun -np $np $bin ($p checks on $np ranks)"
+        printf '%s\n' "$out" | grep -E '^[a-z-]+: [0-9]+ processes' | sed 's/^/     /'
+        echo "ok   mpirun -np $np $b ($p checks on $np ranks)"
     fi
     pass=$((pass + p)); fail=$((fail + f))
 done
+done
+# the command line: 2 processes x 4 pairs against 1 x 8, the losses of both logged steps
+vl=${VLMOE_BIN:-./vlmoe}
+tmp=$(mktemp -d)
+common="train --model tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp"
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name two > "$tmp/two.log" 2>&1 &&
+   timeout 300 "$vl" $common --batch-size 8 --name one > "$tmp/one.log" 2>&1; then
+    worst=$(paste "$tmp/two/metrics.jsonl" "$tmp/one/metrics.jsonl" |
+        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
+        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "lines" n; else print w }')
+    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
+        echo "ok   mpirun -np 2 vlmoe train --batch-size 4 = vlmoe train --batch-size 8 (losses within $worst)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: mpirun -np 2 vlmoe train vs one process: loss difference $worst"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/two.log" "$tmp/one.log"; echo "FAILED: vlmoe train under mpirun"; fail=$((fail + 1))
+fi
+rm -rf "$tmp"
 echo "$name: $pass passed, $fail failed"
 [ $fail -eq 0 ]

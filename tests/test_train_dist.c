@@ -23,7 +23,7 @@ const char *__lsan_default_suppressions(void) {
 
 enum { STEPS = 4 };
 
-// Trains `model` for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
+// Trains `model` (MoE layers routing groups of two examples) for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
 // synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
 static int train(const char *model, vlmoe_dist *d, int batch, double *losses, float **params, size_t *n) {
     vlmoe_model_config c;
@@ -33,6 +33,11 @@ static int train(const char *model, vlmoe_dist *d, int batch, double *losses, fl
     vlmoe_contrastive *task = NULL;
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     int st = vlmoe_config_named(model, &c);
+    // routing groups of two whole examples (LIMoE E.5): a process's batch holds whole groups, so
+    // the groups, their capacity and their order are those of the one-process batch (group_size
+    // 0, one group of the whole batch, would make the groups depend on the process count)
+    const int np = (c.image_size / c.patch_size) * (c.image_size / c.patch_size) + c.image_class_token;
+    if (c.moe.router != VLMOE_ROUTER_NONE) c.moe.group_size = 2 * (np + c.context_length);
     sp.image_size = c.image_size;
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 2, STEPS, 0.0, 0, 0};

@@ -63,7 +63,29 @@ struct R(graph) {
     uint64_t seed;
     double aux;
     vlmoe_moe_stats *stats;      // (L->nmoe)
+    uint64_t sample_base;        // global index of this batch's first sample (noise keys)
 };
+
+// Every token's routing-noise key: its sample's global index (sample_base + row of the batch),
+// modality and position, so a sample draws the same noise on whichever process holds it.
+static void set_keys(struct R(graph) *g) {
+    for (int e = 0; e < g->L->nenc; e++) {
+        enc_state *s = &g->enc[e];
+        for (int k = 0; k < s->nseg; k++) {
+            const attn_segment *sg = &s->seg[k];
+            const int mod = s->mod_of_seg[k] == MOD_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
+            for (size_t i = 0; i < (size_t)sg->nseq * sg->seqlen; i++)
+                s->keys[sg->tok_off + i] = moe_token_key(g->sample_base + i / (size_t)sg->seqlen, mod,
+                                                         (int)(i % (size_t)sg->seqlen));
+        }
+    }
+}
+
+void R(graph_set_sample_base)(struct R(graph) *g, uint64_t base) {
+    if (g->sample_base == base) return;
+    g->sample_base = base;
+    set_keys(g);
+}
 
 static void plan(struct R(graph) *g, carver *c) {
     const model_layout *L = g->L;
@@ -162,8 +184,6 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             const attn_segment *sg = &s->seg[k];
             const int mod = s->mod_of_seg[k] == MOD_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
             memset(s->modality + sg->tok_off, mod, (size_t)sg->nseq * sg->seqlen);
-            for (size_t i = 0; i < (size_t)sg->nseq * sg->seqlen; i++)
-                s->keys[sg->tok_off + i] = moe_token_key(i / (size_t)sg->seqlen, mod, (int)(i % (size_t)sg->seqlen));
             s->ex.tokens[mod] = sg->seqlen;
         }
         s->ex.B = s->nseg == NUM_MOD ? B : 0; // images then texts: groups of whole pairs (MOE.md)
@@ -180,6 +200,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             g->stats[f->moe_index].block = l;
         }
     }
+    set_keys(g);
     // backward visits one layer at a time: every MoE layer can use the same backward buffers
     struct R(moe_state) **all = vlmoe_alloc(sizeof(*all) * ((size_t)L->nmoe + 1), "MoE layer list");
     if (!all) return R(graph_free)(g), VLMOE_ERR_NOMEM;

@@ -116,6 +116,9 @@ typedef struct {
     void graph_backward_##S(graph_##S *g, const T *params, T *grads);                            \
     /* (B, embed_dim) normalised embeddings of the last forward, per modality */                 \
     const T *graph_embeddings_##S(const graph_##S *g, int modality);                            \
+    /* the global index of the batch's first sample (data parallelism: rank x batch), which */  \
+    /* keys each token's routing noise; 0 at creation */                                        \
+    void graph_set_sample_base_##S(graph_##S *g, uint64_t base);                                 \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
     void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
@@ -182,6 +185,13 @@ struct vlmoe_model {
     int have_forward;
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
+    struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
+    struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
 };
+
+// Data parallelism (src/train/trainer.c sets it for a run): training forwards of the towers take
+// the contrastive loss over the embeddings of every process's batch (gathered in rank order) and
+// key the routing noise by global sample index; NULL or a world of one: this process alone.
+void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d);
 
 #endif

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "dist/dist.h"
 #include "nn/model.h"
 #include "nn/routing.h"
 
@@ -98,11 +99,99 @@ static int towers_plan(vlmoe_model *m, int batch_size) {
     return VLMOE_OK;
 }
 
+// ---- data parallelism: every process encodes its block of the global batch; the embeddings
+// are gathered in rank order (the one-process batch, row for row) and every process computes
+// the same loss over all G = W*B pairs (OpenCLIP's gather with gradient, without local loss).
+// Backward: this process's rows of d(loss)/d(embeddings), times W, go into its towers, so that
+// the trainer's mean of the processes' gradients is the gradient of the global loss; the logit
+// scale's gradient is the same on every process and the mean keeps it.
+struct towers_dp {
+    int G, E;
+    contrastive_step_f32 *loss;
+    float *img, *txt, *dimg, *dtxt; // (G, E) gathered embeddings and their gradients
+};
+
+static void dp_free(struct towers_dp *d) {
+    if (!d) return;
+    contrastive_step_free_f32(d->loss);
+    vlmoe_free_mem(d->img), vlmoe_free_mem(d->txt), vlmoe_free_mem(d->dimg), vlmoe_free_mem(d->dtxt);
+    free(d);
+}
+
+static int dp_plan(vlmoe_model *m, int G) {
+    const int E = m->L.cfg.embed_dim;
+    if (m->dp && m->dp->G == G) return VLMOE_OK;
+    if (!m->be->host_memory)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "data parallelism over MPI needs host memory; the %s backend's "
+                          "embeddings live on the device (use the nccl process group)", m->be->name);
+    dp_free(m->dp);
+    struct towers_dp *d = m->dp = calloc(1, sizeof(*d));
+    if (!d) return vlmoe_fail(VLMOE_ERR_NOMEM, "data parallelism");
+    d->G = G, d->E = E;
+    const size_t bytes = sizeof(float) * (size_t)G * E;
+    d->img = vlmoe_alloc(bytes, "gathered embeddings"), d->txt = vlmoe_alloc(bytes, "gathered embeddings");
+    d->dimg = vlmoe_alloc(bytes, "gathered embeddings"), d->dtxt = vlmoe_alloc(bytes, "gathered embeddings");
+    int st = d->img && d->txt && d->dimg && d->dtxt ? contrastive_step_create_f32(&d->loss, m->be, G, E) : VLMOE_ERR_NOMEM;
+    if (st) dp_free(d), m->dp = NULL;
+    return st;
+}
+
+void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d) { m->dist = d && d->world > 1 ? d : NULL; }
+
+static int dp_forward(vlmoe_model *m, int B, double *loss, double *aux, double acc[2]) {
+    vlmoe_dist *d = m->dist;
+    int st = dp_plan(m, B * d->world);
+    if (st) return st;
+    struct towers_dp *p = m->dp;
+    const size_t n = (size_t)B * p->E, at = (size_t)d->rank * n;
+    // in place: this process's rows of the gathered buffers are its own embeddings
+    memcpy(p->img + at, graph_embeddings_f32(m->g, MOD_IMAGE), sizeof(float) * n);
+    memcpy(p->txt + at, graph_embeddings_f32(m->g, MOD_TEXT), sizeof(float) * n);
+    if ((st = d->allgather(d, p->img, p->img + at, n, VLMOE_DIST_F32)) ||
+        (st = d->allgather(d, p->txt, p->txt + at, n, VLMOE_DIST_F32)))
+        return vlmoe_error_prefix("gathering the embeddings"), st;
+    *loss = contrastive_step_forward_f32(p->loss, p->img, p->txt, m->params + m->L.logit_scale, acc) + *aux;
+    return VLMOE_OK;
+}
+
+static void dp_backward(vlmoe_model *m) {
+    vlmoe_dist *d = m->dist;
+    struct towers_dp *p = m->dp;
+    const int B = p->G / d->world;
+    const size_t n = (size_t)B * p->E, at = (size_t)d->rank * n;
+    memset(p->dimg, 0, sizeof(float) * (size_t)p->G * p->E);
+    memset(p->dtxt, 0, sizeof(float) * (size_t)p->G * p->E);
+    contrastive_step_backward_f32(p->loss, p->dimg, p->dtxt, m->grads + m->L.logit_scale, 1.0);
+    m->be->scale(m->be, p->dimg + at, n, (float)d->world);
+    m->be->scale(m->be, p->dtxt + at, n, (float)d->world);
+    const float *const demb[NUM_MOD] = {p->dimg + at, p->dtxt + at};
+    graph_encode_backward_f32(m->g, m->params, m->grads, demb);
+}
+
 static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
     if (!b->images || !b->tokens || !b->lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
     int st = towers_plan(m, b->batch_size);
     if (st) return st;
+    const int dp = training && m->dist;
+    graph_set_sample_base_f32(m->g, dp ? (uint64_t)m->dist->rank * (uint64_t)b->batch_size : 0);
+    if (dp) {
+        graph_set_mode_f32(m->g, 1, m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++);
+        m->have_forward = 0;
+        double aux = 0, loss = 0, acc[2] = {0, 0};
+        if ((st = graph_encode_f32(m->g, m->params, b->images, b->tokens, b->lengths, &aux)) ||
+            (st = dp_forward(m, b->batch_size, &loss, &aux, acc)))
+            return st;
+        m->have_forward = 2; // backward through the gathered loss
+        if (stats) {
+            memset(stats, 0, sizeof(*stats));
+            stats->contrastive = loss - aux, stats->aux = aux, stats->loss = loss;
+            stats->acc_i2t = acc[0], stats->acc_t2i = acc[1];
+            stats->temperature = exp(m->params[m->L.logit_scale]);
+        }
+        if (!isfinite(loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", loss);
+        return VLMOE_OK;
+    }
     graph_result r;
     graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = 0;
@@ -124,7 +213,8 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
 static int towers_backward(vlmoe_model *m) {
     if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
     memset(m->grads, 0, sizeof(float) * m->L.total);
-    graph_backward_f32(m->g, m->params, m->grads);
+    if (m->have_forward == 2) dp_backward(m);
+    else graph_backward_f32(m->g, m->params, m->grads);
     return VLMOE_OK;
 }
 
@@ -189,6 +279,8 @@ static const struct moe_state_f32 *towers_moe_layer(const vlmoe_model *m, int in
 static void towers_free(vlmoe_model *m) {
     graph_free_f32(m->g);
     m->g = NULL;
+    dp_free(m->dp);
+    m->dp = NULL;
 }
 
 const model_arch model_arch_towers = {

@@ -22,7 +22,10 @@ struct vlmoe_trainer {
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
 };
 
-void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d) { t->dist = d && d->world > 1 ? d : NULL; }
+void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d) {
+    t->dist = d && d->world > 1 ? d : NULL;
+    model_set_dist(t->m, t->dist);
+}
 
 // Data parallelism: every process agrees whether the step diverged (one flag, its maximum), then
 // the gradients become their mean over the processes (one all-reduce of the flat buffer, summed
