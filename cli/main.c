@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "dist/dist.h"
 #include "tokenize.h"
 #include "vlmoe_train.h"
 
@@ -56,7 +57,18 @@ int main(int argc, char **argv) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
-    if (!strcmp(argv[1], "train")) return cli_train_is_mome(argc, argv) ? cmd_train_mome(argc, argv) : cmd_train(argc, argv);
+    // only contrastive training runs on several processes; a launch of any other command would
+    // start W copies doing the same work and writing the same files
+    const int contrastive = !strcmp(argv[1], "train") && !cli_train_is_mome(argc, argv);
+    const char *by = NULL;
+    const long procs = vlmoe_dist_launched(&by);
+    if (!contrastive && procs != 0 && procs != 1) {
+        fprintf(stderr, "vlmoe %s: started by %s as one of several processes, but this command runs on one process "
+                "(under mpirun only `vlmoe train` of one_tower and two_tower models trains data-parallel; VL-MoE "
+                "pre-training does not yet): run it without the launcher\n", argv[1], by);
+        return 1;
+    }
+    if (!strcmp(argv[1], "train")) return contrastive ? cmd_train(argc, argv) : cmd_train_mome(argc, argv);
     if (!strcmp(argv[1], "vq")) return cmd_vq(argc, argv);
     if (!strcmp(argv[1], "finetune")) return cmd_finetune(argc, argv);
     if (!strcmp(argv[1], "synth")) return cmd_synth(argc, argv);

@@ -61,6 +61,14 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name 
 else
     tail -n 20 "$tmp/two.log" "$tmp/one.log"; echo "FAILED: vlmoe train under mpirun"; fail=$((fail + 1))
 fi
+# a command that runs on one process refuses a launch of several, saying so
+if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" eval --model none.safetensors 2>&1); then
+    echo "FAILED: mpirun -np 2 vlmoe eval succeeded"; fail=$((fail + 1))
+elif printf '%s' "$out" | grep -q "this command runs on one process"; then
+    echo "ok   mpirun -np 2 vlmoe eval is refused"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: mpirun -np 2 vlmoe eval: no clear message"; fail=$((fail + 1))
+fi
 rm -rf "$tmp"
 echo "$name: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -57,6 +57,9 @@ struct vlmoe_dist {
 // an error that says how to build it. The world of one needs nothing and cannot fail. MPI starts
 // once per process: open "mpi" (or "nccl", which opens it) and keep it until the end of the run.
 int vlmoe_dist_open(vlmoe_dist **out, const char *kind);
+// Whether a multi-process launcher started this process, without starting MPI: 0 when none did,
+// else the number of processes it started (-1 when it does not say); *by (may be NULL) names it.
+long vlmoe_dist_launched(const char **by);
 // a world of one, for callers that never go distributed (tests, the single-process paths)
 vlmoe_dist *vlmoe_dist_single(void);
 void vlmoe_dist_close(vlmoe_dist *d); // NULL-safe; the world of one is static and never freed

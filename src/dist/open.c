@@ -30,6 +30,13 @@ static const char *launcher(long *size) {
     return NULL;
 }
 
+long vlmoe_dist_launched(const char **by) {
+    long size = 0;
+    const char *who = launcher(&size);
+    if (by) *by = who;
+    return !who ? 0 : size > 0 ? size : -1;
+}
+
 int vlmoe_dist_open(vlmoe_dist **out, const char *kind) {
     *out = NULL;
     if (!kind || !strcmp(kind, "auto")) {
