@@ -61,6 +61,24 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name 
 else
     tail -n 20 "$tmp/two.log" "$tmp/one.log"; echo "FAILED: vlmoe train under mpirun"; fail=$((fail + 1))
 fi
+# the checkpoint does not depend on the process layout: 2 processes train 2 steps and save, one
+# process resumes them to 4 steps, and logs the losses of one process trained 4 steps alone
+common="train --model tiny --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 2"
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --steps 2 --batch-size 4 --name mix > "$tmp/mix.log" 2>&1 &&
+   timeout 300 "$vl" $common --steps 4 --batch-size 8 --name mix --resume latest >> "$tmp/mix.log" 2>&1 &&
+   timeout 300 "$vl" $common --steps 4 --batch-size 8 --name solo > "$tmp/solo.log" 2>&1; then
+    worst=$(paste "$tmp/mix/metrics.jsonl" "$tmp/solo/metrics.jsonl" |
+        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
+        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 4) print "lines" n; else print w }')
+    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
+        echo "ok   saved by 2 processes, resumed by 1: the losses of one process (within $worst)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: saved by 2 processes, resumed by 1: loss difference $worst"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/mix.log" "$tmp/solo.log"; echo "FAILED: resume across process layouts"; fail=$((fail + 1))
+fi
 # a command that runs on one process refuses a launch of several, saying so
 if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" eval --model none.safetensors 2>&1); then
     echo "FAILED: mpirun -np 2 vlmoe eval succeeded"; fail=$((fail + 1))
