@@ -134,7 +134,7 @@ int cmd_finetune(int argc, char **argv) {
                B, steps, freeze ? ", routers and experts frozen" : "");
     if (!rc) {
         const vlmoe_run_task rt = vlmoe_finetune_task(ft);
-        const vlmoe_run_params rp = {NULL, steps, log_every, 0, 0, 0, 0, B, NULL, on_step, NULL};
+        const vlmoe_run_params rp = {NULL, steps, log_every, 0, 0, 0, 0, B, NULL, on_step, NULL, 0};
         if (vlmoe_run_train(t, &rt, &rp)) rc = cli_error(CMD, "%s", vlmoe_last_error());
     }
     if (!rc) rc = report(m, d, 0, "train");

@@ -22,6 +22,7 @@ typedef struct {
     const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
+    int expert_parallel;         // under mpirun: every MoE layer's experts split over the processes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
@@ -213,6 +214,8 @@ int cmd_train(int argc, char **argv) {
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
+        {"expert-parallel", ARG_FLAG, &a.expert_parallel, NULL, "under mpirun: split every MoE layer's experts over the "
+                                                               "processes (their count must divide num_experts)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
@@ -341,7 +344,7 @@ int cmd_train(int argc, char **argv) {
                 omp_get_max_threads(), r.dir);
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, a.zeroshot_every, 1,
-                                 (long)a.batch_size * W, r.dist, on_progress, &r};
+                                 (long)a.batch_size * W, r.dist, on_progress, &r, a.expert_parallel};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);
     if (r.open_line) fputc('\n', stderr);

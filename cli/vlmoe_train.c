@@ -312,7 +312,7 @@ int cmd_train_mome(int argc, char **argv) {
             s->n[0], s->n[1], s->n[2], s->chunk, omp_get_max_threads(), r.dir);
     const vlmoe_run_task task = vlmoe_mome_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, 0, 0, a.batch, NULL, on_progress,
-                                 r.task};
+                                 r.task, 0};
     const int st = vlmoe_run_train(r.t, &task, &rp);
     if (st == VLMOE_ERR_NUMERIC)
         rc = cli_error(CMD, "diverged: %s. Nothing was written for this step; continue from the last checkpoint with "

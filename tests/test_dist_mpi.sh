@@ -61,6 +61,22 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name 
 else
     tail -n 20 "$tmp/two.log" "$tmp/one.log"; echo "FAILED: vlmoe train under mpirun"; fail=$((fail + 1))
 fi
+# --expert-parallel: the same run with each process computing half of limoe-tiny's experts
+common="train --model limoe-tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp --batch-size 4"
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.log" 2>&1 &&
+   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name ep --expert-parallel > "$tmp/ep.log" 2>&1; then
+    worst=$(paste "$tmp/ep/metrics.jsonl" "$tmp/dp/metrics.jsonl" |
+        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
+        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "lines" n; else print w }')
+    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
+        echo "ok   mpirun -np 2 vlmoe train --expert-parallel = without it (losses within $worst)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: --expert-parallel changes the losses by $worst"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/dp.log" "$tmp/ep.log"; echo "FAILED: vlmoe train --expert-parallel under mpirun"; fail=$((fail + 1))
+fi
 # the checkpoint does not depend on the process layout: 2 processes train 2 steps and save, one
 # process resumes them to 4 steps, and logs the losses of one process trained 4 steps alone
 common="train --model tiny --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 2"

@@ -25,7 +25,7 @@ enum { STEPS = 4 };
 
 // Trains `model` (MoE layers routing groups of two examples) for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
 // synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
-static int train(const char *model, vlmoe_dist *d, int batch, double *losses, float **params, size_t *n) {
+static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *losses, float **params, size_t *n) {
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
@@ -48,7 +48,7 @@ static int train(const char *model, vlmoe_dist *d, int batch, double *losses, fl
     const vlmoe_contrastive_params cp = {m, batch, s, NULL, 0, d ? d->rank : 0, d ? d->world : 1};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     const vlmoe_run_task rt = task ? vlmoe_contrastive_task(task) : (vlmoe_run_task){0};
-    vlmoe_trainer_set_dist(t, d);
+    vlmoe_trainer_set_dist(t, d, ep);
     for (long step = 0; !st && step < STEPS; step++) {
         vlmoe_step_stats ss;
         st = rt.fill(rt.user, step);
@@ -61,7 +61,7 @@ static int train(const char *model, vlmoe_dist *d, int batch, double *losses, fl
         memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
     }
     if (st) fprintf(stderr, "train %s: %s\n", model, vlmoe_last_error());
-    vlmoe_trainer_set_dist(t, NULL);
+    vlmoe_trainer_set_dist(t, NULL, 0);
     vlmoe_contrastive_free(task);
     vlmoe_synth_free(s);
     vlmoe_trainer_free(t);
@@ -69,11 +69,11 @@ static int train(const char *model, vlmoe_dist *d, int batch, double *losses, fl
     return st;
 }
 
-static void compare(const char *model, vlmoe_dist *d, int batch) {
+static void compare(const char *model, vlmoe_dist *d, int ep, int batch) {
     double dp[STEPS] = {0}, one[STEPS] = {0};
     float *pd = NULL, *p1 = NULL;
     size_t n = 0, n1 = 0;
-    CHECK(train(model, d, batch, dp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    CHECK(train(model, d, ep, batch, dp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
     // every process holds the same parameters after the same updates
     if (pd && d->world > 1) {
         float *r0 = malloc(sizeof(float) * n);
@@ -83,7 +83,7 @@ static void compare(const char *model, vlmoe_dist *d, int batch) {
         free(r0);
     }
     if (d->rank == 0) {
-        CHECK(train(model, NULL, batch * d->world, one, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
+        CHECK(train(model, NULL, 0, batch * d->world, one, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
         double worst = 0, pworst = 0;
         for (int s = 0; s < STEPS; s++) {
             const double rel = fabs(dp[s] - one[s]) / fabs(one[s]);
@@ -94,8 +94,8 @@ static void compare(const char *model, vlmoe_dist *d, int batch) {
             const double e = fabs((double)pd[i] - (double)p1[i]);
             pworst = e > pworst ? e : pworst;
         }
-        printf("%s: %d processes x %d pairs vs 1 x %d: losses %.6f..%.6f, max rel loss diff %.2e, max param diff %.2e\n",
-               model, d->world, batch, batch * d->world, one[0], one[STEPS - 1], worst, pworst);
+        printf("%s%s: %d processes x %d pairs vs 1 x %d: losses %.6f..%.6f, max rel loss diff %.2e, max param diff %.2e\n",
+               model, ep ? " (experts split over the processes)" : "", d->world, batch, batch * d->world, one[0], one[STEPS - 1], worst, pworst);
         CHECK(worst <= 2e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
         CHECK(pworst <= 2e-5, "%s: parameters differ by %.3e from the one-process run", model, pworst);
         if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
@@ -109,8 +109,20 @@ int main(void) {
         fprintf(stderr, "test_train_dist: %s\n", vlmoe_last_error());
         return 1;
     }
-    compare("tiny", d, 4);        // dense CLIP-style one_tower
-    compare("limoe-tiny", d, 4);  // LIMoE: MoE layers, routing noise and groups
+    compare("tiny", d, 0, 4);        // dense CLIP-style one_tower
+    compare("limoe-tiny", d, 0, 4);  // LIMoE: MoE layers, routing noise and groups
+    // expert parallelism: each process computes its share of the experts for every process's
+    // tokens (the all-to-all dispatch of src/moe/layer.c), when the process count divides them
+    vlmoe_model_config c;
+    vlmoe_config_named("limoe-tiny", &c);
+    if (c.moe.num_experts % d->world == 0) {
+        compare("limoe-tiny", d, 1, 4);
+    } else {
+        double l[STEPS];
+        const int st = train("limoe-tiny", d, 1, 4, l, NULL, NULL);
+        CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
+              "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
+    }
     vlmoe_dist_close(d);
     return test_summary("test_train_dist");
 }

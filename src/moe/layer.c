@@ -12,6 +12,7 @@
 
 #include "core/real.h"
 #include "core/core.h"
+#include "dist/dist.h"
 #include "moe/aux.h"
 #include "moe/layer.h"
 #include "moe/soft.h"
@@ -58,6 +59,7 @@ struct R(moe_state) {
     const uint8_t *modality;
     double *routed[2], *accepted[2], *pbar[2]; // statistics, (E) each
     int32_t *hits;                  // (nmax) accepted assignments per token
+    struct moe_ep *ep;              // expert parallelism (moe_set_expert_parallel), or NULL
 };
 
 static int group_size(const moe_spec *sp, int n) {
@@ -172,9 +174,12 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     return VLMOE_OK;
 }
 
+static void ep_free(struct moe_ep *ep);
+
 void R(moe_state_free)(struct R(moe_state) *st) {
     if (!st) return;
     const R(vlmoe_backend) *be = st->be;
+    ep_free(st->ep);
     if (st->rt)
         for (int g = 0; g < st->gmax; g++) vlmoe_routing_free(&st->rt[g]);
     if (st->own_dy) be->free(be, st->dy), be->free(be, st->dxp);
@@ -448,6 +453,182 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     return total;
 }
 
+// ---- expert parallelism: process r of W computes experts [r*E/W, (r+1)*E/W) for the tokens of
+// every process. Each process routes its own tokens (the decision is per group, and its groups
+// are its own) and packs them by expert as usual; the rows of each owner's experts, contiguous
+// in that order, go to the owner in one all-to-all (variable counts), which reorders what it
+// receives from source-major to expert-major, runs its experts as one grouped call and sends
+// the outputs back the same way; combine is unchanged. Backward runs the exchanges in reverse
+// with the output gradients. The parameters stay replicated: a process writes the gradients of
+// its own experts only (the others' stay zero), so the trainer's mean over the processes is
+// the gradient of the global loss (the sum of every process's tokens' contributions over W).
+#ifndef VLMOE_MOE_EP_ONCE
+#define VLMOE_MOE_EP_ONCE
+struct moe_ep {
+    vlmoe_dist *d;
+    int W, El, e0;             // experts per process, this process's first
+    int rows;                  // the most rows this process's experts can receive
+    void *xe, *b1, *b2;        // (rows, D) expert-major inputs (kept for backward), scratch
+    void *h, *a, *dh;          // (rows, M) the experts' hidden layer, activation and its gradient
+    int32_t *cnt_send, *cnt_recv; // (W*El) rows per (process, local expert)
+    int32_t *eoff;             // (El+1) expert-major offsets of the received rows
+    size_t *sc, *sd, *rc, *rd; // (W) all-to-all counts and displacements, in elements
+    size_t *cc, *cd;           // (W) the count exchange's: El each
+};
+
+static void ep_free(struct moe_ep *ep) {
+    if (!ep) return;
+    vlmoe_free_mem(ep->xe), vlmoe_free_mem(ep->b1), vlmoe_free_mem(ep->b2);
+    vlmoe_free_mem(ep->h), vlmoe_free_mem(ep->a), vlmoe_free_mem(ep->dh);
+    vlmoe_free_mem(ep->cnt_send), vlmoe_free_mem(ep->cnt_recv), vlmoe_free_mem(ep->eoff);
+    vlmoe_free_mem(ep->sc), vlmoe_free_mem(ep->sd), vlmoe_free_mem(ep->rc), vlmoe_free_mem(ep->rd);
+    vlmoe_free_mem(ep->cc), vlmoe_free_mem(ep->cd);
+    vlmoe_free_mem(ep);
+}
+#endif
+
+#define EP_TYPE (sizeof(real) == 4 ? VLMOE_DIST_F32 : VLMOE_DIST_F64)
+
+int R(moe_set_expert_parallel)(struct R(moe_state) *st, vlmoe_dist *d) {
+    if (!d || d->world < 2) {
+        if (st->ep) st->ep->d = NULL;
+        return VLMOE_OK;
+    }
+    const vlmoe_moe_config *c = st->sp.cfg;
+    const int E = st->E, W = d->world;
+    if (c->router == VLMOE_ROUTER_SOFT)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: Soft MoE layers mix every token into every slot; "
+                          "they are not split across processes");
+    if (E % W)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d processes (the "
+                          "process count must divide num_experts)", E, W);
+    if (!st->be->host_memory)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism over MPI needs host memory (backend %s)", st->be->name);
+    if (st->ep && st->ep->W == W && st->ep->e0 == d->rank * (E / W)) {
+        st->ep->d = d;
+        return VLMOE_OK;
+    }
+    ep_free(st->ep);
+    struct moe_ep *ep = st->ep = vlmoe_calloc(sizeof(*ep), "expert parallelism");
+    if (!ep) return VLMOE_ERR_NOMEM;
+    ep->d = d, ep->W = W, ep->El = E / W, ep->e0 = d->rank * (E / W);
+    // every process sends this one at most its rows_max rows, and at most capacity x groups for
+    // each of its El experts: the bound is the same on every process, so no process can run out
+    // where another does not (an error on one process alone would leave the others waiting)
+    const double cf = c->capacity_factor > c->eval_capacity_factor ? c->capacity_factor : c->eval_capacity_factor;
+    const int Smax = group_size(&st->sp, st->nmax) < st->nmax ? group_size(&st->sp, st->nmax) : st->nmax;
+    int C = 1;
+    if (vlmoe_capacity(Smax, E, st->K, cf, c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C)) C = 1;
+    if (C > Smax) C = Smax;
+    const long per = (long)st->gmax * ep->El * C < st->rows_max ? (long)st->gmax * ep->El * C : st->rows_max;
+    ep->rows = (int)(per * W);
+    const size_t rows = (size_t)ep->rows * st->sp.D * sizeof(real) + 1, hid = (size_t)ep->rows * st->sp.M * sizeof(real) + 1;
+    ep->xe = vlmoe_alloc(rows, "expert rows"), ep->b1 = vlmoe_alloc(rows, "expert rows");
+    ep->b2 = vlmoe_alloc(rows, "expert rows");
+    ep->h = vlmoe_alloc(hid, "expert rows"), ep->a = vlmoe_alloc(hid, "expert rows");
+    ep->dh = vlmoe_alloc(hid, "expert rows");
+    ep->cnt_send = vlmoe_alloc(sizeof(int32_t) * (size_t)E, "expert counts");
+    ep->cnt_recv = vlmoe_alloc(sizeof(int32_t) * (size_t)E, "expert counts");
+    ep->eoff = vlmoe_alloc(sizeof(int32_t) * ((size_t)ep->El + 1), "expert counts");
+    ep->sc = vlmoe_alloc(sizeof(size_t) * W, "all-to-all counts"), ep->sd = vlmoe_alloc(sizeof(size_t) * W, "counts");
+    ep->rc = vlmoe_alloc(sizeof(size_t) * W, "all-to-all counts"), ep->rd = vlmoe_alloc(sizeof(size_t) * W, "counts");
+    ep->cc = vlmoe_alloc(sizeof(size_t) * W, "all-to-all counts"), ep->cd = vlmoe_alloc(sizeof(size_t) * W, "counts");
+    if (!ep->xe || !ep->b1 || !ep->b2 || !ep->h || !ep->a || !ep->dh || !ep->cnt_send || !ep->cnt_recv || !ep->eoff || !ep->sc || !ep->sd ||
+        !ep->rc || !ep->rd || !ep->cc || !ep->cd) {
+        ep_free(ep), st->ep = NULL;
+        return VLMOE_ERR_NOMEM;
+    }
+    return VLMOE_OK;
+}
+
+// Copies the received rows between source-major order (process i's rows, by its local expert)
+// and expert-major order (each local expert's rows, by process): to_expert 1 or back.
+static void ep_reorder(const struct R(moe_state) *st, real *dst, const real *src, int to_expert) {
+    const struct moe_ep *ep = st->ep;
+    const int D = st->sp.D, El = ep->El;
+    for (int el = 0; el < El; el++) {
+        size_t at_e = (size_t)ep->eoff[el];
+        for (int i = 0; i < ep->W; i++) {
+            size_t at_s = ep->rd[i] / (size_t)D;
+            for (int k = 0; k < el; k++) at_s += (size_t)ep->cnt_recv[i * El + k];
+            const size_t n = (size_t)ep->cnt_recv[i * El + el] * D;
+            if (n) memcpy(to_expert ? dst + at_e * D : dst + at_s * D, to_expert ? src + at_s * D : src + at_e * D,
+                          sizeof(real) * n);
+            at_e += (size_t)ep->cnt_recv[i * El + el];
+        }
+    }
+}
+
+// The counts of this forward: rows per expert to every owner, rows per local expert from every
+// process, and the all-to-all displacements.
+static int ep_counts(struct R(moe_state) *st) {
+    struct moe_ep *ep = st->ep;
+    const int W = ep->W, El = ep->El, D = st->sp.D;
+    for (int e = 0; e < st->E; e++) ep->cnt_send[e] = st->cnt[e];
+    for (int j = 0; j < W; j++) ep->cc[j] = (size_t)El, ep->cd[j] = (size_t)j * El;
+    int e = ep->d->alltoallv(ep->d, ep->cnt_recv, ep->cc, ep->cd, ep->cnt_send, ep->cc, ep->cd, VLMOE_DIST_I32);
+    if (e) return vlmoe_error_prefix("expert parallelism: counts"), e;
+    size_t at = 0;
+    for (int i = 0; i < W; i++) {
+        size_t n = 0;
+        for (int el = 0; el < El; el++) n += (size_t)ep->cnt_recv[i * El + el];
+        ep->rc[i] = n * D, ep->rd[i] = at * D, at += n;
+        ep->sc[i] = (size_t)(st->expert_off[(i + 1) * El] - st->expert_off[i * El]) * D;
+        ep->sd[i] = (size_t)st->expert_off[i * El] * D;
+    }
+    if (at > (size_t)ep->rows) // the processes' groups or capacities differ: a bug, not a user error
+        return vlmoe_fail(VLMOE_ERR_ARG, "expert parallelism: %zu rows for this process's experts, more than the %d "
+                          "planned", at, ep->rows);
+    ep->eoff[0] = 0;
+    for (int el = 0; el < El; el++) {
+        int32_t n = 0;
+        for (int i = 0; i < W; i++) n += ep->cnt_recv[i * El + el];
+        ep->eoff[el + 1] = ep->eoff[el] + n;
+    }
+    return VLMOE_OK;
+}
+
+// Forward of this process's experts over every process's rows: st->xp (packed by expert) in,
+// st->y (the same rows' outputs) back.
+static int ep_forward(struct R(moe_state) *st, const real *const w[4]) {
+    struct moe_ep *ep = st->ep;
+    const moe_spec *sp = &st->sp;
+    const int D = sp->D, M = sp->M;
+    real *xe = ep->xe, *b1 = ep->b1, *b2 = ep->b2;
+    int e = ep_counts(st);
+    if (!e) e = ep->d->alltoallv(ep->d, b1, ep->rc, ep->rd, st->xp, ep->sc, ep->sd, EP_TYPE);
+    if (e) return vlmoe_error_prefix("expert parallelism: dispatch"), e;
+    ep_reorder(st, xe, b1, 1);
+    const size_t e0 = (size_t)ep->e0;
+    const real *const wl[4] = {w[0] + e0 * M * D, w[1] + e0 * M, w[2] + e0 * D * M, w[3] + e0 * D};
+    const be_experts ex = {ep->El, D, M, sp->act, ep->eoff};
+    st->be->experts_forward(st->be, b2, ep->h, ep->a, xe, wl, &ex, 0);
+    ep_reorder(st, b1, b2, 0);
+    e = ep->d->alltoallv(ep->d, st->y, ep->sc, ep->sd, b1, ep->rc, ep->rd, EP_TYPE);
+    return e ? (vlmoe_error_prefix("expert parallelism: combine"), e) : VLMOE_OK;
+}
+
+// Backward of ep_forward: st->dy in, st->dxp out (overwritten); this process's experts'
+// gradients accumulate into dw.
+static int ep_backward(struct R(moe_state) *st, const real *const w[4], real *const dw[4]) {
+    struct moe_ep *ep = st->ep;
+    const moe_spec *sp = &st->sp;
+    const int D = sp->D, M = sp->M;
+    real *b1 = ep->b1, *b2 = ep->b2;
+    int e = ep->d->alltoallv(ep->d, b1, ep->rc, ep->rd, st->dy, ep->sc, ep->sd, EP_TYPE);
+    if (e) return vlmoe_error_prefix("expert parallelism: output gradients"), e;
+    ep_reorder(st, b2, b1, 1);
+    const size_t e0 = (size_t)ep->e0, n = (size_t)ep->eoff[ep->El] * D;
+    const real *const wl[4] = {w[0] + e0 * M * D, w[1] + e0 * M, w[2] + e0 * D * M, w[3] + e0 * D};
+    real *const dwl[4] = {dw[0] + e0 * M * D, dw[1] + e0 * M, dw[2] + e0 * D * M, dw[3] + e0 * D};
+    const be_experts ex = {ep->El, D, M, sp->act, ep->eoff};
+    if (n) memset(b1, 0, sizeof(real) * n);
+    st->be->experts_backward(st->be, b1, dwl, b2, ep->xe, ep->h, wl, ep->a, ep->dh, &ex);
+    ep_reorder(st, b2, b1, 0);
+    e = ep->d->alltoallv(ep->d, st->dxp, ep->sc, ep->sd, b2, ep->rc, ep->rd, EP_TYPE);
+    return e ? (vlmoe_error_prefix("expert parallelism: input gradients"), e) : VLMOE_OK;
+}
+
 int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, const real *x,
                    real *out, double *aux, vlmoe_moe_stats *s) {
     const R(vlmoe_backend) *be = st->be;
@@ -481,7 +662,11 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     // the activation goes to scratch (backward recomputes it from h)
     const real *const w[4] = {P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
     const be_experts ex = experts_of(st);
-    be->experts_forward(be, st->y, st->h, st->da, st->xp, w, &ex, 0);
+    if (st->ep && st->ep->d) {
+        if ((stt = ep_forward(st, w))) return stt;
+    } else {
+        be->experts_forward(be, st->y, st->h, st->da, st->xp, w, &ex, 0);
+    }
     be->combine_forward(be, out, st->y, st->combine, &st->dd, D);
     *aux = moe_aux(st, s, 1.0, NULL);
     fill_stats(st, s);
@@ -521,7 +706,15 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     const real *const w[4] = {P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
     real *const dw[4] = {G + sp->w1, G + sp->b1, G + sp->w2, G + sp->b2};
     const be_experts ex = experts_of(st);
-    be->experts_backward(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
+    if (st->ep && st->ep->d) {
+        // a failed exchange (the MPI job is broken) leaves NaN gradients, which stop the step
+        if (ep_backward(st, w, dw)) {
+            const real nan = (real)NAN;
+            for (size_t i = 0; i < rm * D; i++) st->dxp[i] = nan;
+        }
+    } else {
+        be->experts_backward(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
+    }
     be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
     // route: into the gates, then the logits (the noise is an additive constant)
     const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;

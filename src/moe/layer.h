@@ -50,6 +50,8 @@ static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
     return sample << 21 | (uint64_t)modality << 20 | (uint64_t)pos;
 }
 
+struct vlmoe_dist; // src/dist/dist.h
+
 #define MOE_LAYER_DECL(T, S)                                                                     \
     typedef struct moe_state_##S moe_state_##S;                                                  \
     /* plans buffers for up to nmax tokens; nothing is allocated later */                        \
@@ -64,7 +66,10 @@ static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
                         double *aux, vlmoe_moe_stats *stats);                                   \
     /* dx (n,D) and the parameter gradients G accumulate; dout (n,D); daux scales the aux loss */\
     void moe_backward_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout, T *dx,  \
-                          double daux);                                                         \
+                          double daux);                                                          \
+    /* expert parallelism over d's processes (d NULL or a world of one: off); every process must \
+       hold whole routing groups of its own tokens (src/moe/layer.c) */                         \
+    int moe_set_expert_parallel_##S(moe_state_##S *st, struct vlmoe_dist *d);                  \
     /* the last forward's decision per token (vlmoe_model_routing's entries): sets *count; */   \
     /* writes them when out is given and cap >= *count; Soft MoE: VLMOE_ERR_ARG */               \
     int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);

@@ -81,6 +81,15 @@ static void set_keys(struct R(graph) *g) {
     }
 }
 
+int R(graph_set_expert_parallel)(struct R(graph) *g, struct vlmoe_dist *d) {
+    for (int e = 0; e < g->L->nenc; e++)
+        for (int l = 0; l < g->L->enc[e].layers; l++) {
+            int st = g->enc[e].layers[l].moe ? R(moe_set_expert_parallel)(g->enc[e].layers[l].moe, d) : VLMOE_OK;
+            if (st) return vlmoe_error_prefix("encoder %d block %d", e, l), st;
+        }
+    return VLMOE_OK;
+}
+
 void R(graph_set_sample_base)(struct R(graph) *g, uint64_t base) {
     if (g->sample_base == base) return;
     g->sample_base = base;

@@ -95,6 +95,8 @@ typedef struct {
     double aux;            // weighted MoE auxiliary losses (included in loss)
 } graph_result;
 
+struct vlmoe_dist; // src/dist/dist.h
+
 #define GRAPH_DECL(T, S)                                                                       \
     typedef struct graph_##S graph_##S;                                                          \
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
@@ -119,6 +121,8 @@ typedef struct {
     /* the global index of the batch's first sample (data parallelism: rank x batch), which */  \
     /* keys each token's routing noise; 0 at creation */                                        \
     void graph_set_sample_base_##S(graph_##S *g, uint64_t base);                                 \
+    /* expert parallelism of every MoE layer over d's processes (NULL: off) */                  \
+    int graph_set_expert_parallel_##S(graph_##S *g, struct vlmoe_dist *d);                       \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
     void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
@@ -186,12 +190,15 @@ struct vlmoe_model {
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
+    int expert_parallel;     // and the MoE layers' experts split over its processes
     struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
 };
 
 // Data parallelism (src/train/trainer.c sets it for a run): training forwards of the towers take
 // the contrastive loss over the embeddings of every process's batch (gathered in rank order) and
 // key the routing noise by global sample index; NULL or a world of one: this process alone.
-void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d);
+// expert_parallel: each process also computes only its share of every MoE layer's experts, for
+// the tokens of every process (src/moe/layer.c).
+void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, int expert_parallel);
 
 #endif

@@ -93,12 +93,15 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
         return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, or a non-positive step count, cadence "
                           "or batch");
     vlmoe_dist *dist = p->dist ? p->dist : vlmoe_dist_single();
+    if (dist->world > 1 && vlmoe_model_get_config(vlmoe_trainer_model(t))->arch == VLMOE_ARCH_MOME)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "run: VL-MoE (arch mome) training on several processes is not built yet "
+                          "(its masks and streams are drawn per process); train it on one");
     const int lead = dist->rank == 0;             // prints, evaluates and writes
     const int writer = lead && p->dir;            // no folder: a run that keeps nothing but the model
     vlmoe_run_params q = *p;
     if (!lead) q.progress = NULL;
     p = &q;
-    vlmoe_trainer_set_dist(t, dist);
+    vlmoe_trainer_set_dist(t, dist, p->expert_parallel);
     if (dist->world > 1) { // every process starts from rank 0's parameters and step
         vlmoe_model *m = vlmoe_trainer_model(t);
         int64_t at = vlmoe_trainer_get_step(t);
@@ -134,7 +137,7 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             st = evaluate(task, p, mx, done);
     }
     if (!st && lead && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
-    vlmoe_trainer_set_dist(t, NULL);
+    vlmoe_trainer_set_dist(t, NULL, 0);
     vlmoe_metrics_close(mx);
     return st;
 }
