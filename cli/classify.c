@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "nn/model.h"
 #include "common.h"
 #include "data/readers.h"
 #include "tokenize.h"
@@ -97,11 +98,12 @@ static void probabilities(const float *img, const float *ce, int C, int E, doubl
 }
 
 int cmd_classify(int argc, char **argv) {
-    const char *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
+    const char *device = NULL, *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
     const char *mean = NULL, *std = NULL, *unused = NULL;
     int top = 5, B = 64, json = 0, threads = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
+        {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
         {"image", ARG_STRING, &unused, "FILE|DIR...", "images to classify (repeatable; folders searched recursively)"},
         {"labels", ARG_STRING, &labels, "A,B,C", "the candidate labels, comma-separated"},
         {"labels-file", ARG_STRING, &labels_file, "FILE", "the candidate labels, one per line"},
@@ -132,6 +134,10 @@ int cmd_classify(int argc, char **argv) {
 
     vlmoe_model *m = NULL;
     if (vlmoe_model_load(&m, model)) return free(args), cli_error("classify", "%s", vlmoe_last_error());
+    if (device && model_set_device(m, device)) {
+        vlmoe_model_free(m), free(args);
+        return cli_error("classify", "%s", vlmoe_last_error());
+    }
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
     const int E = c->embed_dim;
     vlmoe_image_params ip;

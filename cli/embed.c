@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "nn/model.h"
 #include "common.h"
 #include "data/readers.h"
 #include "tokenize.h"
@@ -80,11 +81,12 @@ static int write_out(const char *path, const char *model, const char *name, cons
 }
 
 int cmd_embed(int argc, char **argv) {
-    const char *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
+    const char *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
     const char *unused = NULL;
     int B = 64, threads = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
+        {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
         {"images", ARG_STRING, &unused, "DIR|FILE...", "image files and folders (searched recursively)"},
         {"texts", ARG_STRING, &texts_path, "FILE", "texts to embed, one per line (blank lines skipped)"},
         {"output", ARG_STRING, &output, "FILE", "the safetensors file to write (also -o FILE)"},
@@ -113,6 +115,10 @@ int cmd_embed(int argc, char **argv) {
 
     vlmoe_model *m = NULL;
     if (vlmoe_model_load(&m, model)) return free(args), cli_error("embed", "%s", vlmoe_last_error());
+    if (device && model_set_device(m, device)) {
+        vlmoe_model_free(m), free(args);
+        return cli_error("embed", "%s", vlmoe_last_error());
+    }
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
     const int E = c->embed_dim;
     cli_text text = {0};

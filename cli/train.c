@@ -15,12 +15,13 @@
 #include "args.h"
 #include "cli.h"
 #include "common.h"
+#include "nn/model.h"
 #include "train/tasks.h"
 #include "vlmoe.h"
 
 typedef struct {
     const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
-    const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std;
+    const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over the processes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
@@ -240,6 +241,7 @@ int cmd_train(int argc, char **argv) {
         {"zeroshot-frequency", ARG_LONG, &a.zeroshot_every, "N", "held-out zero-shot evaluation every N steps (default: at the end)"},
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples per evaluation (default 1000, 0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
@@ -321,7 +323,9 @@ int cmd_train(int argc, char **argv) {
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
-    if (!(rc = setup_model(&a, &tp, &r)) && !(rc = setup_data(&a, &r))) {
+    if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
+        rc = cli_error("train", "%s", vlmoe_last_error());
+    if (!rc && !(rc = setup_data(&a, &r))) {
         const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
                                              r.dist->world};
         if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());

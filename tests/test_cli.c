@@ -47,6 +47,10 @@ int main(int argc, char **argv) {
     write_file("empty.safetensors", "", 0);
     expect("train --pretrained empty.safetensors", 1, "empty.safetensors");
     expect("train --help", 0, "--batch-size");
+    // --device: cpu is the default; cuda without a CUDA build (or without a device) says why
+    expect("train --device gpu --steps 1 --logs runs", 1, "expected cpu, cuda or cuda:N");
+    expect("train --device cuda:x --steps 1 --logs runs", 1, "expected cuda:N with N a device number");
+    expect("train --device cuda --steps 1 --logs runs", 1, "cuda");
     // a real (short) run, then training on from its checkpoint
     expect("train --model tiny --steps 4 --batch-size 8 --log-every-n-steps 2 --eval-samples 40 "
            "--logs runs --name a", 0, "held-out: zero-shot top-1");

@@ -201,4 +201,8 @@ struct vlmoe_model {
 // the tokens of every process (src/moe/layer.c).
 void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, int expert_parallel);
 
+// --device: "cpu" (the default) or "cuda[:N]" (src/nn/device.c); an error naming what is missing
+// when the model cannot run there.
+int model_set_device(vlmoe_model *m, const char *name);
+
 #endif
