@@ -24,6 +24,16 @@ vlmoe_eval_params vlmoe_eval_default_params(void) {
     return (vlmoe_eval_params){.batch_size = 64, .shots = 10};
 }
 
+// The fields a section needs: images of files need ip, user texts tokenize.
+static int check_params(const vlmoe_eval_params *p, int files, const char *fn) {
+    if (p->batch_size < 2 || p->shots < 0)
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: batch_size %d and shots %d, expected >= 2 and >= 0", fn, p->batch_size,
+                          p->shots);
+    if (files && (!p->ip || !p->tokenize))
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: the params need the image transform (ip) and a tokenizer (tokenize)", fn);
+    return VLMOE_OK;
+}
+
 static void progress(const vlmoe_eval_params *p, const char *what, long done, long total) {
     if (p->progress) p->progress(p->progress_user, what, done, total);
 }
@@ -74,7 +84,7 @@ void vlmoe_eval_routing_free(vlmoe_eval_routing *r) {
 static int capture_routing(vlmoe_model *m, vlmoe_eval_routing *r, const char *what) {
     int nm;
     const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &nm);
-    if (!r || r->n || !nm) return VLMOE_OK;
+    if (!r || r->n || nm <= 0) return VLMOE_OK;
     size_t nv = 0;   // doubles of the routed/accepted arrays (layers may differ in their experts)
     for (int i = 0; i < nm; i++)
         for (int mo = 0; mo < 2; mo++)
@@ -156,6 +166,8 @@ int vlmoe_eval_synthetic(vlmoe_model *m, const vlmoe_synth *s, int n, const vlmo
     const size_t isz = (size_t)3 * c->image_size * c->image_size;
     memset(r, 0, sizeof(*r));
     r->samples = n;
+    if (check_params(p, 0, "vlmoe_eval_synthetic")) return VLMOE_ERR_ARG;
+    if (n < 2) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_eval_synthetic: %d samples, expected >= 2", n);
     float *img = malloc(sizeof(float) * isz * nmax), *ce = malloc(sizeof(float) * (size_t)C * E);
     float *ie = malloc(sizeof(float) * (size_t)(n + pool + nval) * E), *te = malloc(sizeof(float) * (size_t)ntr * E);
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)nmax * T), *lens = malloc(sizeof(int32_t) * nmax);
@@ -236,6 +248,7 @@ int vlmoe_eval_folder_zeroshot(vlmoe_model *m, const vlmoe_eval_folder_data *d, 
     const vlmoe_image_folder *f = d->folder;
     const int C = f->n_classes, E = vlmoe_model_get_config(m)->embed_dim;
     memset(r, 0, sizeof(*r));
+    if (check_params(p, 1, "vlmoe_eval_folder_zeroshot")) return VLMOE_ERR_ARG;
     r->features = malloc(sizeof(float) * (size_t)(f->n ? f->n : 1) * E);
     r->labels = malloc(sizeof(int32_t) * (size_t)(f->n ? f->n : 1));
     float *ce = malloc(sizeof(float) * (size_t)C * E);
@@ -273,6 +286,7 @@ int vlmoe_eval_folder_fewshot(vlmoe_model *m, const vlmoe_eval_folder_data *d, c
     const int n = zr->zeroshot.images, C = d->folder->n_classes, E = vlmoe_model_get_config(m)->embed_dim, K = p->shots;
     memset(out, 0, sizeof(*out));
     out->shots = K;
+    if (K < 1) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_eval_folder_fewshot: %d shots, expected >= 1", K);
     int32_t *cnt = calloc((size_t)C, sizeof(int32_t)), *idx = malloc(sizeof(int32_t) * (size_t)(n + K * C));
     float *fx = malloc(sizeof(float) * (size_t)n * E);
     int32_t *fy = malloc(sizeof(int32_t) * n);
@@ -345,6 +359,7 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
     const int E = c->embed_dim, T = c->context_length, S = c->image_size, B = p->batch_size;
     const size_t isz = (size_t)3 * S * S;
     memset(r, 0, sizeof(*r));
+    if (check_params(p, 1, "vlmoe_eval_pairs")) return VLMOE_ERR_ARG;
     float *batch = malloc(sizeof(float) * isz * B), *ie = NULL, *te = NULL, *iu = NULL;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *lens = malloc(sizeof(int32_t) * B), *txt_image = NULL;
     image_key *keys = NULL;
