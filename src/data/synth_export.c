@@ -226,7 +226,8 @@ static int write_samples(export_job *j) {
                 }
                 if (!bad) bad = write_png(file, img, j->S, rgb, msg, sizeof(msg)) != 0;
                 if (bad) {
-#pragma omp critical(synth_export_err)
+                    // unnamed: a named critical section's lock is a global symbol libvlmoe.so would export
+#pragma omp critical
                     if (k < first_bad) first_bad = k, snprintf(err, sizeof(err), "%s", msg);
                 }
             }
