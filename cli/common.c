@@ -1,6 +1,6 @@
 // common.c: helpers of the inference subcommands (eval, classify, embed): image flags, image
-// folders and batched image encoding, the tokenizer choice, progress lines, skipped inputs.
-// See common.h; covered through tests/test_eval_data.c and tests/test_classify_embed.c.
+// folders, the progress line of batched image encoding (the encoding is src/eval/run_eval.c's),
+// the tokenizer choice, progress lines, skipped inputs. See common.h; covered through tests/test_eval_data.c and tests/test_classify_embed.c.
 #include "common.h"
 
 #include <dirent.h>
@@ -95,12 +95,19 @@ void cli_progress_show(cli_progress *p, long done, long total) {
 
 void cli_progress_end(cli_progress *p) {
     if (p->tty && p->shown) fputs("\r\033[K", stderr);
+    p->shown = 0;
 }
 
-void cli_bad_add(cli_bad_log *b, const char *msg) {
-    if (b->n < 3) snprintf(b->first[b->n], sizeof(b->first[0]), "%s", msg);
-    b->n++;
+void cli_progress_cb(void *u, const char *what, long done, long total) {
+    cli_progress *p = u;
+    if (!p->what || strcmp(p->what, what)) {
+        cli_progress_end(p);
+        *p = cli_progress_start(what);
+    }
+    cli_progress_show(p, done, total);
 }
+
+void cli_bad_add(cli_bad_log *b, const char *msg) { vlmoe_skip_log_add(b, msg); }
 
 int cli_separator(const char *cmd, const char *sep, char *out) {
     if (!strcmp(sep, "\\t")) sep = "\t";
@@ -139,33 +146,13 @@ int cli_plan(vlmoe_model *m, int n, int B) {
 
 int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli_encode_params *p, float *out,
                       uint8_t *ok, cli_bad_log *bad, int *n_ok) {
-    const vlmoe_model_config *c = vlmoe_model_get_config(m);
-    const int E = c->embed_dim, B = p->batch_size;
-    const size_t isz = (size_t)3 * c->image_size * c->image_size;
-    *n_ok = 0;
-    int st = cli_plan(m, n, B);
-    if (st) return st;
-    float *batch = malloc(sizeof(float) * isz * (size_t)B);
-    if (!batch) return vlmoe_fail(VLMOE_ERR_NOMEM, "a batch of %d images", B);
-    vlmoe_image img = {0};
-    cli_progress pr = cli_progress_start(p->progress);
-    int done = 0, k = 0;
-    for (int i = 0; i < n && !st; i++) {
-        const int good = !vlmoe_image_load(paths[i], &img) && !vlmoe_image_preprocess_eval(&img, p->ip, batch + k * isz);
-        if (ok) ok[i] = (uint8_t)good;
-        if (good) k++;
-        else cli_bad_add(bad, vlmoe_last_error());
-        if (k == B || (i == n - 1 && k)) {
-            st = vlmoe_model_encode_images(m, batch, k, out + (size_t)done * E);
-            if (!st && p->after_batch) p->after_batch(p->user, k);
-            done += k, k = 0;
-            cli_progress_show(&pr, i + 1, n);
-        }
-    }
+    cli_progress pr = {0};
+    const vlmoe_encode_files_params ep = {
+        .ip = p->ip, .batch_size = p->batch_size, .what = p->progress, .progress = cli_progress_cb,
+        .progress_user = &pr, .after_batch = p->after_batch, .user = p->user,
+    };
+    const int st = vlmoe_encode_image_files(m, paths, n, &ep, out, ok, bad, n_ok);
     cli_progress_end(&pr);
-    vlmoe_image_free(&img);
-    free(batch);
-    *n_ok = done;
     return st;
 }
 

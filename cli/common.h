@@ -1,7 +1,8 @@
-// common.h: what the inference subcommands (eval, classify, embed) share: the image flags and
-// batched encoding of image files, the text tokenizer choice, CLIP's default prompt templates,
-// progress lines and the log of skipped inputs. Implemented in cli/common.c; covered through
-// tests/test_eval_data.c and tests/test_classify_embed.c.
+// common.h: what the inference subcommands (eval, classify, embed) share: the image flags, the
+// batched encoding of image files with a progress line, the text tokenizer choice from the flags,
+// CLIP's default prompt templates (--templates), progress lines and the log of skipped inputs.
+// These are flag and printing concerns; the evaluation itself is src/eval/run_eval.h.
+// Implemented in cli/common.c; covered through tests/test_eval_data.c and tests/test_classify_embed.c.
 #ifndef VLMOE_CLI_COMMON_H
 #define VLMOE_CLI_COMMON_H
 
@@ -9,6 +10,7 @@
 
 #include "data/image.h"
 #include "data/readers.h"
+#include "eval/run_eval.h"
 #include "tok/tok.h"
 #include "vlmoe.h"
 
@@ -44,12 +46,12 @@ typedef struct {
 cli_progress cli_progress_start(const char *what);
 void cli_progress_show(cli_progress *p, long done, long total);   // total <= 0: unknown
 void cli_progress_end(cli_progress *p);
+// A vlmoe_progress_fn over a cli_progress p (zeroed before the first call): a new `what` ends the
+// previous line and starts its own. The caller ends the last with cli_progress_end.
+void cli_progress_cb(void *p, const char *what, long done, long total);
 
-// Skipped inputs: how many, and the first few messages for the warning.
-typedef struct {
-    long n;
-    char first[3][320];
-} cli_bad_log;
+// Skipped inputs: how many, and the first few messages for the warning (the library's log).
+typedef vlmoe_skip_log cli_bad_log;
 void cli_bad_add(cli_bad_log *b, const char *msg);
 // "vlmoe CMD: warning: skipped N WHATs of WHERE; first: ..." on stderr, if any were skipped.
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where);
@@ -77,11 +79,10 @@ int cli_take_multi(const char *cmd, const char *name, int argc, char **argv, int
 // message is in vlmoe_last_error().
 int cli_plan(vlmoe_model *m, int n, int B);
 
-// Encodes image files in batches of batch_size (one model call per batch, planned with cli_plan
-// for n): every readable image's
-// L2-normalised embedding goes to out (n, E), packed in file order, and ok[i] (may be NULL) says
-// which files were readable; the others are logged in bad. after_batch (may be NULL) runs after
-// each model call with the number of images it encoded (eval captures the routing there).
+// vlmoe_encode_image_files (src/eval/run_eval.h) with a progress line: image files encoded in
+// batches of batch_size, every readable image's L2-normalised embedding packed in file order into
+// out (n, E), ok[i] (may be NULL) says which files were readable, the others are logged in bad.
+// after_batch (may be NULL) runs after each model call with the number of images it encoded.
 typedef struct {
     const vlmoe_image_params *ip;
     int batch_size;
