@@ -13,6 +13,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "nn/model.h"
 #include "common.h"
 #include "eval/run_eval.h"
 #include "tokenize.h"
@@ -191,13 +192,14 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
 }
 
 int cmd_eval(int argc, char **argv) {
-    const char *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
+    const char *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
     const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0;
     long seed = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
+        {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
         {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "image folder DIR/<class>/*.jpg: zero-shot and few-shot"},
         {"classnames", ARG_STRING, &classnames, "FILE", "class names, one per line, in sorted folder order"},
         {"templates", ARG_STRING, &templates, "FILE", "prompt templates, one per line, {} = class name"},
@@ -240,6 +242,10 @@ int cmd_eval(int argc, char **argv) {
     e.p.tokenize = cli_tokenize, e.p.tokenize_user = &e.text, e.p.routing = &e.routing;
     e.p.progress = cli_progress_cb, e.p.progress_user = &e.pr;
     if (vlmoe_model_load(&e.m, model)) return cli_error("eval", "%s", vlmoe_last_error());
+    if (device && model_set_device(e.m, device)) {
+        vlmoe_model_free(e.m);
+        return cli_error("eval", "%s", vlmoe_last_error());
+    }
     e.c = vlmoe_model_get_config(e.m);
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     sp.image_size = e.c->image_size;
