@@ -1,6 +1,6 @@
 // order.c: the one data order of training runs: per-epoch Fisher-Yates permutations drawn from
 // (seed, stream, epoch), and each process's contiguous block of a global batch (src/data/order.h).
-// Covered by tests/test_loader.c.
+// Covered by tests/test_core.c.
 #include <stdlib.h>
 
 #include "core/core.h"

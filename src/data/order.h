@@ -2,7 +2,7 @@
 // items, epoch by epoch, each epoch a Fisher-Yates permutation drawn from (seed, stream, epoch),
 // and the share of one process of a run on `world` processes. The loader (src/data/loader.c), the
 // VL-MoE file streams (src/train/mome_task.c) and fine-tuning (src/train/finetune_task.c) draw their
-// orders from it. Covered by tests/test_loader.c.
+// orders from it. Covered by tests/test_core.c and tests/test_loader.c.
 //
 // Processes. Each global batch is cut into contiguous blocks, one per process in rank order:
 // sample j of process r in global batch `step` is global sample step*G + r*B + j, with B the

@@ -129,6 +129,7 @@ static int dp_plan(vlmoe_model *m, int G) {
     if (!d) return vlmoe_fail(VLMOE_ERR_NOMEM, "data parallelism");
     d->G = G, d->E = E;
     const size_t bytes = sizeof(float) * (size_t)G * E;
+    // host memory (dp_plan checked): the buffers MPI reads and writes
     d->img = vlmoe_alloc(bytes, "gathered embeddings"), d->txt = vlmoe_alloc(bytes, "gathered embeddings");
     d->dimg = vlmoe_alloc(bytes, "gathered embeddings"), d->dtxt = vlmoe_alloc(bytes, "gathered embeddings");
     int st = d->img && d->txt && d->dimg && d->dtxt ? contrastive_step_create_f32(&d->loss, m->be, G, E) : VLMOE_ERR_NOMEM;
@@ -148,8 +149,8 @@ static int dp_forward(vlmoe_model *m, int B, double *loss, double *aux, double a
     struct towers_dp *p = m->dp;
     const size_t n = (size_t)B * p->E, at = (size_t)d->rank * n;
     // in place: this process's rows of the gathered buffers are its own embeddings
-    memcpy(p->img + at, graph_embeddings_f32(m->g, MOD_IMAGE), sizeof(float) * n);
-    memcpy(p->txt + at, graph_embeddings_f32(m->g, MOD_TEXT), sizeof(float) * n);
+    m->be->copy(m->be, p->img + at, graph_embeddings_f32(m->g, MOD_IMAGE), n);
+    m->be->copy(m->be, p->txt + at, graph_embeddings_f32(m->g, MOD_TEXT), n);
     if ((st = d->allgather(d, p->img, p->img + at, n, VLMOE_DIST_F32)) ||
         (st = d->allgather(d, p->txt, p->txt + at, n, VLMOE_DIST_F32)))
         return vlmoe_error_prefix("gathering the embeddings"), st;
@@ -162,8 +163,8 @@ static void dp_backward(vlmoe_model *m) {
     struct towers_dp *p = m->dp;
     const int B = p->G / d->world;
     const size_t n = (size_t)B * p->E, at = (size_t)d->rank * n;
-    memset(p->dimg, 0, sizeof(float) * (size_t)p->G * p->E);
-    memset(p->dtxt, 0, sizeof(float) * (size_t)p->G * p->E);
+    m->be->zero(m->be, p->dimg, (size_t)p->G * p->E);
+    m->be->zero(m->be, p->dtxt, (size_t)p->G * p->E);
     contrastive_step_backward_f32(p->loss, p->dimg, p->dtxt, m->grads + m->L.logit_scale, 1.0);
     m->be->scale(m->be, p->dimg + at, n, (float)d->world);
     m->be->scale(m->be, p->dtxt + at, n, (float)d->world);

@@ -1,0 +1,88 @@
+// test_core.c: the helpers every module uses (src/core/core.c) and the one data order
+// (src/data/order.c). Golden values of the generators come from an independent Python
+// implementation of splitmix64 and xoshiro256** (the values below, checked bit for bit); the
+// counter-based normals must be a pure function of (key, counter) with the moments of N(0,1);
+// checked size arithmetic must catch overflow; error messages compose with their prefixes; the
+// data order must be a permutation per epoch and give each process its contiguous block.
+#include <stdint.h>
+
+#include "data/order.h"
+#include "test.h"
+
+static void test_generators(void) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 42);
+    const uint64_t want[3] = {0x15780b2e0c2ec716ull, 0x6104d9866d113a7eull, 0xae17533239e499a1ull};
+    for (int i = 0; i < 3; i++) {
+        const uint64_t got = vlmoe_rng_u64(&r);
+        CHECK(got == want[i], "xoshiro256** output %d of seed 42: %016llx, want %016llx", i, (unsigned long long)got,
+              (unsigned long long)want[i]);
+    }
+    CHECK(vlmoe_mix64(0) == 0xe220a8397b1dcdafull, "splitmix64(0) = %016llx", (unsigned long long)vlmoe_mix64(0));
+    // the Python reference: -1.2299897245587617 and -0.6249173870469424
+    CHECK(vlmoe_normal_at(12345, 7) == -1.2299897245587617, "normal_at(12345, 7) = %.17g", vlmoe_normal_at(12345, 7));
+    CHECK(vlmoe_normal_at(0, 0) == -0.6249173870469424, "normal_at(0, 0) = %.17g", vlmoe_normal_at(0, 0));
+    // a pure function: the same draw whatever came before; neighbours differ
+    CHECK(vlmoe_normal_at(99, 3) == vlmoe_normal_at(99, 3) && vlmoe_normal_at(99, 3) != vlmoe_normal_at(99, 4) &&
+              vlmoe_normal_at(99, 3) != vlmoe_normal_at(100, 3), "normal_at is keyed by (key, counter)");
+    double s = 0, s2 = 0;
+    const int n = 200000;
+    for (int i = 0; i < n; i++) {
+        const double x = vlmoe_normal_at((uint64_t)i * 7919u, (uint64_t)i % 13);
+        s += x, s2 += x * x;
+    }
+    const double mean = s / n, var = s2 / n - mean * mean;
+    CHECK(fabs(mean) < 0.01 && fabs(var - 1) < 0.02, "N(0,1) moments over %d draws: mean %.4f var %.4f", n, mean, var);
+    // rng_below: in range and about uniform over 7 values
+    long hist[7] = {0};
+    vlmoe_rng_seed(&r, 7);
+    for (int i = 0; i < 70000; i++) {
+        const uint32_t v = vlmoe_rng_below(&r, 7);
+        if (v < 7) hist[v]++;
+        else CHECK(0, "rng_below(7) gave %u", v);
+    }
+    for (int v = 0; v < 7; v++) CHECK(labs(hist[v] - 10000) < 500, "value %d drawn %ld times of 70000", v, hist[v]);
+}
+
+static void test_sizes_and_errors(void) {
+    size_t out = 5;
+    CHECK(vlmoe_mul_ok(SIZE_MAX / 2 + 1, 2, &out) == 1 && out == 5, "a product past SIZE_MAX is refused, out untouched");
+    CHECK(vlmoe_mul_ok(1u << 20, 1u << 20, &out) == 0 && out == (size_t)1 << 40, "2^20 x 2^20");
+    CHECK(vlmoe_add_ok(SIZE_MAX, 1, &out) == 1 && vlmoe_add_ok(3, 4, &out) == 0 && out == 7, "checked sums");
+    CHECK(vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor %s", "m.safetensors", "w") == VLMOE_ERR_FORMAT, "fail returns its status");
+    vlmoe_error_prefix("layer %d", 3);
+    CHECK(!strcmp(vlmoe_last_error(), "layer 3: m.safetensors: tensor w"), "prefixed message: %s", vlmoe_last_error());
+}
+
+static void test_order(void) {
+    vlmoe_order o;
+    CHECK(vlmoe_order_init(&o, 10, 5, 1, 0, 1) == VLMOE_OK, "order of 10 items");
+    int seen[3][10] = {{0}}, moved = 0;
+    for (uint64_t i = 0; i < 30; i++) {
+        const uint32_t it = vlmoe_order_at(&o, i);
+        if (it < 10) seen[i / 10][it]++;
+        moved += it != i % 10;
+    }
+    for (int e = 0; e < 3; e++)
+        for (int k = 0; k < 10; k++) CHECK(seen[e][k] == 1, "epoch %d holds item %d %d times", e, k, seen[e][k]);
+    CHECK(moved > 0, "the order is shuffled");
+    vlmoe_order_free(&o);
+    // process r of W takes the contiguous block r of each global batch: with W = 3 and batches of
+    // 2 per process, step 1 of process 2 is global samples 10 and 11
+    vlmoe_order all, p2;
+    CHECK(vlmoe_order_init(&all, 50, 9, 2, 0, 1) == VLMOE_OK && vlmoe_order_init(&p2, 50, 9, 2, 2, 3) == VLMOE_OK,
+          "orders");
+    CHECK(vlmoe_order_local(&p2, 1, 2, 0) == vlmoe_order_at(&all, 10) &&
+              vlmoe_order_local(&p2, 1, 2, 1) == vlmoe_order_at(&all, 11), "process 2's block of step 1");
+    CHECK(vlmoe_order_local(&all, 3, 6, 4) == vlmoe_order_at(&all, 22), "one process: step x batch + j");
+    vlmoe_order_free(&all), vlmoe_order_free(&p2);
+    CHECK(vlmoe_order_init(&o, 10, 0, 0, 3, 3) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "rank 3"), "bad rank");
+    CHECK(vlmoe_order_init(&o, 0, 0, 0, 0, 1) == VLMOE_ERR_ARG, "an empty order");
+}
+
+int main(void) {
+    test_generators();
+    test_sizes_and_errors();
+    test_order();
+    return test_summary("test_core");
+}
