@@ -25,7 +25,7 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMP_NUM_THREADS=1
 pass=0; fail=0
 for t in test_dist test_train_dist; do
-for np in 2 3; do
+for np in 2 3 4; do
     b=$rel/tests/$t
     out=$(timeout 300 mpirun -np $np --oversubscribe "$b" 2>&1); rc=$?
     p=0; f=0; ranks=0
@@ -77,23 +77,67 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.l
 else
     tail -n 20 "$tmp/dp.log" "$tmp/ep.log"; echo "FAILED: vlmoe train --expert-parallel under mpirun"; fail=$((fail + 1))
 fi
-# the checkpoint does not depend on the process layout: 2 processes train 2 steps and save, one
-# process resumes them to 4 steps, and logs the losses of one process trained 4 steps alone
-common="train --model tiny --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 2"
-if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --steps 2 --batch-size 4 --name mix > "$tmp/mix.log" 2>&1 &&
-   timeout 300 "$vl" $common --steps 4 --batch-size 8 --name mix --resume latest >> "$tmp/mix.log" 2>&1 &&
-   timeout 300 "$vl" $common --steps 4 --batch-size 8 --name solo > "$tmp/solo.log" 2>&1; then
-    worst=$(paste "$tmp/mix/metrics.jsonl" "$tmp/solo/metrics.jsonl" |
+# the checkpoint does not depend on the process layout: 4 processes with the experts split 4 ways
+# train limoe-tiny (routing groups of 2 whole examples) 3 steps and save; 1 process and 2
+# processes each resume it and train on to step 8; both log the losses of one process trained 8
+# steps alone
+printf '{"base": "limoe-tiny", "moe": {"group_size": 64}}\n' > "$tmp/lg.json"
+common="train --model $tmp/lg.json --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 3"
+ck="$tmp/w4/checkpoints/step_3.safetensors"
+same_losses() { # run a against run b: "ok" and the worst relative difference, or why not
+    paste "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" | grep '"kind":"train".*"kind":"train"' |
         sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
-        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 4) print "lines" n; else print w }')
-    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
-        echo "ok   saved by 2 processes, resumed by 1: the losses of one process (within $worst)"
+        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 8) print "lines" n; else print w }'
+}
+if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size 2 --expert-parallel --name w4 > "$tmp/w4.log" 2>&1 &&
+   mkdir -p "$tmp/r1/checkpoints" "$tmp/r2/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/r1/" && cp "$tmp/w4/metrics.jsonl" "$tmp/r2/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r1/checkpoints/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r2/checkpoints/" &&
+   timeout 300 "$vl" $common --steps 8 --batch-size 8 --name r1 --resume latest > "$tmp/r1.log" 2>&1 &&
+   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --steps 8 --batch-size 4 --name r2 --resume latest > "$tmp/r2.log" 2>&1 &&
+   timeout 300 "$vl" $common --steps 8 --batch-size 8 --name solo > "$tmp/solo.log" 2>&1; then
+    w1=$(same_losses r1 solo); w2=$(same_losses r2 solo)
+    if awk -v a="$w1" -v b="$w2" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a <= 1e-5 && b <= 1e-5) }'; then
+        echo "ok   saved by 4 processes (experts split 4 ways), resumed by 1 and by 2: the losses of one process (within $w1, $w2)"
         pass=$((pass + 1))
     else
-        echo "FAILED: saved by 2 processes, resumed by 1: loss difference $worst"; fail=$((fail + 1))
+        echo "FAILED: saved by 4 processes, resumed by 1 / 2: loss differences $w1 / $w2"; fail=$((fail + 1))
     fi
 else
-    tail -n 20 "$tmp/mix.log" "$tmp/solo.log"; echo "FAILED: resume across process layouts"; fail=$((fail + 1))
+    tail -n 20 "$tmp/w4.log" "$tmp/r1.log" "$tmp/r2.log" "$tmp/solo.log" 2>/dev/null
+    echo "FAILED: resume across process layouts"; fail=$((fail + 1))
+fi
+# a process killed mid-run (kill -9 one of 4) ends the job within 60 s with a message naming it,
+# and leaves no half-written checkpoint
+( timeout 120 mpirun -np 4 --oversubscribe "$vl" train --model tiny --steps 1000000 --batch-size 2 \
+    --log-every-n-steps 1 --eval-samples 0 --save-frequency 3 --logs "$tmp" --name kill > "$tmp/kill.log" 2>&1
+  echo $? > "$tmp/kill.rc" ) &
+job=$!
+for i in $(seq 1 300); do
+    [ -f "$tmp/kill/metrics.jsonl" ] && [ "$(wc -l < "$tmp/kill/metrics.jsonl")" -ge 4 ] && break
+    sleep 0.1
+done
+victim=$(pgrep -f "^[^ ]*vlmoe train --model tiny --steps 1000000" | tail -n 1)
+t0=$(date +%s)
+[ -n "$victim" ] && kill -9 "$victim"
+wait $job
+took=$(( $(date +%s) - t0 ))
+rc=$(cat "$tmp/kill.rc" 2>/dev/null)
+half=$(ls "$tmp/kill/checkpoints" 2>/dev/null | grep -c '\.tmp\.')
+lone=0
+for w in "$tmp"/kill/checkpoints/step_*.safetensors; do
+    case $w in *.state.safetensors) continue ;; esac
+    [ -f "${w%.safetensors}.state.safetensors" ] || lone=$((lone + 1))
+done
+if [ -n "$victim" ] && [ "$rc" != 0 ] && [ "$took" -le 60 ] && [ "$half" = 0 ] && [ "$lone" = 0 ] &&
+   grep -qiE "signal 9|killed" "$tmp/kill.log"; then
+    echo "ok   kill -9 of one of 4 processes: the job ended in ${took} s (exit $rc), no half-written checkpoint"
+    pass=$((pass + 1))
+else
+    tail -n 15 "$tmp/kill.log"
+    echo "FAILED: kill -9 of one of 4 processes (victim '$victim', exit $rc after ${took} s, $half partial and $lone" \
+         "incomplete checkpoints)"
+    fail=$((fail + 1))
 fi
 # a command that runs on one process refuses a launch of several, saying so
 if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" eval --model none.safetensors 2>&1); then

@@ -21,11 +21,12 @@ const char *__lsan_default_suppressions(void) {
 }
 #endif
 
-enum { STEPS = 4 };
+enum { STEPS = 10, GLOBAL = 24 }; // 10 AdamW steps at a global batch of 24 (12, 8, 6 per process)
 
 // Trains `model` (MoE layers routing groups of two examples) for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
 // synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
-static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *losses, float **params, size_t *n) {
+static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *losses, double *norms, float **params,
+                 size_t *n) {
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
@@ -37,7 +38,9 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
     // the groups, their capacity and their order are those of the one-process batch (group_size
     // 0, one group of the whole batch, would make the groups depend on the process count)
     const int np = (c.image_size / c.patch_size) * (c.image_size / c.patch_size) + c.image_class_token;
-    if (c.moe.router != VLMOE_ROUTER_NONE) c.moe.group_size = 2 * (np + c.context_length);
+    const int two = c.arch == VLMOE_ARCH_TWO_TOWER; // each tower routes its own modality
+    if (c.moe.router != VLMOE_ROUTER_NONE) c.moe.group_size = 2 * (two ? np : np + c.context_length);
+    if (two && c.text_moe.router != VLMOE_ROUTER_NONE) c.text_moe.group_size = 2 * c.context_length;
     sp.image_size = c.image_size;
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 2, STEPS, 0.0, 0, 0};
@@ -53,7 +56,7 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
         vlmoe_step_stats ss;
         st = rt.fill(rt.user, step);
         if (!st) st = rt.step(rt.user, t, step, &ss);
-        if (!st) losses[step] = ss.loss;
+        if (!st) losses[step] = ss.loss, norms[step] = ss.grad_norm;
     }
     if (!st && params) {
         *n = vlmoe_model_num_floats(m);
@@ -69,11 +72,12 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
     return st;
 }
 
-static void compare(const char *model, vlmoe_dist *d, int ep, int batch) {
-    double dp[STEPS] = {0}, one[STEPS] = {0};
+static void compare(const char *model, vlmoe_dist *d, int ep) {
+    const int batch = GLOBAL / d->world;
+    double dp[STEPS] = {0}, one[STEPS] = {0}, gdp[STEPS] = {0}, gone[STEPS] = {0};
     float *pd = NULL, *p1 = NULL;
     size_t n = 0, n1 = 0;
-    CHECK(train(model, d, ep, batch, dp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    CHECK(train(model, d, ep, batch, dp, gdp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
     // every process holds the same parameters after the same updates
     if (pd && d->world > 1) {
         float *r0 = malloc(sizeof(float) * n);
@@ -83,21 +87,25 @@ static void compare(const char *model, vlmoe_dist *d, int ep, int batch) {
         free(r0);
     }
     if (d->rank == 0) {
-        CHECK(train(model, NULL, 0, batch * d->world, one, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
-        double worst = 0, pworst = 0;
+        CHECK(train(model, NULL, 0, GLOBAL, one, gone, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
+        double worst = 0, pworst = 0, gworst = 0;
         for (int s = 0; s < STEPS; s++) {
-            const double rel = fabs(dp[s] - one[s]) / fabs(one[s]);
+            const double rel = fabs(dp[s] - one[s]) / fabs(one[s]), grel = fabs(gdp[s] - gone[s]) / fabs(gone[s]);
             worst = rel > worst ? rel : worst;
+            gworst = grel > gworst ? grel : gworst;
             if (d->world == 1) CHECK(dp[s] == one[s], "%s step %d: %.17g vs %.17g in a world of one", model, s + 1, dp[s], one[s]);
         }
         for (size_t i = 0; p1 && pd && i < n; i++) {
             const double e = fabs((double)pd[i] - (double)p1[i]);
             pworst = e > pworst ? e : pworst;
         }
-        printf("%s%s: %d processes x %d pairs vs 1 x %d: losses %.6f..%.6f, max rel loss diff %.2e, max param diff %.2e\n",
-               model, ep ? " (experts split over the processes)" : "", d->world, batch, batch * d->world, one[0], one[STEPS - 1], worst, pworst);
-        CHECK(worst <= 2e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
-        CHECK(pworst <= 2e-5, "%s: parameters differ by %.3e from the one-process run", model, pworst);
+        printf("%s%s: %d processes x %d pairs vs 1 x %d, %d steps: losses %.6f..%.6f, max relative difference of the "
+               "losses %.2e, of the gradient norms %.2e; max parameter difference %.2e\n", model,
+               ep ? " (experts split over the processes)" : "", d->world, batch, GLOBAL, STEPS, one[0], one[STEPS - 1],
+               worst, gworst, pworst);
+        CHECK(gworst <= 1e-5, "%s: gradient norms differ by %.3e (relative) from the one-process run", model, gworst);
+        CHECK(worst <= 1e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
+        CHECK(pworst <= 1e-5, "%s: parameters differ by %.3e from the one-process run", model, pworst);
         if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
     }
     free(pd), free(p1);
@@ -109,19 +117,23 @@ int main(void) {
         fprintf(stderr, "test_train_dist: %s\n", vlmoe_last_error());
         return 1;
     }
-    compare("tiny", d, 0, 4);        // dense CLIP-style one_tower
-    compare("limoe-tiny", d, 0, 4);  // LIMoE: MoE layers, routing noise and groups
+    compare("tiny", d, 0);         // dense one_tower
+    compare("limoe-tiny", d, 0);   // LIMoE: MoE layers, routing noise and groups of whole examples
+    compare("clipup-tiny", d, 0);  // CLIP-UP: two towers, top-2 MoE in each
     // expert parallelism: each process computes its share of the experts for every process's
     // tokens (the all-to-all dispatch of src/moe/layer.c), when the process count divides them
-    vlmoe_model_config c;
-    vlmoe_config_named("limoe-tiny", &c);
-    if (c.moe.num_experts % d->world == 0) {
-        compare("limoe-tiny", d, 1, 4);
-    } else {
-        double l[STEPS];
-        const int st = train("limoe-tiny", d, 1, 4, l, NULL, NULL);
-        CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
-              "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
+    static const char *const moe[2] = {"limoe-tiny", "clipup-tiny"};
+    for (int k = 0; k < 2; k++) {
+        vlmoe_model_config c;
+        vlmoe_config_named(moe[k], &c);
+        if (c.moe.num_experts % d->world == 0) {
+            compare(moe[k], d, 1);
+        } else {
+            double l[STEPS], g[STEPS];
+            const int st = train(moe[k], d, 1, GLOBAL / d->world, l, g, NULL, NULL);
+            CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
+                  "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
+        }
     }
     vlmoe_dist_close(d);
     return test_summary("test_train_dist");

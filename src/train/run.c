@@ -52,6 +52,24 @@ static int evaluate(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe
     return st;
 }
 
+// Before a checkpoint of a run on several processes: every process must hold the same step and
+// the same parameters (a checksum of their bits), or the file would not be the run's state.
+static int check_replicas(vlmoe_dist *d, vlmoe_trainer *t) {
+    vlmoe_model *m = vlmoe_trainer_model(t);
+    const uint32_t *w = (const uint32_t *)vlmoe_model_param_data(m);
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < vlmoe_model_num_floats(m); i++) h = (h ^ w[i]) * 1099511628211ull;
+    const int64_t c = (int64_t)(h >> 2), step = vlmoe_trainer_get_step(t);
+    int64_t v[4] = {c, -c, step, -step};
+    int st = d->allreduce_max(d, v, 4, VLMOE_DIST_I64);
+    if (st) return vlmoe_error_prefix("checkpoint"), st;
+    if (v[0] != -v[1] || v[2] != -v[3])
+        return vlmoe_fail(VLMOE_ERR_NUMERIC, "checkpoint at step %lld: the processes hold different %s (process %d: "
+                          "step %lld, checksum %016llx); nothing was written", (long long)step,
+                          v[2] != -v[3] ? "steps" : "parameters", d->rank, (long long)step, (unsigned long long)c);
+    return VLMOE_OK;
+}
+
 static void fmt_eta(char *buf, size_t n, double s) {
     long t = (long)(s + 0.5);
     snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
@@ -131,8 +149,9 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             st = log_step(task, p, mx, done, &s, sum_loss / (double)(done - last), per);
             t_last = tn, last = done, sum_loss = 0;
         }
-        if (!st && writer && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps))
-            st = save(t, task, p, ckdir, done);
+        const int saving = p->dir && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps);
+        if (!st && saving && dist->world > 1) st = check_replicas(dist, t);
+        if (!st && saving && writer) st = save(t, task, p, ckdir, done);
         if (!st && lead && task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps)
             st = evaluate(task, p, mx, done);
     }
