@@ -2,8 +2,10 @@
 // process trains limoe-tiny (and a VL-MoE model) from the same seed on its block of each global
 // batch (src/data/order.h) with the gradients averaged over the processes (src/train/trainer.c)
 // and the contrastive loss over the embeddings gathered from every process; rank 0 then trains
-// the same model alone at the global batch, and the losses and parameters of the two runs must
-// agree to float rounding (the gradient sums run in another order). Alone (a world of one), the
+// the same model alone at the global batch, and the losses, gradient norms and parameters of the
+// two runs must agree to float rounding (the gradient sums run in another order), and the routing
+// counts of every step (tokens, routed tokens, tokens per expert), summed over the processes,
+// exactly. Alone (a world of one), the
 // data-parallel path must equal the plain one bit for bit. tests/test_dist_mpi.sh runs it under
 // mpirun on 2 and 3 processes.
 #include <stdint.h>
@@ -21,12 +23,29 @@ const char *__lsan_default_suppressions(void) {
 }
 #endif
 
-enum { STEPS = 10, GLOBAL = 24 }; // 10 AdamW steps at a global batch of 24 (12, 8, 6 per process)
+enum { STEPS = 10, GLOBAL = 24, NCOUNT = 256 }; // 10 AdamW steps at a global batch of 24 (12, 8, 6 per process)
 
 // Trains `model` (MoE layers routing groups of two examples) for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
 // synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
+// Each step's routing as counts (tokens, tokens with an accepted assignment, and tokens per expert,
+// by layer and modality), which add up over the processes to the one-process counts when every
+// process holds whole groups.
+static void routing_counts(vlmoe_model *m, int64_t *out) {
+    int n;
+    const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m, &n);
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        for (int mod = 0; mod < 2; mod++) {
+            const double tok = ms[i].tokens[mod];
+            if (k < NCOUNT) out[k++] = (int64_t)tok;
+            if (k < NCOUNT) out[k++] = llround(ms[i].success[mod] * tok);
+            for (int e = 0; e < ms[i].num_experts && ms[i].accepted[mod]; e++)
+                if (k < NCOUNT) out[k++] = llround(ms[i].accepted[mod][e] * tok);
+        }
+}
+
 static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *losses, double *norms, float **params,
-                 size_t *n) {
+                 size_t *n, int64_t (*counts)[NCOUNT]) {
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
@@ -57,6 +76,7 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
         st = rt.fill(rt.user, step);
         if (!st) st = rt.step(rt.user, t, step, &ss);
         if (!st) losses[step] = ss.loss, norms[step] = ss.grad_norm;
+        if (!st && counts) routing_counts(m, counts[step]);
     }
     if (!st && params) {
         *n = vlmoe_model_num_floats(m);
@@ -75,9 +95,12 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
 static void compare(const char *model, vlmoe_dist *d, int ep) {
     const int batch = GLOBAL / d->world;
     double dp[STEPS] = {0}, one[STEPS] = {0}, gdp[STEPS] = {0}, gone[STEPS] = {0};
+    static int64_t cdp[STEPS][NCOUNT], cone[STEPS][NCOUNT];
+    memset(cdp, 0, sizeof(cdp)), memset(cone, 0, sizeof(cone));
     float *pd = NULL, *p1 = NULL;
     size_t n = 0, n1 = 0;
-    CHECK(train(model, d, ep, batch, dp, gdp, &pd, &n) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    CHECK(train(model, d, ep, batch, dp, gdp, &pd, &n, cdp) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    d->allreduce_sum(d, cdp, (size_t)STEPS * NCOUNT, VLMOE_DIST_I64);
     // every process holds the same parameters after the same updates
     if (pd && d->world > 1) {
         float *r0 = malloc(sizeof(float) * n);
@@ -87,7 +110,16 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
         free(r0);
     }
     if (d->rank == 0) {
-        CHECK(train(model, NULL, 0, GLOBAL, one, gone, &p1, &n1) == VLMOE_OK && n1 == n, "%s: one process", model);
+        CHECK(train(model, NULL, 0, GLOBAL, one, gone, &p1, &n1, cone) == VLMOE_OK && n1 == n, "%s: one process", model);
+        int differ = -1;
+        for (int s = 0; s < STEPS && differ < 0; s++)
+            if (memcmp(cdp[s], cone[s], sizeof(cone[s]))) differ = s;
+        CHECK(differ < 0, "%s: routing counts of step %d summed over %d processes differ from one process's", model,
+              differ + 1, d->world);
+        int64_t routed = 0;
+        for (int k = 0; k < NCOUNT; k++) routed += cone[STEPS - 1][k];
+        CHECK(strcmp(model, "tiny") ? routed > 0 : routed == 0, "%s: %lld routing counts in the last step", model,
+              (long long)routed);
         double worst = 0, pworst = 0, gworst = 0;
         for (int s = 0; s < STEPS; s++) {
             const double rel = fabs(dp[s] - one[s]) / fabs(one[s]), grel = fabs(gdp[s] - gone[s]) / fabs(gone[s]);
@@ -130,7 +162,7 @@ int main(void) {
             compare(moe[k], d, 1);
         } else {
             double l[STEPS], g[STEPS];
-            const int st = train(moe[k], d, 1, GLOBAL / d->world, l, g, NULL, NULL);
+            const int st = train(moe[k], d, 1, GLOBAL / d->world, l, g, NULL, NULL, NULL);
             CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
                   "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
         }
