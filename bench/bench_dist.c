@@ -85,7 +85,7 @@ int main(int argc, char **argv) {
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     if (st) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     const vlmoe_run_task rt = vlmoe_contrastive_task(task);
-    vlmoe_trainer_set_dist(t, &timed, ep);
+    vlmoe_trainer_set_dist(t, &timed, ep ? &timed : NULL);
     double *ts = malloc(sizeof(double) * (size_t)steps), loss = 0;
     for (int i = 0; i < warmup + steps && !st; i++) {
         if (i == warmup) memset(t_in, 0, sizeof(t_in)), memset(bytes_in, 0, sizeof(bytes_in));
@@ -110,7 +110,7 @@ int main(int argc, char **argv) {
                c.name, inner->world, ep, B, B * inner->world, ts[steps / 2], tmax[AR] / steps,
                bytes_in[AR] / steps / 1e6, tmax[AG] / steps, bytes_in[AG] / steps / 1e6, tmax[A2A] / steps,
                bytes_in[A2A] / steps / 1e6, loss);
-    vlmoe_trainer_set_dist(t, NULL, 0);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
     vlmoe_contrastive_free(task), vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m), free(ts);
     vlmoe_dist_close(inner);
     return 0;

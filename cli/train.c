@@ -23,7 +23,7 @@ typedef struct {
     const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
-    int expert_parallel;         // under mpirun: every MoE layer's experts split over the processes
+    int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
@@ -215,8 +215,9 @@ int cmd_train(int argc, char **argv) {
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
-        {"expert-parallel", ARG_FLAG, &a.expert_parallel, NULL, "under mpirun: split every MoE layer's experts over the "
-                                                               "processes (their count must divide num_experts)"},
+        {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
+                                                               "groups of N processes (N divides the process count "
+                                                               "and num_experts; default 1: not split)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},

@@ -64,7 +64,7 @@ fi
 # --expert-parallel: the same run with each process computing half of limoe-tiny's experts
 common="train --model limoe-tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp --batch-size 4"
 if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.log" 2>&1 &&
-   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name ep --expert-parallel > "$tmp/ep.log" 2>&1; then
+   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name ep --expert-parallel 2 > "$tmp/ep.log" 2>&1; then
     worst=$(paste "$tmp/ep/metrics.jsonl" "$tmp/dp/metrics.jsonl" |
         sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
         awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "lines" n; else print w }')
@@ -89,7 +89,7 @@ same_losses() { # run a against run b: "ok" and the worst relative difference, o
         sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
         awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 8) print "lines" n; else print w }'
 }
-if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size 2 --expert-parallel --name w4 > "$tmp/w4.log" 2>&1 &&
+if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size 2 --expert-parallel 4 --name w4 > "$tmp/w4.log" 2>&1 &&
    mkdir -p "$tmp/r1/checkpoints" "$tmp/r2/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/r1/" && cp "$tmp/w4/metrics.jsonl" "$tmp/r2/" &&
    cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r1/checkpoints/" &&
    cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r2/checkpoints/" &&

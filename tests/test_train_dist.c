@@ -44,7 +44,7 @@ static void routing_counts(vlmoe_model *m, int64_t *out) {
         }
 }
 
-static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *losses, double *norms, float **params,
+static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, double *losses, double *norms, float **params,
                  size_t *n, int64_t (*counts)[NCOUNT]) {
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
@@ -84,7 +84,7 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
         memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
     }
     if (st) fprintf(stderr, "train %s: %s\n", model, vlmoe_last_error());
-    vlmoe_trainer_set_dist(t, NULL, 0);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
     vlmoe_contrastive_free(task);
     vlmoe_synth_free(s);
     vlmoe_trainer_free(t);
@@ -92,14 +92,18 @@ static int train(const char *model, vlmoe_dist *d, int ep, int batch, double *lo
     return st;
 }
 
+// ep: the size of the groups the experts are split over (0: not split)
 static void compare(const char *model, vlmoe_dist *d, int ep) {
     const int batch = GLOBAL / d->world;
+    vlmoe_dist *experts = NULL;
+    if (ep > 1 && ep < d->world) CHECK(vlmoe_dist_split(d, d->rank / ep, d->rank, &experts) == VLMOE_OK, "split");
+    if (ep > 1 && ep == d->world) experts = d;
     double dp[STEPS] = {0}, one[STEPS] = {0}, gdp[STEPS] = {0}, gone[STEPS] = {0};
     static int64_t cdp[STEPS][NCOUNT], cone[STEPS][NCOUNT];
     memset(cdp, 0, sizeof(cdp)), memset(cone, 0, sizeof(cone));
     float *pd = NULL, *p1 = NULL;
     size_t n = 0, n1 = 0;
-    CHECK(train(model, d, ep, batch, dp, gdp, &pd, &n, cdp) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    CHECK(train(model, d, experts, batch, dp, gdp, &pd, &n, cdp) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
     d->allreduce_sum(d, cdp, (size_t)STEPS * NCOUNT, VLMOE_DIST_I64);
     // every process holds the same parameters after the same updates
     if (pd && d->world > 1) {
@@ -110,7 +114,7 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
         free(r0);
     }
     if (d->rank == 0) {
-        CHECK(train(model, NULL, 0, GLOBAL, one, gone, &p1, &n1, cone) == VLMOE_OK && n1 == n, "%s: one process", model);
+        CHECK(train(model, NULL, NULL, GLOBAL, one, gone, &p1, &n1, cone) == VLMOE_OK && n1 == n, "%s: one process", model);
         int differ = -1;
         for (int s = 0; s < STEPS && differ < 0; s++)
             if (memcmp(cdp[s], cone[s], sizeof(cone[s]))) differ = s;
@@ -133,7 +137,7 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
         }
         printf("%s%s: %d processes x %d pairs vs 1 x %d, %d steps: losses %.6f..%.6f, max relative difference of the "
                "losses %.2e, of the gradient norms %.2e; max parameter difference %.2e\n", model,
-               ep ? " (experts split over the processes)" : "", d->world, batch, GLOBAL, STEPS, one[0], one[STEPS - 1],
+               ep ? (ep == d->world ? " (experts split over every process)" : " (experts split over pairs of processes)") : "", d->world, batch, GLOBAL, STEPS, one[0], one[STEPS - 1],
                worst, gworst, pworst);
         CHECK(gworst <= 1e-5, "%s: gradient norms differ by %.3e (relative) from the one-process run", model, gworst);
         CHECK(worst <= 1e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
@@ -141,6 +145,7 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
         if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
     }
     free(pd), free(p1);
+    if (experts && experts != d) vlmoe_dist_close(experts);
 }
 
 int main(void) {
@@ -159,10 +164,11 @@ int main(void) {
         vlmoe_model_config c;
         vlmoe_config_named(moe[k], &c);
         if (c.moe.num_experts % d->world == 0) {
-            compare(moe[k], d, 1);
+            compare(moe[k], d, d->world);
+            if (d->world == 4) compare(moe[k], d, 2); // 2 groups of 2, data parallel between them
         } else {
             double l[STEPS], g[STEPS];
-            const int st = train(moe[k], d, 1, GLOBAL / d->world, l, g, NULL, NULL, NULL);
+            const int st = train(moe[k], d, d, GLOBAL / d->world, l, g, NULL, NULL, NULL);
             CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
                   "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
         }

@@ -60,6 +60,9 @@ int vlmoe_dist_open(vlmoe_dist **out, const char *kind);
 // Whether a multi-process launcher started this process, without starting MPI: 0 when none did,
 // else the number of processes it started (-1 when it does not say); *by (may be NULL) names it.
 long vlmoe_dist_launched(const char **by);
+// The processes of d with the same color, ranked by key (every process of d calls it, in the same
+// order as its collectives); closed with vlmoe_dist_close. A world of one splits into itself.
+int vlmoe_dist_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out);
 // a world of one, for callers that never go distributed (tests, the single-process paths)
 vlmoe_dist *vlmoe_dist_single(void);
 void vlmoe_dist_close(vlmoe_dist *d); // NULL-safe; the world of one is static and never freed

@@ -283,3 +283,34 @@ int dist_mpi_open(vlmoe_dist **out) {
     *out = d;
     return VLMOE_OK;
 }
+
+int dist_mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out) {
+    *out = NULL;
+    mpi_ctx *pc = parent->ctx;
+    vlmoe_dist *d = calloc(1, sizeof *d);
+    mpi_ctx *c = calloc(1, sizeof *c);
+    if (!d || !c) {
+        free(d), free(c);
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "splitting the process group: out of memory");
+    }
+    g_open++;
+    c->comm = MPI_COMM_NULL;
+    *d = *parent;
+    d->ctx = c;
+    int rc = MPI_Comm_split(pc->comm, color, key, &c->comm);
+    const char *call = "MPI_Comm_split";
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_set_errhandler", rc = MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_rank", rc = MPI_Comm_rank(c->comm, &d->rank);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_size", rc = MPI_Comm_size(c->comm, &d->world);
+    if (rc != MPI_SUCCESS) {
+        int st = mpi_fail(parent, rc, call, "splitting the process group");
+        mpi_close(d);
+        return st;
+    }
+    if (!(c->cnt = malloc(4 * (size_t)d->world * sizeof *c->cnt))) {
+        mpi_close(d);
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "splitting the process group: out of memory");
+    }
+    *out = d;
+    return VLMOE_OK;
+}

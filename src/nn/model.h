@@ -190,16 +190,17 @@ struct vlmoe_model {
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
-    int expert_parallel;     // and the MoE layers' experts split over its processes
+    struct vlmoe_dist *experts; // and the group of processes the MoE layers' experts are split over
     struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
 };
 
 // Data parallelism (src/train/trainer.c sets it for a run): training forwards of the towers take
 // the contrastive loss over the embeddings of every process's batch (gathered in rank order) and
 // key the routing noise by global sample index; NULL or a world of one: this process alone.
-// expert_parallel: each process also computes only its share of every MoE layer's experts, for
-// the tokens of every process (src/moe/layer.c).
-void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, int expert_parallel);
+// experts (NULL: none): a group of d's processes (d itself, or a split of it) over which every MoE
+// layer's experts are split: each process computes its share for the tokens of every process of
+// its group (src/moe/layer.c).
+void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts);
 
 // --device: "cpu" (the default) or "cuda[:N]" (src/nn/device.c); an error naming what is missing
 // when the model cannot run there.

@@ -137,9 +137,9 @@ static int dp_plan(vlmoe_model *m, int G) {
     return st;
 }
 
-void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, int expert_parallel) {
+void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts) {
     m->dist = d && d->world > 1 ? d : NULL;
-    m->expert_parallel = m->dist && expert_parallel;
+    m->experts = m->dist && experts && experts->world > 1 ? experts : NULL;
 }
 
 static int dp_forward(vlmoe_model *m, int B, double *loss, double *aux, double acc[2]) {
@@ -180,7 +180,7 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     const int dp = training && m->dist;
     graph_set_sample_base_f32(m->g, dp ? (uint64_t)m->dist->rank * (uint64_t)b->batch_size : 0);
     // experts split over the processes in data-parallel training only (rank 0 evaluates alone)
-    if ((st = graph_set_expert_parallel_f32(m->g, dp && m->expert_parallel ? m->dist : NULL))) return st;
+    if ((st = graph_set_expert_parallel_f32(m->g, dp ? m->experts : NULL))) return st;
     if (dp) {
         graph_set_mode_f32(m->g, 1, m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++);
         m->have_forward = 0;

@@ -119,7 +119,18 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
     vlmoe_run_params q = *p;
     if (!lead) q.progress = NULL;
     p = &q;
-    vlmoe_trainer_set_dist(t, dist, p->expert_parallel);
+    // expert parallelism over groups of N consecutive processes: the whole world, or a split
+    vlmoe_dist *experts = NULL;
+    const int N = p->expert_parallel;
+    if (N > 1 && dist->world > 1) {
+        if (dist->world % N)
+            return vlmoe_fail(VLMOE_ERR_ARG, "--expert-parallel %d does not divide the %d processes into groups", N,
+                              dist->world);
+        int e = N == dist->world ? (experts = dist, VLMOE_OK)
+                                 : vlmoe_dist_split(dist, dist->rank / N, dist->rank, &experts);
+        if (e) return vlmoe_error_prefix("--expert-parallel %d", N), e;
+    }
+    vlmoe_trainer_set_dist(t, dist, experts);
     if (dist->world > 1) { // every process starts from rank 0's parameters and step
         vlmoe_model *m = vlmoe_trainer_model(t);
         int64_t at = vlmoe_trainer_get_step(t);
@@ -128,7 +139,11 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
         if (!e && at != vlmoe_trainer_get_step(t))
             e = vlmoe_fail(VLMOE_ERR_ARG, "run: process %d resumes at step %ld, another at step %lld: every process "
                            "must load the same checkpoint", dist->rank, vlmoe_trainer_get_step(t), (long long)at);
-        if (e) return vlmoe_error_prefix("run on %d processes", dist->world), e;
+        if (e) {
+            vlmoe_trainer_set_dist(t, NULL, NULL);
+            if (experts && experts != dist) vlmoe_dist_close(experts);
+            return vlmoe_error_prefix("run on %d processes", dist->world), e;
+        }
     }
     char ckdir[1100], path[1100];
     snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir ? p->dir : ".");
@@ -156,7 +171,8 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             st = evaluate(task, p, mx, done);
     }
     if (!st && lead && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
-    vlmoe_trainer_set_dist(t, NULL, 0);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
+    if (experts && experts != dist) vlmoe_dist_close(experts);
     vlmoe_metrics_close(mx);
     return st;
 }

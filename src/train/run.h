@@ -71,9 +71,10 @@ int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int
 
 // Data parallelism: the trainer's steps average their gradients (and statistics) over d's
 // processes before clipping and the update (a world of one or NULL: no collective at all).
-// expert_parallel: the MoE layers' experts are split over the processes too (the process count
-// must divide every MoE layer's num_experts). vlmoe_run_train sets both from its params.
-void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, int expert_parallel);
+// experts (NULL: none): the group of d's processes the MoE layers' experts are split over (d, or
+// one of the groups of vlmoe_dist_split; its size must divide every MoE layer's num_experts).
+// vlmoe_run_train sets both from its params.
+void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts);
 
 // ---- the loop
 // What one kind of training plugs into the loop. step is required; the others may be NULL.
@@ -108,7 +109,8 @@ typedef struct {
     // progress (may be NULL): a line about a step, an evaluation or a checkpoint
     void (*progress)(void *user, int what, const char *line);
     void *progress_user;
-    int expert_parallel;      // with several processes: each computes its share of the experts
+    int expert_parallel;      // N > 1: the experts are split over groups of N consecutive
+                              // processes (N divides the process count); 0 or 1: not split
 } vlmoe_run_params;
 
 // Trains from the trainer's step to p->steps: fill, step, then on the cadences a train record and

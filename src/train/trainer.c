@@ -22,9 +22,9 @@ struct vlmoe_trainer {
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
 };
 
-void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, int expert_parallel) {
+void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts) {
     t->dist = d && d->world > 1 ? d : NULL;
-    model_set_dist(t->m, t->dist, expert_parallel);
+    model_set_dist(t->m, t->dist, experts);
 }
 
 // Data parallelism: every process agrees whether the step diverged (one flag, its maximum), then
