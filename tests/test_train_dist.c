@@ -148,12 +148,56 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
     if (experts && experts != d) vlmoe_dist_close(experts);
 }
 
+// A NaN in the batch of the last process only, at step 2: every process stops at that step with
+// VLMOE_ERR_NUMERIC (none is left waiting in a collective) and the parameters of step 1 unchanged.
+static void test_divergence(vlmoe_dist *d) {
+    vlmoe_model_config c;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *t = NULL;
+    vlmoe_synth *s = NULL;
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    vlmoe_config_named("tiny", &c);
+    sp.image_size = c.image_size;
+    const int B = 4, T = c.context_length;
+    const size_t isz = (size_t)3 * c.image_size * c.image_size;
+    float *img = malloc(sizeof(float) * isz * B), *before = NULL;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *len = malloc(sizeof(int32_t) * B);
+    int st = vlmoe_model_init(&m, &c, 3);
+    if (!st) st = vlmoe_model_plan(m, B);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    if (!st) st = vlmoe_synth_init(&s, &sp);
+    CHECK(st == VLMOE_OK, "divergence set-up: %s", vlmoe_last_error());
+    if (st) return;
+    vlmoe_trainer_set_dist(t, d, NULL);
+    int got[2] = {0, 0};
+    for (int step = 0; step < 2; step++) {
+        vlmoe_synth_batch(s, VLMOE_SPLIT_TRAIN, (uint64_t)(step * d->world + d->rank) * B, B, T, img, tok, len);
+        if (step == 1 && d->rank == d->world - 1) img[5] = NAN;
+        if (step == 1) {
+            before = malloc(sizeof(float) * vlmoe_model_num_floats(m));
+            memcpy(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m));
+        }
+        const vlmoe_batch b = {B, img, tok, len};
+        vlmoe_step_stats ss;
+        got[step] = vlmoe_trainer_step(t, &b, &ss);
+    }
+    CHECK(got[0] == VLMOE_OK && got[1] == VLMOE_ERR_NUMERIC, "process %d: step 1 %d, step 2 %d (want 0, %d): %s",
+          d->rank, got[0], got[1], VLMOE_ERR_NUMERIC, vlmoe_last_error());
+    CHECK(before && !memcmp(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m)) &&
+              vlmoe_trainer_get_step(t) == 1, "process %d: the diverged step changed the parameters", d->rank);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
+    free(img), free(tok), free(len), free(before);
+    vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m);
+}
+
 int main(void) {
     vlmoe_dist *d = NULL;
     if (vlmoe_dist_open(&d, "auto")) {
         fprintf(stderr, "test_train_dist: %s\n", vlmoe_last_error());
         return 1;
     }
+    test_divergence(d);
     compare("tiny", d, 0);         // dense one_tower
     compare("limoe-tiny", d, 0);   // LIMoE: MoE layers, routing noise and groups of whole examples
     compare("clipup-tiny", d, 0);  // CLIP-UP: two towers, top-2 MoE in each
