@@ -297,6 +297,10 @@ static void test_vexp(void) {
     CHECK(isfinite(vexp(1000.0f)) && vexp(-1000.0f) >= 0 &&
           vexp(-1000.0f) < 1e-37f, "vexp clamps: e^1000 finite, e^-1000 ~ 0");
     CHECK(vexp(0.0f) == 1.0f, "vexp(0) == 1 exactly");
+    // a NaN (a diverged activation) comes out as a NaN, so the divergence guard sees it; before,
+    // it went through an undefined float-to-int conversion (UBSan: shift of a negative value)
+    CHECK(isnan(vexp(NAN)) && vexp(INFINITY) == vexp(88.3f) && vexp(-INFINITY) == vexp(-87.3f),
+          "vexp(NaN) %g, vexp(+-Inf) clamped", vexp(NAN));
 }
 
 // A row's linear output does not depend on how many rows go with it (batch-size invariance).

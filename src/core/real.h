@@ -34,15 +34,17 @@ typedef float real;
 // polynomial that loops marked `omp simd` vectorise (libm's expf is a call per element):
 // x = n ln2 + r with |r| <= ln2/2, e^r from Cephes' degree-6 minimax polynomial, 2^n from the
 // exponent bits; within 2 ulp of expf over the clamped range [-87.3, 88.3] (tests/test_ops.c),
-// 0 below and a finite value above it. In double, libm's exp: the gradient checks need it exact.
+// 0 below and a finite value above it; NaN in, NaN out (the exponent bits are computed from a
+// clamped copy, so a NaN never reaches the integer conversion, which would be undefined). In
+// double, libm's exp: the gradient checks need it exact.
 #pragma omp declare simd
 static inline real vexp(real x) {
 #ifdef VLMOE_REAL_F64
     return exp(x);
 #else
-    x = x < -87.3f ? -87.3f : x > 88.3f ? 88.3f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    const float xc = x > -87.3f ? (x < 88.3f ? x : 88.3f) : -87.3f; // NaN -> -87.3
+    float n = rintf(xc * 1.44269504088896341f);
+    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -53,7 +55,7 @@ static inline real vexp(real x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
+    return x == x ? p * scale : x;
 #endif
 }
 
