@@ -1,6 +1,9 @@
 // device.c: where a model runs (the --device flag): "cpu", the default, or "cuda[:N]". A CUDA
 // build opens the device's backend table (src/cuda/) and a build without CUDA=1 says how to make
-// one (src/cuda/cuda_stub.c). Covered by tests/test_cli.c.
+// one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
+// copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
+// forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
+// own memory) and tests/test_cli.c.
 #include "core/core.h"
 #include "nn/model.h"
 #include "ops/backend.h"
@@ -11,11 +14,55 @@ int model_set_device(vlmoe_model *m, const char *name) {
     int st = backend_by_name(&be, &owned, name);
     if (st) return vlmoe_error_prefix("--device"), st;
     if (be == m->be) return VLMOE_OK;
-    // the device's table runs every op (tests/test_backend_ops.c), but the model's parameters,
-    // gradients and optimizer state are still host arrays that its graphs hand to the table
-    const char *dev = be->name;
-    backend_cuda_free(owned);
-    return vlmoe_fail(VLMOE_ERR_CONFIG, "--device %s: the %s backend is built and its ops are checked by "
-                      "test_backend_ops, but models do not keep their parameters on the device yet; run with "
-                      "--device cpu", name, dev);
+    if ((st = model_set_backend(m, be, owned))) return vlmoe_error_prefix("--device %s", name), st;
+    return VLMOE_OK;
+}
+
+static void drop_device(vlmoe_model *m) {
+    if (m->d_params) m->be->free(m->be, m->d_params);
+    if (m->d_grads) m->be->free(m->be, m->d_grads);
+    m->d_params = m->d_grads = NULL;
+}
+
+int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned) {
+    if (m->L.arch != &model_arch_towers && !be->host_memory) {
+        backend_cuda_free(owned);
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': VL-MoE models run on the CPU only for now (the %s backend "
+                          "has no host memory)", m->L.cfg.name, be->name);
+    }
+    // the graphs were planned on the old table: plan again on the new one at the next forward
+    m->L.arch->free(m);
+    m->planned_B = 0, m->have_forward = 0;
+    drop_device(m);
+    vlmoe_backend_f32 *old = m->owned_be;
+    m->be = be, m->owned_be = owned;
+    backend_cuda_free(old);
+    if (!be->host_memory) {
+        const size_t bytes = sizeof(float) * m->L.total;
+        m->d_params = be->alloc(be, bytes, "parameters on the device");
+        m->d_grads = be->alloc(be, bytes, "gradients on the device");
+        if (!m->d_params || !m->d_grads) {
+            drop_device(m);
+            m->be = backend_cpu_f32(), m->owned_be = NULL;
+            backend_cuda_free(owned);
+            return vlmoe_fail(VLMOE_ERR_NOMEM, "%zu bytes of parameters and gradients on %s", 2 * bytes, be->name);
+        }
+    }
+    return VLMOE_OK;
+}
+
+void model_release_backend(vlmoe_model *m) {
+    drop_device(m);
+    backend_cuda_free(m->owned_be);
+    m->owned_be = NULL;
+}
+
+const float *model_params_for_graph(vlmoe_model *m) {
+    if (!m->d_params) return m->params;
+    m->be->upload(m->be, m->d_params, m->params, m->L.total);
+    return m->d_params;
+}
+
+const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m) {
+    return m->be->host_memory ? m->be : backend_cpu_f32();
 }

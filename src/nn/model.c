@@ -167,6 +167,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
 void vlmoe_model_free(vlmoe_model *m) {
     if (!m) return;
     if (m->L.arch) m->L.arch->free(m);
+    model_release_backend(m);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -219,7 +220,8 @@ int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
-    m->be->clamp(m->be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
+    const vlmoe_backend_f32 *be = model_host_backend(m); // params is the host's master copy
+    be->clamp(be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
 }
 
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out) {

@@ -192,7 +192,23 @@ struct vlmoe_model {
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
     struct vlmoe_dist *experts; // and the group of processes the MoE layers' experts are split over
     struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
+    // a backend without host memory (--device cuda): the parameters stay in params (the master
+    // copy the optimizer, checkpoints and every host reader use) and are uploaded to d_params
+    // before each forward; backward writes d_grads, downloaded into grads
+    float *d_params, *d_grads;
+    struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
 };
+
+// Runs the model on backend table be (model_set_device opens it by name). A table without host
+// memory gets device copies of the parameters and gradients; the graphs are planned again on it.
+// owned: the model frees it (may be NULL). VL-MoE models stay on a table with host memory.
+int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned);
+// The parameters as the graphs read them: params, or d_params refreshed from params.
+const float *model_params_for_graph(vlmoe_model *m);
+// The table that works on params and grads (the host's when the model runs on a device).
+const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m);
+// Frees the device copies and the table the model opened (vlmoe_model_free).
+void model_release_backend(vlmoe_model *m);
 
 // Data parallelism (src/train/trainer.c sets it for a run): training forwards of the towers take
 // the contrastive loss over the embeddings of every process's batch (gathered in rank order) and

@@ -201,7 +201,7 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     graph_result r;
     graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = 0;
-    if ((st = graph_forward_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r))) return st;
+    if ((st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r))) return st;
     m->have_forward = training;
     if (stats) {
         memset(stats, 0, sizeof(*stats));
@@ -219,8 +219,16 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
 static int towers_backward(vlmoe_model *m) {
     if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
     memset(m->grads, 0, sizeof(float) * m->L.total);
-    if (m->have_forward == 2) dp_backward(m);
-    else graph_backward_f32(m->g, m->params, m->grads);
+    if (m->have_forward == 2) {
+        dp_backward(m);
+    } else if (m->d_grads) { // on the device: its copy of the parameters is the forward's
+        m->be->zero(m->be, m->d_grads, m->L.total);
+        graph_backward_f32(m->g, m->d_params, m->d_grads);
+        m->be->download(m->be, m->grads, m->d_grads, m->L.total);
+        m->be->sync(m->be);
+    } else {
+        graph_backward_f32(m->g, m->params, m->grads);
+    }
     return VLMOE_OK;
 }
 
@@ -235,6 +243,7 @@ static int towers_encode(vlmoe_model *m, int modality, const float *images, cons
     const vlmoe_model_config *c = &m->L.cfg;
     const int B = m->planned_B, E = c->embed_dim, T = c->context_length;
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    const float *P = model_params_for_graph(m); // uploaded once for every chunk
     float *pad_img = NULL;
     int32_t *pad_tok = NULL;
     int st = VLMOE_OK;
@@ -261,8 +270,13 @@ static int towers_encode(vlmoe_model *m, int modality, const float *images, cons
             }
         }
         graph_set_mode_f32(m->g, 0, 0);
-        st = graph_forward_f32(m->g, m->params, im, tk, ln, NULL);
-        if (!st) memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
+        st = graph_forward_f32(m->g, P, im, tk, ln, NULL);
+        if (!st && m->d_params) { // the embeddings come back from the device
+            m->be->download(m->be, out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), (size_t)k * E);
+            m->be->sync(m->be);
+        } else if (!st) {
+            memcpy(out + (size_t)i0 * E, graph_embeddings_f32(m->g, modality), sizeof(float) * (size_t)k * E);
+        }
     }
     vlmoe_free_mem(pad_img);
     vlmoe_free_mem(pad_tok);

@@ -43,7 +43,7 @@ static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s)
     double v[5] = {s->loss, s->contrastive, s->aux, s->acc_i2t, s->acc_t2i};
     if ((e = d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) || (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
         return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
-    t->m->be->scale(t->m->be, g, n, (float)(1.0 / d->world));
+    model_host_backend(t->m)->scale(model_host_backend(t->m), g, n, (float)(1.0 / d->world));
     s->loss = v[0] / d->world, s->contrastive = v[1] / d->world, s->aux = v[2] / d->world;
     s->acc_i2t = v[3] / d->world, s->acc_t2i = v[4] / d->world;
     return VLMOE_OK;
@@ -88,7 +88,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
         tab = train;
         n = nt;
     }
-    int st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), m->be);
+    int st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), model_host_backend(m));
     free(train);
     if (st) return vlmoe_trainer_free(t), st;
     *out = t;
@@ -116,7 +116,7 @@ static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
-    s->grad_norm = optim_clip_grad_norm(t->m->be, g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
+    s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
     s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
     vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s->lr);
     vlmoe_model_clamp(t->m);
