@@ -285,6 +285,11 @@ int cmd_train(int argc, char **argv) {
     a.epochs = epochs;
     if (a.steps < 1) return cli_error("train", "--steps must be >= 1");
     if (a.log_every < 1) a.log_every = 1;
+    if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
+    if (a.expert_parallel > 1 && dist->world % a.expert_parallel)
+        return cli_error("train", "--expert-parallel %d does not divide the %d process%s into groups%s", a.expert_parallel,
+                         dist->world, dist->world == 1 ? "" : "es",
+                         dist->world == 1 ? " (start several with mpirun -np N)" : "");
     if (a.resume && !strcmp(a.resume, "latest") && !a.name)
         return cli_error("train", "--resume latest needs --name (the run to continue)");
 

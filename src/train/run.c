@@ -122,10 +122,11 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
     // expert parallelism over groups of N consecutive processes: the whole world, or a split
     vlmoe_dist *experts = NULL;
     const int N = p->expert_parallel;
-    if (N > 1 && dist->world > 1) {
+    if (N > 1) {
         if (dist->world % N)
-            return vlmoe_fail(VLMOE_ERR_ARG, "--expert-parallel %d does not divide the %d processes into groups", N,
-                              dist->world);
+            return vlmoe_fail(VLMOE_ERR_ARG, "--expert-parallel %d does not divide the %d process%s into groups%s", N,
+                              dist->world, dist->world == 1 ? "" : "es",
+                              dist->world == 1 ? " (start several with mpirun -np N)" : "");
         int e = N == dist->world ? (experts = dist, VLMOE_OK)
                                  : vlmoe_dist_split(dist, dist->rank / N, dist->rank, &experts);
         if (e) return vlmoe_error_prefix("--expert-parallel %d", N), e;
