@@ -69,6 +69,7 @@ struct R(mome_graph) {
     // classification head (fine-tuning): pooled feature, scores, their softmax; labels (B)
     real *pooled, *clogits, *cprobs, *dpooled;
     int32_t *clabels;
+    int32_t *plens;              // (B) X->np each: the image mean pool over the patch tokens
     int have_cls;
     const real *dfeat;               // (B,D) an outside loss's gradient at the retrieval feature
     real *dlnf;
@@ -146,7 +147,7 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, cons
     g->layers = vlmoe_calloc(sizeof(mome_acts) * (size_t)(nl ? nl : 1), "mome layers");
     g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
     g->noise = vlmoe_calloc(sizeof(*g->noise) * (size_t)(L->nmoe + 1), "noise hooks");
-    const size_t nints = (size_t)B * X->Tt * 3 + 3 * (size_t)B + (size_t)B * X->np * 2;
+    const size_t nints = (size_t)B * X->Tt * 3 + 4 * (size_t)B + (size_t)B * X->np * 2;
     g->ints = vlmoe_alloc(sizeof(int32_t) * nints, "token copies");
     g->masked = vlmoe_calloc((size_t)B * X->np, "patch mask");
     g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
@@ -163,6 +164,8 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, cons
     g->rows[HEAD_IMAGE] = g->labels[HEAD_TEXT] + (size_t)B * X->Tt;
     g->labels[HEAD_IMAGE] = g->rows[HEAD_IMAGE] + (size_t)B * X->np;
     g->clabels = g->labels[HEAD_IMAGE] + (size_t)B * X->np;
+    g->plens = g->clabels + B; // every image's patch count: the mean pool's lengths
+    for (int b = 0; b < B; b++) g->plens[b] = X->np;
     carver c = {NULL, 0};
     plan(g, &c);
     g->arena = be->alloc(be, sizeof(real) * c.used, "activation arena");
@@ -449,43 +452,26 @@ static void head_params(const struct R(mome_graph) *g, int h, size_t *w, size_t 
 }
 
 // The classification head's input (VL-MoE sec. 4.2): the mean of the final features of the
-// image's patch tokens ([I_CLS] left out, as BEiT pools) for images; the [T_CLS] feature for
-// texts and, fused, for pairs (the first text token, at text_off). pooled (B,D) from lnf (B,T,D).
-// The image mean (and its backward) still reads and writes the buffers on the host, as the stem
-// hands the caller's images to the backend as they are: MoME assumes a backend with host memory
-// (the table has no patch-mean op yet).
+// image's patch tokens ([I_CLS] left out, as BEiT pools: rows 1..np of each sequence) for images;
+// the [T_CLS] feature for texts and, fused, for pairs (the first text token, at text_off).
+// pooled (B,D) from lnf (B,T,D), both through the backend's pool ops on the offset sequences.
 static void pool_forward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
-    const int B = g->B, D = g->D, np = g->X->np;
-    for (int b = 0; b < B; b++) {
-        real *o = g->pooled + (size_t)b * D;
-        const real *x = g->lnf + (size_t)b * g->T * D;
-        if (g->enc != VLMOE_ENC_IMAGE) {
-            be->copy(be, o, x + (size_t)g->text_off * D, D);
-            continue;
-        }
-        for (int k = 0; k < D; k++) {
-            double acc = 0;
-            for (int p = 1; p <= np; p++) acc += x[(size_t)p * D + k];
-            o[k] = (real)(acc / np);
-        }
-    }
+    const int B = g->B, D = g->D;
+    if (g->enc == VLMOE_ENC_IMAGE)
+        be->pool_forward(be, g->pooled, g->lnf + D, g->plens, B, g->T, D, VLMOE_POOL_MEAN);
+    else
+        be->pool_forward(be, g->pooled, g->lnf + (size_t)g->text_off * D, NULL, B, g->T, D, VLMOE_POOL_CLS);
 }
 
 // Accumulates d(pooled) (B,D) into dlnf (B,T,D).
 static void pool_backward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
-    const int B = g->B, D = g->D, np = g->X->np;
-    for (int b = 0; b < B; b++) {
-        const real *d = g->dpooled + (size_t)b * D;
-        real *x = g->dlnf + (size_t)b * g->T * D;
-        if (g->enc != VLMOE_ENC_IMAGE) {
-            be->add(be, x + (size_t)g->text_off * D, d, D);
-            continue;
-        }
-        for (int p = 1; p <= np; p++)
-            for (int k = 0; k < D; k++) x[(size_t)p * D + k] += d[k] / (real)np;
-    }
+    const int B = g->B, D = g->D;
+    if (g->enc == VLMOE_ENC_IMAGE)
+        be->pool_backward(be, g->dlnf + D, g->dpooled, g->plens, B, g->T, D, VLMOE_POOL_MEAN);
+    else
+        be->pool_backward(be, g->dlnf + (size_t)g->text_off * D, g->dpooled, NULL, B, g->T, D, VLMOE_POOL_CLS);
 }
 
 int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_input) *in,
