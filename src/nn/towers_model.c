@@ -105,6 +105,8 @@ static int towers_plan(vlmoe_model *m, int batch_size) {
 // Backward: this process's rows of d(loss)/d(embeddings), times W, go into its towers, so that
 // the trainer's mean of the processes' gradients is the gradient of the global loss; the logit
 // scale's gradient is the same on every process and the mean keeps it.
+enum { FWD_GATHERED = 2 }; // have_forward: the last training forward took the gathered loss
+
 struct towers_dp {
     int G, E;
     contrastive_step_f32 *loss;
@@ -142,7 +144,9 @@ void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *exp
     m->experts = m->dist && experts && experts->world > 1 ? experts : NULL;
 }
 
-static int dp_forward(vlmoe_model *m, int B, double *loss, double *aux, double acc[2]) {
+// The loss over the gathered embeddings of the last encode: r->loss (r->aux, the encode's, added)
+// and r->acc.
+static int dp_forward(vlmoe_model *m, int B, graph_result *r) {
     vlmoe_dist *d = m->dist;
     int st = dp_plan(m, B * d->world);
     if (st) return st;
@@ -154,7 +158,7 @@ static int dp_forward(vlmoe_model *m, int B, double *loss, double *aux, double a
     if ((st = d->allgather(d, p->img, p->img + at, n, VLMOE_DIST_F32)) ||
         (st = d->allgather(d, p->txt, p->txt + at, n, VLMOE_DIST_F32)))
         return vlmoe_error_prefix("gathering the embeddings"), st;
-    *loss = contrastive_step_forward_f32(p->loss, p->img, p->txt, m->params + m->L.logit_scale, acc) + *aux;
+    r->loss = contrastive_step_forward_f32(p->loss, p->img, p->txt, m->params + m->L.logit_scale, r->acc) + r->aux;
     return VLMOE_OK;
 }
 
@@ -181,28 +185,17 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     graph_set_sample_base_f32(m->g, dp ? (uint64_t)m->dist->rank * (uint64_t)b->batch_size : 0);
     // experts split over the processes in data-parallel training only (rank 0 evaluates alone)
     if ((st = graph_set_expert_parallel_f32(m->g, dp ? m->experts : NULL))) return st;
-    if (dp) {
-        graph_set_mode_f32(m->g, 1, m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++);
-        m->have_forward = 0;
-        double aux = 0, loss = 0, acc[2] = {0, 0};
-        if ((st = graph_encode_f32(m->g, m->params, b->images, b->tokens, b->lengths, &aux)) ||
-            (st = dp_forward(m, b->batch_size, &loss, &aux, acc)))
-            return st;
-        m->have_forward = 2; // backward through the gathered loss
-        if (stats) {
-            memset(stats, 0, sizeof(*stats));
-            stats->contrastive = loss - aux, stats->aux = aux, stats->loss = loss;
-            stats->acc_i2t = acc[0], stats->acc_t2i = acc[1];
-            stats->temperature = exp(m->params[m->L.logit_scale]);
-        }
-        if (!isfinite(loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", loss);
-        return VLMOE_OK;
-    }
-    graph_result r;
+    graph_result r = {0, {0, 0}, 0};
     graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = 0;
-    if ((st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r))) return st;
-    m->have_forward = training;
+    if (dp) { // the towers here, the loss over every process's embeddings
+        st = graph_encode_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r.aux);
+        if (!st) st = dp_forward(m, b->batch_size, &r);
+    } else {
+        st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r);
+    }
+    if (st) return st;
+    m->have_forward = dp ? FWD_GATHERED : training;
     if (stats) {
         memset(stats, 0, sizeof(*stats));
         stats->contrastive = r.loss - r.aux;
@@ -219,7 +212,7 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
 static int towers_backward(vlmoe_model *m) {
     if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
     memset(m->grads, 0, sizeof(float) * m->L.total);
-    if (m->have_forward == 2) {
+    if (m->have_forward == FWD_GATHERED) {
         dp_backward(m);
     } else if (m->d_grads) { // on the device: its copy of the parameters is the forward's
         m->be->zero(m->be, m->d_grads, m->L.total);

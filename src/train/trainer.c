@@ -43,7 +43,8 @@ static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s)
     double v[5] = {s->loss, s->contrastive, s->aux, s->acc_i2t, s->acc_t2i};
     if ((e = d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) || (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
         return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
-    model_host_backend(t->m)->scale(model_host_backend(t->m), g, n, (float)(1.0 / d->world));
+    const vlmoe_backend_f32 *hb = model_host_backend(t->m); // the gradients' master copy
+    hb->scale(hb, g, n, (float)(1.0 / d->world));
     s->loss = v[0] / d->world, s->contrastive = v[1] / d->world, s->aux = v[2] / d->world;
     s->acc_i2t = v[3] / d->world, s->acc_t2i = v[4] / d->world;
     return VLMOE_OK;
