@@ -23,6 +23,7 @@ struct R(moe_state) {
     moe_spec sp;
     const R(vlmoe_backend) *be;
     int E, K, nmax, gmax, rows_max;
+    int cmax;                       // the largest capacity per expert and group (train or eval)
     // device: router and dispatch (tokens/experts choice)
     real *logits, *noisy, *gates, *probs, *dgates, *dlogits, *zsum; // (nmax, E); zsum (nmax)
     real *combine, *dcombine;       // (rows_max)
@@ -124,6 +125,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         int C = 1;
         if (vlmoe_capacity(Smax, E, K, cf, c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C)) C = 1;
         if (C > Smax) C = Smax; // an expert never holds more than every token of its group
+        st->cmax = C;
         // every accepted assignment is one packed row: at most C per expert and group, and with
         // tokens choice also at most K per token (experts choice may pick a token E times)
         long rows = (long)nmax * K, cap = (long)st->gmax * E * C;
@@ -515,12 +517,8 @@ int R(moe_set_expert_parallel)(struct R(moe_state) *st, vlmoe_dist *d) {
     // every process sends this one at most its rows_max rows, and at most capacity x groups for
     // each of its El experts: the bound is the same on every process, so no process can run out
     // where another does not (an error on one process alone would leave the others waiting)
-    const double cf = c->capacity_factor > c->eval_capacity_factor ? c->capacity_factor : c->eval_capacity_factor;
-    const int Smax = group_size(&st->sp, st->nmax) < st->nmax ? group_size(&st->sp, st->nmax) : st->nmax;
-    int C = 1;
-    if (vlmoe_capacity(Smax, E, st->K, cf, c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C)) C = 1;
-    if (C > Smax) C = Smax;
-    const long per = (long)st->gmax * ep->El * C < st->rows_max ? (long)st->gmax * ep->El * C : st->rows_max;
+    const long cap = (long)st->gmax * ep->El * st->cmax;
+    const long per = cap < st->rows_max ? cap : st->rows_max;
     ep->rows = (int)(per * W);
     const size_t rows = (size_t)ep->rows * st->sp.D * sizeof(real) + 1, hid = (size_t)ep->rows * st->sp.M * sizeof(real) + 1;
     ep->xe = vlmoe_alloc(rows, "expert rows"), ep->b1 = vlmoe_alloc(rows, "expert rows");
