@@ -46,13 +46,23 @@ done
 # the command line: 2 processes x 4 pairs against 1 x 8, the losses of both logged steps
 vl=${VLMOE_BIN:-./vlmoe}
 tmp=$(mktemp -d)
+# The worst relative difference between the "loss" of runs $1 and $2 (under $tmp), train record
+# by train record, or "linesN" when they do not have $3 such records side by side.
+loss_diff() {
+    paste "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" | grep '"kind":"train".*"kind":"train"' |
+        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
+        awk -v want="$3" '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ }
+                          END { if (n != want) print "lines" n; else print w }'
+}
+# Whether every argument is a number no larger than 1e-5.
+within() {
+    for w; do awk -v w="$w" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }' || return 1; done
+}
 common="train --model tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp"
 if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name two > "$tmp/two.log" 2>&1 &&
    timeout 300 "$vl" $common --batch-size 8 --name one > "$tmp/one.log" 2>&1; then
-    worst=$(paste "$tmp/two/metrics.jsonl" "$tmp/one/metrics.jsonl" |
-        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
-        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "lines" n; else print w }')
-    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
+    worst=$(loss_diff two one 2)
+    if within "$worst"; then
         echo "ok   mpirun -np 2 vlmoe train --batch-size 4 = vlmoe train --batch-size 8 (losses within $worst)"
         pass=$((pass + 1))
     else
@@ -65,10 +75,8 @@ fi
 common="train --model limoe-tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp --batch-size 4"
 if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.log" 2>&1 &&
    timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name ep --expert-parallel 2 > "$tmp/ep.log" 2>&1; then
-    worst=$(paste "$tmp/ep/metrics.jsonl" "$tmp/dp/metrics.jsonl" |
-        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
-        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 2) print "lines" n; else print w }')
-    if awk -v w="$worst" 'BEGIN { exit !(w + 0 == w && w <= 1e-5) }'; then
+    worst=$(loss_diff ep dp 2)
+    if within "$worst"; then
         echo "ok   mpirun -np 2 vlmoe train --expert-parallel = without it (losses within $worst)"
         pass=$((pass + 1))
     else
@@ -84,11 +92,6 @@ fi
 printf '{"base": "limoe-tiny", "moe": {"group_size": 64}}\n' > "$tmp/lg.json"
 common="train --model $tmp/lg.json --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 3"
 ck="$tmp/w4/checkpoints/step_3.safetensors"
-same_losses() { # run a against run b: "ok" and the worst relative difference, or why not
-    paste "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" | grep '"kind":"train".*"kind":"train"' |
-        sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
-        awk '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 8) print "lines" n; else print w }'
-}
 if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size 2 --expert-parallel 4 --name w4 > "$tmp/w4.log" 2>&1 &&
    mkdir -p "$tmp/r1/checkpoints" "$tmp/r2/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/r1/" && cp "$tmp/w4/metrics.jsonl" "$tmp/r2/" &&
    cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r1/checkpoints/" &&
@@ -96,8 +99,8 @@ if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size
    timeout 300 "$vl" $common --steps 8 --batch-size 8 --name r1 --resume latest > "$tmp/r1.log" 2>&1 &&
    timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --steps 8 --batch-size 4 --name r2 --resume latest > "$tmp/r2.log" 2>&1 &&
    timeout 300 "$vl" $common --steps 8 --batch-size 8 --name solo > "$tmp/solo.log" 2>&1; then
-    w1=$(same_losses r1 solo); w2=$(same_losses r2 solo)
-    if awk -v a="$w1" -v b="$w2" 'BEGIN { exit !(a + 0 == a && b + 0 == b && a <= 1e-5 && b <= 1e-5) }'; then
+    w1=$(loss_diff r1 solo 8); w2=$(loss_diff r2 solo 8)
+    if within "$w1" "$w2"; then
         echo "ok   saved by 4 processes (experts split 4 ways), resumed by 1 and by 2: the losses of one process (within $w1, $w2)"
         pass=$((pass + 1))
     else
