@@ -9,17 +9,7 @@
 #include "dist/impl.h"
 #include "ops/backend.h"
 #include "test.h"
-
-#if defined(__SANITIZE_ADDRESS__)
-// Under ASan: Open MPI (the singleton world of one below) keeps allocations from MPI_Init past
-// MPI_Finalize, which LeakSanitizer reports. They are suppressed by library; the slow unwinder
-// sees through Open MPI's frames without frame pointers, so the suppressions can match them.
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-    return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:libhwloc.so\n"
-           "leak:libpmix.so\nleak:libevent\nleak:mca_\n";
-}
-#endif
+#include "test_mpi.h"
 
 static const vlmoe_dist_type TYPES[] = {VLMOE_DIST_F32, VLMOE_DIST_F64, VLMOE_DIST_I32, VLMOE_DIST_I64, VLMOE_DIST_U8};
 static const char *type_name(vlmoe_dist_type t) {
