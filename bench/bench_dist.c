@@ -49,6 +49,7 @@ static int w_broadcast(vlmoe_dist *d, void *b, size_t n, vlmoe_dist_type t, int 
     return inner->broadcast(inner, b, n, t, root);
 }
 static int w_barrier(vlmoe_dist *d) { return inner->barrier(inner); }
+static int w_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) { return inner->split(inner, color, key, out); }
 static void w_close(vlmoe_dist *d) {}
 
 int main(int argc, char **argv) {
@@ -67,7 +68,7 @@ int main(int argc, char **argv) {
     if (vlmoe_dist_open(&inner, "auto")) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     vlmoe_dist timed = {"timed", inner->rank, inner->world, inner->local_rank, inner->local_world, NULL,
                         w_allreduce_sum, w_allreduce_max, w_allgather, w_reduce_scatter, w_alltoallv,
-                        w_broadcast, w_barrier, w_close};
+                        w_broadcast, w_barrier, w_split, w_close};
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;

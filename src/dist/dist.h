@@ -48,6 +48,8 @@ struct vlmoe_dist {
     // buf (n) on every rank = buf (n) of rank `root`
     int (*broadcast)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root);
     int (*barrier)(vlmoe_dist *d);
+    // the processes with the same color, ranked by key, as a group of their own (vlmoe_dist_split)
+    int (*split)(vlmoe_dist *d, int color, int key, vlmoe_dist **out);
     void (*close)(vlmoe_dist *d);
 };
 

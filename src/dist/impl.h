@@ -10,8 +10,6 @@ int dist_mpi_built(void);
 // A process group over MPI_COMM_WORLD; initialises MPI unless the program already has. The stub
 // fails with an error saying how to build it.
 int dist_mpi_open(vlmoe_dist **out);
-// The processes of an "mpi" group with the same color, ranked by key (MPI_Comm_split).
-int dist_mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out);
 // A process group over NCCL on this rank's GPU (local_rank modulo the visible devices),
 // bootstrapped by dist_mpi_open. The stub fails with an error saying how to build it.
 int dist_nccl_open(vlmoe_dist **out);

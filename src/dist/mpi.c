@@ -216,6 +216,8 @@ static int mpi_barrier(vlmoe_dist *d) {
     return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Barrier", "barrier");
 }
 
+static int mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out);
+
 static void mpi_close(vlmoe_dist *d) {
     mpi_ctx *c = d->ctx;
     int finalized = 0;
@@ -256,7 +258,7 @@ int dist_mpi_open(vlmoe_dist **out) {
     g_open++;
     c->comm = MPI_COMM_NULL;
     *d = (vlmoe_dist){"mpi", 0, 1, 0, 1, c, mpi_allreduce_sum, mpi_allreduce_max, mpi_allgather,
-                      mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_close};
+                      mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_split, mpi_close};
     // A private communicator: our messages never match the program's own, and its error handler
     // returns codes instead of aborting the job.
     int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c->comm);
@@ -284,7 +286,7 @@ int dist_mpi_open(vlmoe_dist **out) {
     return VLMOE_OK;
 }
 
-int dist_mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out) {
+static int mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out) {
     *out = NULL;
     mpi_ctx *pc = parent->ctx;
     vlmoe_dist *d = calloc(1, sizeof *d);

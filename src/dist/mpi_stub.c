@@ -12,8 +12,3 @@ int dist_mpi_open(vlmoe_dist **out) {
                       "MPI; install Open MPI (`apt-get install openmpi-bin libopenmpi-dev`, or "
                       "scripts/deps.sh) and rebuild with `make clean && make` (MPI=auto finds mpicc)");
 }
-
-int dist_mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out) {
-    *out = NULL;
-    return vlmoe_fail(VLMOE_ERR_CONFIG, "splitting the process group: this vlmoe was built without MPI");
-}

@@ -153,6 +153,12 @@ static int nccl_barrier(vlmoe_dist *d) {
     return c->boot->barrier(c->boot);
 }
 
+// Groups of NCCL processes would need communicators of their own (ncclCommSplit): not built.
+static int nccl_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) {
+    *out = NULL;
+    return vlmoe_fail(VLMOE_ERR_CONFIG, "the nccl process group cannot be split into smaller groups yet");
+}
+
 static void nccl_close(vlmoe_dist *d) {
     nccl_ctx *c = d->ctx;
     if (c) {
@@ -181,7 +187,7 @@ int dist_nccl_open(vlmoe_dist **out) {
     }
     *d = (vlmoe_dist){"nccl", boot->rank, boot->world, boot->local_rank, boot->local_world, c,
                       nccl_allreduce_sum, nccl_allreduce_max, nccl_allgather, nccl_reduce_scatter_sum,
-                      nccl_alltoallv, nccl_broadcast, nccl_barrier, nccl_close};
+                      nccl_alltoallv, nccl_broadcast, nccl_barrier, nccl_split, nccl_close};
     c->boot = boot;
     const char *what = "distributed backend \"nccl\"";
     // One GPU per rank: the rank's place on its node picks it, or the one GPU a rank sees when

@@ -68,10 +68,5 @@ int vlmoe_dist_open(vlmoe_dist **out, const char *kind) {
 
 int vlmoe_dist_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) {
     *out = NULL;
-    if (d->world == 1) {
-        *out = vlmoe_dist_single();
-        return VLMOE_OK;
-    }
-    if (!strcmp(d->name, "mpi")) return dist_mpi_split(d, color, key, out);
-    return vlmoe_fail(VLMOE_ERR_CONFIG, "the %s process group cannot be split into smaller groups", d->name);
+    return d->split(d, color, key, out);
 }

@@ -51,12 +51,13 @@ static int single_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type 
 }
 
 static int single_barrier(vlmoe_dist *d) { return VLMOE_OK; }
+static int single_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) { return *out = d, VLMOE_OK; }
 static void single_close(vlmoe_dist *d) {}
 
 static vlmoe_dist g_single = {
     "single", 0, 1, 0, 1, NULL,
     single_inplace, single_inplace, single_copy, single_copy, single_alltoallv,
-    single_broadcast, single_barrier, single_close,
+    single_broadcast, single_barrier, single_split, single_close,
 };
 
 vlmoe_dist *vlmoe_dist_single(void) { return &g_single; }
