@@ -1,7 +1,8 @@
 // test_val.c: validation while training (`vlmoe train --val-data/--zeroshot-data`, cli/train.c and
 // src/train/contrastive_task.c) on data made here: PNG/JPEG images of four colour classes, an
-// OpenCLIP CSV for training and one for validation (with a missing and a corrupt image), an image
-// folder with CLIP_benchmark-style JSON class names and templates. The eval records of
+// OpenCLIP CSV for training and one for validation (with a missing and a corrupt image), the
+// same pairs as a webdataset shard, an image folder with CLIP_benchmark-style JSON class names
+// and templates. The eval records of
 // metrics.jsonl come at each part's cadence (steps and epochs), hold values in range, and equal
 // `vlmoe eval --json` on the checkpoint of the same step; every inapplicable flag is an error.
 // Runs $VLMOE_BIN(_ASAN).
@@ -10,6 +11,7 @@
 
 #include "test.h"
 #include "test_jpeg.h"
+#include "test_tar.h"
 
 enum { NCLS = 4, NTRAIN = 32, NVAL = 12, PER_CLASS = 4, BATCH = 8 };
 static const char *const CLASS_DIRS[NCLS] = {"blue_triangle", "green_square", "red_circle", "yellow_star"}; // sorted
@@ -255,6 +257,38 @@ static void test_epochs(void) {
     free_records(ev, 16);
 }
 
+// --val-data as webdataset shards: the validation images and captions in a tar; --val-frequency
+// on shards needs the epoch's size.
+static void test_shards(void) {
+    member m[2 * NVAL];
+    char names[2 * NVAL][32], caps[NVAL][96], *bytes[NVAL];
+    for (int i = 0; i < NVAL; i++) {
+        char rel[64];
+        const char *ext = i % 3 ? "png" : "jpg";
+        snprintf(rel, sizeof(rel), "va/%03d.%s", i, ext);
+        size_t n = 0;
+        bytes[i] = test_read_file(P(rel), &n);
+        snprintf(names[2 * i], 32, "%03d.%s", i, ext);
+        snprintf(names[2 * i + 1], 32, "%03d.txt", i);
+        snprintf(caps[i], sizeof(caps[i]), "a %s %s", WORDS[i % NCLS], PLACES[(100 + i) % 5]);
+        m[2 * i] = (member){names[2 * i], bytes[i], n};
+        m[2 * i + 1] = (member){names[2 * i + 1], caps[i], strlen(caps[i])};
+    }
+    write_tar(P("val-0.tar"), 0, m, 2 * NVAL);
+    for (int i = 0; i < NVAL; i++) free(bytes[i]);
+    int st = run("train --model m.json --train-data train.csv --csv-separator , --image-mean 0.5 --image-std 0.5 "
+                 "--batch-size 8 --workers 1 --logs runs --name w --steps 1 --val-data 'val-{0..0}.tar'", 1);
+    CHECK(st == 0, "--val-data shards: exit %d\n%s", st, out);
+    cJSON *ev[4] = {0};
+    if (records("w", "eval", ev, 3) == 1 && ev[1])
+        CHECK(num(ev[1], "retrieval", "captions") == NVAL && num(ev[1], "retrieval", "bad_samples") == 0,
+              "shards: %g captions", num(ev[1], "retrieval", "captions"));
+    else CHECK(0, "--val-data shards: one eval record at step 1");
+    free_records(ev, 4);
+    expect("train --model m.json --train-data val-0.tar --val-data val.csv --csv-separator , --val-frequency 1 "
+           "--steps 1 --batch-size 8 --logs runs", 1, "give --train-num-samples N, the samples of an epoch");
+}
+
 // No flag silently ignored: each of these failed, or was accepted and did nothing, before.
 static void test_errors(void) {
     const char *csv = "--train-data train.csv --csv-separator , --steps 1 --batch-size 8 --logs runs";
@@ -305,6 +339,7 @@ int main(int argc, char **argv) {
     test_errors();
     test_steps();
     test_epochs();
+    test_shards();
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");
