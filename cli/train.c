@@ -141,8 +141,7 @@ static int write_run_files(const train_args *a, train_run *r) {
     const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
     for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
     // validation: what it reads and the step cadence it runs at (0: at the end only)
-    if (a->data.path) cJSON_AddNumberToObject(pj, "eval_samples", 0);
-    else cJSON_AddNumberToObject(pj, "eval_samples", a->eval_samples);
+    cJSON_AddNumberToObject(pj, "eval_samples", a->eval_samples);
     if (a->val_data) {
         cJSON_AddStringToObject(pj, "val_data", a->val_data);
         cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
@@ -232,7 +231,7 @@ static int setup_data(const train_args *a, train_run *r) {
 
 // Validation on the user's data (--val-data, --zeroshot-data): opened here so that a missing
 // file stops the run before it trains; images get the eval transform with the run's
-// normalisation, texts the run's tokenizer (a synthetic run: --tokenizer or the synthetic words).
+// normalisation, texts the run's tokenizer (a synthetic run's: the synthetic data's words).
 static int setup_validation(const train_args *a, train_run *r, vlmoe_contrastive_params *cp) {
     if (!a->val_data && !a->zs_data) return 0;
     const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
@@ -240,7 +239,10 @@ static int setup_validation(const train_args *a, train_run *r, vlmoe_contrastive
         return cli_error("train", "--val-data/--zeroshot-data: model %s has %d image channels; images are RGB", c->name,
                          c->channels);
     if (cli_image_params("train", a->image_mean, a->image_std, c, &r->val_ip)) return 1;
-    if (!r->loader && cli_text_init("train", a->tokenizer, c, 1, &r->text)) return 1;
+    if (!r->loader) { // the words the synthetic captions are made of, as in training
+        const vlmoe_synth_params sp = vlmoe_synth_default_params();
+        if (vlmoe_synth_init(&r->text.synth, &sp)) return cli_error("train", "%s", vlmoe_last_error());
+    }
     cp->eval = vlmoe_eval_default_params();
     cp->eval.batch_size = a->batch_size >= 2 ? a->batch_size : 2;
     cp->eval.shots = 0;
@@ -386,6 +388,7 @@ int cmd_train(int argc, char **argv) {
             return cli_error("train", "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
     }
     // validation: no flag without the evaluation it shapes
+    if (synthetic && a.val_data && cli_separator("train", a.csv_separator, &a.data.separator)) return 1;
     if (a.eval_samples >= 0 && a.data.path)
         return cli_error("train", "--eval-samples sizes the synthetic held-out evaluation; with --train-data give "
                          "--val-data PATH (--val-num-samples N) or --zeroshot-data DIR");

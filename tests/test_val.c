@@ -247,13 +247,17 @@ static void test_epochs(void) {
               ev[10] && cJSON_GetObjectItem(ev[10], "zeroshot"),
           "zero-shot every 2 epochs (step 8) and at the end");
     free_records(ev, 16);
-    // the synthetic held-out evaluation keeps its place: every 2 steps of 8 samples
+    // the synthetic held-out evaluation keeps its place: every 2 steps of 8 samples; --val-data
+    // on a synthetic run at the end
     st = run("train --model tiny --steps 4 --batch-size 8 --eval-samples 40 --train-num-samples 16 "
-             "--zeroshot-frequency 1 --logs runs --name s", 1);
+             "--zeroshot-frequency 1 --logs runs --name s --val-data val.csv --csv-separator , --image-mean 0.5 "
+             "--image-std 0.5", 1);
     CHECK(st == 0, "synthetic --zeroshot-frequency: exit %d\n%s", st, out);
     n = records("s", "eval", ev, 15);
-    CHECK(n == 2 && ev[2] && ev[4] && cJSON_GetObjectItem(ev[2], "eval_zeroshot_top1"),
+    CHECK(n == 2 && ev[2] && ev[4] && cJSON_GetObjectItem(ev[2], "eval_zeroshot_top1") &&
+              !cJSON_GetObjectItem(ev[2], "retrieval") && cJSON_GetObjectItem(ev[4], "eval_zeroshot_top1"),
           "synthetic held-out at steps 2 and 4: %d records", n);
+    if (ev[4]) check_val(ev[4], 4);
     free_records(ev, 16);
 }
 
