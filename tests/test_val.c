@@ -220,6 +220,25 @@ static void test_steps(void) {
     printf("eval records vs vlmoe eval --json on the checkpoints: %d of %d numbers identical, largest difference %g\n",
            exact, fields, worst);
     CHECK(fields >= 30, "compared %d numbers", fields);
+    // stopped at step 2 and resumed: the evaluations of the uninterrupted run, bit for bit (the
+    // first part also ran every evaluation at its end, step 2: its validation is compared)
+    const char *val = "--val-data val.csv --val-every-n-steps 2 --zeroshot-data zs --zeroshot-classnames names.json "
+                      "--zeroshot-templates tpl.json --zeroshot-dataset mine --zeroshot-every-n-steps 3";
+    for (int k = 0; k < 2; k++) {
+        snprintf(args, sizeof(args), "train --model m.json %s --save-frequency 2 --name r %s --steps %s", common, val,
+                 k ? "4 --resume latest" : "2");
+        st = run(args, 1);
+        CHECK(st == 0, "`vlmoe %s`: exit %d\n%s", args, st, out);
+    }
+    cJSON *rv[8] = {0};
+    CHECK(records("r", "eval", rv, 7) == 3, "resumed run: eval records at 2, 3, 4");
+    if (rv[2]) cJSON_DeleteItemFromObject(rv[2], "zeroshot");
+    for (int step = 2; step <= 4; step++) {
+        char *a = ev[step] ? cJSON_PrintUnformatted(ev[step]) : NULL, *b = rv[step] ? cJSON_PrintUnformatted(rv[step]) : NULL;
+        CHECK(a && b && !strcmp(a, b), "step %d: uninterrupted %s\nresumed %s", step, a ? a : "-", b ? b : "-");
+        free(a), free(b);
+    }
+    free_records(rv, 8);
     free_records(ev, 8);
     // --val-num-samples: the first N usable pairs
     snprintf(args, sizeof(args), "train --model m.json %s --steps 1 --name n --val-data val.csv --val-num-samples 5",
