@@ -3,6 +3,7 @@
 // the tokenizer choice, progress lines, skipped inputs. See common.h; covered through tests/test_eval_data.c and tests/test_classify_embed.c.
 #include "common.h"
 
+#include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
@@ -251,4 +252,84 @@ int cli_take_multi(const char *cmd, const char *name, int argc, char **argv, int
         while (i + 1 < argc && argv[i + 1][0] != '-') vals[(*nvals)++] = argv[++i];
     }
     return 0;
+}
+
+// A JSON array of strings into a malloc'd vector; non-zero (printed) when an element is not a string.
+static int json_strings(const char *cmd, const char *flag, const char *path, const cJSON *a, char ***out, size_t *n) {
+    const int k = cJSON_GetArraySize(a);
+    char **v = calloc(k ? (size_t)k : 1, sizeof(char *));
+    if (!v) return cli_error(cmd, "out of memory");
+    for (int i = 0; i < k; i++) {
+        const cJSON *e = cJSON_GetArrayItem(a, i);
+        if (!cJSON_IsString(e)) {
+            cli_free_lines(v, (size_t)i);
+            return cli_error(cmd, "%s %s: element %d is not a string", flag, path, i);
+        }
+        if (!(v[i] = strdup(e->valuestring))) return cli_free_lines(v, (size_t)i), cli_error(cmd, "out of memory");
+    }
+    *out = v, *n = (size_t)k;
+    return 0;
+}
+
+static int read_json(const char *cmd, const char *flag, const char *path, const char *key, char ***out, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return cli_error(cmd, "%s %s: cannot open: %s", flag, path, strerror(errno));
+    char *buf = NULL;
+    size_t len = 0, cap = 0, got;
+    do {
+        if (len + 4096 > cap) {
+            char *b = realloc(buf, cap = 2 * cap + 4096 + 1);
+            if (!b) return free(buf), fclose(f), cli_error(cmd, "out of memory");
+            buf = b;
+        }
+        got = fread(buf + len, 1, cap - len - 1, f);
+        len += got;
+    } while (got);
+    fclose(f);
+    buf[len] = 0;
+    cJSON *j = cJSON_Parse(buf);
+    free(buf);
+    if (!j) return cli_error(cmd, "%s %s: not valid JSON", flag, path);
+    const cJSON *a = j;
+    int rc = 0;
+    if (cJSON_IsObject(j)) { // CLIP_benchmark: {"cifar10": [...], "imagenet1k": [...]}
+        const int k = cJSON_GetArraySize(j);
+        if (key) a = cJSON_GetObjectItemCaseSensitive(j, key);
+        else if (k == 1) a = j->child;
+        else a = NULL;
+        if (!a && key) rc = cli_error(cmd, "%s %s has no dataset '%s' (--zeroshot-dataset)", flag, path, key);
+        else if (!a) rc = cli_error(cmd, "%s %s holds the lists of %d datasets: pick one with --zeroshot-dataset NAME", flag,
+                                    path, k);
+    } else if (key) {
+        rc = cli_error(cmd, "--zeroshot-dataset %s: %s %s is a list, not CLIP_benchmark's object of lists by dataset", key,
+                       flag, path);
+    }
+    if (!rc && !cJSON_IsArray(a))
+        rc = cli_error(cmd, "%s %s: expected a list of strings or an object of such lists by dataset (CLIP_benchmark's "
+                       "format)", flag, path);
+    if (!rc) rc = json_strings(cmd, flag, path, a, out, n);
+    cJSON_Delete(j);
+    return rc;
+}
+
+int cli_is_json(const char *path) {
+    const size_t pl = path ? strlen(path) : 0;
+    return pl > 5 && !strcasecmp(path + pl - 5, ".json");
+}
+
+int cli_read_texts(const char *cmd, const char *flag, const char *path, const char *key, int templates, char ***out,
+                   size_t *n) {
+    *out = NULL, *n = 0;
+    const int json = cli_is_json(path);
+    int rc = json ? read_json(cmd, flag, path, key, out, n) : cli_read_lines(cmd, path, out, n); // key: JSON only
+    if (!rc && !*n) rc = cli_error(cmd, "%s %s: no %s", flag, path, templates ? "templates" : "class names");
+    for (size_t i = 0; !rc && templates && i < *n; i++) {
+        char *c = strstr((*out)[i], "{c}"); // CLIP_benchmark's placeholder: "a photo of a {c}."
+        if (c) memmove(c + 1, c + 2, strlen(c + 2) + 1);
+        if (!strstr((*out)[i], "{}"))
+            rc = cli_error(cmd, "%s %s: template %zu ('%s') has no {} (or {c}) for the class name", flag, path, i + 1,
+                           (*out)[i]);
+    }
+    if (rc) cli_free_lines(*out, *n), *out = NULL, *n = 0;
+    return rc;
 }

@@ -68,6 +68,15 @@ typedef vlmoe_skip_log cli_bad_log;
 void cli_bad_add(cli_bad_log *b, const char *msg);
 // "vlmoe CMD: warning: skipped N WHATs of WHERE; first: ..." on stderr, if any were skipped.
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where);
+// Zero-shot class names or prompt templates (templates = 1) of `flag`: a text file, one per line,
+// or a .json file: a list of strings, or CLIP_benchmark's object of lists by dataset
+// (en_classnames.json, en_zeroshot_classification_templates.json), of which key (NULL: the only
+// one) is taken; key is not used for a text file. A template needs {} for the class name
+// (CLIP_benchmark's {c} becomes {}). *out is freed with cli_free_lines; errors are printed and
+// returned as exit status 1.
+int cli_read_texts(const char *cmd, const char *flag, const char *path, const char *key, int templates, char ***out,
+                   size_t *n);
+int cli_is_json(const char *path);   // a .json file name (any case); NULL: no
 // --csv-separator: one character, or the two characters \t for a tab; non-zero after an error.
 int cli_separator(const char *cmd, const char *sep, char *out);
 // --dataset-type of a file dataset: auto, csv or webdataset (the error also names "synthetic"

@@ -28,7 +28,8 @@ static const char *USAGE =
     "embeddings and, for MoE models, the routing of one held-out batch.\n\n"
     "With --zeroshot-data DIR (DIR/<class>/*.jpg|png|webp): zero-shot top-1/top-5 with a prompt\n"
     "ensemble (class names from the folder names, '_' -> ' ', or --classnames; templates from\n"
-    "--templates or 8 of OpenAI CLIP's ImageNet templates) and the K-shot probe on the folder's\n"
+    "--templates or 8 of OpenAI CLIP's ImageNet templates; both as text, one per line, or as\n"
+    "CLIP_benchmark's JSON with --zeroshot-dataset NAME) and the K-shot probe on the folder's\n"
     "images. With --val-data (OpenCLIP CSV/TSV or webdataset shards): retrieval recall@1/5/10 (rows\n"
     "holding the same image file count as one image with several captions), contrastive loss and\n"
     "accuracy in batches, and the routing of the first batch. Texts are tokenized with --tokenizer;\n"
@@ -113,17 +114,18 @@ static int eval_synthetic(eval_ctx *e, int n) {
 
 // An image folder: zero-shot classification and the K-shot probe. routing: the folder's first
 // batch may give the routing report (--val-data gives it otherwise).
-static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, const char *tpl_path, int routing) {
+static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, const char *tpl_path, const char *key,
+                       int routing) {
     vlmoe_image_folder f;
     if (vlmoe_image_folder_load(dir, &f)) return cli_error("eval", "--zeroshot-data: %s", vlmoe_last_error());
     char **names_v = NULL, **tpl_v = NULL;
     size_t nn = 0, ntv = 0;
     const int C = f.n_classes;
     int rc = 0;
-    if (names_path && !(rc = cli_read_lines("eval", names_path, &names_v, &nn)) && nn != (size_t)C)
+    if (names_path && !(rc = cli_read_texts("eval", "--classnames", names_path, key, 0, &names_v, &nn)) &&
+        nn != (size_t)C)
         rc = cli_error("eval", "--classnames %s has %zu names, %s has %d class folders", names_path, nn, dir, C);
-    if (!rc && tpl_path && !(rc = cli_read_lines("eval", tpl_path, &tpl_v, &ntv)) && !ntv)
-        rc = cli_error("eval", "--templates %s: no templates", tpl_path);
+    if (!rc && tpl_path) rc = cli_read_texts("eval", "--templates", tpl_path, key, 1, &tpl_v, &ntv);
     const vlmoe_eval_folder_data d = {
         .folder = &f, .name = dir,
         .classes = names_v ? (const char *const *)names_v : (const char *const *)f.class_names,
@@ -193,17 +195,21 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
 
 int cmd_eval(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
-    const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL;
+    const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
-    long seed = 0;
+    long seed = 0, val_num = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
         {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "image folder DIR/<class>/*.jpg: zero-shot and few-shot"},
-        {"classnames", ARG_STRING, &classnames, "FILE", "class names, one per line, in sorted folder order"},
-        {"templates", ARG_STRING, &templates, "FILE", "prompt templates, one per line, {} = class name"},
+        {"classnames", ARG_STRING, &classnames, "FILE", "class names in sorted folder order: one per line, or JSON (a list, "
+                                                        "or CLIP_benchmark's en_classnames.json)"},
+        {"templates", ARG_STRING, &templates, "FILE", "prompt templates ({} or {c}: the class): one per line, or JSON "
+                                                      "(CLIP_benchmark's)"},
+        {"zeroshot-dataset", ARG_STRING, &zs_key, "NAME", "the list of a CLIP_benchmark JSON file (cifar10, ...)"},
         {"val-data", ARG_STRING, &val, "FILE", "image-caption pairs (CSV/TSV or webdataset shards): retrieval"},
+        {"val-num-samples", ARG_LONG, &val_num, "N", "the first N usable pairs of --val-data (default: all)"},
         {"dataset-type", ARG_STRING, &dataset, "TYPE", "of --val-data: auto (default), csv, webdataset; "
                                                        "synthetic: the built-in held-out split"},
         {"csv-img-key", ARG_STRING, &dp.img_key, "NAME", "CSV column of image paths (default filepath)"},
@@ -231,8 +237,13 @@ int cmd_eval(int argc, char **argv) {
         return cli_error("eval", "--dataset-type synthetic evaluates on the built-in data; leave it out with "
                          "--zeroshot-data or --val-data");
     if (!synthetic && !val && dataset) return cli_error("eval", "--dataset-type %s needs --val-data", dataset);
-    if ((classnames || templates) && !zs_dir)
-        return cli_error("eval", "--classnames and --templates need --zeroshot-data");
+    if ((classnames || templates || zs_key) && !zs_dir)
+        return cli_error("eval", "--classnames, --templates and --zeroshot-dataset need --zeroshot-data");
+    if (zs_key && !cli_is_json(classnames) && !cli_is_json(templates))
+        return cli_error("eval", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give --classnames or "
+                         "--templates FILE.json", zs_key);
+    if (val_num && !val) return cli_error("eval", "--val-num-samples needs --val-data");
+    if (val_num < 0) return cli_error("eval", "--val-num-samples must be >= 0 (0: all)");
     if (n < 2 || B < 2 || shots < 0)
         return cli_error("eval", "--samples and --batch-size must be >= 2, --few-shot >= 0");
     if (cli_separator("eval", sep, &dp.separator)) return 1;
@@ -241,7 +252,7 @@ int cmd_eval(int argc, char **argv) {
     eval_ctx e = {.p = vlmoe_eval_default_params()};
     e.p.batch_size = B, e.p.shots = shots, e.p.seed = (uint64_t)seed, e.p.ip = &e.ip;
     e.p.tokenize = cli_tokenize, e.p.tokenize_user = &e.text, e.p.routing = &e.routing;
-    e.p.progress = cli_progress_cb, e.p.progress_user = &e.pr;
+    e.p.progress = cli_progress_cb, e.p.progress_user = &e.pr, e.p.max_pairs = val_num;
     if (vlmoe_model_load(&e.m, model)) return cli_error("eval", "%s", vlmoe_last_error());
     if (device && model_set_device(e.m, device)) {
         vlmoe_model_free(e.m);
@@ -260,7 +271,7 @@ int cmd_eval(int argc, char **argv) {
     e.out = cJSON_CreateObject();
     cJSON_AddStringToObject(e.out, "model", model);
     if (!rc && synthetic) rc = eval_synthetic(&e, n);
-    if (!rc && zs_dir) rc = eval_folder(&e, zs_dir, classnames, templates, val == NULL);
+    if (!rc && zs_dir) rc = eval_folder(&e, zs_dir, classnames, templates, zs_key, val == NULL);
     if (!rc && val) rc = eval_pairs(&e, &dp);
     if (e.txt) fclose(e.txt);
     if (!rc && json) {

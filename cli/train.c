@@ -29,6 +29,10 @@ typedef struct {
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
+    // validation while training: --val-data pairs, --zeroshot-data folder; cadences in epochs
+    // (OpenCLIP's --val-frequency, --zeroshot-frequency) or steps (--*-every-n-steps)
+    const char *val_data, *zs_data, *zs_names, *zs_templates, *zs_dataset;
+    long val_freq, val_steps, val_num, zs_freq, zs_steps, val_every;
 } train_args;
 
 // Everything a run holds; run_free releases whatever was set up.
@@ -39,6 +43,12 @@ typedef struct {
     vlmoe_loader *loader;        // --train-data through the loader,
     cli_text text;               // its captions' tokenizer
     vlmoe_contrastive *task;
+    vlmoe_dataset_params val;    // --val-data with the CSV flags
+    vlmoe_image_params val_ip;   // the eval transform of --val-data and --zeroshot-data
+    vlmoe_image_folder zs;       // --zeroshot-data, its class names and prompt templates
+    char **zs_names, **zs_tpl;
+    size_t n_names, n_tpl;
+    vlmoe_eval_folder_data zs_data;
     vlmoe_data_state resumed;    // the data position of the checkpoint resumed from
     vlmoe_dist *dist;            // the processes of the run (mpirun); rank 0 prints and writes
     int lead;
@@ -52,6 +62,8 @@ typedef struct {
 static void run_free(train_run *r, int rc) {
     if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
     vlmoe_contrastive_free(r->task);
+    vlmoe_image_folder_free(&r->zs);
+    cli_free_lines(r->zs_names, r->n_names), cli_free_lines(r->zs_tpl, r->n_tpl);
     vlmoe_loader_free(r->loader);
     cli_text_free(&r->text);
     vlmoe_trainer_free(r->t);
@@ -76,13 +88,26 @@ static const char *USAGE =
     "is then sized to it; a JSON config's \"vocab_size\" fixes the size. Checkpoints carry the\n"
     "tokenizer and the image normalisation, which every later command (and --pretrained, --resume)\n"
     "uses; flags that contradict them need --override-inputs.\n\n"
+    "Validation (rank 0, at its cadence and after the last step; the eval record of metrics.jsonl\n"
+    "holds the objects `vlmoe eval --json` prints for the same data, and a line goes to stdout):\n"
+    "--val-data PATH: held-out pairs (an OpenCLIP CSV/TSV read with the --csv-* flags, or shards),\n"
+    "images with the eval transform (resize, center crop, --image-mean/--image-std), captions with\n"
+    "the run's tokenizer: contrastive loss and accuracy in batches of --batch-size, and recall@1/5/10\n"
+    "both ways over all pairs (OpenCLIP's get_clip_metrics; R@1 is the top-1 accuracy).\n"
+    "--zeroshot-data DIR: an image folder, one sub-folder per class: zero-shot top-1/top-5. On the\n"
+    "synthetic data, its held-out split is evaluated too (--eval-samples). --val-frequency and\n"
+    "--zeroshot-frequency count epochs as in OpenCLIP (an epoch: --train-num-samples, or the CSV's\n"
+    "rows); --val-every-n-steps and --zeroshot-every-n-steps count steps.\n\n"
     "examples:\n"
     "  vlmoe train --model limoe-tiny --dataset-type synthetic --steps 300\n"
     "  vlmoe train --model limoe-S/32 --train-data cc3m.csv --csv-separator , --csv-img-key file \\\n"
     "              --csv-caption-key caption --tokenizer bpe_simple_vocab_16e6.txt.gz --workers 4\n"
     "  vlmoe train --model limoe-B/16 --train-data 'shards/train-{000000..000099}.tar' --steps 5000\n"
     "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000 \\\n"
-    "              --save-frequency 1000 --zeroshot-frequency 1000 --name run1\n"
+    "              --save-frequency 1000 --zeroshot-every-n-steps 1000 --name run1\n"
+    "  vlmoe train --model limoe-S/32 --train-data train.csv --val-data val.csv --val-frequency 1 \\\n"
+    "              --zeroshot-data imagenet/val --zeroshot-classnames en_classnames.json \\\n"
+    "              --zeroshot-dataset imagenet1k --zeroshot-frequency 2 --epochs 10\n"
     "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
 
 
@@ -118,6 +143,19 @@ static int write_run_files(const train_args *a, train_run *r) {
     const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
     const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
     for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
+    // validation: what it reads and the step cadence it runs at (0: at the end only)
+    cJSON_AddNumberToObject(pj, "eval_samples", a->eval_samples);
+    if (a->val_data) {
+        cJSON_AddStringToObject(pj, "val_data", a->val_data);
+        cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
+        cJSON_AddNumberToObject(pj, "val_num_samples", (double)a->val_num);
+    }
+    if (a->zs_data) cJSON_AddStringToObject(pj, "zeroshot_data", a->zs_data);
+    if (a->zs_names) cJSON_AddStringToObject(pj, "zeroshot_classnames", a->zs_names);
+    if (a->zs_templates) cJSON_AddStringToObject(pj, "zeroshot_templates", a->zs_templates);
+    if (a->zs_dataset) cJSON_AddStringToObject(pj, "zeroshot_dataset", a->zs_dataset);
+    if (a->zs_data || (!a->data.path && a->eval_samples > 0))
+        cJSON_AddNumberToObject(pj, "zeroshot_every_n_steps", (double)a->zeroshot_every);
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -252,9 +290,76 @@ static int setup_data(const train_args *a, train_run *r) {
     return 0;
 }
 
+// Validation on the user's data (--val-data, --zeroshot-data): opened here so that a missing
+// file stops the run before it trains; images get the eval transform with the run's
+// normalisation, texts the run's tokenizer (a synthetic run's: the synthetic data's words).
+static int setup_validation(const train_args *a, train_run *r, vlmoe_contrastive_params *cp) {
+    if (!a->val_data && !a->zs_data) return 0;
+    const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
+    if (c->channels != 3)
+        return cli_error("train", "--val-data/--zeroshot-data: model %s has %d image channels; images are RGB", c->name,
+                         c->channels);
+    if (cli_image_params("train", a->image_mean, a->image_std, c, &r->val_ip)) return 1;
+    const model_inputs *in = model_get_inputs(r->m); // what setup_data trains with (a resumed run: its checkpoint's)
+    if (in->has_norm) memcpy(r->val_ip.mean, in->mean, sizeof(in->mean)), memcpy(r->val_ip.std, in->std, sizeof(in->std));
+    if (!r->loader) { // the words the synthetic captions are made of, as in training
+        const vlmoe_synth_params sp = vlmoe_synth_default_params();
+        if (vlmoe_synth_init(&r->text.synth, &sp)) return cli_error("train", "%s", vlmoe_last_error());
+    }
+    cp->eval = vlmoe_eval_default_params();
+    cp->eval.batch_size = a->batch_size >= 2 ? a->batch_size : 2;
+    cp->eval.shots = 0;
+    cp->eval.ip = &r->val_ip;
+    cp->eval.tokenize = cli_tokenize, cp->eval.tokenize_user = &r->text;
+    cp->eval.max_pairs = a->val_num;
+    if (a->val_data) {
+        r->val = a->data; // the CSV flags of --train-data; the type by the name
+        r->val.path = a->val_data;
+        r->val.type = VLMOE_DATASET_AUTO;
+        r->val.defer_images = 0;
+        if (vlmoe_dataset_check(&r->val, NULL)) return cli_error("train", "--val-data: %s", vlmoe_last_error());
+        cp->val = &r->val;
+        cp->val_every = a->val_every;
+    }
+    if (!a->zs_data) return 0;
+    if (vlmoe_image_folder_load(a->zs_data, &r->zs))
+        return cli_error("train", "--zeroshot-data: %s", vlmoe_last_error());
+    const int C = r->zs.n_classes;
+    if (a->zs_names) {
+        if (cli_read_texts("train", "--zeroshot-classnames", a->zs_names, a->zs_dataset, 0, &r->zs_names, &r->n_names))
+            return 1;
+        if (r->n_names != (size_t)C)
+            return cli_error("train", "--zeroshot-classnames %s has %zu names, --zeroshot-data %s has %d class folders",
+                             a->zs_names, r->n_names, a->zs_data, C);
+    }
+    if (a->zs_templates &&
+        cli_read_texts("train", "--zeroshot-templates", a->zs_templates, a->zs_dataset, 1, &r->zs_tpl, &r->n_tpl))
+        return 1;
+    r->zs_data = (vlmoe_eval_folder_data){
+        .folder = &r->zs, .name = a->zs_data,
+        .classes = (const char *const *)(r->zs_names ? r->zs_names : r->zs.class_names),
+        .templates = r->zs_tpl ? (const char *const *)r->zs_tpl : cli_templates,
+        .n_templates = r->zs_tpl ? (int)r->n_tpl : CLI_NUM_TEMPLATES,
+    };
+    cp->zeroshot = &r->zs_data;
+    cp->zeroshot_every = a->zeroshot_every;
+    return 0;
+}
+
+static long gcd(long x, long y) { return y ? gcd(y, x % y) : x; }
+
+// The loop calls the evaluation hook every this many steps (0: at the end only); each part runs
+// on its own cadence (src/train/contrastive_task.c).
+static long eval_cadence(const train_args *a) {
+    long g = a->data.path || a->eval_samples <= 0 ? 0 : a->zeroshot_every;
+    if (a->val_data) g = gcd(g, a->val_every);
+    if (a->zs_data) g = gcd(g, a->zeroshot_every);
+    return g;
+}
+
 int cmd_train(int argc, char **argv) {
     train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
-                    .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
+                    .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = -1, .keep = 3,
                     .workers = 2, .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
                     .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
     a.data = vlmoe_dataset_default_params();
@@ -302,8 +407,25 @@ int cmd_train(int argc, char **argv) {
         {"save-frequency", ARG_LONG, &a.save_every, "N", "write a checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (default 3, 0 = all)"},
         {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest complete checkpoint, or step_N.safetensors"},
-        {"zeroshot-frequency", ARG_LONG, &a.zeroshot_every, "N", "held-out zero-shot evaluation every N steps (default: at the end)"},
-        {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples per evaluation (default 1000, 0 = none)"},
+        {"val-data", ARG_STRING, &a.val_data, "PATH", "validation pairs (OpenCLIP CSV/TSV with the --csv-* flags, or "
+                                                    "webdataset shards): loss, accuracy, recall@1/5/10 (default: at the end)"},
+        {"val-frequency", ARG_LONG, &a.val_freq, "N", "--val-data every N epochs, as OpenCLIP (an epoch: --train-num-samples "
+                                                     "or the CSV's rows)"},
+        {"val-every-n-steps", ARG_LONG, &a.val_steps, "N", "--val-data every N steps"},
+        {"val-num-samples", ARG_LONG, &a.val_num, "N", "the first N usable pairs of --val-data (default: all)"},
+        {"zeroshot-data", ARG_STRING, &a.zs_data, "DIR", "image folder DIR/<class>/*.jpg: zero-shot top-1/top-5 (default: "
+                                                        "at the end)"},
+        {"zeroshot-classnames", ARG_STRING, &a.zs_names, "FILE", "class names in sorted folder order: one per line, or "
+                                                                "JSON (a list, or CLIP_benchmark's en_classnames.json)"},
+        {"zeroshot-templates", ARG_STRING, &a.zs_templates, "FILE", "prompt templates ({} or {c}: the class): one per line, "
+                                                                   "or JSON (CLIP_benchmark's)"},
+        {"zeroshot-dataset", ARG_STRING, &a.zs_dataset, "NAME", "the list of a CLIP_benchmark JSON file (cifar10, "
+                                                               "imagenet1k, ...)"},
+        {"zeroshot-frequency", ARG_LONG, &a.zs_freq, "N", "zero-shot evaluation (--zeroshot-data, or the synthetic "
+                                                         "held-out split) every N epochs, as OpenCLIP"},
+        {"zeroshot-every-n-steps", ARG_LONG, &a.zs_steps, "N", "zero-shot evaluation every N steps (default: at the end)"},
+        {"eval-samples", ARG_INT, &a.eval_samples, "N", "synthetic data: held-out samples per evaluation (default 1000, "
+                                                       "0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
@@ -329,13 +451,38 @@ int cmd_train(int argc, char **argv) {
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error("train", "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
     }
+    // validation: no flag without the evaluation it shapes
+    if (synthetic && a.val_data && cli_separator("train", a.csv_separator, &a.data.separator)) return 1;
+    if (a.eval_samples >= 0 && a.data.path)
+        return cli_error("train", "--eval-samples sizes the synthetic held-out evaluation; with --train-data give "
+                         "--val-data PATH (--val-num-samples N) or --zeroshot-data DIR");
+    if (a.eval_samples < 0) a.eval_samples = a.data.path ? 0 : 1000;
+    if (!a.val_data && (a.val_freq || a.val_steps || a.val_num))
+        return cli_error("train", "--val-frequency, --val-every-n-steps and --val-num-samples need --val-data PATH");
+    if (!a.zs_data && (a.zs_names || a.zs_templates || a.zs_dataset))
+        return cli_error("train", "--zeroshot-classnames, --zeroshot-templates and --zeroshot-dataset need "
+                         "--zeroshot-data DIR");
+    if ((a.zs_freq || a.zs_steps) && !a.zs_data && !(a.eval_samples > 0))
+        return cli_error("train", "--zeroshot-%s: there is no zero-shot evaluation to run: give --zeroshot-data DIR (an "
+                         "image folder, one sub-folder per class)%s", a.zs_freq ? "frequency" : "every-n-steps",
+                         a.data.path ? "" : " or --eval-samples N > 0 (the synthetic held-out split)");
+    if ((a.val_freq && a.val_steps) || (a.zs_freq && a.zs_steps))
+        return cli_error("train", "give --%s-frequency (epochs) or --%s-every-n-steps, not both",
+                         a.val_freq && a.val_steps ? "val" : "zeroshot", a.val_freq && a.val_steps ? "val" : "zeroshot");
+    if (a.val_freq < 0 || a.val_steps < 0 || a.val_num < 0 || a.zs_freq < 0 || a.zs_steps < 0)
+        return cli_error("train", "--val-frequency, --val-every-n-steps, --val-num-samples, --zeroshot-frequency and "
+                         "--zeroshot-every-n-steps must be >= 0");
+    if (a.zs_dataset && !cli_is_json(a.zs_names) && !cli_is_json(a.zs_templates))
+        return cli_error("train", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give "
+                         "--zeroshot-classnames or --zeroshot-templates FILE.json", a.zs_dataset);
+    const int by_epoch = epochs > 0 || a.val_freq > 0 || a.zs_freq > 0; // an epoch's size is needed
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
     if (a.batch_size * dist->world < 2)
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
                          "processes)", dist->world);
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
-    if (!synthetic && vlmoe_dataset_check(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))
+    if (!synthetic && vlmoe_dataset_check(&a.data, by_epoch && a.num_samples <= 0 ? &a.num_samples : NULL))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
     if (epochs > 0) {
@@ -347,6 +494,10 @@ int cmd_train(int argc, char **argv) {
     }
     a.epochs = epochs;
     if (a.steps < 1) return cli_error("train", "--steps must be >= 1");
+    if (by_epoch && a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
+    const long G = (long)a.batch_size * dist->world, per_epoch = by_epoch ? (a.num_samples + G - 1) / G : 0;
+    a.val_every = a.val_freq ? a.val_freq * per_epoch : a.val_steps;
+    a.zeroshot_every = a.zs_freq ? a.zs_freq * per_epoch : a.zs_steps;
     if (a.log_every < 1) a.log_every = 1;
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)
@@ -395,9 +546,11 @@ int cmd_train(int argc, char **argv) {
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && !(rc = setup_data(&a, &r))) {
-        const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
-                                             r.dist->world};
-        if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
+        vlmoe_contrastive_params cp = {.model = r.m, .batch_size = a.batch_size, .synth = r.synth, .loader = r.loader,
+                                       .eval_samples = a.eval_samples, .rank = r.dist->rank, .world = r.dist->world,
+                                       .last_step = a.steps, .synth_every = a.zeroshot_every};
+        if (!(rc = setup_validation(&a, &r, &cp)) && vlmoe_contrastive_init(&r.task, &cp))
+            rc = cli_error("train", "%s", vlmoe_last_error());
     }
     if (!rc && r.lead) rc = write_run_files(&a, &r);
     if (rc) {
@@ -416,7 +569,7 @@ int cmd_train(int argc, char **argv) {
                 cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
                 omp_get_max_threads(), r.dir);
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
-    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, a.zeroshot_every, 1,
+    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, eval_cadence(&a), 1,
                                  (long)a.batch_size * W, r.dist, on_progress, &r, a.expert_parallel};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);

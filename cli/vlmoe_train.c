@@ -302,6 +302,19 @@ int cmd_train_mome(int argc, char **argv) {
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
+    // the contrastive trainer's validation flags: said so, rather than "unknown flag"
+    static const char *const val_flags[] = {"--val-data", "--val-frequency", "--val-every-n-steps", "--val-num-samples",
+                                            "--zeroshot-data", "--zeroshot-frequency", "--zeroshot-every-n-steps",
+                                            "--zeroshot-classnames", "--zeroshot-templates", "--zeroshot-dataset",
+                                            "--eval-samples"};
+    for (int i = 2; i < argc; i++)
+        for (size_t k = 0; k < sizeof(val_flags) / sizeof(val_flags[0]); k++) {
+            const size_t n = strlen(val_flags[k]);
+            if (!strncmp(argv[i], val_flags[k], n) && (argv[i][n] == 0 || argv[i][n] == '='))
+                return cli_error(CMD, "%s: the VL-MoE trainer (arch mome models) has no validation while training; it "
+                                 "is a flag of contrastive training (LIMoE, CLIP). Evaluate the checkpoints after the "
+                                 "run instead", val_flags[k]);
+        }
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);

@@ -2,7 +2,8 @@
 # test_dist_mpi.sh: tests/test_dist and tests/test_train_dist under mpirun, on 2 ranks and on 3
 # (oversubscribed on a small machine): every collective of src/dist/mpi.c with rank-dependent
 # values, checked on every rank, and data-parallel training against one process at the global
-# batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5).
+# batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5), and its
+# validation (--val-data) on rank 0.
 # Run by tests/run.sh on the optimised build only (Open MPI's own allocations look like leaks to
 # LeakSanitizer); skipped, saying why, when mpirun is absent or the build has no MPI. Closes with
 # "test_dist_mpi: N passed, N failed" (the ranks' checks summed). Usage: test_dist_mpi.sh RELDIR
@@ -109,6 +110,29 @@ if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size
 else
     tail -n 20 "$tmp/w4.log" "$tmp/r1.log" "$tmp/r2.log" "$tmp/solo.log" 2>/dev/null
     echo "FAILED: resume across process layouts"; fail=$((fail + 1))
+fi
+# validation under mpirun: rank 0 alone evaluates --val-data (one line per evaluation) and its
+# record equals vlmoe eval --json on the checkpoint of the step
+"$vl" synth export --out "$tmp/sx" --n 24 --split val > "$tmp/sx.log" 2>&1
+common="train --model tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp --batch-size 4 --image-mean 0.5"
+common="$common --image-std 0.5 --val-data $tmp/sx/captions.csv --val-every-n-steps 1"
+pick='s/.*("retrieval":\{[^}]*\},"contrastive":\{[^}]*\}).*/\1/'
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name val > "$tmp/val.log" 2>&1 &&
+   "$vl" eval --model "$tmp/val/checkpoints/step_2.safetensors" --val-data "$tmp/sx/captions.csv" --image-mean 0.5 \
+       --image-std 0.5 --batch-size 4 --few-shot 0 --json > "$tmp/val.json" 2>&1; then
+    lines=$(grep -c "^step [12] val " "$tmp/val.log")
+    rec=$(grep '"step":2,"kind":"eval"' "$tmp/val/metrics.jsonl" | sed -E "$pick")
+    got=$(sed -E "$pick" "$tmp/val.json")
+    if [ "$lines" = 2 ] && [ -n "$rec" ] && [ "$rec" = "$got" ]; then
+        echo "ok   mpirun -np 2 vlmoe train --val-data: rank 0 evaluates, the record = vlmoe eval on the checkpoint"
+        pass=$((pass + 1))
+    else
+        printf '%s\n%s\n' "$rec" "$got"; tail -n 10 "$tmp/val.log"
+        echo "FAILED: --val-data under mpirun: $lines eval lines (want 2), record vs vlmoe eval above"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/sx.log" "$tmp/val.log" "$tmp/val.json"; echo "FAILED: vlmoe train --val-data under mpirun"
+    fail=$((fail + 1))
 fi
 # a process killed mid-run (kill -9 one of 4) ends the job within 60 s with a message naming it,
 # and leaves no half-written checkpoint

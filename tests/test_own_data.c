@@ -133,8 +133,11 @@ int main(int argc, char **argv) {
     char cmd[2048];
     const int steps = asan ? 30 : 150;
     snprintf(cmd, sizeof(cmd), "train --model limoe-tiny --train-data tr/own.csv --image-mean 0.5 --image-std 0.5 "
-             "--steps %d --batch-size 64 --logs runs --name own --eval-samples 0", steps);
+             "--steps %d --batch-size 64 --logs runs --name own --val-data va/own.csv --zeroshot-data va/classes "
+             "--zeroshot-classnames classnames.txt", steps);
     expect(cmd, 0, "trained a BPE vocabulary of 1024 ids");
+    CHECK(strstr(out, "zero-shot va/classes (20 classes") && strstr(out, "val va/own.csv (400 images"),
+          "validation while training on the user's data:\n%s", out);
     CHECK(strstr(out, "sized to the tokenizer: 1024 ids") && !strstr(out, "synthetic data's word tokenizer"),
           "the named model's 256 ids became the tokenizer's 1024:\n%s", out);
     char ck[256];
@@ -167,6 +170,9 @@ int main(int argc, char **argv) {
              "--image-mean 0.4 --override-inputs", ck);
     expect(cmd, 0, "--override-inputs: normalising with --image-mean 0.4,0.4,0.4");
     snprintf(cmd, sizeof(cmd), "eval --model %s --val-data va/own.csv --tokenizer runs/own/tokenizer.txt", ck);
+    expect(cmd, 0, "retrieval on va/own.csv"); // the same tokenizer typed again
+    test_write_file(test_path(dir, "other.txt"), "#version: 0.2\nz o\n", 18);
+    snprintf(cmd, sizeof(cmd), "eval --model %s --val-data va/own.csv --tokenizer other.txt", ck);
     expect(cmd, 1, "carries its own tokenizer");
     // no data flag: the synthetic data says nothing about this model
     snprintf(cmd, sizeof(cmd), "eval --model %s", ck);
@@ -209,7 +215,7 @@ int main(int argc, char **argv) {
 
     // a resumed run with no tokenizer or normalisation flag continues with the checkpoint's
     snprintf(cmd, sizeof(cmd), "train --model limoe-tiny --train-data tr/own.csv --steps %d --batch-size 64 --logs runs "
-             "--name own --eval-samples 0 --resume latest", steps + 4);
+             "--name own --resume latest", steps + 4);
     expect(cmd, 0, "resuming from");
     CHECK(!strstr(out, "trained a BPE vocabulary"), "the resumed run trained no vocabulary:\n%s", out);
     snprintf(ck, sizeof(ck), "runs/own/checkpoints/step_%d.safetensors", steps + 4);
@@ -220,7 +226,7 @@ int main(int argc, char **argv) {
 
     // --pretrained on the same captions: the pretrained model's tokenizer, not a new vocabulary
     snprintf(cmd, sizeof(cmd), "train --pretrained %s --train-data tr/own.csv --steps 2 --batch-size 16 --logs runs "
-             "--name ft --eval-samples 0", ck);
+             "--name ft", ck);
     expect(cmd, 0, "trained to step 2");
     CHECK(!strstr(out, "trained a BPE vocabulary"), "--pretrained trained no vocabulary:\n%s", out);
     text = metadata("runs/ft/checkpoints/step_2.safetensors", "vlmoe.tokenizer.text");

@@ -371,7 +371,8 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
     int n = 0, k = 0, done = 0;
     while (!st && !done) {
         vlmoe_sample s;
-        const int got = vlmoe_dataset_next(ds, &s);
+        // --val-num-samples: stop before reading pair max_pairs + 1
+        const int got = p->max_pairs > 0 && n + k >= p->max_pairs ? 0 : vlmoe_dataset_next(ds, &s);
         if (got < 0) {
             st = got;
             break;

@@ -67,6 +67,7 @@ typedef struct {
                                          // it already holds one (NULL: not wanted)
     vlmoe_progress_fn progress;          // may be NULL
     void *progress_user;
+    long max_pairs;                      // image-caption pairs: the first N usable ones (0: all)
 } vlmoe_eval_params;
 vlmoe_eval_params vlmoe_eval_default_params(void);   // batch 64, 10 shots, seed 0
 
@@ -142,9 +143,9 @@ typedef struct {
     vlmoe_eval_contrastive contrastive;
     vlmoe_skip_log bad;         // undecodable images (the dataset's own skips are in its stats)
 } vlmoe_eval_pairs_result;
-// Reads ds to its end in batches: contrastive loss per batch (the routing of the first), then
-// retrieval over all pairs, where rows with the same image bytes are one image with several
-// captions. Errors start with name.
+// Reads ds to its end (or to p->max_pairs usable pairs) in batches: contrastive loss per batch
+// (the routing of the first), then retrieval over all pairs, where rows with the same image bytes
+// are one image with several captions. Errors start with name.
 int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const vlmoe_eval_params *p,
                      vlmoe_eval_pairs_result *r);
 

@@ -1,8 +1,12 @@
 // contrastive_task.c: contrastive training (LIMoE one_tower, CLIP two_tower, dense or MoE) as a
 // task of the loop in src/train/run.c: a batch of pairs from the synthetic data or the loader,
 // one trainer step, the train record's losses, accuracies and routing statistics, and the
-// held-out synthetic evaluation. Also the model a run starts from and the vocabulary a run
-// trains. Covered by tests/test_cli.c, tests/test_checkpoint.c and tests/test_loader.c.
+// evaluations while training: the synthetic held-out split, and the user's image-caption pairs
+// (--val-data) and image folder (--zeroshot-data) through src/eval/run_eval.h. Also the model a
+// run starts from and the vocabulary a run trains. Covered by tests/test_cli.c,
+// tests/test_checkpoint.c, tests/test_loader.c and tests/test_val.c.
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -112,8 +116,21 @@ static int c_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char
     return VLMOE_OK;
 }
 
-static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
-    vlmoe_contrastive *r = u;
+// Whether an evaluation part that runs every `every` steps is due after step `done`.
+static int due(long every, long done, long last) { return done == last || (every > 0 && done % every == 0); }
+
+// Appends a line to the progress text (lines joined by newlines).
+static void say(char *line, size_t cap, const char *fmt, ...) {
+    const size_t at = strlen(line);
+    if (at + 1 >= cap) return;
+    if (at) line[at] = '\n', line[at + 1] = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line + strlen(line), cap - strlen(line), fmt, ap);
+    va_end(ap);
+}
+
+static int eval_synth(vlmoe_contrastive *r, long done, cJSON *rec, char *line, size_t cap) {
     vlmoe_synth_eval ev;
     int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size, &ev);
     if (st) return st;
@@ -121,10 +138,64 @@ static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
     cJSON_AddNumberToObject(rec, "eval_zeroshot_top5", ev.top5);
     cJSON_AddNumberToObject(rec, "eval_pair_i2t", ev.i2t);
     cJSON_AddNumberToObject(rec, "eval_pair_t2i", ev.t2i);
-    snprintf(line, cap, "step %ld held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
-             "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)", done, 100 * ev.top1,
-             100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t, 100 * ev.t2i, ev.chunk, 100.0 / ev.chunk);
+    say(line, cap, "step %ld held-out: zero-shot top-1 %.1f%% top-5 %.1f%% (%d classes, chance %.1f%%); "
+        "pair accuracy i2t %.1f%% t2i %.1f%% (in chunks of %d, chance %.1f%%)", done, 100 * ev.top1,
+        100 * ev.top5, ev.classes, 100.0 / ev.classes, 100 * ev.i2t, 100 * ev.t2i, ev.chunk, 100.0 / ev.chunk);
     return VLMOE_OK;
+}
+
+// --val-data: the "retrieval" and "contrastive" objects of `vlmoe eval --json --val-data`, from
+// the same code, so the record and an evaluation of the step's checkpoint agree.
+static int eval_val(vlmoe_contrastive *r, long done, cJSON *rec, char *line, size_t cap) {
+    const vlmoe_dataset_params *dp = r->p.val;
+    vlmoe_dataset *ds = NULL;
+    vlmoe_eval_pairs_result res;
+    int st = vlmoe_dataset_open(dp, &ds);
+    if (!st) st = vlmoe_eval_pairs(r->p.model, ds, dp->path, &r->p.eval, &res);
+    vlmoe_dataset_free(ds);
+    if (st) return vlmoe_error_prefix("--val-data"), st;
+    const vlmoe_eval_retrieval *rt = &res.retrieval;
+    const vlmoe_eval_contrastive *c = &res.contrastive;
+    cJSON_AddItemToObject(rec, "retrieval", vlmoe_eval_retrieval_json(rt, dp->path));
+    cJSON *o = vlmoe_eval_contrastive_json(c);
+    cJSON_AddStringToObject(o, "data", dp->path);
+    cJSON_AddItemToObject(rec, "contrastive", o);
+    char bad[48] = "";
+    if (rt->bad_samples) snprintf(bad, sizeof(bad), ", %ld bad samples skipped", rt->bad_samples);
+    say(line, cap, "step %ld val %s (%d images, %d captions%s): loss %.4f, accuracy %.1f%% (batches of %d); "
+        "image->text R@1/5/10 %.1f/%.1f/%.1f%%, text->image %.1f/%.1f/%.1f%%", done, dp->path, rt->images,
+        rt->captions, bad, c->loss, 100 * c->accuracy, c->batch_size,
+        100 * rt->i2t[0], 100 * rt->i2t[1], 100 * rt->i2t[2], 100 * rt->t2i[0], 100 * rt->t2i[1], 100 * rt->t2i[2]);
+    return VLMOE_OK;
+}
+
+// --zeroshot-data: the "zeroshot" object of `vlmoe eval --json --zeroshot-data`.
+static int eval_zeroshot(vlmoe_contrastive *r, long done, cJSON *rec, char *line, size_t cap) {
+    const vlmoe_eval_folder_data *d = r->p.zeroshot;
+    vlmoe_eval_folder_result res;
+    int st = vlmoe_eval_folder_zeroshot(r->p.model, d, &r->p.eval, &res);
+    if (st) return vlmoe_eval_folder_result_free(&res), vlmoe_error_prefix("--zeroshot-data"), st;
+    const vlmoe_eval_zeroshot *z = &res.zeroshot;
+    cJSON_AddItemToObject(rec, "zeroshot", vlmoe_eval_zeroshot_json(z, d->name));
+    char bad[48] = "";
+    if (z->bad_images) snprintf(bad, sizeof(bad), ", %ld unreadable skipped", z->bad_images);
+    say(line, cap, "step %ld zero-shot %s (%d classes, %d images%s): top-1 %.1f%% top-5 %.1f%% (chance %.1f%%)", done,
+        d->name, z->classes, z->images, bad, 100 * z->top1, 100 * z->top5,
+        100.0 / z->classes);
+    vlmoe_eval_folder_result_free(&res);
+    return VLMOE_OK;
+}
+
+// The parts due after step `done`; none due leaves rec and line as they are.
+static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
+    vlmoe_contrastive *r = u;
+    const vlmoe_contrastive_params *p = &r->p;
+    int st = VLMOE_OK;
+    if (p->synth && p->eval_samples > 0 && due(p->synth_every, done, p->last_step))
+        st = eval_synth(r, done, rec, line, cap);
+    if (!st && p->val && due(p->val_every, done, p->last_step)) st = eval_val(r, done, rec, line, cap);
+    if (!st && p->zeroshot && due(p->zeroshot_every, done, p->last_step)) st = eval_zeroshot(r, done, rec, line, cap);
+    return st;
 }
 
 static void c_data_state(void *u, long done, vlmoe_data_state *ds) {
@@ -135,7 +206,7 @@ static void c_data_state(void *u, long done, vlmoe_data_state *ds) {
 
 vlmoe_run_task vlmoe_contrastive_task(vlmoe_contrastive *c) {
     vlmoe_run_task t = {c, c_fill, c_step, c_log, NULL, c_data_state};
-    if (c->p.synth && c->p.eval_samples > 0) t.eval = c_eval;
+    if ((c->p.synth && c->p.eval_samples > 0) || c->p.val || c->p.zeroshot) t.eval = c_eval;
     return t;
 }
 
@@ -221,8 +292,9 @@ int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count) {
     vlmoe_dataset *ds = NULL;
     int st = vlmoe_dataset_open(&p, &ds);
     if (!st && count && vlmoe_dataset_get_type(ds) != VLMOE_DATASET_CSV)
-        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: give --train-num-samples with --epochs (the samples in webdataset "
-                        "shards are not known before reading them)", dp->path);
+        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: give --train-num-samples N, the samples of an epoch (--epochs, "
+                        "--val-frequency and --zeroshot-frequency count epochs; the samples in webdataset shards are "
+                        "not known before reading them)", dp->path);
     if (count) *count = 0;
     vlmoe_sample s;
     int got = 0;

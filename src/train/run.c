@@ -47,6 +47,8 @@ static int evaluate(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe
         vlmoe_error_prefix("evaluation at step %ld", done);
         return st;
     }
+    // the task's parts have cadences of their own: a call with none due adds nothing
+    if (cJSON_GetArraySize(rec) <= 2) return cJSON_Delete(rec), VLMOE_OK;
     st = mx ? vlmoe_metrics_write(mx, rec) : (cJSON_Delete(rec), VLMOE_OK);
     if (!st && line[0]) progress(p, VLMOE_RUN_EVAL, line);
     return st;

@@ -87,7 +87,8 @@ typedef struct {
     // the task's fields of the train record of step `done` (losses, routing) and its part of the
     // progress line (appended to line, cap bytes)
     int (*log)(void *user, long done, const vlmoe_step_stats *s, cJSON *rec, char *line, size_t cap);
-    // the evaluation hook: fields of an "eval" record and its progress line
+    // the evaluation hook: fields of an "eval" record and its progress line; a call that adds no
+    // field writes no record (the task's parts may have cadences of their own)
     int (*eval)(void *user, long done, cJSON *rec, char *line, size_t cap);
     // the data position after step `done`, kept in the checkpoint
     void (*data_state)(void *user, long done, vlmoe_data_state *ds);

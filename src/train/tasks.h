@@ -6,6 +6,7 @@
 #ifndef VLMOE_TRAIN_TASKS_H
 #define VLMOE_TRAIN_TASKS_H
 #include "data/loader.h"
+#include "eval/run_eval.h"
 #include "train/run.h"
 #include "vlmoe.h"
 
@@ -19,6 +20,16 @@ typedef struct {
     int eval_samples;            // synthetic data: held-out samples per evaluation (0: none)
     int rank, world;             // this process's block of each global batch (src/data/order.h);
                                  // world 0 is a world of one
+    // Validation (src/eval/run_eval.h), each part every N steps (0: none before the end) and at
+    // last_step; the loop calls the eval hook at least that often (a call with nothing due
+    // writes no record).
+    long last_step;
+    long synth_every;            // the synthetic held-out evaluation (eval_samples > 0)
+    const vlmoe_dataset_params *val; // image-caption pairs (NULL: none): loss, accuracy, recall@K
+    long val_every;
+    const vlmoe_eval_folder_data *zeroshot; // an image folder (NULL: none): zero-shot top-1/top-5
+    long zeroshot_every;
+    vlmoe_eval_params eval;      // of val and zeroshot: transform, tokenizer, batch, max_pairs
 } vlmoe_contrastive_params;
 typedef struct vlmoe_contrastive vlmoe_contrastive;
 int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p);
