@@ -193,7 +193,8 @@ static int setup_data(const train_args *a, train_run *r) {
     if (vlmoe_loader_open(&lp, &r->loader) || (a->resume && vlmoe_loader_seek(r->loader, &r->resumed)))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     const int64_t rows = vlmoe_loader_epoch_size(r->loader);
-    char what[64] = "webdataset shards";
+    char what[64];
+    snprintf(what, sizeof(what), "webdataset shards%s", a->resampled ? " drawn with replacement" : "");
     if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
     if (r->lead) fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
     return 0;

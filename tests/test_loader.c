@@ -625,6 +625,8 @@ static void test_cli(void) {
     snprintf(a, sizeof a, "--model tiny --train-data cli/pairs.tsv --csv-caption-key caption %s", common);
     train_and_resume("csv", a, 6, "word tokenizer");
     CHECK(strstr(out, "data cli/pairs.tsv (48 usable rows)"), "%s", out);
+    // the CSV's paths are relative to its folder, not the working directory: read, with a note
+    CHECK(strstr(out, "cli/pairs.tsv: note: image paths are read relative to the CSV file's folder cli/"), "%s", out);
     snprintf(a, sizeof a, "--model vocab600.json --train-data 'cli/part-{0..1}.tar' --workers 3 %s", common);
     train_and_resume("wds", a, 4, "trained a BPE vocabulary");
     CHECK(strstr(out, "runs/wds_r/tokenizer.txt, the vocabulary this run trained"), "%s", out);
@@ -639,6 +641,40 @@ static void test_cli(void) {
           "missing shard:\n%s", out);
     CHECK(cmd("train --dataset-type csv --steps 2") == 1 && strstr(out, "needs --train-data"), "%s", out);
     CHECK(cmd("train --dataset-type parquet --train-data x --steps 2") == 1 && strstr(out, "expected synthetic"), "%s", out);
+    // shards drawn with replacement, weighted per source, resumed bit for bit; in params.json
+    snprintf(a, sizeof a, "--model tiny --train-data 'cli/part-0.tar::cli/part-1.tar' --dataset-resampled "
+             "--train-data-upsampling-factors 1::3 --train-num-samples 16 %s", common);
+    train_and_resume("resampled", a, 6, "webdataset shards");
+    size_t pl = 0;
+    char *pj = test_read_file(P("runs/resampled/params.json"), &pl);
+    CHECK(pj && strstr(pj, "\"dataset_resampled\":\ttrue") && strstr(pj, "\"train_data_upsampling_factors\":\t\"1::3\""),
+          "params.json: %s", pj ? pj : "(none)");
+    free(pj);
+    pj = test_read_file(P("runs/resampled/metrics.jsonl"), &pl);
+    CHECK(pj && strstr(pj, "\"epoch\":2,"), "3 epochs of 16 samples in 48: %s", pj ? pj : "(none)");
+    free(pj);
+    // pipe: shards; a command that fails stops the run naming it
+    CHECK(cmd("train --model tiny --train-data 'pipe:cat cli/part-{0..1}.tar' --steps 2 --batch-size 8 --logs runs "
+              "--name piped --threads 2") == 0, "pipe: shards:\n%s", out);
+    CHECK(cmd("train --model tiny --train-data 'pipe:cat cli/part-0.tar; exit 5' --steps 8 --batch-size 8 --logs runs "
+              "--name piped_bad --threads 2 --max-bad-fraction 0") == 1 && strstr(out, "pipe:cat cli/part-0.tar; exit 5: "
+              "the command exited with status 5"), "failing command:\n%s", out);
+    // flags that do not apply are errors, in both trainers
+    const char *bad[][2] = {
+        {"train --train-data cli/pairs.tsv --csv-caption-key caption --dataset-resampled --steps 2", "a CSV is read once per epoch"},
+        {"train --train-data 'cli/part-{0..1}.tar' --train-data-upsampling-factors 2 --steps 2", "needs --dataset-resampled"},
+        {"train --train-data 'cli/part-0.tar::cli/part-1.tar' --dataset-resampled --train-data-upsampling-factors 1::2::3 "
+         "--steps 2", "has 3 factors, but --train-data"},
+        {"train --dataset-resampled --steps 2", "applies to webdataset shards given with --train-data"},
+        {"train --model vlmoe-tiny --codebook cb.safetensors --train-data-upsampling-factors 2", "needs --dataset-resampled"},
+        {"train --model vlmoe-tiny --codebook cb.safetensors --train-data cli/pairs.tsv --csv-caption-key caption "
+         "--dataset-resampled", "a CSV is read once"},
+    };
+    for (int i = 0; i < 6; i++) CHECK(cmd(bad[i][0]) == 1 && strstr(out, bad[i][1]), "`%s`:\n%s", bad[i][0], out);
+    CHECK(cmd("train --help") == 0 && strstr(out, "--dataset-resampled") && strstr(out, "--train-data-upsampling-factors") &&
+          strstr(out, "pipe:COMMAND"), "%s", out);
+    CHECK(cmd("train --model vlmoe-tiny --help") == 0 && strstr(out, "--dataset-resampled") &&
+          strstr(out, "--train-data-upsampling-factors"), "%s", out);
     put("cli/holes.tsv", "filepath\ttitle\n00.jpg\ta red circle\nnone1.jpg\ta\nnone2.jpg\tb\n01.jpg\ta blue square\n");
     CHECK(cmd("train --model tiny --train-data cli/holes.tsv --steps 4 --batch-size 2 --logs runs --name holes") == 1 &&
           strstr(out, "too many bad samples") && strstr(out, "none1.jpg"), "bad samples:\n%s", out);
