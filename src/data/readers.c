@@ -668,7 +668,6 @@ static int wds_open_shard(vlmoe_dataset *ds) {
     archive_read_support_format_tar(ds->a);
     if (is_pipe(name)) {
         // webdataset's pipe: URL: the command's stdout is the tar stream, read once front to back
-        fflush(NULL);   // nothing of ours is written twice by the child
         if (!(ds->pipe = popen(name + 5, "r")))
             return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the command could not be started: %s", name, strerror(errno));
         if (archive_read_open_FILE(ds->a, ds->pipe) != ARCHIVE_OK)
