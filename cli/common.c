@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "data/loader.h"
 #include "nn/model.h"
 #include "data/readers.h"
 #include "tokenize.h"
@@ -191,6 +192,17 @@ int cli_dataset_type(const char *cmd, const char *name, int synthetic_ok, vlmoe_
     for (int i = 0; i < 3; i++)
         if (!strcmp(name, names[i])) return *out = types[i], 0;
     return cli_error(cmd, "--dataset-type %s: expected %sauto, csv or webdataset", name, synthetic_ok ? "synthetic, " : "");
+}
+
+int cli_resampling(const char *cmd, const vlmoe_dataset_params *d, int resampled, const char *factors) {
+    if (!resampled && !factors) return 0;
+    if (!resampled)
+        return cli_error(cmd, "--train-data-upsampling-factors needs --dataset-resampled: the factors weight shards "
+                         "drawn with replacement (as in OpenCLIP)");
+    if (!d->path) return cli_error(cmd, "--dataset-resampled applies to webdataset shards given with --train-data");
+    vlmoe_loader_params lp = vlmoe_loader_default_params();
+    lp.data = *d, lp.resampled = resampled, lp.upsampling = factors;
+    return vlmoe_loader_check_order(&lp) ? cli_error(cmd, "--train-data: %s", vlmoe_last_error()) : 0;
 }
 
 void cli_bad_warn(const char *cmd, const cli_bad_log *b, const char *what, const char *where) {

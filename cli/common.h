@@ -83,6 +83,11 @@ int cli_separator(const char *cmd, const char *sep, char *out);
 // where the command takes it, which the caller checks first); non-zero after an error.
 int cli_dataset_type(const char *cmd, const char *name, int synthetic_ok, vlmoe_dataset_type *out);
 
+// --dataset-resampled and --train-data-upsampling-factors (both trainers): the factors need the
+// flag, which needs webdataset --train-data, and one factor per '::'-joined source; checked before
+// any data is read. Non-zero after an error (printed).
+int cli_resampling(const char *cmd, const vlmoe_dataset_params *d, int resampled, const char *factors);
+
 // Image files from command-line arguments: a file is taken as it is, a folder for the image
 // files (.jpg .jpeg .png .webp, any case) under it, recursively, sorted by path. *out gets
 // malloc'd copies (free with vlmoe_free_strings). A folder that cannot be read or holds no image

@@ -23,6 +23,8 @@
 typedef struct {
     const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
+    const char *upsampling;      // --train-data-upsampling-factors
+    int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     int override;                // --override-inputs: flags replace what a checkpoint records
@@ -79,7 +81,10 @@ static const char *USAGE =
     "step_N.state.safetensors (optimizer moments, step, RNG states, data position); --resume latest\n"
     "continues exactly where the newest complete checkpoint left off, with the next samples.\n\n"
     "Data: the built-in synthetic data, or --train-data: an OpenCLIP CSV/TSV (image paths relative to\n"
-    "its folder) or webdataset shards (000123.jpg + 000123.txt), read by --workers threads that\n"
+    "the working directory, as in OpenCLIP, else to the CSV's folder, with a note) or webdataset shards\n"
+    "(000123.jpg + 000123.txt; 'pipe:COMMAND' reads a shard from a command's output, e.g.\n"
+    "'pipe:aws s3 cp s3://bucket/shard-{000..099}.tar -'; --dataset-resampled draws shards with\n"
+    "replacement, weighted by --train-data-upsampling-factors), read by --workers threads that\n"
     "decode, random-resized-crop to the model's image size, normalise (--image-mean/--image-std)\n"
     "and tokenize ahead of the step; shuffled per epoch from --seed, the same for any --workers.\n"
     "Bad samples are skipped and counted; more than --max-bad-fraction of them stops the run.\n"
@@ -133,6 +138,8 @@ static int write_run_files(const train_args *a, train_run *r) {
         cJSON_AddStringToObject(pj, "train_data", a->data.path);
         cJSON_AddNumberToObject(pj, "workers", a->workers);
         cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
+        cJSON_AddBoolToObject(pj, "dataset_resampled", a->resampled);
+        if (a->upsampling) cJSON_AddStringToObject(pj, "train_data_upsampling_factors", a->upsampling);
     }
     const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
     const double nv[] = {a->batch_size, r->dist->world, (double)a->batch_size * r->dist->world, (double)a->steps,
@@ -281,10 +288,13 @@ static int setup_data(const train_args *a, train_run *r) {
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;
     lp.max_bad_fraction = a->max_bad;
+    lp.resampled = a->resampled, lp.upsampling = a->upsampling, lp.epoch_samples = a->resampled ? a->num_samples : 0;
+    lp.data.note = r->lead ? on_warn : NULL;
     if (vlmoe_loader_open(&lp, &r->loader) || (a->resume && vlmoe_loader_seek(r->loader, &r->resumed)))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     const int64_t rows = vlmoe_loader_epoch_size(r->loader);
-    char what[64] = "webdataset shards";
+    char what[64];
+    snprintf(what, sizeof(what), "webdataset shards%s", a->resampled ? " drawn with replacement" : "");
     if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
     if (r->lead) fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
     return 0;
@@ -377,6 +387,10 @@ int cmd_train(int argc, char **argv) {
         {"csv-img-key", ARG_STRING, &a.data.img_key, "NAME", "CSV column of image paths (default filepath)"},
         {"csv-caption-key", ARG_STRING, &a.data.caption_key, "NAME", "CSV column of captions (default title)"},
         {"workers", ARG_INT, &a.workers, "N", "threads loading --train-data ahead of the step (default 2; 0: the training thread)"},
+        {"dataset-resampled", ARG_FLAG, &a.resampled, NULL, "webdataset: draw shards with replacement from --seed (no epoch "
+                                                             "end; --train-num-samples sets the logged epoch)"},
+        {"train-data-upsampling-factors", ARG_STRING, &a.upsampling, "F1::F2", "with --dataset-resampled: sampling weight "
+                                                                              "of each '::'-joined --train-data source's shards"},
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "captions' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
@@ -485,6 +499,7 @@ int cmd_train(int argc, char **argv) {
     if (!synthetic && vlmoe_dataset_check(&a.data, by_epoch && a.num_samples <= 0 ? &a.num_samples : NULL))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
+    if (cli_resampling("train", &a.data, a.resampled, a.upsampling)) return 1;
     if (epochs > 0) {
         if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
         const long G = (long)a.batch_size * dist->world;

@@ -41,7 +41,8 @@ int cli_train_is_mome(int argc, char **argv) {
 typedef struct {
     const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume, *scheduler;
     const char *dataset_type, *csv_separator, *tokenizer, *image_mean, *image_std;
-    int batch, log_every, keep, workers, threads;
+    const char *upsampling;      // --train-data-upsampling-factors
+    int batch, log_every, keep, workers, threads, resampled;
     long steps, warmup, seed, save_every;
     double lr, wd, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags
@@ -211,9 +212,10 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
         cJSON_AddNumberToObject(s, "per_step", rep->split.n[k]);
         cJSON_AddStringToObject(s, "source", vlmoe_mome_source_name(rep->split.src[k]));
     }
-    const char *key[4] = {"image_data", "text_data", "train_data", "tokenizer"};
-    const char *val[4] = {a->image_data, a->text_data, a->data.path, a->tokenizer};
-    for (int i = 0; i < 4; i++)
+    const char *key[5] = {"image_data", "text_data", "train_data", "tokenizer", "train_data_upsampling_factors"};
+    const char *val[5] = {a->image_data, a->text_data, a->data.path, a->tokenizer, a->upsampling};
+    if (a->data.path) cJSON_AddBoolToObject(p, "dataset_resampled", a->resampled);
+    for (int i = 0; i < 5; i++)
         if (val[i]) cJSON_AddStringToObject(p, key[i], val[i]);
     const char *nk[] = {"batch_size", "chunk", "steps", "lr"};
     const double nv[] = {a->batch, rep->split.chunk, (double)a->steps, a->lr};
@@ -244,8 +246,10 @@ static const char *USAGE =
     "batch.\n\n"
     "Data: without a data flag, the built-in synthetic data. Otherwise images come from --image-data\n"
     "DIR (every .jpg/.jpeg/.png/.webp under it), texts from --text-data FILE (one sentence per line),\n"
-    "pairs from --train-data (an OpenCLIP CSV/TSV or webdataset shards, read as vlmoe train reads them\n"
-    "for CLIP models); --train-data also gives images and texts where --image-data / --text-data are\n"
+    "pairs from --train-data (an OpenCLIP CSV/TSV or webdataset shards, 'pipe:COMMAND' ones and\n"
+    "--dataset-resampled too, read as vlmoe train reads them for CLIP models; CSV image paths are\n"
+    "relative to the working directory, else the CSV's folder, with a note); --train-data also\n"
+    "gives images and texts where --image-data / --text-data are\n"
     "not given. Folder images and sentences are visited once per epoch in an order drawn from --seed;\n"
     "images are random-resized-cropped and normalised (--image-mean/--image-std, CLIP's by default).\n"
     "Texts go through --tokenizer (CLIP merges or HF tokenizer.json; the model's mask_token must lie\n"
@@ -282,6 +286,10 @@ int cmd_train_mome(int argc, char **argv) {
         {"csv-img-key", ARG_STRING, &a.data.img_key, "NAME", "CSV column of image paths (default filepath)"},
         {"csv-caption-key", ARG_STRING, &a.data.caption_key, "NAME", "CSV column of captions (default title)"},
         {"workers", ARG_INT, &a.workers, "N", "threads reading --train-data ahead of the step (2; 0: the training thread)"},
+        {"dataset-resampled", ARG_FLAG, &a.resampled, NULL, "webdataset --train-data: draw shards with replacement from "
+                                                             "--seed (no epoch end)"},
+        {"train-data-upsampling-factors", ARG_STRING, &a.upsampling, "F1::F2", "with --dataset-resampled: sampling weight "
+                                                                              "of each '::'-joined --train-data source's shards"},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of --train-data is bad (0.1)"},
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "texts' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
@@ -338,13 +346,16 @@ int cmd_train_mome(int argc, char **argv) {
     } else if (a.dataset_type) {
         return cli_error(CMD, "--dataset-type applies to --train-data");
     }
+    if (cli_resampling(CMD, &a.data, a.resampled, a.upsampling)) return 1;
+    a.data.note = on_warn;   // how CSV image paths were found, once
     mome_cli r;
     memset(&r, 0, sizeof(r));
     if (vlmoe_config_load(a.model, &r.cfg)) return lib_error("");
     if (r.cfg.arch != VLMOE_ARCH_MOME) return cli_error(CMD, "model '%s' is not a VL-MoE (arch mome) model", a.model);
     vlmoe_mome_params p = {.config = &r.cfg, .batch_size = a.batch, .mix = {w[0], w[1], w[2]}, .seed = (uint64_t)a.seed,
                            .image_data = a.image_data, .text_data = a.text_data, .train_data = a.data,
-                           .workers = a.workers, .max_bad_fraction = a.max_bad};
+                           .workers = a.workers, .max_bad_fraction = a.max_bad, .resampled = a.resampled,
+                           .upsampling = a.upsampling};
     vlmoe_mome_split sp;
     if (vlmoe_mome_split_batch(&p, &sp)) return lib_error("");
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;

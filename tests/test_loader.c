@@ -89,9 +89,12 @@ static int tok_bytes(void *user, const char *text, int32_t *ids, int ctx) {
     return n;
 }
 
+static int g_resampled;   // params() draws shards with replacement
+
 static vlmoe_loader_params params(const char *path, int workers) {
     vlmoe_loader_params p = vlmoe_loader_default_params();
-    p.data.path = P(path);
+    p.data.path = strncmp(path, "pipe:", 5) && path[0] != '/' ? P(path) : path;   // a command names its files itself
+    p.resampled = g_resampled;
     p.data.separator = ',';
     p.image.size = 16;
     p.image.flip_prob = 0.5;
@@ -324,6 +327,221 @@ static void test_bad_fraction(void) {
     CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_ERR_ARG, "batch size 0");
 }
 
+
+// ---- resampled shards, pipe: shards, CSV image paths ---------------------------------------
+// Samples per shard of `nb` batches of `bs` (key "s-K.tar:..."), for the draw statistics.
+static int count_shards(vlmoe_loader_params *p, int nb, int bs, long n[3]) {
+    vlmoe_loader *ld = NULL;
+    p->batch_size = bs;
+    int st = vlmoe_loader_open(p, &ld);
+    n[0] = n[1] = n[2] = 0;
+    for (int i = 0; !st && i < nb; i++) {
+        vlmoe_batch b;
+        const char *const *keys;
+        if ((st = vlmoe_loader_next(ld, &b, &keys))) break;
+        for (int j = 0; j < bs; j++) {
+            const char *k = strstr(keys[j], "/s-");
+            if (k && k[3] >= '0' && k[3] <= '2') n[k[3] - '0']++;
+        }
+    }
+    vlmoe_loader_free(ld);
+    p->batch_size = BS;
+    return st;
+}
+
+// Pearson's chi-square of the shard draws (each draw of these shards gives 10 good samples, so
+// samples / 10 counts the draws) against probabilities w / sum(w).
+static double chi2(const long n[3], const double w[3]) {
+    const double draws = (double)(n[0] + n[1] + n[2]) / 10, tw = w[0] + w[1] + w[2];
+    double x = 0;
+    for (int i = 0; i < 3; i++) {
+        const double e = draws * w[i] / tw, d = (double)n[i] / 10 - e;
+        x += e > 0 ? d * d / e : (n[i] ? 1e9 : 0);
+    }
+    return x;
+}
+
+static void test_resampled(void) {
+    const char *path = "shards/s-{0..2}.tar";
+    g_resampled = 1;
+    test_workers(path);   // the same batches for 0, 1, 2 and 4 workers
+    vlmoe_loader_params p = params(path, 2);
+    run(&p, NULL, 20, &ra);   // 80 samples of 30: no epoch end
+    CHECK(ra.st == VLMOE_OK && ra.n == 20 && ra.pos[19].data_epoch == 0 && ra.pos[19].data_position >= 80,
+          "resampled: %d batches, epoch %lld, position %llu: %s", ra.n, (long long)ra.pos[19].data_epoch,
+          (unsigned long long)ra.pos[19].data_position, vlmoe_last_error());
+    p.epoch_samples = 16;     // OpenCLIP's --train-num-samples "epochs", for the position only
+    run(&p, NULL, 20, &rb);
+    int same = rb.n == 20;
+    for (int i = 0; same && i < 20; i++)
+        same = rb.hash[i] == ra.hash[i] && rb.pos[i].data_epoch == (int64_t)(rb.pos[i].data_position / 16);
+    CHECK(same && rb.pos[19].data_epoch == 5, "epoch_samples 16: epoch %lld", (long long)rb.pos[19].data_epoch);
+    // seeded: again the same, another seed other samples
+    run(&p, NULL, 20, &rb);
+    same = rb.n == 20;
+    for (int i = 0; same && i < 20 * BS; i++) same = !strcmp(ra.keys[i], rb.keys[i]);
+    CHECK(same, "resampled twice with seed 7: other samples");
+    p.seed = 8;
+    run(&p, NULL, 20, &rb);
+    int agree = 0;
+    for (int i = 0; i < 20 * BS; i++) agree += !strcmp(ra.keys[i], rb.keys[i]);
+    CHECK(rb.st == VLMOE_OK && agree < 20 * BS / 2, "seeds 7 and 8 agree on %d of %d samples", agree, 20 * BS);
+    // resume at any batch (mid-block, mid-shard) continues with the next samples
+    p.seed = 7;
+    const int cuts[] = {1, 3, 5, 9, 14};
+    for (int c = 0; c < 5; c++) {
+        const int k = cuts[c];
+        p.workers = c % 3;
+        run(&p, &ra.pos[k - 1], 20 - k, &rb);
+        same = rb.n == 20 - k;
+        for (int i = 0; same && i < 20 - k; i++) same = rb.hash[i] == ra.hash[k + i];
+        CHECK(same, "resampled, resumed after batch %d (sample %lld, draw %lld member %lld): %s", k,
+              (long long)ra.pos[k - 1].data_index, (long long)ra.pos[k - 1].data_block[0],
+              (long long)ra.pos[k - 1].data_block[1], vlmoe_last_error());
+    }
+    // a position of the unresampled order, or of other factors, is refused
+    vlmoe_loader *ld = NULL;
+    g_resampled = 0;
+    vlmoe_loader_params q = params(path, 0);
+    run(&q, NULL, 2, &rb);
+    CHECK(vlmoe_loader_open(&p, &ld) == VLMOE_OK && vlmoe_loader_seek(ld, &rb.pos[1]) == VLMOE_ERR_ARG &&
+          strstr(vlmoe_last_error(), "not resampled"), "%s", vlmoe_last_error());
+    vlmoe_loader_free(ld);
+    static char two[300];   // two sources
+    snprintf(two, sizeof two, "%s/shards/s-0.tar::%s/shards/s-{1..2}.tar", dir, dir);
+    q = params(two, 0);
+    q.resampled = 1, q.upsampling = "1::3";
+    run(&q, NULL, 2, &rb);
+    q.upsampling = "1::2";
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_OK && vlmoe_loader_seek(ld, &rb.pos[1]) == VLMOE_ERR_ARG &&
+          strstr(vlmoe_last_error(), "other shard weights"), "%s", vlmoe_last_error());
+    vlmoe_loader_free(ld);
+
+    // The draws follow the weights: 300 draws (3000 samples) of sources "s-0 :: s-1, s-2" with
+    // factors 1::3 (shard probabilities 1/7, 3/7, 3/7), without factors (1/3 each) and 0::1 (s-0
+    // never). Pearson's chi-square of the draw counts (2 degrees of freedom) must stay under 13.8
+    // (p = 0.001); the seed is fixed, so the check is deterministic, and it fails by far if the
+    // weights are ignored (these draws score 48.9 against uniform probabilities).
+    long n[3];
+    const double w13[3] = {1, 3, 3}, w11[3] = {1, 1, 1};
+    q.upsampling = "1::3";
+    int st = count_shards(&q, 75, 40, n);
+    double x = chi2(n, w13);
+    printf("resampled draws, factors 1::3: samples per shard %ld %ld %ld, chi-square %.2f against 1/7 3/7 3/7 "
+           "(%.1f against uniform)\n", n[0], n[1], n[2], x, chi2(n, w11));
+    CHECK(!st && n[0] + n[1] + n[2] == 3000 && x < 13.8 && chi2(n, w11) > 13.8, "factors 1::3: %ld %ld %ld, "
+          "chi-square %.2f: %s", n[0], n[1], n[2], x, vlmoe_last_error());
+    q.upsampling = NULL;
+    st = count_shards(&q, 75, 40, n);
+    x = chi2(n, w11);
+    printf("resampled draws, no factors: samples per shard %ld %ld %ld, chi-square %.2f against 1/3 each\n", n[0],
+           n[1], n[2], x);
+    CHECK(!st && x < 13.8, "uniform: %ld %ld %ld, chi-square %.2f", n[0], n[1], n[2], x);
+    q.upsampling = "0::1";
+    st = count_shards(&q, 20, 40, n);
+    CHECK(!st && n[0] == 0 && n[1] > 0 && n[2] > 0, "0::1: %ld %ld %ld", n[0], n[1], n[2]);
+
+    // errors at open: factors without resampling, resampling a CSV, factors not one per source
+    // or not numbers, nothing but dry shards
+    q.upsampling = "1::2::3";
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "3 factors") &&
+          strstr(vlmoe_last_error(), "2 sources"), "%s", vlmoe_last_error());
+    q.upsampling = "1::x";
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "factor 2"), "%s", vlmoe_last_error());
+    q.upsampling = "0::0";
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "every factor is 0"), "%s",
+          vlmoe_last_error());
+    q.upsampling = "1::2", q.resampled = 0;
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "--dataset-resampled"), "%s",
+          vlmoe_last_error());
+    q = params("data.csv", 0);
+    q.resampled = 1;
+    CHECK(vlmoe_loader_open(&q, &ld) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "a CSV is read once per epoch"),
+          "%s", vlmoe_last_error());
+    CHECK(vlmoe_loader_check_order(&q) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "data.csv"), "%s", vlmoe_last_error());
+    put("shards/dry.tar", "");
+    q = params("shards/dry.tar", 1);
+    q.resampled = 1, q.max_bad_fraction = 1;
+    CHECK(read_until_error(&q) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "shards drawn in a row gave no usable"),
+          "%s", vlmoe_last_error());
+    g_resampled = 0;
+}
+
+// pipe: shards through the loader: the same batches as the files, and resumable inside a shard
+// (the command is run again and its members skipped).
+static void test_pipe(void) {
+    static char pat[600];
+    snprintf(pat, sizeof pat, "pipe:cat %s/shards/s-{0..2}.tar", dir);
+    vlmoe_loader_params p = params("shards/s-{0..2}.tar", 2), q = params(pat, 2);
+    run(&p, NULL, 20, &ra);
+    run(&q, NULL, 20, &rb);
+    int same = ra.n == 20 && rb.n == 20;
+    for (int i = 0; same && i < 20; i++) same = ra.hash[i] == rb.hash[i];
+    CHECK(same, "pipe: shards give other batches than the files: %s", vlmoe_last_error());
+    test_workers(pat);
+    test_order(pat);
+    test_resume(pat);
+    snprintf(pat, sizeof pat, "pipe:cat %s/shards/s-0.tar::pipe:exit 2", dir);
+    q = params(pat, 1);
+    run(&q, NULL, 20, &rb);
+    CHECK(rb.st == VLMOE_OK && rb.stats.bad[VLMOE_BAD_FAILED_COMMAND] > 0 && strstr(rb.stats.msgs[0], "pipe:exit 2") &&
+          strstr(rb.stats.msgs[0], "status 2"), "failing command: %s", rb.stats.msgs[0]);
+    q.max_bad_fraction = 0.01, q.bad_check_min = 1;
+    CHECK(read_until_error(&q) == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "too many bad samples") &&
+          strstr(vlmoe_last_error(), "pipe:exit 2: the command exited with status 2"), "%s", vlmoe_last_error());
+}
+
+static int notes;
+static char note_msg[1024];
+static void on_note(void *user, const char *msg) {
+    notes++;
+    snprintf(note_msg, sizeof note_msg, "%s", msg);
+    (void)user;
+}
+
+// CSV image paths: relative to the working directory (OpenCLIP); else the CSV's folder, with one
+// note as the first such sample is consumed.
+static void test_csv_paths(void) {
+    char old[4096];
+    CHECK(getcwd(old, sizeof old) != NULL, "getcwd");
+    vlmoe_loader_params p = params("data.csv", 2);
+    p.data.note = on_note;
+    p.shuffle = 0;
+    notes = 0;
+    run(&p, NULL, 8, &ra);   // from the test's folder: data.csv's paths exist in the CSV's folder only
+    CHECK(ra.st == VLMOE_OK && notes == 1 && strstr(note_msg, "data.csv: note: image paths are read relative to the "
+          "CSV file's folder") && strstr(note_msg, "img/i00.jpg"), "%d notes: %s", notes, note_msg);
+    CHECK(strstr(ra.stats.msgs[1], "missing.jpg: cannot open") && strstr(ra.stats.msgs[1], "nor in the CSV's folder"),
+          "%s", ra.stats.msgs[1]);
+    CHECK(chdir(dir) == 0, "chdir");
+    notes = 0;
+    run(&p, NULL, 8, &rb);   // from the data's folder: the paths are the working directory's
+    int same = rb.n == 8 && notes == 0;
+    for (int i = 0; same && i < 8; i++) same = ra.hash[i] == rb.hash[i];
+    CHECK(same, "cwd-relative: %d notes, batches %s", notes, same ? "same" : "differ");
+    // a CSV in a subfolder whose paths are the working directory's: those files, not the ones of
+    // the same name beside the CSV (corrupt here), and no note
+    mkdir(P("sub"), 0755), mkdir(P("sub/img"), 0755);
+    char csv[2048] = "filepath,title\n";
+    for (int i = 0; i < 8; i++) {
+        char rel[32];
+        snprintf(rel, sizeof rel, "sub/img/i%02d.jpg", i);
+        put(rel, CORRUPT);
+        size_t k = strlen(csv);
+        snprintf(csv + k, sizeof csv - k, "img/i%02d.jpg,photo number %d\n", i, i);
+    }
+    put("sub/pairs.csv", csv);
+    p = params("sub/pairs.csv", 1);
+    p.data.note = on_note;
+    p.shuffle = 0;
+    notes = 0;
+    run(&p, NULL, 2, &rb);
+    CHECK(rb.st == VLMOE_OK && notes == 0 && vlmoe_dataset_stats_bad(&rb.stats) == 0 && rb.hash[0] == ra.hash[0],
+          "sub/pairs.csv from the working directory: %lld bad, %d notes: %s", (long long)vlmoe_dataset_stats_bad(&rb.stats),
+          notes, vlmoe_last_error());
+    CHECK(chdir(old) == 0, "chdir back");
+}
+
 // ---- the command ----------------------------------------------------------------------------
 static const char *bin;
 static char out[1 << 16];
@@ -407,6 +625,8 @@ static void test_cli(void) {
     snprintf(a, sizeof a, "--model tiny --train-data cli/pairs.tsv --csv-caption-key caption %s", common);
     train_and_resume("csv", a, 6, "trained a BPE vocabulary"); // never the synthetic words for captions
     CHECK(strstr(out, "data cli/pairs.tsv (48 usable rows)"), "%s", out);
+    // the CSV's paths are relative to its folder, not the working directory: read, with a note
+    CHECK(strstr(out, "cli/pairs.tsv: note: image paths are read relative to the CSV file's folder cli/"), "%s", out);
     snprintf(a, sizeof a, "--model vocab600.json --train-data 'cli/part-{0..1}.tar' --workers 3 %s", common);
     train_and_resume("wds", a, 4, "trained a BPE vocabulary");
     CHECK(!strstr(out, "trained a BPE vocabulary"), "the resumed run took the checkpoint's tokenizer:\n%s", out);
@@ -423,6 +643,40 @@ static void test_cli(void) {
           "missing shard:\n%s", out);
     CHECK(cmd("train --dataset-type csv --steps 2") == 1 && strstr(out, "needs --train-data"), "%s", out);
     CHECK(cmd("train --dataset-type parquet --train-data x --steps 2") == 1 && strstr(out, "expected synthetic"), "%s", out);
+    // shards drawn with replacement, weighted per source, resumed bit for bit; in params.json
+    snprintf(a, sizeof a, "--model tiny --train-data 'cli/part-0.tar::cli/part-1.tar' --dataset-resampled "
+             "--train-data-upsampling-factors 1::3 --train-num-samples 16 %s", common);
+    train_and_resume("resampled", a, 6, "webdataset shards");
+    size_t pl = 0;
+    char *pj = test_read_file(P("runs/resampled/params.json"), &pl);
+    CHECK(pj && strstr(pj, "\"dataset_resampled\":\ttrue") && strstr(pj, "\"train_data_upsampling_factors\":\t\"1::3\""),
+          "params.json: %s", pj ? pj : "(none)");
+    free(pj);
+    pj = test_read_file(P("runs/resampled/metrics.jsonl"), &pl);
+    CHECK(pj && strstr(pj, "\"epoch\":2,"), "3 epochs of 16 samples in 48: %s", pj ? pj : "(none)");
+    free(pj);
+    // pipe: shards; a command that fails stops the run naming it
+    CHECK(cmd("train --model tiny --train-data 'pipe:cat cli/part-{0..1}.tar' --steps 2 --batch-size 8 --logs runs "
+              "--name piped --threads 2") == 0, "pipe: shards:\n%s", out);
+    CHECK(cmd("train --model tiny --train-data 'pipe:cat cli/part-0.tar; exit 5' --steps 8 --batch-size 8 --logs runs "
+              "--name piped_bad --threads 2 --max-bad-fraction 0") == 1 && strstr(out, "pipe:cat cli/part-0.tar; exit 5: "
+              "the command exited with status 5"), "failing command:\n%s", out);
+    // flags that do not apply are errors, in both trainers
+    const char *bad[][2] = {
+        {"train --train-data cli/pairs.tsv --csv-caption-key caption --dataset-resampled --steps 2", "a CSV is read once per epoch"},
+        {"train --train-data 'cli/part-{0..1}.tar' --train-data-upsampling-factors 2 --steps 2", "needs --dataset-resampled"},
+        {"train --train-data 'cli/part-0.tar::cli/part-1.tar' --dataset-resampled --train-data-upsampling-factors 1::2::3 "
+         "--steps 2", "has 3 factors, but --train-data"},
+        {"train --dataset-resampled --steps 2", "applies to webdataset shards given with --train-data"},
+        {"train --model vlmoe-tiny --codebook cb.safetensors --train-data-upsampling-factors 2", "needs --dataset-resampled"},
+        {"train --model vlmoe-tiny --codebook cb.safetensors --train-data cli/pairs.tsv --csv-caption-key caption "
+         "--dataset-resampled", "a CSV is read once"},
+    };
+    for (int i = 0; i < 6; i++) CHECK(cmd(bad[i][0]) == 1 && strstr(out, bad[i][1]), "`%s`:\n%s", bad[i][0], out);
+    CHECK(cmd("train --help") == 0 && strstr(out, "--dataset-resampled") && strstr(out, "--train-data-upsampling-factors") &&
+          strstr(out, "pipe:COMMAND"), "%s", out);
+    CHECK(cmd("train --model vlmoe-tiny --help") == 0 && strstr(out, "--dataset-resampled") &&
+          strstr(out, "--train-data-upsampling-factors"), "%s", out);
     put("cli/holes.tsv", "filepath\ttitle\n00.jpg\ta red circle\nnone1.jpg\ta\nnone2.jpg\tb\n01.jpg\ta blue square\n");
     CHECK(cmd("train --model tiny --train-data cli/holes.tsv --steps 4 --batch-size 2 --logs runs --name holes") == 1 &&
           strstr(out, "too many bad samples") && strstr(out, "none1.jpg"), "bad samples:\n%s", out);
@@ -443,6 +697,9 @@ int main(int argc, char **argv) {
     }
     test_bad();
     test_bad_fraction();
+    test_resampled();
+    test_pipe();
+    test_csv_paths();
     static char abs_bin[4096];
     if ((bin = test_vlmoe_bin(argv[0], abs_bin))) test_cli();
     char c[128];

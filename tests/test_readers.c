@@ -1,6 +1,7 @@
 // test_readers.c: tests for src/data/readers.c (MODEL.md "Data"): brace expansion, OpenCLIP
 // CSV/TSV with RFC 4180 quoting and bad rows, webdataset shards (plain, gzip, cut mid-member),
-// position/seek, bad-sample policy and the image-folder reader. Fixtures are built in a mkdtemp dir.
+// position/seek, pipe: shards (commands, failures), OpenCLIP's cwd-relative CSV image paths with the
+// CSV-folder fallback, bad-sample policy and the image-folder reader. Fixtures are built in a mkdtemp dir.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -346,6 +347,129 @@ static void test_webdataset_damage(void) {
     CHECK(vlmoe_dataset_next(NULL, NULL) < 0, "a failure is < 0, never the 1 of a sample");
 }
 
+// Every sample of a dataset as "KEY-SUFFIX|caption|image bytes" lines (KEY-SUFFIX: after the last
+// '/' of the key, which drops a pipe: command's prefix), the stats in *st.
+static int read_all(const char *path, char *out, size_t cap, vlmoe_dataset_stats *st) {
+    vlmoe_dataset *ds = open_ds(VLMOE_DATASET_AUTO, path, '\t');
+    int n = 0;
+    size_t len = 0;
+    out[0] = 0;
+    vlmoe_sample s;
+    while (ds && vlmoe_dataset_next(ds, &s) == 1 && len < cap) {
+        len += (size_t)snprintf(out + len, cap - len, "%s|%s|%.*s\n", strrchr(s.key, '/') + 1, s.caption,
+                                (int)s.image_len, (const char *)s.image);
+        n++;
+    }
+    if (ds) *st = *vlmoe_dataset_get_stats(ds);
+    vlmoe_dataset_free(ds);
+    return n;
+}
+
+// pipe: shards (webdataset's "pipe:COMMAND" URLs): the same samples as the files, braces expanded
+// inside the command, seek by re-reading, and a command that fails counted and named.
+static void test_pipe(void) {
+    static char a[8192], b[8192], pat[1024];
+    vlmoe_dataset_stats sa, sb;
+    // plain tar, gzip through the pipe's filter detection, and a brace list inside the command
+    snprintf(pat, sizeof pat, "%s::%s", P("shards/train-000000.tar"), P("shards/extra.tar.gz"));
+    const int na = read_all(pat, a, sizeof a, &sa);
+    snprintf(pat, sizeof pat, "pipe:cat %s::pipe:cat %s", P("shards/train-000000.tar"), P("shards/extra.tar.gz"));
+    const int nb = read_all(pat, b, sizeof b, &sb);
+    CHECK(na == 5 && nb == na && !strcmp(a, b) && sb.total == sa.total && vlmoe_dataset_stats_bad(&sb) == 3,
+          "pipe: %d samples (%lld bad), files %d:\n%s---\n%s", nb, (long long)vlmoe_dataset_stats_bad(&sb), na, b, a);
+    snprintf(pat, sizeof pat, "pipe:cat %s | cat", P("shards/extra.tar.gz"));   // a webdataset by its "pipe:"
+    CHECK(read_all(pat, b, sizeof b, &sb) == 2, "%s: %s", pat, b);
+    snprintf(pat, sizeof pat, "pipe:cat %s/shards/{train-000000.tar,extra.tar.gz}", dir);
+    CHECK(read_all(pat, b, sizeof b, &sb) == na && !strcmp(a, b), "braces in the command:\n%s", b);
+    // seek inside a pipe: shard re-runs the command and skips to the member
+    snprintf(pat, sizeof pat, "pipe:cat %s", P("shards/train-000000.tar"));
+    vlmoe_dataset *ds = open_ds(VLMOE_DATASET_AUTO, pat, '\t');
+    vlmoe_sample s;
+    vlmoe_dataset_pos at = {0, 0};
+    for (int i = 0; ds && i < 2 && vlmoe_dataset_next(ds, &s) == 1; i++) at = vlmoe_dataset_position(ds);
+    CHECK(ds && at.item == 4 && vlmoe_dataset_next(ds, &s) == 1 && !strcmp(s.caption, "last"), "third sample");
+    CHECK(ds && vlmoe_dataset_seek(ds, at) == VLMOE_OK && vlmoe_dataset_next(ds, &s) == 1 &&
+          !strcmp(s.caption, "last") && vlmoe_dataset_next(ds, &s) == 0, "seek in a pipe: %s", vlmoe_last_error());
+    vlmoe_dataset_free(ds);
+    // failing commands: counted (with the samples given before kept), named with their status
+    const char *fails[][2] = {{"pipe:exit 3", "exited with status 3"},
+                              {"pipe:no_such_command_vlmoe", "exited with status 127"},
+                              {"pipe:kill -9 $$", "killed by signal 9"}};
+    for (int i = 0; i < 3; i++) {
+        CHECK(read_all(fails[i][0], b, sizeof b, &sb) == 0 && sb.bad[VLMOE_BAD_FAILED_COMMAND] == 1 &&
+              sb.n_msgs == 1 && strstr(sb.msgs[0], fails[i][0]) && strstr(sb.msgs[0], fails[i][1]),
+              "%s: %lld failed commands: %s", fails[i][0], (long long)sb.bad[VLMOE_BAD_FAILED_COMMAND], sb.msgs[0]);
+    }
+    snprintf(pat, sizeof pat, "pipe:cat %s; exit 4", P("shards/train-000000.tar"));
+    CHECK(read_all(pat, b, sizeof b, &sb) == 3 && sb.bad[VLMOE_BAD_FAILED_COMMAND] == 1 &&
+          strstr(sb.msgs[3], "exit 4: the command exited with status 4"), "a tar, then status 4: %s", sb.msgs[3]);
+    char sum[2048];
+    vlmoe_dataset_stats_format(&sb, sum, sizeof sum);
+    CHECK(strstr(sum, "failed_command 1"), "%s", sum);
+}
+
+// CSV image paths as OpenCLIP reads them: relative to the working directory; a path found only
+// relative to the CSV's folder is read from there, with one note; one found nowhere names both.
+static int notes;
+static char note_msg[1024];
+static void on_note(void *user, const char *msg) {
+    notes++;
+    snprintf(note_msg, sizeof note_msg, "%s", msg);
+    (void)user;
+}
+
+static void test_csv_paths(void) {
+    char old[4096];
+    CHECK(getcwd(old, sizeof old) != NULL, "getcwd");
+    mkdir(P("cw"), 0755), mkdir(P("cw/imgs"), 0755), mkdir(P("cw/data"), 0755), mkdir(P("cw/data/imgs"), 0755);
+    mkdir(P("cw/data/only"), 0755);
+    put("cw/imgs/a.png", "cwd a");            // the working directory's wins over
+    put("cw/data/imgs/a.png", "csv-dir a");   // the CSV folder's file of the same name
+    put("cw/data/only/b.png", "csv-dir b");
+    put("cw/data/only/c.png", "csv-dir c");
+    put("cw/data/pairs.csv", "filepath,title\nimgs/a.png,cwd\nonly/b.png,csv dir\nnowhere/x.png,gone\n"
+                             "only/c.png,csv dir again\n");
+    CHECK(chdir(P("cw")) == 0, "chdir");
+    vlmoe_dataset_params p = vlmoe_dataset_default_params();
+    p.path = "data/pairs.csv", p.separator = ',', p.note = on_note;
+    vlmoe_dataset *ds = NULL;
+    CHECK(vlmoe_dataset_open(&p, &ds) == VLMOE_OK, "%s", vlmoe_last_error());
+    const char *want[][3] = {{"cwd", "imgs/a.png", "cwd a"}, {"csv dir", "data/only/b.png", "csv-dir b"},
+                             {"csv dir again", "data/only/c.png", "csv-dir c"}};
+    vlmoe_sample s;
+    for (int i = 0; ds && i < 3; i++) {
+        int r = vlmoe_dataset_next(ds, &s);
+        CHECK(r == 1 && !strcmp(s.caption, want[i][0]) && !strcmp(s.image_path, want[i][1]) &&
+              s.image_len == strlen(want[i][2]) && !memcmp(s.image, want[i][2], s.image_len),
+              "row %d: %s from %s", i, r == 1 ? s.caption : "-", r == 1 ? s.image_path : "-");
+        CHECK(notes == (i > 0), "after row %d: %d notes", i, notes);
+    }
+    CHECK(strstr(note_msg, "data/pairs.csv") && strstr(note_msg, "only/b.png") && strstr(note_msg, "CSV file's folder data/"),
+          "note: %s", note_msg);
+    const vlmoe_dataset_stats *st = ds ? vlmoe_dataset_get_stats(ds) : NULL;
+    CHECK(st && st->bad[VLMOE_BAD_UNREADABLE_IMAGE] == 1 && strstr(st->msgs[0], "data/pairs.csv:4: image nowhere/x.png: ") &&
+          strstr(st->msgs[0], "nor in the CSV's folder: data/"), "%s", st ? st->msgs[0] : "");
+    vlmoe_dataset_free(ds);
+    // deferred: the path as written; vlmoe_csv_image_path resolves it the same way
+    p.defer_images = 1;
+    CHECK(vlmoe_dataset_open(&p, &ds) == VLMOE_OK, "%s", vlmoe_last_error());
+    char file[256];
+    for (int i = 0; ds && i < 4 && vlmoe_dataset_next(ds, &s) == 1; i++) {
+        const int alt = vlmoe_csv_image_path("data", s.image_path, file, sizeof file);
+        const char *written[] = {"imgs/a.png", "only/b.png", "nowhere/x.png", "only/c.png"};
+        const char *resolved[] = {"imgs/a.png", "data/only/b.png", "nowhere/x.png", "data/only/c.png"};
+        CHECK(s.image == NULL && !strcmp(s.image_path, written[i]) && alt == (i == 1 || i == 3) &&
+              !strcmp(file, resolved[i]), "deferred row %d: %s -> %s (%d)", i, s.image_path, file, alt);
+    }
+    vlmoe_dataset_free(ds);
+    CHECK(vlmoe_csv_image_path("data", "only/b.png", file, 8) < 0 && strstr(vlmoe_last_error(), "longer than"), "small buffer");
+    char *d = NULL;
+    CHECK(!vlmoe_csv_dir("x.csv", &d) && !d && !vlmoe_csv_dir("./x.csv", &d) && !d && !vlmoe_csv_dir("a/b/x.csv", &d) &&
+          d && !strcmp(d, "a/b"), "csv dir %s", d ? d : "(none)");
+    free(d);
+    CHECK(chdir(old) == 0, "chdir back");
+}
+
 static void test_image_folder(void) {
     mkdir(P("zs"), 0755);
     mkdir(P("zs/zebra_fish"), 0755);
@@ -390,6 +514,8 @@ int main(void) {
     test_csv();
     test_webdataset();
     test_webdataset_damage();
+    test_pipe();
+    test_csv_paths();
     test_image_folder();
     vlmoe_dataset_stats empty = {0};
     CHECK(vlmoe_dataset_check_bad(&empty, 0.0) == VLMOE_OK, "no samples: nothing to check");

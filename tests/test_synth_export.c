@@ -106,8 +106,12 @@ static void check_csv(const char *sub, char sep, vlmoe_synth *s, const truth *t)
             char rel[96];
             rel_of(s, t, n, rel, sizeof(rel));
             snprintf(want, sizeof(want), "%s/%s/%s", dir, sub, rel);
+            // deferred: the path as written, which the CSV's folder resolves (the working directory does not)
+            char csv_dir[600], file[700];
+            snprintf(csv_dir, sizeof(csv_dir), "%s/%s", dir, sub);
             struct stat st;
-            const int ok = !strcmp(smp.image_path, want) && !stat(smp.image_path, &st) && !strcmp(smp.caption, t->caption[n]);
+            const int ok = vlmoe_csv_image_path(csv_dir, smp.image_path, file, sizeof(file)) == 1 && !strcmp(file, want) &&
+                           !stat(file, &st) && !strcmp(smp.caption, t->caption[n]);
             if (!ok && bad++ < 3)
                 CHECK(0, "%s row %d: %s \"%s\", want %s \"%s\"", path, n, smp.image_path, smp.caption, want, t->caption[n]);
         }

@@ -3,6 +3,8 @@
 // Covered by tests/test_loader.c.
 #include "data/loader.h"
 
+#include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +18,8 @@
 #define STATE_TAG 0x6c6f61646572ull   // "loader": data_rng[1] of a loader's position
 
 enum { SLOT_FREE, SLOT_BUSY, SLOT_GOOD, SLOT_BAD, SLOT_ERROR };
-enum { STREAM_SAMPLE = 1, STREAM_ROWS, STREAM_SHARDS, STREAM_BLOCK };
+enum { STREAM_SAMPLE = 1, STREAM_ROWS, STREAM_SHARDS, STREAM_BLOCK, STREAM_RESAMPLE };
+#define RESAMPLED_BIT (1ull << 63)   // in data_rng[2]: a resampled order, factors hashed in bits 32..62
 
 // A sample's place in the order: epoch, index in the epoch and, for webdataset, where its shuffle
 // block starts (position in the epoch's shard order, tar member).
@@ -30,7 +33,8 @@ typedef struct {
     int32_t len;
     char *key;
     vlmoe_dataset_stats delta;   // what consuming this sample adds to the stats
-    int err;                     // SLOT_ERROR: status and message
+    int err;                     // SLOT_ERROR: status and message; else the CSV-folder note
+    int csv_dir;                 // the image was read from the CSV's folder (msg: the note)
     char msg[MSG_LEN];
 } slot;
 
@@ -48,8 +52,10 @@ typedef struct {
 struct vlmoe_loader {
     vlmoe_loader_params p;
     char *path;                  // p.data.path (and the keys) copied
-    char *img_key, *caption_key;
+    char *img_key, *caption_key, *upsampling;
     int csv;
+    char *csv_dir;               // CSV: its folder, for image paths not in the working directory
+    int noted;                   // the CSV-folder note was given
     size_t isz;                  // floats per image
     // CSV: the usable rows, "path\0caption\0" each at text + off[i]
     char *text;
@@ -63,6 +69,8 @@ struct vlmoe_loader {
     // webdataset
     char **shards;
     int n_shards;
+    double *cum;                 // resampled with factors: cumulative shard weights (n_shards)
+    uint64_t resample_id;        // resampled: RESAMPLED_BIT | hash of the factors; else 0
     vlmoe_dataset *rd;           // reader of shard perm[rd_at.shard] or NULL
     coords rd_at;                // its epoch, -, shard position and next member
     raw *block;
@@ -224,6 +232,30 @@ static void reader_count(vlmoe_loader *ld, int got) {
     vlmoe_dataset_reset_stats(ld->rd);
 }
 
+// The shard read at position k of epoch e: the epoch's permutation, or the k-th draw with
+// replacement when resampling (a function of (seed, k) alone, so nothing but k is saved).
+static int shard_at(vlmoe_loader *ld, int64_t e, int64_t k) {
+    if (ld->resample_id) {
+        vlmoe_rng r;
+        seed_rng(&r, ld->p.seed, STREAM_RESAMPLE, 0, k);
+        if (!ld->cum) return (int)vlmoe_rng_below(&r, (uint32_t)ld->n_shards);
+        // the first shard whose cumulative weight exceeds u (zero-weight shards never do)
+        const double u = vlmoe_rng_uniform(&r) * ld->cum[ld->n_shards - 1];
+        int lo = 0, hi = ld->n_shards - 1;
+        while (lo < hi) {
+            const int mid = lo + (hi - lo) / 2;
+            if (ld->cum[mid] > u) hi = mid;
+            else lo = mid + 1;
+        }
+        return lo;
+    }
+    if (ld->perm_epoch != e) {
+        make_perm(ld, ld->perm, (uint32_t)ld->n_shards, STREAM_SHARDS, e, 0);
+        ld->perm_epoch = e;
+    }
+    return (int)ld->perm[k];
+}
+
 // Positions the reader at shard position at.shard, member at.item of epoch at.epoch (no reader
 // past the last shard).
 static int reader_at(vlmoe_loader *ld, coords at) {
@@ -231,14 +263,10 @@ static int reader_at(vlmoe_loader *ld, coords at) {
         return VLMOE_OK;
     reader_close(ld);
     ld->rd_at = at;
-    if (at.shard >= ld->n_shards) return VLMOE_OK;
-    if (ld->perm_epoch != at.epoch) {
-        make_perm(ld, ld->perm, (uint32_t)ld->n_shards, STREAM_SHARDS, at.epoch, 0);
-        ld->perm_epoch = at.epoch;
-    }
+    if (!ld->resample_id && at.shard >= ld->n_shards) return VLMOE_OK;
     vlmoe_dataset_params dp = ld->p.data;
     dp.type = VLMOE_DATASET_WEBDATASET;
-    dp.path = ld->shards[ld->perm[at.shard]];
+    dp.path = ld->shards[shard_at(ld, at.epoch, at.shard)];
     int st = vlmoe_dataset_open(&dp, &ld->rd);
     vlmoe_dataset_pos pos = {0, at.item};
     if (!st && at.item) st = vlmoe_dataset_seek(ld->rd, pos);
@@ -255,9 +283,19 @@ static int block_fill(vlmoe_loader *ld) {
     ld->bstart = at;
     ld->exhausted = 0;
     int st = reader_at(ld, at);
+    // resampled data never ends: shards drawn in a row without a usable sample stop it instead
+    const int64_t max_dry = 100 + 10 * (int64_t)ld->n_shards;
+    int64_t dry = 0;
     while (!st && ld->bn < K) {
+        if (ld->resample_id && dry > max_dry) {
+            char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
+            vlmoe_dataset_stats_format(&ld->pending, sum, sizeof sum);
+            st = vlmoe_fail(VLMOE_ERR_FORMAT, "%lld shards drawn in a row gave no usable sample; %s",
+                            (long long)dry, sum);
+            break;
+        }
         if (!ld->rd) {
-            if (at.shard >= ld->n_shards) {
+            if (!ld->resample_id && at.shard >= ld->n_shards) {
                 ld->exhausted = 1;
                 break;
             }
@@ -283,6 +321,7 @@ static int block_fill(vlmoe_loader *ld) {
             memcpy(e->image, s.image, s.image_len);
             e->len = s.image_len;
             ld->bn++;
+            dry = 0;
             vlmoe_dataset_pos p = vlmoe_dataset_position(ld->rd);
             at.item = p.item;
             if (p.shard == 0) {
@@ -292,6 +331,7 @@ static int block_fill(vlmoe_loader *ld) {
         }
         reader_close(ld);   // the shard is done
         at.shard++, at.item = 0;
+        dry++;
     }
     if (st) return vlmoe_error_prefix("%s", ld->path), st;
     ld->bend = at;
@@ -339,12 +379,28 @@ static int wds_take(vlmoe_loader *ld, claim *c, vlmoe_dataset_stats *delta) {
 // Decodes, preprocesses and tokenizes claim c into slot s; returns the slot's new state.
 static int prepare(vlmoe_loader *ld, claim *c, slot *s, vlmoe_image *img) {
     free(s->key);
+    s->csv_dir = 0;
     int st;
     if (ld->csv) {
-        size_t n = strlen(ld->path) + 24;
+        size_t n = strlen(ld->path) + 24, fn = strlen(c->path) + (ld->csv_dir ? strlen(ld->csv_dir) : 0) + 2;
         s->key = malloc(n);
+        char *file = malloc(fn);
         if (s->key) snprintf(s->key, n, "%s:%lld", ld->path, (long long)c->line);
-        st = s->key ? vlmoe_image_load(c->path, img) : vlmoe_fail(VLMOE_ERR_NOMEM, "a sample key");
+        const int alt = file ? vlmoe_csv_image_path(ld->csv_dir, c->path, file, fn) : -1;
+        st = !s->key || !file ? vlmoe_fail(VLMOE_ERR_NOMEM, "a sample key") : alt < 0 ? VLMOE_ERR_ARG
+             : vlmoe_image_load(file, img);
+        if (st == VLMOE_ERR_IO && !alt && ld->csv_dir && c->path[0] != '/') {   // looked in both places
+            char why[MSG_LEN];
+            snprintf(why, sizeof why, "%s", vlmoe_last_error());
+            vlmoe_fail(st, "%s (nor in the CSV's folder %s/)", why, ld->csv_dir);
+        }
+        if (alt == 1) {
+            s->csv_dir = 1;
+            snprintf(s->msg, sizeof s->msg, "%s: note: image paths are read relative to the CSV file's folder "
+                     "%s/: %s is not in the working directory (where OpenCLIP looks) but %s is; so is every "
+                     "path found only there", ld->path, ld->csv_dir, c->path, file);
+        }
+        free(file);
     } else {
         s->key = c->r.key, c->r.key = NULL;
         st = vlmoe_image_decode(c->r.image, c->r.len, s->key, img);
@@ -426,7 +482,81 @@ static int check_params(const vlmoe_loader_params *p) {
                           p->shuffle_block, p->workers, MAX_WORKERS, p->context_length);
     if (!(p->max_bad_fraction >= 0 && p->max_bad_fraction <= 1))
         return vlmoe_fail(VLMOE_ERR_ARG, "loader: max_bad_fraction %g outside [0, 1]", p->max_bad_fraction);
+    if (p->upsampling && !p->resampled)
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: upsampling factors (--train-data-upsampling-factors) weight shards drawn "
+                          "with replacement: they need --dataset-resampled, as in OpenCLIP", p->data.path);
+    if (p->epoch_samples < 0) return vlmoe_fail(VLMOE_ERR_ARG, "loader: epoch_samples %lld < 0", (long long)p->epoch_samples);
     return vlmoe_image_params_check(&p->image);
+}
+
+// Resampled: the cumulative weights of the shards from ld->p.upsampling, one factor per
+// "::"-joined source of the path (OpenCLIP's expand_urls), and the order's identity.
+static int resample_weights(vlmoe_loader *ld) {
+    const char *f = ld->p.upsampling;
+    uint64_t h = vlmoe_order_mix(0x7265736d706cull, (uint64_t)ld->n_shards);
+    if (!f) return ld->resample_id = RESAMPLED_BIT | (h >> 33 << 32), VLMOE_OK;
+    int sources = 1;
+    for (const char *q = ld->path; (q = strstr(q, "::")); q += 2) sources++;
+    int factors = 1;
+    for (const char *q = f; (q = strstr(q, "::")); q += 2) factors++;
+    if (factors != sources)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--train-data-upsampling-factors '%s' has %d factor%s, but --train-data '%s' "
+                          "has %d source%s (patterns joined by '::'): give one factor per source", f, factors,
+                          factors == 1 ? "" : "s", ld->path, sources, sources == 1 ? "" : "s");
+    if (!(ld->cum = malloc(sizeof(double) * (size_t)ld->n_shards))) return vlmoe_fail(VLMOE_ERR_NOMEM, "shard weights");
+    const char *src = ld->path;
+    int at = 0;
+    double total = 0;
+    for (int i = 0; i < sources; i++) {
+        // this source's shards: the pattern up to the next "::", expanded alone
+        const char *end = strstr(src, "::");
+        const size_t len = end ? (size_t)(end - src) : strlen(src);
+        char *one = malloc(len + 1), **names = NULL, *stop;
+        int n = 0;
+        if (!one) return vlmoe_fail(VLMOE_ERR_NOMEM, "shard weights");
+        memcpy(one, src, len), one[len] = 0;
+        int st = vlmoe_expand_braces(one, &names, &n);
+        free(one), vlmoe_free_strings(names, n);
+        if (st) return st;
+        errno = 0;
+        const double w = strtod(f, &stop);
+        if (stop == f || (*stop && strncmp(stop, "::", 2)) || !isfinite(w) || w < 0 || errno)
+            return vlmoe_fail(VLMOE_ERR_ARG, "--train-data-upsampling-factors '%s': factor %d is not a finite number "
+                              ">= 0", ld->p.upsampling, i + 1);
+        for (int k = 0; k < n && at < ld->n_shards; k++) total += w, ld->cum[at++] = total;
+        h = vlmoe_order_mix(h, (uint64_t)n);
+        uint64_t wb;
+        memcpy(&wb, &w, sizeof wb);
+        h = vlmoe_order_mix(h, wb);
+        f = *stop ? stop + 2 : stop;
+        src = end ? end + 2 : src + len;
+    }
+    if (at != ld->n_shards || !(total > 0))
+        return vlmoe_fail(VLMOE_ERR_ARG, "--train-data-upsampling-factors '%s': %s", ld->p.upsampling,
+                          total > 0 ? "the sources do not add up to the shard list" : "every factor is 0: no shard can be drawn");
+    ld->resample_id = RESAMPLED_BIT | (h >> 33 << 32);
+    return VLMOE_OK;
+}
+
+int vlmoe_loader_check_order(const vlmoe_loader_params *p) {
+    if (!p->resampled && !p->upsampling) return VLMOE_OK;
+    int st = check_params(p);
+    vlmoe_dataset_params dp = p->data;
+    dp.defer_images = 1;
+    vlmoe_dataset *ds = NULL;
+    if (!st) st = vlmoe_dataset_open(&dp, &ds);
+    if (!st && vlmoe_dataset_get_type(ds) == VLMOE_DATASET_CSV)
+        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: --dataset-resampled draws webdataset shards with replacement (as in "
+                        "OpenCLIP); a CSV is read once per epoch in a shuffled order", p->data.path);
+    vlmoe_dataset_free(ds);
+    vlmoe_loader ld;   // the shard weights, on a loader that holds nothing else
+    memset(&ld, 0, sizeof ld);
+    ld.p = *p, ld.path = (char *)p->data.path;
+    if (!st) st = vlmoe_expand_braces(ld.path, &ld.shards, &ld.n_shards);
+    if (!st) st = resample_weights(&ld);
+    vlmoe_free_strings(ld.shards, ld.n_shards);
+    free(ld.cum);
+    return st;
 }
 
 static int open_shards(vlmoe_loader *ld) {
@@ -435,6 +565,7 @@ static int open_shards(vlmoe_loader *ld) {
         if (strpbrk(ld->shards[i], "{}") || strstr(ld->shards[i], "::"))
             st = vlmoe_fail(VLMOE_ERR_ARG, "%s: shard name '%s' holds '{', '}' or '::'; rename the shard",
                             ld->path, ld->shards[i]);
+    if (!st && ld->p.resampled) st = resample_weights(ld);
     if (st) return st;
     const size_t K = (size_t)ld->p.shuffle_block;
     ld->perm = malloc(sizeof(uint32_t) * (size_t)ld->n_shards);
@@ -457,19 +588,26 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     ld->path = dup_str(p->data.path);
     ld->img_key = dup_str(p->data.img_key);
     ld->caption_key = dup_str(p->data.caption_key);
+    ld->upsampling = p->upsampling ? dup_str(p->upsampling) : NULL;
     ld->p.data.path = ld->path, ld->p.data.img_key = ld->img_key, ld->p.data.caption_key = ld->caption_key;
+    ld->p.upsampling = ld->upsampling;
     ld->p.data.defer_images = 1;
     ld->perm_epoch = -1;
     ld->rd_at.epoch = -1;
     const int B = p->batch_size, S = p->image.size;
     ld->isz = (size_t)3 * S * S;
     ld->R = (int64_t)p->prefetch * B;
-    st = ld->path && ld->img_key && ld->caption_key ? VLMOE_OK : VLMOE_ERR_NOMEM;
+    st = ld->path && ld->img_key && ld->caption_key && (ld->upsampling || !p->upsampling) ? VLMOE_OK : VLMOE_ERR_NOMEM;
     vlmoe_dataset *ds = NULL;
     if (!st) st = vlmoe_dataset_open(&ld->p.data, &ds);   // every hard error of the data
     if (!st) {
         ld->csv = vlmoe_dataset_get_type(ds) == VLMOE_DATASET_CSV;
-        st = ld->csv ? csv_index(ld, ds) : open_shards(ld);
+        if (ld->csv && p->resampled)
+            st = vlmoe_loader_check_order(p);
+        else if (ld->csv && !(st = vlmoe_csv_dir(ld->path, &ld->csv_dir)))
+            st = csv_index(ld, ds);
+        else if (!ld->csv)
+            st = open_shards(ld);
     }
     vlmoe_dataset_free(ds);
     const size_t ctx = p->tokenize ? (size_t)p->context_length : 1;
@@ -516,6 +654,7 @@ void vlmoe_loader_free(vlmoe_loader *ld) {
     pthread_cond_destroy(&ld->space);
     pthread_cond_destroy(&ld->done);
     free(ld->path), free(ld->img_key), free(ld->caption_key), free(ld->text), free(ld->off), free(ld->line);
+    free(ld->csv_dir), free(ld->upsampling), free(ld->cum);
     free(ld->perm), free(ld->block), free(ld->bperm), free(ld->slots), free(ld->tokens), free(ld->lens);
     free(ld->keys), free(ld->threads);
     vlmoe_free_mem(ld->images);
@@ -569,6 +708,7 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
             ld->epoch = s->at.epoch, ld->epoch_good = 0;
         }
         vlmoe_dataset_stats_merge(&ld->stats, &s->delta);
+        if (s->csv_dir && !ld->noted++ && ld->p.data.note) ld->p.data.note(ld->p.data.note_user, s->msg);
         if (s->state == SLOT_GOOD) {
             memcpy(ld->images + rows * ld->isz, s->image, sizeof(float) * ld->isz);
             if (ld->p.tokenize) memcpy(ld->tokens + (size_t)rows * T, s->tokens, sizeof(int32_t) * T);
@@ -594,9 +734,14 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
     return VLMOE_OK;
 }
 
-// What else decides the order besides the seed (CSV: shuffle_block plays no part).
+// What else decides the order besides the seed (CSV: shuffle_block plays no part): the shuffle
+// settings in bits 0..31, resampling and its factors in 32..63 (0 without: older states match).
 static uint64_t shuffle_id(const vlmoe_loader *ld) {
-    return (uint64_t)(ld->csv ? 0 : ld->p.shuffle_block) << 1 | (uint64_t)(ld->p.shuffle != 0);
+    return ld->resample_id | (uint64_t)(ld->csv ? 0 : ld->p.shuffle_block) << 1 | (uint64_t)(ld->p.shuffle != 0);
+}
+
+static const char *resample_name(uint64_t id) {
+    return !(id & RESAMPLED_BIT) ? "not resampled" : "resampled";
 }
 
 void vlmoe_loader_position(const vlmoe_loader *ld, vlmoe_data_state *pos) {
@@ -606,6 +751,8 @@ void vlmoe_loader_position(const vlmoe_loader *ld, vlmoe_data_state *pos) {
     pos->data_rng[1] = STATE_TAG;
     pos->data_rng[2] = shuffle_id(ld);
     pos->data_epoch = ld->pos.epoch, pos->data_index = ld->pos.index;
+    if (ld->resample_id)   // one endless epoch: report OpenCLIP's --train-num-samples "epochs"
+        pos->data_epoch = ld->p.epoch_samples ? ld->cursor / ld->p.epoch_samples : 0;
     pos->data_block[0] = ld->pos.shard, pos->data_block[1] = ld->pos.item;
 }
 
@@ -614,15 +761,23 @@ int vlmoe_loader_seek(vlmoe_loader *ld, const vlmoe_data_state *pos) {
     if (ld->started) return vlmoe_fail(VLMOE_ERR_ARG, "%s: the loader can seek only before its first batch", ld->path);
     if (pos->data_rng[1] != STATE_TAG)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: the saved data position is not a loader's (a run on other data?)", ld->path);
-    if (pos->data_rng[0] != ld->p.seed || pos->data_rng[2] != shuffle_id(ld))
+    const uint64_t id = pos->data_rng[2];
+    if ((id >> 32) != (shuffle_id(ld) >> 32))
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: the saved data order is %s%s; this one is %s%s (--dataset-resampled, "
+                          "--train-data-upsampling-factors and the shard list must be the run's)", ld->path,
+                          resample_name(id), (id & RESAMPLED_BIT) && (ld->resample_id & RESAMPLED_BIT) ?
+                          " with other shard weights" : "", resample_name(ld->resample_id),
+                          (id & RESAMPLED_BIT) && (ld->resample_id & RESAMPLED_BIT) ? " with these" : "");
+    if (pos->data_rng[0] != ld->p.seed || id != shuffle_id(ld))
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: the saved data order is that of seed %llu, shuffle %llu, shuffle "
                           "block %llu; this one has seed %llu, shuffle %d, shuffle block %d", ld->path,
-                          (unsigned long long)pos->data_rng[0], (unsigned long long)(pos->data_rng[2] & 1),
-                          (unsigned long long)(pos->data_rng[2] >> 1), (unsigned long long)ld->p.seed,
+                          (unsigned long long)pos->data_rng[0], (unsigned long long)(id & 1),
+                          (unsigned long long)((id & 0xffffffffull) >> 1), (unsigned long long)ld->p.seed,
                           ld->p.shuffle, ld->p.shuffle_block);
-    const coords at = {pos->data_epoch, pos->data_index, pos->data_block[0], pos->data_block[1]};
+    // resampled: the reported epoch is for logging; the order has one epoch
+    const coords at = {ld->resample_id ? 0 : pos->data_epoch, pos->data_index, pos->data_block[0], pos->data_block[1]};
     if (at.epoch < 0 || at.index < 0 || at.shard < 0 || at.item < 0 || (ld->csv && at.index >= ld->rows) ||
-        (!ld->csv && at.shard > ld->n_shards))
+        (!ld->csv && !ld->resample_id && at.shard > ld->n_shards))
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: saved data position (epoch %lld, sample %lld, block at %lld/%lld) is "
                           "outside the data", ld->path, (long long)at.epoch, (long long)at.index,
                           (long long)at.shard, (long long)at.item);

@@ -15,7 +15,18 @@
 //     in a form that resumes cheaply: the position of the next sample is (epoch, index, where its
 //     block starts), so a resumed run re-reads one block, where a sliding buffer would have to
 //     keep its whole contents (shuffle_block encoded images) in the checkpoint.
+//   webdataset, resampled (OpenCLIP's --dataset-resampled, webdataset's ResampledShards): one
+//     endless epoch; the k-th shard read is drawn with replacement from the shard list by an RNG
+//     seeded by (seed, k), uniformly or with the weight of its source ("F1::F2", one factor per
+//     "::"-joined pattern of the path, each of the source's shards weighing its factor, as
+//     OpenCLIP's --train-data-upsampling-factors). Samples are shuffled in blocks as above and the
+//     position is (index, draw k, tar member) where the block starts. OpenCLIP seeds each worker
+//     process apart; here the draws form one stream cut into batches, the same for any number of
+//     workers, and each process of a distributed run takes its block of each global batch.
 // The train transform of sample (epoch, index) draws from an RNG seeded by (seed, epoch, index).
+// CSV image paths: vlmoe_csv_image_path (readers.h); the first image read from the CSV's folder
+// rather than the working directory is told to data.note, as the batch holding it is returned.
+// "pipe:" shards are re-run from their start when a resumed run continues inside one.
 //
 // Pipeline. The samples form one stream over all epochs. Worker threads take the stream's next
 // sample (reading a webdataset block under the loader's lock when one is drained; CSV images are
@@ -43,6 +54,11 @@ typedef struct {
     int train;                   // 1: random resized crop (+ flip), the default; 0: eval transform
     int shuffle;                 // 1 (default): the orders above; 0: file and shard order
     int shuffle_block;           // webdataset: samples per shuffle block (default 1000)
+    int resampled;               // webdataset: draw shards with replacement (see above); default 0
+    const char *upsampling;      // resampled: "F1::F2::..." weights of the path's sources (NULL: equal
+                                 // weight per shard); each factor finite and >= 0, not all 0
+    int64_t epoch_samples;       // resampled: samples per "epoch" in the reported position
+                                 // (data_epoch = samples consumed / it; 0: data_epoch stays 0)
     uint64_t seed;
     int batch_size;              // >= 1
     int context_length;          // tokens per caption, >= 2
@@ -56,11 +72,15 @@ typedef struct {
 vlmoe_loader_params vlmoe_loader_default_params(void);
 
 typedef struct vlmoe_loader vlmoe_loader;
-// Opens the dataset (its hard errors: a missing CSV file or shard, a bad header or pattern) and,
+// Opens the dataset (its hard errors: a missing CSV file or shard, a bad header or pattern,
+// resampling asked of a CSV, factors without resampling or not one per source) and,
 // for CSV, indexes its rows (an error if none is usable or too many are bad). Webdataset shard
 // names must not contain '{', '}' or "::" (each shard is reopened by name).
 int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out);
 void vlmoe_loader_free(vlmoe_loader *ld);   // stops the workers; NULL is safe
+// The resampling errors of vlmoe_loader_open (resampled CSV, factors without resampling, not one
+// per source, not numbers), found without reading samples, for a command to check its flags early.
+int vlmoe_loader_check_order(const vlmoe_loader_params *p);
 // The next batch: images (B, 3, S, S), tokens (B, context_length) and lengths (B) in *b and, if
 // keys is not NULL, the samples' keys (readers.h: "file.csv:LINE", "shard.tar:KEY") in (*keys)[B];
 // all owned by the loader and valid until the next call. Errors (I/O, too many bad samples, an

@@ -8,11 +8,14 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "core/core.h"
 
@@ -184,7 +187,7 @@ int vlmoe_expand_braces(const char *pattern, char ***out, int *n) {
 // ---- bad-sample accounting ------------------------------------------------------------------
 static const char *bad_names[VLMOE_BAD_N] = {
     "missing_column", "empty_caption", "unreadable_image", "no_partner", "truncated_shard",
-    "malformed_row", "undecodable_image",
+    "malformed_row", "undecodable_image", "failed_command",
 };
 
 const char *vlmoe_bad_reason_name(int r) {
@@ -265,7 +268,10 @@ struct vlmoe_dataset {
     char *key; size_t key_cap;
     char ext[16];
     // CSV
-    char *csv_path, *csv_dir;
+    char *csv_path, *csv_dir;   // csv_dir NULL: the CSV is in the working directory
+    vlmoe_note_fn note;
+    void *note_user;
+    int noted;                  // the note on CSV-folder paths was given
     char sep;
     FILE *f;
     long data_off;              // file offset of the first data row
@@ -284,6 +290,7 @@ struct vlmoe_dataset {
     int64_t member;             // headers read from `a`
     int pending;                // a header was read but belongs to the next sample
     char *pname; size_t pname_cap;             // pending member's path
+    FILE *pipe;                 // "pipe:" shard: the command's stdout, which `a` reads
 };
 
 static int grow(void *pp, size_t *cap, size_t need, size_t elem, const char *what) {
@@ -330,7 +337,7 @@ static int ends_with(const char *s, const char *suf) {
 }
 
 vlmoe_dataset_params vlmoe_dataset_default_params(void) {
-    vlmoe_dataset_params p = {VLMOE_DATASET_AUTO, NULL, '\t', "filepath", "title", 0};
+    vlmoe_dataset_params p = {VLMOE_DATASET_AUTO, NULL, '\t', "filepath", "title", 0, NULL, NULL};
     return p;
 }
 
@@ -466,6 +473,34 @@ static void path_ext(const char *path, char *ext, size_t cap) {
     ext[i] = 0;
 }
 
+int vlmoe_csv_dir(const char *csv_path, char **dir) {
+    *dir = NULL;
+    const char *slash = strrchr(csv_path, '/');
+    if (!slash || (slash - csv_path == 1 && csv_path[0] == '.')) return VLMOE_OK;   // "x.csv", "./x.csv"
+    *dir = concat3(csv_path, slash == csv_path ? 1 : (size_t)(slash - csv_path), "", 0, "", 0);
+    return *dir ? VLMOE_OK : VLMOE_ERR_NOMEM;
+}
+
+int vlmoe_csv_image_path(const char *csv_dir, const char *image, char *buf, size_t cap) {
+    int n = snprintf(buf, cap, "%s", image);
+    if (n < 0 || (size_t)n >= cap) return vlmoe_fail(VLMOE_ERR_ARG, "image path %.200s...: longer than %zu bytes", image, cap), -1;
+    // one failed open more per image in the CSV-folder case, none in OpenCLIP's
+    if (!csv_dir || image[0] == '/' || access(image, F_OK) == 0) return 0;
+    const char *sep = strcmp(csv_dir, "/") ? "/" : "";
+    n = snprintf(buf, cap, "%s%s%s", csv_dir, sep, image);
+    if (n < 0 || (size_t)n >= cap) return vlmoe_fail(VLMOE_ERR_ARG, "image path %s/%.200s...: longer than %zu bytes", csv_dir, image, cap), -1;
+    if (access(buf, F_OK) == 0) return 1;
+    snprintf(buf, cap, "%s", image);
+    return 0;
+}
+
+// The note given once when a CSV's image paths are read relative to its folder.
+static void csv_dir_note(char *msg, size_t cap, const char *csv, const char *csv_dir, const char *image) {
+    snprintf(msg, cap, "%s: note: image paths are read relative to the CSV file's folder %s/: %s is not "
+             "in the working directory (where OpenCLIP looks) but %s/%s is; so is every path found only there",
+             csv, csv_dir, image, csv_dir, image);
+}
+
 static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
     for (;;) {
         int64_t line;
@@ -500,13 +535,23 @@ static int csv_next(vlmoe_dataset *ds, vlmoe_sample *s) {
                     "%s:%lld: empty image path", ds->csv_path, (long long)line);
             continue;
         }
-        st = ip[0] == '/' ? set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s", ip)
-                          : set_str(&ds->pathbuf, &ds->pathbuf_cap, "%s/%s", ds->csv_dir, ip);
-        if (st) return -st;
+        // as written when deferred (the caller resolves it), else the file vlmoe_csv_image_path picks
+        size_t plen = strlen(ip) + (ds->csv_dir ? strlen(ds->csv_dir) : 0) + 2;
+        if ((st = grow(&ds->pathbuf, &ds->pathbuf_cap, plen, 1, "an image path"))) return -st;
+        const int alt = ds->defer ? (snprintf(ds->pathbuf, plen, "%s", ip), 0)
+                                  : vlmoe_csv_image_path(ds->csv_dir, ip, ds->pathbuf, plen);
+        if (alt < 0) return -VLMOE_ERR_ARG;
         if (!ds->defer && read_image_file(ds, ds->pathbuf, why, sizeof why)) {
-            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: image %s: %s",
-                    ds->csv_path, (long long)line, ds->pathbuf, why);
+            const int both = !alt && ds->csv_dir && ip[0] != '/';   // looked in the CSV's folder too
+            vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_UNREADABLE_IMAGE, "%s:%lld: image %s: %s%s%s%s",
+                    ds->csv_path, (long long)line, ds->pathbuf, why, both ? " (nor in the CSV's folder: " : "",
+                    both ? ds->csv_dir : "", both ? "/)" : "");
             continue;
+        }
+        if (alt == 1 && !ds->noted++ && ds->note) {
+            char msg[1024];
+            csv_dir_note(msg, sizeof msg, ds->csv_path, ds->csv_dir, ip);
+            ds->note(ds->note_user, msg);
         }
         if ((st = set_str(&ds->key, &ds->key_cap, "%s:%lld", ds->csv_path, (long long)line))) return -st;
         path_ext(ds->pathbuf, ds->ext, sizeof ds->ext);
@@ -525,11 +570,8 @@ static int csv_open(vlmoe_dataset *ds, const vlmoe_dataset_params *p) {
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: CSV separator must be one character other than a "
                           "quote or a line end", p->path);
     if (!(ds->csv_path = dup_str(p->path))) return VLMOE_ERR_NOMEM;
-    const char *slash = strrchr(p->path, '/');
-    ds->csv_dir = slash ? concat3(p->path, slash == p->path ? 1 : (size_t)(slash - p->path), "", 0,
-                                  "", 0)
-                        : dup_str(".");
-    if (!ds->csv_dir) return VLMOE_ERR_NOMEM;
+    ds->note = p->note, ds->note_user = p->note_user;
+    if (vlmoe_csv_dir(p->path, &ds->csv_dir)) return VLMOE_ERR_NOMEM;
     ds->f = fopen(p->path, "rb");
     if (!ds->f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open CSV file: %s", p->path, strerror(errno));
     ds->line = 1;
@@ -586,8 +628,32 @@ static int csv_seek(vlmoe_dataset *ds, int64_t item) {
 }
 
 // ---- webdataset -----------------------------------------------------------------------------
+static int is_pipe(const char *shard) { return !strncmp(shard, "pipe:", 5); }
+
+// Closes a "pipe:" shard's command and returns its wait status. drain: read its output to the
+// end first, so that a command that is done is not killed by SIGPIPE while writing what follows
+// the tar's end (padding); without it, a command still running is stopped.
+static int pipe_close(vlmoe_dataset *ds, int drain) {
+    char buf[1 << 14];
+    while (drain && fread(buf, 1, sizeof buf, ds->pipe) > 0) {}
+    const int w = pclose(ds->pipe);
+    ds->pipe = NULL;
+    return w;
+}
+
+// "exited with status 2", "was killed by signal 9" (of a wait status that is not a success).
+static void wait_text(int w, char *buf, size_t cap) {
+    if (w == -1) snprintf(buf, cap, "could not be waited for: %s", strerror(errno));
+    else if (WIFEXITED(w) && WEXITSTATUS(w) == 127) snprintf(buf, cap, "exited with status 127 (/bin/sh could not run it: not found?)");
+    else if (WIFEXITED(w)) snprintf(buf, cap, "exited with status %d", WEXITSTATUS(w));
+    else if (WIFSIGNALED(w)) snprintf(buf, cap, "was killed by signal %d", WTERMSIG(w));
+    else snprintf(buf, cap, "ended with wait status %d", w);
+}
+
+// Closes the shard's archive (and its command, stopped if still running).
 static void wds_close(vlmoe_dataset *ds) {
     if (ds->a) archive_read_free(ds->a);
+    if (ds->pipe) pipe_close(ds, 0);
     ds->a = NULL;
     ds->member = 0;
     ds->pending = 0;
@@ -595,14 +661,38 @@ static void wds_close(vlmoe_dataset *ds) {
 
 static int wds_open_shard(vlmoe_dataset *ds) {
     wds_close(ds);
+    const char *name = ds->shards[ds->shard];
     ds->a = archive_read_new();
     if (!ds->a) return vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate a libarchive reader");
     archive_read_support_filter_all(ds->a);
     archive_read_support_format_tar(ds->a);
-    if (archive_read_open_filename(ds->a, ds->shards[ds->shard], 1 << 16) != ARCHIVE_OK)
-        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s", ds->shards[ds->shard],
+    if (is_pipe(name)) {
+        // webdataset's pipe: URL: the command's stdout is the tar stream, read once front to back
+        if (!(ds->pipe = popen(name + 5, "r")))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the command could not be started: %s", name, strerror(errno));
+        if (archive_read_open_FILE(ds->a, ds->pipe) != ARCHIVE_OK)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s", name,
+                              archive_error_string(ds->a) ? archive_error_string(ds->a) : "cannot read its output");
+        return VLMOE_OK;
+    }
+    if (archive_read_open_filename(ds->a, name, 1 << 16) != ARCHIVE_OK)
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s", name,
                           archive_error_string(ds->a) ? archive_error_string(ds->a) : "cannot open");
     return VLMOE_OK;
+}
+
+// The shard is read to its end: a "pipe:" command that failed counts as a bad sample, the
+// samples it gave are kept. Moves to the next shard.
+static void wds_end_shard(vlmoe_dataset *ds) {
+    if (ds->pipe) {
+        const int w = pipe_close(ds, 1);
+        char why[96];
+        wait_text(w, why, sizeof why);
+        if (w) vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_FAILED_COMMAND, "%s: the command %s",
+                                           ds->shards[ds->shard], why);
+    }
+    wds_close(ds);
+    ds->shard++;
 }
 
 // The next header into ds->pname. 1 header, 0 end of archive, or minus a status (libarchive error,
@@ -658,8 +748,25 @@ static int wds_read_data(vlmoe_dataset *ds, uint8_t **buf, size_t *cap, size_t *
     }
 }
 
+// A shard that cannot be read on (its last error is the thread's message): one bad sample; the
+// rest of the shard is skipped. A "pipe:" command that failed is named as the cause (it is not
+// drained: a stream that is not a tar could be long; one stopped here dies of SIGPIPE, no failure).
 static void wds_bad_shard(vlmoe_dataset *ds) {
-    vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_TRUNCATED_SHARD, "%s (rest of shard skipped)", vlmoe_last_error());
+    int w = 0;
+    if (ds->pipe) {
+        if (ds->a) archive_read_free(ds->a);
+        ds->a = NULL;
+        w = pipe_close(ds, 0);
+        if (w != -1 && WIFSIGNALED(w) && WTERMSIG(w) == SIGPIPE) w = 0;
+    }
+    if (w) {
+        char why[96];
+        wait_text(w, why, sizeof why);
+        vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_FAILED_COMMAND, "%s: the command %s (%s)",
+                                    ds->shards[ds->shard], why, vlmoe_last_error());
+    } else {
+        vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_TRUNCATED_SHARD, "%s (rest of shard skipped)", vlmoe_last_error());
+    }
     wds_close(ds);
     ds->shard++;
 }
@@ -676,7 +783,7 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
             int r = wds_header(ds);
             if (r == -VLMOE_ERR_NOMEM) return r;
             if (r < 0) { wds_bad_shard(ds); continue; }
-            if (r == 0) { wds_close(ds); ds->shard++; continue; }
+            if (r == 0) { wds_end_shard(ds); continue; }
         }
         ds->pending = 0;
         if (!ds->pname[0]) continue;   // not a regular file
@@ -725,7 +832,7 @@ static int wds_next(vlmoe_dataset *ds, vlmoe_sample *s) {
             suf = suf2;
         }
         if (failed) { wds_bad_shard(ds); continue; }
-        if (eof) { wds_close(ds); ds->shard++; }
+        if (eof) wds_end_shard(ds);
         if (!have_img && !have_txt) continue;   // e.g. only .json/.cls members: not a sample
         if (!have_img || !have_txt) {
             vlmoe_dataset_stats_add_bad(&ds->stats, VLMOE_BAD_NO_PARTNER, "%s: %s without %s", ds->key,
@@ -776,7 +883,8 @@ int vlmoe_dataset_open(const vlmoe_dataset_params *p, vlmoe_dataset **out) {
     if (t == VLMOE_DATASET_AUTO) {
         if (ends_with(p->path, ".csv") || ends_with(p->path, ".tsv")) t = VLMOE_DATASET_CSV;
         else if (ends_with(p->path, ".tar") || ends_with(p->path, ".tar.gz") ||
-                 ends_with(p->path, ".tgz") || strchr(p->path, '{') || strstr(p->path, "::"))
+                 ends_with(p->path, ".tgz") || strchr(p->path, '{') || strstr(p->path, "::") ||
+                 is_pipe(p->path))
             t = VLMOE_DATASET_WEBDATASET;
         else
             return vlmoe_fail(VLMOE_ERR_ARG, "%s: cannot tell the dataset type from the name "
@@ -798,6 +906,7 @@ int vlmoe_dataset_open(const vlmoe_dataset_params *p, vlmoe_dataset **out) {
         char why[128] = "";
         for (int i = 0; !st && i < ds->n_shards; i++) {
             struct stat sb;
+            if (is_pipe(ds->shards[i])) continue;   // its command finds out when the shard is read
             int bad = stat(ds->shards[i], &sb) != 0;
             if (!bad && !S_ISREG(sb.st_mode)) { bad = 1; errno = EISDIR; }
             if (bad && !missing++) { first = ds->shards[i]; snprintf(why, sizeof why, "%s", strerror(errno)); }

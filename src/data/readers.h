@@ -1,5 +1,6 @@
 // readers.h: dataset readers that yield raw (image bytes, caption, key) samples: OpenCLIP CSV/TSV,
-// webdataset tar shards (brace-expanded lists), image folders for zero-shot classification.
+// webdataset tar shards (brace-expanded lists, "pipe:COMMAND" streams), image folders for zero-shot
+// classification.
 // Spec: ../shared/spec/MODEL.md ("Data"). Implemented in src/data/readers.c; tests/test_readers.c.
 //
 // Everything here is meant for include/vlmoe.h (the lead moves it). Readers never decode images
@@ -35,7 +36,9 @@ typedef enum {
     VLMOE_BAD_MALFORMED_ROW = 5,    // CSV quote never closed before end of file
     VLMOE_BAD_UNDECODABLE_IMAGE = 6,// image bytes that do not decode (counted by the loader, which
                                     // decodes; the readers never look inside an image)
-    VLMOE_BAD_N = 7
+    VLMOE_BAD_FAILED_COMMAND = 7,   // "pipe:" shard whose command could not start or exited non-zero
+                                    // (the samples it gave before are kept, as webdataset does)
+    VLMOE_BAD_N = 8
 } vlmoe_bad_reason;
 const char *vlmoe_bad_reason_name(int reason);   // "missing_column", ...
 
@@ -65,20 +68,28 @@ int vlmoe_dataset_check_bad(const vlmoe_dataset_stats *s, double max_fraction);
 
 // ---- image-caption datasets -----------------------------------------------------------------
 typedef enum {
-    VLMOE_DATASET_AUTO = 0,       // by name: .csv/.tsv -> csv; .tar/.tar.gz/.tgz, '{' or "::" -> webdataset
+    VLMOE_DATASET_AUTO = 0,       // by name: .csv/.tsv -> csv; .tar/.tar.gz/.tgz, '{', "::" or "pipe:" -> webdataset
     VLMOE_DATASET_CSV = 1,
     VLMOE_DATASET_WEBDATASET = 2,
 } vlmoe_dataset_type;
 
+// Says something the user should know that is not an error (e.g. how CSV image paths were
+// resolved); called at most once per dataset or loader, from the thread that reads the samples.
+typedef void (*vlmoe_note_fn)(void *user, const char *message);
+
 typedef struct {
     vlmoe_dataset_type type;
-    const char *path;         // CSV/TSV file, or shard pattern (brace expansion, "::" lists)
+    const char *path;         // CSV/TSV file, or shard pattern (brace expansion, "::" lists).
+                              // A shard "pipe:COMMAND" is the stdout of COMMAND run by /bin/sh -c
+                              // (webdataset's pipe: URLs; braces expand inside the command too)
     char separator;           // CSV field separator: OpenCLIP's --csv-separator, default '\t'
     const char *img_key;      // --csv-img-key, default "filepath"
     const char *caption_key;  // --csv-caption-key, default "title"
     int defer_images;         // CSV: do not open image files (default 0): samples carry image_path
                               // only (image NULL, image_len 0) and a missing or unreadable image is
                               // the caller's to find and count. Ignored by webdataset.
+    vlmoe_note_fn note;       // may be NULL: told once when CSV image paths are read relative to
+    void *note_user;          // the CSV's folder (see vlmoe_csv_image_path)
 } vlmoe_dataset_params;
 vlmoe_dataset_params vlmoe_dataset_default_params(void);
 
@@ -86,14 +97,25 @@ vlmoe_dataset_params vlmoe_dataset_default_params(void);
 typedef struct {
     const uint8_t *image;   // encoded bytes (JPEG/PNG/WebP; not checked here); NULL if deferred
     size_t image_len;       // > 0 (0 if deferred)
-    const char *image_path; // CSV: the image file (relative paths joined to the CSV's folder);
-                            // webdataset: NULL
+    const char *image_path; // CSV: the image file opened (vlmoe_csv_image_path); deferred: the
+                            // path as written in the file; webdataset: NULL
     const char *image_ext;  // lower-case extension without '.' ("jpg"; CSV: from the path, may be "")
     const char *caption;    // trimmed, non-empty, NUL-terminated
     const char *key;        // for messages: CSV "file.csv:LINE" (line where the row starts,
                             // header = line 1); webdataset "shard.tar:KEY" (KEY = member path
                             // up to the first '.' of its final component)
 } vlmoe_sample;
+
+// CSV image paths follow OpenCLIP: a relative path is relative to the working directory. When it
+// does not exist there but does relative to the CSV file's folder (csv_dir; NULL or "." for none),
+// that file is used instead (vlmoe's older convention, and the layout of `vlmoe synth export`).
+// Writes the path to open into buf (cap bytes) and returns 1 if it is the CSV-folder one, 0 if it
+// is `image` as written (also when neither exists: the caller's error names that path), or -1
+// when cap is too small (message set).
+int vlmoe_csv_image_path(const char *csv_dir, const char *image, char *buf, size_t cap);
+// The folder of a CSV file path, as vlmoe_csv_image_path wants it: *dir malloc'd, or NULL for the
+// working directory. VLMOE_OK or VLMOE_ERR_NOMEM.
+int vlmoe_csv_dir(const char *csv_path, char **dir);
 
 // Where the next sample comes from, so a resumed run continues at the next sample.
 //   CSV: shard = 0, item = index of the next data row (0-based, header and blank lines not

@@ -208,6 +208,7 @@ static int setup_data(vlmoe_mome_run *r) {
             lp.tokenize = p->tokenize, lp.tokenize_user = p->tokenize_user;
         lp.workers = p->workers;
         lp.max_bad_fraction = p->max_bad_fraction;
+        lp.resampled = p->resampled, lp.upsampling = p->upsampling;
         if ((st = vlmoe_loader_open(&lp, &r->loader))) return vlmoe_error_prefix("--train-data"), st;
         r->rep.n_loader = r->n_loader;
         r->rep.loader_rows = vlmoe_loader_epoch_size(r->loader);

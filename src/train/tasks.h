@@ -145,6 +145,9 @@ typedef struct {
     vlmoe_dataset_params train_data;  // pairs, and the images / texts without their own data (path
                                       // NULL: none)
     int workers;                      // loader threads (0: the training thread)
+    int resampled;                    // the loader's resampled shards and their source weights
+    const char *upsampling;           // (vlmoe_loader_params), from --dataset-resampled and
+                                      // --train-data-upsampling-factors
     double max_bad_fraction;          // of the loader's samples
     vlmoe_image_params image;         // the train transform of image files
     vlmoe_tokenize_fn tokenize;       // texts of files (thread-safe); not needed for synthetic data
