@@ -17,6 +17,7 @@
 #include "common.h"
 #include "nn/model.h"
 #include "train/tasks.h"
+#include "train_flags.h"
 #include "vlmoe.h"
 
 typedef struct {
@@ -24,7 +25,9 @@ typedef struct {
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
+    int allow_changes;           // --resume-allow-changes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
+    long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
 } train_args;
@@ -78,8 +81,21 @@ static const char *USAGE =
     "              --csv-caption-key caption --tokenizer bpe_simple_vocab_16e6.txt.gz --workers 4\n"
     "  vlmoe train --model limoe-B/16 --train-data 'shards/train-{000000..000099}.tar' --steps 5000\n"
     "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000 \\\n"
-    "              --save-frequency 1000 --zeroshot-frequency 1000 --name run1\n"
-    "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
+    "              --save-every-n-steps 1000 --zeroshot-frequency 1000 --name run1\n"
+    "  vlmoe train --model limoe-tiny --train-data pairs.csv --epochs 10 --save-frequency 2 --name run2\n"
+    "  vlmoe train --name run1 --steps 40000 --resume latest      (same flags as the first run)\n\n"
+    "--resume checks the flags against the run's params.json: a changed model, batch size, data,\n"
+    "tokenizer, normalisation, seed, schedule (--lr-scheduler, --lr, --warmup, --wd, cooldown) or\n"
+    "optimizer (and its betas, eps, clipping) is an error naming the values, unless\n"
+    "--resume-allow-changes (each change is then printed and logged in params_resumed.json).\n"
+    "--steps/--epochs may be raised to train longer: the schedule is derived again from the new\n"
+    "length, as OpenCLIP does (the cosine then decays over the longer run from the resumed step).\n\n"
+    CLI_PROGRESS_HELP
+    "  aux A  success I/T        MoE models: auxiliary losses; the lowest routing success rate\n"
+    "                            (share of tokens placed with an expert) of image / text tokens\n"
+    "  acc I/T  T t              in-batch accuracy image->text / text->image; the temperature\n"
+    "  lr, samples/s, ETA        the learning rate, the global throughput, the time to --steps\n"
+    "Evaluations (--zeroshot-frequency) print their own line on stdout.";
 
 
 // Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
@@ -96,24 +112,41 @@ static void on_progress(void *u, int what, const char *line) {
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
-static int write_run_files(const train_args *a, train_run *r) {
+// params.json: every flag that shapes the run (the --resume check compares them), strings that
+// were not given as null.
+static cJSON *run_params(const train_args *a, int world) {
     cJSON *pj = cJSON_CreateObject();
-    cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
-    cJSON_AddStringToObject(pj, "dataset_type", a->dataset_type);
-    if (r->loader) {
-        cJSON_AddStringToObject(pj, "train_data", a->data.path);
-        cJSON_AddNumberToObject(pj, "workers", a->workers);
-        cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
-    }
-    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
-    const double nv[] = {a->batch_size, r->dist->world, (double)a->batch_size * r->dist->world, (double)a->steps,
-                         a->lr, a->wd, (double)a->warmup};
-    for (int i = 0; i < 7; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
-    cJSON_AddStringToObject(pj, "lr_scheduler", a->scheduler);
-    cJSON_AddStringToObject(pj, "optimizer", a->optimizer);
-    const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
-    const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
-    for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
+    const char *sk[] = {"model", "pretrained", "preset", "dataset_type", "train_data", "csv_img_key",
+                        "csv_caption_key", "tokenizer", "image_mean", "image_std", "lr_scheduler", "optimizer"};
+    const char *sv[] = {a->pretrained ? NULL : a->model, a->pretrained, a->preset, a->dataset_type, a->data.path,
+                        a->data.path ? a->data.img_key : NULL, a->data.path ? a->data.caption_key : NULL, a->tokenizer,
+                        a->image_mean, a->image_std, a->scheduler, a->optimizer};
+    for (int i = 0; i < 12; i++)
+        cJSON_AddItemToObject(pj, sk[i], sv[i] ? cJSON_CreateString(sv[i]) : cJSON_CreateNull());
+    char sep[2] = {a->data.separator, 0};
+    cJSON_AddItemToObject(pj, "csv_separator", a->data.path ? cJSON_CreateString(sep) : cJSON_CreateNull());
+    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "lr",
+                        "wd", "warmup", "lr_cooldown_steps", "beta1", "beta2", "eps", "grad_clip_norm", "seed",
+                        "image_size", "context_length", "save_frequency", "save_every_n_steps", "keep_checkpoints",
+                        "zeroshot_frequency", "eval_samples", "log_every_n_steps", "workers", "max_bad_fraction",
+                        "expert_parallel", "threads"};
+    const double nv[] = {a->batch_size, world, (double)a->batch_size * world, (double)a->steps, (double)a->epochs,
+                         (double)a->num_samples, a->lr, a->wd, (double)a->warmup, (double)a->cooldown, a->beta1, a->beta2,
+                         a->eps, a->grad_clip, (double)a->seed, a->image_size, a->context_length,
+                         (double)a->save_epochs, (double)a->save_every, a->keep, (double)a->zeroshot_every,
+                         a->eval_samples, a->log_every, a->workers, a->max_bad, a->expert_parallel,
+                         omp_get_max_threads()};
+    for (int i = 0; i < 27; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    cJSON_AddStringToObject(pj, "device", a->device ? a->device : "cpu");
+    return pj;
+}
+
+// A fresh run writes config.json and params.json; a resumed one keeps them (the user's record)
+// and, when it goes on with changed flags, logs them in params_resumed.json.
+static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
+    cJSON *pj = run_params(a, r->dist->world);
+    if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
+                                  : (cJSON_Delete(pj), 0);
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -190,6 +223,20 @@ static int setup_data(const train_args *a, train_run *r) {
     return 0;
 }
 
+// Flags that do not apply to this run are errors, never silently ignored.
+static int check_applicable(const train_args *a, int argc, char **argv) {
+    static const char *const file[] = {"tokenizer", "image-mean", "image-std", "csv-separator", "csv-img-key",
+                                       "csv-caption-key", "workers", "max-bad-fraction", NULL};
+    static const char *const adamw[] = {"beta2", "eps", NULL}, *const rsqrt[] = {"lr-cooldown-steps", NULL};
+    if (!a->data.path && cli_reject_flags("train", argc, argv, file, "applies to --train-data (without it the run "
+                                          "trains on the built-in synthetic data)"))
+        return 1;
+    if (!strcmp(a->optimizer, "adafactor") &&
+        cli_reject_flags("train", argc, argv, adamw, "applies to --optimizer adamw (Adafactor has none)"))
+        return 1;
+    return strcmp(a->scheduler, "rsqrt") && cli_reject_flags("train", argc, argv, rsqrt, "applies to --lr-scheduler rsqrt");
+}
+
 int cmd_train(int argc, char **argv) {
     train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
                     .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
@@ -214,7 +261,7 @@ int cmd_train(int argc, char **argv) {
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
-        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
+        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs and --save-frequency (synthetic: 10000; CSV: its rows)"},
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
@@ -236,9 +283,13 @@ int cmd_train(int argc, char **argv) {
         {"context-length", ARG_INT, &a.context_length, "N", "override the model's text context length"},
         {"logs", ARG_STRING, &a.logs, "DIR", "where runs are written (default ./logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: date-time and model; needed by --resume latest)"},
-        {"save-frequency", ARG_LONG, &a.save_every, "N", "write a checkpoint every N steps (default: at the end only)"},
+        {"save-frequency", ARG_LONG, &a.save_epochs, "N", "write a checkpoint every N epochs (as OpenCLIP; an epoch: "
+                                                            "--train-num-samples, else the CSV's rows; default: at the end)"},
+        {"save-every-n-steps", ARG_LONG, &a.save_steps, "N", "write a checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (default 3, 0 = all)"},
         {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest complete checkpoint, or step_N.safetensors"},
+        {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
+                                                                     "params.json (each logged; else an error)"},
         {"zeroshot-frequency", ARG_LONG, &a.zeroshot_every, "N", "held-out zero-shot evaluation every N steps (default: at the end)"},
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples per evaluation (default 1000, 0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
@@ -246,9 +297,13 @@ int cmd_train(int argc, char **argv) {
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
+    static const char *const mome[] = {"codebook", "mix", "image-data", "text-data", NULL};
+    if (cli_reject_flags("train", argc, argv, mome, "applies to VL-MoE (arch mome) models, e.g. --model vlmoe-tiny"))
+        return 1;
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    if (check_applicable(&a, argc, argv)) return 1;
     // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
     // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
     const int clipup = a.preset && !strcmp(a.preset, "clipup");
@@ -272,13 +327,20 @@ int cmd_train(int argc, char **argv) {
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
                          "processes)", dist->world);
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
-    if (!synthetic && vlmoe_dataset_check(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))
-        return cli_error("train", "--train-data: %s", vlmoe_last_error());
+    if (a.save_epochs < 0 || a.save_steps < 0)
+        return cli_error("train", "--save-frequency and --save-every-n-steps must be >= 0 (0: at the end only)");
+    if (a.save_epochs > 0 && a.save_steps > 0)
+        return cli_error("train", "give --save-frequency (epochs) or --save-every-n-steps, not both");
+    const int by_epoch = epochs > 0 || a.save_epochs > 0; // an epoch's size is needed
+    if (!synthetic && vlmoe_dataset_check(&a.data, by_epoch && a.num_samples <= 0 ? &a.num_samples : NULL))
+        return cli_error("train", "--train-data: %s%s", vlmoe_last_error(),
+                         epochs > 0 ? "" : " (--save-frequency counts epochs; --save-every-n-steps counts steps)");
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
+    const long G = (long)a.batch_size * dist->world, per_epoch = cli_epoch_steps(a.num_samples, G);
+    if (by_epoch && a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
+    a.save_every = a.save_epochs > 0 ? a.save_epochs * per_epoch : a.save_steps;
     if (epochs > 0) {
-        if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-        const long G = (long)a.batch_size * dist->world;
-        a.steps = (epochs * a.num_samples + G - 1) / G;
+        a.steps = epochs * per_epoch;
     } else if (steps_given >= 0) {
         a.steps = steps_given;
     }
@@ -292,6 +354,7 @@ int cmd_train(int argc, char **argv) {
                          dist->world == 1 ? " (start several with mpirun -np N)" : "");
     if (a.resume && !strcmp(a.resume, "latest") && !a.name)
         return cli_error("train", "--resume latest needs --name (the run to continue)");
+    if (a.allow_changes && !a.resume) return cli_error("train", "--resume-allow-changes applies to --resume");
 
     vlmoe_train_params tp = vlmoe_train_default_params();
     if (!strcmp(a.optimizer, "adafactor")) tp.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
@@ -318,10 +381,11 @@ int cmd_train(int argc, char **argv) {
     } else if (a.name) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name);
     } else {
-        char ts[64], model[64];
+        char ts[64], model[128];
         time_t t0 = time(NULL);
         strftime(ts, sizeof(ts), "%Y_%m_%d-%H_%M_%S", localtime(&t0));
-        snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : a.model);
+        vlmoe_model_config mc; // a JSON config's own name, not its file's path
+        snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : vlmoe_config_load(a.model, &mc) ? a.model : mc.name);
         for (char *p = model; *p; p++)
             if (*p == '/') *p = '-'; // model names like S/32
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
@@ -329,6 +393,10 @@ int cmd_train(int argc, char **argv) {
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
+    cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
+    rc = now && cli_resume_check("train", r.dir, now, a.allow_changes, r.lead, &changes);
+    cJSON_Delete(now);
+    if (rc) return run_free(&r, rc), rc;
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && !(rc = setup_data(&a, &r))) {
@@ -336,7 +404,8 @@ int cmd_train(int argc, char **argv) {
                                              r.dist->world};
         if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
     }
-    if (!rc && r.lead) rc = write_run_files(&a, &r);
+    if (!rc && r.lead) rc = write_run_files(&a, &r, changes), changes = NULL;
+    cJSON_Delete(changes);
     if (rc) {
         run_free(&r, rc);
         return rc;

@@ -1,0 +1,166 @@
+// train_flags.c: the flags both trainers share (see train_flags.h): epochs in steps, flags that
+// do not apply, and the strict --resume check of a run's params.json. Covered by
+// tests/test_train_flags.c and tests/test_vlmoe_train.c.
+#include "train_flags.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "train/run.h"
+
+long cli_epoch_steps(long samples, long G) { return G > 0 ? (samples + G - 1) / G : 0; }
+
+int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *names, const char *why) {
+    for (int i = 2; i < argc; i++) {
+        if (strncmp(argv[i], "--", 2)) continue;
+        const char *a = argv[i] + 2;
+        const size_t n = strcspn(a, "=");
+        for (int k = 0; names[k]; k++)
+            if (strlen(names[k]) == n && !strncmp(a, names[k], n)) return cli_error(cmd, "--%s %s", names[k], why);
+    }
+    return 0;
+}
+
+// Keys of params.json a resume may change: the length of the run (the schedule is derived again
+// from the new --steps, as OpenCLIP does from its flags), how often it logs, evaluates and saves,
+// and how it is computed (threads, loader workers, device, processes) but not what.
+static const char *const FREE[] = {
+    "steps", "epochs", "train_num_samples", "save_frequency", "save_every_n_steps", "keep_checkpoints",
+    "zeroshot_frequency", "eval_samples", "log_every_n_steps", "threads", "workers", "max_bad_fraction", "device",
+    "world_size", "expert_parallel", "codebook", "resumed_with_changes", NULL};
+
+static int is_free(const char *key) {
+    for (int k = 0; FREE[k]; k++)
+        if (!strcmp(FREE[k], key)) return 1;
+    return 0;
+}
+
+// The flag a key of params.json comes from: batch_size -> --batch-size.
+static void flag_of(const char *key, char *out, size_t cap) {
+    if (!strcmp(key, "global_batch_size")) {
+        snprintf(out, cap, "the global batch (--batch-size x processes)");
+        return;
+    }
+    if (!strcmp(key, "streams")) {
+        snprintf(out, cap, "the streams (--mix, --batch-size and the data flags)");
+        return;
+    }
+    int at = snprintf(out, cap, "--");
+    for (const char *p = key; *p && at + 1 < (int)cap; p++) out[at++] = *p == '_' ? '-' : *p;
+    out[at] = 0;
+}
+
+static void value_of(const cJSON *v, char *out, size_t cap) {
+    if (!v || cJSON_IsNull(v)) {
+        snprintf(out, cap, "(not given)");
+    } else if (cJSON_IsString(v)) {
+        snprintf(out, cap, "%s", v->valuestring);
+    } else if (cJSON_IsNumber(v)) {
+        snprintf(out, cap, "%.10g", v->valuedouble);
+    } else {
+        char *s = cJSON_PrintUnformatted(v);
+        snprintf(out, cap, "%s", s ? s : "?");
+        free(s);
+    }
+}
+
+// The run's record: params_resumed.json if an earlier resume wrote one, else params.json.
+static cJSON *read_record(const char *dir, char *name, size_t cap) {
+    static const char *const names[2] = {"params_resumed.json", "params.json"};
+    for (int i = 0; i < 2; i++) {
+        char path[1100];
+        snprintf(path, sizeof(path), "%s/%s", dir, names[i]);
+        FILE *f = fopen(path, "rb");
+        if (!f) continue;
+        char *buf = NULL;
+        long n = fseek(f, 0, SEEK_END) ? -1 : ftell(f);
+        if (n >= 0 && n < (1 << 24) && !fseek(f, 0, SEEK_SET) && (buf = malloc((size_t)n + 1)) &&
+            fread(buf, 1, (size_t)n, f) == (size_t)n)
+            buf[n] = 0;
+        else
+            free(buf), buf = NULL;
+        fclose(f);
+        cJSON *j = buf ? cJSON_Parse(buf) : NULL;
+        free(buf);
+        snprintf(name, cap, "%s", names[i]);
+        return j;
+    }
+    snprintf(name, cap, "params.json");
+    return NULL;
+}
+
+int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int allow, int print, cJSON **changes) {
+    *changes = NULL;
+    char name[32];
+    cJSON *rec = read_record(dir, name, sizeof(name));
+    if (!cJSON_IsObject(rec)) {
+        cJSON_Delete(rec);
+        if (!allow)
+            return print ? cli_error(cmd, "--resume: %s/%s is missing or not JSON: the flags cannot be checked against "
+                                     "the run's (--resume-allow-changes to continue without the check)", dir, name) : 1;
+        if (print) fprintf(stderr, "vlmoe %s: warning: --resume: %s/%s is missing or not JSON; the flags are not "
+                           "checked against the run's\n", cmd, dir, name);
+        return 0;
+    }
+    // on another number of processes the batch per process changes with it; the global one may not
+    const cJSON *w0 = cJSON_GetObjectItemCaseSensitive(params, "world_size");
+    const cJSON *w1 = cJSON_GetObjectItemCaseSensitive(rec, "world_size");
+    const int relaid = w0 && w1 && !cJSON_Compare(w0, w1, 1);
+    cJSON *diffs = cJSON_CreateArray();
+    for (const cJSON *now = params->child; now && diffs; now = now->next) {
+        const cJSON *then = cJSON_GetObjectItemCaseSensitive(rec, now->string);
+        if (is_free(now->string) || !then || cJSON_Compare(now, then, 1)) continue;
+        if (relaid && !strcmp(now->string, "batch_size")) continue;
+        char flag[96], a[512], b[512], msg[1400];
+        flag_of(now->string, flag, sizeof(flag));
+        value_of(now, a, sizeof(a));
+        value_of(then, b, sizeof(b));
+        snprintf(msg, sizeof(msg), "%s %s differs from the run's %s (%s of %s)", flag, a, b, name, dir);
+        cJSON_AddItemToArray(diffs, cJSON_CreateString(msg));
+    }
+    cJSON_Delete(rec);
+    const int n = cJSON_GetArraySize(diffs);
+    if (!n || !diffs) {
+        cJSON_Delete(diffs);
+        return diffs ? 0 : cli_error(cmd, "--resume: out of memory");
+    }
+    if (allow) {
+        for (int i = 0; i < n && print; i++)
+            fprintf(stderr, "vlmoe %s: warning: --resume-allow-changes: %s\n", cmd,
+                    cJSON_GetArrayItem(diffs, i)->valuestring);
+        *changes = diffs;
+        return 0;
+    }
+    if (print) {
+        fprintf(stderr, "vlmoe %s: --resume: the run was started with other flags: ", cmd);
+        for (int i = 0; i < n; i++) fprintf(stderr, "%s%s", i ? "; " : "", cJSON_GetArrayItem(diffs, i)->valuestring);
+        fprintf(stderr, ". Give the run's flags, or --resume-allow-changes to go on with these (the changes are "
+                "logged in %s/params_resumed.json)\n", dir);
+    }
+    cJSON_Delete(diffs);
+    return 1;
+}
+
+int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *changes, long step) {
+    char name[32];
+    cJSON *rec = read_record(dir, name, sizeof(name));
+    cJSON *list = cJSON_DetachItemFromObjectCaseSensitive(rec, "resumed_with_changes");
+    cJSON_Delete(rec);
+    if (!cJSON_IsArray(list)) cJSON_Delete(list), list = cJSON_CreateArray();
+    cJSON *entry = cJSON_CreateObject();
+    if (entry) {
+        cJSON_AddNumberToObject(entry, "step", (double)step);
+        cJSON_AddItemToObject(entry, "changes", changes), changes = NULL;
+    }
+    cJSON_AddItemToArray(list, entry);
+    cJSON_DeleteItemFromObjectCaseSensitive(params, "resumed_with_changes");
+    cJSON_AddItemToObject(params, "resumed_with_changes", list);
+    char path[1100], *text = cJSON_Print(params);
+    snprintf(path, sizeof(path), "%s/params_resumed.json", dir);
+    const int st = vlmoe_write_text(path, text);
+    free(text);
+    cJSON_Delete(params), cJSON_Delete(changes);
+    return st ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
+}

@@ -1,0 +1,44 @@
+// train_flags.h: what the two trainers of `vlmoe train` (cli/train.c, contrastive; cli/vlmoe_train.c,
+// VL-MoE) share about their flags: epochs counted in steps (--epochs, --save-frequency as in
+// OpenCLIP), the strict --resume check against the run's params.json, flags that do not apply.
+// Implemented in cli/train_flags.c; covered by tests/test_train_flags.c and tests/test_vlmoe_train.c.
+#ifndef VLMOE_CLI_TRAIN_FLAGS_H
+#define VLMOE_CLI_TRAIN_FLAGS_H
+
+#include <cjson/cJSON.h>
+
+// The start of both trainers' --help explanation of the progress line (each adds its own fields).
+#define CLI_PROGRESS_HELP                                                                                          \
+    "The progress line, every --log-every-n-steps (redrawn in place on a terminal; the same\n"                     \
+    "values, unrounded, in LOGS/NAME/metrics.jsonl, docs/METRICS.md):\n"                                          \
+    "  step N/S                  steps done / --steps\n"                                                          \
+    "  loss L (avg A)            this step's total loss (task + weighted MoE auxiliary losses); the\n"              \
+    "                            mean over the steps since the previous line\n"
+
+// An epoch of `samples` samples at G samples per step lasts ceil(samples / G) steps: the data is a
+// stream, so an epoch's last step is filled up with the next epoch's first samples, and epoch e
+// ends at step e * cli_epoch_steps (OpenCLIP likewise gives every epoch the same number of steps).
+long cli_epoch_steps(long samples, long G);
+
+// An error naming the first of the flags in names (NULL-terminated, without "--") that argv
+// holds, with why ("applies to ..."); 0 when none is given. The error is printed (exit status 1).
+int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *names, const char *why);
+
+// --resume: compares params (what this invocation would write as params.json) with the run's
+// record: DIR/params_resumed.json when an earlier resume went on with changes, else
+// DIR/params.json (the first run's, never rewritten). Every key is compared except those a resume
+// may change (--steps and --epochs to train longer, cadences, threads, workers, device). A key the
+// record lacks (a run from an older vlmoe) is not compared; the batch per process is not compared
+// when the number of processes changed (the global batch is). Each difference reads
+// "--lr 0.002 differs from the run's 0.001 (params.json of logs/run1)"; with allow
+// (--resume-allow-changes) each is printed as a warning and *changes gets them (a cJSON array of
+// strings, NULL when nothing differs), else they are one error (exit status 1). print = 0: no
+// output (the processes other than rank 0 under mpirun).
+int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int allow, int print, cJSON **changes);
+
+// After a resume that went on with changes: DIR/params_resumed.json, params with the list
+// "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).
+// params and changes are freed here. The error is printed (exit status 1).
+int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *changes, long step);
+
+#endif
