@@ -21,14 +21,15 @@
 #include "vlmoe.h"
 
 typedef struct {
-    const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
+    const char *model, *dataset_type, *logs, *name, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     int allow_changes;           // --resume-allow-changes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps
-    double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
+    double max_bad;
+    cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
 } train_args;
 
@@ -117,26 +118,25 @@ static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s
 static cJSON *run_params(const train_args *a, int world) {
     cJSON *pj = cJSON_CreateObject();
     const char *sk[] = {"model", "pretrained", "preset", "dataset_type", "train_data", "csv_img_key",
-                        "csv_caption_key", "tokenizer", "image_mean", "image_std", "lr_scheduler", "optimizer"};
+                        "csv_caption_key", "tokenizer", "image_mean", "image_std"};
     const char *sv[] = {a->pretrained ? NULL : a->model, a->pretrained, a->preset, a->dataset_type, a->data.path,
                         a->data.path ? a->data.img_key : NULL, a->data.path ? a->data.caption_key : NULL, a->tokenizer,
-                        a->image_mean, a->image_std, a->scheduler, a->optimizer};
-    for (int i = 0; i < 12; i++)
+                        a->image_mean, a->image_std};
+    for (int i = 0; i < 10; i++)
         cJSON_AddItemToObject(pj, sk[i], sv[i] ? cJSON_CreateString(sv[i]) : cJSON_CreateNull());
     char sep[2] = {a->data.separator, 0};
     cJSON_AddItemToObject(pj, "csv_separator", a->data.path ? cJSON_CreateString(sep) : cJSON_CreateNull());
-    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "lr",
-                        "wd", "warmup", "lr_cooldown_steps", "beta1", "beta2", "eps", "grad_clip_norm", "seed",
+    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "seed",
                         "image_size", "context_length", "save_frequency", "save_every_n_steps", "keep_checkpoints",
                         "zeroshot_frequency", "eval_samples", "log_every_n_steps", "workers", "max_bad_fraction",
                         "expert_parallel", "threads"};
     const double nv[] = {a->batch_size, world, (double)a->batch_size * world, (double)a->steps, (double)a->epochs,
-                         (double)a->num_samples, a->lr, a->wd, (double)a->warmup, (double)a->cooldown, a->beta1, a->beta2,
-                         a->eps, a->grad_clip, (double)a->seed, a->image_size, a->context_length,
+                         (double)a->num_samples, (double)a->seed, a->image_size, a->context_length,
                          (double)a->save_epochs, (double)a->save_every, a->keep, (double)a->zeroshot_every,
                          a->eval_samples, a->log_every, a->workers, a->max_bad, a->expert_parallel,
                          omp_get_max_threads()};
-    for (int i = 0; i < 27; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    for (int i = 0; i < 19; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    cli_optim_json(pj, &a->o);
     cJSON_AddStringToObject(pj, "device", a->device ? a->device : "cpu");
     return pj;
 }
@@ -227,21 +227,14 @@ static int setup_data(const train_args *a, train_run *r) {
 static int check_applicable(const train_args *a, int argc, char **argv) {
     static const char *const file[] = {"tokenizer", "image-mean", "image-std", "csv-separator", "csv-img-key",
                                        "csv-caption-key", "workers", "max-bad-fraction", NULL};
-    static const char *const adamw[] = {"beta2", "eps", NULL}, *const rsqrt[] = {"lr-cooldown-steps", NULL};
-    if (!a->data.path && cli_reject_flags("train", argc, argv, file, "applies to --train-data (without it the run "
-                                          "trains on the built-in synthetic data)"))
-        return 1;
-    if (!strcmp(a->optimizer, "adafactor") &&
-        cli_reject_flags("train", argc, argv, adamw, "applies to --optimizer adamw (Adafactor has none)"))
-        return 1;
-    return strcmp(a->scheduler, "rsqrt") && cli_reject_flags("train", argc, argv, rsqrt, "applies to --lr-scheduler rsqrt");
+    return !a->data.path && cli_reject_flags("train", argc, argv, file, "applies to --train-data (without it the run "
+                                             "trains on the built-in synthetic data)");
 }
 
 int cmd_train(int argc, char **argv) {
-    train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
-                    .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
-                    .workers = 2, .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
-                    .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
+    train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
+                    .eval_samples = 1000, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1,
+                    .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1, epochs = 0;
     const arg_spec specs[] = {
@@ -268,16 +261,16 @@ int cmd_train(int argc, char **argv) {
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
-        {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
-        {"wd", ARG_DOUBLE, &a.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
-        {"beta1", ARG_DOUBLE, &a.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9)"},
-        {"beta2", ARG_DOUBLE, &a.beta2, "B2", "AdamW beta2 (default 0.98)"},
-        {"eps", ARG_DOUBLE, &a.eps, "EPS", "AdamW epsilon (default 1e-6)"},
-        {"warmup", ARG_LONG, &a.warmup, "N", "linear warmup steps (default 30)"},
-        {"lr-scheduler", ARG_STRING, &a.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
-        {"lr-cooldown-steps", ARG_LONG, &a.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
-        {"optimizer", ARG_STRING, &a.optimizer, "NAME", "adamw (default) or adafactor"},
-        {"grad-clip-norm", ARG_DOUBLE, &a.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
+        {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
+        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; Adafactor: 0)"},
+        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
+        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
+        {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (default 30)"},
+        {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
+        {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
+        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
+        {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
         {"seed", ARG_LONG, &a.seed, "N", "seed of the initialisation and the data order (default 0)"},
         {"image-size", ARG_INT, &a.image_size, "PX", "override the model's image size"},
         {"context-length", ARG_INT, &a.context_length, "N", "override the model's text context length"},
@@ -307,8 +300,8 @@ int cmd_train(int argc, char **argv) {
     // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
     // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
     const int clipup = a.preset && !strcmp(a.preset, "clipup");
-    if (isnan(a.lr)) a.lr = clipup ? 5e-5 : 1e-3;
-    if (isnan(a.wd)) a.wd = clipup ? 0.05 : 0.1;
+    if (isnan(a.o.lr)) a.o.lr = clipup ? 5e-5 : 1e-3;
+    if (isnan(a.o.wd)) a.o.wd = clipup ? 0.05 : 0.1;
     a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
     const int synthetic = !strcmp(a.dataset_type, "synthetic");
     if (synthetic && a.data.path)
@@ -357,21 +350,7 @@ int cmd_train(int argc, char **argv) {
     if (a.allow_changes && !a.resume) return cli_error("train", "--resume-allow-changes applies to --resume");
 
     vlmoe_train_params tp = vlmoe_train_default_params();
-    if (!strcmp(a.optimizer, "adafactor")) tp.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
-    else if (strcmp(a.optimizer, "adamw")) return cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
-    tp.optim.beta1 = (float)a.beta1;
-    if (tp.optim.kind == VLMOE_OPT_ADAMW) {
-        tp.optim.beta2 = (float)a.beta2;
-        tp.optim.eps = (float)a.eps;
-    } else if (a.beta1 == 0.9) {
-        tp.optim.beta1 = 0; // Adafactor: no momentum unless asked for
-    }
-    tp.optim.weight_decay = (float)a.wd;
-    tp.grad_clip_norm = a.grad_clip;
-    int sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
-             : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : -1;
-    if (sk < 0) return cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
-    tp.schedule = (vlmoe_schedule){(vlmoe_sched_kind)sk, a.lr, a.warmup, a.steps, 0.0, a.cooldown, 0.0};
+    if (cli_optim_params("train", &a.o, a.steps, 0.98, &tp)) return 1; // beta2: OpenCLIP's ViT default
 
     train_run r;
     memset(&r, 0, sizeof(r));
@@ -388,7 +367,7 @@ int cmd_train(int argc, char **argv) {
         snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : vlmoe_config_load(a.model, &mc) ? a.model : mc.name);
         for (char *p = model; *p; p++)
             if (*p == '/') *p = '-'; // model names like S/32
-        snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
+        snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());

@@ -3,6 +3,7 @@
 // tests/test_train_flags.c and tests/test_vlmoe_train.c.
 #include "train_flags.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,39 @@
 #include "train/run.h"
 
 long cli_epoch_steps(long samples, long G) { return G > 0 ? (samples + G - 1) / G : 0; }
+
+int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp) {
+    const int adafactor = !strcmp(o->optimizer, "adafactor");
+    if (!adafactor && strcmp(o->optimizer, "adamw"))
+        return cli_error(cmd, "--optimizer %s: expected adamw or adafactor", o->optimizer);
+    if (adafactor && (!isnan(o->beta2) || !isnan(o->eps)))
+        return cli_error(cmd, "--%s applies to --optimizer adamw (Adafactor has no such setting)",
+                         isnan(o->beta2) ? "eps" : "beta2");
+    const int sk = !strcmp(o->scheduler, "cosine") ? VLMOE_SCHED_COSINE : !strcmp(o->scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
+                   : !strcmp(o->scheduler, "const") ? VLMOE_SCHED_CONST : -1;
+    if (sk < 0) return cli_error(cmd, "--lr-scheduler %s: expected cosine, rsqrt or const", o->scheduler);
+    if (o->cooldown && sk != VLMOE_SCHED_RSQRT) return cli_error(cmd, "--lr-cooldown-steps applies to --lr-scheduler rsqrt");
+    if (!(o->lr > 0) || !(o->wd >= 0) || !(o->grad_clip >= 0) || o->warmup < 0 || o->cooldown < 0)
+        return cli_error(cmd, "--lr must be > 0; --wd, --grad-clip-norm, --warmup and --lr-cooldown-steps >= 0");
+    if (isnan(o->beta1)) o->beta1 = adafactor ? 0 : 0.9; // Adafactor: no momentum unless asked for
+    if (isnan(o->beta2)) o->beta2 = adafactor ? 0 : beta2_default;
+    if (isnan(o->eps)) o->eps = adafactor ? 0 : 1e-6;
+    tp->optim = vlmoe_optim_default_params(adafactor ? VLMOE_OPT_ADAFACTOR : VLMOE_OPT_ADAMW);
+    tp->optim.beta1 = (float)o->beta1;
+    if (!adafactor) tp->optim.beta2 = (float)o->beta2, tp->optim.eps = (float)o->eps;
+    tp->optim.weight_decay = (float)o->wd;
+    tp->grad_clip_norm = o->grad_clip;
+    tp->schedule = (vlmoe_schedule){(vlmoe_sched_kind)sk, o->lr, o->warmup, steps, 0.0, o->cooldown, 0.0};
+    return 0;
+}
+
+void cli_optim_json(cJSON *pj, const cli_optim_flags *o) {
+    cJSON_AddStringToObject(pj, "optimizer", o->optimizer);
+    cJSON_AddStringToObject(pj, "lr_scheduler", o->scheduler);
+    const char *k[] = {"lr", "wd", "warmup", "lr_cooldown_steps", "beta1", "beta2", "eps", "grad_clip_norm"};
+    const double v[] = {o->lr, o->wd, (double)o->warmup, (double)o->cooldown, o->beta1, o->beta2, o->eps, o->grad_clip};
+    for (int i = 0; i < 8; i++) cJSON_AddNumberToObject(pj, k[i], v[i]);
+}
 
 int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *names, const char *why) {
     for (int i = 2; i < argc; i++) {

@@ -7,6 +7,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "vlmoe.h"
+
 // The start of both trainers' --help explanation of the progress line (each adds its own fields).
 #define CLI_PROGRESS_HELP                                                                                          \
     "The progress line, every --log-every-n-steps (redrawn in place on a terminal; the same\n"                     \
@@ -14,6 +16,21 @@
     "  step N/S                  steps done / --steps\n"                                                          \
     "  loss L (avg A)            this step's total loss (task + weighted MoE auxiliary losses); the\n"              \
     "                            mean over the steps since the previous line\n"
+
+// The optimizer and schedule flags of both trainers. NAN (beta1, beta2, eps): not given.
+typedef struct {
+    const char *optimizer;       // --optimizer adamw | adafactor
+    const char *scheduler;       // --lr-scheduler cosine | rsqrt | const
+    double lr, wd, beta1, beta2, eps, grad_clip;
+    long warmup, cooldown;       // --warmup, --lr-cooldown-steps (rsqrt only)
+} cli_optim_flags;
+// tp's optimizer and schedule (over `steps` steps) from o; AdamW's beta2 defaults to beta2_default
+// (the trainer's paper's), beta1 to 0.9 (Adafactor: 0, no momentum), eps to 1e-6. o gets the
+// values used, for params.json (0 for the settings Adafactor has not). A flag the optimizer or
+// schedule has not is an error (printed; exit status 1).
+int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp);
+// Adds o's settings to params.json's object pj.
+void cli_optim_json(cJSON *pj, const cli_optim_flags *o);
 
 // An epoch of `samples` samples at G samples per step lasts ceil(samples / G) steps: the data is a
 // stream, so an epoch's last step is filled up with the next epoch's first samples, and epoch e
