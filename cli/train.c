@@ -96,7 +96,8 @@ static const char *USAGE =
     "                            (share of tokens placed with an expert) of image / text tokens\n"
     "  acc I/T  T t              in-batch accuracy image->text / text->image; the temperature\n"
     "  lr, samples/s, ETA        the learning rate, the global throughput, the time to --steps\n"
-    "Evaluations (--zeroshot-frequency) print their own line on stdout.";
+    "Evaluations (--zeroshot-frequency) print their own line on stdout.\n"
+    "VL-MoE (arch mome) models train by masked data modeling: vlmoe train --model vlmoe-tiny --help";
 
 
 // Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
@@ -260,7 +261,8 @@ int cmd_train(int argc, char **argv) {
                                                                "and num_experts; default 1: not split)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
-        {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
+        {"epochs", ARG_LONG, &epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
+                                                   "global batch) steps)"},
         {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
         {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
         {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; Adafactor: 0)"},

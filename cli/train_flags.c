@@ -77,6 +77,10 @@ static void flag_of(const char *key, char *out, size_t cap) {
         snprintf(out, cap, "the global batch (--batch-size x processes)");
         return;
     }
+    if (!strcmp(key, "chunk")) {
+        snprintf(out, cap, "the forward size (of --mix and --batch-size)");
+        return;
+    }
     if (!strcmp(key, "streams")) {
         snprintf(out, cap, "the streams (--mix, --batch-size and the data flags)");
         return;
@@ -129,6 +133,11 @@ int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int 
     *changes = NULL;
     char name[32];
     cJSON *rec = read_record(dir, name, sizeof(name));
+    char ckdir[1100];
+    long step;
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", dir);
+    if (!cJSON_IsObject(rec) && !vlmoe_ckpt_list(ckdir, &step, 1)) // nothing to resume: the resume says so
+        return cJSON_Delete(rec), 0;
     if (!cJSON_IsObject(rec)) {
         cJSON_Delete(rec);
         if (!allow)
