@@ -237,7 +237,7 @@ int cmd_train(int argc, char **argv) {
                     .eval_samples = 1000, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1,
                     .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
-    long steps_given = -1, epochs = 0;
+    long steps_given = -1;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
@@ -261,7 +261,7 @@ int cmd_train(int argc, char **argv) {
                                                                "and num_experts; default 1: not split)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
-        {"epochs", ARG_LONG, &epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
+        {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
                                                    "global batch) steps)"},
         {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
         {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
@@ -321,26 +321,15 @@ int cmd_train(int argc, char **argv) {
     if (a.batch_size * dist->world < 2)
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
                          "processes)", dist->world);
-    if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
-    if (a.save_epochs < 0 || a.save_steps < 0)
-        return cli_error("train", "--save-frequency and --save-every-n-steps must be >= 0 (0: at the end only)");
-    if (a.save_epochs > 0 && a.save_steps > 0)
-        return cli_error("train", "give --save-frequency (epochs) or --save-every-n-steps, not both");
-    const int by_epoch = epochs > 0 || a.save_epochs > 0; // an epoch's size is needed
-    if (!synthetic && vlmoe_dataset_check(&a.data, by_epoch && a.num_samples <= 0 ? &a.num_samples : NULL))
-        return cli_error("train", "--train-data: %s%s", vlmoe_last_error(),
-                         epochs > 0 ? "" : " (--save-frequency counts epochs; --save-every-n-steps counts steps)");
-    if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
-    const long G = (long)a.batch_size * dist->world, per_epoch = cli_epoch_steps(a.num_samples, G);
-    if (by_epoch && a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-    a.save_every = a.save_epochs > 0 ? a.save_epochs * per_epoch : a.save_steps;
-    if (epochs > 0) {
-        a.steps = epochs * per_epoch;
-    } else if (steps_given >= 0) {
-        a.steps = steps_given;
-    }
-    a.epochs = epochs;
-    if (a.steps < 1) return cli_error("train", "--steps must be >= 1");
+    cli_run_length len = {steps_given, a.epochs, a.save_epochs, a.save_steps, a.num_samples,
+                          (long)a.batch_size * dist->world, a.steps, 0};
+    if (!synthetic && vlmoe_dataset_check(&a.data, NULL)) return cli_error("train", "--train-data: %s", vlmoe_last_error());
+    if (!synthetic && cli_by_epoch(&len) && len.samples <= 0 && vlmoe_dataset_check(&a.data, &len.samples))
+        return cli_error("train", "--train-data: %s (or --save-every-n-steps: a checkpoint every N steps)",
+                         vlmoe_last_error());
+    if (synthetic && len.samples <= 0) len.samples = 10000;
+    if (cli_run_length_set("train", &len)) return 1;
+    a.steps = len.steps, a.save_every = len.save_every, a.num_samples = len.samples;
     if (a.log_every < 1) a.log_every = 1;
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)

@@ -13,6 +13,22 @@
 
 long cli_epoch_steps(long samples, long G) { return G > 0 ? (samples + G - 1) / G : 0; }
 
+int cli_by_epoch(const cli_run_length *l) { return l->epochs > 0 || l->save_epochs > 0; }
+
+int cli_run_length_set(const char *cmd, cli_run_length *l) {
+    if (l->epochs > 0 && l->steps_given >= 0) return cli_error(cmd, "give --steps or --epochs, not both");
+    if (l->save_epochs > 0 && l->save_steps > 0)
+        return cli_error(cmd, "give --save-frequency (epochs) or --save-every-n-steps (steps), not both");
+    if (l->epochs < 0 || l->save_epochs < 0 || l->save_steps < 0)
+        return cli_error(cmd, "--epochs, --save-frequency and --save-every-n-steps must be >= 0 (0 saves at the end only)");
+    if (cli_by_epoch(l) && l->samples < 1) return cli_error(cmd, "--train-num-samples must be >= 1");
+    const long per_epoch = cli_epoch_steps(l->samples, l->per_step);
+    if (l->steps_given >= 0) l->steps = l->steps_given;
+    if (l->epochs > 0) l->steps = l->epochs * per_epoch;
+    l->save_every = l->save_epochs > 0 ? l->save_epochs * per_epoch : l->save_steps;
+    return l->steps < 1 ? cli_error(cmd, "--steps must be >= 1") : 0;
+}
+
 int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp) {
     const int adafactor = !strcmp(o->optimizer, "adafactor");
     if (!adafactor && strcmp(o->optimizer, "adamw"))

@@ -37,6 +37,21 @@ void cli_optim_json(cJSON *pj, const cli_optim_flags *o);
 // ends at step e * cli_epoch_steps (OpenCLIP likewise gives every epoch the same number of steps).
 long cli_epoch_steps(long samples, long G);
 
+// The length of a run and its checkpoint cadence in steps, from --steps or --epochs and
+// --save-frequency (epochs, as OpenCLIP) or --save-every-n-steps.
+typedef struct {
+    long steps_given;            // --steps (-1: not given)
+    long epochs, save_epochs, save_steps; // --epochs, --save-frequency, --save-every-n-steps (0: not given)
+    long samples;                // samples per epoch (needed with epochs or save_epochs)
+    long per_step;               // samples per step (the global batch)
+    long steps, save_every;      // in: the default --steps; out: the steps, the checkpoint cadence
+} cli_run_length;
+// Whether the epoch's size is needed (--epochs or --save-frequency).
+int cli_by_epoch(const cli_run_length *l);
+// Checks the flags (both of a pair is an error, negatives too) and sets steps and save_every.
+// The error is printed (exit status 1).
+int cli_run_length_set(const char *cmd, cli_run_length *l);
+
 // An error naming the first of the flags in names (NULL-terminated, without "--") that argv
 // holds, with why ("applies to ..."); 0 when none is given. The error is printed (exit status 1).
 int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *names, const char *why);

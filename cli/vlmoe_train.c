@@ -125,20 +125,13 @@ static int open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_
 // is --train-num-samples samples of every stream together (10000 on the synthetic data): the
 // streams' files have sizes of their own, none of which is the mixture's.
 static int steps_epochs(mome_args *a, long steps_given) {
-    if (a->epochs > 0 && steps_given >= 0) return cli_error(CMD, "give --steps or --epochs, not both");
-    if (a->save_epochs < 0 || a->save_every < 0 || a->epochs < 0)
-        return cli_error(CMD, "--epochs, --save-frequency and --save-every-n-steps must be >= 0");
-    if (a->save_epochs > 0 && a->save_every > 0)
-        return cli_error(CMD, "give --save-frequency (epochs) or --save-every-n-steps, not both");
-    if (steps_given >= 0) a->steps = steps_given;
-    if (!a->epochs && !a->save_epochs) return 0;
-    if (a->num_samples <= 0 && (a->image_data || a->text_data || a->data.path))
+    cli_run_length len = {steps_given, a->epochs, a->save_epochs, a->save_every, a->num_samples, a->batch, a->steps, 0};
+    if (cli_by_epoch(&len) && len.samples <= 0 && (a->image_data || a->text_data || a->data.path))
         return cli_error(CMD, "--%s counts epochs: give --train-num-samples N (the samples of all streams in an epoch; "
                          "or --save-every-n-steps)", a->epochs ? "epochs" : "save-frequency");
-    if (a->num_samples <= 0) a->num_samples = 10000;
-    const long per_epoch = cli_epoch_steps(a->num_samples, a->batch);
-    if (a->epochs) a->steps = a->epochs * per_epoch;
-    if (a->save_epochs) a->save_every = a->save_epochs * per_epoch;
+    if (len.samples <= 0) len.samples = cli_by_epoch(&len) ? 10000 : 0;
+    if (cli_run_length_set(CMD, &len)) return 1;
+    a->steps = len.steps, a->save_every = len.save_every, a->num_samples = len.samples;
     return 0;
 }
 
