@@ -75,11 +75,13 @@ int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *
 
 // Keys of params.json a resume may change: the length of the run (the schedule is derived again
 // from the new --steps, as OpenCLIP does from its flags), how often it logs, evaluates and saves,
-// and how it is computed (threads, loader workers, device, processes) but not what.
+// what it evaluates on, and how it is computed (threads, loader workers, device, processes,
+// recomputed activations) but not what. Every other key is compared.
 static const char *const FREE[] = {
     "steps", "epochs", "train_num_samples", "save_frequency", "save_every_n_steps", "keep_checkpoints",
-    "zeroshot_frequency", "eval_samples", "log_every_n_steps", "threads", "workers", "max_bad_fraction", "device",
-    "world_size", "expert_parallel", "codebook", "resumed_with_changes", NULL};
+    "zeroshot_frequency", "eval_samples", "val_data", "val_frequency", "zeroshot_data", "log_every_n_steps",
+    "threads", "workers", "max_bad_fraction", "device", "world_size", "expert_parallel", "grad_checkpointing",
+    "codebook", "resumed_with_changes", NULL};
 
 static int is_free(const char *key) {
     for (int k = 0; FREE[k]; k++)
