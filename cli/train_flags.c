@@ -81,11 +81,14 @@ static const char *const FREE[] = {
     "steps", "epochs", "train_num_samples", "save_frequency", "save_every_n_steps", "keep_checkpoints",
     "zeroshot_frequency", "eval_samples", "val_data", "val_frequency", "zeroshot_data", "log_every_n_steps",
     "threads", "workers", "max_bad_fraction", "device", "world_size", "expert_parallel", "grad_checkpointing",
-    "codebook", "resumed_with_changes", NULL};
+    "codebook", "override_inputs", "resumed_with_changes", NULL};
+// What a contrastive checkpoint carries (src/nn/inputs.c): a resume without the flag uses the
+// checkpoint's, which is no change; a flag that is given is compared.
+static const char *const CARRIED[] = {"tokenizer", "image_mean", "image_std", NULL};
 
-static int is_free(const char *key) {
-    for (int k = 0; FREE[k]; k++)
-        if (!strcmp(FREE[k], key)) return 1;
+static int listed(const char *const *list, const char *key) {
+    for (int k = 0; list[k]; k++)
+        if (!strcmp(list[k], key)) return 1;
     return 0;
 }
 
@@ -147,7 +150,8 @@ static cJSON *read_record(const char *dir, char *name, size_t cap) {
     return NULL;
 }
 
-int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int allow, int print, cJSON **changes) {
+int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int how, cJSON **changes) {
+    const int allow = how & CLI_RESUME_ALLOW, print = how & CLI_RESUME_PRINT;
     *changes = NULL;
     char name[32];
     cJSON *rec = read_record(dir, name, sizeof(name));
@@ -172,7 +176,8 @@ int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int 
     cJSON *diffs = cJSON_CreateArray();
     for (const cJSON *now = params->child; now && diffs; now = now->next) {
         const cJSON *then = cJSON_GetObjectItemCaseSensitive(rec, now->string);
-        if (is_free(now->string) || !then || cJSON_Compare(now, then, 1)) continue;
+        if (listed(FREE, now->string) || !then || cJSON_Compare(now, then, 1)) continue;
+        if ((how & CLI_RESUME_CARRIED) && cJSON_IsNull(now) && listed(CARRIED, now->string)) continue;
         if (relaid && !strcmp(now->string, "batch_size")) continue;
         char flag[96], a[512], b[512], msg[1400];
         flag_of(now->string, flag, sizeof(flag));

@@ -59,14 +59,18 @@ int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *
 // --resume: compares params (what this invocation would write as params.json) with the run's
 // record: DIR/params_resumed.json when an earlier resume went on with changes, else
 // DIR/params.json (the first run's, never rewritten). Every key is compared except those a resume
-// may change (--steps and --epochs to train longer, cadences, threads, workers, device). A key the
+// may change (--steps and --epochs to train longer, cadences, threads, workers, device) and, when
+// not given now, what the checkpoint carries (tokenizer, normalisation). A key the
 // record lacks (a run from an older vlmoe) is not compared; the batch per process is not compared
 // when the number of processes changed (the global batch is). Each difference reads
-// "--lr 0.002 differs from the run's 0.001 (params.json of logs/run1)"; with allow
+// "--lr 0.002 differs from the run's 0.001 (params.json of logs/run1)"; with CLI_RESUME_ALLOW
 // (--resume-allow-changes) each is printed as a warning and *changes gets them (a cJSON array of
-// strings, NULL when nothing differs), else they are one error (exit status 1). print = 0: no
-// output (the processes other than rank 0 under mpirun).
-int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int allow, int print, cJSON **changes);
+// strings, NULL when nothing differs), else they are one error (exit status 1). Without
+// CLI_RESUME_PRINT nothing is printed (the processes other than rank 0 under mpirun).
+// CLI_RESUME_CARRIED: the trainer takes the tokenizer and normalisation from the checkpoint when
+// their flags are not given, so leaving them out is no change.
+enum { CLI_RESUME_ALLOW = 1, CLI_RESUME_PRINT = 2, CLI_RESUME_CARRIED = 4 };
+int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int how, cJSON **changes);
 
 // After a resume that went on with changes: DIR/params_resumed.json, params with the list
 // "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).

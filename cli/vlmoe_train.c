@@ -363,7 +363,8 @@ int cmd_train_mome(int argc, char **argv) {
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &rep->split) : NULL;
     if (vlmoe_mkdir_p(r.ckdir)) rc = lib_error("");
-    else if (now && cli_resume_check(CMD, r.dir, now, a.allow_changes, 1, &changes)) rc = 1;
+    else if (now && cli_resume_check(CMD, r.dir, now, CLI_RESUME_PRINT | (a.allow_changes ? CLI_RESUME_ALLOW : 0), &changes))
+        rc = 1;
     else vlmoe_ckpt_clean_tmp(r.ckdir), rc = setup_model(&a, &tp, &r);
     cJSON_Delete(now);
     const long start = rc ? 0 : vlmoe_trainer_get_step(r.t);

@@ -67,15 +67,19 @@ static void test_image_mean(void) {
     const char *m = "eval --model runs/ev/checkpoints/step_2.safetensors --val-data shapes/captions.csv --few-shot 0 "
                     "--batch-size 20 --json";
     char args[1024];
-    snprintf(args, sizeof(args), "%s --image-mean 0.5 0.5 0.5 --image-std 0.5 0.5 0.5", m);
-    expect(args, 0, "retrieval");
+    // the model records 0.5: other values need --override-inputs, in either form
+    snprintf(args, sizeof(args), "%s --image-mean 0.4 0.45 0.5 --image-std 0.3 0.3 0.3 --override-inputs", m);
+    expect(args, 0, "--override-inputs: normalising with --image-mean 0.4,0.45,0.5");
     memcpy(a, out, sizeof(out));
-    snprintf(args, sizeof(args), "%s --image-mean=0.5,0.5,0.5 --image-std 0.5", m);
+    snprintf(args, sizeof(args), "%s --image-mean=0.4,0.45,0.5 --image-std 0.3 --override-inputs", m);
     expect(args, 0, "retrieval");
     memcpy(b, out, sizeof(out));
-    CHECK(!strcmp(a, b), "--image-mean 0.5 0.5 0.5 and 0.5,0.5,0.5 differ:\n%s\nvs\n%s", a, b);
-    expect(m, 0, "retrieval"); // CLIP's mean and std: other pixels, other embeddings
-    CHECK(strcmp(a, out), "--image-mean 0.5 0.5 0.5 made no difference to eval:\n%s", a);
+    CHECK(!strcmp(a, b), "--image-mean 0.4 0.45 0.5 and 0.4,0.45,0.5 differ:\n%s\nvs\n%s", a, b);
+    expect(m, 0, "retrieval"); // the recorded 0.5: other pixels, other embeddings
+    CHECK(strcmp(a, out), "--image-mean 0.4 0.45 0.5 made no difference to eval:\n%s", a);
+    snprintf(args, sizeof(args), "%s --image-mean 0.5 0.5 0.5 --image-std 0.5 0.5 0.5", m); // the recorded values
+    expect(args, 0, "retrieval");
+    CHECK(!strstr(out, "--override-inputs"), "the recorded values typed again are no override:\n%s", out);
     snprintf(args, sizeof(args), "%s --image-mean 0.5 0.4", m);
     expect(args, 1, "--image-mean expects R,G,B");
     // an image path after one value is not taken for a value
@@ -144,7 +148,8 @@ static void test_config_name(void) {
 }
 
 static void test_inapplicable(void) {
-    expect("train --tokenizer t.txt --steps 1", 1, "--tokenizer applies to --train-data");
+    expect("train --tokenizer t.txt --steps 1", 1, "the synthetic data has its own word tokenizer");
+    expect("train --image-mean 0.5 --steps 1", 1, "--image-mean applies to --train-data");
     expect("train --workers 3 --steps 1", 1, "--workers applies to --train-data");
     expect("train --codebook cb.safetensors --steps 1", 1, "--codebook applies to VL-MoE (arch mome) models");
     expect("train --lr-cooldown-steps 5 --steps 1", 1, "--lr-cooldown-steps applies to --lr-scheduler rsqrt");

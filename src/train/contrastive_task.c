@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
 #include "tok/tok.h"
 #include "train/tasks.h"
 
@@ -181,6 +182,7 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
         if ((st = vlmoe_config_load(s->model, &cfg))) return st;
         if (s->image_size) cfg.image_size = s->image_size;
         if (s->context_length) cfg.context_length = s->context_length;
+        if (s->vocab_size) cfg.vocab_size = s->vocab_size;
     }
     if (s->preset) { // the preset's routing and losses on the model's own MoE layers
         const int two = cfg.arch == VLMOE_ARCH_TWO_TOWER;
@@ -205,7 +207,9 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
             return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s changes the shapes of %s's tensors", s->preset, s->pretrained);
         }
         memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(pre), sizeof(float) * vlmoe_model_num_floats(m));
+        st = model_copy_inputs(m, pre);
         vlmoe_model_free(pre);
+        if (st) return vlmoe_model_free(m), st;
     }
     *out = m;
     return VLMOE_OK;

@@ -40,6 +40,7 @@ typedef struct {
     const char *pretrained;      // a vlmoe checkpoint whose weights start the run (may be NULL)
     const char *preset;          // may be NULL
     int image_size, context_length; // overrides of the config (0: keep)
+    int vocab_size;              // override of a config's vocabulary (0: keep; not with pretrained)
     uint64_t seed;
 } vlmoe_model_source;
 int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s);
