@@ -166,7 +166,7 @@ static int train_vocab(const train_args *a, train_run *r, int size) {
     int ids, st = 0;
     if (r->lead && access(path, R_OK) == 0)
         fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
-    else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, size, 10000, path, &n, &ids)))
+    else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, NULL, 0, size, 10000, path, &n, &ids)))
         return cli_error("train", "%s", vlmoe_last_error());
     else if (r->lead)
         fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions of "

@@ -232,16 +232,23 @@ int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count) {
     return st;
 }
 
-int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
-                           const char *path, size_t *n_read, int *ids) {
-    vlmoe_dataset_params p = *dp;
-    p.defer_images = 1;
+int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, const char *const *extra, size_t n_extra, int vocab_size,
+                           size_t max_texts, const char *path, size_t *n_read, int *ids) {
     vlmoe_dataset *ds = NULL;
-    char **texts = calloc(max_captions ? max_captions : 1, sizeof(char *));
+    const size_t k = n_extra < max_texts ? n_extra : max_texts;
+    char **texts = calloc(k + max_texts + 1, sizeof(char *));
     size_t n = 0;
-    int st = texts ? vlmoe_dataset_open(&p, &ds) : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    int st = texts ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    while (!st && n < k)
+        if (!(texts[n] = strdup(extra[n]))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
+        else n++;
+    if (!st && dp) {
+        vlmoe_dataset_params p = *dp;
+        p.defer_images = 1;
+        st = vlmoe_dataset_open(&p, &ds);
+    }
     vlmoe_sample s;
-    while (!st && n < max_captions && (got = vlmoe_dataset_next(ds, &s)) == 1)
+    while (!st && ds && n < k + max_texts && (got = vlmoe_dataset_next(ds, &s)) == 1)
         if (!(texts[n++] = strdup(s.caption))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
     if (!st && got < 0) st = -got;
     vlmoe_tokenizer *tok = NULL;
@@ -253,6 +260,6 @@ int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_
     for (size_t i = 0; i < n; i++) free(texts[i]);
     free(texts);
     if (n_read) *n_read = n;
-    if (st) vlmoe_error_prefix("vocabulary for %s", dp->path);
+    if (st && dp) vlmoe_error_prefix("vocabulary for %s", dp->path);
     return st;
 }
