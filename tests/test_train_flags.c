@@ -14,8 +14,12 @@
 static const char *bin;
 static char dir[64], out[16384];
 
+// A failed check unless `vlmoe ARGS` exits with status and prints needle; a sanitizer report
+// (whose exit status may be the 1 an error has) is a failure too.
 static int expect(const char *args, int status, const char *needle) {
-    return test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
+    const int st = test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
+    CHECK(!strstr(out, "Sanitizer") && !strstr(out, "runtime error:"), "`vlmoe %s`:\n%s", args, out);
+    return st;
 }
 
 #define P(rel) test_path(dir, rel)
