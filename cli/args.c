@@ -6,6 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+static const char *epilogue; // args_set_epilogue
+
+void args_set_epilogue(const char *text) { epilogue = text; }
+
 void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage) {
     printf("%s\n\nOptions:\n", usage);
     for (int i = 0; i < n; i++) {
@@ -15,6 +19,7 @@ void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage)
         printf("  %-28s %s\n", left, specs[i].help);
     }
     printf("  %-28s %s\n", "-h, --help", "show this help");
+    if (epilogue) printf("\n%s\n", epilogue);
     (void)cmd;
 }
 

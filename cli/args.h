@@ -22,5 +22,8 @@ int args_parse(const char *cmd, const arg_spec *specs, int n, int argc, char **a
 int args_parse_pos(const char *cmd, const arg_spec *specs, int n, int argc, char **argv, int first,
                    const char *usage, char **pos, int maxpos, int *npos);
 void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage);
+// Text --help prints after the options (NULL: none), for a command whose help is longer than one
+// string literal may be (C's 4095 characters).
+void args_set_epilogue(const char *text);
 
 #endif

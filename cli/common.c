@@ -25,12 +25,46 @@ const char *const cli_templates[CLI_NUM_TEMPLATES] = {
     "a photo of the large {}.", "a {} in a video game.", "art of the {}.", "a photo of the small {}.",
 };
 
-// "R,G,B" or one value for all three channels.
+// "R,G,B" or one value for all three channels (OpenCLIP's "R G B" arrives here joined by
+// cli_join_norm_flags as "R,G,B").
 static int parse3(const char *cmd, const char *flag, const char *v, float out[3]) {
     char tail;
     if (sscanf(v, "%f,%f,%f%c", &out[0], &out[1], &out[2], &tail) == 3) return 0;
     if (sscanf(v, "%f%c", &out[0], &tail) == 1) return out[1] = out[2] = out[0], 0;
-    return cli_error(cmd, "--%s expects R,G,B or one value, got '%s'", flag, v);
+    return cli_error(cmd, "--%s expects R,G,B (or three values R G B, or one value for all three), got '%s'", flag, v);
+}
+
+// A value of --image-mean/--image-std: a number, negative ones included ("-0.5" is not a flag);
+// an image path or the next flag is not.
+static int is_number(const char *s) {
+    char *end;
+    const char *d = s + (*s == '-' || *s == '+');
+    if (!((*d >= '0' && *d <= '9') || (*d == '.' && d[1] >= '0' && d[1] <= '9'))) return 0;
+    strtod(s, &end);
+    return end != s && !*end;
+}
+
+int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nbuf) {
+    int out = 0, used = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        const int flag = !strcmp(a, "--image-mean") || !strcmp(a, "--image-std");
+        const int eq = !strncmp(a, "--image-mean=", 13) || !strncmp(a, "--image-std=", 12);
+        int k = 0; // numbers after the flag (and its =value), at most 3 in all
+        while (i + 1 + k < argc && k < 3 - eq && is_number(argv[i + 1 + k])) k++;
+        if ((!flag && !eq) || k + eq < 2 || used == nbuf) { // nothing to join: as it was
+            argv[out++] = argv[i];
+            continue;
+        }
+        char *b = buf[used++];
+        int at = snprintf(b, CLI_NORM_LEN, "%.*s=%s", (int)strcspn(a, "="), a, eq ? strchr(a, '=') + 1 : "");
+        for (int j = 0; j < k && at < CLI_NORM_LEN; j++)
+            at += snprintf(b + at, CLI_NORM_LEN - (size_t)at, "%s%s", eq || j ? "," : "", argv[i + 1 + j]);
+        argv[out++] = b;
+        i += k;
+    }
+    if (out < argc) argv[out] = NULL; // argv stays NULL-terminated
+    return out;
 }
 
 int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,

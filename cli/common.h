@@ -23,6 +23,12 @@ extern const char *const cli_templates[CLI_NUM_TEMPLATES];
 // all three; NULL keeps CLIP's). Errors are printed ("vlmoe CMD: ...") and returned as exit status 1.
 int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
                      vlmoe_image_params *out);
+// OpenCLIP's nargs syntax for every command: "--image-mean 0.48 0.45 0.41" (2 or 3 numbers after
+// --image-mean or --image-std, negative ones included) is rewritten in argv as the one argument
+// "--image-mean=0.48,0.45,0.41" (written into buf, nbuf entries); returns the new argc. A
+// following argument that is not a number (a flag, an image path) is left alone.
+enum { CLI_NORM_LEN = 96 };
+int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nbuf);
 
 // Texts of the user's: --tokenizer PATH (NULL: none) or, without one, the synthetic data's word
 // tokenizer, which only a model with fewer than 514 ids (too few for BPE) can have been trained

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "common.h"
 #include "dist/dist.h"
 #include "tokenize.h"
 #include "vlmoe_train.h"
@@ -57,6 +58,8 @@ int main(int argc, char **argv) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    char norm[4][CLI_NORM_LEN]; // "--image-mean 0.48 0.45 0.41" as "--image-mean=0.48,0.45,0.41"
+    argc = cli_join_norm_flags(argc, argv, norm, 4);
     // only contrastive training runs on several processes; a launch of any other command would
     // start W copies doing the same work and writing the same files
     const int contrastive = !strcmp(argv[1], "train") && !cli_train_is_mome(argc, argv);

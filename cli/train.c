@@ -18,18 +18,22 @@
 #include "nn/model.h"
 #include "tokenize.h"
 #include "train/tasks.h"
+#include "train_flags.h"
 #include "vlmoe.h"
 
 typedef struct {
-    const char *model, *dataset_type, *logs, *name, *optimizer, *scheduler, *pretrained, *preset;
+    const char *model, *dataset_type, *logs, *name, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     const char *upsampling;      // --train-data-upsampling-factors
     int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     int override;                // --override-inputs: flags replace what a checkpoint records
+    int allow_changes;           // --resume-allow-changes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
-    double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
+    long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps
+    double max_bad;
+    cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
     // validation while training: --val-data pairs, --zeroshot-data folder; cadences in epochs
     // (OpenCLIP's --val-frequency, --zeroshot-frequency) or steps (--*-every-n-steps)
@@ -109,11 +113,26 @@ static const char *USAGE =
     "              --csv-caption-key caption --tokenizer bpe_simple_vocab_16e6.txt.gz --workers 4\n"
     "  vlmoe train --model limoe-B/16 --train-data 'shards/train-{000000..000099}.tar' --steps 5000\n"
     "  vlmoe train --model my_config.json --batch-size 128 --lr 5e-4 --warmup 500 --steps 20000 \\\n"
-    "              --save-frequency 1000 --zeroshot-every-n-steps 1000 --name run1\n"
+    "              --save-every-n-steps 1000 --zeroshot-every-n-steps 1000 --name run1\n"
     "  vlmoe train --model limoe-S/32 --train-data train.csv --val-data val.csv --val-frequency 1 \\\n"
     "              --zeroshot-data imagenet/val --zeroshot-classnames en_classnames.json \\\n"
-    "              --zeroshot-dataset imagenet1k --zeroshot-frequency 2 --epochs 10\n"
-    "  vlmoe train --name run1 --steps 20000 --resume latest      (same flags as the first run)";
+    "              --zeroshot-dataset imagenet1k --zeroshot-frequency 2 --epochs 10 --save-frequency 2\n"
+    "  vlmoe train --name run1 --steps 40000 --resume latest      (same flags as the first run)";
+
+static const char *USAGE_MORE =
+    "--resume checks the flags against the run's params.json: a changed model, batch size, data,\n"
+    "tokenizer, normalisation, seed, schedule (--lr-scheduler, --lr, --warmup, --wd, cooldown) or\n"
+    "optimizer (and its betas, eps, clipping) is an error naming the values, unless\n"
+    "--resume-allow-changes (each change is then printed and logged in params_resumed.json).\n"
+    "--steps/--epochs may be raised to train longer: the schedule is derived again from the new\n"
+    "length, as OpenCLIP does (the cosine then decays over the longer run from the resumed step).\n\n"
+    CLI_PROGRESS_HELP
+    "  aux A  success I/T        MoE models: auxiliary losses; the lowest routing success rate\n"
+    "                            (share of tokens placed with an expert) of image / text tokens\n"
+    "  acc I/T  T t              in-batch accuracy image->text / text->image; the temperature\n"
+    "  lr, samples/s, ETA        the learning rate, the global throughput, the time to --steps\n"
+    "Evaluations (--val-*, --zeroshot-*) print their own line on stdout.\n"
+    "VL-MoE (arch mome) models train by masked data modeling: vlmoe train --model vlmoe-tiny --help";
 
 
 // Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
@@ -130,39 +149,50 @@ static void on_progress(void *u, int what, const char *line) {
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
-static int write_run_files(const train_args *a, train_run *r) {
+// params.json: every flag that shapes the run (the --resume check compares them), strings that
+// were not given as null.
+static cJSON *run_params(const train_args *a, int world) {
     cJSON *pj = cJSON_CreateObject();
-    cJSON_AddStringToObject(pj, "model", a->pretrained ? a->pretrained : a->model);
-    cJSON_AddStringToObject(pj, "dataset_type", a->dataset_type);
-    if (r->loader) {
-        cJSON_AddStringToObject(pj, "train_data", a->data.path);
-        cJSON_AddNumberToObject(pj, "workers", a->workers);
-        cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
-        cJSON_AddBoolToObject(pj, "dataset_resampled", a->resampled);
-        if (a->upsampling) cJSON_AddStringToObject(pj, "train_data_upsampling_factors", a->upsampling);
-    }
-    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
-    const double nv[] = {a->batch_size, r->dist->world, (double)a->batch_size * r->dist->world, (double)a->steps,
-                         a->lr, a->wd, (double)a->warmup};
-    for (int i = 0; i < 7; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
-    cJSON_AddStringToObject(pj, "lr_scheduler", a->scheduler);
-    cJSON_AddStringToObject(pj, "optimizer", a->optimizer);
-    const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
-    const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
-    for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
+    const char *sk[] = {"model", "pretrained", "preset", "dataset_type", "train_data", "csv_img_key",
+                        "csv_caption_key", "tokenizer", "image_mean", "image_std"};
+    const char *sv[] = {a->pretrained ? NULL : a->model, a->pretrained, a->preset, a->dataset_type, a->data.path,
+                        a->data.path ? a->data.img_key : NULL, a->data.path ? a->data.caption_key : NULL, a->tokenizer,
+                        a->image_mean, a->image_std};
+    for (int i = 0; i < 10; i++)
+        cJSON_AddItemToObject(pj, sk[i], sv[i] ? cJSON_CreateString(sv[i]) : cJSON_CreateNull());
+    char sep[2] = {a->data.separator, 0};
+    cJSON_AddItemToObject(pj, "csv_separator", a->data.path ? cJSON_CreateString(sep) : cJSON_CreateNull());
+    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "seed",
+                        "image_size", "context_length", "save_frequency", "save_every_n_steps", "keep_checkpoints",
+                        "zeroshot_every_n_steps", "eval_samples", "log_every_n_steps", "workers", "max_bad_fraction",
+                        "expert_parallel", "threads"};
+    const double nv[] = {a->batch_size, world, (double)a->batch_size * world, (double)a->steps, (double)a->epochs,
+                         (double)a->num_samples, (double)a->seed, a->image_size, a->context_length,
+                         (double)a->save_epochs, (double)a->save_every, a->keep, (double)a->zeroshot_every,
+                         a->eval_samples, a->log_every, a->workers, a->max_bad, a->expert_parallel,
+                         omp_get_max_threads()};
+    for (int i = 0; i < 19; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    cJSON_AddBoolToObject(pj, "override_inputs", a->override);
+    cJSON_AddBoolToObject(pj, "dataset_resampled", a->resampled);
+    cJSON_AddItemToObject(pj, "train_data_upsampling_factors", a->upsampling ? cJSON_CreateString(a->upsampling)
+                                                                              : cJSON_CreateNull());
     // validation: what it reads and the step cadence it runs at (0: at the end only)
-    cJSON_AddNumberToObject(pj, "eval_samples", a->eval_samples);
-    if (a->val_data) {
-        cJSON_AddStringToObject(pj, "val_data", a->val_data);
-        cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
-        cJSON_AddNumberToObject(pj, "val_num_samples", (double)a->val_num);
-    }
-    if (a->zs_data) cJSON_AddStringToObject(pj, "zeroshot_data", a->zs_data);
-    if (a->zs_names) cJSON_AddStringToObject(pj, "zeroshot_classnames", a->zs_names);
-    if (a->zs_templates) cJSON_AddStringToObject(pj, "zeroshot_templates", a->zs_templates);
-    if (a->zs_dataset) cJSON_AddStringToObject(pj, "zeroshot_dataset", a->zs_dataset);
-    if (a->zs_data || (!a->data.path && a->eval_samples > 0))
-        cJSON_AddNumberToObject(pj, "zeroshot_every_n_steps", (double)a->zeroshot_every);
+    const char *vk[] = {"val_data", "zeroshot_data", "zeroshot_classnames", "zeroshot_templates", "zeroshot_dataset"};
+    const char *vv[] = {a->val_data, a->zs_data, a->zs_names, a->zs_templates, a->zs_dataset};
+    for (int i = 0; i < 5; i++) cJSON_AddItemToObject(pj, vk[i], vv[i] ? cJSON_CreateString(vv[i]) : cJSON_CreateNull());
+    cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
+    cJSON_AddNumberToObject(pj, "val_num_samples", (double)a->val_num);
+    cli_optim_json(pj, &a->o);
+    cJSON_AddStringToObject(pj, "device", a->device ? a->device : "cpu");
+    return pj;
+}
+
+// A fresh run writes config.json and params.json; a resumed one keeps them (the user's record)
+// and, when it goes on with changed flags, logs them in params_resumed.json.
+static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
+    cJSON *pj = run_params(a, r->dist->world);
+    if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
+                                  : (cJSON_Delete(pj), 0);
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -367,13 +397,26 @@ static long eval_cadence(const train_args *a) {
     return g;
 }
 
+// Flags that do not apply to this run are errors, never silently ignored.
+static int check_applicable(const train_args *a, int argc, char **argv) {
+    // (--tokenizer has its own message in setup_model)
+    static const char *const loader[] = {"workers", "max-bad-fraction", NULL};
+    static const char *const csv[] = {"csv-separator", "csv-img-key", "csv-caption-key", NULL};
+    static const char *const norm[] = {"image-mean", "image-std", NULL};
+    const char *why = "applies to --train-data (without it the run trains on the built-in synthetic data)";
+    if (a->data.path) return 0;
+    return cli_reject_flags("train", argc, argv, loader, why) ||
+           (!a->val_data && cli_reject_flags("train", argc, argv, csv, "applies to --train-data and --val-data")) ||
+           (!a->val_data && !a->zs_data &&
+            cli_reject_flags("train", argc, argv, norm, "applies to image files: --train-data, --val-data, --zeroshot-data"));
+}
+
 int cmd_train(int argc, char **argv) {
-    train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
-                    .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = -1, .keep = 3,
-                    .workers = 2, .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
-                    .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
+    train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
+                    .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1,
+                    .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
-    long steps_given = -1, epochs = 0;
+    long steps_given = -1;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
@@ -396,31 +439,36 @@ int cmd_train(int argc, char **argv) {
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &a.override, NULL, "with --pretrained or --resume: " CLI_OVERRIDE_HELP},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
-        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
+        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs and --save-frequency (synthetic: 10000; CSV: its rows)"},
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
-        {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
-        {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
-        {"wd", ARG_DOUBLE, &a.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
-        {"beta1", ARG_DOUBLE, &a.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9)"},
-        {"beta2", ARG_DOUBLE, &a.beta2, "B2", "AdamW beta2 (default 0.98)"},
-        {"eps", ARG_DOUBLE, &a.eps, "EPS", "AdamW epsilon (default 1e-6)"},
-        {"warmup", ARG_LONG, &a.warmup, "N", "linear warmup steps (default 30)"},
-        {"lr-scheduler", ARG_STRING, &a.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
-        {"lr-cooldown-steps", ARG_LONG, &a.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
-        {"optimizer", ARG_STRING, &a.optimizer, "NAME", "adamw (default) or adafactor"},
-        {"grad-clip-norm", ARG_DOUBLE, &a.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
+        {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
+                                                   "global batch) steps)"},
+        {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
+        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; Adafactor: 0)"},
+        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
+        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
+        {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (default 30)"},
+        {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
+        {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
+        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
+        {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
         {"seed", ARG_LONG, &a.seed, "N", "seed of the initialisation and the data order (default 0)"},
         {"image-size", ARG_INT, &a.image_size, "PX", "override the model's image size"},
         {"context-length", ARG_INT, &a.context_length, "N", "override the model's text context length"},
         {"logs", ARG_STRING, &a.logs, "DIR", "where runs are written (default ./logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: date-time and model; needed by --resume latest)"},
-        {"save-frequency", ARG_LONG, &a.save_every, "N", "write a checkpoint every N steps (default: at the end only)"},
+        {"save-frequency", ARG_LONG, &a.save_epochs, "N", "write a checkpoint every N epochs (as OpenCLIP; an epoch: "
+                                                            "--train-num-samples, else the CSV's rows; default: at the end)"},
+        {"save-every-n-steps", ARG_LONG, &a.save_steps, "N", "write a checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (default 3, 0 = all)"},
         {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest complete checkpoint, or step_N.safetensors"},
+        {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
+                                                                     "params.json (each logged; else an error)"},
         {"val-data", ARG_STRING, &a.val_data, "PATH", "validation pairs (OpenCLIP CSV/TSV with the --csv-* flags, or "
                                                     "webdataset shards): loss, accuracy, recall@1/5/10 (default: at the end)"},
         {"val-frequency", ARG_LONG, &a.val_freq, "N", "--val-data every N epochs, as OpenCLIP (an epoch: --train-num-samples "
@@ -445,14 +493,19 @@ int cmd_train(int argc, char **argv) {
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
+    static const char *const mome[] = {"codebook", "mix", "image-data", "text-data", NULL};
+    if (cli_reject_flags("train", argc, argv, mome, "applies to VL-MoE (arch mome) models, e.g. --model vlmoe-tiny"))
+        return 1;
+    args_set_epilogue(USAGE_MORE);
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    if (check_applicable(&a, argc, argv)) return 1;
     // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
     // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
     const int clipup = a.preset && !strcmp(a.preset, "clipup");
-    if (isnan(a.lr)) a.lr = clipup ? 5e-5 : 1e-3;
-    if (isnan(a.wd)) a.wd = clipup ? 0.05 : 0.1;
+    if (isnan(a.o.lr)) a.o.lr = clipup ? 5e-5 : 1e-3;
+    if (isnan(a.o.wd)) a.o.wd = clipup ? 0.05 : 0.1;
     a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
     const int synthetic = !strcmp(a.dataset_type, "synthetic");
     if (synthetic && a.data.path)
@@ -489,28 +542,23 @@ int cmd_train(int argc, char **argv) {
     if (a.zs_dataset && !cli_is_json(a.zs_names) && !cli_is_json(a.zs_templates))
         return cli_error("train", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give "
                          "--zeroshot-classnames or --zeroshot-templates FILE.json", a.zs_dataset);
-    const int by_epoch = epochs > 0 || a.val_freq > 0 || a.zs_freq > 0; // an epoch's size is needed
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
     if (a.batch_size * dist->world < 2)
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
                          "processes)", dist->world);
-    if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
-    if (!synthetic && vlmoe_dataset_check(&a.data, by_epoch && a.num_samples <= 0 ? &a.num_samples : NULL))
-        return cli_error("train", "--train-data: %s", vlmoe_last_error());
-    if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
+    cli_run_length len = {steps_given, a.epochs, a.save_epochs, a.save_steps, a.num_samples,
+                          (long)a.batch_size * dist->world, a.steps, 0};
+    const int by_epoch = cli_by_epoch(&len) || a.val_freq > 0 || a.zs_freq > 0; // an epoch's size is needed
+    if (!synthetic && vlmoe_dataset_check(&a.data, NULL)) return cli_error("train", "--train-data: %s", vlmoe_last_error());
+    if (!synthetic && by_epoch && len.samples <= 0 && vlmoe_dataset_check(&a.data, &len.samples))
+        return cli_error("train", "--train-data: %s (or count in steps: --save-every-n-steps, --val-every-n-steps, "
+                         "--zeroshot-every-n-steps)", vlmoe_last_error());
+    if (synthetic && len.samples <= 0) len.samples = 10000;
     if (cli_resampling("train", &a.data, a.resampled, a.upsampling)) return 1;
-    if (epochs > 0) {
-        if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-        const long G = (long)a.batch_size * dist->world;
-        a.steps = (epochs * a.num_samples + G - 1) / G;
-    } else if (steps_given >= 0) {
-        a.steps = steps_given;
-    }
-    a.epochs = epochs;
-    if (a.steps < 1) return cli_error("train", "--steps must be >= 1");
-    if (by_epoch && a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-    const long G = (long)a.batch_size * dist->world, per_epoch = by_epoch ? (a.num_samples + G - 1) / G : 0;
+    if (cli_run_length_set("train", &len)) return 1;
+    a.steps = len.steps, a.save_every = len.save_every, a.num_samples = len.samples;
+    const long per_epoch = by_epoch ? (a.num_samples + len.per_step - 1) / len.per_step : 0;
     a.val_every = a.val_freq ? a.val_freq * per_epoch : a.val_steps;
     a.zeroshot_every = a.zs_freq ? a.zs_freq * per_epoch : a.zs_steps;
     if (a.log_every < 1) a.log_every = 1;
@@ -521,23 +569,10 @@ int cmd_train(int argc, char **argv) {
                          dist->world == 1 ? " (start several with mpirun -np N)" : "");
     if (a.resume && !strcmp(a.resume, "latest") && !a.name)
         return cli_error("train", "--resume latest needs --name (the run to continue)");
+    if (a.allow_changes && !a.resume) return cli_error("train", "--resume-allow-changes applies to --resume");
 
     vlmoe_train_params tp = vlmoe_train_default_params();
-    if (!strcmp(a.optimizer, "adafactor")) tp.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAFACTOR);
-    else if (strcmp(a.optimizer, "adamw")) return cli_error("train", "--optimizer %s: expected adamw or adafactor", a.optimizer);
-    tp.optim.beta1 = (float)a.beta1;
-    if (tp.optim.kind == VLMOE_OPT_ADAMW) {
-        tp.optim.beta2 = (float)a.beta2;
-        tp.optim.eps = (float)a.eps;
-    } else if (a.beta1 == 0.9) {
-        tp.optim.beta1 = 0; // Adafactor: no momentum unless asked for
-    }
-    tp.optim.weight_decay = (float)a.wd;
-    tp.grad_clip_norm = a.grad_clip;
-    int sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
-             : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : -1;
-    if (sk < 0) return cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
-    tp.schedule = (vlmoe_schedule){(vlmoe_sched_kind)sk, a.lr, a.warmup, a.steps, 0.0, a.cooldown, 0.0};
+    if (cli_optim_params("train", &a.o, a.steps, 0.98, &tp)) return 1; // beta2: OpenCLIP's ViT default
 
     train_run r;
     memset(&r, 0, sizeof(r));
@@ -547,17 +582,23 @@ int cmd_train(int argc, char **argv) {
     } else if (a.name) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name);
     } else {
-        char ts[64], model[64];
+        char ts[64], model[128];
         time_t t0 = time(NULL);
         strftime(ts, sizeof(ts), "%Y_%m_%d-%H_%M_%S", localtime(&t0));
-        snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : a.model);
+        vlmoe_model_config mc; // a JSON config's own name, not its file's path
+        snprintf(model, sizeof(model), "%s", a.pretrained ? "pretrained" : vlmoe_config_load(a.model, &mc) ? a.model : mc.name);
         for (char *p = model; *p; p++)
             if (*p == '/') *p = '-'; // model names like S/32
-        snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.lr, a.batch_size);
+        snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
+    cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
+    const int how = (a.allow_changes ? CLI_RESUME_ALLOW : 0) | (r.lead ? CLI_RESUME_PRINT : 0) | CLI_RESUME_CARRIED;
+    rc = now && cli_resume_check("train", r.dir, now, how, &changes);
+    cJSON_Delete(now);
+    if (rc) return run_free(&r, rc), rc;
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && !(rc = setup_data(&a, &r))) {
@@ -567,7 +608,8 @@ int cmd_train(int argc, char **argv) {
         if (!(rc = setup_validation(&a, &r, &cp)) && vlmoe_contrastive_init(&r.task, &cp))
             rc = cli_error("train", "%s", vlmoe_last_error());
     }
-    if (!rc && r.lead) rc = write_run_files(&a, &r);
+    if (!rc && r.lead) rc = write_run_files(&a, &r, changes), changes = NULL;
+    cJSON_Delete(changes);
     if (rc) {
         run_free(&r, rc);
         return rc;

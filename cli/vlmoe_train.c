@@ -5,6 +5,7 @@
 // (the MIM codebook) is cli/vq.c. Covered by tests/test_vlmoe_train.c.
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -19,6 +20,7 @@
 #include "nn/model.h"
 #include "tokenize.h"
 #include "train/tasks.h"
+#include "train_flags.h"
 #include "vlmoe_train.h"
 
 static const char *CMD = "train";
@@ -39,12 +41,13 @@ int cli_train_is_mome(int argc, char **argv) {
 }
 
 typedef struct {
-    const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume, *scheduler;
+    const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume;
     const char *dataset_type, *csv_separator, *tokenizer, *image_mean, *image_std;
     const char *upsampling;      // --train-data-upsampling-factors
-    int batch, log_every, keep, workers, threads, resampled;
-    long steps, warmup, seed, save_every;
-    double lr, wd, max_bad;
+    int batch, log_every, keep, workers, threads, allow_changes, resampled;
+    long steps, seed, save_every, save_epochs, epochs, num_samples;
+    double max_bad;
+    cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags
 } mome_args;
 
@@ -156,6 +159,20 @@ static int open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_
     return 0;
 }
 
+// --steps or --epochs, and --save-frequency (epochs) or --save-every-n-steps, as steps. An epoch
+// is --train-num-samples samples of every stream together (10000 on the synthetic data): the
+// streams' files have sizes of their own, none of which is the mixture's.
+static int steps_epochs(mome_args *a, long steps_given) {
+    cli_run_length len = {steps_given, a->epochs, a->save_epochs, a->save_every, a->num_samples, a->batch, a->steps, 0};
+    if (cli_by_epoch(&len) && len.samples <= 0 && (a->image_data || a->text_data || a->data.path))
+        return cli_error(CMD, "--%s counts epochs: give --train-num-samples N (the samples of all streams in an epoch; "
+                         "or --save-every-n-steps)", a->epochs ? "epochs" : "save-frequency");
+    if (len.samples <= 0) len.samples = cli_by_epoch(&len) ? 10000 : 0;
+    if (cli_run_length_set(CMD, &len)) return 1;
+    a->steps = len.steps, a->save_every = len.save_every, a->num_samples = len.samples;
+    return 0;
+}
+
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
 // A fresh model from --model, or the newest usable checkpoint (--resume latest, falling back to
@@ -200,8 +217,9 @@ static int setup_model(const mome_args *a, const vlmoe_train_params *tp, const v
     return record_inputs(p, w, r);
 }
 
-static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
-    const vlmoe_mome_report *rep = vlmoe_mome_get_report(r->task);
+// params.json: every flag that shapes the run (the --resume check compares them), strings that
+// were not given as null.
+static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_split *sp) {
     cJSON *p = cJSON_CreateObject();
     cJSON_AddStringToObject(p, "model", a->model);
     cJSON_AddStringToObject(p, "codebook", a->codebook ? a->codebook : "(the checkpoint's)");
@@ -209,21 +227,36 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
     for (int k = 0; k < VLMOE_MOME_STREAMS; k++) {
         cJSON *s = cJSON_AddObjectToObject(streams, vlmoe_mome_stream_name(k));
         cJSON_AddNumberToObject(s, "weight", w[k]);
-        cJSON_AddNumberToObject(s, "per_step", rep->split.n[k]);
-        cJSON_AddStringToObject(s, "source", vlmoe_mome_source_name(rep->split.src[k]));
+        cJSON_AddNumberToObject(s, "per_step", sp->n[k]);
+        cJSON_AddStringToObject(s, "source", vlmoe_mome_source_name(sp->src[k]));
     }
-    const char *key[5] = {"image_data", "text_data", "train_data", "tokenizer", "train_data_upsampling_factors"};
-    const char *val[5] = {a->image_data, a->text_data, a->data.path, a->tokenizer, a->upsampling};
-    if (a->data.path) cJSON_AddBoolToObject(p, "dataset_resampled", a->resampled);
-    for (int i = 0; i < 5; i++)
-        if (val[i]) cJSON_AddStringToObject(p, key[i], val[i]);
-    const char *nk[] = {"batch_size", "chunk", "steps", "lr"};
-    const double nv[] = {a->batch, rep->split.chunk, (double)a->steps, a->lr};
-    for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
-    cJSON_AddStringToObject(p, "lr_scheduler", a->scheduler);
-    const char *mk[] = {"warmup", "wd", "seed", "save_every_n_steps", "threads"};
-    const double mv[] = {(double)a->warmup, a->wd, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
-    for (int i = 0; i < 5; i++) cJSON_AddNumberToObject(p, mk[i], mv[i]);
+    const char sep[2] = {a->data.separator, 0};
+    const char *key[] = {"image_data", "text_data", "train_data", "dataset_type", "csv_separator", "csv_img_key",
+                         "csv_caption_key", "tokenizer", "image_mean", "image_std"};
+    const char *val[] = {a->image_data, a->text_data, a->data.path, a->data.path ? a->dataset_type ? a->dataset_type : "auto" : NULL,
+                         a->data.path ? sep : NULL, a->data.path ? a->data.img_key : NULL,
+                         a->data.path ? a->data.caption_key : NULL, a->tokenizer, a->image_mean, a->image_std};
+    for (int i = 0; i < 10; i++) cJSON_AddItemToObject(p, key[i], val[i] ? cJSON_CreateString(val[i]) : cJSON_CreateNull());
+    cJSON_AddBoolToObject(p, "dataset_resampled", a->resampled);
+    cJSON_AddItemToObject(p, "train_data_upsampling_factors", a->upsampling ? cJSON_CreateString(a->upsampling)
+                                                                             : cJSON_CreateNull());
+    const char *nk[] = {"batch_size", "chunk", "steps", "epochs", "train_num_samples", "seed", "save_frequency",
+                        "save_every_n_steps", "keep_checkpoints", "log_every_n_steps", "workers", "max_bad_fraction",
+                        "threads"};
+    const double nv[] = {a->batch, sp->chunk, (double)a->steps, (double)a->epochs, (double)a->num_samples,
+                         (double)a->seed, (double)a->save_epochs, (double)a->save_every, a->keep, a->log_every,
+                         a->workers, a->max_bad, omp_get_max_threads()};
+    for (int i = 0; i < 13; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    cli_optim_json(p, &a->o);
+    return p;
+}
+
+// A fresh run writes config.json and params.json; a resumed one keeps them (the user's record)
+// and, when it goes on with changed flags, logs them in params_resumed.json.
+static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSON *changes) {
+    cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split);
+    if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
+                                  : (cJSON_Delete(p), 0);
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? lib_error("") : 0;
 }
 
@@ -266,12 +299,26 @@ static const char *USAGE =
     "              --resume latest      (the same flags as the first run)\n"
     "  vlmoe vq train --model vlmoe-tiny --size 1024 --image-data photos/ -o photos_cb.safetensors\n"
     "  vlmoe train --model vlmoe-tiny --codebook photos_cb.safetensors --image-data photos/ --text-data \\\n"
-    "              sentences.txt --train-data pairs.csv --csv-caption-key caption --mix 1,1,2 --batch-size 48";
+    "              sentences.txt --train-data pairs.csv --csv-caption-key caption --mix 1,1,2 --batch-size 48\n\n"
+    "--resume checks the flags against the run's params.json (model, batch, streams, data, tokenizer,\n"
+    "normalisation, seed, schedule, optimizer): a change is an error naming the values, unless\n"
+    "--resume-allow-changes (each change is then printed and logged in params_resumed.json).\n"
+    "--steps/--epochs may be raised to train longer (the schedule is derived again from them).\n\n"
+    CLI_PROGRESS_HELP
+    "  MIM L (acc A)             image stream: masked image modeling loss and accuracy\n"
+    "  MLM L (acc A)             text stream: masked language modeling loss and accuracy\n"
+    "  VLM T + I (acc a/b)       pair stream: its text and image masked losses and accuracies\n"
+    "  aux A                     the weighted MoE auxiliary losses\n"
+    "  lr, samples/s, ETA        the learning rate, the throughput, the time to --steps\n"
+    "  routing  STREAM: bN V-MoE|T-MoE success S dropped D experts E, ...   the next line: per\n"
+    "                            MoE block, the share of tokens placed with an expert, of\n"
+    "                            assignments dropped, and the experts in use";
 
 int cmd_train_mome(int argc, char **argv) {
-    mome_args a = {.logs = "logs", .mix = "1,1,1", .scheduler = "cosine", .csv_separator = "\t", .batch = 48,
-                   .log_every = 10, .keep = 3, .workers = 2, .steps = 300, .warmup = 30, .lr = 1e-3, .wd = 0.05,
-                   .max_bad = 0.1};
+    mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
+                   .workers = 2, .steps = 300, .max_bad = 0.1,
+                   .o = {"adamw", "cosine", 1e-3, 0.05, NAN, NAN, NAN, 1.0, 30, 0}};
+    long steps_given = -1;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE", "a VL-MoE (arch mome) model, e.g. vlmoe-tiny"},
@@ -295,18 +342,31 @@ int cmd_train_mome(int argc, char **argv) {
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"batch-size", ARG_INT, &a.batch, "N", "samples per step, split by --mix (48)"},
-        {"steps", ARG_LONG, &a.steps, "N", "training steps (300)"},
-        {"lr", ARG_DOUBLE, &a.lr, "X", "peak learning rate (1e-3)"},
-        {"lr-scheduler", ARG_STRING, &a.scheduler, "KIND", "cosine decay to 0 at --steps (default) or const"},
-        {"warmup", ARG_LONG, &a.warmup, "N", "linear warmup steps (30)"},
-        {"wd", ARG_DOUBLE, &a.wd, "X", "AdamW weight decay (0.05, VL-MoE sec. 4.1)"},
+        {"steps", ARG_LONG, &steps_given, "N", "training steps (300)"},
+        {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
+        {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
+                                                          "--save-frequency (synthetic data: 10000)"},
+        {"lr", ARG_DOUBLE, &a.o.lr, "X", "peak learning rate (1e-3)"},
+        {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine decay to 0 at --steps (default), rsqrt (with "
+                                                             "--lr-cooldown-steps) or const"},
+        {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
+        {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (30)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1)"},
+        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
+        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; Adafactor: 0)"},
+        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
+        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
+        {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
         {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks and routing noise (0)"},
         {"logs", ARG_STRING, &a.logs, "DIR", "log folder (logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: the model name)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
+        {"save-frequency", ARG_LONG, &a.save_epochs, "N", "checkpoint every N epochs (as OpenCLIP; default: at the end only)"},
         {"save-every-n-steps", ARG_LONG, &a.save_every, "N", "checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (3, 0 = all)"},
         {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest usable checkpoint or step_N.safetensors"},
+        {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
+                                                                     "params.json (each logged; else an error)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
@@ -323,6 +383,11 @@ int cmd_train_mome(int argc, char **argv) {
                                  "is a flag of contrastive training (LIMoE, CLIP). Evaluate the checkpoints after the "
                                  "run instead", val_flags[k]);
         }
+    static const char *const contrastive[] = {"pretrained", "preset", "zeroshot-frequency", "eval-samples",
+                                              "expert-parallel", "device", "image-size", "context-length", NULL};
+    if (cli_reject_flags(CMD, argc, argv, contrastive, "applies to contrastive models (one_tower, two_tower), not "
+                         "VL-MoE (arch mome) pre-training"))
+        return 1;
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
@@ -330,12 +395,10 @@ int cmd_train_mome(int argc, char **argv) {
     if (!a.codebook && !a.resume)
         return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`; a resumed "
                          "run takes its checkpoint's)");
-    if (a.steps < 1 || a.log_every < 1 || a.save_every < 0 || a.keep < 0 || a.warmup < 0)
-        return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --save-every-n-steps, --keep-checkpoints "
-                         "and --warmup >= 0");
-    const int cosine = !strcmp(a.scheduler, "cosine");
-    if (!cosine && strcmp(a.scheduler, "const"))
-        return cli_error(CMD, "--lr-scheduler %s: expected cosine or const", a.scheduler);
+    if (steps_epochs(&a, steps_given)) return 1;
+    if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
+        return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
+    if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
     int w[3];
     if (parse_mix(a.mix, w)) return 1;
     if (a.data.path) {
@@ -343,8 +406,10 @@ int cmd_train_mome(int argc, char **argv) {
         if (cli_separator(CMD, a.csv_separator, &a.data.separator)) return 1;
         if (a.workers < 0 || !(a.max_bad >= 0 && a.max_bad <= 1))
             return cli_error(CMD, "--workers must be >= 0 and --max-bad-fraction in [0, 1]");
-    } else if (a.dataset_type) {
-        return cli_error(CMD, "--dataset-type applies to --train-data");
+    } else {
+        static const char *const file[] = {"dataset-type", "csv-separator", "csv-img-key", "csv-caption-key", "workers",
+                                           "max-bad-fraction", NULL};
+        if (cli_reject_flags(CMD, argc, argv, file, "applies to --train-data")) return 1;
     }
     if (cli_resampling(CMD, &a.data, a.resampled, a.upsampling)) return 1;
     a.data.note = on_warn;   // how CSV image paths were found, once
@@ -370,9 +435,17 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (vlmoe_mkdir_p(r.ckdir)) return lib_error("");
+    if (vlmoe_mkdir_p(r.ckdir)) return run_free(&r), lib_error("");
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
+    if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return run_free(&r), 1;
+    // --resume: the flags against the run's before anything is read or written
+    cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp) : NULL;
+    rc = now && cli_resume_check(CMD, r.dir, now, CLI_RESUME_PRINT | (a.allow_changes ? CLI_RESUME_ALLOW : 0), &changes);
+    cJSON_Delete(now);
+    if (rc) return run_free(&r), rc;
     if ((rc = open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = lib_error(""))))
-        return run_free(&r), rc;
+        return cJSON_Delete(changes), run_free(&r), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);
     if (rep->n_sentences) fprintf(stderr, "vlmoe train: texts: %zu sentences of %s\n", rep->n_sentences, a.text_data);
     if (r.n_images) fprintf(stderr, "vlmoe train: images: %d files under %s\n", r.n_images, a.image_data);
@@ -382,16 +455,13 @@ int cmd_train_mome(int argc, char **argv) {
         fprintf(stderr, "vlmoe train: data %s (%s): %d of each step's samples, %d loader workers\n", a.data.path, what,
                 rep->n_loader, a.workers);
     }
-    vlmoe_train_params tp = vlmoe_train_default_params();
-    tp.optim.beta2 = 0.999f; // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
-    tp.optim.weight_decay = (float)a.wd;
-    tp.schedule = (vlmoe_schedule){cosine ? VLMOE_SCHED_COSINE : VLMOE_SCHED_CONST, a.lr, a.warmup, a.steps, 0.0, 0, 0};
     vlmoe_ckpt_clean_tmp(r.ckdir);
     rc = setup_model(&a, &tp, &p, &r);
     const long start = rc ? 0 : vlmoe_trainer_get_step(r.t);
     if (!rc && start >= a.steps) // -1: nothing to do, and no error
         printf("the run is at step %ld already, not before --steps %ld: nothing to train\n", start, a.steps), rc = -1;
-    if (!rc) rc = write_run_files(&a, w, &r);
+    if (!rc) rc = write_run_files(&a, w, &r, changes), changes = NULL;
+    cJSON_Delete(changes);
     if (rc) return run_free(&r), rc < 0 ? 0 : rc;
     const vlmoe_mome_split *s = &rep->split;
     fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d images + %d texts + %d pairs "

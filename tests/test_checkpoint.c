@@ -406,7 +406,7 @@ static void test_adafactor_resume(void) {
 static const char *bin;
 
 #define NSTEPS 40
-static const char *TRAIN_ARGS = "train --model limoe-tiny --steps 40 --batch-size 8 --warmup 3 --save-frequency 1 "
+static const char *TRAIN_ARGS = "train --model limoe-tiny --steps 40 --batch-size 8 --warmup 3 --save-every-n-steps 1 "
                                 "--keep-checkpoints 2 --log-every-n-steps 1 --eval-samples 0 --threads 2";
 
 static int run_cmd(const char *extra) {
@@ -545,7 +545,7 @@ static void test_corrupt_latest(void) {
           "the corrupt checkpoint was not reported and skipped:\n%s", out);
     // with every checkpoint corrupt, resume refuses clearly
     snprintf(cmd, sizeof(cmd), "for f in %s/full/checkpoints/*.safetensors; do printf xxxxxxxx > $f; done; "
-             "%s train --model limoe-tiny --steps 44 --batch-size 8 --logs %s --name full --resume latest "
+             "%s train --model limoe-tiny --steps 44 --batch-size 8 --warmup 3 --logs %s --name full --resume latest "
              "> %s/out.txt 2>&1", dir, bin, dir, dir);
     st = system(cmd);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 1, "resume with only corrupt checkpoints must fail");

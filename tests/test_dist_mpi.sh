@@ -91,10 +91,10 @@ fi
 # processes each resume it and train on to step 8; both log the losses of one process trained 8
 # steps alone
 printf '{"base": "limoe-tiny", "moe": {"group_size": 64}}\n' > "$tmp/lg.json"
-common="train --model $tmp/lg.json --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-frequency 3"
+common="train --model $tmp/lg.json --log-every-n-steps 1 --eval-samples 0 --logs $tmp --save-every-n-steps 3"
 ck="$tmp/w4/checkpoints/step_3.safetensors"
 if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 3 --batch-size 2 --expert-parallel 4 --name w4 > "$tmp/w4.log" 2>&1 &&
-   mkdir -p "$tmp/r1/checkpoints" "$tmp/r2/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/r1/" && cp "$tmp/w4/metrics.jsonl" "$tmp/r2/" &&
+   mkdir -p "$tmp/r1/checkpoints" "$tmp/r2/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params.json" "$tmp/r1/" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params.json" "$tmp/r2/" &&
    cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r1/checkpoints/" &&
    cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/r2/checkpoints/" &&
    timeout 300 "$vl" $common --steps 8 --batch-size 8 --name r1 --resume latest > "$tmp/r1.log" 2>&1 &&
@@ -137,7 +137,7 @@ fi
 # a process killed mid-run (kill -9 one of 4) ends the job within 60 s with a message naming it,
 # and leaves no half-written checkpoint
 ( timeout 120 mpirun -np 4 --oversubscribe "$vl" train --model tiny --steps 1000000 --batch-size 2 \
-    --log-every-n-steps 1 --eval-samples 0 --save-frequency 3 --logs "$tmp" --name kill > "$tmp/kill.log" 2>&1
+    --log-every-n-steps 1 --eval-samples 0 --save-every-n-steps 3 --logs "$tmp" --name kill > "$tmp/kill.log" 2>&1
   echo $? > "$tmp/kill.rc" ) &
 job=$!
 for i in $(seq 1 300); do

@@ -619,7 +619,7 @@ static void test_cli(void) {
     write_tar(P("cli/part-1.tar"), 0, m + 48, 48);
     for (int i = 0; i < 48; i++) free(jpg[i]);
     put("vocab600.json", "{\"base\": \"tiny\", \"vocab_size\": 600}");
-    const char *common = "--batch-size 8 --lr-scheduler const --warmup 0 --save-frequency 2 --log-every-n-steps 1 "
+    const char *common = "--batch-size 8 --lr-scheduler const --warmup 0 --save-every-n-steps 2 --log-every-n-steps 1 "
                          "--logs runs --threads 2";
     char a[1024];
     snprintf(a, sizeof a, "--model tiny --train-data cli/pairs.tsv --csv-caption-key caption %s", common);

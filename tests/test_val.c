@@ -176,7 +176,7 @@ static void test_steps(void) {
     const char *common = "--train-data train.csv --csv-separator , --image-mean 0.5 --image-std 0.5 --batch-size 8 "
                          "--lr-scheduler const --warmup 0 --workers 1 --log-every-n-steps 1 --logs runs";
     char args[1024];
-    snprintf(args, sizeof(args), "train --model m.json %s --steps 4 --save-frequency 2 --keep-checkpoints 0 --name v "
+    snprintf(args, sizeof(args), "train --model m.json %s --steps 4 --save-every-n-steps 2 --keep-checkpoints 0 --name v "
              "--val-data val.csv --val-every-n-steps 2 --zeroshot-data zs --zeroshot-classnames names.json "
              "--zeroshot-templates tpl.json --zeroshot-dataset mine --zeroshot-every-n-steps 3", common);
     int st = run(args, 1);
@@ -225,7 +225,7 @@ static void test_steps(void) {
     const char *val = "--val-data val.csv --val-every-n-steps 2 --zeroshot-data zs --zeroshot-classnames names.json "
                       "--zeroshot-templates tpl.json --zeroshot-dataset mine --zeroshot-every-n-steps 3";
     for (int k = 0; k < 2; k++) {
-        snprintf(args, sizeof(args), "train --model m.json %s --save-frequency 2 --name r %s --steps %s", common, val,
+        snprintf(args, sizeof(args), "train --model m.json %s --save-every-n-steps 2 --name r %s --steps %s", common, val,
                  k ? "4 --resume latest" : "2");
         st = run(args, 1);
         CHECK(st == 0, "`vlmoe %s`: exit %d\n%s", args, st, out);

@@ -226,7 +226,12 @@ int main(int argc, char **argv) {
     snprintf(a, sizeof(a), "train %s %s --steps 8 --name half --workers 3 --resume latest", common, files);
     expect(a, 0, "resuming from runs/half/checkpoints/step_4.safetensors (step 4)", "trained to step 8");
     check_same("full", "half", 8);
+    // a changed --mix is refused by the flags' check, and with --resume-allow-changes by the
+    // checkpoint's data state
     snprintf(a, sizeof(a), "train %s %s --mix 1,1,1 --steps 8 --name half --resume latest", common, files);
+    expect(a, 1, "the streams (--mix, --batch-size and the data flags)", "differs from the run's");
+    snprintf(a, sizeof(a), "train %s %s --mix 1,1,1 --steps 8 --name half --resume latest --resume-allow-changes", common,
+             files);
     expect(a, 1, "written with another data set-up", NULL);
 
     snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 8 --save-every-n-steps 4 --name cos",
@@ -239,6 +244,30 @@ int main(int argc, char **argv) {
              "--resume runs/cos2/checkpoints/step_4.safetensors", common);
     expect(a, 0, "resuming from runs/cos2/checkpoints/step_4.safetensors", "trained to step 8");
     check_same("cos", "cos2", 8);
+    // the flags are checked against the run's params.json: a changed --lr is refused with both
+    // values, and taken with --resume-allow-changes (logged in params_resumed.json)
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 10 --name cos --resume latest "
+             "--lr 3e-3", common);
+    expect(a, 1, "--lr 0.003 differs from the run's 0.002 (params.json of runs/cos)", NULL);
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --steps 10 --name cos --resume latest "
+             "--lr 3e-3 --wd 0.1 --resume-allow-changes", common);
+    expect(a, 0, "warning: --resume-allow-changes: --lr 0.003 differs", "trained to step 10");
+    params = test_read_file(P("runs/cos/params_resumed.json"), NULL);
+    CHECK(params && strstr(params, "--wd 0.1 differs from the run's 0.05") && strstr(params, "\"step\":\t8"),
+          "params_resumed.json:\n%s", params ? params : "(none)");
+    free(params);
+    // --save-frequency counts epochs of --train-num-samples: 24 samples at 12 a step are 2 steps
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --train-num-samples 24 --epochs 2 "
+             "--save-frequency 1 --keep-checkpoints 0 --name ep", common);
+    expect(a, 0, "trained to step 4", NULL);
+    int at[4];
+    for (int i = 0; i < 4; i++) {
+        char rel[128];
+        snprintf(rel, sizeof(rel), "runs/ep/checkpoints/step_%d.safetensors", i + 1);
+        at[i] = access(P(rel), R_OK) == 0;
+    }
+    CHECK(!at[0] && at[1] && !at[2] && at[3], "--save-frequency 1: checkpoints at steps 1-4: %d%d%d%d, want 0101", at[0],
+          at[1], at[2], at[3]);
 
     // (d) bad input
     expect("train --steps 2 --model m.json --codebook cbf.safetensors --text-data texts.txt", 1, "the pair stream has weight 1",
@@ -272,6 +301,14 @@ int main(int argc, char **argv) {
     expect("train --steps 2 --model m.json --codebook nothere.safetensors", 1, "nothere.safetensors", NULL);
     expect("train --steps 2 --model m.json --codebook cb.safetensors --name none --resume latest", 1,
            "no checkpoint in logs/none/checkpoints", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data imgs --mix 1,0,0 --save-frequency 1", 1,
+           "--save-frequency counts epochs: give --train-num-samples", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --workers 3", 1, "--workers applies to --train-data",
+           NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --device cpu", 1, "--device applies to contrastive",
+           NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --optimizer adafactor --eps 1e-8", 1,
+           "--eps applies to --optimizer adamw", NULL);
 
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);

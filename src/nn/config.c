@@ -671,6 +671,14 @@ int vlmoe_config_load(const char *path, vlmoe_model_config *out) {
     int st = read_config_file(path, &buf);
     if (st) return st;
     st = vlmoe_config_from_json(buf, path, out);
+    // a file that changes a named model is a model of its own: it is named after the file
+    // ("my" for configs/my.json), not its base, unless it has a "name" of its own
+    cJSON *root = st ? NULL : cJSON_Parse(buf);
+    if (root && !cJSON_GetObjectItemCaseSensitive(root, "name")) {
+        const char *stem = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+        snprintf(out->name, sizeof(out->name), "%.*s", (int)strlen(stem) - 5, stem);
+    }
+    cJSON_Delete(root);
     free(buf);
     return st;
 }

@@ -196,10 +196,15 @@ int vlmoe_model_evaluate(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats 
 
 int vlmoe_model_average(vlmoe_model *dst, vlmoe_model *const *models, int n) {
     if (n < 1) return vlmoe_fail(VLMOE_ERR_ARG, "average: no models");
-    char *want = vlmoe_config_to_json(&dst->L.cfg);
+    // the same shapes and routing under another name (a JSON config named after its file) average
+    vlmoe_model_config c = dst->L.cfg;
+    c.name[0] = 0;
+    char *want = vlmoe_config_to_json(&c);
     int st = want ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "config json");
     for (int i = 0; i < n && !st; i++) {
-        char *got = vlmoe_config_to_json(&models[i]->L.cfg);
+        c = models[i]->L.cfg;
+        c.name[0] = 0;
+        char *got = vlmoe_config_to_json(&c);
         if (!got || strcmp(got, want))
             st = vlmoe_fail(VLMOE_ERR_CONFIG, "average: model %d (%s) has another config than %s", i,
                             models[i]->L.cfg.name, dst->L.cfg.name);
