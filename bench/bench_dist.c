@@ -82,7 +82,7 @@ int main(int argc, char **argv) {
     if (!st) st = vlmoe_model_plan(m, B);
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
     if (!st) st = vlmoe_synth_init(&s, &sp);
-    const vlmoe_contrastive_params cp = {m, B, s, NULL, 0, timed.rank, timed.world};
+    const vlmoe_contrastive_params cp = {m, B, s, NULL, 0, timed.rank, timed.world, 1};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     if (st) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     const vlmoe_run_task rt = vlmoe_contrastive_task(task);

@@ -24,6 +24,7 @@ typedef struct {
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
+    int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
@@ -69,6 +70,12 @@ static const char *USAGE =
     "decode, random-resized-crop to the model's image size, normalise (--image-mean/--image-std)\n"
     "and tokenize ahead of the step; shuffled per epoch from --seed, the same for any --workers.\n"
     "Bad samples are skipped and counted; more than --max-bad-fraction of them stops the run.\n"
+    "--accum-freq N (OpenCLIP's): a step takes N micro-batches of --batch-size, caches their features,\n"
+    "then runs each again with activations and backpropagates the loss over all N x batch-size pairs:\n"
+    "the step of a batch N times larger (the same loss and gradient, to float rounding, when MoE\n"
+    "routing groups split a micro-batch) in the activation memory of one micro-batch, at about twice\n"
+    "the forward compute. The global batch is processes x N x --batch-size; --steps, the schedule,\n"
+    "the logs and checkpoints count optimizer steps of it.\n"
     "Without --tokenizer, a model with at least 514 ids gets a BPE vocabulary trained on the first\n"
     "10000 captions (saved as LOGS/NAME/tokenizer.txt, for vlmoe eval --tokenizer); a smaller one\n"
     "uses the synthetic data's word tokenizer.\n\n"
@@ -105,10 +112,11 @@ static int write_run_files(const train_args *a, train_run *r) {
         cJSON_AddNumberToObject(pj, "workers", a->workers);
         cJSON_AddNumberToObject(pj, "max_bad_fraction", a->max_bad);
     }
-    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
-    const double nv[] = {a->batch_size, r->dist->world, (double)a->batch_size * r->dist->world, (double)a->steps,
-                         a->lr, a->wd, (double)a->warmup};
-    for (int i = 0; i < 7; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    const char *nk[] = {"batch_size", "accum_freq", "world_size", "global_batch_size", "steps", "lr", "wd", "warmup"};
+    const double nv[] = {a->batch_size, a->accum_freq, r->dist->world,
+                         (double)a->batch_size * a->accum_freq * r->dist->world, (double)a->steps, a->lr, a->wd,
+                         (double)a->warmup};
+    for (int i = 0; i < 8; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
     cJSON_AddStringToObject(pj, "lr_scheduler", a->scheduler);
     cJSON_AddStringToObject(pj, "optimizer", a->optimizer);
     const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
@@ -176,7 +184,8 @@ static int setup_data(const train_args *a, train_run *r) {
     if (cli_image_params("train", a->image_mean, a->image_std, c, &lp.image) || setup_text(a, c, r)) return 1;
     lp.data = a->data;
     lp.seed = (uint64_t)a->seed;
-    lp.batch_size = a->batch_size * r->dist->world; // every process reads the global batch, takes its block
+    // every process reads the global batch and takes its block of accum_freq micro-batches
+    lp.batch_size = a->batch_size * a->accum_freq * r->dist->world;
     lp.context_length = c->context_length;
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;
@@ -193,7 +202,8 @@ static int setup_data(const train_args *a, train_run *r) {
 int cmd_train(int argc, char **argv) {
     train_args a = {.model = "tiny", .logs = "./logs", .optimizer = "adamw", .scheduler = "cosine",
                     .csv_separator = "\t", .batch_size = 64, .log_every = 10, .eval_samples = 1000, .keep = 3,
-                    .workers = 2, .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
+                    .workers = 2, .accum_freq = 1,
+                    .steps = 300, .warmup = 30, .lr = NAN, .wd = NAN, .beta1 = 0.9, .beta2 = 0.98,
                     .eps = 1e-6, .grad_clip = 1.0, .max_bad = 0.1};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1, epochs = 0;
@@ -218,7 +228,12 @@ int cmd_train(int argc, char **argv) {
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
+        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with --accum-freq (default 64; "
+                                                   "the global batch is mpirun's -np x --accum-freq x it)"},
+        {"accum-freq", ARG_INT, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
+                                                     "--batch-size and computes the contrastive loss over all N x "
+                                                     "batch-size pairs, caching features, not activations: batch N x B "
+                                                     "in the memory of B (default 1)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"lr", ARG_DOUBLE, &a.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
@@ -268,16 +283,22 @@ int cmd_train(int argc, char **argv) {
     }
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
-    if (a.batch_size * dist->world < 2)
+    if (a.accum_freq < 1)
+        return cli_error("train", "--accum-freq must be >= 1 (the micro-batches of --batch-size per step; 1: no "
+                         "accumulation), got %d", a.accum_freq);
+    if ((long)a.batch_size * a.accum_freq * dist->world < 2 || a.batch_size < 1)
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
-                         "processes)", dist->world);
+                         "processes x --accum-freq %d)", dist->world, a.accum_freq);
+    if ((long)a.batch_size * a.accum_freq * dist->world > 1 << 20)
+        return cli_error("train", "--batch-size %d x --accum-freq %d x %d processes is more than 2^20 pairs a step",
+                         a.batch_size, a.accum_freq, dist->world);
     if (epochs > 0 && steps_given >= 0) return cli_error("train", "give --steps or --epochs, not both");
     if (!synthetic && vlmoe_dataset_check(&a.data, epochs > 0 && a.num_samples <= 0 ? &a.num_samples : NULL))
         return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (synthetic && a.num_samples <= 0) a.num_samples = 10000;
     if (epochs > 0) {
         if (a.num_samples < 1) return cli_error("train", "--train-num-samples must be >= 1");
-        const long G = (long)a.batch_size * dist->world;
+        const long G = (long)a.batch_size * a.accum_freq * dist->world;
         a.steps = (epochs * a.num_samples + G - 1) / G;
     } else if (steps_given >= 0) {
         a.steps = steps_given;
@@ -333,7 +354,7 @@ int cmd_train(int argc, char **argv) {
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && !(rc = setup_data(&a, &r))) {
         const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
-                                             r.dist->world};
+                                             r.dist->world, a.accum_freq};
         if (vlmoe_contrastive_init(&r.task, &cp)) rc = cli_error("train", "%s", vlmoe_last_error());
     }
     if (!rc && r.lead) rc = write_run_files(&a, &r);
@@ -344,17 +365,28 @@ int cmd_train(int argc, char **argv) {
     const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
     r.tty = isatty(fileno(stderr));
     const int W = r.dist->world;
-    if (r.lead && W > 1)
-        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs (%d processes x %d), %d "
-                "threads each, run %s\n", cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps,
-                a.batch_size * W, W, a.batch_size, omp_get_max_threads(), r.dir);
-    else if (r.lead)
-        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
-                cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
-                omp_get_max_threads(), r.dir);
+    const int N = a.accum_freq;
+    char how[96] = "", procs[32] = "", micro[32] = ""; // the global batch's make-up
+    if (W > 1) snprintf(procs, sizeof(procs), "%d processes x ", W);
+    if (N > 1) snprintf(micro, sizeof(micro), "%d micro-batches x ", N);
+    if (W > 1 || N > 1) snprintf(how, sizeof(how), " (%s%s%d)", procs, micro, a.batch_size);
+    if (r.lead)
+        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs%s, %d threads%s, run %s\n",
+                cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size * N * W, how,
+                omp_get_max_threads(), W > 1 ? " each" : "", r.dir);
+    if (r.lead && N > 1) // routing over groups of the whole batch sees a micro-batch only
+        for (int e = 0; e < (cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1); e++) {
+            const vlmoe_moe_config *mc = e ? &cfg->text_moe : &cfg->moe;
+            if (mc->router != VLMOE_ROUTER_NONE && mc->group_size == 0)
+                fprintf(stderr, "vlmoe train: note: --accum-freq %d: %s MoE layers route each micro-batch of %d as one "
+                        "group (group_size 0), not the %d pairs of the step; a group_size of whole examples that "
+                        "divides %d routes as one batch of %d would (JSON config)\n", N,
+                        e ? "the text tower's" : "the", a.batch_size, a.batch_size * N, a.batch_size,
+                        a.batch_size * N);
+        }
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, a.zeroshot_every, 1,
-                                 (long)a.batch_size * W, r.dist, on_progress, &r, a.expert_parallel};
+                                 (long)a.batch_size * a.accum_freq * W, r.dist, on_progress, &r, a.expert_parallel};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);
     if (r.open_line) fputc('\n', stderr);

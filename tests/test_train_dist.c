@@ -60,7 +60,7 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, do
     if (!st) st = vlmoe_model_plan(m, batch);
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
     if (!st) st = vlmoe_synth_init(&s, &sp);
-    const vlmoe_contrastive_params cp = {m, batch, s, NULL, 0, d ? d->rank : 0, d ? d->world : 1};
+    const vlmoe_contrastive_params cp = {m, batch, s, NULL, 0, d ? d->rank : 0, d ? d->world : 1, 1};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     const vlmoe_run_task rt = task ? vlmoe_contrastive_task(task) : (vlmoe_run_task){0};
     vlmoe_trainer_set_dist(t, d, ep);
