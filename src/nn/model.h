@@ -227,9 +227,10 @@ void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *exp
 // losses are the mean of the micro-batches' (the mean over routing groups when groups hold whole
 // examples and split every micro-batch), the routing noise is drawn once for the step and keyed
 // by each sample's index in the accumulated batch. Leaves the gradients in m->grads (no backward
-// to call); stats and vlmoe_model_moe_stats describe the accumulated batch. Only the embeddings
-// of the accumulated batch are kept between the micro-batches, not their activations: each
-// micro-batch runs forward twice. towers only: VLMOE_ERR_CONFIG for another architecture.
+// to call); stats and vlmoe_model_moe_stats describe the accumulated batch (vlmoe_model_routing
+// the last micro-batch's tokens). Only the embeddings of the accumulated batch are kept between
+// the micro-batches, not their activations: each micro-batch runs forward twice. towers only:
+// VLMOE_ERR_CONFIG for another architecture.
 int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int n, vlmoe_step_stats *stats);
 // The merged routing statistics of the last accumulated step (NULL unless m->accum_stats), and
 // the accumulation buffers' release (towers_free).

@@ -214,6 +214,9 @@ int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int N, vlmoe_step_st
     if (G64 < 2 || G64 > 1 << 20)
         return vlmoe_fail(VLMOE_ERR_ARG, "gradient accumulation: %d process%s x %d micro-batches x %d pairs = %lld "
                           "pairs (2 to 2^20)", W, W == 1 ? "" : "es", N, B, (long long)G64);
+    if (d && !m->be->host_memory) // as dp_plan: MPI reads and writes host memory
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "gradient accumulation on several processes needs host memory; the %s "
+                          "backend's embeddings live on the device", m->be->name);
     int st = m->L.arch->plan(m, B);
     if (!st) st = accum_plan(m, B, (int)G64);
     // experts split over the processes in data-parallel training only
