@@ -284,6 +284,9 @@ static void cli(void) {
     // limoe-tiny routes the whole batch as one group: said, not hidden
     expect("train --model limoe-tiny --accum-freq 2 --batch-size 4 --steps 1 --eval-samples 0 --logs runs --name g", 0,
            "route each micro-batch of 4 as one group");
+    // the held-out evaluation scores pairs among the accumulated batch, as a run at that batch does
+    expect("train --model tiny --batch-size 4 --accum-freq 2 --steps 1 --eval-samples 40 --logs runs --name ev", 0,
+           "(in chunks of 8,");
     // the synthetic data: the global batch's samples, in order
     expect("train --model tiny --batch-size 8 --accum-freq 2 --steps 6 --log-every-n-steps 1 --eval-samples 0 "
            "--logs runs --name acc", 0, "steps 0..6 of 16 pairs (2 micro-batches x 8)");

@@ -127,7 +127,9 @@ static int c_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char
 static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
     vlmoe_contrastive *r = u;
     vlmoe_synth_eval ev;
-    int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size, &ev);
+    // pair accuracy in chunks of this process's batch: the accumulated one with --accum-freq, so that
+    // a run equal to one at batch N*B also reports the same numbers
+    int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size * r->N, &ev);
     if (st) return st;
     cJSON_AddNumberToObject(rec, "eval_zeroshot_top1", ev.top1);
     cJSON_AddNumberToObject(rec, "eval_zeroshot_top5", ev.top5);
