@@ -231,6 +231,30 @@ static void errors(void) {
               vlmoe_last_error());
         CHECK(model_accumulate(m, odd, 0, NULL) == VLMOE_ERR_ARG, "no micro-batches");
     }
+    // a NaN in the second micro-batch: the step fails before any parameter changes
+    vlmoe_model_free(m), m = NULL;
+    config("tiny", &c);
+    vlmoe_trainer *t = NULL;
+    const vlmoe_train_params tp = vlmoe_train_default_params();
+    st = vlmoe_model_init(&m, &c, 1);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    CHECK(st == VLMOE_OK, "set-up of the NaN check: %s", vlmoe_last_error());
+    if (!st) {
+        const size_t np = vlmoe_model_num_floats(m);
+        float *before = malloc(sizeof(float) * np);
+        vlmoe_batch two[2] = {{2, im, tk, ln}, {2, im + 2 * isz, tk + 2 * T, ln + 2}};
+        vlmoe_step_stats ss;
+        CHECK(vlmoe_trainer_step_accum(t, two, 2, &ss) == VLMOE_OK, "a clean step: %s", vlmoe_last_error());
+        memcpy(before, vlmoe_model_param_data(m), sizeof(float) * np);
+        im[2 * isz + 7] = NAN;
+        st = vlmoe_trainer_step_accum(t, two, 2, &ss);
+        CHECK(st == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "step 1") &&
+                  strstr(vlmoe_last_error(), "accumulated batch is nan"), "NaN: %d %s", st, vlmoe_last_error());
+        CHECK(!memcmp(before, vlmoe_model_param_data(m), sizeof(float) * np) && vlmoe_trainer_get_step(t) == 1,
+              "the diverged step changed the parameters or the step");
+        free(before);
+    }
+    vlmoe_trainer_free(t);
     free(im), free(tk), free(ln);
     vlmoe_model_free(m), vlmoe_synth_free(s);
 }

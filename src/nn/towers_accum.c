@@ -257,7 +257,8 @@ int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int N, vlmoe_step_st
         be->copy(be, rt, graph_embeddings_f32(m->g, MOD_TEXT), n);
         const double l = contrastive_step_forward_f32(a->loss, a->img, a->txt, P + m->L.logit_scale, accj);
         if (!isfinite(l)) {
-            st = vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g (micro-batch %d of %d)", l, j + 1, N);
+            st = vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss of the accumulated batch is %g (re-running micro-batch "
+                            "%d of %d)", l, j + 1, N);
             break;
         }
         if (j == 0) loss = l, acc[0] = accj[0], acc[1] = accj[1];
