@@ -5,7 +5,8 @@
 // merged routing statistics to rounding; then 6 AdamW steps through the contrastive task (its data
 // order) must track the batch-64 run. The command line: --accum-freq 2 at --batch-size 8 against
 // --batch-size 16 on the synthetic data and on a CSV, params.json, a resumed run bit for bit, and
-// the errors (--accum-freq 0, a VL-MoE model, groups that do not split a micro-batch).
+// the errors (--accum-freq 0, a VL-MoE model, groups that do not split a micro-batch), and a NaN
+// in one micro-batch stopping the step with the parameters untouched.
 #include <stdint.h>
 
 #include "nn/model.h"
