@@ -100,7 +100,7 @@ static void probabilities(const float *img, const float *ce, int C, int E, doubl
 int cmd_classify(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
     const char *mean = NULL, *std = NULL, *unused = NULL;
-    int top = 5, B = 64, json = 0, threads = 0;
+    int top = 5, B = 64, json = 0, threads = 0, override = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
@@ -111,6 +111,7 @@ int cmd_classify(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
+        {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"top", ARG_INT, &top, "N", "labels shown per image (default 5; 0 = all)"},
         {"batch-size", ARG_INT, &B, "N", "images per model call (default 64)"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},
@@ -149,9 +150,9 @@ int cmd_classify(int argc, char **argv) {
     float *ce = NULL, *ie = NULL;
     uint8_t *ok = NULL;
     cli_bad_log bad = {0};
-    rc = cli_image_params("classify", mean, std, c, &ip);
+    rc = cli_model_image_params("classify", mean, std, override, m, model, &ip);
     if (!rc) rc = temperature(m, model, &scale);
-    if (!rc) rc = cli_text_init("classify", tokenizer, c, 1, &text);
+    if (!rc) rc = cli_model_text("classify", tokenizer, override, m, model, 1, &text);
     if (!rc && labels) rc = lab_s ? split_labels(lab_s, &lab_v, &C) : cli_error("classify", "out of memory");
     if (!rc && labels_file && !(rc = cli_read_lines("classify", labels_file, &lab_v, &C)) && !C)
         rc = cli_error("classify", "--labels-file %s: no labels", labels_file);

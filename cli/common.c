@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "nn/model.h"
 #include "data/readers.h"
 #include "tokenize.h"
 
@@ -56,6 +57,73 @@ int cli_text_init(const char *cmd, const char *path, const vlmoe_model_config *c
         return cli_error(cmd, "the model's vocabulary of %d ids is smaller than the synthetic data's %d: give "
                          "--tokenizer", c->vocab_size, vlmoe_synth_vocab_size(t->synth));
     return 0;
+}
+
+// "R, G, B" of three floats, for messages.
+static void show3(const float v[3], char *out, size_t cap) { snprintf(out, cap, "%g,%g,%g", v[0], v[1], v[2]); }
+
+int cli_model_image_params(const char *cmd, const char *mean, const char *std, int override, const vlmoe_model *m,
+                           const char *path, vlmoe_image_params *out) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    if (cli_image_params(cmd, mean, std, c, out)) return 1;
+    const model_inputs *in = model_get_inputs(m);
+    if (!in->has_norm) return 0;
+    const char *flag[2] = {"image-mean", "image-std"};
+    const float *rec[2] = {in->mean, in->std};
+    float *use[2] = {out->mean, out->std};
+    for (int k = 0; k < 2; k++) {
+        const int given = k ? std != NULL : mean != NULL;
+        char a[64], b[64];
+        show3(use[k], a, sizeof(a)), show3(rec[k], b, sizeof(b));
+        if (given && memcmp(use[k], rec[k], sizeof(float) * 3) && !override)
+            return cli_error(cmd, "--%s %s contradicts the %s %s records in %s: leave the flag out (the model's is used), "
+                             "or add --override-inputs", flag[k], a, k ? "std" : "mean", b, path);
+        if (given && memcmp(use[k], rec[k], sizeof(float) * 3))
+            fprintf(stderr, "vlmoe %s: --override-inputs: normalising with --%s %s instead of %s's %s\n", cmd, flag[k],
+                    a, path, b);
+        else
+            memcpy(use[k], rec[k], sizeof(float) * 3);
+    }
+    return 0;
+}
+
+// Whether the tokenizer file at path has the text the model records (an unreadable file: no).
+static int same_tokenizer(const char *path, const model_inputs *in) {
+    vlmoe_tokenizer *tok = NULL;
+    char *text = NULL;
+    size_t len = 0;
+    const int same = !cli_load_tokenizer(path, &tok) && !vlmoe_tokenizer_to_text(tok, &text, &len) &&
+                     len == in->tokenizer_len && !memcmp(text, in->tokenizer, len);
+    vlmoe_tokenizer_free(tok);
+    free(text);
+    return same;
+}
+
+int cli_model_text(const char *cmd, const char *tokenizer, int override, const vlmoe_model *m, const char *path,
+                   int need, cli_text *t) {
+    const model_inputs *in = model_get_inputs(m);
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    if (in->text == MODEL_TEXT_UNKNOWN) return cli_text_init(cmd, tokenizer, c, need, t); // a file that does not say
+    if (tokenizer && in->text == MODEL_TEXT_BPE && same_tokenizer(tokenizer, in)) // typed again: no contradiction
+        return cli_text_init(cmd, tokenizer, c, need, t);
+    if (tokenizer && !override)
+        return cli_error(cmd, "--tokenizer %s: %s carries its own tokenizer (%s), which every command uses; leave the "
+                         "flag out, or add --override-inputs to tokenize with yours", tokenizer, path,
+                         in->text == MODEL_TEXT_BPE ? "BPE" : "the synthetic data's words");
+    if (tokenizer) {
+        fprintf(stderr, "vlmoe %s: --override-inputs: tokenizing with %s instead of the tokenizer %s carries\n", cmd,
+                tokenizer, path);
+        return cli_text_init(cmd, tokenizer, c, need, t);
+    }
+    if (in->text == MODEL_TEXT_BPE)
+        return model_tokenizer(m, path, &t->bpe) ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
+    return cli_text_init(cmd, NULL, c, need, t);
+}
+
+int cli_synthetic_model(const char *cmd, const vlmoe_model *m, const char *path, const char *need) {
+    if (model_get_inputs(m)->text != MODEL_TEXT_BPE) return 0;
+    return cli_error(cmd, "%s was trained on its own captions (it carries a BPE tokenizer), not on the synthetic data, "
+                     "so the synthetic data says nothing about it: give %s", path, need);
 }
 
 int cli_tokenize(void *u, const char *text, int32_t *ids, int ctx) {

@@ -33,6 +33,19 @@ typedef struct {
     vlmoe_synth *synth;
 } cli_text;
 int cli_text_init(const char *cmd, const char *path, const vlmoe_model_config *c, int need, cli_text *t);
+// The same for a loaded model m (file path), which may record its inputs (src/nn/inputs.c): what it
+// records is used; a flag that contradicts it is an error, unless override (--override-inputs),
+// then a note says which is used. A model that records nothing gets cli_image_params /
+// cli_text_init's defaults.
+int cli_model_image_params(const char *cmd, const char *mean, const char *std, int override, const vlmoe_model *m,
+                           const char *path, vlmoe_image_params *out);
+int cli_model_text(const char *cmd, const char *tokenizer, int override, const vlmoe_model *m, const char *path,
+                   int need, cli_text *t);
+// A command about to use the synthetic data on model m: an error (exit status 1) asking for `need`
+// (e.g. "--val-data or --zeroshot-data") when m was trained on captions of its own.
+int cli_synthetic_model(const char *cmd, const vlmoe_model *m, const char *path, const char *need);
+// "override-inputs": the flag of the commands above.
+#define CLI_OVERRIDE_HELP "let --tokenizer/--image-mean/--image-std replace what the model file records"
 // A vlmoe_tokenize_fn over a cli_text.
 int cli_tokenize(void *t, const char *text, int32_t *ids, int ctx);
 void cli_text_free(cli_text *t);

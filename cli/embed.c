@@ -83,7 +83,7 @@ static int write_out(const char *path, const char *model, const char *name, cons
 int cmd_embed(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
     const char *unused = NULL;
-    int B = 64, threads = 0;
+    int B = 64, threads = 0, override = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
@@ -93,6 +93,7 @@ int cmd_embed(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
+        {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"batch-size", ARG_INT, &B, "N", "inputs per model call (default 64)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
     };
@@ -131,7 +132,8 @@ int cmd_embed(int argc, char **argv) {
     uint8_t *ok = NULL;
     cli_bad_log bad = {0};
     cJSON *in_json = cJSON_CreateArray(), *skip_json = nargs ? cJSON_CreateArray() : NULL;
-    rc = nargs ? cli_image_params("embed", mean, std, c, &ip) : cli_text_init("embed", tokenizer, c, 1, &text);
+    rc = nargs ? cli_model_image_params("embed", mean, std, override, m, model, &ip)
+               : cli_model_text("embed", tokenizer, override, m, model, 1, &text);
     if (!rc && nargs) rc = cli_list_images("embed", args, nargs, &inputs, &n);
     if (!rc && texts_path) {
         rc = cli_read_lines_numbered("embed", texts_path, &inputs, &lineno, &nt);

@@ -195,7 +195,7 @@ int cmd_eval(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
     const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
-    int n = 1000, B = 64, shots = 10, json = 0, threads = 0;
+    int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
     long seed = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
@@ -212,6 +212,7 @@ int cmd_eval(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
+        {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"samples", ARG_INT, &n, "N", "synthetic held-out samples for zero-shot and retrieval (default 1000)"},
         {"batch-size", ARG_INT, &B, "N", "encoding and contrastive batch (default 64)"},
         {"few-shot", ARG_INT, &shots, "K", "shots per class of the linear probe (default 10, 0 = skip)"},
@@ -250,9 +251,11 @@ int cmd_eval(int argc, char **argv) {
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     sp.image_size = e.c->image_size;
     sp.seed = (uint64_t)seed;
-    rc = cli_image_params("eval", mean, std, e.c, &e.ip);
+    rc = synthetic ? cli_synthetic_model("eval", e.m, model, "--val-data FILE or --zeroshot-data DIR: the data to "
+                                         "evaluate on") : 0;
+    if (!rc) rc = cli_model_image_params("eval", mean, std, override, e.m, model, &e.ip);
     if (!rc && vlmoe_synth_init(&e.text.synth, &sp)) rc = cli_error("eval", "%s", vlmoe_last_error());
-    if (!rc) rc = cli_text_init("eval", tokenizer, e.c, user_data, &e.text);
+    if (!rc) rc = cli_model_text("eval", tokenizer, override, e.m, model, user_data, &e.text);
     if (!rc && !(e.txt = open_memstream(&e.txt_buf, &e.txt_len))) rc = cli_error("eval", "out of memory");
     e.out = cJSON_CreateObject();
     cJSON_AddStringToObject(e.out, "model", model);

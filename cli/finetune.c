@@ -38,7 +38,7 @@ static int report(vlmoe_model *m, const vlmoe_ft_data *d, int held, const char *
 int cmd_finetune(int argc, char **argv) {
     const char *model = NULL, *task = NULL, *data = NULL, *output = NULL, *tokenizer = NULL, *sep = "\t";
     const char *norm[2] = {NULL, NULL};
-    int steps = 100, batch = 16, holdout = 4, freeze = 0, log_every = 10;
+    int steps = 100, batch = 16, holdout = 4, freeze = 0, log_every = 10, override = 0;
     double lr = 1e-3, wd = 0.05;
     long seed = 0;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
@@ -54,6 +54,7 @@ int cmd_finetune(int argc, char **argv) {
         {"image-mean", ARG_STRING, &norm[0], "R,G,B", "normalisation mean (default CLIP's; the synthetic data's and "
                                                       "LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &norm[1], "R,G,B", "normalisation std (default CLIP's; [-1, 1]: 0.5)"},
+        {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"csv-img-key", ARG_STRING, &dp.img_key, "NAME", "retrieval CSV: column of image paths (filepath)"},
         {"csv-caption-key", ARG_STRING, &dp.caption_key, "NAME", "retrieval CSV: column of captions (title)"},
         {"csv-separator", ARG_STRING, &sep, "C", "retrieval CSV: field separator (tab; \\t for tab)"},
@@ -99,8 +100,8 @@ int cmd_finetune(int argc, char **argv) {
     const vlmoe_model_config *c = vlmoe_model_get_config(pre);
     vlmoe_ft_data_params fp = {(vlmoe_ft_kind)tk, dp, {0}, cli_tokenize, &text, holdout, on_read, NULL};
     if (c->arch != VLMOE_ARCH_MOME) rc = cli_error(CMD, "%s: model '%s' is not a VL-MoE (arch mome) model", model, c->name);
-    if (!rc && tk != VLMOE_FT_TEXT_CLS) rc = cli_image_params(CMD, norm[0], norm[1], c, &fp.image);
-    if (!rc) rc = cli_text_init(CMD, tokenizer, c, 1, &text);
+    if (!rc && tk != VLMOE_FT_TEXT_CLS) rc = cli_model_image_params(CMD, norm[0], norm[1], override, pre, model, &fp.image);
+    if (!rc) rc = cli_model_text(CMD, tokenizer, override, pre, model, 1, &text);
     if (!rc) {
         cli_progress pr = cli_progress_start("image-caption pairs");
         fp.progress_user = &pr;

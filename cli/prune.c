@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "common.h"
 #include "train/run.h"
 #include "vlmoe.h"
 
@@ -122,7 +123,9 @@ int cmd_prune(int argc, char **argv) {
     double *u = nl ? calloc((size_t)nl * E, sizeof(double)) : NULL;
     if (!nl) rc = cli_error("prune", "%s: model '%s' has no MoE layers serving %s", model, c->name, modality);
     else if (!u) rc = cli_error("prune", "out of memory");
-    else rc = stats ? usage_from_metrics(stats, c, mod, last, u, nl, E) : usage_from_synthetic(m, mod, u, nl, E);
+    else if (!stats) rc = cli_synthetic_model("prune", m, model, "--stats RUN/metrics.jsonl: the experts' shares "
+                                              "logged while it trained");
+    if (!rc) rc = stats ? usage_from_metrics(stats, c, mod, last, u, nl, E) : usage_from_synthetic(m, mod, u, nl, E);
     if (!rc && vlmoe_model_prune(&p, m, mod, u, keep, (vlmoe_prune_mode)pm))
         rc = cli_error("prune", "%s: %s", model, vlmoe_last_error());
     if (!rc && vlmoe_model_save(p, out)) rc = cli_error("prune", "%s", vlmoe_last_error());

@@ -7,6 +7,8 @@
 
 #include "args.h"
 #include "cli.h"
+#include "common.h"
+#include "nn/model.h"
 #include "train/tasks.h"
 #include "vlmoe.h"
 
@@ -26,6 +28,13 @@ static double score(vlmoe_model *m, int n) {
     int st = vlmoe_synth_evaluate(m, s, n, 64, &ev);
     vlmoe_synth_free(s);
     return st ? -1 : ev.top1;
+}
+
+// Whether two models read their inputs alike (the same recorded tokenizer and normalisation).
+static int same_inputs(const model_inputs *a, const model_inputs *b) {
+    if (a->text != b->text || a->has_norm != b->has_norm) return 0;
+    if (a->text == MODEL_TEXT_BPE && strcmp(a->tokenizer, b->tokenizer)) return 0;
+    return !a->has_norm || (!memcmp(a->mean, b->mean, sizeof(a->mean)) && !memcmp(a->std, b->std, sizeof(a->std)));
 }
 
 int cmd_soup(int argc, char **argv) {
@@ -66,6 +75,15 @@ int cmd_soup(int argc, char **argv) {
             return cli_error("soup", "%s", vlmoe_last_error());
         }
         order[i] = i;
+        rc = same_inputs(model_get_inputs(ms[0]), model_get_inputs(ms[i])) ? 0 : cli_error("soup", "%s and %s record different tokenizers or image normalisations: a soup "
+                                  "averages models fine-tuned from one start, which read their inputs alike", inputs[0],
+                                  inputs[i]);
+        if (!rc && greedy) rc = cli_synthetic_model("soup", ms[i], inputs[i], "no --greedy (a uniform soup): the greedy "
+                                                    "soup scores on the synthetic data");
+        if (rc) {
+            for (int k = 0; k <= i; k++) vlmoe_model_free(ms[k]);
+            return rc;
+        }
         sc[i] = greedy ? score(ms[i], n) : 0;
         if (greedy) fprintf(stderr, "vlmoe soup: %s zero-shot top-1 %.2f%%\n", inputs[i], 100 * sc[i]);
     }

@@ -16,6 +16,7 @@
 #include "cli.h"
 #include "common.h"
 #include "nn/model.h"
+#include "tokenize.h"
 #include "train/tasks.h"
 #include "vlmoe.h"
 
@@ -25,6 +26,7 @@ typedef struct {
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
+    int override;                // --override-inputs: flags replace what a checkpoint records
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
@@ -76,9 +78,11 @@ static const char *USAGE =
     "routing groups split a micro-batch) in the activation memory of one micro-batch, for one more\n"
     "forward per sample. The global batch is processes x N x --batch-size; --steps, the schedule,\n"
     "the logs and checkpoints count optimizer steps of it.\n"
-    "Without --tokenizer, a model with at least 514 ids gets a BPE vocabulary trained on the first\n"
-    "10000 captions (saved as LOGS/NAME/tokenizer.txt, for vlmoe eval --tokenizer); a smaller one\n"
-    "uses the synthetic data's word tokenizer.\n\n"
+    "Without --tokenizer, a BPE vocabulary is trained on the first 10000 captions (LOGS/NAME/\n"
+    "tokenizer.txt): of the model's size, or 1024 ids for a small named model, whose token embedding\n"
+    "is then sized to it; a JSON config's \"vocab_size\" fixes the size. Checkpoints carry the\n"
+    "tokenizer and the image normalisation, which every later command (and --pretrained, --resume)\n"
+    "uses; flags that contradict them need --override-inputs.\n\n"
     "examples:\n"
     "  vlmoe train --model limoe-tiny --dataset-type synthetic --steps 300\n"
     "  vlmoe train --model limoe-S/32 --train-data cc3m.csv --csv-separator , --csv-img-key file \\\n"
@@ -125,52 +129,108 @@ static int write_run_files(const train_args *a, train_run *r) {
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
-// The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained.
+// A BPE vocabulary for a run's captions when no --tokenizer is given: the one this run trained
+// (LOGS/NAME/tokenizer.txt), else one of `size` ids trained on the first 10000 captions by rank 0
+// and read by the others once it is written.
+static int train_vocab(const train_args *a, train_run *r, int size) {
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
+    size_t n;
+    int ids, st = 0;
+    if (r->lead && access(path, R_OK) == 0)
+        fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
+    else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, NULL, 0, size, 10000, path, &n, &ids)))
+        return cli_error("train", "%s", vlmoe_last_error());
+    else if (r->lead)
+        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions of "
+                "%s (saved as %s; the checkpoints carry it)\n", ids, n, a->data.path, path);
+    if (r->dist->barrier(r->dist)) return cli_error("train", "%s", vlmoe_last_error());
+    return cli_load_tokenizer(path, &r->text.bpe) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
+}
+
+// The captions' tokenizer of a fresh run on --train-data, chosen before the model is made so that
+// a vocabulary the config leaves open (a named model's) is sized to it: --tokenizer, else a BPE
+// vocabulary trained on the captions (the config's size, or BPE_IDS when the config's is too small
+// for BPE). A config that fixes a vocabulary smaller than the tokenizer's is an error.
+enum { BPE_MIN = 514, BPE_IDS = 1024 };
+static int fresh_text(const train_args *a, train_run *r, int *vocab) {
+    vlmoe_model_config c;
+    if (vlmoe_config_load(a->model, &c)) return cli_error("train", "%s", vlmoe_last_error());
+    const int fixed = config_sets_vocab(a->model);
+    *vocab = 0;
+    if (!a->tokenizer && c.vocab_size < BPE_MIN && fixed)
+        return cli_error("train", "%s fixes vocab_size %d, too small for a BPE vocabulary of the captions of %s (at least "
+                         "%d ids): raise vocab_size (e.g. %d), leave it out to size it to the captions, or give "
+                         "--tokenizer FILE", a->model, c.vocab_size, a->data.path, BPE_MIN, BPE_IDS);
+    if (!a->tokenizer && train_vocab(a, r, c.vocab_size < BPE_MIN ? BPE_IDS : c.vocab_size)) return 1;
+    if (a->tokenizer && cli_load_tokenizer(a->tokenizer, &r->text.bpe))
+        return cli_error("train", "--tokenizer: %s", vlmoe_last_error());
+    const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
+    if (ids > c.vocab_size && fixed)
+        return cli_error("train", "the tokenizer %s has %d ids, more than the %d of vocab_size in %s: raise vocab_size "
+                         "to at least %d, or leave it out to size it to the tokenizer", a->tokenizer ? a->tokenizer :
+                         "trained on the captions", ids, c.vocab_size, a->model, ids);
+    if (ids != c.vocab_size && !fixed && (ids > c.vocab_size || c.vocab_size < BPE_MIN)) {
+        *vocab = ids;
+        if (r->lead)
+            fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids (the named "
+                    "model has %d; a JSON config with \"vocab_size\" fixes it)\n", a->model, ids, c.vocab_size);
+    }
+    return 0;
+}
+
+// The captions' tokenizer of a run that did not make it: what the model records (a resumed run's
+// checkpoint, --pretrained), else for an older checkpoint the vocabulary the run trained. Never
+// the synthetic words for captions.
+static int model_text(const train_args *a, train_run *r, const char *path) {
+    const model_inputs *in = model_get_inputs(r->m);
+    const int vocab = vlmoe_model_get_config(r->m)->vocab_size;
+    if (in->text == MODEL_TEXT_SYNTH && !(a->tokenizer && a->override))
+        return cli_error("train", "%s was trained on the synthetic data, whose word tokenizer cannot read captions: "
+                         "train from scratch on %s, or give --tokenizer FILE --override-inputs to re-learn the text "
+                         "embedding with another vocabulary", path, a->data.path);
+    if (in->text != MODEL_TEXT_UNKNOWN) return cli_model_text("train", a->tokenizer, a->override, r->m, path, 1, &r->text);
+    if (a->tokenizer) return cli_text_init("train", a->tokenizer, vlmoe_model_get_config(r->m), 1, &r->text);
+    if (a->resume && vocab >= BPE_MIN) return train_vocab(a, r, vocab); // an older run: its tokenizer.txt
+    return cli_error("train", "%s does not record its tokenizer (an import or an older file): give --tokenizer FILE, the "
+                     "one it was trained with", path);
+}
+
+// The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained,
+// with the tokenizer of its captions (r->text) and what the model file will record about them.
 static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
+    const int captions = a->data.path != NULL;
+    if (!captions && a->tokenizer) return cli_error("train", "--tokenizer: the synthetic data has its own word tokenizer");
     if (a->resume) {
         char w[1024];
         if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w),
                               on_warn, NULL))
             return cli_error("train", "%s", vlmoe_last_error());
         if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
-        return 0;
-    }
-    const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length,
-                                    (uint64_t)a->seed};
-    if (vlmoe_model_from_source(&r->m, &src) || vlmoe_model_plan(r->m, a->batch_size) ||
-        vlmoe_trainer_init(&r->t, r->m, tp))
-        return cli_error("train", "%s", vlmoe_last_error());
-    return 0;
-}
-
-// The captions' tokenizer: --tokenizer, else the vocabulary this run trained (on a first run, from
-// the first 10000 captions), else for a model with too few ids for BPE the synthetic words.
-static int setup_text(const train_args *a, const vlmoe_model_config *c, train_run *r) {
-    char path[1024];
-    const char *use = a->tokenizer;
-    if (!use && c->vocab_size >= 514) {
-        snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
-        use = path;
-        size_t n;
-        int ids, st = 0; // rank 0 trains it; the others read it once it is written
-        if (r->lead && access(path, R_OK) == 0)
-            fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
-        else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, c->vocab_size, 10000, path, &n, &ids)))
+        if (captions && model_text(a, r, w)) return 1;
+    } else {
+        int vocab = 0;
+        if (captions && !a->pretrained && fresh_text(a, r, &vocab)) return 1;
+        const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length, vocab,
+                                        (uint64_t)a->seed};
+        if (vlmoe_model_from_source(&r->m, &src) || vlmoe_model_plan(r->m, a->batch_size) ||
+            vlmoe_trainer_init(&r->t, r->m, tp))
             return cli_error("train", "%s", vlmoe_last_error());
-        else if (r->lead)
-            fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions "
-                    "of %s, saved as %s (give it to vlmoe eval as --tokenizer)\n", ids, n, a->data.path, path);
-        if (r->dist->barrier(r->dist)) return cli_error("train", "%s", vlmoe_last_error());
+        if (captions && a->pretrained && model_text(a, r, a->pretrained)) return 1;
     }
-    if (cli_text_init("train", use, c, 1, &r->text)) return 1;
-    if (!use && r->lead)
-        fprintf(stderr, "vlmoe train: captions are tokenized with the synthetic data's word tokenizer (the model's "
-                "%d ids are too few for BPE; --tokenizer FILE for another)\n", c->vocab_size);
-    return 0;
+    if (!captions && model_get_inputs(r->m)->text == MODEL_TEXT_BPE)
+        return cli_error("train", "%s carries a BPE tokenizer: it was trained on captions of its own, not the synthetic "
+                         "data; give --train-data", a->resume ? "the run's checkpoint" : a->pretrained);
+    if (captions && r->text.bpe && vlmoe_tokenizer_vocab_size(r->text.bpe) > vlmoe_model_get_config(r->m)->vocab_size)
+        return cli_error("train", "the tokenizer has %d ids, more than the model's vocabulary of %d",
+                         vlmoe_tokenizer_vocab_size(r->text.bpe), vlmoe_model_get_config(r->m)->vocab_size);
+    // what the checkpoints will say: the tokenizer used (NULL: the synthetic words)
+    return model_set_tokenizer(r->m, r->text.bpe) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
 // The data: the synthetic pairs, or the loader over --train-data (at the checkpoint's position
-// when resuming).
+// when resuming), normalised as the model records (a resumed or pretrained one) or as the flags
+// say, which the model then records.
 static int setup_data(const train_args *a, train_run *r) {
     const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
     if (!a->data.path) {
@@ -181,7 +241,9 @@ static int setup_data(const train_args *a, train_run *r) {
     }
     if (c->channels != 3) return cli_error("train", "model %s has %d image channels; images are RGB", c->name, c->channels);
     vlmoe_loader_params lp = vlmoe_loader_default_params();
-    if (cli_image_params("train", a->image_mean, a->image_std, c, &lp.image) || setup_text(a, c, r)) return 1;
+    const char *from = a->resume ? "the run's checkpoint" : a->pretrained ? a->pretrained : a->model;
+    if (cli_model_image_params("train", a->image_mean, a->image_std, a->override, r->m, from, &lp.image)) return 1;
+    model_set_image_norm(r->m, lp.image.mean, lp.image.std);
     lp.data = a->data;
     lp.seed = (uint64_t)a->seed;
     // every process reads the global batch and takes its block of accum_freq micro-batches
@@ -223,13 +285,15 @@ int cmd_train(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "captions' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
+        {"override-inputs", ARG_FLAG, &a.override, NULL, "with --pretrained or --resume: " CLI_OVERRIDE_HELP},
         {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs (synthetic: 10000; CSV: its rows)"},
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with --accum-freq (default 64; "
-                                                   "the global batch is mpirun's -np x --accum-freq x it)"},
+        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
+                                                   "--accum-freq (default 64; the global batch is mpirun's -np x "
+                                                   "--accum-freq x it)"},
         {"accum-freq", ARG_INT, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
                                                      "--batch-size and computes the contrastive loss over all N x "
                                                      "batch-size pairs, caching features, not activations: batch N x B "

@@ -11,15 +11,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
 #include "common.h"
+#include "nn/model.h"
 #include "tokenize.h"
 #include "train/tasks.h"
 #include "vlmoe_train.h"
 
 static const char *CMD = "train";
+enum { BPE_MIN = 514, BPE_IDS = 1024 }; // BPE's smallest vocabulary; the size trained for small models
 
 static const char *model_flag(int argc, char **argv) {
     for (int i = 2; i < argc; i++) {
@@ -56,6 +59,7 @@ typedef struct {
     char **lines;                        // --text-data lines, with their numbers
     long *lineno;
     size_t n_lines;
+    char tokenizer_path[1100];           // the texts' tokenizer file (open_text)
     float *cb;                           // --codebook
     vlmoe_data_state resumed;            // the data state of the checkpoint resumed from
     char dir[512], ckdir[600];
@@ -84,8 +88,44 @@ static int parse_mix(const char *v, int w[3]) {
     return 0;
 }
 
-// What the streams read from files: the tokenizer (--tokenizer, or the synthetic word tokenizer for
-// a model too small for BPE), the image transform, the image files and the text file's lines.
+// The texts' tokenizer: --tokenizer, else the vocabulary this run trained (LOGS/NAME/tokenizer.txt),
+// else a BPE vocabulary trained now on the first 10000 sentences of --text-data and captions of
+// --train-data (captions: whether the loader gives texts). Never the synthetic words for files.
+// A vocabulary the config leaves open (no "vocab_size" in a JSON config) is sized to the
+// tokenizer, with [MASK] the id after its last.
+static int open_text(const mome_args *a, int captions, mome_cli *r) {
+    const int fixed = config_sets_vocab(a->model);
+    snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s/tokenizer.txt", r->dir);
+    if (a->tokenizer) {
+        snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s", a->tokenizer);
+    } else if (access(r->tokenizer_path, R_OK) == 0) {
+        fprintf(stderr, "vlmoe train: texts are tokenized with %s, the vocabulary this run trained\n", r->tokenizer_path);
+    } else {
+        if (fixed && r->cfg.vocab_size < BPE_MIN + 1)
+            return cli_error(CMD, "%s fixes vocab_size %d, too small for a BPE vocabulary of the texts (at least %d ids "
+                             "and [MASK]): raise vocab_size (e.g. %d), leave it out to size it to the texts, or give "
+                             "--tokenizer FILE", a->model, r->cfg.vocab_size, BPE_MIN, BPE_IDS + 1);
+        const int size = r->cfg.vocab_size > BPE_MIN ? r->cfg.vocab_size - 1 : BPE_IDS;
+        size_t n;
+        int ids;
+        if (vlmoe_train_vocabulary(captions ? &a->data : NULL, (const char *const *)r->lines, r->n_lines, size, 10000,
+                                   r->tokenizer_path, &n, &ids))
+            return lib_error("");
+        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on %zu texts (saved as %s; the "
+                "checkpoints carry it)\n", ids, n, r->tokenizer_path);
+    }
+    if (cli_load_tokenizer(r->tokenizer_path, &r->text.bpe)) return lib_error("--tokenizer");
+    const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
+    if (!fixed && (r->cfg.vocab_size <= ids || r->cfg.vocab_size < BPE_MIN)) {
+        fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids and [MASK] = %d (a JSON "
+                "config's \"vocab_size\" and \"mask_token\" fix them)\n", a->model, ids, ids);
+        r->cfg.vocab_size = ids + 1, r->cfg.mask_token = ids;
+    }
+    return 0;
+}
+
+// What the streams read from files: the tokenizer (open_text), the image transform, the image
+// files and the text file's lines.
 static int open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_params *p, mome_cli *r) {
     const int *src = sp->src;
     const int synth = src[0] == VLMOE_MOME_SYNTH || src[1] == VLMOE_MOME_SYNTH || src[2] == VLMOE_MOME_SYNTH;
@@ -95,17 +135,14 @@ static int open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_
     if (r->cfg.channels != 3)
         return cli_error(CMD, "model %s has %d image channels; images are RGB", r->cfg.name, r->cfg.channels);
     if (cli_image_params(CMD, a->image_mean, a->image_std, &r->cfg, &p->image)) return 1;
-    if (src[1] == VLMOE_MOME_LINES || src[1] == VLMOE_MOME_LOADER || src[2] == VLMOE_MOME_LOADER) {
-        if (cli_text_init(CMD, a->tokenizer, &r->cfg, 1, &r->text)) return 1;
-        if (!r->text.bpe)
-            fprintf(stderr, "vlmoe train: texts are tokenized with the synthetic data's word tokenizer (the model's %d "
-                    "ids are too few for BPE; --tokenizer FILE for another)\n", r->cfg.vocab_size);
-        p->tokenize = cli_tokenize, p->tokenize_user = &r->text, p->tokenizer = a->tokenizer;
-        p->text_vocab = r->text.bpe ? vlmoe_tokenizer_vocab_size(r->text.bpe) : 0;
-    }
     if (src[1] == VLMOE_MOME_LINES) {
         if (cli_read_lines_numbered(CMD, a->text_data, &r->lines, &r->lineno, &r->n_lines)) return 1;
         p->text_lines = (const char *const *)r->lines, p->text_lineno = r->lineno, p->n_text_lines = r->n_lines;
+    }
+    if (src[1] == VLMOE_MOME_LINES || src[1] == VLMOE_MOME_LOADER || src[2] == VLMOE_MOME_LOADER) {
+        if (open_text(a, src[1] == VLMOE_MOME_LOADER || src[2] == VLMOE_MOME_LOADER, r)) return 1;
+        p->tokenize = cli_tokenize, p->tokenize_user = &r->text, p->tokenizer = r->tokenizer_path;
+        p->text_vocab = vlmoe_tokenizer_vocab_size(r->text.bpe);
     }
     if (src[0] == VLMOE_MOME_FOLDER) {
         struct stat sb;
@@ -122,19 +159,44 @@ static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s
 
 // A fresh model from --model, or the newest usable checkpoint (--resume latest, falling back to
 // older ones) or the one named (--resume FILE); then the task starts on it.
-static int setup_model(const mome_args *a, const vlmoe_train_params *tp, mome_cli *r) {
+// What the checkpoints will record of the inputs: the texts' tokenizer (the synthetic words for
+// the synthetic data) and the image files' normalisation. A resumed run must read them as its
+// checkpoint says.
+static int record_inputs(const vlmoe_mome_params *p, const char *ckpt, mome_cli *r) {
+    const model_inputs *in = model_get_inputs(r->m);
+    const int synth = p->tokenize == NULL && !p->image_files && !p->train_data.path;
+    if (ckpt && in->text == MODEL_TEXT_BPE && r->text.bpe) {
+        char *t = NULL;
+        size_t n = 0;
+        const int same = !vlmoe_tokenizer_to_text(r->text.bpe, &t, &n) && n == in->tokenizer_len &&
+                         !memcmp(t, in->tokenizer, n);
+        free(t);
+        if (!same)
+            return cli_error(CMD, "%s: the texts' tokenizer %s is not the one the checkpoint carries", ckpt,
+                             r->tokenizer_path);
+    }
+    if (ckpt && in->has_norm && (p->image_files || p->train_data.path) &&
+        (memcmp(in->mean, p->image.mean, sizeof(in->mean)) || memcmp(in->std, p->image.std, sizeof(in->std))))
+        return cli_error(CMD, "%s: --image-mean/--image-std differ from the normalisation the checkpoint records", ckpt);
+    if (p->tokenize || synth) // texts read (or the synthetic data's)
+        if (model_set_tokenizer(r->m, r->text.bpe)) return lib_error("");
+    if (p->image_files || p->train_data.path) model_set_image_norm(r->m, p->image.mean, p->image.std);
+    return 0;
+}
+
+static int setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlmoe_mome_params *p, mome_cli *r) {
     if (!a->resume) {
         if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_trainer_init(&r->t, r->m, tp) ||
             vlmoe_mome_start(r->task, r->m, r->cb, NULL, NULL))
             return lib_error("");
-        return 0;
+        return record_inputs(p, NULL, r);
     }
     char w[1024];
     if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
         return lib_error("");
     if (vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w)) return lib_error("");
     fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
-    return 0;
+    return record_inputs(p, w, r);
 }
 
 static int write_run_files(const mome_args *a, const int w[3], mome_cli *r) {
@@ -279,6 +341,16 @@ int cmd_train_mome(int argc, char **argv) {
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
     int K, dim;
     if (a.codebook && vlmoe_codebook_load(a.codebook, r.cfg.mim_vocab, pd, &r.cb, &K, &dim)) return lib_error("--codebook");
+    // LOGS/NAME (NAME: --name or the model's), or the run a --resume FILE belongs to
+    if (a.resume && strcmp(a.resume, "latest")) {
+        vlmoe_run_dir_of(a.resume, r.dir, sizeof(r.dir));
+    } else {
+        snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name ? a.name : r.cfg.name);
+        for (char *c = r.dir + strlen(a.logs) + 1; *c; c++)
+            if (*c == '/') *c = '_'; // model names like S/32
+    }
+    snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    if (vlmoe_mkdir_p(r.ckdir)) return lib_error("");
     if ((rc = open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = lib_error(""))))
         return run_free(&r), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);
@@ -294,17 +366,8 @@ int cmd_train_mome(int argc, char **argv) {
     tp.optim.beta2 = 0.999f; // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
     tp.optim.weight_decay = (float)a.wd;
     tp.schedule = (vlmoe_schedule){cosine ? VLMOE_SCHED_COSINE : VLMOE_SCHED_CONST, a.lr, a.warmup, a.steps, 0.0, 0, 0};
-    // LOGS/NAME (NAME: --name or the model's), or the run a --resume FILE belongs to
-    if (a.resume && strcmp(a.resume, "latest")) {
-        vlmoe_run_dir_of(a.resume, r.dir, sizeof(r.dir));
-    } else {
-        snprintf(r.dir, sizeof(r.dir), "%s/%s", a.logs, a.name ? a.name : r.cfg.name);
-        for (char *c = r.dir + strlen(a.logs) + 1; *c; c++)
-            if (*c == '/') *c = '_'; // model names like S/32
-    }
-    snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (vlmoe_mkdir_p(r.ckdir)) rc = lib_error("");
-    else vlmoe_ckpt_clean_tmp(r.ckdir), rc = setup_model(&a, &tp, &r);
+    vlmoe_ckpt_clean_tmp(r.ckdir);
+    rc = setup_model(&a, &tp, &p, &r);
     const long start = rc ? 0 : vlmoe_trainer_get_step(r.t);
     if (!rc && start >= a.steps) // -1: nothing to do, and no error
         printf("the run is at step %ld already, not before --steps %ld: nothing to train\n", start, a.steps), rc = -1;

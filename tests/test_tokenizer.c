@@ -258,6 +258,28 @@ static void test_hf(void) {
                 for (int k = 0; k < 77; k++) y[k] = y[k] == 520 ? 521 : y[k] == 521 ? 520 : y[k];
             CHECK(same_ids(x, y, 77), "variant %d: ids differ on '%s'", variant, CAPTIONS[i]);
         }
+        // the text a model file carries: a merges file, or tokenizer.json for the renumbered one;
+        // read back, it gives the same ids
+        char *text = NULL;
+        size_t tl = 0;
+        vlmoe_tokenizer *back = NULL;
+        CHECK(vlmoe_tokenizer_to_text(h, &text, &tl) == 0 && text && tl == strlen(text) &&
+              text[0] == (variant < 2 ? '#' : '{'), "variant %d: to_text: %s", variant, vlmoe_last_error());
+        CHECK(text && vlmoe_tokenizer_from_text(&back, text, tl, "model: tokenizer") == 0 &&
+              vlmoe_tokenizer_vocab_size(back) == vlmoe_tokenizer_vocab_size(h) &&
+              vlmoe_tokenizer_sot(back) == vlmoe_tokenizer_sot(h) && vlmoe_tokenizer_eot(back) == vlmoe_tokenizer_eot(h),
+              "variant %d: from_text: %s", variant, vlmoe_last_error());
+        for (int i = 0; back && i < N_CAPTIONS; i++) {
+            int32_t x[77], y[77];
+            vlmoe_tokenizer_encode(h, CAPTIONS[i], x, 77, NULL);
+            CHECK(vlmoe_tokenizer_encode(back, CAPTIONS[i], y, 77, NULL) == 0 && same_ids(x, y, 77),
+                  "variant %d: the text read back tokenizes '%s' alike", variant, CAPTIONS[i]);
+        }
+        vlmoe_tokenizer_free(back), free(text);
+        back = NULL;
+        CHECK(vlmoe_tokenizer_from_text(&back, "#version: 0.2\na b c\n", 20, "m.safetensors: tokenizer") ==
+                  VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), "m.safetensors: tokenizer: line 2"),
+              "a corrupt text names where it came from: %s", vlmoe_last_error());
         const char *saved = tmp_path("from_hf.txt");
         int st = vlmoe_tokenizer_save_clip(h, saved);
         if (variant < 2) {

@@ -192,6 +192,18 @@ int main(int argc, char **argv) {
              "--text-data texts.txt --train-data pairs.csv --workers 1 --name files", common);
     expect(a, 0, "images: 24 files under imgs", "texts: 36 sentences of texts.txt");
     CHECK(strstr(out, "data pairs.csv (24 usable rows): 8 of each step's samples"), "%s", out);
+    // the texts never go through the synthetic words: a BPE vocabulary of the sentences and captions,
+    // the embedding sized to it with [MASK] after it, and the checkpoint carries it (in the header,
+    // after the file's 8-byte length)
+    CHECK(strstr(out, "trained a BPE vocabulary of") && strstr(out, "is sized to the tokenizer") &&
+          !strstr(out, "word tokenizer"), "%s", out);
+    char *ck = test_read_file(P("runs/files/checkpoints/step_40.safetensors"), NULL);
+    CHECK(ck && strstr(ck + 8, "\"vlmoe.tokenizer\":\"bpe\"") && strstr(ck + 8, "\"vlmoe.preprocess\""),
+          "the VL-MoE checkpoint records its tokenizer and normalisation");
+    free(ck);
+    ck = test_read_file(P("runs/syn/checkpoints/step_40.safetensors"), NULL);
+    CHECK(ck && strstr(ck + 8, "\"vlmoe.tokenizer\":\"synthetic\""), "a synthetic VL-MoE run records the synthetic words");
+    free(ck);
     check_learned("files", 40);
     snprintf(a, sizeof(a), "train %s --codebook cbf.safetensors --steps 3 --batch-size 6 --train-data pairs.csv --name csv",
              common);

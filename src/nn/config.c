@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
 #include "vlmoe.h"
 
 static vlmoe_model_config one_tower(const char *name, int img, int patch, int w, int l, int h,
@@ -636,9 +637,8 @@ done:
     return st;
 }
 
-int vlmoe_config_load(const char *path, vlmoe_model_config *out) {
-    size_t n = strlen(path);
-    if (n < 5 || strcmp(path + n - 5, ".json")) return vlmoe_config_named(path, out);
+// The text of a JSON config file (at most 1 MiB), malloc'd.
+static int read_config_file(const char *path, char **out) {
     FILE *f = fopen(path, "rb");
     if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open config file", path);
     char *buf = NULL;
@@ -656,9 +656,34 @@ int vlmoe_config_load(const char *path, vlmoe_model_config *out) {
     }
     fclose(f);
     buf[len] = 0;
-    int st = vlmoe_config_from_json(buf, path, out);
+    *out = buf;
+    return VLMOE_OK;
+}
+
+static int is_json_path(const char *path) {
+    const size_t n = strlen(path);
+    return n >= 5 && !strcmp(path + n - 5, ".json");
+}
+
+int vlmoe_config_load(const char *path, vlmoe_model_config *out) {
+    if (!is_json_path(path)) return vlmoe_config_named(path, out);
+    char *buf;
+    int st = read_config_file(path, &buf);
+    if (st) return st;
+    st = vlmoe_config_from_json(buf, path, out);
     free(buf);
     return st;
+}
+
+int config_sets_vocab(const char *path) {
+    char *buf;
+    if (!is_json_path(path) || read_config_file(path, &buf)) return 0;
+    cJSON *root = cJSON_Parse(buf);
+    const int set = cJSON_IsObject(root) && (cJSON_GetObjectItemCaseSensitive(root, "vocab_size") ||
+                                             !cJSON_GetObjectItemCaseSensitive(root, "base"));
+    cJSON_Delete(root);
+    free(buf);
+    return set;
 }
 
 static cJSON *encoder_json(const vlmoe_encoder_config *e) {

@@ -168,6 +168,7 @@ void vlmoe_model_free(vlmoe_model *m) {
     if (!m) return;
     if (m->L.arch) m->L.arch->free(m);
     model_release_backend(m);
+    model_inputs_free(&m->in);
     vlmoe_free_mem(m->params);
     vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -273,6 +274,7 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
         st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
     }
     if (!st && m->L.arch->save) st = m->L.arch->save(m, w);
+    if (!st) st = model_inputs_save(m, w);
     if (!st) st = vlmoe_st_writer_write(w, path);
     free(json);
     vlmoe_st_writer_free(w);
@@ -343,6 +345,7 @@ int model_load_into(vlmoe_model *m, const char *path) {
     float *tmp = st ? NULL : vlmoe_alloc(sizeof(float) * m->L.total, "checkpoint weights");
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
     if (!st) st = read_weights(m, f, tmp); // into scratch: m changes only if all of it is valid
+    if (!st) st = model_inputs_load(m, f, path);
     if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total);
     vlmoe_free_mem(tmp);
     vlmoe_st_close(f);
@@ -358,6 +361,7 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     if (st) return st;
     if (!(st = vlmoe_model_init(&m, &cfg, 0))) st = read_weights(m, f, m->params);
     if (!st && m->L.arch->load) st = m->L.arch->load(m, f, path);
+    if (!st) st = model_inputs_load(m, f, path);
     vlmoe_st_close(f);
     if (st) {
         vlmoe_model_free(m);

@@ -179,6 +179,23 @@ extern const model_arch model_arch_towers; // src/nn/towers_model.c
 extern const model_arch model_arch_mome;   // src/nn/mome_model.c
 
 // The model object behind the public handle (model.c; the architectures' parts in their files).
+// Whether the config a --model argument names fixes the vocabulary size: a JSON file that gives
+// "vocab_size" (or is complete, without "base"); a named model's vocabulary is a default.
+int config_sets_vocab(const char *path);
+
+// What a model file says about its inputs (src/nn/inputs.c, the metadata keys listed there):
+// its tokenizer, or the synthetic data's word tokenizer, and its image normalisation. Commands
+// read data the way the model was trained on it unless told otherwise; a model from a config, an
+// import or an older file says nothing (text MODEL_TEXT_UNKNOWN, has_norm 0).
+enum { MODEL_TEXT_UNKNOWN, MODEL_TEXT_SYNTH, MODEL_TEXT_BPE };
+typedef struct {
+    int text;                // MODEL_TEXT_*
+    char *tokenizer;         // MODEL_TEXT_BPE: vlmoe_tokenizer_to_text's text (malloc'd)
+    size_t tokenizer_len;
+    int has_norm;            // mean and std were recorded
+    float mean[3], std[3];
+} model_inputs;
+
 struct vlmoe_model {
     model_layout L;                // L.arch: the architecture
     const vlmoe_backend_f32 *be;   // where the graphs run (the CPU table unless chosen otherwise)
@@ -199,7 +216,23 @@ struct vlmoe_model {
     // before each forward; backward writes d_grads, downloaded into grads
     float *d_params, *d_grads;
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
+    model_inputs in;         // saved with the weights
 };
+
+// The model's inputs (src/nn/inputs.c). set_tokenizer: tok's text, or the synthetic word
+// tokenizer when tok is NULL. model_tokenizer: the recorded BPE tokenizer (*out NULL when the
+// model records none: check model_get_inputs(m)->text); path names the file in errors.
+// model_copy_inputs: dst says what src says (a pruned, souped or upcycled model).
+struct vlmoe_tokenizer;
+int model_set_tokenizer(vlmoe_model *m, const struct vlmoe_tokenizer *tok);
+void model_set_image_norm(vlmoe_model *m, const float mean[3], const float std[3]);
+const model_inputs *model_get_inputs(const vlmoe_model *m);
+int model_copy_inputs(vlmoe_model *dst, const vlmoe_model *src);
+int model_tokenizer(const vlmoe_model *m, const char *path, struct vlmoe_tokenizer **out);
+void model_inputs_free(model_inputs *in);
+// The metadata entries of m's inputs, and reading them back (errors name path and the key).
+int model_inputs_save(const vlmoe_model *m, vlmoe_st_writer *w);
+int model_inputs_load(vlmoe_model *m, const vlmoe_st *f, const char *path);
 
 // Runs the model on backend table be (model_set_device opens it by name). A table without host
 // memory gets device copies of the parameters and gradients; the graphs are planned again on it.

@@ -291,6 +291,7 @@ int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_class
     c.retrieval_head = retrieval_head;
     vlmoe_model *h;
     if ((st = vlmoe_model_init(&h, &c, seed))) return st; // validates num_classes
+    if ((st = model_copy_inputs(h, m))) return vlmoe_model_free(h), st;
     // every tensor but the head has the same name and shape in both tables
     for (int i = 0; i < h->L.nparams; i++) {
         const vlmoe_param_info *p = &h->L.table[i];

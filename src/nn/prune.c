@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
 #include "vlmoe.h"
 
 // Block index of a tensor of the tower `prefix` ("encoder", "image", "text"), -1 if elsewhere.
@@ -57,6 +58,7 @@ int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, con
              text ? "text" : "image", keep);
     vlmoe_model *p;
     int st = vlmoe_model_init(&p, &cfg, 0);
+    if (!st && (st = model_copy_inputs(p, m))) vlmoe_model_free(p);
     if (st) return st;
     int ns, np;
     const vlmoe_param_info *ts = vlmoe_model_params(m, &ns), *tp = vlmoe_model_params(p, &np);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
 #include "vlmoe.h"
 
 // "X.blocks.L.moe.experts.fc1.weight" -> "X.blocks.L.mlp.fc1.weight" (0 if not an expert tensor)
@@ -26,6 +27,7 @@ int vlmoe_model_upcycle(vlmoe_model **out, const vlmoe_model *dense, const vlmoe
     if (cfg.arch == VLMOE_ARCH_TWO_TOWER && text_moe) cfg.text_moe = *text_moe;
     vlmoe_model *m;
     int st = vlmoe_model_init(&m, &cfg, seed); // fresh routers (and Soft MoE slots) come from here
+    if (!st && (st = model_copy_inputs(m, dense))) vlmoe_model_free(m);
     if (st) return st;
     int nd, nm;
     const vlmoe_param_info *td = vlmoe_model_params(dense, &nd), *tm = vlmoe_model_params(m, &nm);

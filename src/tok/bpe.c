@@ -981,13 +981,10 @@ static int read_file(const char *path, char **out, size_t *n) {
 
 static int is_hspace(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f'; }
 
-int vlmoe_tokenizer_load_clip(vlmoe_tokenizer **out, const char *path) {
-    if (!out || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_load_clip: NULL argument");
-    *out = NULL;
-    char *buf;
-    size_t len;
-    int st = read_file(path, &buf, &len);
-    if (st) return st;
+// Parses a CLIP merges file's text buf (len bytes, NUL-terminated, taken over and freed); path
+// names it in errors.
+static int parse_clip(vlmoe_tokenizer **out, char *buf, size_t len, const char *path) {
+    int st = VLMOE_OK;
     if (!len) return free(buf), vlmoe_fail(VLMOE_ERR_FORMAT, "%s: empty file: expected a '#version' line and merges", path);
     if (memchr(buf, 0, len)) return free(buf), vlmoe_fail(VLMOE_ERR_FORMAT, "%s: contains NUL bytes: not a CLIP merges file", path);
     // Lines after the header, without the trailing blank ones.
@@ -1027,6 +1024,15 @@ int vlmoe_tokenizer_load_clip(vlmoe_tokenizer **out, const char *path) {
     if (!st) st = build_clip(out, m, (int)n, path);
     free(line), free(m), free(buf);
     return st;
+}
+
+int vlmoe_tokenizer_load_clip(vlmoe_tokenizer **out, const char *path) {
+    if (!out || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_load_clip: NULL argument");
+    *out = NULL;
+    char *buf;
+    size_t len;
+    int st = read_file(path, &buf, &len);
+    return st ? st : parse_clip(out, buf, len, path);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1136,13 +1142,20 @@ static int hf_build(vlmoe_tokenizer **out, const cJSON *root, const char *path) 
     return VLMOE_OK;
 }
 
+static int parse_hf(vlmoe_tokenizer **out, char *buf, size_t len, const char *path);
+
 int vlmoe_tokenizer_load_hf(vlmoe_tokenizer **out, const char *path) {
     if (!out || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_load_hf: NULL argument");
     *out = NULL;
     char *buf;
     size_t len;
     int st = read_file(path, &buf, &len);
-    if (st) return st;
+    return st ? st : parse_hf(out, buf, len, path);
+}
+
+// Parses an HF tokenizer.json's text buf (len bytes, taken over and freed); path names it in errors.
+static int parse_hf(vlmoe_tokenizer **out, char *buf, size_t len, const char *path) {
+    int st;
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(buf, len, &end, 0);
     if (!root) {
@@ -1176,33 +1189,100 @@ static int clip_layout(const vlmoe_tokenizer *t) {
     return 1;
 }
 
-int vlmoe_tokenizer_save_clip(const vlmoe_tokenizer *tok, const char *path) {
-    if (!tok || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_save_clip: NULL argument");
+// CLIP's merges file of tok ("#version: 0.2" + one "a b" per line), malloc'd and NUL-terminated;
+// what names the destination in errors.
+static int clip_text(const vlmoe_tokenizer *tok, const char *what, char **out, size_t *len) {
+    *out = NULL, *len = 0;
     if (!clip_layout(tok))
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: this vocabulary's ids do not follow CLIP's layout (bytes, bytes+</w>, merges, "
-                          "SOT, EOT): a merges file would renumber them", path);
+                          "SOT, EOT): a merges file would renumber them", what);
     if (tok->n_merges > CLIP_MERGES)
-        return vlmoe_fail(VLMOE_ERR_ARG, "%s: %d merges: a CLIP merges file is read up to %d", path, tok->n_merges, CLIP_MERGES);
+        return vlmoe_fail(VLMOE_ERR_ARG, "%s: %d merges: a CLIP merges file is read up to %d", what, tok->n_merges, CLIP_MERGES);
+    static const char head[] = "#version: 0.2\n";
+    size_t n = sizeof(head) - 1;
+    for (int k = 0; k < tok->n_merges; k++)
+        n += strlen(tok->piece[tok->merge[3 * k]]) + strlen(tok->piece[tok->merge[3 * k + 1]]) + 2;
+    char *t = malloc(n + 1);
+    if (!t) return vlmoe_fail(VLMOE_ERR_NOMEM, "%s: out of memory for the merges text", what);
+    size_t at = (size_t)sprintf(t, "%s", head);
+    for (int k = 0; k < tok->n_merges; k++)
+        at += (size_t)sprintf(t + at, "%s %s\n", tok->piece[tok->merge[3 * k]], tok->piece[tok->merge[3 * k + 1]]);
+    *out = t, *len = at;
+    return VLMOE_OK;
+}
+
+int vlmoe_tokenizer_save_clip(const vlmoe_tokenizer *tok, const char *path) {
+    if (!tok || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_save_clip: NULL argument");
+    char *text;
+    size_t len;
+    int st = clip_text(tok, path, &text, &len);
+    if (st) return st;
     size_t n = strlen(path);
     char *tmp = str_cat(path, n, ".tmp", 4);
-    if (!tmp) return VLMOE_ERR_NOMEM;
-    FILE *f = fopen(tmp, "wb");
+    FILE *f = tmp ? fopen(tmp, "wb") : NULL;
     if (!f) {
-        int st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        free(tmp);
-        return st;
+        st = tmp ? vlmoe_fail(VLMOE_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno)) : VLMOE_ERR_NOMEM;
+        return free(tmp), free(text), st;
     }
-    int ok = fputs("#version: 0.2\n", f) >= 0;
-    for (int k = 0; ok && k < tok->n_merges; k++)
-        ok = fprintf(f, "%s %s\n", tok->piece[tok->merge[3 * k]], tok->piece[tok->merge[3 * k + 1]]) > 0;
+    int ok = fwrite(text, 1, len, f) == len;
     ok = fflush(f) == 0 && ok;
     int err = errno;
     ok = fclose(f) == 0 && ok;
     if (ok && rename(tmp, path)) ok = 0, err = errno;
-    int st = ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write: %s", path, strerror(err ? err : EIO));
+    st = ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write: %s", path, strerror(err ? err : EIO));
     if (!ok) remove(tmp);
-    free(tmp);
+    free(tmp), free(text);
     return st;
+}
+
+// The HF tokenizer.json of a vocabulary numbered otherwise: model.vocab, model.merges, and the
+// start and end tokens as added_tokens (what hf_build reads back).
+static int hf_text(const vlmoe_tokenizer *tok, char **out, size_t *len) {
+    cJSON *root = cJSON_CreateObject(), *model = cJSON_AddObjectToObject(root, "model");
+    cJSON *vocab = model ? cJSON_AddObjectToObject(model, "vocab") : NULL;
+    cJSON *merges = model ? cJSON_AddArrayToObject(model, "merges") : NULL;
+    cJSON *added = cJSON_AddArrayToObject(root, "added_tokens");
+    int ok = vocab && merges && added && cJSON_AddStringToObject(model, "type", "BPE") &&
+             cJSON_AddStringToObject(model, "end_of_word_suffix", EOW);
+    for (int i = 0; ok && i < tok->n_vocab; i++)
+        if (tok->piece[i]) ok = cJSON_AddNumberToObject(vocab, tok->piece[i], i) != NULL;
+    for (int k = 0; ok && k < tok->n_merges; k++) {
+        const char *a = tok->piece[tok->merge[3 * k]], *b = tok->piece[tok->merge[3 * k + 1]];
+        char *pair = str_cat(a, strlen(a), " ", 1), *both = pair ? str_cat(pair, strlen(pair), b, strlen(b)) : NULL;
+        ok = both && cJSON_AddItemToArray(merges, cJSON_CreateString(both));
+        free(pair), free(both);
+    }
+    const int32_t special[2] = {tok->sot, tok->eot};
+    for (int i = 0; ok && i < 2; i++) {
+        cJSON *e = cJSON_CreateObject();
+        ok = e && cJSON_AddNumberToObject(e, "id", special[i]) && cJSON_AddStringToObject(e, "content", tok->piece[special[i]]) &&
+             cJSON_AddItemToArray(added, e);
+    }
+    char *t = ok ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!t) return vlmoe_fail(VLMOE_ERR_NOMEM, "tokenizer.json text");
+    *out = t, *len = strlen(t);
+    return VLMOE_OK;
+}
+
+int vlmoe_tokenizer_to_text(const vlmoe_tokenizer *tok, char **out, size_t *len) {
+    if (!tok || !out || !len) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_to_text: NULL argument");
+    if (clip_layout(tok) && tok->n_merges <= CLIP_MERGES) return clip_text(tok, "tokenizer", out, len);
+    return hf_text(tok, out, len);
+}
+
+int vlmoe_tokenizer_from_text(vlmoe_tokenizer **out, const char *text, size_t len, const char *what) {
+    if (!out || (!text && len) || !what) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_from_text: NULL argument");
+    *out = NULL;
+    if (len > MAX_FILE_BYTES)
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: larger than %zu bytes: not a tokenizer", what, MAX_FILE_BYTES);
+    char *buf = malloc(len + 1);
+    if (!buf) return vlmoe_fail(VLMOE_ERR_NOMEM, "%s: out of memory", what);
+    memcpy(buf, text, len);
+    buf[len] = 0;
+    size_t i = 0;
+    while (i < len && (buf[i] == ' ' || buf[i] == '\n' || buf[i] == '\r' || buf[i] == '\t')) i++;
+    return i < len && buf[i] == '{' ? parse_hf(out, buf, len, what) : parse_clip(out, buf, len, what);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -64,6 +64,13 @@ int vlmoe_tokenizer_train(vlmoe_tokenizer **out, const char *const *texts, size_
 // numbered otherwise), since reloading would renumber them.
 int vlmoe_tokenizer_save_clip(const vlmoe_tokenizer *tok, const char *path);
 void vlmoe_tokenizer_free(vlmoe_tokenizer *tok);
+// The tokenizer as text that vlmoe_tokenizer_from_text reads back with the same ids (a model file
+// carries its tokenizer this way): CLIP's merges file when the ids follow CLIP's layout, else an
+// HF tokenizer.json. *out is malloc'd (free) and NUL-terminated; *len excludes the NUL.
+int vlmoe_tokenizer_to_text(const vlmoe_tokenizer *tok, char **out, size_t *len);
+// Reads a CLIP merges file's text, or an HF tokenizer.json's (a JSON object), held in memory;
+// `what` starts every error message (e.g. "model.safetensors: tokenizer").
+int vlmoe_tokenizer_from_text(vlmoe_tokenizer **out, const char *text, size_t len, const char *what);
 
 // ids (ctx): [SOT] tokens... [EOT] then 0 up to ctx. Too long: [SOT] + the first ctx-2 tokens +
 // [EOT] (OpenCLIP's truncation). *len (may be NULL) = tokens before the padding. ctx >= 2. Text

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "nn/model.h"
 #include "tok/tok.h"
 #include "train/tasks.h"
 
@@ -196,6 +197,7 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
         if ((st = vlmoe_config_load(s->model, &cfg))) return st;
         if (s->image_size) cfg.image_size = s->image_size;
         if (s->context_length) cfg.context_length = s->context_length;
+        if (s->vocab_size) cfg.vocab_size = s->vocab_size;
     }
     if (s->preset) { // the preset's routing and losses on the model's own MoE layers
         const int two = cfg.arch == VLMOE_ARCH_TWO_TOWER;
@@ -220,7 +222,9 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
             return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s changes the shapes of %s's tensors", s->preset, s->pretrained);
         }
         memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(pre), sizeof(float) * vlmoe_model_num_floats(m));
+        st = model_copy_inputs(m, pre);
         vlmoe_model_free(pre);
+        if (st) return vlmoe_model_free(m), st;
     }
     *out = m;
     return VLMOE_OK;
@@ -243,16 +247,23 @@ int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count) {
     return st;
 }
 
-int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
-                           const char *path, size_t *n_read, int *ids) {
-    vlmoe_dataset_params p = *dp;
-    p.defer_images = 1;
+int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, const char *const *extra, size_t n_extra, int vocab_size,
+                           size_t max_texts, const char *path, size_t *n_read, int *ids) {
     vlmoe_dataset *ds = NULL;
-    char **texts = calloc(max_captions ? max_captions : 1, sizeof(char *));
+    const size_t k = n_extra < max_texts ? n_extra : max_texts;
+    char **texts = calloc(k + max_texts + 1, sizeof(char *));
     size_t n = 0;
-    int st = texts ? vlmoe_dataset_open(&p, &ds) : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    int st = texts ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "caption list"), got = 0;
+    while (!st && n < k)
+        if (!(texts[n] = strdup(extra[n]))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
+        else n++;
+    if (!st && dp) {
+        vlmoe_dataset_params p = *dp;
+        p.defer_images = 1;
+        st = vlmoe_dataset_open(&p, &ds);
+    }
     vlmoe_sample s;
-    while (!st && n < max_captions && (got = vlmoe_dataset_next(ds, &s)) == 1)
+    while (!st && ds && n < k + max_texts && (got = vlmoe_dataset_next(ds, &s)) == 1)
         if (!(texts[n++] = strdup(s.caption))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption list");
     if (!st && got < 0) st = -got;
     vlmoe_tokenizer *tok = NULL;
@@ -264,6 +275,6 @@ int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_
     for (size_t i = 0; i < n; i++) free(texts[i]);
     free(texts);
     if (n_read) *n_read = n;
-    if (st) vlmoe_error_prefix("vocabulary for %s", dp->path);
+    if (st && dp) vlmoe_error_prefix("vocabulary for %s", dp->path);
     return st;
 }

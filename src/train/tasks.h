@@ -43,6 +43,7 @@ typedef struct {
     const char *pretrained;      // a vlmoe checkpoint whose weights start the run (may be NULL)
     const char *preset;          // may be NULL
     int image_size, context_length; // overrides of the config (0: keep)
+    int vocab_size;              // override of a config's vocabulary (0: keep; not with pretrained)
     uint64_t seed;
 } vlmoe_model_source;
 int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s);
@@ -50,11 +51,11 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s);
 // Opens --train-data as the loader will, so a missing file, bad header or shard pattern stops a
 // run before anything is written; count (may be NULL) gets a CSV's usable rows.
 int vlmoe_dataset_check(const vlmoe_dataset_params *dp, long *count);
-// A BPE vocabulary of vocab_size ids trained on the first `max_captions` captions of the data
-// (file order), saved at path in CLIP's merges format; *n gets the captions read and *ids the
-// vocabulary's size (at most vocab_size).
-int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, int vocab_size, size_t max_captions,
-                           const char *path, size_t *n, int *ids);
+// A BPE vocabulary of vocab_size ids trained on the first `max_texts` of texts[0..n_texts) and the
+// first `max_texts` captions of the data dp (file order; dp may be NULL), saved at path in CLIP's
+// merges format; *n gets the texts read and *ids the vocabulary's size (at most vocab_size).
+int vlmoe_train_vocabulary(const vlmoe_dataset_params *dp, const char *const *texts, size_t n_texts, int vocab_size,
+                           size_t max_texts, const char *path, size_t *n, int *ids);
 
 // ---- VL-MoE fine-tuning (VL-MoE sec. 4.2): a classification head or a retrieval head
 typedef enum {
