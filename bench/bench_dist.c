@@ -82,7 +82,8 @@ int main(int argc, char **argv) {
     if (!st) st = vlmoe_model_plan(m, B);
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
     if (!st) st = vlmoe_synth_init(&s, &sp);
-    const vlmoe_contrastive_params cp = {.model = m, .batch_size = B, .synth = s, .rank = timed.rank, .world = timed.world};
+    const vlmoe_contrastive_params cp = {.model = m, .batch_size = B, .synth = s, .rank = timed.rank, .world = timed.world,
+                                         .accum_freq = 1};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     if (st) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     const vlmoe_run_task rt = vlmoe_contrastive_task(task);

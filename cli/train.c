@@ -28,6 +28,7 @@ typedef struct {
     int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
+    int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
     int override;                // --override-inputs: flags replace what a checkpoint records
     int allow_changes;           // --resume-allow-changes
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
@@ -92,6 +93,12 @@ static const char *USAGE =
     "decode, random-resized-crop to the model's image size, normalise (--image-mean/--image-std)\n"
     "and tokenize ahead of the step; shuffled per epoch from --seed, the same for any --workers.\n"
     "Bad samples are skipped and counted; more than --max-bad-fraction of them stops the run.\n"
+    "--accum-freq N (OpenCLIP's): a step takes N micro-batches of --batch-size, caches their features,\n"
+    "then runs each again with activations and backpropagates the loss over all N x batch-size pairs:\n"
+    "the step of a batch N times larger (the same loss and gradient, to float rounding, when MoE\n"
+    "routing groups split a micro-batch) in the activation memory of one micro-batch, for one more\n"
+    "forward per sample. The global batch is processes x N x --batch-size; --steps, the schedule,\n"
+    "the logs and checkpoints count optimizer steps of it.\n"
     "Without --tokenizer, a BPE vocabulary is trained on the first 10000 captions (LOGS/NAME/\n"
     "tokenizer.txt): of the model's size, or 1024 ids for a small named model, whose token embedding\n"
     "is then sized to it; a JSON config's \"vocab_size\" fixes the size. Checkpoints carry the\n"
@@ -162,16 +169,16 @@ static cJSON *run_params(const train_args *a, int world) {
         cJSON_AddItemToObject(pj, sk[i], sv[i] ? cJSON_CreateString(sv[i]) : cJSON_CreateNull());
     char sep[2] = {a->data.separator, 0};
     cJSON_AddItemToObject(pj, "csv_separator", a->data.path ? cJSON_CreateString(sep) : cJSON_CreateNull());
-    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "seed",
+    const char *nk[] = {"batch_size", "accum_freq", "world_size", "global_batch_size", "steps", "epochs", "train_num_samples", "seed",
                         "image_size", "context_length", "save_frequency", "save_every_n_steps", "keep_checkpoints",
                         "zeroshot_every_n_steps", "eval_samples", "log_every_n_steps", "workers", "max_bad_fraction",
                         "expert_parallel", "threads"};
-    const double nv[] = {a->batch_size, world, (double)a->batch_size * world, (double)a->steps, (double)a->epochs,
+    const double nv[] = {a->batch_size, a->accum_freq, world, (double)a->batch_size * a->accum_freq * world, (double)a->steps, (double)a->epochs,
                          (double)a->num_samples, (double)a->seed, a->image_size, a->context_length,
                          (double)a->save_epochs, (double)a->save_every, a->keep, (double)a->zeroshot_every,
                          a->eval_samples, a->log_every, a->workers, a->max_bad, a->expert_parallel,
                          omp_get_max_threads()};
-    for (int i = 0; i < 19; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
+    for (int i = 0; i < 20; i++) cJSON_AddNumberToObject(pj, nk[i], nv[i]);
     cJSON_AddBoolToObject(pj, "override_inputs", a->override);
     cJSON_AddBoolToObject(pj, "dataset_resampled", a->resampled);
     cJSON_AddItemToObject(pj, "train_data_upsampling_factors", a->upsampling ? cJSON_CreateString(a->upsampling)
@@ -313,7 +320,8 @@ static int setup_data(const train_args *a, train_run *r) {
     model_set_image_norm(r->m, lp.image.mean, lp.image.std);
     lp.data = a->data;
     lp.seed = (uint64_t)a->seed;
-    lp.batch_size = a->batch_size * r->dist->world; // every process reads the global batch, takes its block
+    // every process reads the global batch and takes its block of accum_freq micro-batches
+    lp.batch_size = a->batch_size * a->accum_freq * r->dist->world;
     lp.context_length = c->context_length;
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;
@@ -413,7 +421,7 @@ static int check_applicable(const train_args *a, int argc, char **argv) {
 
 int cmd_train(int argc, char **argv) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
-                    .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1,
+                    .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
                     .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1;
@@ -443,7 +451,13 @@ int cmd_train(int argc, char **argv) {
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process (default 64; under mpirun -np W the global batch is W times it)"},
+        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
+                                                   "--accum-freq (default 64; the global batch is mpirun's -np x "
+                                                   "--accum-freq x it)"},
+        {"accum-freq", ARG_INT, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
+                                                     "--batch-size and computes the contrastive loss over all N x "
+                                                     "batch-size pairs, caching features, not activations: batch N x B "
+                                                     "in the memory of B (default 1)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
                                                    "global batch) steps)"},
@@ -544,11 +558,17 @@ int cmd_train(int argc, char **argv) {
                          "--zeroshot-classnames or --zeroshot-templates FILE.json", a.zs_dataset);
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
-    if (a.batch_size * dist->world < 2)
+    if (a.accum_freq < 1)
+        return cli_error("train", "--accum-freq must be >= 1 (the micro-batches of --batch-size per step; 1: no "
+                         "accumulation), got %d", a.accum_freq);
+    if ((long)a.batch_size * a.accum_freq * dist->world < 2 || a.batch_size < 1)
         return cli_error("train", "--batch-size must be >= 2 for a contrastive loss (the global batch, per process x %d "
-                         "processes)", dist->world);
+                         "processes x --accum-freq %d)", dist->world, a.accum_freq);
+    if ((long)a.batch_size * a.accum_freq * dist->world > 1 << 20)
+        return cli_error("train", "--batch-size %d x --accum-freq %d x %d processes is more than 2^20 pairs a step",
+                         a.batch_size, a.accum_freq, dist->world);
     cli_run_length len = {steps_given, a.epochs, a.save_epochs, a.save_steps, a.num_samples,
-                          (long)a.batch_size * dist->world, a.steps, 0};
+                          (long)a.batch_size * a.accum_freq * dist->world, a.steps, 0};
     const int by_epoch = cli_by_epoch(&len) || a.val_freq > 0 || a.zs_freq > 0; // an epoch's size is needed
     if (!synthetic && vlmoe_dataset_check(&a.data, NULL)) return cli_error("train", "--train-data: %s", vlmoe_last_error());
     if (!synthetic && by_epoch && len.samples <= 0 && vlmoe_dataset_check(&a.data, &len.samples))
@@ -595,8 +615,8 @@ int cmd_train(int argc, char **argv) {
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
-    const int how = (a.allow_changes ? CLI_RESUME_ALLOW : 0) | (r.lead ? CLI_RESUME_PRINT : 0) | CLI_RESUME_CARRIED;
-    rc = now && cli_resume_check("train", r.dir, now, how, &changes);
+    const int rhow = (a.allow_changes ? CLI_RESUME_ALLOW : 0) | (r.lead ? CLI_RESUME_PRINT : 0) | CLI_RESUME_CARRIED;
+    rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return run_free(&r, rc), rc;
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
@@ -604,7 +624,8 @@ int cmd_train(int argc, char **argv) {
     if (!rc && !(rc = setup_data(&a, &r))) {
         vlmoe_contrastive_params cp = {.model = r.m, .batch_size = a.batch_size, .synth = r.synth, .loader = r.loader,
                                        .eval_samples = a.eval_samples, .rank = r.dist->rank, .world = r.dist->world,
-                                       .last_step = a.steps, .synth_every = a.zeroshot_every};
+                                       .last_step = a.steps, .synth_every = a.zeroshot_every,
+                                       .accum_freq = a.accum_freq};
         if (!(rc = setup_validation(&a, &r, &cp)) && vlmoe_contrastive_init(&r.task, &cp))
             rc = cli_error("train", "%s", vlmoe_last_error());
     }
@@ -617,17 +638,28 @@ int cmd_train(int argc, char **argv) {
     const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
     r.tty = isatty(fileno(stderr));
     const int W = r.dist->world;
-    if (r.lead && W > 1)
-        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs (%d processes x %d), %d "
-                "threads each, run %s\n", cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps,
-                a.batch_size * W, W, a.batch_size, omp_get_max_threads(), r.dir);
-    else if (r.lead)
-        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs, %d threads, run %s\n",
-                cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size,
-                omp_get_max_threads(), r.dir);
+    const int N = a.accum_freq;
+    char how[96] = "", procs[32] = "", micro[32] = ""; // the global batch's make-up
+    if (W > 1) snprintf(procs, sizeof(procs), "%d processes x ", W);
+    if (N > 1) snprintf(micro, sizeof(micro), "%d micro-batches x ", N);
+    if (W > 1 || N > 1) snprintf(how, sizeof(how), " (%s%s%d)", procs, micro, a.batch_size);
+    if (r.lead)
+        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d pairs%s, %d threads%s, run %s\n",
+                cfg->name, vlmoe_model_num_floats(r.m), vlmoe_trainer_get_step(r.t), a.steps, a.batch_size * N * W, how,
+                omp_get_max_threads(), W > 1 ? " each" : "", r.dir);
+    if (r.lead && N > 1) // routing over groups of the whole batch sees a micro-batch only
+        for (int e = 0; e < (cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1); e++) {
+            const vlmoe_moe_config *mc = e ? &cfg->text_moe : &cfg->moe;
+            if (mc->router != VLMOE_ROUTER_NONE && mc->group_size == 0)
+                fprintf(stderr, "vlmoe train: note: --accum-freq %d: %s MoE layers route each micro-batch of %d as one "
+                        "group (group_size 0), not the %d pairs of the step; a group_size of whole examples that "
+                        "divides %d routes as one batch of %d would (JSON config)\n", N,
+                        e ? "the text tower's" : "the", a.batch_size, a.batch_size * N, a.batch_size,
+                        a.batch_size * N);
+        }
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, eval_cadence(&a), 1,
-                                 (long)a.batch_size * W, r.dist, on_progress, &r, a.expert_parallel};
+                                 (long)a.batch_size * a.accum_freq * W, r.dist, on_progress, &r, a.expert_parallel};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);
     if (r.open_line) fputc('\n', stderr);

@@ -388,6 +388,10 @@ int cmd_train_mome(int argc, char **argv) {
     if (cli_reject_flags(CMD, argc, argv, contrastive, "applies to contrastive models (one_tower, two_tower), not "
                          "VL-MoE (arch mome) pre-training"))
         return 1;
+    for (int i = 2; i < argc; i++) // contrastive training's flag, named rather than unknown here
+        if (!strncmp(argv[i], "--accum-freq", 12) && (!argv[i][12] || argv[i][12] == '='))
+            return cli_error(CMD, "--accum-freq is for contrastive models (one_tower, two_tower); a VL-MoE (arch mome) "
+                             "step already sums the gradients of its streams' forwards: give a larger --batch-size");
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);

@@ -72,6 +72,18 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 4 --name 
 else
     tail -n 20 "$tmp/two.log" "$tmp/one.log"; echo "FAILED: vlmoe train under mpirun"; fail=$((fail + 1))
 fi
+# --accum-freq under mpirun: 2 processes x 2 micro-batches x 2 pairs, the global batch of 8 again
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 2 --accum-freq 2 --name acc > "$tmp/acc.log" 2>&1; then
+    worst=$(loss_diff acc one 2)
+    if within "$worst"; then
+        echo "ok   mpirun -np 2 vlmoe train --batch-size 2 --accum-freq 2 = vlmoe train --batch-size 8 (losses within $worst)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: mpirun -np 2 vlmoe train --accum-freq 2 vs one process: loss difference $worst"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/acc.log"; echo "FAILED: vlmoe train --accum-freq under mpirun"; fail=$((fail + 1))
+fi
 # --expert-parallel: the same run with each process computing half of limoe-tiny's experts
 common="train --model limoe-tiny --steps 2 --log-every-n-steps 1 --eval-samples 0 --logs $tmp --batch-size 4"
 if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.log" 2>&1 &&

@@ -5,7 +5,8 @@
 // the same model alone at the global batch, and the losses, gradient norms and parameters of the
 // two runs must agree to float rounding (the gradient sums run in another order), and the routing
 // counts of every step (tokens, routed tokens, tokens per expert), summed over the processes,
-// exactly. Alone (a world of one), the
+// exactly; the same with --accum-freq on every process (src/nn/towers_accum.c). Alone (a world of
+// one, without accumulation), the
 // data-parallel path must equal the plain one bit for bit. tests/test_dist_mpi.sh runs it under
 // mpirun on 2, 3 and 4 processes.
 #include <stdint.h>
@@ -37,8 +38,8 @@ static void routing_counts(vlmoe_model *m, int64_t *out) {
         }
 }
 
-static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, double *losses, double *norms, float **params,
-                 size_t *n, int64_t (*counts)[NCOUNT]) {
+static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, int accum, double *losses, double *norms,
+                 float **params, size_t *n, int64_t (*counts)[NCOUNT]) {
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
@@ -61,7 +62,7 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, do
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
     if (!st) st = vlmoe_synth_init(&s, &sp);
     const vlmoe_contrastive_params cp = {.model = m, .batch_size = batch, .synth = s, .rank = d ? d->rank : 0,
-                                         .world = d ? d->world : 1};
+                                         .world = d ? d->world : 1, .accum_freq = accum};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     const vlmoe_run_task rt = task ? vlmoe_contrastive_task(task) : (vlmoe_run_task){0};
     vlmoe_trainer_set_dist(t, d, ep);
@@ -86,9 +87,10 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, do
     return st;
 }
 
-// ep: the size of the groups the experts are split over (0: not split)
-static void compare(const char *model, vlmoe_dist *d, int ep) {
-    const int batch = GLOBAL / d->world;
+// ep: the size of the groups the experts are split over (0: not split); accum: micro-batches per
+// step and process (--accum-freq; 1: none)
+static void compare(const char *model, vlmoe_dist *d, int ep, int accum) {
+    const int batch = GLOBAL / d->world / accum;
     vlmoe_dist *experts = NULL;
     if (ep > 1 && ep < d->world) CHECK(vlmoe_dist_split(d, d->rank / ep, d->rank, &experts) == VLMOE_OK, "split");
     if (ep > 1 && ep == d->world) experts = d;
@@ -97,7 +99,8 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
     memset(cdp, 0, sizeof(cdp)), memset(cone, 0, sizeof(cone));
     float *pd = NULL, *p1 = NULL;
     size_t n = 0, n1 = 0;
-    CHECK(train(model, d, experts, batch, dp, gdp, &pd, &n, cdp) == VLMOE_OK, "%s: data-parallel run on %d processes", model, d->world);
+    CHECK(train(model, d, experts, batch, accum, dp, gdp, &pd, &n, cdp) == VLMOE_OK, "%s: data-parallel run on %d processes",
+          model, d->world);
     d->allreduce_sum(d, cdp, (size_t)STEPS * NCOUNT, VLMOE_DIST_I64);
     // every process holds the same parameters after the same updates
     if (pd && d->world > 1) {
@@ -108,7 +111,7 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
         free(r0);
     }
     if (d->rank == 0) {
-        CHECK(train(model, NULL, NULL, GLOBAL, one, gone, &p1, &n1, cone) == VLMOE_OK && n1 == n, "%s: one process", model);
+        CHECK(train(model, NULL, NULL, GLOBAL, 1, one, gone, &p1, &n1, cone) == VLMOE_OK && n1 == n, "%s: one process", model);
         int differ = -1;
         for (int s = 0; s < STEPS && differ < 0; s++)
             if (memcmp(cdp[s], cone[s], sizeof(cone[s]))) differ = s;
@@ -123,20 +126,24 @@ static void compare(const char *model, vlmoe_dist *d, int ep) {
             const double rel = fabs(dp[s] - one[s]) / fabs(one[s]), grel = fabs(gdp[s] - gone[s]) / fabs(gone[s]);
             worst = rel > worst ? rel : worst;
             gworst = grel > gworst ? grel : gworst;
-            if (d->world == 1) CHECK(dp[s] == one[s], "%s step %d: %.17g vs %.17g in a world of one", model, s + 1, dp[s], one[s]);
+            if (d->world == 1 && accum == 1) CHECK(dp[s] == one[s], "%s step %d: %.17g vs %.17g in a world of one", model, s + 1, dp[s], one[s]);
         }
         for (size_t i = 0; p1 && pd && i < n; i++) {
             const double e = fabs((double)pd[i] - (double)p1[i]);
             pworst = e > pworst ? e : pworst;
         }
-        printf("%s%s: %d processes x %d pairs vs 1 x %d, %d steps: losses %.6f..%.6f, max relative difference of the "
+        char how[48] = "";
+        if (accum > 1) snprintf(how, sizeof(how), " x %d micro-batches", accum);
+        printf("%s%s: %d processes%s x %d pairs vs 1 x %d, %d steps: losses %.6f..%.6f, max relative difference of the "
                "losses %.2e, of the gradient norms %.2e; max parameter difference %.2e\n", model,
-               ep ? (ep == d->world ? " (experts split over every process)" : " (experts split over pairs of processes)") : "", d->world, batch, GLOBAL, STEPS, one[0], one[STEPS - 1],
+               ep ? (ep == d->world ? " (experts split over every process)" : " (experts split over pairs of processes)") : "",
+               d->world, how, batch, GLOBAL, STEPS, one[0], one[STEPS - 1],
                worst, gworst, pworst);
         CHECK(gworst <= 1e-5, "%s: gradient norms differ by %.3e (relative) from the one-process run", model, gworst);
         CHECK(worst <= 1e-5, "%s: losses differ by %.3e (relative) from the one-process run", model, worst);
         CHECK(pworst <= 1e-5, "%s: parameters differ by %.3e from the one-process run", model, pworst);
-        if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
+        if (d->world == 1 && accum == 1)
+            CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "%s: parameters in a world of one", model);
     }
     free(pd), free(p1);
     if (experts && experts != d) vlmoe_dist_close(experts);
@@ -192,9 +199,14 @@ int main(void) {
         return 1;
     }
     test_divergence(d);
-    compare("tiny", d, 0);         // dense one_tower
-    compare("limoe-tiny", d, 0);   // LIMoE: MoE layers, routing noise and groups of whole examples
-    compare("clipup-tiny", d, 0);  // CLIP-UP: two towers, top-2 MoE in each
+    compare("tiny", d, 0, 1);         // dense one_tower
+    compare("limoe-tiny", d, 0, 1);   // LIMoE: MoE layers, routing noise and groups of whole examples
+    compare("clipup-tiny", d, 0, 1);  // CLIP-UP: two towers, top-2 MoE in each
+    // --accum-freq on every process: the global batch is processes x micro-batches x pairs, each
+    // micro-batch of whole routing groups (of 2 examples: 12, 6, 4 or 2 pairs)
+    const int accum = (GLOBAL / d->world) % 4 == 0 ? 2 : 3;
+    compare("limoe-tiny", d, 0, accum);
+    compare("clipup-tiny", d, 0, accum);
     // expert parallelism: each process computes its share of the experts for every process's
     // tokens (the all-to-all dispatch of src/moe/layer.c), when the process count divides them
     static const char *const moe[2] = {"limoe-tiny", "clipup-tiny"};
@@ -202,11 +214,12 @@ int main(void) {
         vlmoe_model_config c;
         vlmoe_config_named(moe[k], &c);
         if (c.moe.num_experts % d->world == 0) {
-            compare(moe[k], d, d->world);
-            if (d->world == 4) compare(moe[k], d, 2); // 2 groups of 2, data parallel between them
+            compare(moe[k], d, d->world, 1);
+            if (d->world == 4) compare(moe[k], d, 2, 1); // 2 groups of 2, data parallel between them
+            if (k == 0) compare(moe[k], d, d->world, accum);
         } else {
             double l[STEPS], g[STEPS];
-            const int st = train(moe[k], d, d, GLOBAL / d->world, l, g, NULL, NULL, NULL);
+            const int st = train(moe[k], d, d, GLOBAL / d->world, 1, l, g, NULL, NULL, NULL);
             CHECK(st == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split over"),
                   "%d experts over %d processes: %s", c.moe.num_experts, d->world, vlmoe_last_error());
         }

@@ -281,6 +281,10 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
     }
 }
 
+const double *R(moe_gate_sums)(const struct R(moe_state) *st, int modality) {
+    return st->sp.cfg->router == VLMOE_ROUTER_SOFT ? NULL : st->pbar[modality ? 1 : 0];
+}
+
 static void soft_dims_of(const struct R(moe_state) *st, soft_dims *d) {
     const vlmoe_moe_config *c = st->sp.cfg;
     *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act};

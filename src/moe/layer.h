@@ -72,7 +72,10 @@ struct vlmoe_dist; // src/dist/dist.h
     int moe_set_expert_parallel_##S(moe_state_##S *st, struct vlmoe_dist *d);                  \
     /* the last forward's decision per token (vlmoe_model_routing's entries): sets *count; */   \
     /* writes them when out is given and cap >= *count; Soft MoE: VLMOE_ERR_ARG */               \
-    int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);
+    int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);    \
+    /* the last forward's router probabilities summed over the tokens of one modality (E), so */ \
+    /* the statistics of several forwards merge (src/nn/towers_accum.c); NULL for Soft MoE */     \
+    const double *moe_gate_sums_##S(const moe_state_##S *st, int modality);
 
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)

@@ -209,6 +209,8 @@ struct vlmoe_model {
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
     struct vlmoe_dist *experts; // and the group of processes the MoE layers' experts are split over
     struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
+    struct towers_accum *accum; // towers: gradient accumulation's cached embeddings and statistics
+    int accum_stats;         // the last training step was accumulated: its merged routing statistics
     // a backend without host memory (--device cuda): the parameters stay in params (the master
     // copy the optimizer, checkpoints and every host reader use) and are uploaded to d_params
     // before each forward; backward writes d_grads, downloaded into grads
@@ -250,6 +252,23 @@ void model_release_backend(vlmoe_model *m);
 // layer's experts are split: each process computes its share for the tokens of every process of
 // its group (src/moe/layer.c).
 void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts);
+
+// Gradient accumulation (src/nn/towers_accum.c; OpenCLIP's --accum-freq): the gradient of one
+// step over the n micro-batches mb (of one batch size B each) as one batch of n*B pairs, in order
+// (with data parallelism, this process's block of the global batch of W*n*B pairs, gathered in
+// rank order): the contrastive loss sees every pair of the accumulated batch, the MoE auxiliary
+// losses are the mean of the micro-batches' (the mean over routing groups when groups hold whole
+// examples and split every micro-batch), the routing noise is drawn once for the step and keyed
+// by each sample's index in the accumulated batch. Leaves the gradients in m->grads (no backward
+// to call); stats and vlmoe_model_moe_stats describe the accumulated batch (vlmoe_model_routing
+// the last micro-batch's tokens). Only the embeddings of the accumulated batch are kept between
+// the micro-batches, not their activations: each micro-batch runs forward twice. towers only:
+// VLMOE_ERR_CONFIG for another architecture.
+int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int n, vlmoe_step_stats *stats);
+// The merged routing statistics of the last accumulated step (NULL unless m->accum_stats), and
+// the accumulation buffers' release (towers_free).
+const vlmoe_moe_stats *towers_accum_stats(const vlmoe_model *m, int *count);
+void towers_accum_free(vlmoe_model *m);
 
 // --device: "cpu" (the default) or "cuda[:N]" (src/nn/device.c); an error naming what is missing
 // when the model cannot run there.

@@ -186,6 +186,7 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     // experts split over the processes in data-parallel training only (rank 0 evaluates alone)
     if ((st = graph_set_expert_parallel_f32(m->g, dp ? m->experts : NULL))) return st;
     graph_result r = {0, {0, 0}, 0};
+    m->accum_stats = 0;
     graph_set_mode_f32(m->g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = 0;
     if (dp) { // the towers here, the loss over every process's embeddings
@@ -240,6 +241,7 @@ static int towers_encode(vlmoe_model *m, int modality, const float *images, cons
     float *pad_img = NULL;
     int32_t *pad_tok = NULL;
     int st = VLMOE_OK;
+    m->accum_stats = 0;
     for (int i0 = 0; i0 < n && !st; i0 += B) {
         const int k = n - i0 < B ? n - i0 : B;
         const float *im = images ? images + (size_t)i0 * isz : NULL;
@@ -278,6 +280,7 @@ static int towers_encode(vlmoe_model *m, int modality, const float *images, cons
 }
 
 static const vlmoe_moe_stats *towers_moe_stats(const vlmoe_model *m, int *count) {
+    if (m->accum_stats) return towers_accum_stats(m, count);
     if (!m->g) {
         if (count) *count = 0;
         return NULL;
@@ -294,6 +297,7 @@ static void towers_free(vlmoe_model *m) {
     m->g = NULL;
     dp_free(m->dp);
     m->dp = NULL;
+    towers_accum_free(m);
 }
 
 const model_arch model_arch_towers = {

@@ -17,15 +17,19 @@
 
 struct vlmoe_contrastive {
     vlmoe_contrastive_params p;
-    int T;
-    float *images;
+    int T, N;                    // N: micro-batches per step (accum_freq)
+    float *images;               // synthetic data: the N micro-batches, one after another
     int32_t *tokens, *lens;
-    vlmoe_batch batch;
+    vlmoe_batch *batch;          // (N) this step's micro-batches
 };
 
 int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p) {
     *out = NULL;
-    if (!p->model || p->batch_size < 1 || p->batch_size * (p->world > 1 ? p->world : 1) < 2 || !p->synth == !p->loader)
+    const int N = p->accum_freq > 1 ? p->accum_freq : 1;
+    if (p->accum_freq < 0)
+        return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: accumulation over %d micro-batches", p->accum_freq);
+    if (!p->model || p->batch_size < 1 || (int64_t)p->batch_size * N * (p->world > 1 ? p->world : 1) < 2 ||
+        (int64_t)p->batch_size * N > 1 << 20 || !p->synth == !p->loader)
         return vlmoe_fail(VLMOE_ERR_ARG, "contrastive run: a model, a global batch of >= 2 pairs and one data source");
     const vlmoe_model_config *c = vlmoe_model_get_config(p->model);
     if (p->world < 0 || p->rank < 0 || p->rank >= (p->world ? p->world : 1))
@@ -35,13 +39,15 @@ int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_para
     r->p = *p;
     if (!r->p.world) r->p.world = 1;
     r->T = c->context_length;
+    r->N = N;
+    if (!(r->batch = calloc((size_t)N, sizeof(*r->batch)))) return free(r), vlmoe_fail(VLMOE_ERR_NOMEM, "contrastive run");
     if (p->synth) {
         if (vlmoe_synth_vocab_size(p->synth) > c->vocab_size || c->channels != 3) {
-            free(r);
+            vlmoe_contrastive_free(r);
             return vlmoe_fail(VLMOE_ERR_CONFIG, "model %s: the synthetic data needs channels 3 and vocab_size >= %d",
                               c->name, vlmoe_synth_vocab_size(p->synth));
         }
-        const size_t B = (size_t)p->batch_size, isz = (size_t)3 * c->image_size * c->image_size;
+        const size_t B = (size_t)p->batch_size * N, isz = (size_t)3 * c->image_size * c->image_size;
         r->images = malloc(sizeof(float) * isz * B);
         r->tokens = malloc(sizeof(int32_t) * B * (size_t)r->T);
         r->lens = malloc(sizeof(int32_t) * B);
@@ -56,40 +62,47 @@ int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_para
 
 void vlmoe_contrastive_free(vlmoe_contrastive *c) {
     if (!c) return;
-    free(c->images), free(c->tokens), free(c->lens);
+    free(c->images), free(c->tokens), free(c->lens), free(c->batch);
     free(c);
 }
 
-// This process's block of global batch `step`: samples (step*W + rank)*B ... of the synthetic
-// data, or rows rank*B ... of the loader's global batch (every process reads the whole global
-// batch, so skipped bad samples shift every process alike).
+// This process's block of global batch `step`, as N micro-batches of B: samples
+// (step*W + rank)*N*B ... of the synthetic data, or rows rank*N*B ... of the loader's global
+// batch (every process reads the whole global batch, so skipped bad samples shift every process
+// alike). Micro-batch j is rows j*B ... of the block: the block of a run at batch N*B, cut up.
 static int c_fill(void *u, long step) {
     vlmoe_contrastive *r = u;
-    const int B = r->p.batch_size;
-    const uint64_t first = ((uint64_t)step * (uint64_t)r->p.world + (uint64_t)r->p.rank) * (uint64_t)B;
-    r->batch = (vlmoe_batch){B, r->images, r->tokens, r->lens};
+    const int B = r->p.batch_size, N = r->N;
+    const uint64_t first = ((uint64_t)step * (uint64_t)r->p.world + (uint64_t)r->p.rank) * (uint64_t)N * B;
+    const vlmoe_model_config *c = vlmoe_model_get_config(r->p.model);
+    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    const float *img = r->images;
+    const int32_t *tok = r->tokens, *len = r->lens;
     int st = VLMOE_OK;
     if (r->p.loader) {
         vlmoe_batch g;
         if (!(st = vlmoe_loader_next(r->p.loader, &g, NULL))) {
-            const size_t at = (size_t)r->p.rank * B;
-            if (g.batch_size != B * r->p.world)
-                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d processes x %d",
-                                  g.batch_size, r->p.world, B);
-            const vlmoe_model_config *c = vlmoe_model_get_config(r->p.model);
-            const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
-            r->batch = (vlmoe_batch){B, g.images + at * isz, g.tokens + at * (size_t)r->T, g.lengths + at};
+            const size_t at = (size_t)r->p.rank * N * B;
+            if (g.batch_size != B * N * r->p.world)
+                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d processes x %d "
+                                  "micro-batches x %d", g.batch_size, r->p.world, N, B);
+            img = g.images + at * isz, tok = g.tokens + at * (size_t)r->T, len = g.lengths + at;
         }
     } else {
-        st = vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, first, B, r->T, r->images, r->tokens, r->lens);
+        st = vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, first, N * B, r->T, r->images, r->tokens, r->lens);
     }
-    if (st) vlmoe_error_prefix("data");
-    return st;
+    if (st) return vlmoe_error_prefix("data"), st;
+    for (int j = 0; j < N; j++) {
+        const size_t o = (size_t)j * B;
+        r->batch[j] = (vlmoe_batch){B, img + o * isz, tok + o * (size_t)r->T, len + o};
+    }
+    return VLMOE_OK;
 }
 
 static int c_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     vlmoe_contrastive *r = u;
-    return vlmoe_trainer_step(t, &r->batch, s);
+    (void)step;
+    return r->N > 1 ? vlmoe_trainer_step_accum(t, r->batch, r->N, s) : vlmoe_trainer_step(t, &r->batch[0], s);
 }
 
 static int c_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char *line, size_t cap) {
@@ -132,7 +145,9 @@ static void say(char *line, size_t cap, const char *fmt, ...) {
 
 static int eval_synth(vlmoe_contrastive *r, long done, cJSON *rec, char *line, size_t cap) {
     vlmoe_synth_eval ev;
-    int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size, &ev);
+    // pair accuracy in chunks of this process's batch: the accumulated one with --accum-freq, so that
+    // a run equal to one at batch N*B also reports the same numbers
+    int st = vlmoe_synth_evaluate(r->p.model, r->p.synth, r->p.eval_samples, r->p.batch_size * r->N, &ev);
     if (st) return st;
     cJSON_AddNumberToObject(rec, "eval_zeroshot_top1", ev.top1);
     cJSON_AddNumberToObject(rec, "eval_zeroshot_top5", ev.top5);
@@ -200,7 +215,7 @@ static int c_eval(void *u, long done, cJSON *rec, char *line, size_t cap) {
 
 static void c_data_state(void *u, long done, vlmoe_data_state *ds) {
     vlmoe_contrastive *r = u;
-    ds->data_position = (uint64_t)done * (uint64_t)r->p.batch_size * (uint64_t)r->p.world;
+    ds->data_position = (uint64_t)done * (uint64_t)r->p.batch_size * (uint64_t)r->N * (uint64_t)r->p.world;
     if (r->p.loader) vlmoe_loader_position(r->p.loader, ds);
 }
 

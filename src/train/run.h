@@ -75,6 +75,11 @@ int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int
 // one of the groups of vlmoe_dist_split; its size must divide every MoE layer's num_experts).
 // vlmoe_run_train sets both from its params.
 void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts);
+// OpenCLIP's --accum-freq: one step (divergence guard, clipping, schedule, update) with the
+// gradient of the n micro-batches as one batch of n times their pairs (model_accumulate in
+// src/nn/model.h): the same step as vlmoe_trainer_step on that batch, to float rounding, when
+// the MoE layers' routing groups split every micro-batch. Contrastive (towers) models only.
+int vlmoe_trainer_step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, vlmoe_step_stats *stats);
 
 // ---- the loop
 // What one kind of training plugs into the loop. step is required; the others may be NULL.

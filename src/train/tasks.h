@@ -16,10 +16,13 @@ typedef struct {
     int batch_size;              // pairs per step and process
     vlmoe_synth *synth;          // the built-in data (sample step*B + j of the train split), or
     vlmoe_loader *loader;        // --train-data through the loader, opened for the global batch
-                                 // (batch_size * world): this process takes its block of it
+                                 // (batch_size * accum_freq * world): this process takes its block
     int eval_samples;            // synthetic data: held-out samples per evaluation (0: none)
     int rank, world;             // this process's block of each global batch (src/data/order.h);
                                  // world 0 is a world of one
+    int accum_freq;              // OpenCLIP's --accum-freq: micro-batches of batch_size per step
+                                 // (0 or 1: none); the global batch is world x accum_freq x
+                                 // batch_size, this process's block of it accum_freq micro-batches
     // Validation (src/eval/run_eval.h), each part every N steps (0: none before the end) and at
     // last_step; the loop calls the eval hook at least that often (a call with nothing due
     // writes no record).

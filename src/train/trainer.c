@@ -1,8 +1,10 @@
-// trainer.c: one optimisation step of a contrastive model, or of a VL-MoE model over several
+// trainer.c: one optimisation step of a contrastive model (over one batch, or accumulated over
+// micro-batches: src/nn/towers_accum.c), or of a VL-MoE model over several
 // masked-modeling batches whose gradients add up: forward, backward, the divergence guard (a
 // non-finite loss or gradient stops the step before any parameter changes), global-norm
 // clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp.
-// Covered by tests/test_train.c, tests/test_mome.c and, against PyTorch, tests/test_parity.c.
+// Covered by tests/test_train.c, tests/test_mome.c, tests/test_accum.c and, against PyTorch,
+// tests/test_parity.c.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,6 +142,20 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
         return failed(t, st, step, &s);
     }
     if ((st = vlmoe_model_backward(t->m))) return failed(t, st, step, &s);
+    if ((st = apply(t, step, &s))) return st;
+    if (stats) *stats = s;
+    return VLMOE_OK;
+}
+
+int vlmoe_trainer_step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, vlmoe_step_stats *stats) {
+    vlmoe_step_stats s;
+    memset(&s, 0, sizeof(s));
+    const long step = vlmoe_optim_get_step(t->opt);
+    int st = model_accumulate(t->m, micro, n, &s);
+    if (st) {
+        vlmoe_error_prefix("step %ld", step);
+        return failed(t, st, step, &s);
+    }
     if ((st = apply(t, step, &s))) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
