@@ -24,6 +24,8 @@ typedef struct {
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
+    int grad_ckpt;               // --grad-checkpointing
+    int lock_image, lock_image_groups, lock_text, lock_text_layers; // LiT (vlmoe_train_params)
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     double lr, wd, beta1, beta2, eps, grad_clip, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
@@ -114,6 +116,11 @@ static int write_run_files(const train_args *a, train_run *r) {
     const char *mk[] = {"grad_clip_norm", "seed", "save_frequency", "threads"};
     const double mv[] = {a->grad_clip, (double)a->seed, (double)a->save_every, omp_get_max_threads()};
     for (int i = 0; i < 4; i++) cJSON_AddNumberToObject(pj, mk[i], mv[i]);
+    cJSON_AddBoolToObject(pj, "grad_checkpointing", a->grad_ckpt);
+    cJSON_AddBoolToObject(pj, "lock_image", a->lock_image);
+    cJSON_AddNumberToObject(pj, "lock_image_unlocked_groups", a->lock_image_groups);
+    cJSON_AddBoolToObject(pj, "lock_text", a->lock_text);
+    cJSON_AddNumberToObject(pj, "lock_text_unlocked_layers", a->lock_text_layers);
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -242,6 +249,14 @@ int cmd_train(int argc, char **argv) {
         {"zeroshot-frequency", ARG_LONG, &a.zeroshot_every, "N", "held-out zero-shot evaluation every N steps (default: at the end)"},
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "held-out samples per evaluation (default 1000, 0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "keep only each block's input and recompute the block in the "
+                                                             "backward: less activation memory, the same gradients"},
+        {"lock-image", ARG_FLAG, &a.lock_image, NULL, "two_tower: freeze the image tower (LiT): no update, no weight decay"},
+        {"lock-image-unlocked-groups", ARG_INT, &a.lock_image_groups, "N", "with --lock-image: leave its last N groups "
+                                                                          "trainable (1: projection; 2: + last block and final norm; ...)"},
+        {"lock-text", ARG_FLAG, &a.lock_text, NULL, "two_tower: freeze the text tower"},
+        {"lock-text-unlocked-layers", ARG_INT, &a.lock_text_layers, "N", "with --lock-text: leave its last N groups "
+                                                                        "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
@@ -305,6 +320,8 @@ int cmd_train(int argc, char **argv) {
     }
     tp.optim.weight_decay = (float)a.wd;
     tp.grad_clip_norm = a.grad_clip;
+    tp.lock_image = a.lock_image, tp.lock_image_unlocked_groups = a.lock_image_groups;
+    tp.lock_text = a.lock_text, tp.lock_text_unlocked_layers = a.lock_text_layers;
     int sk = !strcmp(a.scheduler, "cosine") ? VLMOE_SCHED_COSINE : !strcmp(a.scheduler, "rsqrt") ? VLMOE_SCHED_RSQRT
              : !strcmp(a.scheduler, "const") ? VLMOE_SCHED_CONST : -1;
     if (sk < 0) return cli_error("train", "--lr-scheduler %s: expected cosine, rsqrt or const", a.scheduler);
@@ -331,6 +348,8 @@ int cmd_train(int argc, char **argv) {
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
+    if (!rc && a.grad_ckpt && vlmoe_model_set_grad_checkpointing(r.m, 1))
+        rc = cli_error("train", "--grad-checkpointing: %s", vlmoe_last_error());
     if (!rc && !(rc = setup_data(&a, &r))) {
         const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
                                              r.dist->world};

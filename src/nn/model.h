@@ -102,6 +102,11 @@ struct vlmoe_dist; // src/dist/dist.h
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
+    /* checkpoint: gradient checkpointing (graph.c); graph_create is checkpoint 0 */            \
+    int graph_create_ckpt_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be, \
+                              int B, int checkpoint);                                            \
+    /* bytes of the activation arena planned at creation (MoE layers' own buffers apart) */     \
+    size_t graph_activation_bytes_##S(const graph_##S *g);                                       \
     /* The towers: images (B,C,H,W) or NULL, tokens (B,T)+lens or NULL -> the normalised */      \
     /* embeddings of each given modality (graph_embeddings); *aux (may be NULL) gets the pass's */ \
     /* weighted MoE auxiliary losses */                                                         \
@@ -187,6 +192,7 @@ struct vlmoe_model {
     struct mome_model *mome;       // arch mome: its graphs, retrieval head and codebook
     int planned_B;
     int have_forward;
+    int grad_ckpt;           // towers: gradient checkpointing (vlmoe_model_set_grad_checkpointing)
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
