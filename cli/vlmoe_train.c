@@ -39,6 +39,7 @@ typedef struct {
     const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume, *scheduler;
     const char *dataset_type, *csv_separator, *tokenizer, *image_mean, *image_std;
     int batch, log_every, keep, workers, threads;
+    int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
     long steps, warmup, seed, save_every;
     double lr, wd, max_bad;
     vlmoe_dataset_params data;   // --train-data and the CSV flags
@@ -238,12 +239,25 @@ int cmd_train_mome(int argc, char **argv) {
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (3, 0 = all)"},
         {"resume", ARG_STRING, &a.resume, "latest|FILE", "continue a run exactly: its newest usable checkpoint or step_N.safetensors"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "not for VL-MoE models (an error naming why)"},
+        {"lock-image", ARG_FLAG, &a.lock[0], NULL, "two_tower models only: VL-MoE has no separate towers (an error)"},
+        {"lock-image-unlocked-groups", ARG_INT, &a.lock[1], "N", "with --lock-image (an error here)"},
+        {"lock-text", ARG_FLAG, &a.lock[2], NULL, "two_tower models only (an error here)"},
+        {"lock-text-unlocked-layers", ARG_INT, &a.lock[3], "N", "with --lock-text (an error here)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (!a.model) return cli_error(CMD, "--model is required");
+    // before any data is read: what vlmoe_model_set_grad_checkpointing and vlmoe_trainer_init say
+    if (a.grad_ckpt)
+        return cli_error(CMD, "--grad-checkpointing: model '%s' is VL-MoE (arch mome): gradient checkpointing is "
+                         "implemented for the one_tower and two_tower architectures, not for VL-MoE", a.model);
+    if (a.lock[0] || a.lock[1] || a.lock[2] || a.lock[3])
+        return cli_error(CMD, "--lock-%s: model '%s' is VL-MoE (arch mome): one transformer runs images and texts, so "
+                         "there is no separate tower to lock (LiT needs a two_tower model such as tiny-clip, ViT-B-32 or "
+                         "ViT-B-16)", a.lock[0] || a.lock[1] ? "image" : "text", a.model);
     if (!a.codebook && !a.resume)
         return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`; a resumed "
                          "run takes its checkpoint's)");

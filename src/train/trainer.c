@@ -90,7 +90,7 @@ static int check_locks(const vlmoe_train_params *p, const vlmoe_model_config *c)
     if ((p->lock_image || p->lock_text) && c->arch != VLMOE_ARCH_TWO_TOWER)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': --lock-%s locks one of two towers, but this model is %s: one "
                           "encoder runs both images and texts, so there is no separate %s tower to lock (LiT needs a "
-                          "two_tower model such as tiny, S/32 or ViT-B-16)", c->name, p->lock_image ? "image" : "text",
+                          "two_tower model such as tiny-clip, ViT-B-32 or ViT-B-16)", c->name, p->lock_image ? "image" : "text",
                           c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower (LIMoE)" : "VL-MoE (arch mome)",
                           p->lock_image ? "image" : "text");
     return VLMOE_OK;
