@@ -249,6 +249,10 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
             if (s->layers[l].moe) all[nm++] = s->layers[l].moe;
         // the dense feed-forward's activation buffers serve the MoE layers too
         R(moe_share_scratch)(all, nm, s->pass.da, s->pass.dh, s->ntok * (size_t)L->enc[e].mlp);
+        // checkpointed: every MoE layer but the encoder's last block runs again before its
+        // backward, and that block ran last; not across encoders (the second's forward runs
+        // between the first's forward and backward)
+        if (g->ckpt) R(moe_share_acts)(all, nm);
     }
     vlmoe_free_mem(all);
     g->mod[MOD_TEXT].tokens = g->ints;
