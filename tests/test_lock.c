@@ -3,11 +3,13 @@
 // AdamW steps with weight decay every tensor of a locked tower keeps its bits and the rest trains;
 // unlocked groups are the last ones in OpenCLIP's order (projection; last block + final norm;
 // earlier blocks; stem); one_tower and VL-MoE models and stray group counts are errors; `vlmoe
-// train` takes the flags, records them in params.json and refuses them on a one_tower model.
+// train` takes the flags, records them in params.json and refuses them on a one_tower model. A
+// tower locked whole is skipped by the backward, every other gradient keeping its bits.
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "nn/model.h"
 #include "test.h"
 #include "vlmoe.h"
 
@@ -125,6 +127,56 @@ static void test_errors(void) {
     expect_error("tiny-clip", tp, VLMOE_ERR_ARG, "must be >= 0");
 }
 
+// A tower locked whole gets no backward (model_set_frozen_towers): its gradients stay zero and
+// every other gradient keeps its bits.
+static void test_skip_backward(void) {
+    vlmoe_model_config c;
+    vlmoe_config_named("tiny-clip", &c);
+    vlmoe_synth *data = NULL;
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = c.image_size;
+    CHECK(vlmoe_synth_init(&data, &sp) == VLMOE_OK, "synth: %s", vlmoe_last_error());
+    const int T = c.context_length;
+    float *img = malloc(sizeof(float) * B * 3 * c.image_size * c.image_size);
+    int32_t *tok = malloc(sizeof(int32_t) * B * T), *lens = malloc(sizeof(int32_t) * B);
+    if (data) vlmoe_synth_batch(data, VLMOE_SPLIT_TRAIN, 0, B, T, img, tok, lens);
+    const vlmoe_batch b = {B, img, tok, lens};
+    for (int frozen = 0; frozen < NUM_MOD && data; frozen++) {
+        const char *tower = frozen == MOD_IMAGE ? "image." : "text.";
+        vlmoe_model *m[2] = {NULL, NULL};
+        for (int k = 0; k < 2; k++) {
+            int st = vlmoe_model_init(&m[k], &c, 5);
+            if (!st && k) st = model_set_frozen_towers(m[k], frozen == MOD_IMAGE, frozen == MOD_TEXT);
+            if (!st) st = vlmoe_model_forward(m[k], &b, NULL);
+            if (!st) st = vlmoe_model_backward(m[k]);
+            CHECK(st == VLMOE_OK, "%s frozen: %s", tower, vlmoe_last_error());
+        }
+        int np = 0, wrong = 0, zero = 0;
+        const vlmoe_param_info *tab = vlmoe_model_params(m[0], &np);
+        const float *g0 = vlmoe_model_grad_data(m[0]), *g1 = vlmoe_model_grad_data(m[1]);
+        for (int i = 0; i < np; i++) {
+            const float *a = g0 + tab[i].offset, *s1 = g1 + tab[i].offset;
+            if (starts(tab[i].name, tower)) {
+                int all0 = 1, any = 0;
+                for (size_t j = 0; j < tab[i].numel; j++) all0 &= s1[j] == 0, any |= a[j] != 0;
+                zero += all0 && any; // the full backward gives it a gradient; the skipped one none
+                if (!all0 && wrong++ < 3) fprintf(stderr, "%s: gradient of a frozen tower\n", tab[i].name);
+            } else if (memcmp(a, s1, sizeof(float) * tab[i].numel) && wrong++ < 3) {
+                fprintf(stderr, "%s: gradient differs with the %s tower frozen\n", tab[i].name, tower);
+            }
+        }
+        CHECK(wrong == 0 && zero > 20, "%s tower frozen: %d gradients wrong, %d tensors skipped", tower, wrong, zero);
+        for (int k = 0; k < 2; k++) vlmoe_model_free(m[k]);
+    }
+    vlmoe_model *m = NULL;
+    vlmoe_config_named("limoe-tiny", &c);
+    CHECK(vlmoe_model_init(&m, &c, 1) == VLMOE_OK, "%s", vlmoe_last_error());
+    CHECK(m && model_set_frozen_towers(m, 1, 0) == VLMOE_ERR_CONFIG, "one_tower: frozen image tower accepted");
+    vlmoe_model_free(m);
+    vlmoe_synth_free(data);
+    free(img), free(tok), free(lens);
+}
+
 // The flags of `vlmoe train`: params.json records them; a one_tower model is an error.
 static void test_cli(const char *argv0) {
     char bin[PATH_MAX], dir[] = "/tmp/vlmoe_lock_XXXXXX", out[8192];
@@ -158,6 +210,7 @@ int main(int argc, char **argv) {
     (void)argc;
     test_locks();
     test_errors();
+    test_skip_backward();
     test_cli(argv[0]);
     return test_summary("test_lock");
 }

@@ -69,6 +69,7 @@ struct R(graph) {
     vlmoe_moe_stats *stats;      // (L->nmoe)
     uint64_t sample_base;        // global index of this batch's first sample (noise keys)
     int ckpt;                    // gradient checkpointing: blocks recomputed in the backward
+    int frozen[NUM_MOD];         // graph_set_frozen: the backward skips the modality's tower
     vlmoe_moe_stats recomputed;  // where a recomputed MoE layer writes its statistics, so the
                                  // forward's are the only ones the model reports
 };
@@ -274,6 +275,15 @@ void R(graph_free)(struct R(graph) *g) {
     g->be->free(g->be, g->arena);
     g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
+}
+
+void R(graph_set_frozen)(struct R(graph) *g, int modality, int frozen) { g->frozen[modality] = frozen != 0; }
+
+// Whether the backward has work in encoder e: a present modality of it that is not frozen.
+static int encoder_trains(const struct R(graph) *g, int e) {
+    for (int m = 0; m < NUM_MOD; m++)
+        if (g->L->mod[m].enc == e && g->mod[m].present && !g->frozen[m]) return 1;
+    return 0;
 }
 
 size_t R(graph_activation_bytes)(const struct R(graph) *g) { return sizeof(real) * g->arena_n; }
@@ -536,7 +546,7 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
         be->zero(be, g->enc[e].dlnf, g->enc[e].ntok * (size_t)g->enc[e].E->width);
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
-        if (!ms->present) continue;
+        if (!ms->present || g->frozen[m]) continue;
         const modality_layout *ml = &L->mod[m];
         enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
@@ -548,9 +558,10 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
         be->pool_backward(be, s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
     }
-    for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);
+    for (int e = 0; e < L->nenc; e++)
+        if (encoder_trains(g, e)) encoder_backward(g, &g->enc[e], P, G);
     for (int m = 0; m < NUM_MOD; m++)
-        if (g->mod[m].present) stem_backward(g, m, P, G);
+        if (g->mod[m].present && !g->frozen[m]) stem_backward(g, m, P, G);
 }
 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,

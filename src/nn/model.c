@@ -185,6 +185,16 @@ float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
 
+int model_set_frozen_towers(vlmoe_model *m, int image, int text) {
+    if ((image || text) && (m->L.arch != &model_arch_towers || m->L.nenc != 2))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': only a two_tower model has a tower of its own per modality",
+                          m->L.cfg.name);
+    m->frozen[MOD_IMAGE] = image != 0, m->frozen[MOD_TEXT] = text != 0;
+    if (m->g)
+        for (int k = 0; k < NUM_MOD; k++) graph_set_frozen_f32(m->g, k, m->frozen[k]);
+    return VLMOE_OK;
+}
+
 int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
     if (m->L.arch != &model_arch_towers)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': gradient checkpointing (--grad-checkpointing) is implemented "

@@ -136,6 +136,10 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
     }
     st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), model_host_backend(m));
     free(train);
+    // a tower locked whole needs no backward at all: its gradients would be zeroed anyway
+    if (!st && (p->lock_image || p->lock_text))
+        st = model_set_frozen_towers(m, p->lock_image && !p->lock_image_unlocked_groups,
+                                     p->lock_text && !p->lock_text_unlocked_layers);
     if (st) return vlmoe_trainer_free(t), st;
     *out = t;
     return VLMOE_OK;
@@ -143,6 +147,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
 
 void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (!t) return;
+    if (t->p.lock_image || t->p.lock_text) model_set_frozen_towers(t->m, 0, 0); // the model trains whole again
     vlmoe_optim_free(t->opt);
     free(t->frozen);
     free(t);
