@@ -87,12 +87,12 @@ static int check_locks(const vlmoe_train_params *p, const vlmoe_model_config *c)
     if (p->lock_text_unlocked_layers && !p->lock_text)
         return vlmoe_fail(VLMOE_ERR_ARG, "lock: --lock-text-unlocked-layers %d needs --lock-text (it says how much of "
                           "the locked text tower stays trainable)", p->lock_text_unlocked_layers);
+    const char *tower = p->lock_image ? "image" : "text";
     if ((p->lock_image || p->lock_text) && c->arch != VLMOE_ARCH_TWO_TOWER)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': --lock-%s locks one of two towers, but this model is %s: one "
                           "encoder runs both images and texts, so there is no separate %s tower to lock (LiT needs a "
-                          "two_tower model such as tiny-clip, ViT-B-32 or ViT-B-16)", c->name, p->lock_image ? "image" : "text",
-                          c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower (LIMoE)" : "VL-MoE (arch mome)",
-                          p->lock_image ? "image" : "text");
+                          "two_tower model such as tiny-clip, ViT-B-32 or ViT-B-16)", c->name, tower,
+                          c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower (LIMoE)" : "VL-MoE (arch mome)", tower);
     return VLMOE_OK;
 }
 
