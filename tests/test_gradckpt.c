@@ -2,7 +2,9 @@
 // a checkpointed model and a plain one from the same seed take the same AdamW steps on the same
 // synthetic batches with bit-identical losses, auxiliary losses, routing statistics, gradients
 // and parameters, for dense, LIMoE (top-K + BPR + noise keyed by position), CLIP-UP, experts
-// choice, Soft MoE and a two_tower MoE; the planned activation arena is smaller; VL-MoE refuses.
+// choice, Soft MoE and a two_tower MoE; the planned activation arena is smaller; VL-MoE refuses;
+// `vlmoe train --grad-checkpointing` (fresh and resumed) writes the same checkpoint bytes.
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -141,8 +143,40 @@ static void test_switch_and_refuse(void) {
     vlmoe_model_free(m);
 }
 
-int main(void) {
+static const char *bin; // the vlmoe binary (test_vlmoe_bin)
+
+// `vlmoe train --grad-checkpointing` writes the same checkpoint bytes as the run without it, and
+// a plain run resumed with it continues bit for bit.
+static void test_cli(const char *argv0) {
+    static char abs[PATH_MAX];
+    char dir[] = "/tmp/vlmoe_gradckpt_XXXXXX", out[8192], args[1024];
+    if (!(bin = test_vlmoe_bin(argv0, abs)) || !mkdtemp(dir)) return;
+    const char *common = "train --model limoe-tiny --batch-size 16 --eval-samples 0 --threads 1";
+    const char *runs[][2] = {{"plain", "--steps 4"}, {"ckpt", "--steps 4 --grad-checkpointing"},
+                             {"mixed", "--steps 2"}, {"mixed", "--steps 4 --grad-checkpointing --resume latest"}};
+    for (int i = 0; i < 4; i++) {
+        snprintf(args, sizeof(args), "%s --logs %s --name %s %s", common, dir, runs[i][0], runs[i][1]);
+        test_expect_in(dir, bin, args, 0, "trained to step", out, sizeof(out));
+    }
+    size_t n[3];
+    char *f[3];
+    const char *names[3] = {"plain", "ckpt", "mixed"};
+    for (int i = 0; i < 3; i++) {
+        char rel[64];
+        snprintf(rel, sizeof(rel), "%s/checkpoints/step_4.safetensors", names[i]);
+        f[i] = test_read_file(test_path(dir, rel), &n[i]);
+    }
+    CHECK(f[0] && f[1] && n[0] == n[1] && !memcmp(f[0], f[1], n[0]), "--grad-checkpointing: step_4 differs");
+    CHECK(f[0] && f[2] && n[0] == n[2] && !memcmp(f[0], f[2], n[0]), "resumed with --grad-checkpointing: step_4 differs");
+    for (int i = 0; i < 3; i++) free(f[i]);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    CHECK(system(args) == 0, "rm %s", dir);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
     test_identical();
     test_switch_and_refuse();
+    test_cli(argv[0]);
     return test_summary("test_gradckpt");
 }

@@ -177,10 +177,13 @@ static void test_skip_backward(void) {
     free(img), free(tok), free(lens);
 }
 
+static const char *bin; // the vlmoe binary (test_vlmoe_bin)
+
 // The flags of `vlmoe train`: params.json records them; a one_tower model is an error.
 static void test_cli(const char *argv0) {
-    char bin[PATH_MAX], dir[] = "/tmp/vlmoe_lock_XXXXXX", out[8192];
-    if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;
+    static char abs[PATH_MAX];
+    char dir[] = "/tmp/vlmoe_lock_XXXXXX", out[8192];
+    if (!(bin = test_vlmoe_bin(argv0, abs)) || !mkdtemp(dir)) return;
     char args[1024];
     snprintf(args, sizeof(args), "train --model tiny-clip --steps 2 --batch-size 8 --eval-samples 0 --logs %s --name r "
              "--lock-image --lock-image-unlocked-groups 1 --lock-text --lock-text-unlocked-layers 2 "
