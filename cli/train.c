@@ -348,8 +348,14 @@ int cmd_train(int argc, char **argv) {
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
-    if (!rc && a.grad_ckpt && vlmoe_model_set_grad_checkpointing(r.m, 1))
-        rc = cli_error("train", "--grad-checkpointing: %s", vlmoe_last_error());
+    if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
+        const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
+        if (vlmoe_model_set_grad_checkpointing(r.m, 1))
+            rc = cli_error("train", "--grad-checkpointing: %s", vlmoe_last_error());
+        else if (r.lead && was > 0 && r.m->g)
+            fprintf(stderr, "vlmoe train: --grad-checkpointing: blocks recomputed in the backward; activation arena "
+                    "%.1f MiB instead of %.1f MiB\n", graph_activation_bytes_f32(r.m->g) / mib, was);
+    }
     if (!rc && !(rc = setup_data(&a, &r))) {
         const vlmoe_contrastive_params cp = {r.m, a.batch_size, r.synth, r.loader, a.eval_samples, r.dist->rank,
                                              r.dist->world};

@@ -157,6 +157,9 @@ static void test_cli(const char *argv0) {
     for (int i = 0; i < 4; i++) {
         snprintf(args, sizeof(args), "%s --logs %s --name %s %s", common, dir, runs[i][0], runs[i][1]);
         test_expect_in(dir, bin, args, 0, "trained to step", out, sizeof(out));
+        const int on = strstr(runs[i][1], "--grad-checkpointing") != NULL;
+        CHECK(on == (strstr(out, "--grad-checkpointing: blocks recomputed in the backward; activation arena") != NULL),
+              "`vlmoe %s`: whether it says checkpointing is on:\n%s", args, out);
     }
     size_t n[3];
     char *f[3];
