@@ -31,6 +31,8 @@ typedef struct {
     int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
     int override;                // --override-inputs: flags replace what a checkpoint records
     int allow_changes;           // --resume-allow-changes
+    int grad_ckpt;               // --grad-checkpointing
+    int lock_image, lock_image_groups, lock_text, lock_text_layers; // LiT (vlmoe_train_params)
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps
     double max_bad;
@@ -189,6 +191,11 @@ static cJSON *run_params(const train_args *a, int world) {
     for (int i = 0; i < 5; i++) cJSON_AddItemToObject(pj, vk[i], vv[i] ? cJSON_CreateString(vv[i]) : cJSON_CreateNull());
     cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
     cJSON_AddNumberToObject(pj, "val_num_samples", (double)a->val_num);
+    cJSON_AddBoolToObject(pj, "grad_checkpointing", a->grad_ckpt);
+    cJSON_AddBoolToObject(pj, "lock_image", a->lock_image);
+    cJSON_AddNumberToObject(pj, "lock_image_unlocked_groups", a->lock_image_groups);
+    cJSON_AddBoolToObject(pj, "lock_text", a->lock_text);
+    cJSON_AddNumberToObject(pj, "lock_text_unlocked_layers", a->lock_text_layers);
     cli_optim_json(pj, &a->o);
     cJSON_AddStringToObject(pj, "device", a->device ? a->device : "cpu");
     return pj;
@@ -503,6 +510,14 @@ int cmd_train(int argc, char **argv) {
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "synthetic data: held-out samples per evaluation (default 1000, "
                                                        "0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "keep only each block's input and recompute the block in the "
+                                                             "backward: less activation memory, the same gradients"},
+        {"lock-image", ARG_FLAG, &a.lock_image, NULL, "two_tower: freeze the image tower (LiT): no update, no weight decay"},
+        {"lock-image-unlocked-groups", ARG_INT, &a.lock_image_groups, "N", "with --lock-image: leave its last N groups "
+                                                                          "trainable (1: projection; 2: + last block and final norm; ...)"},
+        {"lock-text", ARG_FLAG, &a.lock_text, NULL, "two_tower: freeze the text tower"},
+        {"lock-text-unlocked-layers", ARG_INT, &a.lock_text_layers, "N", "with --lock-text: leave its last N groups "
+                                                                        "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
     };
@@ -593,6 +608,8 @@ int cmd_train(int argc, char **argv) {
 
     vlmoe_train_params tp = vlmoe_train_default_params();
     if (cli_optim_params("train", &a.o, a.steps, 0.98, &tp)) return 1; // beta2: OpenCLIP's ViT default
+    tp.lock_image = a.lock_image, tp.lock_image_unlocked_groups = a.lock_image_groups;
+    tp.lock_text = a.lock_text, tp.lock_text_unlocked_layers = a.lock_text_layers;
 
     train_run r;
     memset(&r, 0, sizeof(r));
@@ -621,6 +638,14 @@ int cmd_train(int argc, char **argv) {
     if (rc) return run_free(&r, rc), rc;
     if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
+    if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
+        const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
+        if (vlmoe_model_set_grad_checkpointing(r.m, 1))
+            rc = cli_error("train", "--grad-checkpointing: %s", vlmoe_last_error());
+        else if (r.lead && was > 0 && r.m->g)
+            fprintf(stderr, "vlmoe train: --grad-checkpointing: blocks recomputed in the backward; activation arena "
+                    "%.1f MiB instead of %.1f MiB\n", graph_activation_bytes_f32(r.m->g) / mib, was);
+    }
     if (!rc && !(rc = setup_data(&a, &r))) {
         vlmoe_contrastive_params cp = {.model = r.m, .batch_size = a.batch_size, .synth = r.synth, .loader = r.loader,
                                        .eval_samples = a.eval_samples, .rank = r.dist->rank, .world = r.dist->world,

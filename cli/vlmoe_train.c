@@ -47,6 +47,7 @@ typedef struct {
     int batch, log_every, keep, workers, threads, allow_changes, resampled;
     long steps, seed, save_every, save_epochs, epochs, num_samples;
     double max_bad;
+    int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
     cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags
 } mome_args;
@@ -368,6 +369,11 @@ int cmd_train_mome(int argc, char **argv) {
         {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
                                                                      "params.json (each logged; else an error)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "not for VL-MoE models (an error naming why)"},
+        {"lock-image", ARG_FLAG, &a.lock[0], NULL, "two_tower models only: VL-MoE has no separate towers (an error)"},
+        {"lock-image-unlocked-groups", ARG_INT, &a.lock[1], "N", "with --lock-image (an error here)"},
+        {"lock-text", ARG_FLAG, &a.lock[2], NULL, "two_tower models only (an error here)"},
+        {"lock-text-unlocked-layers", ARG_INT, &a.lock[3], "N", "with --lock-text (an error here)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     // the contrastive trainer's validation flags: said so, rather than "unknown flag"
@@ -396,6 +402,14 @@ int cmd_train_mome(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (!a.model) return cli_error(CMD, "--model is required");
+    // before any data is read: what vlmoe_model_set_grad_checkpointing and vlmoe_trainer_init say
+    if (a.grad_ckpt)
+        return cli_error(CMD, "--grad-checkpointing: model '%s' is VL-MoE (arch mome): gradient checkpointing is "
+                         "implemented for the one_tower and two_tower architectures, not for VL-MoE", a.model);
+    if (a.lock[0] || a.lock[1] || a.lock[2] || a.lock[3])
+        return cli_error(CMD, "--lock-%s: model '%s' is VL-MoE (arch mome): one transformer runs images and texts, so "
+                         "there is no separate tower to lock (LiT needs a two_tower model such as tiny-clip, ViT-B-32 or "
+                         "ViT-B-16)", a.lock[0] || a.lock[1] ? "image" : "text", a.model);
     if (!a.codebook && !a.resume)
         return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`; a resumed "
                          "run takes its checkpoint's)");

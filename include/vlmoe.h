@@ -389,6 +389,11 @@ VLMOE_API float *vlmoe_model_param_data(vlmoe_model *m);
 VLMOE_API float *vlmoe_model_grad_data(vlmoe_model *m);
 // Plans the activation arena for batch size B (done once; forward re-plans only if B changes).
 VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
+// Gradient checkpointing (OpenCLIP's --grad-checkpointing): training forwards keep only each
+// transformer block's input and the backward runs every block's forward again before its
+// backward, the same bits and routing decisions, for less activation memory. One_tower and
+// two_tower models; VL-MoE (arch mome) is VLMOE_ERR_CONFIG. A planned model is planned again.
+VLMOE_API int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on);
 // Forward pass with both modalities and the contrastive loss. A VL-MoE (arch mome) model with a
 // retrieval head takes this path too (and backward, evaluate, the encoders below, and with them
 // `vlmoe eval`, `embed` and `classify`): vlmoe_mome_forward_retrieval / vlmoe_mome_embed.
@@ -601,6 +606,13 @@ typedef struct {
                               // (names holding ".moe.") is left out of the optimizer and its
                               // gradient zeroed before clipping, so it stays bit-identical
                               // (weight decay and old moments do not move it either)
+    // LiT-style locking (OpenCLIP's --lock-image / --lock-text), two_tower models only (the
+    // one_tower encoder is both towers): a locked tower is frozen as freeze_moe freezes, but
+    // for its last unlocked groups. Groups of a tower of L blocks, counted from the end as
+    // OpenCLIP does: 1 the projection, 2 the last block with the final LayerNorm, then one per
+    // block, L+2 the stem (patch/token embedding, class token, positions, ln_pre).
+    int lock_image, lock_image_unlocked_groups;
+    int lock_text, lock_text_unlocked_layers;
 } vlmoe_train_params;
 VLMOE_API vlmoe_train_params vlmoe_train_default_params(void);
 

@@ -30,6 +30,7 @@ struct R(moe_state) {
     real *xp, *h, *y;               // packed input, fc1 output, expert output (rows_max rows)
     real *dy, *dxp, *da, *dh;       // scratch (da also holds forward's activation), maybe shared
     int own_dy, own_da;             // whether dy/dxp and da/dh are this layer's own allocations
+    int own_acts;                   // whether xp/h/y are (moe_share_acts)
     real *aux_scratch;
     int32_t *d_rows;                // row_token, row_expert, tok_off, tok_rows on the device
     uint64_t *d_keys;               // (nmax) noise keys on the device
@@ -90,6 +91,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     st->K = K;
     st->nmax = nmax;
     st->gmax = (nmax + Smax - 1) / Smax;
+    st->own_acts = 1;
     int ok = 1;
 #define ALLOC(p, n) ok = ok && ((p) = vlmoe_calloc(sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
 #define DALLOC(p, n) ok = ok && ((p) = be->alloc(be, sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
@@ -186,8 +188,9 @@ void R(moe_state_free)(struct R(moe_state) *st) {
         for (int g = 0; g < st->gmax; g++) vlmoe_routing_free(&st->rt[g]);
     if (st->own_dy) be->free(be, st->dy), be->free(be, st->dxp);
     if (st->own_da) be->free(be, st->da), be->free(be, st->dh);
+    if (st->own_acts) be->free(be, st->xp), be->free(be, st->h), be->free(be, st->y);
     void *dev[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
-                   st->combine, st->dcombine, st->xp, st->h, st->y, st->aux_scratch, st->d_rows,
+                   st->combine, st->dcombine, st->aux_scratch, st->d_rows,
                    st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out, st->d_perm, st->lg,
                    st->ng, st->dlg, st->xg, st->yg, st->dxg};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
@@ -214,6 +217,21 @@ void R(moe_share_scratch)(struct R(moe_state) **states, int n, real *da, real *d
         } else if (st->rows_max == owner->rows_max && st->sp.D == owner->sp.D) {
             be->free(be, st->dy), be->free(be, st->dxp);
             st->dy = owner->dy, st->dxp = owner->dxp, st->own_dy = 0;
+        }
+    }
+}
+
+void R(moe_share_acts)(struct R(moe_state) **states, int n) {
+    struct R(moe_state) *owner = NULL;
+    for (int i = 0; i < n; i++) {
+        struct R(moe_state) *st = states[i];
+        if (!st || !st->xp) continue; // Soft MoE keeps its activations per group elsewhere
+        if (!owner) {
+            owner = st;
+        } else if (st->rows_max == owner->rows_max && st->sp.D == owner->sp.D && st->sp.M == owner->sp.M) {
+            const R(vlmoe_backend) *be = st->be;
+            be->free(be, st->xp), be->free(be, st->h), be->free(be, st->y);
+            st->xp = owner->xp, st->h = owner->h, st->y = owner->y, st->own_acts = 0;
         }
     }
 }

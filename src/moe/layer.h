@@ -61,6 +61,10 @@ struct vlmoe_dist; // src/dist/dist.h
     /* layers that run one after another share scratch: dy/dxp among equal layers, and each    \
        layer whose (rows_max, M) activations fit in `floats` takes da/dh (may be NULL) */        \
     void moe_share_scratch_##S(moe_state_##S **states, int n, T *da, T *dh, size_t floats);      \
+    /* gradient checkpointing (every layer's forward runs again right before its backward):    \
+       layers of equal shapes share the packed expert activations xp, h, y; the routing      \
+       decision stays each layer's own, so vlmoe_model_routing still reads every layer */      \
+    void moe_share_acts_##S(moe_state_##S **states, int n);                                      \
     /* out (n,D) += moe(x (n,D)); returns the weighted auxiliary loss; fills stats */           \
     int moe_forward_##S(moe_state_##S *st, const moe_call *c, const T *P, const T *x, T *out,    \
                         double *aux, vlmoe_moe_stats *stats);                                   \

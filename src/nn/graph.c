@@ -4,8 +4,12 @@
 // then text): attention stays inside each sequence, every other layer sees all tokens at once,
 // which is where a one_tower MoE layer shares routing groups across modalities. Every block is
 // the one block of src/nn/block.c with a single feed-forward part over all active tokens.
+// Gradient checkpointing (graph_create_ckpt): each block keeps only its output (the next block's
+// input); its other activations live in one set shared by the blocks of the encoder, which the
+// backward refills by running the block's forward again just before the block's backward.
 // Compiled as float and double (src/core/real.h). Covered by tests/test_model.c (finite
 // differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
+#include <math.h>
 #include <string.h>
 
 #include "core/real.h"
@@ -64,6 +68,10 @@ struct R(graph) {
     double aux;
     vlmoe_moe_stats *stats;      // (L->nmoe)
     uint64_t sample_base;        // global index of this batch's first sample (noise keys)
+    int ckpt;                    // gradient checkpointing: blocks recomputed in the backward
+    int frozen[NUM_MOD];         // graph_set_frozen: the backward skips the modality's tower
+    vlmoe_moe_stats recomputed;  // where a recomputed MoE layer writes its statistics, so the
+                                 // forward's are the only ones the model reports
 };
 
 // Every token's routing-noise key: its sample's global index (sample_base + row of the batch),
@@ -125,8 +133,24 @@ static void plan(struct R(graph) *g, carver *c) {
         const size_t n = s->ntok;
         s->x0 = carve(c, n * D);
         R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0);
-        for (int l = 0; l < s->E->layers; l++)
-            R(block_plan)(c, &s->layers[l].a, n, D, M, s->E->blocks[l].ffn.kind != FFN_MOE);
+        const int nl = s->E->layers;
+        if (g->ckpt && nl > 0) {
+            // one set of block activations for the encoder, the last block's after the forward
+            // (its backward needs no recompute), and every other block's output
+            int dense = 0;
+            for (int l = 0; l < nl; l++) dense |= s->E->blocks[l].ffn.kind != FFN_MOE;
+            R(block_acts) w;
+            R(block_plan)(c, &w, n, D, M, dense);
+            for (int l = 0; l < nl; l++) {
+                R(block_acts) *a = &s->layers[l].a;
+                *a = w;
+                if (s->E->blocks[l].ffn.kind == FFN_MOE) a->h = NULL;
+                if (l < nl - 1) a->res2 = carve(c, n * D);
+            }
+        } else {
+            for (int l = 0; l < nl; l++)
+                R(block_plan)(c, &s->layers[l].a, n, D, M, s->E->blocks[l].ffn.kind != FFN_MOE);
+        }
         s->lnf = carve(c, n * D);
         s->lnf_m = carve(c, n);
         s->lnf_r = carve(c, n);
@@ -160,6 +184,11 @@ static void plan(struct R(graph) *g, carver *c) {
 }
 
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
+    return R(graph_create_ckpt)(out, L, be, B, 0);
+}
+
+int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B,
+                         int checkpoint) {
     *out = NULL;
     if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
     struct R(graph) *g = vlmoe_calloc(sizeof(*g), "graph");
@@ -167,6 +196,7 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
     g->L = L;
     g->be = be;
     g->B = B;
+    g->ckpt = checkpoint != 0;
     for (int e = 0; e < L->nenc; e++) {
         g->enc[e].layers = vlmoe_calloc(sizeof(layer_acts) * (size_t)L->enc[e].layers, "layer acts");
         if (!g->enc[e].layers) return R(graph_free)(g), VLMOE_ERR_NOMEM;
@@ -220,6 +250,10 @@ int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_
             if (s->layers[l].moe) all[nm++] = s->layers[l].moe;
         // the dense feed-forward's activation buffers serve the MoE layers too
         R(moe_share_scratch)(all, nm, s->pass.da, s->pass.dh, s->ntok * (size_t)L->enc[e].mlp);
+        // checkpointed: every MoE layer but the encoder's last block runs again before its
+        // backward, and that block ran last; not across encoders (the second's forward runs
+        // between the first's forward and backward)
+        if (g->ckpt) R(moe_share_acts)(all, nm);
     }
     vlmoe_free_mem(all);
     g->mod[MOD_TEXT].tokens = g->ints;
@@ -242,6 +276,17 @@ void R(graph_free)(struct R(graph) *g) {
     g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
 }
+
+void R(graph_set_frozen)(struct R(graph) *g, int modality, int frozen) { g->frozen[modality] = frozen != 0; }
+
+// Whether the backward has work in encoder e: a present modality of it that is not frozen.
+static int encoder_trains(const struct R(graph) *g, int e) {
+    for (int m = 0; m < NUM_MOD; m++)
+        if (g->L->mod[m].enc == e && g->mod[m].present && !g->frozen[m]) return 1;
+    return 0;
+}
+
+size_t R(graph_activation_bytes)(const struct R(graph) *g) { return sizeof(real) * g->arena_n; }
 
 const real *R(graph_embeddings)(const struct R(graph) *g, int modality) {
     return g->mod[modality].emb;
@@ -348,7 +393,22 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
     for (int l = E->layers - 1; l >= 0; l--) {
         R(block_ffn) f;
         const R(block) b = block_of(g, s, l, &f);
-        R(block_backward)(p, &b, P, G, l ? s->layers[l - 1].a.res2 : s->x0);
+        const real *x = l ? s->layers[l - 1].a.res2 : s->x0;
+        if (g->ckpt && l < E->layers - 1) {
+            // the forward again, on the same input, parameters, noise seed and keys: the same
+            // bits and routing decisions; its auxiliary losses and statistics were counted once
+            // already. It rewrites the block's output with the bits it holds and touches none of
+            // the backward's buffers (dres, the gradients).
+            double aux = 0;
+            if (f.stats) f.stats = &g->recomputed;
+            if (R(block_forward)(p, &b, P, x, &aux) && be->host_memory) {
+                // only an expert-parallel exchange (host memory only) can fail where the forward
+                // did not (the MPI job is broken): NaN gradients stop the step, as in moe_backward
+                const real nan = (real)NAN;
+                for (size_t i = 0; i < (size_t)n * D; i++) p->dres[t0 * D + i] = nan;
+            }
+        }
+        R(block_backward)(p, &b, P, G, x);
     }
 }
 
@@ -486,7 +546,7 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
         be->zero(be, g->enc[e].dlnf, g->enc[e].ntok * (size_t)g->enc[e].E->width);
     for (int m = 0; m < NUM_MOD; m++) {
         mod_state *ms = &g->mod[m];
-        if (!ms->present) continue;
+        if (!ms->present || g->frozen[m]) continue;
         const modality_layout *ml = &L->mod[m];
         enc_state *s = &g->enc[ml->enc];
         const int D = s->E->width;
@@ -498,9 +558,10 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
         be->pool_backward(be, s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
     }
-    for (int e = 0; e < L->nenc; e++) encoder_backward(g, &g->enc[e], P, G);
+    for (int e = 0; e < L->nenc; e++)
+        if (encoder_trains(g, e)) encoder_backward(g, &g->enc[e], P, G);
     for (int m = 0; m < NUM_MOD; m++)
-        if (g->mod[m].present) stem_backward(g, m, P, G);
+        if (g->mod[m].present && !g->frozen[m]) stem_backward(g, m, P, G);
 }
 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,

@@ -186,6 +186,30 @@ float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
 
+int model_set_frozen_towers(vlmoe_model *m, int image, int text) {
+    if ((image || text) && (m->L.arch != &model_arch_towers || m->L.nenc != 2))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': only a two_tower model has a tower of its own per modality",
+                          m->L.cfg.name);
+    m->frozen[MOD_IMAGE] = image != 0, m->frozen[MOD_TEXT] = text != 0;
+    if (m->g)
+        for (int k = 0; k < NUM_MOD; k++) graph_set_frozen_f32(m->g, k, m->frozen[k]);
+    return VLMOE_OK;
+}
+
+int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
+    if (m->L.arch != &model_arch_towers)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': gradient checkpointing (--grad-checkpointing) is implemented "
+                          "for the one_tower and two_tower architectures, not for VL-MoE (arch mome)", m->L.cfg.name);
+    on = on != 0;
+    if (m->grad_ckpt == on) return VLMOE_OK;
+    m->grad_ckpt = on;
+    // the arena's layout depends on it: plan again, for the batch size planned before
+    const int B = m->planned_B;
+    m->L.arch->free(m);
+    m->planned_B = 0, m->have_forward = 0;
+    return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
+}
+
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     return m->L.arch->forward(m, b, stats, 1);
 }

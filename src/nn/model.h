@@ -102,6 +102,14 @@ struct vlmoe_dist; // src/dist/dist.h
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
+    /* checkpoint: gradient checkpointing (graph.c); graph_create is checkpoint 0 */            \
+    int graph_create_ckpt_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be, \
+                              int B, int checkpoint);                                            \
+    /* a frozen modality's tower gets no backward (two_tower LiT: every tensor of its head, */  \
+    /* encoder and stem is frozen, and their gradients stay as they are); 0 at creation */       \
+    void graph_set_frozen_##S(graph_##S *g, int modality, int frozen);                           \
+    /* bytes of the activation arena planned at creation (MoE layers' own buffers apart) */     \
+    size_t graph_activation_bytes_##S(const graph_##S *g);                                       \
     /* The towers: images (B,C,H,W) or NULL, tokens (B,T)+lens or NULL -> the normalised */      \
     /* embeddings of each given modality (graph_embeddings); *aux (may be NULL) gets the pass's */ \
     /* weighted MoE auxiliary losses */                                                         \
@@ -204,6 +212,8 @@ struct vlmoe_model {
     struct mome_model *mome;       // arch mome: its graphs, retrieval head and codebook
     int planned_B;
     int have_forward;
+    int grad_ckpt;           // towers: gradient checkpointing (vlmoe_model_set_grad_checkpointing)
+    int frozen[NUM_MOD];     // towers: model_set_frozen_towers
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
@@ -269,6 +279,10 @@ int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int n, vlmoe_step_st
 // the accumulation buffers' release (towers_free).
 const vlmoe_moe_stats *towers_accum_stats(const vlmoe_model *m, int *count);
 void towers_accum_free(vlmoe_model *m);
+// Two_tower LiT (src/train/trainer.c): the backward skips the image / text tower, every tensor of
+// which the trainer keeps frozen, so their gradients stay zero. One_tower models share one
+// encoder between the modalities: VLMOE_ERR_CONFIG; VL-MoE too.
+int model_set_frozen_towers(vlmoe_model *m, int image, int text);
 
 // --device: "cpu" (the default) or "cuda[:N]" (src/nn/device.c); an error naming what is missing
 // when the model cannot run there.

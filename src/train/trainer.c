@@ -6,6 +6,7 @@
 // Covered by tests/test_train.c, tests/test_mome.c, tests/test_accum.c and, against PyTorch,
 // tests/test_parity.c.
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,7 +20,7 @@ struct vlmoe_trainer {
     vlmoe_model *m;
     vlmoe_optim *opt;
     vlmoe_train_params p;
-    vlmoe_param_info *frozen;   // freeze_moe: the router and expert tensors (not in the optimizer)
+    vlmoe_param_info *frozen;   // freeze_moe, lock_*: tensors left out of the optimizer
     int nfrozen;
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
 };
@@ -58,6 +59,45 @@ static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s)
 // gradient is zeroed before clipping so the global norm is that of the trained tensors.
 static int is_moe_param(const vlmoe_param_info *p) { return strstr(p->name, ".moe.") != NULL; }
 
+// LiT locks a tower the same way (OpenCLIP's lock_image_tower / lock_text_tower): every tensor of
+// the tower is frozen but those of its last `unlocked` groups. The group of a tensor of tower
+// "<prefix>." with L blocks, counted from the end: the projection 1, the final LayerNorm and the
+// last block 2, block l < L-1 L+1-l, the stem L+2 (OpenCLIP's VisionTransformer.lock groups).
+static int tower_group(const char *name, int L) {
+    int l;
+    if (!strcmp(name, "proj")) return 1;
+    if (!strncmp(name, "ln_final.", 9)) return 2;
+    if (sscanf(name, "blocks.%d.", &l) == 1) return l >= L - 1 ? 2 : L + 1 - l;
+    return L + 2;
+}
+
+static int is_locked(const vlmoe_train_params *p, const vlmoe_model_config *c, const vlmoe_param_info *q) {
+    if (p->lock_image && !strncmp(q->name, "image.", 6))
+        return tower_group(q->name + 6, c->encoder.layers) > p->lock_image_unlocked_groups;
+    if (p->lock_text && !strncmp(q->name, "text.", 5))
+        return tower_group(q->name + 5, c->text_encoder.layers) > p->lock_text_unlocked_layers;
+    return 0;
+}
+
+static int check_locks(const vlmoe_train_params *p, const vlmoe_model_config *c) {
+    if (p->lock_image_unlocked_groups < 0 || p->lock_text_unlocked_layers < 0)
+        return vlmoe_fail(VLMOE_ERR_ARG, "lock: --lock-image-unlocked-groups %d / --lock-text-unlocked-layers %d must "
+                          "be >= 0", p->lock_image_unlocked_groups, p->lock_text_unlocked_layers);
+    if (p->lock_image_unlocked_groups && !p->lock_image)
+        return vlmoe_fail(VLMOE_ERR_ARG, "lock: --lock-image-unlocked-groups %d needs --lock-image (it says how much of "
+                          "the locked image tower stays trainable)", p->lock_image_unlocked_groups);
+    if (p->lock_text_unlocked_layers && !p->lock_text)
+        return vlmoe_fail(VLMOE_ERR_ARG, "lock: --lock-text-unlocked-layers %d needs --lock-text (it says how much of "
+                          "the locked text tower stays trainable)", p->lock_text_unlocked_layers);
+    const char *tower = p->lock_image ? "image" : "text";
+    if ((p->lock_image || p->lock_text) && c->arch != VLMOE_ARCH_TWO_TOWER)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': --lock-%s locks one of two towers, but this model is %s: one "
+                          "encoder runs both images and texts, so there is no separate %s tower to lock (LiT needs a "
+                          "two_tower model such as tiny-clip, ViT-B-32 or ViT-B-16)", c->name, tower,
+                          c->arch == VLMOE_ARCH_ONE_TOWER ? "one_tower (LIMoE)" : "VL-MoE (arch mome)", tower);
+    return VLMOE_OK;
+}
+
 vlmoe_train_params vlmoe_train_default_params(void) {
     vlmoe_train_params p;
     p.optim = vlmoe_optim_default_params(VLMOE_OPT_ADAMW);
@@ -67,6 +107,8 @@ vlmoe_train_params vlmoe_train_default_params(void) {
     p.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 5e-4, 100, 1000, 0.0, 0, 0};
     p.grad_clip_norm = 1.0;
     p.freeze_moe = 0;
+    p.lock_image = p.lock_image_unlocked_groups = 0;
+    p.lock_text = p.lock_text_unlocked_layers = 0;
     return p;
 }
 
@@ -78,21 +120,28 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
     t->p = *p;
     int n;
     const vlmoe_param_info *tab = vlmoe_model_params(m, &n);
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
     vlmoe_param_info *train = NULL;
-    if (p->freeze_moe) {
+    int st = check_locks(p, c);
+    if (st) return vlmoe_trainer_free(t), st;
+    if (p->freeze_moe || p->lock_image || p->lock_text) {
         train = malloc(sizeof(*train) * (size_t)n);
         t->frozen = malloc(sizeof(*train) * (size_t)n);
         if (!train || !t->frozen) return free(train), vlmoe_trainer_free(t), vlmoe_fail(VLMOE_ERR_NOMEM, "trainer");
         int nt = 0;
         for (int i = 0; i < n; i++) {
-            if (is_moe_param(&tab[i])) t->frozen[t->nfrozen++] = tab[i];
+            if ((p->freeze_moe && is_moe_param(&tab[i])) || is_locked(p, c, &tab[i])) t->frozen[t->nfrozen++] = tab[i];
             else train[nt++] = tab[i];
         }
         tab = train;
         n = nt;
     }
-    int st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), model_host_backend(m));
+    st = optim_init_backend(&t->opt, &p->optim, tab, n, vlmoe_model_num_floats(m), model_host_backend(m));
     free(train);
+    // a tower locked whole needs no backward at all: its gradients would be zeroed anyway
+    if (!st && (p->lock_image || p->lock_text))
+        st = model_set_frozen_towers(m, p->lock_image && !p->lock_image_unlocked_groups,
+                                     p->lock_text && !p->lock_text_unlocked_layers);
     if (st) return vlmoe_trainer_free(t), st;
     *out = t;
     return VLMOE_OK;
@@ -100,6 +149,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
 
 void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (!t) return;
+    if (t->p.lock_image || t->p.lock_text) model_set_frozen_towers(t->m, 0, 0); // the model trains whole again
     vlmoe_optim_free(t->opt);
     free(t->frozen);
     free(t);
