@@ -1,6 +1,7 @@
 // soup.c: `vlmoe soup`: checkpoint souping (Wortsman et al. 2022; LIMoE-H/14 averages
 // checkpoints of one run). Uniform: the mean of all ingredients. Greedy: ingredients sorted by
-// held-out zero-shot top-1 on the synthetic data, each added if the soup does not get worse.
+// held-out zero-shot top-1 (on the synthetic data, or on --zeroshot-data DIR for models of one's
+// own data), each added if the soup does not get worse.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,14 +10,62 @@
 #include "cli.h"
 #include "common.h"
 #include "nn/model.h"
+#include "tokenize.h"
 #include "train/tasks.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
     "usage: vlmoe soup A.safetensors B.safetensors [...] -o OUT.safetensors [--greedy]\n\n"
     "Averages the weights of checkpoints of one model (same config). --greedy ranks them by\n"
-    "held-out zero-shot top-1 on the synthetic data and keeps adding the next best while the\n"
-    "soup does not get worse (greedy soup); otherwise all are averaged uniformly.";
+    "held-out zero-shot top-1 and keeps adding the next best while the soup does not get worse\n"
+    "(greedy soup); otherwise all are averaged uniformly. The zero-shot data: --zeroshot-data DIR\n"
+    "(an image folder, one sub-folder per class; --classnames FILE, one per line in sorted folder\n"
+    "order), read with the tokenizer and normalisation the checkpoints carry, or for models of the\n"
+    "synthetic data its held-out split (--eval-samples).";
+
+// A folder to score greedy soups on, read as the models were trained (their recorded inputs).
+typedef struct {
+    vlmoe_image_folder folder;
+    char **names;
+    size_t n_names;
+    vlmoe_image_params ip;
+    cli_text text;
+    vlmoe_eval_folder_data data;
+    vlmoe_eval_params p;
+} soup_folder;
+
+static void folder_free(soup_folder *f) {
+    vlmoe_image_folder_free(&f->folder);
+    cli_free_lines(f->names, f->n_names);
+    cli_text_free(&f->text);
+}
+
+// Opens DIR for model m (path: its file); the error is printed (exit status 1).
+static int folder_open(soup_folder *f, const char *dir, const char *names, vlmoe_model *m, const char *path) {
+    memset(f, 0, sizeof(*f));
+    if (vlmoe_image_folder_load(dir, &f->folder)) return cli_error("soup", "--zeroshot-data: %s", vlmoe_last_error());
+    if (names && cli_read_lines("soup", names, &f->names, &f->n_names)) return 1;
+    if (names && f->n_names != (size_t)f->folder.n_classes)
+        return cli_error("soup", "--classnames %s has %zu names, %s has %d class folders", names, f->n_names, dir,
+                         f->folder.n_classes);
+    if (cli_model_image_params("soup", NULL, NULL, 0, m, path, &f->ip) || cli_model_text("soup", NULL, 0, m, path, 1, &f->text))
+        return 1;
+    f->data = (vlmoe_eval_folder_data){.folder = &f->folder, .name = dir, .templates = cli_templates,
+                                       .n_templates = CLI_NUM_TEMPLATES,
+                                       .classes = (const char *const *)(f->names ? f->names : f->folder.class_names)};
+    f->p = vlmoe_eval_default_params();
+    f->p.shots = 0, f->p.ip = &f->ip, f->p.tokenize = cli_tokenize, f->p.tokenize_user = &f->text;
+    return 0;
+}
+
+// Zero-shot top-1 of m on the folder (-1 after an error, in vlmoe_last_error()).
+static double score_folder(vlmoe_model *m, const soup_folder *f) {
+    vlmoe_eval_folder_result r = {0};
+    const int st = vlmoe_eval_folder_zeroshot(m, &f->data, &f->p, &r);
+    const double top1 = st ? -1 : r.zeroshot.top1;
+    vlmoe_eval_folder_result_free(&r);
+    return top1;
+}
 
 static double score(vlmoe_model *m, int n) {
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
@@ -37,13 +86,22 @@ static int same_inputs(const model_inputs *a, const model_inputs *b) {
     return !a->has_norm || (!memcmp(a->mean, b->mean, sizeof(a->mean)) && !memcmp(a->std, b->std, sizeof(a->std)));
 }
 
+// The zero-shot top-1 of m on the folder f, or (f NULL) on n synthetic held-out samples; the
+// error is in vlmoe_last_error().
+static int rate(vlmoe_model *m, const soup_folder *f, int n, double *top1) {
+    *top1 = f ? score_folder(m, f) : score(m, n);
+    return *top1 < 0;
+}
+
 int cmd_soup(int argc, char **argv) {
-    const char *out = NULL;
-    int greedy = 0, n = 500;
+    const char *out = NULL, *zs = NULL, *names = NULL;
+    int greedy = 0, n = -1;
     const arg_spec specs[] = {
         {"output", ARG_STRING, &out, "FILE", "where the soup is written (also -o)"},
         {"greedy", ARG_FLAG, &greedy, NULL, "greedy soup by held-out zero-shot top-1"},
-        {"eval-samples", ARG_INT, &n, "N", "held-out samples that score a greedy soup (default 500)"},
+        {"zeroshot-data", ARG_STRING, &zs, "DIR", "image folder DIR/<class>/*.jpg that scores a greedy soup"},
+        {"classnames", ARG_STRING, &names, "FILE", "class names of --zeroshot-data, one per line in sorted folder order"},
+        {"eval-samples", ARG_INT, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
     };
     const char *inputs[256];
     int nin = 0;
@@ -63,9 +121,16 @@ int cmd_soup(int argc, char **argv) {
             if (takes && i + 1 < argc) rest[nrest++] = argv[++i];
         }
     }
-    int rc = args_parse("soup", specs, 3, nrest, rest, 0, USAGE);
+    int rc = args_parse("soup", specs, (int)(sizeof(specs) / sizeof(specs[0])), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (nin < 1 || !out) return cli_error("soup", "give checkpoints and -o OUT (see vlmoe soup --help)");
+    if (!greedy && (zs || names || n >= 0)) return cli_error("soup", "--zeroshot-data, --classnames and --eval-samples "
+                                                             "score a greedy soup: add --greedy");
+    if (zs && n >= 0) return cli_error("soup", "--eval-samples sizes the synthetic data's split; --zeroshot-data scores on "
+                                       "its own images");
+    if (names && !zs) return cli_error("soup", "--classnames names the classes of --zeroshot-data DIR");
+    if (n < 0) n = 500;
+    soup_folder folder, *f = NULL;
     vlmoe_model *ms[256];
     double sc[256];
     int order[256];
@@ -78,13 +143,17 @@ int cmd_soup(int argc, char **argv) {
         rc = same_inputs(model_get_inputs(ms[0]), model_get_inputs(ms[i])) ? 0 : cli_error("soup", "%s and %s record different tokenizers or image normalisations: a soup "
                                   "averages models fine-tuned from one start, which read their inputs alike", inputs[0],
                                   inputs[i]);
-        if (!rc && greedy) rc = cli_synthetic_model("soup", ms[i], inputs[i], "no --greedy (a uniform soup): the greedy "
-                                                    "soup scores on the synthetic data");
+        if (!rc && greedy && !zs) rc = cli_synthetic_model("soup", ms[i], inputs[i], "--zeroshot-data DIR to score the "
+                                                           "greedy soup on (or no --greedy: a uniform soup)");
+        if (!rc && greedy && zs && !f) rc = folder_open(&folder, zs, names, ms[0], inputs[0]), f = &folder;
+        sc[i] = 0;
+        if (!rc && greedy && rate(ms[i], f, n, &sc[i]))
+            rc = cli_error("soup", "scoring %s: %s", inputs[i], vlmoe_last_error());
         if (rc) {
             for (int k = 0; k <= i; k++) vlmoe_model_free(ms[k]);
+            if (f) folder_free(f);
             return rc;
         }
-        sc[i] = greedy ? score(ms[i], n) : 0;
         if (greedy) fprintf(stderr, "vlmoe soup: %s zero-shot top-1 %.2f%%\n", inputs[i], 100 * sc[i]);
     }
     for (int i = 1; i < nin; i++) // best first; ties keep the command-line order
@@ -104,8 +173,9 @@ int cmd_soup(int argc, char **argv) {
         double best = sc[order[0]];
         for (int i = 1; i < nin && !rc; i++) {
             chosen[nch++] = ms[order[i]];
+            double s = 0;
             if ((rc = vlmoe_model_average(soup, chosen, nch))) break;
-            double s = score(soup, n);
+            if ((rc = rate(soup, f, n, &s))) break;
             if (s >= best) {
                 best = s;
                 fprintf(stderr, "vlmoe soup: + %s -> %.2f%%\n", inputs[order[i]], 100 * s);
@@ -121,5 +191,6 @@ int cmd_soup(int argc, char **argv) {
     else printf("soup of %d checkpoint%s written to %s\n", nch, nch > 1 ? "s" : "", out);
     vlmoe_model_free(soup);
     for (int i = 0; i < nin; i++) vlmoe_model_free(ms[i]);
+    if (f) folder_free(f);
     return rc ? 1 : 0;
 }

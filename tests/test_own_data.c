@@ -206,7 +206,11 @@ int main(int argc, char **argv) {
            "zero-shot on va/classes");
     // soup: uniform is fine, greedy scores on the synthetic data
     snprintf(cmd, sizeof(cmd), "soup %s %s -o s.safetensors --greedy", ck, ck);
-    expect(cmd, 1, "no --greedy (a uniform soup)");
+    expect(cmd, 1, "give --zeroshot-data DIR to score the greedy soup on");
+    snprintf(cmd, sizeof(cmd), "soup %s %s -o g.safetensors --greedy --zeroshot-data va/classes --classnames "
+             "classnames.txt", ck, ck);
+    expect(cmd, 0, "zero-shot top-1");
+    CHECK(strstr(out, "written to g.safetensors"), "a greedy soup scored on the user's folder:\n%s", out);
     snprintf(cmd, sizeof(cmd), "soup %s %s -o s.safetensors", ck, ck);
     expect(cmd, 0, "soup of 2 checkpoints");
     char *sk = metadata("s.safetensors", "vlmoe.tokenizer");
