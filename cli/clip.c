@@ -6,6 +6,8 @@
 
 #include "args.h"
 #include "cli.h"
+#include "common.h"
+#include "nn/model.h"
 #include "vlmoe.h"
 
 static const char *ACTS[] = {"gelu", "gelu_tanh", "quick_gelu"}; // VLMOE_ACT_* order
@@ -19,7 +21,9 @@ static const char *IMPORT_USAGE =
     "come from the shapes. Heads are not in any shape: width / 64 (OpenCLIP's head width) unless\n"
     "--image-heads / --text-heads say otherwise (ViT-H/14's image tower has 16 heads of 80). OpenAI's\n"
     "models use quick_gelu; most OpenCLIP models trained from scratch use gelu (--act gelu), HF's\n"
-    "config.json names it hidden_act.";
+    "config.json names it hidden_act. --tokenizer (the model's bpe_simple_vocab_16e6.txt.gz or HF\n"
+    "tokenizer.json) and --image-mean/--image-std (its preprocessing: OpenAI's mean and std unless\n"
+    "its config says otherwise) go into the model file, so that no later command needs them.";
 
 static void describe(const vlmoe_model *m) {
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
@@ -34,7 +38,7 @@ static void describe(const vlmoe_model *m) {
 
 int cmd_import(int argc, char **argv) {
     vlmoe_clip_import_params p = vlmoe_clip_import_default_params();
-    const char *out = NULL, *act = "quick_gelu";
+    const char *out = NULL, *act = "quick_gelu", *tokenizer = NULL, *mean = NULL, *std = NULL;
     const arg_spec specs[] = {
         {"from", ARG_STRING, &p.naming, "NAMING", "openclip (OpenAI/OpenCLIP names), hf (HF CLIPModel) or auto (default)"},
         {"output", ARG_STRING, &out, "FILE", "the vlmoe model file to write (also -o)"},
@@ -42,17 +46,30 @@ int cmd_import(int argc, char **argv) {
         {"text-heads", ARG_INT, &p.text_heads, "N", "attention heads of the text tower (default width / 64)"},
         {"act", ARG_STRING, &act, "ACT", "quick_gelu (OpenAI, the default), gelu or gelu_tanh"},
         {"name", ARG_STRING, &p.name, "NAME", "the model's name in its config (default clip)"},
+        {"tokenizer", ARG_STRING, &tokenizer, "FILE", "the model's tokenizer (CLIP merges or tokenizer.json), kept in the file"},
+        {"image-mean", ARG_STRING, &mean, "R,G,B", "its normalisation mean, kept in the file (with --image-std)"},
+        {"image-std", ARG_STRING, &std, "R,G,B", "its normalisation std, kept in the file (with --image-mean)"},
     };
     char *pos[1];
-    int npos, rc = args_parse_pos("import", specs, 6, argc, argv, 2, IMPORT_USAGE, pos, 1, &npos);
+    int npos, rc = args_parse_pos("import", specs, (int)(sizeof(specs) / sizeof(specs[0])), argc, argv, 2, IMPORT_USAGE,
+                                  pos, 1, &npos);
     if (rc) return rc == 1 ? 0 : 2;
     if (npos != 1 || !out) return cli_error("import", "give IN.safetensors and -o OUT.safetensors (see vlmoe import --help)");
     p.act = -1;
     for (int k = 0; k < 3; k++)
         if (!strcmp(act, ACTS[k])) p.act = k;
     if (p.act < 0) return cli_error("import", "--act %s: expected quick_gelu, gelu or gelu_tanh", act);
+    if (!mean != !std) return cli_error("import", "give --image-mean and --image-std together (the model's preprocessing)");
     vlmoe_model *m;
     if (vlmoe_clip_import(&m, pos[0], &p)) return cli_error("import", "%s", vlmoe_last_error());
+    cli_text text = {0};
+    vlmoe_image_params ip;
+    rc = tokenizer ? cli_text_init("import", tokenizer, vlmoe_model_get_config(m), 1, &text) : 0;
+    if (!rc && text.bpe && model_set_tokenizer(m, text.bpe)) rc = cli_error("import", "%s", vlmoe_last_error());
+    if (!rc && mean && !(rc = cli_image_params("import", mean, std, vlmoe_model_get_config(m), &ip)))
+        model_set_image_norm(m, ip.mean, ip.std);
+    cli_text_free(&text);
+    if (rc) return vlmoe_model_free(m), rc;
     rc = vlmoe_model_save(m, out);
     if (rc) {
         cli_error("import", "%s", vlmoe_last_error());

@@ -89,6 +89,17 @@ int main(int argc, char **argv) {
     expect(args, 0, "image tower: width 128, layers 2, heads 2, MLP 512, patch 8, image 32 px");
     snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --text-heads 2", fx);
     expect(args, 0, "text tower: width 64, layers 3, heads 2, MLP 256, context 16, vocabulary 100");
+    // the preprocessing (and a tokenizer, which this 100-id model is too small for) go into the file
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clipn.safetensors --image-mean 0.5 0.5 0.5 "
+             "--image-std 0.25", fx);
+    expect(args, 0, "imported");
+    expect("classify --model clipn.safetensors --image x.png --labels a,b --image-mean 0.4", 1,
+           "--image-mean 0.4,0.4,0.4 contradicts the mean 0.5,0.5,0.5 records in clipn.safetensors");
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --image-mean 0.5", fx);
+    expect(args, 1, "give --image-mean and --image-std together");
+    test_write_file(test_path(dir, "m.txt"), "#version: 0.2\nz o\n", 18);
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --tokenizer m.txt", fx);
+    expect(args, 1, "--tokenizer m.txt has 515 ids, more than the model's vocabulary of 100");
     snprintf(args, sizeof(args), "import --from hf %s/clip_openclip.safetensors -o x.safetensors", fx);
     expect(args, 1, "has OpenAI/OpenCLIP names, not HF CLIPModel ones");
     expect("import corrupt.safetensors -o x.safetensors", 1, "corrupt.safetensors");
