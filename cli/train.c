@@ -268,8 +268,9 @@ static int model_text(const train_args *a, train_run *r, const char *path) {
     const int vocab = vlmoe_model_get_config(r->m)->vocab_size;
     if (in->text == MODEL_TEXT_SYNTH && !(a->tokenizer && a->override))
         return cli_error("train", "%s was trained on the synthetic data, whose word tokenizer cannot read captions: "
-                         "train from scratch on %s, or give --tokenizer FILE --override-inputs to re-learn the text "
-                         "embedding with another vocabulary", path, a->data.path);
+                         "train from scratch on %s%s", path, a->data.path, vocab >= BPE_MIN ? ", or give --tokenizer "
+                         "FILE --override-inputs to re-learn the text embedding with another vocabulary" :
+                         " (its vocabulary is too small for any BPE tokenizer)");
     if (in->text != MODEL_TEXT_UNKNOWN) return cli_model_text("train", a->tokenizer, a->override, r->m, path, 1, &r->text);
     if (a->tokenizer) return cli_text_init("train", a->tokenizer, vlmoe_model_get_config(r->m), 1, &r->text);
     if (a->resume && vocab >= BPE_MIN) return train_vocab(a, r, vocab); // an older run: its tokenizer.txt
@@ -318,6 +319,10 @@ static int setup_data(const train_args *a, train_run *r) {
         vlmoe_synth_params sp = vlmoe_synth_default_params();
         sp.image_size = c->image_size;
         sp.seed = (uint64_t)a->seed;
+        // its pixels are in [-1, 1]: the normalisation that reads them back from image files
+        // (vlmoe synth export) is mean 0.5, std 0.5
+        const float half[3] = {0.5f, 0.5f, 0.5f};
+        model_set_image_norm(r->m, half, half);
         return vlmoe_synth_init(&r->synth, &sp) ? cli_error("train", "synthetic data: %s", vlmoe_last_error()) : 0;
     }
     if (c->channels != 3) return cli_error("train", "model %s has %d image channels; images are RGB", c->name, c->channels);

@@ -255,6 +255,10 @@ int main(int argc, char **argv) {
     kind = metadata("runs/syn/checkpoints/step_2.safetensors", "vlmoe.tokenizer");
     CHECK(kind && !strcmp(kind, "synthetic"), "a synthetic run records the synthetic tokenizer");
     free(kind);
+    pre = metadata("runs/syn/checkpoints/step_2.safetensors", "vlmoe.preprocess");
+    CHECK(pre && strstr(pre, "\"mean\": [0.5, 0.5, 0.5]"), "a synthetic run records the [-1, 1] pixels' normalisation, "
+          "which reads vlmoe synth export's files: %s", pre ? pre : "(none)");
+    free(pre);
     expect("eval --model runs/syn/checkpoints/step_2.safetensors --samples 64 --few-shot 0", 0, "zero-shot");
     expect("train --pretrained runs/syn/checkpoints/step_2.safetensors --train-data tr/own.csv --steps 1 --logs runs "
            "--name syn2", 1, "whose word tokenizer cannot read captions");
