@@ -26,16 +26,16 @@ static const char *USAGE =
     "                                  for finetune --task pair-cls\n"
     "NNNNNN is the sample's index in its split, the same sample the built-in data gives for\n"
     "--seed. --split val is the held-out stream (class-balanced: the class of sample i is i mod 20).\n"
-    "Pixels are the synthetic [-1, 1] values as 8-bit RGB, so give --image-mean 0.5 --image-std 0.5\n"
-    "to the commands that read them (vlmoe finetune has no such flag: it normalises with CLIP's mean\n"
-    "and std). DIR is created (with its parents) and must be empty unless --overwrite, which first\n"
-    "removes the files of an earlier export there.\n\n"
+    "Pixels are the synthetic [-1, 1] values as 8-bit RGB: mean and std 0.5 read them back, which a\n"
+    "model trained on the synthetic data records (eval, classify, embed then need no flag); give\n"
+    "--image-mean 0.5 --image-std 0.5 to train on them (the model then records it). DIR is created\n"
+    "(with its parents) and must be empty unless --overwrite, which first removes the files of an\n"
+    "earlier export there.\n\n"
     "examples:\n"
     "  vlmoe synth export --out shapes --n 5000\n"
     "  vlmoe synth export --out shapes_val --n 1000 --split val\n"
     "  vlmoe train --model limoe-tiny --train-data shapes/captions.csv --image-mean 0.5 --image-std 0.5\n"
-    "  vlmoe eval --model M --val-data shapes_val/captions.csv --zeroshot-data shapes_val/classes \\\n"
-    "      --image-mean 0.5 --image-std 0.5\n"
+    "  vlmoe eval --model M --val-data shapes_val/captions.csv --zeroshot-data shapes_val/classes\n"
     "  vlmoe finetune --model vlmoe.safetensors --task pair-cls --data shapes/match.tsv -o ft.safetensors";
 
 static void on_progress(void *u, long done, long total) { cli_progress_show(u, done, total); }
@@ -111,7 +111,7 @@ static int synth_export(int argc, char **argv) {
         printf("  match.tsv              %d image<TAB>caption<TAB>answer rows, %ld yes / %ld no   "
                "(finetune --task pair-cls)\n", n, r.n_yes, n - r.n_yes);
         printf("pixels are the synthetic [-1, 1] values as 8-bit RGB: give --image-mean 0.5 --image-std 0.5 to "
-               "train, eval, classify and embed\n");
+               "train on them (the model then records it for eval, classify and embed)\n");
     }
     vlmoe_synth_free(s);
     return rc;
