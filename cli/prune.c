@@ -1,7 +1,8 @@
 // prune.c: `vlmoe prune`: LIMoE's expert pruning for one-modality inference (appendix E.4).
 // The experts' shares of a modality's tokens come from the run's metrics.jsonl (the mean over
 // the last logged steps, as LIMoE ranks experts by what they processed during training) or, for
-// models on the built-in synthetic vocabulary, from held-out synthetic data run through the model.
+// from the user's images or texts run through the model (--images, --texts), or for models of the
+// built-in synthetic data from its held-out split.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,18 +12,23 @@
 #include "args.h"
 #include "cli.h"
 #include "common.h"
+#include "nn/model.h"
+#include "tokenize.h"
 #include "train/run.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
     "usage: vlmoe prune --model M.safetensors --modality text|image --keep N -o OUT.safetensors\n"
-    "                   [--mode router_pred|router_drop] [--stats RUN/metrics.jsonl [--last N]]\n\n"
+    "                   [--mode router_pred|router_drop] [--stats RUN/metrics.jsonl [--last N]]\n"
+    "                   [--images DIR|FILE] [--texts FILE]\n\n"
     "Keeps, in every MoE layer serving the modality, the N experts that took the largest share of\n"
     "its tokens, for inference on that modality alone. router_pred (LIMoE's choice) keeps the\n"
     "router's softmax over all experts and only stops pruned ones from being picked; router_drop\n"
     "removes them, router rows included (a smaller file; the gates renormalise over the kept).\n"
-    "Shares come from --stats (mean over the last logged steps of training) or, without it, from\n"
-    "held-out synthetic data run through the model (models trained on the synthetic data).\n\n"
+    "Shares come from --stats (mean over the last logged steps of training), from data of the\n"
+    "modality run through the model (--images: a folder or file, --modality image; --texts: one\n"
+    "text per line, --modality text; read with the tokenizer and normalisation the model carries),\n"
+    "or for models trained on the synthetic data from its held-out split.\n\n"
     "example:\n"
     "  vlmoe prune --model logs/demo/checkpoints/step_3000.safetensors --modality text --keep 4 \\\n"
     "      --stats logs/demo/metrics.jsonl -o text4.safetensors";
@@ -86,8 +92,90 @@ static int usage_from_synthetic(vlmoe_model *m, int mod, double *u, int nl, int 
     return rc;
 }
 
+// The shares of the last batch's tokens of the modality, added with weight k / total into u.
+typedef struct {
+    vlmoe_model *m;
+    int mod, enc, nl, E;
+    double *u;
+    long total;
+} share_sum;
+
+static void add_shares(void *user, int k) {
+    share_sum *a = user;
+    int n, l = 0;
+    const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(a->m, &n);
+    for (int i = 0; i < n; i++)
+        if (ms[i].encoder == a->enc && l < a->nl) {
+            for (int e = 0; e < a->E; e++) a->u[(size_t)l * a->E + e] += ms[i].accepted[a->mod][e] * k / a->total;
+            l++;
+        }
+}
+
+// Shares measured on the user's images (--images) or texts (--texts), at eval capacity.
+static int usage_from_files(vlmoe_model *m, const char *path, const char *images, const char *texts, int mod, double *u,
+                            int nl, int E) {
+    if ((images && mod != VLMOE_MOD_IMAGE) || (texts && mod != VLMOE_MOD_TEXT))
+        return cli_error("prune", "--%s measures %s tokens: give --modality %s", images ? "images" : "texts",
+                         images ? "image" : "text", images ? "image" : "text");
+    share_sum a = {m, mod, 0, nl, E, u, 0};
+    tower(vlmoe_model_get_config(m), mod, &a.enc);
+    memset(u, 0, sizeof(double) * (size_t)nl * E);
+    const int B = 64;
+    int rc = 0, n = 0, n_ok = 0;
+    if (images) {
+        char **files = NULL;
+        vlmoe_image_params ip;
+        cli_bad_log bad = {0};
+        float *emb = NULL;
+        rc = cli_model_image_params("prune", NULL, NULL, 0, m, path, &ip) || cli_list_images("prune", &images, 1, &files, &n);
+        a.total = n;
+        if (!rc && !(emb = malloc(sizeof(float) * (size_t)n * vlmoe_model_get_config(m)->embed_dim)))
+            rc = cli_error("prune", "out of memory");
+        const cli_encode_params ep = {&ip, B, "images", add_shares, &a};
+        if (!rc && (cli_plan(m, n, B) || cli_encode_images(m, (const char *const *)files, n, &ep, emb, NULL, &bad, &n_ok)))
+            rc = n_ok ? cli_error("prune", "%s", vlmoe_last_error()) : cli_no_images("prune", &bad, n);
+        if (!rc && n_ok < n) { // the shares were weighted by all files: renormalise to the readable ones
+            for (size_t i = 0; i < (size_t)nl * E; i++) u[i] *= (double)n / n_ok;
+            cli_bad_warn("prune", &bad, "unreadable image", images);
+        }
+        free(emb);
+        vlmoe_free_strings(files, n);
+        n = n_ok;
+    } else {
+        char **lines = NULL;
+        size_t nt = 0;
+        cli_text text = {0};
+        const vlmoe_model_config *c = vlmoe_model_get_config(m);
+        const int T = c->context_length;
+        int32_t *tok = NULL, *len = NULL;
+        float *emb = NULL;
+        rc = cli_model_text("prune", NULL, 0, m, path, 1, &text) || cli_read_lines("prune", texts, &lines, &nt);
+        if (!rc && !nt) rc = cli_error("prune", "--texts %s: no texts", texts);
+        a.total = (long)nt, n = (int)nt;
+        if (!rc && (!(tok = malloc(sizeof(int32_t) * (size_t)B * T)) || !(len = malloc(sizeof(int32_t) * B)) ||
+                    !(emb = malloc(sizeof(float) * (size_t)B * c->embed_dim))))
+            rc = cli_error("prune", "out of memory");
+        if (!rc && cli_plan(m, n, B)) rc = cli_error("prune", "%s", vlmoe_last_error());
+        for (int i = 0; !rc && i < n; i += B) {
+            const int k = n - i < B ? n - i : B;
+            for (int j = 0; j < k && !rc; j++)
+                if ((len[j] = cli_tokenize(&text, lines[i + j], tok + (size_t)j * T, T)) < 0)
+                    rc = cli_error("prune", "--texts %s line %d: %s", texts, i + j + 1, vlmoe_last_error());
+            if (!rc && vlmoe_model_encode_texts(m, tok, len, k, emb)) rc = cli_error("prune", "%s", vlmoe_last_error());
+            if (!rc) add_shares(&a, k);
+        }
+        free(tok), free(len), free(emb);
+        cli_free_lines(lines, nt);
+        cli_text_free(&text);
+    }
+    if (!rc) fprintf(stderr, "vlmoe prune: %s shares measured on %d %s of %s\n", mod == VLMOE_MOD_TEXT ? "text" : "image",
+                     n, images ? "images" : "texts", images ? images : texts);
+    return rc;
+}
+
 int cmd_prune(int argc, char **argv) {
-    const char *model = NULL, *out = NULL, *modality = NULL, *mode = "router_pred", *stats = NULL;
+    const char *model = NULL, *out = NULL, *modality = NULL, *mode = "router_pred", *stats = NULL, *images = NULL;
+    const char *texts = NULL;
     int keep = 0, last = 50;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
@@ -96,6 +184,8 @@ int cmd_prune(int argc, char **argv) {
         {"mode", ARG_STRING, &mode, "MODE", "router_pred (default: softmax over all, pruned masked) or router_drop"},
         {"stats", ARG_STRING, &stats, "FILE", "the run's metrics.jsonl: rank experts by their share during training"},
         {"last", ARG_INT, &last, "N", "logged steps of --stats to average (default 50)"},
+        {"images", ARG_STRING, &images, "DIR|FILE", "image files (a folder, recursively) to measure the image shares on"},
+        {"texts", ARG_STRING, &texts, "FILE", "texts, one per line, to measure the text shares on"},
         {"output", ARG_STRING, &out, "FILE", "where the pruned model is written (also -o)"},
     };
     char *rest[64];
@@ -113,6 +203,7 @@ int cmd_prune(int argc, char **argv) {
     if (mod < 0) return cli_error("prune", "--modality must be text or image, not '%s'", modality);
     if (pm < 0) return cli_error("prune", "--mode must be router_pred or router_drop, not '%s'", mode);
     if (last < 1) return cli_error("prune", "--last must be >= 1");
+    if (!!stats + !!images + !!texts > 1) return cli_error("prune", "give one of --stats, --images and --texts");
     vlmoe_model *m = NULL, *p = NULL;
     if (vlmoe_model_load(&m, model)) return cli_error("prune", "%s", vlmoe_last_error());
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
@@ -123,9 +214,12 @@ int cmd_prune(int argc, char **argv) {
     double *u = nl ? calloc((size_t)nl * E, sizeof(double)) : NULL;
     if (!nl) rc = cli_error("prune", "%s: model '%s' has no MoE layers serving %s", model, c->name, modality);
     else if (!u) rc = cli_error("prune", "out of memory");
-    else if (!stats) rc = cli_synthetic_model("prune", m, model, "--stats RUN/metrics.jsonl: the experts' shares "
-                                              "logged while it trained");
-    if (!rc) rc = stats ? usage_from_metrics(stats, c, mod, last, u, nl, E) : usage_from_synthetic(m, mod, u, nl, E);
+    else if (!stats && !images && !texts)
+        rc = cli_synthetic_model("prune", m, model, "--stats RUN/metrics.jsonl (the experts' shares logged while it "
+                                 "trained), or --images DIR / --texts FILE of its modality");
+    if (!rc && stats) rc = usage_from_metrics(stats, c, mod, last, u, nl, E);
+    else if (!rc && (images || texts)) rc = usage_from_files(m, model, images, texts, mod, u, nl, E);
+    else if (!rc) rc = usage_from_synthetic(m, mod, u, nl, E);
     if (!rc && vlmoe_model_prune(&p, m, mod, u, keep, (vlmoe_prune_mode)pm))
         rc = cli_error("prune", "%s: %s", model, vlmoe_last_error());
     if (!rc && vlmoe_model_save(p, out)) rc = cli_error("prune", "%s", vlmoe_last_error());

@@ -204,6 +204,13 @@ int main(int argc, char **argv) {
     expect(cmd, 0, "pruned model");
     expect("eval --model p.safetensors --zeroshot-data va/classes --classnames classnames.txt --few-shot 0", 0,
            "zero-shot on va/classes");
+    // ... and so can the user's own images or texts, read as the model records
+    snprintf(cmd, sizeof(cmd), "prune --model %s --modality image --keep 4 -o pi.safetensors --images va/classes", ck);
+    expect(cmd, 0, "image shares measured on 400 images of va/classes");
+    snprintf(cmd, sizeof(cmd), "prune --model %s --modality text --keep 4 -o pt.safetensors --texts texts.txt", ck);
+    expect(cmd, 0, "text shares measured on 1 texts of texts.txt");
+    snprintf(cmd, sizeof(cmd), "prune --model %s --modality text --keep 4 -o x.safetensors --images va/classes", ck);
+    expect(cmd, 1, "--images measures image tokens: give --modality image");
     // soup: uniform is fine, greedy scores on the synthetic data
     snprintf(cmd, sizeof(cmd), "soup %s %s -o s.safetensors --greedy", ck, ck);
     expect(cmd, 1, "give --zeroshot-data DIR to score the greedy soup on");
