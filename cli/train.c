@@ -2,7 +2,7 @@
 // synthetic data or on an OpenCLIP CSV / webdataset shards through the loader (src/data/loader.h).
 // The flags become a model source, a data source and a run (src/train/run.h, the contrastive task
 // of src/train/tasks.h); this file prints and picks the exit code. Covered by tests/test_cli.c,
-// tests/test_checkpoint.c and tests/test_loader.c.
+// tests/test_checkpoint.c and tests/test_loader.c. The set-up of a run is cli/train_setup.c.
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <omp.h>
@@ -16,69 +16,8 @@
 #include "cli.h"
 #include "common.h"
 #include "nn/model.h"
-#include "tokenize.h"
-#include "train/tasks.h"
-#include "train_flags.h"
+#include "train_run.h"
 #include "vlmoe.h"
-
-typedef struct {
-    const char *model, *dataset_type, *logs, *name, *pretrained, *preset;
-    const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
-    const char *upsampling;      // --train-data-upsampling-factors
-    int resampled;               // --dataset-resampled
-    int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
-    int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
-    int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
-    int override;                // --override-inputs: flags replace what a checkpoint records
-    int allow_changes;           // --resume-allow-changes
-    int grad_ckpt;               // --grad-checkpointing
-    int lock_image, lock_image_groups, lock_text, lock_text_layers; // LiT (vlmoe_train_params)
-    long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
-    long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps
-    double max_bad;
-    cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
-    vlmoe_dataset_params data;   // --train-data and the CSV flags (path NULL: synthetic data)
-    // validation while training: --val-data pairs, --zeroshot-data folder; cadences in epochs
-    // (OpenCLIP's --val-frequency, --zeroshot-frequency) or steps (--*-every-n-steps)
-    const char *val_data, *zs_data, *zs_names, *zs_templates, *zs_dataset;
-    long val_freq, val_steps, val_num, zs_freq, zs_steps, val_every;
-} train_args;
-
-// Everything a run holds; run_free releases whatever was set up.
-typedef struct {
-    vlmoe_model *m;
-    vlmoe_trainer *t;
-    vlmoe_synth *synth;          // synthetic data, or
-    vlmoe_loader *loader;        // --train-data through the loader,
-    cli_text text;               // its captions' tokenizer
-    vlmoe_contrastive *task;
-    vlmoe_dataset_params val;    // --val-data with the CSV flags
-    vlmoe_image_params val_ip;   // the eval transform of --val-data and --zeroshot-data
-    vlmoe_image_folder zs;       // --zeroshot-data, its class names and prompt templates
-    char **zs_names, **zs_tpl;
-    size_t n_names, n_tpl;
-    vlmoe_eval_folder_data zs_data;
-    vlmoe_data_state resumed;    // the data position of the checkpoint resumed from
-    vlmoe_dist *dist;            // the processes of the run (mpirun); rank 0 prints and writes
-    int lead;
-    int tty, open_line;          // progress redrawn in place on a terminal
-    char dir[512], ckdir[600];
-} train_run;
-
-// Releases the run; the process group too, except after a failure on several processes, where
-// this process leaves without finalising MPI so that mpirun stops the others (they may be
-// waiting in a collective this one will never join).
-static void run_free(train_run *r, int rc) {
-    if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
-    vlmoe_contrastive_free(r->task);
-    vlmoe_image_folder_free(&r->zs);
-    cli_free_lines(r->zs_names, r->n_names), cli_free_lines(r->zs_tpl, r->n_tpl);
-    vlmoe_loader_free(r->loader);
-    cli_text_free(&r->text);
-    vlmoe_trainer_free(r->t);
-    vlmoe_model_free(r->m);
-    vlmoe_synth_free(r->synth);
-}
 
 static const char *USAGE =
     "usage: vlmoe train [options]\n\n"
@@ -156,8 +95,6 @@ static void on_progress(void *u, int what, const char *line) {
     if (what == VLMOE_RUN_EVAL) printf("%s\n", line), fflush(stdout);
 }
 
-static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
-
 // params.json: every flag that shapes the run (the --resume check compares them), strings that
 // were not given as null.
 static cJSON *run_params(const train_args *a, int world) {
@@ -208,213 +145,6 @@ static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
     if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(pj), 0);
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
-}
-
-// A BPE vocabulary for a run's captions when no --tokenizer is given: the one this run trained
-// (LOGS/NAME/tokenizer.txt), else one of `size` ids trained on the first 10000 captions by rank 0
-// and read by the others once it is written.
-static int train_vocab(const train_args *a, train_run *r, int size) {
-    char path[1024];
-    snprintf(path, sizeof(path), "%s/tokenizer.txt", r->dir);
-    size_t n;
-    int ids, st = 0;
-    if (r->lead && access(path, R_OK) == 0)
-        fprintf(stderr, "vlmoe train: captions are tokenized with %s, the vocabulary this run trained\n", path);
-    else if (r->lead && (st = vlmoe_train_vocabulary(&a->data, NULL, 0, size, 10000, path, &n, &ids)))
-        return cli_error("train", "%s", vlmoe_last_error());
-    else if (r->lead)
-        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on the first %zu captions of "
-                "%s (saved as %s; the checkpoints carry it)\n", ids, n, a->data.path, path);
-    if (r->dist->barrier(r->dist)) return cli_error("train", "%s", vlmoe_last_error());
-    return cli_load_tokenizer(path, &r->text.bpe) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
-}
-
-// The captions' tokenizer of a fresh run on --train-data, chosen before the model is made so that
-// a vocabulary the config leaves open (a named model's) is sized to it: --tokenizer, else a BPE
-// vocabulary trained on the captions (the config's size, or BPE_IDS when the config's is too small
-// for BPE). A config that fixes a vocabulary smaller than the tokenizer's is an error.
-enum { BPE_MIN = 514, BPE_IDS = 1024 };
-static int fresh_text(const train_args *a, train_run *r, int *vocab) {
-    vlmoe_model_config c;
-    if (vlmoe_config_load(a->model, &c)) return cli_error("train", "%s", vlmoe_last_error());
-    const int fixed = config_sets_vocab(a->model);
-    *vocab = 0;
-    if (!a->tokenizer && c.vocab_size < BPE_MIN && fixed)
-        return cli_error("train", "%s fixes vocab_size %d, too small for a BPE vocabulary of the captions of %s (at least "
-                         "%d ids): raise vocab_size (e.g. %d), leave it out to size it to the captions, or give "
-                         "--tokenizer FILE", a->model, c.vocab_size, a->data.path, BPE_MIN, BPE_IDS);
-    if (!a->tokenizer && train_vocab(a, r, c.vocab_size < BPE_MIN ? BPE_IDS : c.vocab_size)) return 1;
-    if (a->tokenizer && cli_load_tokenizer(a->tokenizer, &r->text.bpe))
-        return cli_error("train", "--tokenizer: %s", vlmoe_last_error());
-    const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
-    if (ids > c.vocab_size && fixed)
-        return cli_error("train", "the tokenizer %s has %d ids, more than the %d of vocab_size in %s: raise vocab_size "
-                         "to at least %d, or leave it out to size it to the tokenizer", a->tokenizer ? a->tokenizer :
-                         "trained on the captions", ids, c.vocab_size, a->model, ids);
-    if (ids != c.vocab_size && !fixed && (ids > c.vocab_size || c.vocab_size < BPE_MIN)) {
-        *vocab = ids;
-        if (r->lead)
-            fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids (the named "
-                    "model has %d; a JSON config with \"vocab_size\" fixes it)\n", a->model, ids, c.vocab_size);
-    }
-    return 0;
-}
-
-// The captions' tokenizer of a run that did not make it: what the model records (a resumed run's
-// checkpoint, --pretrained), else for an older checkpoint the vocabulary the run trained. Never
-// the synthetic words for captions.
-static int model_text(const train_args *a, train_run *r, const char *path) {
-    const model_inputs *in = model_get_inputs(r->m);
-    const int vocab = vlmoe_model_get_config(r->m)->vocab_size;
-    if (in->text == MODEL_TEXT_SYNTH && !(a->tokenizer && a->override))
-        return cli_error("train", "%s was trained on the synthetic data, whose word tokenizer cannot read captions: "
-                         "train from scratch on %s%s", path, a->data.path, vocab >= BPE_MIN ? ", or give --tokenizer "
-                         "FILE --override-inputs to re-learn the text embedding with another vocabulary" :
-                         " (its vocabulary is too small for any BPE tokenizer)");
-    if (in->text != MODEL_TEXT_UNKNOWN) return cli_model_text("train", a->tokenizer, a->override, r->m, path, 1, &r->text);
-    if (a->tokenizer) return cli_text_init("train", a->tokenizer, vlmoe_model_get_config(r->m), 1, &r->text);
-    if (a->resume && vocab >= BPE_MIN) return train_vocab(a, r, vocab); // an older run: its tokenizer.txt
-    return cli_error("train", "%s does not record its tokenizer (an import or an older file): give --tokenizer FILE, the "
-                     "one it was trained with", path);
-}
-
-// The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained,
-// with the tokenizer of its captions (r->text) and what the model file will record about them.
-static int setup_model(const train_args *a, const vlmoe_train_params *tp, train_run *r) {
-    const int captions = a->data.path != NULL;
-    if (!captions && a->tokenizer) return cli_error("train", "--tokenizer: the synthetic data has its own word tokenizer");
-    if (a->resume) {
-        char w[1024];
-        if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, a->batch_size, &r->m, &r->t, &r->resumed, w, sizeof(w),
-                              on_warn, NULL))
-            return cli_error("train", "%s", vlmoe_last_error());
-        if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
-        if (captions && model_text(a, r, w)) return 1;
-    } else {
-        int vocab = 0;
-        if (captions && !a->pretrained && fresh_text(a, r, &vocab)) return 1;
-        const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length, vocab,
-                                        (uint64_t)a->seed};
-        if (vlmoe_model_from_source(&r->m, &src) || vlmoe_model_plan(r->m, a->batch_size) ||
-            vlmoe_trainer_init(&r->t, r->m, tp))
-            return cli_error("train", "%s", vlmoe_last_error());
-        if (captions && a->pretrained && model_text(a, r, a->pretrained)) return 1;
-    }
-    if (!captions && model_get_inputs(r->m)->text == MODEL_TEXT_BPE)
-        return cli_error("train", "%s carries a BPE tokenizer: it was trained on captions of its own, not the synthetic "
-                         "data; give --train-data", a->resume ? "the run's checkpoint" : a->pretrained);
-    if (captions && r->text.bpe && vlmoe_tokenizer_vocab_size(r->text.bpe) > vlmoe_model_get_config(r->m)->vocab_size)
-        return cli_error("train", "the tokenizer has %d ids, more than the model's vocabulary of %d",
-                         vlmoe_tokenizer_vocab_size(r->text.bpe), vlmoe_model_get_config(r->m)->vocab_size);
-    // what the checkpoints will say: the tokenizer used (NULL: the synthetic words)
-    return model_set_tokenizer(r->m, r->text.bpe) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
-}
-
-// The data: the synthetic pairs, or the loader over --train-data (at the checkpoint's position
-// when resuming), normalised as the model records (a resumed or pretrained one) or as the flags
-// say, which the model then records.
-static int setup_data(const train_args *a, train_run *r) {
-    const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
-    if (!a->data.path) {
-        vlmoe_synth_params sp = vlmoe_synth_default_params();
-        sp.image_size = c->image_size;
-        sp.seed = (uint64_t)a->seed;
-        // its pixels are in [-1, 1]: the normalisation that reads them back from image files
-        // (vlmoe synth export) is mean 0.5, std 0.5
-        const float half[3] = {0.5f, 0.5f, 0.5f};
-        model_set_image_norm(r->m, half, half);
-        return vlmoe_synth_init(&r->synth, &sp) ? cli_error("train", "synthetic data: %s", vlmoe_last_error()) : 0;
-    }
-    if (c->channels != 3) return cli_error("train", "model %s has %d image channels; images are RGB", c->name, c->channels);
-    vlmoe_loader_params lp = vlmoe_loader_default_params();
-    const char *from = a->resume ? "the run's checkpoint" : a->pretrained ? a->pretrained : a->model;
-    if (cli_model_image_params("train", a->image_mean, a->image_std, a->override, r->m, from, &lp.image)) return 1;
-    model_set_image_norm(r->m, lp.image.mean, lp.image.std);
-    lp.data = a->data;
-    lp.seed = (uint64_t)a->seed;
-    // every process reads the global batch and takes its block of accum_freq micro-batches
-    lp.batch_size = a->batch_size * a->accum_freq * r->dist->world;
-    lp.context_length = c->context_length;
-    lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
-    lp.workers = a->workers;
-    lp.max_bad_fraction = a->max_bad;
-    lp.resampled = a->resampled, lp.upsampling = a->upsampling, lp.epoch_samples = a->resampled ? a->num_samples : 0;
-    lp.data.note = r->lead ? on_warn : NULL;
-    if (vlmoe_loader_open(&lp, &r->loader) || (a->resume && vlmoe_loader_seek(r->loader, &r->resumed)))
-        return cli_error("train", "--train-data: %s", vlmoe_last_error());
-    const int64_t rows = vlmoe_loader_epoch_size(r->loader);
-    char what[64];
-    snprintf(what, sizeof(what), "webdataset shards%s", a->resampled ? " drawn with replacement" : "");
-    if (rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rows);
-    if (r->lead) fprintf(stderr, "vlmoe train: data %s (%s), %d loader workers\n", a->data.path, what, a->workers);
-    return 0;
-}
-
-// Validation on the user's data (--val-data, --zeroshot-data): opened here so that a missing
-// file stops the run before it trains; images get the eval transform with the run's
-// normalisation, texts the run's tokenizer (a synthetic run's: the synthetic data's words).
-static int setup_validation(const train_args *a, train_run *r, vlmoe_contrastive_params *cp) {
-    if (!a->val_data && !a->zs_data) return 0;
-    const vlmoe_model_config *c = vlmoe_model_get_config(r->m);
-    if (c->channels != 3)
-        return cli_error("train", "--val-data/--zeroshot-data: model %s has %d image channels; images are RGB", c->name,
-                         c->channels);
-    if (cli_image_params("train", a->image_mean, a->image_std, c, &r->val_ip)) return 1;
-    const model_inputs *in = model_get_inputs(r->m); // what setup_data trains with (a resumed run: its checkpoint's)
-    if (in->has_norm) memcpy(r->val_ip.mean, in->mean, sizeof(in->mean)), memcpy(r->val_ip.std, in->std, sizeof(in->std));
-    if (!r->loader) { // the words the synthetic captions are made of, as in training
-        const vlmoe_synth_params sp = vlmoe_synth_default_params();
-        if (vlmoe_synth_init(&r->text.synth, &sp)) return cli_error("train", "%s", vlmoe_last_error());
-    }
-    cp->eval = vlmoe_eval_default_params();
-    cp->eval.batch_size = a->batch_size >= 2 ? a->batch_size : 2;
-    cp->eval.shots = 0;
-    cp->eval.ip = &r->val_ip;
-    cp->eval.tokenize = cli_tokenize, cp->eval.tokenize_user = &r->text;
-    cp->eval.max_pairs = a->val_num;
-    if (a->val_data) {
-        r->val = a->data; // the CSV flags of --train-data; the type by the name
-        r->val.path = a->val_data;
-        r->val.type = VLMOE_DATASET_AUTO;
-        r->val.defer_images = 0;
-        if (vlmoe_dataset_check(&r->val, NULL)) return cli_error("train", "--val-data: %s", vlmoe_last_error());
-        cp->val = &r->val;
-        cp->val_every = a->val_every;
-    }
-    if (!a->zs_data) return 0;
-    if (vlmoe_image_folder_load(a->zs_data, &r->zs))
-        return cli_error("train", "--zeroshot-data: %s", vlmoe_last_error());
-    const int C = r->zs.n_classes;
-    if (a->zs_names) {
-        if (cli_read_texts("train", "--zeroshot-classnames", a->zs_names, a->zs_dataset, 0, &r->zs_names, &r->n_names))
-            return 1;
-        if (r->n_names != (size_t)C)
-            return cli_error("train", "--zeroshot-classnames %s has %zu names, --zeroshot-data %s has %d class folders",
-                             a->zs_names, r->n_names, a->zs_data, C);
-    }
-    if (a->zs_templates &&
-        cli_read_texts("train", "--zeroshot-templates", a->zs_templates, a->zs_dataset, 1, &r->zs_tpl, &r->n_tpl))
-        return 1;
-    r->zs_data = (vlmoe_eval_folder_data){
-        .folder = &r->zs, .name = a->zs_data,
-        .classes = (const char *const *)(r->zs_names ? r->zs_names : r->zs.class_names),
-        .templates = r->zs_tpl ? (const char *const *)r->zs_tpl : cli_templates,
-        .n_templates = r->zs_tpl ? (int)r->n_tpl : CLI_NUM_TEMPLATES,
-    };
-    cp->zeroshot = &r->zs_data;
-    cp->zeroshot_every = a->zeroshot_every;
-    return 0;
-}
-
-static long gcd(long x, long y) { return y ? gcd(y, x % y) : x; }
-
-// The loop calls the evaluation hook every this many steps (0: at the end only); each part runs
-// on its own cadence (src/train/contrastive_task.c).
-static long eval_cadence(const train_args *a) {
-    long g = a->data.path || a->eval_samples <= 0 ? 0 : a->zeroshot_every;
-    if (a->val_data) g = gcd(g, a->val_every);
-    if (a->zs_data) g = gcd(g, a->zeroshot_every);
-    return g;
 }
 
 // Flags that do not apply to this run are errors, never silently ignored.
@@ -640,8 +370,8 @@ int cmd_train(int argc, char **argv) {
     const int rhow = (a.allow_changes ? CLI_RESUME_ALLOW : 0) | (r.lead ? CLI_RESUME_PRINT : 0) | CLI_RESUME_CARRIED;
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
-    if (rc) return run_free(&r, rc), rc;
-    if (!(rc = setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
+    if (rc) return train_run_free(&r, rc), rc;
+    if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
         const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
@@ -651,18 +381,18 @@ int cmd_train(int argc, char **argv) {
             fprintf(stderr, "vlmoe train: --grad-checkpointing: blocks recomputed in the backward; activation arena "
                     "%.1f MiB instead of %.1f MiB\n", graph_activation_bytes_f32(r.m->g) / mib, was);
     }
-    if (!rc && !(rc = setup_data(&a, &r))) {
+    if (!rc && !(rc = train_setup_data(&a, &r))) {
         vlmoe_contrastive_params cp = {.model = r.m, .batch_size = a.batch_size, .synth = r.synth, .loader = r.loader,
                                        .eval_samples = a.eval_samples, .rank = r.dist->rank, .world = r.dist->world,
                                        .last_step = a.steps, .synth_every = a.zeroshot_every,
                                        .accum_freq = a.accum_freq};
-        if (!(rc = setup_validation(&a, &r, &cp)) && vlmoe_contrastive_init(&r.task, &cp))
+        if (!(rc = train_setup_validation(&a, &r, &cp)) && vlmoe_contrastive_init(&r.task, &cp))
             rc = cli_error("train", "%s", vlmoe_last_error());
     }
     if (!rc && r.lead) rc = write_run_files(&a, &r, changes), changes = NULL;
     cJSON_Delete(changes);
     if (rc) {
-        run_free(&r, rc);
+        train_run_free(&r, rc);
         return rc;
     }
     const vlmoe_model_config *cfg = vlmoe_model_get_config(r.m);
@@ -688,7 +418,7 @@ int cmd_train(int argc, char **argv) {
                         a.batch_size * N);
         }
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
-    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, eval_cadence(&a), 1,
+    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, train_eval_cadence(&a), 1,
                                  (long)a.batch_size * a.accum_freq * W, r.dist, on_progress, &r, a.expert_parallel};
     const double t0 = cli_now();
     int st = vlmoe_run_train(r.t, &task, &rp);
@@ -706,6 +436,6 @@ int cmd_train(int argc, char **argv) {
         vlmoe_dataset_stats_format(bs, sum, sizeof(sum));
         fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
-    run_free(&r, rc);
+    train_run_free(&r, rc);
     return rc;
 }
