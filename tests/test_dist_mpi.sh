@@ -179,17 +179,17 @@ else
          "incomplete checkpoints)"
     fail=$((fail + 1))
 fi
-# The failure behaviour (docs/DISTRIBUTED.md): `vlmoe train` on $1 processes with the test hook $2
-# ("VAR=R@S", src/train/run.c) and flags $4..., run $3; sets rc, took (seconds), left (processes
+# The failure behaviour (docs/DISTRIBUTED.md): `vlmoe train` on $1 processes with the environment
+# $2 (a test hook "VAR=R@S" of src/train/run.c, and more VAR=VALUE) and flags $4..., run $3; sets rc, took (seconds), left (processes
 # of the run still alive) and the log $tmp/$3.log.
 fail_run() {
-    np=$1 hook=$2 name=$3; shift 3
+    np=$1 hook=$2 run=$3; shift 3
     t0=$(date +%s)
-    env "$hook" timeout 120 mpirun -np "$np" --oversubscribe "$vl" train --model tiny --steps 1000 --batch-size 2 \
-        --log-every-n-steps 1 --eval-samples 0 --save-every-n-steps 2 --logs "$tmp" --name "$name" "$@" \
-        > "$tmp/$name.log" 2>&1
+    env $hook timeout 120 mpirun -np "$np" --oversubscribe "$vl" train --model tiny --steps 1000 --batch-size 2 \
+        --log-every-n-steps 1 --eval-samples 0 --save-every-n-steps 2 --logs "$tmp" --name "$run" "$@" \
+        > "$tmp/$run.log" 2>&1
     rc=$?; took=$(( $(date +%s) - t0 ))
-    left=$(pgrep -f "vlmoe train .*--name $name( |\$)" | wc -l)
+    left=$(pgrep -f "vlmoe train .*--name $run( |\$)" | wc -l)
 }
 # Whether run $1 left only whole checkpoints: no temporary file, every weights file with its state.
 whole_checkpoints() {
@@ -199,7 +199,7 @@ whole_checkpoints() {
         [ -s "$w" ] && [ -s "${w%.safetensors}.state.safetensors" ] || return 1
     done
 }
-# a process that hangs inside step 3 (it stops answering, alive): with --dist-timeout 3 the others'
+# a process that hangs in step 3 (it stops answering, alive): with --dist-timeout 3 the others'
 # watchdogs abort the job a few seconds later, naming the collective they waited in and the ranks
 # that may have hung; no process is left and the step-2 checkpoint is whole
 fail_run 4 VLMOE_TEST_HANG_RANK=1@3 hang --dist-timeout 3
@@ -215,7 +215,7 @@ else
     fail=$((fail + 1))
 fi
 # the same through VLMOE_DIST_TIMEOUT, with rank 0 (the one that writes) hanging on 2 processes
-VLMOE_DIST_TIMEOUT=2 fail_run 2 VLMOE_TEST_HANG_RANK=0@2 hang0
+fail_run 2 "VLMOE_TEST_HANG_RANK=0@2 VLMOE_DIST_TIMEOUT=2" hang0
 if [ "$rc" != 0 ] && [ "$took" -le 20 ] && [ "$left" = 0 ] &&
    grep -qE 'vlmoe: rank 1: [a-z_]+ has waited [0-9]+ s for the other processes \(rank 0 may have stopped or hung\)' "$tmp/hang0.log"; then
     echo "ok   rank 0 of 2 hangs, VLMOE_DIST_TIMEOUT=2: the job ended in ${took} s (exit $rc)"

@@ -359,13 +359,13 @@ int dist_mpi_open(vlmoe_dist **out) {
         return vlmoe_fail(VLMOE_ERR_NOMEM, "distributed backend \"mpi\": out of memory");
     }
     if (!g_dog) { // the first group of the process starts the watchdog, at VLMOE_DIST_TIMEOUT or 600 s
+        MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank); // the rank its messages name
         int st = dist_watchdog_start(&g_dog, 0.5, on_timeout, NULL);
         if (st) {
             free(d), free(c);
             return vlmoe_error_prefix("distributed backend \"mpi\""), st;
         }
         dist_watchdog_set_timeout(g_dog, timeout);
-        MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank);
     }
     g_open++;
     c->comm = MPI_COMM_NULL;

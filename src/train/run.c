@@ -18,9 +18,10 @@ static double now(void) {
 }
 
 // Test hooks of tests/test_dist_mpi.sh, for the failure behaviour of a run on several processes:
-// VLMOE_TEST_HANG_RANK=R[@S] makes process R stop answering (sleep an hour) before step S (default:
-// the run's first step), as a rank that hangs; VLMOE_TEST_FAIL_RANK=R[@S] makes it fail there as on
-// unreadable input. Read once per run; the step at which process `rank` acts, or -1.
+// VLMOE_TEST_HANG_RANK=R[@S] makes process R stop answering (sleep an hour) in step S, counted as
+// the progress line counts (default: the run's first step), as a rank that hangs;
+// VLMOE_TEST_FAIL_RANK=R[@S] makes it fail there as on unreadable input. Read once per run; the
+// step at which process `rank` acts, or -1.
 static long test_hook(const char *var, int rank, long first) {
     const char *v = getenv(var);
     if (!v) return -1;
@@ -170,16 +171,16 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
     int st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;
     double t_last = now(), sum_loss = 0;
     long last = start;
-    const long hang_at = test_hook("VLMOE_TEST_HANG_RANK", dist->rank, start);
-    const long fail_at = test_hook("VLMOE_TEST_FAIL_RANK", dist->rank, start);
+    const long hang_at = test_hook("VLMOE_TEST_HANG_RANK", dist->rank, start + 1);
+    const long fail_at = test_hook("VLMOE_TEST_FAIL_RANK", dist->rank, start + 1);
     for (long step = start; step < p->steps && !st; step++) {
-        if (step == hang_at) {
+        if (step + 1 == hang_at) {
             const struct timespec hour = {3600, 0};
             nanosleep(&hour, NULL);
         }
-        if (step == fail_at) {
+        if (step + 1 == fail_at) {
             st = vlmoe_fail(VLMOE_ERR_FORMAT, "step %ld: VLMOE_TEST_FAIL_RANK=%d (a test hook): this process fails "
-                            "here as on unreadable input", step, dist->rank);
+                            "here as on unreadable input", step + 1, dist->rank);
             break;
         }
         if (task->fill && (st = task->fill(task->user, step))) break;
