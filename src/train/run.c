@@ -1,9 +1,9 @@
 // run.c: the one training loop (src/train/run.h): from the trainer's step to the last, the task
 // fills a batch and takes a step; on the cadences the loop writes a train record (docs/METRICS.md)
 // and a progress line, a checkpoint with the task's data position, and the task's evaluation.
-// Only rank 0 of the process group writes files. Covered by tests/test_cli.c (its failure test
-// hooks by tests/test_dist_mpi.sh),
-// tests/test_checkpoint.c and tests/test_vlmoe_train.c.
+// Only rank 0 of the process group writes files. Covered by tests/test_cli.c,
+// tests/test_checkpoint.c and tests/test_vlmoe_train.c; its failure test hooks by
+// tests/test_dist_mpi.sh.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
