@@ -23,6 +23,9 @@ int cli_error(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
+// Under mpirun: cli_error then prints "vlmoe CMD: rank R: message" (rank < 0: no rank).
+void cli_set_rank(int rank);
+
 // Monotonic seconds.
 double cli_now(void);
 

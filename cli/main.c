@@ -11,13 +11,27 @@
 #include "tokenize.h"
 #include "vlmoe_train.h"
 
+// The process's rank in a run on several processes (cli_set_rank), -1 alone.
+static int g_rank = -1;
+void cli_set_rank(int rank) { g_rank = rank; }
+
 int cli_error(const char *cmd, const char *fmt, ...) {
+    // one write for the whole line: under mpirun the ranks share the terminal, and a line written
+    // in pieces comes out with another rank's progress inside it
+    char head[64], small[2048], *msg = small;
+    if (g_rank >= 0) snprintf(head, sizeof head, "vlmoe %s: rank %d: ", cmd, g_rank);
+    else snprintf(head, sizeof head, "vlmoe %s: ", cmd);
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "vlmoe %s: ", cmd);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    const int n = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof small && (msg = malloc((size_t)n + 1))) {
+        va_start(ap, fmt);
+        vsnprintf(msg, (size_t)n + 1, fmt, ap);
+        va_end(ap);
+    }
+    fprintf(stderr, "%s%s\n", head, msg ? msg : small);
+    if (msg != small) free(msg);
     return 1;
 }
 

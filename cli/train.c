@@ -161,7 +161,9 @@ static int check_applicable(const train_args *a, int argc, char **argv) {
             cli_reject_flags("train", argc, argv, norm, "applies to image files: --train-data, --val-data, --zeroshot-data"));
 }
 
-int cmd_train(int argc, char **argv) {
+// The run; *dist is the process group once it is open (left open when the run fails on several
+// processes, for cmd_train to end the job with).
+static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
                     .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
@@ -193,6 +195,9 @@ int cmd_train(int argc, char **argv) {
         {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
+        {"dist-timeout", ARG_STRING, &a.dist_timeout, "S", "under mpirun: end the job when a collective has waited S "
+                                                         "seconds for the other processes (one stopped or hung; "
+                                                         "default $VLMOE_DIST_TIMEOUT, else 600; 0: never)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
                                                    "--accum-freq (default 64; the global batch is mpirun's -np x "
                                                    "--accum-freq x it)"},
@@ -306,8 +311,18 @@ int cmd_train(int argc, char **argv) {
     if (a.zs_dataset && !cli_is_json(a.zs_names) && !cli_is_json(a.zs_templates))
         return cli_error("train", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give "
                          "--zeroshot-classnames or --zeroshot-templates FILE.json", a.zs_dataset);
+    double timeout = -1;
+    char *end = NULL;
+    if (a.dist_timeout && (!*a.dist_timeout || !((timeout = strtod(a.dist_timeout, &end)) >= 0) || *end ||
+                           timeout > 1e9))
+        return cli_error("train", "--dist-timeout %s: expected the seconds a collective may wait for the other "
+                         "processes (>= 0; 0: never)", a.dist_timeout);
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
+    *dist_out = dist;
+    if (dist->world > 1) cli_set_rank(dist->rank); // errors say which process met them
+    if (timeout >= 0 && vlmoe_dist_set_timeout(dist, timeout))
+        return cli_error("train", "--dist-timeout: %s", vlmoe_last_error());
     if (a.accum_freq < 1)
         return cli_error("train", "--accum-freq must be >= 1 (the micro-batches of --batch-size per step; 1: no "
                          "accumulation), got %d", a.accum_freq);
@@ -437,5 +452,20 @@ int cmd_train(int argc, char **argv) {
         fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
     train_run_free(&r, rc);
+    return rc;
+}
+
+// A process that fails while the others train ends the whole job, after its message ("vlmoe train:
+// rank R: ..."): the others may be waiting for it in a collective it will never join, and
+// returning would leave them to the launcher's reaction to a process that exits without
+// MPI_Finalize (Open MPI's mpirun stops the job then; other launchers may wait).
+int cmd_train(int argc, char **argv) {
+    vlmoe_dist *dist = NULL;
+    const int rc = train_main(argc, argv, &dist);
+    if (rc && dist && dist->world > 1) {
+        fprintf(stderr, "vlmoe train: rank %d of %d failed (the message above): ending every process of the run\n",
+                dist->rank, dist->world);
+        vlmoe_dist_abort(dist, rc);
+    }
     return rc;
 }

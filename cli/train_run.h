@@ -16,6 +16,7 @@ typedef struct {
     int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
+    const char *dist_timeout;    // --dist-timeout seconds (NULL: VLMOE_DIST_TIMEOUT, else 600)
     int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
     int override;                // --override-inputs: flags replace what a checkpoint records
     int allow_changes;           // --resume-allow-changes
@@ -54,8 +55,8 @@ typedef struct {
 } train_run;
 
 // Releases the run; the process group too, except after a failure on several processes, where
-// this process leaves without finalising MPI so that mpirun stops the others (they may be
-// waiting in a collective this one will never join).
+// cmd_train ends the job with it (the others may be waiting in a collective this one will never
+// join).
 void train_run_free(train_run *r, int rc);
 // The model: a resumed run's (newest usable checkpoint first), or one from --model/--pretrained,
 // with the tokenizer of its captions (r->text) and what the model file will record about them.

@@ -14,8 +14,8 @@
 #include "train_run.h"
 
 // Releases the run; the process group too, except after a failure on several processes, where
-// this process leaves without finalising MPI so that mpirun stops the others (they may be
-// waiting in a collective this one will never join).
+// cmd_train ends the job with it (the others may be waiting in a collective this one will never
+// join).
 void train_run_free(train_run *r, int rc) {
     if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
     vlmoe_contrastive_free(r->task);

@@ -1,12 +1,15 @@
 // test_dist.c: the process groups of src/dist. Alone, every collective on the world of one
 // ("single", "mpi" as a singleton when MPI is built in, "nccl" where a GPU is present), the choice
 // made by "auto", and the error paths. Under mpirun (tests/test_dist_mpi.sh runs it on 2 and 3
-// ranks), every collective with rank-dependent values, checked exactly on every rank.
+// ranks), every collective with rank-dependent values, checked exactly on every rank. The
+// collective timeout's watchdog (src/dist/watchdog.c) with a fire function that records.
+#include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
 
 #include "dist/dist.h"
 #include "dist/impl.h"
+#include "dist/watchdog.h"
 #include "ops/backend.h"
 #include "test.h"
 #include "test_mpi.h"
@@ -341,6 +344,111 @@ static void check_nccl(void) {
     vlmoe_dist_close(d);
 }
 
+// What the watchdog reported (its thread writes, the test's reads after a wait).
+typedef struct {
+    atomic_int fired;
+    _Atomic(const char *) what;
+    _Atomic(const void *) group;
+    _Atomic double waited;
+    _Atomic uint64_t seq;
+} fired_log;
+
+static void record(void *user, uint64_t seq, const char *what, const void *group, double waited) {
+    fired_log *f = user;
+    atomic_store(&f->what, what), atomic_store(&f->group, group);
+    atomic_store(&f->waited, waited), atomic_store(&f->seq, seq);
+    atomic_fetch_add(&f->fired, 1);
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+// The timeout's logic with one process: a collective that runs past the timeout is reported once,
+// with its name, group and wait; many short ones adding up to more are not; no timeout, none.
+// Bounds are loose at the top: this machine is shared and a poll may come late.
+static void check_watchdog(void) {
+    fired_log f;
+    memset(&f, 0, sizeof f);
+    dist_watchdog *w = NULL;
+    CHECK(dist_watchdog_start(&w, 0.02, record, &f) == VLMOE_OK && w, "watchdog start: %s", vlmoe_last_error());
+    if (!w) return;
+    CHECK(dist_watchdog_get_timeout(w) == 0, "a new watchdog has no timeout (%g)", dist_watchdog_get_timeout(w));
+    dist_watchdog_begin(w, "allgather", NULL); // no timeout: never reported
+    sleep_s(0.3);
+    dist_watchdog_end(w);
+    CHECK(atomic_load(&f.fired) == 0, "no timeout, 0.3 s collective: reported %d times", atomic_load(&f.fired));
+    dist_watchdog_set_timeout(w, 0.2);
+    CHECK(fabs(dist_watchdog_get_timeout(w) - 0.2) < 1e-9, "timeout 0.2 s reads back %g", dist_watchdog_get_timeout(w));
+    for (int i = 0; i < 40; i++) { // 0.4 s of collectives of 10 ms: each is short
+        dist_watchdog_begin(w, "allreduce_sum", NULL);
+        sleep_s(0.01);
+        dist_watchdog_end(w);
+    }
+    CHECK(atomic_load(&f.fired) == 0, "40 collectives of 10 ms under a 0.2 s timeout: reported %d times",
+          atomic_load(&f.fired));
+    int group = 7;
+    const double t0 = now_s();
+    dist_watchdog_begin(w, "barrier", &group);
+    while (!atomic_load(&f.fired) && now_s() - t0 < 10) sleep_s(0.01);
+    const double at = now_s() - t0;
+    sleep_s(0.2); // still blocked: not reported again
+    const uint64_t seq = atomic_load(&f.seq);
+    CHECK(dist_watchdog_running(w, seq), "the reported collective is still running");
+    dist_watchdog_end(w);
+    CHECK(!dist_watchdog_running(w, seq), "after its end, the reported collective is not running");
+    const char *what = atomic_load(&f.what);
+    const double waited = atomic_load(&f.waited);
+    CHECK(atomic_load(&f.fired) == 1 && what && !strcmp(what, "barrier") && atomic_load(&f.group) == &group,
+          "a blocked barrier is reported once with its name and group (%d times, \"%s\")", atomic_load(&f.fired),
+          what ? what : "(none)");
+    CHECK(waited >= 0.2 && waited <= at + 0.05 && at < 2.0, "reported after %.3f s with waited %.3f s (timeout 0.2 s)",
+          at, waited);
+    dist_watchdog_set_timeout(w, 0); // 0: never
+    dist_watchdog_begin(w, "broadcast", NULL);
+    sleep_s(0.3);
+    dist_watchdog_end(w);
+    CHECK(atomic_load(&f.fired) == 1, "timeout 0 again: reported %d times in all (want 1)", atomic_load(&f.fired));
+    dist_watchdog_stop(w);
+    dist_watchdog_stop(NULL);
+    // stopping wakes the thread rather than waiting out its poll
+    CHECK(dist_watchdog_start(&w, 5.0, record, &f) == VLMOE_OK, "watchdog start: %s", vlmoe_last_error());
+    const double t1 = now_s();
+    dist_watchdog_stop(w);
+    CHECK(now_s() - t1 < 1.0, "stopping a watchdog that polls every 5 s took %.3f s", now_s() - t1);
+
+    char msg[512];
+    const int three[] = {0, 2, 3}, one[] = {0};
+    dist_timeout_message(msg, sizeof msg, 1, "allreduce_sum", 3.2, three, 3);
+    CHECK(!strcmp(msg, "rank 1: allreduce_sum has waited 3 s for the other processes (one of ranks 0, 2, 3 may have "
+                  "stopped or hung): aborting the job"), "message: %s", msg);
+    dist_timeout_message(msg, sizeof msg, 1, "barrier", 10, one, 1);
+    CHECK(strstr(msg, "(rank 0 may have stopped or hung)"), "message, one other: %s", msg);
+    dist_timeout_message(msg, sizeof msg, 0, "barrier", 10, NULL, 0);
+    CHECK(strstr(msg, "(another process may have stopped or hung)"), "message, none known: %s", msg);
+    int many[200];
+    for (int i = 0; i < 200; i++) many[i] = i + 1;
+    dist_timeout_message(msg, sizeof msg, 0, "alltoallv", 601, many, 200);
+    CHECK(strstr(msg, "(one of ranks 1, 2, 3, ") && strstr(msg, ", ... may have stopped") && strlen(msg) < 300,
+          "message, 200 others: %s", msg);
+    double v = -1;
+    CHECK(!dist_timeout_parse("600", &v) && v == 600 && !dist_timeout_parse("2.5", &v) && v == 2.5 &&
+          !dist_timeout_parse("0", &v) && v == 0, "timeouts 600, 2.5, 0 parse");
+    const char *bad[] = {"", "-1", "abc", "5s", "inf", "nan", "1e999"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(dist_timeout_parse(bad[i], &v) == -1, "timeout \"%s\" is refused", bad[i]);
+    CHECK(dist_timeout_parse(NULL, &v) == -1, "no timeout string is refused");
+    // the world of one never waits: any timeout is fine, a negative or NaN one is an error
+    vlmoe_dist *w1 = vlmoe_dist_single();
+    CHECK(vlmoe_dist_set_timeout(w1, 3) == VLMOE_OK && vlmoe_dist_set_timeout(w1, 0) == VLMOE_OK,
+          "single: set timeout: %s", vlmoe_last_error());
+    CHECK(vlmoe_dist_set_timeout(w1, -1) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "seconds >= 0") &&
+          vlmoe_dist_set_timeout(w1, NAN) == VLMOE_ERR_ARG, "negative / NaN timeout: %s", vlmoe_last_error());
+    vlmoe_dist_abort(w1, 1); // returns in a world of one
+    vlmoe_dist_abort(NULL, 1);
+}
+
 int main(int argc, char **argv) {
     long size = -1;
     const char *env = getenv("OMPI_COMM_WORLD_SIZE");
@@ -368,6 +476,7 @@ int main(int argc, char **argv) {
     }
 
     // alone: the world of one, through every door
+    check_watchdog();
     vlmoe_dist *one = vlmoe_dist_single();
     CHECK(one->rank == 0 && one->world == 1 && one->local_rank == 0 && one->local_world == 1, "world of one");
     check_group(one, &HOST, 0);
@@ -390,9 +499,16 @@ int main(int argc, char **argv) {
               "mpirun without MPI: %s", vlmoe_last_error());
         unsetenv("OMPI_COMM_WORLD_RANK"), unsetenv("OMPI_COMM_WORLD_SIZE");
     } else {
+        // a bad VLMOE_DIST_TIMEOUT is refused before MPI starts
+        setenv("VLMOE_DIST_TIMEOUT", "ten", 1);
+        CHECK(vlmoe_dist_open(&d, "mpi") == VLMOE_ERR_CONFIG && !d && strstr(vlmoe_last_error(), "VLMOE_DIST_TIMEOUT=ten"),
+              "bad VLMOE_DIST_TIMEOUT: %s", vlmoe_last_error());
+        setenv("VLMOE_DIST_TIMEOUT", "30", 1);
         // an MPI build without mpirun: a singleton MPI world of one
         CHECK(vlmoe_dist_open(&d, "mpi") == VLMOE_OK && d && !strcmp(d->name, "mpi") && d->world == 1,
               "mpi alone: %s", vlmoe_last_error());
+        unsetenv("VLMOE_DIST_TIMEOUT");
+        CHECK(d && vlmoe_dist_set_timeout(d, 5) == VLMOE_OK, "mpi: set timeout: %s", vlmoe_last_error());
         if (d) check_group(d, &HOST, 1);
         check_nccl();
         vlmoe_dist_close(d);

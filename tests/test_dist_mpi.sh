@@ -2,8 +2,9 @@
 # test_dist_mpi.sh: tests/test_dist and tests/test_train_dist under mpirun, on 2 ranks and on 3
 # (oversubscribed on a small machine): every collective of src/dist/mpi.c with rank-dependent
 # values, checked on every rank, and data-parallel training against one process at the global
-# batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5), and its
-# validation (--val-data) on rank 0.
+# batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5), its
+# validation (--val-data) on rank 0, and what happens when a process is killed, hangs (the
+# collective timeout) or fails.
 # Run by tests/run.sh on the optimised build only (Open MPI's own allocations look like leaks to
 # LeakSanitizer); skipped, saying why, when mpirun is absent or the build has no MPI. Closes with
 # "test_dist_mpi: N passed, N failed" (the ranks' checks summed). Usage: test_dist_mpi.sh RELDIR
@@ -177,6 +178,75 @@ else
     echo "FAILED: kill -9 of one of 4 processes (victim '$victim', exit $rc after ${took} s, $half partial and $lone" \
          "incomplete checkpoints)"
     fail=$((fail + 1))
+fi
+# The failure behaviour (docs/DISTRIBUTED.md): `vlmoe train` on $1 processes with the environment
+# $2 (a test hook "VAR=R@S" of src/train/run.c, and more VAR=VALUE) and flags $4..., run $3; sets rc, took (seconds), left (processes
+# of the run still alive) and the log $tmp/$3.log.
+fail_run() {
+    np=$1 hook=$2 run=$3; shift 3
+    t0=$(date +%s)
+    env $hook timeout 120 mpirun -np "$np" --oversubscribe "$vl" train --model tiny --steps 1000 --batch-size 2 \
+        --log-every-n-steps 1 --eval-samples 0 --save-every-n-steps 2 --logs "$tmp" --name "$run" "$@" \
+        > "$tmp/$run.log" 2>&1
+    rc=$?; took=$(( $(date +%s) - t0 ))
+    left=$(pgrep -f "vlmoe train .*--name $run( |\$)" | wc -l)
+}
+# Whether run $1 left only whole checkpoints: no temporary file, every weights file with its state.
+whole_checkpoints() {
+    [ "$(ls "$tmp/$1/checkpoints" | grep -c '\.tmp\.')" = 0 ] || return 1
+    for w in "$tmp/$1"/checkpoints/step_*.safetensors; do
+        case $w in *.state.safetensors) continue ;; esac
+        [ -s "$w" ] && [ -s "${w%.safetensors}.state.safetensors" ] || return 1
+    done
+}
+# a process that hangs in step 3 (it stops answering, alive): with --dist-timeout 3 the others'
+# watchdogs abort the job a few seconds later, naming the collective they waited in and the ranks
+# that may have hung; no process is left and the step-2 checkpoint is whole
+fail_run 4 VLMOE_TEST_HANG_RANK=1@3 hang --dist-timeout 3
+pat='vlmoe: rank [023]: [a-z_]+ has waited [0-9]+ s for the other processes \(one of ranks [0-9, ]*1[0-9, ]* may have stopped or hung\): aborting the job'
+if [ "$rc" != 0 ] && [ "$took" -le 20 ] && [ "$left" = 0 ] && grep -qE "$pat" "$tmp/hang.log" &&
+   ! grep -q "^vlmoe: rank 1:" "$tmp/hang.log" && [ -f "$tmp/hang/checkpoints/step_2.safetensors" ] &&
+   whole_checkpoints hang; then
+    echo "ok   a process that hangs (1 of 4, --dist-timeout 3): the job ended in ${took} s (exit $rc): $(grep -m1 -oE "rank [0-9]: [a-z_]+ has waited [0-9]+ s" "$tmp/hang.log")"
+    pass=$((pass + 1))
+else
+    tail -n 15 "$tmp/hang.log"
+    echo "FAILED: a process that hangs, --dist-timeout 3: exit $rc after ${took} s, $left processes left, timeout message or whole checkpoint missing"
+    fail=$((fail + 1))
+fi
+# the same through VLMOE_DIST_TIMEOUT, with rank 0 (the one that writes) hanging on 2 processes
+fail_run 2 "VLMOE_TEST_HANG_RANK=0@2 VLMOE_DIST_TIMEOUT=2" hang0
+if [ "$rc" != 0 ] && [ "$took" -le 20 ] && [ "$left" = 0 ] &&
+   grep -qE 'vlmoe: rank 1: [a-z_]+ has waited [0-9]+ s for the other processes \(rank 0 may have stopped or hung\)' "$tmp/hang0.log"; then
+    echo "ok   rank 0 of 2 hangs, VLMOE_DIST_TIMEOUT=2: the job ended in ${took} s (exit $rc)"
+    pass=$((pass + 1))
+else
+    tail -n 15 "$tmp/hang0.log"
+    echo "FAILED: rank 0 of 2 hangs, VLMOE_DIST_TIMEOUT=2: exit $rc after ${took} s, $left processes left"; fail=$((fail + 1))
+fi
+# a process that fails in step 4 (as on unreadable input) while the others wait for it in the step's
+# collectives: it prints the cause with its rank and ends the job (MPI_Abort); the others stop
+# within seconds, nothing is left half-written
+fail_run 4 VLMOE_TEST_FAIL_RANK=2@4 bad
+if [ "$rc" != 0 ] && [ "$took" -le 20 ] && [ "$left" = 0 ] &&
+   grep -q "^vlmoe train: rank 2: step 4: VLMOE_TEST_FAIL_RANK=2 (a test hook): this process fails here as on unreadable input\$" "$tmp/bad.log" &&
+   grep -q "^vlmoe train: rank 2 of 4 failed (the message above): ending every process of the run\$" "$tmp/bad.log" &&
+   [ -f "$tmp/bad/checkpoints/step_2.safetensors" ] && [ ! -f "$tmp/bad/checkpoints/step_4.safetensors" ] &&
+   whole_checkpoints bad; then
+    echo "ok   a process that fails (2 of 4, step 4): the job ended in ${took} s (exit $rc), its message names rank 2 and the cause"
+    pass=$((pass + 1))
+else
+    tail -n 15 "$tmp/bad.log"
+    echo "FAILED: a process that fails: exit $rc after ${took} s, $left processes left, message or checkpoints wrong"
+    fail=$((fail + 1))
+fi
+# a --dist-timeout that is no number of seconds is refused before any process trains
+if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" train --model tiny --steps 1 --dist-timeout 10s --logs "$tmp" 2>&1); then
+    echo "FAILED: --dist-timeout 10s was accepted"; fail=$((fail + 1))
+elif printf '%s' "$out" | grep -q "^vlmoe train: --dist-timeout 10s: expected the seconds"; then
+    echo "ok   --dist-timeout 10s is refused"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: --dist-timeout 10s: no clear message"; fail=$((fail + 1))
 fi
 # a command that runs on one process refuses a launch of several, saying so
 if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" eval --model none.safetensors 2>&1); then

@@ -51,6 +51,10 @@ struct vlmoe_dist {
     // the processes with the same color, ranked by key, as a group of their own (vlmoe_dist_split)
     int (*split)(vlmoe_dist *d, int color, int key, vlmoe_dist **out);
     void (*close)(vlmoe_dist *d);
+    // (vlmoe_dist_set_timeout) the longest one collective of this process may wait, 0: none
+    int (*set_timeout)(vlmoe_dist *d, double seconds);
+    // (vlmoe_dist_abort) ends every process of the run; returns only in a world of one
+    void (*abort)(vlmoe_dist *d, int code);
 };
 
 // kind: "single", "mpi", "nccl", or "auto" (NULL): "mpi" when the process was started by mpirun
@@ -65,6 +69,18 @@ long vlmoe_dist_launched(const char **by);
 // The processes of d with the same color, ranked by key (every process of d calls it, in the same
 // order as its collectives); closed with vlmoe_dist_close. A world of one splits into itself.
 int vlmoe_dist_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out);
+// The collective timeout, like torch.distributed's: a collective of any group of this process
+// that has waited longer than `seconds` for the others (one of them stopped or hung) makes a
+// watchdog thread print "vlmoe: rank R: <collective> has waited N s for the other processes
+// (...)" and abort the whole job (MPI_Abort), since a blocked collective cannot be cancelled.
+// 0: no timeout. "mpi" starts with VLMOE_DIST_TIMEOUT's seconds, else 600; the world of one
+// never waits and ignores it. An error for a negative or non-finite value.
+int vlmoe_dist_set_timeout(vlmoe_dist *d, double seconds);
+// Ends every process of the run with exit status `code` (MPI_Abort), for a process that failed
+// while the others may be waiting for it in a collective; the caller prints why first. The one
+// place the library ends the process, and only when asked; in a world of one it returns and the
+// caller exits as usual.
+void vlmoe_dist_abort(vlmoe_dist *d, int code);
 // a world of one, for callers that never go distributed (tests, the single-process paths)
 vlmoe_dist *vlmoe_dist_single(void);
 void vlmoe_dist_close(vlmoe_dist *d); // NULL-safe; the world of one is static and never freed

@@ -1,17 +1,21 @@
 // mpi.c: the process group over MPI (src/dist/dist.h): a duplicate of MPI_COMM_WORLD whose errors
 // come back as statuses, host buffers. Sums are formed in rank order by this file, not by the MPI
 // library, so every rank gets the same bits whatever algorithm MPI picks (docs/DISTRIBUTED.md).
+// Every collective is watched (src/dist/watchdog.h): one that waits past the timeout aborts the job.
 // Covered by tests/test_dist.c, under mpirun by tests/test_dist_mpi.sh.
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <mpi.h>
 
 #include "core/core.h"
 #include "dist/impl.h"
+#include "dist/watchdog.h"
 
 // Sums go through a scratch of about this many elements at a time (32 MiB of doubles), however
 // long the buffer: the memory stays bounded and every MPI count fits an int.
@@ -24,12 +28,18 @@ typedef struct {
     int *cnt;              // (4, world): send counts, send displacements, receive counts, receive displacements
     void *scratch;         // the rows a rank-order sum adds up
     size_t scratch_bytes;
+    int *others, n_others; // the other processes of the group, as ranks of MPI_COMM_WORLD (messages)
 } mpi_ctx;
 
 // MPI is process-wide state: it is initialised once and cannot be again after MPI_Finalize. The
 // process groups opened here count themselves, and the last to close finalizes MPI if one of
 // them initialised it (a program that initialised MPI itself finalizes it itself).
 static int g_open, g_we_initialised;
+// One watchdog for the process, while a group is open: MPI is called from one thread, so at most
+// one collective runs at a time. g_groups_mu keeps a group alive while the watchdog describes it.
+static dist_watchdog *g_dog;
+static pthread_mutex_t g_groups_mu = PTHREAD_MUTEX_INITIALIZER;
+static int g_world_rank;
 
 int dist_mpi_built(void) { return 1; }
 
@@ -89,7 +99,7 @@ static void sum_rows(void *dst, const void *rows, int world, size_t c, vlmoe_dis
 // that slice from every rank (all-to-all), adds the copies in rank order, and the owners' sums are
 // gathered back to everyone. The data moved is that of a ring all-reduce; the bits are those of a
 // sequential loop over the ranks, on every rank, for any MPI library and algorithm.
-static int mpi_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+static int raw_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
     int st = mpi_type(t, &dt, "allreduce_sum");
@@ -118,7 +128,7 @@ static int mpi_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type
 
 // Max is exact and does not depend on the order it is taken in (a NaN aside: which rank's value
 // wins against a NaN is MPI's choice, so turn NaNs into a flag before asking).
-static int mpi_allreduce_max(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+static int raw_allreduce_max(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
     int st = mpi_type(t, &dt, "allreduce_max");
@@ -142,7 +152,7 @@ static int check_rows(const vlmoe_dist *d, size_t n, const char *what) {
 }
 
 // In place when send is this rank's row of recv (MPI_IN_PLACE), as in the world of one.
-static int mpi_allgather(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+static int raw_allgather(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
     int st = mpi_type(t, &dt, "allgather");
@@ -155,7 +165,7 @@ static int mpi_allgather(vlmoe_dist *d, void *recv, const void *send, size_t n, 
 
 // Rank order again: every rank's row for this rank arrives by all-to-all and is added in order,
 // so the gradient a rank keeps does not depend on MPI's reduction algorithm. recv may alias send.
-static int mpi_reduce_scatter_sum(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+static int raw_reduce_scatter_sum(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
     int st = mpi_type(t, &dt, "reduce_scatter_sum");
@@ -180,7 +190,7 @@ static int to_int(int *out, const size_t *v, int world, const char *which) {
     return VLMOE_OK;
 }
 
-static int mpi_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
+static int raw_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
                          const void *send, const size_t *scount, const size_t *sdispl, vlmoe_dist_type t) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
@@ -194,7 +204,7 @@ static int mpi_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const 
     return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Alltoallv", "alltoallv");
 }
 
-static int mpi_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
+static int raw_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
     mpi_ctx *c = d->ctx;
     MPI_Datatype dt = MPI_DATATYPE_NULL;
     int st = mpi_type(t, &dt, "broadcast");
@@ -210,10 +220,91 @@ static int mpi_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, 
     return VLMOE_OK;
 }
 
-static int mpi_barrier(vlmoe_dist *d) {
+static int raw_barrier(vlmoe_dist *d) {
     mpi_ctx *c = d->ctx;
     int rc = MPI_Barrier(c->comm);
     return rc == MPI_SUCCESS ? VLMOE_OK : mpi_fail(d, rc, "MPI_Barrier", "barrier");
+}
+
+// A collective blocked in MPI cannot be cancelled: MPI has no call to withdraw from one, and
+// MPI_ERRORS_RETURN only helps once MPI notices a failure, which a peer that hangs (or a
+// network that drops it) never triggers. So when one has waited past the timeout, the watchdog
+// thread prints why and ends the job with MPI_Abort, which makes the launcher stop every rank.
+// This is the one place the library ends the process on its own: the alternative is a job that
+// hangs until someone kills it. MPI was started with MPI_THREAD_FUNNELED, under which only the
+// main thread may call MPI; MPI_Abort is the exception we take (Open MPI and MPICH implement it
+// as a message to the launcher and an exit, touching no state the blocked call holds), and if it
+// returns anyway the process exits itself.
+static void on_timeout(void *user, uint64_t seq, const char *what, const void *group, double waited) {
+    char msg[512];
+    pthread_mutex_lock(&g_groups_mu);
+    if (!dist_watchdog_running(g_dog, seq)) { // it ended meanwhile
+        pthread_mutex_unlock(&g_groups_mu);
+        return;
+    }
+    const mpi_ctx *c = group;
+    dist_timeout_message(msg, sizeof msg, g_world_rank, what, waited, c->others, c->n_others);
+    pthread_mutex_unlock(&g_groups_mu);
+    fprintf(stderr, "vlmoe: %s (--dist-timeout %g s)\n", msg, dist_watchdog_get_timeout(g_dog));
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    _exit(1);
+}
+
+#define WATCHED(name, call)                                       \
+    do {                                                          \
+        dist_watchdog_begin(g_dog, name, d->ctx);                 \
+        int st_ = call;                                           \
+        dist_watchdog_end(g_dog);                                 \
+        return st_;                                               \
+    } while (0)
+static int mpi_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+    WATCHED("allreduce_sum", raw_allreduce_sum(d, buf, n, t));
+}
+static int mpi_allreduce_max(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t) {
+    WATCHED("allreduce_max", raw_allreduce_max(d, buf, n, t));
+}
+static int mpi_allgather(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+    WATCHED("allgather", raw_allgather(d, recv, send, n, t));
+}
+static int mpi_reduce_scatter_sum(vlmoe_dist *d, void *recv, const void *send, size_t n, vlmoe_dist_type t) {
+    WATCHED("reduce_scatter_sum", raw_reduce_scatter_sum(d, recv, send, n, t));
+}
+static int mpi_alltoallv(vlmoe_dist *d, void *recv, const size_t *rcount, const size_t *rdispl,
+                         const void *send, const size_t *scount, const size_t *sdispl, vlmoe_dist_type t) {
+    WATCHED("alltoallv", raw_alltoallv(d, recv, rcount, rdispl, send, scount, sdispl, t));
+}
+static int mpi_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, int root) {
+    WATCHED("broadcast", raw_broadcast(d, buf, n, t, root));
+}
+static int mpi_barrier(vlmoe_dist *d) { WATCHED("barrier", raw_barrier(d)); }
+#undef WATCHED
+
+static int mpi_set_timeout(vlmoe_dist *d, double seconds) {
+    dist_watchdog_set_timeout(g_dog, seconds);
+    return VLMOE_OK;
+}
+
+static void mpi_abort(vlmoe_dist *d, int code) {
+    MPI_Abort(MPI_COMM_WORLD, code ? code : 1); // every rank, not only this group's
+    _exit(code ? code : 1);
+}
+
+// The other members of c's group as ranks of MPI_COMM_WORLD, for the timeout's message.
+static int find_others(mpi_ctx *c, int size, int me) {
+    MPI_Group g = MPI_GROUP_NULL, wg = MPI_GROUP_NULL;
+    int *r = malloc(2 * (size_t)size * sizeof *r), rc = MPI_SUCCESS;
+    if (!r) return MPI_ERR_NO_MEM;
+    for (int i = 0; i < size; i++) r[i] = i;
+    rc = MPI_Comm_group(c->comm, &g);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    if (rc == MPI_SUCCESS) rc = MPI_Group_translate_ranks(g, size, r, wg, r + size);
+    if (g != MPI_GROUP_NULL) MPI_Group_free(&g);
+    if (wg != MPI_GROUP_NULL) MPI_Group_free(&wg);
+    c->n_others = 0;
+    for (int i = 0; rc == MPI_SUCCESS && i < size; i++)
+        if (i != me) r[c->n_others++] = r[size + i];
+    c->others = r;
+    return rc;
 }
 
 static int mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out);
@@ -224,14 +315,21 @@ static void mpi_close(vlmoe_dist *d) {
     MPI_Finalized(&finalized);
     if (c) {
         if (!finalized && c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
+        pthread_mutex_lock(&g_groups_mu);
+        free(c->others);
         free(c->cnt);
         vlmoe_free_mem(c->scratch);
         free(c);
+        pthread_mutex_unlock(&g_groups_mu);
     }
     free(d);
-    if (--g_open == 0 && g_we_initialised && !finalized) {
-        MPI_Finalize();
-        g_we_initialised = 0;
+    if (--g_open == 0) {
+        dist_watchdog_stop(g_dog);
+        g_dog = NULL;
+        if (g_we_initialised && !finalized) {
+            MPI_Finalize();
+            g_we_initialised = 0;
+        }
     }
 }
 
@@ -242,6 +340,11 @@ int dist_mpi_open(vlmoe_dist **out) {
     if (finalized)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "distributed backend \"mpi\": MPI was already finalized in "
                           "this process (it cannot start twice); keep one process group open");
+    double timeout = DIST_TIMEOUT_DEFAULT;
+    const char *env = getenv("VLMOE_DIST_TIMEOUT");
+    if (env && dist_timeout_parse(env, &timeout))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "VLMOE_DIST_TIMEOUT=%s: expected the seconds a collective may wait for "
+                          "the other processes, >= 0 (0: no timeout)", env);
     MPI_Initialized(&inited);
     if (!inited) {
         // the training loop calls MPI from its main thread only; OpenMP threads never do
@@ -255,12 +358,23 @@ int dist_mpi_open(vlmoe_dist **out) {
         free(d), free(c);
         return vlmoe_fail(VLMOE_ERR_NOMEM, "distributed backend \"mpi\": out of memory");
     }
+    if (!g_dog) { // the first group of the process starts the watchdog, at VLMOE_DIST_TIMEOUT or 600 s
+        MPI_Comm_rank(MPI_COMM_WORLD, &g_world_rank); // the rank its messages name
+        int st = dist_watchdog_start(&g_dog, 0.5, on_timeout, NULL);
+        if (st) {
+            free(d), free(c);
+            return vlmoe_error_prefix("distributed backend \"mpi\""), st;
+        }
+        dist_watchdog_set_timeout(g_dog, timeout);
+    }
     g_open++;
     c->comm = MPI_COMM_NULL;
     *d = (vlmoe_dist){"mpi", 0, 1, 0, 1, c, mpi_allreduce_sum, mpi_allreduce_max, mpi_allgather,
-                      mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_split, mpi_close};
+                      mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_split, mpi_close,
+                      mpi_set_timeout, mpi_abort};
     // A private communicator: our messages never match the program's own, and its error handler
     // returns codes instead of aborting the job.
+    dist_watchdog_begin(g_dog, "the process group's set-up (MPI_Comm_dup)", c);
     int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c->comm);
     const char *call = "MPI_Comm_dup";
     MPI_Comm node = MPI_COMM_NULL;
@@ -273,6 +387,8 @@ int dist_mpi_open(vlmoe_dist **out) {
     if (rc == MPI_SUCCESS) call = "MPI_Comm_rank", rc = MPI_Comm_rank(node, &d->local_rank);
     if (rc == MPI_SUCCESS) call = "MPI_Comm_size", rc = MPI_Comm_size(node, &d->local_world);
     if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_group", rc = find_others(c, d->world, d->rank);
+    dist_watchdog_end(g_dog);
     if (rc != MPI_SUCCESS) {
         int st = mpi_fail(NULL, rc, call, "distributed backend \"mpi\"");
         mpi_close(d);
@@ -299,11 +415,14 @@ static int mpi_split(vlmoe_dist *parent, int color, int key, vlmoe_dist **out) {
     c->comm = MPI_COMM_NULL;
     *d = *parent;
     d->ctx = c;
+    dist_watchdog_begin(g_dog, "split (MPI_Comm_split)", pc);
     int rc = MPI_Comm_split(pc->comm, color, key, &c->comm);
+    dist_watchdog_end(g_dog);
     const char *call = "MPI_Comm_split";
     if (rc == MPI_SUCCESS) call = "MPI_Comm_set_errhandler", rc = MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
     if (rc == MPI_SUCCESS) call = "MPI_Comm_rank", rc = MPI_Comm_rank(c->comm, &d->rank);
     if (rc == MPI_SUCCESS) call = "MPI_Comm_size", rc = MPI_Comm_size(c->comm, &d->world);
+    if (rc == MPI_SUCCESS) call = "MPI_Comm_group", rc = find_others(c, d->world, d->rank);
     if (rc != MPI_SUCCESS) {
         int st = mpi_fail(parent, rc, call, "splitting the process group");
         mpi_close(d);

@@ -6,6 +6,7 @@
 // tests/test_dist.c run only where a device is present (docs/DISTRIBUTED.md).
 #include <sched.h>
 #include <stdint.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,12 +15,14 @@
 
 #include "core/core.h"
 #include "dist/impl.h"
+#include "dist/watchdog.h"
 
 typedef struct {
     ncclComm_t comm;
     cudaStream_t stream;
     vlmoe_dist *boot;      // the MPI group that bootstrapped NCCL: rank, world, the barrier
     int device;
+    double timeout;        // seconds a collective may wait for the others (finish), 0: none
 } nccl_ctx;
 
 static int nccl_type(vlmoe_dist_type t, ncclDataType_t *out, const char *what) {
@@ -46,13 +49,23 @@ static int cuda_fail(const vlmoe_dist *d, cudaError_t e, const char *call, const
                       cudaGetErrorString(e));
 }
 
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 // Waits for the stream while watching the communicator: a peer that died or a network error
 // shows up as an asynchronous NCCL error, and the communicator is aborted rather than the
-// process hanging in cudaStreamSynchronize.
+// process hanging in cudaStreamSynchronize. The collective timeout is NCCL's watchdog in the
+// same loop: this thread is the one waiting, so past the timeout it aborts the communicator
+// (ncclCommAbort, which unblocks the kernels) and returns the error, and the caller ends the
+// job (vlmoe_dist_abort). No thread of its own is needed, unlike MPI's blocking calls.
 static int finish(vlmoe_dist *d, ncclResult_t r, const char *call, const char *what) {
     nccl_ctx *c = d->ctx;
     if (r != ncclSuccess) return nccl_fail(d, r, call, what);
-    for (;;) {
+    const double t0 = c->timeout > 0 ? mono_s() : 0;
+    for (unsigned spins = 1;; spins++) {
         cudaError_t e = cudaStreamQuery(c->stream);
         if (e == cudaSuccess) return VLMOE_OK;
         if (e != cudaErrorNotReady) return cuda_fail(d, e, "cudaStreamQuery", what);
@@ -63,6 +76,19 @@ static int finish(vlmoe_dist *d, ncclResult_t r, const char *call, const char *w
             ncclCommAbort(c->comm);
             c->comm = NULL;
             return st;
+        }
+        const double waited = c->timeout > 0 && spins % 1024 == 0 ? mono_s() - t0 : 0;
+        if (waited > c->timeout && c->timeout > 0) {
+            char msg[512];
+            int *others = malloc((size_t)d->world * sizeof *others), n = 0;
+            for (int j = 0; others && j < d->world; j++)
+                if (j != d->rank) others[n++] = j;
+            dist_timeout_message(msg, sizeof msg, d->rank, what, waited, others, n);
+            free(others);
+            ncclCommAbort(c->comm);
+            c->comm = NULL;
+            return vlmoe_fail(VLMOE_ERR_IO, "%s (cuda:%d, --dist-timeout %g s; the NCCL communicator was aborted)",
+                              msg, c->device, c->timeout);
         }
         sched_yield();
     }
@@ -159,6 +185,18 @@ static int nccl_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) {
     return vlmoe_fail(VLMOE_ERR_CONFIG, "the nccl process group cannot be split into smaller groups yet");
 }
 
+static int nccl_set_timeout(vlmoe_dist *d, double seconds) {
+    nccl_ctx *c = d->ctx;
+    c->timeout = seconds;
+    return c->boot->set_timeout(c->boot, seconds); // its barrier and the bootstrap's collectives
+}
+
+static void nccl_abort(vlmoe_dist *d, int code) {
+    nccl_ctx *c = d->ctx;
+    if (c->comm) ncclCommAbort(c->comm), c->comm = NULL;
+    c->boot->abort(c->boot, code);
+}
+
 static void nccl_close(vlmoe_dist *d) {
     nccl_ctx *c = d->ctx;
     if (c) {
@@ -187,8 +225,11 @@ int dist_nccl_open(vlmoe_dist **out) {
     }
     *d = (vlmoe_dist){"nccl", boot->rank, boot->world, boot->local_rank, boot->local_world, c,
                       nccl_allreduce_sum, nccl_allreduce_max, nccl_allgather, nccl_reduce_scatter_sum,
-                      nccl_alltoallv, nccl_broadcast, nccl_barrier, nccl_split, nccl_close};
+                      nccl_alltoallv, nccl_broadcast, nccl_barrier, nccl_split, nccl_close,
+                      nccl_set_timeout, nccl_abort};
     c->boot = boot;
+    const char *env = getenv("VLMOE_DIST_TIMEOUT"); // checked by the bootstrap's open
+    if (!env || dist_timeout_parse(env, &c->timeout)) c->timeout = DIST_TIMEOUT_DEFAULT;
     const char *what = "distributed backend \"nccl\"";
     // One GPU per rank: the rank's place on its node picks it, or the one GPU a rank sees when
     // the launcher gave each rank its own (CUDA_VISIBLE_DEVICES).

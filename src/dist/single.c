@@ -53,14 +53,26 @@ static int single_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type 
 static int single_barrier(vlmoe_dist *d) { return VLMOE_OK; }
 static int single_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) { return *out = d, VLMOE_OK; }
 static void single_close(vlmoe_dist *d) {}
+static int single_set_timeout(vlmoe_dist *d, double seconds) { return VLMOE_OK; }
+static void single_abort(vlmoe_dist *d, int code) {}
 
 static vlmoe_dist g_single = {
     "single", 0, 1, 0, 1, NULL,
     single_inplace, single_inplace, single_copy, single_copy, single_alltoallv,
-    single_broadcast, single_barrier, single_split, single_close,
+    single_broadcast, single_barrier, single_split, single_close, single_set_timeout, single_abort,
 };
 
 vlmoe_dist *vlmoe_dist_single(void) { return &g_single; }
+
+int vlmoe_dist_set_timeout(vlmoe_dist *d, double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9)
+        return vlmoe_fail(VLMOE_ERR_ARG, "collective timeout: %g seconds; expected seconds >= 0 (0: none)", seconds);
+    return d->set_timeout ? d->set_timeout(d, seconds) : VLMOE_OK;
+}
+
+void vlmoe_dist_abort(vlmoe_dist *d, int code) {
+    if (d && d->abort) d->abort(d, code);
+}
 
 void vlmoe_dist_close(vlmoe_dist *d) {
     if (d && d != &g_single && d->close) d->close(d);

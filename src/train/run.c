@@ -2,8 +2,10 @@
 // fills a batch and takes a step; on the cadences the loop writes a train record (docs/METRICS.md)
 // and a progress line, a checkpoint with the task's data position, and the task's evaluation.
 // Only rank 0 of the process group writes files. Covered by tests/test_cli.c,
-// tests/test_checkpoint.c and tests/test_vlmoe_train.c.
+// tests/test_checkpoint.c and tests/test_vlmoe_train.c; its failure test hooks by
+// tests/test_dist_mpi.sh.
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -14,6 +16,20 @@ static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Test hooks of tests/test_dist_mpi.sh, for the failure behaviour of a run on several processes:
+// VLMOE_TEST_HANG_RANK=R[@S] makes process R stop answering (sleep an hour) in step S, counted as
+// the progress line counts (default: the run's first step), as a rank that hangs;
+// VLMOE_TEST_FAIL_RANK=R[@S] makes it fail there as on unreadable input. Read once per run; the
+// step at which process `rank` acts, or -1.
+static long test_hook(const char *var, int rank, long first) {
+    const char *v = getenv(var);
+    if (!v) return -1;
+    char *end = NULL;
+    const long r = strtol(v, &end, 10);
+    const long at = *end == '@' ? strtol(end + 1, NULL, 10) : first;
+    return r == rank ? at : -1;
 }
 
 static void progress(const vlmoe_run_params *p, int what, const char *line) {
@@ -156,7 +172,18 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
     int st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;
     double t_last = now(), sum_loss = 0;
     long last = start;
+    const long hang_at = test_hook("VLMOE_TEST_HANG_RANK", dist->rank, start + 1);
+    const long fail_at = test_hook("VLMOE_TEST_FAIL_RANK", dist->rank, start + 1);
     for (long step = start; step < p->steps && !st; step++) {
+        if (step + 1 == hang_at) {
+            const struct timespec hour = {3600, 0};
+            nanosleep(&hour, NULL);
+        }
+        if (step + 1 == fail_at) {
+            st = vlmoe_fail(VLMOE_ERR_FORMAT, "step %ld: VLMOE_TEST_FAIL_RANK=%d (a test hook): this process fails "
+                            "here as on unreadable input", step + 1, dist->rank);
+            break;
+        }
         if (task->fill && (st = task->fill(task->user, step))) break;
         vlmoe_step_stats s;
         if ((st = task->step(task->user, t, step, &s))) break;
