@@ -231,6 +231,31 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
     return VLMOE_OK;
 }
 
+// Data parallelism: each part's statistics over every process's share of it (the one-process
+// part): the losses, whose per-process values are shares scaled by W (src/nn/mome_model.c), and
+// the auxiliary losses average; the accuracies weigh by the labelled positions, which add up.
+static int reduce_parts(vlmoe_dist *d, vlmoe_mome_stats *ps, int n, long step) {
+    enum { K = 8 };
+    double *v = malloc(sizeof(double) * K * (size_t)n);
+    if (!v) return vlmoe_fail(VLMOE_ERR_NOMEM, "step %ld: statistics of %d forwards", step, n);
+    for (int i = 0; i < n; i++) {
+        const vlmoe_mome_stats *p = &ps[i];
+        const double x[K] = {p->loss, p->text, p->image, p->aux, p->text_acc * p->text_count,
+                             p->image_acc * p->image_count, p->text_count, p->image_count};
+        memcpy(v + (size_t)K * i, x, sizeof(x));
+    }
+    int st = d->allreduce_sum(d, v, (size_t)K * n, VLMOE_DIST_F64);
+    for (int i = 0; i < n && !st; i++) {
+        const double *x = v + (size_t)K * i;
+        vlmoe_mome_stats *p = &ps[i];
+        p->loss = x[0] / d->world, p->text = x[1] / d->world, p->image = x[2] / d->world, p->aux = x[3] / d->world;
+        p->text_acc = x[6] > 0 ? x[4] / x[6] : 0, p->image_acc = x[7] > 0 ? x[5] / x[7] : 0;
+        p->text_count = (int)x[6], p->image_count = (int)x[7];
+    }
+    free(v);
+    return st ? (vlmoe_error_prefix("step %ld: statistics all-reduce", step), st) : VLMOE_OK;
+}
+
 int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
                             vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
@@ -250,6 +275,7 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
         s.aux += ps.aux;
     }
     int st = apply(t, step, &s);
+    if (!st && t->dist && part_stats) st = reduce_parts(t->dist, part_stats, nparts, step);
     if (st) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
