@@ -488,8 +488,8 @@ int cmd_train_mome(int argc, char **argv) {
     if (r.lead && rep->n_loader) {
         char what[64] = "webdataset shards";
         if (rep->loader_rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rep->loader_rows);
-        fprintf(stderr, "vlmoe train: data %s (%s): %d of each step's samples, %d loader workers\n", a.data.path, what,
-                rep->n_loader, a.workers);
+        fprintf(stderr, "vlmoe train: data %s (%s): %d of each step's samples%s, %d loader workers\n", a.data.path, what,
+                rep->n_loader, W > 1 ? " per process (every process reads the global batch)" : "", a.workers);
     }
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     rc = setup_model(&a, &tp, &p, &r);

@@ -92,9 +92,13 @@ int vlmoe_mome_split_batch(const vlmoe_mome_params *p, vlmoe_mome_split *out) {
         return vlmoe_fail(VLMOE_ERR_ARG, "--mix %d,%d,%d: expected three non-negative weights, not all 0", w[0], w[1],
                           w[2]);
     const int W = w[0] + w[1] + w[2], unit = W / gcd(gcd(gcd(w[0], w[1]), w[2]), W);
+    char procs[160] = ""; // on several processes the batch is per process, and each splits alike
+    if (p->world > 1)
+        snprintf(procs, sizeof(procs), " (per process: each of the %d processes splits its share of the global batch "
+                 "of %lld the way one process splits it)", p->world, (long long)p->batch_size * p->world);
     if (p->batch_size < 1 || p->batch_size % unit)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--batch-size %d does not split %d:%d:%d (--mix %d,%d,%d) into whole samples: "
-                          "use a positive multiple of %d", p->batch_size, w[0], w[1], w[2], w[0], w[1], w[2], unit);
+        return vlmoe_fail(VLMOE_ERR_ARG, "--batch-size %d does not split %d:%d:%d (--mix %d,%d,%d) into whole samples%s: "
+                          "use a positive multiple of %d", p->batch_size, w[0], w[1], w[2], w[0], w[1], w[2], procs, unit);
     const char *train = p->train_data.path;
     const int any = p->image_data || p->text_data || train;
     int *src = out->src;
