@@ -328,6 +328,16 @@ static const char *USAGE =
     "                            MoE block, the share of tokens placed with an expert, of\n"
     "                            assignments dropped, and the experts in use";
 
+// After the options (--help): the usage above fills one string literal.
+static const char *USAGE_MORE =
+    "Several processes: `mpirun -np N vlmoe train ...` trains data-parallel. --batch-size is per\n"
+    "process (the global batch is N times it, split by --mix on every process alike); each process\n"
+    "takes its block of every forward, with the masks and routing noise of the samples' global\n"
+    "indices, so N processes train the model one process trains at N x --batch-size (with routing\n"
+    "groups of whole sequences: a group_size in a JSON config; docs/DISTRIBUTED.md). Rank 0 prints\n"
+    "and writes; params.json records world_size and global_batch_size; a checkpoint resumes on any\n"
+    "number of processes at the same global batch.\n";
+
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
                    .workers = 2, .steps = 300, .max_bad = 0.1,
@@ -355,7 +365,7 @@ int cmd_train_mome(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "texts' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of image files (default CLIP's; [-1, 1]: 0.5)"},
-        {"batch-size", ARG_INT, &a.batch, "N", "samples per step, split by --mix (48)"},
+        {"batch-size", ARG_INT, &a.batch, "N", "samples per step and process, split by --mix (48)"},
         {"steps", ARG_LONG, &steps_given, "N", "training steps (300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
@@ -411,6 +421,7 @@ int cmd_train_mome(int argc, char **argv) {
         if (!strncmp(argv[i], "--accum-freq", 12) && (!argv[i][12] || argv[i][12] == '='))
             return cli_error(CMD, "--accum-freq is for contrastive models (one_tower, two_tower); a VL-MoE (arch mome) "
                              "step already sums the gradients of its streams' forwards: give a larger --batch-size");
+    args_set_epilogue(USAGE_MORE);
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
