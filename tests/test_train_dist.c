@@ -315,6 +315,62 @@ static void test_divergence(vlmoe_dist *d) {
     vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m);
 }
 
+// The same for VL-MoE: a NaN image in the first forward (MIM) of the last process at step 2 makes
+// its loss non-finite; it still runs the second forward (MLM), whose label counts every process
+// all-reduces, and then every process stops at that step with the parameters of step 1.
+static void test_mome_divergence(vlmoe_dist *d) {
+    vlmoe_model_config c;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    c.moe.group_size = 1 + (c.image_size / c.patch_size) * (c.image_size / c.patch_size);
+    c.text_moe.group_size = c.context_length;
+    const int B = 2, T = c.context_length, np = c.moe.group_size - 1, pd = 3 * c.patch_size * c.patch_size;
+    const size_t isz = (size_t)3 * c.image_size * c.image_size;
+    float *img = malloc(sizeof(float) * isz * B), *cb = malloc(sizeof(float) * (size_t)c.mim_vocab * pd), *before = NULL;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *len = malloc(sizeof(int32_t) * B);
+    int32_t *tin = malloc(sizeof(int32_t) * (size_t)B * T), *tl = malloc(sizeof(int32_t) * (size_t)B * T);
+    int32_t *pl = malloc(sizeof(int32_t) * (size_t)B * np);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 3);
+    for (size_t i = 0; i < (size_t)c.mim_vocab * pd; i++) cb[i] = (float)(2 * vlmoe_rng_uniform(&r) - 1);
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = c.image_size;
+    vlmoe_synth *s = NULL;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *t = NULL;
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    const vlmoe_mlm_params mlm = vlmoe_mlm_default_params(&c);
+    int st = vlmoe_model_init(&m, &c, 3);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    if (!st) st = vlmoe_synth_init(&s, &sp);
+    CHECK(st == VLMOE_OK, "VL-MoE divergence set-up: %s", vlmoe_last_error());
+    if (st) return;
+    vlmoe_trainer_set_dist(t, d, NULL);
+    int got[2] = {0, 0};
+    for (int step = 0; step < 2; step++) {
+        vlmoe_synth_batch(s, VLMOE_SPLIT_TRAIN, (uint64_t)(step * d->world + d->rank) * B, B, T, img, tok, len);
+        vlmoe_mim_labels(&c, cb, c.mim_vocab, img, B, 0.4, (uint64_t)step, pl);
+        vlmoe_mlm_mask(&mlm, (uint64_t)step, tok, len, B, T, tin, tl);
+        if (step == 1 && d->rank == d->world - 1) img[5] = NAN;
+        if (step == 1) {
+            before = malloc(sizeof(float) * vlmoe_model_num_floats(m));
+            memcpy(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m));
+        }
+        const vlmoe_mome_batch parts[2] = {{.encoding = VLMOE_ENC_IMAGE, .batch_size = B, .images = img, .patch_labels = pl},
+                                           {.encoding = VLMOE_ENC_TEXT, .batch_size = B, .tokens = tin, .lengths = len,
+                                            .text_labels = tl}};
+        vlmoe_mome_stats ps[2];
+        vlmoe_step_stats ss;
+        got[step] = vlmoe_trainer_step_mome(t, parts, 2, ps, &ss);
+    }
+    CHECK(got[0] == VLMOE_OK && got[1] == VLMOE_ERR_NUMERIC, "VL-MoE process %d: step 1 %d, step 2 %d (want 0, %d): %s",
+          d->rank, got[0], got[1], VLMOE_ERR_NUMERIC, vlmoe_last_error());
+    CHECK(before && !memcmp(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m)) &&
+              vlmoe_trainer_get_step(t) == 1, "VL-MoE process %d: the diverged step changed the parameters", d->rank);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
+    free(img), free(cb), free(before), free(tok), free(len), free(tin), free(tl), free(pl);
+    vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m);
+}
+
 int main(void) {
     vlmoe_dist *d = NULL;
     if (vlmoe_dist_open(&d, "auto")) {
@@ -322,6 +378,7 @@ int main(void) {
         return 1;
     }
     test_divergence(d);
+    test_mome_divergence(d);
     compare("tiny", d, 0, 1);         // dense one_tower
     compare("limoe-tiny", d, 0, 1);   // LIMoE: MoE layers, routing noise and groups of whole examples
     compare("clipup-tiny", d, 0, 1);  // CLIP-UP: two towers, top-2 MoE in each

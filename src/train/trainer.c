@@ -262,18 +262,27 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
     if (nparts < 1) return failed(t, vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step), step, &s);
+    // Data parallelism: every forward all-reduces its label counts (src/nn/mome_model.c), so a
+    // process whose forward failed (a non-finite loss, bad labels) still runs the others' forwards
+    // to keep the collectives in step, and the first failure stops every process after the last.
+    int bad = VLMOE_OK;
+    char why[512] = "";
     for (int i = 0; i < nparts; i++) {
         vlmoe_mome_stats ps;
         int st = vlmoe_mome_forward(t->m, &parts[i], 1, &ps);
-        if (!st) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
-        if (st) {
+        if (!st && !bad) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
+        if (st && !bad) {
             vlmoe_error_prefix("step %ld, batch %d", step, i);
-            return failed(t, st, step, &s);
+            if (!t->dist) return st;
+            bad = st;
+            snprintf(why, sizeof(why), "%s", vlmoe_last_error());
         }
+        if (bad) continue;
         if (part_stats) part_stats[i] = ps;
         s.loss += ps.loss;
         s.aux += ps.aux;
     }
+    if (bad) return failed(t, vlmoe_fail(bad, "%s", why), step, &s);
     int st = apply(t, step, &s);
     if (!st && t->dist && part_stats) st = reduce_parts(t->dist, part_stats, nparts, step);
     if (st) return st;
