@@ -259,7 +259,7 @@ static void compare_mome(vlmoe_dist *d) {
             const double e = fabs((double)pd[i] - (double)p1[i]);
             pworst = e > pworst ? e : pworst;
         }
-        printf("vlmoe-tiny (--mix 2,1,1): %d processes x %d samples vs 1 x %d, %d steps: losses %.6f..%.6f, max relative "
+        printf("vlmoe-tiny: %d processes x %d samples vs 1 x %d (--mix 2,1,1), %d steps: losses %.6f..%.6f, max relative "
                "difference of the losses %.2e, of the gradient norms %.2e, of the per-stream losses and accuracies "
                "%.2e; max parameter difference %.2e\n", d->world, batch, MOME_GLOBAL, STEPS, one[0], one[STEPS - 1],
                worst, gworst, kworst, pworst);
