@@ -74,15 +74,14 @@ int main(int argc, char **argv) {
     }
     char norm[4][CLI_NORM_LEN]; // "--image-mean 0.48 0.45 0.41" as "--image-mean=0.48,0.45,0.41"
     argc = cli_join_norm_flags(argc, argv, norm, 4);
-    // only contrastive training runs on several processes; a launch of any other command would
-    // start W copies doing the same work and writing the same files
+    // only training runs on several processes; a launch of any other command would start W
+    // copies doing the same work and writing the same files
     const int contrastive = !strcmp(argv[1], "train") && !cli_train_is_mome(argc, argv);
     const char *by = NULL;
     const long procs = vlmoe_dist_launched(&by);
-    if (!contrastive && procs != 0 && procs != 1) {
+    if (strcmp(argv[1], "train") && procs != 0 && procs != 1) {
         fprintf(stderr, "vlmoe %s: started by %s as one of several processes, but this command runs on one process "
-                "(under mpirun only `vlmoe train` of one_tower and two_tower models trains data-parallel; VL-MoE "
-                "pre-training does not yet): run it without the launcher\n", argv[1], by);
+                "(under mpirun only `vlmoe train` trains data-parallel): run it without the launcher\n", argv[1], by);
         return 1;
     }
     if (!strcmp(argv[1], "train")) return contrastive ? cmd_train(argc, argv) : cmd_train_mome(argc, argv);

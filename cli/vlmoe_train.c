@@ -1,8 +1,9 @@
 // vlmoe_train.c: `vlmoe train` for VL-MoE (arch mome) models: pre-training by masked data modeling
 // on image, text and pair streams (VL-MoE sec. 3.1). The flags become the task of
 // src/train/mome_task.c and a run of the loop in src/train/run.c; this file lists the image files
-// and reads the text file, sets up the model, prints and picks the exit code. `vlmoe vq train`
-// (the MIM codebook) is cli/vq.c. Covered by tests/test_vlmoe_train.c.
+// and reads the text file, sets up the model, prints and picks the exit code. Under mpirun every
+// process trains its block of each global batch; rank 0 prints and writes. `vlmoe vq train`
+// (the MIM codebook) is cli/vq.c. Covered by tests/test_vlmoe_train.c and tests/test_dist_mpi.sh.
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -67,10 +68,16 @@ typedef struct {
     char tokenizer_path[1100];           // the texts' tokenizer file (open_text)
     float *cb;                           // --codebook
     vlmoe_data_state resumed;            // the data state of the checkpoint resumed from
+    vlmoe_dist *dist;                    // the processes of the run (mpirun); rank 0 prints and writes
+    int lead;
     char dir[512], ckdir[600];
 } mome_cli;
 
-static void run_free(mome_cli *r) {
+// Releases the run; the process group too, except after a failure on several processes, where
+// this process leaves without finalising MPI so that mpirun stops the others (they may be waiting
+// in a collective this one will never join).
+static void run_free(mome_cli *r, int rc) {
+    if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
     vlmoe_mome_free(r->task);
     cli_text_free(&r->text);
     vlmoe_trainer_free(r->t);
@@ -98,11 +105,14 @@ static int parse_mix(const char *v, int w[3]) {
 // --train-data (captions: whether the loader gives texts). Never the synthetic words for files.
 // A vocabulary the config leaves open (no "vocab_size" in a JSON config) is sized to the
 // tokenizer, with [MASK] the id after its last.
+// On several processes rank 0 decides and trains; the others read the file once it is written.
 static int open_text(const mome_args *a, int captions, mome_cli *r) {
     const int fixed = config_sets_vocab(a->model);
     snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s/tokenizer.txt", r->dir);
     if (a->tokenizer) {
         snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s", a->tokenizer);
+    } else if (!r->lead) {
+        // rank 0 trains it, or finds it, before the barrier below
     } else if (access(r->tokenizer_path, R_OK) == 0) {
         fprintf(stderr, "vlmoe train: texts are tokenized with %s, the vocabulary this run trained\n", r->tokenizer_path);
     } else {
@@ -119,10 +129,11 @@ static int open_text(const mome_args *a, int captions, mome_cli *r) {
         fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on %zu texts (saved as %s; the "
                 "checkpoints carry it)\n", ids, n, r->tokenizer_path);
     }
+    if (!a->tokenizer && r->dist->barrier(r->dist)) return lib_error("");
     if (cli_load_tokenizer(r->tokenizer_path, &r->text.bpe)) return lib_error("--tokenizer");
     const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
     if (!fixed && (r->cfg.vocab_size <= ids || r->cfg.vocab_size < BPE_MIN)) {
-        fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids and [MASK] = %d (a JSON "
+        if (r->lead) fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids and [MASK] = %d (a JSON "
                 "config's \"vocab_size\" and \"mask_token\" fix them)\n", a->model, ids, ids);
         r->cfg.vocab_size = ids + 1, r->cfg.mask_token = ids;
     }
@@ -214,13 +225,15 @@ static int setup_model(const mome_args *a, const vlmoe_train_params *tp, const v
     if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
         return lib_error("");
     if (vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w)) return lib_error("");
-    fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
+    if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
     return record_inputs(p, w, r);
 }
 
 // params.json: every flag that shapes the run (the --resume check compares them), strings that
 // were not given as null.
-static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_split *sp) {
+// The streams' samples and the forward size are the global ones (the process count times this
+// process's), so that a run resumed on another number of processes compares equal.
+static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_split *sp, int world) {
     cJSON *p = cJSON_CreateObject();
     cJSON_AddStringToObject(p, "model", a->model);
     cJSON_AddStringToObject(p, "codebook", a->codebook ? a->codebook : "(the checkpoint's)");
@@ -228,7 +241,7 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
     for (int k = 0; k < VLMOE_MOME_STREAMS; k++) {
         cJSON *s = cJSON_AddObjectToObject(streams, vlmoe_mome_stream_name(k));
         cJSON_AddNumberToObject(s, "weight", w[k]);
-        cJSON_AddNumberToObject(s, "per_step", sp->n[k]);
+        cJSON_AddNumberToObject(s, "per_step", (double)sp->n[k] * world);
         cJSON_AddStringToObject(s, "source", vlmoe_mome_source_name(sp->src[k]));
     }
     const char sep[2] = {a->data.separator, 0};
@@ -241,13 +254,13 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
     cJSON_AddBoolToObject(p, "dataset_resampled", a->resampled);
     cJSON_AddItemToObject(p, "train_data_upsampling_factors", a->upsampling ? cJSON_CreateString(a->upsampling)
                                                                              : cJSON_CreateNull());
-    const char *nk[] = {"batch_size", "chunk", "steps", "epochs", "train_num_samples", "seed", "save_frequency",
-                        "save_every_n_steps", "keep_checkpoints", "log_every_n_steps", "workers", "max_bad_fraction",
-                        "threads"};
-    const double nv[] = {a->batch, sp->chunk, (double)a->steps, (double)a->epochs, (double)a->num_samples,
-                         (double)a->seed, (double)a->save_epochs, (double)a->save_every, a->keep, a->log_every,
-                         a->workers, a->max_bad, omp_get_max_threads()};
-    for (int i = 0; i < 13; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    const char *nk[] = {"batch_size", "world_size", "global_batch_size", "chunk", "steps", "epochs", "train_num_samples",
+                        "seed", "save_frequency", "save_every_n_steps", "keep_checkpoints", "log_every_n_steps",
+                        "workers", "max_bad_fraction", "threads"};
+    const double nv[] = {a->batch, world, (double)a->batch * world, (double)sp->chunk * world, (double)a->steps,
+                         (double)a->epochs, (double)a->num_samples, (double)a->seed, (double)a->save_epochs,
+                         (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
+    for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
     cli_optim_json(p, &a->o);
     return p;
 }
@@ -255,7 +268,7 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
 // A fresh run writes config.json and params.json; a resumed one keeps them (the user's record)
 // and, when it goes on with changed flags, logs them in params_resumed.json.
 static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSON *changes) {
-    cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split);
+    cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split, r->dist->world);
     if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(p), 0);
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? lib_error("") : 0;
@@ -315,6 +328,16 @@ static const char *USAGE =
     "                            MoE block, the share of tokens placed with an expert, of\n"
     "                            assignments dropped, and the experts in use";
 
+// After the options (--help): the usage above fills one string literal.
+static const char *USAGE_MORE =
+    "Several processes: `mpirun -np N vlmoe train ...` trains data-parallel. --batch-size is per\n"
+    "process (the global batch is N times it, split by --mix on every process alike); each process\n"
+    "takes its block of every forward, with the masks and routing noise of the samples' global\n"
+    "indices, so N processes train the model one process trains at N x --batch-size (with routing\n"
+    "groups of whole sequences: a group_size in a JSON config; docs/DISTRIBUTED.md). Rank 0 prints\n"
+    "and writes; params.json records world_size and global_batch_size; a checkpoint resumes on any\n"
+    "number of processes at the same global batch.\n";
+
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
                    .workers = 2, .steps = 300, .max_bad = 0.1,
@@ -342,7 +365,7 @@ int cmd_train_mome(int argc, char **argv) {
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "texts' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of image files (default CLIP's; [-1, 1]: 0.5)"},
-        {"batch-size", ARG_INT, &a.batch, "N", "samples per step, split by --mix (48)"},
+        {"batch-size", ARG_INT, &a.batch, "N", "samples per step and process, split by --mix (48)"},
         {"steps", ARG_LONG, &steps_given, "N", "training steps (300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
@@ -398,6 +421,7 @@ int cmd_train_mome(int argc, char **argv) {
         if (!strncmp(argv[i], "--accum-freq", 12) && (!argv[i][12] || argv[i][12] == '='))
             return cli_error(CMD, "--accum-freq is for contrastive models (one_tower, two_tower); a VL-MoE (arch mome) "
                              "step already sums the gradients of its streams' forwards: give a larger --batch-size");
+    args_set_epilogue(USAGE_MORE);
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
@@ -430,15 +454,19 @@ int cmd_train_mome(int argc, char **argv) {
         if (cli_reject_flags(CMD, argc, argv, file, "applies to --train-data")) return 1;
     }
     if (cli_resampling(CMD, &a.data, a.resampled, a.upsampling)) return 1;
-    a.data.note = on_warn;   // how CSV image paths were found, once
+    vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
+    if (vlmoe_dist_open(&dist, "auto")) return lib_error("");
+    a.data.note = dist->rank == 0 ? on_warn : NULL; // how CSV image paths were found, once
     mome_cli r;
     memset(&r, 0, sizeof(r));
+    r.dist = dist, r.lead = dist->rank == 0;
+    const int W = dist->world;
     if (vlmoe_config_load(a.model, &r.cfg)) return lib_error("");
     if (r.cfg.arch != VLMOE_ARCH_MOME) return cli_error(CMD, "model '%s' is not a VL-MoE (arch mome) model", a.model);
     vlmoe_mome_params p = {.config = &r.cfg, .batch_size = a.batch, .mix = {w[0], w[1], w[2]}, .seed = (uint64_t)a.seed,
                            .image_data = a.image_data, .text_data = a.text_data, .train_data = a.data,
                            .workers = a.workers, .max_bad_fraction = a.max_bad, .resampled = a.resampled,
-                           .upsampling = a.upsampling};
+                           .upsampling = a.upsampling, .rank = dist->rank, .world = W};
     vlmoe_mome_split sp;
     if (vlmoe_mome_split_batch(&p, &sp)) return lib_error("");
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
@@ -453,41 +481,59 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (vlmoe_mkdir_p(r.ckdir)) return run_free(&r), lib_error("");
+    if (vlmoe_mkdir_p(r.ckdir)) return rc = lib_error(""), run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
-    if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return run_free(&r), 1;
+    if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return run_free(&r, 1), 1;
     // --resume: the flags against the run's before anything is read or written
-    cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp) : NULL;
-    rc = now && cli_resume_check(CMD, r.dir, now, CLI_RESUME_PRINT | (a.allow_changes ? CLI_RESUME_ALLOW : 0), &changes);
+    cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp, W) : NULL;
+    rc = now && cli_resume_check(CMD, r.dir, now, (r.lead ? CLI_RESUME_PRINT : 0) | (a.allow_changes ? CLI_RESUME_ALLOW : 0),
+                                 &changes);
     cJSON_Delete(now);
-    if (rc) return run_free(&r), rc;
+    if (rc) return run_free(&r, rc), rc;
     if ((rc = open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = lib_error(""))))
-        return cJSON_Delete(changes), run_free(&r), rc;
+        return cJSON_Delete(changes), run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);
-    if (rep->n_sentences) fprintf(stderr, "vlmoe train: texts: %zu sentences of %s\n", rep->n_sentences, a.text_data);
-    if (r.n_images) fprintf(stderr, "vlmoe train: images: %d files under %s\n", r.n_images, a.image_data);
-    if (rep->n_loader) {
+    if (r.lead && rep->n_sentences) fprintf(stderr, "vlmoe train: texts: %zu sentences of %s\n", rep->n_sentences, a.text_data);
+    if (r.lead && r.n_images) fprintf(stderr, "vlmoe train: images: %d files under %s\n", r.n_images, a.image_data);
+    if (r.lead && rep->n_loader) {
         char what[64] = "webdataset shards";
         if (rep->loader_rows >= 0) snprintf(what, sizeof(what), "%lld usable rows", (long long)rep->loader_rows);
-        fprintf(stderr, "vlmoe train: data %s (%s): %d of each step's samples, %d loader workers\n", a.data.path, what,
-                rep->n_loader, a.workers);
+        fprintf(stderr, "vlmoe train: data %s (%s): %d of each step's samples%s, %d loader workers\n", a.data.path, what,
+                rep->n_loader, W > 1 ? " per process (every process reads the global batch)" : "", a.workers);
     }
-    vlmoe_ckpt_clean_tmp(r.ckdir);
+    if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     rc = setup_model(&a, &tp, &p, &r);
     const long start = rc ? 0 : vlmoe_trainer_get_step(r.t);
+    if (!rc && start >= a.steps && !r.lead) rc = -1;
     if (!rc && start >= a.steps) // -1: nothing to do, and no error
         printf("the run is at step %ld already, not before --steps %ld: nothing to train\n", start, a.steps), rc = -1;
-    if (!rc) rc = write_run_files(&a, w, &r, changes), changes = NULL;
+    if (!rc && r.lead) rc = write_run_files(&a, w, &r, changes), changes = NULL;
     cJSON_Delete(changes);
-    if (rc) return run_free(&r), rc < 0 ? 0 : rc;
+    if (rc) return run_free(&r, rc < 0 ? 0 : rc), rc < 0 ? 0 : rc;
     const vlmoe_mome_split *s = &rep->split;
-    fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d images + %d texts + %d pairs "
-            "(forwards of %d), %d threads, run %s\n", r.cfg.name, vlmoe_model_num_floats(r.m), start, a.steps,
-            s->n[0], s->n[1], s->n[2], s->chunk, omp_get_max_threads(), r.dir);
+    char procs[96] = ""; // on several processes: the global batch's make-up
+    if (W > 1)
+        snprintf(procs, sizeof(procs), " (%d processes x %d: %d + %d + %d, forwards of %d each)", W, a.batch, s->n[0],
+                 s->n[1], s->n[2], s->chunk);
+    if (r.lead)
+        fprintf(stderr, "vlmoe train: model %s (%zu parameters), steps %ld..%ld of %d images + %d texts + %d pairs "
+                "(forwards of %d)%s, %d threads%s, run %s\n", r.cfg.name, vlmoe_model_num_floats(r.m), start, a.steps,
+                W * s->n[0], W * s->n[1], W * s->n[2], W * s->chunk, procs, omp_get_max_threads(), W > 1 ? " each" : "",
+                r.dir);
+    if (r.lead && W > 1) { // routing over groups of the whole forward sees this process's block only
+        const vlmoe_moe_config *mc[2] = {&r.cfg.moe, &r.cfg.text_moe};
+        const int g = r.cfg.image_size / r.cfg.patch_size, len[2] = {1 + g * g, r.cfg.context_length};
+        for (int e = 0; e < 2; e++)
+            if (mc[e]->router != VLMOE_ROUTER_NONE && mc[e]->group_size == 0)
+                fprintf(stderr, "vlmoe train: note: on %d processes the %s MoE layers route each process's %d samples "
+                        "of a forward as one group (group_size 0), not the %d of the one-process forward; a group_size "
+                        "of whole sequences (a multiple of %d that divides %d x %d) routes as one process would (JSON "
+                        "config)\n", W, e ? "T" : "V", s->chunk, W * s->chunk, len[e], s->chunk, len[e]);
+    }
     const vlmoe_run_task task = vlmoe_mome_task(r.task);
-    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, 0, 0, a.batch, NULL, on_progress,
-                                 r.task, 0};
+    const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, 0, 0, (long)a.batch * W, dist,
+                                 on_progress, r.task, 0};
     const int st = vlmoe_run_train(r.t, &task, &rp);
     if (st == VLMOE_ERR_NUMERIC)
         rc = cli_error(CMD, "diverged: %s. Nothing was written for this step; continue from the last checkpoint with "
@@ -496,18 +542,18 @@ int cmd_train_mome(int argc, char **argv) {
         rc = lib_error("");
     char wp[1024], spath[1024];
     vlmoe_ckpt_paths(r.ckdir, a.steps, wp, spath, sizeof(wp));
-    if (!rc) printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
-    if (rep->bad_images) {
+    if (!rc && r.lead) printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
+    if (rep->bad_images) { // every process reports the images it skipped
         fprintf(stderr, "vlmoe train: warning: --image-data %s: skipped %ld unreadable images (the next file took each "
                 "one's place); first:", a.image_data, rep->bad_images);
         for (long i = 0; i < rep->n_bad_first && i < 3; i++) fprintf(stderr, "%s %s", i ? ";" : "", rep->bad_first[i]);
         fputc('\n', stderr);
     }
-    if (rep->loader_stats && vlmoe_dataset_stats_bad(rep->loader_stats)) {
+    if (r.lead && rep->loader_stats && vlmoe_dataset_stats_bad(rep->loader_stats)) {
         char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];
         vlmoe_dataset_stats_format(rep->loader_stats, sum, sizeof(sum));
         fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
-    run_free(&r);
+    run_free(&r, rc);
     return rc;
 }

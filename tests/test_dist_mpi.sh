@@ -3,8 +3,9 @@
 # (oversubscribed on a small machine): every collective of src/dist/mpi.c with rank-dependent
 # values, checked on every rank, and data-parallel training against one process at the global
 # batch; then `vlmoe train` itself on 2 processes against one (the same losses to 1e-5), its
-# validation (--val-data) on rank 0, and what happens when a process is killed, hangs (the
-# collective timeout) or fails.
+# validation (--val-data) on rank 0; VL-MoE pre-training likewise, and its checkpoints across
+# process counts; and what happens when a process is killed, hangs (the collective timeout) or
+# fails.
 # Run by tests/run.sh on the optimised build only (Open MPI's own allocations look like leaks to
 # LeakSanitizer); skipped, saying why, when mpirun is absent or the build has no MPI. Closes with
 # "test_dist_mpi: N passed, N failed" (the ranks' checks summed). Usage: test_dist_mpi.sh RELDIR
@@ -247,6 +248,62 @@ elif printf '%s' "$out" | grep -q "^vlmoe train: --dist-timeout 10s: expected th
     echo "ok   --dist-timeout 10s is refused"; pass=$((pass + 1))
 else
     printf '%s\n' "$out" | tail -n 5; echo "FAILED: --dist-timeout 10s: no clear message"; fail=$((fail + 1))
+fi
+# VL-MoE pre-training (vlmoe-tiny with routing groups of one sequence, so that a process holds
+# whole groups; its default group_size 0 routes each process's share as one group, which the run
+# notes): 2 processes x 12 samples = 1 x 24 on the synthetic streams and on files (an image
+# folder, a text file and a CSV of pairs, with the BPE vocabulary trained by rank 0); then a
+# checkpoint saved by 4 processes resumed by 1 and by 2 = one process trained alone
+printf '{"base": "vlmoe-tiny", "mim_vocab": 64, "moe": {"group_size": 17}, "text_moe": {"group_size": 16}}\n' > "$tmp/vm.json"
+"$vl" vq train --model "$tmp/vm.json" --size 64 --images 16 -o "$tmp/cb.safetensors" > "$tmp/vq.log" 2>&1
+"$vl" synth export --out "$tmp/sh" --n 48 > "$tmp/sh.log" 2>&1
+files="--image-data $tmp/sh/classes --text-data $tmp/sh/texts.txt --train-data $tmp/sh/captions.csv --image-mean 0.5 --image-std 0.5"
+for how in synthetic files; do
+    common="train --model $tmp/vm.json --codebook $tmp/cb.safetensors --steps 3 --log-every-n-steps 1 --logs $tmp --mix 2,1,1"
+    [ $how = files ] && common="$common $files --mix 1,1,1"
+    if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --batch-size 12 --name m2$how > "$tmp/m2$how.log" 2>&1 &&
+       timeout 300 "$vl" $common --batch-size 24 --name m1$how > "$tmp/m1$how.log" 2>&1; then
+        worst=$(loss_diff m2$how m1$how 3)
+        if within "$worst"; then
+            echo "ok   VL-MoE ($how data): mpirun -np 2 vlmoe train --batch-size 12 = vlmoe train --batch-size 24 (losses within $worst)"
+            pass=$((pass + 1))
+        else
+            echo "FAILED: VL-MoE ($how data) on 2 processes vs one: loss difference $worst"; fail=$((fail + 1))
+        fi
+    else
+        tail -n 20 "$tmp/vq.log" "$tmp/m2$how.log" "$tmp/m1$how.log"; echo "FAILED: VL-MoE ($how data) under mpirun"
+        fail=$((fail + 1))
+    fi
+done
+common="train --model $tmp/vm.json --codebook $tmp/cb.safetensors --log-every-n-steps 1 --logs $tmp --mix 2,1,1 --save-every-n-steps 2"
+ck="$tmp/mw4/checkpoints/step_2.safetensors"
+if timeout 300 mpirun -np 4 --oversubscribe "$vl" $common --steps 2 --batch-size 4 --name mw4 > "$tmp/mw4.log" 2>&1 &&
+   mkdir -p "$tmp/mr1/checkpoints" "$tmp/mr2/checkpoints" &&
+   cp "$tmp/mw4/metrics.jsonl" "$tmp/mw4/params.json" "$tmp/mr1/" && cp "$tmp/mw4/metrics.jsonl" "$tmp/mw4/params.json" "$tmp/mr2/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/mr1/checkpoints/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/mr2/checkpoints/" &&
+   timeout 300 "$vl" $common --steps 4 --batch-size 16 --name mr1 --resume latest > "$tmp/mr1.log" 2>&1 &&
+   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --steps 4 --batch-size 8 --name mr2 --resume latest > "$tmp/mr2.log" 2>&1 &&
+   timeout 300 "$vl" $common --steps 4 --batch-size 16 --name msolo > "$tmp/msolo.log" 2>&1; then
+    w1=$(loss_diff mr1 msolo 4); w2=$(loss_diff mr2 msolo 4)
+    if within "$w1" "$w2"; then
+        echo "ok   VL-MoE saved by 4 processes, resumed by 1 and by 2: the losses of one process (within $w1, $w2)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: VL-MoE saved by 4 processes, resumed by 1 / 2: loss differences $w1 / $w2"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/mw4.log" "$tmp/mr1.log" "$tmp/mr2.log" "$tmp/msolo.log" 2>/dev/null
+    echo "FAILED: VL-MoE resume across process counts"; fail=$((fail + 1))
+fi
+# a batch whose streams do not split on every process alike is refused, naming the numbers
+if out=$(timeout 60 mpirun -np 4 --oversubscribe "$vl" train --model "$tmp/vm.json" --codebook "$tmp/cb.safetensors" \
+         --mix 2,1,1 --batch-size 6 --steps 1 --logs "$tmp" --name mbad 2>&1); then
+    echo "FAILED: VL-MoE --batch-size 6 --mix 2,1,1 on 4 processes ran"; fail=$((fail + 1))
+elif printf '%s' "$out" | grep -q "batch-size 6 does not split 2:1:1.*4 processes.*global batch of 24"; then
+    echo "ok   VL-MoE: --batch-size 6 with --mix 2,1,1 on 4 processes is refused, naming the numbers"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: VL-MoE bad split on 4 processes: no clear message"; fail=$((fail + 1))
 fi
 # a command that runs on one process refuses a launch of several, saying so
 if out=$(timeout 60 mpirun -np 2 --oversubscribe "$vl" eval --model none.safetensors 2>&1); then

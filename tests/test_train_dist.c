@@ -149,6 +149,129 @@ static void compare(const char *model, vlmoe_dist *d, int ep, int accum) {
     if (experts && experts != d) vlmoe_dist_close(experts);
 }
 
+// ---- VL-MoE pre-training (src/train/mome_task.c): three streams, masks and per-stream losses
+
+enum { MOME_GLOBAL = 48 }; // --mix 2,1,1: 24 images (2 forwards), 12 texts, 12 pairs a step
+
+// The statistics the train record reports of a step, per stream (src/train/mome_task.c's m_log).
+static const char *const MOME_KEYS[] = {"mim", "mim_acc", "mlm", "mlm_acc", "vlm_text", "vlm_image"};
+enum { NKEYS = 6 };
+
+// Trains vlmoe-tiny (V-MoE and T-MoE layers routing groups of one sequence, so that a process holds
+// whole groups) as process `rank` of d (NULL: alone) at `batch` samples per process, STEPS AdamW
+// steps on the synthetic streams; the same outputs as train(), and keys[s] the per-stream record.
+static int train_mome(vlmoe_dist *d, int batch, double *losses, double *norms, float **params, size_t *n,
+                      int64_t (*counts)[NCOUNT], double (*keys)[NKEYS]) {
+    vlmoe_model_config c;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *t = NULL;
+    vlmoe_mome_run *task = NULL;
+    int st = vlmoe_config_named("vlmoe-tiny", &c);
+    const int g = c.image_size / c.patch_size, pd = 3 * c.patch_size * c.patch_size;
+    c.moe.group_size = 1 + g * g;          // the image tokens of one sequence ([I_CLS] and the patches)
+    c.text_moe.group_size = c.context_length;
+    float *cb = malloc(sizeof(float) * (size_t)c.mim_vocab * pd); // a codebook: any fixed centroids
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 11);
+    for (size_t i = 0; i < (size_t)c.mim_vocab * pd; i++) cb[i] = (float)(2 * vlmoe_rng_uniform(&r) - 1);
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 2, STEPS, 0.0, 0, 0};
+    const vlmoe_mome_params mp = {.config = &c, .batch_size = batch, .mix = {2, 1, 1}, .seed = 5,
+                                  .rank = d ? d->rank : 0, .world = d ? d->world : 1};
+    if (!st) st = vlmoe_mome_init(&task, &mp);
+    if (!st) st = vlmoe_model_init(&m, &c, 7);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    if (!st) st = vlmoe_mome_start(task, m, cb, NULL, NULL);
+    const vlmoe_run_task rt = task ? vlmoe_mome_task(task) : (vlmoe_run_task){0};
+    vlmoe_trainer_set_dist(t, d, NULL);
+    for (long step = 0; !st && step < STEPS; step++) {
+        vlmoe_step_stats ss;
+        st = rt.fill(rt.user, step);
+        if (!st) st = rt.step(rt.user, t, step, &ss);
+        if (!st) losses[step] = ss.loss, norms[step] = ss.grad_norm;
+        if (!st) routing_counts(m, counts[step]); // the step's last forward: the pairs, V-MoE and T-MoE
+        cJSON *rec = st ? NULL : vlmoe_metrics_record(step + 1, "train");
+        char line[1024];
+        if (rec) st = rt.log(rt.user, step + 1, &ss, rec, line, sizeof(line));
+        for (int k = 0; rec && !st && k < NKEYS; k++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(rec, MOME_KEYS[k]);
+            keys[step][k] = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+        }
+        cJSON_Delete(rec);
+    }
+    if (!st && params) {
+        *n = vlmoe_model_num_floats(m);
+        *params = malloc(sizeof(float) * *n);
+        memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
+    }
+    if (st) fprintf(stderr, "train vlmoe-tiny: %s\n", vlmoe_last_error());
+    vlmoe_trainer_set_dist(t, NULL, NULL);
+    vlmoe_mome_free(task);
+    vlmoe_trainer_free(t);
+    vlmoe_model_free(m);
+    free(cb);
+    return st;
+}
+
+// W processes at MOME_GLOBAL/W against one at MOME_GLOBAL: the same losses, gradient norms,
+// per-stream losses and accuracies, final parameters, and routing counts summed over the processes.
+static void compare_mome(vlmoe_dist *d) {
+    const int batch = MOME_GLOBAL / d->world;
+    double dp[STEPS] = {0}, one[STEPS] = {0}, gdp[STEPS] = {0}, gone[STEPS] = {0};
+    static int64_t cdp[STEPS][NCOUNT], cone[STEPS][NCOUNT];
+    static double kdp[STEPS][NKEYS], kone[STEPS][NKEYS];
+    memset(cdp, 0, sizeof(cdp)), memset(cone, 0, sizeof(cone));
+    float *pd = NULL, *p1 = NULL;
+    size_t n = 0, n1 = 0;
+    CHECK(train_mome(d, batch, dp, gdp, &pd, &n, cdp, kdp) == VLMOE_OK, "vlmoe-tiny: data-parallel run on %d processes",
+          d->world);
+    d->allreduce_sum(d, cdp, (size_t)STEPS * NCOUNT, VLMOE_DIST_I64);
+    if (pd && d->world > 1) {
+        float *r0 = malloc(sizeof(float) * n);
+        memcpy(r0, pd, sizeof(float) * n);
+        d->broadcast(d, r0, n, VLMOE_DIST_F32, 0);
+        CHECK(!memcmp(r0, pd, sizeof(float) * n), "vlmoe-tiny: process %d's parameters differ from process 0's", d->rank);
+        free(r0);
+    }
+    if (d->rank == 0) {
+        CHECK(train_mome(NULL, MOME_GLOBAL, one, gone, &p1, &n1, cone, kone) == VLMOE_OK && n1 == n,
+              "vlmoe-tiny: one process");
+        int differ = -1;
+        for (int s = 0; s < STEPS && differ < 0; s++)
+            if (memcmp(cdp[s], cone[s], sizeof(cone[s]))) differ = s;
+        CHECK(differ < 0, "vlmoe-tiny: routing counts of step %d summed over %d processes differ from one process's",
+              differ + 1, d->world);
+        int64_t routed = 0;
+        for (int k = 0; k < NCOUNT; k++) routed += cone[STEPS - 1][k];
+        CHECK(routed > 0, "vlmoe-tiny: %lld routing counts in the last step", (long long)routed);
+        double worst = 0, gworst = 0, kworst = 0, pworst = 0;
+        for (int s = 0; s < STEPS; s++) {
+            const double rel = fabs(dp[s] - one[s]) / fabs(one[s]), grel = fabs(gdp[s] - gone[s]) / fabs(gone[s]);
+            worst = rel > worst ? rel : worst;
+            gworst = grel > gworst ? grel : gworst;
+            for (int k = 0; k < NKEYS; k++) {
+                const double e = fabs(kdp[s][k] - kone[s][k]) / fmax(fabs(kone[s][k]), 1e-3);
+                kworst = e > kworst || e != e ? e : kworst;
+            }
+            if (d->world == 1) CHECK(dp[s] == one[s], "vlmoe-tiny step %d: %.17g vs %.17g in a world of one", s + 1, dp[s], one[s]);
+        }
+        for (size_t i = 0; p1 && pd && i < n; i++) {
+            const double e = fabs((double)pd[i] - (double)p1[i]);
+            pworst = e > pworst ? e : pworst;
+        }
+        printf("vlmoe-tiny: %d processes x %d samples vs 1 x %d (--mix 2,1,1), %d steps: losses %.6f..%.6f, max relative "
+               "difference of the losses %.2e, of the gradient norms %.2e, of the per-stream losses and accuracies "
+               "%.2e; max parameter difference %.2e\n", d->world, batch, MOME_GLOBAL, STEPS, one[0], one[STEPS - 1],
+               worst, gworst, kworst, pworst);
+        CHECK(gworst <= 1e-5, "vlmoe-tiny: gradient norms differ by %.3e (relative) from the one-process run", gworst);
+        CHECK(worst <= 1e-5, "vlmoe-tiny: losses differ by %.3e (relative) from the one-process run", worst);
+        CHECK(kworst <= 1e-5, "vlmoe-tiny: per-stream losses / accuracies differ by %.3e from the one-process run", kworst);
+        CHECK(pworst <= 1e-5, "vlmoe-tiny: parameters differ by %.3e from the one-process run", pworst);
+        if (d->world == 1) CHECK(p1 && pd && !memcmp(p1, pd, sizeof(float) * n), "vlmoe-tiny: parameters in a world of one");
+    }
+    free(pd), free(p1);
+}
+
 // A NaN in the batch of the last process only, at step 2: every process stops at that step with
 // VLMOE_ERR_NUMERIC (none is left waiting in a collective) and the parameters of step 1 unchanged.
 static void test_divergence(vlmoe_dist *d) {
@@ -192,6 +315,62 @@ static void test_divergence(vlmoe_dist *d) {
     vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m);
 }
 
+// The same for VL-MoE: a NaN image in the first forward (MIM) of the last process at step 2 makes
+// its loss non-finite; it still runs the second forward (MLM), whose label counts every process
+// all-reduces, and then every process stops at that step with the parameters of step 1.
+static void test_mome_divergence(vlmoe_dist *d) {
+    vlmoe_model_config c;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    c.moe.group_size = 1 + (c.image_size / c.patch_size) * (c.image_size / c.patch_size);
+    c.text_moe.group_size = c.context_length;
+    const int B = 2, T = c.context_length, np = c.moe.group_size - 1, pd = 3 * c.patch_size * c.patch_size;
+    const size_t isz = (size_t)3 * c.image_size * c.image_size;
+    float *img = malloc(sizeof(float) * isz * B), *cb = malloc(sizeof(float) * (size_t)c.mim_vocab * pd), *before = NULL;
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *len = malloc(sizeof(int32_t) * B);
+    int32_t *tin = malloc(sizeof(int32_t) * (size_t)B * T), *tl = malloc(sizeof(int32_t) * (size_t)B * T);
+    int32_t *pl = malloc(sizeof(int32_t) * (size_t)B * np);
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 3);
+    for (size_t i = 0; i < (size_t)c.mim_vocab * pd; i++) cb[i] = (float)(2 * vlmoe_rng_uniform(&r) - 1);
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = c.image_size;
+    vlmoe_synth *s = NULL;
+    vlmoe_model *m = NULL;
+    vlmoe_trainer *t = NULL;
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    const vlmoe_mlm_params mlm = vlmoe_mlm_default_params(&c);
+    int st = vlmoe_model_init(&m, &c, 3);
+    if (!st) st = vlmoe_trainer_init(&t, m, &tp);
+    if (!st) st = vlmoe_synth_init(&s, &sp);
+    CHECK(st == VLMOE_OK, "VL-MoE divergence set-up: %s", vlmoe_last_error());
+    if (st) return;
+    vlmoe_trainer_set_dist(t, d, NULL);
+    int got[2] = {0, 0};
+    for (int step = 0; step < 2; step++) {
+        vlmoe_synth_batch(s, VLMOE_SPLIT_TRAIN, (uint64_t)(step * d->world + d->rank) * B, B, T, img, tok, len);
+        vlmoe_mim_labels(&c, cb, c.mim_vocab, img, B, 0.4, (uint64_t)step, pl);
+        vlmoe_mlm_mask(&mlm, (uint64_t)step, tok, len, B, T, tin, tl);
+        if (step == 1 && d->rank == d->world - 1) img[5] = NAN;
+        if (step == 1) {
+            before = malloc(sizeof(float) * vlmoe_model_num_floats(m));
+            memcpy(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m));
+        }
+        const vlmoe_mome_batch parts[2] = {{.encoding = VLMOE_ENC_IMAGE, .batch_size = B, .images = img, .patch_labels = pl},
+                                           {.encoding = VLMOE_ENC_TEXT, .batch_size = B, .tokens = tin, .lengths = len,
+                                            .text_labels = tl}};
+        vlmoe_mome_stats ps[2];
+        vlmoe_step_stats ss;
+        got[step] = vlmoe_trainer_step_mome(t, parts, 2, ps, &ss);
+    }
+    CHECK(got[0] == VLMOE_OK && got[1] == VLMOE_ERR_NUMERIC, "VL-MoE process %d: step 1 %d, step 2 %d (want 0, %d): %s",
+          d->rank, got[0], got[1], VLMOE_ERR_NUMERIC, vlmoe_last_error());
+    CHECK(before && !memcmp(before, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m)) &&
+              vlmoe_trainer_get_step(t) == 1, "VL-MoE process %d: the diverged step changed the parameters", d->rank);
+    vlmoe_trainer_set_dist(t, NULL, NULL);
+    free(img), free(cb), free(before), free(tok), free(len), free(tin), free(tl), free(pl);
+    vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m);
+}
+
 int main(void) {
     vlmoe_dist *d = NULL;
     if (vlmoe_dist_open(&d, "auto")) {
@@ -199,9 +378,11 @@ int main(void) {
         return 1;
     }
     test_divergence(d);
+    test_mome_divergence(d);
     compare("tiny", d, 0, 1);         // dense one_tower
     compare("limoe-tiny", d, 0, 1);   // LIMoE: MoE layers, routing noise and groups of whole examples
     compare("clipup-tiny", d, 0, 1);  // CLIP-UP: two towers, top-2 MoE in each
+    compare_mome(d);                  // VL-MoE: masked modeling on three streams
     // --accum-freq on every process: the global batch is processes x micro-batches x pairs, each
     // micro-batch of whole routing groups (of 2 examples: 12, 6, 4 or 2 pairs)
     const int accum = (GLOBAL / d->world) % 4 == 0 ? 2 : 3;

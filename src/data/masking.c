@@ -4,17 +4,19 @@
 // public masking_generator implements it), and the visual-token labels of the masked patches
 // from a k-means codebook. Everything is seeded per sequence / image, so a sample's mask does not
 // depend on the rest of the batch (sequence b draws from the stream of (seed, b)). Covered by
-// tests/test_mome.c (statistics over many draws).
+// tests/test_mome.c (statistics over many draws); the `_from` forms (src/data/masking.h) number
+// the items from a global index, which tests/test_train_dist.c checks on several processes.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
+#include "data/masking.h"
 #include "vlmoe.h"
 
 // One stream per (seed, item): splitmix inside vlmoe_rng_seed decorrelates neighbouring seeds.
-static void item_rng(vlmoe_rng *r, uint64_t seed, int item) {
-    vlmoe_rng_seed(r, seed * 0xd1342543de82ef95ULL + 0x9e3779b97f4a7c15ULL * (uint64_t)(item + 1));
+static void item_rng(vlmoe_rng *r, uint64_t seed, uint64_t item) {
+    vlmoe_rng_seed(r, seed * 0xd1342543de82ef95ULL + 0x9e3779b97f4a7c15ULL * (item + 1));
 }
 
 vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c) {
@@ -23,6 +25,11 @@ vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c) {
 
 int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
                    const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels) {
+    return mlm_mask_from(p, seed, 0, tokens, lengths, B, T, input, labels);
+}
+
+int mlm_mask_from(const vlmoe_mlm_params *p, uint64_t seed, uint64_t first, const int32_t *tokens,
+                  const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels) {
     if (!(p->prob >= 0 && p->prob <= 1 && p->mask_frac >= 0 && p->random_frac >= 0 &&
           p->mask_frac + p->random_frac <= 1 + 1e-12))
         return vlmoe_fail(VLMOE_ERR_ARG, "MLM masking: need 0 <= prob <= 1 and mask_frac, random_frac >= 0 "
@@ -38,7 +45,7 @@ int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *toke
         const int32_t *t = tokens + (size_t)b * T;
         int32_t *in = input + (size_t)b * T, *lab = labels + (size_t)b * T;
         vlmoe_rng r;
-        item_rng(&r, seed, b);
+        item_rng(&r, seed, first + (uint64_t)b);
         for (int i = 0; i < T; i++) {
             in[i] = t[i];
             lab[i] = -1;
@@ -105,6 +112,11 @@ int vlmoe_mim_block_mask(int h, int w, double ratio, uint64_t seed, uint8_t *mas
 
 int vlmoe_mim_labels(const vlmoe_model_config *c, const float *codebook, int K, const float *images,
                      int B, double ratio, uint64_t seed, int32_t *labels) {
+    return mim_labels_from(c, codebook, K, images, B, ratio, seed, 0, labels);
+}
+
+int mim_labels_from(const vlmoe_model_config *c, const float *codebook, int K, const float *images,
+                    int B, double ratio, uint64_t seed, uint64_t first, int32_t *labels) {
     if (c->arch != VLMOE_ARCH_MOME || K != c->mim_vocab)
         return vlmoe_fail(VLMOE_ERR_ARG, "MIM labels: the codebook has %d entries, model '%s' predicts %d "
                           "visual tokens (mim_vocab)", K, c->name, c->arch == VLMOE_ARCH_MOME ? c->mim_vocab : 0);
@@ -115,7 +127,7 @@ int vlmoe_mim_labels(const vlmoe_model_config *c, const float *codebook, int K, 
     if (!st) vlmoe_kmeans_assign(codebook, K, pd, patches, (size_t)B * np, labels);
     for (int b = 0; b < B && !st; b++) {
         // image b's mask draws from its own stream, like vlmoe_mlm_mask's sequences
-        if ((st = vlmoe_mim_block_mask(g, g, ratio, seed * 0xd1342543de82ef95ULL + (uint64_t)b, mask))) break;
+        if ((st = vlmoe_mim_block_mask(g, g, ratio, seed * 0xd1342543de82ef95ULL + first + (uint64_t)b, mask))) break;
         for (int p = 0; p < np; p++)
             if (!mask[p]) labels[(size_t)b * np + p] = -1;
     }

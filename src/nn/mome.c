@@ -55,6 +55,8 @@ struct R(mome_graph) {
     // the current forward
     int enc, T, n, text_off, training, have_forward;
     uint64_t seed;
+    uint64_t sample_base;            // global index of sequence 0: keys the routing noise
+    double norm[2];                  // the heads' divisors (0: their own labelled count)
     double aux;
     // stem
     real *patches, *pemb, *ximg, *xtxt, *dpemb, *dximg, *dxtxt, *x0;
@@ -205,6 +207,15 @@ void R(mome_graph_set_mode)(struct R(mome_graph) *g, int training, uint64_t seed
     g->seed = seed;
 }
 
+void R(mome_graph_set_sample_base)(struct R(mome_graph) *g, uint64_t base) { g->sample_base = base; }
+
+void R(mome_graph_set_norm)(struct R(mome_graph) *g, double text, double image) {
+    g->norm[HEAD_TEXT] = text, g->norm[HEAD_IMAGE] = image;
+}
+
+// The divisor of head h's summed cross-entropy: the forward's own labelled count, or the one set.
+static double head_norm(const struct R(mome_graph) *g, int h) { return g->norm[h] > 0 ? g->norm[h] : g->count[h]; }
+
 void R(mome_graph_set_noise)(struct R(mome_graph) *g, int index, const double *noise) {
     if (index >= 0 && index < g->L->nmoe) g->noise[index] = noise;
 }
@@ -280,7 +291,7 @@ static R(block) block_of(struct R(mome_graph) *g, int l, R(block_ffn) *f, int fo
         if (forward)
             for (int b = 0; b < g->B; b++)
                 for (int i = 0; i < s[k].len; i++)
-                    keys[(size_t)b * s[k].len + i] = moe_token_key((uint64_t)b, mod, s[k].off + i);
+                    keys[(size_t)b * s[k].len + i] = moe_token_key(g->sample_base + (uint64_t)b, mod, s[k].off + i);
         f[k].moe = a->moe[s[k].which];
         // the seed differs per layer and per call, so every layer draws its own noise
         f[k].call = (moe_call){g->B * s[k].len, g->training, g->seed * 0x100000001b3ULL + (uint64_t)idx + 1,
@@ -514,7 +525,7 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         for (int i = 0; i < cnt; i++)
             be->copy(be, g->hsel[h] + (size_t)i * D, g->lnf + (size_t)g->rows[h][i] * D, D);
         be->linear_forward(be, g->probs[h], g->hsel[h], P + w, P + b, cnt, D, C, 0);
-        loss[h] = be->xent_forward(be, g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / cnt;
+        loss[h] = be->xent_forward(be, g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / head_norm(g, h);
         acc[h] = (double)right / cnt;
     }
     double closs = 0, cacc = 0;
@@ -562,7 +573,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         int C;
         head_params(g, h, &w, &b, &C);
         be->zero(be, g->dlog, (size_t)cnt * C);
-        be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / cnt);
+        be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / head_norm(g, h));
         be->zero(be, g->dhsel, (size_t)cnt * D);
         be->linear_backward(be, g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
         for (int i = 0; i < cnt; i++) be->add(be, g->dlnf + (size_t)g->rows[h][i] * D, g->dhsel + (size_t)i * D, D);

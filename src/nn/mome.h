@@ -52,6 +52,12 @@ int mome_model_plan(vlmoe_model *m, int B);
                               const vlmoe_backend_##S *be, int B);                               \
     void mome_graph_free_##S(mome_graph_##S *g);                                                  \
     void mome_graph_set_mode_##S(mome_graph_##S *g, int training, uint64_t seed);                 \
+    /* data parallelism: the global index of the batch's first sequence, which keys every */     \
+    /* token's routing noise (0 at creation) */                                                  \
+    void mome_graph_set_sample_base_##S(mome_graph_##S *g, uint64_t base);                        \
+    /* the divisors of the MLM and MIM heads' summed cross-entropy in the next forwards (0: */   \
+    /* the forward's own labelled count, a mean): data parallelism divides by the global count */ \
+    void mome_graph_set_norm_##S(mome_graph_##S *g, double text, double image);                   \
     /* tests: the additive router noise (n,E) of MoE layer `index` in the next forwards, in */    \
     /* place of drawing it (NULL: draw again) */                                                 \
     void mome_graph_set_noise_##S(mome_graph_##S *g, int index, const double *noise);             \

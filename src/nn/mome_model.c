@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "dist/dist.h"
 #include "nn/mome.h"
 #include "nn/routing.h"
 
@@ -121,6 +122,30 @@ static int need_mome(const vlmoe_model *m, const char *what) {
                                   m->L.cfg.name);
 }
 
+// Data parallelism (model_set_dist; a training forward of process r of W, whose batch of B is
+// sequences r*B.. of the one-process batch of W*B): the routing noise is keyed by the global
+// sequence index, and each head divides its summed cross-entropy by the labelled positions of
+// all processes over W (one all-reduce of the two counts), so that the gradients averaged over
+// the processes are those of the one-process mean. Anything else: the forward's own mean.
+static int data_parallel(vlmoe_model *m, const vlmoe_mome_batch *b, int training) {
+    mome_graph_f32 *g = m->mome->mg;
+    vlmoe_dist *d = training ? m->dist : NULL;
+    mome_graph_set_sample_base_f32(g, d ? (uint64_t)d->rank * (uint64_t)b->batch_size : 0);
+    mome_graph_set_norm_f32(g, 0, 0);
+    if (!d) return VLMOE_OK;
+    const vlmoe_model_config *c = &m->L.cfg;
+    const size_t nt = (size_t)b->batch_size * (size_t)c->context_length, np = (size_t)b->batch_size * m->L.mome->np;
+    int64_t n[2] = {0, 0}; // labelled text tokens, masked patches (what the graph's heads count)
+    if (b->encoding != VLMOE_ENC_IMAGE && b->text_labels)
+        for (size_t i = 0; i < nt; i++) n[0] += b->text_labels[i] >= 0;
+    if (b->encoding != VLMOE_ENC_TEXT && b->patch_labels)
+        for (size_t i = 0; i < np; i++) n[1] += b->patch_labels[i] >= 0;
+    int st = d->allreduce_sum(d, n, 2, VLMOE_DIST_I64);
+    if (st) return vlmoe_error_prefix("mome forward: counting the labelled positions of %d processes", d->world), st;
+    mome_graph_set_norm_f32(g, (double)n[0] / d->world, (double)n[1] / d->world);
+    return VLMOE_OK;
+}
+
 int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, vlmoe_mome_stats *s) {
     int st = need_mome(m, "mome forward");
     if (st) return st;
@@ -128,6 +153,7 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     if ((st = mome_model_plan(m, b->batch_size))) return st;
     mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels,
                          b->class_labels};
+    if ((st = data_parallel(m, b, training))) return st;
     mome_graph_set_mode_f32(m->mome->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
     m->have_forward = m->mome->have_itc = 0;
     vlmoe_mome_stats r;

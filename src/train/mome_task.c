@@ -3,12 +3,15 @@
 // and a caption dataset read by the loader; their masks (seeded by the step); the step's forwards
 // of equal size and the update; the train record's per-stream losses and routing (an eval-mode
 // forward of each stream's first chunk); the data state with the signature of the data set-up.
-// Covered by tests/test_vlmoe_train.c (the model's parts: tests/test_mome.c).
+// On W processes each forward is this process's block of the one-process forward (global_of).
+// Covered by tests/test_vlmoe_train.c (the model's parts: tests/test_mome.c) and, on several
+// processes, tests/test_train_dist.c and tests/test_dist_mpi.sh.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
+#include "data/masking.h"
 #include "data/order.h"
 #include "train/tasks.h"
 
@@ -44,8 +47,8 @@ struct vlmoe_mome_run {
     int n_synth;
     float *syn_img;
     int32_t *syn_tok, *syn_len;
-    vlmoe_loader *loader;                // --train-data streams: one loader batch of n_loader
-    int n_loader;
+    vlmoe_loader *loader;                // --train-data streams: one loader batch of n_loader per
+    int n_loader;                        // process (the loader reads world x n_loader, the global one)
     // The orders of the file-backed streams: sample i of a stream of n items is item perm_e[i mod
     // n] with perm_e drawn from (seed, stream, e = i / n), so every item comes once per epoch and
     // the samples of any step follow from the step alone (nothing to checkpoint).
@@ -59,6 +62,18 @@ struct vlmoe_mome_run {
     int *part_stream;                    // (nparts) the stream of each
     vlmoe_mome_report rep;
 };
+
+// Data parallelism. Process `rank` of W at batch B runs the forwards of one process at batch W*B:
+// the one-process run splits a stream of W*n samples into forwards of W*chunk, and this process
+// takes block `rank` (chunk samples) of each. Its sample j of a stream is therefore sample
+// global_of(j) of the one-process stream; the data, the masks and the routing noise follow from
+// that index, and the losses are divided by the labelled positions of every process
+// (src/nn/mome_model.c), so the gradients averaged over the processes are the one process's.
+// W = 1: global_of(j) = j.
+static uint64_t global_of(const vlmoe_mome_run *r, int j) {
+    const uint64_t c = (uint64_t)r->chunk, W = (uint64_t)r->p.world;
+    return (uint64_t)j / c * W * c + (uint64_t)r->p.rank * c + (uint64_t)j % c;
+}
 
 static int gcd(int a, int b) {
     while (b) {
@@ -77,9 +92,13 @@ int vlmoe_mome_split_batch(const vlmoe_mome_params *p, vlmoe_mome_split *out) {
         return vlmoe_fail(VLMOE_ERR_ARG, "--mix %d,%d,%d: expected three non-negative weights, not all 0", w[0], w[1],
                           w[2]);
     const int W = w[0] + w[1] + w[2], unit = W / gcd(gcd(gcd(w[0], w[1]), w[2]), W);
+    char procs[160] = ""; // on several processes the batch is per process, and each splits alike
+    if (p->world > 1)
+        snprintf(procs, sizeof(procs), " (per process: each of the %d processes splits its share of the global batch "
+                 "of %lld the way one process splits it)", p->world, (long long)p->batch_size * p->world);
     if (p->batch_size < 1 || p->batch_size % unit)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--batch-size %d does not split %d:%d:%d (--mix %d,%d,%d) into whole samples: "
-                          "use a positive multiple of %d", p->batch_size, w[0], w[1], w[2], w[0], w[1], w[2], unit);
+        return vlmoe_fail(VLMOE_ERR_ARG, "--batch-size %d does not split %d:%d:%d (--mix %d,%d,%d) into whole samples%s: "
+                          "use a positive multiple of %d", p->batch_size, w[0], w[1], w[2], w[0], w[1], w[2], procs, unit);
     const char *train = p->train_data.path;
     const int any = p->image_data || p->text_data || train;
     int *src = out->src;
@@ -202,7 +221,7 @@ static int setup_data(vlmoe_mome_run *r) {
         lp.data = p->train_data;
         lp.image = p->image;
         lp.seed = p->seed;
-        lp.batch_size = r->n_loader;
+        lp.batch_size = r->n_loader * r->p.world; // every process reads the global batch and takes its blocks
         lp.context_length = c->context_length;
         if (r->s[S_TEXT].src == VLMOE_MOME_LOADER || r->s[S_PAIR].src == VLMOE_MOME_LOADER) // else no captions needed
             lp.tokenize = p->tokenize, lp.tokenize_user = p->tokenize_user;
@@ -246,21 +265,30 @@ int vlmoe_mome_init(vlmoe_mome_run **out, const vlmoe_mome_params *p) {
     *out = NULL;
     if (!p->config || p->config->arch != VLMOE_ARCH_MOME)
         return vlmoe_fail(VLMOE_ERR_ARG, "VL-MoE pre-training: the model must be a VL-MoE (arch mome) model");
+    const int W = p->world > 1 ? p->world : 1;
+    if (p->world < 0 || p->rank < 0 || p->rank >= W)
+        return vlmoe_fail(VLMOE_ERR_ARG, "VL-MoE pre-training: process %d of a world of %d", p->rank, p->world);
+    if ((int64_t)p->batch_size * W > 1 << 20)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--batch-size %d x %d processes is more than 2^20 samples a step", p->batch_size, W);
     vlmoe_mome_split split;
     int st = vlmoe_mome_split_batch(p, &split);
     if (st) return st;
     vlmoe_mome_run *r = calloc(1, sizeof(*r));
     if (!r) return vlmoe_fail(VLMOE_ERR_NOMEM, "VL-MoE run");
     r->p = *p;
+    r->p.world = W;
     r->cfg = *p->config;
     r->p.config = &r->cfg;
     r->chunk = split.chunk, r->nparts = split.nparts;
     for (int k = 0; k < NSTREAMS; k++) r->s[k].src = split.src[k], r->s[k].n = split.n[k];
     r->rep.split = split;
     r->rep.loader_rows = -1;
-    // the data set-up a checkpoint is bound to: a resumed run must draw the samples it was due
-    uint64_t sig = vlmoe_order_mix(p->seed, (uint64_t)r->chunk) | 1;
-    for (int k = 0; k < NSTREAMS; k++) sig = vlmoe_order_mix(vlmoe_order_mix(sig, (uint64_t)r->s[k].n), (uint64_t)r->s[k].src) | 1;
+    // the data set-up a checkpoint is bound to: a resumed run must draw the samples it was due.
+    // The global sizes: a run on W processes at B resumes on W' at B*W/W' (any W alike at W = 1)
+    const uint64_t uw = (uint64_t)W;
+    uint64_t sig = vlmoe_order_mix(p->seed, uw * (uint64_t)r->chunk) | 1;
+    for (int k = 0; k < NSTREAMS; k++)
+        sig = vlmoe_order_mix(vlmoe_order_mix(sig, uw * (uint64_t)r->s[k].n), (uint64_t)r->s[k].src) | 1;
     r->rep.signature = sig;
     if ((st = setup_masks(r)) || (st = setup_data(r)) || (st = alloc_buffers(r))) {
         vlmoe_mome_free(r);
@@ -297,15 +325,21 @@ int vlmoe_mome_start(vlmoe_mome_run *r, vlmoe_model *m, const float *codebook, c
 
 const vlmoe_mome_report *vlmoe_mome_get_report(const vlmoe_mome_run *r) { return &r->rep; }
 
-// Copies samples [at, at + n) of batch b into stream k (what the stream uses: images, tokens).
-static void take(vlmoe_mome_run *r, int k, const vlmoe_batch *b, int at) {
+// Fills stream k from batch b, whose samples from `at` on are the stream's: this process's n
+// samples when !global, else the whole global stream of world x n (the loader's), whose blocks of
+// this process (global_of) are taken. Copies what the stream uses: images, tokens.
+static void take(vlmoe_mome_run *r, int k, const vlmoe_batch *b, int at, int global) {
     const vlmoe_model_config *c = &r->cfg;
     stream *s = &r->s[k];
     const size_t isz = (size_t)3 * c->image_size * c->image_size, T = (size_t)c->context_length;
-    if (k != S_TEXT) memcpy(s->img, b->images + (size_t)at * isz, sizeof(float) * isz * (size_t)s->n);
-    if (k != S_IMAGE) {
-        memcpy(s->tok, b->tokens + (size_t)at * T, sizeof(int32_t) * T * (size_t)s->n);
-        memcpy(s->len, b->lengths + at, sizeof(int32_t) * (size_t)s->n);
+    const size_t n = (size_t)r->chunk;
+    for (int j = 0; j < s->n; j += r->chunk) {
+        const size_t from = global ? (size_t)at * (size_t)r->p.world + (size_t)global_of(r, j) : (size_t)(at + j);
+        if (k != S_TEXT) memcpy(s->img + (size_t)j * isz, b->images + from * isz, sizeof(float) * isz * n);
+        if (k != S_IMAGE) {
+            memcpy(s->tok + (size_t)j * T, b->tokens + from * T, sizeof(int32_t) * T * n);
+            memcpy(s->len + j, b->lengths + from, sizeof(int32_t) * n);
+        }
     }
 }
 
@@ -322,9 +356,9 @@ static int fill_folder(vlmoe_mome_run *r, long step) {
     stream *s = &r->s[S_IMAGE];
     const int n = s->n, N = r->p.n_image_files;
     const size_t isz = (size_t)3 * r->cfg.image_size * r->cfg.image_size;
-    const uint64_t first = (uint64_t)step * (uint64_t)n;
+    const uint64_t first = (uint64_t)step * (uint64_t)n * (uint64_t)r->p.world; // the step's first global image
     for (int j = 0; j < n; j++)
-        r->slot_file[j] = (int)vlmoe_order_local(&r->img_order, (uint64_t)step, n, j), r->slot_msg[j][0] = 0;
+        r->slot_file[j] = (int)vlmoe_order_at(&r->img_order, first + global_of(r, j)), r->slot_msg[j][0] = 0;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : failed)
     for (int j = 0; j < n; j++) {
@@ -332,7 +366,7 @@ static int fill_folder(vlmoe_mome_run *r, long step) {
         vlmoe_rng g;
         int st = 1;
         for (int k = 0; k < N && st; k++) {
-            vlmoe_rng_seed(&g, vlmoe_order_mix(vlmoe_order_mix(r->img_order.seed, 0x696d67ull), first + (uint64_t)j));
+            vlmoe_rng_seed(&g, vlmoe_order_mix(vlmoe_order_mix(r->img_order.seed, 0x696d67ull), first + global_of(r, j)));
             st = vlmoe_image_load(r->p.image_files[(r->slot_file[j] + k) % N], &im);
             if (!st) st = vlmoe_image_preprocess_train(&im, &r->p.image, &g, s->img + (size_t)j * isz);
             if (st && !r->slot_msg[j][0]) snprintf(r->slot_msg[j], sizeof(r->slot_msg[j]), "%s", vlmoe_last_error());
@@ -357,7 +391,8 @@ static int fill_lines(vlmoe_mome_run *r, long step) {
     stream *s = &r->s[S_TEXT];
     const int T = r->cfg.context_length;
     for (int j = 0; j < s->n; j++) {
-        const size_t i = r->lines[vlmoe_order_local(&r->txt_order, (uint64_t)step, s->n, j)];
+        const uint64_t first = (uint64_t)step * (uint64_t)s->n * (uint64_t)r->p.world;
+        const size_t i = r->lines[vlmoe_order_at(&r->txt_order, first + global_of(r, j))];
         const int len = r->p.tokenize(r->p.tokenize_user, r->p.text_lines[i], s->tok + (size_t)j * T, T);
         if (len < 2)
             return vlmoe_fail(VLMOE_ERR_FORMAT, "--text-data %s:%ld: cannot tokenize: %s", r->p.text_data,
@@ -367,34 +402,65 @@ static int fill_lines(vlmoe_mome_run *r, long step) {
     return VLMOE_OK;
 }
 
-// Fills every stream with the samples of `step` (synthetic samples step*n_synth.., images, then
-// texts, then pairs, as the streams are ordered; the loader's next batch in the same layout; the
-// folder's and the text file's samples of the step) and masks them, seeded by the step so that a
-// resumed run draws the same masks.
+// The synthetic samples of this process in step `step`: one process takes samples
+// step*n_synth.. (images, then texts, then pairs, as the streams are ordered), W processes the
+// blocks of them that global_of names, a forward's block at a time.
+static int fill_synth(vlmoe_mome_run *r, long step) {
+    const vlmoe_model_config *c = &r->cfg;
+    const uint64_t W = (uint64_t)r->p.world, first = (uint64_t)step * (uint64_t)r->n_synth * W;
+    const size_t isz = (size_t)3 * c->image_size * c->image_size, T = (size_t)c->context_length;
+    for (int k = 0, at = 0; k < NSTREAMS; k++) {
+        if (r->s[k].src != VLMOE_MOME_SYNTH) continue;
+        for (int j = 0; j < r->s[k].n; j += r->chunk) {
+            const size_t o = (size_t)(at + j);
+            int st = vlmoe_synth_batch(r->synth, VLMOE_SPLIT_TRAIN, first + (uint64_t)at * W + global_of(r, j), r->chunk,
+                                       c->context_length, r->syn_img + o * isz, r->syn_tok + o * T, r->syn_len + o);
+            if (st) return vlmoe_error_prefix("synthetic data"), st;
+        }
+        at += r->s[k].n;
+    }
+    return VLMOE_OK;
+}
+
+// Fills every stream with the samples of `step` (the synthetic ones; the loader's next global
+// batch in the same layout, streams one after another; the folder's and the text file's samples
+// of the step) and masks them, seeded by the step and keyed by the global sample so that a
+// resumed run, and a run on any number of processes, draws the same masks.
 static int m_fill(void *u, long step) {
     vlmoe_mome_run *r = u;
     const vlmoe_model_config *c = &r->cfg;
     int st;
-    if (r->n_synth && (st = vlmoe_synth_batch(r->synth, VLMOE_SPLIT_TRAIN, (uint64_t)step * (uint64_t)r->n_synth,
-                                              r->n_synth, c->context_length, r->syn_img, r->syn_tok, r->syn_len)))
-        return vlmoe_error_prefix("synthetic data"), st;
+    if (r->n_synth && (st = fill_synth(r, step))) return st;
     const vlmoe_batch sb = {r->n_synth, r->syn_img, r->syn_tok, r->syn_len};
     vlmoe_batch lb = {0, NULL, NULL, NULL};
     if (r->n_loader && (st = vlmoe_loader_next(r->loader, &lb, NULL))) return vlmoe_error_prefix("--train-data"), st;
+    if (r->n_loader && lb.batch_size != r->n_loader * r->p.world)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--train-data: the loader gives batches of %d, not %d processes x %d",
+                          lb.batch_size, r->p.world, r->n_loader);
     for (int k = 0, at_syn = 0, at_ld = 0; k < NSTREAMS; k++) {
-        if (r->s[k].src == VLMOE_MOME_SYNTH) take(r, k, &sb, at_syn), at_syn += r->s[k].n;
-        if (r->s[k].src == VLMOE_MOME_LOADER) take(r, k, &lb, at_ld), at_ld += r->s[k].n;
+        if (r->s[k].src == VLMOE_MOME_SYNTH) take(r, k, &sb, at_syn, 0), at_syn += r->s[k].n;
+        if (r->s[k].src == VLMOE_MOME_LOADER) take(r, k, &lb, at_ld, 1), at_ld += r->s[k].n;
     }
     if (r->s[S_IMAGE].src == VLMOE_MOME_FOLDER && (st = fill_folder(r, step))) return st;
     if (r->s[S_TEXT].src == VLMOE_MOME_LINES && (st = fill_lines(r, step))) return st;
     stream *si = &r->s[S_IMAGE], *sx = &r->s[S_TEXT], *sp = &r->s[S_PAIR];
-    const int T = c->context_length, K = c->mim_vocab;
+    const int T = c->context_length, K = c->mim_vocab, n = r->chunk;
+    const size_t isz = (size_t)3 * c->image_size * c->image_size, Tz = (size_t)T;
+    const size_t np = (size_t)(c->image_size / c->patch_size) * (size_t)(c->image_size / c->patch_size);
     const uint64_t ms = r->p.seed * 1000003ULL + (uint64_t)step;
     st = VLMOE_OK;
-    if (si->n) st = vlmoe_mim_labels(c, r->cb, K, si->img, si->n, 0.4, ms, si->pl);
-    if (!st && sx->n) st = vlmoe_mlm_mask(&r->mlm, ms, sx->tok, sx->len, sx->n, T, sx->tin, sx->tl);
-    if (!st && sp->n) st = vlmoe_mlm_mask(&r->vlm, ms ^ 0x5555ULL, sp->tok, sp->len, sp->n, T, sp->tin, sp->tl);
-    if (!st && sp->n) st = vlmoe_mim_labels(c, r->cb, K, sp->img, sp->n, 0.4, ms ^ 0xaaaaULL, sp->pl);
+    // a forward's block at a time: its samples are consecutive global samples from global_of(j)
+    for (int j = 0; j < si->n && !st; j += n)
+        st = mim_labels_from(c, r->cb, K, si->img + (size_t)j * isz, n, 0.4, ms, global_of(r, j), si->pl + (size_t)j * np);
+    for (int j = 0; j < sx->n && !st; j += n)
+        st = mlm_mask_from(&r->mlm, ms, global_of(r, j), sx->tok + (size_t)j * Tz, sx->len + j, n, T,
+                           sx->tin + (size_t)j * Tz, sx->tl + (size_t)j * Tz);
+    for (int j = 0; j < sp->n && !st; j += n)
+        st = mlm_mask_from(&r->vlm, ms ^ 0x5555ULL, global_of(r, j), sp->tok + (size_t)j * Tz, sp->len + j, n, T,
+                           sp->tin + (size_t)j * Tz, sp->tl + (size_t)j * Tz);
+    for (int j = 0; j < sp->n && !st; j += n)
+        st = mim_labels_from(c, r->cb, K, sp->img + (size_t)j * isz, n, 0.4, ms ^ 0xaaaaULL, global_of(r, j),
+                             sp->pl + (size_t)j * np);
     if (st) vlmoe_error_prefix("masking");
     return st;
 }
@@ -512,7 +578,7 @@ static int m_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char
 static void m_data_state(void *u, long done, vlmoe_data_state *ds) {
     vlmoe_mome_run *r = u;
     if (r->loader) vlmoe_loader_position(r->loader, ds);
-    else ds->data_position = (uint64_t)done * (uint64_t)r->n_synth;
+    else ds->data_position = (uint64_t)done * (uint64_t)r->n_synth * (uint64_t)r->p.world; // global samples
     ds->data_rng[3] = r->rep.signature;
 }
 

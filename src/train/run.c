@@ -129,9 +129,11 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
         return vlmoe_fail(VLMOE_ERR_ARG, "run: missing step function, or a non-positive step count, cadence "
                           "or batch");
     vlmoe_dist *dist = p->dist ? p->dist : vlmoe_dist_single();
-    if (dist->world > 1 && vlmoe_model_get_config(vlmoe_trainer_model(t))->arch == VLMOE_ARCH_MOME)
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "run: VL-MoE (arch mome) training on several processes is not built yet "
-                          "(its masks and streams are drawn per process); train it on one");
+    // VL-MoE runs data-parallel (src/train/mome_task.c); its MoE layers are not split over processes
+    if (p->expert_parallel > 1 && vlmoe_model_get_config(vlmoe_trainer_model(t))->arch == VLMOE_ARCH_MOME)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "run: --expert-parallel %d: VL-MoE (arch mome) models train data-parallel "
+                          "only (every process holds every expert); run without --expert-parallel",
+                          p->expert_parallel);
     const int lead = dist->rank == 0;             // prints, evaluates and writes
     const int writer = lead && p->dir;            // no folder: a run that keeps nothing but the model
     vlmoe_run_params q = *p;

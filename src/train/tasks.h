@@ -157,6 +157,10 @@ typedef struct {
     void *tokenize_user;
     int text_vocab;                   // the ids tokenize writes (0: the synthetic word tokenizer):
     const char *tokenizer;            // [MASK] must lie outside them; the file, for messages
+    int rank, world;                  // data parallelism (world 0 or 1: one process): batch_size is
+                                      // per process, the global batch world x batch_size; each
+                                      // forward of `chunk` samples is this process's block of the
+                                      // one-process forward of world x chunk (mome_task.c)
 } vlmoe_mome_params;
 
 // How a step splits: each stream's source and samples, and the forwards of `chunk` samples (every

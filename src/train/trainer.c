@@ -231,25 +231,60 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
     return VLMOE_OK;
 }
 
+// Data parallelism: each part's statistics over every process's share of it (the one-process
+// part): the losses, whose per-process values are shares scaled by W (src/nn/mome_model.c), and
+// the auxiliary losses average; the accuracies weigh by the labelled positions, which add up.
+static int reduce_parts(vlmoe_dist *d, vlmoe_mome_stats *ps, int n, long step) {
+    enum { K = 8 };
+    double *v = malloc(sizeof(double) * K * (size_t)n);
+    if (!v) return vlmoe_fail(VLMOE_ERR_NOMEM, "step %ld: statistics of %d forwards", step, n);
+    for (int i = 0; i < n; i++) {
+        const vlmoe_mome_stats *p = &ps[i];
+        const double x[K] = {p->loss, p->text, p->image, p->aux, p->text_acc * p->text_count,
+                             p->image_acc * p->image_count, p->text_count, p->image_count};
+        memcpy(v + (size_t)K * i, x, sizeof(x));
+    }
+    int st = d->allreduce_sum(d, v, (size_t)K * n, VLMOE_DIST_F64);
+    for (int i = 0; i < n && !st; i++) {
+        const double *x = v + (size_t)K * i;
+        vlmoe_mome_stats *p = &ps[i];
+        p->loss = x[0] / d->world, p->text = x[1] / d->world, p->image = x[2] / d->world, p->aux = x[3] / d->world;
+        p->text_acc = x[6] > 0 ? x[4] / x[6] : 0, p->image_acc = x[7] > 0 ? x[5] / x[7] : 0;
+        p->text_count = (int)x[6], p->image_count = (int)x[7];
+    }
+    free(v);
+    return st ? (vlmoe_error_prefix("step %ld: statistics all-reduce", step), st) : VLMOE_OK;
+}
+
 int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int nparts,
                             vlmoe_mome_stats *part_stats, vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
     if (nparts < 1) return failed(t, vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step), step, &s);
+    // Data parallelism: every forward all-reduces its label counts (src/nn/mome_model.c), so a
+    // process whose forward failed (a non-finite loss, bad labels) still runs the others' forwards
+    // to keep the collectives in step, and the first failure stops every process after the last.
+    int bad = VLMOE_OK;
+    char why[512] = "";
     for (int i = 0; i < nparts; i++) {
         vlmoe_mome_stats ps;
         int st = vlmoe_mome_forward(t->m, &parts[i], 1, &ps);
-        if (!st) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
-        if (st) {
+        if (!st && !bad) st = vlmoe_mome_backward(t->m, i > 0); // the objectives' gradients add up
+        if (st && !bad) {
             vlmoe_error_prefix("step %ld, batch %d", step, i);
-            return failed(t, st, step, &s);
+            if (!t->dist) return st;
+            bad = st;
+            snprintf(why, sizeof(why), "%s", vlmoe_last_error());
         }
+        if (bad) continue;
         if (part_stats) part_stats[i] = ps;
         s.loss += ps.loss;
         s.aux += ps.aux;
     }
+    if (bad) return failed(t, vlmoe_fail(bad, "%s", why), step, &s);
     int st = apply(t, step, &s);
+    if (!st && t->dist && part_stats) st = reduce_parts(t->dist, part_stats, nparts, step);
     if (st) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
