@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "dist/dist.h"
+#include "nn/model.h"
 #include "test.h"
 #include "test_mpi.h"
 #include "train/run.h"
@@ -36,6 +37,32 @@ static void routing_counts(vlmoe_model *m, int64_t *out) {
             for (int e = 0; e < ms[i].num_experts && ms[i].accepted[mod]; e++)
                 if (k < NCOUNT) out[k++] = llround(ms[i].accepted[mod][e] * tok);
         }
+}
+
+// Expert parallelism shards the experts' training state (src/train/trainer.c): after the steps
+// and before the gather, this process's AdamW moments are non-zero in its own experts' slices of
+// every expert bank and untouched (zero) in every other expert's, whose parameters are still
+// those of the initialisation.
+static void check_sharded(vlmoe_model *m, vlmoe_trainer *t, const float *init, vlmoe_dist *ep) {
+    model_bank b[64];
+    const int nb = model_expert_banks(m, b, 64);
+    float *mom = NULL;
+    vlmoe_optim_state_get(vlmoe_trainer_optim(t), 0, NULL, &mom, NULL);
+    const float *w = vlmoe_model_param_data(m);
+    CHECK(nb > 0 && nb <= 64 && mom, "expert banks: %d", nb);
+    long own_nz = 0, other_nz = 0, other_moved = 0;
+    for (int i = 0; i < nb && nb <= 64 && mom; i++)
+        for (int x = 0; x < b[i].E; x++) {
+            const int mine = x / (b[i].E / ep->world) == ep->rank;
+            for (size_t k = 0; k < b[i].per; k++) {
+                const size_t o = b[i].offset + (size_t)x * b[i].per + k;
+                if (mine) own_nz += mom[o] != 0;
+                else other_nz += mom[o] != 0, other_moved += w[o] != init[o];
+            }
+        }
+    CHECK(own_nz > 0 && other_nz == 0 && other_moved == 0, "sharded experts, process %d of its group: %ld non-zero "
+          "moments in its experts, %ld in the others', %ld of the others' parameters moved", ep->rank, own_nz,
+          other_nz, other_moved);
 }
 
 static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, int accum, double *losses, double *norms,
@@ -65,6 +92,11 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, in
                                          .world = d ? d->world : 1, .accum_freq = accum};
     if (!st) st = vlmoe_contrastive_init(&task, &cp);
     const vlmoe_run_task rt = task ? vlmoe_contrastive_task(task) : (vlmoe_run_task){0};
+    float *init = NULL;
+    if (!st) {
+        init = malloc(sizeof(float) * vlmoe_model_num_floats(m));
+        memcpy(init, vlmoe_model_param_data(m), sizeof(float) * vlmoe_model_num_floats(m));
+    }
     vlmoe_trainer_set_dist(t, d, ep);
     for (long step = 0; !st && step < STEPS; step++) {
         vlmoe_step_stats ss;
@@ -73,6 +105,9 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, in
         if (!st) losses[step] = ss.loss, norms[step] = ss.grad_norm;
         if (!st && counts) routing_counts(m, counts[step]);
     }
+    if (!st && ep && ep->world > 1) check_sharded(m, t, init, ep);
+    if (!st) st = vlmoe_trainer_gather_experts(t, 1); // the others' experts, to compare whole models
+    free(init);
     if (!st && params) {
         *n = vlmoe_model_num_floats(m);
         *params = malloc(sizeof(float) * *n);

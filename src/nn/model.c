@@ -75,6 +75,25 @@ void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc
 #undef NAME
 }
 
+int model_expert_banks(const vlmoe_model *m, model_bank *out, int cap) {
+    const model_layout *L = &m->L;
+    int n = 0;
+    for (int e = 0; e < L->nenc && L->arch == &model_arch_towers; e++) {
+        const encoder_layout *en = &L->enc[e];
+        if (!en->moe || en->moe->router == VLMOE_ROUTER_SOFT) continue;
+        const int E = en->moe->num_experts;
+        for (int l = 0; l < en->layers; l++) {
+            const ffn_layout *f = &en->blocks[l].ffn;
+            if (f->kind != FFN_MOE) continue;
+            const size_t M = (size_t)en->mlp, D = (size_t)en->width;
+            const model_bank b[4] = {{f->fc1_w, M * D, E}, {f->fc1_b, M, E}, {f->fc2_w, D * M, E}, {f->fc2_b, D, E}};
+            for (int k = 0; k < 4; k++, n++)
+                if (n < cap) out[n] = b[k];
+        }
+    }
+    return n;
+}
+
 void layout_add_attention(table_builder *tb, block_layout *b, int D, const char *prefix) {
     char n[160];
 #define NAME(s) (snprintf(n, sizeof(n), "%s.%s", prefix, s), n)

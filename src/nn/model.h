@@ -263,6 +263,17 @@ void model_release_backend(vlmoe_model *m);
 // its group (src/moe/layer.c).
 void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts);
 
+// The expert banks that expert parallelism splits (src/train/trainer.c shards their gradient
+// reduction and optimizer state): every (E, ...) tensor of the towers' token- and experts-choice
+// MoE layers (Soft MoE layers are not split), from the layout: offset, floats per expert (one
+// expert's slice is contiguous, experts being the leading dimension) and E. Writes at most cap
+// and returns how many there are.
+typedef struct {
+    size_t offset, per;
+    int E;
+} model_bank;
+int model_expert_banks(const vlmoe_model *m, model_bank *out, int cap);
+
 // Gradient accumulation (src/nn/towers_accum.c; OpenCLIP's --accum-freq): the gradient of one
 // step over the n micro-batches mb (of one batch size B each) as one batch of n*B pairs, in order
 // (with data parallelism, this process's block of the global batch of W*n*B pairs, gathered in

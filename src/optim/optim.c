@@ -4,6 +4,7 @@
 // Covered by tests/test_optim.c (hand-worked steps, PyTorch AdamW parity fixture).
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
@@ -250,7 +251,11 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
         st = vlmoe_fail(VLMOE_ERR_ARG, "optim: state of %zu floats overflows size_t", nfloats);
         goto fail;
     }
-    o->pool = vlmoe_calloc(bytes, "optimizer state");
+    // calloc, not vlmoe_calloc's memset: a large pool comes as zero pages the kernel maps only when
+    // written, so with expert parallelism the moments of experts this process never updates
+    // cost no memory (docs/DISTRIBUTED.md, "Sharded experts")
+    o->pool = calloc(1, bytes ? bytes : 1);
+    if (!o->pool) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for optimizer state", bytes);
     o->states = vlmoe_calloc((size_t)o->nstates * sizeof *o->states, "optimizer state list");
     if (!o->pool || !o->states) goto nomem;
     if (p->kind == VLMOE_OPT_ADAMW) {
@@ -291,6 +296,26 @@ void vlmoe_optim_free(vlmoe_optim *o) {
     vlmoe_free_mem(o->slots);
     vlmoe_free_mem(o->row_mean);
     vlmoe_free_mem(o);
+}
+
+const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n) {
+    *n = o->nparams;
+    return o->table;
+}
+
+int optim_set_table(vlmoe_optim *o, const vlmoe_param_info *table, int n) {
+    if (o->p.kind != VLMOE_OPT_ADAMW)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: only AdamW's table can change after init (Adafactor's state is "
+                          "shaped by its tensors)");
+    if (n < 1 || !table) return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new table needs at least one entry");
+    int st = check_table(table, n, o->total);
+    if (st) return st;
+    vlmoe_param_info *t = vlmoe_alloc((size_t)n * sizeof *table, "optimizer parameter table");
+    if (!t) return VLMOE_ERR_NOMEM;
+    memcpy(t, table, (size_t)n * sizeof *table);
+    vlmoe_free_mem(o->table);
+    o->table = t, o->nparams = n;
+    return VLMOE_OK;
 }
 
 long vlmoe_optim_get_step(const vlmoe_optim *o) { return o ? o->step : 0; }

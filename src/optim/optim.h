@@ -14,4 +14,11 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
 // vlmoe_clip_grad_norm on `be`.
 double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm);
 
+// The tensors the optimizer updates (a copy of its table), and replacing them by others of the
+// same buffer (expert parallelism: an expert bank's entry narrowed to this process's experts, so
+// the other experts' parameters and AdamW moments are neither updated nor touched). AdamW only:
+// Adafactor's state is shaped by its table (VLMOE_ERR_CONFIG); the table is checked as at init.
+const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n);
+int optim_set_table(vlmoe_optim *o, const vlmoe_param_info *table, int n);
+
 #endif

@@ -70,24 +70,6 @@ static int evaluate(const vlmoe_run_task *task, const vlmoe_run_params *p, vlmoe
     return st;
 }
 
-// Before a checkpoint of a run on several processes: every process must hold the same step and
-// the same parameters (a checksum of their bits), or the file would not be the run's state.
-static int check_replicas(vlmoe_dist *d, vlmoe_trainer *t) {
-    vlmoe_model *m = vlmoe_trainer_model(t);
-    const uint32_t *w = (const uint32_t *)vlmoe_model_param_data(m);
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < vlmoe_model_num_floats(m); i++) h = (h ^ w[i]) * 1099511628211ull;
-    const int64_t c = (int64_t)(h >> 2), step = vlmoe_trainer_get_step(t);
-    int64_t v[4] = {c, -c, step, -step};
-    int st = d->allreduce_max(d, v, 4, VLMOE_DIST_I64);
-    if (st) return vlmoe_error_prefix("checkpoint"), st;
-    if (v[0] != -v[1] || v[2] != -v[3])
-        return vlmoe_fail(VLMOE_ERR_NUMERIC, "checkpoint at step %lld: the processes hold different %s (process %d: "
-                          "step %lld, checksum %016llx); nothing was written", (long long)step,
-                          v[2] != -v[3] ? "steps" : "parameters", d->rank, (long long)step, (unsigned long long)c);
-    return VLMOE_OK;
-}
-
 static void fmt_eta(char *buf, size_t n, double s) {
     long t = (long)(s + 0.5);
     snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
@@ -151,7 +133,11 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
                                  : vlmoe_dist_split(dist, dist->rank / N, dist->rank, &experts);
         if (e) return vlmoe_error_prefix("--expert-parallel %d", N), e;
     }
-    vlmoe_trainer_set_dist(t, dist, experts);
+    int st = vlmoe_trainer_set_dist(t, dist, experts);
+    if (st) {
+        if (experts && experts != dist) vlmoe_dist_close(experts);
+        return vlmoe_error_prefix("run on %d processes", dist->world), st;
+    }
     if (dist->world > 1) { // every process starts from rank 0's parameters and step
         vlmoe_model *m = vlmoe_trainer_model(t);
         int64_t at = vlmoe_trainer_get_step(t);
@@ -171,7 +157,7 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
     snprintf(path, sizeof(path), "%s/metrics.jsonl", p->dir ? p->dir : ".");
     const long start = vlmoe_trainer_get_step(t);
     vlmoe_metrics *mx = NULL;
-    int st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;
+    st = writer ? vlmoe_metrics_open(&mx, path, start) : VLMOE_OK;
     double t_last = now(), sum_loss = 0;
     long last = start;
     const long hang_at = test_hook("VLMOE_TEST_HANG_RANK", dist->rank, start + 1);
@@ -197,11 +183,15 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             t_last = tn, last = done, sum_loss = 0;
         }
         const int saving = p->dir && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps);
-        if (!st && saving && dist->world > 1) st = check_replicas(dist, t);
+        // sharded experts: rank 0 holds stale copies of the others' experts until it gathers them
+        const int eval_due = task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps;
+        if (!st && (saving || eval_due)) st = vlmoe_trainer_gather_experts(t, 0);
+        if (!st && saving && dist->world > 1) st = vlmoe_trainer_check_replicas(t, dist);
         if (!st && saving && writer) st = save(t, task, p, ckdir, done);
-        if (!st && lead && task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps)
-            st = evaluate(task, p, mx, done);
+        if (!st && lead && eval_due) st = evaluate(task, p, mx, done);
     }
+    // every process leaves the run with the whole model (a caller may read or save any's)
+    if (!st) st = vlmoe_trainer_gather_experts(t, 1);
     if (!st && lead && task->eval && p->eval_at_end && start < p->steps) st = evaluate(task, p, mx, p->steps);
     vlmoe_trainer_set_dist(t, NULL, NULL);
     if (experts && experts != dist) vlmoe_dist_close(experts);

@@ -23,11 +23,250 @@ struct vlmoe_trainer {
     vlmoe_param_info *frozen;   // freeze_moe, lock_*: tensors left out of the optimizer
     int nfrozen;
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
+    struct shard *shard;        // expert parallelism with AdamW: who reduces and updates what (below)
 };
 
-void vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts) {
+// Expert parallelism shards the experts' training state (issue 15): a process of an expert group
+// of N computes the gradients of its E/N experts of every bank only, so those are all-reduced
+// only over the `replicas`, the processes at the same place of every group (world / N of them),
+// and AdamW updates only them; the dense parameters are all-reduced over the whole world as in
+// plain data parallelism. The parameters stay replicated (every process allocates every expert:
+// the forward reads only its own, src/moe/layer.c ep_forward), but the other experts' slices,
+// their gradients and moments are never touched, and the moments' zero pages never become
+// resident (src/optim/optim.c). Those slices are stale between steps: rank 0 gathers them before
+// it writes or evaluates, every process at the end of a run (vlmoe_trainer_gather_experts).
+typedef struct { size_t off, n; } span; // floats [off, off + n) of the flat buffer
+
+struct shard {
+    vlmoe_dist *experts, *replicas; // replicas: NULL when groups span the world (one copy each)
+    int q, N;                       // this process's place in its group, the group's size
+    int root_group;                 // the group holds world rank 0
+    model_bank *banks;
+    int nbanks;
+    span *dense;                    // the buffer outside every bank, in order
+    int ndense;
+    size_t ndense_floats, nown_floats;
+    float *buf;                     // packing scratch for the all-reduces
+    size_t *cnt;                    // (4N) all-to-all counts and displacements of the gather
+    vlmoe_param_info *full;         // the optimizer's table before it was narrowed
+    int nfull;
+};
+
+static void shard_free(vlmoe_trainer *t) {
+    struct shard *sh = t->shard;
+    if (!sh) return;
+    if (sh->full) optim_set_table(t->opt, sh->full, sh->nfull); // cannot fail: the table it had
+    if (sh->replicas) vlmoe_dist_close(sh->replicas);
+    free(sh->banks), free(sh->dense), free(sh->cnt), free(sh->full);
+    vlmoe_free_mem(sh->buf);
+    free(sh);
+    t->shard = NULL;
+}
+
+static int cmp_bank(const void *a, const void *b) {
+    const size_t x = ((const model_bank *)a)->offset, y = ((const model_bank *)b)->offset;
+    return x < y ? -1 : x > y;
+}
+
+// This process's share of bank b: floats [off, off + n).
+static span own_span(const struct shard *sh, const model_bank *b) {
+    const size_t El = (size_t)(b->E / sh->N);
+    return (span){b->offset + (size_t)sh->q * El * b->per, El * b->per};
+}
+
+// Sets up t->shard for expert groups `ex` of world d (collective over d: the replicas' split).
+static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
+    struct shard *sh = t->shard = calloc(1, sizeof(*sh));
+    if (!sh) return vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    sh->experts = ex, sh->q = ex->rank, sh->N = ex->world;
+    const size_t total = vlmoe_model_num_floats(t->m);
+    int nb = model_expert_banks(t->m, NULL, 0), n;
+    sh->banks = malloc(sizeof(model_bank) * (size_t)(nb + 1));
+    sh->dense = malloc(sizeof(span) * (size_t)(nb + 1));
+    sh->cnt = malloc(sizeof(size_t) * 4 * (size_t)sh->N);
+    const vlmoe_param_info *tab = optim_table(t->opt, &n);
+    sh->full = malloc(sizeof(*tab) * (size_t)n);
+    vlmoe_param_info *narrow = malloc(sizeof(*tab) * (size_t)n);
+    if (!sh->banks || !sh->dense || !sh->cnt || !sh->full || !narrow)
+        return free(narrow), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    sh->nbanks = model_expert_banks(t->m, sh->banks, nb);
+    for (int i = 0; i < nb; i++)
+        if (sh->banks[i].E % sh->N)
+            return free(narrow), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d "
+                                            "processes (the process count must divide num_experts)", sh->banks[i].E, sh->N);
+    qsort(sh->banks, (size_t)nb, sizeof(model_bank), cmp_bank);
+    memcpy(sh->full, tab, sizeof(*tab) * (size_t)n);
+    memcpy(narrow, tab, sizeof(*tab) * (size_t)n);
+    // the dense runs between the banks, and the optimizer's entries of the banks narrowed
+    size_t at = 0;
+    for (int i = 0; i < nb; i++) {
+        const model_bank *b = &sh->banks[i];
+        if (b->offset > at) sh->dense[sh->ndense++] = (span){at, b->offset - at};
+        at = b->offset + (size_t)b->E * b->per;
+        sh->nown_floats += own_span(sh, b).n;
+        for (int k = 0; k < n; k++) {
+            vlmoe_param_info *p = &narrow[k];
+            if (p->offset != b->offset) continue;
+            if (p->ndim < 1 || p->shape[0] != b->E || p->numel != (size_t)b->E * b->per)
+                return free(narrow), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: tensor '%s' is not an "
+                                                "(E = %d, ...) expert bank", p->name, b->E);
+            const span o = own_span(sh, b);
+            p->offset = o.off, p->numel = o.n, p->shape[0] = b->E / sh->N;
+        }
+    }
+    if (total > at) sh->dense[sh->ndense++] = (span){at, total - at};
+    for (int i = 0; i < sh->ndense; i++) sh->ndense_floats += sh->dense[i].n;
+    sh->nfull = n;
+    int st = optim_set_table(t->opt, narrow, n);
+    free(narrow);
+    if (st) return free(sh->full), sh->full = NULL, st;
+    const size_t nbuf = sh->ndense_floats > sh->nown_floats ? sh->ndense_floats : sh->nown_floats;
+    if (!(sh->buf = vlmoe_alloc(sizeof(float) * (nbuf + 1), "expert parallelism: packing buffer")))
+        return VLMOE_ERR_NOMEM;
+    int32_t r0 = d->rank; // which group holds world rank 0 (its checkpoints' gathers)
+    if ((st = ex->broadcast(ex, &r0, 1, VLMOE_DIST_I32, 0))) return st;
+    sh->root_group = r0 == 0;
+    // the replicas: the same place q in every group
+    if (ex->world < d->world && (st = vlmoe_dist_split(d, sh->q, d->rank, &sh->replicas))) return st;
+    return VLMOE_OK;
+}
+
+int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts) {
+    shard_free(t);
     t->dist = d && d->world > 1 ? d : NULL;
     model_set_dist(t->m, t->dist, experts);
+    // Adafactor's factored moments are shaped by whole banks: with it the experts' state stays
+    // replicated and their gradients are all-reduced over the world (every process's copy)
+    if (!t->dist || !experts || experts->world < 2 || t->p.optim.kind != VLMOE_OPT_ADAMW) return VLMOE_OK;
+    int st = shard_init(t, t->dist, experts);
+    if (st) {
+        shard_free(t);
+        return vlmoe_error_prefix("expert parallelism over %d processes", experts->world), st;
+    }
+    return VLMOE_OK;
+}
+
+// Copies the spans of a between the flat buffer g and the packed buffer p (pack 1) or back.
+static void copy_spans(float *g, float *p, const span *s, int n, int pack) {
+    for (int i = 0; i < n; i++) {
+        memcpy(pack ? p : g + s[i].off, pack ? g + s[i].off : p, sizeof(float) * s[i].n);
+        p += s[i].n;
+    }
+}
+
+// The sharded gradient reduction: dense runs summed over the world, this process's experts over
+// its replicas, each in one packed all-reduce. The other experts' gradients are left as they are
+// (zero: this process's backward writes only its own experts'); nothing reads them.
+static int reduce_sharded(vlmoe_trainer *t, float *g) {
+    struct shard *sh = t->shard;
+    copy_spans(g, sh->buf, sh->dense, sh->ndense, 1);
+    int e = t->dist->allreduce_sum(t->dist, sh->buf, sh->ndense_floats, VLMOE_DIST_F32);
+    if (e) return e;
+    copy_spans(g, sh->buf, sh->dense, sh->ndense, 0);
+    if (!sh->replicas || sh->replicas->world < 2) return VLMOE_OK;
+    float *p = sh->buf;
+    for (int i = 0; i < sh->nbanks; i++) {
+        const span o = own_span(sh, &sh->banks[i]);
+        memcpy(p, g + o.off, sizeof(float) * o.n), p += o.n;
+    }
+    if ((e = sh->replicas->allreduce_sum(sh->replicas, sh->buf, sh->nown_floats, VLMOE_DIST_F32))) return e;
+    p = sh->buf;
+    for (int i = 0; i < sh->nbanks; i++) {
+        const span o = own_span(sh, &sh->banks[i]);
+        memcpy(g + o.off, p, sizeof(float) * o.n), p += o.n;
+    }
+    return VLMOE_OK;
+}
+
+// Global-norm clipping over the sharded gradient: every expert's gradient counted once (its
+// owner's, summed over the group) and the dense ones once; the whole buffer is scaled (the other
+// experts' slices are unused). The one-process norm to double rounding.
+static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
+    struct shard *sh = t->shard;
+    const vlmoe_backend_f32 *hb = model_host_backend(t->m);
+    double dense = 0, own = 0;
+    for (int i = 0; i < sh->ndense; i++) dense += hb->sumsq(hb, g + sh->dense[i].off, sh->dense[i].n, NULL);
+    for (int i = 0; i < sh->nbanks; i++) {
+        const span o = own_span(sh, &sh->banks[i]);
+        own += hb->sumsq(hb, g + o.off, o.n, NULL);
+    }
+    int e = sh->experts->allreduce_sum(sh->experts, &own, 1, VLMOE_DIST_F64);
+    if (e) return e;
+    *norm = sqrt(dense + own);
+    const double max = t->p.grad_clip_norm;
+    if (max > 0.0 && *norm > max) hb->scale(hb, g, vlmoe_model_num_floats(t->m), (float)(max / (*norm + 1e-6)));
+    return VLMOE_OK;
+}
+
+// Brings the other experts' current parameters and AdamW moments from their owners: to rank 0
+// only (every = 0: before it writes a checkpoint or evaluates; the other processes keep their
+// slices untouched), or to every process (every = 1: the end of a run, whose model every process
+// then holds whole). Collective over the world; nothing to do without sharding.
+int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
+    struct shard *sh = t->shard;
+    if (!sh || (!every && !sh->root_group)) return VLMOE_OK;
+    vlmoe_dist *ex = sh->experts;
+    float *bufs[3] = {vlmoe_model_param_data(t->m), NULL, NULL};
+    for (int k = 0; k < 2; k++) vlmoe_optim_state_get(t->opt, k, NULL, &bufs[k + 1], NULL); // adamw.m, adamw.v
+    size_t *sc = sh->cnt, *sd = sc + sh->N, *rc = sd + sh->N, *rd = rc + sh->N;
+    int e = VLMOE_OK;
+    for (int i = 0; i < sh->nbanks && !e; i++) {
+        const span o = own_span(sh, &sh->banks[i]);
+        for (int k = 0; k < 3 && !e; k++) {
+            float *bank = bufs[k] + sh->banks[i].offset;
+            if (every) {
+                e = ex->allgather(ex, bank, bufs[k] + o.off, o.n, VLMOE_DIST_F32); // in place
+                continue;
+            }
+            // a gather to the group's first process: each sends it its slice, it places them
+            for (int j = 0; j < sh->N; j++) {
+                sc[j] = sh->q && !j ? o.n : 0, sd[j] = 0;
+                rc[j] = !sh->q && j ? o.n : 0, rd[j] = (size_t)j * o.n;
+            }
+            e = sh->q ? ex->alltoallv(ex, sh->buf, rc, rd, bufs[k] + o.off, sc, sd, VLMOE_DIST_F32)
+                      : ex->alltoallv(ex, bank, rc, rd, sh->buf, sc, sd, VLMOE_DIST_F32);
+        }
+    }
+    return e ? (vlmoe_error_prefix("gathering the experts from their processes"), e) : VLMOE_OK;
+}
+
+// Before a checkpoint of a run on several processes: every process must hold the same step and
+// the same parameters (a checksum of their bits), or the file would not be the run's state. With
+// sharded experts a process answers for the dense parameters, compared over the world, and its
+// own experts, compared over its replicas; the other experts' slices are no process's copy.
+static uint64_t fnv(uint64_t h, const float *x, size_t n) {
+    const uint32_t *w = (const uint32_t *)x;
+    for (size_t i = 0; i < n; i++) h = (h ^ w[i]) * 1099511628211ull;
+    return h;
+}
+
+static int agree(vlmoe_dist *d, uint64_t h, int64_t step, const char *what, int rank) {
+    const int64_t c = (int64_t)(h >> 2);
+    int64_t v[4] = {c, -c, step, -step};
+    int st = d->allreduce_max(d, v, 4, VLMOE_DIST_I64);
+    if (st) return vlmoe_error_prefix("checkpoint"), st;
+    if (v[0] != -v[1] || v[2] != -v[3])
+        return vlmoe_fail(VLMOE_ERR_NUMERIC, "checkpoint at step %lld: the processes hold different %s (process %d: "
+                          "step %lld, checksum %016llx); nothing was written", (long long)step,
+                          v[2] != -v[3] ? "steps" : what, rank, (long long)step, (unsigned long long)c);
+    return VLMOE_OK;
+}
+
+int vlmoe_trainer_check_replicas(vlmoe_trainer *t, vlmoe_dist *d) {
+    const float *w = vlmoe_model_param_data(t->m);
+    const int64_t step = vlmoe_trainer_get_step(t);
+    const struct shard *sh = t->shard;
+    uint64_t h = 1469598103934665603ull;
+    if (!sh) return agree(d, fnv(h, w, vlmoe_model_num_floats(t->m)), step, "parameters", d->rank);
+    for (int i = 0; i < sh->ndense; i++) h = fnv(h, w + sh->dense[i].off, sh->dense[i].n);
+    int st = agree(d, h, step, "parameters", d->rank);
+    if (st || !sh->replicas) return st;
+    h = 1469598103934665603ull;
+    for (int i = 0; i < sh->nbanks; i++) {
+        const span o = own_span(sh, &sh->banks[i]);
+        h = fnv(h, w + o.off, o.n);
+    }
+    return agree(sh->replicas, h, step, "experts' parameters", d->rank);
 }
 
 // Data parallelism: every process agrees whether the step diverged (one flag, its maximum), then
@@ -44,7 +283,8 @@ static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s)
     float *g = vlmoe_model_grad_data(t->m);
     const size_t n = vlmoe_model_num_floats(t->m);
     double v[5] = {s->loss, s->contrastive, s->aux, s->acc_i2t, s->acc_t2i};
-    if ((e = d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) || (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
+    if ((e = t->shard ? reduce_sharded(t, g) : d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) ||
+        (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
         return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
     const vlmoe_backend_f32 *hb = model_host_backend(t->m); // the gradients' master copy
     hb->scale(hb, g, n, (float)(1.0 / d->world));
@@ -150,6 +390,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
 void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (!t) return;
     if (t->p.lock_image || t->p.lock_text) model_set_frozen_towers(t->m, 0, 0); // the model trains whole again
+    shard_free(t);
     vlmoe_optim_free(t->opt);
     free(t->frozen);
     free(t);
@@ -169,7 +410,12 @@ static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
-    s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm);
+    if (t->shard) {
+        if ((st = clip_sharded(t, g, &s->grad_norm))) return vlmoe_error_prefix("step %ld: gradient norm", step), st;
+    } else {
+        s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m),
+                                            t->p.grad_clip_norm);
+    }
     s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
     vlmoe_optim_step(t->opt, vlmoe_model_param_data(t->m), g, (float)s->lr);
     vlmoe_model_clamp(t->m);
