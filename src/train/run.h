@@ -80,9 +80,9 @@ int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int
 // NULL, NULL undoes it (not collective).
 int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts);
 // Sharded experts: brings every expert's current parameters and AdamW moments from its owner to
-// rank 0 (every 0: before rank 0 writes or evaluates) or to every process (every 1: at the end of
-// a run, after which every process holds the whole model). Collective over the world; a no-op
-// without sharding.
+// rank 0 (before rank 0 writes or evaluates), and with every 1 (at the end of a run, after which
+// every process holds the whole model) the parameters to every process as well. Collective over
+// the world; a no-op without sharding.
 int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every);
 // Before a checkpoint on several processes: every process holds the same step and the same
 // parameters, checked by checksums (with sharded experts: the dense ones over the world, each

@@ -45,8 +45,9 @@ struct shard {
     int nbanks;
     span *dense;                    // the buffer outside every bank, in order
     int ndense;
-    size_t ndense_floats, nown_floats;
-    float *buf;                     // packing scratch for the all-reduces
+    span *own;                      // (nbanks) this process's slice of each bank
+    float *buf;                     // packing scratch for the all-reduces: nbuf floats
+    size_t nbuf;
     size_t *cnt;                    // (4N) all-to-all counts and displacements of the gather
     vlmoe_param_info *full;         // the optimizer's table before it was narrowed
     int nfull;
@@ -57,7 +58,7 @@ static void shard_free(vlmoe_trainer *t) {
     if (!sh) return;
     if (sh->full) optim_set_table(t->opt, sh->full, sh->nfull); // cannot fail: the table it had
     if (sh->replicas) vlmoe_dist_close(sh->replicas);
-    free(sh->banks), free(sh->dense), free(sh->cnt), free(sh->full);
+    free(sh->banks), free(sh->dense), free(sh->own), free(sh->cnt), free(sh->full);
     vlmoe_free_mem(sh->buf);
     free(sh);
     t->shard = NULL;
@@ -83,11 +84,12 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
     int nb = model_expert_banks(t->m, NULL, 0), n;
     sh->banks = malloc(sizeof(model_bank) * (size_t)(nb + 1));
     sh->dense = malloc(sizeof(span) * (size_t)(nb + 1));
+    sh->own = malloc(sizeof(span) * (size_t)(nb + 1));
     sh->cnt = malloc(sizeof(size_t) * 4 * (size_t)sh->N);
     const vlmoe_param_info *tab = optim_table(t->opt, &n);
     sh->full = malloc(sizeof(*tab) * (size_t)n);
     vlmoe_param_info *narrow = malloc(sizeof(*tab) * (size_t)n);
-    if (!sh->banks || !sh->dense || !sh->cnt || !sh->full || !narrow)
+    if (!sh->banks || !sh->dense || !sh->own || !sh->cnt || !sh->full || !narrow)
         return free(narrow), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
     sh->nbanks = model_expert_banks(t->m, sh->banks, nb);
     for (int i = 0; i < nb; i++)
@@ -103,7 +105,7 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
         const model_bank *b = &sh->banks[i];
         if (b->offset > at) sh->dense[sh->ndense++] = (span){at, b->offset - at};
         at = b->offset + (size_t)b->E * b->per;
-        sh->nown_floats += own_span(sh, b).n;
+        sh->own[i] = own_span(sh, b);
         for (int k = 0; k < n; k++) {
             vlmoe_param_info *p = &narrow[k];
             if (p->offset != b->offset) continue;
@@ -115,13 +117,17 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
         }
     }
     if (total > at) sh->dense[sh->ndense++] = (span){at, total - at};
-    for (int i = 0; i < sh->ndense; i++) sh->ndense_floats += sh->dense[i].n;
     sh->nfull = n;
     int st = optim_set_table(t->opt, narrow, n);
     free(narrow);
     if (st) return free(sh->full), sh->full = NULL, st;
-    const size_t nbuf = sh->ndense_floats > sh->nown_floats ? sh->ndense_floats : sh->nown_floats;
-    if (!(sh->buf = vlmoe_alloc(sizeof(float) * (nbuf + 1), "expert parallelism: packing buffer")))
+    // 16 MiB buckets (or the whole buffer, when smaller): few all-reduces, little scratch
+    // (VLMOE_TEST_BUCKET_FLOATS, a test hook of tests/test_train_dist.c: smaller buckets, so that
+    // spans split across them in a small model)
+    const char *tb = getenv("VLMOE_TEST_BUCKET_FLOATS");
+    const size_t cap = tb && atol(tb) > 0 ? (size_t)atol(tb) : (size_t)4 << 20;
+    sh->nbuf = total < cap ? total : cap;
+    if (!(sh->buf = vlmoe_alloc(sizeof(float) * (sh->nbuf + 1), "expert parallelism: packing buffer")))
         return VLMOE_ERR_NOMEM;
     int32_t r0 = d->rank; // which group holds world rank 0 (its checkpoints' gathers)
     if ((st = ex->broadcast(ex, &r0, 1, VLMOE_DIST_I32, 0))) return st;
@@ -146,36 +152,44 @@ int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts)
     return VLMOE_OK;
 }
 
-// Copies the spans of a between the flat buffer g and the packed buffer p (pack 1) or back.
-static void copy_spans(float *g, float *p, const span *s, int n, int pack) {
-    for (int i = 0; i < n; i++) {
-        memcpy(pack ? p : g + s[i].off, pack ? g + s[i].off : p, sizeof(float) * s[i].n);
-        p += s[i].n;
+// Sums the spans of g over d in place, packed into buckets of at most sh->nbuf floats (DDP's
+// buckets: one all-reduce per bucket, a bounded scratch buffer instead of a second copy of the
+// gradients). Element-wise sums, so the bucketing changes no bit of the result.
+static int reduce_spans(struct shard *sh, vlmoe_dist *d, float *g, const span *s, int n) {
+    int i = 0;
+    size_t at = 0; // floats of span i already reduced
+    while (i < n) {
+        const int i0 = i;
+        const size_t at0 = at;
+        size_t used = 0;
+        for (; i < n && used < sh->nbuf; at = 0, i++) { // pack
+            const size_t k = s[i].n - at < sh->nbuf - used ? s[i].n - at : sh->nbuf - used;
+            memcpy(sh->buf + used, g + s[i].off + at, sizeof(float) * k);
+            used += k;
+            if (at + k < s[i].n) { at += k; break; }
+        }
+        if (!used) break;
+        int e = d->allreduce_sum(d, sh->buf, used, VLMOE_DIST_F32);
+        if (e) return e;
+        size_t got = 0;
+        for (int j = i0; got < used; j++) { // unpack the same pieces
+            const size_t from = j == i0 ? at0 : 0;
+            const size_t k = s[j].n - from < used - got ? s[j].n - from : used - got;
+            memcpy(g + s[j].off + from, sh->buf + got, sizeof(float) * k);
+            got += k;
+        }
     }
+    return VLMOE_OK;
 }
 
 // The sharded gradient reduction: dense runs summed over the world, this process's experts over
-// its replicas, each in one packed all-reduce. The other experts' gradients are left as they are
-// (zero: this process's backward writes only its own experts'); nothing reads them.
+// its replicas. The other experts' gradients are left as they are (zero: this process's backward
+// writes only its own experts'); nothing reads them.
 static int reduce_sharded(vlmoe_trainer *t, float *g) {
     struct shard *sh = t->shard;
-    copy_spans(g, sh->buf, sh->dense, sh->ndense, 1);
-    int e = t->dist->allreduce_sum(t->dist, sh->buf, sh->ndense_floats, VLMOE_DIST_F32);
-    if (e) return e;
-    copy_spans(g, sh->buf, sh->dense, sh->ndense, 0);
-    if (!sh->replicas || sh->replicas->world < 2) return VLMOE_OK;
-    float *p = sh->buf;
-    for (int i = 0; i < sh->nbanks; i++) {
-        const span o = own_span(sh, &sh->banks[i]);
-        memcpy(p, g + o.off, sizeof(float) * o.n), p += o.n;
-    }
-    if ((e = sh->replicas->allreduce_sum(sh->replicas, sh->buf, sh->nown_floats, VLMOE_DIST_F32))) return e;
-    p = sh->buf;
-    for (int i = 0; i < sh->nbanks; i++) {
-        const span o = own_span(sh, &sh->banks[i]);
-        memcpy(g + o.off, p, sizeof(float) * o.n), p += o.n;
-    }
-    return VLMOE_OK;
+    int e = reduce_spans(sh, t->dist, g, sh->dense, sh->ndense);
+    if (e || !sh->replicas || sh->replicas->world < 2) return e;
+    return reduce_spans(sh, sh->replicas, g, sh->own, sh->nbanks);
 }
 
 // Global-norm clipping over the sharded gradient: every expert's gradient counted once (its
@@ -198,10 +212,11 @@ static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     return VLMOE_OK;
 }
 
-// Brings the other experts' current parameters and AdamW moments from their owners: to rank 0
-// only (every = 0: before it writes a checkpoint or evaluates; the other processes keep their
-// slices untouched), or to every process (every = 1: the end of a run, whose model every process
-// then holds whole). Collective over the world; nothing to do without sharding.
+// Brings the other experts' current parameters and AdamW moments from their owners to rank 0
+// (before it writes a checkpoint or evaluates; the other processes keep their slices untouched),
+// and with every = 1 (the end of a run, whose model every process then holds whole) the
+// parameters to every process too; the moments only ever go to rank 0, the one writer, so no
+// other process ever holds them whole. Collective over the world; nothing to do without sharding.
 int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
     struct shard *sh = t->shard;
     if (!sh || (!every && !sh->root_group)) return VLMOE_OK;
@@ -214,7 +229,8 @@ int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
         const span o = own_span(sh, &sh->banks[i]);
         for (int k = 0; k < 3 && !e; k++) {
             float *bank = bufs[k] + sh->banks[i].offset;
-            if (every) {
+            if (!sh->root_group && k) continue;
+            if (every && !k) {
                 e = ex->allgather(ex, bank, bufs[k] + o.off, o.n, VLMOE_DIST_F32); // in place
                 continue;
             }
