@@ -109,9 +109,11 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
         for (int k = 0; k < n; k++) {
             vlmoe_param_info *p = &narrow[k];
             if (p->offset != b->offset) continue;
-            if (p->ndim < 1 || p->shape[0] != b->E || p->numel != (size_t)b->E * b->per)
-                return free(narrow), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: tensor '%s' is not an "
-                                                "(E = %d, ...) expert bank", p->name, b->E);
+            if (p->ndim < 1 || p->shape[0] != b->E || p->numel != (size_t)b->E * b->per) {
+                const int st = vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: tensor '%s' is not an (E = %d, "
+                                          "...) expert bank", p->name, b->E);
+                return free(narrow), st;
+            }
             const span o = own_span(sh, b);
             p->offset = o.off, p->numel = o.n, p->shape[0] = b->E / sh->N;
         }
