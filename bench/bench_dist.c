@@ -51,6 +51,8 @@ static int w_broadcast(vlmoe_dist *d, void *b, size_t n, vlmoe_dist_type t, int 
 static int w_barrier(vlmoe_dist *d) { return inner->barrier(inner); }
 static int w_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) { return inner->split(inner, color, key, out); }
 static void w_close(vlmoe_dist *d) {}
+static int w_set_timeout(vlmoe_dist *d, double s) { return inner->set_timeout(inner, s); }
+static void w_abort(vlmoe_dist *d, int code) { inner->abort(inner, code); }
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -68,7 +70,7 @@ int main(int argc, char **argv) {
     if (vlmoe_dist_open(&inner, "auto")) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     vlmoe_dist timed = {"timed", inner->rank, inner->world, inner->local_rank, inner->local_world, NULL,
                         w_allreduce_sum, w_allreduce_max, w_allgather, w_reduce_scatter, w_alltoallv,
-                        w_broadcast, w_barrier, w_split, w_close};
+                        w_broadcast, w_barrier, w_split, w_close, w_set_timeout, w_abort};
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
