@@ -150,9 +150,10 @@ else
 fi
 # sharded experts (src/train/trainer.c): 4 processes with limoe-tiny's experts split over pairs,
 # so each expert's gradient is reduced between its 2 owners and only they update it. The state
-# saved by the 4-way split above, resumed so, trains on to step 8 (checkpoints at 6 and 8, after
-# rank 0 gathers the experts) with the losses of one process; and rank 0's evaluation and
-# checkpoint after step 1 hold every expert's current weights: the record = vlmoe eval on it.
+# saved by the 4-way split above, resumed by pairs, trains on to step 8 (checkpoints at 6 and 8,
+# after rank 0 gathers the experts) with the losses of one process; and rank 0's evaluation and
+# checkpoint after step 1 hold every expert's current weights: the record = vlmoe eval on it, and
+# so does the record of the same run without that checkpoint (rank 0 gathers for the evaluation).
 ck3="$tmp/w4/checkpoints/step_3.safetensors"
 ep2="--logs $tmp --log-every-n-steps 1 --eval-samples 0 --expert-parallel 2"
 if mkdir -p "$tmp/e2r/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params.json" "$tmp/e2r/" &&
@@ -162,21 +163,27 @@ if mkdir -p "$tmp/e2r/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params
    timeout 300 mpirun -np 4 --oversubscribe "$vl" train --model limoe-tiny $ep2 --steps 2 --batch-size 2 \
        --save-every-n-steps 1 --image-mean 0.5 --image-std 0.5 --val-data "$tmp/sx/captions.csv" \
        --val-every-n-steps 1 --name e2v > "$tmp/e2v.log" 2>&1 &&
+   timeout 300 mpirun -np 4 --oversubscribe "$vl" train --model limoe-tiny $ep2 --steps 2 --batch-size 2 \
+       --save-every-n-steps 2 --image-mean 0.5 --image-std 0.5 --val-data "$tmp/sx/captions.csv" \
+       --val-every-n-steps 1 --name e2w > "$tmp/e2w.log" 2>&1 &&
    "$vl" eval --model "$tmp/e2v/checkpoints/step_1.safetensors" --val-data "$tmp/sx/captions.csv" --image-mean 0.5 \
        --image-std 0.5 --batch-size 2 --few-shot 0 --json > "$tmp/e2v.json" 2>&1; then
     w=$(loss_diff e2r solo 8)
     rec=$(grep '"step":1,"kind":"eval"' "$tmp/e2v/metrics.jsonl" | sed -E "$pick")
     got=$(sed -E "$pick" "$tmp/e2v.json")
-    if within "$w" && [ -n "$rec" ] && [ "$rec" = "$got" ]; then
-        echo "ok   sharded experts (4 processes, pairs): resumed from the 4-way split, the losses of one process (within $w); the step-1 evaluation = vlmoe eval on its checkpoint"
+    # the same run without a checkpoint at step 1: its evaluation alone makes rank 0 gather
+    rew=$(grep '"step":1,"kind":"eval"' "$tmp/e2w/metrics.jsonl" | sed -E "$pick")
+    if within "$w" && [ -n "$rec" ] && [ "$rec" = "$got" ] && [ "$rew" = "$got" ]; then
+        echo "ok   sharded experts (4 processes, pairs): resumed from the 4-way split, the losses of one process (within $w); the step-1 evaluation, with and without a checkpoint there, = vlmoe eval on its checkpoint"
         pass=$((pass + 1))
     else
-        printf '%s\n%s\n' "$rec" "$got"; tail -n 5 "$tmp/e2r.log" "$tmp/e2v.log"
+        printf '%s\n%s\n%s\n' "$rec" "$rew" "$got"; tail -n 5 "$tmp/e2r.log" "$tmp/e2v.log" "$tmp/e2w.log"
         echo "FAILED: sharded experts: loss difference $w to one process, or the step-1 record vs vlmoe eval above"
         fail=$((fail + 1))
     fi
 else
-    tail -n 20 "$tmp/e2r.log" "$tmp/e2v.log" "$tmp/e2v.json" 2>/dev/null; echo "FAILED: sharded experts under mpirun"
+    tail -n 20 "$tmp/e2r.log" "$tmp/e2v.log" "$tmp/e2w.log" "$tmp/e2v.json" 2>/dev/null
+    echo "FAILED: sharded experts under mpirun"
     fail=$((fail + 1))
 fi
 # a process killed mid-run (kill -9 one of 4) ends the job within 60 s with a message naming it,
