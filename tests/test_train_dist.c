@@ -7,8 +7,9 @@
 // counts of every step (tokens, routed tokens, tokens per expert), summed over the processes,
 // exactly; the same with --accum-freq on every process (src/nn/towers_accum.c). Alone (a world of
 // one, without accumulation), the
-// data-parallel path must equal the plain one bit for bit. tests/test_dist_mpi.sh runs it under
-// mpirun on 2, 3 and 4 processes.
+// data-parallel path must equal the plain one bit for bit. With the experts split over processes,
+// each process's optimizer state must hold its own experts only (check_sharded). tests/test_dist_mpi.sh
+// runs it under mpirun on 2, 3 and 4 processes.
 #include <stdint.h>
 
 #include "dist/dist.h"

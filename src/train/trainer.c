@@ -34,7 +34,8 @@ struct vlmoe_trainer {
 // the forward reads only its own, src/moe/layer.c ep_forward), but the other experts' slices,
 // their gradients and moments are never touched, and the moments' zero pages never become
 // resident (src/optim/optim.c). Those slices are stale between steps: rank 0 gathers them before
-// it writes or evaluates, every process at the end of a run (vlmoe_trainer_gather_experts).
+// it writes or evaluates, and every process gets the parameters at the end of a run
+// (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and tests/test_dist_mpi.sh.
 typedef struct { size_t off, n; } span; // floats [off, off + n) of the flat buffer
 
 struct shard {
