@@ -64,7 +64,10 @@ struct vlmoe_dist {
     // lets req progress without blocking (MPI moves a collective along only inside its calls);
     // *done 1 once it finished (req stays valid until wait)
     int (*test)(vlmoe_dist *d, vlmoe_dist_req *req, int *done);
-    // blocks until req finished, under the collective timeout, and frees it (NULL: nothing)
+    // blocks until req finished, under the collective timeout, and frees it (NULL: nothing).
+    // Every rank waits for its sums in the order it started them: a sum's second half starts
+    // inside this rank's test or wait of it, so waits in orders that differ between ranks could
+    // each wait for a half the other has not started (src/dist/mpi.c)
     int (*wait)(vlmoe_dist *d, vlmoe_dist_req *req);
 };
 

@@ -138,7 +138,8 @@ int buckets_finish(train_buckets *b) {
     const double t0 = now_s();
     start_ready(b, 1);
     int st = b->st;
-    // wait for every request, even after an error: each owns memory MPI may still write
+    // wait for every request, even after an error (each owns memory MPI may still write), in the
+    // order they started on every process (dist.h: the waits' order must be the same everywhere)
     for (int i = b->nb - 1; i >= 0; i--) {
         int e = vlmoe_dist_wait(b->d, b->b[i].req);
         b->b[i].req = NULL, b->b[i].done = 1;
