@@ -2,6 +2,7 @@
 // come back as statuses, host buffers. Sums are formed in rank order by this file, not by the MPI
 // library, so every rank gets the same bits whatever algorithm MPI picks (docs/DISTRIBUTED.md).
 // Every collective is watched (src/dist/watchdog.h): one that waits past the timeout aborts the job.
+// The non-blocking sum (the gradient buckets') is point-to-point, with the same bits.
 // Covered by tests/test_dist.c, under mpirun by tests/test_dist_mpi.sh.
 #include <limits.h>
 #include <pthread.h>

@@ -2,7 +2,8 @@
 // micro-batches: src/nn/towers_accum.c), or of a VL-MoE model over several
 // masked-modeling batches whose gradients add up: forward, backward, the divergence guard (a
 // non-finite loss or gradient stops the step before any parameter changes), global-norm
-// clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp.
+// clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp. With
+// data parallelism, the gradient's sum over the processes in buckets (src/train/buckets.c).
 // Covered by tests/test_train.c, tests/test_mome.c, tests/test_accum.c and, against PyTorch,
 // tests/test_parity.c.
 #include <math.h>
