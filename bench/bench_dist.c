@@ -5,13 +5,17 @@
 // line: world, expert parallelism, median step seconds, and per step the seconds and bytes of
 // the gradient all-reduce, the embedding all-gathers and the experts' all-to-alls. bench/dist.sh
 // runs it at world 1 and 2 and prints the table of the README.
+// With --bucket-cap-mb MB the gradient is summed in buckets during the backward (src/train/buckets.c;
+// default 25, 0: one sum after it) and the all-reduce seconds are those spent inside its calls.
 // Usage: [mpirun -np W] bench_dist MODEL.json [--batch B] [--steps N] [--warmup N] [--expert-parallel]
+//        [--bucket-cap-mb MB]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bench.h"
 #include "dist/dist.h"
+#include "train/buckets.h"
 #include "train/run.h"
 #include "train/tasks.h"
 
@@ -53,6 +57,26 @@ static int w_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out) { return
 static void w_close(vlmoe_dist *d) {}
 static int w_set_timeout(vlmoe_dist *d, double s) { return inner->set_timeout(inner, s); }
 static void w_abort(vlmoe_dist *d, int code) { inner->abort(inner, code); }
+// The gradient buckets' sums: only the time spent inside the calls counts (start, test, wait),
+// the part the backward does not hide: the all-reduce time exposed.
+static int w_iallreduce_sum(vlmoe_dist *d, void *b, size_t n, vlmoe_dist_type t, vlmoe_dist_req **req) {
+    const double t0 = bench_now();
+    int st = vlmoe_dist_iallreduce_sum(inner, b, n, t, req);
+    t_in[AR] += bench_now() - t0, bytes_in[AR] += (double)n * vlmoe_dist_type_size(t);
+    return st;
+}
+static int w_test(vlmoe_dist *d, vlmoe_dist_req *req, int *done) {
+    const double t0 = bench_now();
+    int st = vlmoe_dist_test(inner, req, done);
+    t_in[AR] += bench_now() - t0;
+    return st;
+}
+static int w_wait(vlmoe_dist *d, vlmoe_dist_req *req) {
+    const double t0 = bench_now();
+    int st = vlmoe_dist_wait(inner, req);
+    t_in[AR] += bench_now() - t0;
+    return st;
+}
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -60,17 +84,20 @@ int main(int argc, char **argv) {
         return 2;
     }
     int B = 32, steps = 6, warmup = 1, ep = 0;
+    double cap = 25;
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warmup") && i + 1 < argc) warmup = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--expert-parallel")) ep = 1;
+        else if (!strcmp(argv[i], "--bucket-cap-mb") && i + 1 < argc) cap = atof(argv[++i]);
         else return fprintf(stderr, "bench_dist: unknown argument %s\n", argv[i]), 2;
     }
     if (vlmoe_dist_open(&inner, "auto")) return fprintf(stderr, "bench_dist: %s\n", vlmoe_last_error()), 1;
     vlmoe_dist timed = {"timed", inner->rank, inner->world, inner->local_rank, inner->local_world, NULL,
                         w_allreduce_sum, w_allreduce_max, w_allgather, w_reduce_scatter, w_alltoallv,
-                        w_broadcast, w_barrier, w_split, w_close, w_set_timeout, w_abort};
+                        w_broadcast, w_barrier, w_split, w_close, w_set_timeout, w_abort,
+                        w_iallreduce_sum, w_test, w_wait};
     vlmoe_model_config c;
     vlmoe_model *m = NULL;
     vlmoe_trainer *t = NULL;
@@ -78,6 +105,7 @@ int main(int argc, char **argv) {
     vlmoe_contrastive *task = NULL;
     vlmoe_synth_params sp = vlmoe_synth_default_params();
     vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.bucket_cap_mb = cap;
     int st = vlmoe_config_load(argv[1], &c);
     sp.image_size = c.image_size;
     if (!st) st = vlmoe_model_init(&m, &c, 1);
@@ -107,13 +135,15 @@ int main(int argc, char **argv) {
     double tmax[NKIND];
     memcpy(tmax, t_in, sizeof(tmax));
     inner->allreduce_max(inner, tmax, NKIND, VLMOE_DIST_F64);
+    const buckets_info bi = trainer_buckets_info(t);
     if (inner->rank == 0)
         printf("{\"model\": \"%s\", \"world\": %d, \"expert_parallel\": %d, \"batch_per_process\": %d, \"global_batch\": "
                "%d, \"step_s\": %.5f, \"allreduce_s\": %.5f, \"allreduce_mb\": %.2f, \"allgather_s\": %.5f, "
-               "\"allgather_mb\": %.3f, \"alltoall_s\": %.5f, \"alltoall_mb\": %.3f, \"loss\": %.6f}\n",
+               "\"allgather_mb\": %.3f, \"alltoall_s\": %.5f, \"alltoall_mb\": %.3f, \"loss\": %.6f, "
+               "\"bucket_cap_mb\": %g, \"buckets\": %d, \"buckets_started_in_backward\": %d}\n",
                c.name, inner->world, ep, B, B * inner->world, ts[steps / 2], tmax[AR] / steps,
                bytes_in[AR] / steps / 1e6, tmax[AG] / steps, bytes_in[AG] / steps / 1e6, tmax[A2A] / steps,
-               bytes_in[A2A] / steps / 1e6, loss);
+               bytes_in[A2A] / steps / 1e6, loss, cap, bi.count, bi.started_early);
     vlmoe_trainer_set_dist(t, NULL, NULL);
     vlmoe_contrastive_free(task), vlmoe_synth_free(s), vlmoe_trainer_free(t), vlmoe_model_free(m), free(ts);
     vlmoe_dist_close(inner);

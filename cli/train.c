@@ -166,6 +166,7 @@ static int check_applicable(const train_args *a, int argc, char **argv) {
 static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
+                    .bucket_cap_mb = 25,
                     .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1;
@@ -198,6 +199,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"dist-timeout", ARG_STRING, &a.dist_timeout, "S", "under mpirun: end the job when a collective has waited S "
                                                          "seconds for the other processes (one stopped or hung; "
                                                          "default $VLMOE_DIST_TIMEOUT, else 600; 0: never)"},
+        {"bucket-cap-mb", ARG_DOUBLE, &a.bucket_cap_mb, "MB", "under mpirun: sum the gradient over the processes in "
+                                                            "buckets of at most MB megabytes, each started as soon as "
+                                                            "the backward finished it (DDP's bucket_cap_mb; default 25; "
+                                                            "0: one sum after the backward; same results either way)"},
         {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
                                                    "--accum-freq (default 64; the global batch is mpirun's -np x "
                                                    "--accum-freq x it)"},
@@ -323,6 +328,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (dist->world > 1) cli_set_rank(dist->rank); // errors say which process met them
     if (timeout >= 0 && vlmoe_dist_set_timeout(dist, timeout))
         return cli_error("train", "--dist-timeout: %s", vlmoe_last_error());
+    if (!(a.bucket_cap_mb >= 0) || a.bucket_cap_mb > 1e6)
+        return cli_error("train", "--bucket-cap-mb %g: expected the megabytes of one gradient bucket, >= 0 (0: the "
+                         "whole gradient summed at once after the backward)", a.bucket_cap_mb);
     if (a.accum_freq < 1)
         return cli_error("train", "--accum-freq must be >= 1 (the micro-batches of --batch-size per step; 1: no "
                          "accumulation), got %d", a.accum_freq);
@@ -360,6 +368,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (cli_optim_params("train", &a.o, a.steps, 0.98, &tp)) return 1; // beta2: OpenCLIP's ViT default
     tp.lock_image = a.lock_image, tp.lock_image_unlocked_groups = a.lock_image_groups;
     tp.lock_text = a.lock_text, tp.lock_text_unlocked_layers = a.lock_text_layers;
+    tp.bucket_cap_mb = a.bucket_cap_mb;
 
     train_run r;
     memset(&r, 0, sizeof(r));

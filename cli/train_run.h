@@ -17,6 +17,7 @@ typedef struct {
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N
     const char *dist_timeout;    // --dist-timeout seconds (NULL: VLMOE_DIST_TIMEOUT, else 600)
+    double bucket_cap_mb;        // --bucket-cap-mb (data parallelism's gradient buckets; 0: one sum)
     int accum_freq;              // micro-batches of --batch-size per step (OpenCLIP's --accum-freq)
     int override;                // --override-inputs: flags replace what a checkpoint records
     int allow_changes;           // --resume-allow-changes

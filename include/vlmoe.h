@@ -613,6 +613,11 @@ typedef struct {
     // block, L+2 the stem (patch/token embedding, class token, positions, ln_pre).
     int lock_image, lock_image_unlocked_groups;
     int lock_text, lock_text_unlocked_layers;
+    // data parallelism (mpirun): the gradient is summed over the processes in buckets of at most
+    // this many megabytes (10^6 bytes, whole parameters), each started as soon as the backward
+    // has finished it, overlapped with the rest of the backward (PyTorch DDP's bucket_cap_mb,
+    // default 25); 0: one sum of the whole gradient after the backward. The bits do not depend on it.
+    double bucket_cap_mb;
 } vlmoe_train_params;
 VLMOE_API vlmoe_train_params vlmoe_train_default_params(void);
 

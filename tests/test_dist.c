@@ -154,6 +154,49 @@ static void check_allreduce(vlmoe_dist *d, const mem *m, vlmoe_dist_type t, size
     free(h), free(want), free(row);
 }
 
+// The non-blocking sum (data parallelism's gradient buckets): several in flight at once, a
+// blocking collective between their starts, progress tested and waited for in an order that
+// differs between ranks (the last rank late), waited for in the order they started (dist.h), and
+// each must equal the rank-order sum bit for bit.
+// Host memory only ("nccl" has none: vlmoe_dist_iallreduce_sum blocks, checked as allreduce).
+static void check_iallreduce(vlmoe_dist *d) {
+    enum { K = 6 };
+    static const vlmoe_dist_type ts[K] = {VLMOE_DIST_F32, VLMOE_DIST_F32, VLMOE_DIST_F32, VLMOE_DIST_F32,
+                                          VLMOE_DIST_F64, VLMOE_DIST_I64};
+    static const size_t ns[K] = {1000, 0, 1, 7, 33, 9};
+    void *buf[K], *want[K];
+    vlmoe_dist_req *req[K];
+    for (int k = 0; k < K; k++) {
+        const size_t bytes = ns[k] * vlmoe_dist_type_size(ts[k]) + 1;
+        char *row = malloc(bytes);
+        buf[k] = malloc(bytes), want[k] = malloc(bytes);
+        fill(want[k], ts[k], ns[k], 0, 40 + k, 0);
+        for (int r = 1; r < d->world; r++) fill(row, ts[k], ns[k], r, 40 + k, 0), combine(want[k], row, ts[k], ns[k], 0);
+        fill(buf[k], ts[k], ns[k], d->rank, 40 + k, 0);
+        free(row);
+        int st = vlmoe_dist_iallreduce_sum(d, buf[k], ns[k], ts[k], &req[k]);
+        CHECK(st == VLMOE_OK, "%s iallreduce_sum %d: %s", d->name, k, vlmoe_last_error());
+        if (st) req[k] = NULL;
+        CHECK(d->world > 1 || !req[k], "%s: a world of one's sum finishes at the call", d->name);
+        if (k == 2) { // a blocking collective among the non-blocking ones
+            int32_t one = d->rank;
+            CHECK(d->allreduce_max(d, &one, 1, VLMOE_DIST_I32) == VLMOE_OK && one == d->world - 1,
+                  "%s allreduce_max among non-blocking sums", d->name);
+        }
+    }
+    if (d->rank == d->world - 1 && d->world > 1) nanosleep(&(struct timespec){0, 50000000}, NULL);
+    for (int i = 0; i < K; i++) { // odd ranks test from the last sum, even ones from the first
+        int done = 0, k = d->rank % 2 ? K - 1 - i : i;
+        CHECK(vlmoe_dist_test(d, req[k], &done) == VLMOE_OK, "%s test %d: %s", d->name, k, vlmoe_last_error());
+    }
+    for (int k = 0; k < K; k++) // waits in the order of the starts, as the contract says
+        CHECK(vlmoe_dist_wait(d, req[k]) == VLMOE_OK, "%s wait %d: %s", d->name, k, vlmoe_last_error());
+    for (int k = 0; k < K; k++) {
+        check_bits(d, buf[k], want[k], ts[k], ns[k], "iallreduce_sum");
+        free(buf[k]), free(want[k]);
+    }
+}
+
 // recv (world, n) holds every rank's row in rank order; in place when send is this rank's row
 static void check_allgather(vlmoe_dist *d, const mem *m, vlmoe_dist_type t, size_t n, int in_place) {
     const size_t es = vlmoe_dist_type_size(t), bytes = n * es, W = (size_t)d->world;
@@ -306,6 +349,7 @@ static void check_group(vlmoe_dist *d, const mem *m, int big) {
             check_broadcast(d, m, TYPES[ti], sizes[si]);
         }
     check_allgather(d, m, VLMOE_DIST_F32, 33, 1);
+    if (m == &HOST) check_iallreduce(d);
     if (big) check_allreduce(d, m, VLMOE_DIST_F32, ((size_t)1 << 22) + 5 * (size_t)d->world + 1, 0);
     check_adjoint(d, m, 50);
     check_alltoallv(d, m);

@@ -100,6 +100,28 @@ if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name dp > "$tmp/dp.l
 else
     tail -n 20 "$tmp/dp.log" "$tmp/ep.log"; echo "FAILED: vlmoe train --expert-parallel under mpirun"; fail=$((fail + 1))
 fi
+# --bucket-cap-mb: the gradient summed in buckets of 1 kB started during the backward, or once
+# after it, logs the losses of the default (one 25 MB bucket for limoe-tiny) to the last digit
+if timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name bk --bucket-cap-mb 0.001 > "$tmp/bk.log" 2>&1 &&
+   timeout 300 mpirun -np 2 --oversubscribe "$vl" $common --name bk0 --bucket-cap-mb 0 > "$tmp/bk0.log" 2>&1; then
+    # (loss_diff prints nothing when every difference is 0: awk's w was never set)
+    w1=$(loss_diff bk dp 2); w0=$(loss_diff bk0 dp 2); w1=${w1:-0}; w0=${w0:-0}
+    if [ "$w1" = 0 ] && [ "$w0" = 0 ] && [ -s "$tmp/bk/metrics.jsonl" ]; then
+        echo "ok   mpirun -np 2 vlmoe train --bucket-cap-mb 0.001 and 0 = the default (the same losses)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: --bucket-cap-mb changes the losses: by $w1 (0.001 MB), $w0 (0)"; fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/bk.log" "$tmp/bk0.log"; echo "FAILED: vlmoe train --bucket-cap-mb under mpirun"; fail=$((fail + 1))
+fi
+if out=$(timeout 60 "$vl" train --model tiny --steps 1 --bucket-cap-mb -1 --logs "$tmp" 2>&1); then
+    echo "FAILED: --bucket-cap-mb -1 was accepted"; fail=$((fail + 1))
+elif printf '%s' "$out" | grep -q "^vlmoe train: --bucket-cap-mb -1: expected the megabytes"; then
+    echo "ok   --bucket-cap-mb -1 is refused"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: --bucket-cap-mb -1: no clear message"; fail=$((fail + 1))
+fi
 # the checkpoint does not depend on the process layout: 4 processes with the experts split 4 ways
 # train limoe-tiny (routing groups of 2 whole examples) 3 steps and save; 1 process and 2
 # processes each resume it and train on to step 8; both log the losses of one process trained 8

@@ -16,10 +16,14 @@
 #include "nn/model.h"
 #include "test.h"
 #include "test_mpi.h"
+#include "train/buckets.h"
 #include "train/run.h"
 #include "train/tasks.h"
 
 enum { STEPS = 10, GLOBAL = 24, NCOUNT = 256 }; // 10 AdamW steps at a global batch of 24 (12, 8, 6 per process)
+// the gradient buckets' cap of train() (--bucket-cap-mb), and what the last run's buckets did
+static double g_cap_mb = 25;
+static buckets_info g_info;
 
 // Trains `model` (MoE layers routing groups of two examples) for STEPS steps as process `rank` of `world` at `batch` pairs per process (the
 // synthetic data); losses[s] gets each step's loss, params (may be NULL) the final parameters.
@@ -85,6 +89,7 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, in
     sp.image_size = c.image_size;
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 2, STEPS, 0.0, 0, 0};
+    tp.bucket_cap_mb = g_cap_mb;
     if (!st) st = vlmoe_model_init(&m, &c, 7);
     if (!st) st = vlmoe_model_plan(m, batch);
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
@@ -115,6 +120,7 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, in
         memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
     }
     if (st) fprintf(stderr, "train %s: %s\n", model, vlmoe_last_error());
+    if (t) g_info = trainer_buckets_info(t);
     vlmoe_trainer_set_dist(t, NULL, NULL);
     vlmoe_contrastive_free(task);
     vlmoe_synth_free(s);
@@ -183,6 +189,55 @@ static void compare(const char *model, vlmoe_dist *d, int ep, int accum) {
     }
     free(pd), free(p1);
     if (experts && experts != d) vlmoe_dist_close(experts);
+}
+
+// Gradient buckets (src/train/buckets.c): the same data-parallel run with the gradient summed
+// once after the backward (--bucket-cap-mb 0) and in buckets of at most 1 kB (about one per
+// parameter, most started during the backward) gives the same losses, gradient norms and
+// parameters bit for bit: the sums are elementwise in rank order, so cutting the buffer changes
+// no bit. Without accumulation the backward must start most buckets itself (overlap); with it,
+// none (the gradient is final only after the last micro-batch). With the experts split (and
+// sharded: AdamW) the trainer sums after the backward by ownership (reduce_sharded) instead.
+static void compare_buckets(const char *model, vlmoe_dist *d, int ep, int accum) {
+    const int batch = GLOBAL / d->world / accum;
+    double l0[STEPS] = {0}, g0[STEPS] = {0}, lb[STEPS] = {0}, gb[STEPS] = {0};
+    float *p0 = NULL, *pb = NULL;
+    size_t n0 = 0, nb = 0;
+    g_cap_mb = 0;
+    int st = train(model, d, ep ? d : NULL, batch, accum, l0, g0, &p0, &n0, NULL);
+    const buckets_info one = g_info;
+    g_cap_mb = 0.001;
+    if (!st) st = train(model, d, ep ? d : NULL, batch, accum, lb, gb, &pb, &nb, NULL);
+    const buckets_info many = g_info;
+    g_cap_mb = 25;
+    CHECK(st == VLMOE_OK && n0 == nb, "%s: bucketed runs on %d processes", model, d->world);
+    if (st) {
+        free(p0), free(pb);
+        return;
+    }
+    int same = !memcmp(p0, pb, sizeof(float) * n0);
+    for (int s = 0; s < STEPS; s++) same &= l0[s] == lb[s] && g0[s] == gb[s];
+    CHECK(same, "%s: %d buckets changed the losses, gradient norms or parameters (process %d)", model, many.count, d->rank);
+    if (d->world == 1) { // no data parallelism, no buckets
+        CHECK(one.count == 0 && many.count == 0, "%s: %d and %d buckets in a world of one", model, one.count, many.count);
+    } else if (ep) { // sharded experts (AdamW): their own reduction after the backward, not these buckets
+        CHECK(one.count == 0 && many.count == 0, "%s: %d and %d buckets with sharded experts (want none)", model,
+              one.count, many.count);
+    } else {
+        CHECK(one.count == 1 && many.count > 20, "%s: %d and %d buckets (want 1 and > 20)", model, one.count, many.count);
+        if (accum == 1)
+            CHECK(many.started_early >= many.count - 8, "%s: the backward started %d of %d buckets (want all but the "
+                  "stems')", model, many.started_early, many.count);
+        else
+            CHECK(many.started_early == 0, "%s: %d buckets started before the last micro-batch's end", model,
+                  many.started_early);
+    }
+    if (d->rank == 0)
+        printf("%s%s%s: %d processes, 1 bucket vs %d (largest %zu floats, %d started during the backward): losses, "
+               "gradient norms and parameters %s\n", model, ep ? " (experts split over every process)" : "",
+               accum > 1 ? " (accumulated)" : "", d->world, many.count, many.largest, many.started_early,
+               same ? "bit-identical" : "DIFFER");
+    free(p0), free(pb);
 }
 
 // ---- VL-MoE pre-training (src/train/mome_task.c): three streams, masks and per-stream losses
@@ -415,6 +470,10 @@ int main(void) {
     }
     test_divergence(d);
     test_mome_divergence(d);
+    compare_buckets("limoe-tiny", d, 0, 1);
+    compare_buckets("clipup-tiny", d, 0, 1);
+    compare_buckets("limoe-tiny", d, 0, (GLOBAL / d->world) % 4 == 0 ? 2 : 3);
+    if (d->world > 1 && 4 % d->world == 0) compare_buckets("limoe-tiny", d, d->world, 1);
     compare("tiny", d, 0, 1);         // dense one_tower
     compare("limoe-tiny", d, 0, 1);   // LIMoE: MoE layers, routing noise and groups of whole examples
     compare("clipup-tiny", d, 0, 1);  // CLIP-UP: two towers, top-2 MoE in each

@@ -23,6 +23,7 @@ size_t vlmoe_dist_type_size(vlmoe_dist_type t);
 // says so. Buffers are host memory for "single" and "mpi", device memory for "nccl". Counts are
 // in elements of `t`.
 typedef struct vlmoe_dist vlmoe_dist;
+typedef struct vlmoe_dist_req vlmoe_dist_req; // a non-blocking collective in flight
 struct vlmoe_dist {
     const char *name;       // "single", "mpi", "nccl"
     int rank, world;        // this process and the number of processes
@@ -55,7 +56,27 @@ struct vlmoe_dist {
     int (*set_timeout)(vlmoe_dist *d, double seconds);
     // (vlmoe_dist_abort) ends every process of the run; returns only in a world of one
     void (*abort)(vlmoe_dist *d, int code);
+    // Non-blocking allreduce_sum (NULL: the group has none, vlmoe_dist_iallreduce_sum blocks):
+    // starts buf (n) = the rank-order sum and sets *req (NULL when it finished at the call); buf
+    // must not be touched until vlmoe_dist_wait. Same bits as allreduce_sum, and every rank
+    // starts its non-blocking and blocking collectives in the same order (MPI matches them so).
+    int (*iallreduce_sum)(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, vlmoe_dist_req **req);
+    // lets req progress without blocking (MPI moves a collective along only inside its calls);
+    // *done 1 once it finished (req stays valid until wait)
+    int (*test)(vlmoe_dist *d, vlmoe_dist_req *req, int *done);
+    // blocks until req finished, under the collective timeout, and frees it (NULL: nothing).
+    // Every rank waits for its sums in the order it started them: a sum's second half starts
+    // inside this rank's test or wait of it, so waits in orders that differ between ranks could
+    // each wait for a half the other has not started (src/dist/mpi.c)
+    int (*wait)(vlmoe_dist *d, vlmoe_dist_req *req);
 };
+
+// The non-blocking all-reduce of a group, or its blocking one (*req NULL) when it has none; test
+// and wait are NULL-safe (a NULL req is done). Data parallelism overlaps the gradient buckets'
+// sums with the backward this way (src/train/buckets.c).
+int vlmoe_dist_iallreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, vlmoe_dist_req **req);
+int vlmoe_dist_test(vlmoe_dist *d, vlmoe_dist_req *req, int *done);
+int vlmoe_dist_wait(vlmoe_dist *d, vlmoe_dist_req *req);
 
 // kind: "single", "mpi", "nccl", or "auto" (NULL): "mpi" when the process was started by mpirun
 // or srun and MPI is built in, else "single" (but an error when a launcher started several copies

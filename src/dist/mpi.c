@@ -2,6 +2,7 @@
 // come back as statuses, host buffers. Sums are formed in rank order by this file, not by the MPI
 // library, so every rank gets the same bits whatever algorithm MPI picks (docs/DISTRIBUTED.md).
 // Every collective is watched (src/dist/watchdog.h): one that waits past the timeout aborts the job.
+// The non-blocking sum (the gradient buckets') is point-to-point, with the same bits.
 // Covered by tests/test_dist.c, under mpirun by tests/test_dist_mpi.sh.
 #include <limits.h>
 #include <pthread.h>
@@ -29,6 +30,7 @@ typedef struct {
     void *scratch;         // the rows a rank-order sum adds up
     size_t scratch_bytes;
     int *others, n_others; // the other processes of the group, as ranks of MPI_COMM_WORLD (messages)
+    unsigned iseq;         // non-blocking sums started so far: their message tags
 } mpi_ctx;
 
 // MPI is process-wide state: it is initialised once and cannot be again after MPI_Finalize. The
@@ -124,6 +126,115 @@ static int raw_allreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type
         if (rc != MPI_SUCCESS) return mpi_fail(d, rc, "MPI_Allgatherv", "allreduce_sum");
     }
     return VLMOE_OK;
+}
+
+// The same sum without blocking, by point-to-point messages: each rank sends every owner its
+// slice, adds the copies of its own slice in rank order once they arrived, and sends the sum to
+// every rank. Not MPI's non-blocking collectives: MPI matches those by the order they start in,
+// and the second half of one would start when the first half finished, which is a matter of
+// timing, not the same on every rank. Messages match by tag instead: the sums of a group take
+// tags in the order they start (the same on every rank), so any number may be in flight, in any
+// order of progress, among the group's blocking collectives (whose own tags MPI keeps apart).
+// A request owns its scratch: MPI writes it until the request completes.
+#define IREQ_TAGS 16384 // sums in flight at once per group, at most (two tags each, under MPI_TAG_UB >= 32767)
+struct vlmoe_dist_req {
+    MPI_Datatype dt;
+    vlmoe_dist_type t;
+    char *buf;
+    size_t n;
+    int tag;            // 2 k and 2 k + 1: the two halves of sum number k of the group
+    int phase;          // 0: the slices travel to their owners, 1: the sums back, 2: done
+    int nr;             // requests in mr
+    MPI_Request *mr;    // (2 (world - 1))
+    void *scratch;      // (world, this rank's slice)
+};
+
+static void req_free(vlmoe_dist_req *q) {
+    if (!q) return;
+    free(q->mr);
+    vlmoe_free_mem(q->scratch);
+    free(q);
+}
+
+// Slice j of n elements over W ranks: [n j / W, n (j + 1) / W), as the blocking sum's.
+static size_t slice_lo(size_t n, size_t W, size_t j) { return n * j / W; }
+
+// Starts half `phase` of q: 0 sends every rank its slice and receives this rank's slice from
+// every rank, 1 sends this rank's sum to every rank and receives theirs in place.
+static int req_post(vlmoe_dist *d, vlmoe_dist_req *q, int phase) {
+    const mpi_ctx *c = d->ctx;
+    const size_t W = (size_t)d->world, me = (size_t)d->rank, es = vlmoe_dist_type_size(q->t);
+    const size_t lo = slice_lo(q->n, W, me), mine = slice_lo(q->n, W, me + 1) - lo;
+    q->phase = phase, q->nr = 0;
+    for (size_t j = 0; j < W; j++) {
+        if (j == me) continue;
+        const size_t jlo = slice_lo(q->n, W, j), jn = slice_lo(q->n, W, j + 1) - jlo;
+        int rc;
+        if (phase == 0) {
+            rc = MPI_Irecv((char *)q->scratch + j * mine * es, (int)mine, q->dt, (int)j, q->tag, c->comm, &q->mr[q->nr++]);
+            if (rc == MPI_SUCCESS)
+                rc = MPI_Isend(q->buf + jlo * es, (int)jn, q->dt, (int)j, q->tag, c->comm, &q->mr[q->nr++]);
+        } else {
+            rc = MPI_Irecv(q->buf + jlo * es, (int)jn, q->dt, (int)j, q->tag + 1, c->comm, &q->mr[q->nr++]);
+            if (rc == MPI_SUCCESS)
+                rc = MPI_Isend(q->buf + lo * es, (int)mine, q->dt, (int)j, q->tag + 1, c->comm, &q->mr[q->nr++]);
+        }
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, phase ? "MPI_Isend/MPI_Irecv (sums)" : "MPI_Isend/MPI_Irecv (slices)",
+                                               "iallreduce_sum");
+    }
+    if (phase == 0) memcpy((char *)q->scratch + me * mine * es, q->buf + lo * es, mine * es); // this rank's row
+    return VLMOE_OK;
+}
+
+// Moves q along as far as it goes: waiting for each half (block) or only testing it.
+static int req_advance(vlmoe_dist *d, vlmoe_dist_req *q, int block) {
+    const size_t W = (size_t)d->world, me = (size_t)d->rank, es = vlmoe_dist_type_size(q->t);
+    while (q->phase != 2) {
+        int flag = 1, rc = block ? MPI_Waitall(q->nr, q->mr, MPI_STATUSES_IGNORE)
+                                 : MPI_Testall(q->nr, q->mr, &flag, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(d, rc, block ? "MPI_Waitall" : "MPI_Testall", "iallreduce_sum");
+        if (!flag) return VLMOE_OK;
+        if (q->phase == 1) {
+            q->phase = 2;
+            break;
+        }
+        // every copy of this rank's slice arrived: add them in rank order, send the sum
+        const size_t lo = slice_lo(q->n, W, me), mine = slice_lo(q->n, W, me + 1) - lo;
+        sum_rows(q->buf + lo * es, q->scratch, d->world, mine, q->t);
+        int st = req_post(d, q, 1);
+        if (st) return st;
+    }
+    return VLMOE_OK;
+}
+
+static int mpi_iallreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, vlmoe_dist_req **req) {
+    *req = NULL;
+    mpi_ctx *c = d->ctx;
+    MPI_Datatype dt = MPI_DATATYPE_NULL;
+    int st = mpi_type(t, &dt, "iallreduce_sum");
+    if (st || d->world == 1 || n == 0) return st;
+    const size_t W = (size_t)d->world, es = vlmoe_dist_type_size(t), slice = n / W + 1;
+    if (slice > (size_t)INT_MAX)
+        return vlmoe_fail(VLMOE_ERR_ARG, "iallreduce_sum: %zu elements over %d ranks is more than MPI's int counts "
+                          "hold per rank; use smaller buckets", n, d->world);
+    vlmoe_dist_req *q = calloc(1, sizeof *q);
+    if (q) q->mr = malloc(2 * W * sizeof *q->mr), q->scratch = vlmoe_alloc(slice * W * es, "MPI sum scratch");
+    if (!q || !q->mr || !q->scratch) {
+        req_free(q);
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "iallreduce_sum (rank %d of %d): out of memory for %zu elements",
+                          d->rank, d->world, n);
+    }
+    q->dt = dt, q->t = t, q->buf = buf, q->n = n;
+    q->tag = 2 * (int)(c->iseq++ % IREQ_TAGS);
+    if ((st = req_post(d, q, 0))) return req_free(q), st;
+    *req = q;
+    return VLMOE_OK;
+}
+
+static int mpi_test(vlmoe_dist *d, vlmoe_dist_req *q, int *done) {
+    int st = req_advance(d, q, 0);
+    *done = q->phase == 2;
+    return st;
 }
 
 // Max is exact and does not depend on the order it is taken in (a NaN aside: which rank's value
@@ -279,6 +390,17 @@ static int mpi_broadcast(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, 
 static int mpi_barrier(vlmoe_dist *d) { WATCHED("barrier", raw_barrier(d)); }
 #undef WATCHED
 
+// Only the wait of a non-blocking sum is watched: until then this process computes, and waits
+// for nobody. A peer that stopped leaves the wait (or the next blocking collective) hanging, and
+// the timeout ends the job as for any other collective.
+static int mpi_wait(vlmoe_dist *d, vlmoe_dist_req *q) {
+    dist_watchdog_begin(g_dog, "allreduce_sum (a gradient bucket's non-blocking sum)", d->ctx);
+    int st = req_advance(d, q, 1);
+    dist_watchdog_end(g_dog);
+    req_free(q);
+    return st;
+}
+
 static int mpi_set_timeout(vlmoe_dist *d, double seconds) {
     dist_watchdog_set_timeout(g_dog, seconds);
     return VLMOE_OK;
@@ -371,7 +493,7 @@ int dist_mpi_open(vlmoe_dist **out) {
     c->comm = MPI_COMM_NULL;
     *d = (vlmoe_dist){"mpi", 0, 1, 0, 1, c, mpi_allreduce_sum, mpi_allreduce_max, mpi_allgather,
                       mpi_reduce_scatter_sum, mpi_alltoallv, mpi_broadcast, mpi_barrier, mpi_split, mpi_close,
-                      mpi_set_timeout, mpi_abort};
+                      mpi_set_timeout, mpi_abort, mpi_iallreduce_sum, mpi_test, mpi_wait};
     // A private communicator: our messages never match the program's own, and its error handler
     // returns codes instead of aborting the job.
     dist_watchdog_begin(g_dog, "the process group's set-up (MPI_Comm_dup)", c);

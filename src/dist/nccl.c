@@ -226,7 +226,10 @@ int dist_nccl_open(vlmoe_dist **out) {
     *d = (vlmoe_dist){"nccl", boot->rank, boot->world, boot->local_rank, boot->local_world, c,
                       nccl_allreduce_sum, nccl_allreduce_max, nccl_allgather, nccl_reduce_scatter_sum,
                       nccl_alltoallv, nccl_broadcast, nccl_barrier, nccl_split, nccl_close,
-                      nccl_set_timeout, nccl_abort};
+                      nccl_set_timeout, nccl_abort,
+                      // the gradient buckets' sums: ncclAllReduce on the group's stream is already
+                      // asynchronous to the host, but the buckets still wait for each (not overlapped)
+                      NULL, NULL, NULL};
     c->boot = boot;
     const char *env = getenv("VLMOE_DIST_TIMEOUT"); // checked by the bootstrap's open
     if (!env || dist_timeout_parse(env, &c->timeout)) c->timeout = DIST_TIMEOUT_DEFAULT;

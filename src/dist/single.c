@@ -60,6 +60,7 @@ static vlmoe_dist g_single = {
     "single", 0, 1, 0, 1, NULL,
     single_inplace, single_inplace, single_copy, single_copy, single_alltoallv,
     single_broadcast, single_barrier, single_split, single_close, single_set_timeout, single_abort,
+    NULL, NULL, NULL, // non-blocking: the world of one's sums finish at the call
 };
 
 vlmoe_dist *vlmoe_dist_single(void) { return &g_single; }
@@ -72,6 +73,20 @@ int vlmoe_dist_set_timeout(vlmoe_dist *d, double seconds) {
 
 void vlmoe_dist_abort(vlmoe_dist *d, int code) {
     if (d && d->abort) d->abort(d, code);
+}
+
+int vlmoe_dist_iallreduce_sum(vlmoe_dist *d, void *buf, size_t n, vlmoe_dist_type t, vlmoe_dist_req **req) {
+    *req = NULL;
+    return d->iallreduce_sum ? d->iallreduce_sum(d, buf, n, t, req) : d->allreduce_sum(d, buf, n, t);
+}
+
+int vlmoe_dist_test(vlmoe_dist *d, vlmoe_dist_req *req, int *done) {
+    *done = 1;
+    return req && d->test ? d->test(d, req, done) : VLMOE_OK;
+}
+
+int vlmoe_dist_wait(vlmoe_dist *d, vlmoe_dist_req *req) {
+    return req && d->wait ? d->wait(d, req) : VLMOE_OK;
 }
 
 void vlmoe_dist_close(vlmoe_dist *d) {

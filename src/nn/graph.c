@@ -72,7 +72,26 @@ struct R(graph) {
     int frozen[NUM_MOD];         // graph_set_frozen: the backward skips the modality's tower
     vlmoe_moe_stats recomputed;  // where a recomputed MoE layer writes its statistics, so the
                                  // forward's are the only ones the model reports
+    void (*ready)(void *user, size_t offset); // graph_set_grad_ready
+    void *ready_user;
 };
+
+void R(graph_set_grad_ready)(struct R(graph) *g, void (*ready)(void *user, size_t offset), void *user) {
+    g->ready = ready, g->ready_user = user;
+}
+
+// Tells the hook that the gradients of these n parameters (NO_PARAM: absent) are final.
+static void report(const struct R(graph) *g, const size_t *offs, int n) {
+    for (int i = 0; g->ready && i < n; i++)
+        if (offs[i] != NO_PARAM) g->ready(g->ready_user, offs[i]);
+}
+
+static void report_block(const struct R(graph) *g, const block_layout *b) {
+    const ffn_layout *f = &b->ffn;
+    const size_t o[] = {b->ln1_w, b->ln1_b, b->qkv_w, b->qkv_b, b->out_w, b->out_b, b->ln2_w, b->ln2_b,
+                        f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->router_w, f->phi, f->scale};
+    report(g, o, (int)(sizeof(o) / sizeof(o[0])));
+}
 
 // Every token's routing-noise key: its sample's global index (sample_base + row of the batch),
 // modality and position, so a sample draws the same noise on whichever process holds it.
@@ -390,6 +409,8 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
     be->zero(be, p->dres + t0 * D, (size_t)n * D);
     be->layernorm_backward(be, p->dres + t0 * D, G + E->lnf_w, G + E->lnf_b, s->dlnf + t0 * D,
                           xL + t0 * D, P + E->lnf_w, s->lnf_m + t0, s->lnf_r + t0, n, D);
+    const size_t lnf[] = {E->lnf_w, E->lnf_b};
+    report(g, lnf, 2);
     for (int l = E->layers - 1; l >= 0; l--) {
         R(block_ffn) f;
         const R(block) b = block_of(g, s, l, &f);
@@ -409,6 +430,7 @@ static void encoder_backward(struct R(graph) *g, enc_state *s, const real *P, re
             }
         }
         R(block_backward)(p, &b, P, G, x);
+        report_block(g, &E->blocks[l]);
     }
 }
 
@@ -557,11 +579,17 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
                            D, E);
         be->pool_backward(be, s->dlnf + s->seg[ms->seg].tok_off * D, ms->dpooled,
                          m == MOD_TEXT ? ms->lens : NULL, B, ml->seq, D, ml->pool);
+        report(g, &ml->proj, 1);
     }
     for (int e = 0; e < L->nenc; e++)
         if (encoder_trains(g, e)) encoder_backward(g, &g->enc[e], P, G);
-    for (int m = 0; m < NUM_MOD; m++)
-        if (g->mod[m].present && !g->frozen[m]) stem_backward(g, m, P, G);
+    for (int m = 0; m < NUM_MOD; m++) {
+        if (!g->mod[m].present || g->frozen[m]) continue;
+        stem_backward(g, m, P, G);
+        const modality_layout *ml = &L->mod[m];
+        const size_t o[] = {ml->embed_w, ml->embed_b, ml->cls, ml->pos, ml->ln_pre_w, ml->ln_pre_b};
+        report(g, o, 6);
+    }
 }
 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,

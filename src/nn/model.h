@@ -129,6 +129,10 @@ struct vlmoe_dist; // src/dist/dist.h
     /* the global index of the batch's first sample (data parallelism: rank x batch), which */  \
     /* keys each token's routing noise; 0 at creation */                                        \
     void graph_set_sample_base_##S(graph_##S *g, uint64_t base);                                 \
+    /* the backward calls ready(user, offset) with the offset of every parameter whose gradient */ \
+    /* it has finished, as soon as it has (a block's after the block): data parallelism starts */ \
+    /* the gradient buckets' sums from it (src/train/buckets.c). NULL: none, as at creation */    \
+    void graph_set_grad_ready_##S(graph_##S *g, void (*ready)(void *user, size_t offset), void *user); \
     /* expert parallelism of every MoE layer over d's processes (NULL: off) */                  \
     int graph_set_expert_parallel_##S(graph_##S *g, struct vlmoe_dist *d);                       \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
@@ -218,6 +222,10 @@ struct vlmoe_model {
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
     struct vlmoe_dist *dist; // data parallelism (model_set_dist): the loss over every process's batch
     struct vlmoe_dist *experts; // and the group of processes the MoE layers' experts are split over
+    // data parallelism: told of each parameter whose gradient the backward finished (the towers'
+    // data-parallel backward only; model_set_grad_ready)
+    void (*grad_ready)(void *user, size_t offset);
+    void *grad_ready_user;
     struct towers_dp *dp;    // towers: the gathered embeddings and the loss step over them
     struct towers_accum *accum; // towers: gradient accumulation's cached embeddings and statistics
     int accum_stats;         // the last training step was accumulated: its merged routing statistics
@@ -262,6 +270,10 @@ void model_release_backend(vlmoe_model *m);
 // layer's experts are split: each process computes its share for the tokens of every process of
 // its group (src/moe/layer.c).
 void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts);
+// The hook graph_set_grad_ready describes, for the towers' data-parallel backward (the gathered
+// loss's logit_scale first, then the graph's parameters); NULL: none. Other backwards (VL-MoE,
+// accumulation, a world of one) never call it: their gradients are all final at their end.
+void model_set_grad_ready(vlmoe_model *m, void (*ready)(void *user, size_t offset), void *user);
 
 // The expert banks that expert parallelism splits (src/train/trainer.c shards their gradient
 // reduction and optimizer state): every (E, ...) tensor of the towers' token- and experts-choice

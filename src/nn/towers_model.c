@@ -140,6 +140,10 @@ static int dp_plan(vlmoe_model *m, int G) {
     return st;
 }
 
+void model_set_grad_ready(vlmoe_model *m, void (*ready)(void *user, size_t offset), void *user) {
+    m->grad_ready = ready, m->grad_ready_user = user;
+}
+
 void model_set_dist(vlmoe_model *m, struct vlmoe_dist *d, struct vlmoe_dist *experts) {
     m->dist = d && d->world > 1 ? d : NULL;
     m->experts = m->dist && experts && experts->world > 1 ? experts : NULL;
@@ -171,10 +175,13 @@ static void dp_backward(vlmoe_model *m) {
     m->be->zero(m->be, p->dimg, (size_t)p->G * p->E);
     m->be->zero(m->be, p->dtxt, (size_t)p->G * p->E);
     contrastive_step_backward_f32(p->loss, p->dimg, p->dtxt, m->grads + m->L.logit_scale, 1.0);
+    if (m->grad_ready) m->grad_ready(m->grad_ready_user, m->L.logit_scale);
     m->be->scale(m->be, p->dimg + at, n, (float)d->world);
     m->be->scale(m->be, p->dtxt + at, n, (float)d->world);
     const float *const demb[NUM_MOD] = {p->dimg + at, p->dtxt + at};
+    graph_set_grad_ready_f32(m->g, m->grad_ready, m->grad_ready_user);
     graph_encode_backward_f32(m->g, m->params, m->grads, demb);
+    graph_set_grad_ready_f32(m->g, NULL, NULL); // the accumulation's backwards are not final
 }
 
 static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {

@@ -2,7 +2,8 @@
 // micro-batches: src/nn/towers_accum.c), or of a VL-MoE model over several
 // masked-modeling batches whose gradients add up: forward, backward, the divergence guard (a
 // non-finite loss or gradient stops the step before any parameter changes), global-norm
-// clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp.
+// clipping, the learning-rate schedule, the optimizer update and CLIP's temperature clamp. With
+// data parallelism, the gradient's sum over the processes in buckets (src/train/buckets.c).
 // Covered by tests/test_train.c, tests/test_mome.c, tests/test_accum.c and, against PyTorch,
 // tests/test_parity.c.
 #include <math.h>
@@ -14,6 +15,7 @@
 #include "dist/dist.h"
 #include "nn/model.h"
 #include "optim/optim.h"
+#include "train/buckets.h"
 #include "vlmoe.h"
 
 struct vlmoe_trainer {
@@ -24,6 +26,7 @@ struct vlmoe_trainer {
     int nfrozen;
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
     struct shard *shard;        // expert parallelism with AdamW: who reduces and updates what (below)
+    train_buckets *bk;          // and the buckets their sum goes in (made at the first step)
 };
 
 // Expert parallelism shards the experts' training state (issue 15): a process of an expert group
@@ -144,6 +147,7 @@ int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts)
     shard_free(t);
     t->dist = d && d->world > 1 ? d : NULL;
     model_set_dist(t->m, t->dist, experts);
+    model_set_grad_ready(t->m, NULL, NULL);
     // Adafactor's factored moments are shaped by whole banks: with it the experts' state stays
     // replicated and their gradients are all-reduced over the world (every process's copy)
     if (!t->dist || !experts || experts->world < 2 || t->p.optim.kind != VLMOE_OPT_ADAMW) return VLMOE_OK;
@@ -288,22 +292,43 @@ int vlmoe_trainer_check_replicas(vlmoe_trainer *t, vlmoe_dist *d) {
     return agree(sh->replicas, h, step, "experts' parameters", d->rank);
 }
 
-// Data parallelism: every process agrees whether the step diverged (one flag, its maximum), then
-// the gradients become their mean over the processes (one all-reduce of the flat buffer, summed
-// in rank order, so every process holds the same bits and takes the same update), as DDP does.
-// The step's statistics become their means too.
+// Data parallelism: a step starts with no bucket of the gradient final; the towers' backward
+// reports each parameter it finishes (model_set_grad_ready), other backwards none.
+static int begin_step(vlmoe_trainer *t) {
+    if (!t->dist || t->shard) return VLMOE_OK; // sharded experts: reduce_sharded after the backward
+    if (!t->bk) {
+        int n, st;
+        const vlmoe_param_info *tab = vlmoe_model_params(t->m, &n);
+        if ((st = buckets_init(&t->bk, tab, n, vlmoe_model_num_floats(t->m), vlmoe_model_grad_data(t->m),
+                               t->p.bucket_cap_mb)))
+            return st;
+    }
+    buckets_begin(t->bk, t->dist);
+    model_set_grad_ready(t->m, buckets_ready, t->bk);
+    return VLMOE_OK;
+}
+
+// Data parallelism: the gradient becomes its mean over the processes, as in DDP: its buckets'
+// sums, started during the backward (src/train/buckets.c), are finished (summed in rank order,
+// so every process holds the same bits and takes the same update, whatever the buckets); then
+// every process agrees whether the step diverged (one flag, its maximum). The finite check reads
+// the summed gradient (a non-finite gradient on any process makes the sum non-finite on all), as
+// the buffer is MPI's until the sums finish. The step's statistics become their means too.
 static int reduce_step(vlmoe_trainer *t, int st, long step, vlmoe_step_stats *s) {
     vlmoe_dist *d = t->dist;
+    int e = t->shard ? VLMOE_OK : buckets_finish(t->bk);
+    model_set_grad_ready(t->m, NULL, NULL);
+    if (e) return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
+    // (with sharded experts this is the local gradient: reduce_sharded sums it below)
+    if (!st && (st = vlmoe_model_check_finite(t->m, 1))) vlmoe_error_prefix("step %ld", step);
     int32_t bad = st != VLMOE_OK;
-    int e = d->allreduce_max(d, &bad, 1, VLMOE_DIST_I32);
-    if (e) return vlmoe_error_prefix("step %ld", step), e;
+    if ((e = d->allreduce_max(d, &bad, 1, VLMOE_DIST_I32))) return vlmoe_error_prefix("step %ld", step), e;
     if (st) return st;
     if (bad) return vlmoe_fail(VLMOE_ERR_NUMERIC, "step %ld: the loss or a gradient of another process is not finite", step);
     float *g = vlmoe_model_grad_data(t->m);
     const size_t n = vlmoe_model_num_floats(t->m);
     double v[5] = {s->loss, s->contrastive, s->aux, s->acc_i2t, s->acc_t2i};
-    if ((e = t->shard ? reduce_sharded(t, g) : d->allreduce_sum(d, g, n, VLMOE_DIST_F32)) ||
-        (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
+    if ((t->shard && (e = reduce_sharded(t, g))) || (e = d->allreduce_sum(d, v, 5, VLMOE_DIST_F64)))
         return vlmoe_error_prefix("step %ld: gradient all-reduce", step), e;
     const vlmoe_backend_f32 *hb = model_host_backend(t->m); // the gradients' master copy
     hb->scale(hb, g, n, (float)(1.0 / d->world));
@@ -368,6 +393,7 @@ vlmoe_train_params vlmoe_train_default_params(void) {
     p.freeze_moe = 0;
     p.lock_image = p.lock_image_unlocked_groups = 0;
     p.lock_text = p.lock_text_unlocked_layers = 0;
+    p.bucket_cap_mb = 25; // DDP's
     return p;
 }
 
@@ -411,10 +437,12 @@ void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (t->p.lock_image || t->p.lock_text) model_set_frozen_towers(t->m, 0, 0); // the model trains whole again
     shard_free(t);
     vlmoe_optim_free(t->opt);
+    buckets_free(t->bk);
     free(t->frozen);
     free(t);
 }
 
+buckets_info trainer_buckets_info(const vlmoe_trainer *t) { return buckets_get_info(t->bk); }
 long vlmoe_trainer_get_step(const vlmoe_trainer *t) { return vlmoe_optim_get_step(t->opt); }
 vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t) { return t->opt; }
 vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t) { return t->m; }
@@ -423,9 +451,8 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return 
 // The rest of a step once the gradients are in the model's buffer: the divergence guard,
 // clipping, the schedule, the update and the temperature clamp.
 static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
-    int st = vlmoe_model_check_finite(t->m, 1);
-    if (st) vlmoe_error_prefix("step %ld", step);
-    if (t->dist) st = reduce_step(t, st, step, s);
+    int st = t->dist ? reduce_step(t, VLMOE_OK, step, s) : vlmoe_model_check_finite(t->m, 1);
+    if (st && !t->dist) vlmoe_error_prefix("step %ld", step);
     if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
@@ -451,6 +478,8 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     int st = vlmoe_model_forward(t->m, b, &s);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
@@ -466,6 +495,8 @@ int vlmoe_trainer_step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, 
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     int st = model_accumulate(t->m, micro, n, &s);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
@@ -481,6 +512,8 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     vlmoe_mome_stats r;
     int st = vlmoe_mome_forward_retrieval(t->m, images, tokens, lengths, B, 1, &r);
     if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
@@ -526,6 +559,8 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     if (nparts < 1) return failed(t, vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step), step, &s);
     // Data parallelism: every forward all-reduces its label counts (src/nn/mome_model.c), so a
     // process whose forward failed (a non-finite loss, bad labels) still runs the others' forwards
