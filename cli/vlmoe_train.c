@@ -3,7 +3,8 @@
 // src/train/mome_task.c and a run of the loop in src/train/run.c; this file lists the image files
 // and reads the text file, sets up the model, prints and picks the exit code. Under mpirun every
 // process trains its block of each global batch; rank 0 prints and writes. `vlmoe vq train`
-// (the MIM codebook) is cli/vq.c. Covered by tests/test_vlmoe_train.c and tests/test_dist_mpi.sh.
+// (the MIM codebook) is cli/vq.c; the set-up of a run is cli/vlmoe_train_setup.c. Covered by
+// tests/test_vlmoe_train.c and tests/test_dist_mpi.sh.
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -23,9 +24,9 @@
 #include "train/tasks.h"
 #include "train_flags.h"
 #include "vlmoe_train.h"
+#include "vlmoe_train_run.h"
 
 static const char *CMD = "train";
-enum { BPE_MIN = 514, BPE_IDS = 1024 }; // BPE's smallest vocabulary; the size trained for small models
 
 static const char *model_flag(int argc, char **argv) {
     for (int i = 2; i < argc; i++) {
@@ -41,55 +42,6 @@ int cli_train_is_mome(int argc, char **argv) {
     return m && vlmoe_config_load(m, &c) == VLMOE_OK && c.arch == VLMOE_ARCH_MOME;
 }
 
-typedef struct {
-    const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume;
-    const char *dataset_type, *csv_separator, *tokenizer, *image_mean, *image_std;
-    const char *upsampling;      // --train-data-upsampling-factors
-    int batch, log_every, keep, workers, threads, allow_changes, resampled;
-    long steps, seed, save_every, save_epochs, epochs, num_samples;
-    double max_bad;
-    int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
-    cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
-    vlmoe_dataset_params data;   // --train-data and the CSV flags
-} mome_args;
-
-// Everything a run holds; run_free releases whatever was set up.
-typedef struct {
-    vlmoe_model_config cfg;
-    vlmoe_model *m;
-    vlmoe_trainer *t;
-    vlmoe_mome_run *task;
-    cli_text text;                       // tokenizer of --text-data and --train-data captions
-    char **images;                       // --image-data files, sorted
-    int n_images;
-    char **lines;                        // --text-data lines, with their numbers
-    long *lineno;
-    size_t n_lines;
-    char tokenizer_path[1100];           // the texts' tokenizer file (open_text)
-    float *cb;                           // --codebook
-    vlmoe_data_state resumed;            // the data state of the checkpoint resumed from
-    vlmoe_dist *dist;                    // the processes of the run (mpirun); rank 0 prints and writes
-    int lead;
-    char dir[512], ckdir[600];
-} mome_cli;
-
-// Releases the run; the process group too, except after a failure on several processes, where
-// this process leaves without finalising MPI so that mpirun stops the others (they may be waiting
-// in a collective this one will never join).
-static void run_free(mome_cli *r, int rc) {
-    if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
-    vlmoe_mome_free(r->task);
-    cli_text_free(&r->text);
-    vlmoe_trainer_free(r->t);
-    vlmoe_model_free(r->m);
-    vlmoe_free_strings(r->images, r->n_images);
-    if (r->lines) cli_free_lines(r->lines, r->n_lines);
-    free(r->lineno), free(r->cb);
-}
-
-// Exit status of a failed step of the set-up, with the library's message.
-static int lib_error(const char *what) { return cli_error(CMD, "%s%s%s", what, what[0] ? ": " : "", vlmoe_last_error()); }
-
 // "I,T,P": three non-negative integer weights, not all zero.
 static int parse_mix(const char *v, int w[3]) {
     char tail;
@@ -97,77 +49,6 @@ static int parse_mix(const char *v, int w[3]) {
         w[0] + w[1] + w[2] < 1)
         return cli_error(CMD, "--mix '%s': expected three non-negative integer weights IMAGES,TEXTS,PAIRS, not all 0 "
                          "(e.g. 1,1,1, the paper's equal thirds, or 0,1,0 for texts only)", v);
-    return 0;
-}
-
-// The texts' tokenizer: --tokenizer, else the vocabulary this run trained (LOGS/NAME/tokenizer.txt),
-// else a BPE vocabulary trained now on the first 10000 sentences of --text-data and captions of
-// --train-data (captions: whether the loader gives texts). Never the synthetic words for files.
-// A vocabulary the config leaves open (no "vocab_size" in a JSON config) is sized to the
-// tokenizer, with [MASK] the id after its last.
-// On several processes rank 0 decides and trains; the others read the file once it is written.
-static int open_text(const mome_args *a, int captions, mome_cli *r) {
-    const int fixed = config_sets_vocab(a->model);
-    snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s/tokenizer.txt", r->dir);
-    if (a->tokenizer) {
-        snprintf(r->tokenizer_path, sizeof(r->tokenizer_path), "%s", a->tokenizer);
-    } else if (!r->lead) {
-        // rank 0 trains it, or finds it, before the barrier below
-    } else if (access(r->tokenizer_path, R_OK) == 0) {
-        fprintf(stderr, "vlmoe train: texts are tokenized with %s, the vocabulary this run trained\n", r->tokenizer_path);
-    } else {
-        if (fixed && r->cfg.vocab_size < BPE_MIN + 1)
-            return cli_error(CMD, "%s fixes vocab_size %d, too small for a BPE vocabulary of the texts (at least %d ids "
-                             "and [MASK]): raise vocab_size (e.g. %d), leave it out to size it to the texts, or give "
-                             "--tokenizer FILE", a->model, r->cfg.vocab_size, BPE_MIN, BPE_IDS + 1);
-        const int size = r->cfg.vocab_size > BPE_MIN ? r->cfg.vocab_size - 1 : BPE_IDS;
-        size_t n;
-        int ids;
-        if (vlmoe_train_vocabulary(captions ? &a->data : NULL, (const char *const *)r->lines, r->n_lines, size, 10000,
-                                   r->tokenizer_path, &n, &ids))
-            return lib_error("");
-        fprintf(stderr, "vlmoe train: no --tokenizer: trained a BPE vocabulary of %d ids on %zu texts (saved as %s; the "
-                "checkpoints carry it)\n", ids, n, r->tokenizer_path);
-    }
-    if (!a->tokenizer && r->dist->barrier(r->dist)) return lib_error("");
-    if (cli_load_tokenizer(r->tokenizer_path, &r->text.bpe)) return lib_error("--tokenizer");
-    const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
-    if (!fixed && (r->cfg.vocab_size <= ids || r->cfg.vocab_size < BPE_MIN)) {
-        if (r->lead) fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids and [MASK] = %d (a JSON "
-                "config's \"vocab_size\" and \"mask_token\" fix them)\n", a->model, ids, ids);
-        r->cfg.vocab_size = ids + 1, r->cfg.mask_token = ids;
-    }
-    return 0;
-}
-
-// What the streams read from files: the tokenizer (open_text), the image transform, the image
-// files and the text file's lines.
-static int open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_params *p, mome_cli *r) {
-    const int *src = sp->src;
-    const int synth = src[0] == VLMOE_MOME_SYNTH || src[1] == VLMOE_MOME_SYNTH || src[2] == VLMOE_MOME_SYNTH;
-    if (synth && a->tokenizer) return cli_error(CMD, "--tokenizer: the synthetic data has its own word tokenizer");
-    if (synth && (a->image_mean || a->image_std)) return cli_error(CMD, "--image-mean/--image-std apply to image files");
-    if (synth) return 0;
-    if (r->cfg.channels != 3)
-        return cli_error(CMD, "model %s has %d image channels; images are RGB", r->cfg.name, r->cfg.channels);
-    if (cli_image_params(CMD, a->image_mean, a->image_std, &r->cfg, &p->image)) return 1;
-    if (src[1] == VLMOE_MOME_LINES) {
-        if (cli_read_lines_numbered(CMD, a->text_data, &r->lines, &r->lineno, &r->n_lines)) return 1;
-        p->text_lines = (const char *const *)r->lines, p->text_lineno = r->lineno, p->n_text_lines = r->n_lines;
-    }
-    if (src[1] == VLMOE_MOME_LINES || src[1] == VLMOE_MOME_LOADER || src[2] == VLMOE_MOME_LOADER) {
-        if (open_text(a, src[1] == VLMOE_MOME_LOADER || src[2] == VLMOE_MOME_LOADER, r)) return 1;
-        p->tokenize = cli_tokenize, p->tokenize_user = &r->text, p->tokenizer = r->tokenizer_path;
-        p->text_vocab = vlmoe_tokenizer_vocab_size(r->text.bpe);
-    }
-    if (src[0] == VLMOE_MOME_FOLDER) {
-        struct stat sb;
-        const int e = stat(a->image_data, &sb) ? errno : 0;
-        if (e || !S_ISDIR(sb.st_mode))
-            return cli_error(CMD, "--image-data %s: %s", a->image_data, e ? strerror(e) : "not a folder");
-        if (cli_list_images(CMD, &a->image_data, 1, &r->images, &r->n_images)) return 1;
-        p->image_files = (const char *const *)r->images, p->n_image_files = r->n_images;
-    }
     return 0;
 }
 
@@ -186,48 +67,6 @@ static int steps_epochs(mome_args *a, long steps_given) {
 }
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
-
-// A fresh model from --model, or the newest usable checkpoint (--resume latest, falling back to
-// older ones) or the one named (--resume FILE); then the task starts on it.
-// What the checkpoints will record of the inputs: the texts' tokenizer (the synthetic words for
-// the synthetic data) and the image files' normalisation. A resumed run must read them as its
-// checkpoint says.
-static int record_inputs(const vlmoe_mome_params *p, const char *ckpt, mome_cli *r) {
-    const model_inputs *in = model_get_inputs(r->m);
-    const int synth = p->tokenize == NULL && !p->image_files && !p->train_data.path;
-    if (ckpt && in->text == MODEL_TEXT_BPE && r->text.bpe) {
-        char *t = NULL;
-        size_t n = 0;
-        const int same = !vlmoe_tokenizer_to_text(r->text.bpe, &t, &n) && n == in->tokenizer_len &&
-                         !memcmp(t, in->tokenizer, n);
-        free(t);
-        if (!same)
-            return cli_error(CMD, "%s: the texts' tokenizer %s is not the one the checkpoint carries", ckpt,
-                             r->tokenizer_path);
-    }
-    if (ckpt && in->has_norm && (p->image_files || p->train_data.path) &&
-        (memcmp(in->mean, p->image.mean, sizeof(in->mean)) || memcmp(in->std, p->image.std, sizeof(in->std))))
-        return cli_error(CMD, "%s: --image-mean/--image-std differ from the normalisation the checkpoint records", ckpt);
-    if (p->tokenize || synth) // texts read (or the synthetic data's)
-        if (model_set_tokenizer(r->m, r->text.bpe)) return lib_error("");
-    if (p->image_files || p->train_data.path) model_set_image_norm(r->m, p->image.mean, p->image.std);
-    return 0;
-}
-
-static int setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlmoe_mome_params *p, mome_cli *r) {
-    if (!a->resume) {
-        if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_trainer_init(&r->t, r->m, tp) ||
-            vlmoe_mome_start(r->task, r->m, r->cb, NULL, NULL))
-            return lib_error("");
-        return record_inputs(p, NULL, r);
-    }
-    char w[1024];
-    if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
-        return lib_error("");
-    if (vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w)) return lib_error("");
-    if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
-    return record_inputs(p, w, r);
-}
 
 // params.json: every flag that shapes the run (the --resume check compares them), strings that
 // were not given as null.
@@ -271,7 +110,7 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSO
     cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split, r->dist->world);
     if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(p), 0);
-    return vlmoe_run_write_files(r->dir, &r->cfg, p) ? lib_error("") : 0;
+    return vlmoe_run_write_files(r->dir, &r->cfg, p) ? mome_lib_error("") : 0;
 }
 
 // Step lines on stdout, each followed by the routing of the streams; checkpoints are not announced.
@@ -455,23 +294,23 @@ int cmd_train_mome(int argc, char **argv) {
     }
     if (cli_resampling(CMD, &a.data, a.resampled, a.upsampling)) return 1;
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
-    if (vlmoe_dist_open(&dist, "auto")) return lib_error("");
+    if (vlmoe_dist_open(&dist, "auto")) return mome_lib_error("");
     a.data.note = dist->rank == 0 ? on_warn : NULL; // how CSV image paths were found, once
     mome_cli r;
     memset(&r, 0, sizeof(r));
     r.dist = dist, r.lead = dist->rank == 0;
     const int W = dist->world;
-    if (vlmoe_config_load(a.model, &r.cfg)) return lib_error("");
+    if (vlmoe_config_load(a.model, &r.cfg)) return mome_lib_error("");
     if (r.cfg.arch != VLMOE_ARCH_MOME) return cli_error(CMD, "model '%s' is not a VL-MoE (arch mome) model", a.model);
     vlmoe_mome_params p = {.config = &r.cfg, .batch_size = a.batch, .mix = {w[0], w[1], w[2]}, .seed = (uint64_t)a.seed,
                            .image_data = a.image_data, .text_data = a.text_data, .train_data = a.data,
                            .workers = a.workers, .max_bad_fraction = a.max_bad, .resampled = a.resampled,
                            .upsampling = a.upsampling, .rank = dist->rank, .world = W};
     vlmoe_mome_split sp;
-    if (vlmoe_mome_split_batch(&p, &sp)) return lib_error("");
+    if (vlmoe_mome_split_batch(&p, &sp)) return mome_lib_error("");
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
     int K, dim;
-    if (a.codebook && vlmoe_codebook_load(a.codebook, r.cfg.mim_vocab, pd, &r.cb, &K, &dim)) return lib_error("--codebook");
+    if (a.codebook && vlmoe_codebook_load(a.codebook, r.cfg.mim_vocab, pd, &r.cb, &K, &dim)) return mome_lib_error("--codebook");
     // LOGS/NAME (NAME: --name or the model's), or the run a --resume FILE belongs to
     if (a.resume && strcmp(a.resume, "latest")) {
         vlmoe_run_dir_of(a.resume, r.dir, sizeof(r.dir));
@@ -481,18 +320,18 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
-    if (vlmoe_mkdir_p(r.ckdir)) return rc = lib_error(""), run_free(&r, rc), rc;
+    if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
-    if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return run_free(&r, 1), 1;
+    if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return mome_run_free(&r, 1), 1;
     // --resume: the flags against the run's before anything is read or written
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp, W) : NULL;
     rc = now && cli_resume_check(CMD, r.dir, now, (r.lead ? CLI_RESUME_PRINT : 0) | (a.allow_changes ? CLI_RESUME_ALLOW : 0),
                                  &changes);
     cJSON_Delete(now);
-    if (rc) return run_free(&r, rc), rc;
-    if ((rc = open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = lib_error(""))))
-        return cJSON_Delete(changes), run_free(&r, rc), rc;
+    if (rc) return mome_run_free(&r, rc), rc;
+    if ((rc = mome_open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = mome_lib_error(""))))
+        return cJSON_Delete(changes), mome_run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);
     if (r.lead && rep->n_sentences) fprintf(stderr, "vlmoe train: texts: %zu sentences of %s\n", rep->n_sentences, a.text_data);
     if (r.lead && r.n_images) fprintf(stderr, "vlmoe train: images: %d files under %s\n", r.n_images, a.image_data);
@@ -503,14 +342,14 @@ int cmd_train_mome(int argc, char **argv) {
                 rep->n_loader, W > 1 ? " per process (every process reads the global batch)" : "", a.workers);
     }
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
-    rc = setup_model(&a, &tp, &p, &r);
+    rc = mome_setup_model(&a, &tp, &p, &r);
     const long start = rc ? 0 : vlmoe_trainer_get_step(r.t);
     if (!rc && start >= a.steps && !r.lead) rc = -1;
     if (!rc && start >= a.steps) // -1: nothing to do, and no error
         printf("the run is at step %ld already, not before --steps %ld: nothing to train\n", start, a.steps), rc = -1;
     if (!rc && r.lead) rc = write_run_files(&a, w, &r, changes), changes = NULL;
     cJSON_Delete(changes);
-    if (rc) return run_free(&r, rc < 0 ? 0 : rc), rc < 0 ? 0 : rc;
+    if (rc) return mome_run_free(&r, rc < 0 ? 0 : rc), rc < 0 ? 0 : rc;
     const vlmoe_mome_split *s = &rep->split;
     char procs[96] = ""; // on several processes: the global batch's make-up
     if (W > 1)
@@ -539,7 +378,7 @@ int cmd_train_mome(int argc, char **argv) {
         rc = cli_error(CMD, "diverged: %s. Nothing was written for this step; continue from the last checkpoint with "
                        "--resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
     else if (st)
-        rc = lib_error("");
+        rc = mome_lib_error("");
     char wp[1024], spath[1024];
     vlmoe_ckpt_paths(r.ckdir, a.steps, wp, spath, sizeof(wp));
     if (!rc && r.lead) printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
@@ -554,6 +393,6 @@ int cmd_train_mome(int argc, char **argv) {
         vlmoe_dataset_stats_format(rep->loader_stats, sum, sizeof(sum));
         fprintf(stderr, "vlmoe train: warning: %s: %s\n", a.data.path, sum);
     }
-    run_free(&r, rc);
+    mome_run_free(&r, rc);
     return rc;
 }
