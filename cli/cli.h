@@ -23,8 +23,11 @@ int cli_error(const char *cmd, const char *fmt, ...)
 #endif
     ;
 
-// Under mpirun: cli_error then prints "vlmoe CMD: rank R: message" (rank < 0: no rank).
-void cli_set_rank(int rank);
+// A command that runs on the processes of d: under mpirun cli_error then prints "vlmoe CMD: rank R:
+// message", and a collective that times out (vlmoe_dist_set_timeout) prints "vlmoe: <why>" and
+// ends the job (vlmoe_dist_abort): the library reports the timeout, the command line exits.
+struct vlmoe_dist;
+void cli_set_dist(struct vlmoe_dist *d);
 
 // Monotonic seconds.
 double cli_now(void);

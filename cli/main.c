@@ -11,9 +11,19 @@
 #include "tokenize.h"
 #include "vlmoe_train.h"
 
-// The process's rank in a run on several processes (cli_set_rank), -1 alone.
+// The process's rank in a run on several processes (cli_set_dist), -1 alone.
 static int g_rank = -1;
-void cli_set_rank(int rank) { g_rank = rank; }
+
+static void on_timeout(void *d, const char *message) {
+    fprintf(stderr, "vlmoe: %s\n", message);
+    vlmoe_dist_abort(d, 1);
+}
+
+void cli_set_dist(vlmoe_dist *d) {
+    if (d->world < 2) return;
+    g_rank = d->rank;
+    vlmoe_dist_on_timeout(on_timeout, d);
+}
 
 int cli_error(const char *cmd, const char *fmt, ...) {
     // one write for the whole line: under mpirun the ranks share the terminal, and a line written

@@ -15,6 +15,7 @@
 #include "args.h"
 #include "cli.h"
 #include "common.h"
+#include "dist/watchdog.h"
 #include "nn/model.h"
 #include "train_run.h"
 #include "vlmoe.h"
@@ -317,15 +318,13 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         return cli_error("train", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give "
                          "--zeroshot-classnames or --zeroshot-templates FILE.json", a.zs_dataset);
     double timeout = -1;
-    char *end = NULL;
-    if (a.dist_timeout && (!*a.dist_timeout || !((timeout = strtod(a.dist_timeout, &end)) >= 0) || *end ||
-                           timeout > 1e9))
+    if (a.dist_timeout && (dist_timeout_parse(a.dist_timeout, &timeout) || timeout > 1e9))
         return cli_error("train", "--dist-timeout %s: expected the seconds a collective may wait for the other "
                          "processes (>= 0; 0: never)", a.dist_timeout);
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return cli_error("train", "%s", vlmoe_last_error());
     *dist_out = dist;
-    if (dist->world > 1) cli_set_rank(dist->rank); // errors say which process met them
+    cli_set_dist(dist); // errors say which process met them; a collective timeout ends the job
     if (timeout >= 0 && vlmoe_dist_set_timeout(dist, timeout))
         return cli_error("train", "--dist-timeout: %s", vlmoe_last_error());
     if (!(a.bucket_cap_mb >= 0) || a.bucket_cap_mb > 1e6)

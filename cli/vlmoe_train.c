@@ -295,6 +295,7 @@ int cmd_train_mome(int argc, char **argv) {
     if (cli_resampling(CMD, &a.data, a.resampled, a.upsampling)) return 1;
     vlmoe_dist *dist = NULL; // started by mpirun: this process's rank in the run
     if (vlmoe_dist_open(&dist, "auto")) return mome_lib_error("");
+    cli_set_dist(dist); // errors say which process met them; a collective timeout ends the job
     a.data.note = dist->rank == 0 ? on_warn : NULL; // how CSV image paths were found, once
     mome_cli r;
     memset(&r, 0, sizeof(r));

@@ -92,15 +92,21 @@ long vlmoe_dist_launched(const char **by);
 int vlmoe_dist_split(vlmoe_dist *d, int color, int key, vlmoe_dist **out);
 // The collective timeout, like torch.distributed's: a collective of any group of this process
 // that has waited longer than `seconds` for the others (one of them stopped or hung) makes a
-// watchdog thread print "vlmoe: rank R: <collective> has waited N s for the other processes
-// (...)" and abort the whole job (MPI_Abort), since a blocked collective cannot be cancelled.
-// 0: no timeout. "mpi" starts with VLMOE_DIST_TIMEOUT's seconds, else 600; the world of one
+// watchdog thread call the handler of vlmoe_dist_on_timeout with "rank R: <collective> has waited
+// N s for the other processes (...): aborting the job (--dist-timeout S s)". A blocked collective
+// cannot be cancelled, so the handler (the command line's) ends the job: vlmoe_dist_abort. The
+// library itself never does. 0: no timeout. "mpi" starts with VLMOE_DIST_TIMEOUT's seconds, else 600; the world of one
 // never waits and ignores it. An error for a negative or non-finite value.
 int vlmoe_dist_set_timeout(vlmoe_dist *d, double seconds);
-// Ends every process of the run with exit status `code` (MPI_Abort), for a process that failed
-// while the others may be waiting for it in a collective; the caller prints why first. The one
-// place the library ends the process, and only when asked; in a world of one it returns and the
-// caller exits as usual.
+// The timeout's handler, for every group of this process (NULL: none; a timeout then goes
+// unreported and the collective keeps waiting). It runs on the watchdog's thread, once per
+// collective that times out; if it returns, the watchdog goes on watching.
+typedef void (*vlmoe_dist_timeout_fn)(void *user, const char *message);
+void vlmoe_dist_on_timeout(vlmoe_dist_timeout_fn fn, void *user);
+// Ends every process of the run with exit status `code` (MPI_Abort), for the command line when
+// this process failed (or a collective timed out) while the others may be waiting for it: the
+// job's exit, as exit() is a process's. The caller prints why first. The library never calls it
+// itself; in a world of one it returns and the caller exits as usual.
 void vlmoe_dist_abort(vlmoe_dist *d, int code);
 // a world of one, for callers that never go distributed (tests, the single-process paths)
 vlmoe_dist *vlmoe_dist_single(void);

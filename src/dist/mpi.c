@@ -340,14 +340,13 @@ static int raw_barrier(vlmoe_dist *d) {
 // A collective blocked in MPI cannot be cancelled: MPI has no call to withdraw from one, and
 // MPI_ERRORS_RETURN only helps once MPI notices a failure, which a peer that hangs (or a
 // network that drops it) never triggers. So when one has waited past the timeout, the watchdog
-// thread prints why and ends the job with MPI_Abort, which makes the launcher stop every rank.
-// This is the one place the library ends the process on its own: the alternative is a job that
-// hangs until someone kills it. MPI was started with MPI_THREAD_FUNNELED, under which only the
-// main thread may call MPI; MPI_Abort is the exception we take (Open MPI and MPICH implement it
-// as a message to the launcher and an exit, touching no state the blocked call holds), and if it
-// returns anyway the process exits itself.
+// thread hands the reason to the handler the command line installed (vlmoe_dist_on_timeout),
+// which ends the job with vlmoe_dist_abort (MPI_Abort) rather than hang until someone kills it.
+// MPI was started with MPI_THREAD_FUNNELED, under which only the main thread may call MPI;
+// MPI_Abort from the watchdog thread is the exception taken (Open MPI and MPICH implement it as a
+// message to the launcher and an exit, touching no state the blocked call holds).
 static void on_timeout(void *user, uint64_t seq, const char *what, const void *group, double waited) {
-    char msg[512];
+    char msg[512], line[600];
     pthread_mutex_lock(&g_groups_mu);
     if (!dist_watchdog_running(g_dog, seq)) { // it ended meanwhile
         pthread_mutex_unlock(&g_groups_mu);
@@ -356,9 +355,8 @@ static void on_timeout(void *user, uint64_t seq, const char *what, const void *g
     const mpi_ctx *c = group;
     dist_timeout_message(msg, sizeof msg, g_world_rank, what, waited, c->others, c->n_others);
     pthread_mutex_unlock(&g_groups_mu);
-    fprintf(stderr, "vlmoe: %s (--dist-timeout %g s)\n", msg, dist_watchdog_get_timeout(g_dog));
-    MPI_Abort(MPI_COMM_WORLD, 1);
-    _exit(1);
+    snprintf(line, sizeof line, "%s (--dist-timeout %g s)", msg, dist_watchdog_get_timeout(g_dog));
+    dist_timeout_report(line);
 }
 
 #define WATCHED(name, call)                                       \

@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "core/core.h"
+#include "dist/dist.h"
 #include "dist/watchdog.h"
 
 struct dist_watchdog {
@@ -138,6 +139,20 @@ void dist_timeout_message(char *buf, size_t n, int rank, const char *what, doubl
     if (!n_others) snprintf(list, sizeof list, "another process");
     snprintf(buf, n, "rank %d: %s has waited %.0f s for the other processes (%s%s may have stopped or hung): "
              "aborting the job", rank, what, waited, n_others > 1 ? "one of ranks " : n_others ? "rank " : "", list);
+}
+
+// The handler of vlmoe_dist_on_timeout, read by a group's fire function on the watchdog thread.
+static _Atomic(vlmoe_dist_timeout_fn) g_handler;
+static void *_Atomic g_handler_user;
+
+void vlmoe_dist_on_timeout(vlmoe_dist_timeout_fn fn, void *user) {
+    atomic_store(&g_handler_user, user);
+    atomic_store(&g_handler, fn);
+}
+
+void dist_timeout_report(const char *message) {
+    const vlmoe_dist_timeout_fn fn = atomic_load(&g_handler);
+    if (fn) fn(atomic_load(&g_handler_user), message);
 }
 
 int dist_timeout_parse(const char *s, double *out) {

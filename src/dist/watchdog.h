@@ -14,8 +14,8 @@
 
 typedef struct dist_watchdog dist_watchdog;
 // Called from the watchdog's thread when the collective begun as `seq` (what, group as given to
-// dist_watchdog_begin) has waited `waited` seconds, once per collective. It may not return (MPI
-// aborts the job); if it does, the watchdog goes on watching.
+// dist_watchdog_begin) has waited `waited` seconds, once per collective; when it returns, the
+// watchdog goes on watching.
 typedef void (*dist_watchdog_fire)(void *user, uint64_t seq, const char *what, const void *group, double waited);
 
 // A watchdog polling every poll_s seconds, with no timeout until one is set.
@@ -38,6 +38,8 @@ void dist_watchdog_stop(dist_watchdog *w);
 // known, a long list cut with "...".
 void dist_timeout_message(char *buf, size_t n, int rank, const char *what, double waited, const int *others,
                           int n_others);
+// Hands a timeout's message to the handler of vlmoe_dist_on_timeout (dist.h), if one is set.
+void dist_timeout_report(const char *message);
 // seconds >= 0 from a flag or VLMOE_DIST_TIMEOUT ("600", "2.5", "0"); -1 on anything else.
 int dist_timeout_parse(const char *s, double *out);
 
