@@ -82,7 +82,7 @@ int cli_text_init(const char *cmd, const char *path, const vlmoe_model_config *c
         return cli_error(cmd, "--tokenizer %s has %d ids, more than the model's vocabulary of %d", path,
                          vlmoe_tokenizer_vocab_size(t->bpe), c->vocab_size);
     if (t->bpe || !need) return 0;
-    if (c->vocab_size >= 514)
+    if (c->vocab_size >= CLI_BPE_MIN)
         return cli_error(cmd, "--tokenizer is needed: the model's vocabulary of %d ids is not the synthetic data's "
                          "(those models have fewer than 514)", c->vocab_size);
     if (!t->synth) {
@@ -123,15 +123,11 @@ int cli_model_image_params(const char *cmd, const char *mean, const char *std, i
     return 0;
 }
 
-// Whether the tokenizer file at path has the text the model records (an unreadable file: no).
-static int same_tokenizer(const char *path, const model_inputs *in) {
+// Whether the tokenizer file at path is the one m records (an unreadable file: no).
+static int same_tokenizer(const char *path, const vlmoe_model *m) {
     vlmoe_tokenizer *tok = NULL;
-    char *text = NULL;
-    size_t len = 0;
-    const int same = !cli_load_tokenizer(path, &tok) && !vlmoe_tokenizer_to_text(tok, &text, &len) &&
-                     len == in->tokenizer_len && !memcmp(text, in->tokenizer, len);
+    const int same = !cli_load_tokenizer(path, &tok) && model_same_tokenizer(m, tok);
     vlmoe_tokenizer_free(tok);
-    free(text);
     return same;
 }
 
@@ -140,7 +136,7 @@ int cli_model_text(const char *cmd, const char *tokenizer, int override, const v
     const model_inputs *in = model_get_inputs(m);
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
     if (in->text == MODEL_TEXT_UNKNOWN) return cli_text_init(cmd, tokenizer, c, need, t); // a file that does not say
-    if (tokenizer && in->text == MODEL_TEXT_BPE && same_tokenizer(tokenizer, in)) // typed again: no contradiction
+    if (tokenizer && same_tokenizer(tokenizer, m)) // typed again: no contradiction
         return cli_text_init(cmd, tokenizer, c, need, t);
     if (tokenizer && !override)
         return cli_error(cmd, "--tokenizer %s: %s carries its own tokenizer (%s), which every command uses; leave the "

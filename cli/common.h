@@ -30,6 +30,10 @@ int cli_image_params(const char *cmd, const char *mean, const char *std, const v
 enum { CLI_NORM_LEN = 96 };
 int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nbuf);
 
+// The smallest vocabulary BPE can have (512 byte symbols, start and end; smaller ones are the
+// synthetic data's word vocabularies), and the size trained for a small named model on captions.
+enum { CLI_BPE_MIN = 514, CLI_BPE_IDS = 1024 };
+
 // Texts of the user's: --tokenizer PATH (NULL: none) or, without one, the synthetic data's word
 // tokenizer, which only a model with fewer than 514 ids (too few for BPE) can have been trained
 // with. With need = 0 only a given PATH is loaded. A synth already set by the caller is used

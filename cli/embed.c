@@ -26,7 +26,7 @@ static const char *USAGE =
     "(1-based). Unreadable images are skipped, counted, reported on stderr and listed in the\n"
     "metadata's \"skipped\" (an error when no image can be read). Images are preprocessed like vlmoe\n"
     "eval's (shorter side resized, center crop, --image-mean/--image-std); texts are tokenized with\n"
-    "--tokenizer, or for a model with fewer than 514 ids with the synthetic data's word tokenizer.\n"
+    "the tokenizer the model file records (else --tokenizer, or below 514 ids the synthetic words).\n"
     "Read OUT with safetensors' safe_open(OUT, \"np\"), .get_tensor(\"image_embeds\") and .metadata().\n\n"
     "examples:\n"
     "  vlmoe embed --model logs/demo/checkpoints/step_3000.safetensors --images photos/ -o photos.safetensors\n"

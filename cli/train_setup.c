@@ -51,19 +51,18 @@ static int train_vocab(const train_args *a, train_run *r, int size) {
 
 // The captions' tokenizer of a fresh run on --train-data, chosen before the model is made so that
 // a vocabulary the config leaves open (a named model's) is sized to it: --tokenizer, else a BPE
-// vocabulary trained on the captions (the config's size, or BPE_IDS when the config's is too small
+// vocabulary trained on the captions (the config's size, or CLI_BPE_IDS when the config's is too small
 // for BPE). A config that fixes a vocabulary smaller than the tokenizer's is an error.
-enum { BPE_MIN = 514, BPE_IDS = 1024 };
 static int fresh_text(const train_args *a, train_run *r, int *vocab) {
     vlmoe_model_config c;
     if (vlmoe_config_load(a->model, &c)) return cli_error("train", "%s", vlmoe_last_error());
     const int fixed = config_sets_vocab(a->model);
     *vocab = 0;
-    if (!a->tokenizer && c.vocab_size < BPE_MIN && fixed)
+    if (!a->tokenizer && c.vocab_size < CLI_BPE_MIN && fixed)
         return cli_error("train", "%s fixes vocab_size %d, too small for a BPE vocabulary of the captions of %s (at least "
                          "%d ids): raise vocab_size (e.g. %d), leave it out to size it to the captions, or give "
-                         "--tokenizer FILE", a->model, c.vocab_size, a->data.path, BPE_MIN, BPE_IDS);
-    if (!a->tokenizer && train_vocab(a, r, c.vocab_size < BPE_MIN ? BPE_IDS : c.vocab_size)) return 1;
+                         "--tokenizer FILE", a->model, c.vocab_size, a->data.path, CLI_BPE_MIN, CLI_BPE_IDS);
+    if (!a->tokenizer && train_vocab(a, r, c.vocab_size < CLI_BPE_MIN ? CLI_BPE_IDS : c.vocab_size)) return 1;
     if (a->tokenizer && cli_load_tokenizer(a->tokenizer, &r->text.bpe))
         return cli_error("train", "--tokenizer: %s", vlmoe_last_error());
     const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
@@ -71,7 +70,7 @@ static int fresh_text(const train_args *a, train_run *r, int *vocab) {
         return cli_error("train", "the tokenizer %s has %d ids, more than the %d of vocab_size in %s: raise vocab_size "
                          "to at least %d, or leave it out to size it to the tokenizer", a->tokenizer ? a->tokenizer :
                          "trained on the captions", ids, c.vocab_size, a->model, ids);
-    if (ids != c.vocab_size && !fixed && (ids > c.vocab_size || c.vocab_size < BPE_MIN)) {
+    if (ids != c.vocab_size && !fixed && (ids > c.vocab_size || c.vocab_size < CLI_BPE_MIN)) {
         *vocab = ids;
         if (r->lead)
             fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids (the named "
@@ -88,12 +87,12 @@ static int model_text(const train_args *a, train_run *r, const char *path) {
     const int vocab = vlmoe_model_get_config(r->m)->vocab_size;
     if (in->text == MODEL_TEXT_SYNTH && !(a->tokenizer && a->override))
         return cli_error("train", "%s was trained on the synthetic data, whose word tokenizer cannot read captions: "
-                         "train from scratch on %s%s", path, a->data.path, vocab >= BPE_MIN ? ", or give --tokenizer "
+                         "train from scratch on %s%s", path, a->data.path, vocab >= CLI_BPE_MIN ? ", or give --tokenizer "
                          "FILE --override-inputs to re-learn the text embedding with another vocabulary" :
                          " (its vocabulary is too small for any BPE tokenizer)");
     if (in->text != MODEL_TEXT_UNKNOWN) return cli_model_text("train", a->tokenizer, a->override, r->m, path, 1, &r->text);
     if (a->tokenizer) return cli_text_init("train", a->tokenizer, vlmoe_model_get_config(r->m), 1, &r->text);
-    if (a->resume && vocab >= BPE_MIN) return train_vocab(a, r, vocab); // an older run: its tokenizer.txt
+    if (a->resume && vocab >= CLI_BPE_MIN) return train_vocab(a, r, vocab); // an older run: its tokenizer.txt
     return cli_error("train", "%s does not record its tokenizer (an import or an older file): give --tokenizer FILE, the "
                      "one it was trained with", path);
 }

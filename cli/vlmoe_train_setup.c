@@ -16,7 +16,6 @@
 #include "vlmoe_train_run.h"
 
 static const char *CMD = "train";
-enum { BPE_MIN = 514, BPE_IDS = 1024 }; // BPE's smallest vocabulary; the size trained for small models
 
 // Releases the run; the process group too, except after a failure on several processes, where
 // this process leaves without finalising MPI so that mpirun stops the others (they may be waiting
@@ -51,11 +50,11 @@ static int open_text(const mome_args *a, int captions, mome_cli *r) {
     } else if (access(r->tokenizer_path, R_OK) == 0) {
         fprintf(stderr, "vlmoe train: texts are tokenized with %s, the vocabulary this run trained\n", r->tokenizer_path);
     } else {
-        if (fixed && r->cfg.vocab_size < BPE_MIN + 1)
+        if (fixed && r->cfg.vocab_size < CLI_BPE_MIN + 1)
             return cli_error(CMD, "%s fixes vocab_size %d, too small for a BPE vocabulary of the texts (at least %d ids "
                              "and [MASK]): raise vocab_size (e.g. %d), leave it out to size it to the texts, or give "
-                             "--tokenizer FILE", a->model, r->cfg.vocab_size, BPE_MIN, BPE_IDS + 1);
-        const int size = r->cfg.vocab_size > BPE_MIN ? r->cfg.vocab_size - 1 : BPE_IDS;
+                             "--tokenizer FILE", a->model, r->cfg.vocab_size, CLI_BPE_MIN, CLI_BPE_IDS + 1);
+        const int size = r->cfg.vocab_size > CLI_BPE_MIN ? r->cfg.vocab_size - 1 : CLI_BPE_IDS;
         size_t n;
         int ids;
         if (vlmoe_train_vocabulary(captions ? &a->data : NULL, (const char *const *)r->lines, r->n_lines, size, 10000,
@@ -67,7 +66,7 @@ static int open_text(const mome_args *a, int captions, mome_cli *r) {
     if (!a->tokenizer && r->dist->barrier(r->dist)) return mome_lib_error("");
     if (cli_load_tokenizer(r->tokenizer_path, &r->text.bpe)) return mome_lib_error("--tokenizer");
     const int ids = vlmoe_tokenizer_vocab_size(r->text.bpe);
-    if (!fixed && (r->cfg.vocab_size <= ids || r->cfg.vocab_size < BPE_MIN)) {
+    if (!fixed && (r->cfg.vocab_size <= ids || r->cfg.vocab_size < CLI_BPE_MIN)) {
         if (r->lead) fprintf(stderr, "vlmoe train: the token embedding of %s is sized to the tokenizer: %d ids and [MASK] = %d (a JSON "
                 "config's \"vocab_size\" and \"mask_token\" fix them)\n", a->model, ids, ids);
         r->cfg.vocab_size = ids + 1, r->cfg.mask_token = ids;
@@ -114,16 +113,9 @@ static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s
 static int record_inputs(const vlmoe_mome_params *p, const char *ckpt, mome_cli *r) {
     const model_inputs *in = model_get_inputs(r->m);
     const int synth = p->tokenize == NULL && !p->image_files && !p->train_data.path;
-    if (ckpt && in->text == MODEL_TEXT_BPE && r->text.bpe) {
-        char *t = NULL;
-        size_t n = 0;
-        const int same = !vlmoe_tokenizer_to_text(r->text.bpe, &t, &n) && n == in->tokenizer_len &&
-                         !memcmp(t, in->tokenizer, n);
-        free(t);
-        if (!same)
-            return cli_error(CMD, "%s: the texts' tokenizer %s is not the one the checkpoint carries", ckpt,
-                             r->tokenizer_path);
-    }
+    if (ckpt && in->text == MODEL_TEXT_BPE && r->text.bpe && !model_same_tokenizer(r->m, r->text.bpe))
+        return cli_error(CMD, "%s: the texts' tokenizer %s is not the one the checkpoint carries", ckpt,
+                         r->tokenizer_path);
     if (ckpt && in->has_norm && (p->image_files || p->train_data.path) &&
         (memcmp(in->mean, p->image.mean, sizeof(in->mean)) || memcmp(in->std, p->image.std, sizeof(in->std))))
         return cli_error(CMD, "%s: --image-mean/--image-std differ from the normalisation the checkpoint records", ckpt);

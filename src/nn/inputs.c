@@ -68,6 +68,15 @@ int model_tokenizer(const vlmoe_model *m, const char *path, vlmoe_tokenizer **ou
     return vlmoe_tokenizer_from_text(out, m->in.tokenizer, m->in.tokenizer_len, what);
 }
 
+int model_same_tokenizer(const vlmoe_model *m, const vlmoe_tokenizer *tok) {
+    if (m->in.text != MODEL_TEXT_BPE || !tok) return 0;
+    char *t = NULL;
+    size_t n = 0;
+    const int same = !vlmoe_tokenizer_to_text(tok, &t, &n) && n == m->in.tokenizer_len && !memcmp(t, m->in.tokenizer, n);
+    free(t);
+    return same;
+}
+
 int model_inputs_save(const vlmoe_model *m, vlmoe_st_writer *w) {
     const model_inputs *in = &m->in;
     int st = VLMOE_OK;

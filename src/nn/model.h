@@ -248,6 +248,8 @@ const model_inputs *model_get_inputs(const vlmoe_model *m);
 int model_copy_inputs(vlmoe_model *dst, const vlmoe_model *src);
 int model_tokenizer(const vlmoe_model *m, const char *path, struct vlmoe_tokenizer **out);
 void model_inputs_free(model_inputs *in);
+// Whether m records a BPE tokenizer with the same text as tok (the same ids for every text).
+int model_same_tokenizer(const vlmoe_model *m, const struct vlmoe_tokenizer *tok);
 // The metadata entries of m's inputs, and reading them back (errors name path and the key).
 int model_inputs_save(const vlmoe_model *m, vlmoe_st_writer *w);
 int model_inputs_load(vlmoe_model *m, const vlmoe_st *f, const char *path);
