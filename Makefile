@@ -55,7 +55,7 @@ CUDA_SRCS := $(wildcard src/cuda/*.cu)
 PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/% src/dist/mpi%.c src/dist/nccl%.c,$(wildcard src/*/*.c)) \
               $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c) $(DIST_SRCS)
 CLI_SRCS  := $(wildcard cli/*.c)
-TEST_SRCS := $(wildcard tests/test_*.c)
+TEST_SRCS := $(wildcard tests/test_*.c tests/hostile/test_*.c)
 HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
 
 # $(call objs,builddir): object files of the library for one build flavour

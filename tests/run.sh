@@ -13,7 +13,7 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 pass=0; fail=0; bad=""
 # CUDADIR (set by make test when nvcc is present): tests linked against the CUDA backend
 for dir in "$rel" "$asan" ${CUDADIR:+"$CUDADIR"}; do
-    for t in "$dir"/tests/test_*; do
+    for t in "$dir"/tests/test_* "$dir"/tests/hostile/test_*; do
         [ -x "$t" ] || continue
         out=$("$t" 2>&1); rc=$?
         line=$(printf '%s\n' "$out" | grep -E '^[a-z_0-9]+: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
