@@ -55,6 +55,7 @@ CUDA_SRCS := $(wildcard src/cuda/*.cu)
 PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/% src/dist/mpi%.c src/dist/nccl%.c,$(wildcard src/*/*.c)) \
               $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c) $(DIST_SRCS)
 CLI_SRCS  := $(wildcard cli/*.c)
+GEN_TORCH := build/gen/vlmoe_torch_py.c
 TEST_SRCS := $(wildcard tests/test_*.c tests/hostile/test_*.c)
 HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
 
@@ -116,8 +117,16 @@ libvlmoe.a: $(call objs,$(B))
 	rm -f $@ && ar rcs $@ $^
 libvlmoe.so: $(call objs,$(B))
 	$(CC) -shared -o $@ $^ $(LIBS)
-vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) libvlmoe.a
+vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) $(B)/$(GEN_TORCH:.c=.o) libvlmoe.a
 	$(CC) -o $@ $^ $(LIBS)
+
+# python/vlmoe_torch.py travels inside the program: `vlmoe export --to torch` copies it
+$(GEN_TORCH): python/vlmoe_torch.py
+	@mkdir -p $(dir $@)
+	@{ echo '// generated from python/vlmoe_torch.py by the Makefile'; \
+	   echo 'const unsigned char cli_vlmoe_torch_py[] = {'; \
+	   od -An -v -tx1 $< | sed 's/\([0-9a-f][0-9a-f]\)/0x\1,/g'; \
+	   echo '0};'; echo 'const unsigned long cli_vlmoe_torch_py_len = sizeof(cli_vlmoe_torch_py) - 1;'; } >$@
 
 # ---- sanitizer build (tests only)
 $(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
@@ -131,7 +140,7 @@ $(BA)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 $(BA)/libvlmoe.a: $(call objs,$(BA))
 	rm -f $@ && ar rcs $@ $^
-$(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/libvlmoe.a
+$(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/$(GEN_TORCH:.c=.o) $(BA)/libvlmoe.a
 	$(CC) $(SAN) -o $@ $^ $(LIBS)
 
 # ---- tests
