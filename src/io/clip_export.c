@@ -68,8 +68,18 @@ static int write_json(const char *dir, const char *name, cJSON *o) {
     return st;
 }
 
+// Three floats as the shortest decimals that give them back (0.4f is written 0.4, as the config
+// it came from said, not 0.4000000059604645).
 static cJSON *array3(const float v[3]) {
-    const double d[3] = {v[0], v[1], v[2]};
+    double d[3];
+    for (int i = 0; i < 3; i++) {
+        char b[32];
+        for (int prec = 6; prec <= 9; prec++) {
+            snprintf(b, sizeof(b), "%.*g", prec, (double)v[i]);
+            if ((float)strtod(b, NULL) == v[i]) break;
+        }
+        d[i] = strtod(b, NULL);
+    }
     return cJSON_CreateDoubleArray(d, 3);
 }
 
