@@ -12,7 +12,8 @@ Needs only torch and numpy. Usage:
     m = vlmoe_torch.load("DIR")                  # or a .safetensors model file
     img = m.encode_images(images)                # (N, C, H, W) float, already normalised
     txt = m.encode_texts(tokens, lengths)        # (N, context_length) ids, lengths with SOT/EOT
-    m.routing                                    # per MoE layer: the expert of each token (rank 0)
+    m.routing                                    # per MoE layer of the last call: each token's first
+                                                 # expert (-1: dropped; Soft MoE: -1, no such choice)
 
 Like vlmoe, inputs are encoded in batches of `batch_size` (default 64, vlmoe embed's) and a
 short last batch is filled up with copies of its last input, because routing groups, capacity
@@ -190,7 +191,7 @@ class Model:
             per = [([], []) for _ in range(E)]
             for s, e, w, k in self._route_tokens(gates, mc, kind == "experts_choice", pruned):
                 per[e][0].append(s), per[e][1].append(w)
-                if k == 0:
+                if k == 0 and record[rows[s]] < 0:  # experts choice: the lowest expert that took it
                     record[rows[s]] = e
             yg = torch.zeros_like(xg)
             for e, (idx, w) in enumerate(per):

@@ -238,41 +238,55 @@ static int read_f32(const char *path, const char *name, float *dst, size_t n) {
 
 // Layer l's rank-0 expert of every token of the last forward's first `keep` examples (-1 where
 // dropped) against vlmoe_torch's rows first..first+keep of `name` (examples, tokens per example).
-static int routing_mismatches(const vlmoe_model *m, int l, const char *path, const char *name, int first, int keep,
-                              int per) {
-    int n = 0, bad = 0;
+// -1 if the comparison cannot be made.
+static int routing_mismatches(const vlmoe_model *m, int l, const char *path, const char *name, int first, int keep) {
+    int n = 0, bad = 0, seen = 0;
     vlmoe_st *f = NULL;
     vlmoe_tensor_info ti;
     if (vlmoe_model_routing(m, l, NULL, 0, &n) || vlmoe_st_open(path, &f) || vlmoe_st_info(f, vlmoe_st_find(f, name), &ti) ||
-        ti.dtype != VLMOE_DT_I32 || ti.ndim != 2 || ti.shape[1] != per) {
+        ti.dtype != VLMOE_DT_I32 || ti.ndim != 2) {
         vlmoe_st_close(f);
         return -1;
     }
+    const int per = (int)ti.shape[1];
     vlmoe_token_route *r = malloc(sizeof(*r) * (size_t)n);
     vlmoe_model_routing(m, l, r, n, &n);
     const int32_t *want = ti.data;
-    int seen = 0;
     for (int i = 0; i < n; i++) {
-        if (r[i].rank != 0 || r[i].example >= keep) continue;
-        const int got = r[i].dropped ? -1 : r[i].expert;
+        if (r[i].rank != 0 || r[i].example >= keep || r[i].position >= per) continue;
         seen++;
-        bad += got != want[(size_t)(first + r[i].example) * per + r[i].position];
+        bad += (r[i].dropped ? -1 : r[i].expert) != want[(size_t)(first + r[i].example) * per + r[i].position];
     }
     free(r);
     vlmoe_st_close(f);
     return seen == keep * per ? bad : -1;
 }
 
-// A trained limoe-tiny (one_tower, MoE every second block, BPR, eval capacity factor 16) through
-// `vlmoe export --to torch` and vlmoe_torch.py: 7 inputs in batches of 4, so the last batch is
-// filled up as vlmoe does.
-static void test_torch(void) {
+// The MoE layers the last encoding ran, in order, against vlmoe_torch's `what`_routing.K; returns
+// how many were compared (each a check).
+static int compare_routing(const vlmoe_model *m, const char *model, const char *what, int first, int keep) {
+    int layers = 0, k = 0;
+    const vlmoe_moe_stats *stats = vlmoe_model_moe_stats(m, &layers);
+    for (int l = 0; l < layers; l++) {
+        if (stats[l].tokens[0] + stats[l].tokens[1] == 0) continue; // the other tower's layer
+        char name[64];
+        snprintf(name, sizeof(name), "%s_routing.%d", what, k++);
+        const int bad = routing_mismatches(m, l, at("torch_out.safetensors"), name, first, keep);
+        CHECK(bad == 0, "%s MoE layer %d: %d %s tokens routed to other experts than vlmoe's", model, l, bad, what);
+    }
+    return k;
+}
+
+// A trained MoE model through `vlmoe export --to torch` and vlmoe_torch.py: 7 inputs in batches of
+// 4, so the last batch is filled up as vlmoe does; routing compared on that batch (not for Soft
+// MoE, which has no per-token decision).
+static void test_torch(const char *model, int soft) {
     enum { n = 7, B = 4 };
-    test_expect_in(dir, bin, "train --model limoe-tiny --steps 3 --batch-size 8 --eval-samples 0 --logs runs --name l", 0,
-                   "trained to step 3", out, sizeof(out));
-    const char *ckpt = "runs/l/checkpoints/step_3.safetensors";
-    char args[512];
-    snprintf(args, sizeof(args), "export --model %s --to torch tdir", ckpt);
+    char args[512], ckpt[128];
+    snprintf(args, sizeof(args), "train --model %s --steps 3 --batch-size 8 --eval-samples 0 --logs runs --name %s", model, model);
+    test_expect_in(dir, bin, args, 0, "trained to step 3", out, sizeof(out));
+    snprintf(ckpt, sizeof(ckpt), "runs/%s/checkpoints/step_3.safetensors", model);
+    snprintf(args, sizeof(args), "export --model %s --to torch tdir_%s", ckpt, model);
     test_expect_in(dir, bin, args, 0, "exported", out, sizeof(out));
     vlmoe_model *m = NULL;
     vlmoe_synth *s = NULL;
@@ -282,6 +296,7 @@ static void test_torch(void) {
         vlmoe_model_free(m), vlmoe_synth_free(s);
         return;
     }
+    const int D = vlmoe_model_get_config(m)->embed_dim;
     static float img[n * 3 * 32 * 32], emb[2][n * 64], ref[2][n * 64], cli[n * 64];
     int32_t tok[n * T], lens[n], cls, bs = B;
     char caps[n][128], texts[n * 130] = "";
@@ -294,40 +309,33 @@ static void test_torch(void) {
     test_write_file(at("captions.txt"), texts, strlen(texts));
     vlmoe_st_writer *w;
     const int64_t si[4] = {n, 3, 32, 32}, st[2] = {n, T}, one = 1;
-    CHECK(!vlmoe_st_writer_init(&w) && !vlmoe_st_writer_add_f32(w, "images", VLMOE_DT_F32, 4, si, img) &&
+    CHECK(D <= 64 && !vlmoe_st_writer_init(&w) && !vlmoe_st_writer_add_f32(w, "images", VLMOE_DT_F32, 4, si, img) &&
               !vlmoe_st_writer_add_raw(w, "tokens", VLMOE_DT_I32, 2, st, tok) &&
               !vlmoe_st_writer_add_raw(w, "lens", VLMOE_DT_I32, 1, st, lens) &&
               !vlmoe_st_writer_add_raw(w, "batch_size", VLMOE_DT_I32, 1, &one, &bs) &&
               !vlmoe_st_writer_write(w, at("inputs.safetensors")),
           "inputs: %s", vlmoe_last_error());
     vlmoe_st_writer_free(w);
-    CHECK(py("torch %s %s %s", at("tdir"), at("inputs.safetensors"), at("torch_out.safetensors")) == 0,
-          "vlmoe_torch.py:\n%s", out);
-    int layers = 0;
+    snprintf(args, sizeof(args), "tdir_%s", model);
+    CHECK(py("torch %s %s %s", at(args), at("inputs.safetensors"), at("torch_out.safetensors")) == 0,
+          "%s: vlmoe_torch.py:\n%s", model, out);
+    int compared = 0;
     CHECK(!vlmoe_model_plan(m, B) && !vlmoe_model_encode_images(m, img, n, emb[0]), "encode: %s", vlmoe_last_error());
-    vlmoe_model_moe_stats(m, &layers);
-    CHECK(layers >= 1, "limoe-tiny has no MoE layer");
-    char name[64];
-    for (int l = 0; l < layers; l++) {
-        snprintf(name, sizeof(name), "image_routing.%d", l);
-        const int bad = routing_mismatches(m, l, at("torch_out.safetensors"), name, n - n % B, n % B, 16);
-        CHECK(bad == 0, "MoE layer %d: %d image tokens routed to other experts than vlmoe's", l, bad);
-    }
+    if (!soft) compared += compare_routing(m, model, "image", n - n % B, n % B);
     CHECK(!vlmoe_model_encode_texts(m, tok, lens, n, emb[1]), "encode texts: %s", vlmoe_last_error());
-    for (int l = 0; l < layers; l++) {
-        snprintf(name, sizeof(name), "text_routing.%d", l);
-        const int bad = routing_mismatches(m, l, at("torch_out.safetensors"), name, n - n % B, n % B, T);
-        CHECK(bad == 0, "MoE layer %d: %d text tokens routed to other experts than vlmoe's", l, bad);
-    }
-    CHECK(read_f32(at("torch_out.safetensors"), "image_embeds", ref[0], n * 64) &&
-              read_f32(at("torch_out.safetensors"), "text_embeds", ref[1], n * 64), "vlmoe_torch's output");
-    test_expect_in(dir, bin, "embed --model runs/l/checkpoints/step_3.safetensors --texts captions.txt --batch-size 4 "
-                   "-o te.safetensors", 0, "", out, sizeof(out));
-    CHECK(read_f32(at("te.safetensors"), "text_embeds", cli, n * 64), "vlmoe embed's text_embeds");
-    const double ei = rel_err(ref[0], emb[0], n * 64), et = rel_err(ref[1], emb[1], n * 64), ec = rel_err(ref[1], cli, n * 64);
-    CHECK(ei < 1e-5 && et < 1e-5 && ec < 1e-5, "vlmoe_torch vs vlmoe: image %.3g, text %.3g, vlmoe embed texts %.3g", ei, et, ec);
-    printf("limoe-tiny --to torch: vlmoe_torch.py vs vlmoe max relative error image %.2g, text %.2g (vlmoe embed "
-           "%.2g); routing compared on the last batch's tokens in its %d MoE layer(s)\n", ei, et, ec, layers);
+    if (!soft) compared += compare_routing(m, model, "text", n - n % B, n % B);
+    CHECK(soft || compared >= 1, "%s: no MoE layer's routing compared", model);
+    CHECK(read_f32(at("torch_out.safetensors"), "image_embeds", ref[0], (size_t)n * D) &&
+              read_f32(at("torch_out.safetensors"), "text_embeds", ref[1], (size_t)n * D), "vlmoe_torch's output");
+    snprintf(args, sizeof(args), "embed --model %s --texts captions.txt --batch-size 4 -o te.safetensors", ckpt);
+    test_expect_in(dir, bin, args, 0, "", out, sizeof(out));
+    CHECK(read_f32(at("te.safetensors"), "text_embeds", cli, (size_t)n * D), "vlmoe embed's text_embeds");
+    const double ei = rel_err(ref[0], emb[0], n * D), et = rel_err(ref[1], emb[1], n * D), ec = rel_err(ref[1], cli, n * D);
+    CHECK(ei < 1e-5 && et < 1e-5 && ec < 1e-5, "%s: vlmoe_torch vs vlmoe: image %.3g, text %.3g, vlmoe embed texts %.3g",
+          model, ei, et, ec);
+    printf("%s --to torch: vlmoe_torch.py vs vlmoe max relative error image %.2g, text %.2g (vlmoe embed %.2g); "
+           "%d MoE layer passes with the same expert per token%s\n", model, ei, et, ec, compared,
+           soft ? " (Soft MoE: no per-token choice to compare)" : "");
     vlmoe_model_free(m);
 }
 
@@ -347,7 +355,10 @@ int main(int argc, char **argv) {
     if (hf) test_round_trip(hf);
     vlmoe_model_free(hf);
     test_ecosystem();
-    test_torch();
+    test_torch("limoe-tiny", 0);
+    test_torch("clipup-tiny", 0);
+    test_torch("ec-tiny", 0);
+    test_torch("soft-tiny", 1);
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");
