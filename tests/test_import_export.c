@@ -20,6 +20,7 @@
 #include "io/safetensors.h"
 #include "nn/model.h"
 #include "test.h"
+#include "tok/tok.h"
 #include "vlmoe.h"
 
 enum { N = 5, S = 32, T = 16, E = 48 };
@@ -224,6 +225,20 @@ static void test_ecosystem(void) {
         }
         CHECK(st == 0, "%s could not load the export or differs:\n%s", what[k][0], out);
         printf("%s", out);
+        if (k == 0) { // CLIPProcessor's tokenizer gives vlmoe's ids
+            vlmoe_model *m = NULL;
+            vlmoe_tokenizer *tok = NULL;
+            int32_t ids[T], len = 0;
+            char want[256] = "ids [";
+            CHECK(!vlmoe_model_load(&m, at("hf.vlmoe.safetensors")) && !model_tokenizer(m, NULL, &tok) && tok &&
+                      !vlmoe_tokenizer_encode(tok, "a photo of a cat", ids, T, &len), "tokenizer: %s", vlmoe_last_error());
+            for (int i = 0; i < len; i++)
+                snprintf(want + strlen(want), sizeof(want) - strlen(want), "%s%d", i ? ", " : "", ids[i]);
+            strcat(want, "]");
+            CHECK(len > 2 && strstr(out, want), "CLIPProcessor's ids differ from vlmoe's %s:\n%s", want, out);
+            vlmoe_tokenizer_free(tok);
+            vlmoe_model_free(m);
+        }
     }
 }
 
