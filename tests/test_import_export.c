@@ -130,6 +130,19 @@ static void test_errors(void) {
         expect_fail(at("bad"), NULL, VLMOE_ERR_CONFIG, "bad/config.json says image width 80, but");
     }
     free(cfg);
+    // configs that are not what they claim: each error names the file and the field
+    const struct { const char *json, *needle; int status; } bad[] = {
+        {"[1, 2]", "bad/config.json: not a JSON object", VLMOE_ERR_FORMAT},
+        {"{\"model_type\": \"clip\", \"text_config\": {\"num_attention_heads\": \"two\"}}",
+         "text_config.num_attention_heads is not a whole number", VLMOE_ERR_CONFIG},
+        {"{\"vision_config\": {\"hidden_act\": \"relu\"}}", "vision_config.hidden_act \"relu\" is not an activation vlmoe has",
+         VLMOE_ERR_CONFIG},
+        {"{\"model_type\": \"siglip\"}", "model_type \"siglip\": vlmoe imports CLIP", VLMOE_ERR_CONFIG},
+    };
+    for (int k = 0; k < 4; k++) {
+        test_write_file(at("bad/config.json"), bad[k].json, strlen(bad[k].json));
+        expect_fail(at("bad"), NULL, bad[k].status, bad[k].needle);
+    }
     expect_fail(at("empty"), NULL, VLMOE_ERR_CONFIG, "without config.json (Hugging Face CLIP) or open_clip_config.json");
 }
 

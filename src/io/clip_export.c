@@ -195,12 +195,15 @@ static int export_hf(const vlmoe_model *m, const char *dir, vlmoe_dtype dtype) {
 
 static int export_open_clip(const vlmoe_model *m, const char *dir, vlmoe_dtype dtype) {
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
-    if (c->act == VLMOE_ACT_GELU_TANH || c->ln_eps != 1e-5 || c->encoder.width % c->encoder.heads ||
-        c->text_encoder.mlp_dim != 4 * c->text_encoder.width)
+    // OpenCLIP builds MLPs of int(width * mlp_ratio): the ratio must give the size back
+    const double ratio[2] = {(double)c->encoder.mlp_dim / c->encoder.width, (double)c->text_encoder.mlp_dim / c->text_encoder.width};
+    const int mlp_ok = (int)(c->encoder.width * ratio[0]) == c->encoder.mlp_dim &&
+                       (int)(c->text_encoder.width * ratio[1]) == c->text_encoder.mlp_dim;
+    if (c->act == VLMOE_ACT_GELU_TANH || c->ln_eps != 1e-5 || !mlp_ok)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "cannot export model '%s' to %s for OpenCLIP: %s", c->name, dir,
                           c->act == VLMOE_ACT_GELU_TANH ? "its act is gelu_tanh (OpenCLIP's towers use GELU or QuickGELU)"
                           : c->ln_eps != 1e-5 ? "its LayerNorm eps is not OpenCLIP's 1e-5"
-                                              : "its text MLP is not 4 x width (OpenCLIP's text_cfg has no mlp_ratio)");
+                                              : "an MLP size is no int(width * mlp_ratio) OpenCLIP can build");
     char path[1200];
     snprintf(path, sizeof(path), "%s/open_clip_model.safetensors", dir);
     vlmoe_tokenizer *tok = NULL;
@@ -216,13 +219,14 @@ static int export_open_clip(const vlmoe_model *m, const char *dir, vlmoe_dtype d
     cJSON_AddNumberToObject(v, "layers", c->encoder.layers);
     cJSON_AddNumberToObject(v, "width", c->encoder.width);
     cJSON_AddNumberToObject(v, "head_width", c->encoder.width / c->encoder.heads);
-    cJSON_AddNumberToObject(v, "mlp_ratio", (double)c->encoder.mlp_dim / c->encoder.width);
+    cJSON_AddNumberToObject(v, "mlp_ratio", ratio[0]);
     cJSON_AddNumberToObject(v, "patch_size", c->patch_size);
     cJSON_AddNumberToObject(t, "context_length", c->context_length);
     cJSON_AddNumberToObject(t, "vocab_size", c->vocab_size);
     cJSON_AddNumberToObject(t, "width", c->text_encoder.width);
     cJSON_AddNumberToObject(t, "heads", c->text_encoder.heads);
     cJSON_AddNumberToObject(t, "layers", c->text_encoder.layers);
+    if (c->text_encoder.mlp_dim != 4 * c->text_encoder.width) cJSON_AddNumberToObject(t, "mlp_ratio", ratio[1]);
     float mean[3], std[3];
     image_norm(m, mean, std);
     cJSON *p = cJSON_AddObjectToObject(o, "preprocess_cfg");

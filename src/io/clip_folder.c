@@ -219,9 +219,11 @@ static int read_openclip(const char *dir, const cJSON *c, folder_cfg *f) {
     if (!cJSON_IsObject(v) || !cJSON_IsObject(t))
         return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: model_cfg needs vision_cfg and text_cfg objects", path);
     int st = openclip_unsupported(path, v, t), head_width = 64;
-    double ratio = 4.0;
-    const cJSON *r = cJSON_GetObjectItemCaseSensitive(v, "mlp_ratio");
-    if (cJSON_IsNumber(r)) ratio = r->valuedouble;
+    double ratio[2] = {4.0, 4.0};
+    for (int k = 0; k < 2; k++) {
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(k ? t : v, "mlp_ratio");
+        if (cJSON_IsNumber(r)) ratio[k] = r->valuedouble;
+    }
     // OpenCLIP's defaults: CLIPVisionCfg(width 768, layers 12, head_width 64, patch 16, image 224),
     // CLIPTextCfg(context 77, vocab 49408, width 512, heads 8, layers 12)
     if (!st) st = get_int(path, m, "model_cfg", "embed_dim", 512, &f->embed);
@@ -240,7 +242,7 @@ static int read_openclip(const char *dir, const cJSON *c, folder_cfg *f) {
         return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: model_cfg.vision_cfg.head_width %d does not divide width %d", path,
                           head_width, f->width[0]);
     f->heads[0] = f->width[0] / head_width;
-    f->mlp[0] = (int)(f->width[0] * ratio), f->mlp[1] = 4 * f->width[1];
+    f->mlp[0] = (int)(f->width[0] * ratio[0]), f->mlp[1] = (int)(f->width[1] * ratio[1]); // OpenCLIP's int(width * ratio)
     f->act = truthy(m, "quick_gelu") ? VLMOE_ACT_QUICK_GELU : VLMOE_ACT_GELU; // OpenCLIP: nn.GELU unless quick_gelu
     const cJSON *norm = cJSON_GetObjectItemCaseSensitive(m, "norm_kwargs"), *eps = cJSON_GetObjectItemCaseSensitive(norm, "eps");
     if (cJSON_IsNumber(eps)) f->ln_eps = eps->valuedouble;
