@@ -93,6 +93,33 @@ static void test_folders(const reference *r, vlmoe_model **hf) {
     }
 }
 
+static cJSON *json_file(const char *path);
+
+// The HF folder with tokenizer.json gives the same ids as with vocab.json + merges.txt, and its
+// export the same vocab.json.
+static void test_tokenizer_json(vlmoe_model *hf) {
+    vlmoe_model *m = NULL;
+    vlmoe_tokenizer *a = NULL, *b = NULL;
+    CHECK(vlmoe_clip_import_path(&m, at("hf_tj"), NULL) == VLMOE_OK, "hf_tj: %s", vlmoe_last_error());
+    if (!m) return;
+    const char *text = "A photo of a red cat, a small dog and a Bird!";
+    int32_t x[T], y[T];
+    int lx = 0, ly = 0;
+    CHECK(!model_tokenizer(m, NULL, &a) && a && !model_tokenizer(hf, NULL, &b) && b &&
+              !vlmoe_tokenizer_encode(a, text, x, T, &lx) && !vlmoe_tokenizer_encode(b, text, y, T, &ly) && lx == ly &&
+              !memcmp(x, y, sizeof(x)) && lx > 8,
+          "tokenizer.json and vocab.json + merges.txt give different ids (%d, %d tokens)", lx, ly);
+    vlmoe_tokenizer_free(a), vlmoe_tokenizer_free(b);
+    vlmoe_export_params p = vlmoe_export_default_params();
+    CHECK(vlmoe_model_export_dir(m, at("rt_tj"), &p) == VLMOE_OK, "export: %s", vlmoe_last_error());
+    // ids in CLIP's layout are kept as CLIP's merges (src/tok/tok.h): the export's vocab.json is
+    // the slow tokenizer's of the other folder
+    cJSON *u = json_file(at("hf/vocab.json")), *v = json_file(at("rt_tj/vocab.json"));
+    CHECK(u && v && cJSON_Compare(u, v, 1), "the export of the tokenizer.json folder has another vocab.json");
+    cJSON_Delete(u), cJSON_Delete(v);
+    vlmoe_model_free(m);
+}
+
 static void expect_fail(const char *path, const vlmoe_clip_import_params *p, int status, const char *needle) {
     vlmoe_model *m = NULL;
     const int st = vlmoe_clip_import_path(&m, path, p);
@@ -381,6 +408,7 @@ int main(int argc, char **argv) {
     test_folders(&r, &hf);
     test_errors();
     if (hf) test_round_trip(hf);
+    if (hf) test_tokenizer_json(hf);
     vlmoe_model_free(hf);
     test_ecosystem();
     test_torch("limoe-tiny", 0);

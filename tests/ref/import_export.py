@@ -8,7 +8,8 @@
                         heads of width 32 (not OpenCLIP's 64) and activations gelu_pytorch_tanh (HF)
                         and gelu (OpenCLIP) so that only the configs can say them. Also OUT/ref.safetensors
                         (inputs and the float64 embeddings of both models), PyTorch pickles
-                        (OUT/model.pt zip, OUT/legacy.bin) and OUT/hf_bin (config.json + pytorch_model.bin).
+                        (OUT/model.pt zip, OUT/legacy.bin), OUT/hf_bin (config.json + pytorch_model.bin)
+                        and OUT/hf_tj (OUT/hf with tokenizer.json instead of vocab.json + merges.txt).
   transformers DIR REF  loads DIR with transformers' CLIPModel/CLIPProcessor and compares its
                         embeddings with REF's hf.* (exit 77 with the reason when transformers is absent)
   open_clip DIR REF     the same with open_clip.create_model_and_transforms('local-dir:DIR') and oc.*
@@ -176,6 +177,17 @@ def tokenizer_files(d):
         f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
     with open(os.path.join(d, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump({s: i for i, s in enumerate(vocab)}, f, ensure_ascii=False)
+    # the same vocabulary as a tokenizers-library tokenizer.json, in a copy of the folder
+    tj = {"version": "1.0", "truncation": None, "padding": None,
+          "added_tokens": [{"id": len(vocab) - 2 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for i, t in enumerate(vocab[-2:])],
+          "normalizer": None, "pre_tokenizer": None, "post_processor": None, "decoder": None,
+          "model": {"type": "BPE", "dropout": None, "unk_token": "<|endoftext|>", "continuing_subword_prefix": "",
+                    "end_of_word_suffix": "</w>", "fuse_unk": False, "vocab": {t: i for i, t in enumerate(vocab)},
+                    "merges": merges}}
+    os.makedirs(d + "_tj", exist_ok=True)
+    with open(os.path.join(d + "_tj", "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tj, f, ensure_ascii=False)
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": TEXT["ctx"], "bos_token": "<|startoftext|>",
                    "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, f)
@@ -219,7 +231,10 @@ def make(out):
            "image_processor_type": "CLIPImageProcessor", "processor_class": "CLIPProcessor"}
     with open(os.path.join(hf_dir, "preprocessor_config.json"), "w") as f:
         json.dump(pre, f, indent=2)
-    tokenizer_files(hf_dir)
+    tokenizer_files(hf_dir)  # also hf_tj/tokenizer.json: the folder with tokenizer.json instead
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        with open(os.path.join(hf_dir, name), "rb") as src, open(os.path.join(hf_dir + "_tj", name), "wb") as dst:
+            dst.write(src.read())
     st.save(os.path.join(oc_dir, "open_clip_model.safetensors"),
             {k: v.numpy().astype(np.float32) for k, v in openclip_names(oc).items()})
     occ = {"model_cfg": {"embed_dim": EMBED, "vision_cfg": {"image_size": IMAGE["size"], "layers": IMAGE["layers"],
