@@ -170,6 +170,19 @@ static void test_errors(void) {
         test_write_file(at("bad/config.json"), bad[k].json, strlen(bad[k].json));
         expect_fail(at("bad"), NULL, bad[k].status, bad[k].needle);
     }
+    const struct { const char *json, *needle; } oc[] = {
+        {"{\"model_cfg\": {\"vision_cfg\": {\"timm_model_name\": \"vit_base\"}, \"text_cfg\": {}}}",
+         "model_cfg.vision_cfg.timm_model_name is set: not OpenAI CLIP's vision tower"},
+        {"{\"model_cfg\": {\"vision_cfg\": {}, \"text_cfg\": {}}, \"preprocess_cfg\": {\"interpolation\": \"bilinear\"}}",
+         "preprocess_cfg.interpolation \"bilinear\""},
+        {"{\"model_cfg\": {\"vision_cfg\": {\"image_size\": 32}, \"text_cfg\": {}}, \"preprocess_cfg\": {\"size\": [32, 40]}}",
+         "preprocess_cfg.size 32 x 40 differs from vision_cfg.image_size 32"},
+    };
+    for (int k = 0; k < 3; k++) {
+        test_write_file(at("empty/open_clip_config.json"), oc[k].json, strlen(oc[k].json));
+        expect_fail(at("empty"), NULL, VLMOE_ERR_CONFIG, oc[k].needle);
+    }
+    remove(at("empty/open_clip_config.json"));
     expect_fail(at("empty"), NULL, VLMOE_ERR_CONFIG, "without config.json (Hugging Face CLIP) or open_clip_config.json");
 }
 

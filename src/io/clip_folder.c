@@ -88,8 +88,7 @@ static int read_json(const char *dir, const char *name, cJSON **out, char *path,
 }
 
 // An integer field; absent: def. Errors name the file and the field path.
-static int get_int(const char *path, const cJSON *o, const char *obj, const char *key, int def, int *out) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+static int int_item(const char *path, const cJSON *v, const char *obj, const char *key, int def, int *out) {
     *out = def;
     if (!v || cJSON_IsNull(v)) return VLMOE_OK;
     if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) || v->valuedouble < 0 || v->valuedouble > 1e7)
@@ -97,6 +96,10 @@ static int get_int(const char *path, const cJSON *o, const char *obj, const char
                           *obj ? "." : "", key);
     *out = (int)v->valuedouble;
     return VLMOE_OK;
+}
+
+static int get_int(const char *path, const cJSON *o, const char *obj, const char *key, int def, int *out) {
+    return int_item(path, cJSON_GetObjectItemCaseSensitive(o, key), obj, key, def, out);
 }
 
 static const char *get_str(const cJSON *o, const char *key) {
@@ -259,11 +262,20 @@ static int read_openclip(const char *dir, const cJSON *c, folder_cfg *f) {
         return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: preprocess_cfg.%s \"%s\": vlmoe preprocesses with OpenCLIP's default "
                           "(shortest side, bicubic, center crop) only", path, interp && strcmp(interp, "bicubic") ?
                           "interpolation" : "resize_mode", interp && strcmp(interp, "bicubic") ? interp : mode);
-    int size = f->image_size;
-    if ((st = get_int(path, pre, "preprocess_cfg", "size", f->image_size, &size)) == VLMOE_OK && size != f->image_size)
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: preprocess_cfg.size %d differs from vision_cfg.image_size %d", path,
-                          size, f->image_size);
-    vlmoe_clear_error();
+    // size: one number or [height, width], each the image size (vlmoe crops squares)
+    const cJSON *sz = cJSON_GetObjectItemCaseSensitive(pre, "size");
+    int size[2] = {f->image_size, f->image_size};
+    if (cJSON_IsArray(sz) && cJSON_GetArraySize(sz) == 2) {
+        st = int_item(path, sz->child, "preprocess_cfg", "size[0]", f->image_size, &size[0]);
+        if (!st) st = int_item(path, sz->child->next, "preprocess_cfg", "size[1]", f->image_size, &size[1]);
+    } else {
+        st = get_int(path, pre, "preprocess_cfg", "size", f->image_size, &size[0]);
+        size[1] = size[0];
+    }
+    if (st) return st;
+    if (size[0] != f->image_size || size[1] != f->image_size)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: preprocess_cfg.size %d x %d differs from vision_cfg.image_size %d", path,
+                          size[0], size[1], f->image_size);
     snprintf(f->weights, sizeof(f->weights), "%s/open_clip_model.safetensors", dir);
     if (!exists(f->weights)) snprintf(f->weights, sizeof(f->weights), "%s/open_clip_pytorch_model.bin", dir);
     return VLMOE_OK;
