@@ -5,11 +5,13 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "args.h"
 #include "cli.h"
 #include "data/image.h"
+#include "data/readers.h"
 #include "nn/model.h"
 #include "report.h"
 #include "train/run.h"
@@ -32,6 +34,45 @@ static int tokenize_captions(const char *cmd, const vlmoe_model_config *c, cli_e
         ex->lengths[i] = len;
     }
     return 0;
+}
+
+// An OpenCLIP CSV/TSV (tab-separated; columns filepath and title): its first n readable rows,
+// images with the model's eval transform, captions with its tokenizer.
+static int csv_examples(const char *cmd, const vlmoe_model *m, const char *mpath, const char *path, int n,
+                        cli_examples *ex) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(m);
+    const size_t img = (size_t)3 * ex->S * ex->S;
+    vlmoe_dataset_params dp = vlmoe_dataset_default_params();
+    dp.type = VLMOE_DATASET_CSV, dp.path = path;
+    vlmoe_image_params ip;
+    vlmoe_dataset *ds = NULL;
+    if (cli_model_image_params(cmd, NULL, NULL, 0, m, mpath, &ip) || cli_model_text(cmd, NULL, 0, m, mpath, 1, &ex->text))
+        return 1;
+    if (vlmoe_dataset_open(&dp, &ds)) return cli_error(cmd, "--examples: %s", vlmoe_last_error());
+    ex->images = malloc(sizeof(float) * img * n);
+    ex->captions = calloc((size_t)n, sizeof(char *));
+    int rc = !ex->images || !ex->captions ? cli_error(cmd, "out of memory for %d examples", n) : 0;
+    memcpy(ex->mean, ip.mean, sizeof ex->mean), memcpy(ex->std, ip.std, sizeof ex->std);
+    vlmoe_sample s;
+    int got;
+    while (!rc && ex->n < n && (got = vlmoe_dataset_next(ds, &s)) != 0) {
+        if (got < 0) {
+            rc = cli_error(cmd, "--examples: %s", vlmoe_last_error());
+            break;
+        }
+        vlmoe_image im = {0};
+        // an undecodable image is skipped, as the training loader does
+        if (!vlmoe_image_decode(s.image, s.image_len, s.key, &im) &&
+            !vlmoe_image_preprocess_eval(&im, &ip, ex->images + img * ex->n)) {
+            if (!(ex->captions[ex->n] = strdup(s.caption))) rc = cli_error(cmd, "out of memory");
+            else ex->n++;
+        }
+        vlmoe_image_free(&im);
+    }
+    vlmoe_dataset_free(ds);
+    if (!rc && ex->n == 0) rc = cli_error(cmd, "--examples %s: no readable image-caption row", path);
+    if (!rc) snprintf(ex->from, sizeof ex->from, "the first %d readable rows of %s", ex->n, path);
+    return rc ? rc : tokenize_captions(cmd, c, ex);
 }
 
 int cli_examples_load(const char *cmd, const vlmoe_model *m, const char *mpath, const char *examples, int n,
@@ -69,6 +110,9 @@ int cli_examples_load(const char *cmd, const vlmoe_model *m, const char *mpath, 
         snprintf(ex->from, sizeof ex->from, "the synthetic data's held-out split, samples 0..%d", n - 1);
         return tokenize_captions(cmd, c, ex);
     }
+    const size_t L = strlen(examples);
+    if (L > 4 && (!strcasecmp(examples + L - 4, ".csv") || !strcasecmp(examples + L - 4, ".tsv")))
+        return csv_examples(cmd, m, mpath, examples, n, ex);
     // image files: a folder or a comma-separated list, with the model's eval transform
     char *list = strdup(examples);
     const char *args[64];
@@ -304,7 +348,7 @@ void cli_tb_close(cli_tb *t) {
 }
 
 static const char *USAGE =
-    "usage: vlmoe report LOGS/NAME [-o report.html] [--to html|tensorboard] [--examples DIR] [options]\n\n"
+    "usage: vlmoe report LOGS/NAME [-o report.html] [--to html|tensorboard] [--examples DIR|CSV] [options]\n\n"
     "The report of a training run, from its metrics.jsonl, params.json and newest checkpoint: one self-contained\n"
     "HTML page (no network needed to view it: data, Chart.js and routing maps inline) with the losses, learning\n"
     "rate, temperature, gradient norm, throughput, evaluations, every routing statistic per MoE layer and\n"
@@ -322,7 +366,9 @@ int cmd_report(int argc, char **argv) {
                                              "not a vlmoe report is never overwritten"},
         {"to", ARG_STRING, &to, "html|tensorboard", "what to write (default html)"},
         {"examples", ARG_STRING, &examples, "DIR|FILES", "images whose routing is drawn: a folder or comma-separated "
-                                                        "image files (default: the synthetic held-out split)"},
+                                                        "image files, or an OpenCLIP CSV/TSV (tab-separated, columns "
+                                                        "filepath and title: images with captions); default: the "
+                                                        "synthetic held-out split"},
         {"num-examples", ARG_INT, &nex, "N", "examples drawn (default 4, at most 64)"},
         {"checkpoint", ARG_STRING, &checkpoint, "FILE", "the model of the maps and the model card (default: the "
                                                        "run's newest checkpoint)"},

@@ -135,6 +135,19 @@ int main(int argc, char **argv) {
     free(html);
     test_expect_in(dir, bin, "report runs/r -o page.html", 0, "wrote page.html (12 records to step 20, routing maps", out,
                    sizeof out);
+    // examples of the user's: an OpenCLIP CSV (images and captions) and a folder (images alone)
+    test_expect_in(dir, bin, "synth export --out ex --n 3 --image-size 32 --split val", 0, "", out, sizeof out);
+    test_expect_in(dir, bin, "report runs/r --examples ex/captions.csv -o csv.html", 0,
+                   "routing maps of the first 3 readable rows of ex/captions.csv", out, sizeof out);
+    html = slurp(test_path(dir, "csv.html"));
+    int nmaps = 0, nwords = 0;
+    for (const char *q = html; q && (q = strstr(q, "src=\"data:image/png;base64,")); q++) nmaps++;
+    for (const char *q = html; q && (q = strstr(q, "<span class=\"w\"")); q++) nwords++;
+    CHECK(nmaps == 3 && nwords >= 3 * 4, "CSV examples: %d maps, %d coloured words", nmaps, nwords);
+    free(html);
+    test_expect_in(dir, bin, "report runs/r --examples ex/classes -o dir.html --num-examples 2", 0,
+                   "routing maps of 2 image files of ex/classes", out, sizeof out);
+    test_expect_in(dir, bin, "report runs/r --examples nosuch.csv -o x.html", 1, "nosuch.csv: cannot open", out, sizeof out);
     // errors: each names what is wrong; a file of the user's stays as it was
     test_write_file(test_path(dir, "mine.html"), "my notes\n", 9);
     test_expect_in(dir, bin, "report runs/r -o mine.html", 1, "mine.html: the file exists and is not a vlmoe report", out,
