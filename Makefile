@@ -178,13 +178,15 @@ $(FUZZ_SEEDS): fuzz/seeds.c tests/test_jpeg.h | $(TEST_DEPS_STAMP)
 fuzz: $(FUZZ_BINS) $(FUZZ_SEEDS)
 	@./fuzz/run.sh $(FUZZ_TIME) $(FUZZ_BINS)
 
-# ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
+# ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation and
+# its report (logs/demo/report.html, also rewritten every 500 steps while it trains)
 DEMO_STEPS ?= 3000
 demo: all
 	rm -rf logs/demo
 	./vlmoe train --model limoe-mini --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 150 \
-	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --logs logs --name demo
+	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --report-every 500 --logs logs --name demo
 	./vlmoe eval --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors
+	./vlmoe report logs/demo
 
 # ---- benchmarks (never timed inside tests)
 BENCHES := $(patsubst bench/%.c,$(B)/bench/%,$(wildcard bench/bench_*.c))

@@ -8,6 +8,7 @@
 #include "cli.h"
 #include "common.h"
 #include "dist/dist.h"
+#include "report.h"
 #include "tokenize.h"
 #include "vlmoe_train.h"
 
@@ -63,6 +64,8 @@ static const char *USAGE =
     "  vq         learn the k-means codebook of visual tokens for VL-MoE's MIM (vlmoe vq train)\n"
     "  finetune   fine-tune a VL-MoE model: image-cls, text-cls, pair-cls (VQA, NLVR2), retrieval\n"
     "  synth      write the built-in synthetic data as image files + captions (vlmoe synth export)\n"
+    "  report     the HTML report of a run (plots, routing maps), or its TensorBoard files\n"
+    "  routes     one input's routing: the expert of each patch and word (--png draws it)\n"
     "  version    print the version\n";
 
 // OpenMP threads that wait at a barrier spin by default. When another process takes one of the
@@ -108,6 +111,8 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "upcycle")) return cmd_upcycle(argc, argv);
     if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc, argv);
     if (!strcmp(argv[1], "tokenizer")) return cmd_tokenizer(argc, argv);
+    if (!strcmp(argv[1], "report")) return cmd_report(argc, argv);
+    if (!strcmp(argv[1], "routes")) return cmd_routes(argc, argv);
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
         printf("vlmoe %s\n", VLMOE_VERSION);
         return 0;

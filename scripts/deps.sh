@@ -6,9 +6,11 @@
 # otherwise it prints the command.
 set -e
 # Open MPI (mpirun and libmpi) is in the build list so src/dist/mpi.c is always built and tested
-BUILD="gcc make pkg-config openmpi-bin libopenmpi-dev libopenblas-openmp-dev libdnnl-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev"
-# clang and its compiler-rt (libFuzzer, sanitizer runtimes) build the fuzz targets (make fuzz)
-TEST="python3 python3-numpy python3-torch python3-pil python3-regex clang libclang-rt-dev"
+BUILD="gcc make pkg-config openmpi-bin libopenmpi-dev libopenblas-openmp-dev libdnnl-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev libjs-chart.js"
+# libjs-chart.js: Chart.js, inlined into `vlmoe report`'s page (a single file, ~200 KB)
+# clang and its compiler-rt (libFuzzer, sanitizer runtimes) build the fuzz targets (make fuzz);
+# chromium renders the report page headless in tests/test_report.c
+TEST="python3 python3-numpy python3-torch python3-pil python3-regex clang libclang-rt-dev chromium"
 case "${1:-build}" in
     build) PKGS="$BUILD" ;;
     test) PKGS="$BUILD $TEST" ;;
