@@ -710,7 +710,7 @@ VLMOE_API int vlmoe_retrieval_recall(const float *img, int n_img, const float *t
                                      double *t2i);
 // Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
 // 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
-// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
+// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (LAPACK dposv), lambda >= 0.
 // w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
 // numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
 // n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.

@@ -126,7 +126,7 @@ int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_
 // ---------------------------------------------------------------------------------------------
 // Ridge regression probe
 
-// A pivot of the Cholesky factor smaller than this fraction of its diagonal entry means that
+// A squared pivot of the Cholesky factor smaller than this fraction of its diagonal entry means that
 // X^T X + lambda I is singular to working precision (condition number beyond ~1e12).
 #define RIDGE_PIVOT_RTOL 1e-12
 enum { RIDGE_BLOCK_ROWS = 256 };
@@ -138,12 +138,13 @@ typedef struct {
     double *G;     // (dim, dim) lower triangle of Xc^T Xc, Xc = X - mu
     double *B;     // (dim, classes) Xc^T Y with Y = 2 onehot - 1
     double *ybar;  // (classes) column means of Y: the bias of the centred problem
-    double *A;     // (dim, dim) workspace: the Cholesky factor
+    double *A;     // (dim, dim) workspace: the Cholesky factor (LAPACK's, column-major upper)
+    double *X;     // (classes, dim) workspace: right-hand sides / solution, column-major (dim, classes)
 } ridge_sys;
 
 static void ridge_sys_free(ridge_sys *r) {
     vlmoe_free_mem(r->mu), vlmoe_free_mem(r->G), vlmoe_free_mem(r->B);
-    vlmoe_free_mem(r->ybar), vlmoe_free_mem(r->A);
+    vlmoe_free_mem(r->ybar), vlmoe_free_mem(r->A), vlmoe_free_mem(r->X);
     memset(r, 0, sizeof(*r));
 }
 
@@ -160,10 +161,11 @@ static int ridge_prepare(ridge_sys *r, const float *x, const int32_t *y, int n, 
     r->G = vlmoe_alloc(dd, "ridge X^T X");
     r->A = vlmoe_alloc(dd, "ridge Cholesky factor");
     r->B = vlmoe_calloc(dc, "ridge X^T Y");
+    r->X = vlmoe_alloc(dc, "ridge solution");
     r->ybar = vlmoe_calloc(sizeof(double) * (size_t)classes, "ridge target mean");
     double *xc = vlmoe_alloc(nd, "ridge centred features");
     double *tot = vlmoe_calloc(sizeof(double) * (size_t)dim, "ridge column sums");
-    if (!r->mu || !r->G || !r->A || !r->B || !r->ybar || !xc || !tot) {
+    if (!r->mu || !r->G || !r->A || !r->B || !r->X || !r->ybar || !xc || !tot) {
         vlmoe_free_mem(xc), vlmoe_free_mem(tot), ridge_sys_free(r);
         return VLMOE_ERR_NOMEM;
     }
@@ -190,50 +192,44 @@ static int ridge_prepare(ridge_sys *r, const float *x, const int32_t *y, int n, 
     return VLMOE_OK;
 }
 
-// In-place Cholesky A = L L^T of the lower triangle of A (n, n), row-major, left-looking by
-// columns: entry (i, j) is the dot of rows i and j up to j, so the rows below a pivot are
-// independent and split across threads, each computed in the same order for any thread count.
-// Returns -1, or the index of the first pivot that is not > RIDGE_PIVOT_RTOL x its diagonal.
-static int cholesky_lower(double *A, int n) {
-    for (int j = 0; j < n; j++) {
-        double *aj = A + (size_t)j * n;
-        double d = aj[j];
-        for (int k = 0; k < j; k++) d -= aj[k] * aj[k];
-        if (!(d > RIDGE_PIVOT_RTOL * aj[j])) return j;
-        d = sqrt(d);
-        aj[j] = d;
-        #pragma omp parallel for schedule(static) if (n - j > 128)
-        for (int i = j + 1; i < n; i++) {
-            double *ai = A + (size_t)i * n;
-            double s = ai[j];
-            for (int k = 0; k < j; k++) s -= ai[k] * aj[k];
-            ai[j] = s / d;
-        }
-    }
-    return -1;
-}
+// LAPACK's dposv from the linked OpenBLAS (Debian ships no LAPACK header with it, and OpenBLAS's
+// LAPACKE is not exported, so the Fortran symbol is declared here). blasint is 32-bit in Debian's
+// libopenblas0 (openblas_config.h: no OPENBLAS_USE64BITINT). The trailing length of the character
+// argument is what gfortran-built LAPACKs expect; OpenBLAS's own C dposv ignores it.
+extern void dposv_(const char *uplo, const int *n, const int *nrhs, double *a, const int *lda,
+                   double *b, const int *ldb, int *info, size_t uplo_len);
 
 // W (dim, classes) = (G + lambda I)^-1 B and b (classes) = ybar - mu^T W, so that the scores of
-// an uncentred feature row x are x^T W + b.
+// an uncentred feature row x are x^T W + b. dposv factors A = U^T U (Cholesky) and solves; a
+// factor is refused when a pivot is not positive (info > 0) or, because rounding can leave a tiny
+// positive pivot on a singular system, when u_jj^2 <= RIDGE_PIVOT_RTOL x A_jj.
 static int ridge_solve(ridge_sys *r, double lambda, double *W, double *b) {
     const int dim = r->dim, C = r->classes;
+    // row-major lower triangle of G = column-major upper triangle: handed to LAPACK as "U"
     for (int i = 0; i < dim; i++) {
         memcpy(r->A + (size_t)i * dim, r->G + (size_t)i * dim, sizeof(double) * (size_t)(i + 1));
         r->A[(size_t)i * dim + i] += lambda;
     }
-    const int bad = cholesky_lower(r->A, dim);
+    // right-hand sides column-major (dim, C): the transpose of B's row-major layout
+    for (int d = 0; d < dim; d++)
+        for (int c = 0; c < C; c++) r->X[(size_t)c * dim + d] = r->B[(size_t)d * C + c];
+    int info = 0;
+    dposv_("U", &dim, &C, r->A, &dim, r->X, &dim, &info, 1);
+    int bad = info > 0 ? info - 1 : -1;
+    for (int j = 0; bad < 0 && info == 0 && j < dim; j++) {
+        const double u = r->A[(size_t)j * dim + j], a = r->G[(size_t)j * dim + j] + lambda;
+        if (!(u * u > RIDGE_PIVOT_RTOL * a)) bad = j;
+    }
+    if (info < 0) // an argument LAPACK rejected: a bug here, not bad data
+        return vlmoe_fail(VLMOE_ERR_ARG, "ridge: LAPACK dposv rejected argument %d (dim = %d, classes = %d)", -info, dim, C);
     if (bad >= 0)
         return vlmoe_fail(VLMOE_ERR_ARG,
                           "ridge: X^T X + lambda I is not positive definite at lambda = %g "
-                          "(pivot %d of %d): the centred train features are rank-deficient "
-                          "(n_train = %d, dim = %d); use lambda > 0",
+                          "(LAPACK dposv, pivot %d of %d): the centred train features are "
+                          "rank-deficient (n_train = %d, dim = %d); use lambda > 0",
                           lambda, bad, dim, r->n, dim);
-    memcpy(W, r->B, sizeof(double) * (size_t)dim * C);
-    // L L^T W = B: forward then backward substitution (BLAS triangular solves; no LAPACK).
-    cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, dim, C, 1.0,
-                r->A, dim, W, C);
-    cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, dim, C, 1.0,
-                r->A, dim, W, C);
+    for (int d = 0; d < dim; d++)
+        for (int c = 0; c < C; c++) W[(size_t)d * C + c] = r->X[(size_t)c * dim + d];
     for (int c = 0; c < C; c++) {
         double s = r->ybar[c];
         for (int d = 0; d < dim; d++) s -= r->mu[d] * W[(size_t)d * C + c];
