@@ -631,6 +631,58 @@ static void test_fixture(void) {
     cJSON_Delete(root);
 }
 
+// Lower-casing (step 3, libutf8proc) equals Python's str.lower on every code point: the fixture
+// lists each one Python changes (lower_table.json, tests/ref/gen_lower.py); every other assigned
+// code point must stay unchanged. Code points Python's Unicode calls unassigned are not compared
+// (a newer libutf8proc may case them); their count of differences is printed.
+static void test_lower_table(void) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/lower_table.json", fixture_dir());
+    char *js = read_all(path, NULL);
+    if (!js) {
+        printf("test_tokenizer: %s not found: skipping the str.lower table (tests/ref/gen_all.py makes it)\n", path);
+        return;
+    }
+    cJSON *root = cJSON_Parse(js);
+    const cJSON *lower = cJSON_GetObjectItem(root, "lower"), *un = cJSON_GetObjectItem(root, "unassigned"), *e;
+    uint8_t *skip = calloc(0x110000, 1);
+    cJSON_ArrayForEach(e, un)
+        for (int c = cJSON_GetArrayItem(e, 0)->valueint; c <= cJSON_GetArrayItem(e, 1)->valueint; c++) skip[c] = 1;
+    uint32_t (*want)[3] = calloc(0x110000, sizeof(*want)); // [n, cp, cp]
+    int listed = 0;
+    cJSON_ArrayForEach(e, lower) {
+        const int c = atoi(e->string), n = cJSON_GetArraySize(e);
+        CHECK(c >= 0 && c < 0x110000 && n >= 1 && n <= 2, "lower_table.json: entry %s", e->string);
+        if (c < 0 || c >= 0x110000 || n < 1 || n > 2) continue;
+        want[c][0] = (uint32_t)n;
+        for (int k = 0; k < n; k++) want[c][1 + k] = (uint32_t)cJSON_GetArrayItem(e, k)->valueint;
+        listed++;
+    }
+    int bad = 0, compared = 0, newer = 0;
+    for (uint32_t c = 0; c < 0x110000; c++) {
+        if (c >= 0xD800 && c <= 0xDFFF) continue;
+        uint32_t got[2];
+        const size_t n = vlmoe_tokenizer_lower_cp(c, got);
+        const int same = want[c][0] ? n == want[c][0] && got[0] == want[c][1] && (n == 1 || got[1] == want[c][2])
+                                    : n == 1 && got[0] == c;
+        if (skip[c]) {
+            newer += !same;
+            continue;
+        }
+        compared++;
+        if (!same && bad++ < 8)
+            fprintf(stderr, "  lower U+%04X: got %zu code point(s) U+%04X..., Python %u: U+%04X\n", c, n, got[0],
+                    want[c][0] ? want[c][0] : 1, want[c][0] ? want[c][1] : c);
+    }
+    CHECK(listed > 1400 && compared > 250000, "lower_table.json: %d entries, %d code points compared", listed, compared);
+    CHECK(bad == 0, "%d code points lower-case differently from Python's str.lower", bad);
+    printf("test_tokenizer: str.lower table (Unicode %s): %d changed code points, %d compared, %d differ; %d code "
+           "points Python leaves unassigned differ\n", cJSON_GetObjectItem(root, "unicode")->valuestring, listed, compared,
+           bad, newer);
+    free(skip), free(want), free(js);
+    cJSON_Delete(root);
+}
+
 int main(void) {
     snprintf(dir, sizeof(dir), "%s/vlmoe_tok_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(dir)) {
@@ -645,6 +697,7 @@ int main(void) {
     test_threads();
     test_bad_input();
     test_fixture();
+    test_lower_table();
     for (int i = 0; i < nmade; i++) {
         remove(made[i]);
         char tmp[600];
