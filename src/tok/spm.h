@@ -33,7 +33,8 @@ int vlmoe_spm_pad(const vlmoe_spm *s);
 // ---- the C glue bpe.c calls (src/tok/sentencepiece.c): errors through vlmoe_fail, naming `what`.
 // A model file carries a SentencePiece tokenizer as text: SPM_TEXT_MAGIC, then the serialized
 // model in base64 (RFC 4648, no line breaks), then '\n'.
-#define SPM_TEXT_MAGIC "#vlmoe sentencepiece base64\n"
+#define SPM_TEXT_MAGIC_LINE "#vlmoe sentencepiece base64"
+#define SPM_TEXT_MAGIC SPM_TEXT_MAGIC_LINE "\n"
 int spm_text_is(const char *text, size_t len);
 // The model's bytes -> processor and its text form (*text malloc'd, NUL-terminated).
 int spm_from_bytes(vlmoe_spm **sp, char **text, size_t *tlen, const void *bytes, size_t n, const char *what);
