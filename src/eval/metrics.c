@@ -34,16 +34,30 @@ static int check_labels(const int32_t *y, int n, int classes, const char *fn, co
 // Score blocks hold at most this many query rows and floats (1024 x 25k COCO captions = 100 MB).
 enum { RECALL_BLOCK_ROWS = 1024, RECALL_BLOCK_FLOATS = 1 << 25 };
 
+// Which candidates are positives for a query. Images own captions (owner[j], text j's image);
+// captions with the same group are one text, so a caption's text is a positive for every image
+// owning a caption of its group. grp_img (CSR over groups: grp_off (G+1), grp_list) lists each
+// group's images, without repeats; group[j] is text j's group.
+typedef struct {
+    const int32_t *group, *grp_off, *grp_list;
+} dup_index;
+
+static int group_has_image(const dup_index *d, int32_t g, int32_t img) {
+    for (int32_t k = d->grp_off[g]; k < d->grp_off[g + 1]; k++)
+        if (d->grp_list[k] == img) return 1;
+    return 0;
+}
+
 // rank[i] for every query row i of q (nq, E) against the candidates c (nc, E): the number of
 // negative candidates scoring >= the best positive, i.e. the 0-based position of the first
-// positive when ties put negatives first. Positives: i2t (query = image i) every text j with
-// owner[j] == i; t2i (query = text i) the single image owner[i]. A NaN score (only from float
-// overflow, the inputs are finite) also counts as ahead, so it can only lower recall.
+// positive when ties put negatives first. Positives: i2t (query = image i) every text j whose
+// group has image i; t2i (query = text i) every image of text i's group. A NaN score (only from
+// float overflow, the inputs are finite) also counts as ahead, so it can only lower recall.
 //
 // Each direction runs its own GEMM so that the true score and every score it is compared with
 // come out of the same row of one product: a tie between equal embeddings stays an exact tie.
 static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
-                        const int32_t *owner, int i2t, int32_t *rank) {
+                        const dup_index *d, int i2t, int32_t *rank) {
     int rows = RECALL_BLOCK_ROWS;
     if ((size_t)rows * (size_t)nc > RECALL_BLOCK_FLOATS) rows = RECALL_BLOCK_FLOATS / nc;
     if (rows < 1) rows = 1;
@@ -60,16 +74,14 @@ static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
             const int qi = r0 + r;
             const float *s = S + (size_t)r * nc;
             float best = -INFINITY;
-            if (i2t) {
-                for (int j = 0; j < nc; j++)
-                    if (owner[j] == qi && s[j] > best) best = s[j];
-            } else {
-                best = s[owner[qi]];
+            for (int j = 0; j < nc; j++) {
+                const int pos = i2t ? group_has_image(d, d->group[j], qi) : group_has_image(d, d->group[qi], j);
+                if (pos && s[j] > best) best = s[j];
             }
             int32_t ahead = 0;
             for (int j = 0; j < nc; j++) {
-                const int positive = i2t ? owner[j] == qi : j == owner[qi];
-                if (!positive && !(s[j] < best)) ahead++;
+                const int pos = i2t ? group_has_image(d, d->group[j], qi) : group_has_image(d, d->group[qi], j);
+                if (!pos && !(s[j] < best)) ahead++;
             }
             rank[qi] = ahead;
         }
@@ -78,49 +90,102 @@ static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
     return VLMOE_OK;
 }
 
-int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
-                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
-                           double *t2i) {
-    static const char fn[] = "vlmoe_retrieval_recall";
-    if (!img || !txt || !txt_image || !ks || !i2t || !t2i)
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+// OpenCLIP's get_clip_metrics: mean_rank = mean(0-based rank) + 1, median_rank =
+// floor(median(0-based rank)) + 1 (numpy's median: the mean of the middle two for even n).
+static void rank_stats(const int32_t *rank, int n, int32_t *tmp, double *mean, double *median) {
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += rank[i], tmp[i] = rank[i];
+    qsort(tmp, (size_t)n, sizeof(int32_t), cmp_i32);
+    const double mid = n % 2 ? tmp[n / 2] : 0.5 * ((double)tmp[n / 2 - 1] + tmp[n / 2]);
+    *mean = sum / n + 1;
+    *median = floor(mid) + 1;
+}
+
+int vlmoe_retrieval_metrics(const vlmoe_retrieval_data *d, double *i2t, double *t2i, double mean_rank[2],
+                            double median_rank[2]) {
+    static const char fn[] = "vlmoe_retrieval_metrics";
+    if (!d || !d->img || !d->txt || !d->txt_image || !d->ks || !i2t || !t2i)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: NULL pointer argument", fn);
+    const int n_img = d->n_img, n_txt = d->n_txt, E = d->E, nk = d->nk;
     if (n_img < 1 || n_txt < 1 || E < 1 || nk < 1)
         return vlmoe_fail(VLMOE_ERR_ARG,
                           "%s: n_img = %d, n_txt = %d, E = %d, nk = %d, expected all >= 1", fn,
                           n_img, n_txt, E, nk);
     for (int q = 0; q < nk; q++)
-        if (ks[q] < 1) return vlmoe_fail(VLMOE_ERR_ARG, "%s: ks[%d] = %d, expected >= 1", fn, q, ks[q]);
-    int st = check_labels(txt_image, n_txt, n_img, fn, "txt_image");
-    if (!st) st = check_finite(img, n_img, E, fn, "img");
-    if (!st) st = check_finite(txt, n_txt, E, fn, "txt");
+        if (d->ks[q] < 1) return vlmoe_fail(VLMOE_ERR_ARG, "%s: ks[%d] = %d, expected >= 1", fn, q, d->ks[q]);
+    int st = check_labels(d->txt_image, n_txt, n_img, fn, "txt_image");
+    if (!st && d->txt_group) st = check_labels(d->txt_group, n_txt, n_txt, fn, "txt_group");
+    if (!st) st = check_finite(d->img, n_img, E, fn, "img");
+    if (!st) st = check_finite(d->txt, n_txt, E, fn, "txt");
     if (st) return st;
 
-    int32_t *rank_i = vlmoe_alloc(sizeof(int32_t) * ((size_t)n_img + (size_t)n_txt), "retrieval ranks");
-    if (!rank_i) return VLMOE_ERR_NOMEM;
-    int32_t *rank_t = rank_i + n_img;
+    // rank_i (n_img), rank_t (n_txt), group (n_txt), off (n_txt + 1), list (n_txt), tmp
+    const size_t nw = 2 * (size_t)n_img + 4 * (size_t)n_txt + 1 + (size_t)(n_img > n_txt ? n_img : n_txt);
+    int32_t *w = vlmoe_alloc(sizeof(int32_t) * nw, "retrieval ranks");
+    if (!w) return VLMOE_ERR_NOMEM;
+    int32_t *rank_i = w, *rank_t = rank_i + n_img, *group = rank_t + n_txt, *off = group + n_txt;
+    int32_t *list = off + n_txt + 1, *tmp = list + n_txt, *seen = tmp; // seen: n_img, before tmp is used
     // An image without a caption would be a silent miss in every i2t recall (clip_benchmark
     // counts it so); it almost always means a broken txt_image, so it is refused instead.
     memset(rank_i, 0, sizeof(int32_t) * (size_t)n_img);
-    for (int j = 0; j < n_txt; j++) rank_i[txt_image[j]] = 1;
+    for (int j = 0; j < n_txt; j++) rank_i[d->txt_image[j]] = 1;
     for (int i = 0; i < n_img; i++)
         if (!rank_i[i]) {
-            vlmoe_free_mem(rank_i);
+            vlmoe_free_mem(w);
             return vlmoe_fail(VLMOE_ERR_ARG, "%s: image %d has no caption in txt_image, expected "
                               "every image to own at least one text", fn, i);
         }
-
-    st = recall_ranks(img, n_img, txt, n_txt, E, txt_image, 1, rank_i);
-    if (!st) st = recall_ranks(txt, n_txt, img, n_img, E, txt_image, 0, rank_t);
-    if (!st)
+    // each group's images (CSR), without repeats: counting sort of the texts by group
+    for (int j = 0; j < n_txt; j++) group[j] = d->txt_group ? d->txt_group[j] : j;
+    memset(off, 0, sizeof(int32_t) * ((size_t)n_txt + 1));
+    for (int j = 0; j < n_txt; j++) off[group[j] + 1]++;
+    for (int g = 0; g < n_txt; g++) off[g + 1] += off[g];
+    {
+        int32_t *fill = rank_t; // fill[g]: next free slot of group g (rank_t is free until the ranks)
+        for (int g = 0; g < n_txt; g++) fill[g] = off[g];
+        for (int i = 0; i < n_img; i++) seen[i] = -1;
+        for (int j = 0; j < n_txt; j++) list[fill[group[j]]++] = d->txt_image[j];
+        // drop repeated images inside each group, compacting the lists
+        int32_t at = 0;
+        for (int g = 0; g < n_txt; g++) {
+            const int32_t lo = off[g], hi = off[g + 1];
+            off[g] = at;
+            for (int32_t k = lo; k < hi; k++)
+                if (seen[list[k]] != g) seen[list[k]] = g, list[at++] = list[k];
+        }
+        off[n_txt] = at;
+    }
+    const dup_index di = {group, off, list};
+    st = recall_ranks(d->img, n_img, d->txt, n_txt, E, &di, 1, rank_i);
+    if (!st) st = recall_ranks(d->txt, n_txt, d->img, n_img, E, &di, 0, rank_t);
+    if (!st) {
         for (int q = 0; q < nk; q++) {
             long a = 0, b = 0;
-            for (int i = 0; i < n_img; i++) a += rank_i[i] < ks[q];
-            for (int j = 0; j < n_txt; j++) b += rank_t[j] < ks[q];
+            for (int i = 0; i < n_img; i++) a += rank_i[i] < d->ks[q];
+            for (int j = 0; j < n_txt; j++) b += rank_t[j] < d->ks[q];
             i2t[q] = (double)a / n_img;
             t2i[q] = (double)b / n_txt;
         }
-    vlmoe_free_mem(rank_i);
+        if (mean_rank && median_rank) {
+            rank_stats(rank_i, n_img, tmp, &mean_rank[0], &median_rank[0]);
+            rank_stats(rank_t, n_txt, tmp, &mean_rank[1], &median_rank[1]);
+        }
+    }
+    vlmoe_free_mem(w);
     return st;
+}
+
+int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
+                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
+                           double *t2i) {
+    const vlmoe_retrieval_data d = {.img = img, .n_img = n_img, .txt = txt, .n_txt = n_txt, .E = E,
+                                    .txt_image = txt_image, .txt_group = NULL, .ks = ks, .nk = nk};
+    return vlmoe_retrieval_metrics(&d, i2t, t2i, NULL, NULL);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -342,11 +407,6 @@ done:
 
 // ---------------------------------------------------------------------------------------------
 // K-shot sampling
-
-static int cmp_i32(const void *a, const void *b) {
-    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
 
 int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
                          int32_t *out_idx) {
