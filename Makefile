@@ -113,12 +113,16 @@ $(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 
+# The C++ shim's own functions (vlmoe_spm_*) stay global; the rest (libstdc++ template copies,
+# which its headers give default visibility) is made local, so libvlmoe.so exports no C++.
 $(B)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS_BASE) $(OPT) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
+	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
 $(BA)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
+	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
 $(B)/%.o: %.cu $(wildcard src/cuda/*.cuh) $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
