@@ -438,8 +438,8 @@ static int is_pyspace(uint32_t c) { return is_white(c) || (c >= 0x1C && c <= 0x1
 // Python's str.lower() of one code point, through utf8proc's simple lower-case mapping (Unicode
 // 15 in Debian's libutf8proc 2.8; tests/ref/gen_lower.py checks every code point against CPython).
 // str.lower uses the full mapping: the one code point whose full lower case is two code points is
-// U+0130 (I with dot above -> "i" U+0307), kept as Python has it; writes 1 or 2 code points. Final
-// sigma is not context-aware here: U+03A3 is always U+03C3 (Python gives U+03C2 at a word's end).
+// U+0130 (I with dot above -> "i" U+0307), kept as Python has it; writes 1 or 2 code points. The
+// context-dependent final sigma is clean_text's (final_sigma below).
 static size_t lower_cp(uint32_t c, uint32_t *o) {
     if (c == 0x130) return o[0] = 'i', o[1] = 0x307, 2;
     o[0] = (c & RAW_BIT) || c > 0x10FFFF ? c : (uint32_t)utf8proc_tolower((utf8proc_int32_t)c);
@@ -484,6 +484,40 @@ static int nfc_text(const char *text, char **out) {
     return VLMOE_OK;
 }
 
+// Unicode's Case_Ignorable (what CPython's final-sigma rule skips), from utf8proc's categories
+// (Mn Me Cf Lm Sk) plus Word_Break MidLetter / MidNumLet / Single_Quote, which utf8proc does not
+// expose and are listed here.
+static int case_ignorable(uint32_t c) {
+    static const uint32_t MID[] = {0x27, 0x2E, 0x3A, 0xB7, 0x387, 0x55F, 0x5F4, 0x2018, 0x2019, 0x2024,
+                                   0x2027, 0xFE13, 0xFE52, 0xFE55, 0xFF07, 0xFF0E, 0xFF1A};
+    if (c & RAW_BIT) return 0;
+    for (size_t i = 0; i < sizeof(MID) / sizeof(MID[0]); i++)
+        if (c == MID[i]) return 1;
+    const utf8proc_category_t k = utf8proc_category((utf8proc_int32_t)c);
+    return k == UTF8PROC_CATEGORY_MN || k == UTF8PROC_CATEGORY_ME || k == UTF8PROC_CATEGORY_CF ||
+           k == UTF8PROC_CATEGORY_LM || k == UTF8PROC_CATEGORY_SK;
+}
+
+// Cased (Lu, Ll, Lt, or anything with a case mapping; Other_Lowercase/Uppercase symbols such as
+// circled letters have one).
+static int cased(uint32_t c) {
+    if (c & RAW_BIT) return 0;
+    const utf8proc_int32_t x = (utf8proc_int32_t)c;
+    const utf8proc_category_t k = utf8proc_category(x);
+    return k == UTF8PROC_CATEGORY_LU || k == UTF8PROC_CATEGORY_LL || k == UTF8PROC_CATEGORY_LT ||
+           utf8proc_tolower(x) != x || utf8proc_toupper(x) != x;
+}
+
+// CPython's Final_Sigma for U+03A3 at s[i] of s[lo, hi): a cased letter before it and none after
+// it, skipping case-ignorable code points both ways; then str.lower gives U+03C2, not U+03C3.
+static int final_sigma(const uint32_t *s, size_t lo, size_t hi, size_t i) {
+    size_t j = i;
+    while (j > lo && case_ignorable(s[j - 1])) j--;
+    if (j == lo || !cased(s[j - 1])) return 0;
+    for (j = i + 1; j < hi && case_ignorable(s[j]); j++) {}
+    return !(j < hi && cased(s[j]));
+}
+
 // text -> cleaned, lower-cased code points (*cp owned by the caller).
 static int clean_text(const char *text, uint32_t **cp, size_t *ncp) {
     const unsigned char *s = (const unsigned char *)text;
@@ -509,7 +543,9 @@ static int clean_text(const char *text, uint32_t **cp, size_t *ncp) {
     while (lo < hi && is_pyspace(b[lo])) lo++;
     while (hi > lo && is_pyspace(b[hi - 1])) hi--;
     m = 0;
-    for (size_t i = lo; i < hi; i++) m += lower_cp(b[i], a + m); // at most 2 per input: fits cap
+    for (size_t i = lo; i < hi; i++) // at most 2 per input: fits cap
+        if (b[i] == 0x3A3 && final_sigma(b, lo, hi, i)) a[m++] = 0x3C2;
+        else m += lower_cp(b[i], a + m);
     free(b);
     *cp = a, *ncp = m;
     return VLMOE_OK;

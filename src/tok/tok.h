@@ -22,8 +22,9 @@
 //  3. Lower-casing as Python's str.lower() code point by code point, through libutf8proc's
 //     simple mapping (every script: Armenian, Cherokee, Georgian, Deseret ... as Python 3.11 /
 //     Unicode 14; tests/ref/gen_lower.py checks all 0x110000 code points). str.lower's only
-//     one-to-many mapping is kept as Python has it: U+0130 -> "i" U+0307. Final sigma is not
-//     context-aware: U+03A3 is always U+03C3 (Python gives U+03C2 at the end of a word).
+//     one-to-many mapping is kept as Python has it: U+0130 -> "i" U+0307. Final sigma follows
+//     CPython's rule (U+03A3 after a cased letter and before none -> U+03C2), with Cased and
+//     Case_Ignorable derived from utf8proc's categories and case mappings.
 //     A tokenizer.json whose normalizer says NFC gets NFC (utf8proc) before step 1.
 //  4. Pre-tokenization with CLIP's pattern (PCRE2, UTF + UCP + caseless, like regex.IGNORECASE):
 //     <\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+
