@@ -683,6 +683,101 @@ static void test_lower_table(void) {
     cJSON_Delete(root);
 }
 
+// tokenizer.json's normalizer and pre_tokenizer as HF writes CLIP's (transformers' CLIPTokenizerFast):
+// NFC is applied (a decomposed "cafe\u0301" encodes as "café", which the merges file of the same
+// vocabulary, without NFC, does not), to_text keeps it (as tokenizer.json), and each field that
+// would change ids is refused, naming it.
+static const char CLIP_NORM[] = "{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},{\"type\":\"Replace\","
+                                "\"pattern\":{\"Regex\":\"\\\\s+\"},\"content\":\" \"},{\"type\":\"Lowercase\"}]}";
+static const char CLIP_PRE[] = "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":"
+                               "\"<\\\\|startoftext\\\\|>|<\\\\|endoftext\\\\|>|'s|'t|'re|'ve|'m|'ll|'d|[\\\\p{L}]+|"
+                               "[\\\\p{N}]|[^\\\\s\\\\p{L}\\\\p{N}]+\"},\"behavior\":\"Removed\",\"invert\":true},"
+                               "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}";
+
+// hf_json(a) with normalizer / pre_tokenizer / model.dropout set from JSON text (NULL: left out).
+static vlmoe_tokenizer *hf_with(const vlmoe_tokenizer *a, const char *norm, const char *pre, const char *dropout,
+                                int *st) {
+    char *js = hf_json(a, MERGES_A, N_MERGES_A, 1, 0, 0);
+    cJSON *root = cJSON_Parse(js);
+    free(js);
+    if (norm) cJSON_AddItemToObject(root, "normalizer", cJSON_Parse(norm));
+    if (pre) cJSON_AddItemToObject(root, "pre_tokenizer", cJSON_Parse(pre));
+    if (dropout) cJSON_AddItemToObject(cJSON_GetObjectItem(root, "model"), "dropout", cJSON_Parse(dropout));
+    js = cJSON_Print(root);
+    cJSON_Delete(root);
+    const char *path = tmp_path("pipeline.json");
+    write_text(path, js);
+    free(js);
+    vlmoe_tokenizer *t = NULL;
+    *st = vlmoe_tokenizer_load_hf(&t, path);
+    return t;
+}
+
+static void test_hf_pipeline(void) {
+    vlmoe_tokenizer *a = load_a("a_pipe.txt", 0);
+    if (!a) return;
+    int st;
+    vlmoe_tokenizer *t = hf_with(a, CLIP_NORM, CLIP_PRE, "null", &st);
+    CHECK(st == VLMOE_OK && t, "CLIP's tokenizer.json fields: %s", vlmoe_last_error());
+    int32_t x[16], y[16], z[16];
+    int lx, ly, lz;
+    const char *composed = "caf\xc3\xa9 na\xc3\xafve", *decomposed = "cafe\xcc\x81 nai\xcc\x88ve";
+    if (t) {
+        vlmoe_tokenizer_encode(t, composed, x, 16, &lx);
+        vlmoe_tokenizer_encode(t, decomposed, y, 16, &ly);
+        CHECK(lx == ly && same_ids(x, y, 16), "NFC: decomposed text gives other ids (%d vs %d tokens)", ly, lx);
+        vlmoe_tokenizer_encode(a, decomposed, z, 16, &lz);
+        CHECK(!(lz == lx && same_ids(x, z, 16)), "without NFC the decomposed text should differ (else this test is void)");
+        char *text = NULL;
+        size_t n = 0;
+        vlmoe_tokenizer *r = NULL;
+        CHECK(vlmoe_tokenizer_to_text(t, &text, &n) == VLMOE_OK && text && text[0] == '{' && strstr(text, "\"NFC\""),
+              "to_text of an NFC tokenizer: tokenizer.json with NFC");
+        CHECK(text && vlmoe_tokenizer_from_text(&r, text, n, "nfc") == VLMOE_OK, "%s", vlmoe_last_error());
+        if (r) {
+            vlmoe_tokenizer_encode(r, decomposed, z, 16, &lz);
+            CHECK(lz == lx && same_ids(x, z, 16), "the text form lost NFC");
+        }
+        vlmoe_tokenizer_free(r), free(text);
+    }
+    vlmoe_tokenizer_free(t);
+    // without NFC in the normalizer: as the merges file
+    t = hf_with(a, "{\"type\":\"Lowercase\"}", "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":false}", NULL, &st);
+    CHECK(st == VLMOE_OK && t, "Lowercase alone: %s", vlmoe_last_error());
+    if (t) {
+        vlmoe_tokenizer_encode(t, decomposed, y, 16, &ly);
+        vlmoe_tokenizer_encode(a, decomposed, z, 16, &lz);
+        CHECK(ly == lz && same_ids(y, z, 16), "no NFC step: ids as the merges file's");
+    }
+    vlmoe_tokenizer_free(t);
+    static const struct {
+        const char *norm, *pre, *dropout, *must1, *must2;
+    } bad[] = {
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFKC\"},{\"type\":\"Lowercase\"}]}", NULL, NULL,
+         "normalizer.normalizers[0]: type \"NFKC\"", "ids would differ"},
+        {"{\"type\":\"NFC\"}", NULL, NULL, "normalizer: no Lowercase step", NULL},
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Lowercase\"},{\"type\":\"StripAccents\"}]}", NULL, NULL,
+         "normalizer.normalizers[1]: type \"StripAccents\"", NULL},
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Replace\",\"pattern\":{\"String\":\"a\"},\"content\":\"b\"},"
+         "{\"type\":\"Lowercase\"}]}", NULL, NULL, "type \"Replace\" with this pattern", NULL},
+        {NULL, "{\"type\":\"Whitespace\"}", NULL, "pre_tokenizer: type \"Whitespace\"", NULL},
+        {NULL, "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\w+\"},"
+               "\"behavior\":\"Removed\",\"invert\":true}]}", NULL, "pre_tokenizer.pretokenizers[0]: type \"Split\"",
+         "not CLIP's"},
+        {NULL, "{\"type\":\"ByteLevel\",\"add_prefix_space\":true}", NULL, "add_prefix_space is true", NULL},
+        {NULL, "{\"type\":\"ByteLevel\",\"use_regex\":true}", NULL, "use_regex is not false", NULL},
+        {NULL, "{\"type\":\"ByteLevel\"}", NULL, "use_regex is not false", NULL}, // HF's default is true
+        {NULL, NULL, "0.1", "model.dropout", NULL},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        t = hf_with(a, bad[i].norm, bad[i].pre, bad[i].dropout, &st);
+        expect_fail(st, VLMOE_ERR_FORMAT, bad[i].must1, bad[i].must1, bad[i].must2);
+        CHECK(strstr(vlmoe_last_error(), "pipeline.json"), "the message names the file: %s", vlmoe_last_error());
+        vlmoe_tokenizer_free(t);
+    }
+    vlmoe_tokenizer_free(a);
+}
+
 int main(void) {
     snprintf(dir, sizeof(dir), "%s/vlmoe_tok_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(dir)) {
@@ -692,6 +787,7 @@ int main(void) {
     test_clip_file();
     test_clip_count();
     test_hf();
+    test_hf_pipeline();
     test_train();
     test_bytes();
     test_threads();

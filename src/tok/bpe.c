@@ -1194,8 +1194,8 @@ static int hf_pipeline(vlmoe_tokenizer *t, const cJSON *root, const char *path) 
                     why = "behavior is not \"Removed\" with invert true (CLIP keeps the matches)";
             } else if (type && !strcmp(type, "ByteLevel")) {
                 if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "add_prefix_space"))) why = "add_prefix_space is true";
-                else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "use_regex")))
-                    why = "use_regex is true (GPT-2's pattern, not CLIP's)";
+                else if (!cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(e, "use_regex"))) // HF's default: true
+                    why = "use_regex is not false (GPT-2's pattern, not CLIP's)";
             } else {
                 why = "is not one of CLIP's (Split with CLIP's pattern, ByteLevel)";
             }
