@@ -6,11 +6,11 @@
 # Called by the Makefile, which remembers success in a stamp file. Needs root or sudo for apt-get;
 # otherwise it prints the command.
 set -e
-# spm_train / python3-sentencepiece (test list) make and check the SentencePiece test model.
+# sentencepiece (test list): spm_train / spm_encode make and check the SentencePiece test models.
 # Open MPI (mpirun and libmpi) is in the build list so src/dist/mpi.c is always built and tested
 BUILD="gcc make pkg-config openmpi-bin libopenmpi-dev libopenblas-openmp-dev libdnnl-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev libutf8proc-dev libsentencepiece-dev g++"
 # clang and its compiler-rt (libFuzzer, sanitizer runtimes) build the fuzz targets (make fuzz)
-TEST="python3 python3-numpy python3-torch python3-pil python3-regex python3-sentencepiece sentencepiece clang libclang-rt-dev"
+TEST="python3 python3-numpy python3-torch python3-pil python3-regex sentencepiece clang libclang-rt-dev"
 case "${1:-build}" in
     build) PKGS="$BUILD" ;;
     test) PKGS="$BUILD $TEST" ;;
