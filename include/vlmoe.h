@@ -708,9 +708,28 @@ VLMOE_API int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s,
 VLMOE_API int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
                                      const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
                                      double *t2i);
+// vlmoe_retrieval_recall with duplicate captions and OpenCLIP's ranks. txt_group (n_txt, values in
+// [0, n_txt); NULL: every caption its own text) marks captions that are the same text: a text
+// query is then correct for every image owning a caption of its group, and an image query for
+// every caption of such a group (CLIP_benchmark's positive pairs), so repeated captions ("a
+// photo of a dog" under several images) no longer count as misses. mean_rank / median_rank (may
+// be NULL): [0] image->text, [1] text->image, OpenCLIP's get_clip_metrics (1-based position of
+// the first positive, ties pessimistic as above; median = floor(median) + 1).
+typedef struct {
+    const float *img;          // (n_img, E) L2-normalised
+    int n_img;
+    const float *txt;          // (n_txt, E) L2-normalised
+    int n_txt, E;
+    const int32_t *txt_image;  // (n_txt) the image caption j describes
+    const int32_t *txt_group;  // (n_txt) or NULL
+    const int *ks;             // (nk) the K of recall@K
+    int nk;
+} vlmoe_retrieval_data;
+VLMOE_API int vlmoe_retrieval_metrics(const vlmoe_retrieval_data *d, double *i2t, double *t2i, double mean_rank[2],
+                                      double median_rank[2]);
 // Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
 // 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
-// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
+// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (LAPACK dposv), lambda >= 0.
 // w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
 // numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
 // n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.
