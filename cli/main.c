@@ -1,8 +1,9 @@
 // main.c: the vlmoe command: dispatches to one subcommand per file in cli/.
+#include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
@@ -78,6 +79,9 @@ static void wait_passively(char **argv) {
 
 int main(int argc, char **argv) {
     wait_passively(argv);
+    // a file-size limit (ulimit -f) is met like a full disk: the write fails with EFBIG and the
+    // command stops with the file named, instead of being killed mid-line by SIGXFSZ
+    signal(SIGXFSZ, SIG_IGN);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

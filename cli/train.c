@@ -145,6 +145,7 @@ static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
     cJSON *pj = run_params(a, r->dist->world);
     if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(pj), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -394,6 +395,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return train_run_free(&r, rc), rc;
+    cli_resume_fresh("train", r.dir, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already

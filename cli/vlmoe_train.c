@@ -110,6 +110,7 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSO
     cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split, r->dist->world);
     if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(p), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? mome_lib_error("") : 0;
 }
 
@@ -332,6 +333,7 @@ int cmd_train_mome(int argc, char **argv) {
                                  &changes);
     cJSON_Delete(now);
     if (rc) return mome_run_free(&r, rc), rc;
+    cli_resume_fresh(CMD, r.dir, &a.resume, r.lead);
     if ((rc = mome_open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = mome_lib_error(""))))
         return cJSON_Delete(changes), mome_run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);

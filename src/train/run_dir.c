@@ -55,12 +55,20 @@ void vlmoe_ckpt_clean_tmp(const char *dir) {
     if (!d) return;
     struct dirent *e;
     char path[1024];
-    // partial files of a writer that was killed before its rename: never loadable, never needed
-    while ((e = readdir(d)))
+    // partial files of a writer that was killed before its rename: never loadable, never needed;
+    // and a state file whose weights file was never renamed into place (checkpoint.c's sequence)
+    while ((e = readdir(d))) {
+        long step;
+        char tail[32], w[1100], st[1100];
+        struct stat sb;
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
         if (strstr(e->d_name, ".safetensors.tmp.")) {
-            snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
             unlink(path);
+        } else if (sscanf(e->d_name, "step_%ld%31s", &step, tail) == 2 && !strcmp(tail, ".state.safetensors")) {
+            vlmoe_ckpt_paths(dir, step, w, st, sizeof(w));
+            if (stat(w, &sb) && errno == ENOENT) unlink(path);
         }
+    }
     closedir(d);
 }
 
@@ -116,7 +124,14 @@ int vlmoe_ckpt_resume(const char *ckdir, const char *resume, const vlmoe_train_p
         int st = vlmoe_model_load(m, w);
         if (!st && plan_B) st = vlmoe_model_plan(*m, plan_B);
         if (!st) st = vlmoe_trainer_init(t, *m, tp);
-        if (!st) st = vlmoe_trainer_load(*t, w, s, ds);
+        int verified = 0;
+        if (!st) st = vlmoe_trainer_load_checked(*t, w, s, ds, &verified);
+        if (!st && !verified && warn) {
+            char msg[2200];
+            snprintf(msg, sizeof(msg), "note: %s and its state carry no checksums (written before vlmoe checked "
+                     "them): resumed unverified; the next checkpoint will carry them", w);
+            warn(user, msg);
+        }
         if (!st) return VLMOE_OK;
         if (warn) {
             char msg[2048];
