@@ -6,6 +6,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "vlmoe.h"
@@ -60,6 +61,8 @@ int cmd_import(int argc, char **argv) {
         if (!strcmp(act, ACTS[k])) p.act = k;
     if (p.act < 0) return cli_error("import", "--act %s: expected quick_gelu, gelu or gelu_tanh", act);
     if (!mean != !std) return cli_error("import", "give --image-mean and --image-std together (the model's preprocessing)");
+    const cli_input in[] = {{"the input", pos[0]}, {"--tokenizer", tokenizer}};
+    if (cli_check_output("import", "-o", out, in, 2)) return 1;
     vlmoe_model *m;
     if (vlmoe_clip_import(&m, pos[0], &p)) return cli_error("import", "%s", vlmoe_last_error());
     cli_text text = {0};
@@ -101,6 +104,7 @@ int cmd_export(int argc, char **argv) {
     if (!model || !to || !out) return cli_error("export", "give --model, --to and -o (see vlmoe export --help)");
     const vlmoe_dtype dtype = !strcmp(dt, "f16") ? VLMOE_DT_F16 : !strcmp(dt, "bf16") ? VLMOE_DT_BF16 : VLMOE_DT_F32;
     if (dtype == VLMOE_DT_F32 && strcmp(dt, "f32")) return cli_error("export", "--dtype %s: expected f32, f16 or bf16", dt);
+    if (cli_check_output("export", "-o", out, &(cli_input){"--model", model}, 1)) return 1;
     vlmoe_model *m;
     if (vlmoe_model_load(&m, model)) return cli_error("export", "%s", vlmoe_last_error());
     rc = vlmoe_clip_export(m, out, to, dtype);

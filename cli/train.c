@@ -14,6 +14,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "dist/watchdog.h"
 #include "nn/model.h"
@@ -388,6 +389,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--train-data", a.data.path}, {"--val-data", a.val_data}, {"--tokenizer", a.tokenizer},
+                            {"--pretrained", a.pretrained}, {"--model", a.model}, {"--zeroshot-classnames", a.zs_names},
+                            {"--zeroshot-templates", a.zs_templates}};
+    if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;

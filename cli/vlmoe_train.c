@@ -18,6 +18,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -323,6 +324,9 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--text-data", a.text_data}, {"--train-data", a.data.path}, {"--codebook", a.codebook},
+                            {"--model", a.model}};
+    if (cli_check_run_outputs(CMD, r.dir, in, 4)) return mome_run_free(&r, 1), 1;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
