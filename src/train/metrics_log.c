@@ -14,6 +14,7 @@
 
 struct vlmoe_metrics {
     FILE *f;
+    off_t good;     // the file's size after the last whole record
     char path[1024];
 };
 
@@ -87,6 +88,8 @@ int vlmoe_metrics_open(vlmoe_metrics **out, const char *path, long start) {
         free(m);
         return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(e));
     }
+    fseeko(m->f, 0, SEEK_END);
+    m->good = ftello(m->f);
     *out = m;
     return VLMOE_OK;
 }
@@ -108,9 +111,23 @@ cJSON *vlmoe_metrics_record(long step, const char *kind) {
 int vlmoe_metrics_write(vlmoe_metrics *m, cJSON *rec) {
     char *line = rec ? cJSON_PrintUnformatted(rec) : NULL;
     cJSON_Delete(rec);
-    const int ok = line && fprintf(m->f, "%s\n", line) >= 0 && fflush(m->f) == 0;
+    if (!line) return vlmoe_fail(VLMOE_ERR_NOMEM, "cannot write %s: out of memory", m->path);
+    if (!m->f) return free(line), vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: an earlier write failed", m->path);
+    const int ok = fprintf(m->f, "%s\n", line) >= 0 && fflush(m->f) == 0;
+    const int e = errno;
     free(line);
-    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", m->path, line ? strerror(errno) : "out of memory");
+    if (ok) {
+        m->good = ftello(m->f);
+        return VLMOE_OK;
+    }
+    // a full disk may have taken part of the line: cut it off, so that the file holds whole records
+    // only (the run stops here; every earlier record is kept). fclose may write the buffered bytes
+    // once more; the truncation comes after it.
+    fclose(m->f);
+    m->f = NULL;
+    const int cut = truncate(m->path, m->good) == 0;
+    return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s%s", m->path, strerror(e),
+                      cut ? "" : " (and a partial last line could not be cut off)");
 }
 
 cJSON *vlmoe_metrics_exact(double v) {
