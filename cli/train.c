@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -393,6 +394,8 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                             {"--pretrained", a.pretrained}, {"--model", a.model}, {"--zeroshot-classnames", a.zs_names},
                             {"--zeroshot-templates", a.zs_templates}};
     if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
@@ -400,7 +403,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return train_run_free(&r, rc), rc;
-    cli_resume_fresh("train", r.dir, &a.resume, r.lead);
+    cli_resume_fresh("train", r.dir, existed, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already

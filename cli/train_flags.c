@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "cli.h"
 #include "train/run.h"
@@ -233,12 +232,11 @@ int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *ch
     return st ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
 }
 
-void cli_resume_fresh(const char *cmd, const char *dir, const char **resume, int print) {
-    char ckdir[1100], params[1100];
+void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print) {
+    char ckdir[1100];
     long step;
     snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", dir);
-    snprintf(params, sizeof(params), "%s/params.json", dir);
-    if (!*resume || strcmp(*resume, "latest") || vlmoe_ckpt_list(ckdir, &step, 1) || access(params, F_OK)) return;
+    if (!existed || !*resume || strcmp(*resume, "latest") || vlmoe_ckpt_list(ckdir, &step, 1)) return;
     if (print)
         fprintf(stderr, "vlmoe %s: --resume latest: %s holds no complete checkpoint (the run stopped before its first "
                 "one): starting it again from step 0\n", cmd, ckdir);

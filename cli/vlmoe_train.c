@@ -327,6 +327,8 @@ int cmd_train_mome(int argc, char **argv) {
     const cli_input in[] = {{"--text-data", a.text_data}, {"--train-data", a.data.path}, {"--codebook", a.codebook},
                             {"--model", a.model}};
     if (cli_check_run_outputs(CMD, r.dir, in, 4)) return mome_run_free(&r, 1), 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
@@ -337,7 +339,7 @@ int cmd_train_mome(int argc, char **argv) {
                                  &changes);
     cJSON_Delete(now);
     if (rc) return mome_run_free(&r, rc), rc;
-    cli_resume_fresh(CMD, r.dir, &a.resume, r.lead);
+    cli_resume_fresh(CMD, r.dir, existed, &a.resume, r.lead);
     if ((rc = mome_open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = mome_lib_error(""))))
         return cJSON_Delete(changes), mome_run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);
