@@ -8,7 +8,8 @@
 // The save sequence, safe against a kill at any instant (run_dir.c lists checkpoints by their
 // weights files, and trusts a pair only when its keys agree):
 //   1. both files written under temporary names (step_N...tmp.PID) and fsynced;
-//   2. the state file renamed into place: a state without its weights file is invisible to resume;
+//   2. the state file renamed into place and its directory fsynced: a state without its weights
+//      file is invisible to resume;
 //   3. the weights file renamed into place: from here the pair is complete; the directory fsynced;
 //   4. only then older checkpoints pruned (run.c).
 // A kill before 3 leaves the previous complete pair as the newest one (the temporary files are
@@ -216,6 +217,8 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
         st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot rename %s to it: %s", state_path, stmp, strerror(errno));
         remove(stmp), remove(wtmp);
     }
+    // the state's rename reaches the disk before the weights' (a power cut must not reorder them)
+    if (!st && (st = vlmoe_sync_dir(state_path))) remove(wtmp);
     if (!st && rename(wtmp, weights_path)) {
         st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot rename %s to it: %s", weights_path, wtmp, strerror(errno));
         remove(wtmp);

@@ -88,10 +88,20 @@ int vlmoe_mkdir_p(const char *path) {
 
 int vlmoe_write_text(const char *path, const char *text) {
     if (!text) return vlmoe_fail(VLMOE_ERR_NOMEM, "%s: no text to write", path);
-    FILE *f = fopen(path, "w");
+    // through a temporary file and a rename: a full disk never leaves the run's record half written
+    char tmp[1100];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return vlmoe_fail(VLMOE_ERR_ARG, "%s: path too long", path);
+    FILE *f = fopen(tmp, "w");
     if (!f) return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    const int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-    return fclose(f) == 0 && ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    errno = 0;
+    int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    const int e = errno;
+    ok = fclose(f) == 0 && ok;
+    if (ok && rename(tmp, path)) ok = 0;
+    if (ok) return VLMOE_OK;
+    const int e2 = errno;
+    remove(tmp);
+    return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(e ? e : e2 ? e2 : EIO));
 }
 
 void vlmoe_run_dir_of(const char *weights, char *dir, size_t cap) {

@@ -204,9 +204,9 @@ static int run_and_kill(const char *dir, const char *args, double delay, int nth
 }
 
 // What a kill left in dir/logs/r/checkpoints: temporary files, state files without weights, pairs.
-static void census(const char *dir, int *tmp, int *orphan, int *pairs) {
+static void census(const char *dir, int *tmp, int *orphan, int *pairs, int *newest) {
     DIR *d = opendir(test_path(dir, "logs/r/checkpoints"));
-    *tmp = *orphan = *pairs = 0;
+    *tmp = *orphan = *pairs = *newest = 0;
     struct dirent *e;
     while (d && (e = readdir(d))) {
         long s;
@@ -214,7 +214,7 @@ static void census(const char *dir, int *tmp, int *orphan, int *pairs) {
         if (strstr(e->d_name, ".tmp.")) ++*tmp;
         else if (sscanf(e->d_name, "step_%ld%63s", &s, tail) == 2 && !strcmp(tail, ".state.safetensors")) {
             snprintf(w, sizeof(w), "%s/logs/r/checkpoints/step_%ld.safetensors", dir, s);
-            if (exists(w)) ++*pairs;
+            if (exists(w)) ++*pairs, *newest = s > *newest ? (int)s : *newest;
             else ++*orphan;
         }
     }
@@ -235,18 +235,21 @@ static void kill_test(const char *refdir, double t_run, int kills) {
         for (int k = 0; k < 4 && done < kills; k++) {
             // every other kill at a uniform instant of the run, the others inside a save: at a
             // uniform instant of the 2 ms after one of the temporary files a run writes starts
-            const int inside = done % 2;
+            // save the run still has to write (a resumed run starts at the newest complete pair)
+            int tmp, orphan, pairs, newest;
+            census(d, &tmp, &orphan, &pairs, &newest);
+            const int left = STEPS - newest, inside = done % 2;
+            if (left <= 0) break; // the last checkpoint is written: nothing left to interrupt
             const double u = (double)rand() / RAND_MAX;
-            const double delay = inside ? 0.002 * u : t_run * u;
-            const int nth = inside ? 1 + rand() % (2 * STEPS) : 0;
+            const double delay = inside ? 0.002 * u : t_run * u * (1 + left) / (1 + STEPS);
+            const int nth = inside ? 1 + rand() % (2 * left) : 0;
             started = started || exists(test_path(d, "logs/r"));
             if (!run_and_kill(d, started ? RUN " --name r --resume latest" : RUN " --name r", delay, nth)) {
                 finished_early++;
                 break;
             }
             done++;
-            int tmp, orphan, pairs;
-            census(d, &tmp, &orphan, &pairs);
+            census(d, &tmp, &orphan, &pairs, &newest);
             no_ckpt += pairs == 0, with_tmp += tmp > 0, with_orphan += orphan > 0;
         }
         // the run folder may not exist yet if the first kill came before the run made it
@@ -258,8 +261,9 @@ static void kill_test(const char *refdir, double t_run, int kills) {
     }
     printf("kill test: %d SIGKILLs in %d chains in %.1f s (uniform over a %.2f s run); after a kill: %d without a "
            "complete checkpoint, %d with temporary files, %d with a state file without weights (half the kills "
-           "timed inside a save); %d runs ended before their kill; every --resume latest succeeded and ended bit-identical to the uninterrupted run\n",
-           done, chains, now() - t0, t_run, no_ckpt, with_tmp, with_orphan, finished_early);
+           "timed inside a save); %d runs ended before their kill; %s\n",
+           done, chains, now() - t0, t_run, no_ckpt, with_tmp, with_orphan, finished_early,
+           ok ? "every --resume latest succeeded and ended bit-identical to the uninterrupted run" : "FAILED (above)");
 }
 
 // ---- 3. damaged and mismatched pairs, crafted where a random kill rarely lands
@@ -405,8 +409,8 @@ static void full_disk(const char *refdir) {
     st = run_limited(d, RUN " --name r --resume latest", 700000, out, sizeof(out));
     CHECK(st == 1 && strstr(out, "checkpoint") && strstr(out, "step_4.state.safetensors") && strstr(out, "File too large"),
           "exit %d:\n%s", st, out);
-    int tmp, orphan, pairs;
-    census(d, &tmp, &orphan, &pairs);
+    int tmp, orphan, pairs, newest;
+    census(d, &tmp, &orphan, &pairs, &newest);
     CHECK(tmp == 0 && orphan == 0 && pairs == 3, "after the failed save: %d temporary files, %d orphan states, %d pairs",
           tmp, orphan, pairs);
     CHECK(file_sum(test_path(d, "logs/r/checkpoints/step_3.safetensors")) == before, "step_3 changed");
