@@ -308,9 +308,9 @@ static const char *const pair_names[3] = {"vlmoe.run_id", "vlmoe.step", "vlmoe.s
 static int check_pair(void *u, const vlmoe_st *f) {
     pair_check *c = u;
     c->verified = c->verified && vlmoe_st_checksummed(f);
+    if (!c->key[0] && !c->key[1] && !c->key[2]) return VLMOE_OK; // a state older than the keys: cannot be paired
     for (int i = 0; i < 3; i++) {
         const char *w = vlmoe_st_metadata(f, pair_names[i]), *s = c->key[i];
-        if (!w && !s) continue; // both older than the keys
         if (!w || !s || strcmp(w, s))
             return vlmoe_fail(VLMOE_ERR_FORMAT, "%s (run %s, step %s, save %s) and %s (run %s, step %s, save %s) are not "
                               "one checkpoint: the weights and the state come from different saves",

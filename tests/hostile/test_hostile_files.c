@@ -266,6 +266,33 @@ static void kill_test(const char *refdir, double t_run, int kills) {
            ok ? "every --resume latest succeeded and ended bit-identical to the uninterrupted run" : "FAILED (above)");
 }
 
+// Rewrites a safetensors file as vlmoe wrote it before checksums and pairing keys: those metadata
+// keys removed, the header padded with spaces to its old length (the data stays where it was).
+static void make_old(const char *path) {
+    size_t n;
+    char *buf = test_read_file(path, &n);
+    CHECK(buf && n > 8, "read %s", path);
+    if (!buf || n <= 8) {
+        free(buf);
+        return;
+    }
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | (unsigned char)buf[i];
+    char *h = malloc(hlen + 1);
+    memcpy(h, buf + 8, hlen), h[hlen] = 0;
+    cJSON *hdr = cJSON_Parse(h), *meta = cJSON_GetObjectItemCaseSensitive(hdr, "__metadata__");
+    static const char *const keys[] = {"vlmoe.crc32", "vlmoe.run_id", "vlmoe.step", "vlmoe.save_id"};
+    for (int i = 0; i < 4; i++) cJSON_DeleteItemFromObjectCaseSensitive(meta, keys[i]);
+    char *t = cJSON_PrintUnformatted(hdr);
+    CHECK(t && strlen(t) <= hlen, "old header of %s", path);
+    if (t && strlen(t) <= hlen) {
+        memset(buf + 8, ' ', hlen);
+        memcpy(buf + 8, t, strlen(t));
+        test_write_file(path, buf, n);
+    }
+    cJSON_free(t), cJSON_Delete(hdr), free(h), free(buf);
+}
+
 // ---- 3. damaged and mismatched pairs, crafted where a random kill rarely lands
 static void crafted_pairs(const char *refdir) {
     char d[400], a[700], b[700];
@@ -296,6 +323,15 @@ static void crafted_pairs(const char *refdir) {
     CHECK(sh("cp %s %s", a, b) == 0, "copy state");
     test_expect_in(d, bin, RUN " --name r --resume latest", 0, "step 3, save", out, sizeof(out));
     CHECK(strstr(out, "are not one checkpoint") && same_as_reference(d, refdir), "steps 4 and 3: %s", out);
+    // (e) a checkpoint of a vlmoe without checksums: resumed, with a note that it is unverified
+    snprintf(d, sizeof(d), "%s/old", root);
+    copy_dir(refdir, d);
+    sh("rm %s/logs/r/checkpoints/step_4.safetensors %s/logs/r/checkpoints/step_4.state.safetensors", d, d);
+    snprintf(a, sizeof(a), "%s/logs/r/checkpoints/step_3.safetensors", d);
+    snprintf(b, sizeof(b), "%s/logs/r/checkpoints/step_3.state.safetensors", d);
+    make_old(a), make_old(b);
+    test_expect_in(d, bin, RUN " --name r --resume latest", 0, "carry no checksums", out, sizeof(out));
+    CHECK(same_as_reference(d, refdir), "resumed from a checkpoint without checksums: differs");
     // (d) a flipped byte in the newest weights: refused on resume, the one before it resumed
     snprintf(d, sizeof(d), "%s/flip", root);
     copy_dir(refdir, d);
