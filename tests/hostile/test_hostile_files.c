@@ -453,6 +453,16 @@ static void full_disk(const char *refdir) {
     CHECK(whole_records(test_path(d, "logs/r/metrics.jsonl")) == STEPS, "metrics after the failed save");
     test_expect_in(d, bin, RUN " --name r --resume latest", 0, "resuming from", out, sizeof(out));
     CHECK(same_as_reference(d, refdir), "resumed after a full disk: differs");
+    // (c) printed results (eval --json and the like) behind a redirection to a full disk
+    char cmd[4700];
+    snprintf(cmd, sizeof(cmd), "cd %s && %s version >/dev/full 2>stdout_err.txt", d, bin);
+    if (exists("/dev/full")) {
+        const int rc = system(cmd);
+        char *err = test_read_file(test_path(d, "stdout_err.txt"), NULL);
+        CHECK(WIFEXITED(rc) && WEXITSTATUS(rc) == 1 && err && strstr(err, "cannot write the standard output: No space"),
+              "stdout on /dev/full: exit %d: %s", WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, err ? err : "");
+        free(err);
+    }
 }
 
 int main(int argc, char **argv) {
