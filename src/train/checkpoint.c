@@ -354,7 +354,8 @@ int vlmoe_trainer_load_checked(vlmoe_trainer *t, const char *weights_path, const
     ds.data_epoch = loader[0], ds.data_index = loader[1], ds.data_block[0] = loader[2], ds.data_block[1] = loader[3];
     if (!st && step < 0) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: negative step %lld", state_path, (long long)step);
     pair_check pc = {.state_path = state_path, .verified = vlmoe_st_checksummed(f)};
-    char keys[3][64] = {"", "", ""}; // copies: f is closed before the weights are opened
+    char keys[3][VLMOE_RUN_ID_LEN] = {"", "", ""}; // copies (f is closed before the weights are opened); longer
+                                                   // ones are cut and then fail the comparison
     for (int i = 0; i < 3; i++) {
         const char *v = vlmoe_st_metadata(f, pair_names[i]);
         if (v) snprintf(keys[i], sizeof(keys[i]), "%s", v), pc.key[i] = keys[i];

@@ -4,7 +4,7 @@
 // one flipped byte anywhere in a checkpoint's tensor data, and a file-size limit (RLIMIT_FSIZE, the
 // portable stand-in for a full disk) hitting metrics.jsonl and a checkpoint. Every case asserts the
 // clean error and that no input changed. VLMOE_HOSTILE_KILLS sets the number of kills (default 200,
-// 20 in the ASan build) and VLMOE_HOSTILE_FLIPS the flipped bytes per file (default 64, 12 in ASan).
+// 50 in the ASan build) and VLMOE_HOSTILE_FLIPS the flipped bytes per file (default 64, 12 in ASan).
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <signal.h>
@@ -470,7 +470,7 @@ int main(int argc, char **argv) {
     if (!(bin = test_vlmoe_bin(argv[0], bin_buf))) return test_summary("test_hostile_files");
     const int asan = strstr(argv[0], "/asan/") != NULL;
     const char *k = getenv("VLMOE_HOSTILE_KILLS"), *fl = getenv("VLMOE_HOSTILE_FLIPS");
-    const int kills = k ? atoi(k) : asan ? 20 : 200, flips = fl ? atoi(fl) : asan ? 12 : 64;
+    const int kills = k ? atoi(k) : asan ? 50 : 200, flips = fl ? atoi(fl) : asan ? 12 : 64;
     snprintf(root, sizeof(root), "/tmp/vlmoe_hostile_files_XXXXXX");
     CHECK(mkdtemp(root) != NULL, "mkdtemp");
     char ref[400];
