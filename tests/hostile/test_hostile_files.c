@@ -377,6 +377,31 @@ static void bit_flips(const char *refdir, int per_file) {
         }
         free(buf);
     }
+    // a damaged list of checksums in the header: too short, or not hex
+    static const struct { int keep; const char *tail, *needle; } lists[] = {
+        {8, "", "lists 1 checksum, the file has"}, {0, "zzzzzzzz", "lists 0 checksums, the file has"}};
+    for (int i = 0; i < 2; i++) {
+        char src[700], dst[700];
+        snprintf(src, sizeof(src), "%s/logs/r/checkpoints/step_4.safetensors", refdir);
+        snprintf(dst, sizeof(dst), "%s/crclist.safetensors", root);
+        size_t n;
+        char *buf = test_read_file(src, &n), *at = buf ? strstr(buf + 8, "\"vlmoe.crc32\":\"") : NULL;
+        CHECK(at != NULL, "%s has no checksums", src);
+        if (!at) {
+            free(buf);
+            break;
+        }
+        char *v = at + strlen("\"vlmoe.crc32\":\""), *end = strchr(v, '"');
+        memcpy(v + lists[i].keep, lists[i].tail, strlen(lists[i].tail));
+        memset(v + lists[i].keep + strlen(lists[i].tail), ' ', (size_t)(end - v) - lists[i].keep - strlen(lists[i].tail));
+        test_write_file(dst, buf, n);
+        free(buf);
+        vlmoe_st *f = NULL;
+        const int st = vlmoe_st_open(dst, &f);
+        CHECK(st == VLMOE_ERR_FORMAT && strstr(vlmoe_last_error(), lists[i].needle), "damaged checksum list %d: %s", i,
+              st ? vlmoe_last_error() : "loaded");
+        vlmoe_st_close(f);
+    }
     printf("bit flips: %d of %d single-byte changes across the weights' and the state's tensor data detected on load\n",
            detected, tried);
 }
