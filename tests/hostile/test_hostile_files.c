@@ -246,6 +246,7 @@ static void kill_test(const char *refdir, double t_run, int kills) {
             started = started || exists(test_path(d, "logs/r"));
             if (!run_and_kill(d, started ? RUN " --name r --resume latest" : RUN " --name r", delay, nth)) {
                 finished_early++;
+                if (!inside) t_run *= 0.8; // the reference's time was a slow moment of a shared machine
                 break;
             }
             done++;
