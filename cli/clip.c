@@ -7,6 +7,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "vlmoe.h"
@@ -65,6 +66,19 @@ int cmd_import(int argc, char **argv) {
     if (act && p.act < 0) return cli_error("import", "--act %s: expected quick_gelu, gelu or gelu_tanh", act);
     if (p.image_heads < 0 || p.text_heads < 0) return cli_error("import", "--image-heads and --text-heads must be >= 1");
     if (!mean != !std) return cli_error("import", "give --image-mean and --image-std together (the model's preprocessing)");
+    // a folder's files are inputs too: -o must not land on the weights or tokenizer it reads
+    static const char *const FILES[] = {"model.safetensors", "open_clip_model.safetensors", "config.json",
+                                        "open_clip_config.json", "preprocessor_config.json", "tokenizer.json",
+                                        "merges.txt", "vocab.json"};
+    enum { NF = sizeof(FILES) / sizeof(FILES[0]) };
+    char paths[NF][4096];
+    cli_input in[2 + NF] = {{"the input", pos[0]}, {"--tokenizer", tokenizer}};
+    for (int k = 0; k < NF; k++) {
+        if (snprintf(paths[k], sizeof paths[k], "%s/%s", pos[0], FILES[k]) >= (int)sizeof paths[k])
+            return cli_error("import", "%s: name too long", pos[0]);
+        in[2 + k] = (cli_input){"the input folder's", paths[k]};
+    }
+    if (cli_check_output("import", "-o", out, in, 2 + NF)) return 1;
     vlmoe_model *m;
     if (vlmoe_clip_import_path(&m, pos[0], &p)) return cli_error("import", "%s", vlmoe_last_error());
     cli_text text = {0};
@@ -79,11 +93,11 @@ int cmd_import(int argc, char **argv) {
     if (rc) {
         cli_error("import", "%s", vlmoe_last_error());
     } else {
-        const model_inputs *in = model_get_inputs(m);
+        const model_inputs *mi = model_get_inputs(m);
         printf("imported %s -> %s\n", pos[0], out);
         describe(m);
-        printf("  tokenizer: %s; image normalisation: %s\n", in->text == MODEL_TEXT_BPE ? "recorded" : "none recorded (give --tokenizer)",
-               in->has_norm ? "recorded" : "none recorded (OpenAI's unless --image-mean/--image-std)");
+        printf("  tokenizer: %s; image normalisation: %s\n", mi->text == MODEL_TEXT_BPE ? "recorded" : "none recorded (give --tokenizer)",
+               mi->has_norm ? "recorded" : "none recorded (OpenAI's unless --image-mean/--image-std)");
     }
     vlmoe_model_free(m);
     return rc ? 1 : 0;
@@ -130,6 +144,18 @@ int cmd_export(int argc, char **argv) {
     if (dtype == VLMOE_DT_F32 && strcmp(dt, "f32")) return cli_error("export", "--dtype %s: expected f32, f16 or bf16", dt);
     if (!out && strcmp(to, "hf") && strcmp(to, "open_clip") && strcmp(to, "openclip") && strcmp(to, "torch"))
         return cli_error("export", "--to %s: expected hf, open_clip or torch", to);
+    const cli_input in = {"--model", model};
+    if (out && cli_check_output("export", "-o", out, &in, 1)) return 1;
+    // a folder export (with --force) may replace these files: none of them may be the model read
+    static const char *const FILES[] = {"model.safetensors", "open_clip_model.safetensors", "config.json",
+                                        "open_clip_config.json", "preprocessor_config.json", "tokenizer.json",
+                                        "tokenizer_config.json", "merges.txt", "vocab.json", "vlmoe_torch.py"};
+    for (size_t k = 0; !out && k < sizeof(FILES) / sizeof(FILES[0]); k++) {
+        char path[4096];
+        if (snprintf(path, sizeof path, "%s/%s", pos[0], FILES[k]) >= (int)sizeof path)
+            return cli_error("export", "%s: folder name too long", pos[0]);
+        if (cli_check_output("export", "the folder's", path, &in, 1)) return 1;
+    }
     vlmoe_model *m;
     if (vlmoe_model_load(&m, model)) return cli_error("export", "%s", vlmoe_last_error());
     vlmoe_export_params ep = vlmoe_export_default_params();

@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "nn/model.h"
 #include "common.h"
 #include "data/readers.h"
@@ -120,6 +121,8 @@ int cmd_embed(int argc, char **argv) {
     else if (B < 1) rc = cli_error("embed", "--batch-size must be >= 1");
     else if (format && strcmp(format, "safetensors") && strcmp(format, "npy"))
         rc = cli_error("embed", "--format %s: expected safetensors or npy", format);
+    const cli_input in[] = {{"--model", model}, {"--texts", texts_path}, {"--tokenizer", tokenizer}};
+    if (!rc) rc = cli_check_output("embed", "-o", output, in, 3);
     if (rc) return free(args), rc;
 
     vlmoe_model *m = NULL;
@@ -143,6 +146,7 @@ int cmd_embed(int argc, char **argv) {
     rc = nargs ? cli_model_image_params("embed", mean, std, override, m, model, &ip)
                : cli_model_text("embed", tokenizer, override, m, model, 1, &text);
     if (!rc && nargs) rc = cli_list_images("embed", args, nargs, &inputs, &n);
+    for (int i = 0; !rc && nargs && i < n; i++) rc = cli_check_output("embed", "-o", output, &(cli_input){"--images", inputs[i]}, 1);
     if (!rc && texts_path) {
         rc = cli_read_lines_numbered("embed", texts_path, &inputs, &lineno, &nt);
         n = (int)nt;

@@ -1,8 +1,10 @@
 // main.c: the vlmoe command: dispatches to one subcommand per file in cli/.
+#include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
@@ -79,8 +81,11 @@ static void wait_passively(char **argv) {
     execv("/proc/self/exe", argv); // returns only on failure: go on with spinning threads
 }
 
-int main(int argc, char **argv) {
+static int run_command(int argc, char **argv) {
     wait_passively(argv);
+    // a file-size limit (ulimit -f) is met like a full disk: the write fails with EFBIG and the
+    // command stops with the file named, instead of being killed mid-line by SIGXFSZ
+    signal(SIGXFSZ, SIG_IGN);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
@@ -119,4 +124,17 @@ int main(int argc, char **argv) {
     }
     fprintf(stderr, "vlmoe: unknown command '%s'\n\n%s", argv[1], USAGE);
     return 2;
+}
+
+// What a command prints (eval --json, classify, the reports) is its output too: a standard output
+// that cannot be written (a full disk behind a redirection) is an error, never exit status 0.
+int main(int argc, char **argv) {
+    int rc = run_command(argc, argv);
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "vlmoe%s%s: cannot write the standard output: %s\n", argc > 1 ? " " : "", argc > 1 ? argv[1] : "",
+                strerror(errno ? errno : EIO));
+        if (!rc) rc = 1;
+    }
+    return rc;
 }

@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "tok/tok.h"
 
 // args_parse takes flags only: positional arguments (the texts) are moved out first. A flag that
@@ -195,6 +196,8 @@ int cmd_tokenizer(int argc, char **argv) {
     if (!captions || !output || !vocab)
         return cli_error("tokenizer train", "--captions, --vocab-size and -o are required (see vlmoe tokenizer --help)");
     if (vocab < 514 || vocab > 49408) return cli_error("tokenizer train", "--vocab-size %d: must be in [514, 49408]", vocab);
+    const cli_input in[] = {{"--captions", captions}};
+    if (cli_check_output("tokenizer train", "-o", output, in, 1)) return 1;
 
     char **texts = NULL;
     size_t n = 0;

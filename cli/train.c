@@ -9,11 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "dist/watchdog.h"
 #include "nn/model.h"
@@ -161,6 +163,7 @@ static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
     cJSON *pj = run_params(a, r->dist->world);
     if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(pj), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -410,6 +413,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--train-data", a.data.path}, {"--val-data", a.val_data}, {"--tokenizer", a.tokenizer},
+                            {"--pretrained", a.pretrained}, {"--model", a.model}, {"--zeroshot-classnames", a.zs_names},
+                            {"--zeroshot-templates", a.zs_templates}};
+    if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
@@ -417,6 +426,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return train_run_free(&r, rc), rc;
+    cli_resume_fresh("train", r.dir, existed, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
