@@ -142,6 +142,9 @@ static void outputs_vs_inputs(const char *refdir) {
         {"tokenizer train --captions caps.txt --vocab-size 600 -o ./sub/../caps.txt", "same file as --captions"},
         {"export --model model.safetensors --to openclip -o hard.safetensors", "same file as --model"},
         {"import model.safetensors -o model.safetensors", "same file as the input"},
+        // a folder's files: import DIR reads DIR/model.safetensors, export --to DIR --force writes it
+        {"import . -o model.safetensors", "same file as the input folder's ./model.safetensors"},
+        {"export --model model.safetensors --to torch . --force", "the folder's ./model.safetensors is the same file"},
         {"prune --model model.safetensors --modality image --keep 1 -o model.safetensors", "same file as --model"},
         {"soup model.safetensors hard.safetensors -o hard.safetensors", "same file as the checkpoint"},
         {"upcycle model.safetensors -o model.safetensors", "same file as the input"},
