@@ -109,13 +109,19 @@ typedef struct {
 typedef enum { VLMOE_OPT_ADAMW = 0, VLMOE_OPT_ADAFACTOR = 1 } vlmoe_opt_kind;
 typedef struct {
     vlmoe_opt_kind kind;
-    float beta1;          // AdamW 0.9; Adafactor momentum (0 = none, the default)
+    float beta1;          // AdamW 0.9; Adafactor momentum (default 0.9 as big_vision's; 0 = none)
     float beta2;          // AdamW 0.999; unused by Adafactor (it uses decay_rate)
     float eps;            // AdamW 1e-8; Adafactor eps1 1e-30 (added to squared grads)
-    float weight_decay;   // decoupled: p -= lr * wd * p, only where param_info.decay
-    float decay_rate;     // Adafactor: beta2_t = 1 - t^(-decay_rate), default 0.8
-    float clip_threshold; // Adafactor update clipping d, default 1.0 (0 = off)
-    int min_dim_to_factor;// Adafactor: factor a matrix only if both dims >= this (default 128)
+    float weight_decay;   // decoupled, only where param_info.decay: p -= lr * wd * p, or with
+                          // wd_lr_base > 0 p -= (lr / wd_lr_base) * wd * p
+    float decay_rate;     // Adafactor: beta2_t = min(beta2_cap, 1 - t^(-decay_rate)), default 0.8
+    float clip_threshold; // Adafactor update clipping d (default 0 = off, as big_vision; 1.0: the paper's)
+    int min_dim_to_factor;// Adafactor: factor the two largest dims if both are >= this (default 32)
+    float beta2_cap;      // Adafactor: upper bound of beta2_t (default 0.999, ViT-G; 1 = none)
+    int decay_offset;     // Adafactor: the beta2 schedule counts t from this step (optax step_offset)
+    int momentum_bf16;    // Adafactor: keep the momentum rounded to bfloat16 (ViT-G's memory saving)
+    float wd_lr_base;     // > 0: weight decay follows the schedule lr / wd_lr_base, not lr itself
+                          // (big_vision: wd times the schedule); 0: times lr (torch's AdamW)
 } vlmoe_optim_params;
 VLMOE_API vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
 
