@@ -356,8 +356,9 @@ typedef struct {
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
-// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the
-// list of known names.
+// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly), and the papers' sizes (src/nn/sizes.c):
+// limoe-S/16 ... limoe-H/14, clipup-B/16, clipup-L/14, vlmoe-base, vlmoe-large. Unknown name:
+// VLMOE_ERR_CONFIG with the list of known names.
 VLMOE_API int vlmoe_config_named(const char *name, vlmoe_model_config *out);
 VLMOE_API const char *vlmoe_config_names(void); // comma-separated list
 // JSON config: either complete, or {"base": "<name>", ...overrides}. Unknown keys, missing keys
@@ -366,6 +367,16 @@ VLMOE_API int vlmoe_config_from_json(const char *json, const char *what, vlmoe_m
 VLMOE_API int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
 VLMOE_API char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
 VLMOE_API int vlmoe_config_validate(const vlmoe_model_config *cfg);
+// What a config costs (src/nn/sizes.c), computed from its parameter table and shapes without
+// allocating weights: parameters; those a token uses (all but the experts its router does not
+// pick: E - K per tokens-choice MoE layer); forward GFLOP of one image, one text (each encoded
+// alone, as for retrieval) and their sum, a pair (multiply-adds count 2; matrix products only).
+typedef struct {
+    double params, active_params, expert_params;
+    double gflop_image, gflop_text, gflop_pair;
+    int moe_layers, image_tokens, text_tokens;
+} vlmoe_model_cost;
+VLMOE_API int vlmoe_config_cost(const vlmoe_model_config *cfg, vlmoe_model_cost *out);
 
 typedef struct vlmoe_model vlmoe_model;
 // A batch of B image-text pairs: images (B, C, H, W) floats; tokens (B, context_length) with
