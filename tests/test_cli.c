@@ -78,6 +78,31 @@ int main(int argc, char **argv) {
            0, "soup of 2 checkpoints written to soup.safetensors");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o g.safetensors "
            "--greedy --eval-samples 40", 0, "written to g.safetensors");
+    // greedy soup with reuse (LIMoE A.3): shares that add up to the soup's size, each addition a
+    // strict improvement; capped by --max-ingredients (1: the best ingredient alone)
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors "
+           "--greedy --reuse --max-ingredients 4 --eval-samples 40", 0, "written to r.safetensors");
+    {
+        int size = 0, shares = 0, k = 0;
+        const char *w = strstr(out, "soup of ");
+        CHECK(w && sscanf(w, "soup of %d", &size) == 1 && size >= 1 && size <= 4, "--reuse soup size:\n%s", out);
+        for (const char *x = w ? strstr(w, " x") : NULL; x && sscanf(x, " x%d", &k) == 1; x = strstr(x + 2, " x")) shares += k;
+        CHECK(shares == size, "--reuse: shares add up to %d, the soup holds %d:\n%s", shares, size, out);
+        double prev = -1, s = 0;
+        for (const char *x = strstr(out, "-> "); x && sscanf(x, "-> %lf", &s) == 1; x = strstr(x + 3, "-> ")) {
+            CHECK(s > prev, "--reuse: an addition that does not improve the soup (%.2f after %.2f):\n%s", s, prev, out);
+            prev = s;
+        }
+    }
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r1.safetensors "
+           "--greedy --reuse --max-ingredients 1 --eval-samples 40", 0, "soup of 1 checkpoint written to r1.safetensors");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --reuse",
+           1, "shape a greedy soup: add --greedy");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --greedy "
+           "--max-ingredients 3", 1, "--max-ingredients applies to --reuse");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o "
+           "runs/b/checkpoints/step_2.safetensors", 1, "is one of the checkpoints: write the soup elsewhere");
+    expect("soup --help", 0, "Checkpoints\ncould be reused multiple times");
     expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
            1, "another config");
