@@ -106,6 +106,27 @@ int main(int argc, char **argv) {
     expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
            1, "another config");
+    // LIMoE E.4: image and text experts pruned independently in one evaluation; keeping them all
+    // is the unpruned model's zero-shot top-1 on the same held-out samples
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 1,all --keep-text 2,all --eval-samples 64",
+           0, "image\\text       2       8");
+    {
+        double cells[4] = {-1, -1, -1, -1}, ev = -2;
+        const char *row = strstr(out, "\n         1 ");
+        CHECK(row && sscanf(row, " 1 %lf%% %lf%%", &cells[0], &cells[1]) == 2, "E.4 grid, row 1:\n%s", out);
+        row = strstr(out, "\n         8 ");
+        CHECK(row && sscanf(row, " 8 %lf%% %lf%%", &cells[2], &cells[3]) == 2, "E.4 grid, row 8:\n%s", out);
+        expect("eval --model runs/moe/checkpoints/step_1.safetensors --samples 64 --few-shot 0", 0, "top-1 ");
+        const char *t = strstr(out, "top-1 ");
+        CHECK(t && sscanf(t, "top-1 %lf", &ev) == 1 && fabs(ev - cells[3]) < 0.06,
+              "E.4 with every expert kept: %.2f%%, eval's zero-shot top-1 %.1f%%", cells[3], ev);
+    }
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 0 --keep-text all", 1,
+           "--keep-image 0: expected up to 16 comma-separated counts in [1, 8]");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2 --keep-text 2 -o x.safetensors", 1,
+           "leave out --modality, --keep and -o");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2", 1,
+           "give --model, --keep-image N1,N2 and --keep-text N1,N2 together");
     // CLIP import / export / upcycle on the PyTorch fixtures of tests/ref/gen_clip.py, then training
     // on from the upcycled model
     char fx[1024], args[1536];
