@@ -57,6 +57,7 @@ static const char *USAGE =
     "  classify   label probabilities of images for labels you name (zero-shot)\n"
     "  embed      image or text embeddings -> a safetensors file\n"
     "  soup       average checkpoints (uniform or greedy)\n"
+    "  info       parameters, active parameters and GFLOP per pair of a model config\n"
     "  prune      drop the experts a modality uses least, for one-modality inference\n"
     "  import     a pretrained CLIP (OpenAI/OpenCLIP or HF names) -> a vlmoe model\n"
     "  export     a dense two_tower model -> OpenAI/OpenCLIP or HF CLIP names\n"
@@ -110,6 +111,7 @@ static int run_command(int argc, char **argv) {
     if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);
     if (!strcmp(argv[1], "embed")) return cmd_embed(argc, argv);
     if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
+    if (!strcmp(argv[1], "info")) return cmd_info(argc, argv);
     if (!strcmp(argv[1], "prune")) return cmd_prune(argc, argv);
     if (!strcmp(argv[1], "import")) return cmd_import(argc, argv);
     if (!strcmp(argv[1], "export")) return cmd_export(argc, argv);

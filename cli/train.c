@@ -187,14 +187,17 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
                     .bucket_cap_mb = 25,
-                    .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
+                    .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN, .eps = NAN,
+                          .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     a.data = vlmoe_dataset_default_params();
     long steps_given = -1;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
-        {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers: clipup (CLIP-UP; also lr 5e-5 "
-                                                  "and wd 0.05, its upcycled phase, unless given) or limoe"},
+        {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers and the paper's training recipe where "
+                                                  "flags do not say otherwise: limoe (Adafactor, lr 1e-3, wd 1e-5, images in [-1, 1]) or "
+                                                  "clipup (AdamW, lr 5e-5, wd 0.05, its upcycled phase); the limoe-* and "
+                                                  "clipup-* models imply theirs"},
         {"train-data", ARG_STRING, &a.data.path, "PATH", "image-text pairs: an OpenCLIP CSV/TSV file, or webdataset shards "
                                                        "('train-{000000..000099}.tar', lists joined by '::')"},
         {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "synthetic (built-in; the default without --train-data), csv, "
@@ -234,14 +237,20 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
                                                    "global batch) steps)"},
         {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
-        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; Adafactor: 0)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices: AdamW p -= lr*wd*p (default 0.1; "
+                                          "--preset clipup: 0.05); Adafactor p -= (lr/--lr)*wd*p, the schedule times wd "
+                                          "as big_vision (default 1e-5, LIMoE's)"},
+        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; 0: none)"},
+        {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: keep the momentum in float32 (default) or "
+                                                                 "bfloat16 (ViT-G's; --preset limoe's default)"},
         {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
         {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
         {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (default 30)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
-        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
+        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor (big_vision's, as LIMoE: beta2 "
+                                                        "1 - t^-0.8 capped at 0.999, factored from dimension 32, no "
+                                                        "update clipping; --preset limoe's default)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
         {"seed", ARG_LONG, &a.seed, "N", "seed of the initialisation and the data order (default 0)"},
         {"image-size", ARG_INT, &a.image_size, "PX", "override the model's image size"},
@@ -299,11 +308,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (check_applicable(&a, argc, argv)) return 1;
-    // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
-    // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
-    const int clipup = a.preset && !strcmp(a.preset, "clipup");
-    if (isnan(a.o.lr)) a.o.lr = clipup ? 5e-5 : 1e-3;
-    if (isnan(a.o.wd)) a.o.wd = clipup ? 0.05 : 0.1;
+    // the paper's recipe where no flag says otherwise (train_flags.h); LIMoE's images are in
+    // [-1, 1] (its appendix A), for a model made here (one loaded records its own)
+    const char *paper = cli_paper_of(a.preset, a.pretrained ? NULL : a.model);
+    cli_paper_optim(paper, &a.o);
+    if (paper && !strcmp(paper, "limoe") && a.data.path && !a.pretrained && !a.resume && !a.image_mean && !a.image_std)
+        a.image_mean = a.image_std = "0.5,0.5,0.5";
     a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
     const int synthetic = !strcmp(a.dataset_type, "synthetic");
     if (synthetic && a.data.path)

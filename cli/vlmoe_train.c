@@ -183,7 +183,8 @@ static const char *USAGE_MORE =
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
                    .workers = 2, .steps = 300, .max_bad = 0.1,
-                   .o = {"adamw", "cosine", 1e-3, 0.05, NAN, NAN, NAN, 1.0, 30, 0}};
+                   .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN,
+                          .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     long steps_given = -1;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
@@ -212,14 +213,16 @@ int cmd_train_mome(int argc, char **argv) {
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
                                                           "--save-frequency (synthetic data: 10000)"},
-        {"lr", ARG_DOUBLE, &a.o.lr, "X", "peak learning rate (1e-3)"},
+        {"lr", ARG_DOUBLE, &a.o.lr, "X", "peak learning rate (2e-3, VL-MoE sec. 4.1)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine decay to 0 at --steps (default), rsqrt (with "
                                                              "--lr-cooldown-steps) or const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
         {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (30)"},
-        {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1; Adafactor: "
+                                                        "1e-5 times the schedule, big_vision's)"},
         {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; Adafactor: 0)"},
+        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; 0: none)"},
+        {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: momentum in float32 (default) or bfloat16"},
         {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
         {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
@@ -332,6 +335,7 @@ int cmd_train_mome(int argc, char **argv) {
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
+    cli_paper_optim("vlmoe", &a.o);
     if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return mome_run_free(&r, 1), 1;
     // --resume: the flags against the run's before anything is read or written
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp, W) : NULL;

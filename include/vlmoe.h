@@ -109,13 +109,19 @@ typedef struct {
 typedef enum { VLMOE_OPT_ADAMW = 0, VLMOE_OPT_ADAFACTOR = 1 } vlmoe_opt_kind;
 typedef struct {
     vlmoe_opt_kind kind;
-    float beta1;          // AdamW 0.9; Adafactor momentum (0 = none, the default)
+    float beta1;          // AdamW 0.9; Adafactor momentum (default 0.9 as big_vision's; 0 = none)
     float beta2;          // AdamW 0.999; unused by Adafactor (it uses decay_rate)
     float eps;            // AdamW 1e-8; Adafactor eps1 1e-30 (added to squared grads)
-    float weight_decay;   // decoupled: p -= lr * wd * p, only where param_info.decay
-    float decay_rate;     // Adafactor: beta2_t = 1 - t^(-decay_rate), default 0.8
-    float clip_threshold; // Adafactor update clipping d, default 1.0 (0 = off)
-    int min_dim_to_factor;// Adafactor: factor a matrix only if both dims >= this (default 128)
+    float weight_decay;   // decoupled, only where param_info.decay: p -= lr * wd * p, or with
+                          // wd_lr_base > 0 p -= (lr / wd_lr_base) * wd * p
+    float decay_rate;     // Adafactor: beta2_t = min(beta2_cap, 1 - t^(-decay_rate)), default 0.8
+    float clip_threshold; // Adafactor update clipping d (default 0 = off, as big_vision; 1.0: the paper's)
+    int min_dim_to_factor;// Adafactor: factor the two largest dims if both are >= this (default 32)
+    float beta2_cap;      // Adafactor: upper bound of beta2_t (default 0.999, ViT-G; 1 = none)
+    int decay_offset;     // Adafactor: the beta2 schedule counts t from this step (optax step_offset)
+    int momentum_bf16;    // Adafactor: keep the momentum rounded to bfloat16 (ViT-G's memory saving)
+    float wd_lr_base;     // > 0: weight decay follows the schedule lr / wd_lr_base, not lr itself
+                          // (big_vision: wd times the schedule); 0: times lr (torch's AdamW)
 } vlmoe_optim_params;
 VLMOE_API vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
 
@@ -350,8 +356,9 @@ typedef struct {
 } vlmoe_model_config;
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
-// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the
-// list of known names.
+// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly), and the papers' sizes (src/nn/sizes.c):
+// limoe-S/16 ... limoe-H/14, clipup-B/16, clipup-L/14, vlmoe-base, vlmoe-large. Unknown name:
+// VLMOE_ERR_CONFIG with the list of known names.
 VLMOE_API int vlmoe_config_named(const char *name, vlmoe_model_config *out);
 VLMOE_API const char *vlmoe_config_names(void); // comma-separated list
 // JSON config: either complete, or {"base": "<name>", ...overrides}. Unknown keys, missing keys
@@ -360,6 +367,16 @@ VLMOE_API int vlmoe_config_from_json(const char *json, const char *what, vlmoe_m
 VLMOE_API int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
 VLMOE_API char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
 VLMOE_API int vlmoe_config_validate(const vlmoe_model_config *cfg);
+// What a config costs (src/nn/sizes.c), computed from its parameter table and shapes without
+// allocating weights: parameters; those a token uses (all but the experts its router does not
+// pick: E - K per tokens-choice MoE layer); forward GFLOP of one image, one text (each encoded
+// alone, as for retrieval) and their sum, a pair (multiply-adds count 2; matrix products only).
+typedef struct {
+    double params, active_params, expert_params;
+    double gflop_image, gflop_text, gflop_pair;
+    int moe_layers, image_tokens, text_tokens;
+} vlmoe_model_cost;
+VLMOE_API int vlmoe_config_cost(const vlmoe_model_config *cfg, vlmoe_model_cost *out);
 
 typedef struct vlmoe_model vlmoe_model;
 // A batch of B image-text pairs: images (B, C, H, W) floats; tokens (B, context_length) with

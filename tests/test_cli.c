@@ -78,9 +78,55 @@ int main(int argc, char **argv) {
            0, "soup of 2 checkpoints written to soup.safetensors");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o g.safetensors "
            "--greedy --eval-samples 40", 0, "written to g.safetensors");
+    // greedy soup with reuse (LIMoE A.3): shares that add up to the soup's size, each addition a
+    // strict improvement; capped by --max-ingredients (1: the best ingredient alone)
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors "
+           "--greedy --reuse --max-ingredients 4 --eval-samples 40", 0, "written to r.safetensors");
+    {
+        int size = 0, shares = 0, k = 0;
+        const char *w = strstr(out, "soup of ");
+        CHECK(w && sscanf(w, "soup of %d", &size) == 1 && size >= 1 && size <= 4, "--reuse soup size:\n%s", out);
+        for (const char *x = w ? strstr(w, " x") : NULL; x && sscanf(x, " x%d", &k) == 1; x = strstr(x + 2, " x")) shares += k;
+        CHECK(shares == size, "--reuse: shares add up to %d, the soup holds %d:\n%s", shares, size, out);
+        double prev = -1, s = 0;
+        for (const char *x = strstr(out, "-> "); x && sscanf(x, "-> %lf", &s) == 1; x = strstr(x + 3, "-> ")) {
+            CHECK(s > prev, "--reuse: an addition that does not improve the soup (%.2f after %.2f):\n%s", s, prev, out);
+            prev = s;
+        }
+    }
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r1.safetensors "
+           "--greedy --reuse --max-ingredients 1 --eval-samples 40", 0, "soup of 1 checkpoint written to r1.safetensors");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --reuse",
+           1, "shape a greedy soup: add --greedy");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --greedy "
+           "--max-ingredients 3", 1, "--max-ingredients applies to --reuse");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o "
+           "runs/b/checkpoints/step_2.safetensors", 1, "is the same file as the checkpoint");
+    expect("soup --help", 0, "Checkpoints\ncould be reused multiple times");
     expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
            1, "another config");
+    // LIMoE E.4: image and text experts pruned independently in one evaluation; keeping them all
+    // is the unpruned model's zero-shot top-1 on the same held-out samples
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 1,all --keep-text 2,all --eval-samples 64",
+           0, "image\\text       2       8");
+    {
+        double cells[4] = {-1, -1, -1, -1}, ev = -2;
+        const char *row = strstr(out, "\n         1 ");
+        CHECK(row && sscanf(row, " 1 %lf%% %lf%%", &cells[0], &cells[1]) == 2, "E.4 grid, row 1:\n%s", out);
+        row = strstr(out, "\n         8 ");
+        CHECK(row && sscanf(row, " 8 %lf%% %lf%%", &cells[2], &cells[3]) == 2, "E.4 grid, row 8:\n%s", out);
+        expect("eval --model runs/moe/checkpoints/step_1.safetensors --samples 64 --few-shot 0", 0, "top-1 ");
+        const char *t = strstr(out, "top-1 ");
+        CHECK(t && sscanf(t, "top-1 %lf", &ev) == 1 && fabs(ev - cells[3]) < 0.06,
+              "E.4 with every expert kept: %.2f%%, eval's zero-shot top-1 %.1f%%", cells[3], ev);
+    }
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 0 --keep-text all", 1,
+           "--keep-image 0: expected up to 16 comma-separated counts in [1, 8]");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2 --keep-text 2 -o x.safetensors", 1,
+           "leave out --modality, --keep and -o");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2", 1,
+           "give --model, --keep-image N1,N2 and --keep-text N1,N2 together");
     // CLIP import / export / upcycle on the PyTorch fixtures of tests/ref/gen_clip.py, then training
     // on from the upcycled model
     char fx[1024], args[1536];

@@ -177,7 +177,8 @@ fi
 # checkpoint after step 1 hold every expert's current weights: the record = vlmoe eval on it, and
 # so does the record of the same run without that checkpoint (rank 0 gathers for the evaluation).
 ck3="$tmp/w4/checkpoints/step_3.safetensors"
-ep2="--logs $tmp --log-every-n-steps 1 --eval-samples 0 --expert-parallel 2"
+# (AdamW: its moments are what sharding narrows; limoe-tiny would train with LIMoE's Adafactor)
+ep2="--logs $tmp --log-every-n-steps 1 --eval-samples 0 --expert-parallel 2 --optimizer adamw"
 if mkdir -p "$tmp/e2r/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params.json" "$tmp/e2r/" &&
    cp "$ck3" "${ck3%.safetensors}.state.safetensors" "$tmp/e2r/checkpoints/" &&
    timeout 300 mpirun -np 4 --oversubscribe "$vl" train --model "$tmp/lg.json" $ep2 --save-every-n-steps 3 --steps 8 \

@@ -10,6 +10,7 @@
 
 #include "core/core.h"
 #include "nn/model.h"
+#include "nn/sizes.h"
 #include "vlmoe.h"
 
 static vlmoe_model_config one_tower(const char *name, int img, int patch, int w, int l, int h,
@@ -154,6 +155,8 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         *out = clip(name, 224, 32, 768, 12, 12, 512, 12, 8, 512);
     } else if (!strcmp(name, "ViT-B-16")) {
         *out = clip(name, 224, 16, 768, 12, 12, 512, 12, 8, 512);
+    } else if (!sizes_named(name, out)) {
+        // the papers' sizes (src/nn/sizes.c)
     } else if (!strncmp(name, "limoe-", 6) || !strncmp(name, "clipup-", 7)) {
         int lim = name[0] == 'l';
         int st = moe_named(name + (lim ? 6 : 7), lim ? "limoe" : "clipup", out);
@@ -188,8 +191,8 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
             m->slots_per_expert = 2;
         }
     } else {
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown model '%s' (known: %s, or a .json config file)",
-                          name, NAMES);
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown model '%s' (known: %s, %s, or a .json config file)",
+                          name, NAMES, SIZES_NAMES);
     }
     snprintf(out->name, sizeof(out->name), "%s", name);
     return VLMOE_OK;
