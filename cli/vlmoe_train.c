@@ -100,6 +100,7 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
                          (double)a->epochs, (double)a->num_samples, (double)a->seed, (double)a->save_epochs,
                          (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
     for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    cJSON_AddNumberToObject(p, "drop_path", a->drop_path);
     cli_optim_json(p, &a->o);
     return p;
 }
@@ -180,7 +181,7 @@ static const char *USAGE_MORE =
 
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
-                   .workers = 2, .steps = 300, .max_bad = 0.1,
+                   .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = 0.1,
                    .o = {"adamw", "cosine", 1e-3, 0.05, NAN, NAN, NAN, 1.0, 30, 0}};
     long steps_given = -1;
     a.data = vlmoe_dataset_default_params();
@@ -221,7 +222,9 @@ int cmd_train_mome(int argc, char **argv) {
         {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
         {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
-        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks and routing noise (0)"},
+        {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
+                                                        "at the first (0.1, VL-MoE / BEiT; 0: off)"},
+        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
         {"logs", ARG_STRING, &a.logs, "DIR", "log folder (logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: the model name)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
@@ -281,6 +284,7 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
     if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
+    if (!(a.drop_path >= 0 && a.drop_path < 1)) return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
     int w[3];
     if (parse_mix(a.mix, w)) return 1;
     if (a.data.path) {
