@@ -3,6 +3,7 @@
 // what its checkpoints record of their inputs. Declared in cli/vlmoe_train_run.h; covered by
 // tests/test_vlmoe_train.c and tests/test_dist_mpi.sh.
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,10 +82,17 @@ int mome_open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_pa
     const int synth = src[0] == VLMOE_MOME_SYNTH || src[1] == VLMOE_MOME_SYNTH || src[2] == VLMOE_MOME_SYNTH;
     if (synth && a->tokenizer) return cli_error(CMD, "--tokenizer: the synthetic data has its own word tokenizer");
     if (synth && (a->image_mean || a->image_std)) return cli_error(CMD, "--image-mean/--image-std apply to image files");
+    if (synth && (!isnan(a->hflip) || !isnan(a->color_jitter)))
+        return cli_error(CMD, "--hflip/--color-jitter augment image files (--image-data, --train-data); the synthetic "
+                         "images have none");
     if (synth) return 0;
     if (r->cfg.channels != 3)
         return cli_error(CMD, "model %s has %d image channels; images are RGB", r->cfg.name, r->cfg.channels);
     if (cli_image_params(CMD, a->image_mean, a->image_std, &r->cfg, &p->image)) return 1;
+    // BEiT's / VL-MoE's pre-training augmentations after the random resized crop, drawn from the
+    // crop's generator (keyed by the sample's global index): the same on any number of processes
+    p->image.flip_prob = isnan(a->hflip) ? 0.5 : a->hflip;
+    p->image.color_jitter = isnan(a->color_jitter) ? 0.4 : a->color_jitter;
     if (src[1] == VLMOE_MOME_LINES) {
         if (cli_read_lines_numbered(CMD, a->text_data, &r->lines, &r->lineno, &r->n_lines)) return 1;
         p->text_lines = (const char *const *)r->lines, p->text_lineno = r->lineno, p->n_text_lines = r->n_lines;
