@@ -101,6 +101,12 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
                          (double)a->epochs, (double)a->num_samples, (double)a->seed, (double)a->save_epochs,
                          (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
     for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    cJSON_AddNumberToObject(p, "drop_path", a->drop_path);
+    // the augmentations of image files (null on synthetic data, which has none)
+    const int files = a->image_data || a->data.path;
+    cJSON_AddItemToObject(p, "hflip", files ? cJSON_CreateNumber(isnan(a->hflip) ? 0.5 : a->hflip) : cJSON_CreateNull());
+    cJSON_AddItemToObject(p, "color_jitter", files ? cJSON_CreateNumber(isnan(a->color_jitter) ? 0.4 : a->color_jitter)
+                                                   : cJSON_CreateNull());
     cli_optim_json(p, &a->o);
     return p;
 }
@@ -182,9 +188,9 @@ static const char *USAGE_MORE =
 
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
-                   .workers = 2, .steps = 300, .max_bad = 0.1,
+                   .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = 0.1, .hflip = NAN, .color_jitter = NAN,
                    .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN,
-                          .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
+                         .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     long steps_given = -1;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
@@ -226,7 +232,12 @@ int cmd_train_mome(int argc, char **argv) {
         {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
         {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
-        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks and routing noise (0)"},
+        {"hflip", ARG_DOUBLE, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
+        {"color-jitter", ARG_DOUBLE, &a.color_jitter, "S", "image files: brightness, contrast and saturation jitter "
+                                                           "(0.4, as BEiT / VL-MoE; 0: off)"},
+        {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
+                                                        "at the first (0.1, VL-MoE / BEiT; 0: off)"},
+        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
         {"logs", ARG_STRING, &a.logs, "DIR", "log folder (logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: the model name)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
@@ -286,6 +297,11 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
     if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
+    if (!(a.drop_path >= 0 && a.drop_path < 1)) return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
+    if (!isnan(a.hflip) && !(a.hflip >= 0 && a.hflip <= 1))
+        return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
+    if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
+        return cli_error(CMD, "--color-jitter %g: expected a strength in [0, 100] (timm's 0.4)", a.color_jitter);
     int w[3];
     if (parse_mix(a.mix, w)) return 1;
     if (a.data.path) {

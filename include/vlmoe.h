@@ -411,6 +411,12 @@ VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
 // backward, the same bits and routing decisions, for less activation memory. One_tower and
 // two_tower models; VL-MoE (arch mome) is VLMOE_ERR_CONFIG. A planned model is planned again.
 VLMOE_API int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on);
+// Stochastic depth (BEiT's drop path, VL-MoE pre-training) of a VL-MoE (arch mome) model's
+// training forwards: the last block's rate, rising linearly from 0 at the first block; each
+// sample's residual branches dropped by a draw keyed by the model's seed, the step and the
+// sample's global index; evaluation drops nothing. 0 (the default): none. Other architectures:
+// VLMOE_ERR_CONFIG; a rate outside [0, 1): VLMOE_ERR_ARG.
+VLMOE_API int vlmoe_model_set_drop_path(vlmoe_model *m, double rate);
 // Forward pass with both modalities and the contrastive loss. A VL-MoE (arch mome) model with a
 // retrieval head takes this path too (and backward, evaluate, the encoders below, and with them
 // `vlmoe eval`, `embed` and `classify`): vlmoe_mome_forward_retrieval / vlmoe_mome_embed.

@@ -434,6 +434,7 @@ vlmoe_image_params vlmoe_image_default_params(void) {
         .scale_min = 0.9, .scale_max = 1.0,
         .ratio_min = 3.0 / 4.0, .ratio_max = 4.0 / 3.0,
         .flip_prob = 0.0,
+        .color_jitter = 0.0,
     };
     return p;
 }
@@ -462,6 +463,8 @@ int vlmoe_image_params_check(const vlmoe_image_params *p) {
     if (!(p->flip_prob >= 0 && p->flip_prob <= 1))
         return vlmoe_fail(VLMOE_ERR_ARG, "image params: flip_prob %g outside [0, 1]",
                           p->flip_prob);
+    if (!(p->color_jitter >= 0 && p->color_jitter <= 100))
+        return vlmoe_fail(VLMOE_ERR_ARG, "image params: color_jitter %g outside [0, 100]", p->color_jitter);
     return VLMOE_OK;
 }
 
@@ -786,6 +789,44 @@ int vlmoe_image_preprocess_eval(const vlmoe_image *img, const vlmoe_image_params
     return rc;
 }
 
+static int luma(const uint8_t *px) { return (px[0] * 19595 + px[1] * 38470 + px[2] * 7471 + 0x8000) >> 16; }
+
+// PIL's ImagingBlend of one value: float arithmetic, clipped, truncated.
+static uint8_t blend_u8(int deg, int v, float f) {
+    const float t = (float)deg + f * (float)(v - deg);
+    return t <= 0.0f ? 0 : t >= 255.0f ? 255 : (uint8_t)t;
+}
+
+void vlmoe_image_color_jitter(uint8_t *rgb, int w, int h, const double factor[3], const int order[3]) {
+    const size_t n = (size_t)w * h;
+    for (int k = 0; k < 3; k++) {
+        const int which = order[k];
+        const float f = (float)factor[which];
+        int grey = 0;
+        if (which == 1) { // contrast: PIL's ImageStat mean of the L image, rounded
+            uint64_t sum = 0;
+            for (size_t i = 0; i < n; i++) sum += (uint64_t)luma(rgb + 3 * i);
+            grey = (int)((double)sum / (double)n + 0.5);
+        }
+        for (size_t i = 0; i < n; i++) {
+            uint8_t *px = rgb + 3 * i;
+            const int deg = which == 0 ? 0 : which == 1 ? grey : luma(px);
+            for (int c = 0; c < 3; c++) px[c] = blend_u8(deg, px[c], f);
+        }
+    }
+}
+
+// The colour jitter's draws: torchvision's randperm of the adjustments, then their factors.
+static void draw_jitter(vlmoe_rng *rng, double s, double factor[3], int order[3]) {
+    for (int k = 0; k < 3; k++) order[k] = k;
+    for (int k = 2; k > 0; k--) { // Fisher-Yates
+        const int j = (int)vlmoe_rng_below(rng, (uint32_t)k + 1), t = order[k];
+        order[k] = order[j], order[j] = t;
+    }
+    const double lo = s < 1 ? 1 - s : 0, hi = 1 + s;
+    for (int k = 0; k < 3; k++) factor[k] = lo + (hi - lo) * vlmoe_rng_uniform(rng);
+}
+
 int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_params *p,
                                  vlmoe_rng *rng, float *out) {
     int rc = image_ok(img, "vlmoe_image_preprocess_train");
@@ -795,11 +836,16 @@ int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_param
     vlmoe_image_box box;
     if ((rc = vlmoe_image_random_resized_box(img->w, img->h, p, rng, &box))) return rc;
     int flip = p->flip_prob > 0 && vlmoe_rng_uniform(rng) < p->flip_prob;
+    double factor[3];
+    int order[3];
+    if (p->color_jitter > 0) draw_jitter(rng, p->color_jitter, factor, order);
     int S = p->size;
     vlmoe_image_box win = {0, 0, S, S};
     uint8_t *u8 = vlmoe_alloc((size_t)S * S * 3, "preprocessed pixels");
     if (!u8) return VLMOE_ERR_NOMEM;
     rc = resample(img, &box, S, S, &win, u8);
+    // the jitter acts on pixel values (contrast on their mean), so it commutes with the flip
+    if (!rc && p->color_jitter > 0) vlmoe_image_color_jitter(u8, S, S, factor, order);
     if (!rc) tensor_from_u8(out, u8, S, S, p, flip);
     vlmoe_free_mem(u8);
     return rc;
