@@ -31,12 +31,6 @@ void train_run_free(train_run *r, int rc) {
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
-// The loader's agreement on which samples are bad: the maximum over the processes.
-static int loader_agree(void *u, uint8_t *k, size_t n) {
-    vlmoe_dist *d = u;
-    return d->allreduce_max(d, k, n, VLMOE_DIST_U8);
-}
-
 // A BPE vocabulary for a run's captions when no --tokenizer is given: the one this run trained
 // (LOGS/NAME/tokenizer.txt), else one of `size` ids trained on the first 10000 captions by rank 0
 // and read by the others once it is written.
@@ -162,7 +156,7 @@ int train_setup_data(const train_args *a, train_run *r) {
     // which samples were bad (src/data/loader.h)
     lp.batch_size = a->batch_size * a->accum_freq;
     lp.rank = r->dist->rank, lp.world = r->dist->world;
-    lp.agree = loader_agree, lp.agree_user = r->dist;
+    lp.agree = cli_loader_agree, lp.agree_user = r->dist;
     lp.context_length = c->context_length;
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;

@@ -388,11 +388,12 @@ static int wds_take(vlmoe_loader *ld, claim *c, vlmoe_dataset_stats *delta) {
 }
 
 // ---- the share of one process ---------------------------------------------------------------
-// Global sample g (the g-th good sample of a global batch of batch_size x world) is row g - rank x
-// batch_size of this process if it falls in its block, else -1 (src/data/order.h's blocks).
+// Global sample g (the g-th good sample of a global batch of batch_size x world) is this process's
+// row, or -1: the global batch is dealt in pieces of `chunk` to the processes in turn, so with the
+// default chunk (the whole batch_size) process r takes rows r x batch_size ... (src/data/order.h).
 static int share_row(const vlmoe_loader *ld, int64_t g) {
-    const int64_t B = ld->p.batch_size;
-    return g / B == ld->p.rank ? (int)(g % B) : -1;
+    const int64_t c = ld->p.chunk ? ld->p.chunk : ld->p.batch_size, W = ld->p.world;
+    return (g / c) % W == ld->p.rank ? (int)(g / (c * W) * c + g % c) : -1;
 }
 
 // ---- workers --------------------------------------------------------------------------------
@@ -514,6 +515,8 @@ static int check_params(const vlmoe_loader_params *p) {
     if (p->upsampling && !p->resampled)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: upsampling factors (--train-data-upsampling-factors) weight shards drawn "
                           "with replacement: they need --dataset-resampled, as in OpenCLIP", p->data.path);
+    if (p->chunk < 0 || (p->chunk && p->batch_size % p->chunk))
+        return vlmoe_fail(VLMOE_ERR_ARG, "loader: chunk %d does not divide batch_size %d", p->chunk, p->batch_size);
     if (p->world < 1 || p->rank < 0 || p->rank >= p->world || (p->world > 1 && !p->agree) ||
         (int64_t)p->batch_size * p->world > INT32_MAX / 2)
         return vlmoe_fail(VLMOE_ERR_ARG, "loader: rank %d of a world of %d (with an agree function when more than "

@@ -78,10 +78,12 @@ typedef struct {
     double max_bad_fraction;     // default 0.1
     int64_t bad_check_min;       // counted samples before the fraction is checked (default 1000)
     // A run on several processes: the global batch is batch_size x world samples, and this process
-    // decodes and returns only its block (rows rank x batch_size ..., as src/data/order.h cuts).
+    // decodes and returns only its share (rows rank x batch_size ..., as src/data/order.h cuts).
     // agree(user, k, n) replaces k (n bytes) by its maximum over the processes (a collective every
     // process calls alike; VLMOE_OK or a status with the message set). world 1 (default): no calls.
-    int rank, world;
+    // chunk (> 0, dividing batch_size): the global batch is dealt in pieces of chunk to the
+    // processes in turn (VL-MoE's forwards); 0: one piece of batch_size each.
+    int rank, world, chunk;
     int (*agree)(void *user, uint8_t *k, size_t n);
     void *agree_user;
 } vlmoe_loader_params;
