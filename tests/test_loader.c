@@ -700,6 +700,7 @@ typedef struct {
     int32_t tok[SNB][BS][12], len[SNB][BS];
     char keys[SNB][BS][KL];
     vlmoe_dataset_stats stats;
+    const vlmoe_data_state *from;   // seek there first (NULL: the start)
 } share_run;
 
 // What the processes' collective does: the maximum over the ranks, every rank returning it.
@@ -725,6 +726,7 @@ static void *share_main(void *u) {
     share_run *r = u;
     vlmoe_loader *ld = NULL;
     r->st = vlmoe_loader_open(&r->p, &ld);
+    if (!r->st && r->from) r->st = vlmoe_loader_seek(ld, r->from);
     for (int n = 0; !r->st && n < SNB; n++) {
         vlmoe_batch b;
         const char *const *keys;
@@ -745,7 +747,7 @@ static void *share_main(void *u) {
 // W processes at batch BS against one at W x BS, on data with bad samples of every kind: the same
 // rows in the same order, the same bad samples skipped and counted on every process, and each
 // process decodes (and tokenizes) about its share only.
-static void test_share(const char *path, int world, int workers, int chunk) {
+static void test_share(const char *path, int world, int workers, int chunk, int resume) {
     static share_run one, many[SW];
     agree_ctx a = {.world = world};
     pthread_barrier_init(&a.bar, NULL, (unsigned)world);
@@ -753,15 +755,18 @@ static void test_share(const char *path, int world, int workers, int chunk) {
     one.p = params(path, workers);
     one.p.batch_size = BS * world, one.p.tokenize = tok_count, one.p.tokenize_user = &one;
     // the reference reads SNB batches of BS x world: rows beyond BS go to the comparison below
-    static float img1[SNB][SW * BS][3 * 16 * 16];
-    static int32_t tok1[SNB][SW * BS][12];
-    static char key1[SNB][SW * BS][KL];
+    static float img1[SNB + 8][SW * BS][3 * 16 * 16];
+    static int32_t tok1[SNB + 8][SW * BS][12];
+    static char key1[SNB + 8][SW * BS][KL];
+    static vlmoe_data_state pos1[SNB + 8];
     vlmoe_loader *ld = NULL;
     one.st = vlmoe_loader_open(&one.p, &ld);
-    for (int n = 0; !one.st && n < SNB; n++) {
+    // resume: the processes start after batch `resume` of the reference, which reads on past SNB
+    for (int n = 0; !one.st && n < SNB + resume; n++) {
         vlmoe_batch b;
         const char *const *keys;
         if ((one.st = vlmoe_loader_next(ld, &b, &keys))) break;
+        vlmoe_loader_position(ld, &pos1[n]);
         memcpy(img1[n], b.images, sizeof(float) * 3 * 16 * 16 * (size_t)b.batch_size);
         memcpy(tok1[n], b.tokens, sizeof(int32_t) * 12 * (size_t)b.batch_size);
         for (int i = 0; i < b.batch_size; i++) snprintf(key1[n][i], KL, "%s", strrchr(keys[i], '/') + 1);
@@ -775,6 +780,7 @@ static void test_share(const char *path, int world, int workers, int chunk) {
         many[r].a = &a, many[r].rank = r;
         many[r].p = params(path, workers);
         many[r].p.rank = r, many[r].p.world = world, many[r].p.chunk = chunk;
+        many[r].from = resume ? &pos1[resume - 1] : NULL;
         many[r].p.agree = share_agree_fn, many[r].p.agree_user = &many[r];
         many[r].p.tokenize = tok_count, many[r].p.tokenize_user = &many[r];
         pthread_create(&th[r], NULL, share_main, &many[r]);
@@ -788,16 +794,17 @@ static void test_share(const char *path, int world, int workers, int chunk) {
         for (int n = 0; n < SNB && bad_row < 0; n++)
             for (int i = 0; i < BS && bad_row < 0; i++, rows++) {
                 const int c = chunk ? chunk : BS, g = i / c * c * world + r * c + i % c;
-                if (memcmp(m->img[n][i], img1[n][g], sizeof m->img[n][i]) || memcmp(m->tok[n][i], tok1[n][g], sizeof m->tok[n][i]) ||
-                    strcmp(m->keys[n][i], key1[n][g]))
+                const int o = n + resume;
+                if (memcmp(m->img[n][i], img1[o][g], sizeof m->img[n][i]) || memcmp(m->tok[n][i], tok1[o][g], sizeof m->tok[n][i]) ||
+                    strcmp(m->keys[n][i], key1[o][g]))
                     bad_row = n * BS + i;
             }
         CHECK(m->st == VLMOE_OK && bad_row < 0, "%s, rank %d of %d, %d workers, chunk %d: %s; row %d is %s (batch "
               "starts with %s)", path, r, world, workers, chunk, m->st ? vlmoe_last_error() : "ok", bad_row,
               bad_row >= 0 ? m->keys[bad_row / BS][bad_row % BS] : "-",
-              bad_row >= 0 ? key1[bad_row / BS][0] : "-");
-        int same = m->stats.total == one.stats.total;
-        for (int k = 0; k < VLMOE_BAD_N; k++) same &= m->stats.bad[k] == one.stats.bad[k];
+              bad_row >= 0 ? key1[bad_row / BS + resume][0] : "-");
+        int same = resume || m->stats.total == one.stats.total;
+        for (int k = 0; !resume && k < VLMOE_BAD_N; k++) same &= m->stats.bad[k] == one.stats.bad[k];
         CHECK(same, "%s, rank %d of %d: %lld samples, %lld bad; one process: %lld, %lld", path, r, world,
               (long long)m->stats.total, (long long)vlmoe_dataset_stats_bad(&m->stats), (long long)one.stats.total,
               (long long)vlmoe_dataset_stats_bad(&one.stats));
@@ -833,7 +840,8 @@ int main(int argc, char **argv) {
     test_bad();
     for (int k = 0; k < 2; k++)
         for (int w = 2; w <= SW; w++) 
-            for (int chunk = 0; chunk <= 1; chunk++) test_share(paths[k], w, 0, chunk), test_share(paths[k], w, 2, chunk);
+            for (int chunk = 0; chunk <= 1; chunk++)
+                test_share(paths[k], w, 0, chunk, 0), test_share(paths[k], w, 2, chunk, 0), test_share(paths[k], w, 2, chunk, 5);
     test_bad_fraction();
     test_resampled();
     test_pipe();

@@ -892,7 +892,7 @@ int vlmoe_loader_seek(vlmoe_loader *ld, const vlmoe_data_state *pos) {
                           "outside the data", ld->path, (long long)at.epoch, (long long)at.index,
                           (long long)at.shard, (long long)at.item);
     ld->src = ld->pos = at;
-    ld->claimed = ld->cursor = (int64_t)pos->data_position;
+    ld->base = ld->claimed = ld->cursor = (int64_t)pos->data_position;   // a global batch starts here
     ld->epoch = at.epoch;
     ld->epoch_good = at.index > 0;   // what came before in this epoch is not known here
     return VLMOE_OK;
