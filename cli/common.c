@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "data/loader.h"
+#include "dist/dist.h"
 #include "nn/model.h"
 #include "data/readers.h"
 #include "tokenize.h"
@@ -374,4 +375,9 @@ int cli_read_texts(const char *cmd, const char *flag, const char *path, const ch
     }
     if (rc) cli_free_lines(*out, *n), *out = NULL, *n = 0;
     return rc;
+}
+
+int cli_loader_agree(void *dist, uint8_t *k, size_t n) {
+    vlmoe_dist *d = dist;
+    return d->allreduce_max(d, k, n, VLMOE_DIST_U8);
 }

@@ -133,4 +133,8 @@ int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli
 // Returns exit status 1.
 int cli_no_images(const char *cmd, const cli_bad_log *bad, int n);
 
+// The data loader's agreement on bad samples over the processes of a run (src/data/loader.h):
+// k (n) = its maximum over them; dist is the run's vlmoe_dist.
+int cli_loader_agree(void *dist, uint8_t *k, size_t n);
+
 #endif

@@ -328,7 +328,8 @@ int cmd_train_mome(int argc, char **argv) {
     vlmoe_mome_params p = {.config = &r.cfg, .batch_size = a.batch, .mix = {w[0], w[1], w[2]}, .seed = (uint64_t)a.seed,
                            .image_data = a.image_data, .text_data = a.text_data, .train_data = a.data,
                            .workers = a.workers, .max_bad_fraction = a.max_bad, .resampled = a.resampled,
-                           .upsampling = a.upsampling, .rank = dist->rank, .world = W};
+                           .upsampling = a.upsampling, .rank = dist->rank, .world = W,
+                           .agree = cli_loader_agree, .agree_user = dist};
     vlmoe_mome_split sp;
     if (vlmoe_mome_split_batch(&p, &sp)) return mome_lib_error("");
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
