@@ -113,7 +113,7 @@ int cmd_classify(int argc, char **argv) {
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"top", ARG_INT, &top, "N", "labels shown per image (default 5; 0 = all)"},
-        {"batch-size", ARG_INT, &B, "N", "images per model call (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "images per model call (default 64)"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
     };

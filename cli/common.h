@@ -33,6 +33,8 @@ int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nb
 // The smallest vocabulary BPE can have (512 byte symbols, start and end; smaller ones are the
 // synthetic data's word vocabularies), and the size trained for a small named model on captions.
 enum { CLI_BPE_MIN = 514, CLI_BPE_IDS = 1024 };
+// The most synthetic held-out samples one evaluation holds in memory (train, soup --eval-samples).
+enum { CLI_EVAL_SAMPLES_MAX = 1 << 20 };
 
 // Texts of the user's: --tokenizer PATH (NULL: none) or, without one, the synthetic data's word
 // tokenizer, which only a model with fewer than 514 ids (too few for BPE) can have been trained

@@ -94,7 +94,7 @@ int cmd_embed(int argc, char **argv) {
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
-        {"batch-size", ARG_INT, &B, "N", "inputs per model call (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "inputs per model call (default 64)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));

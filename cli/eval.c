@@ -220,7 +220,7 @@ int cmd_eval(int argc, char **argv) {
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"samples", ARG_INT, &n, "N", "synthetic held-out samples for zero-shot and retrieval (default 1000)"},
-        {"batch-size", ARG_INT, &B, "N", "encoding and contrastive batch (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "encoding and contrastive batch (default 64)"},
         {"few-shot", ARG_INT, &shots, "K", "shots per class of the linear probe (default 10, 0 = skip)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the synthetic data (as in training) and of the few-shot draw"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},

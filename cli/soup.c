@@ -101,7 +101,7 @@ int cmd_soup(int argc, char **argv) {
         {"greedy", ARG_FLAG, &greedy, NULL, "greedy soup by held-out zero-shot top-1"},
         {"zeroshot-data", ARG_STRING, &zs, "DIR", "image folder DIR/<class>/*.jpg that scores a greedy soup"},
         {"classnames", ARG_STRING, &names, "FILE", "class names of --zeroshot-data, one per line in sorted folder order"},
-        {"eval-samples", ARG_INT, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
+        {"eval-samples", ARG_INT1, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
     };
     const char *inputs[256];
     int nin = 0;
@@ -129,6 +129,8 @@ int cmd_soup(int argc, char **argv) {
     if (zs && n >= 0) return cli_error("soup", "--eval-samples sizes the synthetic data's split; --zeroshot-data scores on "
                                        "its own images");
     if (names && !zs) return cli_error("soup", "--classnames names the classes of --zeroshot-data DIR");
+    if (n > CLI_EVAL_SAMPLES_MAX) // held in memory at once: images, tokens, embeddings
+        return cli_error("soup", "--eval-samples %d: at most %d held-out samples", n, CLI_EVAL_SAMPLES_MAX);
     if (n < 0) n = 500;
     soup_folder folder, *f = NULL;
     vlmoe_model *ms[256];

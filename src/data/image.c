@@ -386,8 +386,9 @@ int vlmoe_image_decode(const void *data, size_t n, const char *name, vlmoe_image
 int vlmoe_image_load(const char *path, vlmoe_image *img) {
     if (!path || !img) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_load: NULL path or image");
     img->w = img->h = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    const char *why;
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, why);
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0) {
         int e = errno;
