@@ -21,6 +21,10 @@ extern const char *const cli_templates[CLI_NUM_TEMPLATES];
 
 // The eval transform of model config c with --image-mean / --image-std ("R,G,B" or one value for
 // all three; NULL keeps CLIP's). Errors are printed ("vlmoe CMD: ...") and returned as exit status 1.
+// --max-image-pixels N (a decompression bomb is skipped, not decoded): the commands that read
+// images give it; cli_image_params applies it.
+#define CLI_MAX_PIXELS_HELP "decode images of at most N pixels, bigger ones are skipped (default 89478485, PIL's; at most 268435456)"
+void cli_set_max_image_pixels(long n);
 int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
                      vlmoe_image_params *out);
 // OpenCLIP's nargs syntax for every command: "--image-mean 0.48 0.45 0.41" (2 or 3 numbers after

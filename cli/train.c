@@ -170,7 +170,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                     .bucket_cap_mb = 25,
                     .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
     a.data = vlmoe_dataset_default_params();
-    long steps_given = -1;
+    long steps_given = -1, max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
@@ -266,6 +266,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                                         "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     static const char *const mome[] = {"codebook", "mix", "image-data", "text-data", NULL};
@@ -275,6 +276,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    cli_set_max_image_pixels(max_pixels);
     if (check_applicable(&a, argc, argv)) return 1;
     // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
     // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05

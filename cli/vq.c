@@ -25,7 +25,7 @@ static int folder_images(const char *cmd, const char *dir, const vlmoe_image_par
     const size_t isz = (size_t)3 * ip->size * ip->size;
     float *img = malloc(sizeof(float) * isz * (size_t)take);
     cli_bad_log bad = {0};
-    vlmoe_image im = {0};
+    vlmoe_image im = {.max_pixels = (size_t)ip->max_pixels};
     int k = 0;
     for (int i = 0; i < take && img; i++) {
         const char *p = paths[(size_t)i * (size_t)np / (size_t)take];

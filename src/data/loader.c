@@ -466,7 +466,7 @@ static int produce(vlmoe_loader *ld, vlmoe_image *img) {
 
 static void *worker_main(void *arg) {
     vlmoe_loader *ld = arg;
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = (size_t)ld->p.image.max_pixels};
     while (!produce(ld, &img)) {}
     vlmoe_image_free(&img);
     return NULL;
@@ -692,6 +692,7 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
                 continue;
             }
             pthread_mutex_unlock(&ld->mu);
+            ld->img.max_pixels = (size_t)ld->p.image.max_pixels;
             produce(ld, &ld->img);
             pthread_mutex_lock(&ld->mu);
         }

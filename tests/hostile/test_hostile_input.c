@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "../test.h"
 #include "../test_jpeg.h"
@@ -242,6 +243,49 @@ static void special_files(void) {
            "cut.tar: truncated");
 }
 
+static void put_chunk(FILE *f, const char *type, const uint8_t *d, uint32_t n) {
+    uint8_t be[4] = {(uint8_t)(n >> 24), (uint8_t)(n >> 16), (uint8_t)(n >> 8), (uint8_t)n};
+    fwrite(be, 1, 4, f);
+    fwrite(type, 1, 4, f);
+    if (n) fwrite(d, 1, n, f);
+    uLong c = crc32(crc32(0, (const Bytef *)type, 4), d, n);
+    uint8_t cb[4] = {(uint8_t)(c >> 24), (uint8_t)(c >> 16), (uint8_t)(c >> 8), (uint8_t)c};
+    fwrite(cb, 1, 4, f);
+}
+
+// A decompression bomb: a PNG of a few hundred bytes that declares w x h RGB pixels (its IDAT a
+// short zlib stream of zero rows: a decoder that allocates first pays w * h * 3 bytes).
+static void write_bomb(const char *rel, uint32_t w, uint32_t h) {
+    FILE *f = fopen(test_path(dir, rel), "wb");
+    fwrite("\x89PNG\r\n\x1a\n", 1, 8, f);
+    uint8_t ihdr[13] = {(uint8_t)(w >> 24), (uint8_t)(w >> 16), (uint8_t)(w >> 8), (uint8_t)w,
+                        (uint8_t)(h >> 24), (uint8_t)(h >> 16), (uint8_t)(h >> 8), (uint8_t)h, 8, 2, 0, 0, 0};
+    put_chunk(f, "IHDR", ihdr, 13);
+    static uint8_t zeros[1 << 16], z[1 << 12];
+    uLongf zn = sizeof(z);
+    compress2(z, &zn, zeros, sizeof(zeros), 9);
+    put_chunk(f, "IDAT", z, (uint32_t)zn);
+    put_chunk(f, "IEND", NULL, 0);
+    fclose(f);
+}
+
+// Images that declare more pixels than allowed: one is skipped with a message naming it, not
+// decoded into gigabytes; --max-image-pixels raises (or, out of range, is refused).
+static void bombs(void) {
+    write_bomb("bomb.png", 10000, 10000); // 1e8 pixels > 89478485: 300 MB of RGB
+    expect("classify --model m.safetensors --image bomb.png --image x.png --labels a,b", 0,
+           "bomb.png: PNG: image size 10000x10000 (100000000 pixels) is more than the 89478485 pixels allowed");
+    expect("embed --model m.safetensors --images bomb.png x.png -o b.safetensors", 0,
+           "bomb.png: PNG: image size 10000x10000");
+    expect("classify --model m.safetensors --image x.png --labels a,b --max-image-pixels 0", 2,
+           "--max-image-pixels must be >= 1");
+    expect("classify --model m.safetensors --image x.png --labels a,b --max-image-pixels 300000000", 1,
+           "max_pixels 300000000 outside 1..268435456 (--max-image-pixels)");
+    // the flag sets the limit (lowered here, so the check costs no big decode): 16x16 > 100
+    expect("classify --model m.safetensors --image x.png --image bomb.png --labels a,b --max-image-pixels 100", 1,
+           "x.png: PNG: image size 16x16 (256 pixels) is more than the 100 pixels allowed");
+}
+
 int main(int argc, char **argv) {
     static char abs[4096];
     if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_hostile_input");
@@ -250,6 +294,7 @@ int main(int argc, char **argv) {
     model_files();
     flags();
     special_files();
+    bombs();
     char cmd[128];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     if (!t_fail && system(cmd)) {}
