@@ -172,14 +172,15 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
 # ---- fuzzing: libFuzzer targets fuzz/fuzz_*.c over the parsers (CSV, webdataset tar, tokenizer,
-# images, safetensors), built with clang and ASan + UBSan in build/fuzz from the library sources
+# images, safetensors, model configs), built with clang and ASan + UBSan in build/fuzz from the library sources
 # they reach. `make fuzz` runs each for FUZZ_TIME seconds; `make test` runs them for FUZZ_TEST_TIME.
 FUZZ_CC   ?= clang
 FUZZ_TIME ?= 20
 FUZZ_TEST_TIME ?= 15
 FUZZ_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -Wno-pass-failed \
                -fopenmp-simd -Iinclude -Isrc -g -O1 $(SAN) -fsanitize=fuzzer-no-link
-FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/tok/sentencepiece.c src/tok/spm_stub.c src/io/safetensors.c
+FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/tok/sentencepiece.c src/tok/spm_stub.c src/io/safetensors.c \
+             src/nn/config.c src/moe/route.c
 FUZZ_BINS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/fuzz_*.c))
 FUZZ_SEEDS := build/fuzz/seeds/.stamp
 build/fuzz/obj/%.o: %.c $(HDRS) fuzz/fuzz.h | $(TEST_DEPS_STAMP)

@@ -90,6 +90,7 @@ int cmd_embed(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
     const char *unused = NULL, *format = NULL;
     int B = 64, threads = 0, override = 0;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
@@ -101,8 +102,9 @@ int cmd_embed(int argc, char **argv) {
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
-        {"batch-size", ARG_INT, &B, "N", "inputs per model call (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "inputs per model call (default 64)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     const char **args = malloc(sizeof(char *) * (size_t)argc);
@@ -115,6 +117,7 @@ int cmd_embed(int argc, char **argv) {
     free(rest);
     if (rc) return free(args), rc == 1 ? 0 : rc;
     if (threads > 0) omp_set_num_threads(threads);
+    cli_set_max_image_pixels(max_pixels);
     if (!model) rc = cli_error("embed", "--model is required (see vlmoe embed --help)");
     else if (!nargs == !texts_path) rc = cli_error("embed", "give --images DIR|FILE... or --texts FILE (one of them)");
     else if (!output) rc = cli_error("embed", "-o OUT.safetensors is required");

@@ -235,6 +235,7 @@ int cmd_eval(int argc, char **argv) {
     const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL, *output = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
+    long max_pixels = 0;
     long seed = 0, val_num = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
@@ -257,16 +258,18 @@ int cmd_eval(int argc, char **argv) {
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"samples", ARG_INT, &n, "N", "synthetic held-out samples for zero-shot and retrieval (default 1000)"},
-        {"batch-size", ARG_INT, &B, "N", "encoding and contrastive batch (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "encoding and contrastive batch (default 64)"},
         {"few-shot", ARG_INT, &shots, "K", "shots per class of the linear probe (default 10, 0 = skip)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the synthetic data (as in training) and of the few-shot draw"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},
         {"output", ARG_STRING, &output, "FILE", "also write CLIP_benchmark's results JSON (one task; FILE must not exist)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     int rc = args_parse("eval", specs, (int)(sizeof(specs) / sizeof(specs[0])), argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (threads > 0) omp_set_num_threads(threads);
+    cli_set_max_image_pixels(max_pixels);
     if (!model) return cli_error("eval", "--model is required (see vlmoe eval --help)");
     const int user_data = zs_dir || val;
     const int synthetic = dataset ? !strcmp(dataset, "synthetic") : !user_data;

@@ -89,14 +89,14 @@ int cmd_finetune(int argc, char **argv) {
         {"csv-caption-key", ARG_STRING, &dp.caption_key, "NAME", "retrieval CSV: column of captions (title)"},
         {"csv-separator", ARG_STRING, &sep, "C", "retrieval CSV: field separator (tab; \\t for tab)"},
         {"steps", ARG_INT, &steps, "N", "optimizer steps (100)"},
-        {"batch-size", ARG_INT, &batch, "N", "examples per step (16, at most the training examples)"},
-        {"lr", ARG_DOUBLE, &lr, "LR", "peak learning rate of the cosine schedule, 10% warmup (1e-3)"},
+        {"batch-size", ARG_INT1, &batch, "N", "examples per step (16, at most the training examples)"},
+        {"lr", ARG_POS, &lr, "LR", "peak learning rate of the cosine schedule, 10% warmup (1e-3)"},
         {"wd", ARG_DOUBLE, &wd, "WD", "AdamW weight decay (0.05)"},
         {"holdout", ARG_INT, &holdout, "K", "every K-th example is held out for the accuracy report (4; 0 = none)"},
         {"freeze-moe", ARG_FLAG, &freeze, NULL, "keep every router and expert unchanged, as VL-MoE fine-tunes (the "
                                                 "default)"},
         {"no-freeze-moe", ARG_FLAG, &no_freeze, NULL, "train the routers and experts too"},
-        {"log-every", ARG_INT, &log_every, "N", "progress line every N steps (10)"},
+        {"log-every", ARG_INT1, &log_every, "N", "progress line every N steps (10)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the head's initialisation and the data order (0)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));

@@ -373,7 +373,7 @@ int cmd_prune(int argc, char **argv) {
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
         {"modality", ARG_STRING, &modality, "M", "text or image: the modality the pruned model will serve"},
-        {"keep", ARG_INT, &keep, "N", "experts kept in each MoE layer of that modality's tower"},
+        {"keep", ARG_INT1, &keep, "N", "experts kept in each MoE layer of that modality's tower"},
         {"mode", ARG_STRING, &mode, "MODE", "router_pred (default: softmax over all, pruned masked) or router_drop"},
         {"stats", ARG_STRING, &stats, "FILE", "the run's metrics.jsonl: rank experts by their share during training"},
         {"last", ARG_INT, &last, "N", "logged steps of --stats to average (default 50)"},

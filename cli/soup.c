@@ -181,7 +181,7 @@ int cmd_soup(int argc, char **argv) {
         {"classnames", ARG_STRING, &names, "FILE", "class names of --zeroshot-data, one per line in sorted folder order"},
         {"zeroshot-templates", ARG_STRING, &templates, "FILE", "prompt templates for --zeroshot-data ({} or {c}: the "
                                                                "class), one per line or CLIP_benchmark JSON"},
-        {"eval-samples", ARG_INT, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
+        {"eval-samples", ARG_INT1, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
     };
     const char *inputs[256];
     int nin = 0;
@@ -220,6 +220,8 @@ int cmd_soup(int argc, char **argv) {
                                        "its own images");
     if ((names || templates) && !zs) return cli_error("soup", "--%s applies to --zeroshot-data DIR",
                                                       names ? "classnames" : "zeroshot-templates");
+    if (n > CLI_EVAL_SAMPLES_MAX) // held in memory at once: images, tokens, embeddings
+        return cli_error("soup", "--eval-samples %d: at most %d held-out samples", n, CLI_EVAL_SAMPLES_MAX);
     if (n < 0) n = 500;
     soup_folder folder, *f = NULL;
     vlmoe_model *ms[256];

@@ -190,7 +190,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                     .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN, .eps = NAN,
                           .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     a.data = vlmoe_dataset_default_params();
-    long steps_given = -1;
+    long steps_given = -1, max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
@@ -214,9 +214,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &a.override, NULL, "with --pretrained or --resume: " CLI_OVERRIDE_HELP},
-        {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
+        {"max-bad-fraction", ARG_FRAC, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs and --save-frequency (synthetic: 10000; CSV: its rows)"},
-        {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
+        {"expert-parallel", ARG_INT1, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
         {"dist-timeout", ARG_STRING, &a.dist_timeout, "S", "under mpirun: end the job when a collective has waited S "
@@ -226,25 +226,25 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                             "buckets of at most MB megabytes, each started as soon as "
                                                             "the backward finished it (DDP's bucket_cap_mb; default 25; "
                                                             "0: one sum after the backward; same results either way)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
+        {"batch-size", ARG_INT1, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
                                                    "--accum-freq (default 64; the global batch is mpirun's -np x "
                                                    "--accum-freq x it)"},
-        {"accum-freq", ARG_INT, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
+        {"accum-freq", ARG_INT1, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
                                                      "--batch-size and computes the contrastive loss over all N x "
                                                      "batch-size pairs, caching features, not activations: batch N x B "
                                                      "in the memory of B (default 1)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
                                                    "global batch) steps)"},
-        {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
+        {"lr", ARG_POS, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
         {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices: AdamW p -= lr*wd*p (default 0.1; "
                                           "--preset clipup: 0.05); Adafactor p -= (lr/--lr)*wd*p, the schedule times wd "
                                           "as big_vision (default 1e-5, LIMoE's)"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; 0: none)"},
+        {"beta1", ARG_BETA, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; 0: none)"},
         {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: keep the momentum in float32 (default) or "
                                                                  "bfloat16 (ViT-G's; --preset limoe's default)"},
-        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
-        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
+        {"beta2", ARG_BETA, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
+        {"eps", ARG_POS, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
         {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (default 30)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
@@ -283,7 +283,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"zeroshot-every-n-steps", ARG_LONG, &a.zs_steps, "N", "zero-shot evaluation every N steps (default: at the end)"},
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "synthetic data: held-out samples per evaluation (default 1000, "
                                                        "0 = none)"},
-        {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"log-every-n-steps", ARG_INT1, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
         {"report-every", ARG_LONG, &a.report_every, "N", "write LOGS/NAME/report.html (vlmoe report) at the first log "
                                                          "step of every N steps and at the end (default 0: never)"},
         {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files (metrics, and the "
@@ -298,6 +298,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                                         "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     static const char *const mome[] = {"codebook", "mix", "image-data", "text-data", NULL};
@@ -307,6 +308,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    cli_set_max_image_pixels(max_pixels);
     if (check_applicable(&a, argc, argv)) return 1;
     // the paper's recipe where no flag says otherwise (train_flags.h); LIMoE's images are in
     // [-1, 1] (its appendix A), for a model made here (one loaded records its own)
@@ -331,6 +333,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (a.eval_samples >= 0 && a.data.path)
         return cli_error("train", "--eval-samples sizes the synthetic held-out evaluation; with --train-data give "
                          "--val-data PATH (--val-num-samples N) or --zeroshot-data DIR");
+    if (a.eval_samples > CLI_EVAL_SAMPLES_MAX) // held in memory at once: images, tokens, embeddings
+        return cli_error("train", "--eval-samples %d: at most %d held-out samples per evaluation", a.eval_samples,
+                         CLI_EVAL_SAMPLES_MAX);
     if (a.eval_samples < 0) a.eval_samples = a.data.path ? 0 : 1000;
     if (!a.val_data && (a.val_freq || a.val_steps || a.val_num))
         return cli_error("train", "--val-frequency, --val-every-n-steps and --val-num-samples need --val-data PATH");

@@ -210,16 +210,16 @@ int cmd_train_mome(int argc, char **argv) {
                                                              "--seed (no epoch end)"},
         {"train-data-upsampling-factors", ARG_STRING, &a.upsampling, "F1::F2", "with --dataset-resampled: sampling weight "
                                                                               "of each '::'-joined --train-data source's shards"},
-        {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of --train-data is bad (0.1)"},
+        {"max-bad-fraction", ARG_FRAC, &a.max_bad, "F", "stop when more than this fraction of --train-data is bad (0.1)"},
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "texts' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of image files (default CLIP's; [-1, 1]: 0.5)"},
-        {"batch-size", ARG_INT, &a.batch, "N", "samples per step and process, split by --mix (48)"},
+        {"batch-size", ARG_INT1, &a.batch, "N", "samples per step and process, split by --mix (48)"},
         {"steps", ARG_LONG, &steps_given, "N", "training steps (300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
                                                           "--save-frequency (synthetic data: 10000)"},
-        {"lr", ARG_DOUBLE, &a.o.lr, "X", "peak learning rate (2e-3, VL-MoE sec. 4.1)"},
+        {"lr", ARG_POS, &a.o.lr, "X", "peak learning rate (2e-3, VL-MoE sec. 4.1)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine decay to 0 at --steps (default), rsqrt (with "
                                                              "--lr-cooldown-steps) or const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
@@ -227,12 +227,12 @@ int cmd_train_mome(int argc, char **argv) {
         {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1; Adafactor: "
                                                         "1e-5 times the schedule, big_vision's)"},
         {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; 0: none)"},
+        {"beta1", ARG_BETA, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; 0: none)"},
         {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: momentum in float32 (default) or bfloat16"},
-        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
-        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
+        {"beta2", ARG_BETA, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
+        {"eps", ARG_POS, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
-        {"hflip", ARG_DOUBLE, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
+        {"hflip", ARG_FRAC, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
         {"color-jitter", ARG_DOUBLE, &a.color_jitter, "S", "image files: brightness, contrast and saturation jitter "
                                                            "(0.4, as BEiT / VL-MoE; 0: off)"},
         {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
@@ -240,7 +240,7 @@ int cmd_train_mome(int argc, char **argv) {
         {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
         {"logs", ARG_STRING, &a.logs, "DIR", "log folder (logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: the model name)"},
-        {"log-every-n-steps", ARG_INT, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
+        {"log-every-n-steps", ARG_INT1, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
         {"save-frequency", ARG_LONG, &a.save_epochs, "N", "checkpoint every N epochs (as OpenCLIP; default: at the end only)"},
         {"save-every-n-steps", ARG_LONG, &a.save_every, "N", "checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (3, 0 = all)"},

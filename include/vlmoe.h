@@ -249,7 +249,8 @@ VLMOE_API uint64_t vlmoe_moe_every(int n, int layers);
 
 // Capacity per expert per group (MOE.md "Capacity"): C = ceil(cf*S*K/E) for tokens choice,
 // ceil(cf*S/E) for experts choice (K = 1), computed in double, rounded up to `multiple`.
-// C < 1 is VLMOE_ERR_CONFIG.
+// C < 1 (also a NaN factor) is VLMOE_ERR_CONFIG; C is at most S*K before the rounding (no group
+// can use more), so a huge finite factor cannot size a buffer.
 VLMOE_API int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C);
 
 // A routing decision for one group of S tokens, the explicit struct backward consumes.

@@ -53,7 +53,7 @@ int main(int argc, char **argv) {
     expect("train --device cuda --steps 1 --logs runs", 1, "cuda");
     // experts split over groups of processes need those processes
     expect("train --model limoe-tiny --steps 1 --expert-parallel 2 --logs runs", 1, "start several with mpirun");
-    expect("train --model limoe-tiny --steps 1 --expert-parallel -1 --logs runs", 1, "--expert-parallel must be >= 1");
+    expect("train --model limoe-tiny --steps 1 --expert-parallel -1 --logs runs", 2, "--expert-parallel must be >= 1");
     // a real (short) run, then training on from its checkpoint
     expect("train --model tiny --steps 4 --batch-size 8 --log-every-n-steps 2 --eval-samples 40 "
            "--logs runs --name a", 0, "held-out: zero-shot top-1");

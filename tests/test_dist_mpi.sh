@@ -117,7 +117,7 @@ else
 fi
 if out=$(timeout 60 "$vl" train --model tiny --steps 1 --bucket-cap-mb -1 --logs "$tmp" 2>&1); then
     echo "FAILED: --bucket-cap-mb -1 was accepted"; fail=$((fail + 1))
-elif printf '%s' "$out" | grep -q "^vlmoe train: --bucket-cap-mb -1: expected the megabytes"; then
+elif printf '%s' "$out" | grep -q "^vlmoe train: --bucket-cap-mb must be >= 0 (a finite number), got '-1'"; then
     echo "ok   --bucket-cap-mb -1 is refused"; pass=$((pass + 1))
 else
     printf '%s\n' "$out" | tail -n 5; echo "FAILED: --bucket-cap-mb -1: no clear message"; fail=$((fail + 1))

@@ -15,6 +15,9 @@
 // Limits checked on the header, before any pixel memory is allocated.
 #define VLMOE_IMAGE_MAX_SIDE 16384
 #define VLMOE_IMAGE_MAX_PIXELS ((size_t)1 << 28)
+// The decode cap unless raised (vlmoe_image.max_pixels, vlmoe_image_params.max_pixels): PIL's
+// MAX_IMAGE_PIXELS, 2^30 / 4 / 3 (a 1.5 GB decompression bomb then costs a skip, not gigabytes)
+#define VLMOE_IMAGE_DEFAULT_PIXELS ((size_t)89478485)
 #define VLMOE_IMAGE_MAX_FILE ((size_t)1 << 30)   // vlmoe_image_load refuses bigger files
 
 typedef enum {
@@ -32,6 +35,8 @@ typedef struct {
     uint8_t *rgb;
     size_t cap;     // bytes available at rgb
     int owned;      // 1: rgb was allocated by vlmoe and vlmoe_image_free releases it
+    size_t max_pixels; // decoding: an image declaring more pixels is refused before its pixels are
+                       // allocated (a decompression bomb); 0: VLMOE_IMAGE_DEFAULT_PIXELS
 } vlmoe_image;
 
 // Makes img a w x h image (contents undefined), reusing its buffer when large enough.
@@ -78,6 +83,8 @@ typedef struct {
     double flip_prob;       // train: horizontal flip probability (0: OpenCLIP does not flip)
     double color_jitter;    // train: brightness, contrast and saturation strength S of timm's /
                             // BEiT's --color-jitter (0: none; VL-MoE / BEiT pre-train with 0.4)
+    long max_pixels;        // decoding: images declaring more pixels are skipped before their pixels
+                            // are allocated (VLMOE_IMAGE_DEFAULT_PIXELS; at most VLMOE_IMAGE_MAX_PIXELS)
 } vlmoe_image_params;
 vlmoe_image_params vlmoe_image_default_params(void);   // CLIP's, S = 224
 

@@ -496,7 +496,7 @@ static int produce(vlmoe_loader *ld, vlmoe_image *img) {
 
 static void *worker_main(void *arg) {
     vlmoe_loader *ld = arg;
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = (size_t)ld->p.image.max_pixels};
     while (!produce(ld, &img)) {}
     vlmoe_image_free(&img);
     return NULL;
@@ -618,6 +618,7 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     vlmoe_loader *ld = calloc(1, sizeof *ld);
     if (!ld) return vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate a loader");
     ld->p = *p;
+    ld->img.max_pixels = (size_t)p->image.max_pixels;
     pthread_mutex_init(&ld->mu, NULL);
     pthread_cond_init(&ld->space, NULL);
     pthread_cond_init(&ld->done, NULL);

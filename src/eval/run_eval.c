@@ -51,7 +51,7 @@ int vlmoe_encode_image_files(vlmoe_model *m, const char *const *paths, int n, co
     if (st) return st;
     float *batch = malloc(sizeof(float) * isz * (size_t)B);
     if (!batch) return vlmoe_fail(VLMOE_ERR_NOMEM, "a batch of %d images", B);
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = p->ip ? (size_t)p->ip->max_pixels : 0};
     if (p->progress) p->progress(p->progress_user, p->what, 0, n);
     int done = 0, k = 0;
     for (int i = 0; i < n && !st; i++) {
@@ -409,7 +409,7 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
     int32_t *all_ids = NULL, *all_lens = NULL, *group = NULL; // every caption's ids, for duplicates
     image_key *keys = NULL;
     size_t cap_i = 0, cap_t = 0, cap_k = 0, cap_a = 0, cap_l = 0;
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = p->ip ? (size_t)p->ip->max_pixels : 0};
     contrastive_sum cs = {0};
     progress(p, "validation pairs", 0, -1);
     int st = batch && tok && lens ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "batch buffers");

@@ -172,8 +172,9 @@ static int get_u53(const cJSON *v, uint64_t *out) {
 }
 
 static int read_file(vlmoe_st *st) {
-    FILE *f = fopen(st->path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", st->path, strerror(errno));
+    const char *why;
+    FILE *f = vlmoe_fopen_regular(st->path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", st->path, why);
     struct stat sb;
     int rc = VLMOE_OK;
     if (fstat(fileno(f), &sb) != 0) {

@@ -22,15 +22,18 @@ static void valid_sizes(char *buf, size_t cap, int unit, int count) {
     for (int i = 0; i < nl && u < cap; i++) u += (size_t)snprintf(buf + u, cap - u, "%s%d", i ? ", " : "", list[i]);
 }
 
-static int check_capacity(const moe_spec *sp, int S, int training) {
-    const vlmoe_moe_config *c = sp->cfg;
-    if (c->router == VLMOE_ROUTER_SOFT) return VLMOE_OK;
+int moe_capacity(const vlmoe_moe_config *c, int S, int training, int *C) {
     const int K = c->router == VLMOE_ROUTER_TOKENS ? c->top_k : 1;
-    int C;
     int st = vlmoe_capacity(S, c->num_experts, K, training ? c->capacity_factor : c->eval_capacity_factor,
-                            c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C);
-    if (st) vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts);
-    return st;
+                            c->capacity_multiple > 0 ? c->capacity_multiple : 1, C);
+    if (st) return vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts), st;
+    if (*C > S) *C = S; // an expert never holds more than every token of its group
+    return VLMOE_OK;
+}
+
+static int check_capacity(const moe_spec *sp, int S, int training) {
+    int C;
+    return sp->cfg->router == VLMOE_ROUTER_SOFT ? VLMOE_OK : moe_capacity(sp->cfg, S, training, &C);
 }
 
 // Groups of whole examples. Rows: example b's image tokens at b*ti + i, its text tokens at

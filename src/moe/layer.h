@@ -87,6 +87,10 @@ MOE_LAYER_DECL(double, f64)
 // Soft MoE slots per expert: slots_per_expert, or rint(group_size / E) (MOE.md; rint, not round).
 int moe_slots_per_expert(const vlmoe_moe_config *c);
 
+// The expert capacity of a group of S tokens (the train or the eval factor): vlmoe_capacity,
+// then at most S. The one computation both the layer's buffers (create) and its routing use.
+int moe_capacity(const vlmoe_moe_config *c, int S, int training, int *C);
+
 // Validates that n tokens split into routing groups for this layer (group_size divides n, the
 // capacity is >= 1). The message names the layer's config and the group sizes that would work.
 int moe_check_groups(const moe_spec *spec, int n, int training);

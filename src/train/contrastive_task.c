@@ -233,10 +233,13 @@ int vlmoe_synth_evaluate(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk,
     float *te = malloc(sizeof(float) * (size_t)n * E), *ce = malloc(sizeof(float) * (size_t)C * E);
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * T), *lens = malloc(sizeof(int32_t) * n);
     int32_t *labels = malloc(sizeof(int32_t) * n);
-    int st = img && ie && te && ce && tok && lens && labels ? VLMOE_OK
-                                                            : vlmoe_fail(VLMOE_ERR_NOMEM, "held-out evaluation");
+    int st = img && ie && te && ce && tok && lens && labels
+                 ? VLMOE_OK
+                 : vlmoe_fail(VLMOE_ERR_NOMEM, "held-out evaluation of %d samples: cannot allocate its %.3g GB "
+                              "of images and embeddings (fewer samples: --eval-samples)", n,
+                              ((double)isz + 2.0 * E + T + 2) * 4.0 * n / 1e9);
     if (!st) st = vlmoe_synth_batch(s, VLMOE_SPLIT_HELDOUT, 0, n, T, img, tok, lens);
-    for (int i = 0; i < n; i++) labels[i] = i % C; // held-out class of sample i (src/data/synthetic.c)
+    for (int i = 0; !st && i < n; i++) labels[i] = i % C; // held-out class of sample i (src/data/synthetic.c)
     if (!st) st = vlmoe_model_encode_images(m, img, n, ie);
     if (!st) st = vlmoe_model_encode_texts(m, tok, lens, n, te);
     if (!st) st = vlmoe_synth_class_embeddings(m, s, ce);

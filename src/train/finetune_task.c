@@ -173,7 +173,7 @@ static int read_pairs(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
     vlmoe_dataset *ds = NULL;
     int st = vlmoe_dataset_open(&p->data, &ds), cap = 0;
     if (st) return vlmoe_error_prefix("--data"), st;
-    vlmoe_image im = {0};
+    vlmoe_image im = {.max_pixels = (size_t)p->image.max_pixels};
     while (!st) {
         vlmoe_sample s;
         const int r = vlmoe_dataset_next(ds, &s);
@@ -218,7 +218,7 @@ static int prepare(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
     if (d->paths && !d->images) {
         if (!(d->images = malloc(sizeof(float) * d->isz * (size_t)ns))) return vlmoe_fail(VLMOE_ERR_NOMEM, "images");
         for (int i = 0; i < ns; i++) {
-            vlmoe_image im = {0};
+            vlmoe_image im = {.max_pixels = (size_t)p->image.max_pixels};
             int st = vlmoe_image_load(d->paths[i], &im);
             if (!st) st = vlmoe_image_preprocess_eval(&im, &p->image, d->images + d->isz * (size_t)i);
             vlmoe_image_free(&im);
