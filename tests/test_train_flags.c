@@ -188,7 +188,7 @@ static void test_paper_recipe(void) {
     expect("train --momentum-dtype bfloat16 --steps 1", 1, "--momentum-dtype applies to --optimizer adafactor");
     expect("train --optimizer adafactor --beta1 0 --momentum-dtype bfloat16 --steps 1", 1, "with momentum (--beta1 > 0)");
     expect("train --optimizer adafactor --momentum-dtype f16 --steps 1", 1, "--momentum-dtype f16: expected float32 or bfloat16");
-    expect("train --optimizer adafactor --beta1 1 --steps 1", 1, "--beta1 1: expected a value in [0, 1)");
+    expect("train --optimizer adafactor --beta1 1 --steps 1", 2, "--beta1 must be in [0, 1), got '1'");
 }
 
 static void test_inapplicable(void) {

@@ -287,10 +287,10 @@ int main(int argc, char **argv) {
            "the image stream has weight 1 in --mix 1,1,0 but no data", NULL);
     expect("train --steps 2 --model m.json --codebook cbf.safetensors --drop-path 1", 1,
            "--drop-path 1: expected a rate in [0, 1)", NULL);
-    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --hflip 1.5", 1,
-           "--hflip 1.5: expected a probability in [0, 1]", NULL);
-    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --color-jitter -1", 1,
-           "--color-jitter -1: expected a strength", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --hflip 1.5", 2,
+           "--hflip must be in [0, 1], got '1.5'", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --color-jitter -1", 2,
+           "--color-jitter must be >= 0 (a finite number), got '-1'", NULL);
     expect("train --steps 2 --model m.json --codebook cbf.safetensors --color-jitter 0.4", 1,
            "--hflip/--color-jitter augment image files", NULL);
     expect("vq train --model m.json --size 32 -o cb32.safetensors", 0, "32 visual tokens", NULL);
