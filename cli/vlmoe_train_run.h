@@ -5,6 +5,7 @@
 #define VLMOE_CLI_VLMOE_TRAIN_RUN_H
 
 #include "common.h"
+#include "report.h"
 #include "train/tasks.h"
 #include "train_flags.h"
 #include "vlmoe.h"
@@ -16,6 +17,8 @@ typedef struct {
     int batch, log_every, keep, workers, threads, allow_changes, resampled;
     long steps, seed, save_every, save_epochs, epochs, num_samples;
     double max_bad;
+    long report_every;           // --report-every: LOGS/NAME/report.html every N steps (0: none)
+    const char *report_to;       // --report-to tensorboard
     int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
     cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags
@@ -39,6 +42,8 @@ typedef struct {
     vlmoe_dist *dist;                    // the processes of the run (mpirun); rank 0 prints and writes
     int lead;
     char dir[512], ckdir[600];
+    long report_every, next_report;      // --report-every, and the step of the next report
+    cli_tb tb;                           // --report-to tensorboard (tb.tb NULL: off)
 } mome_cli;
 
 // Releases the run; the process group too, except after a failure on several processes (the
