@@ -154,7 +154,10 @@ int cli_prune_sweep(vlmoe_model *m, const double *usage, int E, const prune_swee
             vlmoe_model_free(q);
         }
     if (f && fclose(f) && !rc) rc = cli_error(CMD, "-o %s: cannot write: %s", p->out, strerror(errno));
-    if (!rc) printf("pruning sweep appended to %s (vlmoe report plots it from the run folder)\n", p->out);
+    const size_t n = strlen(p->out), k = strlen("prune_sweep.jsonl");
+    const int run = n >= k && !strcmp(p->out + n - k, "prune_sweep.jsonl") && (n == k || p->out[n - k - 1] == '/');
+    if (!rc) printf("pruning sweep appended to %s%s\n", p->out,
+                    run ? " (vlmoe report of its folder plots it)" : "");
     if (d.has_folder) vlmoe_image_folder_free(&d.folder);
     vlmoe_synth_free(d.synth);
     cli_text_free(&d.text);

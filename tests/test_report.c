@@ -234,6 +234,14 @@ int main(int argc, char **argv) {
     for (const char *q = html; q && (q = strstr(q, "<span class=\"w\"")); q++) nwords++;
     CHECK(nmaps == 3 && nwords >= 3 * 4, "CSV examples: %d maps, %d coloured words", nmaps, nwords);
     free(html);
+    // a sweep on the user's image folder: its zero-shot records name the folder
+    test_expect_in(dir, bin, "prune --model runs/r/checkpoints/step_20.safetensors --modality text --sweep 2 --mode "
+                   "router_drop --zeroshot-data ex/classes -o ex_sweep.jsonl", 0, "pruning sweep appended to ex_sweep.jsonl\n",
+                   out, sizeof out);
+    html = slurp(test_path(dir, "ex_sweep.jsonl"));
+    CHECK(html && count_lines(test_path(dir, "ex_sweep.jsonl")) == 2 && strstr(html, "\"mode\":\"router_drop\",\"kept\":2") &&
+          strstr(html, "\"images\":3") && strstr(html, "\"data\":\"ex/classes\""), "the --zeroshot-data sweep: %s", html);
+    free(html);
     test_expect_in(dir, bin, "report runs/r --examples ex/classes -o dir.html --num-examples 2", 0,
                    "routing maps of 2 image files of ex/classes", out, sizeof out);
     test_expect_in(dir, bin, "report runs/r --examples nosuch.csv -o x.html", 1, "nosuch.csv: cannot open", out, sizeof out);
