@@ -15,6 +15,7 @@ typedef struct {
     char tag[160];
     long step;
     float v;
+    double wall;
     int image, found;
 } ev;
 static ev *evs;
@@ -73,6 +74,7 @@ static void on_value(void *u, int f, int wire, uint64_t v, const uint8_t *b, siz
 }
 typedef struct {
     long step;
+    double wall;
 } event;
 static void on_summary(void *u, int f, int wire, uint64_t v, const uint8_t *b, size_t n) {
     event *e = u;
@@ -84,12 +86,13 @@ static void on_summary(void *u, int f, int wire, uint64_t v, const uint8_t *b, s
     ev *o = &evs[nev++];
     memset(o, 0, sizeof(*o));
     snprintf(o->tag, sizeof o->tag, "%s", x.tag);
-    o->step = e->step, o->v = x.v, o->image = x.image;
+    o->step = e->step, o->v = x.v, o->image = x.image, o->wall = e->wall;
     if (x.image) CHECK(x.png && x.w > 0 && x.h > 0, "image %s: %dx%d, PNG %d", x.tag, x.w, x.h, x.png);
     else CHECK(x.has_v, "value %s has no simple_value", x.tag);
 }
 static void on_event(void *u, int f, int wire, uint64_t v, const uint8_t *b, size_t n) {
     event *e = u;
+    if (f == 1 && wire == 1) memcpy(&e->wall, b, 8);
     if (f == 2 && wire == 0) e->step = (long)v;
     if (f == 3 && wire == 2) versions += n == 13 && !memcmp(b, "brain.Event:2", 13);
     if (f == 5 && wire == 2) bad_pb += !pb_walk(b, n, on_summary, e);
@@ -313,13 +316,18 @@ int main(int argc, char **argv) {
     CHECK(find_events(tbdir, NULL, live, sizeof live) == 1, "one events file in %s", tbdir);
     check_run("VL-MoE train --report-to tensorboard", live, test_path(dir, "runs/vl/metrics.jsonl"), 0);
     int steps[3] = {0}, streams = 0;
+    double wall[3] = {0};
     for (int i = 0; i < nev; i++) {
         if (!strcmp(evs[i].tag, "train/mim") && evs[i].step >= 2 && evs[i].step <= 6 && evs[i].step % 2 == 0)
-            steps[evs[i].step / 2 - 1]++;
+            steps[evs[i].step / 2 - 1]++, wall[evs[i].step / 2 - 1] = evs[i].wall;
         streams += !strcmp(evs[i].tag, "moe/success/e0.b1.pair/image");
     }
     CHECK(steps[0] == 1 && steps[1] == 1 && steps[2] == 1 && streams == 3, "VL-MoE events: train/mim at steps 2/4/6 "
           "%d/%d/%d times, the pair stream's image success %d times", steps[0], steps[1], steps[2], streams);
+    // written during the run: each logged step's events at its own time (a conversion at the end
+    // would give them all one wall time)
+    CHECK(wall[0] > 1e9 && wall[0] < wall[1] && wall[1] < wall[2], "VL-MoE events' wall times %.9f %.9f %.9f: not "
+          "written step by step", wall[0], wall[1], wall[2]);
     char *page = NULL;
     FILE *pf = fopen(test_path(dir, "runs/vl/report.html"), "r");
     if (pf) {
