@@ -328,6 +328,10 @@ int main(int argc, char **argv) {
     // would give them all one wall time)
     CHECK(wall[0] > 1e9 && wall[0] < wall[1] && wall[1] < wall[2], "VL-MoE events' wall times %.9f %.9f %.9f: not "
           "written step by step", wall[0], wall[1], wall[2]);
+    test_expect_in(dir, bin, "train --model m.json --codebook cb.safetensors --steps 1 --report-to wandb --logs runs", 1,
+                   "--report-to: 'wandb' is not supported", out, sizeof out);
+    test_expect_in(dir, bin, "train --model m.json --codebook cb.safetensors --steps 1 --report-every -2 --logs runs", 1,
+                   "--report-every: -2 is negative", out, sizeof out);
     char *page = NULL;
     FILE *pf = fopen(test_path(dir, "runs/vl/report.html"), "r");
     if (pf) {
