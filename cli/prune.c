@@ -12,6 +12,7 @@
 #include "args.h"
 #include "cli.h"
 #include "outputs.h"
+#include "prune_sweep.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -21,7 +22,9 @@
 static const char *USAGE =
     "usage: vlmoe prune --model M.safetensors --modality text|image --keep N -o OUT.safetensors\n"
     "                   [--mode router_pred|router_drop] [--stats RUN/metrics.jsonl [--last N]]\n"
-    "                   [--images DIR|FILE] [--texts FILE]\n\n"
+    "                   [--images DIR|FILE] [--texts FILE]\n"
+    "       vlmoe prune --model M.safetensors --modality text|image --sweep 1,2,4 [--mode router_pred,router_drop]\n"
+    "                   [--zeroshot-data DIR] [--samples N] [-o SWEEP.jsonl]\n\n"
     "Keeps, in every MoE layer serving the modality, the N experts that took the largest share of\n"
     "its tokens, for inference on that modality alone. router_pred (LIMoE's choice) keeps the\n"
     "router's softmax over all experts and only stops pruned ones from being picked; router_drop\n"
@@ -30,9 +33,15 @@ static const char *USAGE =
     "modality run through the model (--images: a folder or file, --modality image; --texts: one\n"
     "text per line, --modality text; read with the tokenizer and normalisation the model carries),\n"
     "or for models trained on the synthetic data from its held-out split.\n\n"
+    "--sweep K1,K2,...: no model is written; instead the zero-shot accuracy of the unpruned model and of\n"
+    "each pruned one (every --mode, default both, at every count kept) on the synthetic held-out split\n"
+    "(--samples, default 512) or on --zeroshot-data DIR/<class>/*.jpg, one JSON line per point appended\n"
+    "to -o (default: RUN/prune_sweep.jsonl for a checkpoint of a run folder, where vlmoe report plots\n"
+    "zero-shot against experts kept; else MODEL.prune_sweep.jsonl). A file that is no sweep is refused.\n\n"
     "example:\n"
     "  vlmoe prune --model logs/demo/checkpoints/step_3000.safetensors --modality text --keep 4 \\\n"
-    "      --stats logs/demo/metrics.jsonl -o text4.safetensors\n\n"
+    "      --stats logs/demo/metrics.jsonl -o text4.safetensors\n"
+    "  vlmoe prune --model logs/demo/checkpoints/step_3000.safetensors --modality text --sweep 1,2,4,8\n\n"
     "LIMoE E.4 (Fig. 15), both modalities pruned independently and evaluated together, nothing written:\n"
     "  vlmoe prune --model M.safetensors --keep-image 1,2,4,all --keep-text 1,2,4,all --stats RUN/metrics.jsonl\n"
     "      [--zeroshot-data DIR [--classnames FILE]]\n"
@@ -367,9 +376,9 @@ static int cmd_prune_pair(const char *model, const char *mode, const char *stats
 }
 
 int cmd_prune(int argc, char **argv) {
-    const char *model = NULL, *out = NULL, *modality = NULL, *mode = "router_pred", *stats = NULL, *images = NULL;
-    const char *texts = NULL, *keep_image = NULL, *keep_text = NULL, *zs_dir = NULL, *zs_names = NULL;
-    int keep = 0, last = 50, zs_n = -1;
+    const char *model = NULL, *out = NULL, *modality = NULL, *mode = NULL, *stats = NULL, *images = NULL;
+    const char *texts = NULL, *keep_image = NULL, *keep_text = NULL, *zs_dir = NULL, *zs_names = NULL, *sweep = NULL;
+    int keep = 0, last = 50, zs_n = -1, samples = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
         {"modality", ARG_STRING, &modality, "M", "text or image: the modality the pruned model will serve"},
@@ -379,14 +388,17 @@ int cmd_prune(int argc, char **argv) {
         {"last", ARG_INT, &last, "N", "logged steps of --stats to average (default 50)"},
         {"images", ARG_STRING, &images, "DIR|FILE", "image files (a folder, recursively) to measure the image shares on"},
         {"texts", ARG_STRING, &texts, "FILE", "texts, one per line, to measure the text shares on"},
-        {"output", ARG_STRING, &out, "FILE", "where the pruned model is written (also -o)"},
+        {"output", ARG_STRING, &out, "FILE", "where the pruned model (--sweep: the JSON lines) is written (also -o)"},
+        {"sweep", ARG_STRING, &sweep, "K1,K2,..", "zero-shot at each count of experts kept, as JSON lines (no model written)"},
+        {"samples", ARG_INT, &samples, "N", "with --sweep: held-out synthetic samples (default 512)"},
         {"keep-image", ARG_STRING, &keep_image, "N1,N2", "with --keep-text, instead of --modality/--keep/-o: evaluate "
                                                         "zero-shot with image and text experts pruned independently "
                                                         "(LIMoE E.4, Fig. 15), every pair of the counts (all: no pruning)"},
         {"keep-text", ARG_STRING, &keep_text, "N1,N2", "text experts kept a layer, with --keep-image"},
-        {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "with --keep-image/--keep-text: the image folder DIR/<class>/* to "
-                                                      "evaluate on (default: the synthetic held-out split)"},
-        {"classnames", ARG_STRING, &zs_names, "FILE", "class names of --zeroshot-data, one per line in folder order"},
+        {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "with --sweep or --keep-image/--keep-text: the image folder "
+                                                      "DIR/<class>/* to evaluate on (default: the synthetic held-out split)"},
+        {"classnames", ARG_STRING, &zs_names, "FILE", "class names of --zeroshot-data, one per line in folder order "
+                                                      "(--keep-image/--keep-text)"},
         {"eval-samples", ARG_INT, &zs_n, "N", "synthetic held-out samples for --keep-image/--keep-text (default 500)"},
     };
     char *rest[64];
@@ -397,18 +409,40 @@ int cmd_prune(int argc, char **argv) {
     }
     int rc = args_parse("prune", specs, sizeof(specs) / sizeof(specs[0]), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
-    if (keep_image || keep_text) return cmd_prune_pair(model, mode, stats, last, images, texts, keep_image, keep_text, zs_dir,
-                                                       zs_names, zs_n, out || modality || keep);
-    if (zs_dir || zs_names || zs_n >= 0)
-        return cli_error("prune", "--zeroshot-data, --classnames and --eval-samples apply to --keep-image/--keep-text");
-    if (!model || !out || !modality || keep < 1)
-        return cli_error("prune", "give --model, --modality, --keep N >= 1 and -o (see vlmoe prune --help)");
-    const cli_input in[] = {{"--model", model}, {"--stats", stats}, {"--images", images}, {"--texts", texts}};
-    if (cli_check_output("prune", "-o", out, in, 4)) return 1;
+    if (keep_image || keep_text) {
+        if (sweep || samples) return cli_error("prune", "--sweep/--samples and --keep-image/--keep-text: give one");
+        return cmd_prune_pair(model, mode ? mode : "router_pred", stats, last, images, texts, keep_image, keep_text, zs_dir,
+                              zs_names, zs_n, out || modality || keep);
+    }
+    if (zs_names || zs_n >= 0) return cli_error("prune", "--classnames and --eval-samples apply to --keep-image/--keep-text");
+    if (sweep && keep) return cli_error("prune", "--keep and --sweep: give one (--sweep evaluates several counts kept)");
+    if (!sweep && (zs_dir || samples))
+        return cli_error("prune", "--%s applies to --sweep (the zero-shot of each count kept)", zs_dir ? "zeroshot-data" : "samples");
+    if (!model || (!out && !sweep) || !modality || (keep < 1 && !sweep))
+        return cli_error("prune", "give --model, --modality, --keep N >= 1 and -o, or --sweep K1,K2,... (see vlmoe prune --help)");
+    if (zs_dir && samples) return cli_error("prune", "--samples counts synthetic samples; --zeroshot-data uses all its images");
+    if (samples < 0 || samples == 1) return cli_error("prune", "--samples: %d; give at least 2", samples);
+    char sweep_out[1200];
+    if (sweep && !out) cli_sweep_default_out(model, sweep_out, sizeof sweep_out), out = sweep_out;
+    const cli_input in[] = {{"--model", model}, {"--stats", stats}, {"--images", images}, {"--texts", texts},
+                            {"--zeroshot-data", zs_dir}};
+    if (cli_check_output("prune", "-o", out, in, 5)) return 1;
     const int mod = !strcmp(modality, "text") ? VLMOE_MOD_TEXT : !strcmp(modality, "image") ? VLMOE_MOD_IMAGE : -1;
-    const int pm = !strcmp(mode, "router_pred") ? VLMOE_PRUNE_ROUTER_PRED : !strcmp(mode, "router_drop") ? VLMOE_PRUNE_ROUTER_DROP : -1;
     if (mod < 0) return cli_error("prune", "--modality must be text or image, not '%s'", modality);
-    if (pm < 0) return cli_error("prune", "--mode must be router_pred or router_drop, not '%s'", mode);
+    // the modes: one, or for a sweep a comma-separated list (default both)
+    int modes[2], nmodes = 0;
+    if (!mode) mode = sweep ? "router_pred,router_drop" : "router_pred";
+    for (const char *q = mode; *q && nmodes < 3;) {
+        const size_t k = strcspn(q, ",");
+        const int pm = k == 11 && !strncmp(q, "router_pred", 11) ? VLMOE_PRUNE_ROUTER_PRED
+                     : k == 11 && !strncmp(q, "router_drop", 11) ? VLMOE_PRUNE_ROUTER_DROP : -1;
+        if (pm < 0 || nmodes == 2 || (nmodes && modes[0] == pm) || (!sweep && q[k]))
+            return cli_error("prune", "--mode must be router_pred or router_drop%s, not '%s'",
+                             sweep ? " (or both, comma-separated)" : "", mode);
+        modes[nmodes++] = pm;
+        q += k + (q[k] == ',');
+    }
+    const int pm = modes[0];
     if (last < 1) return cli_error("prune", "--last must be >= 1");
     if (!!stats + !!images + !!texts > 1) return cli_error("prune", "give one of --stats, --images and --texts");
     vlmoe_model *m = NULL, *p = NULL;
@@ -418,6 +452,8 @@ int cmd_prune(int argc, char **argv) {
     const vlmoe_moe_config *mc = tower(c, mod, &enc);
     for (int l = 0; l < 64; l++) nl += mc->router != VLMOE_ROUTER_NONE && (mc->layers >> l & 1);
     const int E = mc->num_experts;
+    int counts[64], ncounts = 0;
+    if (nl && sweep && cli_sweep_list(sweep, E, counts, &ncounts)) return vlmoe_model_free(m), 1;
     double *u = nl ? calloc((size_t)nl * E, sizeof(double)) : NULL;
     if (!nl) rc = cli_error("prune", "%s: model '%s' has no MoE layers serving %s", model, c->name, modality);
     else if (!u) rc = cli_error("prune", "out of memory");
@@ -427,6 +463,18 @@ int cmd_prune(int argc, char **argv) {
     if (!rc && stats) rc = usage_from_metrics(stats, c, mod, last, u, nl, E);
     else if (!rc && (images || texts)) rc = usage_from_files(m, model, images, texts, mod, u, nl, E);
     else if (!rc) rc = usage_from_synthetic(m, mod, u, nl, E);
+    if (!rc && sweep && !zs_dir)
+        rc = cli_synthetic_model("prune", m, model, "--zeroshot-data DIR (images in class folders) for the sweep's zero-shot");
+    if (sweep) {
+        const prune_sweep_params sp = {.model = model, .out = out, .zeroshot = zs_dir,
+                                       .shares = stats ? stats : images ? images : texts ? texts : "synthetic held-out",
+                                       .mod = mod, .samples = samples ? samples : 512, .batch = 64, .keep = counts,
+                                       .nkeep = ncounts, .modes = modes, .nmodes = nmodes};
+        if (!rc) rc = cli_prune_sweep(m, u, E, &sp);
+        free(u);
+        vlmoe_model_free(m);
+        return rc ? 1 : 0;
+    }
     if (!rc && vlmoe_model_prune(&p, m, mod, u, keep, (vlmoe_prune_mode)pm))
         rc = cli_error("prune", "%s: %s", model, vlmoe_last_error());
     if (!rc && vlmoe_model_save(p, out)) rc = cli_error("prune", "%s", vlmoe_last_error());

@@ -297,11 +297,13 @@ int cli_report_write(const char *cmd, const cli_report_opts *o) {
         }
         if (!rc) layers = routes[0].layers, E = routes[0].num_experts;
     }
-    char *chart = NULL, *params = NULL;
+    char *chart = NULL, *params = NULL, *sweep = NULL;
     if (!rc && o->html && report_chart_js(&chart)) rc = cli_error(cmd, "%s", vlmoe_last_error());
     if (!rc && o->html) {
         snprintf(path, sizeof path, "%s/params.json", o->run_dir);
         params = read_text(path);
+        snprintf(path, sizeof path, "%s/prune_sweep.jsonl", o->run_dir);
+        sweep = read_text(path);
         const char *slash = strrchr(o->run_dir, '/');
         char title[512];
         snprintf(title, sizeof title, "%s", slash && slash[1] ? slash + 1 : o->run_dir);
@@ -309,12 +311,12 @@ int cli_report_write(const char *cmd, const cli_report_opts *o) {
                                 .checkpoint = ck[0] ? ck : NULL, .model = model, .examples = pex,
                                 .nexamples = routes ? ex.n : 0, .layers = layers, .num_experts = E,
                                 .layer_name = routes ? routes[0].layer_name : NULL,
-                                .examples_from = ex.n ? ex.from : skip, .chart_js = chart, .max_points = o->max_points};
+                                .examples_from = ex.n ? ex.from : skip, .prune_sweep = sweep, .chart_js = chart, .max_points = o->max_points};
         if (report_html_write(out, &pg)) rc = cli_error(cmd, "%s", vlmoe_last_error());
         else if (!o->quiet) printf("wrote %s (%ld records to step %ld%s%s)\n", out, m.records, m.last_step,
                                    ex.n ? ", routing maps of " : "", ex.n ? ex.from : "");
     }
-    free(chart), free(params);
+    free(chart), free(params), free(sweep);
     for (int i = 0; pex && i < ex.n; i++) {
         free(pex[i].png_b64), free(pex[i].word_expert);
         for (int w = 0; w < pex[i].nwords; w++) free(pex[i].words[w]);

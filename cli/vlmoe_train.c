@@ -121,13 +121,30 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSO
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? mome_lib_error("") : 0;
 }
 
+// --report-every and --report-to tensorboard after a logged step (rank 0), as `vlmoe train` does
+// for contrastive runs (cli/train.c): the events of the new records, and the page from the
+// metrics so far and the newest checkpoint. A report that fails is a warning: the run goes on.
+static void report_step(mome_cli *r, int last) {
+    const long step = vlmoe_trainer_get_step(r->t);
+    if (r->tb.tb && cli_tb_sync(CMD, &r->tb)) fprintf(stderr, "vlmoe train: warning: --report-to tensorboard stops\n"),
+        cli_tb_close(&r->tb);
+    if (!(r->report_every && (step >= r->next_report || last))) return;
+    r->next_report = (step / r->report_every + 1) * r->report_every;
+    const cli_report_opts o = {.run_dir = r->dir, .nexamples = 4, .max_points = 600, .html = 1, .tb = r->tb.tb,
+                               .quiet = 1};
+    if (cli_report_write(CMD, &o)) fprintf(stderr, "vlmoe train: warning: the report of step %ld failed\n", step);
+}
+
 // Step lines on stdout, each followed by the routing of the streams; checkpoints are not announced.
+// u is the run (mome_cli), not the task, so that the reports can reach its folder and trainer.
 static void on_progress(void *u, int what, const char *line) {
     if (what != VLMOE_RUN_STEP) return;
-    const vlmoe_mome_report *rep = vlmoe_mome_get_report(u);
+    mome_cli *r = u;
+    const vlmoe_mome_report *rep = vlmoe_mome_get_report(r->task);
     printf("%s\n", line);
     if (rep->routing[0]) printf("  routing  %s\n", rep->routing);
     fflush(stdout);
+    if (r->lead) report_step(r, 0);
 }
 
 static const char *USAGE =
@@ -248,6 +265,10 @@ int cmd_train_mome(int argc, char **argv) {
         {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
                                                                      "params.json (each logged; else an error)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"report-every", ARG_LONG, &a.report_every, "N", "write LOGS/NAME/report.html (vlmoe report) at the first log "
+                                                         "step of every N steps and at the end (default 0: never)"},
+        {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files of the metrics to "
+                                                               "LOGS/NAME/tensorboard/"},
         {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "not for VL-MoE models (an error naming why)"},
         {"lock-image", ARG_FLAG, &a.lock[0], NULL, "two_tower models only: VL-MoE has no separate towers (an error)"},
         {"lock-image-unlocked-groups", ARG_INT, &a.lock[1], "N", "with --lock-image (an error here)"},
@@ -302,6 +323,9 @@ int cmd_train_mome(int argc, char **argv) {
         return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
     if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
         return cli_error(CMD, "--color-jitter %g: expected a strength in [0, 100] (timm's 0.4)", a.color_jitter);
+    if (a.report_every < 0) return cli_error(CMD, "--report-every: %ld is negative (0: no report)", a.report_every);
+    if (a.report_to && strcmp(a.report_to, "tensorboard"))
+        return cli_error(CMD, "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     int w[3];
     if (parse_mix(a.mix, w)) return 1;
     if (a.data.path) {
@@ -403,7 +427,9 @@ int cmd_train_mome(int argc, char **argv) {
     }
     const vlmoe_run_task task = vlmoe_mome_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, 0, 0, (long)a.batch * W, dist,
-                                 on_progress, r.task, 0};
+                                 on_progress, &r, 0};
+    r.report_every = a.report_every, r.next_report = a.report_every;
+    if (r.lead && a.report_to && cli_tb_open(CMD, r.dir, &r.tb)) return mome_run_free(&r, 1), 1;
     const int st = vlmoe_run_train(r.t, &task, &rp);
     if (st == VLMOE_ERR_NUMERIC)
         rc = cli_error(CMD, "diverged: %s. Nothing was written for this step; continue from the last checkpoint with "
@@ -413,6 +439,11 @@ int cmd_train_mome(int argc, char **argv) {
     char wp[1024], spath[1024];
     vlmoe_ckpt_paths(r.ckdir, a.steps, wp, spath, sizeof(wp));
     if (!rc && r.lead) printf("trained to step %ld; weights and the MIM codebook in %s\n", a.steps, wp);
+    if (!rc && r.lead && (r.report_every || r.tb.tb)) { // the last checkpoint is written by now
+        report_step(&r, 1);
+        if (r.report_every) printf("report: %s/report.html\n", r.dir);
+        if (r.tb.tb) printf("tensorboard: %s\n", report_tb_path(r.tb.tb));
+    }
     if (rep->bad_images) { // every process reports the images it skipped
         fprintf(stderr, "vlmoe train: warning: --image-data %s: skipped %ld unreadable images (the next file took each "
                 "one's place); first:", a.image_data, rep->bad_images);

@@ -5,6 +5,7 @@
 #define VLMOE_CLI_VLMOE_TRAIN_RUN_H
 
 #include "common.h"
+#include "report.h"
 #include "train/tasks.h"
 #include "train_flags.h"
 #include "vlmoe.h"
@@ -18,6 +19,8 @@ typedef struct {
     double max_bad;
     double drop_path;            // --drop-path: stochastic depth of the last block
     double hflip, color_jitter;  // --hflip, --color-jitter of image files (NAN: not given)
+    long report_every;           // --report-every: LOGS/NAME/report.html every N steps (0: none)
+    const char *report_to;       // --report-to tensorboard
     int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
     cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags
@@ -41,6 +44,8 @@ typedef struct {
     vlmoe_dist *dist;                    // the processes of the run (mpirun); rank 0 prints and writes
     int lead;
     char dir[512], ckdir[600];
+    long report_every, next_report;      // --report-every, and the step of the next report
+    cli_tb tb;                           // --report-to tensorboard (tb.tb NULL: off)
 } mome_cli;
 
 // Releases the run; the process group too, except after a failure on several processes (the

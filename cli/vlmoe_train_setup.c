@@ -23,6 +23,7 @@ static const char *CMD = "train";
 // in a collective this one will never join).
 void mome_run_free(mome_cli *r, int rc) {
     if (r->dist && (!rc || r->dist->world == 1)) vlmoe_dist_close(r->dist);
+    cli_tb_close(&r->tb);
     vlmoe_mome_free(r->task);
     cli_text_free(&r->text);
     vlmoe_trainer_free(r->t);

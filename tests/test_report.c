@@ -121,6 +121,93 @@ static int page_faults(const char *dom, const char *log, int *plots, int *maps, 
     return faults;
 }
 
+// vlmoe prune --sweep on the run's last checkpoint: the JSON lines in the run folder (appended to
+// by a second sweep, never rewritten), and the errors that name --sweep, --keep and -o.
+static const char *SWEEP_CHART = "Zero-shot top-1 against experts kept (pruned for text, synthetic held-out)";
+static double sweep_top1[3][2]; // [unpruned, router_pred, router_drop][kept 1, 2] of the last sweep
+
+static int count_lines(const char *path) {
+    char *t = slurp(path);
+    int n = 0;
+    for (const char *q = t; q && *q; q++) n += *q == '\n';
+    free(t);
+    return n;
+}
+
+static void prune_sweep(void) {
+    const char *ck = "--model runs/r/checkpoints/step_20.safetensors --modality text";
+    char a[512];
+    snprintf(a, sizeof a, "prune %s --sweep 1,2 --samples 64", ck);
+    test_expect_in(dir, bin, a, 0, "pruning sweep appended to runs/r/prune_sweep.jsonl", out, sizeof out);
+    CHECK(strstr(out, "router_pred   1 of 8 experts kept: zero-shot top-1") && strstr(out, "router_drop   2 of 8"),
+          "the sweep's points: %s", out);
+    test_expect_in(dir, bin, a, 0, "pruning sweep appended", out, sizeof out); // again: 5 more lines, the same points
+    const int lines = count_lines(test_path(dir, "runs/r/prune_sweep.jsonl"));
+    CHECK(lines == 10, "prune_sweep.jsonl has %d lines after two sweeps of 5 points, want 10", lines);
+    char *t = slurp(test_path(dir, "runs/r/prune_sweep.jsonl"));
+    int seen = 0;
+    for (char *l = t; l && *l;) {
+        char *e = strchr(l, '\n');
+        if (e) *e = 0;
+        cJSON *o = cJSON_Parse(l);
+        const char *mode = cJSON_GetStringValue(cJSON_GetObjectItem(o, "mode"));
+        const int kept = (int)cJSON_GetNumberValue(cJSON_GetObjectItem(o, "kept"));
+        const double top1 = cJSON_GetNumberValue(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "zeroshot"), "top1"));
+        const int m = mode && !strcmp(mode, "router_pred") ? 1 : mode && !strcmp(mode, "router_drop") ? 2 : 0;
+        CHECK(mode && (m || !strcmp(mode, "unpruned")) && (m ? kept == 1 || kept == 2 : kept == 8) && top1 >= 0 && top1 <= 1,
+              "a sweep line: %s", l);
+        if (mode && (m ? kept == 1 || kept == 2 : kept == 8)) sweep_top1[m][m ? kept - 1 : 0] = top1, seen++;
+        cJSON_Delete(o);
+        l = e ? e + 1 : l + strlen(l);
+    }
+    free(t);
+    CHECK(seen == 10, "%d well-formed sweep lines", seen);
+    // errors name the flag; a file of the user's is neither appended to nor changed
+    snprintf(a, sizeof a, "prune %s --sweep 1,9", ck);
+    test_expect_in(dir, bin, a, 1, "--sweep '1,9': expected up to 64 comma-separated counts", out, sizeof out);
+    snprintf(a, sizeof a, "prune %s --sweep 2,2", ck);
+    test_expect_in(dir, bin, a, 1, "--sweep '2,2': 2 is given twice", out, sizeof out);
+    snprintf(a, sizeof a, "prune %s --sweep 1 --keep 2", ck);
+    test_expect_in(dir, bin, a, 1, "--keep and --sweep: give one", out, sizeof out);
+    snprintf(a, sizeof a, "prune %s --keep 2 --samples 64 -o x.safetensors", ck);
+    test_expect_in(dir, bin, a, 1, "--samples applies to --sweep", out, sizeof out);
+    snprintf(a, sizeof a, "prune %s --sweep 1 --mode router_pred,bogus", ck);
+    test_expect_in(dir, bin, a, 1, "--mode must be router_pred or router_drop (or both", out, sizeof out);
+    test_write_file(test_path(dir, "notes.jsonl"), "{\"mine\":1}\n", 11);
+    snprintf(a, sizeof a, "prune %s --sweep 1 -o notes.jsonl", ck);
+    test_expect_in(dir, bin, a, 1, "-o notes.jsonl: the file exists and is not a pruning sweep", out, sizeof out);
+    char *mine = slurp(test_path(dir, "notes.jsonl"));
+    CHECK(mine && !strcmp(mine, "{\"mine\":1}\n"), "notes.jsonl was changed");
+    free(mine);
+    snprintf(a, sizeof a, "prune %s --sweep 1 -o runs/r/checkpoints/step_20.safetensors", ck);
+    test_expect_in(dir, bin, a, 1, "is the same file as --model", out, sizeof out);
+}
+
+// The page's pruning chart: one series per mode with the sweep's values at the counts kept.
+static void check_sweep_chart(const char *page) {
+    char *html = slurp(test_path(dir, page));
+    cJSON *d = page_data(html);
+    const cJSON *c = chart_named(d, SWEEP_CHART), *s;
+    int series = 0;
+    CHECK(c && !strcmp(cJSON_GetStringValue(cJSON_GetObjectItem(c, "section")), "pruning") &&
+          !strcmp(cJSON_GetStringValue(cJSON_GetObjectItem(c, "xlabel")), "experts kept per MoE layer"),
+          "%s: the chart \"%s\" in the pruning section", page, SWEEP_CHART);
+    const cJSON *all = c ? cJSON_GetObjectItem(c, "series") : NULL;
+    cJSON_ArrayForEach(s, all) {
+        const char *l = cJSON_GetStringValue(cJSON_GetObjectItem(s, "label"));
+        const cJSON *x = cJSON_GetObjectItem(s, "x"), *y = cJSON_GetObjectItem(s, "y");
+        const int m = !strcmp(l, "router_pred") ? 1 : !strcmp(l, "router_drop") ? 2 : 0, n = m ? 2 : 1;
+        int ok = cJSON_GetArraySize(x) == n && cJSON_GetArraySize(y) == n;
+        for (int i = 0; ok && i < n; i++)
+            ok = cJSON_GetArrayItem(x, i)->valuedouble == (m ? i + 1 : 8) &&
+                 cJSON_GetArrayItem(y, i)->valuedouble == sweep_top1[m][i];
+        CHECK(ok, "%s: the series %s does not hold the sweep's points", page, l);
+        series++;
+    }
+    CHECK(series == 3, "%s: %d series in the pruning chart, want router_drop, router_pred, unpruned", page, series);
+    cJSON_Delete(d), free(html);
+}
+
 int main(int argc, char **argv) {
     static char abs_bin[4096];
     if (!(bin = test_vlmoe_bin(argv[0], abs_bin))) return test_summary("test_report");
@@ -133,8 +220,10 @@ int main(int argc, char **argv) {
     CHECK(html && !strncmp(html, "<!doctype html>", 15), "the run's report.html");
     CHECK(html && !strstr(html, "src=\"http") && !strstr(html, "href=\"http"), "the page loads nothing from the network");
     free(html);
+    prune_sweep();
     test_expect_in(dir, bin, "report runs/r -o page.html", 0, "wrote page.html (12 records to step 20, routing maps", out,
                    sizeof out);
+    check_sweep_chart("page.html");
     // examples of the user's: an OpenCLIP CSV (images and captions) and a folder (images alone)
     test_expect_in(dir, bin, "synth export --out ex --n 3 --image-size 32 --split val", 0, "", out, sizeof out);
     test_expect_in(dir, bin, "report runs/r --examples ex/captions.csv -o csv.html", 0,
@@ -144,6 +233,14 @@ int main(int argc, char **argv) {
     for (const char *q = html; q && (q = strstr(q, "src=\"data:image/png;base64,")); q++) nmaps++;
     for (const char *q = html; q && (q = strstr(q, "<span class=\"w\"")); q++) nwords++;
     CHECK(nmaps == 3 && nwords >= 3 * 4, "CSV examples: %d maps, %d coloured words", nmaps, nwords);
+    free(html);
+    // a sweep on the user's image folder: its zero-shot records name the folder
+    test_expect_in(dir, bin, "prune --model runs/r/checkpoints/step_20.safetensors --modality text --sweep 2 --mode "
+                   "router_drop --zeroshot-data ex/classes -o ex_sweep.jsonl", 0, "pruning sweep appended to ex_sweep.jsonl\n",
+                   out, sizeof out);
+    html = slurp(test_path(dir, "ex_sweep.jsonl"));
+    CHECK(html && count_lines(test_path(dir, "ex_sweep.jsonl")) == 2 && strstr(html, "\"mode\":\"router_drop\",\"kept\":2") &&
+          strstr(html, "\"images\":3") && strstr(html, "\"data\":\"ex/classes\""), "the --zeroshot-data sweep: %s", html);
     free(html);
     test_expect_in(dir, bin, "report runs/r --examples ex/classes -o dir.html --num-examples 2", 0,
                    "routing maps of 2 image files of ex/classes", out, sizeof out);
@@ -160,7 +257,7 @@ int main(int argc, char **argv) {
     test_expect_in(dir, bin, "report runs/r --max-points 1", 1, "--max-points: 1 not in", out, sizeof out);
     test_expect_in(dir, bin, "report runs/r --num-examples 0", 1, "--num-examples: 0 not in", out, sizeof out);
     test_expect_in(dir, bin, "report runs/r --examples nosuchdir", 1, "nosuchdir", out, sizeof out);
-    test_expect_in(dir, bin, "train --steps 1 --report-every -1 --logs runs", 1, "--report-every: -1 is negative", out,
+    test_expect_in(dir, bin, "train --steps 1 --report-every -1 --logs runs", 2, "--report-every must be >= 0", out,
                    sizeof out);
     mkdir(test_path(dir, "runs/empty"), 0755);
     test_write_file(test_path(dir, "runs/empty/metrics.jsonl"), "", 0);
@@ -234,6 +331,9 @@ int main(int argc, char **argv) {
               strstr(dom, "share of text tokens per expert") && strstr(dom, "Evaluation: eval_zeroshot") &&
               strstr(dom, "<table id=\"card\">") && strstr(dom, "<table id=\"params\">") && strstr(dom, "class=\"w\""),
               "a plot or table is missing from the page");
+        char want[300];
+        snprintf(want, sizeof want, "data-title=\"%s\" data-points=\"5\"", SWEEP_CHART);
+        CHECK(dom && strstr(dom, want), "the pruning plot with its 5 points is not on the rendered page");
         char *png = slurp(shot);
         CHECK(png && !memcmp(png, "\x89PNG", 4), "the screenshot %s", shot);
         free(png), free(dom), free(log);

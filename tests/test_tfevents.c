@@ -15,6 +15,7 @@ typedef struct {
     char tag[160];
     long step;
     float v;
+    double wall;
     int image, found;
 } ev;
 static ev *evs;
@@ -73,6 +74,7 @@ static void on_value(void *u, int f, int wire, uint64_t v, const uint8_t *b, siz
 }
 typedef struct {
     long step;
+    double wall;
 } event;
 static void on_summary(void *u, int f, int wire, uint64_t v, const uint8_t *b, size_t n) {
     event *e = u;
@@ -84,12 +86,13 @@ static void on_summary(void *u, int f, int wire, uint64_t v, const uint8_t *b, s
     ev *o = &evs[nev++];
     memset(o, 0, sizeof(*o));
     snprintf(o->tag, sizeof o->tag, "%s", x.tag);
-    o->step = e->step, o->v = x.v, o->image = x.image;
+    o->step = e->step, o->v = x.v, o->image = x.image, o->wall = e->wall;
     if (x.image) CHECK(x.png && x.w > 0 && x.h > 0, "image %s: %dx%d, PNG %d", x.tag, x.w, x.h, x.png);
     else CHECK(x.has_v, "value %s has no simple_value", x.tag);
 }
 static void on_event(void *u, int f, int wire, uint64_t v, const uint8_t *b, size_t n) {
     event *e = u;
+    if (f == 1 && wire == 1) memcpy(&e->wall, b, 8);
     if (f == 2 && wire == 0) e->step = (long)v;
     if (f == 3 && wire == 2) versions += n == 13 && !memcmp(b, "brain.Event:2", 13);
     if (f == 5 && wire == 2) bad_pb += !pb_walk(b, n, on_summary, e);
@@ -169,9 +172,11 @@ static void expect_file(const char *path) {
         expect_obj(step, prefix, r);
         const cJSON *L;
         cJSON_ArrayForEach(L, cJSON_GetObjectItem(r, "moe")) {
-            char layer[64];
-            snprintf(layer, sizeof layer, "e%d.b%d", cJSON_GetObjectItem(L, "encoder")->valueint,
-                     cJSON_GetObjectItem(L, "block")->valueint);
+            char layer[64]; // VL-MoE layers log once per stream: "e0.b1.pair"
+            const cJSON *stream = cJSON_GetObjectItem(L, "stream");
+            snprintf(layer, sizeof layer, "e%d.b%d%s%s", cJSON_GetObjectItem(L, "encoder")->valueint,
+                     cJSON_GetObjectItem(L, "block")->valueint, cJSON_IsString(stream) ? "." : "",
+                     cJSON_IsString(stream) ? stream->valuestring : "");
             const cJSON *x, *y;
             cJSON_ArrayForEach(x, L) {
                 if (!cJSON_IsObject(x)) continue;
@@ -298,6 +303,45 @@ int main(int argc, char **argv) {
         snprintf(want, sizeof want, "scalars %d images 8 loss [3, 6, 9, 12]", expected);
         CHECK(strstr(res, want) != NULL, "EventAccumulator read \"%s\", want \"%s\"", res, want);
     }
+    // VL-MoE pre-training (cli/vlmoe_train.c): the events of every logged step with the stream
+    // of each layer's record, and the page; its routing maps are not drawn (no images)
+    const char *mj = "{\"base\": \"vlmoe-tiny\", \"mim_vocab\": 64}";
+    test_write_file(test_path(dir, "m.json"), mj, strlen(mj));
+    test_expect_in(dir, bin, "vq train --model m.json --size 64 -o cb.safetensors", 0, "64 visual tokens", out, sizeof out);
+    test_expect_in(dir, bin, "train --model m.json --codebook cb.safetensors --steps 6 --batch-size 12 --log-every-n-steps 2 "
+                   "--save-every-n-steps 3 --report-every 3 --report-to tensorboard --logs runs --name vl --threads 2", 0,
+                   "tensorboard: runs/vl/tensorboard/events.out.tfevents.", out, sizeof out);
+    CHECK(strstr(out, "report: runs/vl/report.html") != NULL, "the VL-MoE run's report: %s", out);
+    snprintf(tbdir, sizeof tbdir, "%s/runs/vl/tensorboard", dir);
+    CHECK(find_events(tbdir, NULL, live, sizeof live) == 1, "one events file in %s", tbdir);
+    check_run("VL-MoE train --report-to tensorboard", live, test_path(dir, "runs/vl/metrics.jsonl"), 0);
+    int steps[3] = {0}, streams = 0;
+    double wall[3] = {0};
+    for (int i = 0; i < nev; i++) {
+        if (!strcmp(evs[i].tag, "train/mim") && evs[i].step >= 2 && evs[i].step <= 6 && evs[i].step % 2 == 0)
+            steps[evs[i].step / 2 - 1]++, wall[evs[i].step / 2 - 1] = evs[i].wall;
+        streams += !strcmp(evs[i].tag, "moe/success/e0.b1.pair/image");
+    }
+    CHECK(steps[0] == 1 && steps[1] == 1 && steps[2] == 1 && streams == 3, "VL-MoE events: train/mim at steps 2/4/6 "
+          "%d/%d/%d times, the pair stream's image success %d times", steps[0], steps[1], steps[2], streams);
+    // written during the run: each logged step's events at its own time (a conversion at the end
+    // would give them all one wall time)
+    CHECK(wall[0] > 1e9 && wall[0] < wall[1] && wall[1] < wall[2], "VL-MoE events' wall times %.9f %.9f %.9f: not "
+          "written step by step", wall[0], wall[1], wall[2]);
+    test_expect_in(dir, bin, "train --model m.json --codebook cb.safetensors --steps 1 --report-to wandb --logs runs", 1,
+                   "--report-to: 'wandb' is not supported", out, sizeof out);
+    test_expect_in(dir, bin, "train --model m.json --codebook cb.safetensors --steps 1 --report-every -2 --logs runs", 2,
+                   "--report-every must be >= 0", out, sizeof out);
+    char *page = NULL;
+    FILE *pf = fopen(test_path(dir, "runs/vl/report.html"), "r");
+    if (pf) {
+        page = calloc(1, 1 << 22);
+        if (page) page[fread(page, 1, (1 << 22) - 1, pf)] = 0;
+        fclose(pf);
+    }
+    CHECK(page && strstr(page, ": 3 records up to step 6") && strstr(page, "\"mim\"") && strstr(page, "e0.b1.pair image"),
+          "the VL-MoE run's report.html: the records, the MIM loss and the pair stream's routing");
+    free(page);
     reset();
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");

@@ -137,6 +137,70 @@ static cJSON *find_chart(cJSON *charts, const char *title) {
     return NULL;
 }
 
+// ---- pruning sweeps (vlmoe prune --sweep): one chart per modality pruned and data evaluated on,
+// zero-shot top-1 against experts kept, a series per mode; a point measured again (a sweep run
+// twice) shows its last value. Returns the points found.
+typedef struct {
+    char chart[400], mode[32];
+    double kept, top1;
+} sweep_point;
+
+static int cmp_point(const void *a, const void *b) {
+    const sweep_point *x = a, *y = b;
+    const int c = strcmp(x->chart, y->chart) ? strcmp(x->chart, y->chart) : strcmp(x->mode, y->mode);
+    return c ? c : (x->kept > y->kept) - (x->kept < y->kept);
+}
+
+static int sweep_charts(cJSON *charts, const char *text) {
+    int n = 0, cap = 0;
+    sweep_point *pt = NULL;
+    for (const char *l = text; l && *l;) {
+        const char *e = strchr(l, '\n');
+        const size_t k = e ? (size_t)(e - l) : strlen(l);
+        cJSON *o = cJSON_ParseWithLength(l, k);
+        l = e ? e + 1 : l + k;
+        const cJSON *mod = cJSON_GetObjectItem(o, "modality"), *mode = cJSON_GetObjectItem(o, "mode");
+        const cJSON *kept = cJSON_GetObjectItem(o, "kept"), *zs = cJSON_GetObjectItem(o, "zeroshot");
+        const cJSON *top1 = cJSON_GetObjectItem(zs, "top1"), *data = cJSON_GetObjectItem(zs, "data");
+        if (cJSON_IsString(mod) && cJSON_IsString(mode) && cJSON_IsNumber(kept) && cJSON_IsNumber(top1)) {
+            if (n == cap) {
+                sweep_point *q = realloc(pt, sizeof(*pt) * (size_t)(cap = cap ? 2 * cap : 16));
+                if (!q) break;
+                pt = q;
+            }
+            sweep_point *p = &pt[n];
+            snprintf(p->chart, sizeof p->chart, "Zero-shot top-1 against experts kept (pruned for %s, %s)",
+                     mod->valuestring, cJSON_IsString(data) ? data->valuestring : "synthetic held-out");
+            snprintf(p->mode, sizeof p->mode, "%s", mode->valuestring);
+            p->kept = kept->valuedouble, p->top1 = top1->valuedouble;
+            int same = -1; // the same point again: its newer value
+            for (int i = 0; i < n && same < 0; i++)
+                if (!cmp_point(&pt[i], p)) same = i;
+            if (same >= 0) pt[same].top1 = p->top1;
+            else n++;
+        }
+        cJSON_Delete(o);
+    }
+    qsort(pt, (size_t)n, sizeof(*pt), cmp_point);
+    for (int i = 0; i < n;) {
+        cJSON *c = find_chart(charts, pt[i].chart);
+        if (!c) {
+            c = chart(charts, "pruning", pt[i].chart, "zero-shot top-1 accuracy (share of images)");
+            cJSON_AddStringToObject(c, "xlabel", "experts kept per MoE layer");
+        }
+        cJSON *o = cJSON_CreateObject(), *x = cJSON_AddArrayToObject(o, "x"), *y = cJSON_AddArrayToObject(o, "y");
+        int j = i;
+        for (; j < n && !strcmp(pt[j].chart, pt[i].chart) && !strcmp(pt[j].mode, pt[i].mode); j++)
+            cJSON_AddItemToArray(x, cJSON_CreateNumber(pt[j].kept)), cJSON_AddItemToArray(y, cJSON_CreateNumber(pt[j].top1));
+        cJSON_AddStringToObject(o, "label", pt[i].mode);
+        cJSON_AddNumberToObject(o, "records", j - i);
+        cJSON_AddItemToArray(cJSON_GetObjectItem(c, "series"), o);
+        i = j;
+    }
+    free(pt);
+    return n;
+}
+
 // Units and titles of the known training keys; any other key gets a chart titled by its name.
 static const char *train_group(const char *k, const char **unit) {
     *unit = "";
@@ -285,6 +349,7 @@ static cJSON *page_data(const report_page *p) {
         cJSON_AddNumberToObject(sh, "ymax", 1);
         cJSON_AddItemToArray(bars, sh);
     }
+    if (p->prune_sweep) sweep_charts(charts, p->prune_sweep);
     return d;
 }
 
@@ -371,7 +436,7 @@ static const char SCRIPT[] =
     "spanGaps:true};});\n"
     "new Chart(cv,{type:'line',data:{datasets:ds},options:{maintainAspectRatio:false,parsing:false,normalized:true,"
     "plugins:{title:{display:true,text:c.title},legend:{labels:{boxWidth:10}}},"
-    "scales:{x:{type:'linear',title:axis('step (optimizer steps)')},y:{title:axis(c.ylabel)}}}});\n"
+    "scales:{x:{type:'linear',title:axis(c.xlabel||'step (optimizer steps)')},y:{title:axis(c.ylabel)}}}});\n"
     "d.setAttribute('data-points',n);});\n"
     "D.bars.forEach(function(b){var d=box('experts','plot',b.title),cv=document.createElement('canvas');d.appendChild(cv);"
     "var lab=[],n=0;for(var e=0;e<b.experts;e++)lab.push('expert '+e);"
@@ -501,10 +566,14 @@ static void write_pruning(FILE *f, const report_page *p) {
         }
     }
     if (any) fputs("</table>\n", f);
-    else fputs("<p class=\"note empty\">The checkpoint is not router_pred-pruned (a router_drop model has fewer experts in its "
-               "config; see the model card). Zero-shot against experts kept needs a pruning sweep, which vlmoe does not "
-               "record yet.</p>\n", f);
-    fputs("</section>\n", f);
+    else fputs("<p class=\"note\">The checkpoint is not router_pred-pruned (a router_drop model has fewer experts in its "
+               "config; see the model card).</p>\n", f);
+    if (p->prune_sweep) fputs("<p class=\"note\">Zero-shot against experts kept per MoE layer, from prune_sweep.jsonl "
+                              "(vlmoe prune --sweep): router_pred masks the pruned experts out of the top-K, router_drop "
+                              "removes them; the unpruned model is the point at all experts.</p>\n", f);
+    else fputs("<p class=\"note empty\">No pruning sweep in the run folder: vlmoe prune --model RUN/checkpoints/step_N."
+               "safetensors --modality text --sweep 1,2,4 writes RUN/prune_sweep.jsonl, plotted here.</p>\n", f);
+    fputs("<div class=\"grid\"></div></section>\n", f);
 }
 
 int report_html_write(const char *path, const report_page *p) {

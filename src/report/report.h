@@ -99,6 +99,7 @@ typedef struct {
     int nexamples, layers, num_experts;
     char (*layer_name)[32];
     const char *examples_from;  // where the examples came from, for the page
+    const char *prune_sweep;    // RUN/prune_sweep.jsonl's text (vlmoe prune --sweep; NULL: none)
     const char *chart_js;       // Chart.js's text, inlined
     int max_points;             // display downsampling (per series)
 } report_page;
