@@ -183,9 +183,20 @@ $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ libvlmoe.a $(LIBS)
 
-# bench_step and bench_sgemm are the C halves of bench/speed.py (vlmoe against PyTorch)
-bench: all $(BENCHES) $(TEST_DEPS_STAMP)
-	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
+# bench_step_prof: bench_step with the per-op timing hooks (src/core/prof.h) compiled into the
+# files that hold them; those objects come before libvlmoe.a, so the archive's plain ones stay out
+PROF_SRCS := src/ops/ops.c src/ops/backend_cpu.c
+PROF_OBJS := $(patsubst %.c,$(B)/prof/%.o,$(PROF_SRCS))
+$(B)/prof/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_PROFILE -c $< -o $@
+$(B)/bench/bench_step_prof: bench/bench_step.c $(PROF_OBJS) libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_PROFILE $< $(PROF_OBJS) -o $@ libvlmoe.a $(LIBS)
+
+# bench_step, bench_sgemm and bench_peak are the C halves of bench/speed.py (vlmoe against PyTorch)
+bench: all $(BENCHES) $(B)/bench/bench_step_prof $(TEST_DEPS_STAMP)
+	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_peak %/bench_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
 	@echo "== bench/speed.py" && /usr/bin/python3 bench/speed.py --bin $(B)/bench
 	@echo "== bench/limoe_failure.sh" && ./bench/limoe_failure.sh
 	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh

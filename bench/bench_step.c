@@ -3,6 +3,8 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
+// Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
+// compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include <sys/resource.h>
 
 #include "bench.h"
+#include "core/prof.h"
 
 #include "vlmoe.h"
 
@@ -74,14 +77,28 @@ int main(int argc, char **argv) {
     vlmoe_batch batch = {B, img, tok, len};
     double *dt = malloc(sizeof(double) * (steps > 0 ? steps : 1));
     vlmoe_step_stats st;
+    double total = 0;
     for (int i = 0; i < warmup + steps; i++) {
+        if (i == warmup) prof_reset();
         double t0 = bench_now();
         if (vlmoe_trainer_step(tr, &batch, &st)) {
             fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
             return 1;
         }
-        if (i >= warmup) dt[i - warmup] = bench_now() - t0;
+        if (i >= warmup) total += dt[i - warmup] = bench_now() - t0;
     }
+#ifdef VLMOE_PROFILE
+    double prof[PROF_COUNT], sum = 0;
+    prof_read(prof);
+    fprintf(stderr, "per-op profile of one %s step at %d threads (mean of %d steps, %.3f s):\n", cfg.name,
+            omp_get_max_threads(), steps, total / steps);
+    for (int c = 0; c < PROF_COUNT; c++) {
+        sum += prof[c];
+        fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", prof_name(c), 1e3 * prof[c] / steps, 100 * prof[c] / total);
+    }
+    fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (total - sum) / steps,
+            100 * (total - sum) / total);
+#endif
     qsort(dt, steps, sizeof(double), bench_cmp);
     // inference throughput: one modality per call, as an embedding job runs
     double ti = 1e30, tt = 1e30;

@@ -9,6 +9,7 @@
 
 #include <dnnl.h>
 
+#include "core/prof.h"
 #include "core/real.h"
 #include "ops/ops.h"
 
@@ -55,15 +56,18 @@ static void gemm(int ta, int tb, int M, int N, int K, const real *A, int lda, co
     int nb = (dim + 511) / 512;
     nb = nb > 64 ? 64 : nb;
     const int bs = (dim + nb - 1) / nb;
+    PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < nb; b++) {
-        const int o = b * bs, n = dim - o < bs ? dim - o : bs;
-        if (n <= 0) continue;
-        if (split_rows)
-            gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
-                  C + (size_t)o * ldc, ldc);
-        else
-            gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o, ldc);
+        for (int b = 0; b < nb; b++) {
+            const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+            if (n <= 0) continue;
+            if (split_rows)
+                gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
+                      C + (size_t)o * ldc, ldc);
+            else
+                gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o,
+                      ldc);
+        }
     }
 }
 
