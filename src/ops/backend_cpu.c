@@ -11,6 +11,7 @@
 #include "core/prof.h"
 #include "loss/masked.h"
 #include "ops/backend.h"
+#include "ops/gemm_bf16.h"
 
 typedef struct R(vlmoe_backend) backend;
 
@@ -290,27 +291,33 @@ static void cpu_soft_moe_backward(const backend *be, real *dx, const R(soft_grad
     PROF_SCOPE(PROF_DISPATCH) R(soft_moe_backward)(dx, g, dout, acts, x, p, d, scratch);
 }
 
+// The products of a table: fp32 ones (R(linear_*)) or, for the cpu-bf16 table, bf16 ones.
+typedef struct {
+    void (*fwd)(real *out, const real *inp, const real *w, const real *b, int N, int K, int O, int beta);
+    void (*bwd)(real *dinp, real *dw, real *db, const real *dout, const real *inp, const real *w, int N,
+                int K, int O);
+} products;
+static const products full = {R(linear_forward), R(linear_backward)};
+
 // One expert's rows at a time, in expert order: the same kernel calls a dense MLP makes.
-static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
-                                const real *const w[4], const be_experts *ex, int beta) {
+static void experts_forward(const products *pr, real *y, real *h, real *a, const real *x,
+                            const real *const w[4], const be_experts *ex, int beta) {
     PROF_SCOPE(PROF_OTHER) {
         const int D = ex->D, M = ex->M;
         for (int e = 0; e < ex->E; e++) {
             const size_t o = (size_t)ex->off[e];
             const int k = ex->off[e + 1] - ex->off[e];
             if (k <= 0) continue;
-            R(linear_forward)(h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D,
-                              M, 0);
+            pr->fwd(h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
             PROF_SCOPE(PROF_GELU) R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
-            R(linear_forward)(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M,
-                              D, beta);
+            pr->fwd(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
         }
     }
 }
 
-static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
-                                 const real *x, const real *h, const real *const w[4], real *da,
-                                 real *dh, const be_experts *ex) {
+static void experts_backward(const products *pr, real *dx, real *const dw[4], const real *dy,
+                             const real *x, const real *h, const real *const w[4], real *da,
+                             real *dh, const be_experts *ex) {
     PROF_SCOPE(PROF_OTHER) {
         const int D = ex->D, M = ex->M;
         for (int e = 0; e < ex->E; e++) {
@@ -321,15 +328,50 @@ static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4],
             // the activation again, in dh's space
             PROF_SCOPE(PROF_GELU) R(act_forward)(dhe, he, (size_t)k * M, ex->act);
             PROF_SCOPE(PROF_MEMORY) memset(dae, 0, sizeof(real) * (size_t)k * M);
-            R(linear_backward)(dae, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dhe,
-                               w[2] + (size_t)e * D * M, k, M, D);
+            pr->bwd(dae, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dhe,
+                    w[2] + (size_t)e * D * M, k, M, D);
             PROF_SCOPE(PROF_MEMORY) memset(dhe, 0, sizeof(real) * (size_t)k * M);
             PROF_SCOPE(PROF_GELU) R(act_backward)(dhe, he, dae, (size_t)k * M, ex->act);
-            R(linear_backward)(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
-                               w[0] + (size_t)e * M * D, k, D, M);
+            pr->bwd(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
+                    w[0] + (size_t)e * M * D, k, D, M);
         }
     }
 }
+
+static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
+                                const real *const w[4], const be_experts *ex, int beta) {
+    experts_forward(&full, y, h, a, x, w, ex, beta);
+}
+static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                 const real *x, const real *h, const real *const w[4], real *da,
+                                 real *dh, const be_experts *ex) {
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex);
+}
+
+#ifndef VLMOE_REAL_F64
+// ---- the cpu-bf16 table (`--precision bf16`): every product of a linear layer or an expert in
+// bf16 with fp32 accumulation (src/ops/gemm_bf16.c); the rest is the fp32 table's, and so is
+// the router (the table's fp32 field), as in PyTorch's CPU autocast and the CUDA backend's
+// fp32-everywhere default.
+static const products half = {linear_forward_bf16, linear_backward_bf16};
+static void bf16_linear_forward(const backend *be, real *out, const real *inp, const real *w,
+                                const real *b, int N, int K, int O, int beta) {
+    PROF_SCOPE(PROF_OTHER) linear_forward_bf16(out, inp, w, b, N, K, O, beta);
+}
+static void bf16_linear_backward(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                 const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) linear_backward_bf16(dinp, dw, db, dout, inp, w, N, K, O);
+}
+static void bf16_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
+                                 const real *const w[4], const be_experts *ex, int beta) {
+    experts_forward(&half, y, h, a, x, w, ex, beta);
+}
+static void bf16_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                  const real *x, const real *h, const real *const w[4], real *da,
+                                  real *dh, const be_experts *ex) {
+    experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex);
+}
+#endif
 
 // ---- trainer ops over flat buffers
 static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfinite) {
@@ -387,65 +429,83 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
     }
 }
 
+// Every entry but the name, the products and the fp32 twin: the same in both tables.
+#define CPU_COMMON_ENTRIES \
+    .host_memory = 1, \
+    .supports = cpu_supports, \
+    .alloc = cpu_alloc, \
+    .free = cpu_free, \
+    .upload = cpu_memcpy, \
+    .download = cpu_memcpy, \
+    .upload_bytes = cpu_upload_bytes, \
+    .zero = cpu_zero, \
+    .copy = cpu_memcpy, \
+    .add = cpu_add, \
+    .sync = cpu_sync, \
+    .layernorm_forward = cpu_layernorm_forward, \
+    .layernorm_recompute = cpu_layernorm_recompute, \
+    .layernorm_backward = cpu_layernorm_backward, \
+    .act_forward = cpu_act_forward, \
+    .act_backward = cpu_act_backward, \
+    .softmax_forward = cpu_softmax_forward, \
+    .softmax_backward = cpu_softmax_backward, \
+    .attention_forward = cpu_attention_forward, \
+    .attention_backward = cpu_attention_backward, \
+    .patchify_forward = cpu_patchify_forward, \
+    .patchify_backward = cpu_patchify_backward, \
+    .embed_forward = cpu_embed_forward, \
+    .embed_backward = cpu_embed_backward, \
+    .posadd_forward = cpu_posadd_forward, \
+    .posadd_backward = cpu_posadd_backward, \
+    .cls_forward = cpu_cls_forward, \
+    .cls_backward = cpu_cls_backward, \
+    .pool_forward = cpu_pool_forward, \
+    .pool_backward = cpu_pool_backward, \
+    .l2norm_forward = cpu_l2norm_forward, \
+    .l2norm_backward = cpu_l2norm_backward, \
+    .contrastive_forward = cpu_contrastive_forward, \
+    .contrastive_backward = cpu_contrastive_backward, \
+    .xent_forward = cpu_xent_forward, \
+    .xent_backward = cpu_xent_backward, \
+    .gather_rows = cpu_gather_rows, \
+    .combine_forward = cpu_combine_forward, \
+    .combine_backward = cpu_combine_backward, \
+    .gather_rows_backward = cpu_gather_rows_backward, \
+    .combine_weights = cpu_combine_weights, \
+    .combine_weights_backward = cpu_combine_weights_backward, \
+    .router_noise = cpu_router_noise, \
+    .aux_loss = cpu_aux_loss, \
+    .soft_moe_forward = cpu_soft_moe_forward, \
+    .soft_moe_backward = cpu_soft_moe_backward, \
+    .sumsq = cpu_sumsq, \
+    .scale = cpu_scale, \
+    .adamw = cpu_adamw, \
+    .clamp = cpu_clamp
+
 static const backend cpu_table = {
     .name = "cpu",
-    .host_memory = 1,
-    .supports = cpu_supports,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_memcpy,
-    .download = cpu_memcpy,
-    .upload_bytes = cpu_upload_bytes,
-    .zero = cpu_zero,
-    .copy = cpu_memcpy,
-    .add = cpu_add,
-    .sync = cpu_sync,
+    CPU_COMMON_ENTRIES,
     .linear_forward = cpu_linear_forward,
     .linear_backward = cpu_linear_backward,
-    .layernorm_forward = cpu_layernorm_forward,
-    .layernorm_recompute = cpu_layernorm_recompute,
-    .layernorm_backward = cpu_layernorm_backward,
-    .act_forward = cpu_act_forward,
-    .act_backward = cpu_act_backward,
-    .softmax_forward = cpu_softmax_forward,
-    .softmax_backward = cpu_softmax_backward,
-    .attention_forward = cpu_attention_forward,
-    .attention_backward = cpu_attention_backward,
-    .patchify_forward = cpu_patchify_forward,
-    .patchify_backward = cpu_patchify_backward,
-    .embed_forward = cpu_embed_forward,
-    .embed_backward = cpu_embed_backward,
-    .posadd_forward = cpu_posadd_forward,
-    .posadd_backward = cpu_posadd_backward,
-    .cls_forward = cpu_cls_forward,
-    .cls_backward = cpu_cls_backward,
-    .pool_forward = cpu_pool_forward,
-    .pool_backward = cpu_pool_backward,
-    .l2norm_forward = cpu_l2norm_forward,
-    .l2norm_backward = cpu_l2norm_backward,
-    .contrastive_forward = cpu_contrastive_forward,
-    .contrastive_backward = cpu_contrastive_backward,
-    .xent_forward = cpu_xent_forward,
-    .xent_backward = cpu_xent_backward,
-    .gather_rows = cpu_gather_rows,
-    .combine_forward = cpu_combine_forward,
-    .combine_backward = cpu_combine_backward,
-    .gather_rows_backward = cpu_gather_rows_backward,
-    .combine_weights = cpu_combine_weights,
-    .combine_weights_backward = cpu_combine_weights_backward,
-    .router_noise = cpu_router_noise,
-    .aux_loss = cpu_aux_loss,
-    .soft_moe_forward = cpu_soft_moe_forward,
-    .soft_moe_backward = cpu_soft_moe_backward,
     .experts_forward = cpu_experts_forward,
     .experts_backward = cpu_experts_backward,
-    .sumsq = cpu_sumsq,
-    .scale = cpu_scale,
-    .adamw = cpu_adamw,
-    .clamp = cpu_clamp,
 };
 
 const backend *R(backend_cpu)(void) { return &cpu_table; }
+
+#ifndef VLMOE_REAL_F64
+static const backend cpu_bf16_table = {
+    .name = "cpu-bf16",
+    CPU_COMMON_ENTRIES,
+    .fp32 = &cpu_table,
+    .linear_forward = bf16_linear_forward,
+    .linear_backward = bf16_linear_backward,
+    .experts_forward = bf16_experts_forward,
+    .experts_backward = bf16_experts_backward,
+};
+
+const backend *backend_cpu_bf16(void) { return &cpu_bf16_table; }
+#endif
 
 int R(backend_require)(const backend *be, be_op op, const void *cfg) {
     if (be->supports(be, op, cfg)) return VLMOE_OK;
