@@ -75,6 +75,9 @@ TEST_DEPS_STAMP := build/.test-deps-ok
 # `make test`). Visibility means nothing inside a static archive, so the CLI, tests and benches,
 # which link libvlmoe.a, still reach every internal function. CLI objects keep the default.
 $(call objs,$(B)) $(call objs,$(BA)): LIB_VIS := -fvisibility=hidden
+# the AdamW loop's sqrtf vectorises only when it need not set errno (its argument is never
+# negative; results are the same bits): one file, not the library (never -ffast-math)
+$(B)/f32/src/ops/backend_cpu.o $(BA)/f32/src/ops/backend_cpu.o $(B)/prof/src/ops/backend_cpu.o: CFLAGS += -fno-math-errno
 # the headers of the engines src/dist builds on, for its files only
 $(B)/src/dist/mpi.o $(BA)/src/dist/mpi.o: SRC_FLAGS := $(MPI_FOUND_CFLAGS)
 $(B)/src/dist/nccl.o $(BA)/src/dist/nccl.o build/cuda/dist_nccl.o: SRC_FLAGS := -I$(CUDA_HOME)/include

@@ -188,8 +188,11 @@ void R(layernorm_forward)(real *out, real *mean, real *rstd, const real *inp, co
         const real *x = inp + (size_t)n * C;
         real *o = out + (size_t)n * C;
         real m = 0, v = 0;
+        // vector sums (lanes, then their total): the same bits on any thread count
+#pragma omp simd reduction(+ : m)
         for (int i = 0; i < C; i++) m += x[i];
         m /= C;
+#pragma omp simd reduction(+ : v)
         for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
         v /= C;
         real s = (real)(1.0 / sqrt((double)v + eps));
@@ -213,6 +216,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         const real *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
         real *dx = dinp + (size_t)n * C;
         real m = mean[n], s = rstd[n], dnorm_mean = 0, dnorm_norm = 0;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm)
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
             dnorm_mean += dn;
@@ -220,6 +224,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         }
         dnorm_mean /= C;
         dnorm_norm /= C;
+#pragma omp simd
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
             dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;
