@@ -17,7 +17,8 @@ thread count (else it spins a second pool against OpenMP's). Before the timings 
 kernels each side runs: OpenBLAS's core (openblas_get_corename), oneDNN's ISA, and the oneDNN
 implementations of every matrix product of one step (ONEDNN_VERBOSE=1).
 
-Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--b16]
+Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
+[--b16] [--json FILE]
 """
 import argparse
 import collections
@@ -110,10 +111,11 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--b16", action="store_true", help="also the B/16-sized model at batch 8")
+    ap.add_argument("--models", default="bench-s,bench-s-dense", help="which of bench/models/*.json (batch 64)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "rel", "bench"))
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
-    models = [("bench-s", 64), ("bench-s-dense", 64)] + ([("bench-b16", 8)] if a.b16 else [])
+    models = [(x, 64) for x in a.models.split(",")] + ([("bench-b16", 8)] if a.b16 else [])
     threads = [int(x) for x in a.threads.split(",")]
     unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
@@ -132,7 +134,9 @@ def main():
                 all_res[f"{name}/kernels"] = k
                 for impl, v in k.items():
                     desc = ", ".join(f"{n}x {x}" for x, n in sorted(v["onednn"].items(), key=lambda z: -z[1]))
-                    blas = f"OpenBLAS core {v['openblas_core']}" if v["openblas_core"] else v.get("matmul") or ""
+                    blas = (f"OpenBLAS core {v['openblas_core']}" if v["openblas_core"] else
+                            f"backend {v.get('matmul')}" + ("" if impl.endswith("bf16") else
+                                                             f": oneDNN dnnl_sgemm ({sg['onednn_isa']}, no verbose log)"))
                     print(f"  {name} {impl:10} kernels: {blas}{'; oneDNN ' + desc if desc else ''}")
             res = measure(path, t, batch, a.rounds, a.steps, a.bin)
             all_res[f"{name}/{t}"] = {"peak": peak, "sgemm": sg, **res}
