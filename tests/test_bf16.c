@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "nn/model.h"
 #include "ops/backend.h"
@@ -204,7 +205,26 @@ static void check_model(void) {
     vlmoe_st_close(tf), vlmoe_st_close(rf);
 }
 
-int main(void) {
+// The command line: a bad value is refused before any file is made; bf16 trains and is recorded.
+static void check_cli(const char *argv0) {
+    char bin[4096], out[8192], dir[] = "/tmp/vlmoe_test_bf16_XXXXXX", args[1024];
+    if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;
+    test_expect_in(dir, bin, "train --model limoe-mini --dataset-type synthetic --steps 1 --precision fp16 "
+                   "--logs logs --name x", 1, "--precision 'fp16': expected fp32 or bf16", out, sizeof(out));
+    CHECK(access(test_path(dir, "logs"), F_OK) != 0, "a refused --precision made %s", test_path(dir, "logs"));
+    snprintf(args, sizeof(args), "train --model limoe-mini --dataset-type synthetic --steps 2 --batch-size 8 "
+             "--eval-samples 16 --precision bf16 --logs logs --name b");
+    test_expect_in(dir, bin, args, 0, "trained to step 2", out, sizeof(out));
+    char *pj = test_read_file(test_path(dir, "logs/b/params.json"), NULL);
+    const char *q = pj ? strstr(pj, "\"precision\":") : NULL;
+    if (q) q += strspn(q + 12, " \t") + 12;
+    CHECK(q && !strncmp(q, "\"bf16\"", 6), "params.json records the precision: %s", pj ? pj : "(missing)");
+    free(pj);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    CHECK(system(args) == 0, "rm -rf %s", dir);
+}
+
+int main(int argc, char **argv) {
     vlmoe_model *m = NULL;
     vlmoe_model_config cfg;
     CHECK(vlmoe_config_named("limoe-mini", &cfg) == VLMOE_OK, "preset: %s", vlmoe_last_error());
@@ -216,6 +236,7 @@ int main(void) {
     if (!gemm_bf16_native()) {
         CHECK(fell_back == 1 && m->be == backend_cpu_f32(), "without bf16 instructions the model stays fp32, and says so");
         printf("this CPU has no bf16 instructions: the bf16 products are not tested here\n");
+        if (argc > 0) check_cli(argv[0]);
         vlmoe_model_free(m);
         return test_summary("test_bf16");
     }
@@ -224,5 +245,6 @@ int main(void) {
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
     check_model();
+    if (argc > 0) check_cli(argv[0]);
     return test_summary("test_bf16");
 }
