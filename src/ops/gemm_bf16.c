@@ -5,6 +5,7 @@
 // oneDNN caches the primitives of shapes it has seen, so a training step's repeated shapes cost
 // a lookup, not a kernel generation. Covered by tests/test_bf16.c.
 #include <dnnl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,13 +45,17 @@ void bf16_pack(uint16_t *dst, const float *src, int rows, int cols, int ld, int 
         }
 }
 
-// One engine for the process (oneDNN's CPU engine is stateless and safe to share). It is made
-// from serial code on the first product (bf16_scratch's callers run between parallel regions).
+// One engine for the process (oneDNN's CPU engine is stateless and safe to share), made once by
+// whichever thread's block asks first (pthread_once: no symbol a named OpenMP critical would
+// export from libvlmoe.so).
+static dnnl_engine_t the_engine;
+static pthread_once_t eng_once = PTHREAD_ONCE_INIT;
+static void make_engine(void) {
+    if (dnnl_engine_create(&the_engine, dnnl_cpu, 0) != dnnl_success) the_engine = NULL;
+}
 static dnnl_engine_t engine(void) {
-    static dnnl_engine_t eng;
-#pragma omp critical(vlmoe_bf16_engine)
-    if (!eng && dnnl_engine_create(&eng, dnnl_cpu, 0) != dnnl_success) eng = NULL;
-    return eng;
+    pthread_once(&eng_once, make_engine);
+    return the_engine;
 }
 
 int bf16_matmul(int M, int N, int K, const uint16_t *A, const uint16_t *B, long bs_k, long bs_n,
