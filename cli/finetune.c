@@ -9,6 +9,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "train/tasks.h"
 
@@ -91,6 +92,12 @@ int cmd_finetune(int argc, char **argv) {
         return cli_error(CMD, "need --steps >= 1, --batch-size in [1, 4096], --holdout 0 or >= 2, --lr > 0, --wd >= 0");
     if (cli_separator(CMD, sep, &dp.separator)) return 1;
     dp.path = data;
+    // the model and, for classification, OUT.labels: neither may be an input
+    char labels[1100];
+    snprintf(labels, sizeof(labels), "%s.labels", output);
+    const cli_input in[] = {{"--model", model}, {"--data", data}, {"--tokenizer", tokenizer}};
+    if (cli_check_output(CMD, "-o", output, in, 3) || cli_check_output(CMD, "-o (its .labels file)", labels, in, 3))
+        return 1;
     vlmoe_model *pre = NULL, *m = NULL;
     vlmoe_trainer *t = NULL;
     vlmoe_ft_data *d = NULL;

@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -198,6 +199,8 @@ int cmd_prune(int argc, char **argv) {
     if (rc) return rc == 1 ? 0 : 2;
     if (!model || !out || !modality || keep < 1)
         return cli_error("prune", "give --model, --modality, --keep N >= 1 and -o (see vlmoe prune --help)");
+    const cli_input in[] = {{"--model", model}, {"--stats", stats}, {"--images", images}, {"--texts", texts}};
+    if (cli_check_output("prune", "-o", out, in, 4)) return 1;
     const int mod = !strcmp(modality, "text") ? VLMOE_MOD_TEXT : !strcmp(modality, "image") ? VLMOE_MOD_IMAGE : -1;
     const int pm = !strcmp(mode, "router_pred") ? VLMOE_PRUNE_ROUTER_PRED : !strcmp(mode, "router_drop") ? VLMOE_PRUNE_ROUTER_DROP : -1;
     if (mod < 0) return cli_error("prune", "--modality must be text or image, not '%s'", modality);

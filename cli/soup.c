@@ -8,6 +8,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -124,6 +125,9 @@ int cmd_soup(int argc, char **argv) {
     int rc = args_parse("soup", specs, (int)(sizeof(specs) / sizeof(specs[0])), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (nin < 1 || !out) return cli_error("soup", "give checkpoints and -o OUT (see vlmoe soup --help)");
+    for (int i = 0; i < nin; i++)
+        if (cli_check_output("soup", "-o", out, &(cli_input){"the checkpoint", inputs[i]}, 1)) return 1;
+    if (cli_check_output("soup", "-o", out, &(cli_input){"--classnames", names}, 1)) return 1;
     if (!greedy && (zs || names || n >= 0)) return cli_error("soup", "--zeroshot-data, --classnames and --eval-samples "
                                                              "score a greedy soup: add --greedy");
     if (zs && n >= 0) return cli_error("soup", "--eval-samples sizes the synthetic data's split; --zeroshot-data scores on "

@@ -9,11 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "dist/watchdog.h"
 #include "nn/model.h"
@@ -85,11 +87,27 @@ static const char *USAGE_MORE =
 
 
 // Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
+// --report-every and --report-to tensorboard, after a train record (rank 0): the events of the
+// new records, and the page from the metrics so far and the newest checkpoint. A report that
+// fails is a warning: the run goes on.
+static void report_step(train_run *r, int last) {
+    const long step = vlmoe_trainer_get_step(r->t);
+    if (r->tb.tb && cli_tb_sync("train", &r->tb)) fprintf(stderr, "vlmoe train: warning: --report-to tensorboard stops\n"),
+        cli_tb_close(&r->tb);
+    if (!(r->report_every && (step >= r->next_report || last))) return;
+    r->next_report = (step / r->report_every + 1) * r->report_every;
+    const cli_report_opts o = {.run_dir = r->dir, .nexamples = 4, .max_points = 600, .html = 1, .tb = r->tb.tb,
+                               .quiet = 1};
+    if (r->open_line) fputc('\n', stderr), r->open_line = 0;
+    if (cli_report_write("train", &o)) fprintf(stderr, "vlmoe train: warning: the report of step %ld failed\n", step);
+}
+
 static void on_progress(void *u, int what, const char *line) {
     train_run *r = u;
     if (what == VLMOE_RUN_STEP) {
         fprintf(stderr, "%s%s%s", r->tty ? "\r\033[K" : "", line, r->tty ? "" : "\n");
         r->open_line = r->tty;
+        report_step(r, 0);
         return;
     }
     if (r->open_line) fputc('\n', stderr), r->open_line = 0;
@@ -146,6 +164,7 @@ static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
     cJSON *pj = run_params(a, r->dist->world);
     if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(pj), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -257,6 +276,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "synthetic data: held-out samples per evaluation (default 1000, "
                                                        "0 = none)"},
         {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"report-every", ARG_LONG, &a.report_every, "N", "write LOGS/NAME/report.html (vlmoe report) at the first log "
+                                                         "step of every N steps and at the end (default 0: never)"},
+        {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files (metrics, and the "
+                                                               "routing maps at each report) to LOGS/NAME/tensorboard/"},
         {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "keep only each block's input and recompute the block in the "
                                                              "backward: less activation memory, the same gradients"},
         {"lock-image", ARG_FLAG, &a.lock_image, NULL, "two_tower: freeze the image tower (LiT): no update, no weight decay"},
@@ -358,6 +381,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     a.val_every = a.val_freq ? a.val_freq * per_epoch : a.val_steps;
     a.zeroshot_every = a.zs_freq ? a.zs_freq * per_epoch : a.zs_steps;
     if (a.log_every < 1) a.log_every = 1;
+    if (a.report_every < 0) return cli_error("train", "--report-every: %ld is negative (0: no report)", a.report_every);
+    if (a.report_to && strcmp(a.report_to, "tensorboard"))
+        return cli_error("train", "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
     if (a.precision && strcmp(a.precision, "fp32") && strcmp(a.precision, "bf16")) // before any file is made
         return cli_error("train", "--precision '%s': expected fp32 or bf16", a.precision);
@@ -393,6 +419,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--train-data", a.data.path}, {"--val-data", a.val_data}, {"--tokenizer", a.tokenizer},
+                            {"--pretrained", a.pretrained}, {"--model", a.model}, {"--zeroshot-classnames", a.zs_names},
+                            {"--zeroshot-templates", a.zs_templates}};
+    if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
@@ -400,6 +432,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return train_run_free(&r, rc), rc;
+    cli_resume_fresh("train", r.dir, existed, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && cli_set_precision("train", r.m, a.precision)) rc = cli_error("train", "%s", vlmoe_last_error());
@@ -447,6 +480,8 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                         e ? "the text tower's" : "the", a.batch_size, a.batch_size * N, a.batch_size,
                         a.batch_size * N);
         }
+    r.report_every = a.report_every, r.next_report = a.report_every;
+    if (r.lead && a.report_to && cli_tb_open("train", r.dir, &r.tb)) return train_run_free(&r, 1), 1;
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, train_eval_cadence(&a), 1,
                                  (long)a.batch_size * a.accum_freq * W, r.dist, on_progress, &r, a.expert_parallel};
@@ -458,8 +493,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                        "with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
     else if (st)
         rc = cli_error("train", "%s", vlmoe_last_error());
-    else if (r.lead)
+    else if (r.lead) {
         fprintf(stderr, "trained to step %ld in %.1f s; checkpoints in %s\n", a.steps, cli_now() - t0, r.ckdir);
+        if (r.report_every || r.tb.tb) report_step(&r, 1); // the last checkpoint is written by now
+        if (r.report_every) fprintf(stderr, "report: %s/report.html\n", r.dir);
+        if (r.tb.tb) fprintf(stderr, "tensorboard: %s\n", report_tb_path(r.tb.tb));
+    }
     const vlmoe_dataset_stats *bs = r.loader && r.lead ? vlmoe_loader_stats(r.loader) : NULL;
     if (bs && vlmoe_dataset_stats_bad(bs)) { // a run stopped by bad samples said so with the counts
         char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];

@@ -231,3 +231,14 @@ int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *ch
     cJSON_Delete(params), cJSON_Delete(changes);
     return st ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
 }
+
+void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print) {
+    char ckdir[1100];
+    long step;
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", dir);
+    if (!existed || !*resume || strcmp(*resume, "latest") || vlmoe_ckpt_list(ckdir, &step, 1)) return;
+    if (print)
+        fprintf(stderr, "vlmoe %s: --resume latest: %s holds no complete checkpoint (the run stopped before its first "
+                "one): starting it again from step 0\n", cmd, ckdir);
+    *resume = NULL;
+}

@@ -71,6 +71,12 @@ int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *
 // their flags are not given, so leaving them out is no change.
 enum { CLI_RESUME_ALLOW = 1, CLI_RESUME_PRINT = 2, CLI_RESUME_CARRIED = 4 };
 int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int how, cJSON **changes);
+// --resume latest of a run that was started (its folder dir existed before this command: existed)
+// but killed before its first checkpoint was complete: nothing to resume, so the run starts again
+// from step 0 (a note says so; *resume becomes NULL), as OpenCLIP does, and a job requeued with the
+// same flags does not fail forever. A folder that did not exist (a mistyped --name) stays an error.
+// print: this process prints the note.
+void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print);
 
 // After a resume that went on with changes: DIR/params_resumed.json, params with the list
 // "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).

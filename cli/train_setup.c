@@ -26,6 +26,7 @@ void train_run_free(train_run *r, int rc) {
     vlmoe_trainer_free(r->t);
     vlmoe_model_free(r->m);
     vlmoe_synth_free(r->synth);
+    cli_tb_close(&r->tb);
 }
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }

@@ -8,6 +8,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
@@ -66,6 +67,7 @@ int cmd_upcycle(int argc, char **argv) {
     int npos, rc = args_parse_pos("upcycle", specs, 11, argc, argv, 2, USAGE, pos, 1, &npos);
     if (rc) return rc == 1 ? 0 : 2;
     if (npos != 1 || !out) return cli_error("upcycle", "give IN.safetensors and -o OUT.safetensors (see vlmoe upcycle --help)");
+    if (cli_check_output("upcycle", "-o", out, &(cli_input){"the input", pos[0]}, 1)) return 1;
     vlmoe_moe_config mc;
     memset(&mc, 0, sizeof(mc));
     mc.num_experts = experts;

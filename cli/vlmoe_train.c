@@ -18,6 +18,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -110,6 +111,7 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSO
     cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split, r->dist->world);
     if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(p), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? mome_lib_error("") : 0;
 }
 
@@ -322,6 +324,11 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--text-data", a.text_data}, {"--train-data", a.data.path}, {"--codebook", a.codebook},
+                            {"--model", a.model}};
+    if (cli_check_run_outputs(CMD, r.dir, in, 4)) return mome_run_free(&r, 1), 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
@@ -332,6 +339,7 @@ int cmd_train_mome(int argc, char **argv) {
                                  &changes);
     cJSON_Delete(now);
     if (rc) return mome_run_free(&r, rc), rc;
+    cli_resume_fresh(CMD, r.dir, existed, &a.resume, r.lead);
     if ((rc = mome_open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = mome_lib_error(""))))
         return cJSON_Delete(changes), mome_run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);

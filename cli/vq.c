@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "vlmoe_train.h"
 
@@ -70,6 +71,7 @@ int cmd_vq(int argc, char **argv) {
     int rc = args_parse_pos("vq train", specs, ns, argc, argv, 3, usage, NULL, 0, NULL);
     if (rc) return rc == 1 ? 0 : 2;
     if (!output) return cli_error("vq train", "--output (-o) FILE is required");
+    if (cli_check_output("vq train", "-o", output, &(cli_input){"--model", model}, 1)) return 1;
     vlmoe_model_config cfg;
     if (vlmoe_config_load(model, &cfg)) return cli_error("vq train", "%s", vlmoe_last_error());
     const int g = cfg.image_size / cfg.patch_size, np = g * g, pd = cfg.channels * cfg.patch_size * cfg.patch_size;

@@ -708,9 +708,28 @@ VLMOE_API int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s,
 VLMOE_API int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
                                      const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
                                      double *t2i);
+// vlmoe_retrieval_recall with duplicate captions and OpenCLIP's ranks. txt_group (n_txt, values in
+// [0, n_txt); NULL: every caption its own text) marks captions that are the same text: a text
+// query is then correct for every image owning a caption of its group, and an image query for
+// every caption of such a group (CLIP_benchmark's positive pairs), so repeated captions ("a
+// photo of a dog" under several images) no longer count as misses. mean_rank / median_rank (may
+// be NULL): [0] image->text, [1] text->image, OpenCLIP's get_clip_metrics (1-based position of
+// the first positive, ties pessimistic as above; median = floor(median) + 1).
+typedef struct {
+    const float *img;          // (n_img, E) L2-normalised
+    int n_img;
+    const float *txt;          // (n_txt, E) L2-normalised
+    int n_txt, E;
+    const int32_t *txt_image;  // (n_txt) the image caption j describes
+    const int32_t *txt_group;  // (n_txt) or NULL
+    const int *ks;             // (nk) the K of recall@K
+    int nk;
+} vlmoe_retrieval_data;
+VLMOE_API int vlmoe_retrieval_metrics(const vlmoe_retrieval_data *d, double *i2t, double *t2i, double mean_rank[2],
+                                      double median_rank[2]);
 // Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
 // 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
-// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
+// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (LAPACK dposv), lambda >= 0.
 // w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
 // numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
 // n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.
@@ -739,7 +758,8 @@ VLMOE_API int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, in
 typedef struct {
     const char *naming;          // "openclip", "hf" or "auto" (from the keys; NULL = auto)
     int image_heads, text_heads; // attention heads, not in any shape: 0 = width / 64 (OpenCLIP)
-    int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained)
+    int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained);
+                                 // -1 (the default): the folder's config, else quick_gelu
     const char *name;            // the config's name (NULL = "clip")
 } vlmoe_clip_import_params;
 VLMOE_API vlmoe_clip_import_params vlmoe_clip_import_default_params(void);
@@ -752,6 +772,28 @@ VLMOE_API int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe
 // Writes a dense two_tower model with CLIP names ("openclip" or "hf") as F32, F16 or BF16;
 // VLMOE_ERR_CONFIG for MoE or one_tower models. Importing the result gives the model back.
 VLMOE_API int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming, vlmoe_dtype dtype);
+// A CLIP as people download it (src/io/clip_folder.c): a Hugging Face folder (config.json,
+// model.safetensors, tokenizer.json or vocab.json + merges.txt, preprocessor_config.json), an
+// OpenCLIP folder (open_clip_config.json, open_clip_model.safetensors), or one safetensors file.
+// A folder's config gives heads, act and LayerNorm eps (p's heads and act, when set, must agree
+// with it: else VLMOE_ERR_ARG), every size it names is checked against the tensors, and its
+// tokenizer and image normalisation are recorded in the model. A file gives no heads: with none
+// in p, a width whose head count is ambiguous is VLMOE_ERR_CONFIG listing the candidates. PyTorch
+// pickles (.pt, .bin) are VLMOE_ERR_FORMAT saying how to convert them; vlmoe never runs one.
+VLMOE_API int vlmoe_clip_import_path(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p);
+typedef struct {
+    const char *to;            // "hf" (transformers' CLIPModel), "open_clip" or "torch" (vlmoe_torch.py)
+    int force;                 // write into a folder that is not empty (over the files export writes)
+    vlmoe_dtype dtype;         // hf / open_clip tensors: F32 (default), F16 or BF16
+    const char *torch_module;  // "torch": the text of python/vlmoe_torch.py, copied into the folder
+    size_t torch_module_len;
+} vlmoe_export_params;
+VLMOE_API vlmoe_export_params vlmoe_export_default_params(void);
+// Writes m into folder dir (created if absent; a non-empty one only with force) for another
+// library to load (src/io/clip_export.c). hf and open_clip need a dense two_tower CLIP
+// (VLMOE_ERR_CONFIG otherwise, before anything is written); torch takes one_tower and two_tower
+// models, MoE included.
+VLMOE_API int vlmoe_model_export_dir(const vlmoe_model *m, const char *dir, const vlmoe_export_params *p);
 
 #ifdef __cplusplus
 }

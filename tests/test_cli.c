@@ -85,12 +85,12 @@ int main(int argc, char **argv) {
     // on from the upcycled model
     char fx[1024], args[1536];
     CHECK(realpath(fixture_dir(), fx) != NULL, "no fixture folder %s", fixture_dir());
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clip.safetensors", fx);
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clip.safetensors --image-heads 2 --text-heads 1", fx);
     expect(args, 0, "image tower: width 128, layers 2, heads 2, MLP 512, patch 8, image 32 px");
-    snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --text-heads 2", fx);
+    snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --image-heads 2 --text-heads 2", fx);
     expect(args, 0, "text tower: width 64, layers 3, heads 2, MLP 256, context 16, vocabulary 100");
     // the preprocessing (and a tokenizer, which this 100-id model is too small for) go into the file
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clipn.safetensors --image-mean 0.5 0.5 0.5 "
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clipn.safetensors --image-heads 2 --text-heads 1 --image-mean 0.5 0.5 0.5 "
              "--image-std 0.25", fx);
     expect(args, 0, "imported");
     expect("classify --model clipn.safetensors --image x.png --labels a,b --image-mean 0.4", 1,
@@ -98,13 +98,16 @@ int main(int argc, char **argv) {
     snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --image-mean 0.5", fx);
     expect(args, 1, "give --image-mean and --image-std together");
     test_write_file(test_path(dir, "m.txt"), "#version: 0.2\nz o\n", 18);
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --tokenizer m.txt", fx);
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --image-heads 2 --text-heads 1 --tokenizer m.txt", fx);
     expect(args, 1, "--tokenizer m.txt has 515 ids, more than the model's vocabulary of 100");
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors", fx);
+    expect(args, 1, "width 128 does not tell its attention heads: candidates 1 (head width 128), 2 (head width 64), "
+           "4 (head width 32)");
     snprintf(args, sizeof(args), "import --from hf %s/clip_openclip.safetensors -o x.safetensors", fx);
     expect(args, 1, "has OpenAI/OpenCLIP names, not HF CLIPModel ones");
     expect("import corrupt.safetensors -o x.safetensors", 1, "corrupt.safetensors");
     expect("import clip.safetensors -o x.safetensors", 1, "clip.safetensors: a vlmoe model file");
-    expect("import clip.safetensors", 1, "give IN.safetensors and -o OUT.safetensors");
+    expect("import clip.safetensors", 1, "give DIR or IN.safetensors and -o OUT.safetensors");
     expect("export --model clip.safetensors --to hf -o hf.safetensors --dtype bf16", 0, "(hf names, BF16)");
     expect("export --model runs/a/checkpoints/step_4.safetensors --to openclip -o x.safetensors", 1, "one_tower");
     expect("upcycle clip.safetensors -o up.safetensors --experts 4 --top-k 2 --moe-layers every_2 --towers image,text",

@@ -309,8 +309,9 @@ int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {
     return VLMOE_OK;
 }
 
-int vlmoe_model_save(const vlmoe_model *m, const char *path) {
+int model_writer(const vlmoe_model *m, vlmoe_st_writer **out) {
     vlmoe_st_writer *w;
+    *out = NULL;
     int st = vlmoe_st_writer_init(&w);
     if (st) return st;
     char *json = vlmoe_config_to_json(&m->L.cfg);
@@ -323,8 +324,16 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
     }
     if (!st && m->L.arch->save) st = m->L.arch->save(m, w);
     if (!st) st = model_inputs_save(m, w);
-    if (!st) st = vlmoe_st_writer_write(w, path);
     free(json);
+    if (st) vlmoe_st_writer_free(w);
+    else *out = w;
+    return st;
+}
+
+int vlmoe_model_save(const vlmoe_model *m, const char *path) {
+    vlmoe_st_writer *w;
+    int st = model_writer(m, &w);
+    if (!st) st = vlmoe_st_writer_write(w, path);
     vlmoe_st_writer_free(w);
     return st;
 }
@@ -381,11 +390,15 @@ static int read_weights(const vlmoe_model *m, const vlmoe_st *f, float *dst) {
     return st;
 }
 
-int model_load_into(vlmoe_model *m, const char *path) {
+int model_load_into(vlmoe_model *m, const char *path) { return model_load_into_checked(m, path, NULL, NULL); }
+
+int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void *user, const vlmoe_st *f),
+                            void *user) {
     vlmoe_st *f;
     vlmoe_model_config cfg;
     int st = open_model_file(path, &f, &cfg);
     if (st) return st;
+    if (check && (st = check(user, f))) return vlmoe_st_close(f), st;
     char *a = vlmoe_config_to_json(&cfg), *b = vlmoe_config_to_json(&m->L.cfg);
     if (!a || !b || strcmp(a, b))
         st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the checkpoint's model config differs from this run's", path);

@@ -4,6 +4,7 @@
 // example held out, batches in the data order of src/data/order.c, a classification or a
 // contrastive step, and the accuracy / recall report. The heads are vlmoe_mome_with_heads
 // (src/nn/mome_model.c). Covered by tests/test_finetune.c.
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -274,9 +275,13 @@ int vlmoe_ft_write_labels(const vlmoe_ft_data *d, const char *output) {
     char path[4096];
     snprintf(path, sizeof(path), "%s.labels", output);
     FILE *f = fopen(path, "w");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names", path);
-    for (int k = 0; k < d->classes; k++) fprintf(f, "%s\n", d->names[k]);
-    return fclose(f) ? vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names", path) : VLMOE_OK;
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names: %s", path, strerror(errno));
+    int ok = 1;
+    for (int k = 0; k < d->classes && ok; k++) ok = fprintf(f, "%s\n", d->names[k]) >= 0;
+    ok = fflush(f) == 0 && ok;
+    const int e = errno;
+    ok = fclose(f) == 0 && ok;
+    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names: %s", path, strerror(e ? e : EIO));
 }
 
 // Batch buffers for B examples: images (B*per, C,S,S), tokens (B*per, ctx) and lens, labels (B).
