@@ -84,6 +84,9 @@ TEST_DEPS_STAMP := build/.test-deps-ok
 # `make test`). Visibility means nothing inside a static archive, so the CLI, tests and benches,
 # which link libvlmoe.a, still reach every internal function. CLI objects keep the default.
 $(call objs,$(B)) $(call objs,$(BA)): LIB_VIS := -fvisibility=hidden
+# the AdamW loop's sqrtf vectorises only when it need not set errno (its argument is never
+# negative; results are the same bits): one file, not the library (never -ffast-math)
+$(B)/f32/src/ops/backend_cpu.o $(BA)/f32/src/ops/backend_cpu.o $(B)/prof/src/ops/backend_cpu.o: CFLAGS += -fno-math-errno
 # the headers of the engines src/dist builds on, for its files only
 $(B)/src/dist/mpi.o $(BA)/src/dist/mpi.o: SRC_FLAGS := $(MPI_FOUND_CFLAGS)
 $(B)/src/dist/nccl.o $(BA)/src/dist/nccl.o build/cuda/dist_nccl.o: SRC_FLAGS := -I$(CUDA_HOME)/include
@@ -215,9 +218,20 @@ $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) $< -o $@ libvlmoe.a $(LIBS)
 
-# bench_step and bench_sgemm are the C halves of bench/speed.py (vlmoe against PyTorch)
-bench: all $(BENCHES) $(TEST_DEPS_STAMP)
-	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_dist %/bench_loader_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
+# bench_step_prof: bench_step with the per-op timing hooks (src/core/prof.h) compiled into the
+# files that hold them; those objects come before libvlmoe.a, so the archive's plain ones stay out
+PROF_SRCS := src/ops/ops.c src/ops/backend_cpu.c
+PROF_OBJS := $(patsubst %.c,$(B)/prof/%.o,$(PROF_SRCS))
+$(B)/prof/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_PROFILE -c $< -o $@
+$(B)/bench/bench_step_prof: bench/bench_step.c $(PROF_OBJS) libvlmoe.a $(HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_PROFILE $< $(PROF_OBJS) -o $@ libvlmoe.a $(LIBS)
+
+# bench_step, bench_sgemm and bench_peak are the C halves of bench/speed.py (vlmoe against PyTorch)
+bench: all $(BENCHES) $(B)/bench/bench_step_prof $(TEST_DEPS_STAMP)
+	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_peak %/bench_dist %/bench_loader_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
 	@echo "== bench/speed.py" && /usr/bin/python3 bench/speed.py --bin $(B)/bench
 	@echo "== bench/limoe_failure.sh" && ./bench/limoe_failure.sh
 	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh

@@ -14,6 +14,19 @@
 
 typedef struct { int ta, tb, M, N, K; } shape;
 
+// The instruction set oneDNN dispatches its kernels for on this CPU.
+static const char *onednn_isa(void) {
+    switch (dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core: return "avx512_core";
+    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+    case dnnl_cpu_isa_avx2: return "avx2";
+    default: return "other";
+    }
+}
+
 int main(int argc, char **argv) {
     const int n = argc > 1 ? atoi(argv[1]) : 5120, D = argc > 2 ? atoi(argv[2]) : 256;
     const int Mh = argc > 3 ? atoi(argv[3]) : 1024, threads = argc > 4 ? atoi(argv[4]) : 2;
@@ -52,8 +65,8 @@ int main(int argc, char **argv) {
         }
     }
     printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"openblas_gflops\": %.1f, "
-           "\"onednn_gflops\": %.1f}\n", threads, openblas_get_corename(), flops / best[0] * 1e-9,
-           flops / best[1] * 1e-9);
+           "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\"}\n", threads, openblas_get_corename(),
+           flops / best[0] * 1e-9, flops / best[1] * 1e-9, onednn_isa());
     free(A), free(B), free(C);
     return 0;
 }

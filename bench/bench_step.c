@@ -3,6 +3,9 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
+// [--precision fp32|bf16]
+// Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
+// compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -11,6 +14,8 @@
 #include <sys/resource.h>
 
 #include "bench.h"
+#include "core/prof.h"
+#include "nn/model.h"
 
 #include "vlmoe.h"
 
@@ -39,10 +44,12 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N]\n");
         return 2;
     }
-    int B = 64, steps = 10, warmup = 2, threads = 0;
+    int B = 64, steps = 10, warmup = 2, threads = 0, fell_back = 0;
+    const char *precision = "fp32";
     for (int i = 2; i + 1 < argc; i += 2) {
         int v = atoi(argv[i + 1]);
-        if (!strcmp(argv[i], "--batch")) B = v;
+        if (!strcmp(argv[i], "--precision")) precision = argv[i + 1];
+        else if (!strcmp(argv[i], "--batch")) B = v;
         else if (!strcmp(argv[i], "--steps")) steps = v;
         else if (!strcmp(argv[i], "--warmup")) warmup = v;
         else if (!strcmp(argv[i], "--threads")) threads = v;
@@ -57,7 +64,8 @@ int main(int argc, char **argv) {
     vlmoe_trainer *tr = NULL;
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule.base_lr = 1e-4;
-    if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) || vlmoe_model_plan(m, B) ||
+    if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) ||
+        model_set_precision(m, precision, &fell_back) || vlmoe_model_plan(m, B) ||
         vlmoe_trainer_init(&tr, m, &tp)) {
         fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
         return 1;
@@ -74,14 +82,28 @@ int main(int argc, char **argv) {
     vlmoe_batch batch = {B, img, tok, len};
     double *dt = malloc(sizeof(double) * (steps > 0 ? steps : 1));
     vlmoe_step_stats st;
+    double total = 0;
     for (int i = 0; i < warmup + steps; i++) {
+        if (i == warmup) prof_reset();
         double t0 = bench_now();
         if (vlmoe_trainer_step(tr, &batch, &st)) {
             fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
             return 1;
         }
-        if (i >= warmup) dt[i - warmup] = bench_now() - t0;
+        if (i >= warmup) total += dt[i - warmup] = bench_now() - t0;
     }
+#ifdef VLMOE_PROFILE
+    double prof[PROF_COUNT], sum = 0;
+    prof_read(prof);
+    fprintf(stderr, "per-op profile of one %s step at %d threads (mean of %d steps, %.3f s):\n", cfg.name,
+            omp_get_max_threads(), steps, total / steps);
+    for (int c = 0; c < PROF_COUNT; c++) {
+        sum += prof[c];
+        fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", prof_name(c), 1e3 * prof[c] / steps, 100 * prof[c] / total);
+    }
+    fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (total - sum) / steps,
+            100 * (total - sum) / total);
+#endif
     qsort(dt, steps, sizeof(double), bench_cmp);
     // inference throughput: one modality per call, as an embedding job runs
     double ti = 1e30, tt = 1e30;
@@ -96,10 +118,11 @@ int main(int argc, char **argv) {
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("{\"impl\": \"vlmoe\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
+    if (fell_back) fprintf(stderr, "bench_step: no bf16 instructions on this CPU: fp32 instead\n");
+    printf("{\"impl\": \"vlmoe\", \"precision\": \"%s\", \"matmul\": \"%s\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
            "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
            "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
-           cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
+           fell_back ? "fp32" : precision, m->be->name, cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
            step_flops(&cfg, B) * 1e-9, B / ti, B / tt, ru.ru_maxrss / 1024.0);
     free(img), free(emb), free(tok), free(len), free(dt);
     vlmoe_trainer_free(tr);

@@ -1,17 +1,27 @@
-"""speed.py: vlmoe against PyTorch on the same training step (issue: CPU speed), one table.
+"""speed.py: vlmoe against PyTorch on the same training step (issue 22), one table.
 
-For each thread count and model it alternates the two programs (build/rel/bench/bench_step and
-bench/torch_step.py) for several rounds, so bursts of machine noise hit both, and reports the
-median step time over all rounds with the spread (min-max of the per-round medians). Matrix
-products are counted analytically (bench_step) and compared with the SGEMM rate of OpenBLAS and
-of oneDNN on this machine at the model's shapes (bench_sgemm). Each side gets its best
-settings: both wait passively at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE, what the vlmoe
-command sets for itself; spinning threads collapse under any background load), and PyTorch's
-OpenBLAS pool is limited to the same thread count (else it spins a second pool against OpenMP's).
+For each thread count and model it alternates vlmoe (build/rel/bench/bench_step) in fp32 and
+bf16 with PyTorch (bench/torch_step.py) in fp32 and under bf16 autocast, for several rounds
+(the order rotates each round), so bursts of machine noise hit every program, and reports the
+median step time over the rounds with the spread (min-max of the per-round medians). Matrix
+products are counted analytically (bench_step) and compared with the machine's own peak,
+measured by bench_peak (a register-only loop of AVX-512 FMAs, and of vdpbf16ps for bf16), and
+with the SGEMM rates of OpenBLAS and oneDNN at the model's shapes (bench_sgemm).
 
-Usage: /usr/bin/python3 bench/speed.py [--rounds 3] [--steps 5] [--threads 2,1] [--b16]
+Each side gets its best settings. PyTorch runs without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
+(some machines set them for old OpenBLAS builds: CORETYPE=Haswell forces AVX2 kernels on an
+AVX-512 CPU); they are removed for its command only, never for tests. Both wait passively at
+OpenMP barriers (OMP_WAIT_POLICY=PASSIVE, what the vlmoe command sets for itself; spinning
+threads collapse under any background load), and PyTorch's OpenBLAS pool is limited to the same
+thread count (else it spins a second pool against OpenMP's). Before the timings it prints which
+kernels each side runs: OpenBLAS's core (openblas_get_corename), oneDNN's ISA, and the oneDNN
+implementations of every matrix product of one step (ONEDNN_VERBOSE=1).
+
+Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
+[--b16] [--json FILE]
 """
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -20,25 +30,59 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+IMPLS = ("vlmoe", "vlmoe-bf16", "torch", "torch-bf16")
+UNSET_FOR_TORCH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
-def run(cmd, threads, torch):
+def env_for(threads, torch, verbose=False):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
     if torch:
         env.update(OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+        for k in UNSET_FOR_TORCH:
+            env.pop(k, None)
+    if verbose:
+        env.update(ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
+    return env
+
+
+def run(cmd, threads, torch, verbose=False):
+    p = subprocess.run(cmd, env=env_for(threads, torch, verbose), check=True, capture_output=True, text=True)
+    lines = p.stdout.strip().splitlines()
+    return json.loads(lines[-1]), lines[:-1]
+
+
+def commands(model, threads, batch, steps, bindir):
+    common = [model, "--batch", str(batch), "--steps", str(steps), "--warmup", "2", "--threads", str(threads)]
+    v = [os.path.join(bindir, "bench_step")] + common
+    t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
+    return {"vlmoe": v, "vlmoe-bf16": v + ["--precision", "bf16"],
+            "torch": t, "torch-bf16": t + ["--precision", "bf16"]}
+
+
+def kernels(model, threads, batch, bindir):
+    """One step of each program with oneDNN's verbose log: {impl: {"kind:implementation": count}}."""
+    out = {}
+    for impl, cmd in commands(model, threads, batch, 1, bindir).items():
+        cmd = [c if c != "2" or cmd[i - 1] != "--warmup" else "0" for i, c in enumerate(cmd)]
+        js, lines = run(cmd, threads, impl.startswith("torch"), verbose=True)
+        n = collections.Counter()
+        for ln in lines:
+            f = ln.split(",")
+            if len(f) > 4 and f[1] == "exec" and f[3] in ("matmul", "inner_product", "convolution"):
+                n[f"{f[3]}:{f[4]}"] += 1
+        out[impl] = {"onednn": dict(n), "openblas_core": js.get("openblas_core"),
+                     "matmul": js.get("matmul")}
+    return out
 
 
 def measure(model, threads, batch, rounds, steps, bindir):
-    """Alternating rounds of vlmoe and PyTorch; returns {impl: summary}."""
-    common = [model, "--batch", str(batch), "--steps", str(steps), "--warmup", "2", "--threads", str(threads)]
-    cmds = {"vlmoe": [os.path.join(bindir, "bench_step")] + common,
-            "torch": ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common}
+    """Alternating rounds of the four programs; returns {impl: summary}."""
+    cmds = commands(model, threads, batch, steps, bindir)
     res = {k: [] for k in cmds}
     for r in range(rounds):
-        for impl in (("vlmoe", "torch") if r % 2 == 0 else ("torch", "vlmoe")):
-            res[impl].append(run(cmds[impl], threads, impl == "torch"))
+        order = IMPLS[r % len(IMPLS):] + IMPLS[:r % len(IMPLS)]
+        for impl in order:
+            res[impl].append(run(cmds[impl], threads, impl.startswith("torch"))[0])
             print(f"  {os.path.basename(model)} {threads}t round {r + 1} {impl}: {res[impl][-1]['step_s']:.3f} s/step",
                   file=sys.stderr, flush=True)
     out = {}
@@ -48,42 +92,74 @@ def measure(model, threads, batch, rounds, steps, bindir):
                      "rss": max(x["peak_rss_mb"] for x in rs),
                      "img": statistics.median(x["image_per_s"] for x in rs),
                      "txt": statistics.median(x["text_per_s"] for x in rs),
-                     "gflop": rs[0].get("gflop")}
-    out["torch"]["gflop"] = out["vlmoe"]["gflop"]
+                     "gflop": rs[0].get("gflop"), "loss": rs[0].get("loss")}
+    for impl in out:
+        out[impl]["gflop"] = out["vlmoe"]["gflop"]
     return out
+
+
+def cpu_model():
+    for ln in open("/proc/cpuinfo"):
+        if ln.startswith("model name"):
+            return ln.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--b16", action="store_true", help="also the B/16-sized model at batch 8")
+    ap.add_argument("--models", default="bench-s,bench-s-dense", help="which of bench/models/*.json (batch 64)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "rel", "bench"))
     ap.add_argument("--json", help="also write the results here")
     a = ap.parse_args()
-    models = [("bench-s", 64), ("bench-s-dense", 64)] + ([("bench-b16", 8)] if a.b16 else [])
+    models = [(x, 64) for x in a.models.split(",")] + ([("bench-b16", 8)] if a.b16 else [])
+    threads = [int(x) for x in a.threads.split(",")]
+    unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
+          + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
     rows, all_res = [], {}
-    for t in [int(x) for x in a.threads.split(",")]:
-        peak = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)
+    for t in threads:
+        peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
+        sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
+        print(f"{t} thread(s): fp32 FMA peak {peak['fp32_fma_gflops']:.0f} GFLOP/s, bf16 vdpbf16ps peak "
+              f"{peak['bf16_dot_gflops']:.0f}; SGEMM at bench-s shapes: OpenBLAS ({sg['openblas_core']}) "
+              f"{sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) {sg['onednn_gflops']:.0f}")
         for name, batch in models:
-            res = measure(os.path.join(HERE, "models", name + ".json"), t, batch, a.rounds, a.steps, a.bin)
-            all_res[f"{name}/{t}"] = {"peak": peak, **res}
+            path = os.path.join(HERE, "models", name + ".json")
+            if t == threads[0]:
+                k = kernels(path, t, batch, a.bin)
+                all_res[f"{name}/kernels"] = k
+                for impl, v in k.items():
+                    desc = ", ".join(f"{n}x {x}" for x, n in sorted(v["onednn"].items(), key=lambda z: -z[1]))
+                    blas = (f"OpenBLAS core {v['openblas_core']}" if v["openblas_core"] else
+                            f"backend {v.get('matmul')}" + ("" if impl.endswith("bf16") else
+                                                             f": oneDNN dnnl_sgemm ({sg['onednn_isa']}, no verbose log)"))
+                    print(f"  {name} {impl:10} kernels: {blas}{'; oneDNN ' + desc if desc else ''}")
+            res = measure(path, t, batch, a.rounds, a.steps, a.bin)
+            all_res[f"{name}/{t}"] = {"peak": peak, "sgemm": sg, **res}
             rows.append((name, t, batch, peak, res))
-    print(f"\nSGEMM peak at bench-s shapes: OpenBLAS ({rows[0][3]['openblas_core']} kernels) "
-          + ", ".join(f"{r[3]['openblas_gflops']:.0f} GFLOP/s at {r[1]}t" for r in rows if r[0] == "bench-s")
-          + "; oneDNN " + ", ".join(f"{r[3]['onednn_gflops']:.0f} at {r[1]}t" for r in rows if r[0] == "bench-s"))
-    hdr = (f"{'model':14} {'thr':>3} {'vlmoe s/step':>17} {'torch s/step':>17} {'speedup':>7} {'GFLOP/s':>7} "
-           f"{'%OpenBLAS':>9} {'%oneDNN':>7} {'RSS MB v/t':>11} {'img/s v/t':>11} {'txt/s v/t':>11}")
+    hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} {'vlmoe bf16':>17} {'torch fp32':>17} {'torch bf16':>17} "
+           f"{'v/t fp32':>8} {'vbf/tbf':>7} {'vbf/t32':>7} {'fp32 GF/s':>9} {'%peak':>5} {'bf16 GF/s':>9} "
+           f"{'%peak':>5} {'RSS MB v/t':>11} {'img/s v/t':>11} {'txt/s v/t':>11}")
+    print(f"\nbench/speed.py: {cpu_model()}, medians over {a.rounds} alternating rounds of {a.steps} steps "
+          f"(range of the round medians); matrix-product FLOP/s against the measured FMA / vdpbf16ps peak")
     print(hdr)
     print("-" * len(hdr))
     for name, t, batch, peak, res in rows:
-        v, p = res["vlmoe"], res["torch"]
-        gfs = v["gflop"] / v["step_s"]
-        print(f"{name:14} {t:>3} {v['step_s']:7.3f} ({v['lo']:.2f}-{v['hi']:.2f}) {p['step_s']:7.3f} "
-              f"({p['lo']:.2f}-{p['hi']:.2f}) {p['step_s'] / v['step_s']:6.2f}x {gfs:7.1f} "
-              f"{100 * gfs / peak['openblas_gflops']:8.0f}% {100 * gfs / peak['onednn_gflops']:6.0f}% "
+        v, vb, p, pb = res["vlmoe"], res["vlmoe-bf16"], res["torch"], res["torch-bf16"]
+        g32, g16 = v["gflop"] / v["step_s"], vb["gflop"] / vb["step_s"]
+        pk32, pk16 = peak["fp32_fma_gflops"] or float("nan"), peak["bf16_dot_gflops"] or float("nan")
+        cell = lambda x: f"{x['step_s']:6.3f} ({x['lo']:.2f}-{x['hi']:.2f})"  # noqa: E731
+        print(f"{name:13} {t:>3} {cell(v)} {cell(vb)} {cell(p)} {cell(pb)} "
+              f"{p['step_s'] / v['step_s']:7.2f}x {pb['step_s'] / vb['step_s']:6.2f}x {p['step_s'] / vb['step_s']:6.2f}x "
+              f"{g32:9.1f} {100 * g32 / pk32:4.0f}% {g16:9.1f} {100 * g16 / pk16:4.0f}% "
               f"{v['rss']:5.0f}/{p['rss']:<5.0f} {v['img']:5.0f}/{p['img']:<5.0f} {v['txt']:5.0f}/{p['txt']:<5.0f}")
+    print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
+          + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
+                      f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
     for t in sorted({r[1] for r in rows}, reverse=True):
         by = {r[0]: r[4] for r in rows if r[1] == t}
         if "bench-s" in by and "bench-s-dense" in by:

@@ -3,9 +3,17 @@ config file: one_tower LIMoE layout, MoE layers with tokens-choice top-K routing
 Batch Priority Routing, routing noise and the LIMoE auxiliary losses), the same inputs, one
 training step = forward + backward + AdamW. Dispatch is vectorised: a one-hot cumulative sum
 gives every token its slot, experts run as one batched matrix product over (E, C, D).
-Prints one JSON line like bench_step. Usage: torch_step.py MODEL.json [--batch 64] [--steps 10]
-[--warmup 2] [--threads 2]"""
+--precision bf16 runs the step under torch.autocast('cpu', dtype=torch.bfloat16) (PyTorch's oneDNN
+bf16 path: matrix products in bf16, master weights and AdamW in fp32) and inference on a bf16
+copy of the model. The JSON line also names the BLAS libraries PyTorch loaded and the core
+OpenBLAS's kernels run (openblas_get_corename through ctypes; threadpoolctl's view when it is
+installed). Prints one JSON line like bench_step.
+Usage: torch_step.py MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
+[--precision fp32|bf16]"""
 import argparse
+import contextlib
+import copy
+import ctypes
 import json
 import math
 import os
@@ -67,7 +75,7 @@ class MoE(nn.Module):
 
     def forward(self, x, mod):
         c, (S, D), E, K = self.c, x.shape, self.c["num_experts"], self.c["top_k"]
-        logits = self.router(x)
+        logits = self.router(x).float()  # under bf16 autocast the routing still decides in fp32
         noisy = logits + (c["noise_std"] / E) * torch.randn_like(logits) if self.training else logits
         gates = noisy.softmax(-1)
         topv, topi = gates.topk(K, dim=-1)
@@ -77,7 +85,7 @@ class MoE(nn.Module):
                 for e in range(E):
                     idx = (topi[:, k] == e).nonzero().squeeze(1)
                     h = ACT(x[idx] @ self.w1[e] + self.b1[e])
-                    out.index_add_(0, idx, topv[idx, k, None] * (h @ self.w2[e] + self.b2[e]))
+                    out.index_add_(0, idx, (topv[idx, k, None] * (h @ self.w2[e] + self.b2[e])).to(x.dtype))
             return out, 0.0
         cap = math.ceil(c["capacity_factor"] * S * K / E)
         prio = torch.sort(-topv[:, 0], stable=True).indices if c["order"] == "bpr" else torch.arange(S)
@@ -94,7 +102,7 @@ class MoE(nn.Module):
         tok, idx, gate = torch.cat(slot_tok), torch.cat(slot_idx), torch.cat(slot_gate)
         xin = x.new_zeros(E * cap, D).index_copy(0, idx, x[tok]).view(E, cap, D)
         y = torch.baddbmm(self.b2, ACT(torch.baddbmm(self.b1, xin, self.w1)), self.w2).view(E * cap, D)
-        out = x.new_zeros(S, D).index_add(0, tok, gate[:, None] * y[idx])
+        out = x.new_zeros(S, D).index_add(0, tok, (gate[:, None] * y[idx]).to(x.dtype))
         ga.E, ga.K, ga.NOISE_STD = E, K, c["noise_std"]
         wanted = F.one_hot(topi, E).sum((0, 1)).float()
         ls = ga.losses(logits, noisy, mod, wanted, c["tau"])
@@ -167,6 +175,27 @@ class Model(nn.Module):
         return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) + aux
 
 
+def blas_report():
+    """The BLAS libraries this process loaded and, for OpenBLAS, the core its kernels run."""
+    libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps")
+                   if "blas" in ln.split()[-1].lower() and ".so" in ln})
+    rep = {"blas_libs": libs}
+    for lib in libs:
+        try:
+            f = ctypes.CDLL(lib).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        f.restype = ctypes.c_char_p
+        rep["openblas_core"] = f().decode()
+    try:
+        import threadpoolctl
+        rep["threadpoolctl"] = [{k: i.get(k) for k in ("internal_api", "version", "num_threads", "architecture")}
+                                for i in threadpoolctl.threadpool_info()]
+    except ImportError:
+        pass
+    return rep
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -174,7 +203,9 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     a = ap.parse_args()
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.precision == "bf16" else contextlib.nullcontext
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     cfg = load_config(a.model)
@@ -189,7 +220,8 @@ def main():
     for i in range(a.warmup + a.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(images, tokens, lens)
+        with amp():
+            loss = model(images, tokens, lens)
         loss.backward()
         opt.step()
         if i >= a.warmup:
@@ -197,6 +229,8 @@ def main():
     times.sort()
     model.eval()
     ti = tt = 1e30
+    if a.precision == "bf16":  # autocast misses the fused inference attention: a bf16 copy instead
+        model, images = copy.deepcopy(model).to(torch.bfloat16), images.to(torch.bfloat16)
     with torch.no_grad():
         for _ in range(5):
             t0 = time.perf_counter()
@@ -205,7 +239,7 @@ def main():
             model.encode(tokens=tokens, lens=lens)
             t2 = time.perf_counter()
             ti, tt = min(ti, t1 - t0), min(tt, t2 - t1)
-    print(json.dumps({"impl": "torch", "model": cfg.get("name"), "threads": a.threads, "batch": B,
+    print(json.dumps({"impl": "torch", "precision": a.precision, **blas_report(), "model": cfg.get("name"), "threads": a.threads, "batch": B,
                       "step_s": times[len(times) // 2], "step_min_s": times[0], "step_max_s": times[-1],
                       "loss": loss.item(), "image_per_s": B / ti, "text_per_s": B / tt,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

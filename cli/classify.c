@@ -98,13 +98,15 @@ static void probabilities(const float *img, const float *ce, int C, int E, doubl
 }
 
 int cmd_classify(int argc, char **argv) {
-    const char *device = NULL, *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
+    const char *precision = NULL, *device = NULL, *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
     const char *mean = NULL, *std = NULL, *unused = NULL;
     int top = 5, B = 64, json = 0, threads = 0, override = 0;
     long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
+        {"precision", ARG_STRING, &precision, "fp32|bf16", "bf16: products in bf16 on a CPU with AVX512_BF16 or "
+                                                          "AMX (default fp32)"},
         {"image", ARG_STRING, &unused, "FILE|DIR...", "images to classify (repeatable; folders searched recursively)"},
         {"labels", ARG_STRING, &labels, "A,B,C", "the candidate labels, comma-separated"},
         {"labels-file", ARG_STRING, &labels_file, "FILE", "the candidate labels, one per line"},
@@ -138,7 +140,7 @@ int cmd_classify(int argc, char **argv) {
 
     vlmoe_model *m = NULL;
     if (vlmoe_model_load(&m, model)) return free(args), cli_error("classify", "%s", vlmoe_last_error());
-    if (device && model_set_device(m, device)) {
+    if ((device && model_set_device(m, device)) || cli_set_precision("classify", m, precision)) {
         vlmoe_model_free(m), free(args);
         return cli_error("classify", "%s", vlmoe_last_error());
     }

@@ -30,6 +30,11 @@ int cli_error(const char *cmd, const char *fmt, ...)
 struct vlmoe_dist;
 void cli_set_dist(struct vlmoe_dist *d);
 
+// --precision fp32|bf16 (cli/precision.c): sets the model's precision; a CPU without bf16
+// instructions keeps fp32 after a one-line notice. 0, or the library's status (the message in
+// vlmoe_last_error, for the caller's cli_error). NULL: no change.
+int cli_set_precision(const char *cmd, vlmoe_model *m, const char *precision);
+
 // Monotonic seconds.
 double cli_now(void);
 

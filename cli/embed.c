@@ -87,13 +87,15 @@ static int write_out(const char *path, const char *model, const char *name, cons
 }
 
 int cmd_embed(int argc, char **argv) {
-    const char *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
+    const char *precision = NULL, *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
     const char *unused = NULL, *format = NULL;
     int B = 64, threads = 0, override = 0;
     long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
+        {"precision", ARG_STRING, &precision, "fp32|bf16", "bf16: products in bf16 on a CPU with AVX512_BF16 or "
+                                                          "AMX (default fp32)"},
         {"images", ARG_STRING, &unused, "DIR|FILE...", "image files and folders (searched recursively)"},
         {"texts", ARG_STRING, &texts_path, "FILE", "texts to embed, one per line (blank lines skipped)"},
         {"output", ARG_STRING, &output, "FILE", "the file to write (also -o FILE): .safetensors, or .npy"},
@@ -130,7 +132,7 @@ int cmd_embed(int argc, char **argv) {
 
     vlmoe_model *m = NULL;
     if (vlmoe_model_load(&m, model)) return free(args), cli_error("embed", "%s", vlmoe_last_error());
-    if (device && model_set_device(m, device)) {
+    if ((device && model_set_device(m, device)) || cli_set_precision("embed", m, precision)) {
         vlmoe_model_free(m), free(args);
         return cli_error("embed", "%s", vlmoe_last_error());
     }

@@ -231,7 +231,7 @@ static int write_results(const eval_ctx *e, const char *path, const char *datase
 }
 
 int cmd_eval(int argc, char **argv) {
-    const char *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
+    const char *precision = NULL, *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
     const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL, *output = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
@@ -240,6 +240,8 @@ int cmd_eval(int argc, char **argv) {
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
+        {"precision", ARG_STRING, &precision, "fp32|bf16", "bf16: products in bf16 on a CPU with AVX512_BF16 or "
+                                                          "AMX (default fp32)"},
         {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "image folder DIR/<class>/*.jpg: zero-shot and few-shot"},
         {"classnames", ARG_STRING, &classnames, "FILE", "class names in sorted folder order: one per line, or JSON (a list, "
                                                         "or CLIP_benchmark's en_classnames.json)"},
@@ -301,7 +303,7 @@ int cmd_eval(int argc, char **argv) {
     e.p.tokenize = cli_tokenize, e.p.tokenize_user = &e.text, e.p.routing = &e.routing;
     e.p.progress = cli_progress_cb, e.p.progress_user = &e.pr, e.p.max_pairs = val_num;
     if (vlmoe_model_load(&e.m, model)) return cli_error("eval", "%s", vlmoe_last_error());
-    if (device && model_set_device(e.m, device)) {
+    if ((device && model_set_device(e.m, device)) || cli_set_precision("eval", e.m, precision)) {
         vlmoe_model_free(e.m);
         return cli_error("eval", "%s", vlmoe_last_error());
     }

@@ -154,6 +154,7 @@ static cJSON *run_params(const train_args *a, int world) {
     cJSON_AddNumberToObject(pj, "lock_text_unlocked_layers", a->lock_text_layers);
     cli_optim_json(pj, &a->o);
     cJSON_AddStringToObject(pj, "device", a->device ? a->device : "cpu");
+    cJSON_AddStringToObject(pj, "precision", a->precision ? a->precision : "fp32");
     return pj;
 }
 
@@ -297,6 +298,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"lock-text-unlocked-layers", ARG_INT, &a.lock_text_layers, "N", "with --lock-text: leave its last N groups "
                                                                         "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
+        {"precision", ARG_STRING, &a.precision, "fp32|bf16", "bf16: linear and expert products in bf16 on a CPU "
+                                                            "with AVX512_BF16 or AMX; master weights, optimizer, "
+                                                            "router, norms and losses stay fp32 (default fp32)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
         {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
@@ -396,6 +400,8 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (a.report_to && strcmp(a.report_to, "tensorboard"))
         return cli_error("train", "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
+    if (a.precision && strcmp(a.precision, "fp32") && strcmp(a.precision, "bf16")) // before any file is made
+        return cli_error("train", "--precision '%s': expected fp32 or bf16", a.precision);
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)
         return cli_error("train", "--expert-parallel %d does not divide the %d process%s into groups%s", a.expert_parallel,
                          dist->world, dist->world == 1 ? "" : "es",
@@ -444,6 +450,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     cli_resume_fresh("train", r.dir, existed, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
+    if (!rc && cli_set_precision("train", r.m, a.precision)) rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
         const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
         if (vlmoe_model_set_grad_checkpointing(r.m, 1))

@@ -13,6 +13,7 @@
 typedef struct {
     const char *model, *dataset_type, *logs, *name, *pretrained, *preset;
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
+    const char *precision;       // --precision fp32|bf16 (cli/precision.c)
     const char *upsampling;      // --train-data-upsampling-factors
     int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;

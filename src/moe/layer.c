@@ -356,7 +356,9 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
     const moe_spec *sp = &st->sp;
     const vlmoe_moe_config *cfg = sp->cfg;
     const int E = st->E, K = st->K, D = sp->D, n = st->n;
-    be->linear_forward(be, st->logits, x, P + sp->router_w, NULL, n, D, E, 0);
+    // the router's product in full precision even under --precision bf16: the decision rides on it
+    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be;
+    rbe->linear_forward(rbe, st->logits, x, P + sp->router_w, NULL, n, D, E, 0);
     be->softmax_forward(be, st->probs, st->logits, n, E);
     st->noisy_on = c->training && cfg->noise_std > 0;
     if (st->noisy_on && c->noise) { // a test pins the noise
@@ -748,7 +750,8 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->zero(be, st->dlogits, (size_t)n * E);
     be->softmax_backward(be, st->dlogits, st->gates, st->dgates, n, E);
     moe_aux(st, NULL, daux, st->dlogits);
-    be->linear_backward(be, dx, G + sp->router_w, NULL, st->dlogits, x, P + sp->router_w, n, D, E);
+    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be; // the router in full precision
+    rbe->linear_backward(rbe, dx, G + sp->router_w, NULL, st->dlogits, x, P + sp->router_w, n, D, E);
 }
 
 // The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).

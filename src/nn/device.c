@@ -3,10 +3,14 @@
 // one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
 // forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
-// own memory) and tests/test_cli.c.
+// own memory) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
+// (src/ops/backend_cpu.c) where the CPU has bf16 instructions; tests/test_bf16.c.
+#include <string.h>
+
 #include "core/core.h"
 #include "nn/model.h"
 #include "ops/backend.h"
+#include "ops/gemm_bf16.h"
 
 int model_set_device(vlmoe_model *m, const char *name) {
     const vlmoe_backend_f32 *be = NULL;
@@ -16,6 +20,23 @@ int model_set_device(vlmoe_model *m, const char *name) {
     if (be == m->be) return VLMOE_OK;
     if ((st = model_set_backend(m, be, owned))) return vlmoe_error_prefix("--device %s", name), st;
     return VLMOE_OK;
+}
+
+int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
+    *fell_back = 0;
+    const vlmoe_backend_f32 *cpu = backend_cpu_f32(), *bf16 = backend_cpu_bf16();
+    if (!name || !strcmp(name, "fp32"))
+        return m->be == bf16 ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
+    if (strcmp(name, "bf16"))
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32 or bf16", name);
+    if (m->be != cpu && m->be != bf16)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision bf16: the %s backend computes in fp32 only; use "
+                          "--precision fp32 there", m->be->name);
+    if (!gemm_bf16_native()) {
+        *fell_back = 1;
+        return VLMOE_OK;
+    }
+    return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
 }
 
 static void drop_device(vlmoe_model *m) {

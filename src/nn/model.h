@@ -319,5 +319,9 @@ int model_set_frozen_towers(vlmoe_model *m, int image, int text);
 // --device: "cpu" (the default) or "cuda[:N]" (src/nn/device.c); an error naming what is missing
 // when the model cannot run there.
 int model_set_device(vlmoe_model *m, const char *name);
+// --precision: "fp32" (the default) or "bf16" (src/nn/device.c; after model_set_device). bf16
+// runs the products of linear layers and experts in bf16 on a CPU that has it natively; on one
+// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so).
+int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
 
 #endif

@@ -71,6 +71,9 @@ typedef struct {
         void *ctx;                                                                               \
         /* 1 when the table's memory is the host's: callers may hand it host arrays as they are */ \
         int host_memory;                                                                         \
+        /* the same table with every product in full precision, for what must stay so (the */  \
+        /* router); NULL when this table is that already (src/ops/backend_cpu.c's cpu-bf16) */  \
+        const struct vlmoe_backend_##S *fp32;                                                    \
         /* 1 when the backend can run op with this configuration (cfg: the op's own struct, */   \
         /* or NULL for "at all") */                                                              \
         int (*supports)(const vlmoe_backend_##S *be, be_op op, const void *cfg);                 \
@@ -199,6 +202,9 @@ typedef struct {
 
 BACKEND_DECL(float, f32)
 BACKEND_DECL(double, f64)
+
+// The CPU table of `--precision bf16`: products in bf16 (src/ops/gemm_bf16.h), the rest fp32.
+const vlmoe_backend_f32 *backend_cpu_bf16(void);
 
 // The CUDA table: VLMOE_OK and *out set on a machine with a device and a `make CUDA=1` build;
 // otherwise an error saying why (src/cuda/). device: the CUDA ordinal. backend_cuda_free(NULL)

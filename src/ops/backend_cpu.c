@@ -8,8 +8,10 @@
 
 #include "core/real.h"
 #include "core/core.h"
+#include "core/prof.h"
 #include "loss/masked.h"
 #include "ops/backend.h"
+#include "ops/gemm_bf16.h"
 
 typedef struct R(vlmoe_backend) backend;
 
@@ -28,195 +30,209 @@ static void *cpu_alloc(const backend *be, size_t bytes, const char *what) {
 static void cpu_free(const backend *be, void *p) { vlmoe_free_mem(p); }
 // upload, download and copy alike: the table's memory is the host's
 static void cpu_memcpy(const backend *be, real *dst, const real *src, size_t n) {
-    if (n && dst != src) memcpy(dst, src, sizeof(real) * n);
+    if (n && dst != src) PROF_SCOPE(PROF_MEMORY) memcpy(dst, src, sizeof(real) * n);
 }
 static void cpu_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
-    if (n && dst != src) memcpy(dst, src, n);
+    if (n && dst != src) PROF_SCOPE(PROF_MEMORY) memcpy(dst, src, n);
 }
 static void cpu_zero(const backend *be, real *p, size_t n) {
-    if (n) memset(p, 0, sizeof(real) * n);
+    if (n) PROF_SCOPE(PROF_MEMORY) memset(p, 0, sizeof(real) * n);
 }
 static void cpu_add(const backend *be, real *dst, const real *src, size_t n) {
-    for (size_t i = 0; i < n; i++) dst[i] += src[i];
+    PROF_SCOPE(PROF_MEMORY) for (size_t i = 0; i < n; i++) dst[i] += src[i];
 }
 static int cpu_sync(const backend *be) { return VLMOE_OK; }
 
 // ---- the kernels of src/ops/ops.h
 static void cpu_linear_forward(const backend *be, real *out, const real *inp, const real *w,
                                const real *b, int N, int K, int O, int beta) {
-    R(linear_forward)(out, inp, w, b, N, K, O, beta);
+    PROF_SCOPE(PROF_OTHER) R(linear_forward)(out, inp, w, b, N, K, O, beta);
 }
 static void cpu_linear_backward(const backend *be, real *dinp, real *dw, real *db, const real *dout,
                                 const real *inp, const real *w, int N, int K, int O) {
-    R(linear_backward)(dinp, dw, db, dout, inp, w, N, K, O);
+    PROF_SCOPE(PROF_OTHER) R(linear_backward)(dinp, dw, db, dout, inp, w, N, K, O);
 }
 static void cpu_layernorm_forward(const backend *be, real *out, real *mean, real *rstd,
                                   const real *inp, const real *w, const real *b, int N, int C,
                                   double eps) {
-    R(layernorm_forward)(out, mean, rstd, inp, w, b, N, C, eps);
+    PROF_SCOPE(PROF_LAYERNORM) R(layernorm_forward)(out, mean, rstd, inp, w, b, N, C, eps);
 }
 static void cpu_layernorm_recompute(const backend *be, real *out, const real *inp, const real *w,
                                     const real *b, const real *mean, const real *rstd, int N, int C) {
-    R(layernorm_recompute)(out, inp, w, b, mean, rstd, N, C);
+    PROF_SCOPE(PROF_LAYERNORM) R(layernorm_recompute)(out, inp, w, b, mean, rstd, N, C);
 }
 static void cpu_layernorm_backward(const backend *be, real *dinp, real *dw, real *db,
                                    const real *dout, const real *inp, const real *w,
                                    const real *mean, const real *rstd, int N, int C) {
-    R(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
+    PROF_SCOPE(PROF_LAYERNORM) R(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C);
 }
 static void cpu_act_forward(const backend *be, real *out, const real *inp, size_t n, int kind) {
-    R(act_forward)(out, inp, n, kind);
+    PROF_SCOPE(PROF_GELU) R(act_forward)(out, inp, n, kind);
 }
 static void cpu_act_backward(const backend *be, real *dinp, const real *inp, const real *dout,
                              size_t n, int kind) {
-    R(act_backward)(dinp, inp, dout, n, kind);
+    PROF_SCOPE(PROF_GELU) R(act_backward)(dinp, inp, dout, n, kind);
 }
 static void cpu_softmax_forward(const backend *be, real *out, const real *inp, int N, int C) {
-    R(softmax_forward)(out, inp, N, C);
+    PROF_SCOPE(PROF_ROUTING) R(softmax_forward)(out, inp, N, C);
 }
 static void cpu_softmax_backward(const backend *be, real *dinp, const real *out, const real *dout,
                                  int N, int C) {
-    R(softmax_backward)(dinp, out, dout, N, C);
+    PROF_SCOPE(PROF_ROUTING) R(softmax_backward)(dinp, out, dout, N, C);
 }
 static void cpu_attention_forward(const backend *be, real *out, real *att, const real *qkv,
                                   const attn_segment *seg, int D, int H) {
-    R(attention_forward)(out, att, qkv, seg, D, H);
+    PROF_SCOPE(PROF_ATTENTION) R(attention_forward)(out, att, qkv, seg, D, H);
 }
 static void cpu_attention_backward(const backend *be, real *dqkv, real *datt, const real *dout,
                                    const real *qkv, const real *att, const attn_segment *seg, int D,
                                    int H) {
-    R(attention_backward)(dqkv, datt, dout, qkv, att, seg, D, H);
+    PROF_SCOPE(PROF_ATTENTION) R(attention_backward)(dqkv, datt, dout, qkv, att, seg, D, H);
 }
 static void cpu_patchify_forward(const backend *be, real *patches, const real *images, int B, int C,
                                  int HW, int P) {
-    R(patchify_forward)(patches, images, B, C, HW, P);
+    PROF_SCOPE(PROF_DATA) R(patchify_forward)(patches, images, B, C, HW, P);
 }
 static void cpu_patchify_backward(const backend *be, real *dimages, const real *dpatches, int B,
                                   int C, int HW, int P) {
-    R(patchify_backward)(dimages, dpatches, B, C, HW, P);
+    PROF_SCOPE(PROF_DATA) R(patchify_backward)(dimages, dpatches, B, C, HW, P);
 }
 static void cpu_embed_forward(const backend *be, real *out, const int32_t *ids, const real *wte,
                               int BT, int D) {
-    R(embed_forward)(out, ids, wte, BT, D);
+    PROF_SCOPE(PROF_DATA) R(embed_forward)(out, ids, wte, BT, D);
 }
 static void cpu_embed_backward(const backend *be, real *dwte, const real *dout, const int32_t *ids,
                                int BT, int D) {
-    R(embed_backward)(dwte, dout, ids, BT, D);
+    PROF_SCOPE(PROF_DATA) R(embed_backward)(dwte, dout, ids, BT, D);
 }
 static void cpu_posadd_forward(const backend *be, real *out, const real *pos, int B, int T_, int D) {
-    R(posadd_forward)(out, pos, B, T_, D);
+    PROF_SCOPE(PROF_DATA) R(posadd_forward)(out, pos, B, T_, D);
 }
 static void cpu_posadd_backward(const backend *be, real *dpos, const real *dout, int B, int T_,
                                 int D) {
-    R(posadd_backward)(dpos, dout, B, T_, D);
+    PROF_SCOPE(PROF_DATA) R(posadd_backward)(dpos, dout, B, T_, D);
 }
 static void cpu_cls_forward(const backend *be, real *out, const real *cls, const real *x, int B,
                             int N, int D) {
-    R(cls_forward)(out, cls, x, B, N, D);
+    PROF_SCOPE(PROF_DATA) R(cls_forward)(out, cls, x, B, N, D);
 }
 static void cpu_cls_backward(const backend *be, real *dcls, real *dx, const real *dout, int B,
                              int N, int D) {
-    R(cls_backward)(dcls, dx, dout, B, N, D);
+    PROF_SCOPE(PROF_DATA) R(cls_backward)(dcls, dx, dout, B, N, D);
 }
 static void cpu_pool_forward(const backend *be, real *out, const real *x, const int32_t *lens,
                              int B, int T_, int D, int kind) {
-    R(pool_forward)(out, x, lens, B, T_, D, kind);
+    PROF_SCOPE(PROF_DATA) R(pool_forward)(out, x, lens, B, T_, D, kind);
 }
 static void cpu_pool_backward(const backend *be, real *dx, const real *dout, const int32_t *lens,
                               int B, int T_, int D, int kind) {
-    R(pool_backward)(dx, dout, lens, B, T_, D, kind);
+    PROF_SCOPE(PROF_DATA) R(pool_backward)(dx, dout, lens, B, T_, D, kind);
 }
 static void cpu_l2norm_forward(const backend *be, real *out, real *norm, const real *x, int N, int C) {
-    R(l2norm_forward)(out, norm, x, N, C);
+    PROF_SCOPE(PROF_LOSS) R(l2norm_forward)(out, norm, x, N, C);
 }
 static void cpu_l2norm_backward(const backend *be, real *dx, const real *dout, const real *out,
                                 const real *norm, int N, int C) {
-    R(l2norm_backward)(dx, dout, out, norm, N, C);
+    PROF_SCOPE(PROF_LOSS) R(l2norm_backward)(dx, dout, out, norm, N, C);
 }
 static double cpu_contrastive_forward(const backend *be, real *logits, real *prow, real *pcol,
                                       const real *img, const real *txt, real scale, int B, int E,
                                       double *acc) {
-    return R(contrastive_forward)(logits, prow, pcol, img, txt, scale, B, E, acc);
+    double r;
+    PROF_SCOPE(PROF_LOSS) r = R(contrastive_forward)(logits, prow, pcol, img, txt, scale, B, E, acc);
+    return r;
 }
 static void cpu_contrastive_backward(const backend *be, real *dimg, real *dtxt, real *dscale,
                                      const real *logits, const real *prow, const real *pcol,
                                      const real *img, const real *txt, real scale, int B, int E,
                                      double dloss) {
-    R(contrastive_backward)(dimg, dtxt, dscale, logits, prow, pcol, img, txt, scale, B, E, dloss);
+    PROF_SCOPE(PROF_LOSS) R(contrastive_backward)(dimg, dtxt, dscale, logits, prow, pcol, img, txt, scale, B, E, dloss);
 }
 static double cpu_xent_forward(const backend *be, real *probs, const real *logits,
                                const int32_t *labels, int n, int C, int *correct) {
-    return R(xent_forward)(probs, logits, labels, n, C, correct);
+    double r;
+    PROF_SCOPE(PROF_LOSS) r = R(xent_forward)(probs, logits, labels, n, C, correct);
+    return r;
 }
 static void cpu_xent_backward(const backend *be, real *dlogits, const real *probs,
                               const int32_t *labels, int n, int C, double scale) {
-    R(xent_backward)(dlogits, probs, labels, n, C, scale);
+    PROF_SCOPE(PROF_LOSS) R(xent_backward)(dlogits, probs, labels, n, C, scale);
 }
 
 // ---- MoE dispatch: one thread per output row or token, so no atomics and the same bits for any
 // thread count
 static void cpu_gather_rows(const backend *be, real *dst, const real *src, const int32_t *idx,
                             int rows, int D) {
+    PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)rows * D >= PAR_MIN)
-    for (int r = 0; r < rows; r++)
-        memcpy(dst + (size_t)r * D, src + (size_t)idx[r] * D, sizeof(real) * D);
+        for (int r = 0; r < rows; r++)
+            memcpy(dst + (size_t)r * D, src + (size_t)idx[r] * D, sizeof(real) * D);
+    }
 }
 
 static void cpu_combine_forward(const backend *be, real *out, const real *y, const real *w,
                                 const be_dispatch *d, int D) {
+    PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)d->n * D >= PAR_MIN)
-    for (int t = 0; t < d->n; t++) {
-        real *o = out + (size_t)t * D;
-        for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
-            const int r = d->tok_rows[j];
-            const real wr = w[r], *yr = y + (size_t)r * D;
+        for (int t = 0; t < d->n; t++) {
+            real *o = out + (size_t)t * D;
+            for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
+                const int r = d->tok_rows[j];
+                const real wr = w[r], *yr = y + (size_t)r * D;
 #pragma omp simd
-            for (int k = 0; k < D; k++) o[k] += wr * yr[k];
+                for (int k = 0; k < D; k++) o[k] += wr * yr[k];
+            }
         }
     }
 }
 
 static void cpu_combine_backward(const backend *be, real *dy, real *dw, const real *dout,
                                  const real *y, const real *w, const be_dispatch *d, int D) {
+    PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)d->rows * D >= PAR_MIN)
-    for (int r = 0; r < d->rows; r++) {
-        const real *g = dout + (size_t)d->row_token[r] * D, *yr = y + (size_t)r * D;
-        real *dyr = dy + (size_t)r * D, dot = 0;
-        for (int k = 0; k < D; k++) {
-            dyr[k] = w[r] * g[k];
-            dot += g[k] * yr[k];
+        for (int r = 0; r < d->rows; r++) {
+            const real *g = dout + (size_t)d->row_token[r] * D, *yr = y + (size_t)r * D;
+            real *dyr = dy + (size_t)r * D, dot = 0;
+            for (int k = 0; k < D; k++) {
+                dyr[k] = w[r] * g[k];
+                dot += g[k] * yr[k];
+            }
+            dw[r] = dot;
         }
-        dw[r] = dot;
     }
 }
 
 static void cpu_gather_rows_backward(const backend *be, real *dx, const real *dxp,
                                      const be_dispatch *d, int D) {
+    PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)d->n * D >= PAR_MIN)
-    for (int t = 0; t < d->n; t++) {
-        real *o = dx + (size_t)t * D;
-        for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
-            const real *g = dxp + (size_t)d->tok_rows[j] * D;
+        for (int t = 0; t < d->n; t++) {
+            real *o = dx + (size_t)t * D;
+            for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
+                const real *g = dxp + (size_t)d->tok_rows[j] * D;
 #pragma omp simd
-            for (int k = 0; k < D; k++) o[k] += g[k];
+                for (int k = 0; k < D; k++) o[k] += g[k];
+            }
         }
     }
 }
 
 static void cpu_combine_weights(const backend *be, real *w, real *zsum, const real *gates,
                                 const be_dispatch *d, int renorm) {
-    const int E = d->E;
-    if (renorm)
-        for (int t = 0; t < d->n; t++) {
-            real z = 0;
-            for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++)
-                z += gates[(size_t)t * E + d->row_expert[d->tok_rows[j]]];
-            zsum[t] = z;
+    PROF_SCOPE(PROF_ROUTING) {
+        const int E = d->E;
+        if (renorm)
+            for (int t = 0; t < d->n; t++) {
+                real z = 0;
+                for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++)
+                    z += gates[(size_t)t * E + d->row_expert[d->tok_rows[j]]];
+                zsum[t] = z;
+            }
+        for (int r = 0; r < d->rows; r++) {
+            const int t = d->row_token[r];
+            const real g = gates[(size_t)t * E + d->row_expert[r]];
+            w[r] = renorm ? g / zsum[t] : g;
         }
-    for (int r = 0; r < d->rows; r++) {
-        const int t = d->row_token[r];
-        const real g = gates[(size_t)t * E + d->row_expert[r]];
-        w[r] = renorm ? g / zsum[t] : g;
     }
 }
 
@@ -226,98 +242,152 @@ static void cpu_combine_weights(const backend *be, real *w, real *zsum, const re
 static void cpu_combine_weights_backward(const backend *be, real *dgates, const real *dw,
                                          const real *gates, const real *zsum, const be_dispatch *d,
                                          int renorm) {
-    const int E = d->E;
-    for (int t = 0; t < d->n; t++)
-        for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
-            const int r = d->tok_rows[j], e = d->row_expert[r];
-            if (!renorm) {
-                dgates[(size_t)t * E + e] += dw[r];
-                continue;
+    PROF_SCOPE(PROF_ROUTING) {
+        const int E = d->E;
+        for (int t = 0; t < d->n; t++)
+            for (int j = d->tok_off[t]; j < d->tok_off[t + 1]; j++) {
+                const int r = d->tok_rows[j], e = d->row_expert[r];
+                if (!renorm) {
+                    dgates[(size_t)t * E + e] += dw[r];
+                    continue;
+                }
+                const real z = zsum[t], ge = gates[(size_t)t * E + e];
+                for (int j2 = d->tok_off[t]; j2 < d->tok_off[t + 1]; j2++) {
+                    const int e2 = d->row_expert[d->tok_rows[j2]];
+                    dgates[(size_t)t * E + e2] += dw[r] * ((e2 == e ? 1 / z : 0) - ge / (z * z));
+                }
             }
-            const real z = zsum[t], ge = gates[(size_t)t * E + e];
-            for (int j2 = d->tok_off[t]; j2 < d->tok_off[t + 1]; j2++) {
-                const int e2 = d->row_expert[d->tok_rows[j2]];
-                dgates[(size_t)t * E + e2] += dw[r] * ((e2 == e ? 1 / z : 0) - ge / (z * z));
-            }
-        }
+    }
 }
 
 static void cpu_router_noise(const backend *be, real *noisy, const real *logits, int n, int E,
                              const be_noise *nz) {
-    const uint64_t base = vlmoe_mix64(nz->seed);
+    PROF_SCOPE(PROF_ROUTING) {
+        const uint64_t base = vlmoe_mix64(nz->seed);
 #pragma omp parallel for schedule(static) if ((size_t)n * E >= PAR_MIN)
-    for (int t = 0; t < n; t++) {
-        const uint64_t h = vlmoe_mix64(base ^ nz->key[t]);
-        for (int e = 0; e < E; e++) {
-            const size_t i = (size_t)t * E + e;
-            noisy[i] = logits[i] + (real)(nz->sigma * vlmoe_normal_at(h, (uint64_t)e));
+        for (int t = 0; t < n; t++) {
+            const uint64_t h = vlmoe_mix64(base ^ nz->key[t]);
+            for (int e = 0; e < E; e++) {
+                const size_t i = (size_t)t * E + e;
+                noisy[i] = logits[i] + (real)(nz->sigma * vlmoe_normal_at(h, (uint64_t)e));
+            }
         }
     }
 }
 
 static double cpu_aux_loss(const backend *be, vlmoe_aux_kind kind, const R(aux_input) *in,
                            double weight, real *dlogits, real *scratch) {
-    return R(aux_loss)(kind, in, weight, dlogits, scratch);
+    double r;
+    PROF_SCOPE(PROF_LOSS) r = R(aux_loss)(kind, in, weight, dlogits, scratch);
+    return r;
 }
 static void cpu_soft_moe_forward(const backend *be, real *out, real *acts, const real *x,
                                  const R(soft_params) *p, const soft_dims *d) {
-    R(soft_moe_forward)(out, acts, x, p, d);
+    PROF_SCOPE(PROF_DISPATCH) R(soft_moe_forward)(out, acts, x, p, d);
 }
 static void cpu_soft_moe_backward(const backend *be, real *dx, const R(soft_grads) *g,
                                   const real *dout, const real *acts, const real *x,
                                   const R(soft_params) *p, const soft_dims *d, real *scratch) {
-    R(soft_moe_backward)(dx, g, dout, acts, x, p, d, scratch);
+    PROF_SCOPE(PROF_DISPATCH) R(soft_moe_backward)(dx, g, dout, acts, x, p, d, scratch);
 }
 
+// The products of a table: fp32 ones (R(linear_*)) or, for the cpu-bf16 table, bf16 ones.
+typedef struct {
+    void (*fwd)(real *out, const real *inp, const real *w, const real *b, int N, int K, int O, int beta);
+    void (*bwd)(real *dinp, real *dw, real *db, const real *dout, const real *inp, const real *w, int N,
+                int K, int O);
+} products;
+static const products full = {R(linear_forward), R(linear_backward)};
+
 // One expert's rows at a time, in expert order: the same kernel calls a dense MLP makes.
-static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
-                                const real *const w[4], const be_experts *ex, int beta) {
-    const int D = ex->D, M = ex->M;
-    for (int e = 0; e < ex->E; e++) {
-        const size_t o = (size_t)ex->off[e];
-        const int k = ex->off[e + 1] - ex->off[e];
-        if (k <= 0) continue;
-        R(linear_forward)(h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D,
-                          M, 0);
-        R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
-        R(linear_forward)(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M,
-                          D, beta);
+static void experts_forward(const products *pr, real *y, real *h, real *a, const real *x,
+                            const real *const w[4], const be_experts *ex, int beta) {
+    PROF_SCOPE(PROF_OTHER) {
+        const int D = ex->D, M = ex->M;
+        for (int e = 0; e < ex->E; e++) {
+            const size_t o = (size_t)ex->off[e];
+            const int k = ex->off[e + 1] - ex->off[e];
+            if (k <= 0) continue;
+            pr->fwd(h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
+            PROF_SCOPE(PROF_GELU) R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
+            pr->fwd(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+        }
     }
 }
 
+static void experts_backward(const products *pr, real *dx, real *const dw[4], const real *dy,
+                             const real *x, const real *h, const real *const w[4], real *da,
+                             real *dh, const be_experts *ex) {
+    PROF_SCOPE(PROF_OTHER) {
+        const int D = ex->D, M = ex->M;
+        for (int e = 0; e < ex->E; e++) {
+            const size_t o = (size_t)ex->off[e];
+            const int k = ex->off[e + 1] - ex->off[e];
+            if (k <= 0) continue;
+            real *he = (real *)h + o * M, *dae = da + o * M, *dhe = dh + o * M;
+            // the activation again, in dh's space
+            PROF_SCOPE(PROF_GELU) R(act_forward)(dhe, he, (size_t)k * M, ex->act);
+            PROF_SCOPE(PROF_MEMORY) memset(dae, 0, sizeof(real) * (size_t)k * M);
+            pr->bwd(dae, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dhe,
+                    w[2] + (size_t)e * D * M, k, M, D);
+            PROF_SCOPE(PROF_MEMORY) memset(dhe, 0, sizeof(real) * (size_t)k * M);
+            PROF_SCOPE(PROF_GELU) R(act_backward)(dhe, he, dae, (size_t)k * M, ex->act);
+            pr->bwd(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
+                    w[0] + (size_t)e * M * D, k, D, M);
+        }
+    }
+}
+
+static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
+                                const real *const w[4], const be_experts *ex, int beta) {
+    experts_forward(&full, y, h, a, x, w, ex, beta);
+}
 static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
                                  const real *x, const real *h, const real *const w[4], real *da,
                                  real *dh, const be_experts *ex) {
-    const int D = ex->D, M = ex->M;
-    for (int e = 0; e < ex->E; e++) {
-        const size_t o = (size_t)ex->off[e];
-        const int k = ex->off[e + 1] - ex->off[e];
-        if (k <= 0) continue;
-        real *he = (real *)h + o * M, *dae = da + o * M, *dhe = dh + o * M;
-        R(act_forward)(dhe, he, (size_t)k * M, ex->act); // the activation again, in dh's space
-        memset(dae, 0, sizeof(real) * (size_t)k * M);
-        R(linear_backward)(dae, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dhe,
-                           w[2] + (size_t)e * D * M, k, M, D);
-        memset(dhe, 0, sizeof(real) * (size_t)k * M);
-        R(act_backward)(dhe, he, dae, (size_t)k * M, ex->act);
-        R(linear_backward)(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
-                           w[0] + (size_t)e * M * D, k, D, M);
-    }
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex);
 }
+
+#ifndef VLMOE_REAL_F64
+// ---- the cpu-bf16 table (`--precision bf16`): every product of a linear layer or an expert in
+// bf16 with fp32 accumulation (src/ops/gemm_bf16.c); the rest is the fp32 table's, and so is
+// the router (the table's fp32 field), as in PyTorch's CPU autocast and the CUDA backend's
+// fp32-everywhere default.
+static const products half = {linear_forward_bf16, linear_backward_bf16};
+static void bf16_linear_forward(const backend *be, real *out, const real *inp, const real *w,
+                                const real *b, int N, int K, int O, int beta) {
+    PROF_SCOPE(PROF_OTHER) linear_forward_bf16(out, inp, w, b, N, K, O, beta);
+}
+static void bf16_linear_backward(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                 const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) linear_backward_bf16(dinp, dw, db, dout, inp, w, N, K, O);
+}
+static void bf16_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
+                                 const real *const w[4], const be_experts *ex, int beta) {
+    experts_forward(&half, y, h, a, x, w, ex, beta);
+}
+static void bf16_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                  const real *x, const real *h, const real *const w[4], real *da,
+                                  real *dh, const be_experts *ex) {
+    experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex);
+}
+#endif
 
 // ---- trainer ops over flat buffers
 static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfinite) {
     double part[NCHUNK];
     int bad[NCHUNK];
     const size_t per = (n + NCHUNK - 1) / NCHUNK;
+    PROF_SCOPE(PROF_OPTIMIZER) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-    for (int k = 0; k < NCHUNK; k++) {
-        const size_t a = (size_t)k * per < n ? (size_t)k * per : n;
-        const size_t b = a + per < n ? a + per : n;
-        double acc = 0;
-        for (size_t i = a; i < b; i++) acc += (double)x[i] * x[i];
-        part[k] = acc;
-        bad[k] = !isfinite(acc);
+        for (int k = 0; k < NCHUNK; k++) {
+            const size_t a = (size_t)k * per < n ? (size_t)k * per : n;
+            const size_t b = a + per < n ? a + per : n;
+            double acc = 0;
+            for (size_t i = a; i < b; i++) acc += (double)x[i] * x[i];
+            part[k] = acc;
+            bad[k] = !isfinite(acc);
+        }
     }
     double sum = 0;
     int any = 0;
@@ -327,91 +397,117 @@ static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfini
 }
 
 static void cpu_scale(const backend *be, real *x, size_t n, float s) {
+    PROF_SCOPE(PROF_OPTIMIZER) {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-    for (size_t i = 0; i < n; i++) x[i] *= s;
+        for (size_t i = 0; i < n; i++) x[i] *= s;
+    }
 }
 
-// torch.optim.AdamW's order of operations; see src/optim/optim.c for the derivation.
+// torch.optim.AdamW's order of operations; see src/optim/optim.c for the derivation. Elementwise,
+// so the vectorised loop gives the scalar loop's bits (C11 mode: no contraction into FMAs).
 static void cpu_adamw(const backend *be, real *p, real *m, real *v, const real *g, size_t n,
                       const be_adamw *a) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-    for (size_t i = 0; i < n; i++) {
-        real pi = p[i];
-        if (a->decay) pi *= a->shrink;
-        const real gi = g[i];
-        const real mi = a->b1 * m[i] + a->ab1 * gi;
-        const real vi = a->b2 * v[i] + (a->ab2 * gi) * gi;
-        m[i] = mi;
-        v[i] = vi;
-        const real denom = RSQRT(vi) / a->bc2_sqrt + a->eps;
-        p[i] = pi + (a->neg_step * mi) / denom;
+    const real b1 = a->b1, b2 = a->b2, ab1 = a->ab1, ab2 = a->ab2, bc2 = a->bc2_sqrt, eps = a->eps;
+    const real step = a->neg_step, shrink = a->decay ? a->shrink : 1;
+    PROF_SCOPE(PROF_OPTIMIZER) {
+#pragma omp parallel for simd schedule(static) if (n >= PAR_MIN)
+        for (size_t i = 0; i < n; i++) {
+            const real pi = p[i] * shrink; // times 1 when there is no decay: the same bits
+            const real gi = g[i];
+            const real mi = b1 * m[i] + ab1 * gi;
+            const real vi = b2 * v[i] + (ab2 * gi) * gi;
+            m[i] = mi;
+            v[i] = vi;
+            const real denom = RSQRT(vi) / bc2 + eps;
+            p[i] = pi + (step * mi) / denom;
+        }
     }
 }
 
 static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi) {
-    const real l = (real)lo, h = (real)hi;
-    for (size_t i = 0; i < n; i++) x[i] = x[i] < l ? l : x[i] > h ? h : x[i];
+    PROF_SCOPE(PROF_OPTIMIZER) {
+        const real l = (real)lo, h = (real)hi;
+        for (size_t i = 0; i < n; i++) x[i] = x[i] < l ? l : x[i] > h ? h : x[i];
+    }
 }
+
+// Every entry but the name, the products and the fp32 twin: the same in both tables.
+#define CPU_COMMON_ENTRIES \
+    .host_memory = 1, \
+    .supports = cpu_supports, \
+    .alloc = cpu_alloc, \
+    .free = cpu_free, \
+    .upload = cpu_memcpy, \
+    .download = cpu_memcpy, \
+    .upload_bytes = cpu_upload_bytes, \
+    .zero = cpu_zero, \
+    .copy = cpu_memcpy, \
+    .add = cpu_add, \
+    .sync = cpu_sync, \
+    .layernorm_forward = cpu_layernorm_forward, \
+    .layernorm_recompute = cpu_layernorm_recompute, \
+    .layernorm_backward = cpu_layernorm_backward, \
+    .act_forward = cpu_act_forward, \
+    .act_backward = cpu_act_backward, \
+    .softmax_forward = cpu_softmax_forward, \
+    .softmax_backward = cpu_softmax_backward, \
+    .attention_forward = cpu_attention_forward, \
+    .attention_backward = cpu_attention_backward, \
+    .patchify_forward = cpu_patchify_forward, \
+    .patchify_backward = cpu_patchify_backward, \
+    .embed_forward = cpu_embed_forward, \
+    .embed_backward = cpu_embed_backward, \
+    .posadd_forward = cpu_posadd_forward, \
+    .posadd_backward = cpu_posadd_backward, \
+    .cls_forward = cpu_cls_forward, \
+    .cls_backward = cpu_cls_backward, \
+    .pool_forward = cpu_pool_forward, \
+    .pool_backward = cpu_pool_backward, \
+    .l2norm_forward = cpu_l2norm_forward, \
+    .l2norm_backward = cpu_l2norm_backward, \
+    .contrastive_forward = cpu_contrastive_forward, \
+    .contrastive_backward = cpu_contrastive_backward, \
+    .xent_forward = cpu_xent_forward, \
+    .xent_backward = cpu_xent_backward, \
+    .gather_rows = cpu_gather_rows, \
+    .combine_forward = cpu_combine_forward, \
+    .combine_backward = cpu_combine_backward, \
+    .gather_rows_backward = cpu_gather_rows_backward, \
+    .combine_weights = cpu_combine_weights, \
+    .combine_weights_backward = cpu_combine_weights_backward, \
+    .router_noise = cpu_router_noise, \
+    .aux_loss = cpu_aux_loss, \
+    .soft_moe_forward = cpu_soft_moe_forward, \
+    .soft_moe_backward = cpu_soft_moe_backward, \
+    .sumsq = cpu_sumsq, \
+    .scale = cpu_scale, \
+    .adamw = cpu_adamw, \
+    .clamp = cpu_clamp
 
 static const backend cpu_table = {
     .name = "cpu",
-    .host_memory = 1,
-    .supports = cpu_supports,
-    .alloc = cpu_alloc,
-    .free = cpu_free,
-    .upload = cpu_memcpy,
-    .download = cpu_memcpy,
-    .upload_bytes = cpu_upload_bytes,
-    .zero = cpu_zero,
-    .copy = cpu_memcpy,
-    .add = cpu_add,
-    .sync = cpu_sync,
+    CPU_COMMON_ENTRIES,
     .linear_forward = cpu_linear_forward,
     .linear_backward = cpu_linear_backward,
-    .layernorm_forward = cpu_layernorm_forward,
-    .layernorm_recompute = cpu_layernorm_recompute,
-    .layernorm_backward = cpu_layernorm_backward,
-    .act_forward = cpu_act_forward,
-    .act_backward = cpu_act_backward,
-    .softmax_forward = cpu_softmax_forward,
-    .softmax_backward = cpu_softmax_backward,
-    .attention_forward = cpu_attention_forward,
-    .attention_backward = cpu_attention_backward,
-    .patchify_forward = cpu_patchify_forward,
-    .patchify_backward = cpu_patchify_backward,
-    .embed_forward = cpu_embed_forward,
-    .embed_backward = cpu_embed_backward,
-    .posadd_forward = cpu_posadd_forward,
-    .posadd_backward = cpu_posadd_backward,
-    .cls_forward = cpu_cls_forward,
-    .cls_backward = cpu_cls_backward,
-    .pool_forward = cpu_pool_forward,
-    .pool_backward = cpu_pool_backward,
-    .l2norm_forward = cpu_l2norm_forward,
-    .l2norm_backward = cpu_l2norm_backward,
-    .contrastive_forward = cpu_contrastive_forward,
-    .contrastive_backward = cpu_contrastive_backward,
-    .xent_forward = cpu_xent_forward,
-    .xent_backward = cpu_xent_backward,
-    .gather_rows = cpu_gather_rows,
-    .combine_forward = cpu_combine_forward,
-    .combine_backward = cpu_combine_backward,
-    .gather_rows_backward = cpu_gather_rows_backward,
-    .combine_weights = cpu_combine_weights,
-    .combine_weights_backward = cpu_combine_weights_backward,
-    .router_noise = cpu_router_noise,
-    .aux_loss = cpu_aux_loss,
-    .soft_moe_forward = cpu_soft_moe_forward,
-    .soft_moe_backward = cpu_soft_moe_backward,
     .experts_forward = cpu_experts_forward,
     .experts_backward = cpu_experts_backward,
-    .sumsq = cpu_sumsq,
-    .scale = cpu_scale,
-    .adamw = cpu_adamw,
-    .clamp = cpu_clamp,
 };
 
 const backend *R(backend_cpu)(void) { return &cpu_table; }
+
+#ifndef VLMOE_REAL_F64
+static const backend cpu_bf16_table = {
+    .name = "cpu-bf16",
+    CPU_COMMON_ENTRIES,
+    .fp32 = &cpu_table,
+    .linear_forward = bf16_linear_forward,
+    .linear_backward = bf16_linear_backward,
+    .experts_forward = bf16_experts_forward,
+    .experts_backward = bf16_experts_backward,
+};
+
+const backend *backend_cpu_bf16(void) { return &cpu_bf16_table; }
+#endif
 
 int R(backend_require)(const backend *be, be_op op, const void *cfg) {
     if (be->supports(be, op, cfg)) return VLMOE_OK;

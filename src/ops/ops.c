@@ -9,7 +9,9 @@
 
 #include <dnnl.h>
 
+#include "core/prof.h"
 #include "core/real.h"
+#include "ops/gemm_bf16.h"
 #include "ops/ops.h"
 
 // One single-threaded product C (M,N) = alpha op(A) op(B) + beta C, row-major with leading
@@ -46,8 +48,12 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
 // only on the shapes, never on the thread count, so every output element is computed the same
 // way on 1 or 64 threads (a threaded BLAS changes the summation order with the thread count),
 // and there is one thread pool (OpenMP's), never two busy-waiting against each other.
-static void gemm(int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B,
-                 int ldb, real beta, real *C, int ldc) {
+//
+// With bf16 (float only: `--precision bf16`), op(A) and op(B) are first rounded to bf16, once,
+// and each block is one bf16 matmul with fp32 output (src/ops/gemm_bf16.c); a block oneDNN
+// refuses, or a product whose packed operands find no memory, is computed in fp32 instead.
+static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
+                   const real *B, int ldb, real beta, real *C, int ldc) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
     // blocks of up to 512 rows: each call packs the whole other operand, so small blocks repack
     // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
@@ -55,15 +61,41 @@ static void gemm(int ta, int tb, int M, int N, int K, const real *A, int lda, co
     int nb = (dim + 511) / 512;
     nb = nb > 64 ? 64 : nb;
     const int bs = (dim + nb - 1) / nb;
+#ifndef VLMOE_REAL_F64
+    uint16_t *ah = bf16 ? bf16_scratch((size_t)M * K, 0) : NULL, *bh = bf16 ? bf16_scratch((size_t)K * N, 1) : NULL;
+    if (ah && bh) {
+        PROF_SCOPE(PROF_MATMUL) {
+            bf16_pack(ah, A, M, K, lda, ta);   // op(A), row-major (M,K)
+            bf16_pack(bh, B, tb ? N : K, tb ? K : N, ldb, 0); // B as stored, without its padding
+            const long bs_k = tb ? 1 : N, bs_n = tb ? K : 1;
 #pragma omp parallel for schedule(static)
-    for (int b = 0; b < nb; b++) {
-        const int o = b * bs, n = dim - o < bs ? dim - o : bs;
-        if (n <= 0) continue;
-        if (split_rows)
-            gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
-                  C + (size_t)o * ldc, ldc);
-        else
-            gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o, ldc);
+            for (int b = 0; b < nb; b++) {
+                const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+                if (n <= 0) continue;
+                if (split_rows) {
+                    if (bf16_matmul(n, N, K, ah + (size_t)o * K, bh, bs_k, bs_n, beta, C + (size_t)o * ldc, ldc))
+                        gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
+                              C + (size_t)o * ldc, ldc);
+                } else if (bf16_matmul(M, n, K, ah, bh + (size_t)o * (tb ? K : 1), bs_k, bs_n, beta, C + o, ldc)) {
+                    gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o, ldc);
+                }
+            }
+        }
+        return;
+    }
+#endif
+    PROF_SCOPE(PROF_MATMUL) {
+#pragma omp parallel for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+            if (n <= 0) continue;
+            if (split_rows)
+                gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
+                      C + (size_t)o * ldc, ldc);
+            else
+                gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o,
+                      ldc);
+        }
     }
 }
 
@@ -94,8 +126,8 @@ static void colsums(real *sg, real *sgx, const real *g, const real *x, const rea
     }
 }
 
-void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
-                       int O, int beta) {
+static void linear_fwd(int bf16, real *out, const real *inp, const real *w, const real *b, int N,
+                       int K, int O, int beta) {
     // the bias goes in before the product (the GEMM then adds into it): one pass over out less
     if (b) {
 #pragma omp parallel for schedule(static)
@@ -110,16 +142,38 @@ void R(linear_forward)(real *out, const real *inp, const real *w, const real *b,
         }
     }
     // out = inp . w^T: row-major (N,K) x (O,K)^T
-    gemm(0, 1, N, O, K, inp, K, w, K, beta || b ? 1 : 0, out, O);
+    gemm_p(bf16, 0, 1, N, O, K, inp, K, w, K, beta || b ? 1 : 0, out, O);
+}
+
+static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
+                       const real *w, int N, int K, int O) {
+    if (dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    // dw (O,K) += dout^T (O,N) . inp (N,K)
+    gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
+    if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+}
+
+void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
+                       int O, int beta) {
+    linear_fwd(0, out, inp, w, b, N, K, O, beta);
 }
 
 void R(linear_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
                         const real *w, int N, int K, int O) {
-    if (dinp) gemm(0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
-    // dw (O,K) += dout^T (O,N) . inp (N,K)
-    gemm(1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O);
 }
+
+#ifndef VLMOE_REAL_F64
+void linear_forward_bf16(float *out, const float *inp, const float *w, const float *b, int N, int K,
+                         int O, int beta) {
+    linear_fwd(1, out, inp, w, b, N, K, O, beta);
+}
+
+void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                          const float *w, int N, int K, int O) {
+    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O);
+}
+#endif
 
 // One normalised row; forward and recompute share it so both give the same bits.
 static inline void ln_row(real *o, const real *x, real m, real s, const real *w, const real *b, int C) {
@@ -134,8 +188,11 @@ void R(layernorm_forward)(real *out, real *mean, real *rstd, const real *inp, co
         const real *x = inp + (size_t)n * C;
         real *o = out + (size_t)n * C;
         real m = 0, v = 0;
+        // vector sums (lanes, then their total): the same bits on any thread count
+#pragma omp simd reduction(+ : m)
         for (int i = 0; i < C; i++) m += x[i];
         m /= C;
+#pragma omp simd reduction(+ : v)
         for (int i = 0; i < C; i++) v += (x[i] - m) * (x[i] - m);
         v /= C;
         real s = (real)(1.0 / sqrt((double)v + eps));
@@ -159,6 +216,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         const real *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
         real *dx = dinp + (size_t)n * C;
         real m = mean[n], s = rstd[n], dnorm_mean = 0, dnorm_norm = 0;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm)
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
             dnorm_mean += dn;
@@ -166,6 +224,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         }
         dnorm_mean /= C;
         dnorm_norm /= C;
+#pragma omp simd
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
             dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;

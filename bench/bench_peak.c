@@ -1,0 +1,84 @@
+// bench_peak.c: the machine's arithmetic peak, measured rather than taken from a data sheet: an
+// fp32 FMA loop (vfmadd231ps on 512-bit registers) and a bf16 dot-product loop (vdpbf16ps) that
+// touch no memory, run on every thread at once. bench/speed.py reports the training step's
+// matrix-product FLOP/s as a fraction of these. Prints one JSON line; a peak is 0 on a CPU
+// without the instruction. Usage: bench_peak [threads] [reps]
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "bench.h"
+
+// Sixteen independent accumulators: more than an FMA's latency (4 cycles) times its ports (2),
+// so the loop is limited by throughput, not by the dependency chains. They are named variables,
+// not an array: GCC keeps an array of vectors on the stack and the loop would then measure loads
+// and stores. The chains start from the argument and the result is stored, so nothing folds.
+#define ACCS 16
+#define ITERS 5000000L
+#define DECL16(T, init) T a0 = init(0), a1 = init(1), a2 = init(2), a3 = init(3), a4 = init(4), \
+    a5 = init(5), a6 = init(6), a7 = init(7), a8 = init(8), a9 = init(9), a10 = init(10),     \
+    a11 = init(11), a12 = init(12), a13 = init(13), a14 = init(14), a15 = init(15)
+#define STEP16(OP) a0 = OP(a0), a1 = OP(a1), a2 = OP(a2), a3 = OP(a3), a4 = OP(a4), a5 = OP(a5), \
+    a6 = OP(a6), a7 = OP(a7), a8 = OP(a8), a9 = OP(a9), a10 = OP(a10), a11 = OP(a11),          \
+    a12 = OP(a12), a13 = OP(a13), a14 = OP(a14), a15 = OP(a15)
+#define SUM16 _mm512_reduce_add_ps(_mm512_add_ps(                                                 \
+    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),                   \
+                  _mm512_add_ps(_mm512_add_ps(a4, a5), _mm512_add_ps(a6, a7))),                  \
+    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a8, a9), _mm512_add_ps(a10, a11)),                 \
+                  _mm512_add_ps(_mm512_add_ps(a12, a13), _mm512_add_ps(a14, a15)))))
+#define INIT(i) _mm512_set1_ps(seed + (float)(i))
+
+// vfmadd231ps: 16 lanes, 2 FLOP each, 32 FLOP per instruction.
+__attribute__((target("avx512f"))) static float fma_loop(float seed, long iters) {
+    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f * seed);
+#define FMA(x) _mm512_fmadd_ps(x, a, b)
+    DECL16(__m512, INIT);
+    for (long it = 0; it < iters; it++) STEP16(FMA);
+    return SUM16;
+}
+
+// vdpbf16ps: each 32-bit lane adds two bf16 products, 64 FLOP per 512-bit instruction.
+__attribute__((target("avx512f,avx512bf16"))) static float dpbf16_loop(float seed, long iters) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);
+#define DOT(x) _mm512_dpbf16_ps(x, a, b)
+    DECL16(__m512, INIT);
+    for (long it = 0; it < iters; it++) STEP16(DOT);
+    return SUM16;
+}
+
+// Best GFLOP/s of reps runs of the loop on every thread (flop_per_iter for one thread).
+static double peak(int bf16, int reps, double flop_per_iter, volatile float *sink) {
+    double best = 0;
+    for (int r = 0; r < reps; r++) {
+        int threads = 1;
+        double t0 = bench_now();
+#pragma omp parallel
+        {
+            const float seed = 1.0f + (float)omp_get_thread_num();
+            float s = bf16 ? dpbf16_loop(seed, ITERS) : fma_loop(seed, ITERS);
+#pragma omp critical
+            *sink += s;
+#pragma omp single
+            threads = omp_get_num_threads();
+        }
+        double g = threads * flop_per_iter * ITERS / (bench_now() - t0) * 1e-9;
+        best = g > best ? g : best;
+    }
+    return best;
+}
+
+int main(int argc, char **argv) {
+    const int threads = argc > 1 ? atoi(argv[1]) : 0, reps = argc > 2 ? atoi(argv[2]) : 5;
+    if (threads > 0) omp_set_num_threads(threads);
+    volatile float sink = 0;
+    __builtin_cpu_init();
+    const int has512 = !!__builtin_cpu_supports("avx512f");
+    const int hasbf16 = has512 && !!__builtin_cpu_supports("avx512bf16");
+    const double fp32 = has512 ? peak(0, reps, ACCS * 32.0, &sink) : 0;
+    const double bf16 = hasbf16 ? peak(1, reps, ACCS * 64.0, &sink) : 0;
+    printf("{\"threads\": %d, \"fp32_fma_gflops\": %.1f, \"bf16_dot_gflops\": %.1f, "
+           "\"avx512f\": %d, \"avx512_bf16\": %d, \"sink\": %g}\n",
+           omp_get_max_threads(), fp32, bf16, has512, hasbf16, (double)sink);
+    return 0;
+}

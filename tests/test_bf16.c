@@ -1,0 +1,250 @@
+// test_bf16.c: `--precision bf16` on the CPU (src/ops/gemm_bf16.c, the cpu-bf16 table of
+// src/ops/backend_cpu.c, model_set_precision in src/nn/device.c).
+// 1. The bf16 products: linear forward and backward (every transpose the block split makes,
+//    beta 0 and 1, shapes that are no multiple of any tile) equal the double product of the
+//    operands rounded to bf16, to fp32 accumulation error; the bits do not depend on the thread
+//    count.
+// 2. The whole one_tower parity model (tests/ref/gen_model.py) in bf16 against fp32: loss,
+//    embeddings and gradients move by no more than twice what PyTorch's own CPU bf16 autocast
+//    moves the same model (tests/ref/gen_bf16.py measures it). Twice, because vlmoe rounds a
+//    subset of what autocast rounds (the products' inputs; autocast also stores their outputs
+//    and the activations between them in bf16), so its difference should be the smaller one, and
+//    one model's difference is a single draw of rounding noise. They must also differ from fp32
+//    at all: that shows the bf16 path ran.
+// On a CPU without bf16 instructions, part 1 and 2 are skipped and the fall-back is checked.
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/model.h"
+#include "ops/backend.h"
+#include "ops/gemm_bf16.h"
+#include "ops/ops.h"
+#include "test.h"
+
+// v rounded to bf16 by bf16_pack, as floats (the references multiply these in double)
+static float *rounded(const float *v, size_t n) {
+    uint16_t *h = malloc(sizeof(uint16_t) * n);
+    float *r = malloc(sizeof(float) * n);
+    bf16_pack(h, v, 1, (int)n, (int)n, 0);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)h[i] << 16;
+        memcpy(r + i, &u, sizeof(float));
+    }
+    free(h);
+    return r;
+}
+
+static float *randf(size_t n, vlmoe_rng *r) {
+    float *v = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)vlmoe_rng_normal(r);
+    return v;
+}
+
+// max |a - b| / max |b|
+static double relerr(const float *a, const double *b, size_t n) {
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; i < n; i++) num = fmax(num, fabs(a[i] - b[i])), den = fmax(den, fabs(b[i]));
+    return num / den;
+}
+
+// linear_forward_bf16 and linear_backward_bf16 on (N,K) x (O,K) against double sums of the
+// bf16-rounded operands; the fp32 results pre-filled in out/dinp/dw check the accumulation.
+static void check_linear(int N, int K, int O) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)N * 131 + K * 7 + O);
+    float *x = randf((size_t)N * K, &r), *w = randf((size_t)O * K, &r), *b = randf(O, &r);
+    float *g = randf((size_t)N * O, &r), *out = randf((size_t)N * O, &r), *dinp = randf((size_t)N * K, &r);
+    float *dw = randf((size_t)O * K, &r), *db = calloc(O, sizeof(float));
+    double *ro = malloc(sizeof(double) * N * O), *rdi = malloc(sizeof(double) * N * K);
+    double *rdw = malloc(sizeof(double) * O * K);
+    float *xr = rounded(x, (size_t)N * K), *wr = rounded(w, (size_t)O * K), *gr = rounded(g, (size_t)N * O);
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) {
+            double s = out[(size_t)n * O + o] + b[o];
+            for (int k = 0; k < K; k++) s += (double)xr[(size_t)n * K + k] * wr[(size_t)o * K + k];
+            ro[(size_t)n * O + o] = s;
+        }
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++) {
+            double s = dinp[(size_t)n * K + k];
+            for (int o = 0; o < O; o++) s += (double)gr[(size_t)n * O + o] * wr[(size_t)o * K + k];
+            rdi[(size_t)n * K + k] = s;
+        }
+    for (int o = 0; o < O; o++)
+        for (int k = 0; k < K; k++) {
+            double s = dw[(size_t)o * K + k];
+            for (int n = 0; n < N; n++) s += (double)gr[(size_t)n * O + o] * xr[(size_t)n * K + k];
+            rdw[(size_t)o * K + k] = s;
+        }
+    // beta 1: out += x.w^T + b
+    linear_forward_bf16(out, x, w, b, N, K, O, 1);
+    linear_backward_bf16(dinp, dw, db, g, x, w, N, K, O);
+    // fp32 accumulation over at most a few thousand terms of unit size: a few 1e-6 of the largest
+    const double tol = 2e-5;
+    double e1 = relerr(out, ro, (size_t)N * O), e2 = relerr(dinp, rdi, (size_t)N * K), e3 = relerr(dw, rdw, (size_t)O * K);
+    CHECK(e1 <= tol && e2 <= tol && e3 <= tol, "bf16 linear (%d,%d)x(%d,%d): errors out %.3g dinp %.3g dw %.3g of max "
+          "|ref| (tolerance %.0g)", N, K, O, K, e1, e2, e3, tol);
+    // beta 0 (no bias) gives the plain product; and 1 thread gives the bits of 2
+    float *o1 = malloc(sizeof(float) * N * O), *o2 = malloc(sizeof(float) * N * O);
+    omp_set_num_threads(1);
+    linear_forward_bf16(o1, x, w, NULL, N, K, O, 0);
+    omp_set_num_threads(2);
+    linear_forward_bf16(o2, x, w, NULL, N, K, O, 0);
+    CHECK(!memcmp(o1, o2, sizeof(float) * N * O), "bf16 linear (%d,%d,%d): 1 and 2 threads differ", N, K, O);
+    double worst = 0;
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) {
+            double s = 0;
+            for (int k = 0; k < K; k++) s += (double)xr[(size_t)n * K + k] * wr[(size_t)o * K + k];
+            worst = fmax(worst, fabs(o1[(size_t)n * O + o] - s) / sqrt((double)K));
+        }
+    CHECK(worst <= 1e-5, "bf16 linear (%d,%d,%d) beta 0: error %.3g (per sqrt(K))", N, K, O, worst);
+    free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db), free(ro), free(rdi), free(rdw);
+    free(o1), free(o2), free(xr), free(wr), free(gr);
+}
+
+static float *fixture_f32(const vlmoe_st *f, const char *name, size_t *n) {
+    vlmoe_tensor_info ti;
+    int i = vlmoe_st_find(f, name);
+    if (i < 0 || vlmoe_st_info(f, i, &ti)) {
+        CHECK(0, "fixture tensor %s missing (run `make fixtures`)", name);
+        return NULL;
+    }
+    size_t cnt = ti.numel ? ti.numel : 1;
+    float *v = malloc(sizeof(float) * cnt);
+    if (vlmoe_st_read_f32(f, name, v, cnt)) CHECK(0, "read %s: %s", name, vlmoe_last_error());
+    if (n) *n = cnt;
+    return v;
+}
+
+static int32_t *fixture_i32(const vlmoe_st *f, const char *name) {
+    vlmoe_tensor_info ti;
+    int i = vlmoe_st_find(f, name);
+    if (i < 0 || vlmoe_st_info(f, i, &ti) || ti.dtype != VLMOE_DT_I32) {
+        CHECK(0, "fixture int32 tensor %s missing", name);
+        return NULL;
+    }
+    int32_t *v = malloc(ti.nbytes);
+    memcpy(v, ti.data, ti.nbytes);
+    return v;
+}
+
+typedef struct {
+    double loss;
+    float *emb, *grad;
+} result;
+
+// One training forward and backward and both embeddings of the batch.
+static result run_model(vlmoe_model *m, const vlmoe_batch *b, int E) {
+    result r = {0};
+    vlmoe_step_stats s;
+    const size_t nf = vlmoe_model_num_floats(m);
+    memset(vlmoe_model_grad_data(m), 0, sizeof(float) * nf);
+    CHECK(vlmoe_model_forward(m, b, &s) == VLMOE_OK, "forward: %s", vlmoe_last_error());
+    vlmoe_model_backward(m);
+    r.loss = s.loss;
+    r.grad = malloc(sizeof(float) * nf);
+    memcpy(r.grad, vlmoe_model_grad_data(m), sizeof(float) * nf);
+    r.emb = malloc(sizeof(float) * 2 * (size_t)b->batch_size * E);
+    vlmoe_model_encode_images(m, b->images, b->batch_size, r.emb);
+    vlmoe_model_encode_texts(m, b->tokens, b->lengths, b->batch_size, r.emb + (size_t)b->batch_size * E);
+    return r;
+}
+
+static void check_model(void) {
+    char path[512];
+    vlmoe_st *tf = NULL, *rf = NULL;
+    snprintf(path, sizeof(path), "%s/bf16_one_tower.safetensors", fixture_dir());
+    if (vlmoe_st_open(path, &tf)) {
+        CHECK(0, "cannot open %s (run `make fixtures`): %s", path, vlmoe_last_error());
+        return;
+    }
+    snprintf(path, sizeof(path), "%s/model_one_tower.ref.safetensors", fixture_dir());
+    CHECK(vlmoe_st_open(path, &rf) == VLMOE_OK, "open %s: %s", path, vlmoe_last_error());
+    vlmoe_model *m = NULL;
+    snprintf(path, sizeof(path), "%s/model_one_tower.init.safetensors", fixture_dir());
+    CHECK(vlmoe_model_load(&m, path) == VLMOE_OK, "load %s: %s", path, vlmoe_last_error());
+    if (!rf || !m) {
+        vlmoe_st_close(tf), vlmoe_st_close(rf), vlmoe_model_free(m);
+        return;
+    }
+    float *t_loss = fixture_f32(tf, "loss_rel", NULL), *t_emb = fixture_f32(tf, "emb_err", NULL);
+    float *t_grad = fixture_f32(tf, "grad_rel", NULL);
+    size_t nimg;
+    float *images = fixture_f32(rf, "input.images", &nimg);
+    int32_t *tokens = fixture_i32(rf, "input.tokens"), *lens = fixture_i32(rf, "input.lens");
+    const vlmoe_model_config *cfg = vlmoe_model_get_config(m);
+    const int B = (int)(nimg / (3 * (size_t)cfg->image_size * cfg->image_size)), E = cfg->embed_dim;
+    const vlmoe_batch batch = {B, images, tokens, lens};
+    const size_t nf = vlmoe_model_num_floats(m), ne = 2 * (size_t)B * E;
+    result f32 = run_model(m, &batch, E);
+    int fell_back = -1;
+    CHECK(model_set_precision(m, "bf16", &fell_back) == VLMOE_OK, "model_set_precision: %s", vlmoe_last_error());
+    result b16 = run_model(m, &batch, E);
+    double dl = fabs(b16.loss - f32.loss) / fabs(f32.loss), de = 0, gd = 0, gn = 0;
+    for (size_t i = 0; i < ne; i++) de = fmax(de, fabs(b16.emb[i] - f32.emb[i]));
+    for (size_t i = 0; i < nf; i++) gd += pow(b16.grad[i] - f32.grad[i], 2), gn += pow(f32.grad[i], 2);
+    const double dg = sqrt(gd / gn);
+    printf("one_tower bf16 against fp32: loss %.3g, embeddings %.3g, gradients %.3g (PyTorch's autocast: %.3g, %.3g, "
+           "%.3g)\n", dl, de, dg, t_loss[0], t_emb[0], t_grad[0]);
+    CHECK(dl <= 2 * t_loss[0] + 1e-6, "bf16 loss moved by %.3g, more than twice PyTorch's %.3g", dl, t_loss[0]);
+    CHECK(de <= 2 * t_emb[0], "bf16 embeddings moved by %.3g, more than twice PyTorch's %.3g", de, t_emb[0]);
+    CHECK(dg <= 2 * t_grad[0], "bf16 gradients moved by %.3g, more than twice PyTorch's %.3g", dg, t_grad[0]);
+    CHECK(de > 0 && dg > 0, "bf16 gives fp32's bits: the bf16 products did not run");
+    // back to fp32: the same bits as before
+    CHECK(model_set_precision(m, "fp32", &fell_back) == VLMOE_OK, "back to fp32: %s", vlmoe_last_error());
+    result again = run_model(m, &batch, E);
+    CHECK(again.loss == f32.loss && !memcmp(again.grad, f32.grad, sizeof(float) * nf),
+          "--precision fp32 after bf16 does not give fp32's bits again");
+    free(f32.emb), free(f32.grad), free(b16.emb), free(b16.grad), free(again.emb), free(again.grad);
+    free(t_loss), free(t_emb), free(t_grad), free(images), free(tokens), free(lens);
+    vlmoe_model_free(m);
+    vlmoe_st_close(tf), vlmoe_st_close(rf);
+}
+
+// The command line: a bad value is refused before any file is made; bf16 trains and is recorded.
+static void check_cli(const char *argv0) {
+    char bin[4096], out[8192], dir[] = "/tmp/vlmoe_test_bf16_XXXXXX", args[1024];
+    if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;
+    test_expect_in(dir, bin, "train --model limoe-mini --dataset-type synthetic --steps 1 --precision fp16 "
+                   "--logs logs --name x", 1, "--precision 'fp16': expected fp32 or bf16", out, sizeof(out));
+    CHECK(access(test_path(dir, "logs"), F_OK) != 0, "a refused --precision made %s", test_path(dir, "logs"));
+    snprintf(args, sizeof(args), "train --model limoe-mini --dataset-type synthetic --steps 2 --batch-size 8 "
+             "--eval-samples 16 --precision bf16 --logs logs --name b");
+    test_expect_in(dir, bin, args, 0, "trained to step 2", out, sizeof(out));
+    char *pj = test_read_file(test_path(dir, "logs/b/params.json"), NULL);
+    const char *q = pj ? strstr(pj, "\"precision\":") : NULL;
+    if (q) q += strspn(q + 12, " \t") + 12;
+    CHECK(q && !strncmp(q, "\"bf16\"", 6), "params.json records the precision: %s", pj ? pj : "(missing)");
+    free(pj);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    CHECK(system(args) == 0, "rm -rf %s", dir);
+}
+
+int main(int argc, char **argv) {
+    vlmoe_model *m = NULL;
+    vlmoe_model_config cfg;
+    CHECK(vlmoe_config_named("limoe-mini", &cfg) == VLMOE_OK, "preset: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_init(&m, &cfg, 1) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    int fell_back = -1;
+    CHECK(model_set_precision(m, "bf17", &fell_back) != VLMOE_OK && strstr(vlmoe_last_error(), "--precision 'bf17'"),
+          "a bad --precision is refused with its value named: %s", vlmoe_last_error());
+    CHECK(model_set_precision(m, "bf16", &fell_back) == VLMOE_OK, "bf16: %s", vlmoe_last_error());
+    if (!gemm_bf16_native()) {
+        CHECK(fell_back == 1 && m->be == backend_cpu_f32(), "without bf16 instructions the model stays fp32, and says so");
+        printf("this CPU has no bf16 instructions: the bf16 products are not tested here\n");
+        if (argc > 0) check_cli(argv[0]);
+        vlmoe_model_free(m);
+        return test_summary("test_bf16");
+    }
+    CHECK(fell_back == 0 && m->be == backend_cpu_bf16(), "bf16 on a CPU with bf16 instructions picks the cpu-bf16 table");
+    vlmoe_model_free(m);
+    const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    check_model();
+    if (argc > 0) check_cli(argv[0]);
+    return test_summary("test_bf16");
+}
