@@ -183,7 +183,7 @@ FUZZ_TEST_TIME ?= 15
 FUZZ_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -Wno-pass-failed \
                -fopenmp-simd -Iinclude -Isrc -g -O1 $(SAN) -fsanitize=fuzzer-no-link
 FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/tok/sentencepiece.c src/tok/spm_stub.c src/io/safetensors.c \
-             src/nn/config.c src/moe/route.c
+             src/nn/config.c src/nn/sizes.c src/moe/route.c
 FUZZ_BINS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/fuzz_*.c))
 FUZZ_SEEDS := build/fuzz/seeds/.stamp
 build/fuzz/obj/%.o: %.c $(HDRS) fuzz/fuzz.h | $(TEST_DEPS_STAMP)

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "train/run.h"
@@ -278,4 +279,22 @@ void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char 
         fprintf(stderr, "vlmoe %s: --resume latest: %s holds no complete checkpoint (the run stopped before its first "
                 "one): starting it again from step 0\n", cmd, ckdir);
     *resume = NULL;
+}
+
+int cli_run_taken(const char *cmd, const char *dir, const char *resume) {
+    if (resume) return 0;
+    char ckdir[1100], metrics[1100];
+    long step = 0;
+    struct stat sb;
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", dir);
+    snprintf(metrics, sizeof(metrics), "%s/metrics.jsonl", dir);
+    const int ckpts = vlmoe_ckpt_list(ckdir, &step, 1) > 0;
+    if (!ckpts && (stat(metrics, &sb) || sb.st_size == 0)) return 0;
+    // as OpenCLIP ("Experiment already exists"): a second run in the folder would mix its
+    // checkpoints with the first's and --keep-checkpoints would delete the first run's
+    if (ckpts)
+        return cli_error(cmd, "%s already holds a run (checkpoints up to step %ld): give --resume latest to continue "
+                         "it, or another --name", dir, step);
+    return cli_error(cmd, "%s already holds a run's metrics (%s): give --resume latest to continue it, or another "
+                     "--name", dir, metrics);
 }

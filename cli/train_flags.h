@@ -87,6 +87,9 @@ int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int 
 // same flags does not fail forever. A folder that did not exist (a mistyped --name) stays an error.
 // print: this process prints the note.
 void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print);
+// 1 (after printing why) when a run without --resume would write into dir, which already holds
+// another run's checkpoints or metrics; 0 otherwise.
+int cli_run_taken(const char *cmd, const char *dir, const char *resume);
 
 // After a resume that went on with changes: DIR/params_resumed.json, params with the list
 // "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).
