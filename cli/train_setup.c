@@ -119,6 +119,9 @@ int train_setup_model(const train_args *a, const vlmoe_train_params *tp, train_r
             return cli_error("train", "%s", vlmoe_last_error());
         if (captions && a->pretrained && model_text(a, r, a->pretrained)) return 1;
     }
+    char warn[1024];
+    if (vlmoe_config_warnings(vlmoe_model_get_config(r->m), warn, sizeof(warn)) && r->lead)
+        fprintf(stderr, "vlmoe train: warning: %s\n", warn);
     if (!captions && model_get_inputs(r->m)->text == MODEL_TEXT_BPE)
         return cli_error("train", "%s carries a BPE tokenizer: it was trained on captions of its own, not the synthetic "
                          "data; give --train-data", a->resume ? "the run's checkpoint" : a->pretrained);

@@ -226,7 +226,8 @@ typedef struct {
     int group_size;              // tokens per routing group, 0 = all tokens of the batch
     int slots_per_expert;        // Soft MoE, 0 = rint(S/E)
     double aux_weight[VLMOE_AUX_COUNT];
-    double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
+    double global_tau[2];        // global-entropy thresholds per modality: tau = log(S), S the soft
+                                 // minimum number of experts (0 = log 1); JSON "global_entropy_tau"
     uint64_t pruned[64];         // router_pred pruning (LIMoE E.4): bit e of pruned[l] keeps expert e
                                  // of block l out of the top-K; the softmax still covers it
     int text_first;              // one_tower: a routing group visits its text tokens before its image
@@ -303,9 +304,13 @@ typedef struct {
     double noise_std;           // as in the config (the noise scale is noise_std/E)
     const uint8_t *modality;    // (S) VLMOE_MOD_* of each token; NULL = all image
     const int32_t *wanted;      // (E) assignments routed before capacity (switch loss)
-    double global_tau[2];       // 0 = log(S_m)
+    double global_tau[2];       // tau = log(S) per modality (0 = log 1: the loss is off)
+    const int32_t *wanted_mod;  // (2,E) `wanted` split by modality, image row first: the switch loss
+                                // of a group with both modalities is the sum of each one's (CLIP-UP
+                                // per tower); NULL is allowed when the group has one modality
 } vlmoe_aux_input;
 // One auxiliary loss of one group; if dlogits (S,E) is given, accumulates weight * d(loss)/d(logits)
+// (z-loss and switch are per modality when the group holds both, MOE.md)
 // (through the softmax, the noisy threshold of the load loss, ...). Losses of a modality with no
 // tokens in the group are 0. The load loss is 0 without noisy logits.
 VLMOE_API double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double weight, float *dlogits);
@@ -348,6 +353,11 @@ typedef struct {
                              // [I_CLS] and [T_CLS] features to embed_dim and a logit_scale
                              // (JSON "retrieval_head", written when 1)
 } vlmoe_model_config;
+// Warnings about a config that is valid but cannot do what it asks: a global-entropy threshold at
+// or above log(num_experts) (LIMoE 2.2.2: no routing over E experts reaches it, so the loss never
+// switches off). Writes one line per warning ("moe.global_entropy_tau[text] = ...") into buf
+// (cap bytes, NUL-terminated, truncated if short) and returns how many there are.
+VLMOE_API int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap);
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
 // "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the

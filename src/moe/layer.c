@@ -61,6 +61,7 @@ struct R(moe_state) {
     const uint8_t *modality;
     double *routed[2], *accepted[2], *pbar[2]; // statistics, (E) each
     int32_t *hits;                  // (nmax) accepted assignments per token
+    int32_t *wanted_mod;            // (2,E) one group's assignments before capacity, per modality
     struct moe_ep *ep;              // expert parallelism (moe_set_expert_parallel), or NULL
 };
 
@@ -101,6 +102,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         ALLOC(st->pbar[m], E);
     }
     ALLOC(st->hits, nmax);
+    ALLOC(st->wanted_mod, 2 * E);
     ALLOC(st->keys, nmax);
     ALLOC(st->order, nmax);
     ALLOC(st->inv, nmax);
@@ -197,7 +199,7 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->order, st->inv, st->mod_pos};
+                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
     vlmoe_free_mem(st);
 }
@@ -461,9 +463,15 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
         double v = 0;
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * E;
+            const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL;
+            // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
+            memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
+            for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
+                for (int r = 0; r < st->K; r++)
+                    st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, mod ? mod + (size_t)g * st->S : NULL,
-                               st->rt[g].wanted, {cfg->global_tau[0], cfg->global_tau[1]}};
+                               cfg->noise_std, gm, st->rt[g].wanted,
+                               {cfg->global_tau[0], cfg->global_tau[1]}, st->wanted_mod};
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);

@@ -88,8 +88,13 @@ int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
         c->aux_weight[VLMOE_AUX_IMPORTANCE] = c->aux_weight[VLMOE_AUX_LOAD] = w;
         c->aux_weight[VLMOE_AUX_LOCAL_ENT_TEXT] = w;
         c->aux_weight[VLMOE_AUX_GLOBAL_ENT_TEXT] = c->aux_weight[VLMOE_AUX_GLOBAL_ENT_IMAGE] = w;
-        c->global_tau[VLMOE_MOD_IMAGE] = log(20.0);
-        c->global_tau[VLMOE_MOD_TEXT] = log(9.0);
+        // tau = log(S), S the soft minimum number of experts (LIMoE 2.2.2). With 32 experts the
+        // paper's S_image = 20, S_text = 9; its 8-expert B/16 used S = 6 for both (App. F.1).
+        // Other expert counts take 6/8 of E for both (at least 1), so that every preset's
+        // threshold can be met: one at or above log(E) never switches its loss off.
+        const double si = e >= 32 ? 20.0 : fmax(1.0, 0.75 * e), stx = e >= 32 ? 9.0 : fmax(1.0, 0.75 * e);
+        c->global_tau[VLMOE_MOD_IMAGE] = log(si);
+        c->global_tau[VLMOE_MOD_TEXT] = log(stx);
     } else if (!strcmp(name, "clipup")) {
         // CLIP-UP: top-2 "first-come-first-serve", capacity factor 2, switch load balance
         // (alpha 0.01) + router z-loss (beta 0.001) per tower
@@ -195,6 +200,30 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
     return VLMOE_OK;
 }
 
+int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap) {
+    int n = 0;
+    size_t u = 0;
+    if (buf && cap) buf[0] = 0;
+    for (int t = 0; c && t < (c->arch == VLMOE_ARCH_ONE_TOWER ? 1 : 2); t++) {
+        const vlmoe_moe_config *m = t ? &c->text_moe : &c->moe;
+        const int aux[2] = {VLMOE_AUX_GLOBAL_ENT_IMAGE, VLMOE_AUX_GLOBAL_ENT_TEXT};
+        if (m->router != VLMOE_ROUTER_TOKENS || m->num_experts < 1) continue;
+        for (int k = 0; k < 2; k++) {
+            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform
+            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)m->num_experts)) continue;
+            n++;
+            if (buf && u < cap)
+                u += (size_t)snprintf(buf + u, cap - u, "%s%s.global_entropy_tau[%s] = %g = log(%.3g) is at or above "
+                                      "log(num_experts = %d) = %g: no routing over %d experts meets it, so the "
+                                      "%s loss never switches off (tau = log(S), S the soft minimum number of "
+                                      "experts)", n > 1 ? "\n" : "", t ? "text_moe" : "moe", k ? "text" : "image",
+                                      m->global_tau[k], exp(m->global_tau[k]), m->num_experts,
+                                      log((double)m->num_experts), m->num_experts, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
+        }
+    }
+    return n;
+}
+
 int vlmoe_config_validate(const vlmoe_model_config *c) {
 #define NEED(cond, ...) \
     if (!(cond)) return vlmoe_fail(VLMOE_ERR_CONFIG, __VA_ARGS__)
@@ -261,6 +290,9 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
+        NEED(m->global_tau[0] >= 0 && m->global_tau[1] >= 0 && !isinf(m->global_tau[0]) && !isinf(m->global_tau[1]),
+             "%s.global_entropy_tau: [%g, %g] must be finite and >= 0 (tau = log(S), S >= 1 experts)", nm,
+             m->global_tau[0], m->global_tau[1]);
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
             NEED(m->aux_weight[k] >= 0, "%s.aux.%s: weight must be >= 0", nm, vlmoe_aux_name(k));
         for (int l = 0; l < 64; l++) {
@@ -433,9 +465,18 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
             if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
             else m->text_first = cJSON_IsTrue(it);
         }
-        else if (!strcmp(n, "global_tau")) {
+        else if (!strcmp(n, "global_entropy_tau") || !strcmp(n, "global_tau")) {
+            // global_entropy_tau: tau = log(S) per modality, S the soft minimum number of experts
+            // (0 = log 1). global_tau is the key of files written before it, where 0 meant "log
+            // of the modality's token count in the group", a rule the paper does not have:
+            // their non-zero values read the same, and 0 reads as log 1 (MOE.md, LIMoE Table 5)
             if (!cJSON_IsArray(it) || cJSON_GetArraySize(it) != 2 || !cJSON_IsNumber(it->child) || !cJSON_IsNumber(it->child->next))
-                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers (0 = log of the token count)", what, k);
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers: tau = log(S), S the "
+                                "soft minimum number of experts (0 = log 1)", what, k);
+            else if (!(it->child->valuedouble >= 0) || !(it->child->next->valuedouble >= 0) ||
+                     isinf(it->child->valuedouble) || isinf(it->child->next->valuedouble))
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be finite and >= 0 (tau = log(S), S >= 1 "
+                                "experts; got [%g, %g])", what, k, it->child->valuedouble, it->child->next->valuedouble);
             else
                 m->global_tau[0] = it->child->valuedouble, m->global_tau[1] = it->child->next->valuedouble;
         } else if (!strcmp(n, "pruned")) {
@@ -508,7 +549,7 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     cJSON *tau = cJSON_CreateArray();
     cJSON_AddItemToArray(tau, num(m->global_tau[0]));
     cJSON_AddItemToArray(tau, num(m->global_tau[1]));
-    cJSON_AddItemToObject(o, "global_tau", tau);
+    cJSON_AddItemToObject(o, "global_entropy_tau", tau);
     cJSON *pruned = NULL;
     for (int l = 0; l < 64; l++) {
         if (!m->pruned[l]) continue;
