@@ -220,6 +220,9 @@ typedef struct {
     int num_experts, top_k;
     double capacity_factor, eval_capacity_factor;
     int capacity_multiple;       // round C up to a multiple of this (default 1)
+    int capacity_per_token;      // 1: C = ceil(cf*S/E) whatever top_k, CLIP-UP's B_e = (B_t/E) C
+                                 // (the clipup preset); 0: ceil(cf*S*K/E) (V-MoE, LIMoE). JSON
+                                 // "capacity_per_assignment": false / true (default)
     int order, bpr_score;        // VLMOE_ORDER_*, VLMOE_BPR_*
     int gate_renorm;             // VLMOE_RENORM_*
     double noise_std;            // training noise on router logits: l + (noise_std/E) N(0,1)

@@ -164,6 +164,36 @@ static void test_stats_and_groups(void) {
     batch_free(&b);
 }
 
+// CLIP-UP's capacity (sec. 3: B_e = (B_t/E) x C, written for its top-2 routing, no K), golden:
+// S = 197 tokens (ViT-B/16: 196 patches + class token), E = 8, K = 2, cf = 2:
+//   clipup preset: ceil(197 / 8 * 2) = ceil(49.25) = 50
+//   per assignment (V-MoE / LIMoE, and this code before): ceil(197 * 2 * 2 / 8) = ceil(98.5) = 99
+static void test_clipup_capacity(void) {
+    vlmoe_moe_config m = {.num_experts = 8};
+    CHECK(vlmoe_moe_preset("clipup", &m) == VLMOE_OK && m.top_k == 2 && m.capacity_factor == 2.0 &&
+              m.capacity_per_token == 1, "clipup preset: K %d, cf %g, per token %d", m.top_k, m.capacity_factor,
+          m.capacity_per_token);
+    int C = -1;
+    CHECK(moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 50, "clipup: C = %d, want 50", C);
+    m.capacity_per_token = 0;
+    CHECK(moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 99, "per assignment: C = %d, want 99", C);
+    // LIMoE keeps K in: K = 1, cf 1.05, S = 197: ceil(206.85 / 8) = ceil(25.856) = 26
+    m = (vlmoe_moe_config){.num_experts = 8};
+    CHECK(vlmoe_moe_preset("limoe", &m) == VLMOE_OK && m.capacity_per_token == 0 &&
+              moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 26, "limoe: C = %d, want 26", C);
+    // the named CLIP-UP model carries it, and its JSON round trip keeps it
+    vlmoe_model_config c, back;
+    CHECK(vlmoe_config_named("clipup-ViT-B-16", &c) == VLMOE_OK && c.moe.capacity_per_token && c.text_moe.capacity_per_token,
+          "clipup-ViT-B-16 capacity per token");
+    char *js = vlmoe_config_to_json(&c);
+    CHECK(js && strstr(js, "\"capacity_per_assignment\":\tfalse") && vlmoe_config_from_json(js, "c", &back) == VLMOE_OK &&
+              back.moe.capacity_per_token == 1, "capacity_per_assignment round trip: %s", js ? js : "(null)");
+    free(js);
+    CHECK(vlmoe_config_from_json("{\"base\": \"tiny\", \"moe\": {\"preset\": \"clipup\", \"layers\": \"every_2\", "
+                                 "\"capacity_per_assignment\": 1}}", "cpa.json", &back) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "moe.capacity_per_assignment"), "non-bool accepted: %s", vlmoe_last_error());
+}
+
 static void test_named(void) {
     const char *names[] = {"limoe-tiny", "limoe-S/32", "limoe-B/16", "clipup-tiny", "clipup-ViT-B-16", "ec-tiny", "soft-tiny"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
@@ -439,6 +469,7 @@ int main(void) {
     test_golden_groups();
     test_group_order();
     test_named();
+    test_clipup_capacity();
     test_thread_determinism();
     test_upcycle_identity();
     test_stats_and_groups();

@@ -127,7 +127,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     } else {
         double cf = c->capacity_factor > c->eval_capacity_factor ? c->capacity_factor : c->eval_capacity_factor;
         int C = 1;
-        if (vlmoe_capacity(Smax, E, K, cf, c->capacity_multiple > 0 ? c->capacity_multiple : 1, &C)) C = 1;
+        if (moe_capacity(c, Smax, cf, &C)) C = 1;
         if (C > Smax) C = Smax; // an expert never holds more than every token of its group
         st->cmax = C;
         // every accepted assignment is one packed row: at most C per expert and group, and with
@@ -381,7 +381,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
     // the routing decision of each group
     const double cf = c->training ? cfg->capacity_factor : cfg->eval_capacity_factor;
     int C, stt;
-    if ((stt = vlmoe_capacity(st->S, E, K, cf, cfg->capacity_multiple > 0 ? cfg->capacity_multiple : 1, &C))) return stt;
+    if ((stt = moe_capacity(cfg, st->S, cf, &C))) return stt;
     if (C > st->S) C = st->S;
     st->C = C;
     vlmoe_route_params rp = {K, C, cfg->order, cfg->bpr_score, cfg->gate_renorm, 0};

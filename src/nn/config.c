@@ -103,6 +103,7 @@ int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
         c->order = VLMOE_ORDER_FIFO;
         c->aux_weight[VLMOE_AUX_SWITCH] = 0.01;
         c->aux_weight[VLMOE_AUX_ZLOSS] = 0.001;
+        c->capacity_per_token = 1; // B_e = (B_t/E) x C, no K (CLIP-UP sec. 3)
     } else if (!strcmp(name, "vlmoe-v") || !strcmp(name, "vlmoe-t")) {
         // VL-MoE (sec. 4.1, "MoE Setting"): top-1; V-MoE with BPR and the v-loss (importance and
         // load averaged), T-MoE with the load loss, ratio 0.01; capacity factor 1.05 in training
@@ -455,6 +456,11 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
         else if (!strcmp(n, "capacity_factor")) st = read_num(it, what, k, &m->capacity_factor);
         else if (!strcmp(n, "eval_capacity_factor")) st = read_num(it, what, k, &m->eval_capacity_factor);
         else if (!strcmp(n, "capacity_multiple")) st = read_int(it, what, k, &m->capacity_multiple);
+        else if (!strcmp(n, "capacity_per_assignment")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true (C = cf*S*K/E, V-MoE) "
+                                                   "or false (C = cf*S/E, CLIP-UP)", what, k);
+            else m->capacity_per_token = !cJSON_IsTrue(it);
+        }
         else if (!strcmp(n, "order")) st = read_enum(it, what, k, ORDER_NAMES, 3, &m->order);
         else if (!strcmp(n, "bpr_score")) st = read_enum(it, what, k, BPR_NAMES, 2, &m->bpr_score);
         else if (!strcmp(n, "gate_renorm")) st = read_enum(it, what, k, RENORM_NAMES, 2, &m->gate_renorm);
@@ -543,6 +549,7 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     add_num(o, "group_size", m->group_size);
     add_num(o, "slots_per_expert", m->slots_per_expert);
     if (m->text_first) cJSON_AddBoolToObject(o, "text_first", 1); // written when set: older files lack it
+    if (m->capacity_per_token) cJSON_AddBoolToObject(o, "capacity_per_assignment", 0); // likewise
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (m->aux_weight[k] != 0) add_num(aux, vlmoe_aux_name((vlmoe_aux_kind)k), m->aux_weight[k]);
     cJSON_AddItemToObject(o, "aux", aux);
