@@ -204,6 +204,9 @@ enum { VLMOE_ORDER_FIFO = 0, VLMOE_ORDER_BPR = 1, VLMOE_ORDER_RANDOM = 2 };
 enum { VLMOE_BPR_MAX = 0, VLMOE_BPR_SUM = 1 };
 enum { VLMOE_RENORM_NONE = 0, VLMOE_RENORM_AFTER_ROUTING = 1 };
 enum { VLMOE_MOD_IMAGE = 0, VLMOE_MOD_TEXT = 1 };
+// Soft MoE dispatch/combine (Soft MoE App. A): learned softmaxes, or the fixed baselines
+enum { VLMOE_SOFT_MIX_SOFT = 0, VLMOE_SOFT_MIX_IDENTITY = 1, VLMOE_SOFT_MIX_UNIFORM = 2,
+       VLMOE_SOFT_MIX_UNIFORM_SOFT = 3, VLMOE_SOFT_MIX_SOFT_UNIFORM = 4 };
 // Auxiliary losses (MOE.md "Auxiliary losses"); per-modality LIMoE losses come in pairs.
 typedef enum {
     VLMOE_AUX_IMPORTANCE = 0, VLMOE_AUX_LOAD, VLMOE_AUX_VLOSS, VLMOE_AUX_ZLOSS, VLMOE_AUX_SWITCH,
@@ -227,7 +230,11 @@ typedef struct {
     int gate_renorm;             // VLMOE_RENORM_*
     double noise_std;            // training noise on router logits: l + (noise_std/E) N(0,1)
     int group_size;              // tokens per routing group, 0 = all tokens of the batch
-    int slots_per_expert;        // Soft MoE, 0 = rint(S/E)
+    int slots_per_expert;        // Soft MoE, 0 = rint(S/E); fewer than one slot per expert is an error
+    int soft_mix;                // Soft MoE: VLMOE_SOFT_MIX_* (JSON "soft_dispatch": "soft",
+                                 // "identity", "uniform", "uniform_soft", "soft_uniform")
+    int soft_raw;                // Soft MoE: 1 = no normalisation of x and phi before the
+                                 // softmaxes (App. E; JSON "soft_normalize": false)
     double aux_weight[VLMOE_AUX_COUNT];
     double global_tau[2];        // global-entropy thresholds per modality: tau = log(S), S the soft
                                  // minimum number of experts (0 = log 1); JSON "global_entropy_tau"
@@ -289,7 +296,8 @@ typedef struct {
     double success[2];          // fraction of tokens with at least one accepted assignment
     double dropped[2];          // fraction of assignments dropped by capacity
     double mean_max_gate[2];    // mean over tokens of the largest dispatch gate
-    double entropy_pre[2];      // mean per-token router entropy H(p) (pre-dispatch)
+    double entropy_pre[2];      // pre-dispatch global entropy H(mean p) over the modality's tokens of
+                                // the pass (LIMoE Fig. 9 "routing entropy"; log of experts_used)
     double entropy_post[2];     // entropy of the accepted assignments' spread over experts
     double experts_used[2];     // exp(H(mean p)): experts the modality effectively uses
     double *routed[2];          // (E) fraction of the modality's assignments sent to each expert
@@ -297,7 +305,18 @@ typedef struct {
     double *accepted[2];        // (E) fraction of the modality's tokens each expert processed
     double aux[VLMOE_AUX_COUNT];// unweighted auxiliary losses, mean over groups (0 if unused)
     double soft_minmax[4];      // Soft MoE: min/max dispatch weight, min/max combine weight
+    double entropy_token[2];    // mean per-token router entropy mean_s H(p_s) (pre-dispatch)
+    int capacity;               // C per expert per group of the last forward (0: Soft MoE)
+    double experts_cover[2][3]; // experts needed to cover 50/80/90% of the modality's assignments
+                                // (the most-routed experts first; LIMoE Fig. 10 / 13)
+    double soft_mean_max[2];    // Soft MoE App. E monitors: mean over slots of the largest dispatch
+                                // weight, mean over tokens of the largest combine weight
 } vlmoe_moe_stats;
+// The coverage levels of vlmoe_moe_stats.experts_cover.
+#define VLMOE_COVER_LEVELS {0.5, 0.8, 0.9}
+// experts_cover of one modality from its routed fractions (E, summing to 1): for each level X
+// the fewest experts, most-routed first, whose fractions reach X (0 when nothing was routed).
+VLMOE_API void vlmoe_experts_cover(const double *routed, int E, double cover[3]);
 
 // Inputs of the auxiliary losses of one group.
 typedef struct {

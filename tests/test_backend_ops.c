@@ -440,7 +440,7 @@ static void case_aux(ctx *c) {
 }
 
 static void case_soft(ctx *c) {
-    const soft_dims d = {10, 8, 3, 2, 12, VLMOE_ACT_GELU};
+    const soft_dims d = {10, 8, 3, 2, 12, VLMOE_ACT_GELU, 0, 0};
     const int S = d.S, D = d.D, E = d.E, P = d.P, M = d.M;
     const size_t nphi = (size_t)D * E * P, nw1 = (size_t)E * M * D, nw2 = (size_t)E * D * M;
     double *phi = rnd(c, nphi, 1), *sc = rnd(c, 1, 1), *w1 = rnd(c, nw1, 0.5), *b1 = rnd(c, (size_t)E * M, 0.5);

@@ -78,7 +78,10 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
                         int nmax) {
     *out = NULL;
     const vlmoe_moe_config *c = sp->cfg;
-    int stt = R(backend_require)(be, c->router == VLMOE_ROUTER_SOFT ? BE_OP_SOFT_MOE : BE_OP_EXPERTS, NULL);
+    // Soft MoE's App. A baselines and App. E's un-normalised variant: a backend says if it has them
+    const int soft_variant = c->soft_mix != VLMOE_SOFT_MIX_SOFT || c->soft_raw;
+    int stt = R(backend_require)(be, c->router == VLMOE_ROUTER_SOFT ? BE_OP_SOFT_MOE : BE_OP_EXPERTS,
+                                 c->router == VLMOE_ROUTER_SOFT && soft_variant ? &soft_variant : NULL);
     if (!stt && c->router == VLMOE_ROUTER_TOKENS) stt = R(backend_require)(be, BE_OP_COMBINE, &c->order);
     if (stt) return stt;
     struct R(moe_state) *st = vlmoe_calloc(sizeof(*st), "moe layer");
@@ -116,7 +119,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         vlmoe_free_mem(h);
     }
     if (c->router == VLMOE_ROUTER_SOFT) {
-        soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act};
+        soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act, c->soft_mix, c->soft_raw};
+        if ((stt = soft_dims_check(&d))) {
+            R(moe_state_free)(st);
+            return stt;
+        }
         st->soft_acts_n = soft_moe_acts_floats(&d);
         DALLOC(st->soft_acts, st->soft_acts_n * (size_t)st->gmax);
         DALLOC(st->soft_scratch, soft_moe_scratch_floats(&d));
@@ -295,10 +302,13 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
         s->success[m] = ok[m] / T;
         s->dropped[m] = assign[m] > 0 ? drop[m] / assign[m] : 0;
         s->mean_max_gate[m] = maxg[m] / T;
-        s->entropy_pre[m] = hpre[m] / T;
+        s->entropy_pre[m] = s->tokens[m] ? hbar : 0; // the global H(mean p) LIMoE plots
+        s->entropy_token[m] = hpre[m] / T;
+        vlmoe_experts_cover(st->routed[m], E, s->experts_cover[m]);
         s->routed[m] = st->routed[m];
         s->accepted[m] = st->accepted[m];
     }
+    s->capacity = st->C;
 }
 
 const double *R(moe_gate_sums)(const struct R(moe_state) *st, int modality) {
@@ -307,7 +317,8 @@ const double *R(moe_gate_sums)(const struct R(moe_state) *st, int modality) {
 
 static void soft_dims_of(const struct R(moe_state) *st, soft_dims *d) {
     const vlmoe_moe_config *c = st->sp.cfg;
-    *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act};
+    *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act,
+                     c->soft_mix, c->soft_raw};
 }
 
 static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, real *out,
@@ -317,8 +328,12 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
     const int D = sp->D;
     soft_dims d;
     soft_dims_of(st, &d);
+    int stt = soft_dims_check(&d); // this pass's group size (Identity needs S = E*P)
+    if (stt) return stt;
     s->soft_minmax[0] = s->soft_minmax[2] = INFINITY;
     s->soft_minmax[1] = s->soft_minmax[3] = -INFINITY;
+    s->soft_mean_max[0] = s->soft_mean_max[1] = 0;
+    s->capacity = 0;
     // groups of whole examples: the rows in group order, and the outputs back onto their rows
     if (st->ordered) be->gather_rows(be, st->xg, x, st->perm.row_token, st->n, D);
     for (int g = 0; g < st->G; g++) {
@@ -331,8 +346,9 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
             be->soft_moe_forward(be, st->soft_out, acts, x + o, &sp2, &d);
             be->add(be, out + o, st->soft_out, (size_t)st->S * D);
         }
-        double mm[4];
-        R(soft_moe_stats)(acts, &d, mm);
+        double mm[4], mean_max[2];
+        R(soft_moe_stats)(acts, &d, mm, mean_max);
+        s->soft_mean_max[0] += mean_max[0] / st->G, s->soft_mean_max[1] += mean_max[1] / st->G;
         s->soft_minmax[0] = fmin(s->soft_minmax[0], mm[0]);
         s->soft_minmax[1] = fmax(s->soft_minmax[1], mm[1]);
         s->soft_minmax[2] = fmin(s->soft_minmax[2], mm[2]);

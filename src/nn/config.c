@@ -291,6 +291,17 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
+        NEED(m->slots_per_expert >= 0, "%s.slots_per_expert: %d must be >= 1 (0: rint(group_size / num_experts))", nm,
+             m->slots_per_expert);
+        // fewer than one slot per expert leaves experts with nothing to process (Soft MoE sec. 2.1)
+        NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 ||
+                 rint((double)m->group_size / m->num_experts) >= 1,
+             "%s: Soft MoE with group_size %d and num_experts %d has rint(%d / %d) = 0 slots per expert: need at least "
+             "one (set slots_per_expert, or a group_size >= num_experts / 2)", nm, m->group_size, m->num_experts,
+             m->group_size, m->num_experts);
+        NEED(m->soft_mix >= VLMOE_SOFT_MIX_SOFT && m->soft_mix <= VLMOE_SOFT_MIX_SOFT_UNIFORM,
+             "%s.soft_dispatch: unknown value %d", nm, m->soft_mix);
+        NEED(m->soft_raw == 0 || m->soft_raw == 1, "%s.soft_normalize: must be true or false", nm);
         NEED(m->global_tau[0] >= 0 && m->global_tau[1] >= 0 && !isinf(m->global_tau[0]) && !isinf(m->global_tau[1]),
              "%s.global_entropy_tau: [%g, %g] must be finite and >= 0 (tau = log(S), S >= 1 experts)", nm,
              m->global_tau[0], m->global_tau[1]);
@@ -392,6 +403,7 @@ static void add_num(cJSON *o, const char *key, double v) { cJSON_AddItemToObject
 
 static const char *ROUTER_NAMES[] = {"none", "tokens_choice", "experts_choice", "soft"};
 static const char *ORDER_NAMES[] = {"fifo", "bpr", "random"};
+static const char *SOFT_MIX_NAMES[] = {"soft", "identity", "uniform", "uniform_soft", "soft_uniform"};
 static const char *BPR_NAMES[] = {"max", "sum"};
 static const char *RENORM_NAMES[] = {"none", "after_routing"};
 
@@ -467,6 +479,11 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
         else if (!strcmp(n, "noise_std")) st = read_num(it, what, k, &m->noise_std);
         else if (!strcmp(n, "group_size")) st = read_int(it, what, k, &m->group_size);
         else if (!strcmp(n, "slots_per_expert")) st = read_int(it, what, k, &m->slots_per_expert);
+        else if (!strcmp(n, "soft_dispatch")) st = read_enum(it, what, k, SOFT_MIX_NAMES, 5, &m->soft_mix);
+        else if (!strcmp(n, "soft_normalize")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
+            else m->soft_raw = !cJSON_IsTrue(it);
+        }
         else if (!strcmp(n, "text_first")) {
             if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
             else m->text_first = cJSON_IsTrue(it);
@@ -550,6 +567,8 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     add_num(o, "slots_per_expert", m->slots_per_expert);
     if (m->text_first) cJSON_AddBoolToObject(o, "text_first", 1); // written when set: older files lack it
     if (m->capacity_per_token) cJSON_AddBoolToObject(o, "capacity_per_assignment", 0); // likewise
+    if (m->soft_mix) cJSON_AddStringToObject(o, "soft_dispatch", SOFT_MIX_NAMES[m->soft_mix]);
+    if (m->soft_raw) cJSON_AddBoolToObject(o, "soft_normalize", 0);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (m->aux_weight[k] != 0) add_num(aux, vlmoe_aux_name((vlmoe_aux_kind)k), m->aux_weight[k]);
     cJSON_AddItemToObject(o, "aux", aux);
