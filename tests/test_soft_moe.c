@@ -135,7 +135,7 @@ static void test_slots_check(void) {
     soft_dims d = {3, 2, 8, 0, 2, VLMOE_ACT_GELU, 0, 0};
     CHECK(soft_dims_check(&d) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "0 slots per expert"),
           "P = 0: %s", vlmoe_last_error());
-    double acts[1] = {0}, mm[4], meanmax[2]; // soft_moe_acts_floats is 0 for N = 0: nothing is read
+    double acts[1] = {0}, mm[4], meanmax[2]; // with no slot the statistics read nothing of acts
     CHECK(soft_moe_acts_floats(&d) == (size_t)3 * 2 + 3, "acts of an empty slot set: %zu", soft_moe_acts_floats(&d));
     soft_moe_stats_f64(acts, &d, mm, meanmax);
     CHECK(mm[0] == 0 && mm[3] == 0 && meanmax[0] == 0, "stats of no slots");

@@ -285,13 +285,17 @@ void R(soft_moe_backward)(real *dx, const R(soft_grads) *g, const real *dout, co
 }
 
 // MOE.md asks for the min/max dispatch and combine weights, taken here over every entry of the
-// group (the caller folds groups and layers together). The paper's appendix E plots a different
-// collapse signal, the mean over slots (tokens) of the max dispatch (combine) weight; min/max
-// is what the spec names, so that is what is reported.
+// group (the caller folds groups and layers together); the paper's appendix E plots the mean
+// over slots (tokens) of the max dispatch (combine) weight: both are reported.
 void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4], double meanmax[2]) {
     const acts_layout L = acts_layout_of(d);
     const int S = d->S, N = d->E * d->P;
     const size_t n = (size_t)S * N;
+    if (n == 0) { // no slot or no token (refused by soft_dims_check; kept safe here): nothing to read
+        minmax[0] = minmax[1] = minmax[2] = minmax[3] = 0;
+        meanmax[0] = meanmax[1] = 0;
+        return;
+    }
     const real *dw = acts + L.dwt, *cw = acts + L.cw;
     // App. E's monitors: dw is (N,S), one slot per row; cw (S,N), one token per row
     double md = 0, mc = 0;
@@ -305,11 +309,7 @@ void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4], d
         for (int j = 1; j < N; j++) mx = cw[(size_t)s * N + j] > mx ? cw[(size_t)s * N + j] : mx;
         mc += mx;
     }
-    meanmax[0] = N > 0 ? md / N : 0, meanmax[1] = S > 0 ? mc / S : 0;
-    if (n == 0) { // no slot (refused by the config; kept safe here): nothing to read
-        minmax[0] = minmax[1] = minmax[2] = minmax[3] = 0;
-        return;
-    }
+    meanmax[0] = md / N, meanmax[1] = mc / S;
     minmax[0] = minmax[1] = dw[0];
     minmax[2] = minmax[3] = cw[0];
     for (size_t i = 1; i < n; i++) {
