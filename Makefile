@@ -40,8 +40,15 @@ HAVE_NCCL := $(and $(filter 1,$(CUDA)),$(HAVE_MPI))
 MPI_LIBS  := $(if $(HAVE_MPI),$(MPI_FOUND_LIBS),)
 DIST_SRCS := $(if $(HAVE_MPI),src/dist/mpi.c,src/dist/mpi_stub.c) \
              $(if $(HAVE_NCCL),src/dist/nccl.c,src/dist/nccl_stub.c)
+# SentencePiece (src/tok/spm.cc, C++ over Debian's libsentencepiece-dev): SPM ?= auto builds it when
+# the header is there, SPM=0 compiles src/tok/spm_stub.c, whose error says how to enable it.
+CXX     ?= g++
+SPM     ?= auto
+HAVE_SPM := $(if $(filter 0,$(SPM)),,$(if $(wildcard /usr/include/sentencepiece_processor.h),1,))
+SPM_LIBS := $(if $(HAVE_SPM),-lsentencepiece -lstdc++,)
+CXXFLAGS_BASE := -std=c++17 -Wall -Wextra $(if $(filter 1,$(WERROR)),-Werror,) -fPIC -Iinclude -Isrc -g
 CUDA_LIBS := $(if $(filter 1,$(CUDA)),-L$(CUDA_HOME)/lib64 -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64 $(if $(HAVE_NCCL),-lnccl,) -lcublas -lcudart -lstdc++,)
-LIBS    := $(CUDA_LIBS) $(MPI_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm -fopenmp -lpthread
+LIBS    := $(CUDA_LIBS) $(MPI_LIBS) -L$(BLASDIR) -Wl,-rpath,$(BLASDIR) -lopenblas -ldnnl -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -lutf8proc $(SPM_LIBS) -larchive -lz -lm -fopenmp -lpthread
 SAN     := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 
 REAL_SRCS := $(shell grep -l '^\#include "core/real.h"' src/*/*.c)
@@ -52,9 +59,10 @@ CUDA_HOME ?= /usr/local/cuda
 NVCCFLAGS := -std=c++17 -O2 -fmad=false -Xcompiler -fPIC,-Wall -Iinclude -Isrc -I$(BLASINC) \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 CUDA_SRCS := $(wildcard src/cuda/*.cu)
-PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/% src/dist/mpi%.c src/dist/nccl%.c,$(wildcard src/*/*.c)) \
+PLAIN_SRCS := $(filter-out $(REAL_SRCS) src/cuda/% src/dist/mpi%.c src/dist/nccl%.c $(if $(HAVE_SPM),src/tok/spm_stub.c,),$(wildcard src/*/*.c)) \
               $(if $(filter 1,$(CUDA)),,src/cuda/cuda_stub.c) $(DIST_SRCS)
 CLI_SRCS  := $(wildcard cli/*.c)
+GEN_TORCH := build/gen/vlmoe_torch_py.c
 TEST_SRCS := $(wildcard tests/test_*.c tests/hostile/test_*.c)
 HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
 
@@ -62,7 +70,8 @@ HDRS      := $(wildcard include/*.h src/*/*.h tests/*.h cli/*.h)
 objs = $(patsubst %.c,$(1)/%.o,$(PLAIN_SRCS)) \
        $(patsubst %.c,$(1)/f32/%.o,$(REAL_SRCS)) \
        $(patsubst %.c,$(1)/f64/%.o,$(REAL_SRCS)) \
-       $(if $(filter 1,$(CUDA)),$(patsubst %.cu,$(1)/%.o,$(CUDA_SRCS)))
+       $(if $(filter 1,$(CUDA)),$(patsubst %.cu,$(1)/%.o,$(CUDA_SRCS))) \
+       $(if $(HAVE_SPM),$(1)/src/tok/spm.o,)
 
 B  := build/rel
 BA := build/asan
@@ -105,6 +114,16 @@ $(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 
+# The C++ shim's own functions (vlmoe_spm_*) stay global; the rest (libstdc++ template copies,
+# which its headers give default visibility) is made local, so libvlmoe.so exports no C++.
+$(B)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS_BASE) $(OPT) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
+	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
+$(BA)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
+	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
 $(B)/%.o: %.cu $(wildcard src/cuda/*.cuh) $(HDRS) | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
@@ -116,8 +135,16 @@ libvlmoe.a: $(call objs,$(B))
 	rm -f $@ && ar rcs $@ $^
 libvlmoe.so: $(call objs,$(B))
 	$(CC) -shared -o $@ $^ $(LIBS)
-vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) libvlmoe.a
+vlmoe: $(patsubst %.c,$(B)/%.o,$(CLI_SRCS)) $(B)/$(GEN_TORCH:.c=.o) libvlmoe.a
 	$(CC) -o $@ $^ $(LIBS)
+
+# python/vlmoe_torch.py travels inside the program: `vlmoe export --to torch` copies it
+$(GEN_TORCH): python/vlmoe_torch.py
+	@mkdir -p $(dir $@)
+	@{ echo '// generated from python/vlmoe_torch.py by the Makefile'; \
+	   echo 'const unsigned char cli_vlmoe_torch_py[] = {'; \
+	   od -An -v -tx1 $< | sed 's/\([0-9a-f][0-9a-f]\)/0x\1,/g'; \
+	   echo '0};'; echo 'const unsigned long cli_vlmoe_torch_py_len = sizeof(cli_vlmoe_torch_py) - 1;'; } >$@
 
 # ---- sanitizer build (tests only)
 $(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
@@ -131,7 +158,7 @@ $(BA)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 $(BA)/libvlmoe.a: $(call objs,$(BA))
 	rm -f $@ && ar rcs $@ $^
-$(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/libvlmoe.a
+$(BA)/vlmoe: $(patsubst %.c,$(BA)/%.o,$(CLI_SRCS)) $(BA)/$(GEN_TORCH:.c=.o) $(BA)/libvlmoe.a
 	$(CC) $(SAN) -o $@ $^ $(LIBS)
 
 # ---- tests
@@ -145,14 +172,15 @@ $(BA)/tests/%: tests/%.c $(BA)/libvlmoe.a $(HDRS)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $< -o $@ $(BA)/libvlmoe.a $(LIBS)
 
 # ---- fuzzing: libFuzzer targets fuzz/fuzz_*.c over the parsers (CSV, webdataset tar, tokenizer,
-# images, safetensors), built with clang and ASan + UBSan in build/fuzz from the library sources
+# images, safetensors, model configs), built with clang and ASan + UBSan in build/fuzz from the library sources
 # they reach. `make fuzz` runs each for FUZZ_TIME seconds; `make test` runs them for FUZZ_TEST_TIME.
 FUZZ_CC   ?= clang
 FUZZ_TIME ?= 20
 FUZZ_TEST_TIME ?= 15
 FUZZ_CFLAGS := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -Wno-pass-failed \
                -fopenmp-simd -Iinclude -Isrc -g -O1 $(SAN) -fsanitize=fuzzer-no-link
-FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/io/safetensors.c
+FUZZ_LIB  := src/core/core.c src/data/readers.c src/data/image.c src/tok/bpe.c src/tok/sentencepiece.c src/tok/spm_stub.c src/io/safetensors.c \
+             src/nn/config.c src/moe/route.c
 FUZZ_BINS := $(patsubst fuzz/%.c,build/fuzz/%,$(wildcard fuzz/fuzz_*.c))
 FUZZ_SEEDS := build/fuzz/seeds/.stamp
 build/fuzz/obj/%.o: %.c $(HDRS) fuzz/fuzz.h | $(TEST_DEPS_STAMP)
@@ -160,7 +188,7 @@ build/fuzz/obj/%.o: %.c $(HDRS) fuzz/fuzz.h | $(TEST_DEPS_STAMP)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
 build/fuzz/fuzz_%: build/fuzz/obj/fuzz/fuzz_%.o $(patsubst %.c,build/fuzz/obj/%.o,$(FUZZ_LIB))
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $^ \
-	    -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -larchive -lz -lm
+	    -lcjson -ljpeg -lpng -lwebp -lpcre2-8 -lutf8proc -larchive -lz -lm
 $(FUZZ_SEEDS): fuzz/seeds.c tests/test_jpeg.h | $(TEST_DEPS_STAMP)
 	@mkdir -p build/fuzz/seeds
 	$(CC) -std=c11 -D_POSIX_C_SOURCE=200809L $(WARN) -O1 fuzz/seeds.c -o build/fuzz/make_seeds \
@@ -169,13 +197,15 @@ $(FUZZ_SEEDS): fuzz/seeds.c tests/test_jpeg.h | $(TEST_DEPS_STAMP)
 fuzz: $(FUZZ_BINS) $(FUZZ_SEEDS)
 	@./fuzz/run.sh $(FUZZ_TIME) $(FUZZ_BINS)
 
-# ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation
+# ---- the main job: a small LIMoE on the built-in synthetic data, then its held-out evaluation and
+# its report (logs/demo/report.html, also rewritten every 500 steps while it trains)
 DEMO_STEPS ?= 3000
 demo: all
 	rm -rf logs/demo
 	./vlmoe train --model limoe-mini --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 150 \
-	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --logs logs --name demo
+	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --report-every 500 --logs logs --name demo
 	./vlmoe eval --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors
+	./vlmoe report logs/demo
 
 # ---- benchmarks (never timed inside tests)
 BENCHES := $(patsubst bench/%.c,$(B)/bench/%,$(wildcard bench/bench_*.c))
@@ -185,7 +215,7 @@ $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
 
 # bench_step and bench_sgemm are the C halves of bench/speed.py (vlmoe against PyTorch)
 bench: all $(BENCHES) $(TEST_DEPS_STAMP)
-	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
+	@for b in $(filter-out %/bench_step %/bench_sgemm %/bench_dist %/bench_loader_dist,$(BENCHES)); do echo "== $$b"; $$b || exit 1; done
 	@echo "== bench/speed.py" && /usr/bin/python3 bench/speed.py --bin $(B)/bench
 	@echo "== bench/limoe_failure.sh" && ./bench/limoe_failure.sh
 	@echo "== bench/dense_vs_limoe.sh" && ./bench/dense_vs_limoe.sh

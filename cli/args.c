@@ -2,6 +2,8 @@
 #include "args.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,27 +25,50 @@ void args_help(const char *cmd, const arg_spec *specs, int n, const char *usage)
     (void)cmd;
 }
 
+static int bad_value(const char *cmd, const arg_spec *s, const char *v, const char *range) {
+    fprintf(stderr, "vlmoe %s: --%s must be %s, got '%s'\n", cmd, s->name, range, v);
+    return 2;
+}
+
 static int set_value(const char *cmd, const arg_spec *s, const char *v) {
     char *end;
     errno = 0;
     switch (s->kind) {
     case ARG_INT:
-    case ARG_LONG: {
+    case ARG_INT1:
+    case ARG_LONG:
+    case ARG_LONG1: {
+        const int is_int = s->kind == ARG_INT || s->kind == ARG_INT1;
+        const long long lo = s->kind == ARG_INT1 || s->kind == ARG_LONG1;
+        const char *range = lo ? (is_int ? ">= 1 (an integer up to 2147483647)" : ">= 1 (an integer)")
+                               : (is_int ? ">= 0 (an integer up to 2147483647)" : ">= 0 (an integer)");
         long long x = strtoll(v, &end, 10);
-        if (errno || *end || end == v || (s->kind == ARG_INT && (x < -2147483647LL || x > 2147483647LL))) {
+        if (*end || end == v) {
             fprintf(stderr, "vlmoe %s: --%s expects an integer, got '%s'\n", cmd, s->name, v);
             return 2;
         }
-        if (s->kind == ARG_INT) *(int *)s->dest = (int)x;
+        if (errno || (is_int && x > 2147483647LL) || x < lo || (!is_int && x > LONG_MAX))
+            return bad_value(cmd, s, v, range);
+        if (is_int) *(int *)s->dest = (int)x;
         else *(long *)s->dest = (long)x;
         return 0;
     }
-    case ARG_DOUBLE: {
+    case ARG_DOUBLE:
+    case ARG_POS:
+    case ARG_FRAC:
+    case ARG_BETA: {
         double x = strtod(v, &end);
-        if (errno || *end || end == v) {
+        if (*end || end == v) {
             fprintf(stderr, "vlmoe %s: --%s expects a number, got '%s'\n", cmd, s->name, v);
             return 2;
         }
+        const char *range = s->kind == ARG_POS ? "> 0 (a finite number)" : s->kind == ARG_FRAC ? "in [0, 1]"
+                            : s->kind == ARG_BETA ? "in [0, 1)" : ">= 0 (a finite number)";
+        // errno: ERANGE for an overflow (1e999 -> inf) and also for an underflow to a denormal
+        // or 0, which is a fine small number; so the range is checked on the value itself
+        if (!isfinite(x) || x < 0 || (s->kind == ARG_POS && x == 0) ||
+            (s->kind == ARG_FRAC && x > 1) || (s->kind == ARG_BETA && x >= 1))
+            return bad_value(cmd, s, v, range);
         *(double *)s->dest = x;
         return 0;
     }

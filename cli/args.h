@@ -3,11 +3,27 @@
 #ifndef VLMOE_CLI_ARGS_H
 #define VLMOE_CLI_ARGS_H
 
-typedef enum { ARG_INT, ARG_LONG, ARG_DOUBLE, ARG_STRING, ARG_FLAG } arg_kind;
+// Every number is checked by the parser, for every command, before the command sees it: no
+// flag takes a negative value, NaN or an infinity (counts, sizes, rates, seeds, factors), and
+// the kinds below narrow that further where 0 means nothing. An out-of-range value is a usage
+// error (exit 2) naming the flag, the range and the value given.
+typedef enum {
+    ARG_INT,     // int >= 0
+    ARG_LONG,    // long >= 0
+    ARG_DOUBLE,  // finite double >= 0
+    ARG_STRING,
+    ARG_FLAG,
+    ARG_INT1,    // int >= 1 (sizes, counts where 0 means nothing)
+    ARG_LONG1,   // long >= 1
+    ARG_POS,     // finite double > 0 (learning rates, epsilons, capacity factors)
+    ARG_FRAC,    // double in [0, 1] (fractions)
+    ARG_BETA,    // double in [0, 1) (Adam's betas: 1 never forgets, the bias correction divides by 0)
+} arg_kind;
 typedef struct {
     const char *name;    // without the leading "--"
     arg_kind kind;
-    void *dest;          // int*, long*, double*, const char**, int* (flag: set to 1)
+    void *dest;          // int* (INT, INT1), long* (LONG, LONG1), double* (DOUBLE, POS, FRAC, BETA),
+                         // const char**, int* (flag: set to 1)
     const char *meta;    // value placeholder in --help, e.g. "N"
     const char *help;
 } arg_spec;

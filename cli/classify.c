@@ -101,6 +101,7 @@ int cmd_classify(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *labels = NULL, *labels_file = NULL, *templates = NULL, *tokenizer = NULL;
     const char *mean = NULL, *std = NULL, *unused = NULL;
     int top = 5, B = 64, json = 0, threads = 0, override = 0;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
@@ -113,9 +114,10 @@ int cmd_classify(int argc, char **argv) {
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"top", ARG_INT, &top, "N", "labels shown per image (default 5; 0 = all)"},
-        {"batch-size", ARG_INT, &B, "N", "images per model call (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "images per model call (default 64)"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     const char **args = malloc(sizeof(char *) * (size_t)argc);
@@ -126,6 +128,7 @@ int cmd_classify(int argc, char **argv) {
     free(rest);
     if (rc) return free(args), rc == 1 ? 0 : rc;
     if (threads > 0) omp_set_num_threads(threads);
+    cli_set_max_image_pixels(max_pixels);
     if (!model) rc = cli_error("classify", "--model is required (see vlmoe classify --help)");
     else if (!nargs) rc = cli_error("classify", "no image: give --image FILE (see vlmoe classify --help)");
     else if (!labels == !labels_file)

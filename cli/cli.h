@@ -15,6 +15,7 @@ int cmd_export(int argc, char **argv);
 int cmd_upcycle(int argc, char **argv);
 int cmd_finetune(int argc, char **argv); // cli/finetune.c: VL-MoE classification heads
 int cmd_synth(int argc, char **argv);    // cli/synth.c: `vlmoe synth export`, the synthetic data as files
+int cmd_info(int argc, char **argv);     // cli/info.c: parameters and GFLOP of a config
 
 // Prints "vlmoe CMD: message" to stderr and returns exit status 1.
 int cli_error(const char *cmd, const char *fmt, ...)

@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "data/loader.h"
+#include "dist/dist.h"
 #include "nn/model.h"
 #include "data/readers.h"
 #include "tokenize.h"
@@ -67,9 +68,16 @@ int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nb
     return out;
 }
 
+// --max-image-pixels of this process's command (0: the library's default). One value per
+// process, set by the command right after its flags are parsed, before any image parameters are
+// made; kept here so the one funnel below applies it for every image a command decodes.
+static long max_image_pixels;
+void cli_set_max_image_pixels(long n) { max_image_pixels = n; }
+
 int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
                      vlmoe_image_params *out) {
     *out = vlmoe_image_default_params();
+    if (max_image_pixels) out->max_pixels = max_image_pixels;
     out->size = c->image_size;
     if ((mean && parse3(cmd, "image-mean", mean, out->mean)) || (std && parse3(cmd, "image-std", std, out->std)))
         return 1;
@@ -374,4 +382,9 @@ int cli_read_texts(const char *cmd, const char *flag, const char *path, const ch
     }
     if (rc) cli_free_lines(*out, *n), *out = NULL, *n = 0;
     return rc;
+}
+
+int cli_loader_agree(void *dist, uint8_t *k, size_t n) {
+    vlmoe_dist *d = dist;
+    return d->allreduce_max(d, k, n, VLMOE_DIST_U8);
 }

@@ -21,6 +21,10 @@ extern const char *const cli_templates[CLI_NUM_TEMPLATES];
 
 // The eval transform of model config c with --image-mean / --image-std ("R,G,B" or one value for
 // all three; NULL keeps CLIP's). Errors are printed ("vlmoe CMD: ...") and returned as exit status 1.
+// --max-image-pixels N (a decompression bomb is skipped, not decoded): the commands that read
+// images give it; cli_image_params applies it.
+#define CLI_MAX_PIXELS_HELP "decode images of at most N pixels, bigger ones are skipped (default 89478485, PIL's; at most 268435456)"
+void cli_set_max_image_pixels(long n);
 int cli_image_params(const char *cmd, const char *mean, const char *std, const vlmoe_model_config *c,
                      vlmoe_image_params *out);
 // OpenCLIP's nargs syntax for every command: "--image-mean 0.48 0.45 0.41" (2 or 3 numbers after
@@ -33,6 +37,8 @@ int cli_join_norm_flags(int argc, char **argv, char (*buf)[CLI_NORM_LEN], int nb
 // The smallest vocabulary BPE can have (512 byte symbols, start and end; smaller ones are the
 // synthetic data's word vocabularies), and the size trained for a small named model on captions.
 enum { CLI_BPE_MIN = 514, CLI_BPE_IDS = 1024 };
+// The most synthetic held-out samples one evaluation holds in memory (train, soup --eval-samples).
+enum { CLI_EVAL_SAMPLES_MAX = 1 << 20 };
 
 // Texts of the user's: --tokenizer PATH (NULL: none) or, without one, the synthetic data's word
 // tokenizer, which only a model with fewer than 514 ids (too few for BPE) can have been trained
@@ -132,5 +138,9 @@ int cli_encode_images(vlmoe_model *m, const char *const *paths, int n, const cli
 // The error when none of n image files could be read: the file's own message when n is 1.
 // Returns exit status 1.
 int cli_no_images(const char *cmd, const cli_bad_log *bad, int n);
+
+// The data loader's agreement on bad samples over the processes of a run (src/data/loader.h):
+// k (n) = its maximum over them; dist is the run's vlmoe_dist.
+int cli_loader_agree(void *dist, uint8_t *k, size_t n);
 
 #endif

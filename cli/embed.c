@@ -1,6 +1,7 @@
 // embed.c: `vlmoe embed`: L2-normalised embeddings of image files or of texts (one per line),
 // encoded in batches, written to a safetensors file ("image_embeds" or "text_embeds" (N, E) F32)
-// whose metadata lists the inputs in row order and the images that were skipped.
+// whose metadata lists the inputs in row order and the images that were skipped, or to NumPy's
+// .npy (OUT ending in .npy, or --format npy), which holds the rows only.
 // Test: tests/test_classify_embed.c.
 #include <cjson/cJSON.h>
 #include <omp.h>
@@ -10,9 +11,11 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "nn/model.h"
 #include "common.h"
 #include "data/readers.h"
+#include "io/npy.h"
 #include "tokenize.h"
 #include "vlmoe.h"
 
@@ -27,12 +30,15 @@ static const char *USAGE =
     "metadata's \"skipped\" (an error when no image can be read). Images are preprocessed like vlmoe\n"
     "eval's (shorter side resized, center crop, --image-mean/--image-std); texts are tokenized with\n"
     "the tokenizer the model file records (else --tokenizer, or below 514 ids the synthetic words).\n"
-    "Read OUT with safetensors' safe_open(OUT, \"np\"), .get_tensor(\"image_embeds\") and .metadata().\n\n"
+    "Read OUT with safetensors' safe_open(OUT, \"np\"), .get_tensor(\"image_embeds\") and .metadata().\n"
+    "OUT ending in .npy (or --format npy) is NumPy's format instead (1.0, '<f4', C order; numpy.load):\n"
+    "the rows only, in the same order (skipped images are still reported on stderr).\n\n"
     "examples:\n"
     "  vlmoe embed --model logs/demo/checkpoints/step_3000.safetensors --images photos/ -o photos.safetensors\n"
     "  vlmoe embed --model clip.safetensors --images a.jpg b.png -o two.safetensors\n"
     "  vlmoe embed --model clip.safetensors --tokenizer bpe_simple_vocab_16e6.txt.gz \\\n"
-    "      --texts captions.txt -o captions.safetensors";
+    "      --texts captions.txt -o captions.safetensors\n"
+    "  vlmoe embed --model clip.safetensors --images photos/ -o photos.npy";
 
 // Embeddings of texts in batches of B; a text the tokenizer rejects is an error naming its line.
 static int embed_texts(vlmoe_model *m, cli_text *text, char **texts, const long *lineno, int n, int B,
@@ -82,20 +88,23 @@ static int write_out(const char *path, const char *model, const char *name, cons
 
 int cmd_embed(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *texts_path = NULL, *output = NULL, *tokenizer = NULL, *mean = NULL, *std = NULL;
-    const char *unused = NULL;
+    const char *unused = NULL, *format = NULL;
     int B = 64, threads = 0, override = 0;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
         {"images", ARG_STRING, &unused, "DIR|FILE...", "image files and folders (searched recursively)"},
         {"texts", ARG_STRING, &texts_path, "FILE", "texts to embed, one per line (blank lines skipped)"},
-        {"output", ARG_STRING, &output, "FILE", "the safetensors file to write (also -o FILE)"},
+        {"output", ARG_STRING, &output, "FILE", "the file to write (also -o FILE): .safetensors, or .npy"},
+        {"format", ARG_STRING, &format, "safetensors|npy", "OUT's format (default: npy if OUT ends in .npy)"},
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &mean, "R,G,B", "normalisation mean (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
-        {"batch-size", ARG_INT, &B, "N", "inputs per model call (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "inputs per model call (default 64)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     const char **args = malloc(sizeof(char *) * (size_t)argc);
@@ -108,10 +117,15 @@ int cmd_embed(int argc, char **argv) {
     free(rest);
     if (rc) return free(args), rc == 1 ? 0 : rc;
     if (threads > 0) omp_set_num_threads(threads);
+    cli_set_max_image_pixels(max_pixels);
     if (!model) rc = cli_error("embed", "--model is required (see vlmoe embed --help)");
     else if (!nargs == !texts_path) rc = cli_error("embed", "give --images DIR|FILE... or --texts FILE (one of them)");
     else if (!output) rc = cli_error("embed", "-o OUT.safetensors is required");
     else if (B < 1) rc = cli_error("embed", "--batch-size must be >= 1");
+    else if (format && strcmp(format, "safetensors") && strcmp(format, "npy"))
+        rc = cli_error("embed", "--format %s: expected safetensors or npy", format);
+    const cli_input in[] = {{"--model", model}, {"--texts", texts_path}, {"--tokenizer", tokenizer}};
+    if (!rc) rc = cli_check_output("embed", "-o", output, in, 3);
     if (rc) return free(args), rc;
 
     vlmoe_model *m = NULL;
@@ -135,6 +149,7 @@ int cmd_embed(int argc, char **argv) {
     rc = nargs ? cli_model_image_params("embed", mean, std, override, m, model, &ip)
                : cli_model_text("embed", tokenizer, override, m, model, 1, &text);
     if (!rc && nargs) rc = cli_list_images("embed", args, nargs, &inputs, &n);
+    for (int i = 0; !rc && nargs && i < n; i++) rc = cli_check_output("embed", "-o", output, &(cli_input){"--images", inputs[i]}, 1);
     if (!rc && texts_path) {
         rc = cli_read_lines_numbered("embed", texts_path, &inputs, &lineno, &nt);
         n = (int)nt;
@@ -157,10 +172,13 @@ int cmd_embed(int argc, char **argv) {
         n_ok = n;
     }
     const char *name = nargs ? "image_embeds" : "text_embeds";
-    if (!rc) rc = write_out(output, model, name, x, n_ok, E, in_json, skip_json);
+    const size_t olen = strlen(output);
+    const int npy = format ? !strcmp(format, "npy") : olen >= 4 && !strcmp(output + olen - 4, ".npy");
+    if (!rc && npy && vlmoe_npy_write_f32(output, x, n_ok, E)) rc = cli_error("embed", "%s", vlmoe_last_error());
+    if (!rc && !npy) rc = write_out(output, model, name, x, n_ok, E, in_json, skip_json);
     if (!rc) {
-        printf("vlmoe embed: %d %s%s -> %s: %s (%d, %d) F32", n_ok, nargs ? "image" : "text", n_ok == 1 ? "" : "s",
-               output, name, n_ok, E);
+        printf("vlmoe embed: %d %s%s -> %s: %s (%d, %d) %s", n_ok, nargs ? "image" : "text", n_ok == 1 ? "" : "s",
+               output, npy ? "npy" : name, n_ok, E, npy ? "<f4" : "F32");
         if (bad.n) printf("; %ld unreadable image%s skipped (metadata \"skipped\")", bad.n, bad.n == 1 ? "" : "s");
         printf("\n");
         char where[32];

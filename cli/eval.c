@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
@@ -34,11 +35,17 @@ static const char *USAGE =
     "holding the same image file count as one image with several captions), contrastive loss and\n"
     "accuracy in batches, and the routing of the first batch. Texts and images are read as the model\n"
     "file records (its tokenizer and normalisation); for a file that records none, --tokenizer, or\n"
-    "for a vocabulary too small for BPE (< 514 ids) the synthetic data's word tokenizer. Unreadable images are skipped, counted and reported.\n\n"
+    "for a vocabulary too small for BPE (< 514 ids) the synthetic data's word tokenizer. Unreadable images are skipped, counted and reported.\n"
+    "Retrieval counts a caption whose text (as tokenized) repeats under several images as correct for\n"
+    "each of them, and reports OpenCLIP's mean and median rank. --output FILE writes CLIP_benchmark's\n"
+    "results JSON for the one task run (--zeroshot-data: zeroshot_classification, acc5 null below 6\n"
+    "classes; --val-data: zeroshot_retrieval); FILE must not exist yet.\n\n"
     "examples:\n"
     "  vlmoe eval --model logs/run1/checkpoints/step_3000.safetensors --json\n"
     "  vlmoe eval --model clip.safetensors --tokenizer bpe_simple_vocab_16e6.txt.gz \\\n"
-    "      --zeroshot-data imagenet/val --val-data coco_val.csv --csv-separator , --csv-img-key file";
+    "      --zeroshot-data imagenet/val --val-data coco_val.csv --csv-separator , --csv-img-key file\n"
+    "  vlmoe eval --model clip.safetensors --zeroshot-data cifar10/test --classnames en_classnames.json \\\n"
+    "      --templates en_zeroshot_classification_templates.json --zeroshot-dataset cifar10 --output cifar10.json";
 
 typedef struct {
     vlmoe_model *m;
@@ -52,6 +59,8 @@ typedef struct {
     FILE *txt;                  // the human-readable report, built up while the sections run
     char *txt_buf;
     size_t txt_len;
+    vlmoe_eval_zeroshot zs;     // kept for --output
+    vlmoe_eval_retrieval rt;
 } eval_ctx;
 
 static void say_contrastive(eval_ctx *e, const vlmoe_eval_contrastive *c, const char *where) {
@@ -143,7 +152,10 @@ static int eval_folder(eval_ctx *e, const char *dir, const char *names_path, con
         cJSON_AddItemToObject(e->out, "zeroshot", vlmoe_eval_zeroshot_json(z, dir));
         fprintf(e->txt, "zero-shot on %s (%d classes, %d prompt templates, %d images", dir, C, z->templates, z->images);
         if (r.bad.n) fprintf(e->txt, "; %ld unreadable skipped", r.bad.n);
-        fprintf(e->txt, "): top-1 %.1f%%  top-5 %.1f%%  (chance %.1f%%)\n", 100 * z->top1, 100 * z->top5, 100.0 / C);
+        fprintf(e->txt, "): top-1 %.1f%%", 100 * z->top1);
+        if (C >= 6) fprintf(e->txt, "  top-5 %.1f%%", 100 * z->top5); // trivially 100% below 6 classes
+        fprintf(e->txt, "  mean per-class recall %.1f%%  (chance %.1f%%)\n", 100 * z->mean_per_class_recall, 100.0 / C);
+        e->zs = *z;
         cli_bad_warn("eval", &r.bad, "unreadable image", dir);
     }
     if (!rc && e->p.shots) {
@@ -176,6 +188,13 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
         if (rt->bad_samples) fprintf(e->txt, "; %ld bad samples skipped", rt->bad_samples);
         fprintf(e->txt, ")");
         say_retrieval(e, rt);
+        fprintf(e->txt, "  mean / median rank: image->text %.2f / %.0f, text->image %.2f / %.0f", rt->mean_rank[0],
+                rt->median_rank[0], rt->mean_rank[1], rt->median_rank[1]);
+        if (rt->duplicate_captions)
+            fprintf(e->txt, "; %d caption%s repeat%s an earlier one's text (correct for each image that has it)",
+                    rt->duplicate_captions, rt->duplicate_captions == 1 ? "" : "s", rt->duplicate_captions == 1 ? "s" : "");
+        fprintf(e->txt, "\n");
+        e->rt = *rt;
         cJSON_AddItemToObject(e->out, "retrieval", vlmoe_eval_retrieval_json(rt, dp->path));
         cJSON *o = vlmoe_eval_contrastive_json(&r.contrastive);
         cJSON_AddStringToObject(o, "data", dp->path);
@@ -193,11 +212,30 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
     return rc;
 }
 
+// --output: CLIP_benchmark's results JSON, in a file that did not exist ("wx": never overwritten).
+static int write_results(const eval_ctx *e, const char *path, const char *dataset, const char *model, int zeroshot) {
+    cJSON *o = vlmoe_eval_clip_benchmark_json(dataset, e->c->name, model, zeroshot ? &e->zs : NULL, zeroshot ? NULL : &e->rt);
+    char *txt = o ? cJSON_Print(o) : NULL;
+    cJSON_Delete(o);
+    if (!txt) return cli_error("eval", "--output %s: out of memory", path);
+    FILE *f = fopen(path, "wx");
+    int ok = f && fputs(txt, f) >= 0 && fputc('\n', f) != EOF;
+    if (f && fclose(f)) ok = 0;
+    free(txt);
+    if (!ok) {
+        const int rc = cli_error("eval", "--output %s: cannot write%s", path, f ? "" : " (exists, or the folder is missing)");
+        if (f) remove(path);
+        return rc;
+    }
+    return 0;
+}
+
 int cmd_eval(int argc, char **argv) {
     const char *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
-    const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL;
+    const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL, *output = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
+    long max_pixels = 0;
     long seed = 0, val_num = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
@@ -220,15 +258,18 @@ int cmd_eval(int argc, char **argv) {
         {"image-std", ARG_STRING, &std, "R,G,B", "normalisation std (default CLIP's; LIMoE's [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &override, NULL, CLI_OVERRIDE_HELP},
         {"samples", ARG_INT, &n, "N", "synthetic held-out samples for zero-shot and retrieval (default 1000)"},
-        {"batch-size", ARG_INT, &B, "N", "encoding and contrastive batch (default 64)"},
+        {"batch-size", ARG_INT1, &B, "N", "encoding and contrastive batch (default 64)"},
         {"few-shot", ARG_INT, &shots, "K", "shots per class of the linear probe (default 10, 0 = skip)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the synthetic data (as in training) and of the few-shot draw"},
         {"json", ARG_FLAG, &json, NULL, "print one JSON object instead of text"},
+        {"output", ARG_STRING, &output, "FILE", "also write CLIP_benchmark's results JSON (one task; FILE must not exist)"},
         {"threads", ARG_INT, &threads, "N", "worker threads"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     int rc = args_parse("eval", specs, (int)(sizeof(specs) / sizeof(specs[0])), argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (threads > 0) omp_set_num_threads(threads);
+    cli_set_max_image_pixels(max_pixels);
     if (!model) return cli_error("eval", "--model is required (see vlmoe eval --help)");
     const int user_data = zs_dir || val;
     const int synthetic = dataset ? !strcmp(dataset, "synthetic") : !user_data;
@@ -243,6 +284,12 @@ int cmd_eval(int argc, char **argv) {
         return cli_error("eval", "--zeroshot-dataset %s picks a list of a CLIP_benchmark .json file: give --classnames or "
                          "--templates FILE.json", zs_key);
     if (val_num && !val) return cli_error("eval", "--val-num-samples needs --val-data");
+    if (output && !zs_dir == !val)
+        return cli_error("eval", "--output %s holds one CLIP_benchmark task: give --zeroshot-data DIR "
+                         "(zeroshot_classification) or --val-data FILE (zeroshot_retrieval), not %s", output,
+                         zs_dir ? "both (run eval twice)" : "neither");
+    if (output && !access(output, F_OK))
+        return cli_error("eval", "--output %s exists: vlmoe does not overwrite it (remove it or pick another name)", output);
     if (val_num < 0) return cli_error("eval", "--val-num-samples must be >= 0 (0: all)");
     if (n < 2 || B < 2 || shots < 0)
         return cli_error("eval", "--samples and --batch-size must be >= 2, --few-shot >= 0");
@@ -273,6 +320,7 @@ int cmd_eval(int argc, char **argv) {
     if (!rc && synthetic) rc = eval_synthetic(&e, n);
     if (!rc && zs_dir) rc = eval_folder(&e, zs_dir, classnames, templates, zs_key, val == NULL);
     if (!rc && val) rc = eval_pairs(&e, &dp);
+    if (!rc && output) rc = write_results(&e, output, zs_key ? zs_key : zs_dir ? zs_dir : val, model, zs_dir != NULL);
     if (e.txt) fclose(e.txt);
     if (!rc && json) {
         if (e.routing.n) cJSON_AddItemToObject(e.out, "routing", vlmoe_metrics_moe(e.routing.stats, e.routing.n, NULL, NULL));

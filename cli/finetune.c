@@ -7,8 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "train/tasks.h"
 
@@ -35,10 +38,37 @@ static int report(vlmoe_model *m, const vlmoe_ft_data *d, int held, const char *
     return 0;
 }
 
+// OUT.params.json: the settings of the fine-tuning, so that a model says how it was made (whether
+// its routers and experts are the pre-trained ones above all).
+typedef struct {
+    const char *model, *task, *data, *tokenizer;
+    int steps, batch, holdout, freeze_moe;
+    double lr, wd;
+    long seed;
+} ft_settings;
+
+static int write_params(const char *output, const ft_settings *s) {
+    cJSON *p = cJSON_CreateObject();
+    const char *key[] = {"model", "task", "data", "tokenizer"}, *val[] = {s->model, s->task, s->data, s->tokenizer};
+    for (int i = 0; i < 4; i++) cJSON_AddItemToObject(p, key[i], val[i] ? cJSON_CreateString(val[i]) : cJSON_CreateNull());
+    const char *nk[] = {"steps", "batch_size", "holdout", "lr", "wd", "seed"};
+    const double nv[] = {s->steps, s->batch, s->holdout, s->lr, s->wd, (double)s->seed};
+    for (int i = 0; i < 6; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    cJSON_AddBoolToObject(p, "freeze_moe", s->freeze_moe);
+    char path[4096], *text = cJSON_Print(p);
+    cJSON_Delete(p);
+    snprintf(path, sizeof(path), "%s.params.json", output);
+    FILE *f = text ? fopen(path, "w") : NULL;
+    int bad = !f || fputs(text, f) < 0 || fputc('\n', f) < 0;
+    if (f && fclose(f)) bad = 1;
+    free(text);
+    return bad ? cli_error(CMD, "%s: cannot write the fine-tuning settings", path) : 0;
+}
+
 int cmd_finetune(int argc, char **argv) {
     const char *model = NULL, *task = NULL, *data = NULL, *output = NULL, *tokenizer = NULL, *sep = "\t";
     const char *norm[2] = {NULL, NULL};
-    int steps = 100, batch = 16, holdout = 4, freeze = 0, log_every = 10, override = 0;
+    int steps = 100, batch = 16, holdout = 4, freeze = 0, no_freeze = 0, log_every = 10, override = 0;
     double lr = 1e-3, wd = 0.05;
     long seed = 0;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
@@ -59,12 +89,14 @@ int cmd_finetune(int argc, char **argv) {
         {"csv-caption-key", ARG_STRING, &dp.caption_key, "NAME", "retrieval CSV: column of captions (title)"},
         {"csv-separator", ARG_STRING, &sep, "C", "retrieval CSV: field separator (tab; \\t for tab)"},
         {"steps", ARG_INT, &steps, "N", "optimizer steps (100)"},
-        {"batch-size", ARG_INT, &batch, "N", "examples per step (16, at most the training examples)"},
-        {"lr", ARG_DOUBLE, &lr, "LR", "peak learning rate of the cosine schedule, 10% warmup (1e-3)"},
+        {"batch-size", ARG_INT1, &batch, "N", "examples per step (16, at most the training examples)"},
+        {"lr", ARG_POS, &lr, "LR", "peak learning rate of the cosine schedule, 10% warmup (1e-3)"},
         {"wd", ARG_DOUBLE, &wd, "WD", "AdamW weight decay (0.05)"},
         {"holdout", ARG_INT, &holdout, "K", "every K-th example is held out for the accuracy report (4; 0 = none)"},
-        {"freeze-moe", ARG_FLAG, &freeze, NULL, "keep every router and expert unchanged (VL-MoE's fine-tuning)"},
-        {"log-every", ARG_INT, &log_every, "N", "progress line every N steps (10)"},
+        {"freeze-moe", ARG_FLAG, &freeze, NULL, "keep every router and expert unchanged, as VL-MoE fine-tunes (the "
+                                                "default)"},
+        {"no-freeze-moe", ARG_FLAG, &no_freeze, NULL, "train the routers and experts too"},
+        {"log-every", ARG_INT1, &log_every, "N", "progress line every N steps (10)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the head's initialisation and the data order (0)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
@@ -76,12 +108,16 @@ int cmd_finetune(int argc, char **argv) {
         "classification; with 4 columns NLVR2: both images are paired with the sentence and the head\n"
         "reads the two fused [T_CLS] features side by side). Retrieval: images and captions encoded\n"
         "separately, [I_CLS] and [T_CLS] projected to embed_dim and trained with the contrastive loss;\n"
-        "held-out recall@1/5/10 is reported.\n\n"
+        "held-out recall@1/5/10 is reported. Routers and experts stay frozen as in the paper unless\n"
+        "--no-freeze-moe is given. The settings go to OUT.params.json.\n\n"
         "example:\n"
         "  vlmoe finetune --model logs/vlmoe-tiny/checkpoints/step_300.safetensors --task pair-cls \\\n"
-        "      --data match.tsv --steps 200 --freeze-moe -o match.safetensors";
+        "      --data match.tsv --steps 200 -o match.safetensors";
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, usage);
     if (rc) return rc == 1 ? 0 : 2;
+    if (freeze && no_freeze) return cli_error(CMD, "--freeze-moe and --no-freeze-moe contradict each other: give one");
+    // VL-MoE sec. 4.2 fine-tunes with the routers and experts frozen: that is the default
+    freeze = !no_freeze;
     if (!model || !task || !data || !output) return cli_error(CMD, "--model, --task, --data and --output (-o) are required");
     static const char *const TASKS[4] = {"image-cls", "text-cls", "pair-cls", "retrieval"};
     int tk = 0;
@@ -91,6 +127,12 @@ int cmd_finetune(int argc, char **argv) {
         return cli_error(CMD, "need --steps >= 1, --batch-size in [1, 4096], --holdout 0 or >= 2, --lr > 0, --wd >= 0");
     if (cli_separator(CMD, sep, &dp.separator)) return 1;
     dp.path = data;
+    // the model and, for classification, OUT.labels: neither may be an input
+    char labels[1100];
+    snprintf(labels, sizeof(labels), "%s.labels", output);
+    const cli_input in[] = {{"--model", model}, {"--data", data}, {"--tokenizer", tokenizer}};
+    if (cli_check_output(CMD, "-o", output, in, 3) || cli_check_output(CMD, "-o (its .labels file)", labels, in, 3))
+        return 1;
     vlmoe_model *pre = NULL, *m = NULL;
     vlmoe_trainer *t = NULL;
     vlmoe_ft_data *d = NULL;
@@ -143,7 +185,10 @@ int cmd_finetune(int argc, char **argv) {
     if (!rc && !ret) printf("chance %.4f (%d classes)\n", 1.0 / info.classes, info.classes);
     if (!rc && (vlmoe_model_save(m, output) || (!ret && vlmoe_ft_write_labels(d, output))))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
-    if (!rc) printf(!ret ? "wrote %s and %s.labels\n" : "wrote %s\n", output, output);
+    const ft_settings fs = {model, task, data, tokenizer, steps, batch, holdout, freeze, lr, wd, seed};
+    if (!rc) rc = write_params(output, &fs);
+    if (!rc && !ret) printf("wrote %s, %s.labels and %s.params.json\n", output, output, output);
+    if (!rc && ret) printf("wrote %s and %s.params.json\n", output, output);
     vlmoe_finetune_free(ft);
     vlmoe_ft_data_free(d);
     cli_text_free(&text);

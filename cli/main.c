@@ -1,13 +1,16 @@
 // main.c: the vlmoe command: dispatches to one subcommand per file in cli/.
+#include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
 #include "common.h"
 #include "dist/dist.h"
+#include "report.h"
 #include "tokenize.h"
 #include "vlmoe_train.h"
 
@@ -54,6 +57,7 @@ static const char *USAGE =
     "  classify   label probabilities of images for labels you name (zero-shot)\n"
     "  embed      image or text embeddings -> a safetensors file\n"
     "  soup       average checkpoints (uniform or greedy)\n"
+    "  info       parameters, active parameters and GFLOP per pair of a model config\n"
     "  prune      drop the experts a modality uses least, for one-modality inference\n"
     "  import     a pretrained CLIP (OpenAI/OpenCLIP or HF names) -> a vlmoe model\n"
     "  export     a dense two_tower model -> OpenAI/OpenCLIP or HF CLIP names\n"
@@ -63,6 +67,8 @@ static const char *USAGE =
     "  vq         learn the k-means codebook of visual tokens for VL-MoE's MIM (vlmoe vq train)\n"
     "  finetune   fine-tune a VL-MoE model: image-cls, text-cls, pair-cls (VQA, NLVR2), retrieval\n"
     "  synth      write the built-in synthetic data as image files + captions (vlmoe synth export)\n"
+    "  report     the HTML report of a run (plots, routing maps), or its TensorBoard files\n"
+    "  routes     one input's routing: the expert of each patch and word (--png draws it)\n"
     "  version    print the version\n";
 
 // OpenMP threads that wait at a barrier spin by default. When another process takes one of the
@@ -76,8 +82,11 @@ static void wait_passively(char **argv) {
     execv("/proc/self/exe", argv); // returns only on failure: go on with spinning threads
 }
 
-int main(int argc, char **argv) {
+static int run_command(int argc, char **argv) {
     wait_passively(argv);
+    // a file-size limit (ulimit -f) is met like a full disk: the write fails with EFBIG and the
+    // command stops with the file named, instead of being killed mid-line by SIGXFSZ
+    signal(SIGXFSZ, SIG_IGN);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         fputs(USAGE, argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
@@ -102,16 +111,32 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);
     if (!strcmp(argv[1], "embed")) return cmd_embed(argc, argv);
     if (!strcmp(argv[1], "soup")) return cmd_soup(argc, argv);
+    if (!strcmp(argv[1], "info")) return cmd_info(argc, argv);
     if (!strcmp(argv[1], "prune")) return cmd_prune(argc, argv);
     if (!strcmp(argv[1], "import")) return cmd_import(argc, argv);
     if (!strcmp(argv[1], "export")) return cmd_export(argc, argv);
     if (!strcmp(argv[1], "upcycle")) return cmd_upcycle(argc, argv);
     if (!strcmp(argv[1], "tokenize")) return cmd_tokenize(argc, argv);
     if (!strcmp(argv[1], "tokenizer")) return cmd_tokenizer(argc, argv);
+    if (!strcmp(argv[1], "report")) return cmd_report(argc, argv);
+    if (!strcmp(argv[1], "routes")) return cmd_routes(argc, argv);
     if (!strcmp(argv[1], "version") || !strcmp(argv[1], "--version")) {
         printf("vlmoe %s\n", VLMOE_VERSION);
         return 0;
     }
     fprintf(stderr, "vlmoe: unknown command '%s'\n\n%s", argv[1], USAGE);
     return 2;
+}
+
+// What a command prints (eval --json, classify, the reports) is its output too: a standard output
+// that cannot be written (a full disk behind a redirection) is an error, never exit status 0.
+int main(int argc, char **argv) {
+    int rc = run_command(argc, argv);
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "vlmoe%s%s: cannot write the standard output: %s\n", argc > 1 ? " " : "", argc > 1 ? argv[1] : "",
+                strerror(errno ? errno : EIO));
+        if (!rc) rc = 1;
+    }
+    return rc;
 }

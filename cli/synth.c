@@ -46,7 +46,7 @@ static int synth_export(int argc, char **argv) {
     long seed = 0, first = 0;
     const arg_spec specs[] = {
         {"out", ARG_STRING, &out, "DIR", "folder to write (created; must be empty unless --overwrite)"},
-        {"n", ARG_INT, &n, "N", "samples to write (1000)"},
+        {"n", ARG_INT1, &n, "N", "samples to write (1000)"},
         {"split", ARG_STRING, &split, "SPLIT", "train (the stream training draws from) or val (the held-out one) (train)"},
         {"first", ARG_LONG, &first, "I", "index of the first sample in its split (0): --first 5000 --n 1000 writes 5000..5999"},
         {"image-size", ARG_INT, &size, "S", "image side in pixels, 16..1024 (32, the tiny models' size)"},

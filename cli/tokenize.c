@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "tok/tok.h"
 
 // args_parse takes flags only: positional arguments (the texts) are moved out first. A flag that
@@ -47,19 +48,21 @@ static int ends_with(const char *s, const char *suffix) {
 }
 
 int cli_load_tokenizer(const char *path, vlmoe_tokenizer **out) {
+    if (ends_with(path, ".model")) return vlmoe_tokenizer_load_sentencepiece(out, path);
     return ends_with(path, ".json") ? vlmoe_tokenizer_load_hf(out, path) : vlmoe_tokenizer_load_clip(out, path);
 }
 
 static const char *NEED_VOCAB =
     "a vocabulary file is needed: --tokenizer FILE with OpenAI CLIP's merges file "
-    "(bpe_simple_vocab_16e6.txt or .txt.gz), an HF tokenizer.json of a CLIP model, or merges made by "
+    "(bpe_simple_vocab_16e6.txt or .txt.gz), an HF tokenizer.json of a CLIP model, a SentencePiece .model "
+    "(SigLIP, T5, LIMoE), or merges made by "
     "`vlmoe tokenizer train`; vlmoe ships none and downloads nothing";
 
 static const char *TOKENIZE_USAGE =
     "usage: vlmoe tokenize --tokenizer FILE [--context-length N] [--padded] TEXT...\n\n"
     "Prints, for each TEXT, the token ids CLIP's tokenizer gives it ([SOT] ids [EOT], truncated with EOT\n"
     "kept last) and the vocabulary piece of each id. FILE: a CLIP merges file (.txt or .txt.gz) or an HF\n"
-    "tokenizer.json (.json).\n\n"
+    "tokenizer.json (.json), or a SentencePiece model (.model: [BOS] ids [EOS] as the model defines them).\n\n"
     "examples:\n"
     "  vlmoe tokenize --tokenizer bpe_simple_vocab_16e6.txt.gz \"a photo of a cat\"\n"
     "  vlmoe tokenize --tokenizer tokenizer.json --context-length 16 \"Don't panic!\" \"two dogs\"";
@@ -68,7 +71,7 @@ int cmd_tokenize(int argc, char **argv) {
     const char *path = NULL;
     int ctx = 77, padded = 0;
     const arg_spec specs[] = {
-        {"tokenizer", ARG_STRING, &path, "FILE", "vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
+        {"tokenizer", ARG_STRING, &path, "FILE", "vocabulary: CLIP merges .txt/.txt.gz, HF tokenizer.json or SentencePiece .model"},
         {"context-length", ARG_INT, &ctx, "N", "ids per text, SOT and EOT included (default 77; LIMoE: 16)"},
         {"padded", ARG_FLAG, &padded, NULL, "print all N ids, padding (0) included"},
     };
@@ -193,6 +196,8 @@ int cmd_tokenizer(int argc, char **argv) {
     if (!captions || !output || !vocab)
         return cli_error("tokenizer train", "--captions, --vocab-size and -o are required (see vlmoe tokenizer --help)");
     if (vocab < 514 || vocab > 49408) return cli_error("tokenizer train", "--vocab-size %d: must be in [514, 49408]", vocab);
+    const cli_input in[] = {{"--captions", captions}};
+    if (cli_check_output("tokenizer train", "-o", output, in, 1)) return 1;
 
     char **texts = NULL;
     size_t n = 0;

@@ -9,11 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "dist/watchdog.h"
 #include "nn/model.h"
@@ -85,11 +87,27 @@ static const char *USAGE_MORE =
 
 
 // Progress of the run: step lines on stderr (redrawn in place on a terminal), evaluations on stdout.
+// --report-every and --report-to tensorboard, after a train record (rank 0): the events of the
+// new records, and the page from the metrics so far and the newest checkpoint. A report that
+// fails is a warning: the run goes on.
+static void report_step(train_run *r, int last) {
+    const long step = vlmoe_trainer_get_step(r->t);
+    if (r->tb.tb && cli_tb_sync("train", &r->tb)) fprintf(stderr, "vlmoe train: warning: --report-to tensorboard stops\n"),
+        cli_tb_close(&r->tb);
+    if (!(r->report_every && (step >= r->next_report || last))) return;
+    r->next_report = (step / r->report_every + 1) * r->report_every;
+    const cli_report_opts o = {.run_dir = r->dir, .nexamples = 4, .max_points = 600, .html = 1, .tb = r->tb.tb,
+                               .quiet = 1};
+    if (r->open_line) fputc('\n', stderr), r->open_line = 0;
+    if (cli_report_write("train", &o)) fprintf(stderr, "vlmoe train: warning: the report of step %ld failed\n", step);
+}
+
 static void on_progress(void *u, int what, const char *line) {
     train_run *r = u;
     if (what == VLMOE_RUN_STEP) {
         fprintf(stderr, "%s%s%s", r->tty ? "\r\033[K" : "", line, r->tty ? "" : "\n");
         r->open_line = r->tty;
+        report_step(r, 0);
         return;
     }
     if (r->open_line) fputc('\n', stderr), r->open_line = 0;
@@ -145,6 +163,7 @@ static int write_run_files(const train_args *a, train_run *r, cJSON *changes) {
     cJSON *pj = run_params(a, r->dist->world);
     if (a->resume) return changes ? cli_resume_record("train", r->dir, pj, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(pj), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, vlmoe_model_get_config(r->m), pj) ? cli_error("train", "%s", vlmoe_last_error()) : 0;
 }
 
@@ -168,9 +187,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
                     .bucket_cap_mb = 25,
-                    .o = {"adamw", "cosine", NAN, NAN, NAN, NAN, NAN, 1.0, 30, 0}};
+                    .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN, .eps = NAN,
+                          .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     a.data = vlmoe_dataset_default_params();
-    long steps_given = -1;
+    long steps_given = -1, max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
@@ -178,8 +198,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                               "paper's), or App. A's fixed identity, uniform, uniform_soft, soft_uniform"},
         {"no-soft-normalize", ARG_FLAG, &a.soft_raw, NULL, "Soft MoE layers without the normalisation of tokens and slot "
                                                        "vectors before the softmaxes (to reproduce App. E's collapse)"},
-        {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers: clipup (CLIP-UP; also lr 5e-5 "
-                                                  "and wd 0.05, its upcycled phase, unless given) or limoe"},
+        {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers and the paper's training recipe where "
+                                                  "flags do not say otherwise: limoe (Adafactor, lr 1e-3, wd 1e-5, images in [-1, 1]) or "
+                                                  "clipup (AdamW, lr 5e-5, wd 0.05, its upcycled phase); the limoe-* and "
+                                                  "clipup-* models imply theirs"},
         {"train-data", ARG_STRING, &a.data.path, "PATH", "image-text pairs: an OpenCLIP CSV/TSV file, or webdataset shards "
                                                        "('train-{000000..000099}.tar', lists joined by '::')"},
         {"dataset-type", ARG_STRING, &a.dataset_type, "TYPE", "synthetic (built-in; the default without --train-data), csv, "
@@ -196,9 +218,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of --train-data (default CLIP's; [-1, 1]: 0.5)"},
         {"override-inputs", ARG_FLAG, &a.override, NULL, "with --pretrained or --resume: " CLI_OVERRIDE_HELP},
-        {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
+        {"max-bad-fraction", ARG_FRAC, &a.max_bad, "F", "stop when more than this fraction of samples is bad (default 0.1)"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples per epoch for --epochs and --save-frequency (synthetic: 10000; CSV: its rows)"},
-        {"expert-parallel", ARG_INT, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
+        {"expert-parallel", ARG_INT1, &a.expert_parallel, "N", "under mpirun: split every MoE layer's experts over "
                                                                "groups of N processes (N divides the process count "
                                                                "and num_experts; default 1: not split)"},
         {"dist-timeout", ARG_STRING, &a.dist_timeout, "S", "under mpirun: end the job when a collective has waited S "
@@ -208,25 +230,31 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                             "buckets of at most MB megabytes, each started as soon as "
                                                             "the backward finished it (DDP's bucket_cap_mb; default 25; "
                                                             "0: one sum after the backward; same results either way)"},
-        {"batch-size", ARG_INT, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
+        {"batch-size", ARG_INT1, &a.batch_size, "N", "image-text pairs per step and process, or per micro-batch with "
                                                    "--accum-freq (default 64; the global batch is mpirun's -np x "
                                                    "--accum-freq x it)"},
-        {"accum-freq", ARG_INT, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
+        {"accum-freq", ARG_INT1, &a.accum_freq, "N", "gradient accumulation (OpenCLIP's): each step takes N micro-batches of "
                                                      "--batch-size and computes the contrastive loss over all N x "
                                                      "batch-size pairs, caching features, not activations: batch N x B "
                                                      "in the memory of B (default 1)"},
         {"steps", ARG_LONG, &steps_given, "N", "optimisation steps (default 300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs instead of --steps (an epoch: ceil(--train-num-samples / "
                                                    "global batch) steps)"},
-        {"lr", ARG_DOUBLE, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
-        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices (default 0.1; --preset clipup: 0.05)"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; Adafactor: 0)"},
-        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
-        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
+        {"lr", ARG_POS, &a.o.lr, "LR", "peak learning rate (default 1e-3; --preset clipup: 5e-5)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "WD", "decoupled weight decay on weight matrices: AdamW p -= lr*wd*p (default 0.1; "
+                                          "--preset clipup: 0.05); Adafactor p -= (lr/--lr)*wd*p, the schedule times wd "
+                                          "as big_vision (default 1e-5, LIMoE's)"},
+        {"beta1", ARG_BETA, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (default 0.9; 0: none)"},
+        {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: keep the momentum in float32 (default) or "
+                                                                 "bfloat16 (ViT-G's; --preset limoe's default)"},
+        {"beta2", ARG_BETA, &a.o.beta2, "B2", "AdamW beta2 (default 0.98)"},
+        {"eps", ARG_POS, &a.o.eps, "EPS", "AdamW epsilon (default 1e-6)"},
         {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (default 30)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine (default), rsqrt (with --lr-cooldown-steps), const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
-        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
+        {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor (big_vision's, as LIMoE: beta2 "
+                                                        "1 - t^-0.8 capped at 0.999, factored from dimension 32, no "
+                                                        "update clipping; --preset limoe's default)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (default 1.0, 0 = off)"},
         {"seed", ARG_LONG, &a.seed, "N", "seed of the initialisation and the data order (default 0)"},
         {"image-size", ARG_INT, &a.image_size, "PX", "override the model's image size"},
@@ -259,7 +287,11 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         {"zeroshot-every-n-steps", ARG_LONG, &a.zs_steps, "N", "zero-shot evaluation every N steps (default: at the end)"},
         {"eval-samples", ARG_INT, &a.eval_samples, "N", "synthetic data: held-out samples per evaluation (default 1000, "
                                                        "0 = none)"},
-        {"log-every-n-steps", ARG_INT, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"log-every-n-steps", ARG_INT1, &a.log_every, "N", "metrics and progress every N steps (default 10)"},
+        {"report-every", ARG_LONG, &a.report_every, "N", "write LOGS/NAME/report.html (vlmoe report) at the first log "
+                                                         "step of every N steps and at the end (default 0: never)"},
+        {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files (metrics, and the "
+                                                               "routing maps at each report) to LOGS/NAME/tensorboard/"},
         {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "keep only each block's input and recompute the block in the "
                                                              "backward: less activation memory, the same gradients"},
         {"lock-image", ARG_FLAG, &a.lock_image, NULL, "two_tower: freeze the image tower (LiT): no update, no weight decay"},
@@ -270,6 +302,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                                         "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int nspec = (int)(sizeof(specs) / sizeof(specs[0]));
     static const char *const mome[] = {"codebook", "mix", "image-data", "text-data", NULL};
@@ -279,12 +312,14 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     int rc = args_parse("train", specs, nspec, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
     if (a.threads > 0) omp_set_num_threads(a.threads);
+    cli_set_max_image_pixels(max_pixels);
     if (check_applicable(&a, argc, argv)) return 1;
-    // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
-    // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
-    const int clipup = a.preset && !strcmp(a.preset, "clipup");
-    if (isnan(a.o.lr)) a.o.lr = clipup ? 5e-5 : 1e-3;
-    if (isnan(a.o.wd)) a.o.wd = clipup ? 0.05 : 0.1;
+    // the paper's recipe where no flag says otherwise (train_flags.h); LIMoE's images are in
+    // [-1, 1] (its appendix A), for a model made here (one loaded records its own)
+    const char *paper = cli_paper_of(a.preset, a.pretrained ? NULL : a.model);
+    cli_paper_optim(paper, &a.o);
+    if (paper && !strcmp(paper, "limoe") && a.data.path && !a.pretrained && !a.resume && !a.image_mean && !a.image_std)
+        a.image_mean = a.image_std = "0.5,0.5,0.5";
     a.dataset_type = a.dataset_type ? a.dataset_type : a.data.path ? "auto" : "synthetic";
     const int synthetic = !strcmp(a.dataset_type, "synthetic");
     if (synthetic && a.data.path)
@@ -302,6 +337,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (a.eval_samples >= 0 && a.data.path)
         return cli_error("train", "--eval-samples sizes the synthetic held-out evaluation; with --train-data give "
                          "--val-data PATH (--val-num-samples N) or --zeroshot-data DIR");
+    if (a.eval_samples > CLI_EVAL_SAMPLES_MAX) // held in memory at once: images, tokens, embeddings
+        return cli_error("train", "--eval-samples %d: at most %d held-out samples per evaluation", a.eval_samples,
+                         CLI_EVAL_SAMPLES_MAX);
     if (a.eval_samples < 0) a.eval_samples = a.data.path ? 0 : 1000;
     if (!a.val_data && (a.val_freq || a.val_steps || a.val_num))
         return cli_error("train", "--val-frequency, --val-every-n-steps and --val-num-samples need --val-data PATH");
@@ -358,6 +396,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     a.val_every = a.val_freq ? a.val_freq * per_epoch : a.val_steps;
     a.zeroshot_every = a.zs_freq ? a.zs_freq * per_epoch : a.zs_steps;
     if (a.log_every < 1) a.log_every = 1;
+    if (a.report_every < 0) return cli_error("train", "--report-every: %ld is negative (0: no report)", a.report_every);
+    if (a.report_to && strcmp(a.report_to, "tensorboard"))
+        return cli_error("train", "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)
         return cli_error("train", "--expert-parallel %d does not divide the %d process%s into groups%s", a.expert_parallel,
@@ -391,6 +432,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
         snprintf(r.dir, sizeof(r.dir), "%s/%s-model_%s-lr_%g-b_%d", a.logs, ts, model, a.o.lr, a.batch_size);
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--train-data", a.data.path}, {"--val-data", a.val_data}, {"--tokenizer", a.tokenizer},
+                            {"--pretrained", a.pretrained}, {"--model", a.model}, {"--zeroshot-classnames", a.zs_names},
+                            {"--zeroshot-templates", a.zs_templates}};
+    if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
@@ -398,6 +445,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);
     cJSON_Delete(now);
     if (rc) return train_run_free(&r, rc), rc;
+    cli_resume_fresh("train", r.dir, existed, &a.resume, r.lead);
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
@@ -444,6 +492,8 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                         e ? "the text tower's" : "the", a.batch_size, a.batch_size * N, a.batch_size,
                         a.batch_size * N);
         }
+    r.report_every = a.report_every, r.next_report = a.report_every;
+    if (r.lead && a.report_to && cli_tb_open("train", r.dir, &r.tb)) return train_run_free(&r, 1), 1;
     const vlmoe_run_task task = vlmoe_contrastive_task(r.task);
     const vlmoe_run_params rp = {r.dir, a.steps, a.log_every, a.save_every, a.keep, train_eval_cadence(&a), 1,
                                  (long)a.batch_size * a.accum_freq * W, r.dist, on_progress, &r, a.expert_parallel};
@@ -455,8 +505,12 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                        "with --resume latest (lower --lr or raise --warmup)", vlmoe_last_error());
     else if (st)
         rc = cli_error("train", "%s", vlmoe_last_error());
-    else if (r.lead)
+    else if (r.lead) {
         fprintf(stderr, "trained to step %ld in %.1f s; checkpoints in %s\n", a.steps, cli_now() - t0, r.ckdir);
+        if (r.report_every || r.tb.tb) report_step(&r, 1); // the last checkpoint is written by now
+        if (r.report_every) fprintf(stderr, "report: %s/report.html\n", r.dir);
+        if (r.tb.tb) fprintf(stderr, "tensorboard: %s\n", report_tb_path(r.tb.tb));
+    }
     const vlmoe_dataset_stats *bs = r.loader && r.lead ? vlmoe_loader_stats(r.loader) : NULL;
     if (bs && vlmoe_dataset_stats_bad(bs)) { // a run stopped by bad samples said so with the counts
         char sum[1024 + VLMOE_BAD_MSGS * VLMOE_BAD_MSG_LEN];

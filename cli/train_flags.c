@@ -29,7 +29,29 @@ int cli_run_length_set(const char *cmd, cli_run_length *l) {
     return l->steps < 1 ? cli_error(cmd, "--steps must be >= 1") : 0;
 }
 
+const char *cli_paper_of(const char *preset, const char *model) {
+    if (preset) return preset;
+    if (model && !strncmp(model, "limoe-", 6)) return "limoe";
+    if (model && !strncmp(model, "clipup-", 7)) return "clipup";
+    return NULL;
+}
+
+void cli_paper_optim(const char *paper, cli_optim_flags *o) {
+    const int limoe = paper && !strcmp(paper, "limoe"), clipup = paper && !strcmp(paper, "clipup");
+    const int vlmoe = paper && !strcmp(paper, "vlmoe");
+    if (!o->optimizer) o->optimizer = limoe ? "adafactor" : "adamw";
+    const int adafactor = !strcmp(o->optimizer, "adafactor");
+    // CLIP-UP sec. 4: the upcycled model trains on with the learning rate and weight decay
+    // reduced from the dense phase's 5e-4 / 0.2 to 5e-5 / 0.05
+    if (isnan(o->lr)) o->lr = clipup ? 5e-5 : vlmoe ? 2e-3 : 1e-3;
+    // Adafactor's decay is big_vision's: wd * p per step, times the schedule (LIMoE: 1e-5)
+    if (isnan(o->wd)) o->wd = adafactor ? 1e-5 : clipup || vlmoe ? 0.05 : 0.1;
+    // ViT-G's memory saving, which LIMoE's "modifications used for ViT-G" include
+    if (!o->momentum_dtype && adafactor && limoe) o->momentum_dtype = "bfloat16";
+}
+
 int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp) {
+    if (!o->optimizer) o->optimizer = "adamw";
     const int adafactor = !strcmp(o->optimizer, "adafactor");
     if (!adafactor && strcmp(o->optimizer, "adamw"))
         return cli_error(cmd, "--optimizer %s: expected adamw or adafactor", o->optimizer);
@@ -40,15 +62,29 @@ int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double bet
                    : !strcmp(o->scheduler, "const") ? VLMOE_SCHED_CONST : -1;
     if (sk < 0) return cli_error(cmd, "--lr-scheduler %s: expected cosine, rsqrt or const", o->scheduler);
     if (o->cooldown && sk != VLMOE_SCHED_RSQRT) return cli_error(cmd, "--lr-cooldown-steps applies to --lr-scheduler rsqrt");
+    if (isnan(o->lr)) o->lr = 1e-3;
+    if (isnan(o->wd)) o->wd = adafactor ? 1e-5 : 0.1;
     if (!(o->lr > 0) || !(o->wd >= 0) || !(o->grad_clip >= 0) || o->warmup < 0 || o->cooldown < 0)
         return cli_error(cmd, "--lr must be > 0; --wd, --grad-clip-norm, --warmup and --lr-cooldown-steps >= 0");
-    if (isnan(o->beta1)) o->beta1 = adafactor ? 0 : 0.9; // Adafactor: no momentum unless asked for
+    if (isnan(o->beta1)) o->beta1 = 0.9; // Adafactor too: big_vision's momentum 0.9
+    if (!(o->beta1 >= 0 && o->beta1 < 1)) return cli_error(cmd, "--beta1 %g: expected a value in [0, 1)", o->beta1);
     if (isnan(o->beta2)) o->beta2 = adafactor ? 0 : beta2_default;
     if (isnan(o->eps)) o->eps = adafactor ? 0 : 1e-6;
+    const char *md = o->momentum_dtype;
+    if (md && (!adafactor || o->beta1 == 0))
+        return cli_error(cmd, "--momentum-dtype applies to --optimizer adafactor with momentum (--beta1 > 0)");
+    if (md && strcmp(md, "float32") && strcmp(md, "bfloat16"))
+        return cli_error(cmd, "--momentum-dtype %s: expected float32 or bfloat16", md);
+    if (adafactor && !md) o->momentum_dtype = "float32";
     tp->optim = vlmoe_optim_default_params(adafactor ? VLMOE_OPT_ADAFACTOR : VLMOE_OPT_ADAMW);
-    tp->optim.beta1 = (float)o->beta1;
+    tp->optim.beta1 = (float)o->beta1; // honoured for Adafactor too (0: no momentum)
     if (!adafactor) tp->optim.beta2 = (float)o->beta2, tp->optim.eps = (float)o->eps;
     tp->optim.weight_decay = (float)o->wd;
+    if (adafactor) {
+        // big_vision: p -= sched * (lr * m + wd * p); the trainer's lr is lr * sched
+        tp->optim.wd_lr_base = (float)o->lr;
+        tp->optim.momentum_bf16 = o->momentum_dtype && !strcmp(o->momentum_dtype, "bfloat16");
+    }
     tp->grad_clip_norm = o->grad_clip;
     tp->schedule = (vlmoe_schedule){(vlmoe_sched_kind)sk, o->lr, o->warmup, steps, 0.0, o->cooldown, 0.0};
     return 0;
@@ -60,6 +96,7 @@ void cli_optim_json(cJSON *pj, const cli_optim_flags *o) {
     const char *k[] = {"lr", "wd", "warmup", "lr_cooldown_steps", "beta1", "beta2", "eps", "grad_clip_norm"};
     const double v[] = {o->lr, o->wd, (double)o->warmup, (double)o->cooldown, o->beta1, o->beta2, o->eps, o->grad_clip};
     for (int i = 0; i < 8; i++) cJSON_AddNumberToObject(pj, k[i], v[i]);
+    if (o->momentum_dtype) cJSON_AddStringToObject(pj, "momentum_dtype", o->momentum_dtype);
 }
 
 int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *names, const char *why) {
@@ -230,4 +267,15 @@ int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *ch
     free(text);
     cJSON_Delete(params), cJSON_Delete(changes);
     return st ? cli_error(cmd, "%s", vlmoe_last_error()) : 0;
+}
+
+void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print) {
+    char ckdir[1100];
+    long step;
+    snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", dir);
+    if (!existed || !*resume || strcmp(*resume, "latest") || vlmoe_ckpt_list(ckdir, &step, 1)) return;
+    if (print)
+        fprintf(stderr, "vlmoe %s: --resume latest: %s holds no complete checkpoint (the run stopped before its first "
+                "one): starting it again from step 0\n", cmd, ckdir);
+    *resume = NULL;
 }

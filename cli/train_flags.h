@@ -23,9 +23,19 @@ typedef struct {
     const char *scheduler;       // --lr-scheduler cosine | rsqrt | const
     double lr, wd, beta1, beta2, eps, grad_clip;
     long warmup, cooldown;       // --warmup, --lr-cooldown-steps (rsqrt only)
+    const char *momentum_dtype;  // --momentum-dtype float32 | bfloat16 (Adafactor); NULL: not given
 } cli_optim_flags;
+// The paper whose training recipe a run's defaults follow: --preset NAME, else the family of
+// --model NAME (limoe-*, clipup-*); NULL: none (the generic defaults).
+const char *cli_paper_of(const char *preset, const char *model);
+// Fills the optimizer flags not given (optimizer NULL, lr/wd NAN) from `paper` (limoe, clipup,
+// vlmoe or NULL): LIMoE app. A: Adafactor as ViT-G (momentum 0.9 in bfloat16), lr 1e-3, decay 1e-5;
+// CLIP-UP sec. 4: AdamW, lr 5e-5, wd 0.05; VL-MoE sec. 4.1: AdamW, lr 2e-3, wd 0.05; otherwise
+// AdamW, lr 1e-3, wd 0.1 (Adafactor: 1e-5). Flags given are kept.
+void cli_paper_optim(const char *paper, cli_optim_flags *o);
 // tp's optimizer and schedule (over `steps` steps) from o; AdamW's beta2 defaults to beta2_default
-// (the trainer's paper's), beta1 to 0.9 (Adafactor: 0, no momentum), eps to 1e-6. o gets the
+// (the trainer's paper's), beta1 to 0.9 (Adafactor's momentum too, as big_vision's), eps to 1e-6;
+// Adafactor's decay follows the schedule (lr / --lr times wd, big_vision's). o gets the
 // values used, for params.json (0 for the settings Adafactor has not). A flag the optimizer or
 // schedule has not is an error (printed; exit status 1).
 int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp);
@@ -71,6 +81,12 @@ int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *
 // their flags are not given, so leaving them out is no change.
 enum { CLI_RESUME_ALLOW = 1, CLI_RESUME_PRINT = 2, CLI_RESUME_CARRIED = 4 };
 int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int how, cJSON **changes);
+// --resume latest of a run that was started (its folder dir existed before this command: existed)
+// but killed before its first checkpoint was complete: nothing to resume, so the run starts again
+// from step 0 (a note says so; *resume becomes NULL), as OpenCLIP does, and a job requeued with the
+// same flags does not fail forever. A folder that did not exist (a mistyped --name) stays an error.
+// print: this process prints the note.
+void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char **resume, int print);
 
 // After a resume that went on with changes: DIR/params_resumed.json, params with the list
 // "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).

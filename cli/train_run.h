@@ -5,6 +5,7 @@
 #define VLMOE_CLI_TRAIN_RUN_H
 
 #include "common.h"
+#include "report.h"
 #include "train/tasks.h"
 #include "train_flags.h"
 #include "vlmoe.h"
@@ -34,6 +35,8 @@ typedef struct {
     // (OpenCLIP's --val-frequency, --zeroshot-frequency) or steps (--*-every-n-steps)
     const char *val_data, *zs_data, *zs_names, *zs_templates, *zs_dataset;
     long val_freq, val_steps, val_num, zs_freq, zs_steps, val_every;
+    long report_every;           // --report-every: LOGS/NAME/report.html every N steps (0: none)
+    const char *report_to;       // --report-to tensorboard (OpenCLIP's flag)
 } train_args;
 
 // Everything a run holds; run_free releases whatever was set up.
@@ -55,6 +58,8 @@ typedef struct {
     int lead;
     int tty, open_line;          // progress redrawn in place on a terminal
     char dir[512], ckdir[600];
+    long report_every, next_report; // --report-every, and the step of the next report
+    cli_tb tb;                   // --report-to tensorboard (tb.tb NULL: off)
 } train_run;
 
 // Releases the run; the process group too, except after a failure on several processes, where

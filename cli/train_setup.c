@@ -26,6 +26,7 @@ void train_run_free(train_run *r, int rc) {
     vlmoe_trainer_free(r->t);
     vlmoe_model_free(r->m);
     vlmoe_synth_free(r->synth);
+    cli_tb_close(&r->tb);
 }
 
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
@@ -154,8 +155,11 @@ int train_setup_data(const train_args *a, train_run *r) {
     model_set_image_norm(r->m, lp.image.mean, lp.image.std);
     lp.data = a->data;
     lp.seed = (uint64_t)a->seed;
-    // every process reads the global batch and takes its block of accum_freq micro-batches
-    lp.batch_size = a->batch_size * a->accum_freq * r->dist->world;
+    // each process decodes only its block of accum_freq micro-batches; the processes agree on
+    // which samples were bad (src/data/loader.h)
+    lp.batch_size = a->batch_size * a->accum_freq;
+    lp.rank = r->dist->rank, lp.world = r->dist->world;
+    lp.agree = cli_loader_agree, lp.agree_user = r->dist;
     lp.context_length = c->context_length;
     lp.tokenize = cli_tokenize, lp.tokenize_user = &r->text;
     lp.workers = a->workers;

@@ -8,6 +8,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "vlmoe.h"
 
 static const char *USAGE =
@@ -52,12 +53,12 @@ int cmd_upcycle(int argc, char **argv) {
     const arg_spec specs[] = {
         {"output", ARG_STRING, &out, "FILE", "the upcycled model file to write (also -o)"},
         {"preset", ARG_STRING, &preset, "NAME", "routing and auxiliary losses: clipup (default) or limoe"},
-        {"experts", ARG_INT, &experts, "E", "experts per MoE layer (default 8)"},
-        {"top-k", ARG_INT, &top_k, "K", "experts per token (default: the preset's, clipup 2)"},
+        {"experts", ARG_INT1, &experts, "E", "experts per MoE layer (default 8)"},
+        {"top-k", ARG_INT1, &top_k, "K", "experts per token (default: the preset's, clipup 2)"},
         {"moe-layers", ARG_STRING, &layers, "every_N|L,L", "which blocks become MoE layers (default every_2: blocks 1, 3, ...)"},
         {"towers", ARG_STRING, &towers, "image,text", "two_tower: which towers get MoE layers (default both)"},
-        {"capacity-factor", ARG_DOUBLE, &cf, "CF", "expert capacity factor in training and evaluation (default: the preset's)"},
-        {"eval-capacity-factor", ARG_DOUBLE, &ecf, "CF", "expert capacity factor in evaluation (default: --capacity-factor)"},
+        {"capacity-factor", ARG_POS, &cf, "CF", "expert capacity factor in training and evaluation (default: the preset's)"},
+        {"eval-capacity-factor", ARG_POS, &ecf, "CF", "expert capacity factor in evaluation (default: --capacity-factor)"},
         {"gate-renorm", ARG_STRING, &renorm, "KIND", "none or after_routing (renormalise the kept gates; default: the preset's)"},
         {"noise", ARG_DOUBLE, &noise, "STD", "std of the Gaussian noise added to each expert's copy (default 0)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the router initialisation and the noise (default 0)"},
@@ -66,6 +67,7 @@ int cmd_upcycle(int argc, char **argv) {
     int npos, rc = args_parse_pos("upcycle", specs, 11, argc, argv, 2, USAGE, pos, 1, &npos);
     if (rc) return rc == 1 ? 0 : 2;
     if (npos != 1 || !out) return cli_error("upcycle", "give IN.safetensors and -o OUT.safetensors (see vlmoe upcycle --help)");
+    if (cli_check_output("upcycle", "-o", out, &(cli_input){"the input", pos[0]}, 1)) return 1;
     vlmoe_moe_config mc;
     memset(&mc, 0, sizeof(mc));
     mc.num_experts = experts;

@@ -18,6 +18,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "nn/model.h"
 #include "tokenize.h"
@@ -100,6 +101,12 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
                          (double)a->epochs, (double)a->num_samples, (double)a->seed, (double)a->save_epochs,
                          (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
     for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
+    cJSON_AddNumberToObject(p, "drop_path", a->drop_path);
+    // the augmentations of image files (null on synthetic data, which has none)
+    const int files = a->image_data || a->data.path;
+    cJSON_AddItemToObject(p, "hflip", files ? cJSON_CreateNumber(isnan(a->hflip) ? 0.5 : a->hflip) : cJSON_CreateNull());
+    cJSON_AddItemToObject(p, "color_jitter", files ? cJSON_CreateNumber(isnan(a->color_jitter) ? 0.4 : a->color_jitter)
+                                                   : cJSON_CreateNull());
     cli_optim_json(p, &a->o);
     return p;
 }
@@ -110,6 +117,7 @@ static int write_run_files(const mome_args *a, const int w[3], mome_cli *r, cJSO
     cJSON *p = run_params(a, w, &vlmoe_mome_get_report(r->task)->split, r->dist->world);
     if (a->resume) return changes ? cli_resume_record(CMD, r->dir, p, changes, vlmoe_trainer_get_step(r->t))
                                   : (cJSON_Delete(p), 0);
+    cJSON_Delete(changes); // a run started again from step 0 (cli_resume_fresh) writes its record anew
     return vlmoe_run_write_files(r->dir, &r->cfg, p) ? mome_lib_error("") : 0;
 }
 
@@ -180,8 +188,9 @@ static const char *USAGE_MORE =
 
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
-                   .workers = 2, .steps = 300, .max_bad = 0.1,
-                   .o = {"adamw", "cosine", 1e-3, 0.05, NAN, NAN, NAN, 1.0, 30, 0}};
+                   .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = 0.1, .hflip = NAN, .color_jitter = NAN,
+                   .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN,
+                         .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
     long steps_given = -1;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
@@ -201,30 +210,37 @@ int cmd_train_mome(int argc, char **argv) {
                                                              "--seed (no epoch end)"},
         {"train-data-upsampling-factors", ARG_STRING, &a.upsampling, "F1::F2", "with --dataset-resampled: sampling weight "
                                                                               "of each '::'-joined --train-data source's shards"},
-        {"max-bad-fraction", ARG_DOUBLE, &a.max_bad, "F", "stop when more than this fraction of --train-data is bad (0.1)"},
+        {"max-bad-fraction", ARG_FRAC, &a.max_bad, "F", "stop when more than this fraction of --train-data is bad (0.1)"},
         {"tokenizer", ARG_STRING, &a.tokenizer, "FILE", "texts' vocabulary: CLIP merges .txt/.txt.gz or HF tokenizer.json"},
         {"image-mean", ARG_STRING, &a.image_mean, "R,G,B", "normalisation mean of image files (default CLIP's; [-1, 1]: 0.5)"},
         {"image-std", ARG_STRING, &a.image_std, "R,G,B", "normalisation std of image files (default CLIP's; [-1, 1]: 0.5)"},
-        {"batch-size", ARG_INT, &a.batch, "N", "samples per step and process, split by --mix (48)"},
+        {"batch-size", ARG_INT1, &a.batch, "N", "samples per step and process, split by --mix (48)"},
         {"steps", ARG_LONG, &steps_given, "N", "training steps (300)"},
         {"epochs", ARG_LONG, &a.epochs, "N", "train for N epochs of --train-num-samples instead of --steps"},
         {"train-num-samples", ARG_LONG, &a.num_samples, "N", "samples (of all streams) per epoch for --epochs and "
                                                           "--save-frequency (synthetic data: 10000)"},
-        {"lr", ARG_DOUBLE, &a.o.lr, "X", "peak learning rate (1e-3)"},
+        {"lr", ARG_POS, &a.o.lr, "X", "peak learning rate (2e-3, VL-MoE sec. 4.1)"},
         {"lr-scheduler", ARG_STRING, &a.o.scheduler, "KIND", "cosine decay to 0 at --steps (default), rsqrt (with "
                                                              "--lr-cooldown-steps) or const"},
         {"lr-cooldown-steps", ARG_LONG, &a.o.cooldown, "N", "rsqrt: linear cooldown to 0 over the last N steps"},
         {"warmup", ARG_LONG, &a.o.warmup, "N", "linear warmup steps (30)"},
-        {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1)"},
+        {"wd", ARG_DOUBLE, &a.o.wd, "X", "decoupled weight decay (0.05, VL-MoE sec. 4.1; Adafactor: "
+                                                        "1e-5 times the schedule, big_vision's)"},
         {"optimizer", ARG_STRING, &a.o.optimizer, "NAME", "adamw (default) or adafactor"},
-        {"beta1", ARG_DOUBLE, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; Adafactor: 0)"},
-        {"beta2", ARG_DOUBLE, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
-        {"eps", ARG_DOUBLE, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
+        {"beta1", ARG_BETA, &a.o.beta1, "B1", "AdamW beta1 / Adafactor momentum (0.9; 0: none)"},
+        {"momentum-dtype", ARG_STRING, &a.o.momentum_dtype, "T", "Adafactor: momentum in float32 (default) or bfloat16"},
+        {"beta2", ARG_BETA, &a.o.beta2, "B2", "AdamW beta2 (0.999, VL-MoE sec. 4.1)"},
+        {"eps", ARG_POS, &a.o.eps, "EPS", "AdamW epsilon (1e-6)"},
         {"grad-clip-norm", ARG_DOUBLE, &a.o.grad_clip, "NORM", "clip the global gradient norm (1.0, 0 = off)"},
-        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks and routing noise (0)"},
+        {"hflip", ARG_FRAC, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
+        {"color-jitter", ARG_DOUBLE, &a.color_jitter, "S", "image files: brightness, contrast and saturation jitter "
+                                                           "(0.4, as BEiT / VL-MoE; 0: off)"},
+        {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
+                                                        "at the first (0.1, VL-MoE / BEiT; 0: off)"},
+        {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
         {"logs", ARG_STRING, &a.logs, "DIR", "log folder (logs)"},
         {"name", ARG_STRING, &a.name, "NAME", "run name (default: the model name)"},
-        {"log-every-n-steps", ARG_INT, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
+        {"log-every-n-steps", ARG_INT1, &a.log_every, "N", "print and log losses and routing every N steps (10)"},
         {"save-frequency", ARG_LONG, &a.save_epochs, "N", "checkpoint every N epochs (as OpenCLIP; default: at the end only)"},
         {"save-every-n-steps", ARG_LONG, &a.save_every, "N", "checkpoint every N steps (default: at the end only)"},
         {"keep-checkpoints", ARG_INT, &a.keep, "K", "keep the newest K checkpoints (3, 0 = all)"},
@@ -281,6 +297,11 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
     if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
+    if (!(a.drop_path >= 0 && a.drop_path < 1)) return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
+    if (!isnan(a.hflip) && !(a.hflip >= 0 && a.hflip <= 1))
+        return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
+    if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
+        return cli_error(CMD, "--color-jitter %g: expected a strength in [0, 100] (timm's 0.4)", a.color_jitter);
     int w[3];
     if (parse_mix(a.mix, w)) return 1;
     if (a.data.path) {
@@ -307,7 +328,8 @@ int cmd_train_mome(int argc, char **argv) {
     vlmoe_mome_params p = {.config = &r.cfg, .batch_size = a.batch, .mix = {w[0], w[1], w[2]}, .seed = (uint64_t)a.seed,
                            .image_data = a.image_data, .text_data = a.text_data, .train_data = a.data,
                            .workers = a.workers, .max_bad_fraction = a.max_bad, .resampled = a.resampled,
-                           .upsampling = a.upsampling, .rank = dist->rank, .world = W};
+                           .upsampling = a.upsampling, .rank = dist->rank, .world = W,
+                           .agree = cli_loader_agree, .agree_user = dist};
     vlmoe_mome_split sp;
     if (vlmoe_mome_split_batch(&p, &sp)) return mome_lib_error("");
     const int pd = r.cfg.channels * r.cfg.patch_size * r.cfg.patch_size;
@@ -322,9 +344,15 @@ int cmd_train_mome(int argc, char **argv) {
             if (*c == '/') *c = '_'; // model names like S/32
     }
     snprintf(r.ckdir, sizeof(r.ckdir), "%s/checkpoints", r.dir);
+    const cli_input in[] = {{"--text-data", a.text_data}, {"--train-data", a.data.path}, {"--codebook", a.codebook},
+                            {"--model", a.model}};
+    if (cli_check_run_outputs(CMD, r.dir, in, 4)) return mome_run_free(&r, 1), 1;
+    struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
+    const int existed = stat(r.dir, &dir_sb) == 0;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
+    cli_paper_optim("vlmoe", &a.o);
     if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return mome_run_free(&r, 1), 1;
     // --resume: the flags against the run's before anything is read or written
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, w, &sp, W) : NULL;
@@ -332,6 +360,7 @@ int cmd_train_mome(int argc, char **argv) {
                                  &changes);
     cJSON_Delete(now);
     if (rc) return mome_run_free(&r, rc), rc;
+    cli_resume_fresh(CMD, r.dir, existed, &a.resume, r.lead);
     if ((rc = mome_open_data(&a, &sp, &p, &r)) || (vlmoe_mome_init(&r.task, &p) && (rc = mome_lib_error(""))))
         return cJSON_Delete(changes), mome_run_free(&r, rc), rc;
     const vlmoe_mome_report *rep = vlmoe_mome_get_report(r.task);

@@ -16,6 +16,8 @@ typedef struct {
     int batch, log_every, keep, workers, threads, allow_changes, resampled;
     long steps, seed, save_every, save_epochs, epochs, num_samples;
     double max_bad;
+    double drop_path;            // --drop-path: stochastic depth of the last block
+    double hflip, color_jitter;  // --hflip, --color-jitter of image files (NAN: not given)
     int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
     cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags

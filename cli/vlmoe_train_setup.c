@@ -3,6 +3,7 @@
 // what its checkpoints record of their inputs. Declared in cli/vlmoe_train_run.h; covered by
 // tests/test_vlmoe_train.c and tests/test_dist_mpi.sh.
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -81,10 +82,17 @@ int mome_open_data(const mome_args *a, const vlmoe_mome_split *sp, vlmoe_mome_pa
     const int synth = src[0] == VLMOE_MOME_SYNTH || src[1] == VLMOE_MOME_SYNTH || src[2] == VLMOE_MOME_SYNTH;
     if (synth && a->tokenizer) return cli_error(CMD, "--tokenizer: the synthetic data has its own word tokenizer");
     if (synth && (a->image_mean || a->image_std)) return cli_error(CMD, "--image-mean/--image-std apply to image files");
+    if (synth && (!isnan(a->hflip) || !isnan(a->color_jitter)))
+        return cli_error(CMD, "--hflip/--color-jitter augment image files (--image-data, --train-data); the synthetic "
+                         "images have none");
     if (synth) return 0;
     if (r->cfg.channels != 3)
         return cli_error(CMD, "model %s has %d image channels; images are RGB", r->cfg.name, r->cfg.channels);
     if (cli_image_params(CMD, a->image_mean, a->image_std, &r->cfg, &p->image)) return 1;
+    // BEiT's / VL-MoE's pre-training augmentations after the random resized crop, drawn from the
+    // crop's generator (keyed by the sample's global index): the same on any number of processes
+    p->image.flip_prob = isnan(a->hflip) ? 0.5 : a->hflip;
+    p->image.color_jitter = isnan(a->color_jitter) ? 0.4 : a->color_jitter;
     if (src[1] == VLMOE_MOME_LINES) {
         if (cli_read_lines_numbered(CMD, a->text_data, &r->lines, &r->lineno, &r->n_lines)) return 1;
         p->text_lines = (const char *const *)r->lines, p->text_lineno = r->lineno, p->n_text_lines = r->n_lines;
@@ -130,7 +138,8 @@ static int record_inputs(const vlmoe_mome_params *p, const char *ckpt, mome_cli 
 // the inputs it trains on.
 int mome_setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlmoe_mome_params *p, mome_cli *r) {
     if (!a->resume) {
-        if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_trainer_init(&r->t, r->m, tp) ||
+        if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_model_set_drop_path(r->m, a->drop_path) ||
+            vlmoe_trainer_init(&r->t, r->m, tp) ||
             vlmoe_mome_start(r->task, r->m, r->cb, NULL, NULL))
             return mome_lib_error("");
         return record_inputs(p, NULL, r);
@@ -138,7 +147,8 @@ int mome_setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlm
     char w[1024];
     if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
         return mome_lib_error("");
-    if (vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w)) return mome_lib_error("");
+    if (vlmoe_model_set_drop_path(r->m, a->drop_path) || vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w))
+        return mome_lib_error("");
     if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
     return record_inputs(p, w, r);
 }

@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "outputs.h"
 #include "common.h"
 #include "vlmoe_train.h"
 
@@ -25,7 +26,7 @@ static int folder_images(const char *cmd, const char *dir, const vlmoe_image_par
     const size_t isz = (size_t)3 * ip->size * ip->size;
     float *img = malloc(sizeof(float) * isz * (size_t)take);
     cli_bad_log bad = {0};
-    vlmoe_image im = {0};
+    vlmoe_image im = {.max_pixels = (size_t)ip->max_pixels};
     int k = 0;
     for (int i = 0; i < take && img; i++) {
         const char *p = paths[(size_t)i * (size_t)np / (size_t)take];
@@ -50,12 +51,12 @@ int cmd_vq(int argc, char **argv) {
     long seed = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "NAME|FILE", "model whose image and patch size the codebook serves (vlmoe-tiny)"},
-        {"size", ARG_INT, &size, "K", "codebook entries = visual tokens (8192; the model's mim_vocab must match)"},
+        {"size", ARG_INT1, &size, "K", "codebook entries = visual tokens (8192; the model's mim_vocab must match)"},
         {"image-data", ARG_STRING, &image_data, "DIR", "learn from the images under DIR (recursive; default: synthetic images)"},
         {"image-mean", ARG_STRING, &image_mean, "R,G,B", "normalisation mean of --image-data (default CLIP's; as in vlmoe train)"},
         {"image-std", ARG_STRING, &image_std, "R,G,B", "normalisation std of --image-data (default CLIP's)"},
-        {"images", ARG_INT, &images, "N", "images to learn from (synthetic: default 4 patches per entry; --image-data: all)"},
-        {"iters", ARG_INT, &iters, "N", "Lloyd iterations at most (20)"},
+        {"images", ARG_INT1, &images, "N", "images to learn from (synthetic: default 4 patches per entry; --image-data: all)"},
+        {"iters", ARG_INT1, &iters, "N", "Lloyd iterations at most (20)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the k-means++ seeding (0)"},
         {"output", ARG_STRING, &output, "FILE", "codebook file to write (safetensors), also -o"},
     };
@@ -70,6 +71,7 @@ int cmd_vq(int argc, char **argv) {
     int rc = args_parse_pos("vq train", specs, ns, argc, argv, 3, usage, NULL, 0, NULL);
     if (rc) return rc == 1 ? 0 : 2;
     if (!output) return cli_error("vq train", "--output (-o) FILE is required");
+    if (cli_check_output("vq train", "-o", output, &(cli_input){"--model", model}, 1)) return 1;
     vlmoe_model_config cfg;
     if (vlmoe_config_load(model, &cfg)) return cli_error("vq train", "%s", vlmoe_last_error());
     const int g = cfg.image_size / cfg.patch_size, np = g * g, pd = cfg.channels * cfg.patch_size * cfg.patch_size;

@@ -1,7 +1,7 @@
 // seeds.c: writes the small seed corpora of the fuzz targets into DIR/<target>/ (`make fuzz`
 // runs it): CSV files with quoting, CRLF, a BOM and broken rows; webdataset shards (plain, gzip,
 // cut short); JPEG, PNG and WebP images of several kinds; texts for the tokenizer; safetensors
-// files. Built with the system compiler against the encoders only, not against vlmoe.
+// files; model configs (JSON and model-file metadata). Built with the system compiler against the encoders only, not against vlmoe.
 #include <archive.h>
 #include <archive_entry.h>
 #include <png.h>
@@ -132,6 +132,29 @@ static void safetensors_seed(const char *name, const char *header, size_t data_l
     put("fuzz_safetensors", name, buf, 8 + h + pad + data_len);
 }
 
+// fuzz_config: byte 0 picks the way in (even: a JSON config file, odd: a model file's metadata)
+static void config_seeds(void) {
+    static const char *const CFG[] = {
+        "{\"base\": \"tiny\", \"embed_dim\": 32}",
+        "{\"base\": \"limoe-tiny\", \"moe\": {\"capacity_factor\": 1e30, \"eval_capacity_factor\": 2}}",
+        "{\"base\": \"limoe-tiny\", \"moe\": {\"preset\": \"clipup\", \"layers\": \"every_2\", \"top_k\": 2}}",
+        "{\"arch\": \"two_tower\", \"image_size\": 32, \"patch_size\": 8, \"channels\": 3, \"vocab_size\": 256, "
+        "\"context_length\": 16, \"embed_dim\": 64, \"encoder\": {\"width\": 64, \"layers\": 2, \"heads\": 2, "
+        "\"mlp_dim\": 256}, \"text_encoder\": {\"width\": 32, \"layers\": 1, \"heads\": 2, \"mlp_dim\": 64}, "
+        "\"text_moe\": {\"router\": \"soft\", \"layers\": [0], \"num_experts\": 4, \"slots_per_expert\": 1}}",
+        "{\"base\": \"vlmoe-tiny\", \"vl_layers\": 1}",
+    };
+    char buf[1024], name[32];
+    for (int i = 0; i < (int)(sizeof(CFG) / sizeof(CFG[0])); i++)
+        for (int way = 0; way < 2; way++) {
+            buf[0] = (char)way;
+            const size_t n = strlen(CFG[i]);
+            memcpy(buf + 1, CFG[i], n);
+            snprintf(name, sizeof(name), "cfg%d_%s", i, way ? "meta" : "json");
+            put("fuzz_config", name, buf, n + 1);
+        }
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
@@ -152,6 +175,7 @@ int main(int argc, char **argv) {
                      "\"d\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[24,32]},"
                      "\"e\":{\"dtype\":\"I64\",\"shape\":[0,5],\"data_offsets\":[32,32]}}", 32);
     safetensors_seed("empty", "{}", 0);
+    config_seeds();
     safetensors_seed("scalar", "{\"s\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}", 1);
     return 0;
 }

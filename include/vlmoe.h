@@ -109,13 +109,19 @@ typedef struct {
 typedef enum { VLMOE_OPT_ADAMW = 0, VLMOE_OPT_ADAFACTOR = 1 } vlmoe_opt_kind;
 typedef struct {
     vlmoe_opt_kind kind;
-    float beta1;          // AdamW 0.9; Adafactor momentum (0 = none, the default)
+    float beta1;          // AdamW 0.9; Adafactor momentum (default 0.9 as big_vision's; 0 = none)
     float beta2;          // AdamW 0.999; unused by Adafactor (it uses decay_rate)
     float eps;            // AdamW 1e-8; Adafactor eps1 1e-30 (added to squared grads)
-    float weight_decay;   // decoupled: p -= lr * wd * p, only where param_info.decay
-    float decay_rate;     // Adafactor: beta2_t = 1 - t^(-decay_rate), default 0.8
-    float clip_threshold; // Adafactor update clipping d, default 1.0 (0 = off)
-    int min_dim_to_factor;// Adafactor: factor a matrix only if both dims >= this (default 128)
+    float weight_decay;   // decoupled, only where param_info.decay: p -= lr * wd * p, or with
+                          // wd_lr_base > 0 p -= (lr / wd_lr_base) * wd * p
+    float decay_rate;     // Adafactor: beta2_t = min(beta2_cap, 1 - t^(-decay_rate)), default 0.8
+    float clip_threshold; // Adafactor update clipping d (default 0 = off, as big_vision; 1.0: the paper's)
+    int min_dim_to_factor;// Adafactor: factor the two largest dims if both are >= this (default 32)
+    float beta2_cap;      // Adafactor: upper bound of beta2_t (default 0.999, ViT-G; 1 = none)
+    int decay_offset;     // Adafactor: the beta2 schedule counts t from this step (optax step_offset)
+    int momentum_bf16;    // Adafactor: keep the momentum rounded to bfloat16 (ViT-G's memory saving)
+    float wd_lr_base;     // > 0: weight decay follows the schedule lr / wd_lr_base, not lr itself
+                          // (big_vision: wd times the schedule); 0: times lr (torch's AdamW)
 } vlmoe_optim_params;
 VLMOE_API vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind);
 
@@ -254,7 +260,8 @@ VLMOE_API uint64_t vlmoe_moe_every(int n, int layers);
 
 // Capacity per expert per group (MOE.md "Capacity"): C = ceil(cf*S*K/E) for tokens choice,
 // ceil(cf*S/E) for experts choice (K = 1), computed in double, rounded up to `multiple`.
-// C < 1 is VLMOE_ERR_CONFIG.
+// C < 1 (also a NaN factor) is VLMOE_ERR_CONFIG; C is at most S*K before the rounding (no group
+// can use more), so a huge finite factor cannot size a buffer.
 VLMOE_API int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C);
 
 // A routing decision for one group of S tokens, the explicit struct backward consumes.
@@ -382,8 +389,9 @@ typedef struct {
 VLMOE_API int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap);
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
-// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly). Unknown name: VLMOE_ERR_CONFIG with the
-// list of known names.
+// "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly), and the papers' sizes (src/nn/sizes.c):
+// limoe-S/16 ... limoe-H/14, clipup-B/16, clipup-L/14, vlmoe-base, vlmoe-large. Unknown name:
+// VLMOE_ERR_CONFIG with the list of known names.
 VLMOE_API int vlmoe_config_named(const char *name, vlmoe_model_config *out);
 VLMOE_API const char *vlmoe_config_names(void); // comma-separated list
 // JSON config: either complete, or {"base": "<name>", ...overrides}. Unknown keys, missing keys
@@ -392,6 +400,16 @@ VLMOE_API int vlmoe_config_from_json(const char *json, const char *what, vlmoe_m
 VLMOE_API int vlmoe_config_load(const char *path, vlmoe_model_config *out); // a file, or a named config
 VLMOE_API char *vlmoe_config_to_json(const vlmoe_model_config *cfg);         // free() the result
 VLMOE_API int vlmoe_config_validate(const vlmoe_model_config *cfg);
+// What a config costs (src/nn/sizes.c), computed from its parameter table and shapes without
+// allocating weights: parameters; those a token uses (all but the experts its router does not
+// pick: E - K per tokens-choice MoE layer); forward GFLOP of one image, one text (each encoded
+// alone, as for retrieval) and their sum, a pair (multiply-adds count 2; matrix products only).
+typedef struct {
+    double params, active_params, expert_params;
+    double gflop_image, gflop_text, gflop_pair;
+    int moe_layers, image_tokens, text_tokens;
+} vlmoe_model_cost;
+VLMOE_API int vlmoe_config_cost(const vlmoe_model_config *cfg, vlmoe_model_cost *out);
 
 typedef struct vlmoe_model vlmoe_model;
 // A batch of B image-text pairs: images (B, C, H, W) floats; tokens (B, context_length) with
@@ -426,6 +444,12 @@ VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
 // backward, the same bits and routing decisions, for less activation memory. One_tower and
 // two_tower models; VL-MoE (arch mome) is VLMOE_ERR_CONFIG. A planned model is planned again.
 VLMOE_API int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on);
+// Stochastic depth (BEiT's drop path, VL-MoE pre-training) of a VL-MoE (arch mome) model's
+// training forwards: the last block's rate, rising linearly from 0 at the first block; each
+// sample's residual branches dropped by a draw keyed by the model's seed, the step and the
+// sample's global index; evaluation drops nothing. 0 (the default): none. Other architectures:
+// VLMOE_ERR_CONFIG; a rate outside [0, 1): VLMOE_ERR_ARG.
+VLMOE_API int vlmoe_model_set_drop_path(vlmoe_model *m, double rate);
 // Forward pass with both modalities and the contrastive loss. A VL-MoE (arch mome) model with a
 // retrieval head takes this path too (and backward, evaluate, the encoders below, and with them
 // `vlmoe eval`, `embed` and `classify`): vlmoe_mome_forward_retrieval / vlmoe_mome_embed.
@@ -740,9 +764,28 @@ VLMOE_API int vlmoe_synth_class_embeddings(vlmoe_model *m, const vlmoe_synth *s,
 VLMOE_API int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
                                      const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
                                      double *t2i);
+// vlmoe_retrieval_recall with duplicate captions and OpenCLIP's ranks. txt_group (n_txt, values in
+// [0, n_txt); NULL: every caption its own text) marks captions that are the same text: a text
+// query is then correct for every image owning a caption of its group, and an image query for
+// every caption of such a group (CLIP_benchmark's positive pairs), so repeated captions ("a
+// photo of a dog" under several images) no longer count as misses. mean_rank / median_rank (may
+// be NULL): [0] image->text, [1] text->image, OpenCLIP's get_clip_metrics (1-based position of
+// the first positive, ties pessimistic as above; median = floor(median) + 1).
+typedef struct {
+    const float *img;          // (n_img, E) L2-normalised
+    int n_img;
+    const float *txt;          // (n_txt, E) L2-normalised
+    int n_txt, E;
+    const int32_t *txt_image;  // (n_txt) the image caption j describes
+    const int32_t *txt_group;  // (n_txt) or NULL
+    const int *ks;             // (nk) the K of recall@K
+    int nk;
+} vlmoe_retrieval_data;
+VLMOE_API int vlmoe_retrieval_metrics(const vlmoe_retrieval_data *d, double *i2t, double *t2i, double mean_rank[2],
+                                      double median_rank[2]);
 // Ridge regression on frozen features, as in big_vision's few-shot evaluator: targets are
 // 2 onehot - 1 (+1 for the class, -1 elsewhere); features are centred by the train mean so the
-// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (Cholesky), lambda >= 0.
+// bias is unregularised; W = (Xc^T Xc + lambda I)^-1 Xc^T Y in double (LAPACK dposv), lambda >= 0.
 // w (dim, classes), b (classes): the scores of a feature row x are x^T w + b. A matrix that is not
 // numerically positive definite (lambda = 0 with rank-deficient centred features, e.g. whenever
 // n <= dim) is VLMOE_ERR_ARG naming lambda: no jitter is added behind the caller's back.
@@ -771,7 +814,8 @@ VLMOE_API int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, in
 typedef struct {
     const char *naming;          // "openclip", "hf" or "auto" (from the keys; NULL = auto)
     int image_heads, text_heads; // attention heads, not in any shape: 0 = width / 64 (OpenCLIP)
-    int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained)
+    int act;                     // VLMOE_ACT_*: quick_gelu (OpenAI), gelu (most OpenCLIP-trained);
+                                 // -1 (the default): the folder's config, else quick_gelu
     const char *name;            // the config's name (NULL = "clip")
 } vlmoe_clip_import_params;
 VLMOE_API vlmoe_clip_import_params vlmoe_clip_import_default_params(void);
@@ -784,6 +828,28 @@ VLMOE_API int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe
 // Writes a dense two_tower model with CLIP names ("openclip" or "hf") as F32, F16 or BF16;
 // VLMOE_ERR_CONFIG for MoE or one_tower models. Importing the result gives the model back.
 VLMOE_API int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming, vlmoe_dtype dtype);
+// A CLIP as people download it (src/io/clip_folder.c): a Hugging Face folder (config.json,
+// model.safetensors, tokenizer.json or vocab.json + merges.txt, preprocessor_config.json), an
+// OpenCLIP folder (open_clip_config.json, open_clip_model.safetensors), or one safetensors file.
+// A folder's config gives heads, act and LayerNorm eps (p's heads and act, when set, must agree
+// with it: else VLMOE_ERR_ARG), every size it names is checked against the tensors, and its
+// tokenizer and image normalisation are recorded in the model. A file gives no heads: with none
+// in p, a width whose head count is ambiguous is VLMOE_ERR_CONFIG listing the candidates. PyTorch
+// pickles (.pt, .bin) are VLMOE_ERR_FORMAT saying how to convert them; vlmoe never runs one.
+VLMOE_API int vlmoe_clip_import_path(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p);
+typedef struct {
+    const char *to;            // "hf" (transformers' CLIPModel), "open_clip" or "torch" (vlmoe_torch.py)
+    int force;                 // write into a folder that is not empty (over the files export writes)
+    vlmoe_dtype dtype;         // hf / open_clip tensors: F32 (default), F16 or BF16
+    const char *torch_module;  // "torch": the text of python/vlmoe_torch.py, copied into the folder
+    size_t torch_module_len;
+} vlmoe_export_params;
+VLMOE_API vlmoe_export_params vlmoe_export_default_params(void);
+// Writes m into folder dir (created if absent; a non-empty one only with force) for another
+// library to load (src/io/clip_export.c). hf and open_clip need a dense two_tower CLIP
+// (VLMOE_ERR_CONFIG otherwise, before anything is written); torch takes one_tower and two_tower
+// models, MoE included.
+VLMOE_API int vlmoe_model_export_dir(const vlmoe_model *m, const char *dir, const vlmoe_export_params *p);
 
 #ifdef __cplusplus
 }

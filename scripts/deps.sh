@@ -1,14 +1,18 @@
 #!/bin/sh
 # deps.sh: installs the Debian packages vlmoe needs, if missing. `deps.sh build` (what `make`
-# needs: compiler, Open MPI, OpenBLAS, oneDNN, cJSON, image and archive libraries) or `deps.sh
-# test` (plus what the tests' PyTorch/PIL reference generators and the fuzz targets need).
+# needs: compiler, Open MPI, OpenBLAS, oneDNN, cJSON, image and archive libraries, utf8proc,
+# SentencePiece and g++ for its shim) or `deps.sh test` (plus what the tests' PyTorch/PIL reference
+# generators and the fuzz targets need).
 # Called by the Makefile, which remembers success in a stamp file. Needs root or sudo for apt-get;
 # otherwise it prints the command.
 set -e
+# sentencepiece (test list): spm_train / spm_encode make and check the SentencePiece test models.
 # Open MPI (mpirun and libmpi) is in the build list so src/dist/mpi.c is always built and tested
-BUILD="gcc make pkg-config openmpi-bin libopenmpi-dev libopenblas-openmp-dev libdnnl-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev"
-# clang and its compiler-rt (libFuzzer, sanitizer runtimes) build the fuzz targets (make fuzz)
-TEST="python3 python3-numpy python3-torch python3-pil python3-regex clang libclang-rt-dev"
+BUILD="gcc make pkg-config openmpi-bin libopenmpi-dev libopenblas-openmp-dev libdnnl-dev libcjson-dev zlib1g-dev libpcre2-dev libjpeg62-turbo-dev libpng-dev libwebp-dev libarchive-dev libutf8proc-dev libsentencepiece-dev g++ libjs-chart.js"
+# libjs-chart.js: Chart.js, inlined into `vlmoe report`'s page (a single file, ~200 KB)
+# clang and its compiler-rt (libFuzzer, sanitizer runtimes) build the fuzz targets (make fuzz);
+# chromium renders the report page headless in tests/test_report.c
+TEST="python3 python3-numpy python3-torch python3-pil python3-regex sentencepiece clang libclang-rt-dev chromium"
 case "${1:-build}" in
     build) PKGS="$BUILD" ;;
     test) PKGS="$BUILD $TEST" ;;

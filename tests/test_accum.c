@@ -302,8 +302,8 @@ static void same_losses(const char *a, const char *b, double rel) {
 
 static void cli(void) {
     expect("train --help", 0, "--accum-freq N");
-    expect("train --accum-freq 0 --steps 1 --logs runs", 1, "--accum-freq must be >= 1");
-    expect("train --accum-freq -2 --steps 1 --logs runs", 1, "--accum-freq must be >= 1");
+    expect("train --accum-freq 0 --steps 1 --logs runs", 2, "--accum-freq must be >= 1");
+    expect("train --accum-freq -2 --steps 1 --logs runs", 2, "--accum-freq must be >= 1");
     expect("train --model vlmoe-tiny --accum-freq 2 --steps 1 --logs runs", 1, "--accum-freq is for contrastive models");
     expect("train --model vlmoe-tiny --accum-freq=2 --steps 1 --logs runs", 1, "--accum-freq is for contrastive models");
     // limoe-tiny routes the whole batch as one group: said, not hidden

@@ -196,6 +196,38 @@ static void test_embed_images(const char *model, const vlmoe_model_config *cfg) 
     vlmoe_model_free(m);
 }
 
+// embed to .npy (by name, and --format npy under another name): numpy.load (Debian's python3-numpy)
+// reads '<f4', C order, shape (4, E), and its rows are the safetensors rows bit for bit (numpy
+// writes them back raw with tofile, compared here). A bad --format is refused, naming it.
+static void test_embed_npy(const char *model, const float *te, int rows, int E) {
+    const char *outs[2][2] = {{"t.npy", ""}, {"t_npy.bin", "--format npy"}};
+    for (int k = 0; k < 2; k++) {
+        char args[512], cmd[1024];
+        snprintf(args, sizeof(args), "embed --model %s --texts texts.txt %s -o %s", model, outs[k][1], outs[k][0]);
+        int st = run(args, 1);
+        CHECK(st == 0 && strstr(out, "4 texts -> ") && strstr(out, "npy (4, 64) <f4"), "`vlmoe %s`: exit %d:\n%s",
+              args, st, out);
+        snprintf(cmd, sizeof(cmd), "cd %s && /usr/bin/python3 -c \"import numpy as np; a = np.load('%s'); "
+                 "assert a.dtype == np.dtype('<f4') and a.flags.c_contiguous and a.shape == (4, %d), (a.dtype, a.shape); "
+                 "a.tofile('back.bin'); print('npy ok')\" 2>&1", dir, outs[k][0], E);
+        FILE *p = popen(cmd, "r");
+        char msg[1024] = {0};
+        size_t got = p ? fread(msg, 1, sizeof(msg) - 1, p) : 0;
+        msg[got] = 0;
+        st = p ? pclose(p) : -1;
+        CHECK(st == 0 && strstr(msg, "npy ok"), "numpy.load(%s): %s", outs[k][0], msg);
+        size_t n = 0;
+        char *back = test_read_file(P("back.bin"), &n);
+        CHECK(back && te && rows == 4 && n == sizeof(float) * 4 * (size_t)E && !memcmp(back, te, n),
+              "%s: numpy's rows differ from the safetensors rows (%zu bytes)", outs[k][0], n);
+        free(back);
+        remove(P("back.bin"));
+    }
+    char args[512];
+    snprintf(args, sizeof(args), "embed --model %s --texts texts.txt --format csv -o t.csv", model);
+    expect(args, 1, "--format csv: expected safetensors or npy");
+}
+
 // embed --texts: rows equal vlmoe_model_encode_texts of the synthetic word tokenizer's ids; the
 // metadata lists the line numbers (the blank line 3 is skipped).
 static void test_embed_texts(const char *model, const vlmoe_model_config *cfg) {
@@ -222,6 +254,7 @@ static void test_embed_texts(const char *model, const vlmoe_model_config *cfg) {
     if (te && rows == 4 && m && s)
         CHECK(max_diff(te, lib, (size_t)4 * E) < 1e-6, "embed --texts vs vlmoe_model_encode_texts: max |diff| %g",
               max_diff(te, lib, (size_t)4 * E));
+    test_embed_npy(model, te, rows, E);
     free(te);
     vlmoe_synth_free(s);
     vlmoe_model_free(m);

@@ -53,7 +53,7 @@ int main(int argc, char **argv) {
     expect("train --device cuda --steps 1 --logs runs", 1, "cuda");
     // experts split over groups of processes need those processes
     expect("train --model limoe-tiny --steps 1 --expert-parallel 2 --logs runs", 1, "start several with mpirun");
-    expect("train --model limoe-tiny --steps 1 --expert-parallel -1 --logs runs", 1, "--expert-parallel must be >= 1");
+    expect("train --model limoe-tiny --steps 1 --expert-parallel -1 --logs runs", 2, "--expert-parallel must be >= 1");
     // Soft MoE's App. A baselines and App. E's variant (issue 20), and their errors
     expect("train --model soft-tiny --steps 1 --soft-dispatch hard --logs runs", 1, "--soft-dispatch hard: must be soft");
     expect("train --model limoe-tiny --steps 1 --soft-dispatch uniform --logs runs", 1, "has no Soft MoE layers");
@@ -93,19 +93,65 @@ int main(int argc, char **argv) {
            0, "soup of 2 checkpoints written to soup.safetensors");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o g.safetensors "
            "--greedy --eval-samples 40", 0, "written to g.safetensors");
+    // greedy soup with reuse (LIMoE A.3): shares that add up to the soup's size, each addition a
+    // strict improvement; capped by --max-ingredients (1: the best ingredient alone)
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors "
+           "--greedy --reuse --max-ingredients 4 --eval-samples 40", 0, "written to r.safetensors");
+    {
+        int size = 0, shares = 0, k = 0;
+        const char *w = strstr(out, "soup of ");
+        CHECK(w && sscanf(w, "soup of %d", &size) == 1 && size >= 1 && size <= 4, "--reuse soup size:\n%s", out);
+        for (const char *x = w ? strstr(w, " x") : NULL; x && sscanf(x, " x%d", &k) == 1; x = strstr(x + 2, " x")) shares += k;
+        CHECK(shares == size, "--reuse: shares add up to %d, the soup holds %d:\n%s", shares, size, out);
+        double prev = -1, s = 0;
+        for (const char *x = strstr(out, "-> "); x && sscanf(x, "-> %lf", &s) == 1; x = strstr(x + 3, "-> ")) {
+            CHECK(s > prev, "--reuse: an addition that does not improve the soup (%.2f after %.2f):\n%s", s, prev, out);
+            prev = s;
+        }
+    }
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r1.safetensors "
+           "--greedy --reuse --max-ingredients 1 --eval-samples 40", 0, "soup of 1 checkpoint written to r1.safetensors");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --reuse",
+           1, "shape a greedy soup: add --greedy");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o r.safetensors --greedy "
+           "--max-ingredients 3", 1, "--max-ingredients applies to --reuse");
+    expect("soup runs/a/checkpoints/step_4.safetensors runs/b/checkpoints/step_2.safetensors -o "
+           "runs/b/checkpoints/step_2.safetensors", 1, "is the same file as the checkpoint");
+    expect("soup --help", 0, "Checkpoints\ncould be reused multiple times");
     expect("train --model limoe-tiny --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name moe", 0, "trained");
     expect("soup runs/a/checkpoints/step_4.safetensors runs/moe/checkpoints/step_1.safetensors -o x.safetensors",
            1, "another config");
+    // LIMoE E.4: image and text experts pruned independently in one evaluation; keeping them all
+    // is the unpruned model's zero-shot top-1 on the same held-out samples
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 1,all --keep-text 2,all --eval-samples 64",
+           0, "image\\text       2       8");
+    {
+        double cells[4] = {-1, -1, -1, -1}, ev = -2;
+        const char *row = strstr(out, "\n         1 ");
+        CHECK(row && sscanf(row, " 1 %lf%% %lf%%", &cells[0], &cells[1]) == 2, "E.4 grid, row 1:\n%s", out);
+        row = strstr(out, "\n         8 ");
+        CHECK(row && sscanf(row, " 8 %lf%% %lf%%", &cells[2], &cells[3]) == 2, "E.4 grid, row 8:\n%s", out);
+        expect("eval --model runs/moe/checkpoints/step_1.safetensors --samples 64 --few-shot 0", 0, "top-1 ");
+        const char *t = strstr(out, "top-1 ");
+        CHECK(t && sscanf(t, "top-1 %lf", &ev) == 1 && fabs(ev - cells[3]) < 0.06,
+              "E.4 with every expert kept: %.2f%%, eval's zero-shot top-1 %.1f%%", cells[3], ev);
+    }
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 0 --keep-text all", 1,
+           "--keep-image 0: expected up to 16 comma-separated counts in [1, 8]");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2 --keep-text 2 -o x.safetensors", 1,
+           "leave out --modality, --keep and -o");
+    expect("prune --model runs/moe/checkpoints/step_1.safetensors --keep-image 2", 1,
+           "give --model, --keep-image N1,N2 and --keep-text N1,N2 together");
     // CLIP import / export / upcycle on the PyTorch fixtures of tests/ref/gen_clip.py, then training
     // on from the upcycled model
     char fx[1024], args[1536];
     CHECK(realpath(fixture_dir(), fx) != NULL, "no fixture folder %s", fixture_dir());
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clip.safetensors", fx);
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clip.safetensors --image-heads 2 --text-heads 1", fx);
     expect(args, 0, "image tower: width 128, layers 2, heads 2, MLP 512, patch 8, image 32 px");
-    snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --text-heads 2", fx);
+    snprintf(args, sizeof(args), "import --from hf %s/clip_hf_f16.safetensors -o hf16.safetensors --image-heads 2 --text-heads 2", fx);
     expect(args, 0, "text tower: width 64, layers 3, heads 2, MLP 256, context 16, vocabulary 100");
     // the preprocessing (and a tokenizer, which this 100-id model is too small for) go into the file
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clipn.safetensors --image-mean 0.5 0.5 0.5 "
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o clipn.safetensors --image-heads 2 --text-heads 1 --image-mean 0.5 0.5 0.5 "
              "--image-std 0.25", fx);
     expect(args, 0, "imported");
     expect("classify --model clipn.safetensors --image x.png --labels a,b --image-mean 0.4", 1,
@@ -113,13 +159,16 @@ int main(int argc, char **argv) {
     snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --image-mean 0.5", fx);
     expect(args, 1, "give --image-mean and --image-std together");
     test_write_file(test_path(dir, "m.txt"), "#version: 0.2\nz o\n", 18);
-    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --tokenizer m.txt", fx);
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors --image-heads 2 --text-heads 1 --tokenizer m.txt", fx);
     expect(args, 1, "--tokenizer m.txt has 515 ids, more than the model's vocabulary of 100");
+    snprintf(args, sizeof(args), "import %s/clip_openclip.safetensors -o x.safetensors", fx);
+    expect(args, 1, "width 128 does not tell its attention heads: candidates 1 (head width 128), 2 (head width 64), "
+           "4 (head width 32)");
     snprintf(args, sizeof(args), "import --from hf %s/clip_openclip.safetensors -o x.safetensors", fx);
     expect(args, 1, "has OpenAI/OpenCLIP names, not HF CLIPModel ones");
     expect("import corrupt.safetensors -o x.safetensors", 1, "corrupt.safetensors");
     expect("import clip.safetensors -o x.safetensors", 1, "clip.safetensors: a vlmoe model file");
-    expect("import clip.safetensors", 1, "give IN.safetensors and -o OUT.safetensors");
+    expect("import clip.safetensors", 1, "give DIR or IN.safetensors and -o OUT.safetensors");
     expect("export --model clip.safetensors --to hf -o hf.safetensors --dtype bf16", 0, "(hf names, BF16)");
     expect("export --model runs/a/checkpoints/step_4.safetensors --to openclip -o x.safetensors", 1, "one_tower");
     expect("upcycle clip.safetensors -o up.safetensors --experts 4 --top-k 2 --moe-layers every_2 --towers image,text",

@@ -398,8 +398,51 @@ static void test_fewshot_sample(void) {
     CHECK(vlmoe_fewshot_sample(labels, N, C, 0, 1, a) == VLMOE_ERR_ARG, "0 shots");
 }
 
+// Duplicate captions and OpenCLIP's ranks, worked by hand. Images I0 = (1, 0), I1 = (0, 1),
+// I2 = (-1, 0); captions t0 "a dog" (I0) = (1, 0), t1 "a cat" (I1) = (0, 1), t2 "a dog" (I1, the
+// same text as t0, so the same embedding) = (1, 0), t3 "a car" (I2) = (0.6, -0.8).
+// Without groups (t2 is another text): i2t ranks [1 (t2 ties t0), 0, 1 (t1: 0 > -0.6)] -> R@1 1/3,
+// mean rank 5/3, median 2; t2i ranks [0, 0, 1 (I0 scores t2 above I1), 1 (I0: 0.6 > -0.6)] ->
+// R@1 1/2, mean 1.5, median floor(0.5) + 1 = 1. With groups {t0, t2}: I0's positives are t0 and t2,
+// I1's t0 t1 t2: i2t ranks [0, 0, 1] -> R@1 2/3, mean 4/3, median 1; t2 is right for I0 or I1:
+// t2i ranks [0, 0, 0, 1] -> R@1 3/4, R@5 1, mean 1.25, median 1.
+static void test_retrieval_duplicates(void) {
+    const float img[6] = {1, 0, 0, 1, -1, 0}, txt[8] = {1, 0, 0, 1, 1, 0, 0.6f, -0.8f};
+    const int32_t owner[4] = {0, 1, 1, 2}, groups[4] = {0, 1, 0, 3};
+    const int ks[2] = {1, 5};
+    double i2t[2], t2i[2], mean[2], median[2], o_i2t[2], o_t2i[2];
+    vlmoe_retrieval_data d = {.img = img, .n_img = 3, .txt = txt, .n_txt = 4, .E = 2, .txt_image = owner,
+                              .txt_group = NULL, .ks = ks, .nk = 2};
+    CHECK(vlmoe_retrieval_metrics(&d, i2t, t2i, mean, median) == VLMOE_OK, "%s", vlmoe_last_error());
+    CHECK_CLOSE(i2t[0], 1.0 / 3, 0, 1e-12, "no groups: i2t R@1");
+    CHECK_CLOSE(t2i[0], 0.5, 0, 1e-12, "no groups: t2i R@1");
+    CHECK_CLOSE(mean[0], 5.0 / 3, 0, 1e-12, "no groups: image_to_text_mean_rank");
+    CHECK_CLOSE(median[0], 2, 0, 0, "no groups: image_to_text_median_rank");
+    CHECK_CLOSE(mean[1], 1.5, 0, 1e-12, "no groups: text_to_image_mean_rank");
+    CHECK_CLOSE(median[1], 1, 0, 0, "no groups: text_to_image_median_rank (floor of 0.5, + 1)");
+    CHECK(vlmoe_retrieval_recall(img, 3, txt, 4, owner, 2, ks, 2, o_i2t, o_t2i) == VLMOE_OK &&
+              o_i2t[0] == i2t[0] && o_t2i[0] == t2i[0] && o_i2t[1] == i2t[1] && o_t2i[1] == t2i[1],
+          "vlmoe_retrieval_recall is the no-group case");
+    d.txt_group = groups;
+    CHECK(vlmoe_retrieval_metrics(&d, i2t, t2i, mean, median) == VLMOE_OK, "%s", vlmoe_last_error());
+    CHECK_CLOSE(i2t[0], 2.0 / 3, 0, 1e-12, "groups: i2t R@1");
+    CHECK_CLOSE(i2t[1], 1, 0, 1e-12, "groups: i2t R@5");
+    CHECK_CLOSE(t2i[0], 0.75, 0, 1e-12, "groups: t2i R@1");
+    CHECK_CLOSE(t2i[1], 1, 0, 1e-12, "groups: t2i R@5");
+    CHECK_CLOSE(mean[0], 4.0 / 3, 0, 1e-12, "groups: image_to_text_mean_rank");
+    CHECK_CLOSE(median[0], 1, 0, 0, "groups: image_to_text_median_rank");
+    CHECK_CLOSE(mean[1], 1.25, 0, 1e-12, "groups: text_to_image_mean_rank");
+    CHECK_CLOSE(median[1], 1, 0, 0, "groups: text_to_image_median_rank");
+    const int32_t bad_groups[4] = {0, 1, 4, 3};
+    d.txt_group = bad_groups;
+    vlmoe_clear_error();
+    CHECK(vlmoe_retrieval_metrics(&d, i2t, t2i, mean, median) == VLMOE_ERR_ARG &&
+              error_mentions("txt_group[2] = 4"), "a group out of range: %s", vlmoe_last_error());
+}
+
 int main(void) {
     test_recall_tiny();
+    test_retrieval_duplicates();
     test_recall_blocks();
     test_recall_errors();
     test_ridge_closed_form();

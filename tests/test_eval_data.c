@@ -118,6 +118,14 @@ static void save_colour_model(const char *path) {
     vlmoe_model_free(m);
 }
 
+static cJSON *read_json(const char *rel) {
+    char *t = test_read_file(P(rel), NULL);
+    cJSON *j = t ? cJSON_Parse(t) : NULL;
+    CHECK(j != NULL, "%s: missing or not JSON", rel);
+    free(t);
+    return j;
+}
+
 static double num(const cJSON *o, const char *obj, const char *key) {
     const cJSON *v = cJSON_GetObjectItem(cJSON_GetObjectItem(o, obj), key);
     CHECK(cJSON_IsNumber(v), "JSON lacks %s.%s", obj, key);
@@ -227,13 +235,28 @@ static void test_random_model(void) {
     float *ie = malloc(sizeof(float) * (size_t)n * E), ce[NCLS * 64];
     embed_files(m, paths, n, ie);
     CHECK(vlmoe_class_embeddings(m, names, NCLS, tpl, 3, bpe, tok, ce) == VLMOE_OK, "%s", vlmoe_last_error());
-    int top1 = 0;
+    int top1 = 0, hit[NCLS] = {0}, cnt[NCLS] = {0};
     for (int i = 0; i < n; i++) {
         int best = 0;
         for (int c = 1; c < NCLS; c++)
             if (dot(ie + (size_t)i * E, ce + c * E, E) > dot(ie + (size_t)i * E, ce + best * E, E)) best = c;
         top1 += best == labels[i];
+        hit[labels[i]] += best == labels[i], cnt[labels[i]]++;
     }
+    // CLIP_benchmark's file: acc1, acc5 null (3 classes), mean_per_class_recall = mean of the
+    // classes' recalls (11 or 12 images each: not the same as acc1 in general)
+    double mpcr = 0;
+    for (int c = 0; c < NCLS; c++) mpcr += (double)hit[c] / cnt[c] / NCLS;
+    remove(P("rand_zs.json"));
+    CHECK(run("eval --model random.safetensors --tokenizer merges.txt --zeroshot-data zs --classnames names.txt "
+              "--templates tpl.txt --few-shot 0 --output rand_zs.json", 1) == 0, "eval --output: %s", out);
+    cJSON *cb = read_json("rand_zs.json");
+    const cJSON *met = cJSON_GetObjectItem(cb, "metrics");
+    CHECK(met && fabs(cJSON_GetObjectItem(met, "acc1")->valuedouble - (double)top1 / n) < 1e-12 &&
+              cJSON_IsNull(cJSON_GetObjectItem(met, "acc5")) &&
+              fabs(cJSON_GetObjectItem(met, "mean_per_class_recall")->valuedouble - mpcr) < 1e-12,
+          "rand_zs.json metrics vs acc1 %g, mean per-class recall %g", (double)top1 / n, mpcr);
+    cJSON_Delete(cb);
     CHECK(fabs(num(j, "zeroshot", "top1") - (double)top1 / n) < 1e-12, "zero-shot top-1 %g, library %g",
           num(j, "zeroshot", "top1"), (double)top1 / n);
     CHECK(num(j, "zeroshot", "top5") == 1, "3 classes: top-5 is 1");
@@ -282,6 +305,62 @@ static void expect(const char *args, int status, const char *needle) {
     test_expect_in(dir, bin, args, status, needle, out, sizeof(out));
 }
 
+static const char *str(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItem(o, key);
+    return cJSON_IsString(v) ? v->valuestring : "(missing)";
+}
+
+// CLIP_benchmark's results files, worked by hand on the colour model. Retrieval: val_dup.csv has
+// the blue images 00 and 01 both captioned "blue" (one text under two images), green 00 "green",
+// red 00 "red". Counting the repeated caption for both blue images, every query's first result is
+// right: all recalls 1, all mean and median ranks 1. (Before, each blue image's other "blue"
+// caption tied with its own and was counted ahead: text_retrieval_recall@1 was 0.5.)
+// CLIP_benchmark's names: image_retrieval = text queries, text_retrieval = image queries.
+// Zero-shot: acc1 1, mean_per_class_recall 1, acc5 null (3 classes).
+static void test_clip_benchmark_output(void) {
+    put("val_dup.csv", "filepath,title\nzs/blue_triangle/00.png,blue\nzs/blue_triangle/01.jpg,blue\n"
+                       "zs/green_square/00.png,green\nzs/red_circle/00.png,red\n");
+    remove(P("rt.json")), remove(P("zs.json"));
+    int st = run("eval --model colour.safetensors --val-data val_dup.csv --csv-separator , --output rt.json", 1);
+    CHECK(st == 0 && strstr(out, "1 caption repeats an earlier one's text") && strstr(out, "image->text 1.00 / 1"),
+          "eval --output rt.json: exit %d:\n%s", st, out);
+    cJSON *j = read_json("rt.json");
+    const cJSON *m = cJSON_GetObjectItem(j, "metrics");
+    CHECK(!strcmp(str(j, "dataset"), "val_dup.csv") && !strcmp(str(j, "model"), "tiny") &&
+              !strcmp(str(j, "pretrained"), "colour.safetensors") && !strcmp(str(j, "task"), "zeroshot_retrieval"),
+          "rt.json header: dataset %s model %s pretrained %s task %s", str(j, "dataset"), str(j, "model"),
+          str(j, "pretrained"), str(j, "task"));
+    static const char *const keys[] = {
+        "image_retrieval_recall@1", "image_retrieval_recall@5", "image_retrieval_recall@10", "text_retrieval_recall@1",
+        "text_retrieval_recall@5", "text_retrieval_recall@10", "image_to_text_mean_rank", "image_to_text_median_rank",
+        "text_to_image_mean_rank", "text_to_image_median_rank"};
+    for (size_t k = 0; k < sizeof(keys) / sizeof(keys[0]); k++) {
+        const cJSON *v = cJSON_GetObjectItem(m, keys[k]);
+        CHECK(cJSON_IsNumber(v) && v->valuedouble == 1, "rt.json metrics.%s = %g, worked by hand: 1", keys[k],
+              cJSON_IsNumber(v) ? v->valuedouble : -1);
+    }
+    CHECK(cJSON_GetArraySize(m) == 10, "rt.json: %d metrics, expected the 10 above", cJSON_GetArraySize(m));
+    cJSON_Delete(j);
+
+    st = run("eval --model colour.safetensors --zeroshot-data zs --few-shot 0 --output zs.json", 1);
+    CHECK(st == 0 && !strstr(out, "top-5") && strstr(out, "mean per-class recall 100.0%"),
+          "3 classes: no top-5 in the text, mean per-class recall: exit %d\n%s", st, out);
+    j = read_json("zs.json");
+    m = cJSON_GetObjectItem(j, "metrics");
+    CHECK(!strcmp(str(j, "task"), "zeroshot_classification") && !strcmp(str(j, "dataset"), "zs") &&
+              cJSON_IsNumber(cJSON_GetObjectItem(m, "acc1")) && cJSON_GetObjectItem(m, "acc1")->valuedouble == 1 &&
+              cJSON_IsNull(cJSON_GetObjectItem(m, "acc5")) &&
+              cJSON_GetObjectItem(m, "mean_per_class_recall")->valuedouble == 1,
+          "zs.json: task %s, acc1/acc5/mean_per_class_recall", str(j, "task"));
+    cJSON_Delete(j);
+
+    // never overwritten; one task per file
+    expect("eval --model colour.safetensors --zeroshot-data zs --output zs.json", 1, "--output zs.json exists");
+    expect("eval --model colour.safetensors --zeroshot-data zs --val-data val.csv --csv-separator , --output x.json", 1,
+           "run eval twice");
+    expect("eval --model colour.safetensors --output x.json", 1, "--output x.json holds one CLIP_benchmark task");
+}
+
 int main(int argc, char **argv) {
     static char abs[4096];
     if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_eval_data");
@@ -308,6 +387,7 @@ int main(int argc, char **argv) {
            "skipped, class 'blue triangle' has 12");
     expect("eval --model colour.safetensors --zeroshot-data zs --few-shot 0", 0, "99_bad.jpg");
     test_random_model();
+    test_clip_benchmark_output();
 
     expect("eval --model colour.safetensors --zeroshot-data nowhere", 1, "nowhere");
     expect("eval --model random.safetensors --zeroshot-data zs", 1, "--tokenizer is needed");

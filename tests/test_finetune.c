@@ -1,9 +1,11 @@
 // test_finetune.c: `vlmoe finetune` (cli/finetune.c) on data this test writes: an image folder of
-// solid-colour PNGs in three class folders (image-cls, with --freeze-moe: the routers and experts
-// of the written model equal the pretrained ones bit for bit), a TSV of sentences labelled by
-// their colour word (text-cls) and a TSV of image/question/answer rows whose answer needs both
+// solid-colour PNGs in three class folders (image-cls; routers and experts are frozen by default,
+// so those of the written model equal the pretrained ones bit for bit, and OUT.params.json says
+// so), a TSV of sentences labelled by their colour word (text-cls, with --no-freeze-moe: some
+// router or expert tensor trains) and a TSV of image/question/answer rows whose answer needs both
 // (pair-cls); each must reach a training accuracy above chance. Bad input on purpose: missing
-// columns, a non-mome model, an unknown task. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+// columns, a non-mome model, an unknown task, contradicting flags. Runs $VLMOE_BIN (or
+// $VLMOE_BIN_ASAN).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,6 +135,17 @@ static int moe_identical(vlmoe_model *a, vlmoe_model *b, int *others_changed) {
     return same;
 }
 
+// freeze_moe of TASK.safetensors.params.json: 1 true, 0 false, -1 missing or not a boolean.
+static int freeze_recorded(const char *task) {
+    char rel[128];
+    size_t n;
+    snprintf(rel, sizeof(rel), "%s.safetensors.params.json", task);
+    char *text = test_read_file(P(rel), &n);
+    const int v = !text ? -1 : strstr(text, "\"freeze_moe\":\ttrue") ? 1 : strstr(text, "\"freeze_moe\":\tfalse") ? 0 : -1;
+    free(text);
+    return v;
+}
+
 int main(int argc, char **argv) {
     static char abs[4096];
     if (!(bin = test_vlmoe_bin(argv[0], abs))) return test_summary("test_finetune");
@@ -149,7 +162,8 @@ int main(int argc, char **argv) {
           "models: %s", vlmoe_last_error());
     vlmoe_model_free(c);
 
-    finetune("image-cls", "imgs", "--steps 40 --batch-size 9 --freeze-moe --image-mean 0.5 --image-std 0.5", 1.0 / 3, 0.99);
+    // no flag: routers and experts frozen, VL-MoE's default
+    finetune("image-cls", "imgs", "--steps 40 --batch-size 9 --image-mean 0.5 --image-std 0.5", 1.0 / 3, 0.99);
     CHECK(strstr(out, "3 classes, 9 training and 3 held-out examples") && strstr(out, "frozen"), "split:\n%s", out);
     size_t n;
     char *labels = test_read_file(P("image-cls.safetensors.labels"), &n);
@@ -161,13 +175,25 @@ int main(int argc, char **argv) {
         int changed;
         const int same = moe_identical(ft, pre, &changed);
         CHECK(same && changed > 0 && vlmoe_model_get_config(ft)->num_classes == 3,
-              "--freeze-moe: routers and experts unchanged (%d), %d other tensors trained", same, changed);
-        printf("image-cls --freeze-moe: MoE tensors bit-identical %d, %d other tensors changed\n", same, changed);
+              "default --freeze-moe: routers and experts unchanged (%d), %d other tensors trained", same, changed);
+        printf("image-cls (frozen by default): MoE tensors bit-identical %d, %d other tensors changed\n", same, changed);
+    }
+    vlmoe_model_free(ft);
+    CHECK(freeze_recorded("image-cls") == 1, "image-cls.safetensors.params.json records freeze_moe true");
+
+    // --no-freeze-moe: the text experts and routers train too
+    finetune("text-cls", "texts.tsv", "--steps 40 --batch-size 9 --no-freeze-moe", 1.0 / 3, 0.99);
+    CHECK(!strstr(out, "frozen"), "--no-freeze-moe announces no frozen tensors:\n%s", out);
+    CHECK(freeze_recorded("text-cls") == 0, "text-cls.safetensors.params.json records freeze_moe false");
+    CHECK(vlmoe_model_load(&ft, P("text-cls.safetensors")) == VLMOE_OK, "load: %s", vlmoe_last_error());
+    if (ft && pre) {
+        int changed;
+        const int same = moe_identical(ft, pre, &changed);
+        CHECK(!same && changed > 0, "--no-freeze-moe: some router or expert tensor must train (identical %d)", same);
+        printf("text-cls --no-freeze-moe: MoE tensors bit-identical %d, %d other tensors changed\n", same, changed);
     }
     vlmoe_model_free(ft);
     vlmoe_model_free(pre);
-
-    finetune("text-cls", "texts.tsv", "--steps 40 --batch-size 9", 1.0 / 3, 0.99);
     finetune("pair-cls", "pairs.tsv", "--steps 60 --batch-size 12 --lr 2e-3 --holdout 0", 0.5, 0.75);
     finetune("pair-cls", "nlvr2.tsv", "--steps 80 --batch-size 18 --lr 2e-3 --holdout 0", 5.0 / 9, 0.85);
     CHECK(strstr(out, "NLVR2: two image-text pairs per example") && strstr(out, "2 classes, 54 training"),
@@ -211,6 +237,8 @@ int main(int argc, char **argv) {
     expect("finetune --model pre.safetensors --task text-cls -o x.safetensors", 1, "required");
     expect("finetune --model pre.safetensors --task image-cls --data imgs --image-mean 0.5,0.5 -o x.safetensors", 1,
            "--image-mean expects R,G,B");
+    expect("finetune --model pre.safetensors --task text-cls --data texts.tsv --freeze-moe --no-freeze-moe -o x.safetensors",
+           1, "--freeze-moe and --no-freeze-moe contradict");
     put("one.tsv", "a red circle\tred\nthe red square\tred\n");
     expect("finetune --model pre.safetensors --task text-cls --data one.tsv -o x.safetensors", 1, "1 class");
     char cmd[256];

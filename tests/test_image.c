@@ -527,6 +527,83 @@ static vlmoe_image make_image(int w, int h, uint64_t seed) {
     return img;
 }
 
+// Colour jitter (timm's / BEiT's --color-jitter): PIL's ImageEnhance blends worked by hand on two
+// pixels, then preprocess_train with jitter and flip against the plain crop of the same seed
+// jittered with the draws the header documents (order by Fisher-Yates, then three factors).
+static void test_color_jitter(void) {
+    const uint8_t px0[6] = {100, 50, 200, 20, 240, 60};
+    uint8_t px[6];
+    // luminance (19595 R + 38470 G + 7471 B + 2^15) >> 16: 82 and 154
+    memcpy(px, px0, 6);
+    vlmoe_image_color_jitter(px, 2, 1, (const double[3]){1.5, 1, 1}, (const int[3]){0, 1, 2});
+    CHECK(!memcmp(px, (const uint8_t[6]){150, 75, 255, 30, 255, 90}, 6), "brightness 1.5: %d %d %d %d %d %d",
+          px[0], px[1], px[2], px[3], px[4], px[5]);
+    memcpy(px, px0, 6);
+    vlmoe_image_color_jitter(px, 2, 1, (const double[3]){1, 0.5, 1}, (const int[3]){1, 0, 2});
+    // mean luminance 118 (rounded from 118.0): 118 + 0.5 (v - 118), truncated
+    CHECK(!memcmp(px, (const uint8_t[6]){109, 84, 159, 69, 179, 89}, 6), "contrast 0.5: %d %d %d %d %d %d",
+          px[0], px[1], px[2], px[3], px[4], px[5]);
+    memcpy(px, px0, 6);
+    // saturation 0 (greys 82, 154), brightness 1.5 (123, 231), contrast 0.5 about their mean's
+    // rounding int(177 + 0.5) = 177: 150, 204
+    vlmoe_image_color_jitter(px, 2, 1, (const double[3]){1.5, 0.5, 0}, (const int[3]){2, 0, 1});
+    CHECK(!memcmp(px, (const uint8_t[6]){150, 150, 150, 204, 204, 204}, 6), "saturation, brightness, contrast: "
+          "%d %d %d %d %d %d", px[0], px[1], px[2], px[3], px[4], px[5]);
+
+    enum { S = 16 };
+    vlmoe_image_params p = vlmoe_image_default_params();
+    p.size = S, p.scale_min = 0.5;
+    for (int c = 0; c < 3; c++) p.mean[c] = 0, p.std[c] = 1; // out = v / 255: the bytes come back
+    vlmoe_image img = make_image(40, 30, 4);
+    float *a = malloc(sizeof(float) * 3 * S * S), *b = malloc(sizeof(float) * 3 * S * S);
+    uint8_t *u = malloc(3 * S * S);
+    int bad = 0, changed = 0;
+    for (uint64_t seed = 1; seed <= 50; seed++) {
+        vlmoe_rng r, q;
+        vlmoe_rng_seed(&r, seed);
+        p.flip_prob = 0, p.color_jitter = 0;
+        CHECK(vlmoe_image_preprocess_train(&img, &p, &r, a) == VLMOE_OK, "%s", vlmoe_last_error());
+        // the same draws by hand: box, flip, order, factors
+        vlmoe_rng_seed(&q, seed);
+        vlmoe_image_box bx;
+        vlmoe_image_random_resized_box(img.w, img.h, &p, &q, &bx);
+        const int flip = vlmoe_rng_uniform(&q) < 0.5;
+        int order[3] = {0, 1, 2};
+        for (int k = 2; k > 0; k--) {
+            const int j = (int)vlmoe_rng_below(&q, (uint32_t)k + 1), t = order[k];
+            order[k] = order[j], order[j] = t;
+        }
+        double f[3];
+        for (int k = 0; k < 3; k++) f[k] = 0.6 + 0.8 * vlmoe_rng_uniform(&q);
+        for (int y = 0; y < S; y++)
+            for (int x = 0; x < S; x++)
+                for (int c = 0; c < 3; c++) u[(y * S + x) * 3 + c] = (uint8_t)lrintf(a[(c * S + y) * S + x] * 255.0f);
+        vlmoe_image_color_jitter(u, S, S, f, order);
+        vlmoe_rng_seed(&r, seed);
+        p.flip_prob = 0.5, p.color_jitter = 0.4;
+        CHECK(vlmoe_image_preprocess_train(&img, &p, &r, b) == VLMOE_OK, "%s", vlmoe_last_error());
+        CHECK(!memcmp(&r, &q, sizeof(r)), "seed %d: preprocess_train drew other than box, flip, order, 3 factors",
+              (int)seed);
+        for (int y = 0; y < S; y++)
+            for (int x = 0; x < S; x++)
+                for (int c = 0; c < 3; c++) {
+                    const float want = (float)u[(y * S + (flip ? S - 1 - x : x)) * 3 + c] / 255.0f;
+                    bad += b[(c * S + y) * S + x] != want;
+                }
+        changed += memcmp(a, b, sizeof(float) * 3 * S * S) != 0;
+    }
+    printf("color jitter 0.4 + hflip 0.5: 50 seeds, %d values differ from the hand-drawn jitter, %d outputs "
+           "changed\n", bad, changed);
+    CHECK(bad == 0 && changed == 50, "jitter and flip: %d values differ, %d of 50 outputs changed", bad, changed);
+    p.color_jitter = -0.1;
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 1);
+    CHECK(vlmoe_image_preprocess_train(&img, &p, &r, b) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "color_jitter"),
+          "a negative color_jitter is refused: %s", vlmoe_last_error());
+    free(a), free(b), free(u);
+    vlmoe_image_free(&img);
+}
+
 static void test_preprocess(void) {
     vlmoe_image_params p = vlmoe_image_default_params();
     CHECK(p.size == 224 && p.mean[0] == 0.48145466f && p.std[2] == 0.27577711f, "defaults");
@@ -744,6 +821,12 @@ static void parity_one(const vlmoe_st *st, int index, cached_image *cache, int *
         rc = vlmoe_image_resize(src, NULL, rw, rh, &out);
     } else if (sscanf(op, "box%d,%d,%d,%d|%d", &bx, &by, &bw, &bh, &S) == 5) {
         rc = vlmoe_image_resize(src, &(vlmoe_image_box){bx, by, bw, bh}, S, S, &out);
+    } else if (sscanf(op, "jitter%d_%d_%d_%d", &bx, &by, &bw, &bh) == 4) {
+        // ColorJitter's adjustments with factors in hundredths, applied in the order of bh's digits
+        const double f[3] = {bx / 100.0, by / 100.0, bw / 100.0};
+        const int order[3] = {bh / 100, bh / 10 % 10, bh % 10};
+        rc = vlmoe_image_crop(src, &(vlmoe_image_box){0, 0, src->w, src->h}, &out);
+        if (rc == VLMOE_OK) vlmoe_image_color_jitter(out.rgb, out.w, out.h, f, order);
     } else {
         CHECK(0, "unknown fixture op %s", ti.name);
         return;
@@ -816,6 +899,7 @@ static void cleanup_tmpdir(void) {
 }
 
 int main(void) {
+    test_color_jitter();
     snprintf(tmpdir, sizeof tmpdir, "/tmp/vlmoe_test_image_XXXXXX");
     if (!mkdtemp(tmpdir)) {
         perror("mkdtemp");

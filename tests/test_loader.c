@@ -5,6 +5,7 @@
 // samples, an epoch without a usable one and missing files are errors. Then `vlmoe train` on a
 // CSV and on tar shards (with a vocabulary it trains itself), stopped and resumed, logs the
 // losses of an uninterrupted run. Runs $VLMOE_BIN(_ASAN) for that part, as tests/run.sh sets it.
+#include <pthread.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -682,6 +683,147 @@ static void test_cli(void) {
           strstr(out, "too many bad samples") && strstr(out, "none1.jpg"), "bad samples:\n%s", out);
 }
 
+
+// ---- one global batch shared by several processes (threads here) --------------------------------
+enum { SW = 3, SNB = 16 };
+typedef struct {
+    pthread_barrier_t bar;
+    uint8_t in[SW][SW * BS];
+    int world;
+} agree_ctx;
+
+typedef struct {
+    agree_ctx *a;
+    vlmoe_loader_params p;
+    int rank, st, tokenized, agrees;
+    float img[SNB][BS][3 * 16 * 16];
+    int32_t tok[SNB][BS][12], len[SNB][BS];
+    char keys[SNB][BS][KL];
+    vlmoe_dataset_stats stats;
+    const vlmoe_data_state *from;   // seek there first (NULL: the start)
+} share_run;
+
+// What the processes' collective does: the maximum over the ranks, every rank returning it.
+static int share_agree_fn(void *u, uint8_t *k, size_t n) {
+    share_run *r = u;
+    agree_ctx *a = r->a;
+    memcpy(a->in[r->rank], k, n);
+    pthread_barrier_wait(&a->bar);
+    for (int q = 0; q < a->world; q++)
+        for (size_t i = 0; i < n; i++) k[i] = a->in[q][i] > k[i] ? a->in[q][i] : k[i];
+    pthread_barrier_wait(&a->bar);   // nobody writes in[] before every rank has read it
+    r->agrees++;
+    return VLMOE_OK;
+}
+
+static int tok_count(void *user, const char *text, int32_t *ids, int ctx) {
+    share_run *r = user;
+    __atomic_fetch_add(&r->tokenized, 1, __ATOMIC_RELAXED);
+    return tok_bytes(NULL, text, ids, ctx);
+}
+
+static void *share_main(void *u) {
+    share_run *r = u;
+    vlmoe_loader *ld = NULL;
+    r->st = vlmoe_loader_open(&r->p, &ld);
+    if (!r->st && r->from) r->st = vlmoe_loader_seek(ld, r->from);
+    for (int n = 0; !r->st && n < SNB; n++) {
+        vlmoe_batch b;
+        const char *const *keys;
+        if ((r->st = vlmoe_loader_next(ld, &b, &keys))) break;
+        const int B = b.batch_size;
+        for (int i = 0; i < B; i++) {
+            memcpy(r->img[n][i], b.images + (size_t)i * 3 * 16 * 16, sizeof r->img[n][i]);
+            memcpy(r->tok[n][i], b.tokens + (size_t)i * 12, sizeof r->tok[n][i]);
+            r->len[n][i] = b.lengths[i];
+            snprintf(r->keys[n][i], KL, "%s", strrchr(keys[i], '/') + 1);
+        }
+    }
+    if (ld) r->stats = *vlmoe_loader_stats(ld);
+    vlmoe_loader_free(ld);
+    return NULL;
+}
+
+// W processes at batch BS against one at W x BS, on data with bad samples of every kind: the same
+// rows in the same order, the same bad samples skipped and counted on every process, and each
+// process decodes (and tokenizes) about its share only.
+static void test_share(const char *path, int world, int workers, int chunk, int resume) {
+    static share_run one, many[SW];
+    agree_ctx a = {.world = world};
+    pthread_barrier_init(&a.bar, NULL, (unsigned)world);
+    memset(&one, 0, sizeof one);
+    one.p = params(path, workers);
+    one.p.batch_size = BS * world, one.p.tokenize = tok_count, one.p.tokenize_user = &one;
+    // the reference reads SNB batches of BS x world: rows beyond BS go to the comparison below
+    static float img1[SNB + 8][SW * BS][3 * 16 * 16];
+    static int32_t tok1[SNB + 8][SW * BS][12];
+    static char key1[SNB + 8][SW * BS][KL];
+    static vlmoe_data_state pos1[SNB + 8];
+    vlmoe_loader *ld = NULL;
+    one.st = vlmoe_loader_open(&one.p, &ld);
+    // resume: the processes start after batch `resume` of the reference, which reads on past SNB
+    for (int n = 0; !one.st && n < SNB + resume; n++) {
+        vlmoe_batch b;
+        const char *const *keys;
+        if ((one.st = vlmoe_loader_next(ld, &b, &keys))) break;
+        vlmoe_loader_position(ld, &pos1[n]);
+        memcpy(img1[n], b.images, sizeof(float) * 3 * 16 * 16 * (size_t)b.batch_size);
+        memcpy(tok1[n], b.tokens, sizeof(int32_t) * 12 * (size_t)b.batch_size);
+        for (int i = 0; i < b.batch_size; i++) snprintf(key1[n][i], KL, "%s", strrchr(keys[i], '/') + 1);
+    }
+    if (ld) one.stats = *vlmoe_loader_stats(ld);
+    vlmoe_loader_free(ld);
+    CHECK(one.st == VLMOE_OK, "%s at batch %d: %s", path, BS * world, vlmoe_last_error());
+    pthread_t th[SW];
+    for (int r = 0; r < world; r++) {
+        memset(&many[r], 0, sizeof many[r]);
+        many[r].a = &a, many[r].rank = r;
+        many[r].p = params(path, workers);
+        many[r].p.rank = r, many[r].p.world = world, many[r].p.chunk = chunk;
+        many[r].from = resume ? &pos1[resume - 1] : NULL;
+        many[r].p.agree = share_agree_fn, many[r].p.agree_user = &many[r];
+        many[r].p.tokenize = tok_count, many[r].p.tokenize_user = &many[r];
+        pthread_create(&th[r], NULL, share_main, &many[r]);
+    }
+    int total = 0;
+    for (int r = 0; r < world; r++) pthread_join(th[r], NULL), total += many[r].tokenized;
+    pthread_barrier_destroy(&a.bar);
+    for (int r = 0; r < world; r++) {
+        const share_run *m = &many[r];
+        int rows = 0, bad_row = -1;
+        for (int n = 0; n < SNB && bad_row < 0; n++)
+            for (int i = 0; i < BS && bad_row < 0; i++, rows++) {
+                const int c = chunk ? chunk : BS, g = i / c * c * world + r * c + i % c;
+                const int o = n + resume;
+                if (memcmp(m->img[n][i], img1[o][g], sizeof m->img[n][i]) || memcmp(m->tok[n][i], tok1[o][g], sizeof m->tok[n][i]) ||
+                    strcmp(m->keys[n][i], key1[o][g]))
+                    bad_row = n * BS + i;
+            }
+        CHECK(m->st == VLMOE_OK && bad_row < 0, "%s, rank %d of %d, %d workers, chunk %d: %s; row %d is %s (batch "
+              "starts with %s)", path, r, world, workers, chunk, m->st ? vlmoe_last_error() : "ok", bad_row,
+              bad_row >= 0 ? m->keys[bad_row / BS][bad_row % BS] : "-",
+              bad_row >= 0 ? key1[bad_row / BS + resume][0] : "-");
+        int same = resume || m->stats.total == one.stats.total;
+        for (int k = 0; !resume && k < VLMOE_BAD_N; k++) same &= m->stats.bad[k] == one.stats.bad[k];
+        CHECK(same, "%s, rank %d of %d: %lld samples, %lld bad; one process: %lld, %lld", path, r, world,
+              (long long)m->stats.total, (long long)vlmoe_dataset_stats_bad(&m->stats), (long long)one.stats.total,
+              (long long)vlmoe_dataset_stats_bad(&one.stats));
+        // its share of the decoded samples, give or take those a bad sample shifted: workers decode
+        // up to `prefetch` global batches ahead of the last batch read, and a shift by one moves
+        // every sample ahead to another process when the pieces are single samples (chunk 1), so
+        // that case is bounded by what each process decoded before: the whole global batch
+        const int ahead = workers ? 2 * BS * world : 0;
+        const int most = workers && chunk ? one.tokenized - 1 : SNB * BS + 2 * SNB + ahead;
+        CHECK(m->tokenized <= most && m->agrees >= SNB,
+              "%s, rank %d of %d, %d workers: tokenized %d captions for %d rows (%d agreements)", path, r, world,
+              workers, m->tokenized, SNB * BS, m->agrees);
+    }
+    if (!workers) printf("  %s, world %d, chunk %d: captions tokenized %d (one process: %d, for %d rows each)\n", path,
+                         world, chunk, total, one.tokenized, SNB * BS * world);
+    CHECK(one.stats.bad[VLMOE_BAD_UNREADABLE_IMAGE] + one.stats.bad[VLMOE_BAD_UNDECODABLE_IMAGE] >= 1,
+          "%s: the data hold no bad image, so the test proves nothing", path);
+}
+
 int main(int argc, char **argv) {
     snprintf(dir, sizeof dir, "/tmp/vlmoe_loader_XXXXXX");
     if (!mkdtemp(dir)) {
@@ -696,6 +838,10 @@ int main(int argc, char **argv) {
         test_resume(paths[k]);
     }
     test_bad();
+    for (int k = 0; k < 2; k++)
+        for (int w = 2; w <= SW; w++) 
+            for (int chunk = 0; chunk <= 1; chunk++)
+                test_share(paths[k], w, 0, chunk, 0), test_share(paths[k], w, 2, chunk, 0), test_share(paths[k], w, 2, chunk, 5);
     test_bad_fraction();
     test_resampled();
     test_pipe();

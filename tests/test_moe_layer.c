@@ -191,13 +191,13 @@ static void test_clipup_capacity(void) {
               m.capacity_per_token == 1, "clipup preset: K %d, cf %g, per token %d", m.top_k, m.capacity_factor,
           m.capacity_per_token);
     int C = -1;
-    CHECK(moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 50, "clipup: C = %d, want 50", C);
+    CHECK(moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 50, "clipup: C = %d, want 50", C);
     m.capacity_per_token = 0;
-    CHECK(moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 99, "per assignment: C = %d, want 99", C);
+    CHECK(moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 99, "per assignment: C = %d, want 99", C);
     // LIMoE keeps K in: K = 1, cf 1.05, S = 197: ceil(206.85 / 8) = ceil(25.856) = 26
     m = (vlmoe_moe_config){.num_experts = 8};
     CHECK(vlmoe_moe_preset("limoe", &m) == VLMOE_OK && m.capacity_per_token == 0 &&
-              moe_capacity(&m, 197, m.capacity_factor, &C) == VLMOE_OK && C == 26, "limoe: C = %d, want 26", C);
+              moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 26, "limoe: C = %d, want 26", C);
     // the named CLIP-UP model carries it, and its JSON round trip keeps it
     vlmoe_model_config c, back;
     CHECK(vlmoe_config_named("clipup-ViT-B-16", &c) == VLMOE_OK && c.moe.capacity_per_token && c.text_moe.capacity_per_token,

@@ -32,6 +32,12 @@ static void test_capacity(void) {
     CHECK(vlmoe_capacity(25, 5, 2, 1.1, 1, &C) == VLMOE_OK && C == 12, "C=%d, want 12", C);
     // Experts choice uses K=1: 196 tokens, cf 2, 8 experts: 392/8 = 49.
     CHECK(vlmoe_capacity(196, 8, 1, 2.0, 1, &C) == VLMOE_OK && C == 49, "C=%d, want 49", C);
+    // A huge finite factor (a hostile model file: issue 19) gives the most a group can use, S*K,
+    // never a failure that a caller might paper over with a smaller buffer; so does +inf here
+    // (the config readers refuse it before it gets this far).
+    CHECK(vlmoe_capacity(16, 8, 2, 1e30, 1, &C) == VLMOE_OK && C == 32, "cf 1e30: C=%d, want 32", C);
+    CHECK(vlmoe_capacity(16, 8, 2, 1e300, 4, &C) == VLMOE_OK && C == 32, "cf 1e300: C=%d, want 32", C);
+    CHECK(vlmoe_capacity(16, 8, 2, INFINITY, 1, &C) == VLMOE_OK && C == 32, "cf inf: C=%d, want 32", C);
     // A tiny positive factor still gives ceil(1e-9) = 1: not an error.
     CHECK(vlmoe_capacity(4, 4, 1, 1e-9, 1, &C) == VLMOE_OK && C == 1, "C=%d, want 1", C);
     // C < 1: a factor of 0 or below (or NaN) is a config error with a message.

@@ -65,7 +65,11 @@ static int used(const char *name, int enc, int nl, int F, int cls) {
 
 // cls: also the classification head on the encoding's pooled feature, with class labels; cls 2:
 // the NLVR2 head on two sequences per example (4 sequences, 2 examples).
-static void fd_check(int enc, int cls, const char *label) {
+// drop: stochastic depth rate (0: none) with the fixed mask DROP_KEEP (some branches of each
+// sample dropped, the kept ones scaled by 1/(1-rate of their block)).
+static const uint8_t DROP_KEEP[3 * 2 * 4] = {1, 0, 1, 1, 1, 1, 0, 1, /* block 0 */ 0, 1, 1, 0, 1, 1, 0, 1,
+                                             /* block 1 */ 1, 1, 0, 1, 0, 1, 1, 0 /* block 2 */};
+static void fd_check(int enc, int cls, const char *label, double drop) {
     vlmoe_model_config cfg = small();
     cfg.num_classes = cls ? 3 : 0;
     cfg.cls_sequences = cls == 2 ? 2 : 1;
@@ -81,6 +85,7 @@ static void fd_check(int enc, int cls, const char *label) {
     // more than h from a tie (with position-keyed noise, seed 99 put a BPR near-tie in the pair
     // + classification case within h of the test point: rel err 1.9e-6 on one tensor)
     mome_graph_set_mode_f64(m.g, 1, 98);
+    if (drop > 0) mome_graph_set_drop_path_f64(m.g, drop), mome_graph_set_drop_keep_f64(m.g, DROP_KEEP);
     float *pf = malloc(sizeof(float) * m.L.total);
     model_layout_init_params(&m.L, pf, 7);
     m.p = malloc(sizeof(double) * m.L.total);
@@ -102,6 +107,15 @@ static void fd_check(int enc, int cls, const char *label) {
     double *g = calloc(m.L.total, sizeof(double)), *v = malloc(sizeof(double) * m.L.total);
     loss_of(&m);
     mome_graph_backward_f64(m.g, m.p, g);
+    if (drop > 0) { // the mask is the one given, the kept branches scaled by their block's rate
+        const double *df = mome_graph_drop_factors_f64(m.g);
+        int right = df != NULL;
+        for (int i = 0; right && i < 3 * 2 * B; i++) {
+            const double rate = drop * (i / (2 * B)) / 2.0;
+            right = df[i] == (DROP_KEEP[i] ? 1.0 / (1.0 - rate) : 0.0);
+        }
+        CHECK(right, "%s: the drop-path factors follow the fixed mask and 1/(1-rate)", label);
+    }
     const double h = 1e-5;
     int bad = 0, zero_rule = 0;
     double worst = 0;
@@ -942,16 +956,89 @@ static void test_config(void) {
     model_layout_free(&L);
 }
 
+// Stochastic depth's draws: block l drops a branch with probability rate * l / (layers - 1)
+// (binomial bounds over 400 seeded forwards of 3 samples), kept branches scale by 1/(1-rate);
+// a sample draws the same wherever it is in the global batch (a process holding samples 2.. of
+// a batch draws what one process holding them all draws); evaluation drops nothing.
+static void test_drop_path_draws(void) {
+    vlmoe_model_config cfg = small();
+    model_layout L;
+    if (model_layout_build(&L, &cfg) != VLMOE_OK) {
+        CHECK(0, "layout: %s", vlmoe_last_error());
+        return;
+    }
+    mome_graph_f64 *g = NULL, *g1 = NULL;
+    CHECK(mome_graph_create_f64(&g, &L, backend_cpu_f64(), 3) == VLMOE_OK &&
+              mome_graph_create_f64(&g1, &L, backend_cpu_f64(), 1) == VLMOE_OK, "graphs: %s", vlmoe_last_error());
+    double *p = malloc(sizeof(double) * L.total), img[3 * 3 * 64];
+    float *pf = malloc(sizeof(float) * L.total);
+    model_layout_init_params(&L, pf, 5);
+    for (size_t i = 0; i < L.total; i++) p[i] = pf[i];
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 11);
+    for (int i = 0; i < 3 * 3 * 64; i++) img[i] = vlmoe_rng_normal(&r);
+    const mome_input_f64 in = {VLMOE_ENC_IMAGE, img, NULL, NULL, NULL, NULL, NULL};
+    const mome_input_f64 in1 = {VLMOE_ENC_IMAGE, img + 2 * 3 * 64, NULL, NULL, NULL, NULL, NULL};
+    const double rate = 0.4;
+    mome_graph_set_drop_path_f64(g, rate), mome_graph_set_drop_path_f64(g1, rate);
+    mome_graph_set_sample_base_f64(g, 100), mome_graph_set_sample_base_f64(g1, 102);
+    long dropped[3] = {0, 0, 0}, n = 0;
+    int scaled = 1, same = 1;
+    vlmoe_mome_stats s;
+    for (uint64_t seed = 1; seed <= 400; seed++) {
+        mome_graph_set_mode_f64(g, 1, seed), mome_graph_set_mode_f64(g1, 1, seed);
+        mome_graph_forward_f64(g, p, &in, &s);
+        mome_graph_forward_f64(g1, p, &in1, &s);
+        const double *f = mome_graph_drop_factors_f64(g), *f1 = mome_graph_drop_factors_f64(g1);
+        if (!f || !f1) {
+            CHECK(0, "training forwards with rate %g report their factors", rate);
+            break;
+        }
+        for (int l = 0; l < 3; l++)
+            for (int k = 0; k < 2; k++) {
+                const double rl = rate * l / 2;
+                for (int b = 0; b < 3; b++) {
+                    const double v = f[(l * 2 + k) * 3 + b];
+                    dropped[l] += v == 0;
+                    scaled &= v == 0 || v == 1.0 / (1.0 - rl);
+                }
+                same &= f[(l * 2 + k) * 3 + 2] == f1[l * 2 + k];
+            }
+        n += 6;
+    }
+    printf("drop path %.1f: dropped %ld, %ld, %ld of %ld branches in blocks 0, 1, 2 (expected 0, %.0f, %.0f)\n", rate,
+           dropped[0], dropped[1], dropped[2], n, n * rate / 2, n * rate);
+    CHECK(dropped[0] == 0 && binom_ok(dropped[1], n, rate / 2) && binom_ok(dropped[2], n, rate),
+          "drop path rates rise linearly over depth: %ld %ld %ld of %ld", dropped[0], dropped[1], dropped[2], n);
+    CHECK(scaled, "kept branches are scaled by 1/(1-rate of their block)");
+    CHECK(same, "sample 102 draws the same in a batch from 100 as alone from 102");
+    // evaluation: the whole network, the same loss as without drop path
+    mome_graph_set_mode_f64(g, 0, 0);
+    mome_graph_forward_f64(g, p, &in, &s);
+    const double with = s.loss;
+    CHECK(!mome_graph_drop_factors_f64(g), "evaluation drops no path");
+    mome_graph_set_drop_path_f64(g, 0);
+    mome_graph_forward_f64(g, p, &in, &s);
+    CHECK(with == s.loss, "evaluation with drop path %.10g equals without %.10g", with, s.loss);
+    free(p), free(pf);
+    mome_graph_free_f64(g), mome_graph_free_f64(g1);
+    model_layout_free(&L);
+}
+
 int main(void) {
     test_config();
     test_xent();
-    fd_check(VLMOE_ENC_IMAGE, 0, "MIM (image only)");
-    fd_check(VLMOE_ENC_TEXT, 0, "MLM (text only)");
-    fd_check(VLMOE_ENC_PAIR, 0, "VLM (image-text pair)");
-    fd_check(VLMOE_ENC_IMAGE, 1, "MIM + image classification");
-    fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification");
-    fd_check(VLMOE_ENC_PAIR, 1, "VLM + pair classification");
-    fd_check(VLMOE_ENC_PAIR, 2, "VLM + NLVR2 classification (two pairs per example)");
+    fd_check(VLMOE_ENC_IMAGE, 0, "MIM (image only)", 0);
+    fd_check(VLMOE_ENC_TEXT, 0, "MLM (text only)", 0);
+    fd_check(VLMOE_ENC_PAIR, 0, "VLM (image-text pair)", 0);
+    fd_check(VLMOE_ENC_IMAGE, 0, "MIM with drop path 0.5 (fixed mask)", 0.5);
+    fd_check(VLMOE_ENC_PAIR, 0, "VLM with drop path 0.5 (fixed mask)", 0.5);
+    fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification with drop path 0.5 (fixed mask)", 0.5);
+    fd_check(VLMOE_ENC_IMAGE, 1, "MIM + image classification", 0);
+    fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification", 0);
+    fd_check(VLMOE_ENC_PAIR, 1, "VLM + pair classification", 0);
+    fd_check(VLMOE_ENC_PAIR, 2, "VLM + NLVR2 classification (two pairs per example)", 0);
+    test_drop_path_draws();
     fd_check_retrieval();
     test_heads_api();
     test_pooling();

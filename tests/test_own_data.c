@@ -218,6 +218,14 @@ int main(int argc, char **argv) {
              "classnames.txt", ck, ck);
     expect(cmd, 0, "zero-shot top-1");
     CHECK(strstr(out, "written to g.safetensors"), "a greedy soup scored on the user's folder:\n%s", out);
+    // LIMoE A.3's variant, scored with the user's own prompts
+    test_write_file(test_path(dir, "tpl.txt"), "a photo of a {}.\nthis is a {}.\n", 31);
+    snprintf(cmd, sizeof(cmd), "soup %s %s -o gr.safetensors --greedy --reuse --max-ingredients 3 --zeroshot-data "
+             "va/classes --classnames classnames.txt --zeroshot-templates tpl.txt", ck, ck);
+    expect(cmd, 0, "zero-shot top-1");
+    CHECK(strstr(out, "written to gr.safetensors: ") && strstr(out, " x"), "a greedy soup with reuse:\n%s", out);
+    snprintf(cmd, sizeof(cmd), "soup %s %s -o s.safetensors --greedy --zeroshot-templates tpl.txt", ck, ck);
+    expect(cmd, 1, "--zeroshot-templates applies to --zeroshot-data DIR");
     snprintf(cmd, sizeof(cmd), "soup %s %s -o s.safetensors", ck, ck);
     expect(cmd, 0, "soup of 2 checkpoints");
     char *sk = metadata("s.safetensors", "vlmoe.tokenizer");

@@ -672,6 +672,64 @@ static void test_mome(void) {
     vlmoe_st_close(f);
 }
 
+// Stochastic depth (gen_mome.py's mome_drop.ref): the pair encoding of mome.ref's inputs on
+// mome.init's weights with drop path 0.5 and the fixture's mask (drop.keep, (layers, 2, B)), torch
+// scaling the kept branches by 1/keep_prob as timm's drop_path does: the losses, the hidden states
+// and every gradient.
+static void test_mome_drop(void) {
+    vlmoe_st *f = open_fixture("mome_drop.ref.safetensors"), *in = f ? open_fixture("mome.ref.safetensors") : NULL;
+    if (!in) {
+        vlmoe_st_close(f);
+        return;
+    }
+    const int B = 3;
+    mome_side sd = {0};
+    double *noise[64] = {0}, rate = -1;
+    int32_t *keep = get_i32(f, "drop.keep"), *tok = get_i32(in, "input.tokens"), *lens = get_i32(in, "input.lens");
+    int32_t *tl = get_i32(in, "input.text_labels"), *pl = get_i32(in, "input.patch_labels");
+    float *images = get(in, "input.images", NULL);
+    if (mome_side_open(&sd, "drop path", "mome.init.safetensors", B) && keep && tok && lens && tl && pl && images &&
+        mome_scalar(f, "drop.rate", &rate)) {
+        const model_layout *L = &sd.m->L;
+        const int nl = L->enc[0].layers, D = L->enc[0].width;
+        uint8_t km[64 * 2 * 3];
+        int dropped = 0;
+        for (int i = 0; i < nl * 2 * B && i < 64 * 2 * 3; i++) km[i] = keep[i] != 0, dropped += !keep[i];
+        mome_noise(f, "drop", noise, L->nmoe);
+        for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd.g, i, noise[i]);
+        mome_graph_set_drop_path_f32(sd.g, rate);
+        mome_graph_set_drop_keep_f32(sd.g, km);
+        mome_graph_set_mode_f32(sd.g, 1, 0);
+        const mome_input_f32 mi = {VLMOE_ENC_PAIR, images, tok, lens, tl, pl, NULL};
+        vlmoe_mome_stats s;
+        if (mome_graph_forward_f32(sd.g, sd.m->params, &mi, &s) != VLMOE_OK) {
+            CHECK(0, "mome drop path forward: %s", vlmoe_last_error());
+        } else {
+            double lerr = 0;
+            const double got[4] = {s.loss, s.text, s.image, s.aux};
+            const char *names[4] = {"drop.loss", "drop.text", "drop.image", "drop.aux"};
+            for (int k = 0; k < 4; k++) mome_loss(f, names[k], got[k], "mome drop path", &lerr);
+            int T;
+            const float *hid = mome_graph_hidden_f32(sd.g, &T);
+            float *href = get(f, "drop.hidden", NULL);
+            const double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
+            CHECK(herr <= 2e-6, "mome drop path: hidden states: max error %.3g of max |ref|", herr);
+            free(href);
+            memset(sd.G, 0, sizeof(float) * L->total);
+            mome_graph_backward_f32(sd.g, sd.m->params, sd.G);
+            const grad_report gr = mome_grads(f, L, sd.G, "drop.", "mome drop path");
+            printf("mome drop path %.2f (%d of %d branches dropped): loss %.6f within %.2g, hidden states within "
+                   "%.2g, %d parameter gradients match torch, worst %.2g (%s)\n", rate, dropped, nl * 2 * B, s.loss,
+                   lerr, herr, L->nparams, gr.worst, gr.wname);
+        }
+    }
+    for (int i = 0; i < 64; i++) free(noise[i]);
+    free(keep), free(tok), free(lens), free(tl), free(pl), free(images);
+    mome_side_close(&sd);
+    vlmoe_st_close(in);
+    vlmoe_st_close(f);
+}
+
 // NLVR2 (gen_mome.py's mome_heads.*): the pair encoding of 4 sequences, fixture noise in every
 // MoE layer, 2 class labels, no masking; example k reads the fused [T_CLS] of pairs 2k and 2k+1
 // side by side. The losses, hidden states, class scores (2, 3) and every gradient against torch.
@@ -797,6 +855,7 @@ static void test_mome_heads(void) {
 
 int main(void) {
     test_mome();
+    test_mome_drop();
     test_mome_heads();
     test_ops();
     test_block();

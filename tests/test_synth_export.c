@@ -277,14 +277,14 @@ int main(int argc, char **argv) {
     free(labels);
 
     // bad input
-    expect("synth export --out d --n 0", 1, "--n 0: expected 1..");
-    expect("synth export --out d --n -5", 1, "--n -5");
+    expect("synth export --out d --n 0", 2, "--n must be >= 1 (an integer up to 2147483647), got '0'");
+    expect("synth export --out d --n -5", 2, "--n must be >= 1 (an integer up to 2147483647), got '-5'");
     expect("synth export --out d --n many", 2, "--n expects an integer");
     expect("synth export --out d --bogus 1", 2, "unknown flag '--bogus'");
     expect("synth export --n 5", 1, "--out DIR is required");
     expect("synth export --out d --split test", 1, "--split test: expected train or val");
     expect("synth export --out d --image-size 8", 1, "image_size = 8");
-    expect("synth export --out d --first -1", 1, "--first -1");
+    expect("synth export --out d --first -1", 2, "--first must be >= 0 (an integer), got '-1'");
     expect("synth export --out d --first 2000000000000", 1, "--first 2000000000000: expected an index in 0..");
     expect("synth export --out d --csv-separator ab", 1, "--csv-separator 'ab'");
     expect("synth", 1, "expected `vlmoe synth export");

@@ -631,6 +631,153 @@ static void test_fixture(void) {
     cJSON_Delete(root);
 }
 
+// Lower-casing (step 3, libutf8proc) equals Python's str.lower on every code point: the fixture
+// lists each one Python changes (lower_table.json, tests/ref/gen_lower.py); every other assigned
+// code point must stay unchanged. Code points Python's Unicode calls unassigned are not compared
+// (a newer libutf8proc may case them); their count of differences is printed.
+static void test_lower_table(void) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/lower_table.json", fixture_dir());
+    char *js = read_all(path, NULL);
+    if (!js) {
+        printf("test_tokenizer: %s not found: skipping the str.lower table (tests/ref/gen_all.py makes it)\n", path);
+        return;
+    }
+    cJSON *root = cJSON_Parse(js);
+    const cJSON *lower = cJSON_GetObjectItem(root, "lower"), *un = cJSON_GetObjectItem(root, "unassigned"), *e;
+    uint8_t *skip = calloc(0x110000, 1);
+    cJSON_ArrayForEach(e, un)
+        for (int c = cJSON_GetArrayItem(e, 0)->valueint; c <= cJSON_GetArrayItem(e, 1)->valueint; c++) skip[c] = 1;
+    uint32_t (*want)[3] = calloc(0x110000, sizeof(*want)); // [n, cp, cp]
+    int listed = 0;
+    cJSON_ArrayForEach(e, lower) {
+        const int c = atoi(e->string), n = cJSON_GetArraySize(e);
+        CHECK(c >= 0 && c < 0x110000 && n >= 1 && n <= 2, "lower_table.json: entry %s", e->string);
+        if (c < 0 || c >= 0x110000 || n < 1 || n > 2) continue;
+        want[c][0] = (uint32_t)n;
+        for (int k = 0; k < n; k++) want[c][1 + k] = (uint32_t)cJSON_GetArrayItem(e, k)->valueint;
+        listed++;
+    }
+    int bad = 0, compared = 0, newer = 0;
+    for (uint32_t c = 0; c < 0x110000; c++) {
+        if (c >= 0xD800 && c <= 0xDFFF) continue;
+        uint32_t got[2];
+        const size_t n = vlmoe_tokenizer_lower_cp(c, got);
+        const int same = want[c][0] ? n == want[c][0] && got[0] == want[c][1] && (n == 1 || got[1] == want[c][2])
+                                    : n == 1 && got[0] == c;
+        if (skip[c]) {
+            newer += !same;
+            continue;
+        }
+        compared++;
+        if (!same && bad++ < 8)
+            fprintf(stderr, "  lower U+%04X: got %zu code point(s) U+%04X..., Python %u: U+%04X\n", c, n, got[0],
+                    want[c][0] ? want[c][0] : 1, want[c][0] ? want[c][1] : c);
+    }
+    CHECK(listed > 1400 && compared > 250000, "lower_table.json: %d entries, %d code points compared", listed, compared);
+    CHECK(bad == 0, "%d code points lower-case differently from Python's str.lower", bad);
+    printf("test_tokenizer: str.lower table (Unicode %s): %d changed code points, %d compared, %d differ; %d code "
+           "points Python leaves unassigned differ\n", cJSON_GetObjectItem(root, "unicode")->valuestring, listed, compared,
+           bad, newer);
+    free(skip), free(want), free(js);
+    cJSON_Delete(root);
+}
+
+// tokenizer.json's normalizer and pre_tokenizer as HF writes CLIP's (transformers' CLIPTokenizerFast):
+// NFC is applied (a decomposed "cafe\u0301" encodes as "café", which the merges file of the same
+// vocabulary, without NFC, does not), to_text keeps it (as tokenizer.json), and each field that
+// would change ids is refused, naming it.
+static const char CLIP_NORM[] = "{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},{\"type\":\"Replace\","
+                                "\"pattern\":{\"Regex\":\"\\\\s+\"},\"content\":\" \"},{\"type\":\"Lowercase\"}]}";
+static const char CLIP_PRE[] = "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":"
+                               "\"<\\\\|startoftext\\\\|>|<\\\\|endoftext\\\\|>|'s|'t|'re|'ve|'m|'ll|'d|[\\\\p{L}]+|"
+                               "[\\\\p{N}]|[^\\\\s\\\\p{L}\\\\p{N}]+\"},\"behavior\":\"Removed\",\"invert\":true},"
+                               "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}";
+
+// hf_json(a) with normalizer / pre_tokenizer / model.dropout set from JSON text (NULL: left out).
+static vlmoe_tokenizer *hf_with(const vlmoe_tokenizer *a, const char *norm, const char *pre, const char *dropout,
+                                int *st) {
+    char *js = hf_json(a, MERGES_A, N_MERGES_A, 1, 0, 0);
+    cJSON *root = cJSON_Parse(js);
+    free(js);
+    if (norm) cJSON_AddItemToObject(root, "normalizer", cJSON_Parse(norm));
+    if (pre) cJSON_AddItemToObject(root, "pre_tokenizer", cJSON_Parse(pre));
+    if (dropout) cJSON_AddItemToObject(cJSON_GetObjectItem(root, "model"), "dropout", cJSON_Parse(dropout));
+    js = cJSON_Print(root);
+    cJSON_Delete(root);
+    const char *path = tmp_path("pipeline.json");
+    write_text(path, js);
+    free(js);
+    vlmoe_tokenizer *t = NULL;
+    *st = vlmoe_tokenizer_load_hf(&t, path);
+    return t;
+}
+
+static void test_hf_pipeline(void) {
+    vlmoe_tokenizer *a = load_a("a_pipe.txt", 0);
+    if (!a) return;
+    int st;
+    vlmoe_tokenizer *t = hf_with(a, CLIP_NORM, CLIP_PRE, "null", &st);
+    CHECK(st == VLMOE_OK && t, "CLIP's tokenizer.json fields: %s", vlmoe_last_error());
+    int32_t x[16], y[16], z[16];
+    int lx, ly, lz;
+    const char *composed = "caf\xc3\xa9 na\xc3\xafve", *decomposed = "cafe\xcc\x81 nai\xcc\x88ve";
+    if (t) {
+        vlmoe_tokenizer_encode(t, composed, x, 16, &lx);
+        vlmoe_tokenizer_encode(t, decomposed, y, 16, &ly);
+        CHECK(lx == ly && same_ids(x, y, 16), "NFC: decomposed text gives other ids (%d vs %d tokens)", ly, lx);
+        vlmoe_tokenizer_encode(a, decomposed, z, 16, &lz);
+        CHECK(!(lz == lx && same_ids(x, z, 16)), "without NFC the decomposed text should differ (else this test is void)");
+        char *text = NULL;
+        size_t n = 0;
+        vlmoe_tokenizer *r = NULL;
+        CHECK(vlmoe_tokenizer_to_text(t, &text, &n) == VLMOE_OK && text && text[0] == '{' && strstr(text, "\"NFC\""),
+              "to_text of an NFC tokenizer: tokenizer.json with NFC");
+        CHECK(text && vlmoe_tokenizer_from_text(&r, text, n, "nfc") == VLMOE_OK, "%s", vlmoe_last_error());
+        if (r) {
+            vlmoe_tokenizer_encode(r, decomposed, z, 16, &lz);
+            CHECK(lz == lx && same_ids(x, z, 16), "the text form lost NFC");
+        }
+        vlmoe_tokenizer_free(r), free(text);
+    }
+    vlmoe_tokenizer_free(t);
+    // without NFC in the normalizer: as the merges file
+    t = hf_with(a, "{\"type\":\"Lowercase\"}", "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":false}", NULL, &st);
+    CHECK(st == VLMOE_OK && t, "Lowercase alone: %s", vlmoe_last_error());
+    if (t) {
+        vlmoe_tokenizer_encode(t, decomposed, y, 16, &ly);
+        vlmoe_tokenizer_encode(a, decomposed, z, 16, &lz);
+        CHECK(ly == lz && same_ids(y, z, 16), "no NFC step: ids as the merges file's");
+    }
+    vlmoe_tokenizer_free(t);
+    static const struct {
+        const char *norm, *pre, *dropout, *must1, *must2;
+    } bad[] = {
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFKC\"},{\"type\":\"Lowercase\"}]}", NULL, NULL,
+         "normalizer.normalizers[0]: type \"NFKC\"", "ids would differ"},
+        {"{\"type\":\"NFC\"}", NULL, NULL, "normalizer: no Lowercase step", NULL},
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Lowercase\"},{\"type\":\"StripAccents\"}]}", NULL, NULL,
+         "normalizer.normalizers[1]: type \"StripAccents\"", NULL},
+        {"{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Replace\",\"pattern\":{\"String\":\"a\"},\"content\":\"b\"},"
+         "{\"type\":\"Lowercase\"}]}", NULL, NULL, "type \"Replace\" with this pattern", NULL},
+        {NULL, "{\"type\":\"Whitespace\"}", NULL, "pre_tokenizer: type \"Whitespace\"", NULL},
+        {NULL, "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\w+\"},"
+               "\"behavior\":\"Removed\",\"invert\":true}]}", NULL, "pre_tokenizer.pretokenizers[0]: type \"Split\"",
+         "not CLIP's"},
+        {NULL, "{\"type\":\"ByteLevel\",\"add_prefix_space\":true}", NULL, "add_prefix_space is true", NULL},
+        {NULL, "{\"type\":\"ByteLevel\",\"use_regex\":true}", NULL, "use_regex is not false", NULL},
+        {NULL, "{\"type\":\"ByteLevel\"}", NULL, "use_regex is not false", NULL}, // HF's default is true
+        {NULL, NULL, "0.1", "model.dropout", NULL},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        t = hf_with(a, bad[i].norm, bad[i].pre, bad[i].dropout, &st);
+        expect_fail(st, VLMOE_ERR_FORMAT, bad[i].must1, bad[i].must1, bad[i].must2);
+        CHECK(strstr(vlmoe_last_error(), "pipeline.json"), "the message names the file: %s", vlmoe_last_error());
+        vlmoe_tokenizer_free(t);
+    }
+    vlmoe_tokenizer_free(a);
+}
+
 int main(void) {
     snprintf(dir, sizeof(dir), "%s/vlmoe_tok_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(dir)) {
@@ -640,11 +787,13 @@ int main(void) {
     test_clip_file();
     test_clip_count();
     test_hf();
+    test_hf_pipeline();
     test_train();
     test_bytes();
     test_threads();
     test_bad_input();
     test_fixture();
+    test_lower_table();
     for (int i = 0; i < nmade; i++) {
         remove(made[i]);
         char tmp[600];

@@ -271,6 +271,9 @@ static int train_mome(vlmoe_dist *d, int batch, double *losses, double *norms, f
                                   .rank = d ? d->rank : 0, .world = d ? d->world : 1};
     if (!st) st = vlmoe_mome_init(&task, &mp);
     if (!st) st = vlmoe_model_init(&m, &c, 7);
+    // stochastic depth as VL-MoE pre-trains: each sample's draw keyed by its global index, so
+    // the processes drop the paths one process drops
+    if (!st) st = vlmoe_model_set_drop_path(m, 0.1);
     if (!st) st = vlmoe_trainer_init(&t, m, &tp);
     if (!st) st = vlmoe_mome_start(task, m, cb, NULL, NULL);
     const vlmoe_run_task rt = task ? vlmoe_mome_task(task) : (vlmoe_run_task){0};

@@ -151,6 +151,46 @@ static void test_config_name(void) {
     expect("train --model x.json --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name x", 0, "model own-name (");
 }
 
+// Whether runs/NAME/params.json holds every "key":<tab>value of `want` (NULL-terminated).
+static void params_hold(const char *name, const char *const *want) {
+    char rel[256];
+    snprintf(rel, sizeof(rel), "runs/%s/params.json", name);
+    char *pj = test_read_file(P(rel), NULL);
+    for (int i = 0; want[i]; i++)
+        CHECK(pj && strstr(pj, want[i]), "params.json of %s lacks %s:\n%s", name, want[i], pj ? pj : "(none)");
+    free(pj);
+}
+
+// The papers' recipes: LIMoE's (app. A: Adafactor as ViT-G, lr 1e-3, decay 1e-5, images in
+// [-1, 1]) for --preset limoe and the limoe-* models, CLIP-UP's (AdamW, 5e-5, 0.05); flags
+// given win; params.json records what was resolved.
+static void test_paper_recipe(void) {
+    const char *base = "--steps 1 --batch-size 8 --eval-samples 0 --logs runs";
+    char cmd[512];
+    snprintf(cmd, sizeof(cmd), "train --model limoe-tiny %s --name lim", base);
+    expect(cmd, 0, "trained to step 1");
+    params_hold("lim", (const char *const[]){"\"optimizer\":\t\"adafactor\"", "\"lr\":\t0.001", "\"wd\":\t1e-05",
+                                             "\"beta1\":\t0.9", "\"momentum_dtype\":\t\"bfloat16\"", NULL});
+    snprintf(cmd, sizeof(cmd), "train --model clipup-tiny --preset limoe --optimizer adamw --lr 0.002 %s --name limw", base);
+    expect(cmd, 0, "trained to step 1");
+    params_hold("limw", (const char *const[]){"\"optimizer\":\t\"adamw\"", "\"lr\":\t0.002", "\"wd\":\t0.1", NULL});
+    snprintf(cmd, sizeof(cmd), "train --model clipup-tiny %s --name cup", base);
+    expect(cmd, 0, "trained to step 1");
+    params_hold("cup", (const char *const[]){"\"optimizer\":\t\"adamw\"", "\"lr\":\t5e-05", "\"wd\":\t0.05", NULL});
+    // --beta1 with Adafactor is its momentum, honoured (0 is none)
+    snprintf(cmd, sizeof(cmd), "train --model tiny --optimizer adafactor --beta1 0.5 %s --name af", base);
+    expect(cmd, 0, "trained to step 1");
+    params_hold("af", (const char *const[]){"\"beta1\":\t0.5", "\"momentum_dtype\":\t\"float32\"", "\"wd\":\t1e-05", NULL});
+    // LIMoE's [-1, 1] images on the user's data (shapes/ from test_save_frequency)
+    expect("train --model limoe-tiny --train-data shapes/captions.csv --steps 1 --batch-size 8 --workers 0 --logs runs "
+           "--name limcsv", 0, "trained to step 1");
+    params_hold("limcsv", (const char *const[]){"\"image_mean\":\t\"0.5,0.5,0.5\"", "\"image_std\":\t\"0.5,0.5,0.5\"", NULL});
+    expect("train --momentum-dtype bfloat16 --steps 1", 1, "--momentum-dtype applies to --optimizer adafactor");
+    expect("train --optimizer adafactor --beta1 0 --momentum-dtype bfloat16 --steps 1", 1, "with momentum (--beta1 > 0)");
+    expect("train --optimizer adafactor --momentum-dtype f16 --steps 1", 1, "--momentum-dtype f16: expected float32 or bfloat16");
+    expect("train --optimizer adafactor --beta1 1 --steps 1", 1, "--beta1 1: expected a value in [0, 1)");
+}
+
 static void test_inapplicable(void) {
     expect("train --tokenizer t.txt --steps 1", 1, "the synthetic data has its own word tokenizer");
     expect("train --image-mean 0.5 --steps 1", 1, "--image-mean applies to image files: --train-data");
@@ -174,6 +214,7 @@ int main(int argc, char **argv) {
     test_resume();
     test_config_name();
     test_inapplicable();
+    test_paper_recipe();
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");

@@ -129,11 +129,17 @@ static void expect(const char *args, int status, const char *needle, const char 
 }
 
 // Whether two files have the same bytes (and exist).
+// Two checkpoint files hold the same tensors, bit for bit (their metadata differ: every save has
+// its own run and save ids, src/train/checkpoint.c).
 static int same_file(const char *a, const char *b) {
-    size_t na, nb;
-    char *x = test_read_file(P(a), &na), *y = test_read_file(P(b), &nb);
-    const int same = x && y && na == nb && !memcmp(x, y, na);
-    free(x), free(y);
+    vlmoe_st *x = NULL, *y = NULL;
+    int same = !vlmoe_st_open(P(a), &x) && !vlmoe_st_open(P(b), &y) && vlmoe_st_count(x) == vlmoe_st_count(y);
+    for (int i = 0; same && i < vlmoe_st_count(x); i++) {
+        vlmoe_tensor_info p, q;
+        same = !vlmoe_st_info(x, i, &p) && !vlmoe_st_info(y, i, &q) && !strcmp(p.name, q.name) &&
+               p.nbytes == q.nbytes && !memcmp(p.data, q.data, p.nbytes);
+    }
+    vlmoe_st_close(x), vlmoe_st_close(y);
     return same;
 }
 
@@ -212,6 +218,11 @@ int main(int argc, char **argv) {
     int sources = 0; // "source": "train-data" for each of the three streams
     for (const char *p = params; p && (p = strstr(p, "\"train-data\"")); p++) sources++;
     CHECK(sources == 3, "--train-data alone gives images and texts too:\n%s", params ? params : "(no params.json)");
+    CHECK(params && strstr(params, "\"drop_path\":\t0.1"), "params.json records VL-MoE's stochastic depth 0.1 by default:\n%s",
+          params ? params : "(no params.json)");
+    CHECK(params && strstr(params, "\"hflip\":\t0.5") && strstr(params, "\"color_jitter\":\t0.4"),
+          "params.json records the image augmentations hflip 0.5 and color jitter 0.4 by default:\n%s",
+          params ? params : "(no params.json)");
     free(params);
 
     // (c) exact resume: 8 steps against 4 + resume to 8, on the files with an uneven mix (forwards
@@ -274,6 +285,14 @@ int main(int argc, char **argv) {
            "pairs need --train-data");
     expect("train --steps 2 --model m.json --codebook cbf.safetensors --text-data texts.txt --mix 1,1,0", 1,
            "the image stream has weight 1 in --mix 1,1,0 but no data", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --drop-path 1", 1,
+           "--drop-path 1: expected a rate in [0, 1)", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --hflip 1.5", 1,
+           "--hflip 1.5: expected a probability in [0, 1]", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --image-data imgs --color-jitter -1", 1,
+           "--color-jitter -1: expected a strength", NULL);
+    expect("train --steps 2 --model m.json --codebook cbf.safetensors --color-jitter 0.4", 1,
+           "--hflip/--color-jitter augment image files", NULL);
     expect("vq train --model m.json --size 32 -o cb32.safetensors", 0, "32 visual tokens", NULL);
     expect("train --model m.json --codebook cb32.safetensors --steps 1", 1, "cb32.safetensors: the codebook is 32 x 192",
            "needs 64 visual tokens (mim_vocab)");

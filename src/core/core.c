@@ -4,11 +4,15 @@
 // tests/test_core.c.
 #include "core.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #define ERR_CAP 1024
 static _Thread_local char last_error[ERR_CAP];
@@ -148,4 +152,26 @@ uint32_t vlmoe_rng_below(vlmoe_rng *r, uint32_t n) {
         }
     }
     return (uint32_t)(m >> 32);
+}
+
+FILE *vlmoe_fopen_regular(const char *path, const char **why) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return *why = strerror(errno), NULL;
+    struct stat sb;
+    const char *bad = NULL;
+    if (fstat(fd, &sb) != 0) bad = strerror(errno);
+    else if (!S_ISREG(sb.st_mode))
+        bad = S_ISFIFO(sb.st_mode)  ? "not a regular file (a FIFO)"
+              : S_ISDIR(sb.st_mode) ? "not a regular file (a directory)"
+              : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "not a regular file (a device)"
+              : S_ISSOCK(sb.st_mode) ? "not a regular file (a socket)" : "not a regular file";
+    int fl = bad ? 0 : fcntl(fd, F_GETFL);
+    if (!bad && (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0)) bad = strerror(errno);
+    FILE *f = bad ? NULL : fdopen(fd, "rb");
+    if (!f) {
+        if (!bad) bad = strerror(errno);
+        close(fd);
+        *why = bad;
+    }
+    return f;
 }

@@ -24,6 +24,13 @@ void vlmoe_error_prefix(const char *fmt, ...)
 #endif
     ;
 
+// Opens path for reading ("rb") only if it is a regular file: the open does not block (O_NONBLOCK:
+// a FIFO with no writer would hang a plain open), fstat decides, and only then is the descriptor
+// made blocking again. NULL: *why (static text) says why: strerror(errno), or "not a regular
+// file (a FIFO)" and the like. Every data, model and config file is opened through it.
+#include <stdio.h>
+FILE *vlmoe_fopen_regular(const char *path, const char **why);
+
 // Checked size arithmetic: return 0 on success, 1 on overflow (result untouched).
 int vlmoe_mul_ok(size_t a, size_t b, size_t *out);
 int vlmoe_add_ok(size_t a, size_t b, size_t *out);

@@ -33,17 +33,21 @@ typedef float real;
 // e^x for the elementwise kernels (GELU, sigmoid, softmax). In float it is a branch-free
 // polynomial that loops marked `omp simd` vectorise (libm's expf is a call per element):
 // x = n ln2 + r with |r| <= ln2/2, e^r from Cephes' degree-6 minimax polynomial, 2^n from the
-// exponent bits; within 2 ulp of expf over the clamped range [-87.3, 88.3] (tests/test_ops.c),
-// 0 below and a finite value above it; NaN in, NaN out (the exponent bits are computed from a
-// clamped copy, so a NaN never reaches the integer conversion, which would be undefined). In
-// double, libm's exp: the gradient checks need it exact.
+// exponent bits. It follows expf over the whole line (tests/test_ops.c): within 2 ulp where
+// the result is normal, the same denormals (2^n is applied as two halves 2^h 2^(n-h), each a
+// normal float, so n down to -150 needs no exponent below the format's), 0 below about -103.97
+// and -inf, +inf above ln(FLT_MAX) and for +inf, NaN in, NaN out. Every integer the exponent
+// bits come from lies in [52, 191]: the clamp to [-104, 88.72] runs first (a NaN becomes
+// -104), so no input reaches a negative shift or an out-of-range float-to-int conversion.
+// In double, libm's exp: the gradient checks need it exact.
 #pragma omp declare simd
 static inline real vexp(real x) {
 #ifdef VLMOE_REAL_F64
     return exp(x);
 #else
-    const float xc = x > -87.3f ? (x < 88.3f ? x : 88.3f) : -87.3f; // NaN -> -87.3
-    float n = rintf(xc * 1.44269504088896341f);
+    const float hi = 88.7228317f; // the largest float whose e^x is finite
+    const float xc = x > -104.0f ? (x < hi ? x : hi) : -104.0f; // NaN -> -104
+    float n = rintf(xc * 1.44269504088896341f);                 // [-150, 128]
     float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -52,10 +56,12 @@ static inline real vexp(real x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return x == x ? p * scale : x;
+    const float h = floorf(n * 0.5f);                           // [-75, 64]
+    uint32_t b1 = (uint32_t)((int32_t)h + 127) << 23, b2 = (uint32_t)((int32_t)(n - h) + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof(s1));
+    memcpy(&s2, &b2, sizeof(s2));
+    return x > hi ? (float)INFINITY : x == x ? p * s1 * s2 : x; // (p s1) is exact: one rounding
 #endif
 }
 

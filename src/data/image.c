@@ -62,9 +62,15 @@ void vlmoe_image_free(vlmoe_image *img) {
 }
 
 // Dimension check on a header, before pixel memory is allocated.
-static int check_dims(const char *name, const char *fmt, long w, long h) {
+static int check_dims(const char *name, const char *fmt, long w, long h, size_t cap) {
     if (w <= 0 || h <= 0)
         return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s: image size %ldx%ld is empty", name, fmt, w, h);
+    if (!cap) cap = VLMOE_IMAGE_DEFAULT_PIXELS;
+    if ((double)w * (double)h > (double)cap && (size_t)w * (size_t)h <= VLMOE_IMAGE_MAX_PIXELS &&
+        w <= VLMOE_IMAGE_MAX_SIDE && h <= VLMOE_IMAGE_MAX_SIDE)
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s: image size %ldx%ld (%.0f pixels) is more than the %zu pixels "
+                          "allowed (a decompression bomb? --max-image-pixels raises the limit)", name, fmt, w, h,
+                          (double)w * (double)h, cap);
     if (!dims_ok(w, h))
         return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s: image size %ldx%ld exceeds the limit of %d "
                           "pixels per side and %zu pixels in all", name, fmt, w, h,
@@ -171,7 +177,7 @@ static int jpeg_run(jpeg_state *s, const uint8_t *data, size_t n, const char *na
     s->ci.dct_method = JDCT_ISLOW;
     s->ci.do_fancy_upsampling = TRUE;
     long w = (long)s->ci.image_width, h = (long)s->ci.image_height;
-    int rc = check_dims(name, "JPEG", w, h);
+    int rc = check_dims(name, "JPEG", w, h, img->max_pixels);
     if (!rc) rc = reserve_named(img, w, h, name);
     if (!rc && cmyk && !(s->row4 = vlmoe_alloc((size_t)w * 4, "CMYK scanline"))) {
         vlmoe_error_prefix("%s", name);
@@ -270,7 +276,7 @@ static int png_run(png_state *s, const char *name, vlmoe_image *img, int *out_w,
     png_uint_32 w, h;
     int depth, ctype, interlace;
     png_get_IHDR(s->png, s->info, &w, &h, &depth, &ctype, &interlace, NULL, NULL);
-    int rc = check_dims(name, "PNG", (long)w, (long)h);
+    int rc = check_dims(name, "PNG", (long)w, (long)h, img->max_pixels);
     if (rc) return rc;
     // PIL's convert("RGB"): palette looked up, grey replicated, alpha and tRNS dropped.
     if (ctype == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(s->png);
@@ -337,7 +343,7 @@ static int decode_webp(const uint8_t *data, size_t n, const char *name, vlmoe_im
     if (cfg.input.has_animation)
         return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: WebP: animated WebP is not supported", name);
     long w = cfg.input.width, h = cfg.input.height;
-    int rc = check_dims(name, "WebP", w, h);
+    int rc = check_dims(name, "WebP", w, h, img->max_pixels);
     if (!rc) rc = reserve_named(img, w, h, name);
     if (rc) return rc;
     cfg.output.colorspace = MODE_RGB;   // alpha, if any, is dropped (not composited)
@@ -386,8 +392,9 @@ int vlmoe_image_decode(const void *data, size_t n, const char *name, vlmoe_image
 int vlmoe_image_load(const char *path, vlmoe_image *img) {
     if (!path || !img) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_load: NULL path or image");
     img->w = img->h = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    const char *why;
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, why);
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0) {
         int e = errno;
@@ -434,6 +441,8 @@ vlmoe_image_params vlmoe_image_default_params(void) {
         .scale_min = 0.9, .scale_max = 1.0,
         .ratio_min = 3.0 / 4.0, .ratio_max = 4.0 / 3.0,
         .flip_prob = 0.0,
+        .color_jitter = 0.0,
+        .max_pixels = (long)VLMOE_IMAGE_DEFAULT_PIXELS,
     };
     return p;
 }
@@ -459,9 +468,14 @@ int vlmoe_image_params_check(const vlmoe_image_params *p) {
     if (!(p->ratio_min > 0) || !(p->ratio_min <= p->ratio_max) || !isfinite(p->ratio_max))
         return vlmoe_fail(VLMOE_ERR_ARG, "image params: ratio range (%g, %g) must satisfy "
                           "0 < min <= max", p->ratio_min, p->ratio_max);
+    if (p->max_pixels < 1 || (size_t)p->max_pixels > VLMOE_IMAGE_MAX_PIXELS)
+        return vlmoe_fail(VLMOE_ERR_ARG, "image params: max_pixels %ld outside 1..%zu (--max-image-pixels)",
+                          p->max_pixels, VLMOE_IMAGE_MAX_PIXELS);
     if (!(p->flip_prob >= 0 && p->flip_prob <= 1))
         return vlmoe_fail(VLMOE_ERR_ARG, "image params: flip_prob %g outside [0, 1]",
                           p->flip_prob);
+    if (!(p->color_jitter >= 0 && p->color_jitter <= 100))
+        return vlmoe_fail(VLMOE_ERR_ARG, "image params: color_jitter %g outside [0, 100]", p->color_jitter);
     return VLMOE_OK;
 }
 
@@ -786,6 +800,44 @@ int vlmoe_image_preprocess_eval(const vlmoe_image *img, const vlmoe_image_params
     return rc;
 }
 
+static int luma(const uint8_t *px) { return (px[0] * 19595 + px[1] * 38470 + px[2] * 7471 + 0x8000) >> 16; }
+
+// PIL's ImagingBlend of one value: float arithmetic, clipped, truncated.
+static uint8_t blend_u8(int deg, int v, float f) {
+    const float t = (float)deg + f * (float)(v - deg);
+    return t <= 0.0f ? 0 : t >= 255.0f ? 255 : (uint8_t)t;
+}
+
+void vlmoe_image_color_jitter(uint8_t *rgb, int w, int h, const double factor[3], const int order[3]) {
+    const size_t n = (size_t)w * h;
+    for (int k = 0; k < 3; k++) {
+        const int which = order[k];
+        const float f = (float)factor[which];
+        int grey = 0;
+        if (which == 1) { // contrast: PIL's ImageStat mean of the L image, rounded
+            uint64_t sum = 0;
+            for (size_t i = 0; i < n; i++) sum += (uint64_t)luma(rgb + 3 * i);
+            grey = (int)((double)sum / (double)n + 0.5);
+        }
+        for (size_t i = 0; i < n; i++) {
+            uint8_t *px = rgb + 3 * i;
+            const int deg = which == 0 ? 0 : which == 1 ? grey : luma(px);
+            for (int c = 0; c < 3; c++) px[c] = blend_u8(deg, px[c], f);
+        }
+    }
+}
+
+// The colour jitter's draws: torchvision's randperm of the adjustments, then their factors.
+static void draw_jitter(vlmoe_rng *rng, double s, double factor[3], int order[3]) {
+    for (int k = 0; k < 3; k++) order[k] = k;
+    for (int k = 2; k > 0; k--) { // Fisher-Yates
+        const int j = (int)vlmoe_rng_below(rng, (uint32_t)k + 1), t = order[k];
+        order[k] = order[j], order[j] = t;
+    }
+    const double lo = s < 1 ? 1 - s : 0, hi = 1 + s;
+    for (int k = 0; k < 3; k++) factor[k] = lo + (hi - lo) * vlmoe_rng_uniform(rng);
+}
+
 int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_params *p,
                                  vlmoe_rng *rng, float *out) {
     int rc = image_ok(img, "vlmoe_image_preprocess_train");
@@ -795,11 +847,16 @@ int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_param
     vlmoe_image_box box;
     if ((rc = vlmoe_image_random_resized_box(img->w, img->h, p, rng, &box))) return rc;
     int flip = p->flip_prob > 0 && vlmoe_rng_uniform(rng) < p->flip_prob;
+    double factor[3];
+    int order[3];
+    if (p->color_jitter > 0) draw_jitter(rng, p->color_jitter, factor, order);
     int S = p->size;
     vlmoe_image_box win = {0, 0, S, S};
     uint8_t *u8 = vlmoe_alloc((size_t)S * S * 3, "preprocessed pixels");
     if (!u8) return VLMOE_ERR_NOMEM;
     rc = resample(img, &box, S, S, &win, u8);
+    // the jitter acts on pixel values (contrast on their mean), so it commutes with the flip
+    if (!rc && p->color_jitter > 0) vlmoe_image_color_jitter(u8, S, S, factor, order);
     if (!rc) tensor_from_u8(out, u8, S, S, p, flip);
     vlmoe_free_mem(u8);
     return rc;

@@ -15,6 +15,9 @@
 // Limits checked on the header, before any pixel memory is allocated.
 #define VLMOE_IMAGE_MAX_SIDE 16384
 #define VLMOE_IMAGE_MAX_PIXELS ((size_t)1 << 28)
+// The decode cap unless raised (vlmoe_image.max_pixels, vlmoe_image_params.max_pixels): PIL's
+// MAX_IMAGE_PIXELS, 2^30 / 4 / 3 (a 1.5 GB decompression bomb then costs a skip, not gigabytes)
+#define VLMOE_IMAGE_DEFAULT_PIXELS ((size_t)89478485)
 #define VLMOE_IMAGE_MAX_FILE ((size_t)1 << 30)   // vlmoe_image_load refuses bigger files
 
 typedef enum {
@@ -32,6 +35,8 @@ typedef struct {
     uint8_t *rgb;
     size_t cap;     // bytes available at rgb
     int owned;      // 1: rgb was allocated by vlmoe and vlmoe_image_free releases it
+    size_t max_pixels; // decoding: an image declaring more pixels is refused before its pixels are
+                       // allocated (a decompression bomb); 0: VLMOE_IMAGE_DEFAULT_PIXELS
 } vlmoe_image;
 
 // Makes img a w x h image (contents undefined), reusing its buffer when large enough.
@@ -76,6 +81,10 @@ typedef struct {
     double scale_min, scale_max;  // train: crop area as a fraction of the image (0.9, 1.0)
     double ratio_min, ratio_max;  // train: crop aspect w/h, sampled log-uniformly (3/4, 4/3)
     double flip_prob;       // train: horizontal flip probability (0: OpenCLIP does not flip)
+    double color_jitter;    // train: brightness, contrast and saturation strength S of timm's /
+                            // BEiT's --color-jitter (0: none; VL-MoE / BEiT pre-train with 0.4)
+    long max_pixels;        // decoding: images declaring more pixels are skipped before their pixels
+                            // are allocated (VLMOE_IMAGE_DEFAULT_PIXELS; at most VLMOE_IMAGE_MAX_PIXELS)
 } vlmoe_image_params;
 vlmoe_image_params vlmoe_image_default_params(void);   // CLIP's, S = 224
 
@@ -102,12 +111,23 @@ int vlmoe_image_crop(const vlmoe_image *src, const vlmoe_image_box *box, vlmoe_i
 int vlmoe_image_to_tensor(const vlmoe_image *src, const vlmoe_image_params *p, int flip,
                           float *out);
 
+// torchvision's ColorJitter on a PIL image, with its draws given: the adjustments order[0..2]
+// (0 brightness, 1 contrast, 2 saturation) in that order, adjustment k by factor[k]. Each is
+// PIL's ImageEnhance: a blend out = deg + f * (v - deg), in float, clipped to [0, 255] and
+// truncated, with the image and a degenerate one: black (brightness), the grey of the image's
+// mean luminance rounded (contrast), each pixel's own luminance (saturation); luminance is PIL's
+// L = (19595 R + 38470 G + 7471 B + 2^15) >> 16. In place on rgb (w*h*3).
+void vlmoe_image_color_jitter(uint8_t *rgb, int w, int h, const double factor[3], const int order[3]);
+
 // Eval transform (OpenCLIP's): resize shorter side to S (bicubic), center crop S x S, normalise
 // into out (3, S, S). Only the pixels inside the crop are resampled; they equal PIL's.
 int vlmoe_image_preprocess_eval(const vlmoe_image *img, const vlmoe_image_params *p, float *out);
 // Train transform: random resized crop to S x S (bicubic) and, with flip_prob, a horizontal
-// flip, normalised into out (3, S, S). Deterministic given the rng state; draws the box first,
-// then one uniform for the flip only when flip_prob > 0.
+// flip, then with color_jitter S timm's ColorJitter(S, S, S) (brightness, contrast, saturation,
+// each factor uniform in [max(0, 1-S), 1+S], applied in a random order), normalised into out
+// (3, S, S). Deterministic given the rng state; draws the box first, then one uniform for the
+// flip only when flip_prob > 0, then only when color_jitter > 0 the order (two draws) and the
+// three factors.
 int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_params *p,
                                  vlmoe_rng *rng, float *out);
 

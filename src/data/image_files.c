@@ -44,11 +44,23 @@ static int is_image_name(const char *name) {
 
 static int by_name(const struct dirent **a, const struct dirent **b) { return strcmp((*a)->d_name, (*b)->d_name); }
 
-static int walk(const char *dir, path_list *l, int depth) {
+// The folders on the path from the walk's root to the one being listed: a folder reached again
+// through a symbolic link (the same device and inode as one above it) is a loop, which the
+// depth bound alone stops only after 2^64 listings when a folder links to its parent twice.
+typedef struct ancestor { dev_t dev; ino_t ino; const char *path; const struct ancestor *up; } ancestor;
+
+static int walk(const char *dir, path_list *l, int depth, const ancestor *up) {
+    struct stat ds;
+    if (stat(dir, &ds) != 0) return vlmoe_fail(VLMOE_ERR_IO, "%s: %s", dir, strerror(errno));
+    for (const ancestor *a = up; a; a = a->up)
+        if (a->dev == ds.st_dev && a->ino == ds.st_ino)
+            return vlmoe_fail(VLMOE_ERR_ARG, "%s: a symbolic link loop: this folder is %s again", dir, a->path);
+    if (depth > 64) return vlmoe_fail(VLMOE_ERR_ARG, "%s: folders nested more than 64 deep", dir);
+    const ancestor me = {ds.st_dev, ds.st_ino, dir, up};
     struct dirent **ents;
     const int ne = scandir(dir, &ents, NULL, by_name);
     if (ne < 0) return vlmoe_fail(VLMOE_ERR_IO, "%s: %s", dir, strerror(errno));
-    int st = depth > 64 ? vlmoe_fail(VLMOE_ERR_ARG, "%s: folders nested more than 64 deep", dir) : VLMOE_OK;
+    int st = VLMOE_OK;
     const size_t dl = strlen(dir);
     for (int i = 0; i < ne; i++) {
         const char *name = ents[i]->d_name;
@@ -59,7 +71,7 @@ static int walk(const char *dir, path_list *l, int depth) {
                 st = vlmoe_fail(VLMOE_ERR_NOMEM, "out of memory listing %s", dir);
             } else {
                 sprintf(p, "%s%s%s", dir, dl && dir[dl - 1] == '/' ? "" : "/", name);
-                if (stat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) st = walk(p, l, depth + 1);
+                if (stat(p, &sb) == 0 && S_ISDIR(sb.st_mode)) st = walk(p, l, depth + 1, &me);
                 else if (is_image_name(name)) st = push(l, p);
                 free(p);
             }
@@ -77,7 +89,7 @@ int vlmoe_list_images(const char *const *args, int nargs, char ***out, int *n) {
         struct stat sb;
         if (stat(args[a], &sb) == 0 && S_ISDIR(sb.st_mode)) {
             const int before = l.n;
-            st = walk(args[a], &l, 0);
+            st = walk(args[a], &l, 0, NULL);
             if (!st && l.n == before)
                 st = vlmoe_fail(VLMOE_ERR_ARG, "%s: a folder without image files (.jpg, .jpeg, .png, .webp)", args[a]);
         } else {

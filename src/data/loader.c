@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,26 +18,17 @@
 #define MSG_LEN 640
 #define STATE_TAG 0x6c6f61646572ull   // "loader": data_rng[1] of a loader's position
 
-enum { SLOT_FREE, SLOT_BUSY, SLOT_GOOD, SLOT_BAD, SLOT_ERROR };
+// SLOT_SKIP: a sample this process did not expect to keep, taken from the source but not decoded
+// (its claim is held in case another process's bad sample shifts it into this process's block).
+enum { SLOT_FREE, SLOT_BUSY, SLOT_GOOD, SLOT_BAD, SLOT_ERROR, SLOT_SKIP };
+// A sample's state as the processes agree on it (the maximum over them; unknown: none decoded it).
+enum { KNOWN_NONE, KNOWN_GOOD, KNOWN_UNREADABLE, KNOWN_UNDECODABLE, KNOWN_ERROR };
 enum { STREAM_SAMPLE = 1, STREAM_ROWS, STREAM_SHARDS, STREAM_BLOCK, STREAM_RESAMPLE };
 #define RESAMPLED_BIT (1ull << 63)   // in data_rng[2]: a resampled order, factors hashed in bits 32..62
 
 // A sample's place in the order: epoch, index in the epoch and, for webdataset, where its shuffle
 // block starts (position in the epoch's shard order, tar member).
 typedef struct { int64_t epoch, index, shard, item; } coords;
-
-typedef struct {
-    int state;                   // SLOT_*
-    coords at, next;             // this sample and the one after it
-    float *image;                // (3, S, S)
-    int32_t *tokens;             // (context_length)
-    int32_t len;
-    char *key;
-    vlmoe_dataset_stats delta;   // what consuming this sample adds to the stats
-    int err;                     // SLOT_ERROR: status and message; else the CSV-folder note
-    int csv_dir;                 // the image was read from the CSV's folder (msg: the note)
-    char msg[MSG_LEN];
-} slot;
 
 // One webdataset sample of the current block, owned until a worker takes it.
 typedef struct { uint8_t *image; size_t len; char *caption, *key; } raw;
@@ -48,6 +40,22 @@ typedef struct {
     int64_t line;
     raw r;                       // webdataset: taken from the block
 } claim;
+
+typedef struct {
+    int state;                   // SLOT_*
+    int bad;                     // SLOT_BAD: KNOWN_UNREADABLE or KNOWN_UNDECODABLE
+    claim c;                     // SLOT_SKIP: the sample, to decode if it turns out to be kept
+    coords at, next;             // this sample and the one after it
+    float *image;                // (3, S, S)
+    int32_t *tokens;             // (context_length)
+    int32_t len;
+    char *key;
+    vlmoe_dataset_stats delta;   // what consuming this sample adds to the stats
+    int err;                     // SLOT_ERROR: status and message; else the CSV-folder note
+    int csv_dir;                 // the image was read from the CSV's folder (msg: the note)
+    char msg[MSG_LEN];
+} slot;
+
 
 struct vlmoe_loader {
     vlmoe_loader_params p;
@@ -86,6 +94,9 @@ struct vlmoe_loader {
     // the ring
     slot *slots;
     int64_t R, claimed, cursor;  // slots; next stream index to claim; next to consume
+    int64_t base;                // where the global batch being assembled starts (the workers'
+                                 // guess of which samples this process keeps; see share_*)
+    uint8_t *known;              // (G) KNOWN_* of a window of samples, agreed on by the processes
     pthread_mutex_t mu;
     pthread_cond_t space, done;
     pthread_t *threads;
@@ -116,6 +127,7 @@ vlmoe_loader_params vlmoe_loader_default_params(void) {
     p.prefetch = 2;
     p.max_bad_fraction = 0.1;
     p.bad_check_min = 1000;
+    p.world = 1;
     return p;
 }
 
@@ -375,6 +387,15 @@ static int wds_take(vlmoe_loader *ld, claim *c, vlmoe_dataset_stats *delta) {
     return VLMOE_OK;
 }
 
+// ---- the share of one process ---------------------------------------------------------------
+// Global sample g (the g-th good sample of a global batch of batch_size x world) is this process's
+// row, or -1: the global batch is dealt in pieces of `chunk` to the processes in turn, so with the
+// default chunk (the whole batch_size) process r takes rows r x batch_size ... (src/data/order.h).
+static int share_row(const vlmoe_loader *ld, int64_t g) {
+    const int64_t c = ld->p.chunk ? ld->p.chunk : ld->p.batch_size, W = ld->p.world;
+    return (g / c) % W == ld->p.rank ? (int)(g / (c * W) * c + g % c) : -1;
+}
+
 // ---- workers --------------------------------------------------------------------------------
 // Decodes, preprocesses and tokenizes claim c into slot s; returns the slot's new state.
 static int prepare(vlmoe_loader *ld, claim *c, slot *s, vlmoe_image *img) {
@@ -408,6 +429,7 @@ static int prepare(vlmoe_loader *ld, claim *c, slot *s, vlmoe_image *img) {
     const char *caption = ld->csv ? c->caption : c->r.caption;
     if (st && st != VLMOE_ERR_NOMEM) {
         // a CSV image's message names its path, a shard member's its key already
+        s->bad = st == VLMOE_ERR_IO ? KNOWN_UNREADABLE : KNOWN_UNDECODABLE;
         vlmoe_dataset_stats_add_bad(&s->delta, st == VLMOE_ERR_IO ? VLMOE_BAD_UNREADABLE_IMAGE
                                     : VLMOE_BAD_UNDECODABLE_IMAGE, "%s%s%s", ld->csv ? s->key : "",
                                     ld->csv ? ": " : "", vlmoe_last_error());
@@ -443,7 +465,11 @@ static int produce(vlmoe_loader *ld, vlmoe_image *img) {
         pthread_mutex_unlock(&ld->mu);
         return 1;
     }
-    slot *s = &ld->slots[ld->claimed++ % ld->R];
+    const int64_t i = ld->claimed++;
+    slot *s = &ld->slots[i % ld->R];
+    // decode only what this process expects to keep, if no sample from `base` on is bad
+    const int64_t G = (int64_t)ld->p.batch_size * ld->p.world;
+    const int mine = ld->p.world == 1 || share_row(ld, (i - ld->base) % G) >= 0;
     claim c;
     memset(&c, 0, sizeof c);
     memset(&s->delta, 0, sizeof s->delta);
@@ -456,7 +482,11 @@ static int produce(vlmoe_loader *ld, vlmoe_image *img) {
     if (st) s->err = st, memcpy(s->msg, ld->src_msg, sizeof s->msg);
     pthread_mutex_unlock(&ld->mu);
     s->at = c.at, s->next = c.next;
-    const int state = st ? SLOT_ERROR : prepare(ld, &c, s, img);
+    s->csv_dir = 0;
+    int state = SLOT_SKIP;
+    if (st) state = SLOT_ERROR;
+    else if (mine) state = prepare(ld, &c, s, img);
+    else s->c = c;   // the raw sample moves into the slot
     pthread_mutex_lock(&ld->mu);
     s->state = state;
     pthread_cond_signal(&ld->done);
@@ -466,7 +496,7 @@ static int produce(vlmoe_loader *ld, vlmoe_image *img) {
 
 static void *worker_main(void *arg) {
     vlmoe_loader *ld = arg;
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = (size_t)ld->p.image.max_pixels};
     while (!produce(ld, &img)) {}
     vlmoe_image_free(&img);
     return NULL;
@@ -485,6 +515,12 @@ static int check_params(const vlmoe_loader_params *p) {
     if (p->upsampling && !p->resampled)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: upsampling factors (--train-data-upsampling-factors) weight shards drawn "
                           "with replacement: they need --dataset-resampled, as in OpenCLIP", p->data.path);
+    if (p->chunk < 0 || (p->chunk && p->batch_size % p->chunk))
+        return vlmoe_fail(VLMOE_ERR_ARG, "loader: chunk %d does not divide batch_size %d", p->chunk, p->batch_size);
+    if (p->world < 1 || p->rank < 0 || p->rank >= p->world || (p->world > 1 && !p->agree) ||
+        (int64_t)p->batch_size * p->world > INT32_MAX / 2)
+        return vlmoe_fail(VLMOE_ERR_ARG, "loader: rank %d of a world of %d (with an agree function when more than "
+                          "one) at batch %d per process", p->rank, p->world, p->batch_size);
     if (p->epoch_samples < 0) return vlmoe_fail(VLMOE_ERR_ARG, "loader: epoch_samples %lld < 0", (long long)p->epoch_samples);
     return vlmoe_image_params_check(&p->image);
 }
@@ -582,6 +618,7 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     vlmoe_loader *ld = calloc(1, sizeof *ld);
     if (!ld) return vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate a loader");
     ld->p = *p;
+    ld->img.max_pixels = (size_t)p->image.max_pixels;
     pthread_mutex_init(&ld->mu, NULL);
     pthread_cond_init(&ld->space, NULL);
     pthread_cond_init(&ld->done, NULL);
@@ -596,8 +633,9 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     ld->rd_at.epoch = -1;
     const int B = p->batch_size, S = p->image.size;
     ld->isz = (size_t)3 * S * S;
-    ld->R = (int64_t)p->prefetch * B;
-    st = ld->path && ld->img_key && ld->caption_key && (ld->upsampling || !p->upsampling) ? VLMOE_OK : VLMOE_ERR_NOMEM;
+    ld->R = (int64_t)p->prefetch * B * p->world;   // the ring holds the global batches
+    ld->known = malloc((size_t)B * (size_t)p->world);
+    st = ld->path && ld->known && ld->img_key && ld->caption_key && (ld->upsampling || !p->upsampling) ? VLMOE_OK : VLMOE_ERR_NOMEM;
     vlmoe_dataset *ds = NULL;
     if (!st) st = vlmoe_dataset_open(&ld->p.data, &ds);   // every hard error of the data
     if (!st) {
@@ -643,7 +681,7 @@ void vlmoe_loader_free(vlmoe_loader *ld) {
     for (int i = 0; i < ld->nthreads; i++) pthread_join(ld->threads[i], NULL);
     for (int64_t i = 0; ld->slots && i < ld->R; i++) {
         vlmoe_free_mem(ld->slots[i].image);
-        free(ld->slots[i].tokens), free(ld->slots[i].key);
+        free(ld->slots[i].tokens), free(ld->slots[i].key), raw_free(&ld->slots[i].c.r);
     }
     for (int i = 0; ld->keys && i < ld->p.batch_size; i++) free(ld->keys[i]);
     block_clear(ld);
@@ -654,7 +692,7 @@ void vlmoe_loader_free(vlmoe_loader *ld) {
     pthread_cond_destroy(&ld->space);
     pthread_cond_destroy(&ld->done);
     free(ld->path), free(ld->img_key), free(ld->caption_key), free(ld->text), free(ld->off), free(ld->line);
-    free(ld->csv_dir), free(ld->upsampling), free(ld->cum);
+    free(ld->csv_dir), free(ld->upsampling), free(ld->cum), free(ld->known);
     free(ld->perm), free(ld->block), free(ld->bperm), free(ld->slots), free(ld->tokens), free(ld->lens);
     free(ld->keys), free(ld->threads);
     vlmoe_free_mem(ld->images);
@@ -673,6 +711,57 @@ static int check_bad(vlmoe_loader *ld) {
     return st ? fail(ld, st, vlmoe_last_error()) : VLMOE_OK;
 }
 
+// Waits until slot `s` (the stream's next unconsumed samples) is prepared or skipped; with no
+// worker threads the caller's thread produces it.
+static void wait_slot(vlmoe_loader *ld, const slot *s) {
+    pthread_mutex_lock(&ld->mu);
+    while (s->state == SLOT_FREE || s->state == SLOT_BUSY) {
+        if (ld->nthreads) {
+            pthread_cond_wait(&ld->done, &ld->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&ld->mu);
+        produce(ld, &ld->img);
+        pthread_mutex_lock(&ld->mu);
+    }
+    pthread_mutex_unlock(&ld->mu);
+}
+
+static int known_of(const slot *s) {
+    return s->state == SLOT_GOOD ? KNOWN_GOOD : s->state == SLOT_BAD ? s->bad
+           : s->state == SLOT_ERROR ? KNOWN_ERROR : KNOWN_NONE;
+}
+
+// Decodes a skipped sample on the caller's thread (it is kept after all, or nobody decoded it).
+static void decode_late(vlmoe_loader *ld, slot *s) {
+    claim c = s->c;
+    memset(&s->c, 0, sizeof s->c);
+    s->state = prepare(ld, &c, s, &ld->img);
+}
+
+// Agreement on the next n samples (slots from the cursor on) of a run on several processes. Each
+// process decoded only the samples it expected to keep, so it alone knows whether they were bad;
+// the processes take the maximum of their KNOWN_* (a sample decoded twice decodes alike). A sample
+// nobody decoded is then decoded by the process that keeps it if it is good (counting the unknown
+// before it as good), and a second round spreads that: afterwards every process knows every
+// sample of the window, so all skip the same bad samples and cut the same global batch. Without
+// bad samples the window is decoded exactly once, by the processes that keep its samples.
+static int share_agree(vlmoe_loader *ld, int64_t n, int64_t goods) {
+    uint8_t *k = ld->known;
+    for (int round = 0; round < 2; round++) {
+        for (int64_t i = 0; i < n; i++) k[i] = (uint8_t)known_of(&ld->slots[(ld->cursor + i) % ld->R]);
+        if (ld->p.agree(ld->p.agree_user, k, (size_t)n)) return VLMOE_ERR_IO;
+        int unknown = 0;
+        for (int64_t i = 0, g = goods; i < n; i++) {
+            if (k[i] == KNOWN_NONE && share_row(ld, g) >= 0) decode_late(ld, &ld->slots[(ld->cursor + i) % ld->R]);
+            unknown |= k[i] == KNOWN_NONE;
+            g += k[i] == KNOWN_NONE || k[i] == KNOWN_GOOD;
+        }
+        if (!unknown) return VLMOE_OK;   // the same on every process: k is
+    }
+    return vlmoe_fail(VLMOE_ERR_ARG, "%s: the processes could not agree on which samples are bad", ld->path);
+}
+
 int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys) {
     if (!ld || !b) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_loader_next: NULL argument");
     if (ld->failed) return vlmoe_fail(ld->failed, "%s", ld->fail_msg);
@@ -682,51 +771,73 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
             if (pthread_create(&ld->threads[ld->nthreads], NULL, worker_main, ld))
                 return fail(ld, VLMOE_ERR_NOMEM, "loader: cannot start a worker thread");
     }
-    const int B = ld->p.batch_size, T = ld->p.context_length;
-    for (int rows = 0; rows < B;) {
-        slot *s = &ld->slots[ld->cursor % ld->R];
-        pthread_mutex_lock(&ld->mu);
-        while (s->state == SLOT_FREE || s->state == SLOT_BUSY) {
-            if (ld->nthreads) {
-                pthread_cond_wait(&ld->done, &ld->mu);
-                continue;
+    const int B = ld->p.batch_size, T = ld->p.context_length, W = ld->p.world;
+    const int64_t G = (int64_t)B * W;
+    for (int64_t goods = 0; goods < G;) {
+        // a window of the fewest samples that could complete the global batch
+        const int64_t n = W > 1 ? G - goods : 1;
+        for (int64_t i = 0; i < n; i++) wait_slot(ld, &ld->slots[(ld->cursor + i) % ld->R]);
+        if (W > 1) {
+            const int st = share_agree(ld, n, goods);
+            if (st) return fail(ld, st, vlmoe_last_error());
+        }
+        for (int64_t i = 0; i < n; i++) {
+            slot *s = &ld->slots[ld->cursor % ld->R];
+            const int agreed = W > 1 ? ld->known[i] : known_of(s);
+            const int row = agreed == KNOWN_GOOD ? share_row(ld, goods) : -1;
+            if (s->state == SLOT_SKIP && row >= 0) decode_late(ld, s);   // the guess was wrong
+            if (agreed == KNOWN_ERROR && s->state != SLOT_ERROR)
+                return fail(ld, VLMOE_ERR_IO, "loader: a sample failed on another process (its message is there)");
+            if (s->state == SLOT_ERROR) return fail(ld, s->err, s->msg);
+            if (s->at.epoch != ld->epoch) {   // the epoch before this sample is complete
+                if (ld->epoch_good == 0) {
+                    char msg[MSG_LEN];
+                    snprintf(msg, sizeof msg, "%s: epoch %lld gave no usable sample", ld->path, (long long)ld->epoch);
+                    return fail(ld, VLMOE_ERR_FORMAT, msg);
+                }
+                int st = check_bad(ld);
+                if (st) return st;
+                ld->epoch = s->at.epoch, ld->epoch_good = 0;
             }
-            pthread_mutex_unlock(&ld->mu);
-            produce(ld, &ld->img);
+            if (s->state == SLOT_SKIP) {   // counted as the process that decoded it counted it
+                if (agreed == KNOWN_GOOD) s->delta.total++;
+                else if (ld->csv)
+                    vlmoe_dataset_stats_add_bad(&s->delta, agreed == KNOWN_UNREADABLE ? VLMOE_BAD_UNREADABLE_IMAGE
+                                                : VLMOE_BAD_UNDECODABLE_IMAGE,
+                                                "%s:%lld: image %s %s (found by another process)", ld->path,
+                                                (long long)s->c.line, s->c.path, agreed == KNOWN_UNREADABLE ?
+                                                "cannot be read" : "does not decode");
+                else
+                    vlmoe_dataset_stats_add_bad(&s->delta, VLMOE_BAD_UNDECODABLE_IMAGE, "%s: image does not decode "
+                                                "(found by another process)", s->c.r.key ? s->c.r.key : ld->path);
+                raw_free(&s->c.r);
+            } else if (known_of(s) != agreed) {
+                return fail(ld, VLMOE_ERR_IO, "loader: a sample decoded differently on two processes");
+            }
+            vlmoe_dataset_stats_merge(&ld->stats, &s->delta);
+            if (s->csv_dir && !ld->noted++ && ld->p.data.note) ld->p.data.note(ld->p.data.note_user, s->msg);
+            if (agreed == KNOWN_GOOD) {
+                if (row >= 0) {
+                    memcpy(ld->images + row * ld->isz, s->image, sizeof(float) * ld->isz);
+                    if (ld->p.tokenize) memcpy(ld->tokens + (size_t)row * T, s->tokens, sizeof(int32_t) * T);
+                    ld->lens[row] = s->len;
+                    char *k = ld->keys[row];
+                    ld->keys[row] = s->key, s->key = k;
+                }
+                goods++;
+                ld->epoch_good++;
+            }
+            ld->pos = s->next;
             pthread_mutex_lock(&ld->mu);
-        }
-        pthread_mutex_unlock(&ld->mu);
-        if (s->state == SLOT_ERROR) return fail(ld, s->err, s->msg);
-        if (s->at.epoch != ld->epoch) {   // the epoch before this sample is complete
-            if (ld->epoch_good == 0) {
-                char msg[MSG_LEN];
-                snprintf(msg, sizeof msg, "%s: epoch %lld gave no usable sample", ld->path, (long long)ld->epoch);
-                return fail(ld, VLMOE_ERR_FORMAT, msg);
+            s->state = SLOT_FREE;
+            ld->cursor++;
+            if (goods == G) ld->base = ld->cursor;   // the next global batch starts here
+            pthread_cond_signal(&ld->space);
+            pthread_mutex_unlock(&ld->mu);
+            if (ld->stats.total >= ld->p.bad_check_min) {
+                int st = check_bad(ld);
+                if (st) return st;
             }
-            int st = check_bad(ld);
-            if (st) return st;
-            ld->epoch = s->at.epoch, ld->epoch_good = 0;
-        }
-        vlmoe_dataset_stats_merge(&ld->stats, &s->delta);
-        if (s->csv_dir && !ld->noted++ && ld->p.data.note) ld->p.data.note(ld->p.data.note_user, s->msg);
-        if (s->state == SLOT_GOOD) {
-            memcpy(ld->images + rows * ld->isz, s->image, sizeof(float) * ld->isz);
-            if (ld->p.tokenize) memcpy(ld->tokens + (size_t)rows * T, s->tokens, sizeof(int32_t) * T);
-            ld->lens[rows] = s->len;
-            char *k = ld->keys[rows];
-            ld->keys[rows] = s->key, s->key = k;
-            rows++;
-            ld->epoch_good++;
-        }
-        ld->pos = s->next;
-        pthread_mutex_lock(&ld->mu);
-        s->state = SLOT_FREE;
-        ld->cursor++;
-        pthread_cond_signal(&ld->space);
-        pthread_mutex_unlock(&ld->mu);
-        if (ld->stats.total >= ld->p.bad_check_min) {
-            int st = check_bad(ld);
-            if (st) return st;
         }
     }
     *b = (vlmoe_batch){B, ld->images, ld->p.tokenize ? ld->tokens : NULL, ld->p.tokenize ? ld->lens : NULL};
@@ -782,7 +893,7 @@ int vlmoe_loader_seek(vlmoe_loader *ld, const vlmoe_data_state *pos) {
                           "outside the data", ld->path, (long long)at.epoch, (long long)at.index,
                           (long long)at.shard, (long long)at.item);
     ld->src = ld->pos = at;
-    ld->claimed = ld->cursor = (int64_t)pos->data_position;
+    ld->base = ld->claimed = ld->cursor = (int64_t)pos->data_position;   // a global batch starts here
     ld->epoch = at.epoch;
     ld->epoch_good = at.index > 0;   // what came before in this epoch is not known here
     return VLMOE_OK;

@@ -35,6 +35,15 @@
 // stream order, skipping bad samples. A batch is therefore the same for any number of workers
 // and any timing, and the ring bounds the work done ahead to `prefetch` batches.
 //
+// Processes (world > 1). Every process walks the same stream (a webdataset shard's members are
+// read by all), but a worker decodes and tokenizes a sample only if this process would keep it
+// were no sample from the current global batch's start on bad; the others are held undecoded.
+// Which samples are bad is known only where they were decoded, so before taking a window of the
+// stream the processes agree on it (the maximum of what each knows, through `agree`); a sample
+// no process decoded is decoded by the one that would keep it, and a sample that a bad one
+// shifted into this process's block is decoded late, on the caller's thread. Every process thus
+// skips the same bad samples and returns the rows one process at the global batch returns.
+//
 // Bad samples. Rows and shard members the readers reject (readers.h) and images that do not
 // decode (VLMOE_BAD_UNREADABLE_IMAGE if a CSV image cannot be read, else
 // VLMOE_BAD_UNDECODABLE_IMAGE) are skipped and counted as the stream is consumed, so the counts
@@ -68,6 +77,15 @@ typedef struct {
     int prefetch;                // batches prepared ahead (default 2)
     double max_bad_fraction;     // default 0.1
     int64_t bad_check_min;       // counted samples before the fraction is checked (default 1000)
+    // A run on several processes: the global batch is batch_size x world samples, and this process
+    // decodes and returns only its share (rows rank x batch_size ..., as src/data/order.h cuts).
+    // agree(user, k, n) replaces k (n bytes) by its maximum over the processes (a collective every
+    // process calls alike; VLMOE_OK or a status with the message set). world 1 (default): no calls.
+    // chunk (> 0, dividing batch_size): the global batch is dealt in pieces of chunk to the
+    // processes in turn (VL-MoE's forwards); 0: one piece of batch_size each.
+    int rank, world, chunk;
+    int (*agree)(void *user, uint8_t *k, size_t n);
+    void *agree_user;
 } vlmoe_loader_params;
 vlmoe_loader_params vlmoe_loader_default_params(void);
 

@@ -291,6 +291,7 @@ struct vlmoe_dataset {
     int pending;                // a header was read but belongs to the next sample
     char *pname; size_t pname_cap;             // pending member's path
     FILE *pipe;                 // "pipe:" shard: the command's stdout, which `a` reads
+    FILE *shard_f;              // the shard file (opened as a regular file only), or NULL
 };
 
 static int grow(void *pp, size_t *cap, size_t need, size_t elem, const char *what) {
@@ -435,8 +436,9 @@ static int csv_read_record(vlmoe_dataset *ds, int64_t *start_line) {
 
 // Reads a whole file into ds->img. 0 ok; else a message in why.
 static int read_image_file(vlmoe_dataset *ds, const char *path, char *why, size_t why_cap) {
-    FILE *f = fopen(path, "rb");
-    if (!f) { snprintf(why, why_cap, "%s", strerror(errno)); return 1; }
+    const char *no;
+    FILE *f = vlmoe_fopen_regular(path, &no);
+    if (!f) { snprintf(why, why_cap, "%s", no); return 1; }
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
         snprintf(why, why_cap, "not a regular file");
@@ -572,8 +574,9 @@ static int csv_open(vlmoe_dataset *ds, const vlmoe_dataset_params *p) {
     if (!(ds->csv_path = dup_str(p->path))) return VLMOE_ERR_NOMEM;
     ds->note = p->note, ds->note_user = p->note_user;
     if (vlmoe_csv_dir(p->path, &ds->csv_dir)) return VLMOE_ERR_NOMEM;
-    ds->f = fopen(p->path, "rb");
-    if (!ds->f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open CSV file: %s", p->path, strerror(errno));
+    const char *why;
+    ds->f = vlmoe_fopen_regular(p->path, &why);
+    if (!ds->f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open CSV file: %s", p->path, why);
     ds->line = 1;
     int64_t line;
     int r = csv_read_record(ds, &line);
@@ -654,6 +657,8 @@ static void wait_text(int w, char *buf, size_t cap) {
 static void wds_close(vlmoe_dataset *ds) {
     if (ds->a) archive_read_free(ds->a);
     if (ds->pipe) pipe_close(ds, 0);
+    if (ds->shard_f) fclose(ds->shard_f);
+    ds->shard_f = NULL;
     ds->a = NULL;
     ds->member = 0;
     ds->pending = 0;
@@ -675,7 +680,10 @@ static int wds_open_shard(vlmoe_dataset *ds) {
                               archive_error_string(ds->a) ? archive_error_string(ds->a) : "cannot read its output");
         return VLMOE_OK;
     }
-    if (archive_read_open_filename(ds->a, name, 1 << 16) != ARCHIVE_OK)
+    const char *why;
+    if (!(ds->shard_f = vlmoe_fopen_regular(name, &why)))
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: cannot open shard: %s", name, why);
+    if (archive_read_open_FILE(ds->a, ds->shard_f) != ARCHIVE_OK)
         return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: %s", name,
                           archive_error_string(ds->a) ? archive_error_string(ds->a) : "cannot open");
     return VLMOE_OK;
@@ -700,6 +708,13 @@ static void wds_end_shard(vlmoe_dataset *ds) {
 static int wds_header(vlmoe_dataset *ds) {
     struct archive_entry *e;
     int r = archive_read_next_header(ds->a, &e);
+    // libarchive ends a tar stream that stops exactly after a member as if it were complete; only
+    // the end-of-archive blocks tell them apart: they were read when the stream's position is past
+    // the end of the last member (libarchive reads them without counting them as a member).
+    if (r == ARCHIVE_EOF && archive_filter_bytes(ds->a, 0) <= archive_read_header_position(ds->a))
+        return -vlmoe_fail(VLMOE_ERR_FORMAT, "%s: truncated: the shard ends after member %lld without the tar "
+                           "end-of-archive blocks (a copy or download cut short?)", ds->shards[ds->shard],
+                           (long long)ds->member);
     if (r == ARCHIVE_EOF) return 0;
     if (r != ARCHIVE_OK && r != ARCHIVE_WARN)   // ARCHIVE_RETRY too: no valid entry (damaged header)
         return -vlmoe_fail(VLMOE_ERR_FORMAT, "%s: after member %lld: %s", ds->shards[ds->shard],
@@ -908,8 +923,10 @@ int vlmoe_dataset_open(const vlmoe_dataset_params *p, vlmoe_dataset **out) {
             struct stat sb;
             if (is_pipe(ds->shards[i])) continue;   // its command finds out when the shard is read
             int bad = stat(ds->shards[i], &sb) != 0;
-            if (!bad && !S_ISREG(sb.st_mode)) { bad = 1; errno = EISDIR; }
-            if (bad && !missing++) { first = ds->shards[i]; snprintf(why, sizeof why, "%s", strerror(errno)); }
+            const char *no = bad ? strerror(errno) : S_ISDIR(sb.st_mode) ? strerror(EISDIR)
+                           : S_ISFIFO(sb.st_mode) ? "not a regular file (a FIFO)" : "not a regular file";
+            bad |= !S_ISREG(sb.st_mode);
+            if (bad && !missing++) { first = ds->shards[i]; snprintf(why, sizeof why, "%s", no); }
         }
         if (!st && missing)
             st = vlmoe_fail(VLMOE_ERR_IO, "%s: shard missing (%s); %d of %d shards of '%s' are missing",

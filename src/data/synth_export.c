@@ -248,9 +248,10 @@ static int write_samples(export_job *j) {
         }
         if (p->progress) p->progress(p->progress_user, b0 + nb, p->n);
     }
-    if (csv && fclose(csv) && !st)
+    // ferror too: a write that failed while the buffer was flushed midway is not reported by fclose
+    if (csv && (ferror(csv) | fclose(csv)) && !st)
         st = vlmoe_fail(VLMOE_ERR_IO, "%s/captions.csv: cannot write: %s", p->dir, strerror(errno));
-    if (txt && fclose(txt) && !st)
+    if (txt && (ferror(txt) | fclose(txt)) && !st)
         st = vlmoe_fail(VLMOE_ERR_IO, "%s/texts.txt: cannot write: %s", p->dir, strerror(errno));
     free(caps);
     return st;
@@ -311,7 +312,7 @@ static int write_match(const export_job *j, vlmoe_synth_export_result *r) {
         fprintf(f, "%s\t%s\t%s\n", rel, cap, no[i] ? "no" : "yes");
         r->n_yes += !no[i];
     }
-    if (f && fclose(f) && !st) st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    if (f && (ferror(f) | fclose(f)) && !st) st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
     free(start), free(byclass), free(no);
     return st;
 }

@@ -34,16 +34,30 @@ static int check_labels(const int32_t *y, int n, int classes, const char *fn, co
 // Score blocks hold at most this many query rows and floats (1024 x 25k COCO captions = 100 MB).
 enum { RECALL_BLOCK_ROWS = 1024, RECALL_BLOCK_FLOATS = 1 << 25 };
 
+// Which candidates are positives for a query. Images own captions (owner[j], text j's image);
+// captions with the same group are one text, so a caption's text is a positive for every image
+// owning a caption of its group. grp_img (CSR over groups: grp_off (G+1), grp_list) lists each
+// group's images, without repeats; group[j] is text j's group.
+typedef struct {
+    const int32_t *group, *grp_off, *grp_list;
+} dup_index;
+
+static int group_has_image(const dup_index *d, int32_t g, int32_t img) {
+    for (int32_t k = d->grp_off[g]; k < d->grp_off[g + 1]; k++)
+        if (d->grp_list[k] == img) return 1;
+    return 0;
+}
+
 // rank[i] for every query row i of q (nq, E) against the candidates c (nc, E): the number of
 // negative candidates scoring >= the best positive, i.e. the 0-based position of the first
-// positive when ties put negatives first. Positives: i2t (query = image i) every text j with
-// owner[j] == i; t2i (query = text i) the single image owner[i]. A NaN score (only from float
-// overflow, the inputs are finite) also counts as ahead, so it can only lower recall.
+// positive when ties put negatives first. Positives: i2t (query = image i) every text j whose
+// group has image i; t2i (query = text i) every image of text i's group. A NaN score (only from
+// float overflow, the inputs are finite) also counts as ahead, so it can only lower recall.
 //
 // Each direction runs its own GEMM so that the true score and every score it is compared with
 // come out of the same row of one product: a tie between equal embeddings stays an exact tie.
 static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
-                        const int32_t *owner, int i2t, int32_t *rank) {
+                        const dup_index *d, int i2t, int32_t *rank) {
     int rows = RECALL_BLOCK_ROWS;
     if ((size_t)rows * (size_t)nc > RECALL_BLOCK_FLOATS) rows = RECALL_BLOCK_FLOATS / nc;
     if (rows < 1) rows = 1;
@@ -60,16 +74,14 @@ static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
             const int qi = r0 + r;
             const float *s = S + (size_t)r * nc;
             float best = -INFINITY;
-            if (i2t) {
-                for (int j = 0; j < nc; j++)
-                    if (owner[j] == qi && s[j] > best) best = s[j];
-            } else {
-                best = s[owner[qi]];
+            for (int j = 0; j < nc; j++) {
+                const int pos = i2t ? group_has_image(d, d->group[j], qi) : group_has_image(d, d->group[qi], j);
+                if (pos && s[j] > best) best = s[j];
             }
             int32_t ahead = 0;
             for (int j = 0; j < nc; j++) {
-                const int positive = i2t ? owner[j] == qi : j == owner[qi];
-                if (!positive && !(s[j] < best)) ahead++;
+                const int pos = i2t ? group_has_image(d, d->group[j], qi) : group_has_image(d, d->group[qi], j);
+                if (!pos && !(s[j] < best)) ahead++;
             }
             rank[qi] = ahead;
         }
@@ -78,55 +90,108 @@ static int recall_ranks(const float *q, int nq, const float *c, int nc, int E,
     return VLMOE_OK;
 }
 
-int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
-                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
-                           double *t2i) {
-    static const char fn[] = "vlmoe_retrieval_recall";
-    if (!img || !txt || !txt_image || !ks || !i2t || !t2i)
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+// OpenCLIP's get_clip_metrics: mean_rank = mean(0-based rank) + 1, median_rank =
+// floor(median(0-based rank)) + 1 (numpy's median: the mean of the middle two for even n).
+static void rank_stats(const int32_t *rank, int n, int32_t *tmp, double *mean, double *median) {
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += rank[i], tmp[i] = rank[i];
+    qsort(tmp, (size_t)n, sizeof(int32_t), cmp_i32);
+    const double mid = n % 2 ? tmp[n / 2] : 0.5 * ((double)tmp[n / 2 - 1] + tmp[n / 2]);
+    *mean = sum / n + 1;
+    *median = floor(mid) + 1;
+}
+
+int vlmoe_retrieval_metrics(const vlmoe_retrieval_data *d, double *i2t, double *t2i, double mean_rank[2],
+                            double median_rank[2]) {
+    static const char fn[] = "vlmoe_retrieval_metrics";
+    if (!d || !d->img || !d->txt || !d->txt_image || !d->ks || !i2t || !t2i)
         return vlmoe_fail(VLMOE_ERR_ARG, "%s: NULL pointer argument", fn);
+    const int n_img = d->n_img, n_txt = d->n_txt, E = d->E, nk = d->nk;
     if (n_img < 1 || n_txt < 1 || E < 1 || nk < 1)
         return vlmoe_fail(VLMOE_ERR_ARG,
                           "%s: n_img = %d, n_txt = %d, E = %d, nk = %d, expected all >= 1", fn,
                           n_img, n_txt, E, nk);
     for (int q = 0; q < nk; q++)
-        if (ks[q] < 1) return vlmoe_fail(VLMOE_ERR_ARG, "%s: ks[%d] = %d, expected >= 1", fn, q, ks[q]);
-    int st = check_labels(txt_image, n_txt, n_img, fn, "txt_image");
-    if (!st) st = check_finite(img, n_img, E, fn, "img");
-    if (!st) st = check_finite(txt, n_txt, E, fn, "txt");
+        if (d->ks[q] < 1) return vlmoe_fail(VLMOE_ERR_ARG, "%s: ks[%d] = %d, expected >= 1", fn, q, d->ks[q]);
+    int st = check_labels(d->txt_image, n_txt, n_img, fn, "txt_image");
+    if (!st && d->txt_group) st = check_labels(d->txt_group, n_txt, n_txt, fn, "txt_group");
+    if (!st) st = check_finite(d->img, n_img, E, fn, "img");
+    if (!st) st = check_finite(d->txt, n_txt, E, fn, "txt");
     if (st) return st;
 
-    int32_t *rank_i = vlmoe_alloc(sizeof(int32_t) * ((size_t)n_img + (size_t)n_txt), "retrieval ranks");
-    if (!rank_i) return VLMOE_ERR_NOMEM;
-    int32_t *rank_t = rank_i + n_img;
+    // rank_i (n_img), rank_t (n_txt), group (n_txt), off (n_txt + 1), list (n_txt), tmp
+    const size_t nw = 2 * (size_t)n_img + 4 * (size_t)n_txt + 1 + (size_t)(n_img > n_txt ? n_img : n_txt);
+    int32_t *w = vlmoe_alloc(sizeof(int32_t) * nw, "retrieval ranks");
+    if (!w) return VLMOE_ERR_NOMEM;
+    int32_t *rank_i = w, *rank_t = rank_i + n_img, *group = rank_t + n_txt, *off = group + n_txt;
+    int32_t *list = off + n_txt + 1, *tmp = list + n_txt, *seen = tmp; // seen: n_img, before tmp is used
     // An image without a caption would be a silent miss in every i2t recall (clip_benchmark
     // counts it so); it almost always means a broken txt_image, so it is refused instead.
     memset(rank_i, 0, sizeof(int32_t) * (size_t)n_img);
-    for (int j = 0; j < n_txt; j++) rank_i[txt_image[j]] = 1;
+    for (int j = 0; j < n_txt; j++) rank_i[d->txt_image[j]] = 1;
     for (int i = 0; i < n_img; i++)
         if (!rank_i[i]) {
-            vlmoe_free_mem(rank_i);
+            vlmoe_free_mem(w);
             return vlmoe_fail(VLMOE_ERR_ARG, "%s: image %d has no caption in txt_image, expected "
                               "every image to own at least one text", fn, i);
         }
-
-    st = recall_ranks(img, n_img, txt, n_txt, E, txt_image, 1, rank_i);
-    if (!st) st = recall_ranks(txt, n_txt, img, n_img, E, txt_image, 0, rank_t);
-    if (!st)
+    // each group's images (CSR), without repeats: counting sort of the texts by group
+    for (int j = 0; j < n_txt; j++) group[j] = d->txt_group ? d->txt_group[j] : j;
+    memset(off, 0, sizeof(int32_t) * ((size_t)n_txt + 1));
+    for (int j = 0; j < n_txt; j++) off[group[j] + 1]++;
+    for (int g = 0; g < n_txt; g++) off[g + 1] += off[g];
+    {
+        int32_t *fill = rank_t; // fill[g]: next free slot of group g (rank_t is free until the ranks)
+        for (int g = 0; g < n_txt; g++) fill[g] = off[g];
+        for (int i = 0; i < n_img; i++) seen[i] = -1;
+        for (int j = 0; j < n_txt; j++) list[fill[group[j]]++] = d->txt_image[j];
+        // drop repeated images inside each group, compacting the lists
+        int32_t at = 0;
+        for (int g = 0; g < n_txt; g++) {
+            const int32_t lo = off[g], hi = off[g + 1];
+            off[g] = at;
+            for (int32_t k = lo; k < hi; k++)
+                if (seen[list[k]] != g) seen[list[k]] = g, list[at++] = list[k];
+        }
+        off[n_txt] = at;
+    }
+    const dup_index di = {group, off, list};
+    st = recall_ranks(d->img, n_img, d->txt, n_txt, E, &di, 1, rank_i);
+    if (!st) st = recall_ranks(d->txt, n_txt, d->img, n_img, E, &di, 0, rank_t);
+    if (!st) {
         for (int q = 0; q < nk; q++) {
             long a = 0, b = 0;
-            for (int i = 0; i < n_img; i++) a += rank_i[i] < ks[q];
-            for (int j = 0; j < n_txt; j++) b += rank_t[j] < ks[q];
+            for (int i = 0; i < n_img; i++) a += rank_i[i] < d->ks[q];
+            for (int j = 0; j < n_txt; j++) b += rank_t[j] < d->ks[q];
             i2t[q] = (double)a / n_img;
             t2i[q] = (double)b / n_txt;
         }
-    vlmoe_free_mem(rank_i);
+        if (mean_rank && median_rank) {
+            rank_stats(rank_i, n_img, tmp, &mean_rank[0], &median_rank[0]);
+            rank_stats(rank_t, n_txt, tmp, &mean_rank[1], &median_rank[1]);
+        }
+    }
+    vlmoe_free_mem(w);
     return st;
+}
+
+int vlmoe_retrieval_recall(const float *img, int n_img, const float *txt, int n_txt,
+                           const int32_t *txt_image, int E, const int *ks, int nk, double *i2t,
+                           double *t2i) {
+    const vlmoe_retrieval_data d = {.img = img, .n_img = n_img, .txt = txt, .n_txt = n_txt, .E = E,
+                                    .txt_image = txt_image, .txt_group = NULL, .ks = ks, .nk = nk};
+    return vlmoe_retrieval_metrics(&d, i2t, t2i, NULL, NULL);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Ridge regression probe
 
-// A pivot of the Cholesky factor smaller than this fraction of its diagonal entry means that
+// A squared pivot of the Cholesky factor smaller than this fraction of its diagonal entry means that
 // X^T X + lambda I is singular to working precision (condition number beyond ~1e12).
 #define RIDGE_PIVOT_RTOL 1e-12
 enum { RIDGE_BLOCK_ROWS = 256 };
@@ -138,12 +203,13 @@ typedef struct {
     double *G;     // (dim, dim) lower triangle of Xc^T Xc, Xc = X - mu
     double *B;     // (dim, classes) Xc^T Y with Y = 2 onehot - 1
     double *ybar;  // (classes) column means of Y: the bias of the centred problem
-    double *A;     // (dim, dim) workspace: the Cholesky factor
+    double *A;     // (dim, dim) workspace: the Cholesky factor (LAPACK's, column-major upper)
+    double *X;     // (classes, dim) workspace: right-hand sides / solution, column-major (dim, classes)
 } ridge_sys;
 
 static void ridge_sys_free(ridge_sys *r) {
     vlmoe_free_mem(r->mu), vlmoe_free_mem(r->G), vlmoe_free_mem(r->B);
-    vlmoe_free_mem(r->ybar), vlmoe_free_mem(r->A);
+    vlmoe_free_mem(r->ybar), vlmoe_free_mem(r->A), vlmoe_free_mem(r->X);
     memset(r, 0, sizeof(*r));
 }
 
@@ -160,10 +226,11 @@ static int ridge_prepare(ridge_sys *r, const float *x, const int32_t *y, int n, 
     r->G = vlmoe_alloc(dd, "ridge X^T X");
     r->A = vlmoe_alloc(dd, "ridge Cholesky factor");
     r->B = vlmoe_calloc(dc, "ridge X^T Y");
+    r->X = vlmoe_alloc(dc, "ridge solution");
     r->ybar = vlmoe_calloc(sizeof(double) * (size_t)classes, "ridge target mean");
     double *xc = vlmoe_alloc(nd, "ridge centred features");
     double *tot = vlmoe_calloc(sizeof(double) * (size_t)dim, "ridge column sums");
-    if (!r->mu || !r->G || !r->A || !r->B || !r->ybar || !xc || !tot) {
+    if (!r->mu || !r->G || !r->A || !r->B || !r->X || !r->ybar || !xc || !tot) {
         vlmoe_free_mem(xc), vlmoe_free_mem(tot), ridge_sys_free(r);
         return VLMOE_ERR_NOMEM;
     }
@@ -190,50 +257,44 @@ static int ridge_prepare(ridge_sys *r, const float *x, const int32_t *y, int n, 
     return VLMOE_OK;
 }
 
-// In-place Cholesky A = L L^T of the lower triangle of A (n, n), row-major, left-looking by
-// columns: entry (i, j) is the dot of rows i and j up to j, so the rows below a pivot are
-// independent and split across threads, each computed in the same order for any thread count.
-// Returns -1, or the index of the first pivot that is not > RIDGE_PIVOT_RTOL x its diagonal.
-static int cholesky_lower(double *A, int n) {
-    for (int j = 0; j < n; j++) {
-        double *aj = A + (size_t)j * n;
-        double d = aj[j];
-        for (int k = 0; k < j; k++) d -= aj[k] * aj[k];
-        if (!(d > RIDGE_PIVOT_RTOL * aj[j])) return j;
-        d = sqrt(d);
-        aj[j] = d;
-        #pragma omp parallel for schedule(static) if (n - j > 128)
-        for (int i = j + 1; i < n; i++) {
-            double *ai = A + (size_t)i * n;
-            double s = ai[j];
-            for (int k = 0; k < j; k++) s -= ai[k] * aj[k];
-            ai[j] = s / d;
-        }
-    }
-    return -1;
-}
+// LAPACK's dposv from the linked OpenBLAS (Debian ships no LAPACK header with it, and OpenBLAS's
+// LAPACKE is not exported, so the Fortran symbol is declared here). blasint is 32-bit in Debian's
+// libopenblas0 (openblas_config.h: no OPENBLAS_USE64BITINT). The trailing length of the character
+// argument is what gfortran-built LAPACKs expect; OpenBLAS's own C dposv ignores it.
+extern void dposv_(const char *uplo, const int *n, const int *nrhs, double *a, const int *lda,
+                   double *b, const int *ldb, int *info, size_t uplo_len);
 
 // W (dim, classes) = (G + lambda I)^-1 B and b (classes) = ybar - mu^T W, so that the scores of
-// an uncentred feature row x are x^T W + b.
+// an uncentred feature row x are x^T W + b. dposv factors A = U^T U (Cholesky) and solves; a
+// factor is refused when a pivot is not positive (info > 0) or, because rounding can leave a tiny
+// positive pivot on a singular system, when u_jj^2 <= RIDGE_PIVOT_RTOL x A_jj.
 static int ridge_solve(ridge_sys *r, double lambda, double *W, double *b) {
     const int dim = r->dim, C = r->classes;
+    // row-major lower triangle of G = column-major upper triangle: handed to LAPACK as "U"
     for (int i = 0; i < dim; i++) {
         memcpy(r->A + (size_t)i * dim, r->G + (size_t)i * dim, sizeof(double) * (size_t)(i + 1));
         r->A[(size_t)i * dim + i] += lambda;
     }
-    const int bad = cholesky_lower(r->A, dim);
+    // right-hand sides column-major (dim, C): the transpose of B's row-major layout
+    for (int d = 0; d < dim; d++)
+        for (int c = 0; c < C; c++) r->X[(size_t)c * dim + d] = r->B[(size_t)d * C + c];
+    int info = 0;
+    dposv_("U", &dim, &C, r->A, &dim, r->X, &dim, &info, 1);
+    int bad = info > 0 ? info - 1 : -1;
+    for (int j = 0; bad < 0 && info == 0 && j < dim; j++) {
+        const double u = r->A[(size_t)j * dim + j], a = r->G[(size_t)j * dim + j] + lambda;
+        if (!(u * u > RIDGE_PIVOT_RTOL * a)) bad = j;
+    }
+    if (info < 0) // an argument LAPACK rejected: a bug here, not bad data
+        return vlmoe_fail(VLMOE_ERR_ARG, "ridge: LAPACK dposv rejected argument %d (dim = %d, classes = %d)", -info, dim, C);
     if (bad >= 0)
         return vlmoe_fail(VLMOE_ERR_ARG,
                           "ridge: X^T X + lambda I is not positive definite at lambda = %g "
-                          "(pivot %d of %d): the centred train features are rank-deficient "
-                          "(n_train = %d, dim = %d); use lambda > 0",
+                          "(LAPACK dposv, pivot %d of %d): the centred train features are "
+                          "rank-deficient (n_train = %d, dim = %d); use lambda > 0",
                           lambda, bad, dim, r->n, dim);
-    memcpy(W, r->B, sizeof(double) * (size_t)dim * C);
-    // L L^T W = B: forward then backward substitution (BLAS triangular solves; no LAPACK).
-    cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, dim, C, 1.0,
-                r->A, dim, W, C);
-    cblas_dtrsm(CblasRowMajor, CblasLeft, CblasLower, CblasTrans, CblasNonUnit, dim, C, 1.0,
-                r->A, dim, W, C);
+    for (int d = 0; d < dim; d++)
+        for (int c = 0; c < C; c++) W[(size_t)d * C + c] = r->X[(size_t)c * dim + d];
     for (int c = 0; c < C; c++) {
         double s = r->ybar[c];
         for (int d = 0; d < dim; d++) s -= r->mu[d] * W[(size_t)d * C + c];
@@ -346,11 +407,6 @@ done:
 
 // ---------------------------------------------------------------------------------------------
 // K-shot sampling
-
-static int cmp_i32(const void *a, const void *b) {
-    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
 
 int vlmoe_fewshot_sample(const int32_t *labels, int n, int classes, int shots, uint64_t seed,
                          int32_t *out_idx) {

@@ -5,6 +5,7 @@
 // an image folder or image-caption pairs. Covered by tests/test_eval_data.c and tests/test_cli.c.
 #include "eval/run_eval.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,7 +51,7 @@ int vlmoe_encode_image_files(vlmoe_model *m, const char *const *paths, int n, co
     if (st) return st;
     float *batch = malloc(sizeof(float) * isz * (size_t)B);
     if (!batch) return vlmoe_fail(VLMOE_ERR_NOMEM, "a batch of %d images", B);
-    vlmoe_image img = {0};
+    vlmoe_image img = {.max_pixels = p->ip ? (size_t)p->ip->max_pixels : 0};
     if (p->progress) p->progress(p->progress_user, p->what, 0, n);
     int done = 0, k = 0;
     for (int i = 0; i < n && !st; i++) {
@@ -243,6 +244,28 @@ void vlmoe_eval_folder_result_free(vlmoe_eval_folder_result *r) {
     r->features = NULL, r->labels = NULL;
 }
 
+double vlmoe_mean_per_class_recall(const float *img, int n, const float *classes, int C, int E, const int32_t *labels) {
+    long *hit = calloc((size_t)C * 2, sizeof(long)), *cnt = hit ? hit + C : NULL;
+    if (!hit) return NAN;
+    for (int i = 0; i < n; i++) {
+        const float *x = img + (size_t)i * E;
+        int best = 0;
+        double bs = -INFINITY;
+        for (int c = 0; c < C; c++) { // argmax, ties to the lower class (as vlmoe_zeroshot_accuracy)
+            double dot = 0;
+            for (int e = 0; e < E; e++) dot += (double)x[e] * classes[(size_t)c * E + e];
+            if (dot > bs) bs = dot, best = c;
+        }
+        cnt[labels[i]]++, hit[labels[i]] += best == labels[i];
+    }
+    double sum = 0;
+    int present = 0;
+    for (int c = 0; c < C; c++)
+        if (cnt[c]) sum += (double)hit[c] / cnt[c], present++;
+    free(hit);
+    return present ? sum / present : 0;
+}
+
 int vlmoe_eval_folder_zeroshot(vlmoe_model *m, const vlmoe_eval_folder_data *d, const vlmoe_eval_params *p,
                                vlmoe_eval_folder_result *r) {
     const vlmoe_image_folder *f = d->folder;
@@ -272,6 +295,7 @@ int vlmoe_eval_folder_zeroshot(vlmoe_model *m, const vlmoe_eval_folder_data *d, 
     if (!st) {
         vlmoe_eval_zeroshot *z = &r->zeroshot;
         vlmoe_zeroshot_accuracy(r->features, n, ce, C, E, r->labels, &z->top1, &z->top5);
+        z->mean_per_class_recall = vlmoe_mean_per_class_recall(r->features, n, ce, C, E, r->labels);
         z->classes = C, z->templates = d->n_templates, z->images = n, z->bad_images = r->bad.n;
     }
     if (st) vlmoe_error_prefix("%s", d->name);
@@ -353,6 +377,26 @@ static int grow(void *p, size_t *cap, size_t need, size_t elem) {
     return VLMOE_OK;
 }
 
+// Captions that are the same text after the tokenizer's normalisation, compared as their token ids
+// (all the model sees of them; texts differing only past the context length count as the same):
+// group[j] = the first row of j's text. ids (n, T), lens (n). A 64-bit hash collision between
+// different ids would only leave them apart (pessimistic), never merge them.
+static int caption_groups(const int32_t *ids, const int32_t *lens, int n, int T, int32_t *group) {
+    image_key *k = malloc(sizeof(image_key) * (size_t)(n > 0 ? n : 1));
+    if (!k) return vlmoe_fail(VLMOE_ERR_NOMEM, "caption groups");
+    for (int j = 0; j < n; j++)
+        k[j] = (image_key){fnv1a((const uint8_t *)(ids + (size_t)j * T), sizeof(int32_t) * (size_t)lens[j]),
+                           (uint64_t)lens[j], j};
+    qsort(k, (size_t)n, sizeof(image_key), cmp_key); // rows ascending within equal (hash, len)
+    for (int i = 0, first = 0; i < n; i++) {
+        if (i == 0 || k[i].hash != k[i - 1].hash || k[i].len != k[i - 1].len) first = i;
+        const int32_t a = k[first].row, b = k[i].row;
+        group[b] = !memcmp(ids + (size_t)a * T, ids + (size_t)b * T, sizeof(int32_t) * (size_t)lens[b]) ? a : b;
+    }
+    free(k);
+    return VLMOE_OK;
+}
+
 int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const vlmoe_eval_params *p,
                      vlmoe_eval_pairs_result *r) {
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
@@ -362,9 +406,10 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
     if (check_params(p, 1, "vlmoe_eval_pairs")) return VLMOE_ERR_ARG;
     float *batch = malloc(sizeof(float) * isz * B), *ie = NULL, *te = NULL, *iu = NULL;
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)B * T), *lens = malloc(sizeof(int32_t) * B), *txt_image = NULL;
+    int32_t *all_ids = NULL, *all_lens = NULL, *group = NULL; // every caption's ids, for duplicates
     image_key *keys = NULL;
-    size_t cap_i = 0, cap_t = 0, cap_k = 0;
-    vlmoe_image img = {0};
+    size_t cap_i = 0, cap_t = 0, cap_k = 0, cap_a = 0, cap_l = 0;
+    vlmoe_image img = {.max_pixels = p->ip ? (size_t)p->ip->max_pixels : 0};
     contrastive_sum cs = {0};
     progress(p, "validation pairs", 0, -1);
     int st = batch && tok && lens ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "batch buffers");
@@ -404,6 +449,12 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
             if (!st) st = grow(&te, &cap_t, (size_t)n + k, sizeof(float) * E);
             if (!st) st = vlmoe_model_encode_images(m, batch, k, ie + (size_t)n * E);
             if (!st) st = vlmoe_model_encode_texts(m, tok, lens, k, te + (size_t)n * E);
+            if (!st) st = grow(&all_ids, &cap_a, (size_t)n + k, sizeof(int32_t) * T);
+            if (!st) st = grow(&all_lens, &cap_l, (size_t)n + k, sizeof(int32_t));
+            if (!st) {
+                memcpy(all_ids + (size_t)n * T, tok, sizeof(int32_t) * (size_t)k * T);
+                memcpy(all_lens + n, lens, sizeof(int32_t) * (size_t)k);
+            }
             n += k, k = 0;
             progress(p, "validation pairs", n, -1);
         }
@@ -425,12 +476,20 @@ int vlmoe_eval_pairs(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const 
         }
     }
     vlmoe_eval_retrieval *rt = &r->retrieval;
-    if (!st) st = vlmoe_retrieval_recall(iu, n_img, te, n, txt_image, E, vlmoe_eval_ks, VLMOE_EVAL_NUM_K, rt->i2t, rt->t2i);
+    group = malloc(sizeof(int32_t) * (n > 0 ? n : 1));
+    if (!st && !group) st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption groups");
+    if (!st) st = caption_groups(all_ids, all_lens, n, T, group);
+    for (int j = 0; !st && j < n; j++) rt->duplicate_captions += group[j] != j;
+    const vlmoe_retrieval_data rd = {.img = iu, .n_img = n_img, .txt = te, .n_txt = n, .E = E, .txt_image = txt_image,
+                                     .txt_group = group, .ks = vlmoe_eval_ks, .nk = VLMOE_EVAL_NUM_K};
+    if (!st) st = vlmoe_retrieval_metrics(&rd, rt->i2t, rt->t2i, rt->mean_rank, rt->median_rank);
+    rt->has_ranks = !st;
     rt->images = n_img, rt->captions = n;
     rt->bad_samples = (long)vlmoe_dataset_stats_bad(vlmoe_dataset_get_stats(ds)) + r->bad.n;
     r->contrastive = contrastive_mean(&cs, B);
     if (st) vlmoe_error_prefix("%s", name);
     vlmoe_image_free(&img);
     free(batch), free(ie), free(te), free(iu), free(tok), free(lens), free(txt_image), free(keys);
+    free(all_ids), free(all_lens), free(group);
     return st;
 }

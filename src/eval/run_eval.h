@@ -77,6 +77,7 @@ extern const int vlmoe_eval_ks[VLMOE_EVAL_NUM_K];
 
 typedef struct {
     double top1, top5;
+    double mean_per_class_recall; // image folders: the mean over classes of top-1 recall (sklearn's balanced accuracy)
     int classes, templates, images;
     long bad_images;
 } vlmoe_eval_zeroshot;
@@ -84,6 +85,10 @@ typedef struct {
     double i2t[VLMOE_EVAL_NUM_K], t2i[VLMOE_EVAL_NUM_K];
     int images, captions;
     long bad_samples;           // unreadable rows of the dataset and undecodable images
+    // image-caption pairs only (has_ranks): OpenCLIP's ranks, [0] image->text, [1] text->image,
+    // and the captions that repeat an earlier caption's text (correct for each image that has it)
+    int has_ranks, duplicate_captions;
+    double mean_rank[2], median_rank[2];
 } vlmoe_eval_retrieval;
 // In-batch contrastive loss and accuracy (both directions averaged) in evaluation mode, both
 // modalities in one pass as training sees them: means over the pairs of the batches.
@@ -127,6 +132,9 @@ typedef struct {
     float *features;            // (zeroshot.images, E) embeddings of the readable images
     int32_t *labels;            // (zeroshot.images)
 } vlmoe_eval_folder_result;
+// The mean over the classes present in labels of each class's top-1 recall (CLIP_benchmark's
+// mean_per_class_recall, sklearn's balanced_accuracy_score); argmax ties go to the lower class.
+double vlmoe_mean_per_class_recall(const float *img, int n, const float *classes, int C, int E, const int32_t *labels);
 // Errors start with d->name ("DIR: none of its 12 images could be read").
 int vlmoe_eval_folder_zeroshot(vlmoe_model *m, const vlmoe_eval_folder_data *d, const vlmoe_eval_params *p,
                                vlmoe_eval_folder_result *r);
@@ -156,4 +164,11 @@ cJSON *vlmoe_eval_retrieval_json(const vlmoe_eval_retrieval *r, const char *data
 cJSON *vlmoe_eval_contrastive_json(const vlmoe_eval_contrastive *c);
 cJSON *vlmoe_eval_fewshot_json(const vlmoe_eval_fewshot *f);
 
+// CLIP_benchmark's results file of one task (clip_benchmark eval --output): {"dataset", "model",
+// "pretrained", "task", "metrics"}. Zero-shot classification (z): acc1, acc5 (null below 6
+// classes, where it is trivially 1), mean_per_class_recall. Retrieval (z NULL, r): its
+// image_retrieval_recall@K (text queries: t2i) and text_retrieval_recall@K (image queries: i2t),
+// plus OpenCLIP's image_to_text_ / text_to_image_ mean_rank and median_rank. In report.c.
+cJSON *vlmoe_eval_clip_benchmark_json(const char *dataset, const char *model, const char *pretrained,
+                                      const vlmoe_eval_zeroshot *z, const vlmoe_eval_retrieval *r);
 #endif

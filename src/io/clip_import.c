@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "io/clip.h"
 #include "vlmoe.h"
 
 enum { OPENCLIP = 0, HF = 1 };
@@ -186,12 +187,35 @@ static int count_layers(const clip_file *cf, int tower) {
     return layers;
 }
 
+// Heads are in no shape: the head counts of a tower of width D whose head width is one that CLIP
+// models use (a multiple of 8 from 32 to 128) are its candidates; one candidate is taken, several
+// are an error that lists them (a wrong guess would run, silently less accurate).
+static int unique_heads(const char *path, const char *tower, int width, int *heads) {
+    char list[256];
+    size_t k = 0;
+    int n = 0;
+    list[0] = 0;
+    for (int h = 1; h <= width; h++) {
+        const int hw = width / h;
+        if (width % h || hw < 32 || hw > 128 || hw % 8) continue;
+        if (k < sizeof(list)) k += (size_t)snprintf(list + k, sizeof(list) - k, "%s%d (head width %d)", n ? ", " : "", h, hw);
+        *heads = h, n++;
+    }
+    if (n == 1) return VLMOE_OK;
+    return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: the %s tower's width %d does not tell its attention heads%s%s; "
+                      "import the model's folder (its config.json or open_clip_config.json says) or give "
+                      "--%s-heads", path, tower, width, n ? ": candidates " : " (no head width from 32 to 128 divides it)",
+                      list, tower);
+}
+
 // The whole config from the tensor shapes; heads are not in any shape (OpenCLIP: width / 64).
-static int infer_config(const clip_file *cf, const vlmoe_clip_import_params *p, vlmoe_model_config *c) {
+static int infer_config(const clip_file *cf, const vlmoe_clip_import_params *p, const clip_file_opts *o,
+                        vlmoe_model_config *c) {
     int st = vlmoe_config_named("ViT-B-16", c); // OpenAI CLIP's computation; the sizes follow
     if (st) return st;
     snprintf(c->name, sizeof(c->name), "%s", p->name ? p->name : "clip");
-    c->act = p->act;
+    c->act = p->act < 0 ? VLMOE_ACT_QUICK_GELU : p->act;
+    if (o->ln_eps > 0) c->ln_eps = o->ln_eps;
     vlmoe_tensor_info conv, pos, tok, tpos, proj;
     int tr, proj_tr;
     if ((st = need(cf, "image.patch_embed.weight", 4, &conv, &tr)) || (st = need(cf, "image.pos_embed", 2, &pos, &tr)) ||
@@ -227,16 +251,18 @@ static int infer_config(const clip_file *cf, const vlmoe_clip_import_params *p, 
             if ((st = need(cf, fc1, 2, &ti, &tr))) return st;
             e->mlp_dim = (int)ti.shape[0];
         }
-        if (!heads[t] && e->width % 64)
+        if (!heads[t] && o->strict_heads && (st = unique_heads(cf->path, tower, e->width, &e->heads))) return st;
+        if (!heads[t] && !o->strict_heads && e->width % 64)
             return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: the %s tower's width %d is not a multiple of 64, so its "
                               "heads cannot be taken as width / 64: give %s_heads", cf->path, tower, e->width, tower);
-        e->heads = heads[t] ? heads[t] : e->width / 64;
+        if (heads[t]) e->heads = heads[t];
+        else if (!o->strict_heads) e->heads = e->width / 64;
     }
     return VLMOE_OK;
 }
 
 vlmoe_clip_import_params vlmoe_clip_import_default_params(void) {
-    vlmoe_clip_import_params p = {"auto", 0, 0, VLMOE_ACT_QUICK_GELU, NULL};
+    vlmoe_clip_import_params p = {.naming = "auto", .act = -1};
     return p;
 }
 
@@ -303,6 +329,11 @@ static int read_all(const clip_file *cf, vlmoe_model *m) {
 }
 
 int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p) {
+    const clip_file_opts o = {0};
+    return clip_import_file(out, path, p, &o);
+}
+
+int clip_import_file(vlmoe_model **out, const char *path, const vlmoe_clip_import_params *p, const clip_file_opts *o) {
     *out = NULL;
     vlmoe_clip_import_params dp = vlmoe_clip_import_default_params();
     if (!p) p = &dp;
@@ -310,12 +341,13 @@ int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_impo
     if (nm == -2)
         return vlmoe_fail(VLMOE_ERR_ARG, "CLIP import: naming '%s' is not openclip, hf or auto", p->naming);
     vlmoe_st *f;
-    int st = vlmoe_st_open(path, &f);
+    int st = clip_refuse_pickle(path);
+    if (!st) st = vlmoe_st_open(path, &f);
     if (st) return st;
     clip_file cf = {f, path, 0, ""};
     vlmoe_model_config cfg;
     vlmoe_model *m = NULL;
-    if (!(st = detect(&cf, nm)) && !(st = infer_config(&cf, p, &cfg))) {
+    if (!(st = detect(&cf, nm)) && !(st = infer_config(&cf, p, o, &cfg))) {
         st = vlmoe_model_init(&m, &cfg, 0);
         if (st) vlmoe_error_prefix("%s: the config inferred from its shapes", path);
     }
@@ -332,7 +364,7 @@ int vlmoe_clip_import(vlmoe_model **out, const char *path, const vlmoe_clip_impo
 
 // Whether c computes exactly what the CLIP names describe (the act and LayerNorm eps are not in
 // the tensors: a loader takes them from its own config).
-static int check_exportable(const vlmoe_model_config *c, const char *path) {
+int clip_check_exportable(const vlmoe_model_config *c, const char *path) {
     const char *bad = c->arch != VLMOE_ARCH_TWO_TOWER ? "it is one_tower (LIMoE layout; CLIP names describe two towers)"
                       : c->moe.router != VLMOE_ROUTER_NONE || c->text_moe.router != VLMOE_ROUTER_NONE
                           ? "it has MoE layers (CLIP names describe dense models)"
@@ -350,7 +382,7 @@ int vlmoe_clip_export(const vlmoe_model *m, const char *path, const char *naming
     const int nm = naming_index(naming, 0);
     if (nm < 0) return vlmoe_fail(VLMOE_ERR_ARG, "CLIP export: naming '%s' is not openclip or hf", naming ? naming : "(null)");
     const vlmoe_model_config *c = vlmoe_model_get_config(m);
-    int st = check_exportable(c, path), np;
+    int st = clip_check_exportable(c, path), np;
     if (st) return st;
     const vlmoe_param_info *t = vlmoe_model_params(m, &np);
     const float *params = vlmoe_model_param_data((vlmoe_model *)m);

@@ -1,7 +1,9 @@
 // safetensors.c: reader and atomic writer of the safetensors format (u64 little-endian header
 // length, JSON header, raw little-endian data), plus the f16/bf16 conversions. The reader trusts
-// no byte of the file: every size is range- and overflow-checked before use. Covered by
-// tests/test_safetensors.c.
+// no byte of the file: every size is range- and overflow-checked before use. The writer records a
+// CRC-32 of every tensor's bytes in the metadata (CRC_KEY), which the reader verifies, so a damaged
+// file is refused, not trained on; files without it (older ones, other tools') load unverified.
+// Covered by tests/test_safetensors.c and tests/hostile/test_hostile_files.c.
 #include "io/safetensors.h"
 
 #include <cjson/cJSON.h>
@@ -13,6 +15,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "core/core.h"
 
@@ -23,6 +26,20 @@
 
 #define MAX_HEADER ((uint64_t)100000000)    // the same limit as the HF reference reader
 #define MAX_EXACT ((uint64_t)1 << 53)         // larger JSON numbers are not exact integers
+// Metadata key of the checksums: one CRC-32 (zlib's, the ISO-HDLC polynomial) per tensor in header
+// order, 8 lower-case hex digits each, separated by spaces. In the metadata rather than beside each
+// tensor so that every other safetensors reader still reads the file.
+#define CRC_KEY "vlmoe.crc32"
+
+// CRC-32 of n bytes; zlib takes an unsigned length, so long tensors go in pieces.
+static uint32_t crc_bytes(uint32_t crc, const unsigned char *p, size_t n) {
+    while (n) {
+        const unsigned k = n > (1u << 30) ? 1u << 30 : (unsigned)n;
+        crc = (uint32_t)crc32(crc, p, k);
+        p += k, n -= k;
+    }
+    return crc;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Half and bfloat16 conversions
@@ -129,6 +146,7 @@ struct vlmoe_st {
     st_key *meta;          // nmeta, sorted by key
     int n, nmeta;
     char *strings;         // every name, metadata key and value, NUL-terminated
+    int checksummed;       // CRC_KEY was present and every tensor matched it
 };
 
 static int key_cmp(const void *a, const void *b) {
@@ -154,8 +172,9 @@ static int get_u53(const cJSON *v, uint64_t *out) {
 }
 
 static int read_file(vlmoe_st *st) {
-    FILE *f = fopen(st->path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", st->path, strerror(errno));
+    const char *why;
+    FILE *f = vlmoe_fopen_regular(st->path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", st->path, why);
     struct stat sb;
     int rc = VLMOE_OK;
     if (fstat(fileno(f), &sb) != 0) {
@@ -371,6 +390,40 @@ static int parse_header(vlmoe_st *st) {
     return rc;
 }
 
+// Verifies the tensors' bytes against CRC_KEY, when the file has it.
+static int verify_crc(vlmoe_st *st) {
+    const char *list = vlmoe_st_metadata(st, CRC_KEY), *p = list;
+    if (!list) return VLMOE_OK;
+    for (int i = 0; i < st->n; i++) {
+        const st_entry *e = &st->t[i];
+        while (*p == ' ') p++;
+        unsigned long want = 0;
+        int k = 0;
+        for (; k < 8 && p[k]; k++) {
+            const char c = p[k];
+            const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+            if (d < 0) break;
+            want = want << 4 | (unsigned long)d;
+        }
+        if (k != 8 || (p[8] && p[8] != ' '))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: __metadata__ \"%s\" lists %d checksum%s, the file has %d "
+                              "tensors: the header is damaged", st->path, CRC_KEY, i, i == 1 ? "" : "s", st->n);
+        p += 8;
+        const uint32_t got = crc_bytes((uint32_t)crc32(0, Z_NULL, 0), st->buf + st->data_pos + e->begin, e->nbytes);
+        if (got != (uint32_t)want)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: tensor '%s': checksum mismatch (CRC-32 %08" PRIx32 ", recorded "
+                              "%08lx): the file is damaged", st->path, e->name, got, want);
+    }
+    while (*p == ' ') p++;
+    if (*p)
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: __metadata__ \"%s\" lists more checksums than the %d tensors: the "
+                          "header is damaged", st->path, CRC_KEY, st->n);
+    st->checksummed = 1;
+    return VLMOE_OK;
+}
+
+int vlmoe_st_checksummed(const vlmoe_st *st) { return st && st->checksummed; }
+
 int vlmoe_st_open(const char *path, vlmoe_st **out) {
     if (!out || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_st_open: NULL path or out");
     *out = NULL;
@@ -379,6 +432,7 @@ int vlmoe_st_open(const char *path, vlmoe_st **out) {
     st->path = dup_str(path, "safetensors path");
     int rc = st->path ? read_file(st) : VLMOE_ERR_NOMEM;
     if (!rc) rc = parse_header(st);
+    if (!rc) rc = verify_crc(st);
     if (rc == VLMOE_ERR_NOMEM) vlmoe_error_prefix("%s", path);
     if (rc) {
         vlmoe_st_close(st);
@@ -626,28 +680,53 @@ static void sb_json(sbuf *b, const char *s) {
     sb_put(b, "\"", 1);
 }
 
-// Header JSON: "__metadata__" first, then tensors in insertion order with contiguous offsets,
-// padded with spaces so the data area starts 8-byte aligned.
+// Converts floats src[0..n) to dtype's 16-bit values in dst (n at most 2048).
+static void to_half(vlmoe_dtype dt, const float *src, size_t n, uint16_t *dst) {
+    for (size_t j = 0; j < n; j++) dst[j] = dt == VLMOE_DT_F16 ? vlmoe_f32_to_f16(src[j]) : vlmoe_f32_to_bf16(src[j]);
+}
+
+// The CRC-32 of the bytes write_tensor writes for e.
+static uint32_t tensor_crc(const w_entry *e) {
+    uint32_t crc = (uint32_t)crc32(0, Z_NULL, 0);
+    if (!e->from_f32 || e->dtype == VLMOE_DT_F32) return crc_bytes(crc, e->data, e->nbytes);
+    uint16_t buf[2048];
+    for (size_t i = 0, n = e->nbytes / 2; i < n; i += 2048) {
+        const size_t k = n - i < 2048 ? n - i : 2048;
+        to_half(e->dtype, (const float *)e->data + i, k, buf);
+        crc = crc_bytes(crc, (const unsigned char *)buf, 2 * k);
+    }
+    return crc;
+}
+
+// Header JSON: "__metadata__" first (the caller's, then CRC_KEY), then tensors in insertion order
+// with contiguous offsets, padded with spaces so the data area starts 8-byte aligned.
 static int build_header(const vlmoe_st_writer *w, sbuf *b, const char *path) {
     char num[64];
-    sb_put(b, "{", 1);
-    if (w->nmeta) {
-        sb_str(b, "\"__metadata__\":{");
-        for (int i = 0; i < w->nmeta; i++) {
-            if (i) sb_put(b, ",", 1);
-            sb_json(b, w->meta[2 * i]);
-            sb_put(b, ":", 1);
-            sb_json(b, w->meta[2 * i + 1]);
-        }
-        sb_put(b, "}", 1);
+    sb_str(b, "{\"__metadata__\":{");
+    int first = 1;
+    for (int i = 0; i < w->nmeta; i++) {
+        if (!strcmp(w->meta[2 * i], CRC_KEY)) continue; // a copied file's: this file's own is written below
+        if (!first) sb_put(b, ",", 1);
+        first = 0;
+        sb_json(b, w->meta[2 * i]);
+        sb_put(b, ":", 1);
+        sb_json(b, w->meta[2 * i + 1]);
     }
+    if (!first) sb_put(b, ",", 1);
+    sb_json(b, CRC_KEY);
+    sb_str(b, ":\"");
+    for (int i = 0; i < w->n; i++) {
+        snprintf(num, sizeof num, "%s%08" PRIx32, i ? " " : "", tensor_crc(&w->t[i]));
+        sb_str(b, num);
+    }
+    sb_str(b, "\"}");
     uint64_t off = 0;
     for (int i = 0; i < w->n; i++) {
         const w_entry *e = &w->t[i];
         if (e->nbytes > MAX_EXACT - off)
             return vlmoe_fail(VLMOE_ERR_ARG, "%s: tensor '%s': data exceeds 2^53 bytes", path,
                               e->name);
-        if (i || w->nmeta) sb_put(b, ",", 1);
+        sb_put(b, ",", 1);
         sb_json(b, e->name);
         sb_str(b, ":{\"dtype\":\"");
         sb_str(b, dtypes[e->dtype].name);
@@ -677,16 +756,14 @@ static int write_tensor(FILE *f, const w_entry *e) {
     uint16_t buf[2048];
     for (size_t i = 0, n = e->nbytes / 2; i < n; i += 2048) {
         size_t k = n - i < 2048 ? n - i : 2048;
-        for (size_t j = 0; j < k; j++)
-            buf[j] = e->dtype == VLMOE_DT_F16 ? vlmoe_f32_to_f16(src[i + j])
-                                              : vlmoe_f32_to_bf16(src[i + j]);
+        to_half(e->dtype, src + i, k, buf);
         if (fwrite(buf, 2, k, f) != k) return -1;
     }
     return 0;
 }
 
 // Makes the rename durable. EINVAL means the filesystem cannot fsync directories: not an error.
-static int sync_dir(const char *path) {
+int vlmoe_sync_dir(const char *path) {
     const char *slash = strrchr(path, '/');
     size_t n = slash ? (slash == path ? 1 : (size_t)(slash - path)) : 1;
     char *dir = vlmoe_alloc(n + 1, "directory name");
@@ -702,20 +779,17 @@ static int sync_dir(const char *path) {
     return rc;
 }
 
-int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path) {
-    if (!w || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_st_writer_write: NULL writer or path");
+int vlmoe_st_writer_write_tmp(vlmoe_st_writer *w, const char *path, char *tmp, size_t cap) {
+    if (!w || !path || !tmp) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_st_writer_write: NULL writer or path");
     sbuf hdr = {0};
     unsigned char len8[8];
-    size_t tlen = strlen(path) + 32;
-    char *tmp = NULL;
     FILE *f = NULL;
     int rc = build_header(w, &hdr, path);
     if (rc) goto done;
-    if (!(tmp = vlmoe_alloc(tlen, "temporary file name"))) {
-        rc = VLMOE_ERR_NOMEM;
+    if (snprintf(tmp, cap, "%s.tmp.%ld", path, (long)getpid()) >= (int)cap) {
+        rc = vlmoe_fail(VLMOE_ERR_ARG, "%s: path too long", path);
         goto done;
     }
-    snprintf(tmp, tlen, "%s.tmp.%ld", path, (long)getpid());
     if (!(f = fopen(tmp, "wb"))) {
         rc = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot create %s: %s", path, tmp, strerror(errno));
         goto done;
@@ -730,9 +804,6 @@ int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path) {
         f = NULL;
         goto io_error;
     }
-    f = NULL;
-    if (rename(tmp, path) != 0) goto io_error;
-    rc = sync_dir(path);
     goto done;
 io_error:
     rc = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write (via %s): %s", path, tmp,
@@ -741,6 +812,20 @@ io_error:
     remove(tmp);
 done:
     vlmoe_free_mem(hdr.p);
+    return rc;
+}
+
+int vlmoe_st_writer_write(vlmoe_st_writer *w, const char *path) {
+    if (!w || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_st_writer_write: NULL writer or path");
+    const size_t cap = strlen(path) + 32;
+    char *tmp = vlmoe_alloc(cap, "temporary file name");
+    if (!tmp) return VLMOE_ERR_NOMEM;
+    int rc = vlmoe_st_writer_write_tmp(w, path, tmp, cap);
+    if (!rc && rename(tmp, path) != 0) {
+        rc = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot rename %s to it: %s", path, tmp, strerror(errno));
+        remove(tmp);
+    }
+    if (!rc) rc = vlmoe_sync_dir(path);
     vlmoe_free_mem(tmp);
     return rc;
 }

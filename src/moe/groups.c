@@ -22,19 +22,19 @@ static void valid_sizes(char *buf, size_t cap, int unit, int count) {
     for (int i = 0; i < nl && u < cap; i++) u += (size_t)snprintf(buf + u, cap - u, "%s%d", i ? ", " : "", list[i]);
 }
 
-int moe_capacity(const vlmoe_moe_config *c, int S, double cf, int *C) {
+int moe_capacity(const vlmoe_moe_config *c, int S, int training, int *C) {
     // CLIP-UP writes B_e = (B_t/E) x C for its top-2 routing: no K (MOE.md, CLIP-UP sec. 3)
     const int K = c->router == VLMOE_ROUTER_TOKENS && !c->capacity_per_token ? c->top_k : 1;
-    return vlmoe_capacity(S, c->num_experts, K, cf, c->capacity_multiple > 0 ? c->capacity_multiple : 1, C);
+    int st = vlmoe_capacity(S, c->num_experts, K, training ? c->capacity_factor : c->eval_capacity_factor,
+                            c->capacity_multiple > 0 ? c->capacity_multiple : 1, C);
+    if (st) return vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts), st;
+    if (*C > S) *C = S; // an expert never holds more than every token of its group
+    return VLMOE_OK;
 }
 
 static int check_capacity(const moe_spec *sp, int S, int training) {
-    const vlmoe_moe_config *c = sp->cfg;
-    if (c->router == VLMOE_ROUTER_SOFT) return VLMOE_OK;
     int C;
-    int st = moe_capacity(c, S, training ? c->capacity_factor : c->eval_capacity_factor, &C);
-    if (st) vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts);
-    return st;
+    return sp->cfg->router == VLMOE_ROUTER_SOFT ? VLMOE_OK : moe_capacity(sp->cfg, S, training, &C);
 }
 
 // Groups of whole examples. Rows: example b's image tokens at b*ti + i, its text tokens at

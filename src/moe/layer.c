@@ -132,10 +132,14 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->yg, (size_t)nmax * D);
         DALLOC(st->dxg, (size_t)nmax * D);
     } else {
-        double cf = c->capacity_factor > c->eval_capacity_factor ? c->capacity_factor : c->eval_capacity_factor;
-        int C = 1;
-        if (moe_capacity(c, Smax, cf, &C)) C = 1;
-        if (C > Smax) C = Smax; // an expert never holds more than every token of its group
+        // sized by the same function the forward uses (moe_capacity), for both factors: an error
+        // here is the model's error, never a silent fallback to a smaller buffer
+        int C = 1, Ce = 1;
+        if ((stt = moe_capacity(c, Smax, 1, &C)) || (stt = moe_capacity(c, Smax, 0, &Ce))) {
+            R(moe_state_free)(st);
+            return stt;
+        }
+        if (Ce > C) C = Ce;
         st->cmax = C;
         // every accepted assignment is one packed row: at most C per expert and group, and with
         // tokens choice also at most K per token (experts choice may pick a token E times)
@@ -395,10 +399,11 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, st->perm.row_token, n, E);
     }
     // the routing decision of each group
-    const double cf = c->training ? cfg->capacity_factor : cfg->eval_capacity_factor;
     int C, stt;
-    if ((stt = moe_capacity(cfg, st->S, cf, &C))) return stt;
-    if (C > st->S) C = st->S;
+    if ((stt = moe_capacity(cfg, st->S, c->training, &C))) return stt;
+    if (C > st->cmax) // moe_capacity is monotone in S and S <= the Smax create sized for
+        return vlmoe_fail(VLMOE_ERR_ARG, "moe: capacity %d of a group of %d tokens exceeds the %d "
+                          "the layer was sized for", C, st->S, st->cmax);
     st->C = C;
     vlmoe_route_params rp = {K, C, cfg->order, cfg->bpr_score, cfg->gate_renorm, 0};
     for (int g = 0; g < st->G; g++) {

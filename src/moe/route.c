@@ -34,6 +34,9 @@ int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C) {
         return vlmoe_fail(VLMOE_ERR_CONFIG,
                           "capacity_factor %g gives expert capacity %g < 1 for a group of %d tokens, "
                           "%d experts and top_k %d: capacity_factor must be > 0", cf, c, S, E, K);
+    // No group ever routes more than S*K assignments to one expert: a larger capacity (a huge but
+    // finite factor from a model file) buys nothing, so it is clamped before it can size anything.
+    if (c > (double)S * K) c = (double)S * K;
     c = ceil(c / multiple) * multiple;
     if (c > (double)INT_MAX)
         return vlmoe_fail(VLMOE_ERR_CONFIG,

@@ -49,6 +49,14 @@ static void scatter(const R(block_pass) *p, const R(block_ffn) *f, real *tokens,
                     rows + (f->row0 + (size_t)b * f->len) * D, (size_t)f->len * D);
 }
 
+// Drop path: scales the nseq runs of len rows (D values each) of buf by the sequences' factors.
+static void drop_scale(const R(block_pass) *p, real *buf, const double *factor, int nseq, int len) {
+    const size_t run = (size_t)len * p->D;
+    for (int b = 0; b < nseq; b++)
+        if (factor[b] == 0) p->be->zero(p->be, buf + (size_t)b * run, run);
+        else if (factor[b] != 1) p->be->scale(p->be, buf + (size_t)b * run, run, (float)factor[b]);
+}
+
 // A dense MLP is the expert bank of one expert over the part's rows.
 typedef struct {
     int32_t off[2];
@@ -70,18 +78,26 @@ static int ffn_forward(const R(block_pass) *p, const R(block_acts) *a, const R(b
     real *ln = p->ln + f->row0 * D;
     be->layernorm_forward(be, ln, a->ln2_m + f->row0, a->ln2_r + f->row0, x, P + f->ln_w, P + f->ln_b, ns, D, p->eps);
     if (out != x) be->copy(be, out, x, (size_t)ns * D);
+    // with drop path the branch is summed apart, scaled per sequence, then added
+    real *y = p->drop[1] ? p->dbuf + f->row0 * D : out;
+    if (p->drop[1]) be->zero(be, y, (size_t)ns * D);
+    int st = VLMOE_OK;
     if (f->f->kind == FFN_MOE) {
         moe_call c = f->call;
         c.n = ns;
         double a1 = 0;
-        int st = R(moe_forward)(f->moe, &c, P, ln, out, &a1, f->stats);
+        st = R(moe_forward)(f->moe, &c, P, ln, y, &a1, f->stats);
         *aux += a1;
-        return st;
+    } else {
+        dense_mlp d;
+        dense_of(&d, p, f->f, P, ns);
+        be->experts_forward(be, y, a->h + f->row0 * M, p->da + f->row0 * M, ln, d.w, &d.ex, 1);
     }
-    dense_mlp d;
-    dense_of(&d, p, f->f, P, ns);
-    be->experts_forward(be, out, a->h + f->row0 * M, p->da + f->row0 * M, ln, d.w, &d.ex, 1);
-    return VLMOE_OK;
+    if (!st && p->drop[1]) {
+        drop_scale(p, y, p->drop[1], f->nseq, f->len);
+        be->add(be, out, y, (size_t)ns * D);
+    }
+    return st;
 }
 
 // dy holds d(out) on entry and d(x) on return (the residual's identity plus the LayerNorm's).
@@ -93,14 +109,22 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
     const real *m = a->ln2_m + f->row0, *r = a->ln2_r + f->row0;
     be->layernorm_recompute(be, ln, x, P + f->ln_w, P + f->ln_b, m, r, ns, D);
     be->zero(be, dln, (size_t)ns * D);
+    // drop path: the branch sees d(out) times its sequence's factor; the residual d(out) itself
+    const real *dyb = dy;
+    if (p->drop[1]) {
+        real *s = p->dbuf + f->row0 * D;
+        be->copy(be, s, dy, (size_t)ns * D);
+        drop_scale(p, s, p->drop[1], f->nseq, f->len);
+        dyb = s;
+    }
     if (f->f->kind == FFN_MOE) {
-        R(moe_backward)(f->moe, P, G, ln, dy, dln, 1.0);
+        R(moe_backward)(f->moe, P, G, ln, dyb, dln, 1.0);
     } else {
         dense_mlp d;
         dense_of(&d, p, f->f, P, ns);
         const ffn_layout *fl = f->f;
         real *const dw[4] = {G + fl->fc1_w, G + fl->fc1_b, G + fl->fc2_w, G + fl->fc2_b};
-        be->experts_backward(be, dln, dw, dy, ln, a->h + f->row0 * M, d.w, p->da + f->row0 * M,
+        be->experts_backward(be, dln, dw, dyb, ln, a->h + f->row0 * M, d.w, p->da + f->row0 * M,
                              p->dh + f->row0 * M, &d.ex);
     }
     be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, x, P + f->ln_w, m, r, ns, D);
@@ -117,8 +141,14 @@ int R(block_forward)(const R(block_pass) *p, const R(block) *b, const real *P, c
     be->linear_forward(be, a->qkv + t0 * 3 * D, p->ln + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
     for (int k = 0; k < p->nseg; k++)
         be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
-    be->copy(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
-    be->linear_forward(be, a->res1 + t0 * D, p->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 1);
+    if (p->drop[0]) { // drop path: res1 = x + factor * out(atty), per sequence
+        be->linear_forward(be, a->res1 + t0 * D, p->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 0);
+        drop_scale(p, a->res1 + t0 * D, p->drop[0], p->drop_nseq, n / p->drop_nseq);
+        be->add(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
+    } else {
+        be->copy(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
+        be->linear_forward(be, a->res1 + t0 * D, p->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 1);
+    }
     for (int k = 0; k < b->nffn; k++) {
         const R(block_ffn) *f = &b->ffn[k];
         int st;
@@ -158,8 +188,14 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
     // dres now holds d(res1): the attention half, its outputs recomputed
     for (int k = 0; k < p->nseg; k++)
         be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
+    const real *dbranch = p->dres + t0 * D;
+    if (p->drop[0]) {
+        be->copy(be, p->dbuf + t0 * D, p->dres + t0 * D, (size_t)n * D);
+        drop_scale(p, p->dbuf + t0 * D, p->drop[0], p->drop_nseq, n / p->drop_nseq);
+        dbranch = p->dbuf + t0 * D;
+    }
     be->zero(be, p->datty + t0 * D, (size_t)n * D);
-    be->linear_backward(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, p->dres + t0 * D, p->atty + t0 * D,
+    be->linear_backward(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D,
                        P + bl->out_w, n, D, D);
     be->zero(be, p->dqkv + t0 * 3 * D, (size_t)n * 3 * D);
     for (int k = 0; k < p->nseg; k++)

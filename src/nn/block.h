@@ -49,6 +49,13 @@ typedef struct {
     real *da, *dh;               // (nmax,M) the MLP activation (forward) and its gradients
     real *sx, *sdy;              // (nmax,D) gathered rows of a feed-forward that does not run in
                                  // place (NULL when every feed-forward covers whole sequences)
+    // stochastic depth (BEiT / timm's drop path): the factor of each sequence's attention
+    // (drop[0]) and feed-forward (drop[1]) branch in the next block, 0 (dropped) or 1/(1-p);
+    // drop[0] == NULL: none. The attention half's tokens are drop_nseq sequences of n/drop_nseq
+    // tokens, a feed-forward part's are its nseq sequences. dbuf: (nmax,D) scratch for the branch.
+    const double *drop[2];
+    int drop_nseq;
+    real *dbuf;
 } R(block_pass);
 
 // The activations one block keeps from forward to backward.

@@ -10,6 +10,7 @@
 
 #include "core/core.h"
 #include "nn/model.h"
+#include "nn/sizes.h"
 #include "vlmoe.h"
 
 static vlmoe_model_config one_tower(const char *name, int img, int patch, int w, int l, int h,
@@ -160,6 +161,8 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         *out = clip(name, 224, 32, 768, 12, 12, 512, 12, 8, 512);
     } else if (!strcmp(name, "ViT-B-16")) {
         *out = clip(name, 224, 16, 768, 12, 12, 512, 12, 8, 512);
+    } else if (!sizes_named(name, out)) {
+        // the papers' sizes (src/nn/sizes.c)
     } else if (!strncmp(name, "limoe-", 6) || !strncmp(name, "clipup-", 7)) {
         int lim = name[0] == 'l';
         int st = moe_named(name + (lim ? 6 : 7), lim ? "limoe" : "clipup", out);
@@ -194,8 +197,8 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
             m->slots_per_expert = 2;
         }
     } else {
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown model '%s' (known: %s, or a .json config file)",
-                          name, NAMES);
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "unknown model '%s' (known: %s, %s, or a .json config file)",
+                          name, NAMES, SIZES_NAMES);
     }
     snprintf(out->name, sizeof(out->name), "%s", name);
     return VLMOE_OK;
@@ -282,11 +285,15 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(m->num_experts >= 1 && m->num_experts <= 4096, "%s.num_experts: %d not in [1, 4096]", nm, m->num_experts);
         NEED(m->router != VLMOE_ROUTER_TOKENS || (m->top_k >= 1 && m->top_k <= m->num_experts),
              "%s.top_k: %d not in [1, num_experts = %d]", nm, m->top_k, m->num_experts);
-        NEED(m->router == VLMOE_ROUTER_SOFT || (m->capacity_factor > 0 && m->eval_capacity_factor > 0),
-             "%s.capacity_factor / eval_capacity_factor must be > 0", nm);
-        NEED(m->capacity_multiple >= 0, "%s.capacity_multiple: %d must be >= 1 (0 means 1)", nm, m->capacity_multiple);
+        NEED(m->router == VLMOE_ROUTER_SOFT || (m->capacity_factor > 0 && isfinite(m->capacity_factor)),
+             "%s.capacity_factor: %g must be a finite number > 0", nm, m->capacity_factor);
+        NEED(m->router == VLMOE_ROUTER_SOFT || (m->eval_capacity_factor > 0 && isfinite(m->eval_capacity_factor)),
+             "%s.eval_capacity_factor: %g must be a finite number > 0", nm, m->eval_capacity_factor);
+        NEED(m->capacity_multiple >= 0 && m->capacity_multiple <= 1 << 20,
+             "%s.capacity_multiple: %d not in [1, 2^20] (0 means 1)", nm, m->capacity_multiple);
         NEED(m->order >= VLMOE_ORDER_FIFO && m->order <= VLMOE_ORDER_RANDOM, "%s.order: unknown value", nm);
-        NEED(m->noise_std >= 0, "%s.noise_std must be >= 0", nm);
+        NEED(m->noise_std >= 0 && isfinite(m->noise_std), "%s.noise_std: %g must be a finite number >= 0", nm,
+             m->noise_std);
         NEED(m->group_size >= 0, "%s.group_size must be >= 0 (0 = the whole batch)", nm);
         NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
@@ -306,7 +313,8 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
              "%s.global_entropy_tau: [%g, %g] must be finite and >= 0 (tau = log(S), S >= 1 experts)", nm,
              m->global_tau[0], m->global_tau[1]);
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
-            NEED(m->aux_weight[k] >= 0, "%s.aux.%s: weight must be >= 0", nm, vlmoe_aux_name(k));
+            NEED(m->aux_weight[k] >= 0 && isfinite(m->aux_weight[k]), "%s.aux.%s: weight must be a finite "
+                 "number >= 0", nm, vlmoe_aux_name(k));
         for (int l = 0; l < 64; l++) {
             if (!m->pruned[l]) continue;
             int kept = 0;
@@ -319,7 +327,8 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
                  kept, m->top_k);
         }
     }
-    NEED(c->init_temperature > 0 && c->max_temperature >= 1 && c->init_temperature <= c->max_temperature,
+    NEED(c->init_temperature > 0 && c->max_temperature >= 1 && c->init_temperature <= c->max_temperature &&
+         isfinite(c->max_temperature),
          "temperature: need 0 < init_temperature (%g) <= max_temperature (%g), max >= 1",
          c->init_temperature, c->max_temperature);
 #undef NEED
@@ -420,7 +429,8 @@ static int read_enum(const cJSON *v, const char *what, const char *key, const ch
 }
 
 static int read_num(const cJSON *v, const char *what, const char *key, double *out) {
-    if (!cJSON_IsNumber(v)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be a number", what, key);
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble)) // 1e999 parses as inf
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be a finite number", what, key);
     *out = v->valuedouble;
     return VLMOE_OK;
 }
@@ -595,10 +605,7 @@ static int read_key(const cJSON *v, const key_spec *k, const char *what, vlmoe_m
     int idx;
     switch (k->kind) {
     case K_INT: return read_int(v, what, k->key, (int *)field);
-    case K_DOUBLE:
-        if (!cJSON_IsNumber(v)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be a number", what, k->key);
-        *(double *)field = v->valuedouble;
-        return VLMOE_OK;
+    case K_DOUBLE: return read_num(v, what, k->key, (double *)field);
     case K_BOOL:
         if (!cJSON_IsBool(v)) return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k->key);
         *(int *)field = cJSON_IsTrue(v);
@@ -706,8 +713,9 @@ done:
 
 // The text of a JSON config file (at most 1 MiB), malloc'd.
 static int read_config_file(const char *path, char **out) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open config file", path);
+    const char *why;
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open config file: %s", path, why);
     char *buf = NULL;
     long len = -1;
     if (fseek(f, 0, SEEK_END) == 0) len = ftell(f);

@@ -2,8 +2,9 @@
 // model was trained on it: the tokenizer (its text, or the synthetic data's word tokenizer) and
 // the image preprocessing. Kept with the model (struct vlmoe_model's `in`), written into the
 // safetensors metadata by vlmoe_model_save and read back by vlmoe_model_load:
-//   "vlmoe.tokenizer"      "synthetic" | "bpe" (absent: the file does not say)
-//   "vlmoe.tokenizer.text" bpe: vlmoe_tokenizer_to_text's text (CLIP merges or tokenizer.json)
+//   "vlmoe.tokenizer"      "synthetic" | "bpe" | "sentencepiece" (absent: the file does not say)
+//   "vlmoe.tokenizer.text" bpe: vlmoe_tokenizer_to_text's text (CLIP merges or tokenizer.json);
+//                          sentencepiece: its text form, the .model file in base64 (tok/spm.h)
 //   "vlmoe.preprocess"     {"image_size": S, "mean": [r, g, b], "std": [r, g, b],
 //                           "resize": "shortest", "interpolation": "bicubic", "crop": "center"}
 // The preprocessing names the one eval transform vlmoe has (OpenCLIP's: the shorter side resized
@@ -18,6 +19,7 @@
 #include "core/core.h"
 #include "io/safetensors.h"
 #include "nn/model.h"
+#include "tok/spm.h"
 #include "tok/tok.h"
 
 #define KEY_TOK "vlmoe.tokenizer"
@@ -80,7 +82,8 @@ int model_same_tokenizer(const vlmoe_model *m, const vlmoe_tokenizer *tok) {
 int model_inputs_save(const vlmoe_model *m, vlmoe_st_writer *w) {
     const model_inputs *in = &m->in;
     int st = VLMOE_OK;
-    if (in->text) st = vlmoe_st_writer_meta(w, KEY_TOK, in->text == MODEL_TEXT_BPE ? "bpe" : "synthetic");
+    const int spm = in->text == MODEL_TEXT_BPE && spm_text_is(in->tokenizer, in->tokenizer_len);
+    if (in->text) st = vlmoe_st_writer_meta(w, KEY_TOK, spm ? "sentencepiece" : in->text == MODEL_TEXT_BPE ? "bpe" : "synthetic");
     if (!st && in->text == MODEL_TEXT_BPE) st = vlmoe_st_writer_meta(w, KEY_TOK_TEXT, in->tokenizer);
     if (st || !in->has_norm) return st;
     char json[512];
@@ -119,8 +122,13 @@ int model_inputs_load(vlmoe_model *m, const vlmoe_st *f, const char *path) {
     const char *pre = vlmoe_st_metadata(f, KEY_PRE);
     if (kind && !strcmp(kind, "synthetic")) {
         in.text = MODEL_TEXT_SYNTH;
-    } else if (kind && !strcmp(kind, "bpe")) {
-        if (!text) return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata %s is \"bpe\" but %s is missing", path, KEY_TOK, KEY_TOK_TEXT);
+    } else if (kind && (!strcmp(kind, "bpe") || !strcmp(kind, "sentencepiece"))) {
+        // MODEL_TEXT_BPE stands for "the file carries a tokenizer's text", whichever kind it is
+        if (!text) return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata %s is \"%s\" but %s is missing", path, KEY_TOK, kind, KEY_TOK_TEXT);
+        if ((strcmp(kind, "sentencepiece") == 0) != spm_text_is(text, strlen(text)))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata %s is \"%s\" but %s %s", path, KEY_TOK, kind, KEY_TOK_TEXT,
+                              !strcmp(kind, "bpe") ? "holds a SentencePiece model" : "does not start with the SentencePiece "
+                              "text form's first line (" SPM_TEXT_MAGIC_LINE ")");
         in.text = MODEL_TEXT_BPE;
         in.tokenizer_len = strlen(text);
         if (!(in.tokenizer = malloc(in.tokenizer_len + 1))) return vlmoe_fail(VLMOE_ERR_NOMEM, "%s: tokenizer", path);
@@ -136,7 +144,7 @@ int model_inputs_load(vlmoe_model *m, const vlmoe_st *f, const char *path) {
                             "vocabulary of %d", path, n, m->L.cfg.vocab_size);
         if (st) return model_inputs_free(&in), st;
     } else if (kind) {
-        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata %s is \"%s\": expected \"synthetic\" or \"bpe\"", path, KEY_TOK, kind);
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata %s is \"%s\": expected \"synthetic\", \"bpe\" or \"sentencepiece\"", path, KEY_TOK, kind);
     }
     if (pre) {
         cJSON *o = cJSON_Parse(pre);

@@ -309,8 +309,9 @@ int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {
     return VLMOE_OK;
 }
 
-int vlmoe_model_save(const vlmoe_model *m, const char *path) {
+int model_writer(const vlmoe_model *m, vlmoe_st_writer **out) {
     vlmoe_st_writer *w;
+    *out = NULL;
     int st = vlmoe_st_writer_init(&w);
     if (st) return st;
     char *json = vlmoe_config_to_json(&m->L.cfg);
@@ -323,13 +324,23 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
     }
     if (!st && m->L.arch->save) st = m->L.arch->save(m, w);
     if (!st) st = model_inputs_save(m, w);
-    if (!st) st = vlmoe_st_writer_write(w, path);
     free(json);
+    if (st) vlmoe_st_writer_free(w);
+    else *out = w;
+    return st;
+}
+
+int vlmoe_model_save(const vlmoe_model *m, const char *path) {
+    vlmoe_st_writer *w;
+    int st = model_writer(m, &w);
+    if (!st) st = vlmoe_st_writer_write(w, path);
     vlmoe_st_writer_free(w);
     return st;
 }
 
-// Loads every parameter of the table from an open file (shapes must match exactly).
+// Loads every parameter of the table from an open file (shapes must match exactly). params NULL:
+// only the check that every tensor is there with its shape (the header's offsets were checked
+// against the file's size when it was opened).
 int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
     for (int i = 0; i < L->nparams; i++) {
         const vlmoe_param_info *p = &L->table[i];
@@ -346,7 +357,7 @@ int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
                               "the config needs [%lld, %lld] (%d dims)", vlmoe_st_path(f), p->name,
                               (long long)(ti.ndim > 0 ? ti.shape[0] : 0), (long long)(ti.ndim > 1 ? ti.shape[1] : 0),
                               ti.ndim, (long long)p->shape[0], (long long)p->shape[1], p->ndim);
-        if ((st = vlmoe_st_read_f32(f, p->name, params + p->offset, p->numel))) return st;
+        if (params && (st = vlmoe_st_read_f32(f, p->name, params + p->offset, p->numel))) return st;
     }
     return VLMOE_OK;
 }
@@ -381,11 +392,15 @@ static int read_weights(const vlmoe_model *m, const vlmoe_st *f, float *dst) {
     return st;
 }
 
-int model_load_into(vlmoe_model *m, const char *path) {
+int model_load_into(vlmoe_model *m, const char *path) { return model_load_into_checked(m, path, NULL, NULL); }
+
+int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void *user, const vlmoe_st *f),
+                            void *user) {
     vlmoe_st *f;
     vlmoe_model_config cfg;
     int st = open_model_file(path, &f, &cfg);
     if (st) return st;
+    if (check && (st = check(user, f))) return vlmoe_st_close(f), st;
     char *a = vlmoe_config_to_json(&cfg), *b = vlmoe_config_to_json(&m->L.cfg);
     if (!a || !b || strcmp(a, b))
         st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: the checkpoint's model config differs from this run's", path);
@@ -407,7 +422,14 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     vlmoe_model *m = NULL;
     int st = open_model_file(path, &f, &cfg);
     if (st) return st;
-    if (!(st = vlmoe_model_init(&m, &cfg, 0))) st = read_weights(m, f, m->params);
+    // The config in the metadata declares the model's size; the tensors in the file prove it.
+    // Checked before anything of that size is allocated: a few bytes of metadata must not cost
+    // gigabytes of parameters, gradients and activations.
+    model_layout L;
+    if (!(st = model_layout_build(&L, &cfg))) st = model_read_params(&L, f, NULL);
+    model_layout_free(&L);
+    if (!st) st = vlmoe_model_init(&m, &cfg, 0);
+    if (!st) st = read_weights(m, f, m->params);
     if (!st && m->L.arch->load) st = m->L.arch->load(m, f, path);
     if (!st) st = model_inputs_load(m, f, path);
     vlmoe_st_close(f);

@@ -88,6 +88,13 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
 // is unchanged unless every tensor reads back valid and finite.
 typedef struct vlmoe_model vlmoe_model;
 int model_load_into(vlmoe_model *m, const char *path);
+// The same, with check(user, f) run on the open file before anything is read (a checkpoint's
+// pairing with its state file, src/train/checkpoint.c); its error stops the load.
+int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void *user, const vlmoe_st *f),
+                            void *user);
+// A safetensors writer holding m as vlmoe_model_save writes it (config, parameters, inputs), for a
+// caller that adds metadata or orders the file's rename itself; freed by the caller.
+int model_writer(const vlmoe_model *m, vlmoe_st_writer **out);
 
 // What one forward computes: contrastive stats, and which modalities are present.
 typedef struct {

@@ -80,6 +80,10 @@ struct R(mome_graph) {
     uint8_t *mods[2];                // all VLMOE_MOD_IMAGE / all VLMOE_MOD_TEXT
     uint64_t *keys;                  // (B*(Ti+Tt)) routing-noise keys of the stream rows
     const double **noise;            // (nmoe) test hook
+    double drop_path;                // stochastic depth rate of the last block (0: none)
+    double *dropf;                   // (layers, 2, B) this forward's drop-path factors
+    const uint8_t *drop_keep;        // (layers, 2, B) test hook: the kept branches (NULL: draw)
+    int drop_on;                     // the last forward dropped paths (backward follows it)
     vlmoe_moe_stats *stats;          // (nmoe)
     real *arena;
     int32_t *ints;
@@ -107,6 +111,7 @@ static void plan(struct R(mome_graph) *g, carver *c) {
         R(block_plan)(c, &g->layers[l].a, n, (int)D, (int)M, dense);
     }
     R(block_plan_pass)(c, &g->pass, n, B * H * Tmax * Tmax, (int)D, (int)M, 1);
+    g->pass.dbuf = carve(c, n * D);
     g->lnf = carve(c, n * D);
     g->lnf_m = carve(c, n);
     g->lnf_r = carve(c, n);
@@ -155,7 +160,9 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, cons
     g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
     g->mods[1] = vlmoe_alloc((size_t)n, "modalities");
     g->keys = vlmoe_alloc(sizeof(uint64_t) * (size_t)n, "token noise keys");
-    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1] || !g->keys)
+    g->dropf = vlmoe_alloc(sizeof(double) * (size_t)(nl ? nl : 1) * 2 * B, "drop-path factors");
+    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1] || !g->keys ||
+        !g->dropf)
         return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
     memset(g->mods[1], VLMOE_MOD_TEXT, (size_t)n);
     g->tokens = g->ints;
@@ -196,7 +203,7 @@ void R(mome_graph_free)(struct R(mome_graph) *g) {
     if (!g) return;
     for (int l = 0; g->layers && l < g->L->enc[0].layers; l++)
         for (int k = 0; k < 2; k++) R(moe_state_free)(g->layers[l].moe[k]);
-    void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->keys};
+    void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->keys, g->dropf};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) vlmoe_free_mem(all[i]);
     g->be->free(g->be, g->arena);
     vlmoe_free_mem(g);
@@ -218,6 +225,40 @@ static double head_norm(const struct R(mome_graph) *g, int h) { return g->norm[h
 
 void R(mome_graph_set_noise)(struct R(mome_graph) *g, int index, const double *noise) {
     if (index >= 0 && index < g->L->nmoe) g->noise[index] = noise;
+}
+
+void R(mome_graph_set_drop_path)(struct R(mome_graph) *g, double rate) { g->drop_path = rate; }
+
+void R(mome_graph_set_drop_keep)(struct R(mome_graph) *g, const uint8_t *keep) { g->drop_keep = keep; }
+
+const double *R(mome_graph_drop_factors)(const struct R(mome_graph) *g) { return g->drop_on ? g->dropf : NULL; }
+
+// Stochastic depth as BEiT and timm draw it: block l's rate is drop_path * l / (layers - 1)
+// (linspace(0, rate, depth)), each residual branch of each sample kept with probability 1 - rate
+// and then scaled by 1 / (1 - rate). A draw is keyed by the forward's seed (the model's seed and
+// its forward count, i.e. the step), the global sample index, the block and the branch, so a
+// sample's draw does not depend on the process or the batch it lands in (docs/DISTRIBUTED.md).
+static void draw_drop_path(struct R(mome_graph) *g) {
+    const int nl = g->L->enc[0].layers, B = g->B;
+    for (int l = 0; l < nl; l++)
+        for (int k = 0; k < 2; k++)
+            for (int b = 0; b < B; b++) {
+                const double rate = nl > 1 ? g->drop_path * l / (nl - 1) : 0;
+                const size_t i = ((size_t)l * 2 + k) * B + b;
+                const uint64_t key = vlmoe_mix64(g->seed ^ 0x64726f7070617468ULL) ^ (g->sample_base + (uint64_t)b);
+                const double u = (double)(vlmoe_mix64(vlmoe_mix64(key) + (uint64_t)(l * 2 + k)) >> 11) * 0x1p-53;
+                const int keep = g->drop_keep ? g->drop_keep[i] != 0 : u >= rate;
+                g->dropf[i] = keep ? 1.0 / (1.0 - rate) : 0.0;
+            }
+}
+
+// The pass's drop-path factors for block l (none when the forward drops no path).
+static void set_drop(struct R(mome_graph) *g, int l) {
+    R(block_pass) *p = &g->pass;
+    const double *f = g->dropf + (size_t)l * 2 * g->B;
+    p->drop[0] = g->drop_on ? f : NULL;
+    p->drop[1] = g->drop_on ? f + g->B : NULL;
+    p->drop_nseq = g->B;
 }
 
 const real *R(mome_graph_hidden)(const struct R(mome_graph) *g, int *seq) {
@@ -507,10 +548,14 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     }
     stem_forward(g, P, in->images);
     set_pass(g);
+    // drop path in training only (evaluation runs the whole network, as timm's DropPath does)
+    g->drop_on = g->training && (g->drop_path > 0 || g->drop_keep);
+    if (g->drop_on) draw_drop_path(g);
     const real *x = g->x0;
     for (int l = 0; l < E->layers; l++) {
         R(block_ffn) f[2];
         const R(block) b = block_of(g, l, f, 1);
+        set_drop(g, l);
         if ((st = R(block_forward)(&g->pass, &b, P, x, &g->aux))) return vlmoe_error_prefix("block %d", l), st;
         x = b.a->res2;
     }
@@ -598,6 +643,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
     for (int l = E->layers - 1; l >= 0; l--) {
         R(block_ffn) f[2];
         const R(block) b = block_of(g, l, f, 0);
+        set_drop(g, l);
         R(block_backward)(&g->pass, &b, P, G, l ? g->layers[l - 1].a.res2 : g->x0);
     }
     stem_backward(g, P, G);

@@ -61,6 +61,14 @@ int mome_model_plan(vlmoe_model *m, int B);
     /* tests: the additive router noise (n,E) of MoE layer `index` in the next forwards, in */    \
     /* place of drawing it (NULL: draw again) */                                                 \
     void mome_graph_set_noise_##S(mome_graph_##S *g, int index, const double *noise);             \
+    /* stochastic depth (BEiT's drop path) of training forwards: rate of the last block, */       \
+    /* rising linearly from 0 at the first (0: none) */                                          \
+    void mome_graph_set_drop_path_##S(mome_graph_##S *g, double rate);                            \
+    /* tests: (layers, 2, B) which attention (0) and feed-forward (1) branches of each sample */  \
+    /* training forwards keep, in place of drawing (NULL: draw) */                               \
+    void mome_graph_set_drop_keep_##S(mome_graph_##S *g, const uint8_t *keep);                    \
+    /* (layers, 2, B) the last forward's branch factors, 0 or 1/(1-rate); NULL: none dropped */   \
+    const double *mome_graph_drop_factors_##S(const mome_graph_##S *g);                           \
     int mome_graph_forward_##S(mome_graph_##S *g, const T *P, const mome_input_##S *in,          \
                                vlmoe_mome_stats *res);                                            \
     /* accumulates d(loss)/d(params) of the last forward into G (the caller zeroes) */           \

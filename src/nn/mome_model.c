@@ -23,6 +23,7 @@ struct mome_model {
     int have_itc;               // a training retrieval forward awaits its backward
     float *codebook;            // the MIM targets' codebook (mim_vocab, patch values) or NULL;
                                 // saved with the weights as a codebook file's tensor
+    double drop_path;           // stochastic depth of training forwards (vlmoe_model_set_drop_path)
 };
 
 int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc) {
@@ -122,6 +123,21 @@ static int need_mome(const vlmoe_model *m, const char *what) {
                                   m->L.cfg.name);
 }
 
+int vlmoe_model_set_drop_path(vlmoe_model *m, double rate) {
+    if (!m->L.mome)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "drop path: model '%s' is not a VL-MoE (arch mome) model; stochastic depth "
+                          "is implemented for VL-MoE pre-training", m->L.cfg.name);
+    if (!(rate >= 0 && rate < 1)) return vlmoe_fail(VLMOE_ERR_ARG, "drop path rate %g: expected a rate in [0, 1)", rate);
+    m->mome->drop_path = rate;
+    return VLMOE_OK;
+}
+
+// A training forward's mode: its seed (the model's seed and its forward count) and drop path.
+static void training_mode(vlmoe_model *m, mome_graph_f32 *g, int training) {
+    mome_graph_set_drop_path_f32(g, m->mome->drop_path);
+    mome_graph_set_mode_f32(g, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+}
+
 // Data parallelism (model_set_dist; a training forward of process r of W, whose batch of B is
 // sequences r*B.. of the one-process batch of W*B): the routing noise is keyed by the global
 // sequence index, and each head divides its summed cross-entropy by the labelled positions of
@@ -154,7 +170,7 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     mome_input_f32 in = {b->encoding, b->images, b->tokens, b->lengths, b->text_labels, b->patch_labels,
                          b->class_labels};
     if ((st = data_parallel(m, b, training))) return st;
-    mome_graph_set_mode_f32(m->mome->mg, training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+    training_mode(m, m->mome->mg, training);
     m->have_forward = m->mome->have_itc = 0;
     vlmoe_mome_stats r;
     if ((st = mome_graph_forward_f32(m->mome->mg, m->params, &in, &r))) return st;
@@ -279,7 +295,7 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     const mome_input_f32 *in[2] = {&ii, &it};
     vlmoe_mome_stats *r[2] = {&ri, &rt};
     for (int k = 0; k < 2; k++) {
-        mome_graph_set_mode_f32(g[k], training, training ? m->seed * 0x9e3779b97f4a7c15ULL + m->forwards++ : 0);
+        training_mode(m, g[k], training);
         if ((st = mome_graph_forward_f32(g[k], m->params, in[k], r[k]))) return st;
     }
     vlmoe_mome_stats res;

@@ -1,7 +1,8 @@
 // optim.c: AdamW (Loshchilov & Hutter 2019, Alg. 2, in torch.optim.AdamW's exact arithmetic),
-// Adafactor (Shazeer & Stern 2018, Alg. 4 factored / Alg. 5 update clipping, as optax/big_vision
-// use it for LIMoE) and global-norm gradient clipping, all over the one flat parameter buffer.
-// Covered by tests/test_optim.c (hand-worked steps, PyTorch AdamW parity fixture).
+// Adafactor (Shazeer & Stern 2018, Alg. 4 factored / Alg. 5 update clipping, with the ViT-G
+// modifications of big_vision's scale_by_adafactor that LIMoE trained with: beta2 capped, momentum,
+// decay by the schedule) and global-norm gradient clipping, all over the one flat parameter buffer.
+// Covered by tests/test_optim.c (hand-worked steps, PyTorch AdamW and big_vision Adafactor parity).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,15 +29,16 @@ typedef struct {
     int64_t shape[4];
 } optim_state;
 
-// Adafactor's view of one parameter: factored over its last two dims (rows, cols) with the
-// leading dims batched (lead), or a plain second moment v.
+// Adafactor's view of one parameter: factored over two of its dims a < b (optax: the two largest),
+// the tensor seen as (A, NA, Bm, NB, C) with A, Bm, C the products of the dims before a, between
+// a and b and after b; or a plain second moment v. A weight matrix (out, in) is A = Bm = C = 1.
 typedef struct {
     int factored;
-    size_t lead, rows, cols;
-    float *vr;   // (lead, rows): EMA of mean over cols of g^2 + eps1
-    float *vc;   // (lead, cols): EMA of mean over rows of g^2 + eps1
+    size_t A, NA, Bm, NB, C;
+    float *vr;   // (A, NA, Bm, C): EMA of mean over dim b of g^2 + eps1
+    float *vc;   // (A, Bm, NB, C): EMA of mean over dim a of g^2 + eps1
     float *v;    // (numel): unfactored EMA of g^2 + eps1
-    float *m;    // (numel): momentum of the clipped update, only when beta1 > 0
+    float *m;    // (numel): momentum of the (clipped) update, only when beta1 > 0
 } adafactor_slot;
 
 struct vlmoe_optim {
@@ -49,7 +51,7 @@ struct vlmoe_optim {
     optim_state *states;
     int nstates;
     adafactor_slot *slots;    // Adafactor only, one per parameter
-    float *row_mean;          // Adafactor scratch: mean(vr) per leading index, max lead floats
+    float *row_mean;          // Adafactor scratch: mean of vr over dim a, (A, Bm, C) floats at most
     const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
 };
 
@@ -62,11 +64,19 @@ vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind) {
     p.eps = 1e-8f;
     p.weight_decay = 0.0f;
     p.decay_rate = 0.8f;
-    p.clip_threshold = 1.0f;
-    p.min_dim_to_factor = 128;
     if (kind == VLMOE_OPT_ADAFACTOR) {
-        p.beta1 = 0.0f;   // big_vision's LIMoE config runs Adafactor without momentum
-        p.eps = 1e-30f;   // optax/big_vision eps1, added to squared gradients
+        // big_vision's scale_by_adafactor, "the modifications used for ViT-G" that LIMoE names
+        // (its appendix A): momentum 0.9, beta2 capped at 0.999, no update clipping, factoring
+        // from dimension 32, eps1 1e-30 added to squared gradients
+        p.beta1 = 0.9f;
+        p.eps = 1e-30f;
+        p.clip_threshold = 0.0f;
+        p.min_dim_to_factor = 32;
+        p.beta2_cap = 0.999f;
+    } else {
+        p.clip_threshold = 1.0f;
+        p.min_dim_to_factor = 128;
+        p.beta2_cap = 1.0f;
     }
     return p;
 }
@@ -95,7 +105,17 @@ static int check_params(const vlmoe_optim_params *p) {
         if (p->min_dim_to_factor < 1)
             return vlmoe_fail(VLMOE_ERR_ARG, "optim: min_dim_to_factor = %d must be >= 1",
                               p->min_dim_to_factor);
+        if (!(p->beta2_cap > 0.0f && p->beta2_cap <= 1.0f))
+            return vlmoe_fail(VLMOE_ERR_ARG, "optim: beta2_cap = %g must be in (0, 1] (1 = no cap)",
+                              (double)p->beta2_cap);
+        if (p->decay_offset < 0)
+            return vlmoe_fail(VLMOE_ERR_ARG, "optim: decay_offset = %d must be >= 0", p->decay_offset);
     }
+    if (p->momentum_bf16 && (p->kind != VLMOE_OPT_ADAFACTOR || p->beta1 == 0.0f))
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: momentum_bf16 applies to Adafactor with momentum (beta1 > 0)");
+    if (!(p->wd_lr_base >= 0.0f && isfinite(p->wd_lr_base)))
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: wd_lr_base = %g must be finite and >= 0 (0: decay times lr)",
+                          (double)p->wd_lr_base);
     return VLMOE_OK;
 }
 
@@ -144,6 +164,27 @@ static int check_table(const vlmoe_param_info *table, int nparams, size_t total)
 
 typedef struct { const char *kind; float **dst; size_t n; int ndim; int64_t shape[4]; } state_part;
 
+// optax's _factored_dims: the two largest dims (a stable argsort, as numpy's for so few, so of
+// equal sizes the later dim counts as larger), factored when the smaller of them is >= min_dim.
+static int factored_dims(const vlmoe_param_info *t, int min_dim, int *a, int *b) {
+    if (t->ndim < 2) return 0;
+    int idx[4];
+    for (int d = 0; d < t->ndim; d++) {
+        int k = d;
+        for (; k > 0 && t->shape[idx[k - 1]] > t->shape[d]; k--) idx[k] = idx[k - 1];
+        idx[k] = d;
+    }
+    const int d1 = idx[t->ndim - 2], d0 = idx[t->ndim - 1];
+    if (t->shape[d1] < min_dim) return 0;
+    *a = d1 < d0 ? d1 : d0, *b = d1 < d0 ? d0 : d1;
+    return 1;
+}
+
+static void drop_dim(int64_t out[4], const int64_t *shape, int ndim, int drop) {
+    for (int d = 0, k = 0; d < ndim; d++)
+        if (d != drop) out[k++] = shape[d];
+}
+
 // Fills o->slots and the state list for Adafactor; `pool` NULL only counts floats into *nfloats.
 static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
     size_t used = 0;
@@ -153,26 +194,28 @@ static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
         const vlmoe_param_info *t = &o->table[i];
         adafactor_slot s;
         memset(&s, 0, sizeof s);
-        if (t->ndim >= 2 && t->shape[t->ndim - 2] >= factor_min &&
-            t->shape[t->ndim - 1] >= factor_min) {
+        int a, b;
+        if (factored_dims(t, factor_min, &a, &b)) {
             s.factored = 1;
-            s.rows = (size_t)t->shape[t->ndim - 2];
-            s.cols = (size_t)t->shape[t->ndim - 1];
-            s.lead = t->numel / (s.rows * s.cols);   // rows, cols >= 1 here
+            s.A = s.Bm = s.C = 1;
+            for (int d = 0; d < a; d++) s.A *= (size_t)t->shape[d];
+            for (int d = a + 1; d < b; d++) s.Bm *= (size_t)t->shape[d];
+            for (int d = b + 1; d < t->ndim; d++) s.C *= (size_t)t->shape[d];
+            s.NA = (size_t)t->shape[a];
+            s.NB = (size_t)t->shape[b];
         }
         // Sizes are bounded by numel, which fit in `total`, so these sums cannot overflow
         // before the final check on the whole pool below.
-        // Shapes for checkpoints: v and m are shaped like the parameter; vr drops its last dim
-        // (lead..., rows) and vc its second-to-last (lead..., cols), as they average over them.
+        // Shapes for checkpoints: v and m are shaped like the parameter; vr drops dim b and vc
+        // dim a, the dims they average over ((lead..., rows) and (lead..., cols) for a matrix).
         state_part parts[3], whole = {"v", &s.v, t->numel, t->ndim, {0}};
         memcpy(whole.shape, t->shape, sizeof whole.shape);
         int np = 0;
         if (s.factored) {
-            parts[np] = (state_part){"vr", &s.vr, s.lead * s.rows, t->ndim - 1, {0}};
-            memcpy(parts[np++].shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim - 1));
-            parts[np] = (state_part){"vc", &s.vc, s.lead * s.cols, t->ndim - 1, {0}};
-            memcpy(parts[np].shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim - 2));
-            parts[np++].shape[t->ndim - 2] = t->shape[t->ndim - 1];
+            parts[np] = (state_part){"vr", &s.vr, s.A * s.NA * s.Bm * s.C, t->ndim - 1, {0}};
+            drop_dim(parts[np++].shape, t->shape, t->ndim, b);
+            parts[np] = (state_part){"vc", &s.vc, s.A * s.Bm * s.NB * s.C, t->ndim - 1, {0}};
+            drop_dim(parts[np++].shape, t->shape, t->ndim, a);
         } else {
             parts[np++] = whole;
         }
@@ -274,8 +317,10 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
         o->slots = vlmoe_calloc((size_t)nparams * sizeof *o->slots, "Adafactor slots");
         if (!o->slots) goto nomem;
         adafactor_layout(o, o->pool, &nfloats);
-        for (int i = 0; i < nparams; i++)
-            if (o->slots[i].factored && o->slots[i].lead > max_lead) max_lead = o->slots[i].lead;
+        for (int i = 0; i < nparams; i++) {
+            const adafactor_slot *s = &o->slots[i];
+            if (s->factored && s->A * s->Bm * s->C > max_lead) max_lead = s->A * s->Bm * s->C;
+        }
         o->row_mean = vlmoe_alloc(max_lead * sizeof(float), "Adafactor row means");
         if (!o->row_mean) goto nomem;
     }
@@ -363,7 +408,8 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
     // the update of each tensor is the backend's adamw op (src/ops/backend_cpu.c), whose
     // element-wise order of operations is the one written above
     be_adamw a = {(float)b1, (float)b2, (float)(1.0 - b1), (float)(1.0 - b2), (float)(-(double)lr / bc1),
-                  (float)sqrt(bc2), o->p.eps, (float)(1.0 - (double)lr * (double)o->p.weight_decay), 0};
+                  (float)sqrt(bc2), o->p.eps, (float)(1.0 - (o->p.wd_lr_base > 0.0f ? (double)lr / o->p.wd_lr_base : (double)lr) *
+                                  (double)o->p.weight_decay), 0};
     const vlmoe_backend_f32 *be = o->be;
     float *m_all = o->states[0].data, *v_all = o->states[1].data;
     for (int k = 0; k < o->nparams; k++) {
@@ -376,45 +422,59 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Adafactor (Shazeer & Stern 2018). Per parameter, with t = step+1 and g2 = g*g + eps1:
-//   beta2_t = 1 - t^(-decay_rate)                                  (Alg. 4, hat-beta2_t)
-//   factored (last two dims both >= min_dim_to_factor, leading dims batched):
-//     vr = beta2_t*vr + (1-beta2_t)*mean_cols(g2),  vc = beta2_t*vc + (1-beta2_t)*mean_rows(g2)
-//     u  = g / sqrt(outer(vr, vc) / mean(vr))
+// Adafactor as big_vision's scale_by_adafactor (optax scale_by_factored_rms, clip_by_block_rms,
+// ema) followed by its lr, decoupled decay and schedule. Per parameter, with t = step+1-offset
+// (at least 1) and g2 = g*g + eps1:
+//   beta2_t = min(beta2_cap, 1 - t^(-decay_rate))                  (Alg. 4's hat-beta2_t, capped)
+//   factored (the two largest dims a < b both >= min_dim_to_factor, the others batched):
+//     vr = beta2_t*vr + (1-beta2_t)*mean_b(g2),  vc = beta2_t*vc + (1-beta2_t)*mean_a(g2)
+//     u  = g / sqrt(vr / mean_a(vr) * vc)
 //   otherwise: v = beta2_t*v + (1-beta2_t)*g2,  u = g / sqrt(v)
-//   u /= max(1, rms(u) / clip_threshold)                           (Alg. 5 update clipping)
-//   if beta1 > 0: m = beta1*m + (1-beta1)*u, u = m                 (optax ema, no debiasing)
-//   u += wd*p where the decay flag is set;  p -= lr*u
-// As in big_vision's LIMoE recipe there is no relative step size and no parameter scaling
-// (optax's multiply_by_parameter_scale=False): the schedule supplies lr. Unlike optax, which
-// factors the two largest dims, we factor the last two: our matrices are (out, in) and expert
-// banks (E, out, in), where the two agree. Update clipping needs rms(u) before any element is
-// written, so u is computed twice (a sqrt per element) instead of storing a param-sized copy.
+//   u /= max(1, rms(u) / clip_threshold)          (Alg. 5 update clipping; 0 = off, big_vision's)
+//   if beta1 > 0: m = beta1*m + (1-beta1)*u, u = m  (optax ema without debiasing; with
+//                 momentum_bf16 the stored m is rounded to bfloat16, u is the unrounded value)
+//   p -= lr*u + f*wd*p where the decay flag is set, f = lr / wd_lr_base (big_vision: the decay
+//        times the schedule only) or f = lr (wd_lr_base = 0)
+// optax averages v_row over the largest dim and normalises it over the other; we average vr
+// over b and normalise over a: the product is the same number either way. As in big_vision
+// there is no relative step size and no parameter scaling (multiply_by_parameter_scale=False):
+// the schedule supplies lr. Update clipping needs rms(u) before any element is written, so u is
+// computed twice (a sqrt per element) instead of storing a param-sized copy.
+
+// The indices of row r = (iA, ia, iB) of a factored parameter (its NB*C elements contiguous).
+typedef struct { size_t vr, vc, rm; } af_row;
+static af_row af_row_of(const adafactor_slot *s, size_t r) {
+    const size_t q = (r / (s->Bm * s->NA)) * s->Bm + r % s->Bm;   // iA * Bm + iB
+    return (af_row){r * s->C, q * s->NB * s->C, q * s->C};
+}
+
+// u of the element at column j = ib*C + iC of row w (factored), or of element i (not).
+static inline float af_u_factored(const adafactor_slot *s, const float *rm, af_row w, const float *g, size_t j) {
+    const size_t iC = j % s->C;
+    return g[j] / sqrtf((s->vr[w.vr + iC] / rm[w.rm + iC]) * s->vc[w.vc + j]);
+}
 
 // Sum of u^2 over one parameter, as NCHUNK fixed chunks of its rows (factored) or elements.
 static double adafactor_sumsq(const adafactor_slot *s, const float *g, const float *row_mean,
                               size_t numel) {
     double part[NCHUNK];
-    const size_t units = s->factored ? s->lead * s->rows : numel;
+    const size_t len = s->factored ? s->NB * s->C : 1;
+    const size_t units = numel / len;
     const size_t per = (units + NCHUNK - 1) / NCHUNK;
 #pragma omp parallel for schedule(static) if (numel >= PAR_MIN)
     for (int k = 0; k < NCHUNK; k++) {
         const size_t a = (size_t)k * per < units ? (size_t)k * per : units;
         const size_t b = a + per < units ? a + per : units;
         double acc = 0;
-        if (s->factored) {
-            for (size_t r = a; r < b; r++) {
-                const size_t l = r / s->rows;
-                const float *gr = g + r * s->cols, *vc = s->vc + l * s->cols;
-                const float vr = s->vr[r] / row_mean[l];
-                for (size_t c = 0; c < s->cols; c++) {
-                    const float u = gr[c] / sqrtf(vr * vc[c]);
+        for (size_t r = a; r < b; r++) {
+            if (s->factored) {
+                const af_row w = af_row_of(s, r);
+                for (size_t j = 0; j < len; j++) {
+                    const float u = af_u_factored(s, row_mean, w, g + r * len, j);
                     acc += (double)u * u;
                 }
-            }
-        } else {
-            for (size_t i = a; i < b; i++) {
-                const float u = g[i] / sqrtf(s->v[i]);
+            } else {
+                const float u = g[r] / sqrtf(s->v[r]);
                 acc += (double)u * u;
             }
         }
@@ -425,12 +485,71 @@ static double adafactor_sumsq(const adafactor_slot *s, const float *g, const flo
     return sum;
 }
 
+// bfloat16 storage of a float: round to nearest even on the upper 16 bits (as a cast in JAX
+// or torch), NaN kept a NaN.
+static inline float round_bf16(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    if ((b & 0x7f800000u) == 0x7f800000u && (b & 0x007fffffu)) {
+        b |= 0x00400000u;
+    } else {
+        b += 0x7fffu + ((b >> 16) & 1u);
+    }
+    b &= 0xffff0000u;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+// The second-moment statistics of a factored parameter: vr, vc, then mean_a(vr) into row_mean.
+static void adafactor_factored_moments(const adafactor_slot *s, const float *g, float *row_mean, float fkeep,
+                                       float fnew, float eps1, size_t n) {
+    const size_t NB = s->NB, C = s->C, len = NB * C, nrows = n / len;
+    // vr: each row's C entries, summed over ib; a thread owns whole rows
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+    for (size_t r = 0; r < nrows; r++) {
+        const float *gr = g + r * len;
+        for (size_t iC = 0; iC < C; iC++) {
+            double acc = 0;
+            for (size_t ib = 0; ib < NB; ib++) acc += (double)gr[ib * C + iC] * gr[ib * C + iC] + eps1;
+            s->vr[r * C + iC] = fkeep * s->vr[r * C + iC] + fnew * (float)(acc / (double)NB);
+        }
+    }
+    // vc: per (iA, iB) a row of len entries summed over ia, in blocks of 64 entries so each
+    // read is contiguous; a thread owns its block
+    const size_t nblk = (len + 63) / 64, ntask = s->A * s->Bm * nblk, NA = s->NA, Bm = s->Bm;
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+    for (size_t task = 0; task < ntask; task++) {
+        const size_t q = task / nblk, iA = q / Bm, iB = q % Bm, j0 = (task % nblk) * 64;
+        const size_t j1 = j0 + 64 < len ? j0 + 64 : len;
+        double acc[64] = {0};
+        for (size_t ia = 0; ia < NA; ia++) {
+            const float *gr = g + ((iA * NA + ia) * Bm + iB) * len;
+            for (size_t j = j0; j < j1; j++) acc[j - j0] += (double)gr[j] * gr[j] + eps1;
+        }
+        float *vc = s->vc + q * len;
+        for (size_t j = j0; j < j1; j++) vc[j] = fkeep * vc[j] + fnew * (float)(acc[j - j0] / (double)NA);
+    }
+    for (size_t q = 0; q < s->A * Bm; q++) {
+        const size_t iA = q / Bm, iB = q % Bm;
+        for (size_t iC = 0; iC < C; iC++) {
+            double acc = 0;
+            for (size_t ia = 0; ia < NA; ia++) acc += s->vr[((iA * NA + ia) * Bm + iB) * C + iC];
+            row_mean[q * C + iC] = (float)(acc / (double)NA);
+        }
+    }
+}
+
 static void adafactor_step(vlmoe_optim *o, float *params, const float *grads, float lr) {
-    const double t = (double)o->step + 1.0;
-    const double keep = 1.0 - pow(t, -(double)o->p.decay_rate);   // beta2_t
+    double t = (double)o->step + 1.0 - (double)o->p.decay_offset;
+    if (t < 1.0) t = 1.0;   // before the offset optax's power is undefined; restart the estimate
+    double keep = 1.0 - pow(t, -(double)o->p.decay_rate);   // beta2_t
+    if (keep > o->p.beta2_cap) keep = o->p.beta2_cap;
     const float fkeep = (float)keep, fnew = (float)(1.0 - keep);
     const float eps1 = o->p.eps, wd = o->p.weight_decay, b1 = o->p.beta1;
     const float ab1 = (float)(1.0 - (double)b1);
+    const int bf16 = o->p.momentum_bf16;
+    // the decay's step: lr * wd, or the schedule's factor lr / base times wd (big_vision)
+    const float wd_step = o->p.wd_lr_base > 0.0f ? (float)((double)lr / o->p.wd_lr_base * wd) : lr * wd;
     for (int k = 0; k < o->nparams; k++) {
         const vlmoe_param_info *info = &o->table[k];
         const adafactor_slot *s = &o->slots[k];
@@ -439,34 +558,7 @@ static void adafactor_step(vlmoe_optim *o, float *params, const float *grads, fl
         const float *g = grads + info->offset;
         if (n == 0) continue;
         if (s->factored) {
-            const size_t R = s->rows, C = s->cols, nrows = s->lead * R;
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-            for (size_t r = 0; r < nrows; r++) {   // a thread owns whole rows of vr
-                const float *gr = g + r * C;
-                double acc = 0;
-                for (size_t c = 0; c < C; c++) acc += (double)gr[c] * gr[c] + eps1;
-                s->vr[r] = fkeep * s->vr[r] + fnew * (float)(acc / (double)C);
-            }
-            // Columns in blocks of 64 so each row read is contiguous; a thread owns its block.
-            const size_t nblk = (C + 63) / 64, ntask = s->lead * nblk;
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-            for (size_t task = 0; task < ntask; task++) {
-                const size_t l = task / nblk, c0 = (task % nblk) * 64;
-                const size_t c1 = c0 + 64 < C ? c0 + 64 : C;
-                double acc[64] = {0};
-                for (size_t r = 0; r < R; r++) {
-                    const float *gr = g + (l * R + r) * C;
-                    for (size_t c = c0; c < c1; c++) acc[c - c0] += (double)gr[c] * gr[c] + eps1;
-                }
-                float *vc = s->vc + l * C;
-                for (size_t c = c0; c < c1; c++)
-                    vc[c] = fkeep * vc[c] + fnew * (float)(acc[c - c0] / (double)R);
-            }
-            for (size_t l = 0; l < s->lead; l++) {
-                double acc = 0;
-                for (size_t r = 0; r < R; r++) acc += s->vr[l * R + r];
-                o->row_mean[l] = (float)(acc / (double)R);
-            }
+            adafactor_factored_moments(s, g, o->row_mean, fkeep, fnew, eps1, n);
         } else {
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
             for (size_t i = 0; i < n; i++) s->v[i] = fkeep * s->v[i] + fnew * (g[i] * g[i] + eps1);
@@ -479,20 +571,20 @@ static void adafactor_step(vlmoe_optim *o, float *params, const float *grads, fl
             if (denom > 1.0) scale = (float)(1.0 / denom);
         }
         const int decay = info->decay && wd != 0.0f;
-        const size_t C = s->factored ? s->cols : 1;
+        const size_t len = s->factored ? s->NB * s->C : 1, nrows = n / len;
 #pragma omp parallel for schedule(static) if (n >= PAR_MIN)
-        for (size_t i = 0; i < n; i++) {
-            float u;
-            if (s->factored) {
-                const size_t r = i / C, l = r / s->rows;
-                u = g[i] / sqrtf((s->vr[r] / o->row_mean[l]) * s->vc[l * C + i % C]);
-            } else {
-                u = g[i] / sqrtf(s->v[i]);
+        for (size_t r = 0; r < nrows; r++) {   // a thread owns whole rows
+            const af_row w = s->factored ? af_row_of(s, r) : (af_row){0, 0, 0};
+            for (size_t j = 0; j < len; j++) {
+                const size_t i = r * len + j;
+                float u = s->factored ? af_u_factored(s, o->row_mean, w, g + r * len, j) : g[i] / sqrtf(s->v[i]);
+                u *= scale;
+                if (b1 > 0.0f) {
+                    u = b1 * s->m[i] + ab1 * u;
+                    s->m[i] = bf16 ? round_bf16(u) : u;
+                }
+                p[i] -= lr * u + (decay ? wd_step * p[i] : 0.0f);
             }
-            u *= scale;
-            if (b1 > 0.0f) u = s->m[i] = b1 * s->m[i] + ab1 * u;
-            if (decay) u += wd * p[i];
-            p[i] -= lr * u;
         }
     }
 }

@@ -10,9 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 #include <zlib.h>
 
 #include "core/core.h"
+#include "tok/spm.h"
 
 #define N_BASE 512                 // 256 byte symbols, then the same with "</w>"
 #define CLIP_MERGES 48894          // simple_tokenizer.py: merges[1 : 49152-256-2+1]
@@ -39,7 +41,11 @@ struct vlmoe_tokenizer {
     int32_t base[N_BASE];  // byte b -> id of its symbol; 256 + b -> id of its symbol + "</w>"
     int32_t sot, eot;
     int heap_ok, literal;
+    int nfc;               // NFC before cleaning (a tokenizer.json whose normalizer says NFC)
     pcre2_code *re;
+    vlmoe_spm *spm;        // a SentencePiece model instead of BPE (then only n_vocab/sot/eot above)
+    char *spm_text;        // its text form (spm.h), what to_text returns
+    size_t spm_len;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -429,32 +435,87 @@ static int is_white(uint32_t c) {
 // Python's str.isspace (what str.strip removes): White_Space plus U+001C..U+001F.
 static int is_pyspace(uint32_t c) { return is_white(c) || (c >= 0x1C && c <= 0x1F); }
 
-// Python's str.lower() on the ranges listed in tok.h (verified code point by code point against
-// CPython); writes 1 or 2 code points.
+// Python's str.lower() of one code point, through utf8proc's simple lower-case mapping (Unicode
+// 15 in Debian's libutf8proc 2.8; tests/ref/gen_lower.py checks every code point against CPython).
+// str.lower uses the full mapping: the one code point whose full lower case is two code points is
+// U+0130 (I with dot above -> "i" U+0307), kept as Python has it; writes 1 or 2 code points. The
+// context-dependent final sigma is clean_text's (final_sigma below).
 static size_t lower_cp(uint32_t c, uint32_t *o) {
-    uint32_t r = c;
-    if (c & RAW_BIT) r = c;
-    else if (c < 0x80) r = c >= 'A' && c <= 'Z' ? c + 32 : c;
-    else if (c >= 0xC0 && c <= 0xDE && c != 0xD7) r = c + 32;
-    else if (c >= 0x100 && c <= 0x17F) {
-        if (c == 0x130) return o[0] = 'i', o[1] = 0x307, 2;
-        if (c == 0x178) r = 0xFF;
-        else if ((c <= 0x12F || (c >= 0x132 && c <= 0x137) || (c >= 0x14A && c <= 0x177)) && !(c & 1)) r = c + 1;
-        else if (((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E)) && (c & 1)) r = c + 1;
-    } else if (c >= 0x386 && c <= 0x3AB) {
-        if (c == 0x386) r = 0x3AC;
-        else if (c >= 0x388 && c <= 0x38A) r = c + 37;
-        else if (c == 0x38C) r = 0x3CC;
-        else if (c == 0x38E || c == 0x38F) r = c + 63;
-        else if (c >= 0x391 && c != 0x3A2) r = c + 32;
-    } else if (c >= 0x400 && c <= 0x40F) r = c + 80;
-    else if (c >= 0x410 && c <= 0x42F) r = c + 32;
-    else if (c >= 0x1E00 && c <= 0x1EFF) {
-        if (c == 0x1E9E) r = 0xDF;
-        else if ((c <= 0x1E95 || c >= 0x1EA0) && !(c & 1)) r = c + 1;
-    } else if (c >= 0xFF21 && c <= 0xFF3A) r = c + 32;
-    o[0] = r;
+    if (c == 0x130) return o[0] = 'i', o[1] = 0x307, 2;
+    o[0] = (c & RAW_BIT) || c > 0x10FFFF ? c : (uint32_t)utf8proc_tolower((utf8proc_int32_t)c);
     return 1;
+}
+
+size_t vlmoe_tokenizer_lower_cp(uint32_t c, uint32_t out[2]) { return lower_cp(c & ~RAW_BIT, out); }
+
+// NFC (utf8proc_map with COMPOSE | STABLE) of each run of well-formed UTF-8 in text; bytes that
+// are not well formed stay where they are. *out is malloc'd and NUL-terminated.
+static int nfc_text(const char *text, char **out) {
+    const unsigned char *s = (const unsigned char *)text;
+    size_t n = strlen(text), cap = n + 1, len = 0;
+    char *o = malloc(cap);
+    if (!o) return vlmoe_fail(VLMOE_ERR_NOMEM, "tokenizer: out of memory for NFC");
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        uint32_t c;
+        for (size_t k; j < n && (k = utf8_get(s + j, n - j, &c)); j += k) {}
+        if (j > i) {
+            utf8proc_uint8_t *m = NULL;
+            const utf8proc_ssize_t r = utf8proc_map(s + i, (utf8proc_ssize_t)(j - i), &m, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+            if (r < 0) {
+                free(o);
+                return vlmoe_fail(VLMOE_ERR_ARG, "tokenizer: NFC failed: %s", utf8proc_errmsg(r));
+            }
+            if (len + (size_t)r + (n - j) + 1 > cap) {
+                cap = len + (size_t)r + (n - j) + 1;
+                char *g = realloc(o, cap);
+                if (!g) return free(o), free(m), vlmoe_fail(VLMOE_ERR_NOMEM, "tokenizer: out of memory for NFC");
+                o = g;
+            }
+            memcpy(o + len, m, (size_t)r), len += (size_t)r;
+            free(m);
+            i = j;
+        } else {
+            o[len++] = (char)s[i++];
+        }
+    }
+    o[len] = 0;
+    *out = o;
+    return VLMOE_OK;
+}
+
+// Unicode's Case_Ignorable (what CPython's final-sigma rule skips), from utf8proc's categories
+// (Mn Me Cf Lm Sk) plus Word_Break MidLetter / MidNumLet / Single_Quote, which utf8proc does not
+// expose and are listed here.
+static int case_ignorable(uint32_t c) {
+    static const uint32_t MID[] = {0x27, 0x2E, 0x3A, 0xB7, 0x387, 0x55F, 0x5F4, 0x2018, 0x2019, 0x2024,
+                                   0x2027, 0xFE13, 0xFE52, 0xFE55, 0xFF07, 0xFF0E, 0xFF1A};
+    if (c & RAW_BIT) return 0;
+    for (size_t i = 0; i < sizeof(MID) / sizeof(MID[0]); i++)
+        if (c == MID[i]) return 1;
+    const utf8proc_category_t k = utf8proc_category((utf8proc_int32_t)c);
+    return k == UTF8PROC_CATEGORY_MN || k == UTF8PROC_CATEGORY_ME || k == UTF8PROC_CATEGORY_CF ||
+           k == UTF8PROC_CATEGORY_LM || k == UTF8PROC_CATEGORY_SK;
+}
+
+// Cased (Lu, Ll, Lt, or anything with a case mapping; Other_Lowercase/Uppercase symbols such as
+// circled letters have one).
+static int cased(uint32_t c) {
+    if (c & RAW_BIT) return 0;
+    const utf8proc_int32_t x = (utf8proc_int32_t)c;
+    const utf8proc_category_t k = utf8proc_category(x);
+    return k == UTF8PROC_CATEGORY_LU || k == UTF8PROC_CATEGORY_LL || k == UTF8PROC_CATEGORY_LT ||
+           utf8proc_tolower(x) != x || utf8proc_toupper(x) != x;
+}
+
+// CPython's Final_Sigma for U+03A3 at s[i] of s[lo, hi): a cased letter before it and none after
+// it, skipping case-ignorable code points both ways; then str.lower gives U+03C2, not U+03C3.
+static int final_sigma(const uint32_t *s, size_t lo, size_t hi, size_t i) {
+    size_t j = i;
+    while (j > lo && case_ignorable(s[j - 1])) j--;
+    if (j == lo || !cased(s[j - 1])) return 0;
+    for (j = i + 1; j < hi && case_ignorable(s[j]); j++) {}
+    return !(j < hi && cased(s[j]));
 }
 
 // text -> cleaned, lower-cased code points (*cp owned by the caller).
@@ -482,7 +543,9 @@ static int clean_text(const char *text, uint32_t **cp, size_t *ncp) {
     while (lo < hi && is_pyspace(b[lo])) lo++;
     while (hi > lo && is_pyspace(b[hi - 1])) hi--;
     m = 0;
-    for (size_t i = lo; i < hi; i++) m += lower_cp(b[i], a + m); // at most 2 per input: fits cap
+    for (size_t i = lo; i < hi; i++) // at most 2 per input: fits cap
+        if (b[i] == 0x3A3 && final_sigma(b, lo, hi, i)) a[m++] = 0x3C2;
+        else m += lower_cp(b[i], a + m);
     free(b);
     *cp = a, *ncp = m;
     return VLMOE_OK;
@@ -552,11 +615,14 @@ static void pretok_free(pretok *p) {
     memset(p, 0, sizeof(*p));
 }
 
-static int pretok_init(pretok *p, const pcre2_code *re, const char *text) {
+static int pretok_init(pretok *p, const pcre2_code *re, const char *text, int nfc) {
     memset(p, 0, sizeof(*p));
     uint32_t *cp;
     size_t n;
-    int st = clean_text(text, &cp, &n);
+    char *composed = NULL;
+    int st = nfc ? nfc_text(text, &composed) : VLMOE_OK;
+    if (!st) st = clean_text(composed ? composed : text, &cp, &n);
+    free(composed);
     if (st) return st;
     p->subj = alloc_array(n + 1, 4, "pre-tokenizer text");
     p->mark = alloc_array(n + 1, 4 * sizeof(int16_t), "pre-tokenizer text");
@@ -737,7 +803,8 @@ int vlmoe_tokenizer_encode(const vlmoe_tokenizer *tok, const char *text, int32_t
     if (ctx < 2) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_encode: context length %d: must be >= 2 (SOT and EOT)", ctx);
     pretok p;
     bpe_scratch s = {0};
-    int st = pretok_init(&p, tok->re, text), got = 1, count = 0;
+    if (tok->spm) return spm_tok_encode(tok->spm, text, ids, ctx, len);
+    int st = pretok_init(&p, tok->re, text, tok->nfc), got = 1, count = 0;
     ids[count++] = tok->sot;
     while (!st && count < ctx - 1) { // the last slot is EOT's
         st = pretok_next(&p, tok->re, &got);
@@ -761,6 +828,7 @@ int vlmoe_tokenizer_encode(const vlmoe_tokenizer *tok, const char *text, int32_t
 
 int vlmoe_tokenizer_decode(const vlmoe_tokenizer *tok, const int32_t *ids, int n, char *out, size_t cap) {
     if (!tok || (!ids && n > 0) || n < 0 || (!out && cap)) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_decode: bad argument");
+    if (tok->spm) return spm_tok_decode(tok->spm, ids, n, out, cap);
     size_t total = 1, len = 0;
     for (int i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= tok->n_vocab || !tok->piece[ids[i]])
@@ -795,8 +863,10 @@ int vlmoe_tokenizer_decode(const vlmoe_tokenizer *tok, const int32_t *ids, int n
 }
 
 const char *vlmoe_tokenizer_piece(const vlmoe_tokenizer *tok, int32_t id) {
+    if (tok && tok->spm) return vlmoe_spm_piece(tok->spm, id);
     return tok && id >= 0 && id < tok->n_vocab ? tok->piece[id] : NULL;
 }
+int vlmoe_tokenizer_is_sentencepiece(const vlmoe_tokenizer *tok) { return tok && tok->spm; }
 int vlmoe_tokenizer_vocab_size(const vlmoe_tokenizer *tok) { return tok ? tok->n_vocab : 0; }
 int vlmoe_tokenizer_num_merges(const vlmoe_tokenizer *tok) { return tok ? tok->n_merges : 0; }
 int32_t vlmoe_tokenizer_sot(const vlmoe_tokenizer *tok) { return tok ? tok->sot : -1; }
@@ -817,6 +887,8 @@ void vlmoe_tokenizer_free(vlmoe_tokenizer *tok) {
     smap_free(tok->vocab);
     umap_free(tok->ranks);
     pcre2_code_free(tok->re);
+    vlmoe_spm_free(tok->spm);
+    free(tok->spm_text);
     free(tok);
 }
 
@@ -1054,6 +1126,90 @@ static int hf_add(vlmoe_tokenizer *t, const char *path, const char *field, const
     return smap_put(t->vocab, t->piece[id], strlen(s), id);
 }
 
+// HF's Split pattern of CLIP's tokenizer.json (tokenizers' CLIP conversion).
+static const char HF_CLIP_SPLIT[] = "<\\|startoftext\\|>|<\\|endoftext\\|>|'s|'t|'re|'ve|'m|'ll|'d|"
+                                    "[\\p{L}]+|[\\p{N}]|[^\\s\\p{L}\\p{N}]+";
+
+static const char *json_str(const cJSON *o, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+// The steps of a normalizer / pre_tokenizer: a "Sequence"'s list (under `list`), else the object
+// itself as a list of one (*single = 1). 0 if a Sequence has no such array.
+static int hf_steps(const cJSON *o, const char *list, const cJSON **first, int *single) {
+    const char *type = json_str(o, "type");
+    *single = !(type && !strcmp(type, "Sequence"));
+    *first = *single ? o : cJSON_GetObjectItemCaseSensitive(o, list);
+    return *single || cJSON_IsArray(*first);
+}
+
+// tokenizer.json's normalizer and pre_tokenizer, where they decide ids: what CLIP's tokenizer.json
+// holds is accepted (NFC -> tok->nfc; Replace of \s+ by " ", Strip and Lowercase, which the
+// cleaning always does; Split with CLIP's pattern then ByteLevel without prefix space or regex);
+// anything else would give other ids and is refused, naming the field. Absent or null: CLIP's
+// defaults (the cleaning of tok.h, no NFC).
+static int hf_pipeline(vlmoe_tokenizer *t, const cJSON *root, const char *path) {
+    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer"), *e;
+    if (norm && !cJSON_IsNull(norm)) {
+        int single, lower = 0, i = 0;
+        const cJSON *steps;
+        if (!cJSON_IsObject(norm) || !hf_steps(norm, "normalizers", &steps, &single))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: normalizer: expected an object (or a Sequence with \"normalizers\")", path);
+        for (e = single ? steps : steps->child; e; e = single ? NULL : e->next, i++) {
+            char where[48] = "";
+            if (!single) snprintf(where, sizeof(where), ".normalizers[%d]", i);
+            const char *type = json_str(e, "type");
+            const cJSON *pat = cJSON_GetObjectItemCaseSensitive(e, "pattern");
+            const char *rx = json_str(pat, "Regex"), *lit = json_str(pat, "String"), *content = json_str(e, "content");
+            if (type && !strcmp(type, "NFC")) t->nfc = 1;
+            else if (type && !strcmp(type, "Lowercase")) lower = 1;
+            else if (type && !strcmp(type, "Strip")) {}
+            else if (type && !strcmp(type, "Replace") && content && !strcmp(content, " ") &&
+                     ((rx && !strcmp(rx, "\\s+")) || (lit && !strcmp(lit, " ")))) {}
+            else
+                return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: normalizer%s: type \"%s\"%s is not what CLIP's tokenizer does "
+                                  "(vlmoe implements NFC, Lowercase, Strip and Replace of \\s+ by \" \"): its ids would differ",
+                                  path, where, type ? type : "(none)", type && !strcmp(type, "Replace") ? " with this pattern" : "");
+        }
+        if (!lower)
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: normalizer: no Lowercase step, but CLIP's tokenizer (and vlmoe's) "
+                              "lower-cases: its ids would differ", path);
+    }
+    const cJSON *pre = cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer");
+    if (pre && !cJSON_IsNull(pre)) {
+        int single, i = 0;
+        const cJSON *steps;
+        if (!cJSON_IsObject(pre) || !hf_steps(pre, "pretokenizers", &steps, &single))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: pre_tokenizer: expected an object (or a Sequence with \"pretokenizers\")", path);
+        for (e = single ? steps : steps->child; e; e = single ? NULL : e->next, i++) {
+            char where[48] = "";
+            if (!single) snprintf(where, sizeof(where), ".pretokenizers[%d]", i);
+            const char *type = json_str(e, "type"), *why = NULL;
+            if (type && !strcmp(type, "Split")) {
+                const char *rx = json_str(cJSON_GetObjectItemCaseSensitive(e, "pattern"), "Regex");
+                const char *beh = json_str(e, "behavior");
+                if (!rx || strcmp(rx, HF_CLIP_SPLIT)) why = "pattern is not CLIP's";
+                else if (!beh || strcmp(beh, "Removed") || !cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "invert")))
+                    why = "behavior is not \"Removed\" with invert true (CLIP keeps the matches)";
+            } else if (type && !strcmp(type, "ByteLevel")) {
+                if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "add_prefix_space"))) why = "add_prefix_space is true";
+                else if (!cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(e, "use_regex"))) // HF's default: true
+                    why = "use_regex is not false (GPT-2's pattern, not CLIP's)";
+            } else {
+                why = "is not one of CLIP's (Split with CLIP's pattern, ByteLevel)";
+            }
+            if (why)
+                return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: pre_tokenizer%s: type \"%s\": %s: its ids would differ", path,
+                                  where, type ? type : "(none)", why);
+        }
+    }
+    const cJSON *drop = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(root, "model"), "dropout");
+    if (drop && !cJSON_IsNull(drop) && !(cJSON_IsNumber(drop) && drop->valuedouble == 0))
+        return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: model.dropout is set: BPE dropout makes ids random, CLIP has none", path);
+    return VLMOE_OK;
+}
+
 static int hf_build(vlmoe_tokenizer **out, const cJSON *root, const char *path) {
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (!cJSON_IsObject(model)) return vlmoe_fail(VLMOE_ERR_FORMAT, "%s: missing object 'model'", path);
@@ -1137,6 +1293,7 @@ static int hf_build(vlmoe_tokenizer **out, const cJSON *root, const char *path) 
         k++;
     }
     if (!st) st = tok_finish(t, path, "model.vocab");
+    if (!st) st = hf_pipeline(t, root, path);
     if (st) return vlmoe_tokenizer_free(t), st;
     *out = t;
     return VLMOE_OK;
@@ -1213,6 +1370,7 @@ static int clip_text(const vlmoe_tokenizer *tok, const char *what, char **out, s
 
 int vlmoe_tokenizer_save_clip(const vlmoe_tokenizer *tok, const char *path) {
     if (!tok || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_save_clip: NULL argument");
+    if (tok->spm) return vlmoe_fail(VLMOE_ERR_ARG, "%s: a SentencePiece tokenizer has no CLIP merges to save", path);
     char *text;
     size_t len;
     int st = clip_text(tok, path, &text, &len);
@@ -1252,6 +1410,22 @@ static int hf_text(const vlmoe_tokenizer *tok, char **out, size_t *len) {
         ok = both && cJSON_AddItemToArray(merges, cJSON_CreateString(both));
         free(pair), free(both);
     }
+    // CLIP's pipeline, which hf_pipeline reads back (NFC only when this tokenizer has it)
+    static const char norm_nfc[] = "{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"NFC\"},{\"type\":\"Replace\","
+                                   "\"pattern\":{\"Regex\":\"\\\\s+\"},\"content\":\" \"},{\"type\":\"Lowercase\"}]}";
+    static const char norm_plain[] = "{\"type\":\"Sequence\",\"normalizers\":[{\"type\":\"Replace\","
+                                     "\"pattern\":{\"Regex\":\"\\\\s+\"},\"content\":\" \"},{\"type\":\"Lowercase\"}]}";
+    cJSON *norm = ok ? cJSON_Parse(tok->nfc ? norm_nfc : norm_plain) : NULL, *pre = cJSON_CreateObject(), *split = NULL;
+    cJSON *pres = pre ? cJSON_AddArrayToObject(pre, "pretokenizers") : NULL;
+    ok = ok && norm && pres && cJSON_AddStringToObject(pre, "type", "Sequence") && (split = cJSON_CreateObject()) &&
+         cJSON_AddItemToArray(pres, split) && cJSON_AddStringToObject(split, "type", "Split") &&
+         cJSON_AddStringToObject(cJSON_AddObjectToObject(split, "pattern"), "Regex", HF_CLIP_SPLIT) &&
+         cJSON_AddStringToObject(split, "behavior", "Removed") && cJSON_AddTrueToObject(split, "invert");
+    cJSON *bl = ok ? cJSON_CreateObject() : NULL;
+    ok = ok && bl && cJSON_AddItemToArray(pres, bl) && cJSON_AddStringToObject(bl, "type", "ByteLevel") &&
+         cJSON_AddFalseToObject(bl, "add_prefix_space") && cJSON_AddFalseToObject(bl, "use_regex");
+    if (ok) cJSON_AddItemToObject(root, "normalizer", norm), cJSON_AddItemToObject(root, "pre_tokenizer", pre);
+    else cJSON_Delete(norm), cJSON_Delete(pre);
     const int32_t special[2] = {tok->sot, tok->eot};
     for (int i = 0; ok && i < 2; i++) {
         cJSON *e = cJSON_CreateObject();
@@ -1267,8 +1441,38 @@ static int hf_text(const vlmoe_tokenizer *tok, char **out, size_t *len) {
 
 int vlmoe_tokenizer_to_text(const vlmoe_tokenizer *tok, char **out, size_t *len) {
     if (!tok || !out || !len) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_to_text: NULL argument");
-    if (clip_layout(tok) && tok->n_merges <= CLIP_MERGES) return clip_text(tok, "tokenizer", out, len);
+    if (tok->spm) {
+        if (!(*out = malloc(tok->spm_len + 1))) return vlmoe_fail(VLMOE_ERR_NOMEM, "tokenizer text");
+        memcpy(*out, tok->spm_text, tok->spm_len + 1), *len = tok->spm_len;
+        return VLMOE_OK;
+    }
+    // a merges file cannot say NFC: such a tokenizer goes out as tokenizer.json
+    if (!tok->nfc && clip_layout(tok) && tok->n_merges <= CLIP_MERGES) return clip_text(tok, "tokenizer", out, len);
     return hf_text(tok, out, len);
+}
+
+// A tokenizer around a loaded SentencePiece model sp and its text (both taken over).
+static int spm_wrap(vlmoe_tokenizer **out, vlmoe_spm *sp, char *text, size_t len) {
+    vlmoe_tokenizer *t = calloc(1, sizeof(*t));
+    if (!t) return vlmoe_spm_free(sp), free(text), vlmoe_fail(VLMOE_ERR_NOMEM, "tokenizer: out of memory");
+    t->spm = sp, t->spm_text = text, t->spm_len = len;
+    t->n_vocab = vlmoe_spm_size(sp);
+    t->sot = vlmoe_spm_bos(sp), t->eot = vlmoe_spm_eos(sp);
+    *out = t;
+    return VLMOE_OK;
+}
+
+int vlmoe_tokenizer_load_sentencepiece(vlmoe_tokenizer **out, const char *path) {
+    if (!out || !path) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_tokenizer_load_sentencepiece: NULL argument");
+    *out = NULL;
+    char *buf, *text;
+    size_t len, tlen;
+    vlmoe_spm *sp;
+    int st = read_file(path, &buf, &len);
+    if (st) return st;
+    st = spm_from_bytes(&sp, &text, &tlen, buf, len, path);
+    free(buf);
+    return st ? st : spm_wrap(out, sp, text, tlen);
 }
 
 int vlmoe_tokenizer_from_text(vlmoe_tokenizer **out, const char *text, size_t len, const char *what) {
@@ -1281,6 +1485,13 @@ int vlmoe_tokenizer_from_text(vlmoe_tokenizer **out, const char *text, size_t le
     memcpy(buf, text, len);
     buf[len] = 0;
     size_t i = 0;
+    if (spm_text_is(buf, len)) {
+        vlmoe_spm *sp = NULL;
+        int st = spm_from_text(&sp, buf, len, what);
+        if (!st) st = spm_wrap(out, sp, buf, len);
+        else free(buf);
+        return st;
+    }
     while (i < len && (buf[i] == ' ' || buf[i] == '\n' || buf[i] == '\r' || buf[i] == '\t')) i++;
     return i < len && buf[i] == '{' ? parse_hf(out, buf, len, what) : parse_clip(out, buf, len, what);
 }
@@ -1421,7 +1632,7 @@ static int tr_words(trainer *T, const char *const *texts, size_t n) {
         }
         pretok p;
         int got = 1;
-        st = pretok_init(&p, re, texts[i]);
+        st = pretok_init(&p, re, texts[i], 0);
         while (!st) {
             if ((st = pretok_next(&p, re, &got)) || !got) break;
             if (!p.plen || piece_is(&p, SOT_STR) || piece_is(&p, EOT_STR)) continue;

@@ -19,10 +19,13 @@
 //     they are (Python would replace e.g. &notin;). ftfy.fix_text is not applied (out of scope:
 //     no mojibake repair, no NFC, quotes and full-width forms are kept as they are).
 //  2. Runs of Unicode White_Space collapse to one space; ends are stripped (str.isspace set).
-//  3. Lower-casing exactly as Python's str.lower() on U+0000-U+017F (ASCII, Latin-1, Latin
-//     Extended-A, U+0130 -> "i" U+0307), U+0386-U+03AB (Greek capitals; final sigma is not
-//     special: always sigma), U+0400-U+042F (Cyrillic), U+1E00-U+1EFF (Latin Extended
-//     Additional, Vietnamese) and U+FF21-U+FF3A (full-width A-Z). Other scripts are unchanged.
+//  3. Lower-casing as Python's str.lower() code point by code point, through libutf8proc's
+//     simple mapping (every script: Armenian, Cherokee, Georgian, Deseret ... as Python 3.11 /
+//     Unicode 14; tests/ref/gen_lower.py checks all 0x110000 code points). str.lower's only
+//     one-to-many mapping is kept as Python has it: U+0130 -> "i" U+0307. Final sigma follows
+//     CPython's rule (U+03A3 after a cased letter and before none -> U+03C2), with Cased and
+//     Case_Ignorable derived from utf8proc's categories and case mappings.
+//     A tokenizer.json whose normalizer says NFC gets NFC (utf8proc) before step 1.
 //  4. Pre-tokenization with CLIP's pattern (PCRE2, UTF + UCP + caseless, like regex.IGNORECASE):
 //     <\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+
 //     with \s written ' ' (all other White_Space is gone after step 2; PCRE2's \s would also
@@ -50,7 +53,11 @@ int vlmoe_tokenizer_load_clip(vlmoe_tokenizer **out, const char *merges_path);
 // HF tokenizer.json of a CLIP tokenizer: model.type "BPE", model.vocab {token: id},
 // model.merges ["a b", ...] or [["a", "b"], ...], added_tokens holding <|startoftext|> and
 // <|endoftext|> (or model.vocab does). Every merge's symbols and result must be in model.vocab,
-// as must the 512 byte symbols; errors name the file and the field.
+// as must the 512 byte symbols; errors name the file and the field. "normalizer" and
+// "pre_tokenizer" are read where they decide ids: CLIP's (NFC, Replace \s+ -> " ", Strip,
+// Lowercase; Split with CLIP's pattern, ByteLevel without prefix space or regex) are accepted,
+// NFC switching NFC on; any other step (NFKC, StripAccents, Metaspace, a normalizer without
+// Lowercase, ...) or BPE dropout is VLMOE_ERR_FORMAT naming the field. Absent: CLIP's defaults.
 int vlmoe_tokenizer_load_hf(vlmoe_tokenizer **out, const char *tokenizer_json_path);
 // Learns merges from texts with the same preprocessing: word frequencies after pre-tokenization,
 // then repeatedly the most frequent adjacent pair (count weighted by word frequency; ties: the
@@ -64,11 +71,20 @@ int vlmoe_tokenizer_train(vlmoe_tokenizer **out, const char *const *texts, size_
 // numbered otherwise), since reloading would renumber them.
 int vlmoe_tokenizer_save_clip(const vlmoe_tokenizer *tok, const char *path);
 void vlmoe_tokenizer_free(vlmoe_tokenizer *tok);
+// A SentencePiece .model file (SigLIP, T5, LIMoE's 32k vocabulary), read by Debian's
+// libsentencepiece (src/tok/spm.cc): its normalizer and segmentation, so ids equal spm_encode's.
+// encode gives [BOS if the model has one] pieces [EOS if it has one], padded with the model's pad
+// id (0 if none); too long keeps the first pieces and EOS last. sot/eot are BOS/EOS (-1 if none);
+// num_merges is 0. to_text gives SPM_TEXT_MAGIC + base64 of the file (what a model file carries).
+// A build without libsentencepiece-dev fails with VLMOE_ERR_FORMAT saying how to enable it.
+int vlmoe_tokenizer_load_sentencepiece(vlmoe_tokenizer **out, const char *model_path);
+int vlmoe_tokenizer_is_sentencepiece(const vlmoe_tokenizer *tok);
 // The tokenizer as text that vlmoe_tokenizer_from_text reads back with the same ids (a model file
 // carries its tokenizer this way): CLIP's merges file when the ids follow CLIP's layout, else an
 // HF tokenizer.json. *out is malloc'd (free) and NUL-terminated; *len excludes the NUL.
 int vlmoe_tokenizer_to_text(const vlmoe_tokenizer *tok, char **out, size_t *len);
-// Reads a CLIP merges file's text, or an HF tokenizer.json's (a JSON object), held in memory;
+// Reads a CLIP merges file's text, an HF tokenizer.json's (a JSON object), or a SentencePiece
+// tokenizer's text form (src/tok/spm.h: magic line + base64 model), held in memory;
 // `what` starts every error message (e.g. "model.safetensors: tokenizer").
 int vlmoe_tokenizer_from_text(vlmoe_tokenizer **out, const char *text, size_t len, const char *what);
 
@@ -99,5 +115,7 @@ int32_t vlmoe_tokenizer_eot(const vlmoe_tokenizer *tok);
 // (repeatedly merge every occurrence of the lowest-ranked pair); otherwise CLIP's loop itself.
 // literal = 1 forces CLIP's loop (to test that both agree); returns whether the heap is usable.
 int vlmoe_tokenizer_force_literal_bpe(vlmoe_tokenizer *tok, int literal);
+// Step 3's lower case of code point c into out (1 or 2 code points); returns how many.
+size_t vlmoe_tokenizer_lower_cp(uint32_t c, uint32_t out[2]);
 
 #endif

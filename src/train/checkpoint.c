@@ -1,8 +1,22 @@
 // checkpoint.c: exact-resume checkpoints. The weights go to a vlmoe model file; the training
 // state (every optimizer buffer, the step, the model's routing-noise RNG, the data position, the
-// data RNG and the loader's epoch, index and shuffle block) to a second safetensors file. Both are
-// written atomically by the safetensors writer (temporary file, fsync, rename), weights first, so
-// a crash at any moment leaves the previous complete pair loadable. Covered by tests/test_checkpoint.c.
+// data RNG and the loader's epoch, index and shuffle block) to a second safetensors file. Every
+// tensor of both carries a CRC-32 (src/io/safetensors.c), and both carry the same pairing keys
+// (vlmoe.run_id, vlmoe.step, vlmoe.save_id), checked on load: weights of one save are never resumed
+// with the state of another. Covered by tests/test_checkpoint.c and tests/hostile/test_hostile_files.c.
+//
+// The save sequence, safe against a kill at any instant (run_dir.c lists checkpoints by their
+// weights files, and trusts a pair only when its keys agree):
+//   1. both files written under temporary names (step_N...tmp.PID) and fsynced;
+//   2. the state file renamed into place and its directory fsynced: a state without its weights
+//      file is invisible to resume;
+//   3. the weights file renamed into place: from here the pair is complete; the directory fsynced;
+//   4. only then older checkpoints pruned (run.c).
+// A kill before 3 leaves the previous complete pair as the newest one (the temporary files are
+// removed by the next run, an orphan state too); a kill during a re-save of step N (after a resume
+// that fell back past a damaged step N) leaves the old weights with the new state, whose save ids
+// differ: that pair is skipped with a message and the one before it resumed. A kill before the
+// first checkpoint is complete leaves none: `--resume latest` then starts the run again from step 0.
 //
 // The state file, version 2 (metadata "vlmoe.state_version" = "2", "optimizer" = the kind's number):
 //   trainer.step I64 [1], model.rng U64 [2], data.position U64 [1], data.rng U64 [4], data.loader I64 [4]
@@ -16,13 +30,19 @@
 // how the flat buffer is laid out or split over processes (expert parallelism). Version 1 stored
 // each buffer as one flat vector optim.<buffer> (optim.adamw.m over all parameters in table order,
 // optim.adafactor.vr.<param> as a vector); it is still read, into the same in-memory buffers.
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "core/core.h"
+#include "io/safetensors.h"
 #include "nn/model.h"
+#include "train/run.h"
 #include "vlmoe.h"
 
 #define STATE_VERSION "2" // 1: optimizer buffers as flat vectors, still read
@@ -100,6 +120,60 @@ static void fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape) {
     if (len > 0 && (size_t)len < cap) snprintf(buf + len, cap - (size_t)len, "]");
 }
 
+// 16 hex digits of /dev/urandom (or, without it, of the clock and the process id): ids only need to
+// differ between runs and between saves, not to be secret.
+static void random_id(char *out, size_t cap) {
+    uint64_t x = 0;
+    const int fd = open("/dev/urandom", O_RDONLY);
+    if (fd < 0 || read(fd, &x, sizeof(x)) != (ssize_t)sizeof(x)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        x = vlmoe_mix64((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ (uint64_t)getpid();
+    }
+    if (fd >= 0) close(fd);
+    snprintf(out, cap, "%016llx", (unsigned long long)x);
+}
+
+// The pairing keys of one save, written into both files.
+typedef struct {
+    char run[VLMOE_RUN_ID_LEN], step[24], save[24];
+} pair_keys;
+
+static int add_pair_keys(vlmoe_st_writer *w, const pair_keys *k) {
+    int st = vlmoe_st_writer_meta(w, "vlmoe.run_id", k->run);
+    if (!st) st = vlmoe_st_writer_meta(w, "vlmoe.step", k->step);
+    if (!st) st = vlmoe_st_writer_meta(w, "vlmoe.save_id", k->save);
+    return st;
+}
+
+// The state file's writer; the optimizer's tensors ts (nt) and the scalars in sc are read when it writes.
+typedef struct {
+    int64_t step;
+    uint64_t model_rng[2], pos, rng[4];
+    int64_t loader[4];
+} state_scalars;
+
+static int state_writer(const vlmoe_trainer *t, const state_tensor *ts, int nt, const state_scalars *sc,
+                        vlmoe_st_writer **out) {
+    vlmoe_st_writer *w = NULL;
+    int st = vlmoe_st_writer_init(&w);
+    const int64_t one[1] = {1}, two[1] = {2}, four[1] = {4};
+    char kind[8];
+    snprintf(kind, sizeof(kind), "%d", (int)vlmoe_trainer_params(t)->optim.kind);
+    if (!st) st = vlmoe_st_writer_meta(w, "vlmoe.state_version", STATE_VERSION);
+    if (!st) st = vlmoe_st_writer_meta(w, "optimizer", kind);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "trainer.step", VLMOE_DT_I64, 1, one, &sc->step);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "model.rng", VLMOE_DT_U64, 1, two, sc->model_rng);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "data.position", VLMOE_DT_U64, 1, one, &sc->pos);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "data.rng", VLMOE_DT_U64, 1, four, sc->rng);
+    if (!st) st = vlmoe_st_writer_add_raw(w, "data.loader", VLMOE_DT_I64, 1, four, sc->loader);
+    for (int i = 0; i < nt && !st; i++)
+        st = vlmoe_st_writer_add_f32(w, ts[i].key, VLMOE_DT_F32, ts[i].ndim, ts[i].shape, ts[i].data);
+    if (st) vlmoe_st_writer_free(w), w = NULL;
+    *out = w;
+    return st;
+}
+
 int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const char *state_path,
                        const vlmoe_data_state *data) {
     vlmoe_trainer *t = (vlmoe_trainer *)tc; // the optimizer's buffers are only read
@@ -117,35 +191,41 @@ int vlmoe_trainer_save(const vlmoe_trainer *tc, const char *weights_path, const 
             if (!isfinite(ts[i].data[k]))
                 st = vlmoe_fail(VLMOE_ERR_NUMERIC, "refusing to write %s: optimizer state '%s' holds %g at element %zu",
                                 state_path, ts[i].key, (double)ts[i].data[k], k);
-    if (!st) st = vlmoe_model_save(m, weights_path);
-    vlmoe_st_writer *w = NULL;
-    if (!st) st = vlmoe_st_writer_init(&w);
-    const int64_t one[1] = {1}, four[1] = {4};
-    const int64_t step = vlmoe_optim_get_step(o);
-    const int64_t two[1] = {2};
-    uint64_t model_rng[2];
-    vlmoe_model_get_rng(m, model_rng);
-    const uint64_t pos = data ? data->data_position : 0;
-    uint64_t rng[4] = {0, 0, 0, 0};
-    int64_t loader[4] = {0, 0, 0, 0};
+    state_scalars sc = {.step = vlmoe_optim_get_step(o), .pos = data ? data->data_position : 0};
+    vlmoe_model_get_rng(m, sc.model_rng);
     if (data) {
-        memcpy(rng, data->data_rng, sizeof(rng));
-        loader[0] = data->data_epoch, loader[1] = data->data_index;
-        loader[2] = data->data_block[0], loader[3] = data->data_block[1];
+        memcpy(sc.rng, data->data_rng, sizeof(sc.rng));
+        sc.loader[0] = data->data_epoch, sc.loader[1] = data->data_index;
+        sc.loader[2] = data->data_block[0], sc.loader[3] = data->data_block[1];
     }
-    char kind[8];
-    snprintf(kind, sizeof(kind), "%d", (int)vlmoe_trainer_params(t)->optim.kind);
-    if (!st) st = vlmoe_st_writer_meta(w, "vlmoe.state_version", STATE_VERSION);
-    if (!st) st = vlmoe_st_writer_meta(w, "optimizer", kind);
-    if (!st) st = vlmoe_st_writer_add_raw(w, "trainer.step", VLMOE_DT_I64, 1, one, &step);
-    if (!st) st = vlmoe_st_writer_add_raw(w, "model.rng", VLMOE_DT_U64, 1, two, model_rng);
-    if (!st) st = vlmoe_st_writer_add_raw(w, "data.position", VLMOE_DT_U64, 1, one, &pos);
-    if (!st) st = vlmoe_st_writer_add_raw(w, "data.rng", VLMOE_DT_U64, 1, four, rng);
-    if (!st) st = vlmoe_st_writer_add_raw(w, "data.loader", VLMOE_DT_I64, 1, four, loader);
-    for (int i = 0; i < nt && !st; i++)
-        st = vlmoe_st_writer_add_f32(w, ts[i].key, VLMOE_DT_F32, ts[i].ndim, ts[i].shape, ts[i].data);
-    if (!st) st = vlmoe_st_writer_write(w, state_path);
-    vlmoe_st_writer_free(w);
+    char *run = vlmoe_trainer_run_id(t);
+    if (!run[0]) random_id(run, VLMOE_RUN_ID_LEN);
+    pair_keys keys;
+    snprintf(keys.run, sizeof(keys.run), "%s", run);
+    snprintf(keys.step, sizeof(keys.step), "%lld", (long long)sc.step);
+    random_id(keys.save, sizeof(keys.save));
+    vlmoe_st_writer *ww = NULL, *sw = NULL;
+    if (!st) st = model_writer(m, &ww);
+    if (!st) st = add_pair_keys(ww, &keys);
+    if (!st) st = state_writer(t, ts, nt, &sc, &sw);
+    if (!st) st = add_pair_keys(sw, &keys);
+    // the sequence of the comment at the top of this file
+    char wtmp[1100] = "", stmp[1100] = "";
+    if (!st) st = vlmoe_st_writer_write_tmp(sw, state_path, stmp, sizeof(stmp));
+    if (!st && (st = vlmoe_st_writer_write_tmp(ww, weights_path, wtmp, sizeof(wtmp)))) remove(stmp);
+    if (!st && rename(stmp, state_path)) {
+        st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot rename %s to it: %s", state_path, stmp, strerror(errno));
+        remove(stmp), remove(wtmp);
+    }
+    // the state's rename reaches the disk before the weights' (a power cut must not reorder them)
+    if (!st && (st = vlmoe_sync_dir(state_path))) remove(wtmp);
+    if (!st && rename(wtmp, weights_path)) {
+        st = vlmoe_fail(VLMOE_ERR_IO, "%s: cannot rename %s to it: %s", weights_path, wtmp, strerror(errno));
+        remove(wtmp);
+    }
+    if (!st) st = vlmoe_sync_dir(weights_path);
+    vlmoe_st_writer_free(ww);
+    vlmoe_st_writer_free(sw);
     vlmoe_free_mem(ts);
     return st;
 }
@@ -216,8 +296,39 @@ static int check_no_extra(const vlmoe_st *f, const vlmoe_model *m, const state_t
     return VLMOE_OK;
 }
 
-int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path,
-                       vlmoe_data_state *data) {
+// The state file's pairing keys, compared with the weights file's when it is opened.
+typedef struct {
+    const char *state_path;
+    const char *key[3]; // run_id, step, save_id of the state file (NULL: absent, an older file)
+    int verified;       // both files carried checksums
+} pair_check;
+
+static const char *const pair_names[3] = {"vlmoe.run_id", "vlmoe.step", "vlmoe.save_id"};
+
+static int check_pair(void *u, const vlmoe_st *f) {
+    pair_check *c = u;
+    c->verified = c->verified && vlmoe_st_checksummed(f);
+    if (!c->key[0] && !c->key[1] && !c->key[2]) return VLMOE_OK; // a state older than the keys: cannot be paired
+    for (int i = 0; i < 3; i++) {
+        const char *w = vlmoe_st_metadata(f, pair_names[i]), *s = c->key[i];
+        if (!w || !s || strcmp(w, s))
+            return vlmoe_fail(VLMOE_ERR_FORMAT, "%s (run %s, step %s, save %s) and %s (run %s, step %s, save %s) are not "
+                              "one checkpoint: the weights and the state come from different saves",
+                              vlmoe_st_path(f), vlmoe_st_metadata(f, pair_names[0]) ? vlmoe_st_metadata(f, pair_names[0]) : "?",
+                              vlmoe_st_metadata(f, pair_names[1]) ? vlmoe_st_metadata(f, pair_names[1]) : "?",
+                              vlmoe_st_metadata(f, pair_names[2]) ? vlmoe_st_metadata(f, pair_names[2]) : "?",
+                              c->state_path, c->key[0] ? c->key[0] : "?", c->key[1] ? c->key[1] : "?",
+                              c->key[2] ? c->key[2] : "?");
+    }
+    return VLMOE_OK;
+}
+
+int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *state_path, vlmoe_data_state *data) {
+    return vlmoe_trainer_load_checked(t, weights_path, state_path, data, NULL);
+}
+
+int vlmoe_trainer_load_checked(vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                               vlmoe_data_state *data, int *verified) {
     vlmoe_model *m = vlmoe_trainer_model(t);
     vlmoe_optim *o = vlmoe_trainer_optim(t);
     vlmoe_st *f;
@@ -242,6 +353,18 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     if (!st && vlmoe_st_find(f, "data.loader") >= 0) st = read_ints(f, "data.loader", VLMOE_DT_I64, 4, loader);
     ds.data_epoch = loader[0], ds.data_index = loader[1], ds.data_block[0] = loader[2], ds.data_block[1] = loader[3];
     if (!st && step < 0) st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: negative step %lld", state_path, (long long)step);
+    pair_check pc = {.state_path = state_path, .verified = vlmoe_st_checksummed(f)};
+    char keys[3][VLMOE_RUN_ID_LEN] = {"", "", ""}; // copies (f is closed before the weights are opened); longer
+                                                   // ones are cut and then fail the comparison
+    for (int i = 0; i < 3; i++) {
+        const char *v = vlmoe_st_metadata(f, pair_names[i]);
+        if (v) snprintf(keys[i], sizeof(keys[i]), "%s", v), pc.key[i] = keys[i];
+    }
+    char stepstr[24];
+    snprintf(stepstr, sizeof(stepstr), "%lld", (long long)step);
+    if (!st && pc.key[1] && strcmp(pc.key[1], stepstr))
+        st = vlmoe_fail(VLMOE_ERR_FORMAT, "%s: metadata says step %s, its trainer.step is %lld: the file is damaged",
+                        state_path, pc.key[1], (long long)step);
     // read every optimizer tensor into scratch first: nothing changes unless all are valid
     state_tensor *ts = NULL;
     int nt = 0;
@@ -253,13 +376,15 @@ int vlmoe_trainer_load(vlmoe_trainer *t, const char *weights_path, const char *s
     for (int i = 0; i < nt && !st; off += ts[i++].n) st = read_state_tensor(f, &ts[i], tmp + off);
     if (!st) st = check_no_extra(f, m, ts, nt);
     vlmoe_st_close(f);
-    if (!st) st = model_load_into(m, weights_path); // validates before it changes the model
+    if (!st) st = model_load_into_checked(m, weights_path, check_pair, &pc); // validates before it changes m
     if (!st) {
         off = 0;
         for (int i = 0; i < nt; off += ts[i++].n) memcpy(ts[i].data, tmp + off, sizeof(float) * ts[i].n);
         vlmoe_optim_set_step(o, (long)step);
         vlmoe_model_set_rng(m, model_rng);
         if (data) *data = ds;
+        snprintf(vlmoe_trainer_run_id(t), VLMOE_RUN_ID_LEN, "%s", keys[0]); // the run goes on under its id
+        if (verified) *verified = pc.verified;
     }
     vlmoe_free_mem(tmp);
     vlmoe_free_mem(ts);

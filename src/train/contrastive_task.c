@@ -68,8 +68,8 @@ void vlmoe_contrastive_free(vlmoe_contrastive *c) {
 
 // This process's block of global batch `step`, as N micro-batches of B: samples
 // (step*W + rank)*N*B ... of the synthetic data, or rows rank*N*B ... of the loader's global
-// batch (every process reads the whole global batch, so skipped bad samples shift every process
-// alike). Micro-batch j is rows j*B ... of the block: the block of a run at batch N*B, cut up.
+// batch, which the loader returns alone (the processes agree on the bad samples, so skipped ones
+// shift every process alike). Micro-batch j is rows j*B ... of the block: the block of a run at batch N*B, cut up.
 static int c_fill(void *u, long step) {
     vlmoe_contrastive *r = u;
     const int B = r->p.batch_size, N = r->N;
@@ -82,11 +82,10 @@ static int c_fill(void *u, long step) {
     if (r->p.loader) {
         vlmoe_batch g;
         if (!(st = vlmoe_loader_next(r->p.loader, &g, NULL))) {
-            const size_t at = (size_t)r->p.rank * N * B;
-            if (g.batch_size != B * N * r->p.world)
-                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d processes x %d "
-                                  "micro-batches x %d", g.batch_size, r->p.world, N, B);
-            img = g.images + at * isz, tok = g.tokens + at * (size_t)r->T, len = g.lengths + at;
+            if (g.batch_size != B * N)
+                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d micro-batches x %d "
+                                  "(its share of a global batch of %d processes)", g.batch_size, N, B, r->p.world);
+            img = g.images, tok = g.tokens, len = g.lengths;
         }
     } else {
         st = vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, first, N * B, r->T, r->images, r->tokens, r->lens);
@@ -234,10 +233,13 @@ int vlmoe_synth_evaluate(vlmoe_model *m, const vlmoe_synth *s, int n, int chunk,
     float *te = malloc(sizeof(float) * (size_t)n * E), *ce = malloc(sizeof(float) * (size_t)C * E);
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n * T), *lens = malloc(sizeof(int32_t) * n);
     int32_t *labels = malloc(sizeof(int32_t) * n);
-    int st = img && ie && te && ce && tok && lens && labels ? VLMOE_OK
-                                                            : vlmoe_fail(VLMOE_ERR_NOMEM, "held-out evaluation");
+    int st = img && ie && te && ce && tok && lens && labels
+                 ? VLMOE_OK
+                 : vlmoe_fail(VLMOE_ERR_NOMEM, "held-out evaluation of %d samples: cannot allocate its %.3g GB "
+                              "of images and embeddings (fewer samples: --eval-samples)", n,
+                              ((double)isz + 2.0 * E + T + 2) * 4.0 * n / 1e9);
     if (!st) st = vlmoe_synth_batch(s, VLMOE_SPLIT_HELDOUT, 0, n, T, img, tok, lens);
-    for (int i = 0; i < n; i++) labels[i] = i % C; // held-out class of sample i (src/data/synthetic.c)
+    for (int i = 0; !st && i < n; i++) labels[i] = i % C; // held-out class of sample i (src/data/synthetic.c)
     if (!st) st = vlmoe_model_encode_images(m, img, n, ie);
     if (!st) st = vlmoe_model_encode_texts(m, tok, lens, n, te);
     if (!st) st = vlmoe_synth_class_embeddings(m, s, ce);

@@ -4,6 +4,7 @@
 // example held out, batches in the data order of src/data/order.c, a classification or a
 // contrastive step, and the accuracy / recall report. The heads are vlmoe_mome_with_heads
 // (src/nn/mome_model.c). Covered by tests/test_finetune.c.
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,7 +173,7 @@ static int read_pairs(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
     vlmoe_dataset *ds = NULL;
     int st = vlmoe_dataset_open(&p->data, &ds), cap = 0;
     if (st) return vlmoe_error_prefix("--data"), st;
-    vlmoe_image im = {0};
+    vlmoe_image im = {.max_pixels = (size_t)p->image.max_pixels};
     while (!st) {
         vlmoe_sample s;
         const int r = vlmoe_dataset_next(ds, &s);
@@ -217,7 +218,7 @@ static int prepare(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
     if (d->paths && !d->images) {
         if (!(d->images = malloc(sizeof(float) * d->isz * (size_t)ns))) return vlmoe_fail(VLMOE_ERR_NOMEM, "images");
         for (int i = 0; i < ns; i++) {
-            vlmoe_image im = {0};
+            vlmoe_image im = {.max_pixels = (size_t)p->image.max_pixels};
             int st = vlmoe_image_load(d->paths[i], &im);
             if (!st) st = vlmoe_image_preprocess_eval(&im, &p->image, d->images + d->isz * (size_t)i);
             vlmoe_image_free(&im);
@@ -274,9 +275,13 @@ int vlmoe_ft_write_labels(const vlmoe_ft_data *d, const char *output) {
     char path[4096];
     snprintf(path, sizeof(path), "%s.labels", output);
     FILE *f = fopen(path, "w");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names", path);
-    for (int k = 0; k < d->classes; k++) fprintf(f, "%s\n", d->names[k]);
-    return fclose(f) ? vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names", path) : VLMOE_OK;
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names: %s", path, strerror(errno));
+    int ok = 1;
+    for (int k = 0; k < d->classes && ok; k++) ok = fprintf(f, "%s\n", d->names[k]) >= 0;
+    ok = fflush(f) == 0 && ok;
+    const int e = errno;
+    ok = fclose(f) == 0 && ok;
+    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "%s: cannot write the class names: %s", path, strerror(e ? e : EIO));
 }
 
 // Batch buffers for B examples: images (B*per, C,S,S), tokens (B*per, ctx) and lens, labels (B).

@@ -7,12 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/core.h"
 #include "train/run.h"
 
 struct vlmoe_metrics {
     FILE *f;
+    off_t good;     // the file's size after the last whole record
     char path[1024];
 };
 
@@ -22,38 +24,72 @@ static long line_step(const char *line) {
     return sscanf(line, "{\"step\":%ld", &s) == 1 ? s : -1;
 }
 
+// Appends the lines in[0..n) to the dropped-records file beside path (metrics.jsonl ->
+// metrics.dropped.jsonl): records of steps a resumed run trains again are moved there, not lost.
+static int keep_dropped(const char *path, const char *text, size_t n) {
+    char out[1100];
+    const size_t k = strlen(path);
+    if (k > 6 && !strcmp(path + k - 6, ".jsonl")) snprintf(out, sizeof(out), "%.*s.dropped.jsonl", (int)(k - 6), path);
+    else snprintf(out, sizeof(out), "%s.dropped", path);
+    FILE *f = fopen(out, "a");
+    const int ok = f && fwrite(text, 1, n, f) == n && fflush(f) == 0;
+    const int e = errno;
+    if (f && fclose(f) && ok) return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", out, strerror(errno));
+    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", out, strerror(e));
+}
+
 int vlmoe_metrics_open(vlmoe_metrics **out, const char *path, long start) {
     *out = NULL;
     vlmoe_metrics *m = calloc(1, sizeof(*m));
     if (!m) return vlmoe_fail(VLMOE_ERR_NOMEM, "metrics sink");
     snprintf(m->path, sizeof(m->path), "%s", path);
-    if (start > 0) { // keep the records of the steps up to start, through a renamed copy
+    FILE *in = fopen(path, "r");
+    if (in) { // keep the records of the steps up to start, through a renamed copy; the others
+              // (a run that stopped after its last checkpoint, or an earlier run of a reused
+              // folder) move to the dropped-records file, so every step appears once
         char tmp[1100];
         snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-        FILE *in = fopen(path, "r"), *o = fopen(tmp, "w");
-        char *line = NULL;
-        size_t cap = 0;
+        FILE *o = fopen(tmp, "w");
+        char *line = NULL, *drop = NULL;
+        size_t cap = 0, ndrop = 0, dcap = 0;
         int ok = o != NULL;
         ssize_t len;
-        while (ok && in && (len = getline(&line, &cap, in)) > 0) {
-            const long s = line_step(line); // a line cut short by a killed writer is dropped
-            if (s >= 0 && s <= start && line[len - 1] == '\n') ok = fputs(line, o) >= 0;
+        while (ok && (len = getline(&line, &cap, in)) > 0) {
+            const long s = line_step(line);
+            if (s >= 0 && s <= start && line[len - 1] == '\n') {
+                ok = fputs(line, o) >= 0;
+                continue;
+            }
+            if (ndrop + (size_t)len + 1 > dcap) { // a line cut short by a killed writer is kept too, ended
+                char *d = realloc(drop, dcap = 2 * (ndrop + (size_t)len + 1));
+                if (!(ok = d != NULL)) break;
+                drop = d;
+            }
+            memcpy(drop + ndrop, line, (size_t)len), ndrop += (size_t)len;
+            if (line[len - 1] != '\n') drop[ndrop++] = '\n';
         }
+        const int e = errno;
         free(line);
-        if (in) fclose(in);
+        fclose(in);
+        if (o && (fflush(o) || fsync(fileno(o)))) ok = 0;
         if (o && fclose(o)) ok = 0;
-        if (!ok || rename(tmp, path)) {
-            const int e = errno;
+        int st = ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot rewrite %s: %s", path, strerror(errno ? errno : e));
+        if (!st && ndrop) st = keep_dropped(path, drop, ndrop); // before the rename: a failure loses nothing
+        if (!st && rename(tmp, path)) st = vlmoe_fail(VLMOE_ERR_IO, "cannot rewrite %s: %s", path, strerror(errno));
+        free(drop);
+        if (st) {
             remove(tmp);
             free(m);
-            return vlmoe_fail(VLMOE_ERR_IO, "cannot rewrite %s: %s", path, strerror(e));
+            return st;
         }
     }
-    if (!(m->f = fopen(path, start > 0 ? "a" : "w"))) {
+    if (!(m->f = fopen(path, "a"))) {
         const int e = errno;
         free(m);
         return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(e));
     }
+    fseeko(m->f, 0, SEEK_END);
+    m->good = ftello(m->f);
     *out = m;
     return VLMOE_OK;
 }
@@ -75,9 +111,23 @@ cJSON *vlmoe_metrics_record(long step, const char *kind) {
 int vlmoe_metrics_write(vlmoe_metrics *m, cJSON *rec) {
     char *line = rec ? cJSON_PrintUnformatted(rec) : NULL;
     cJSON_Delete(rec);
-    const int ok = line && fprintf(m->f, "%s\n", line) >= 0 && fflush(m->f) == 0;
+    if (!line) return vlmoe_fail(VLMOE_ERR_NOMEM, "cannot write %s: out of memory", m->path);
+    if (!m->f) return free(line), vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: an earlier write failed", m->path);
+    const int ok = fprintf(m->f, "%s\n", line) >= 0 && fflush(m->f) == 0;
+    const int e = errno;
     free(line);
-    return ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", m->path, line ? strerror(errno) : "out of memory");
+    if (ok) {
+        m->good = ftello(m->f);
+        return VLMOE_OK;
+    }
+    // a full disk may have taken part of the line: cut it off, so that the file holds whole records
+    // only (the run stops here; every earlier record is kept). fclose may write the buffered bytes
+    // once more; the truncation comes after it.
+    fclose(m->f);
+    m->f = NULL;
+    const int cut = truncate(m->path, m->good) == 0;
+    return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s%s", m->path, strerror(e),
+                      cut ? "" : " (and a partial last line could not be cut off)");
 }
 
 cJSON *vlmoe_metrics_exact(double v) {

@@ -221,7 +221,11 @@ static int setup_data(vlmoe_mome_run *r) {
         lp.data = p->train_data;
         lp.image = p->image;
         lp.seed = p->seed;
-        lp.batch_size = r->n_loader * r->p.world; // every process reads the global batch and takes its blocks
+        // each process decodes only its blocks of the global batch (chunks dealt in turn, as
+        // global_of takes them), agreeing with the others on the bad samples
+        lp.batch_size = r->n_loader;
+        lp.rank = r->p.world > 1 ? r->p.rank : 0, lp.world = r->p.world > 1 ? r->p.world : 1;
+        lp.chunk = r->chunk, lp.agree = p->agree, lp.agree_user = p->agree_user;
         lp.context_length = c->context_length;
         if (r->s[S_TEXT].src == VLMOE_MOME_LOADER || r->s[S_PAIR].src == VLMOE_MOME_LOADER) // else no captions needed
             lp.tokenize = p->tokenize, lp.tokenize_user = p->tokenize_user;
@@ -434,12 +438,12 @@ static int m_fill(void *u, long step) {
     const vlmoe_batch sb = {r->n_synth, r->syn_img, r->syn_tok, r->syn_len};
     vlmoe_batch lb = {0, NULL, NULL, NULL};
     if (r->n_loader && (st = vlmoe_loader_next(r->loader, &lb, NULL))) return vlmoe_error_prefix("--train-data"), st;
-    if (r->n_loader && lb.batch_size != r->n_loader * r->p.world)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--train-data: the loader gives batches of %d, not %d processes x %d",
-                          lb.batch_size, r->p.world, r->n_loader);
+    if (r->n_loader && lb.batch_size != r->n_loader)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--train-data: the loader gives batches of %d, not %d", lb.batch_size,
+                          r->n_loader);
     for (int k = 0, at_syn = 0, at_ld = 0; k < NSTREAMS; k++) {
         if (r->s[k].src == VLMOE_MOME_SYNTH) take(r, k, &sb, at_syn, 0), at_syn += r->s[k].n;
-        if (r->s[k].src == VLMOE_MOME_LOADER) take(r, k, &lb, at_ld, 1), at_ld += r->s[k].n;
+        if (r->s[k].src == VLMOE_MOME_LOADER) take(r, k, &lb, at_ld, 0), at_ld += r->s[k].n;
     }
     if (r->s[S_IMAGE].src == VLMOE_MOME_FOLDER && (st = fill_folder(r, step))) return st;
     if (r->s[S_TEXT].src == VLMOE_MOME_LINES && (st = fill_lines(r, step))) return st;

@@ -32,6 +32,14 @@ typedef void (*vlmoe_warn_fn)(void *user, const char *message);
 int vlmoe_ckpt_resume(const char *ckdir, const char *resume, const vlmoe_train_params *tp, int plan_B,
                       vlmoe_model **m, vlmoe_trainer **t, vlmoe_data_state *ds, char *w, size_t cap,
                       vlmoe_warn_fn warn, void *user);
+// The run id both files of a checkpoint carry (src/train/checkpoint.c): a buffer of
+// VLMOE_RUN_ID_LEN bytes on the trainer, empty until its first save or resume.
+enum { VLMOE_RUN_ID_LEN = 24 };
+char *vlmoe_trainer_run_id(vlmoe_trainer *t);
+// vlmoe_trainer_load that also says (*verified, may be NULL) whether both files carried checksums
+// (files written before them load unverified).
+int vlmoe_trainer_load_checked(vlmoe_trainer *t, const char *weights_path, const char *state_path,
+                               vlmoe_data_state *data, int *verified);
 // mkdir -p; writes text and a newline to path. Both return VLMOE_OK or VLMOE_ERR_IO with the
 // path and the system's reason.
 int vlmoe_mkdir_p(const char *path);
@@ -43,9 +51,10 @@ void vlmoe_run_dir_of(const char *weights, char *dir, size_t cap);
 
 // ---- metrics: one JSON object per line, "step" first, then "kind" (docs/METRICS.md)
 typedef struct vlmoe_metrics vlmoe_metrics;
-// Opens path for a run at step `start`: a fresh file when start is 0, else the file keeps the
-// records of steps <= start (a run stopped after its last checkpoint logged steps it now trains
-// again) and new records are appended.
+// Opens path for a run at step `start`: an existing file keeps the records of steps <= start (none
+// when start is 0) and new records are appended, so no step is logged twice after a resume; the
+// records it drops (a run stopped after its last checkpoint logged steps it now trains again) are
+// appended to metrics.dropped.jsonl beside it, never lost.
 int vlmoe_metrics_open(vlmoe_metrics **out, const char *path, long start);
 void vlmoe_metrics_close(vlmoe_metrics *m);
 // A new record {"step": step, "kind": kind}; the caller adds fields and writes it.

@@ -55,12 +55,20 @@ void vlmoe_ckpt_clean_tmp(const char *dir) {
     if (!d) return;
     struct dirent *e;
     char path[1024];
-    // partial files of a writer that was killed before its rename: never loadable, never needed
-    while ((e = readdir(d)))
+    // partial files of a writer that was killed before its rename: never loadable, never needed;
+    // and a state file whose weights file was never renamed into place (checkpoint.c's sequence)
+    while ((e = readdir(d))) {
+        long step;
+        char tail[32], w[1100], st[1100];
+        struct stat sb;
+        snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
         if (strstr(e->d_name, ".safetensors.tmp.")) {
-            snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
             unlink(path);
+        } else if (sscanf(e->d_name, "step_%ld%31s", &step, tail) == 2 && !strcmp(tail, ".state.safetensors")) {
+            vlmoe_ckpt_paths(dir, step, w, st, sizeof(w));
+            if (stat(w, &sb) && errno == ENOENT) unlink(path);
         }
+    }
     closedir(d);
 }
 
@@ -80,10 +88,20 @@ int vlmoe_mkdir_p(const char *path) {
 
 int vlmoe_write_text(const char *path, const char *text) {
     if (!text) return vlmoe_fail(VLMOE_ERR_NOMEM, "%s: no text to write", path);
-    FILE *f = fopen(path, "w");
+    // through a temporary file and a rename: a full disk never leaves the run's record half written
+    char tmp[1100];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return vlmoe_fail(VLMOE_ERR_ARG, "%s: path too long", path);
+    FILE *f = fopen(tmp, "w");
     if (!f) return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(errno));
-    const int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-    return fclose(f) == 0 && ok ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(errno));
+    errno = 0;
+    int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF && fflush(f) == 0 && fsync(fileno(f)) == 0;
+    const int e = errno;
+    ok = fclose(f) == 0 && ok;
+    if (ok && rename(tmp, path)) ok = 0;
+    if (ok) return VLMOE_OK;
+    const int e2 = errno;
+    remove(tmp);
+    return vlmoe_fail(VLMOE_ERR_IO, "cannot write %s: %s", path, strerror(e ? e : e2 ? e2 : EIO));
 }
 
 void vlmoe_run_dir_of(const char *weights, char *dir, size_t cap) {
@@ -116,7 +134,14 @@ int vlmoe_ckpt_resume(const char *ckdir, const char *resume, const vlmoe_train_p
         int st = vlmoe_model_load(m, w);
         if (!st && plan_B) st = vlmoe_model_plan(*m, plan_B);
         if (!st) st = vlmoe_trainer_init(t, *m, tp);
-        if (!st) st = vlmoe_trainer_load(*t, w, s, ds);
+        int verified = 0;
+        if (!st) st = vlmoe_trainer_load_checked(*t, w, s, ds, &verified);
+        if (!st && !verified && warn) {
+            char msg[2200];
+            snprintf(msg, sizeof(msg), "note: %s and its state carry no checksums (written before vlmoe checked "
+                     "them): resumed unverified; the next checkpoint will carry them", w);
+            warn(user, msg);
+        }
         if (!st) return VLMOE_OK;
         if (warn) {
             char msg[2048];

@@ -164,6 +164,8 @@ typedef struct {
                                       // per process, the global batch world x batch_size; each
                                       // forward of `chunk` samples is this process's block of the
                                       // one-process forward of world x chunk (mome_task.c)
+    int (*agree)(void *user, uint8_t *k, size_t n); // world > 1 with --train-data: the loader's
+    void *agree_user;                 // agreement on bad samples (src/data/loader.h)
 } vlmoe_mome_params;
 
 // How a step splits: each stream's source and samples, and the forwards of `chunk` samples (every

@@ -16,6 +16,7 @@
 #include "nn/model.h"
 #include "optim/optim.h"
 #include "train/buckets.h"
+#include "train/run.h"
 #include "vlmoe.h"
 
 struct vlmoe_trainer {
@@ -27,7 +28,10 @@ struct vlmoe_trainer {
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
     struct shard *shard;        // expert parallelism with AdamW: who reduces and updates what (below)
     train_buckets *bk;          // and the buckets their sum goes in (made at the first step)
+    char run_id[VLMOE_RUN_ID_LEN]; // the run's id in its checkpoints ("" until the first save or load)
 };
+
+char *vlmoe_trainer_run_id(vlmoe_trainer *t) { return t->run_id; }
 
 // Expert parallelism shards the experts' training state (issue 15): a process of an expert group
 // of N computes the gradients of its E/N experts of every bank only, so those are all-reduced

@@ -132,5 +132,15 @@ def generate(outdir):
     path = os.path.join(outdir, "image_land_lossless.webp")
     src.save(path, "WEBP", lossless=True)
     t["image_land_lossless.webp|decode"] = rgb_of(path)
+    # ColorJitter's adjustments as torchvision applies them to a PIL image (ImageEnhance
+    # Brightness, Contrast, Color), factors in hundredths, in the order of the key's digits
+    from PIL import ImageEnhance
+    enh = (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color)
+    for f, order in (((120, 80, 35), (2, 0, 1)), ((60, 140, 130), (0, 1, 2)), ((137, 61, 0), (1, 2, 0)),
+                     ((0, 0, 100), (0, 1, 2))):
+        im = Image.fromarray(land)
+        for k in order:
+            im = enh[k](im).enhance(f[k] / 100.0)
+        t[f"image_land.png|jitter{f[0]}_{f[1]}_{f[2]}_{order[0]}{order[1]}{order[2]}"] = np.array(im)
     save(os.path.join(outdir, "image_ref.safetensors"), t,
          {"generator": "tests/ref/gen_image.py", "pil": Image.__version__})

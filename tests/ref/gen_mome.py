@@ -164,10 +164,18 @@ class MoME(nn.Module):
                     out.append((l, name))
         return out
 
-    def forward(self, enc, images, tokens, lens, tlab, plab, noise, clab=None):
+    def forward(self, enc, images, tokens, lens, tlab, plab, noise, clab=None, drop=None):
         """Returns loss, text loss, image loss, aux, the hidden states (vlmoe's order: image first
         in a pair), the class scores (None without a head) and the classification loss (zero
-        without class labels clab)."""
+        without class labels clab). drop: stochastic depth as (rate, keep), keep (L, 2, B) the
+        kept attention (0) and feed-forward (1) branches of each sample, block l's rate
+        linspace(0, rate, L)[l] as timm's and BEiT's models space it."""
+        rates = torch.linspace(0, drop[0], self.L).tolist() if drop is not None else None
+
+        def dp(y, l, k):  # timm's drop_path with the mask given: y / keep_prob * mask
+            if drop is None:
+                return y
+            return y.div(1.0 - rates[l]) * drop[1][l, k].to(y.dtype).view(-1, *([1] * (y.dim() - 1)))
         parts, kinds = [], []
         b = images.shape[0] if images is not None else tokens.shape[0]
         if enc in ("text", "pair"):
@@ -188,11 +196,12 @@ class MoME(nn.Module):
         moe_ids = {k: i for i, k in enumerate(self.moe_order())}
         for l in range(self.L):
             h = self.ln1[l](x)
-            x = x + self.attn[l](h, h, h, need_weights=False, key_padding_mask=pad if pad.any() else None)[0]
+            x = x + dp(self.attn[l](h, h, h, need_weights=False, key_padding_mask=pad if pad.any() else None)[0],
+                       l, 0)
             d = x.shape[-1]
             if enc == "pair" and l >= self.L - self.F:
                 y, a = self.vl[str(l)](x.reshape(-1, d), None, 0)
-                x = x + y.reshape(x.shape)
+                x = x + dp(y.reshape(x.shape), l, 1)
                 aux = aux + a
                 continue
             outs, off = [], 0
@@ -202,7 +211,7 @@ class MoME(nn.Module):
                 ex = self.t[l] if kind == "t" else self.v[l]
                 nz = noise.get(moe_ids.get((l, kind)))
                 y, a = ex(seg.reshape(-1, d), nz, 1 if kind == "t" else 0)
-                outs.append(seg + y.reshape(seg.shape))
+                outs.append(seg + dp(y.reshape(seg.shape), l, 1))
                 aux = aux + a
                 off += n
             x = torch.cat(outs, 1)
@@ -334,7 +343,29 @@ def generate(out):
             ref[f"{key}.loss"] = np.array([loss.item()], dtype=np.float64)
             grads(ref, key, names)
     st.save(os.path.join(out, "mome.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
+    generate_drop(out, m, names, images, tokens, lens, tlab, plab)
     generate_heads(out, m, cfg)
+
+
+def generate_drop(out, m, names, images, tokens, lens, tlab, plab):
+    """mome_drop.ref.safetensors: the pair encoding of mome.ref's inputs on mome.init's weights
+    with stochastic depth 0.5 and a fixed mask (drop.keep, (L, 2, B); block 0's rate is 0, so it
+    keeps all): the noise (drop.noise.I, its own generator), the losses, hidden states and every
+    gradient (drop.grad.NAME)."""
+    rate, b = 0.5, images.shape[0]
+    keep = torch.tensor([[[1, 1, 1], [1, 1, 1]], [[0, 1, 1], [1, 0, 1]], [[1, 0, 0], [0, 1, 1]]], dtype=torch.int32)
+    noise = draw_noise(m, torch.Generator().manual_seed(12), b, ("v", "t"))
+    ref = {"drop.rate": np.array([rate], dtype=np.float64), "drop.keep": keep.numpy()}
+    for i, v in noise.items():
+        ref[f"drop.noise.{i}"] = v.numpy()
+    m.zero_grad(set_to_none=True)
+    loss, lt, li, aux, h, _, _ = m("pair", images, tokens, lens, tlab, plab, noise, None, (rate, keep))
+    loss.backward()
+    for k, v in (("loss", loss), ("text", lt), ("image", li), ("aux", aux)):
+        ref[f"drop.{k}"] = np.array([v.item()], dtype=np.float64)
+    ref["drop.hidden"] = h.detach().numpy()
+    grads(ref, "drop", names)
+    st.save(os.path.join(out, "mome_drop.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
 
 
 def grads(ref, key, names):

@@ -64,6 +64,12 @@ TRICKY = [
     "....!!!???,,,;;; --- ***",
     "the the the, the.",
     "ᾳͅ ab\u0345cd -\u180e- x\u180ey \u0345",  # regex drops U+0345; U+180E is no space for it
+    # scripts the hand-written ranges missed (utf8proc now): Armenian, Cherokee, Georgian, Deseret,
+    # title case, Ohm / Kelvin / Angstrom signs, Glagolitic, Adlam
+    "ՀԱՅԱՍՏԱՆ Երևան ᎠᎡᎢ ႠႡႢ 𐐀𐐁 ǅǈ Ω K Å ⰀⰁ 𞤀𞤁",
+    # final sigma: word ends, before punctuation and apostrophes, alone, between letters, with
+    # combining marks and after a digit
+    "ΟΔΟΣ ΟΔΟΣ. ΟΔΟΣ'Α Σ ΑΣΑ ΑΣ\u0301 ΑΣ\u0301Β 1Σ ΑΣ1 ΑΣ'",
 ]
 
 
