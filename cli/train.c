@@ -195,6 +195,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE.json", "model config: a name (tiny, limoe-tiny, S/32, B/16, ViT-B-16, ...) or a JSON file"},
         {"pretrained", ARG_STRING, &a.pretrained, "FILE", "start from a vlmoe checkpoint (its config replaces --model)"},
+        {"soft-dispatch", ARG_STRING, &a.soft_dispatch, "MIX", "Soft MoE layers' dispatch/combine weights: soft (the "
+                                                              "paper's), or App. A's fixed identity, uniform, uniform_soft, soft_uniform"},
+        {"no-soft-normalize", ARG_FLAG, &a.soft_raw, NULL, "Soft MoE layers without the normalisation of tokens and slot "
+                                                       "vectors before the softmaxes (to reproduce App. E's collapse)"},
         {"preset", ARG_STRING, &a.preset, "NAME", "routing and losses of the model's MoE layers and the paper's training recipe where "
                                                   "flags do not say otherwise: limoe (Adafactor, lr 1e-3, wd 1e-5, images in [-1, 1]) or "
                                                   "clipup (AdamW, lr 5e-5, wd 0.05, its upcycled phase); the limoe-* and "

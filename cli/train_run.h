@@ -15,6 +15,8 @@ typedef struct {
     const char *resume, *csv_separator, *tokenizer, *image_mean, *image_std, *device;
     const char *precision;       // --precision fp32|bf16 (cli/precision.c)
     const char *upsampling;      // --train-data-upsampling-factors
+    const char *soft_dispatch;   // --soft-dispatch (Soft MoE App. A baselines; NULL: the model's)
+    int soft_raw;                // --no-soft-normalize (Soft MoE App. E)
     int resampled;               // --dataset-resampled
     int batch_size, image_size, context_length, threads, log_every, eval_samples, keep, workers;
     int expert_parallel;         // under mpirun: every MoE layer's experts split over groups of N

@@ -114,12 +114,15 @@ int train_setup_model(const train_args *a, const vlmoe_train_params *tp, train_r
         int vocab = 0;
         if (captions && !a->pretrained && fresh_text(a, r, &vocab)) return 1;
         const vlmoe_model_source src = {a->model, a->pretrained, a->preset, a->image_size, a->context_length, vocab,
-                                        (uint64_t)a->seed};
+                                        (uint64_t)a->seed, a->soft_dispatch, a->soft_raw};
         if (vlmoe_model_from_source(&r->m, &src) || vlmoe_model_plan(r->m, a->batch_size) ||
             vlmoe_trainer_init(&r->t, r->m, tp))
             return cli_error("train", "%s", vlmoe_last_error());
         if (captions && a->pretrained && model_text(a, r, a->pretrained)) return 1;
     }
+    char warn[1024];
+    if (vlmoe_config_warnings(vlmoe_model_get_config(r->m), warn, sizeof(warn)) && r->lead)
+        fprintf(stderr, "vlmoe train: warning: %s\n", warn);
     if (!captions && model_get_inputs(r->m)->text == MODEL_TEXT_BPE)
         return cli_error("train", "%s carries a BPE tokenizer: it was trained on captions of its own, not the synthetic "
                          "data; give --train-data", a->resume ? "the run's checkpoint" : a->pretrained);

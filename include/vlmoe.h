@@ -210,6 +210,9 @@ enum { VLMOE_ORDER_FIFO = 0, VLMOE_ORDER_BPR = 1, VLMOE_ORDER_RANDOM = 2 };
 enum { VLMOE_BPR_MAX = 0, VLMOE_BPR_SUM = 1 };
 enum { VLMOE_RENORM_NONE = 0, VLMOE_RENORM_AFTER_ROUTING = 1 };
 enum { VLMOE_MOD_IMAGE = 0, VLMOE_MOD_TEXT = 1 };
+// Soft MoE dispatch/combine (Soft MoE App. A): learned softmaxes, or the fixed baselines
+enum { VLMOE_SOFT_MIX_SOFT = 0, VLMOE_SOFT_MIX_IDENTITY = 1, VLMOE_SOFT_MIX_UNIFORM = 2,
+       VLMOE_SOFT_MIX_UNIFORM_SOFT = 3, VLMOE_SOFT_MIX_SOFT_UNIFORM = 4 };
 // Auxiliary losses (MOE.md "Auxiliary losses"); per-modality LIMoE losses come in pairs.
 typedef enum {
     VLMOE_AUX_IMPORTANCE = 0, VLMOE_AUX_LOAD, VLMOE_AUX_VLOSS, VLMOE_AUX_ZLOSS, VLMOE_AUX_SWITCH,
@@ -226,13 +229,21 @@ typedef struct {
     int num_experts, top_k;
     double capacity_factor, eval_capacity_factor;
     int capacity_multiple;       // round C up to a multiple of this (default 1)
+    int capacity_per_token;      // 1: C = ceil(cf*S/E) whatever top_k, CLIP-UP's B_e = (B_t/E) C
+                                 // (the clipup preset); 0: ceil(cf*S*K/E) (V-MoE, LIMoE). JSON
+                                 // "capacity_per_assignment": false / true (default)
     int order, bpr_score;        // VLMOE_ORDER_*, VLMOE_BPR_*
     int gate_renorm;             // VLMOE_RENORM_*
     double noise_std;            // training noise on router logits: l + (noise_std/E) N(0,1)
     int group_size;              // tokens per routing group, 0 = all tokens of the batch
-    int slots_per_expert;        // Soft MoE, 0 = rint(S/E)
+    int slots_per_expert;        // Soft MoE, 0 = rint(S/E); fewer than one slot per expert is an error
+    int soft_mix;                // Soft MoE: VLMOE_SOFT_MIX_* (JSON "soft_dispatch": "soft",
+                                 // "identity", "uniform", "uniform_soft", "soft_uniform")
+    int soft_raw;                // Soft MoE: 1 = no normalisation of x and phi before the
+                                 // softmaxes (App. E; JSON "soft_normalize": false)
     double aux_weight[VLMOE_AUX_COUNT];
-    double global_tau[2];        // global-entropy thresholds per modality, 0 = log(S_m)
+    double global_tau[2];        // global-entropy thresholds per modality: tau = log(S), S the soft
+                                 // minimum number of experts (0 = log 1); JSON "global_entropy_tau"
     uint64_t pruned[64];         // router_pred pruning (LIMoE E.4): bit e of pruned[l] keeps expert e
                                  // of block l out of the top-K; the softmax still covers it
     int text_first;              // one_tower: a routing group visits its text tokens before its image
@@ -292,7 +303,8 @@ typedef struct {
     double success[2];          // fraction of tokens with at least one accepted assignment
     double dropped[2];          // fraction of assignments dropped by capacity
     double mean_max_gate[2];    // mean over tokens of the largest dispatch gate
-    double entropy_pre[2];      // mean per-token router entropy H(p) (pre-dispatch)
+    double entropy_pre[2];      // pre-dispatch global entropy H(mean p) over the modality's tokens of
+                                // the pass (LIMoE Fig. 9 "routing entropy"; log of experts_used)
     double entropy_post[2];     // entropy of the accepted assignments' spread over experts
     double experts_used[2];     // exp(H(mean p)): experts the modality effectively uses
     double *routed[2];          // (E) fraction of the modality's assignments sent to each expert
@@ -300,7 +312,18 @@ typedef struct {
     double *accepted[2];        // (E) fraction of the modality's tokens each expert processed
     double aux[VLMOE_AUX_COUNT];// unweighted auxiliary losses, mean over groups (0 if unused)
     double soft_minmax[4];      // Soft MoE: min/max dispatch weight, min/max combine weight
+    double entropy_token[2];    // mean per-token router entropy mean_s H(p_s) (pre-dispatch)
+    int capacity;               // C per expert per group of the last forward (0: Soft MoE)
+    double experts_cover[2][3]; // experts needed to cover 50/80/90% of the modality's assignments
+                                // (the most-routed experts first; LIMoE Fig. 10 / 13)
+    double soft_mean_max[2];    // Soft MoE App. E monitors: mean over slots of the largest dispatch
+                                // weight, mean over tokens of the largest combine weight
 } vlmoe_moe_stats;
+// The coverage levels of vlmoe_moe_stats.experts_cover.
+#define VLMOE_COVER_LEVELS {0.5, 0.8, 0.9}
+// experts_cover of one modality from its routed fractions (E, summing to 1): for each level X
+// the fewest experts, most-routed first, whose fractions reach X (0 when nothing was routed).
+VLMOE_API void vlmoe_experts_cover(const double *routed, int E, double cover[3]);
 
 // Inputs of the auxiliary losses of one group.
 typedef struct {
@@ -310,9 +333,13 @@ typedef struct {
     double noise_std;           // as in the config (the noise scale is noise_std/E)
     const uint8_t *modality;    // (S) VLMOE_MOD_* of each token; NULL = all image
     const int32_t *wanted;      // (E) assignments routed before capacity (switch loss)
-    double global_tau[2];       // 0 = log(S_m)
+    double global_tau[2];       // tau = log(S) per modality (0 = log 1: the loss is off)
+    const int32_t *wanted_mod;  // (2,E) `wanted` split by modality, image row first: the switch loss
+                                // of a group with both modalities is the sum of each one's (CLIP-UP
+                                // per tower); NULL is allowed when the group has one modality
 } vlmoe_aux_input;
 // One auxiliary loss of one group; if dlogits (S,E) is given, accumulates weight * d(loss)/d(logits)
+// (z-loss and switch are per modality when the group holds both, MOE.md)
 // (through the softmax, the noisy threshold of the load loss, ...). Losses of a modality with no
 // tokens in the group are 0. The load loss is 0 without noisy logits.
 VLMOE_API double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double weight, float *dlogits);
@@ -355,6 +382,11 @@ typedef struct {
                              // [I_CLS] and [T_CLS] features to embed_dim and a logit_scale
                              // (JSON "retrieval_head", written when 1)
 } vlmoe_model_config;
+// Warnings about a config that is valid but cannot do what it asks: a global-entropy threshold at
+// or above log(num_experts) (LIMoE 2.2.2: no routing over E experts reaches it, so the loss never
+// switches off). Writes one line per warning ("moe.global_entropy_tau[text] = ...") into buf
+// (cap bytes, NUL-terminated, truncated if short) and returns how many there are.
+VLMOE_API int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap);
 
 // Named configs: "tiny", "tiny-clip" (tests), "S/32", "B/32", "B/16" (one_tower, LIMoE layout),
 // "ViT-B-32", "ViT-B-16" (two_tower, OpenAI CLIP exactly), and the papers' sizes (src/nn/sizes.c):

@@ -418,13 +418,16 @@ static void case_aux(ctx *c) {
     for (int i = 0; i < S; i++) mod[i] = (uint8_t)(i % 3 == 0);
     const uint8_t *fmod = upb(c, mod, sizeof(mod));
     const int32_t *fwant = upb(c, wanted, sizeof(wanted));
+    int32_t wanted_mod[8] = {6, 4, 5, 5, 3, 3, 3, 3}; // image row (11 tokens), text row (5 tokens)
+    const int32_t *fwm = upb(c, wanted_mod, sizeof(wanted_mod));
     double *lg = rnd(c, (size_t)S * E, 2), *nz = rnd(c, (size_t)S * E, 2);
     float *flg = up(c, lg, (size_t)S * E), *fnz = up(c, nz, (size_t)S * E);
     double *scr = zeros(c, aux_scratch_floats(S, E));
     float *fscr = up(c, scr, aux_scratch_floats(S, E));
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
-        const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {0, 0}};
-        const aux_input_f32 fi = {S, E, K, flg, fnz, 1.0, fmod, fwant, {0, 0}};
+        // tau 1.5 < log 4: the global losses are active where the entropy is below it
+        const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod};
+        const aux_input_f32 fi = {S, E, K, flg, fnz, 1.0, fmod, fwant, {1.5, 1.2}, fwm};
         double *dl = rnd(c, (size_t)S * E, 1);
         float *fdl = up(c, dl, (size_t)S * E);
         const double l = c->ref->aux_loss(c->ref, (vlmoe_aux_kind)k, &ri, 1.0, NULL, scr);
@@ -437,7 +440,7 @@ static void case_aux(ctx *c) {
 }
 
 static void case_soft(ctx *c) {
-    const soft_dims d = {10, 8, 3, 2, 12, VLMOE_ACT_GELU};
+    const soft_dims d = {10, 8, 3, 2, 12, VLMOE_ACT_GELU, 0, 0};
     const int S = d.S, D = d.D, E = d.E, P = d.P, M = d.M;
     const size_t nphi = (size_t)D * E * P, nw1 = (size_t)E * M * D, nw2 = (size_t)E * D * M;
     double *phi = rnd(c, nphi, 1), *sc = rnd(c, 1, 1), *w1 = rnd(c, nw1, 0.5), *b1 = rnd(c, (size_t)E * M, 0.5);

@@ -54,6 +54,21 @@ int main(int argc, char **argv) {
     // experts split over groups of processes need those processes
     expect("train --model limoe-tiny --steps 1 --expert-parallel 2 --logs runs", 1, "start several with mpirun");
     expect("train --model limoe-tiny --steps 1 --expert-parallel -1 --logs runs", 2, "--expert-parallel must be >= 1");
+    // Soft MoE's App. A baselines and App. E's variant (issue 20), and their errors
+    expect("train --model soft-tiny --steps 1 --soft-dispatch hard --logs runs", 1, "--soft-dispatch hard: must be soft");
+    expect("train --model limoe-tiny --steps 1 --soft-dispatch uniform --logs runs", 1, "has no Soft MoE layers");
+    expect("train --model soft-tiny --steps 1 --soft-dispatch identity --logs runs", 1, "as many slots");
+    expect("train --model soft-tiny --steps 1 --batch-size 4 --soft-dispatch uniform_soft --no-soft-normalize "
+           "--eval-samples 8 --logs runs --name softu", 0, "held-out");
+    const char *p0 = "{\"base\": \"soft-tiny\", \"moe\": {\"num_experts\": 80, \"slots_per_expert\": 0}}";
+    write_file("p0.json", p0, strlen(p0));
+    expect("train --model p0.json --steps 1 --logs runs", 1, "0 slots per expert");
+    // a global-entropy threshold no routing over 8 experts meets is warned about (tau = log 9)
+    const char *t9 = "{\"base\": \"limoe-tiny\", \"moe\": {\"preset\": \"limoe\", \"global_entropy_tau\": "
+                     "[0, 2.1972245773362196]}}";
+    write_file("t9.json", t9, strlen(t9));
+    expect("train --model t9.json --steps 1 --batch-size 4 --eval-samples 8 --logs runs --name t9", 0,
+           "warning: moe.global_entropy_tau[text] = 2.19722 = log(9)");
     // a real (short) run, then training on from its checkpoint
     expect("train --model tiny --steps 4 --batch-size 8 --log-every-n-steps 2 --eval-samples 40 "
            "--logs runs --name a", 0, "held-out: zero-shot top-1");

@@ -164,6 +164,55 @@ static void test_configs(void) {
     (void)m;
 }
 
+// The global-entropy threshold as the paper writes it (issue 20): tau = log(S), S the soft
+// minimum number of experts. The presets' thresholds can be met with the model's experts; a
+// threshold at or above log(E) is warned about; files written before the key was renamed keep
+// their non-zero thresholds.
+static void test_entropy_tau(void) {
+    vlmoe_model_config c;
+    const char *named[] = {"limoe-tiny", "limoe-mini", "limoe-S/32", "limoe-B/16"};
+    for (size_t i = 0; i < sizeof(named) / sizeof(named[0]); i++) {
+        CHECK(vlmoe_config_named(named[i], &c) == VLMOE_OK, "%s: %s", named[i], vlmoe_last_error());
+        const double logE = log((double)c.moe.num_experts);
+        CHECK(c.moe.global_tau[0] < logE && c.moe.global_tau[1] < logE,
+              "%s: tau (%g, %g) not below log(E = %d) = %g", named[i], c.moe.global_tau[0], c.moe.global_tau[1],
+              c.moe.num_experts, logE);
+        char w[256];
+        CHECK(vlmoe_config_warnings(&c, w, sizeof(w)) == 0, "%s warned: %s", named[i], w);
+    }
+    // E = 8: S = 6 for both (LIMoE F.1's 8-expert B/16); E = 32: the paper's log 20 / log 9
+    vlmoe_moe_config m = {.num_experts = 8};
+    CHECK(vlmoe_moe_preset("limoe", &m) == VLMOE_OK && fabs(m.global_tau[0] - log(6.0)) < 1e-15 &&
+              fabs(m.global_tau[1] - log(6.0)) < 1e-15, "limoe preset, 8 experts: tau (%g, %g)", m.global_tau[0],
+          m.global_tau[1]);
+    m = (vlmoe_moe_config){.num_experts = 32};
+    CHECK(vlmoe_moe_preset("limoe", &m) == VLMOE_OK && m.global_tau[0] == log(20.0) && m.global_tau[1] == log(9.0),
+          "limoe preset, 32 experts: tau (%g, %g)", m.global_tau[0], m.global_tau[1]);
+    // the new key, 0 = log 1, and its round trip
+    CHECK(vlmoe_config_from_json("{\"base\": \"limoe-tiny\", \"moe\": {\"preset\": \"limoe\", "
+                                 "\"global_entropy_tau\": [0, 0.5]}}", "t.json", &c) == VLMOE_OK &&
+              c.moe.global_tau[0] == 0 && c.moe.global_tau[1] == 0.5, "global_entropy_tau: %s", vlmoe_last_error());
+    char *js = vlmoe_config_to_json(&c);
+    CHECK(js && strstr(js, "\"global_entropy_tau\"") && !strstr(js, "\"global_tau\""), "written key: %s", js);
+    free(js);
+    // a file of the older key: non-zero values read as they were written
+    CHECK(vlmoe_config_from_json("{\"base\": \"limoe-tiny\", \"moe\": {\"preset\": \"limoe\", "
+                                 "\"global_tau\": [1.25, 0]}}", "old.json", &c) == VLMOE_OK &&
+              c.moe.global_tau[0] == 1.25 && c.moe.global_tau[1] == 0, "old global_tau: %s", vlmoe_last_error());
+    // tau = log 9 with 8 experts cannot be met: one warning naming the key and modality
+    c.moe.global_tau[1] = log(9.0);
+    char w[512];
+    CHECK(vlmoe_config_warnings(&c, w, sizeof(w)) == 1 && strstr(w, "moe.global_entropy_tau[text]") &&
+              strstr(w, "log(num_experts = "), "warning for log 9: '%s'", w);
+    c.moe.aux_weight[VLMOE_AUX_GLOBAL_ENT_TEXT] = 0; // the loss is off: nothing to warn about
+    CHECK(vlmoe_config_warnings(&c, w, sizeof(w)) == 0, "warned about a disabled loss: '%s'", w);
+    // negative and infinite thresholds are errors naming the key
+    CHECK(vlmoe_config_from_json("{\"base\": \"limoe-tiny\", \"moe\": {\"preset\": \"limoe\", "
+                                 "\"global_entropy_tau\": [-1, 0]}}", "n.json", &c) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "global_entropy_tau") && strstr(vlmoe_last_error(), "n.json"),
+          "negative tau: %s", vlmoe_last_error());
+}
+
 // The float path computes what the double path computes, and encoders agree with the batch.
 static void test_float_vs_double(void) {
     vlmoe_model_config cfg = small(VLMOE_ARCH_TWO_TOWER);
@@ -347,6 +396,7 @@ int main(void) {
     fd_model_check(&c2, "two_tower", 1);
     fd_moe_checks();
     test_configs();
+    test_entropy_tau();
     test_float_vs_double();
     test_save_load();
     return test_summary("test_model");

@@ -153,6 +153,23 @@ static void test_stats_and_groups(void) {
             CHECK(st[0].experts_used[mo] >= 1 && st[0].experts_used[mo] <= 8, "experts used %g", st[0].experts_used[mo]);
         }
         CHECK(st[0].aux[VLMOE_AUX_IMPORTANCE] >= 0 && st[0].aux[VLMOE_AUX_LOAD] > 0, "importance/load recorded");
+        // the statistics the papers plot (issue 20): one group of 8 x 32 = 256 tokens, E = 8,
+        // K = 1, cf 1.05: C = ceil(1.05 * 256 / 8) = ceil(33.6) = 34
+        CHECK(st[0].num_experts == 8 && st[0].capacity == 34, "capacity %d, want 34 (E = %d)", st[0].capacity,
+              st[0].num_experts);
+        for (int mo = 0; mo < 2; mo++) {
+            // H(mean p) >= mean H(p) (concavity), and experts_used = exp(H(mean p))
+            CHECK(st[0].entropy_pre[mo] >= st[0].entropy_token[mo] - 1e-12 &&
+                      fabs(exp(st[0].entropy_pre[mo]) - st[0].experts_used[mo]) < 1e-9,
+                  "modality %d: global entropy %g, per-token %g, experts used %g", mo, st[0].entropy_pre[mo],
+                  st[0].entropy_token[mo], st[0].experts_used[mo]);
+            double cover[3];
+            vlmoe_experts_cover(st[0].routed[mo], 8, cover);
+            CHECK(cover[0] >= 1 && cover[0] <= cover[1] && cover[1] <= cover[2] && cover[2] <= 8 &&
+                      !memcmp(cover, st[0].experts_cover[mo], sizeof(cover)),
+                  "modality %d: experts cover %g %g %g", mo, st[0].experts_cover[mo][0], st[0].experts_cover[mo][1],
+                  st[0].experts_cover[mo][2]);
+        }
     }
     vlmoe_model_free(m);
     // a group size that does not divide the batch's tokens is a clear error
@@ -160,6 +177,87 @@ static void test_stats_and_groups(void) {
     vlmoe_model_init(&m, &c, 1);
     int stt = vlmoe_model_forward(m, &bt, &s);
     CHECK(stt == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "group_size 48"), "groups: %s", vlmoe_last_error());
+    vlmoe_model_free(m);
+    batch_free(&b);
+}
+
+// CLIP-UP's capacity (sec. 3: B_e = (B_t/E) x C, written for its top-2 routing, no K), golden:
+// S = 197 tokens (ViT-B/16: 196 patches + class token), E = 8, K = 2, cf = 2:
+//   clipup preset: ceil(197 / 8 * 2) = ceil(49.25) = 50
+//   per assignment (V-MoE / LIMoE, and this code before): ceil(197 * 2 * 2 / 8) = ceil(98.5) = 99
+static void test_clipup_capacity(void) {
+    vlmoe_moe_config m = {.num_experts = 8};
+    CHECK(vlmoe_moe_preset("clipup", &m) == VLMOE_OK && m.top_k == 2 && m.capacity_factor == 2.0 &&
+              m.capacity_per_token == 1, "clipup preset: K %d, cf %g, per token %d", m.top_k, m.capacity_factor,
+          m.capacity_per_token);
+    int C = -1;
+    CHECK(moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 50, "clipup: C = %d, want 50", C);
+    m.capacity_per_token = 0;
+    CHECK(moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 99, "per assignment: C = %d, want 99", C);
+    // LIMoE keeps K in: K = 1, cf 1.05, S = 197: ceil(206.85 / 8) = ceil(25.856) = 26
+    m = (vlmoe_moe_config){.num_experts = 8};
+    CHECK(vlmoe_moe_preset("limoe", &m) == VLMOE_OK && m.capacity_per_token == 0 &&
+              moe_capacity(&m, 197, 1, &C) == VLMOE_OK && C == 26, "limoe: C = %d, want 26", C);
+    // the named CLIP-UP model carries it, and its JSON round trip keeps it
+    vlmoe_model_config c, back;
+    CHECK(vlmoe_config_named("clipup-ViT-B-16", &c) == VLMOE_OK && c.moe.capacity_per_token && c.text_moe.capacity_per_token,
+          "clipup-ViT-B-16 capacity per token");
+    char *js = vlmoe_config_to_json(&c);
+    CHECK(js && strstr(js, "\"capacity_per_assignment\":\tfalse") && vlmoe_config_from_json(js, "c", &back) == VLMOE_OK &&
+              back.moe.capacity_per_token == 1, "capacity_per_assignment round trip: %s", js ? js : "(null)");
+    free(js);
+    CHECK(vlmoe_config_from_json("{\"base\": \"tiny\", \"moe\": {\"preset\": \"clipup\", \"layers\": \"every_2\", "
+                                 "\"capacity_per_assignment\": 1}}", "cpa.json", &back) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "moe.capacity_per_assignment"), "non-bool accepted: %s", vlmoe_last_error());
+}
+
+// LIMoE Fig. 10's count: the fewest experts, most-routed first, reaching 50/80/90%.
+//   (.4, .05, .3, .15, .1): sorted .4 .3 .15 .1 .05, cumulative .4 .7 .85 .95 1 -> 2, 3, 4
+//   (.5, .3, .1, .1): cumulative .5 .8 .9 1 -> exactly at each level: 1, 2, 3
+//   nothing routed: 0, 0, 0
+static void test_experts_cover(void) {
+    const double a[5] = {.4, .05, .3, .15, .1}, b[4] = {.5, .3, .1, .1}, z[3] = {0, 0, 0};
+    double c[3];
+    vlmoe_experts_cover(a, 5, c);
+    CHECK(c[0] == 2 && c[1] == 3 && c[2] == 4, "cover a: %g %g %g, want 2 3 4", c[0], c[1], c[2]);
+    vlmoe_experts_cover(b, 4, c);
+    CHECK(c[0] == 1 && c[1] == 2 && c[2] == 3, "cover b: %g %g %g, want 1 2 3", c[0], c[1], c[2]);
+    vlmoe_experts_cover(z, 3, c);
+    CHECK(c[0] == 0 && c[1] == 0 && c[2] == 0, "cover of nothing: %g %g %g", c[0], c[1], c[2]);
+}
+
+// Soft MoE statistics through the model: App. E's monitors are filled and are weights of
+// softmaxes over 32 tokens (dispatch) and 8 x 2 = 16 slots (combine), so in [1/32, 1] and
+// [1/16, 1]; no capacity.
+static void test_soft_stats(void) {
+    vlmoe_model_config c;
+    CHECK(vlmoe_config_named("soft-tiny", &c) == VLMOE_OK, "soft-tiny: %s", vlmoe_last_error());
+    vlmoe_model *m;
+    CHECK(vlmoe_model_init(&m, &c, 1) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    batchbuf b;
+    batch_init(&b, &c, 4, 0);
+    vlmoe_batch bt = {4, b.img, b.tok, b.lens};
+    vlmoe_step_stats s;
+    CHECK(vlmoe_model_forward(m, &bt, &s) == VLMOE_OK, "forward: %s", vlmoe_last_error());
+    int n;
+    const vlmoe_moe_stats *st = vlmoe_model_moe_stats(m, &n);
+    CHECK(n >= 1 && st, "soft-tiny has MoE layers");
+    if (st) {
+        CHECK(st[0].soft_mean_max[0] >= 1.0 / 32 - 1e-7 && st[0].soft_mean_max[0] <= 1 + 1e-7 &&
+                  st[0].soft_mean_max[1] >= 1.0 / 16 - 1e-7 && st[0].soft_mean_max[1] <= 1 + 1e-7 &&
+                  st[0].soft_mean_max[0] <= st[0].soft_minmax[1] + 1e-7 && st[0].capacity == 0,
+              "soft mean max %g %g (max %g), capacity %d", st[0].soft_mean_max[0], st[0].soft_mean_max[1],
+              st[0].soft_minmax[1], st[0].capacity);
+    }
+    vlmoe_model_free(m);
+    // the uniform baseline (App. A): every dispatch weight is 1/32, every combine weight 1/16
+    c.moe.soft_mix = VLMOE_SOFT_MIX_UNIFORM;
+    CHECK(vlmoe_model_init(&m, &c, 1) == VLMOE_OK, "init uniform: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_forward(m, &bt, &s) == VLMOE_OK, "forward uniform: %s", vlmoe_last_error());
+    st = vlmoe_model_moe_stats(m, &n);
+    if (st)
+        CHECK(fabs(st[0].soft_mean_max[0] - 1.0 / 32) < 1e-7 && fabs(st[0].soft_mean_max[1] - 1.0 / 16) < 1e-7,
+              "uniform: mean max %g %g, want 1/32 1/16", st[0].soft_mean_max[0], st[0].soft_mean_max[1]);
     vlmoe_model_free(m);
     batch_free(&b);
 }
@@ -439,6 +537,9 @@ int main(void) {
     test_golden_groups();
     test_group_order();
     test_named();
+    test_clipup_capacity();
+    test_experts_cover();
+    test_soft_stats();
     test_thread_determinism();
     test_upcycle_identity();
     test_stats_and_groups();

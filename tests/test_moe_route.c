@@ -277,7 +277,10 @@ static void test_aux_values(void) {
         for (int e = 0; e < 3; e++) l[s * 3 + e] = (float)(log(p[s][e]) + shift[s]);
     const uint8_t mod[4] = {0, 0, 1, 1};
     const int32_t wanted[3] = {3, 1, 4};
-    vlmoe_aux_input in = {4, 3, 2, l, NULL, 1.0, mod, wanted, {0, 0}};
+    // top-2 of each token (ties: lower index): t0 {0,1}, t1 {1,0} (image); t2 {0,1}, t3 {2,0}
+    // (text): per modality wanted = image (2, 2, 0), text (2, 1, 1)
+    const int32_t wanted_mod[6] = {2, 2, 0, 2, 1, 1};
+    vlmoe_aux_input in = {4, 3, 2, l, NULL, 1.0, mod, wanted, {0, 0}, wanted_mod};
     const double tol = 2e-6;
     // importance: imp = column sums = 1.65, .95, 1.4 (total 4, mean 4/3); population variance
     // = (1.65^2 + .95^2 + 1.4^2)/3 - 16/9 = 5.585/3 - 16/9 = .755/9; / (16/9) -> .755/16 = 0.0471875.
@@ -285,19 +288,31 @@ static void test_aux_values(void) {
     // load without noisy logits is 0; v-loss is then half the importance.
     CHECK(vlmoe_aux_loss(VLMOE_AUX_LOAD, &in, 1, NULL) == 0, "load without noise");
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_VLOSS, &in, 1, NULL), 0.5 * 0.0471875, 0, tol, "vloss");
-    // z-loss: mean of c_s^2 = (0 + 1 + 4 + 1)/4 = 1.5.
-    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_ZLOSS, &in, 1, NULL), 1.5, 1e-6, 0, "zloss");
-    // switch: R = E/(K S) wanted = 3/8 (3, 1, 4) = (1.125, .375, 1.5); P = imp/4 = (.4125,
-    // .2375, .35); sum R P = .4640625 + .0890625 + .525 = 1.078125.
+    // z-loss per modality (CLIP-UP per tower, MOE.md): image mean c_s^2 = (0 + 1)/2 = .5, text
+    // (4 + 1)/2 = 2.5; sum 3.0 (the whole-group mean, the old rule, was 1.5).
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_ZLOSS, &in, 1, NULL), 3.0, 1e-6, 0, "zloss per modality");
+    // switch per modality: image R = E/(K n) wanted = 3/4 (2, 2, 0) = (1.5, 1.5, 0), P = mean of
+    // t0, t1 = (.375, .375, .25): .5625 + .5625 = 1.125; text R = 3/4 (2, 1, 1) = (1.5, .75, .75),
+    // P = (.45, .1, .45): .675 + .075 + .3375 = 1.0875; sum 2.2125.
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_SWITCH, &in, 1, NULL), 2.2125, 0, tol, "switch per modality");
+    // one modality (NULL = all image): the whole group. R = E/(K S) wanted = 3/8 (3, 1, 4) =
+    // (1.125, .375, 1.5); P = imp/4 = (.4125, .2375, .35); sum R P = .4640625 + .0890625 + .525
+    // = 1.078125; z-loss mean c_s^2 = (0 + 1 + 4 + 1)/4 = 1.5.
+    in.modality = NULL;
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_SWITCH, &in, 1, NULL), 1.078125, 0, tol, "switch");
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_ZLOSS, &in, 1, NULL), 1.5, 1e-6, 0, "zloss");
+    in.modality = mod, in.wanted_mod = NULL;
+    CHECK(isnan(vlmoe_aux_loss(VLMOE_AUX_SWITCH, &in, 1, NULL)), "switch of two modalities without wanted_mod");
+    CHECK(strstr(vlmoe_last_error(), "wanted_mod") != NULL, "msg: %s", vlmoe_last_error());
+    in.wanted_mod = wanted_mod;
     // local entropy, image: H(.5, .25, .25) = .5 ln 2 + 2 (.25 ln 4) = 1.5 ln 2 = 1.0397207708.
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_LOCAL_ENT_IMAGE, &in, 1, NULL), 1.5 * log(2.0), 0, tol,
                 "local image");
     // local entropy, text: H(.8, .1, .1) = -.8 ln .8 - .2 ln .1 = 0.6390318597.
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_LOCAL_ENT_TEXT, &in, 1, NULL), 0.639031859650177, 0, tol,
                 "local text");
-    // global entropy, default tau = log(S_m) = log 2 = 0.693: image pbar = (.375, .375, .25),
-    // H = 1.0821955 > tau; text pbar = (.45, .1, .45), H = 0.9489154 > tau: both inactive.
+    // global entropy, tau = 0 = log 1: image pbar = (.375, .375, .25), H = 1.0821955 > 0; text
+    // pbar = (.45, .1, .45), H = 0.9489154 > 0: both inactive.
     CHECK(vlmoe_aux_loss(VLMOE_AUX_GLOBAL_ENT_IMAGE, &in, 1, NULL) == 0, "global image inactive");
     CHECK(vlmoe_aux_loss(VLMOE_AUX_GLOBAL_ENT_TEXT, &in, 1, NULL) == 0, "global text inactive");
     // tau = log 3 = 1.0986123: image 1.0986123 - 1.0821955 = 0.0164168, text 1.0986123 -
@@ -310,13 +325,14 @@ static void test_aux_values(void) {
     // mutual information, M=2: (H(img) + H(txt))/2 - H(mix), mix = (.4125, .2375, .35),
     // H(mix) = 1.0741414; (1.0821955 + 0.9489154)/2 - 1.0741414 = -0.0585859 (it is -MI <= 0).
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_MI, &in, 1, NULL), -0.05858594648852433, 0, 1e-5, "MI");
-    // target entropy, K=2: local over all tokens = (2 * 1.0397208 + 2 * 0.6390319)/4 =
-    // 0.8393763; (ln 2 - 0.8393763)^2 = 0.0213830.
-    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_TARGET_ENT, &in, 1, NULL), 0.021382959830753737, 0, 1e-5,
+    // target entropy, K=2, over the text tokens (LIMoE E.1: it replaces the text local loss):
+    // local = H(.8, .1, .1) = 0.6390319 for t2 and t3; (ln 2 - 0.6390319)^2 = 0.0029285 (over
+    // all four tokens, the old rule, it was (ln 2 - 0.8393763)^2 = 0.0213830).
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_TARGET_ENT, &in, 1, NULL), 0.00292846795716721, 0, 1e-5,
                 "target entropy");
-    // merged entropy, K=2: t0, t1: top-2 sum .75 -> H(.75, .25) = 0.5623351; t2, t3: .9 ->
-    // H(.9, .1) = 0.3250830; mean = 0.4437091.
-    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_MERGED_ENT, &in, 1, NULL), 0.44370905900512825, 0, tol,
+    // merged entropy, K=2, over the text tokens: t2, t3 top-2 sum .9 -> H(.9, .1) = 0.3250830
+    // each; mean 0.3250830 (over all tokens, with t0, t1's H(.75, .25), it was 0.4437091).
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_MERGED_ENT, &in, 1, NULL), 0.3250829733914482, 0, tol,
                 "merged entropy");
     // A modality absent from the group: its losses are 0, and MI over one modality is 0.
     const uint8_t all_img[4] = {0, 0, 0, 0};
@@ -331,9 +347,9 @@ static void test_aux_values(void) {
     in.modality = bad;
     CHECK(isnan(vlmoe_aux_loss(VLMOE_AUX_LOCAL_ENT_IMAGE, &in, 1, NULL)), "modality 2 accepted");
     CHECK(strstr(vlmoe_last_error(), "modality[1]") != NULL, "msg: %s", vlmoe_last_error());
-    in.modality = mod, in.wanted = NULL;
+    in.modality = NULL, in.wanted = NULL; // one modality: the group's counts are needed
     CHECK(isnan(vlmoe_aux_loss(VLMOE_AUX_SWITCH, &in, 1, NULL)), "switch without counts");
-    in.wanted = wanted, in.K = 4;
+    in.modality = mod, in.wanted = wanted, in.K = 4;
     CHECK(isnan(vlmoe_aux_loss(VLMOE_AUX_IMPORTANCE, &in, 1, NULL)), "K > E accepted");
 
     // load, S=2, E=2, K=1, noise_std 2 -> sigma = 2/2 = 1, so z = thr - l.
@@ -345,12 +361,46 @@ static void test_aux_values(void) {
     // importance: p1 = (sigmoid(1), 1 - sigmoid(1)) = (.7310586, .2689414); imp = (1.2310586,
     //   .7689414), mean 1, cv^2 = .2310586^2 = 0.0533881. v-loss = (0.0533881 + 0.0715927)/2.
     const float l2[] = {0, 0, 1, 0}, n2[] = {.5f, -.5f, 0, 1};
-    vlmoe_aux_input in2 = {2, 2, 1, l2, n2, 2.0, NULL, NULL, {0, 0}};
+    vlmoe_aux_input in2 = {2, 2, 1, l2, n2, 2.0, NULL, NULL, {0, 0}, NULL};
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_LOAD, &in2, 1, NULL), 0.07159269031380455, 0, tol, "load");
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_IMPORTANCE, &in2, 1, NULL), 0.053388066758518156, 0, tol,
                 "importance 2x2");
     CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_VLOSS, &in2, 1, NULL), 0.06249037853616135, 0, tol,
                 "vloss 2x2");
+}
+
+// The paper's threshold (issue 20): tau = log(S), S the soft minimum number of experts, and
+// tau = 0 is log 1. Eight image tokens all routed to expert 0: logits (0, -50, -50, -50), so
+// p = (1 - 3e-22, 1e-22 x3) and H(pbar) = 3 * 1e-22 * 50 < 1e-19, effectively 0.
+//   tau = 0:     max(0, 0 - H) = 0. (The old code read 0 as log(number of tokens) = log 8 =
+//                2.0794415 and gave 2.079 here.)
+//   tau = log 2: log 2 - H = 0.6931472.
+// K > 1 target entropy over the text tokens (LIMoE E.1), the audit's case: E=3, K=2, one image
+// token with logits (0, -60, -60) (H = 0 to 1e-24) and one text token (0, 0, -60), p = (.5, .5,
+// ~0), H = ln 2. Over the text token: (ln 2 - ln 2)^2 = 0. Over both (the old rule): local =
+// (0 + ln 2)/2, (ln 2 - ln 2 / 2)^2 = (ln 2)^2 / 4 = 0.1201133.
+static void test_aux_paper_values(void) {
+    float l[8 * 4];
+    for (int s = 0; s < 8; s++) l[s * 4] = 0, l[s * 4 + 1] = l[s * 4 + 2] = l[s * 4 + 3] = -50;
+    vlmoe_aux_input in = {8, 4, 1, l, NULL, 1.0, NULL, NULL, {0, 0}, NULL};
+    double g = vlmoe_aux_loss(VLMOE_AUX_GLOBAL_ENT_IMAGE, &in, 1, NULL);
+    CHECK(g == 0, "tau = 0 = log 1: global entropy %.7g, want 0 (the old log(tokens) rule gave 2.079)", g);
+    in.global_tau[0] = log(2.0);
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_GLOBAL_ENT_IMAGE, &in, 1, NULL), log(2.0), 1e-9, 0, "tau = log 2");
+    const float l2[6] = {0, -60, -60, 0, 0, -60};
+    const uint8_t mod[2] = {VLMOE_MOD_IMAGE, VLMOE_MOD_TEXT};
+    vlmoe_aux_input in2 = {2, 3, 2, l2, NULL, 1.0, mod, NULL, {0, 0}, NULL};
+    double t = vlmoe_aux_loss(VLMOE_AUX_TARGET_ENT, &in2, 1, NULL);
+    CHECK(fabs(t) < 1e-12, "target entropy over the text tokens: %.7g, want 0 (the whole group gave 0.120)", t);
+    // with the image token as text too, the old 0.1201133 is back: the loss does see both
+    const uint8_t both_text[2] = {VLMOE_MOD_TEXT, VLMOE_MOD_TEXT};
+    in2.modality = both_text;
+    CHECK_CLOSE(vlmoe_aux_loss(VLMOE_AUX_TARGET_ENT, &in2, 1, NULL), 0.12011325347955035, 0, 1e-6,
+                "target entropy, two text tokens");
+    // no text token in the group: target and merged entropy are 0
+    in2.modality = NULL;
+    CHECK(vlmoe_aux_loss(VLMOE_AUX_TARGET_ENT, &in2, 1, NULL) == 0, "target entropy without text");
+    CHECK(vlmoe_aux_loss(VLMOE_AUX_MERGED_ENT, &in2, 1, NULL) == 0, "merged entropy without text");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -389,7 +439,8 @@ static void test_aux_fd(void) {
     double *scr = malloc(nscr * sizeof(double));
     float *scr32 = malloc(nscr * sizeof(float));
     // tau 1.5 > log 4 >= H(pbar): the global losses are active everywhere nearby.
-    aux_input_f64 in = {FS, FE, FK, l, nl, noise_std, mod, wanted, {1.5, 1.5}};
+    const int32_t wanted_mod[2 * FE] = {2, 2, 1, 1, 2, 1, 2, 1}; // image row, text row
+    aux_input_f64 in = {FS, FE, FK, l, nl, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod};
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         vlmoe_aux_kind kind = (vlmoe_aux_kind)k;
         const double w = 0.7;
@@ -418,7 +469,7 @@ static void test_aux_fd(void) {
         // The float path agrees with the double one.
         float lf[FS * FE], nf[FS * FE], gf[FS * FE] = {0};
         for (int i = 0; i < FS * FE; i++) lf[i] = (float)l[i], nf[i] = (float)nl[i];
-        aux_input_f32 in32 = {FS, FE, FK, lf, nf, noise_std, mod, wanted, {1.5, 1.5}};
+        aux_input_f32 in32 = {FS, FE, FK, lf, nf, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod};
         double L32 = aux_loss_f32(kind, &in32, w, gf, scr32);
         CHECK_CLOSE(L32, L, 1e-6, 1e-5, vlmoe_aux_name(kind));
         double ge = 0;
@@ -457,22 +508,24 @@ static void test_aux_fixture(void) {
         printf("test_moe_route: %s not found, PyTorch comparison skipped (make fixtures)\n", path);
         return;
     }
-    float l[XS * XE], nl[XS * XE], modf[XS], wantf[XE], tau[2], nstd[1];
+    float l[XS * XE], nl[XS * XE], modf[XS], wantf[XE], wmf[2 * XE], tau[2], nstd[1];
     if (read_t(f, "logits", l, XS * XE) || read_t(f, "noisy_logits", nl, XS * XE) ||
         read_t(f, "modality", modf, XS) || read_t(f, "wanted", wantf, XE) ||
+        read_t(f, "wanted_mod", wmf, 2 * XE) ||
         read_t(f, "global_tau", tau, 2) || read_t(f, "noise_std", nstd, 1)) {
         vlmoe_st_close(f);
         return;
     }
     uint8_t mod[XS];
-    int32_t wanted[XE];
+    int32_t wanted[XE], wanted_mod[2 * XE];
     for (int s = 0; s < XS; s++) mod[s] = (uint8_t)modf[s];
     for (int e = 0; e < XE; e++) wanted[e] = (int32_t)wantf[e];
-    vlmoe_aux_input in = {XS, XE, XK, l, nl, nstd[0], mod, wanted, {tau[0], tau[1]}};
+    for (int e = 0; e < 2 * XE; e++) wanted_mod[e] = (int32_t)wmf[e];
+    vlmoe_aux_input in = {XS, XE, XK, l, nl, nstd[0], mod, wanted, {tau[0], tau[1]}, wanted_mod};
     // The double path on the same float inputs, for a tighter comparison.
     double ld[XS * XE], nld[XS * XE];
     for (int i = 0; i < XS * XE; i++) ld[i] = l[i], nld[i] = nl[i];
-    aux_input_f64 in64 = {XS, XE, XK, ld, nld, nstd[0], mod, wanted, {tau[0], tau[1]}};
+    aux_input_f64 in64 = {XS, XE, XK, ld, nld, nstd[0], mod, wanted, {tau[0], tau[1]}, wanted_mod};
     double *scr = malloc(aux_scratch_floats(XS, XE) * sizeof(double));
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         const char *nm = vlmoe_aux_name((vlmoe_aux_kind)k);
@@ -512,6 +565,7 @@ int main(void) {
     test_experts_choice();
     test_route_errors();
     test_aux_values();
+    test_aux_paper_values();
     test_aux_fd();
     test_aux_fixture();
     return test_summary("test_moe_route");

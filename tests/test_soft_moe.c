@@ -9,6 +9,7 @@
 #include "core/core.h"
 #include "moe/soft.h"
 #include "test.h"
+#include "vlmoe.h"
 
 static vlmoe_rng rng;
 static double *randv(size_t n, double scale) {
@@ -41,7 +42,7 @@ static double dot(const double *a, const double *b, size_t n) {
 // out0 = 3/4 Ys0 + 1/4 Ys1 = (5/4 g, 3/8 - 3/4 g) = (1.0516809325856786, -0.2560085595514072)
 // out1 = 1/4 Ys0 + 3/4 Ys1 = (7/4 g, 1/8 - 1/4 g) = (1.4723533056199501, -0.0853361865171357)
 static void test_golden(void) {
-    const soft_dims d = {2, 2, 2, 1, 1, VLMOE_ACT_GELU};
+    const soft_dims d = {2, 2, 2, 1, 1, VLMOE_ACT_GELU, 0, 0};
     const double x[4] = {1, 0, 0, 1}, phi[4] = {1, 0, 0, 1}, scale = log(3.0) * (1 + 1e-6);
     const double w1[4] = {0, 4, 4, 0}, b1[2] = {0, 0}, w2[4] = {1, -1, 2, 0};
     const double b2[4] = {0, 0.5, 0, 0};
@@ -51,7 +52,12 @@ static void test_golden(void) {
     double *acts = malloc(sizeof(double) * soft_moe_acts_floats(&d)), out[4], mm[4];
     soft_moe_forward_f64(out, acts, x, &p, &d);
     for (int i = 0; i < 4; i++) CHECK_CLOSE(out[i], want[i], 1e-12, 0, "soft golden out (f64)");
-    soft_moe_stats_f64(acts, &d, mm);
+    double meanmax[2];
+    soft_moe_stats_f64(acts, &d, mm, meanmax);
+    // App. E's monitors: each slot's largest dispatch weight is 3/4, each token's largest
+    // combine weight 3/4: both means 0.75
+    CHECK_CLOSE(meanmax[0], 0.75, 1e-12, 0, "soft golden mean max dispatch");
+    CHECK_CLOSE(meanmax[1], 0.75, 1e-12, 0, "soft golden mean max combine");
     CHECK_CLOSE(mm[0], 0.25, 1e-12, 0, "soft golden min dispatch");
     CHECK_CLOSE(mm[1], 0.75, 1e-12, 0, "soft golden max dispatch");
     CHECK_CLOSE(mm[2], 0.25, 1e-12, 0, "soft golden min combine");
@@ -78,9 +84,77 @@ static void test_golden(void) {
     int finite = 1;
     for (int i = 0; i < 4; i++) finite &= isfinite(out[i]) != 0;
     CHECK(finite, "soft zero token: out %g %g %g %g", out[0], out[1], out[2], out[3]);
-    soft_moe_stats_f64(acts, &d, mm); // slot 0 sees logits (0, 0): dispatch 1/2 each
+    soft_moe_stats_f64(acts, &d, mm, meanmax); // slot 0 sees logits (0, 0): dispatch 1/2 each
     CHECK_CLOSE(mm[0], 0.25, 1e-12, 0, "soft zero token min dispatch");
     free(acts);
+}
+
+// ---- App. A's fixed baselines and App. E's un-normalised variant on test_golden's example
+// (x0 = (1,0), x1 = (0,1), phi = I, expert 0: w1 (0,4), w2 (1,-1)^T, b2 (0, .5); expert 1:
+// w1 (4,0), w2 (2,0)^T), g(h) = gelu(h) = h Phi(h):
+//   uniform: Dw = 1/2, Cw = 1/2 -> Xs0 = Xs1 = (1/2, 1/2), both hidden 2: Ys0 = (g2, .5 - g2),
+//     Ys1 = (2 g2, 0), out0 = out1 = (1.5 g2, .25 - .5 g2), g2 = gelu(2) = 1.9544997361036416
+//   identity: Xs0 = x0, Xs1 = x1, hidden 0 for both: Ys0 = (0, .5), Ys1 = (0, 0); out = Ys
+//   uniform_soft: Ys as uniform, combine soft (3/4, 1/4 as test_golden): out0 = (5/4 g2,
+//     3/8 - 3/4 g2), out1 = (7/4 g2, 1/8 - 1/4 g2)
+//   soft_uniform: Ys as test_golden (g1 = gelu(1)), combine 1/2: out = (1.5 g1, .25 - .5 g1)
+//   raw with x = (2,0), (0,2) and scale log 3: logits (2 log 3, 0): weights (9/10, 1/10);
+//     Xs0 = (1.8, .2), Xs1 = (.2, 1.8), hidden .8 for both: Ys0 = (g8, .5 - g8), Ys1 = (2 g8, 0);
+//     out0 = (1.1 g8, .45 - .9 g8), out1 = (1.9 g8, .05 - .1 g8), g8 = gelu(.8). (Normalised,
+//     the same x would give test_golden's 3/4 weights.)
+static double gelu_exact(double h) { return 0.5 * h * (1 + erf(h / sqrt(2.0))); }
+static void test_variants_golden(void) {
+    const double g1 = gelu_exact(1), g2 = gelu_exact(2), g8 = gelu_exact(0.8);
+    const double w1[4] = {0, 4, 4, 0}, b1[2] = {0, 0}, w2[4] = {1, -1, 2, 0}, b2[4] = {0, 0.5, 0, 0};
+    const double phi[4] = {1, 0, 0, 1}, x[4] = {1, 0, 0, 1}, x2[4] = {2, 0, 0, 2};
+    const double scale = log(3.0) * (1 + 1e-6), scale_raw = log(3.0);
+    struct { int mix, raw; const double *x, *scale; double want[4]; const char *name; } c[] = {
+        {VLMOE_SOFT_MIX_UNIFORM, 0, x, &scale, {1.5 * g2, .25 - .5 * g2, 1.5 * g2, .25 - .5 * g2}, "uniform"},
+        {VLMOE_SOFT_MIX_IDENTITY, 0, x, &scale, {0, .5, 0, 0}, "identity"},
+        {VLMOE_SOFT_MIX_UNIFORM_SOFT, 0, x, &scale, {1.25 * g2, .375 - .75 * g2, 1.75 * g2, .125 - .25 * g2},
+         "uniform_soft"},
+        {VLMOE_SOFT_MIX_SOFT_UNIFORM, 0, x, &scale, {1.5 * g1, .25 - .5 * g1, 1.5 * g1, .25 - .5 * g1}, "soft_uniform"},
+        {VLMOE_SOFT_MIX_SOFT, 1, x2, &scale_raw, {1.1 * g8, .45 - .9 * g8, 1.9 * g8, .05 - .1 * g8}, "raw"},
+    };
+    CHECK_CLOSE(g2, 1.9544997361036416, 1e-15, 0, "gelu(2)");
+    for (size_t k = 0; k < sizeof(c) / sizeof(c[0]); k++) {
+        const soft_dims d = {2, 2, 2, 1, 1, VLMOE_ACT_GELU, c[k].mix, c[k].raw};
+        const soft_params_f64 p = {phi, c[k].scale, w1, b1, w2, b2};
+        double *acts = malloc(sizeof(double) * soft_moe_acts_floats(&d)), out[4];
+        CHECK(soft_dims_check(&d) == VLMOE_OK, "%s: %s", c[k].name, vlmoe_last_error());
+        soft_moe_forward_f64(out, acts, c[k].x, &p, &d);
+        for (int i = 0; i < 4; i++) CHECK_CLOSE(out[i], c[k].want[i], 1e-9, 0, c[k].name);
+        free(acts);
+    }
+}
+
+// Fewer than one slot per expert is refused (it was accepted, and the statistics then read past
+// the activations: ASan heap-buffer-overflow in soft_moe_stats with S=3, E=8, P=rint(3/8)=0);
+// Identity needs as many slots as tokens.
+static void test_slots_check(void) {
+    soft_dims d = {3, 2, 8, 0, 2, VLMOE_ACT_GELU, 0, 0};
+    CHECK(soft_dims_check(&d) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "0 slots per expert"),
+          "P = 0: %s", vlmoe_last_error());
+    double acts[1] = {0}, mm[4], meanmax[2]; // with no slot the statistics read nothing of acts
+    CHECK(soft_moe_acts_floats(&d) == (size_t)3 * 2 + 3, "acts of an empty slot set: %zu", soft_moe_acts_floats(&d));
+    soft_moe_stats_f64(acts, &d, mm, meanmax);
+    CHECK(mm[0] == 0 && mm[3] == 0 && meanmax[0] == 0, "stats of no slots");
+    d = (soft_dims){5, 2, 3, 2, 2, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_IDENTITY, 0};
+    CHECK(soft_dims_check(&d) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "identity"),
+          "identity with 6 slots for 5 tokens: %s", vlmoe_last_error());
+    d.S = 6;
+    CHECK(soft_dims_check(&d) == VLMOE_OK, "identity with 6 slots for 6 tokens: %s", vlmoe_last_error());
+    // the config refuses it too, naming the keys
+    vlmoe_model_config c;
+    CHECK(vlmoe_config_from_json("{\"base\": \"soft-tiny\", \"moe\": {\"num_experts\": 80, \"group_size\": 32, "
+                                 "\"slots_per_expert\": 0}}", "s.json", &c) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "0 slots per expert") && strstr(vlmoe_last_error(), "s.json"),
+          "config with rint(32/80) = 0 slots: %s", vlmoe_last_error());
+    CHECK(vlmoe_config_from_json("{\"base\": \"soft-tiny\", \"moe\": {\"soft_dispatch\": \"uniform_soft\", "
+                                 "\"soft_normalize\": false}}", "v.json", &c) == VLMOE_OK &&
+              c.moe.soft_mix == VLMOE_SOFT_MIX_UNIFORM_SOFT && c.moe.soft_raw == 1, "variant keys: %s", vlmoe_last_error());
+    CHECK(vlmoe_config_from_json("{\"base\": \"soft-tiny\", \"moe\": {\"soft_dispatch\": \"hard\"}}", "b.json", &c) ==
+              VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "moe.soft_dispatch"), "bad soft_dispatch: %s", vlmoe_last_error());
 }
 
 // ---- finite differences in double, loss = sum(out * r)
@@ -191,9 +265,9 @@ static int meta_int(const vlmoe_st *f, const char *key) {
     return v ? atoi(v) : 0;
 }
 
-static void test_parity(void) {
+static void test_parity(const char *file) {
     char path[512];
-    snprintf(path, sizeof(path), "%s/soft_moe.safetensors", fixture_dir());
+    snprintf(path, sizeof(path), "%s/%s", fixture_dir(), file);
     vlmoe_st *f = NULL;
     if (vlmoe_st_open(path, &f) != VLMOE_OK) {
         fprintf(stderr, "test_soft_moe: no fixture %s, PyTorch parity skipped\n", path);
@@ -201,7 +275,11 @@ static void test_parity(void) {
     }
     const char *act = vlmoe_st_metadata(f, "act");
     soft_dims d = {meta_int(f, "S"), meta_int(f, "D"), meta_int(f, "E"), meta_int(f, "P"),
-                   meta_int(f, "M"), VLMOE_ACT_GELU};
+                   meta_int(f, "M"), VLMOE_ACT_GELU, 0, meta_int(f, "raw")};
+    const char *mix = vlmoe_st_metadata(f, "mix"), *mixes[] = {"soft", "identity", "uniform", "uniform_soft",
+                                                               "soft_uniform"};
+    for (int i = 0; mix && i < 5; i++)
+        if (!strcmp(mix, mixes[i])) d.mix = i;
     if (act && !strcmp(act, "gelu_tanh")) d.act = VLMOE_ACT_GELU_TANH;
     if (act && !strcmp(act, "quick_gelu")) d.act = VLMOE_ACT_QUICK_GELU;
     CHECK(d.S > 0 && d.D > 0 && d.E > 0 && d.P > 0 && d.M > 0, "fixture %s: bad dims", path);
@@ -242,9 +320,16 @@ static void test_parity(void) {
         }
         double mm[4];
         float mmf[4];
-        soft_moe_stats_f32(acts, &d, mm);
+        double meanmax[2];
+        soft_moe_stats_f32(acts, &d, mm, meanmax);
         for (int i = 0; i < 4; i++) mmf[i] = (float)mm[i];
         compare("soft_moe.stats", mmf, stats_ref, 4, tol);
+        float *mm_ref = fixture_get(f, "soft_moe.meanmax", 2);
+        if (mm_ref) {
+            const float mmx[2] = {(float)meanmax[0], (float)meanmax[1]};
+            compare("soft_moe.meanmax", mmx, mm_ref, 2, tol);
+        }
+        free(mm_ref);
         free(out), free(acts), free(scratch);
     }
     for (int i = 0; i < 7; i++) free(in[i]), free(ref[i]), free(grad[i]);
@@ -289,11 +374,22 @@ static void test_threads(soft_dims d) {
 int main(void) {
     vlmoe_rng_seed(&rng, 7);
     test_golden();
-    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU}, "S5 D4 E3 P2 M3 gelu");
-    test_fd((soft_dims){3, 3, 2, 1, 2, VLMOE_ACT_QUICK_GELU}, "S3 D3 E2 P1 M2 quick_gelu");
-    test_fd((soft_dims){4, 2, 1, 3, 2, VLMOE_ACT_GELU_TANH}, "S4 D2 E1 P3 M2 gelu_tanh");
-    test_parity();
-    test_threads((soft_dims){70, 130, 3, 24, 150, VLMOE_ACT_GELU});
-    test_threads((soft_dims){40, 20, 16, 2, 30, VLMOE_ACT_GELU});
+    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU, 0, 0}, "S5 D4 E3 P2 M3 gelu");
+    test_fd((soft_dims){3, 3, 2, 1, 2, VLMOE_ACT_QUICK_GELU, 0, 0}, "S3 D3 E2 P1 M2 quick_gelu");
+    test_fd((soft_dims){4, 2, 1, 3, 2, VLMOE_ACT_GELU_TANH, 0, 0}, "S4 D2 E1 P3 M2 gelu_tanh");
+    // App. A's fixed baselines and App. E's un-normalised variant
+    test_fd((soft_dims){6, 4, 3, 2, 3, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_IDENTITY, 0}, "identity");
+    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_UNIFORM, 0}, "uniform");
+    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_UNIFORM_SOFT, 0}, "uniform_soft");
+    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_SOFT_UNIFORM, 0}, "soft_uniform");
+    test_fd((soft_dims){5, 4, 3, 2, 3, VLMOE_ACT_GELU, 0, 1}, "raw (no normalisation)");
+    test_variants_golden();
+    test_slots_check();
+    const char *files[] = {"soft_moe.safetensors", "soft_moe_identity.safetensors", "soft_moe_uniform.safetensors",
+                           "soft_moe_uniform_soft.safetensors", "soft_moe_soft_uniform.safetensors",
+                           "soft_moe_raw.safetensors"};
+    for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) test_parity(files[i]);
+    test_threads((soft_dims){70, 130, 3, 24, 150, VLMOE_ACT_GELU, 0, 0});
+    test_threads((soft_dims){40, 20, 16, 2, 30, VLMOE_ACT_GELU, 0, 0});
     return test_summary("test_soft_moe");
 }

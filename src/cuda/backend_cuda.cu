@@ -156,7 +156,8 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_COMBINE_WEIGHTS: return be->combine_weights && be->combine_weights_backward;
     case BE_OP_ROUTER_NOISE: return be->router_noise != NULL;
     case BE_OP_AUX_LOSS: return be->aux_loss != NULL;
-    case BE_OP_SOFT_MOE: return be->soft_moe_forward && be->soft_moe_backward;
+    // cfg (int *): non-zero for Soft MoE's App. A / App. E variants, which only the CPU has
+    case BE_OP_SOFT_MOE: return be->soft_moe_forward && be->soft_moe_backward && !(cfg && *(const int *)cfg);
     case BE_OP_EXPERTS: return be->experts_forward && be->experts_backward;
     case BE_OP_SUMSQ: return be->sumsq != NULL;
     case BE_OP_SCALE: return be->scale != NULL;

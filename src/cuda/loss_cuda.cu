@@ -235,6 +235,7 @@ typedef struct {
     double noise_std;
     const uint8_t *mod;    // (S) or NULL
     const int32_t *wanted; // (E) or NULL
+    const int32_t *wanted_mod; // (2,E) or NULL: the switch loss per modality
     double tau[2];
     double *P, *G, *lse, *tS1, *tS2, *v[8];
     int n[2];
@@ -338,37 +339,46 @@ __device__ static double aux_load(aux_dev *c, double wf, float *dl) {
     return L;
 }
 
+// per modality: the sum over the modalities present of each one's mean (aux.c)
 __device__ static double aux_z(aux_dev *c, double wf, float *dl) {
     double L = 0;
-    if (threadIdx.x == 0)
-        for (int s = 0; s < c->S; s++) L += c->lse[s] * c->lse[s];
+    if (threadIdx.x == 0) {
+        double a[2] = {0, 0};
+        for (int s = 0; s < c->S; s++) a[aux_mod(c, s)] += c->lse[s] * c->lse[s];
+        L = (c->n[0] ? a[0] / c->n[0] : 0) + (c->n[1] ? a[1] / c->n[1] : 0);
+    }
     L = bcast(L);
     if (dl)
         for (int s = threadIdx.x; s < c->S; s += blockDim.x)
             for (int e = 0; e < c->E; e++)
-                dl[(size_t)s * c->E + e] += (float)(wf * 2.0 / c->S * c->lse[s] * c->P[(size_t)s * c->E + e]);
+                dl[(size_t)s * c->E + e] +=
+                    (float)(wf * 2.0 / c->n[aux_mod(c, s)] * c->lse[s] * c->P[(size_t)s * c->E + e]);
     __syncthreads();
-    return L / c->S;
+    return L;
 }
 
-__device__ static double aux_switch(aux_dev *c, double f) {
-    const int S = c->S, E = c->E;
+// over the tokens of modality m (m < 0: all) with counts w (E)
+__device__ static double aux_switch(aux_dev *c, int m, const int32_t *w, double f) {
+    const int S = c->S, E = c->E, n = m < 0 ? S : c->n[m];
     double *pm = c->v[0];
+    if (!n) return 0;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         double a = 0;
-        for (int s = 0; s < S; s++) a += c->P[(size_t)s * E + e];
+        for (int s = 0; s < S; s++)
+            if (m < 0 || aux_mod(c, s) == m) a += c->P[(size_t)s * E + e];
         pm[e] = a;
     }
     __syncthreads();
     double L = 0;
     if (threadIdx.x == 0)
-        for (int e = 0; e < E; e++) L += (double)E / ((double)c->K * S) * c->wanted[e] * pm[e] / S;
+        for (int e = 0; e < E; e++) L += (double)E / ((double)c->K * n) * w[e] * pm[e] / n;
     L = bcast(L);
     for (int s = threadIdx.x; s < S; s += blockDim.x)
-        for (int e = 0; e < E; e++) {
-            const double R = (double)E / ((double)c->K * S) * c->wanted[e];
-            c->G[(size_t)s * E + e] += f * R / S;
-        }
+        if (m < 0 || aux_mod(c, s) == m)
+            for (int e = 0; e < E; e++) {
+                const double R = (double)E / ((double)c->K * n) * w[e];
+                c->G[(size_t)s * E + e] += f * R / n;
+            }
     __syncthreads();
     return L;
 }
@@ -418,7 +428,6 @@ __device__ static double aux_global_entropy(aux_dev *c, int m, double tau, doubl
     double *pbar = c->v[0];
     for (int e = threadIdx.x; e < c->E; e += blockDim.x) aux_mean_gate_e(c, m, e, pbar);
     __syncthreads();
-    if (tau == 0) tau = log((double)c->n[m]);
     const double L = bcast(threadIdx.x == 0 ? tau - entropy(pbar, c->E) : 0);
     if (!(L > 0)) return 0;
     for (int s = threadIdx.x; s < c->S; s += blockDim.x)
@@ -457,9 +466,13 @@ __device__ static double aux_mi(aux_dev *c, double f) {
     return L;
 }
 
-__device__ static double aux_merged(aux_dev *c, double f) {
-    const int S = c->S, E = c->E, K = c->K;
+// over the tokens of modality m
+__device__ static double aux_merged(aux_dev *c, int m, double f) {
+    const int S = c->S, E = c->E, K = c->K, n = c->n[m];
+    if (!n) return 0;
     for (int s = threadIdx.x; s < S; s += blockDim.x) {
+        c->tS1[s] = 0;
+        if (aux_mod(c, s) != m) continue;
         const float *ls = c->l + (size_t)s * E;
         const double *p = c->P + (size_t)s * E;
         double q = 0, r = 0;
@@ -468,7 +481,7 @@ __device__ static double aux_merged(aux_dev *c, double f) {
             else r += p[e];
         }
         c->tS1[s] = xlogx(q) + xlogx(r);
-        const double gq = -(logt(q) + 1) / S, gr = -(logt(r) + 1) / S;
+        const double gq = -(logt(q) + 1) / n, gr = -(logt(r) + 1) / n;
         for (int e = 0; e < E; e++) c->G[(size_t)s * E + e] += f * (in_top(ls, E, K, e) ? gq : gr);
     }
     __syncthreads();
@@ -476,7 +489,7 @@ __device__ static double aux_merged(aux_dev *c, double f) {
     if (threadIdx.x == 0)
         for (int s = 0; s < S; s++) L -= c->tS1[s];
     L = bcast(L);
-    return L / S;
+    return L / n;
 }
 
 // *loss = the loss of `kind`; dl ACCUMULATES weight d(loss)/d(logits) when given. A modality
@@ -520,7 +533,10 @@ __global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, doub
         break;
     }
     case VLMOE_AUX_ZLOSS: L = aux_z(&c, weight, dl); break;
-    case VLMOE_AUX_SWITCH: L = aux_switch(&c, 1); break;
+    case VLMOE_AUX_SWITCH:
+        if (c.n[0] && c.n[1]) L = aux_switch(&c, VLMOE_MOD_IMAGE, c.wanted_mod, 1) + aux_switch(&c, VLMOE_MOD_TEXT, c.wanted_mod + E, 1);
+        else L = aux_switch(&c, -1, c.wanted, 1);
+        break;
     case VLMOE_AUX_LOCAL_ENT_IMAGE:
     case VLMOE_AUX_LOCAL_ENT_TEXT: {
         const int m = kind == VLMOE_AUX_LOCAL_ENT_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
@@ -531,13 +547,14 @@ __global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, doub
     case VLMOE_AUX_GLOBAL_ENT_IMAGE: L = aux_global_entropy(&c, VLMOE_MOD_IMAGE, c.tau[VLMOE_MOD_IMAGE], 1); break;
     case VLMOE_AUX_GLOBAL_ENT_TEXT: L = aux_global_entropy(&c, VLMOE_MOD_TEXT, c.tau[VLMOE_MOD_TEXT], 1); break;
     case VLMOE_AUX_MI: L = aux_mi(&c, 1); break;
-    case VLMOE_AUX_TARGET_ENT: {
-        const double local = aux_mean_token_entropy(&c, -1), t = log((double)c.K) - local;
+    case VLMOE_AUX_TARGET_ENT: { // over the text tokens (LIMoE E.1, aux.c)
+        if (!c.n[VLMOE_MOD_TEXT]) break;
+        const double local = aux_mean_token_entropy(&c, VLMOE_MOD_TEXT), t = log((double)c.K) - local;
         L = t * t;
-        aux_mean_token_entropy_grad(&c, -1, -2 * t);
+        aux_mean_token_entropy_grad(&c, VLMOE_MOD_TEXT, -2 * t);
         break;
     }
-    case VLMOE_AUX_MERGED_ENT: L = aux_merged(&c, 1); break;
+    case VLMOE_AUX_MERGED_ENT: L = aux_merged(&c, VLMOE_MOD_TEXT, 1); break;
     default: break;
     }
     // gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e)
@@ -565,13 +582,14 @@ static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_in
                    E, K);
         return NAN;
     }
-    if (kind == VLMOE_AUX_SWITCH && !in->wanted) {
-        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` must be given");
+    if (kind == VLMOE_AUX_SWITCH && (!in->wanted || (in->modality && !in->wanted_mod))) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` (and `wanted_mod` with "
+                   "modalities) must be given");
         return NAN;
     }
     aux_dev c = {};
     c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
-    c.mod = in->modality, c.wanted = in->wanted, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
+    c.mod = in->modality, c.wanted = in->wanted, c.wanted_mod = in->wanted_mod, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
     // the doubles of aux.c's layout in the caller's scratch, aligned up to double
     const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
     double *d = (double *)a;

@@ -123,30 +123,36 @@ static double loss_load(aux_ctx *c, const real *nl, double noise_std, double wf,
     return L;
 }
 
-// z-loss (ST-MoE; LIMoE B.1): mean_s logsumexp(l_s)^2; d/dl[s,e] = 2/S lse_s P[s,e].
+// z-loss (ST-MoE; LIMoE B.1) per modality, like CLIP-UP's per tower: sum over the modalities m
+// present of mean_{s in m} logsumexp(l_s)^2; d/dl[s,e] = 2/n_m lse_s P[s,e]. A group of one
+// modality gives the plain mean over the group.
 static double loss_z(aux_ctx *c, double wf, real *dl) {
-    double L = 0;
-    for (int s = 0; s < c->S; s++) L += c->lse[s] * c->lse[s];
+    double L[2] = {0, 0};
+    for (int s = 0; s < c->S; s++) L[mod_of(c, s)] += c->lse[s] * c->lse[s];
     if (dl)
         for (int s = 0; s < c->S; s++)
             for (int e = 0; e < c->E; e++)
                 dl[(size_t)s * c->E + e] +=
-                    (real)(wf * 2.0 / c->S * c->lse[s] * c->P[(size_t)s * c->E + e]);
-    return L / c->S;
+                    (real)(wf * 2.0 / c->n[mod_of(c, s)] * c->lse[s] * c->P[(size_t)s * c->E + e]);
+    return (c->n[0] ? L[0] / c->n[0] : 0) + (c->n[1] ? L[1] / c->n[1] : 0);
 }
 
-// switch balance (ST-MoE, CLIP-UP eq. 5): sum_e R_e P_e, R_e = E/(K S) wanted[e] (a constant:
-// counts are piecewise constant), P_e = mean_s P[s,e].
-static double loss_switch(aux_ctx *c, const int32_t *wanted, double f) {
-    const int S = c->S, E = c->E;
+// switch balance (ST-MoE, CLIP-UP eq. 5) over the tokens of modality m (m < 0: all of the
+// group's): sum_e R_e P_e, R_e = E/(K n) wanted[e] (a constant: counts are piecewise constant),
+// P_e = mean_s P[s,e] over those n tokens.
+static double loss_switch(aux_ctx *c, int m, const int32_t *wanted, double f) {
+    const int S = c->S, E = c->E, n = m < 0 ? S : c->n[m];
     double *pm = c->v[0], L = 0;
+    if (!n) return 0;
     for (int e = 0; e < E; e++) pm[e] = 0;
     for (int s = 0; s < S; s++)
-        for (int e = 0; e < E; e++) pm[e] += c->P[(size_t)s * E + e];
+        if (m < 0 || mod_of(c, s) == m)
+            for (int e = 0; e < E; e++) pm[e] += c->P[(size_t)s * E + e];
     for (int e = 0; e < E; e++) {
-        double R = (double)E / ((double)c->K * S) * wanted[e];
-        L += R * pm[e] / S;
-        for (int s = 0; s < S; s++) c->G[(size_t)s * E + e] += f * R / S;
+        double R = (double)E / ((double)c->K * n) * wanted[e];
+        L += R * pm[e] / n;
+        for (int s = 0; s < S; s++)
+            if (m < 0 || mod_of(c, s) == m) c->G[(size_t)s * E + e] += f * R / n;
     }
     return L;
 }
@@ -193,12 +199,13 @@ static double entropy(const double *p, int E) {
 }
 
 // global entropy (LIMoE sec. 2.2.2, "thresholded"): max(0, tau_m - H(pbar_m)), tau_m = log(S_m)
-// when the config gives 0. At exactly tau_m = H the loss is inactive and its gradient 0 (relu).
+// with S_m the soft minimum number of experts (so tau = 0 = log 1 is a legal threshold the paper
+// uses, Table 5; it switches the loss off since H >= 0). At exactly tau_m = H the loss is
+// inactive and its gradient 0 (relu).
 static double loss_global_entropy(aux_ctx *c, int m, double tau, double f) {
     if (!c->n[m]) return 0;
     double *pbar = c->v[0];
     mean_gate(c, m, pbar);
-    if (tau == 0) tau = log((double)c->n[m]);
     double L = tau - entropy(pbar, c->E);
     if (!(L > 0)) return 0;
     // dL/dpbar_e = log pbar_e + 1; dpbar_e/dP[s,e] = 1/S_m for tokens of m.
@@ -235,12 +242,15 @@ static double loss_mi(aux_ctx *c, double f) {
     return L;
 }
 
-// merged entropy (LIMoE E.1): per token the two-outcome distribution (q = sum of the top-K gates,
-// r = sum of the rest), mean_s H(q, r). r is summed directly, not 1 - q, so it keeps its digits.
-static double loss_merged(aux_ctx *c, double f) {
-    const int S = c->S, E = c->E, K = c->K;
+// merged entropy (LIMoE E.1): per token of modality m the two-outcome distribution (q = sum of the
+// top-K gates, r = sum of the rest), mean over those tokens of H(q, r); 0 when the group has none.
+// r is summed directly, not 1 - q, so it keeps its digits.
+static double loss_merged(aux_ctx *c, int m, double f) {
+    const int S = c->S, E = c->E, K = c->K, n = c->n[m];
     double *top = c->v[0], L = 0;
+    if (!n) return 0;
     for (int s = 0; s < S; s++) {
+        if (mod_of(c, s) != m) continue;
         const real *ls = c->l + (size_t)s * E;
         const double *p = c->P + (size_t)s * E;
         for (int e = 0; e < E; e++) top[e] = 0;
@@ -252,10 +262,10 @@ static double loss_merged(aux_ctx *c, double f) {
             else r += p[e];
         }
         L -= xlogx(q) + xlogx(r);
-        double gq = -(logt(q) + 1) / S, gr = -(logt(r) + 1) / S;
+        double gq = -(logt(q) + 1) / n, gr = -(logt(r) + 1) / n;
         for (int e = 0; e < E; e++) c->G[(size_t)s * E + e] += f * (top[e] != 0 ? gq : gr);
     }
-    return L / S;
+    return L / n;
 }
 
 double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, real *dlogits,
@@ -270,10 +280,6 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
                    (int)kind, S, E, K);
         return NAN;
     }
-    if (kind == VLMOE_AUX_SWITCH && !in->wanted) {
-        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` must be given");
-        return NAN;
-    }
     aux_ctx c = {.S = S, .E = E, .K = K, .l = in->logits, .mod = in->modality};
     for (int s = 0; s < S; s++) {
         int m = mod_of(&c, s);
@@ -283,6 +289,11 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
             return NAN;
         }
         c.n[m]++;
+    }
+    if (kind == VLMOE_AUX_SWITCH && (c.n[0] && c.n[1] ? !in->wanted_mod : !in->wanted)) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `%s` must be given",
+                   c.n[0] && c.n[1] ? "wanted_mod" : "wanted");
+        return NAN;
     }
     // Double intermediates in the caller's buffer, aligned up to double (see aux.h).
     uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
@@ -311,7 +322,14 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
             0.5 * loss_load(&c, in->noisy_logits, in->noise_std, 0.5 * weight, dlogits);
         break;
     case VLMOE_AUX_ZLOSS: L = loss_z(&c, weight, dlogits); break;
-    case VLMOE_AUX_SWITCH: L = loss_switch(&c, in->wanted, 1); break;
+    case VLMOE_AUX_SWITCH:
+        // CLIP-UP computes it per tower; with a shared backbone, per modality: the sum of each
+        // modality's own balance over its own assignments (MOE.md)
+        if (c.n[0] && c.n[1])
+            L = loss_switch(&c, VLMOE_MOD_IMAGE, in->wanted_mod, 1) + loss_switch(&c, VLMOE_MOD_TEXT, in->wanted_mod + E, 1);
+        else
+            L = loss_switch(&c, -1, in->wanted, 1);
+        break;
     case VLMOE_AUX_LOCAL_ENT_IMAGE:
     case VLMOE_AUX_LOCAL_ENT_TEXT: {
         int m = kind == VLMOE_AUX_LOCAL_ENT_TEXT ? VLMOE_MOD_TEXT : VLMOE_MOD_IMAGE;
@@ -327,14 +345,15 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
         break;
     case VLMOE_AUX_MI: L = loss_mi(&c, 1); break;
     case VLMOE_AUX_TARGET_ENT: {
-        // LIMoE E.1 writes (log K - Omega_local(G_m))^2 per modality; MOE.md (and this code) take
-        // the local entropy over all tokens of the group, whatever their modality.
-        double local = mean_token_entropy(&c, -1), t = log((double)K) - local;
+        // LIMoE E.1: (log K - Omega_local(G_m))^2 replaces the text local entropy, so the local
+        // entropy is that of the group's text tokens only (0 loss when the group has none)
+        if (!c.n[VLMOE_MOD_TEXT]) break;
+        double local = mean_token_entropy(&c, VLMOE_MOD_TEXT), t = log((double)K) - local;
         L = t * t;
-        mean_token_entropy_grad(&c, -1, -2 * t); // dL/dlocal = -2 (log K - local)
+        mean_token_entropy_grad(&c, VLMOE_MOD_TEXT, -2 * t); // dL/dlocal = -2 (log K - local)
         break;
     }
-    case VLMOE_AUX_MERGED_ENT: L = loss_merged(&c, 1); break;
+    case VLMOE_AUX_MERGED_ENT: L = loss_merged(&c, VLMOE_MOD_TEXT, 1); break;
     default: break;
     }
 

@@ -18,7 +18,9 @@ size_t aux_scratch_floats(int S, int E);
 //   logits (S,E) clean router logits; noisy_logits (S,E) the same plus the training noise (NULL:
 //   no noise, so the load loss is 0); noise_std as in the config (noise scale noise_std/E);
 //   modality (S) VLMOE_MOD_* per token (NULL: all image); wanted (E) assignments routed to each
-//   expert before capacity (switch loss only); global_tau per modality (0 = log(S_m)).
+//   expert before capacity (switch loss only); global_tau per modality (tau = log(S), 0 = log 1);
+//   wanted_mod (2,E) the same counts split by the token's modality, image row first (the switch
+//   loss of a group holding both modalities, computed per modality; may be NULL otherwise).
 // aux_loss_<sfx> returns the loss of `kind` on one group, computed in double. If dlogits (S,E) is
 // given it ACCUMULATES weight * d(loss)/d(logits). Never allocates: scratch holds
 // aux_scratch_floats(S,E) elements. Bad arguments (sizes, K outside [1,E], a modality value other
@@ -32,6 +34,7 @@ size_t aux_scratch_floats(int S, int E);
         const uint8_t *modality;                                                                  \
         const int32_t *wanted;                                                                    \
         double global_tau[2];                                                                     \
+        const int32_t *wanted_mod;                                                                \
     } aux_input_##SFX;                                                                            \
     double aux_loss_##SFX(vlmoe_aux_kind kind, const aux_input_##SFX *in, double weight,          \
                           T *dlogits, T *scratch);

@@ -23,7 +23,8 @@ static void valid_sizes(char *buf, size_t cap, int unit, int count) {
 }
 
 int moe_capacity(const vlmoe_moe_config *c, int S, int training, int *C) {
-    const int K = c->router == VLMOE_ROUTER_TOKENS ? c->top_k : 1;
+    // CLIP-UP writes B_e = (B_t/E) x C for its top-2 routing: no K (MOE.md, CLIP-UP sec. 3)
+    const int K = c->router == VLMOE_ROUTER_TOKENS && !c->capacity_per_token ? c->top_k : 1;
     int st = vlmoe_capacity(S, c->num_experts, K, training ? c->capacity_factor : c->eval_capacity_factor,
                             c->capacity_multiple > 0 ? c->capacity_multiple : 1, C);
     if (st) return vlmoe_error_prefix("moe (%d tokens per group, %d experts)", S, c->num_experts), st;

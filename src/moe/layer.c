@@ -61,6 +61,7 @@ struct R(moe_state) {
     const uint8_t *modality;
     double *routed[2], *accepted[2], *pbar[2]; // statistics, (E) each
     int32_t *hits;                  // (nmax) accepted assignments per token
+    int32_t *wanted_mod;            // (2,E) one group's assignments before capacity, per modality
     struct moe_ep *ep;              // expert parallelism (moe_set_expert_parallel), or NULL
 };
 
@@ -77,7 +78,10 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
                         int nmax) {
     *out = NULL;
     const vlmoe_moe_config *c = sp->cfg;
-    int stt = R(backend_require)(be, c->router == VLMOE_ROUTER_SOFT ? BE_OP_SOFT_MOE : BE_OP_EXPERTS, NULL);
+    // Soft MoE's App. A baselines and App. E's un-normalised variant: a backend says if it has them
+    const int soft_variant = c->soft_mix != VLMOE_SOFT_MIX_SOFT || c->soft_raw;
+    int stt = R(backend_require)(be, c->router == VLMOE_ROUTER_SOFT ? BE_OP_SOFT_MOE : BE_OP_EXPERTS,
+                                 c->router == VLMOE_ROUTER_SOFT && soft_variant ? &soft_variant : NULL);
     if (!stt && c->router == VLMOE_ROUTER_TOKENS) stt = R(backend_require)(be, BE_OP_COMBINE, &c->order);
     if (stt) return stt;
     struct R(moe_state) *st = vlmoe_calloc(sizeof(*st), "moe layer");
@@ -101,6 +105,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         ALLOC(st->pbar[m], E);
     }
     ALLOC(st->hits, nmax);
+    ALLOC(st->wanted_mod, 2 * E);
     ALLOC(st->keys, nmax);
     ALLOC(st->order, nmax);
     ALLOC(st->inv, nmax);
@@ -114,7 +119,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         vlmoe_free_mem(h);
     }
     if (c->router == VLMOE_ROUTER_SOFT) {
-        soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act};
+        soft_dims d = {Smax, D, E, moe_slots_per_expert(c), M, sp->act, c->soft_mix, c->soft_raw};
+        if ((stt = soft_dims_check(&d))) {
+            R(moe_state_free)(st);
+            return stt;
+        }
         st->soft_acts_n = soft_moe_acts_floats(&d);
         DALLOC(st->soft_acts, st->soft_acts_n * (size_t)st->gmax);
         DALLOC(st->soft_scratch, soft_moe_scratch_floats(&d));
@@ -201,7 +210,7 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->order, st->inv, st->mod_pos};
+                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
     vlmoe_free_mem(st);
 }
@@ -297,10 +306,13 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
         s->success[m] = ok[m] / T;
         s->dropped[m] = assign[m] > 0 ? drop[m] / assign[m] : 0;
         s->mean_max_gate[m] = maxg[m] / T;
-        s->entropy_pre[m] = hpre[m] / T;
+        s->entropy_pre[m] = s->tokens[m] ? hbar : 0; // the global H(mean p) LIMoE plots
+        s->entropy_token[m] = hpre[m] / T;
+        vlmoe_experts_cover(st->routed[m], E, s->experts_cover[m]);
         s->routed[m] = st->routed[m];
         s->accepted[m] = st->accepted[m];
     }
+    s->capacity = st->C;
 }
 
 const double *R(moe_gate_sums)(const struct R(moe_state) *st, int modality) {
@@ -309,7 +321,8 @@ const double *R(moe_gate_sums)(const struct R(moe_state) *st, int modality) {
 
 static void soft_dims_of(const struct R(moe_state) *st, soft_dims *d) {
     const vlmoe_moe_config *c = st->sp.cfg;
-    *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act};
+    *d = (soft_dims){st->S, st->sp.D, c->num_experts, moe_slots_per_expert(c), st->sp.M, st->sp.act,
+                     c->soft_mix, c->soft_raw};
 }
 
 static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, real *out,
@@ -319,8 +332,12 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
     const int D = sp->D;
     soft_dims d;
     soft_dims_of(st, &d);
+    int stt = soft_dims_check(&d); // this pass's group size (Identity needs S = E*P)
+    if (stt) return stt;
     s->soft_minmax[0] = s->soft_minmax[2] = INFINITY;
     s->soft_minmax[1] = s->soft_minmax[3] = -INFINITY;
+    s->soft_mean_max[0] = s->soft_mean_max[1] = 0;
+    s->capacity = 0;
     // groups of whole examples: the rows in group order, and the outputs back onto their rows
     if (st->ordered) be->gather_rows(be, st->xg, x, st->perm.row_token, st->n, D);
     for (int g = 0; g < st->G; g++) {
@@ -333,8 +350,9 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
             be->soft_moe_forward(be, st->soft_out, acts, x + o, &sp2, &d);
             be->add(be, out + o, st->soft_out, (size_t)st->S * D);
         }
-        double mm[4];
-        R(soft_moe_stats)(acts, &d, mm);
+        double mm[4], mean_max[2];
+        R(soft_moe_stats)(acts, &d, mm, mean_max);
+        s->soft_mean_max[0] += mean_max[0] / st->G, s->soft_mean_max[1] += mean_max[1] / st->G;
         s->soft_minmax[0] = fmin(s->soft_minmax[0], mm[0]);
         s->soft_minmax[1] = fmax(s->soft_minmax[1], mm[1]);
         s->soft_minmax[2] = fmin(s->soft_minmax[2], mm[2]);
@@ -468,9 +486,15 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
         double v = 0;
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * E;
+            const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL;
+            // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
+            memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
+            for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
+                for (int r = 0; r < st->K; r++)
+                    st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, mod ? mod + (size_t)g * st->S : NULL,
-                               st->rt[g].wanted, {cfg->global_tau[0], cfg->global_tau[1]}};
+                               cfg->noise_std, gm, st->rt[g].wanted,
+                               {cfg->global_tau[0], cfg->global_tau[1]}, st->wanted_mod};
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);

@@ -86,9 +86,10 @@ MOE_LAYER_DECL(double, f64)
 
 // Soft MoE slots per expert: slots_per_expert, or rint(group_size / E) (MOE.md; rint, not round).
 int moe_slots_per_expert(const vlmoe_moe_config *c);
-
 // The expert capacity of a group of S tokens (the train or the eval factor): vlmoe_capacity,
 // then at most S. The one computation both the layer's buffers (create) and its routing use.
+// Tokens choice counts its K assignments per token unless capacity_per_token (CLIP-UP's
+// B_e = (B_t/E) x C), experts choice one (MOE.md "Capacity").
 int moe_capacity(const vlmoe_moe_config *c, int S, int training, int *C);
 
 // Validates that n tokens split into routing groups for this layer (group_size divides n, the

@@ -3,6 +3,7 @@
 // and experts choice, exactly as ../shared/spec/MOE.md. Covered by tests/test_moe_route.c.
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
@@ -43,6 +44,27 @@ int vlmoe_capacity(int S, int E, int K, double cf, int multiple, int *C) {
                           cf, c);
     *C = (int)c;
     return VLMOE_OK;
+}
+
+static int desc(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x < y) - (x > y);
+}
+
+void vlmoe_experts_cover(const double *routed, int E, double cover[3]) {
+    const double level[3] = VLMOE_COVER_LEVELS;
+    double v[4096]; // num_experts <= 4096 (vlmoe_config_validate)
+    const int n = E < 4096 ? E : 4096;
+    double total = 0;
+    for (int e = 0; e < n; e++) total += v[e] = routed[e];
+    qsort(v, (size_t)n, sizeof(double), desc);
+    for (int k = 0; k < 3; k++) {
+        double cum = 0;
+        int c = 0;
+        // relative to the total, so fractions that sum to 1 - 1e-16 still reach 90%
+        while (total > 0 && c < n && cum < level[k] * total * (1 - 1e-12)) cum += v[c++];
+        cover[k] = c;
+    }
 }
 
 void vlmoe_routing_free(vlmoe_routing *r) {

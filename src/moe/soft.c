@@ -12,8 +12,10 @@
 #include <string.h>
 
 #include "core/real.h"
+#include "core/core.h"
 #include "moe/soft.h"
 #include "ops/ops.h"
+#include "vlmoe.h"
 
 // The normalisation epsilon of MOE.md: x / sqrt(|x|^2 + 1e-6), inside the square root as in
 // the reference implementation (vmoe soft_router `normalize`), so a zero token maps to zero.
@@ -94,6 +96,36 @@ size_t soft_moe_acts_floats(const soft_dims *d) { return acts_layout_of(d).total
 size_t soft_moe_scratch_floats(const soft_dims *d) { return scratch_layout_of(d).total; }
 #endif
 
+#ifndef VLMOE_REAL_F64
+int soft_dims_check(const soft_dims *d) {
+    if (d->P < 1)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "Soft MoE: %d slots per expert for a group of %d tokens and %d experts: "
+                          "need at least one (slots_per_expert >= 1, or a group_size of at least num_experts / 2 "
+                          "so that rint(group_size / num_experts) >= 1)", d->P, d->S, d->E);
+    if (d->mix < VLMOE_SOFT_MIX_SOFT || d->mix > VLMOE_SOFT_MIX_SOFT_UNIFORM)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "Soft MoE: unknown soft_dispatch %d", d->mix);
+    if (d->mix == VLMOE_SOFT_MIX_IDENTITY && (long)d->E * d->P != d->S)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "Soft MoE soft_dispatch \"identity\" sends token i to slot i (App. A): "
+                          "it needs as many slots (num_experts %d x slots_per_expert %d = %ld) as tokens per group "
+                          "(%d)", d->E, d->P, (long)d->E * d->P, d->S);
+    return VLMOE_OK;
+}
+#endif
+
+// App. A: which of the two weight matrices are fixed rather than softmaxes
+static int dispatch_fixed(int mix) {
+    return mix == VLMOE_SOFT_MIX_IDENTITY || mix == VLMOE_SOFT_MIX_UNIFORM || mix == VLMOE_SOFT_MIX_UNIFORM_SOFT;
+}
+static int combine_fixed(int mix) {
+    return mix == VLMOE_SOFT_MIX_IDENTITY || mix == VLMOE_SOFT_MIX_UNIFORM || mix == VLMOE_SOFT_MIX_SOFT_UNIFORM;
+}
+// m (R,C) = identity (R = C) or the uniform 1/C in every entry (each row sums to 1)
+static void fixed_weights(real *m, int R, int C, int identity) {
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) m[(size_t)r * C + c] = identity ? (real)(r == c) : (real)1 / C;
+}
+
 // dst (C,R) = src (R,C)^T; each thread owns rows of dst.
 static void transpose(real *dst, const real *src, int R, int C) {
 #pragma omp parallel for schedule(static)
@@ -121,7 +153,7 @@ void R(soft_moe_forward)(real *out, real *acts, const real *x, const R(soft_para
         const real *xr = x + (size_t)s * D;
         real ss = 0;
         for (int i = 0; i < D; i++) ss += xr[i] * xr[i];
-        const real n = RSQRT(ss + (real)SOFT_EPS);
+        const real n = d->raw ? 1 : RSQRT(ss + (real)SOFT_EPS);
         nx[s] = n;
         for (int i = 0; i < D; i++) xh[(size_t)s * D + i] = xr[i] / n;
     }
@@ -131,7 +163,7 @@ void R(soft_moe_forward)(real *out, real *acts, const real *x, const R(soft_para
     for (int n = 0; n < N; n++) {
         real ss = 0;
         for (int i = 0; i < D; i++) ss += p->phi[(size_t)i * N + n] * p->phi[(size_t)i * N + n];
-        const real nn = RSQRT(ss + (real)SOFT_EPS);
+        const real nn = d->raw ? 1 : RSQRT(ss + (real)SOFT_EPS);
         nphi[n] = nn;
         for (int i = 0; i < D; i++) phih[(size_t)n * D + i] = p->phi[(size_t)i * N + n] / nn;
     }
@@ -144,6 +176,9 @@ void R(soft_moe_forward)(real *out, real *acts, const real *x, const R(soft_para
     transpose(cwt, dw, S, N);
     R(softmax_forward)(cw, dw, S, N);   // combine: per token, over all N slots
     R(softmax_forward)(dwt, cwt, N, S); // dispatch: per slot, over the S tokens
+    // App. A's fixed baselines: Dw^T (N,S) rows (slots) and Cw (S,N) rows (tokens) sum to 1
+    if (dispatch_fixed(d->mix)) fixed_weights(dwt, N, S, d->mix == VLMOE_SOFT_MIX_IDENTITY);
+    if (combine_fixed(d->mix)) fixed_weights(cw, S, N, d->mix == VLMOE_SOFT_MIX_IDENTITY);
     transpose(dw, dwt, N, S);
     transpose(cwt, cw, S, N);
 
@@ -207,8 +242,9 @@ void R(soft_moe_backward)(real *dx, const R(soft_grads) *g, const real *dout, co
     // both softmaxes read the same logits: their gradients add up, in the (S,N) layout
     memset(dlg, 0, sizeof(real) * (size_t)S * N);
     memset(dlgt, 0, sizeof(real) * (size_t)N * S);
-    R(softmax_backward)(dlg, cw, dcw, S, N);
-    R(softmax_backward)(dlgt, dwt, ddwt, N, S);
+    // a fixed matrix (App. A) is a constant: nothing flows back through it
+    if (!combine_fixed(d->mix)) R(softmax_backward)(dlg, cw, dcw, S, N);
+    if (!dispatch_fixed(d->mix)) R(softmax_backward)(dlgt, dwt, ddwt, N, S);
 #pragma omp parallel for schedule(static)
     for (int s = 0; s < S; s++)
         for (int n = 0; n < N; n++) dlg[(size_t)s * N + n] += dlgt[(size_t)n * S + s];
@@ -226,14 +262,16 @@ void R(soft_moe_backward)(real *dx, const R(soft_grads) *g, const real *dout, co
     if (dx) memset(dxh, 0, sizeof(real) * (size_t)S * D);
     R(linear_backward)(dx ? dxh : NULL, dphih, NULL, dlg, xh, phih, S, D, N);
 
-    // through v / sqrt(|v|^2 + eps): d v = (d vh - vh <vh, d vh>) / sqrt(|v|^2 + eps)
+    // through v / sqrt(|v|^2 + eps): d v = (d vh - vh <vh, d vh>) / sqrt(|v|^2 + eps); without
+    // the normalisation (raw) vh = v and d v = d vh
+    const real keep = d->raw ? 0 : 1;
     if (dx) {
 #pragma omp parallel for schedule(static)
         for (int s = 0; s < S; s++) {
             const real *h = xh + (size_t)s * D, *gh = dxh + (size_t)s * D;
             real dot = 0;
             for (int i = 0; i < D; i++) dot += h[i] * gh[i];
-            for (int i = 0; i < D; i++) dx[(size_t)s * D + i] += (gh[i] - h[i] * dot) / nx[s];
+            for (int i = 0; i < D; i++) dx[(size_t)s * D + i] += (gh[i] - keep * h[i] * dot) / nx[s];
         }
     }
     // each thread owns whole columns n of dphi (D,N)
@@ -242,18 +280,36 @@ void R(soft_moe_backward)(real *dx, const R(soft_grads) *g, const real *dout, co
         const real *h = phih + (size_t)n * D, *gh = dphih + (size_t)n * D;
         real dot = 0;
         for (int i = 0; i < D; i++) dot += h[i] * gh[i];
-        for (int i = 0; i < D; i++) g->dphi[(size_t)i * N + n] += (gh[i] - h[i] * dot) / nphi[n];
+        for (int i = 0; i < D; i++) g->dphi[(size_t)i * N + n] += (gh[i] - keep * h[i] * dot) / nphi[n];
     }
 }
 
 // MOE.md asks for the min/max dispatch and combine weights, taken here over every entry of the
-// group (the caller folds groups and layers together). The paper's appendix E plots a different
-// collapse signal, the mean over slots (tokens) of the max dispatch (combine) weight; min/max
-// is what the spec names, so that is what is reported.
-void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4]) {
+// group (the caller folds groups and layers together); the paper's appendix E plots the mean
+// over slots (tokens) of the max dispatch (combine) weight: both are reported.
+void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4], double meanmax[2]) {
     const acts_layout L = acts_layout_of(d);
-    const size_t n = (size_t)d->S * d->E * d->P;
+    const int S = d->S, N = d->E * d->P;
+    const size_t n = (size_t)S * N;
+    if (n == 0) { // no slot or no token (refused by soft_dims_check; kept safe here): nothing to read
+        minmax[0] = minmax[1] = minmax[2] = minmax[3] = 0;
+        meanmax[0] = meanmax[1] = 0;
+        return;
+    }
     const real *dw = acts + L.dwt, *cw = acts + L.cw;
+    // App. E's monitors: dw is (N,S), one slot per row; cw (S,N), one token per row
+    double md = 0, mc = 0;
+    for (int j = 0; j < N; j++) {
+        real mx = dw[(size_t)j * S];
+        for (int s = 1; s < S; s++) mx = dw[(size_t)j * S + s] > mx ? dw[(size_t)j * S + s] : mx;
+        md += mx;
+    }
+    for (int s = 0; s < S; s++) {
+        real mx = cw[(size_t)s * N];
+        for (int j = 1; j < N; j++) mx = cw[(size_t)s * N + j] > mx ? cw[(size_t)s * N + j] : mx;
+        mc += mx;
+    }
+    meanmax[0] = md / N, meanmax[1] = mc / S;
     minmax[0] = minmax[1] = dw[0];
     minmax[2] = minmax[3] = cw[0];
     for (size_t i = 1; i < n; i++) {

@@ -8,6 +8,9 @@
 //   Dw = softmax over tokens s (per slot n)     Cw = softmax over all N slots (per token s)
 //   Xs (N,D) = Dw^T x (un-normalised x); rows e*P .. e*P+P-1 go through expert e:
 //   Ys = w2_e act(w1_e Xs + b1_e) + b2_e;       out (S,D) = Cw Ys
+// Soft MoE App. A's fixed baselines replace Dw and/or Cw by constants (no gradient flows into
+// them): Identity (Dw = Cw = I, S = N), Uniform (Dw = 1/S, Cw = 1/N), Uniform/Soft (Dw = 1/S),
+// Soft/Uniform (Cw = 1/N). raw = 1 drops the normalisation: xh = x, phih = phi.
 // Weights use PyTorch's Linear layout (out,in), experts stacked: w1 (E,M,D), b1 (E,M),
 // w2 (E,D,M), b2 (E,D). scale is one scalar (init 1.0). act is a VLMOE_ACT_* of vlmoe.h.
 //
@@ -24,7 +27,12 @@
 
 typedef struct {
     int S, D, E, P, M, act; // all > 0; act = VLMOE_ACT_*
+    int mix;                // VLMOE_SOFT_MIX_*: learned (soft) or fixed dispatch/combine (App. A)
+    int raw;                // 1: no normalisation of x and phi (App. E's collapse); 0 the default
 } soft_dims;
+// soft_dims_check: VLMOE_ERR_CONFIG naming the problem when the group cannot be processed:
+// fewer than one slot per expert, or Identity mixing with E*P != S (App. A: token i to slot i).
+int soft_dims_check(const soft_dims *d);
 
 // Elements (of the variant's type, float or double) of the forward's saved activations: xh,
 // the norms, phih, the raw similarities, both softmaxes (and their transposes), Xs, the expert
@@ -54,8 +62,10 @@ size_t soft_moe_scratch_floats(const soft_dims *d);
     void soft_moe_backward_##S(T *dx, const soft_grads_##S *g, const T *dout, const T *acts,       \
                                const T *x, const soft_params_##S *p, const soft_dims *d,          \
                                T *scratch);                                                        \
-    /* from a forward's acts: minmax = {min, max dispatch weight, min, max combine weight} */     \
-    void soft_moe_stats_##S(const T *acts, const soft_dims *d, double minmax[4]);
+    /* from a forward's acts: minmax = {min, max dispatch weight, min, max combine weight}; */    \
+    /* meanmax = {mean over slots of the largest dispatch weight, mean over tokens of the    */    \
+    /* largest combine weight} (the collapse monitors of Soft MoE App. E, Fig. 13)           */    \
+    void soft_moe_stats_##S(const T *acts, const soft_dims *d, double minmax[4], double meanmax[2]);
 
 SOFT_DECL(float, f32)
 SOFT_DECL(double, f64)

@@ -89,8 +89,13 @@ int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
         c->aux_weight[VLMOE_AUX_IMPORTANCE] = c->aux_weight[VLMOE_AUX_LOAD] = w;
         c->aux_weight[VLMOE_AUX_LOCAL_ENT_TEXT] = w;
         c->aux_weight[VLMOE_AUX_GLOBAL_ENT_TEXT] = c->aux_weight[VLMOE_AUX_GLOBAL_ENT_IMAGE] = w;
-        c->global_tau[VLMOE_MOD_IMAGE] = log(20.0);
-        c->global_tau[VLMOE_MOD_TEXT] = log(9.0);
+        // tau = log(S), S the soft minimum number of experts (LIMoE 2.2.2). With 32 experts the
+        // paper's S_image = 20, S_text = 9; its 8-expert B/16 used S = 6 for both (App. F.1).
+        // Other expert counts take 6/8 of E for both (at least 1), so that every preset's
+        // threshold can be met: one at or above log(E) never switches its loss off.
+        const double si = e >= 32 ? 20.0 : fmax(1.0, 0.75 * e), stx = e >= 32 ? 9.0 : fmax(1.0, 0.75 * e);
+        c->global_tau[VLMOE_MOD_IMAGE] = log(si);
+        c->global_tau[VLMOE_MOD_TEXT] = log(stx);
     } else if (!strcmp(name, "clipup")) {
         // CLIP-UP: top-2 "first-come-first-serve", capacity factor 2, switch load balance
         // (alpha 0.01) + router z-loss (beta 0.001) per tower
@@ -99,6 +104,7 @@ int vlmoe_moe_preset(const char *name, vlmoe_moe_config *c) {
         c->order = VLMOE_ORDER_FIFO;
         c->aux_weight[VLMOE_AUX_SWITCH] = 0.01;
         c->aux_weight[VLMOE_AUX_ZLOSS] = 0.001;
+        c->capacity_per_token = 1; // B_e = (B_t/E) x C, no K (CLIP-UP sec. 3)
     } else if (!strcmp(name, "vlmoe-v") || !strcmp(name, "vlmoe-t")) {
         // VL-MoE (sec. 4.1, "MoE Setting"): top-1; V-MoE with BPR and the v-loss (importance and
         // load averaged), T-MoE with the load loss, ratio 0.01; capacity factor 1.05 in training
@@ -198,6 +204,30 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
     return VLMOE_OK;
 }
 
+int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap) {
+    int n = 0;
+    size_t u = 0;
+    if (buf && cap) buf[0] = 0;
+    for (int t = 0; c && t < (c->arch == VLMOE_ARCH_ONE_TOWER ? 1 : 2); t++) {
+        const vlmoe_moe_config *m = t ? &c->text_moe : &c->moe;
+        const int aux[2] = {VLMOE_AUX_GLOBAL_ENT_IMAGE, VLMOE_AUX_GLOBAL_ENT_TEXT};
+        if (m->router != VLMOE_ROUTER_TOKENS || m->num_experts < 1) continue;
+        for (int k = 0; k < 2; k++) {
+            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform
+            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)m->num_experts)) continue;
+            n++;
+            if (buf && u < cap)
+                u += (size_t)snprintf(buf + u, cap - u, "%s%s.global_entropy_tau[%s] = %g = log(%.3g) is at or above "
+                                      "log(num_experts = %d) = %g: no routing over %d experts meets it, so the "
+                                      "%s loss never switches off (tau = log(S), S the soft minimum number of "
+                                      "experts)", n > 1 ? "\n" : "", t ? "text_moe" : "moe", k ? "text" : "image",
+                                      m->global_tau[k], exp(m->global_tau[k]), m->num_experts,
+                                      log((double)m->num_experts), m->num_experts, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
+        }
+    }
+    return n;
+}
+
 int vlmoe_config_validate(const vlmoe_model_config *c) {
 #define NEED(cond, ...) \
     if (!(cond)) return vlmoe_fail(VLMOE_ERR_CONFIG, __VA_ARGS__)
@@ -268,6 +298,20 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
+        NEED(m->slots_per_expert >= 0, "%s.slots_per_expert: %d must be >= 1 (0: rint(group_size / num_experts))", nm,
+             m->slots_per_expert);
+        // fewer than one slot per expert leaves experts with nothing to process (Soft MoE sec. 2.1)
+        NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 ||
+                 rint((double)m->group_size / m->num_experts) >= 1,
+             "%s: Soft MoE with group_size %d and num_experts %d has rint(%d / %d) = 0 slots per expert: need at least "
+             "one (set slots_per_expert, or a group_size >= num_experts / 2)", nm, m->group_size, m->num_experts,
+             m->group_size, m->num_experts);
+        NEED(m->soft_mix >= VLMOE_SOFT_MIX_SOFT && m->soft_mix <= VLMOE_SOFT_MIX_SOFT_UNIFORM,
+             "%s.soft_dispatch: unknown value %d", nm, m->soft_mix);
+        NEED(m->soft_raw == 0 || m->soft_raw == 1, "%s.soft_normalize: must be true or false", nm);
+        NEED(m->global_tau[0] >= 0 && m->global_tau[1] >= 0 && !isinf(m->global_tau[0]) && !isinf(m->global_tau[1]),
+             "%s.global_entropy_tau: [%g, %g] must be finite and >= 0 (tau = log(S), S >= 1 experts)", nm,
+             m->global_tau[0], m->global_tau[1]);
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
             NEED(m->aux_weight[k] >= 0 && isfinite(m->aux_weight[k]), "%s.aux.%s: weight must be a finite "
                  "number >= 0", nm, vlmoe_aux_name(k));
@@ -368,6 +412,7 @@ static void add_num(cJSON *o, const char *key, double v) { cJSON_AddItemToObject
 
 static const char *ROUTER_NAMES[] = {"none", "tokens_choice", "experts_choice", "soft"};
 static const char *ORDER_NAMES[] = {"fifo", "bpr", "random"};
+static const char *SOFT_MIX_NAMES[] = {"soft", "identity", "uniform", "uniform_soft", "soft_uniform"};
 static const char *BPR_NAMES[] = {"max", "sum"};
 static const char *RENORM_NAMES[] = {"none", "after_routing"};
 
@@ -433,19 +478,38 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
         else if (!strcmp(n, "capacity_factor")) st = read_num(it, what, k, &m->capacity_factor);
         else if (!strcmp(n, "eval_capacity_factor")) st = read_num(it, what, k, &m->eval_capacity_factor);
         else if (!strcmp(n, "capacity_multiple")) st = read_int(it, what, k, &m->capacity_multiple);
+        else if (!strcmp(n, "capacity_per_assignment")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true (C = cf*S*K/E, V-MoE) "
+                                                   "or false (C = cf*S/E, CLIP-UP)", what, k);
+            else m->capacity_per_token = !cJSON_IsTrue(it);
+        }
         else if (!strcmp(n, "order")) st = read_enum(it, what, k, ORDER_NAMES, 3, &m->order);
         else if (!strcmp(n, "bpr_score")) st = read_enum(it, what, k, BPR_NAMES, 2, &m->bpr_score);
         else if (!strcmp(n, "gate_renorm")) st = read_enum(it, what, k, RENORM_NAMES, 2, &m->gate_renorm);
         else if (!strcmp(n, "noise_std")) st = read_num(it, what, k, &m->noise_std);
         else if (!strcmp(n, "group_size")) st = read_int(it, what, k, &m->group_size);
         else if (!strcmp(n, "slots_per_expert")) st = read_int(it, what, k, &m->slots_per_expert);
+        else if (!strcmp(n, "soft_dispatch")) st = read_enum(it, what, k, SOFT_MIX_NAMES, 5, &m->soft_mix);
+        else if (!strcmp(n, "soft_normalize")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
+            else m->soft_raw = !cJSON_IsTrue(it);
+        }
         else if (!strcmp(n, "text_first")) {
             if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
             else m->text_first = cJSON_IsTrue(it);
         }
-        else if (!strcmp(n, "global_tau")) {
+        else if (!strcmp(n, "global_entropy_tau") || !strcmp(n, "global_tau")) {
+            // global_entropy_tau: tau = log(S) per modality, S the soft minimum number of experts
+            // (0 = log 1). global_tau is the key of files written before it, where 0 meant "log
+            // of the modality's token count in the group", a rule the paper does not have:
+            // their non-zero values read the same, and 0 reads as log 1 (MOE.md, LIMoE Table 5)
             if (!cJSON_IsArray(it) || cJSON_GetArraySize(it) != 2 || !cJSON_IsNumber(it->child) || !cJSON_IsNumber(it->child->next))
-                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers (0 = log of the token count)", what, k);
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be [image, text] numbers: tau = log(S), S the "
+                                "soft minimum number of experts (0 = log 1)", what, k);
+            else if (!(it->child->valuedouble >= 0) || !(it->child->next->valuedouble >= 0) ||
+                     isinf(it->child->valuedouble) || isinf(it->child->next->valuedouble))
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be finite and >= 0 (tau = log(S), S >= 1 "
+                                "experts; got [%g, %g])", what, k, it->child->valuedouble, it->child->next->valuedouble);
             else
                 m->global_tau[0] = it->child->valuedouble, m->global_tau[1] = it->child->next->valuedouble;
         } else if (!strcmp(n, "pruned")) {
@@ -512,13 +576,16 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     add_num(o, "group_size", m->group_size);
     add_num(o, "slots_per_expert", m->slots_per_expert);
     if (m->text_first) cJSON_AddBoolToObject(o, "text_first", 1); // written when set: older files lack it
+    if (m->capacity_per_token) cJSON_AddBoolToObject(o, "capacity_per_assignment", 0); // likewise
+    if (m->soft_mix) cJSON_AddStringToObject(o, "soft_dispatch", SOFT_MIX_NAMES[m->soft_mix]);
+    if (m->soft_raw) cJSON_AddBoolToObject(o, "soft_normalize", 0);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (m->aux_weight[k] != 0) add_num(aux, vlmoe_aux_name((vlmoe_aux_kind)k), m->aux_weight[k]);
     cJSON_AddItemToObject(o, "aux", aux);
     cJSON *tau = cJSON_CreateArray();
     cJSON_AddItemToArray(tau, num(m->global_tau[0]));
     cJSON_AddItemToArray(tau, num(m->global_tau[1]));
-    cJSON_AddItemToObject(o, "global_tau", tau);
+    cJSON_AddItemToObject(o, "global_entropy_tau", tau);
     cJSON *pruned = NULL;
     for (int l = 0; l < 64; l++) {
         if (!m->pruned[l]) continue;

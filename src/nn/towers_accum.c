@@ -22,6 +22,8 @@ typedef struct {
     double tokens[2], ok[2], assign[2], drop[2], maxg[2], hpre[2];
     double *routed[2], *accepted[2], *gate[2]; // (E) assignments, accepted tokens, gate sums
     double aux[VLMOE_AUX_COUNT], minmax[4];
+    double soft_mean_max[2];   // summed over the micro-batches
+    int capacity;
     int parts;
 } layer_sums;
 
@@ -110,6 +112,7 @@ static void sums_reset(struct towers_accum *a) {
         memset(s->assign, 0, sizeof(s->assign)), memset(s->drop, 0, sizeof(s->drop));
         memset(s->maxg, 0, sizeof(s->maxg)), memset(s->hpre, 0, sizeof(s->hpre)), memset(s->aux, 0, sizeof(s->aux));
         s->minmax[0] = s->minmax[2] = INFINITY, s->minmax[1] = s->minmax[3] = -INFINITY;
+        s->soft_mean_max[0] = s->soft_mean_max[1] = 0, s->capacity = 0;
         s->parts = 0;
     }
 }
@@ -129,7 +132,7 @@ static void sums_add(struct towers_accum *a, const vlmoe_model *m) {
         for (int k = 0; k < 2; k++) {
             const double T = x->tokens[k];
             s->tokens[k] += T, s->ok[k] += x->success[k] * T;
-            s->maxg[k] += x->mean_max_gate[k] * T, s->hpre[k] += x->entropy_pre[k] * T;
+            s->maxg[k] += x->mean_max_gate[k] * T, s->hpre[k] += x->entropy_token[k] * T;
             const double *gs = layer ? moe_gate_sums_f32(layer, k) : NULL;
             if (!gs || !x->routed[k] || !x->accepted[k] || T == 0) continue; // Soft MoE: no assignments
             double acc = 0;
@@ -145,6 +148,8 @@ static void sums_add(struct towers_accum *a, const vlmoe_model *m) {
         for (int k = 0; k < VLMOE_AUX_COUNT; k++) s->aux[k] += x->aux[k];
         s->minmax[0] = fmin(s->minmax[0], x->soft_minmax[0]), s->minmax[1] = fmax(s->minmax[1], x->soft_minmax[1]);
         s->minmax[2] = fmin(s->minmax[2], x->soft_minmax[2]), s->minmax[3] = fmax(s->minmax[3], x->soft_minmax[3]);
+        s->soft_mean_max[0] += x->soft_mean_max[0], s->soft_mean_max[1] += x->soft_mean_max[1];
+        s->capacity = x->capacity > s->capacity ? x->capacity : s->capacity; // the same in every part
         s->parts++;
     }
 }
@@ -173,12 +178,17 @@ static void sums_finish(struct towers_accum *a) {
             o->success[k] = s->ok[k] / T;
             o->dropped[k] = s->assign[k] > 0 ? s->drop[k] / s->assign[k] : 0;
             o->mean_max_gate[k] = s->maxg[k] / T;
-            o->entropy_pre[k] = s->hpre[k] / T;
+            o->entropy_token[k] = s->hpre[k] / T;
             o->entropy_post[k] = hpost;
             o->experts_used[k] = s->tokens[k] > 0 && s->assign[k] > 0 ? exp(hbar) : 0;
+            o->entropy_pre[k] = s->tokens[k] > 0 && s->assign[k] > 0 ? hbar : 0;
+            if (o->routed[k]) vlmoe_experts_cover(o->routed[k], E, o->experts_cover[k]);
         }
         for (int k = 0; k < VLMOE_AUX_COUNT; k++) o->aux[k] = s->parts ? s->aux[k] / s->parts : 0;
         memcpy(o->soft_minmax, s->minmax, sizeof(o->soft_minmax));
+        o->soft_mean_max[0] = s->parts ? s->soft_mean_max[0] / s->parts : 0;
+        o->soft_mean_max[1] = s->parts ? s->soft_mean_max[1] / s->parts : 0;
+        o->capacity = s->capacity;
     }
 }
 

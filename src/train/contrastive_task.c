@@ -283,7 +283,30 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
         if (!st && two && cfg.text_moe.router != VLMOE_ROUTER_NONE) st = vlmoe_moe_preset(s->preset, &cfg.text_moe);
         if (st) return vlmoe_model_free(pre), vlmoe_error_prefix("--preset"), st;
     }
-    if (pre && !s->preset) {
+    if (s->soft_dispatch || s->soft_raw) { // Soft MoE's App. A / App. E variants: no new tensors
+        static const char *mix[] = {"soft", "identity", "uniform", "uniform_soft", "soft_uniform"};
+        int k = 0, any = 0;
+        while (s->soft_dispatch && k < 5 && strcmp(s->soft_dispatch, mix[k])) k++;
+        if (k == 5) {
+            vlmoe_model_free(pre);
+            return vlmoe_fail(VLMOE_ERR_ARG, "--soft-dispatch %s: must be soft, identity, uniform, uniform_soft or "
+                              "soft_uniform (Soft MoE App. A)", s->soft_dispatch);
+        }
+        vlmoe_moe_config *mc[2] = {&cfg.moe, &cfg.text_moe};
+        for (int t = 0; t < (cfg.arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1); t++) {
+            if (mc[t]->router != VLMOE_ROUTER_SOFT) continue;
+            any = 1;
+            if (s->soft_dispatch) mc[t]->soft_mix = k;
+            if (s->soft_raw) mc[t]->soft_raw = 1;
+        }
+        if (!any) {
+            vlmoe_model_free(pre);
+            return vlmoe_fail(VLMOE_ERR_ARG, "--soft-dispatch/--no-soft-normalize: model '%s' has no Soft MoE layers "
+                              "(router \"soft\", e.g. --model soft-tiny)", cfg.name);
+        }
+        if ((st = vlmoe_config_validate(&cfg))) return vlmoe_model_free(pre), vlmoe_error_prefix("--soft-dispatch"), st;
+    }
+    if (pre && !s->preset && !s->soft_dispatch && !s->soft_raw) {
         *out = pre;
         return VLMOE_OK;
     }
@@ -292,7 +315,8 @@ int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s) {
     if (pre) { // the pretrained weights under the preset's config (same tensors)
         if (vlmoe_model_num_floats(m) != vlmoe_model_num_floats(pre)) {
             vlmoe_model_free(m), vlmoe_model_free(pre);
-            return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s changes the shapes of %s's tensors", s->preset, s->pretrained);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "--preset %s changes the shapes of %s's tensors", s->preset ? s->preset : "(none)",
+                              s->pretrained);
         }
         memcpy(vlmoe_model_param_data(m), vlmoe_model_param_data(pre), sizeof(float) * vlmoe_model_num_floats(m));
         st = model_copy_inputs(m, pre);

@@ -156,14 +156,24 @@ cJSON *vlmoe_metrics_moe(const vlmoe_moe_stats *ms, int n, const char *stream, d
             cJSON_AddNumberToObject(t, "dropped", x->dropped[k]);
             cJSON_AddNumberToObject(t, "mean_max_gate", x->mean_max_gate[k]);
             cJSON_AddNumberToObject(t, "entropy_pre", x->entropy_pre[k]);
+            cJSON_AddNumberToObject(t, "entropy_token", x->entropy_token[k]);
             cJSON_AddNumberToObject(t, "entropy_post", x->entropy_post[k]);
             cJSON_AddNumberToObject(t, "experts_used", x->experts_used[k]);
             if (x->routed[k]) {
+                cJSON_AddItemToObject(t, "experts_cover", cJSON_CreateDoubleArray(x->experts_cover[k], 3));
                 cJSON_AddItemToObject(t, "routed", cJSON_CreateDoubleArray(x->routed[k], x->num_experts));
                 cJSON_AddItemToObject(t, "accepted", cJSON_CreateDoubleArray(x->accepted[k], x->num_experts));
             }
             cJSON_AddItemToObject(o, mod[k], t);
             if (succ && x->success[k] < succ[k]) succ[k] = x->success[k];
+        }
+        if (x->capacity > 0) cJSON_AddNumberToObject(o, "capacity", x->capacity);
+        if (!x->routed[0] && !x->routed[1] && (x->tokens[0] || x->tokens[1])) { // Soft MoE: no assignments
+            cJSON *sm = cJSON_CreateObject();
+            cJSON_AddNumberToObject(sm, "mean_max_dispatch", x->soft_mean_max[0]);
+            cJSON_AddNumberToObject(sm, "mean_max_combine", x->soft_mean_max[1]);
+            cJSON_AddItemToObject(sm, "minmax", cJSON_CreateDoubleArray(x->soft_minmax, 4));
+            cJSON_AddItemToObject(o, "soft", sm);
         }
         cJSON *aux = cJSON_CreateObject();
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)

@@ -56,6 +56,9 @@ typedef struct {
     int image_size, context_length; // overrides of the config (0: keep)
     int vocab_size;              // override of a config's vocabulary (0: keep; not with pretrained)
     uint64_t seed;
+    const char *soft_dispatch;   // Soft MoE layers: "soft", "identity", "uniform", "uniform_soft",
+                                 // "soft_uniform" (App. A; NULL: keep the config's)
+    int soft_raw;                // 1: Soft MoE layers without normalisation (App. E; 0: keep)
 } vlmoe_model_source;
 int vlmoe_model_from_source(vlmoe_model **out, const vlmoe_model_source *s);
 

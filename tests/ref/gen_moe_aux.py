@@ -26,7 +26,9 @@ def H(p):
     return -(p * p.clamp_min(TINY).log()).sum(-1)
 
 
-def losses(l, noisy, mod, wanted, tau):
+def losses(l, noisy, mod, wanted, tau, wanted_mod=None):
+    """wanted_mod (2, E): wanted split by modality, needed by the switch loss of a group holding
+    both modalities."""
     p = l.softmax(-1)
     logp = l.log_softmax(-1)
     h_tok = -(p * logp).sum(-1)  # per-token entropy
@@ -37,21 +39,30 @@ def losses(l, noisy, mod, wanted, tau):
     P = 0.5 * torch.erfc((thr[:, None] - l) / sigma / math.sqrt(2.0))  # 1 - Phi(z)
     out["load"] = cv2(P.mean(0))
     out["vloss"] = 0.5 * out["importance"] + 0.5 * out["load"]
-    out["zloss"] = torch.logsumexp(l, -1).pow(2).mean()
-    R = E / (K * S) * wanted
-    out["switch"] = (R * p.mean(0)).sum()
+    # z-loss and switch per modality when the group holds both (CLIP-UP per tower): the sum of
+    # each modality's loss over its own tokens and its own assignments
+    lse2 = torch.logsumexp(l, -1).pow(2)
+    present = [m for m in (0, 1) if int((mod == m).sum()) > 0]
+    out["zloss"] = sum(lse2[mod == m].mean() for m in present)
+    if len(present) == 2:
+        out["switch"] = sum((E / (K * int((mod == m).sum())) * wanted_mod[m] * p[mod == m].mean(0)).sum()
+                            for m in present)
+    else:
+        out["switch"] = (E / (K * S) * wanted * p.mean(0)).sum()
     pbar = {}
     for m, name in ((0, "image"), (1, "text")):
         sel = mod == m
         out[f"local_entropy_{name}"] = h_tok[sel].mean()
         pbar[m] = p[sel].mean(0)
-        t = tau[m] if tau[m] != 0 else math.log(int(sel.sum()))
-        out[f"global_entropy_{name}"] = torch.relu(t - H(pbar[m]))
+        # tau = log(S), S the soft minimum number of experts (LIMoE 2.2.2); 0 = log 1
+        out[f"global_entropy_{name}"] = torch.relu(tau[m] - H(pbar[m]))
     out["mutual_information"] = 0.5 * (H(pbar[0]) + H(pbar[1])) - H(0.5 * (pbar[0] + pbar[1]))
-    out["target_entropy"] = (math.log(K) - h_tok.mean()) ** 2
+    # K > 1 (LIMoE E.1): both replace the text local entropy, over the text tokens only
+    txt = mod == 1
+    out["target_entropy"] = (math.log(K) - h_tok[txt].mean()) ** 2
     top = torch.zeros_like(p).scatter(-1, l.topk(K, dim=-1).indices, 1.0)
     q, r = (p * top).sum(-1), (p * (1 - top)).sum(-1)
-    out["merged_entropy"] = (-(q * q.clamp_min(TINY).log() + r * r.clamp_min(TINY).log())).mean()
+    out["merged_entropy"] = (-(q * q.clamp_min(TINY).log() + r * r.clamp_min(TINY).log()))[txt].mean()
     return out
 
 
@@ -63,11 +74,15 @@ def generate(outdir):
     mod = torch.tensor([0, 0, 1, 0, 1, 1, 0, 0, 1, 0, 0, 1])  # 7 image, 5 text tokens
     # assignments before capacity: top-K of the noisy logits, counted per expert (sum S*K)
     wanted = torch.zeros(E, dtype=torch.float64)
-    for e in noisy32.topk(K, dim=-1).indices.flatten().tolist():
-        wanted[e] += 1
-    tau = [0.0, 1.5]  # image: log(7) (always active for E=4); text: 1.5 > log 4, also active
+    wanted_mod = torch.zeros(2, E, dtype=torch.float64)  # the same, per modality
+    for s, row in enumerate(noisy32.topk(K, dim=-1).indices.tolist()):
+        for e in row:
+            wanted[e] += 1
+            wanted_mod[int(mod[s]), e] += 1
+    tau = [2.0, 1.5]  # both above log 4 >= H: both losses active
     t = {"logits": logits32.numpy(), "noisy_logits": noisy32.numpy(),
          "modality": mod.float().numpy(), "wanted": wanted.float().numpy(),
+         "wanted_mod": wanted_mod.float().numpy(),
          "global_tau": np.array(tau, dtype=np.float32),
          "noise_std": np.array([NOISE_STD], dtype=np.float32)}
     names = ["importance", "load", "vloss", "zloss", "switch", "local_entropy_image",
@@ -77,7 +92,7 @@ def generate(outdir):
         # float64 maths on the float32 inputs; the threshold moves with the logit it came from
         l = logits32.double().requires_grad_(True)
         noisy = l + (noisy32.double() - logits32.double())
-        v = losses(l, noisy, mod, wanted, tau)[name]
+        v = losses(l, noisy, mod, wanted, tau, wanted_mod)[name]
         v.backward()
         t[f"{name}.loss"] = np.array([v.item()], dtype=np.float32)
         t[f"{name}.dlogits"] = l.grad.float().numpy()

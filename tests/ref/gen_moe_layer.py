@@ -64,18 +64,20 @@ def case(out, name, router, k, cf, order, renorm, aux_weights, seed):
         if renorm:
             comb = comb / comb.sum(-1, keepdim=True).clamp_min(1e-30)
         wanted = F.one_hot(topi, E).sum((0, 1)).float()
+        wanted_mod = torch.stack([F.one_hot(topi[mod == m], E).sum((0, 1)).float() for m in (0, 1)])
     else:
         cap = min(math.ceil(cf * S / E), S)
         top = gates.detach().t().topk(cap, dim=-1).indices  # (E, C): each expert's tokens
         acc = torch.zeros(E, S).scatter(1, top, 1.0).t()
         comb = gates * acc
         wanted = acc.sum(0)
+        wanted_mod = None
     y_all = experts(x, w1, b1, w2, b2, lambda h: F.gelu(h, approximate="tanh"))  # (E, S, D)
     y = torch.einsum("se,esd->sd", comb, y_all)
     aux = torch.zeros(())
     if aux_weights:
         ga.S, ga.E, ga.K, ga.NOISE_STD = S, E, k, noise_std
-        ls = ga.losses(logits, noisy, mod, wanted, [math.log(20.0), math.log(9.0)])
+        ls = ga.losses(logits, noisy, mod, wanted, [math.log(20.0), math.log(9.0)], wanted_mod)
         for key, w in aux_weights.items():
             aux = aux + w * ls[key]
     loss = (y * r).sum() + aux
