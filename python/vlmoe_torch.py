@@ -145,7 +145,9 @@ class Model:
                     sel[:, e] = -1
         K = 1 if experts_choice else mc["top_k"]
         cf = mc["eval_capacity_factor"]
-        C = S if self.no_drop else capacity(S, E, K, cf, max(1, mc.get("capacity_multiple", 1)))
+        # CLIP-UP's B_e = (B_t/E) x C counts no K (capacity_per_assignment false); never above S
+        KC = K if mc.get("capacity_per_assignment", True) else 1
+        C = S if self.no_drop else min(S, capacity(S, E, KC, cf, max(1, mc.get("capacity_multiple", 1))))
         out = []
         if experts_choice:  # each expert takes its top-C tokens (ties: lower token index)
             for e in range(E):
@@ -188,7 +190,7 @@ class Model:
             rows = rows_order[g0:g0 + S]
             xg = x[rows]
             if kind == "soft":
-                y[rows] = self._soft(xg, pre, E)
+                y[rows] = self._soft(xg, pre, E, mc)
                 continue
             gates = torch.softmax(F.linear(xg, self._w(pre + ".router.weight")), -1)
             per = [([], []) for _ in range(E)]
@@ -205,7 +207,10 @@ class Model:
         self.routing.append(record)
         return y
 
-    def _soft(self, x, pre, E):
+    def _soft(self, x, pre, E, mc=None):
+        if mc is not None and (mc.get("soft_dispatch", "soft") != "soft" or not mc.get("soft_normalize", True)):
+            raise ValueError("config: Soft MoE's fixed-dispatch baselines and soft_normalize false are not "
+                             "reproduced by vlmoe_torch")
         phi = self._w(pre + ".soft.phi")  # (D, E, P)
         D, _, P = phi.shape
         slots = phi.reshape(D, E * P).t()  # slot n = e * P + j

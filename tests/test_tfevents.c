@@ -179,7 +179,14 @@ static void expect_file(const char *path) {
                      cJSON_IsString(stream) ? stream->valuestring : "");
             const cJSON *x, *y;
             cJSON_ArrayForEach(x, L) {
-                if (!cJSON_IsObject(x)) continue;
+                if (!cJSON_IsObject(x)) { // a layer's own numbers, such as its capacity
+                    if (strcmp(x->string, "encoder") && strcmp(x->string, "block") && !cJSON_IsString(x)) {
+                        char t[200];
+                        snprintf(t, sizeof t, "moe/%s/%s", x->string, layer);
+                        expect_leaf(step, t, x);
+                    }
+                    continue;
+                }
                 const int mod = !strcmp(x->string, "image") || !strcmp(x->string, "text");
                 cJSON_ArrayForEach(y, x) {
                     char t[200];
