@@ -379,6 +379,7 @@ int cmd_prune(int argc, char **argv) {
     const char *model = NULL, *out = NULL, *modality = NULL, *mode = NULL, *stats = NULL, *images = NULL;
     const char *texts = NULL, *keep_image = NULL, *keep_text = NULL, *zs_dir = NULL, *zs_names = NULL, *sweep = NULL;
     int keep = 0, last = 50, zs_n = -1, samples = 0;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
         {"modality", ARG_STRING, &modality, "M", "text or image: the modality the pruned model will serve"},
@@ -400,6 +401,7 @@ int cmd_prune(int argc, char **argv) {
         {"classnames", ARG_STRING, &zs_names, "FILE", "class names of --zeroshot-data, one per line in folder order "
                                                       "(--keep-image/--keep-text)"},
         {"eval-samples", ARG_INT, &zs_n, "N", "synthetic held-out samples for --keep-image/--keep-text (default 500)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     char *rest[64];
     int nrest = 0;
@@ -409,6 +411,7 @@ int cmd_prune(int argc, char **argv) {
     }
     int rc = args_parse("prune", specs, sizeof(specs) / sizeof(specs[0]), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels); // --images, --zeroshot-data
     if (keep_image || keep_text) {
         if (sweep || samples) return cli_error("prune", "--sweep/--samples and --keep-image/--keep-text: give one");
         return cmd_prune_pair(model, mode ? mode : "router_pred", stats, last, images, texts, keep_image, keep_text, zs_dir,

@@ -215,7 +215,7 @@ int cmd_train_mome(int argc, char **argv) {
                    .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = NAN, .hflip = NAN, .color_jitter = NAN,
                    .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN,
                          .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
-    long steps_given = -1;
+    long steps_given = -1, max_pixels = 0;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE", "a VL-MoE (arch mome) model, e.g. vlmoe-tiny"},
@@ -259,6 +259,7 @@ int cmd_train_mome(int argc, char **argv) {
         {"hflip", ARG_FRAC, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
         {"color-jitter", ARG_DOUBLE, &a.color_jitter, "S", "image files: brightness, contrast and saturation jitter "
                                                            "(0.4, as BEiT / VL-MoE; 0: off)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
         {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
                                                         "at the first (0.1, VL-MoE / BEiT; 0: off)"},
         {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
@@ -308,6 +309,7 @@ int cmd_train_mome(int argc, char **argv) {
     args_set_epilogue(USAGE_MORE);
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels);
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (!a.model) return cli_error(CMD, "--model is required");
     // before any data is read: what vlmoe_model_set_grad_checkpointing and vlmoe_trainer_init say

@@ -335,6 +335,11 @@ int main(int argc, char **argv) {
     // an unreadable file is skipped (the next one takes its place); a folder of them stops the run
     expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data some_bad --mix 1,0,0 --batch-size 3 "
            "--logs runs --name some_bad", 0, "warning: --image-data some_bad: skipped", "; first: some_bad/b.png: not a JPEG");
+    // --max-image-pixels 1500: a.png (44x36) is skipped as a decompression bomb would be, c.png (40x36) is read
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data some_bad --mix 1,0,0 --batch-size 3 "
+           "--max-image-pixels 1500 --logs runs --name capped", 0, "trained to step 2",
+           "some_bad/a.png: PNG: image size 44x36 (1584 pixels) is more than the 1500 pixels allowed");
+    CHECK(!strstr(out, "c.png"), "--max-image-pixels 1500 skipped c.png (1440 pixels) too:\n%s", out);
     expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data all_bad --mix 1,0,0 --batch-size 3", 1,
            "--image-data all_bad: no image could be read; first: all_bad/x.jpg", NULL);
     expect("train --steps 2 --model m.json --codebook nothere.safetensors", 1, "nothere.safetensors", NULL);
