@@ -149,6 +149,8 @@ static int usage_from_files(vlmoe_model *m, const char *path, const char *images
         const cli_encode_params ep = {&ip, B, "images", add_shares, &a};
         if (!rc && (cli_plan(m, n, B) || cli_encode_images(m, (const char *const *)files, n, &ep, emb, NULL, &bad, &n_ok)))
             rc = n_ok ? cli_error("prune", "%s", vlmoe_last_error()) : cli_no_images("prune", &bad, n);
+        else if (!rc && n > 0 && !n_ok) // every image skipped: no shares to rank the experts by
+            rc = cli_no_images("prune", &bad, n);
         if (!rc && n_ok < n) { // the shares were weighted by all files: renormalise to the readable ones
             for (size_t i = 0; i < (size_t)nl * E; i++) u[i] *= (double)n / n_ok;
             cli_bad_warn("prune", &bad, "unreadable image", images);
