@@ -327,7 +327,8 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
     if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
-    if (!isnan(a.drop_path) && !(a.drop_path >= 0 && a.drop_path < 1)) return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
+    if (!isnan(a.drop_path) && !(a.drop_path >= 0 && a.drop_path < 1))
+        return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
     if (!isnan(a.hflip) && !(a.hflip >= 0 && a.hflip <= 1))
         return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
     if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
