@@ -70,7 +70,7 @@ int cmd_finetune(int argc, char **argv) {
     const char *norm[2] = {NULL, NULL};
     int steps = 100, batch = 16, holdout = 4, freeze = 0, no_freeze = 0, log_every = 10, override = 0;
     double lr = 1e-3, wd = 0.05;
-    long seed = 0;
+    long seed = 0, max_pixels = 0;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "pretrained VL-MoE (arch mome) model (safetensors)"},
@@ -98,6 +98,7 @@ int cmd_finetune(int argc, char **argv) {
         {"no-freeze-moe", ARG_FLAG, &no_freeze, NULL, "train the routers and experts too"},
         {"log-every", ARG_INT1, &log_every, "N", "progress line every N steps (10)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the head's initialisation and the data order (0)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     const char *usage =
@@ -115,6 +116,7 @@ int cmd_finetune(int argc, char **argv) {
         "      --data match.tsv --steps 200 -o match.safetensors";
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, usage);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels);
     if (freeze && no_freeze) return cli_error(CMD, "--freeze-moe and --no-freeze-moe contradict each other: give one");
     // VL-MoE sec. 4.2 fine-tunes with the routers and experts frozen: that is the default
     freeze = !no_freeze;

@@ -149,6 +149,8 @@ static int usage_from_files(vlmoe_model *m, const char *path, const char *images
         const cli_encode_params ep = {&ip, B, "images", add_shares, &a};
         if (!rc && (cli_plan(m, n, B) || cli_encode_images(m, (const char *const *)files, n, &ep, emb, NULL, &bad, &n_ok)))
             rc = n_ok ? cli_error("prune", "%s", vlmoe_last_error()) : cli_no_images("prune", &bad, n);
+        else if (!rc && n > 0 && !n_ok) // every image skipped: no shares to rank the experts by
+            rc = cli_no_images("prune", &bad, n);
         if (!rc && n_ok < n) { // the shares were weighted by all files: renormalise to the readable ones
             for (size_t i = 0; i < (size_t)nl * E; i++) u[i] *= (double)n / n_ok;
             cli_bad_warn("prune", &bad, "unreadable image", images);
@@ -379,6 +381,7 @@ int cmd_prune(int argc, char **argv) {
     const char *model = NULL, *out = NULL, *modality = NULL, *mode = NULL, *stats = NULL, *images = NULL;
     const char *texts = NULL, *keep_image = NULL, *keep_text = NULL, *zs_dir = NULL, *zs_names = NULL, *sweep = NULL;
     int keep = 0, last = 50, zs_n = -1, samples = 0;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "the MoE model to prune"},
         {"modality", ARG_STRING, &modality, "M", "text or image: the modality the pruned model will serve"},
@@ -400,6 +403,7 @@ int cmd_prune(int argc, char **argv) {
         {"classnames", ARG_STRING, &zs_names, "FILE", "class names of --zeroshot-data, one per line in folder order "
                                                       "(--keep-image/--keep-text)"},
         {"eval-samples", ARG_INT, &zs_n, "N", "synthetic held-out samples for --keep-image/--keep-text (default 500)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     char *rest[64];
     int nrest = 0;
@@ -409,6 +413,7 @@ int cmd_prune(int argc, char **argv) {
     }
     int rc = args_parse("prune", specs, sizeof(specs) / sizeof(specs[0]), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels); // --images, --zeroshot-data
     if (keep_image || keep_text) {
         if (sweep || samples) return cli_error("prune", "--sweep/--samples and --keep-image/--keep-text: give one");
         return cmd_prune_pair(model, mode ? mode : "router_pred", stats, last, images, texts, keep_image, keep_text, zs_dir,

@@ -172,6 +172,7 @@ static int greedy(const greedy_args *g, vlmoe_model *soup, vlmoe_model **chosen,
 int cmd_soup(int argc, char **argv) {
     const char *out = NULL, *zs = NULL, *names = NULL, *templates = NULL;
     int greedy_on = 0, reuse = 0, max = -1, n = -1;
+    long max_pixels = 0;
     const arg_spec specs[] = {
         {"output", ARG_STRING, &out, "FILE", "where the soup is written (also -o; not one of the checkpoints)"},
         {"greedy", ARG_FLAG, &greedy_on, NULL, "greedy soup by zero-shot top-1 (the algorithm is below)"},
@@ -182,6 +183,7 @@ int cmd_soup(int argc, char **argv) {
         {"zeroshot-templates", ARG_STRING, &templates, "FILE", "prompt templates for --zeroshot-data ({} or {c}: the "
                                                                "class), one per line or CLIP_benchmark JSON"},
         {"eval-samples", ARG_INT1, &n, "N", "synthetic held-out samples that score a greedy soup (default 500)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const char *inputs[256];
     int nin = 0;
@@ -205,6 +207,7 @@ int cmd_soup(int argc, char **argv) {
     args_set_epilogue(EPILOGUE);
     int rc = args_parse("soup", specs, (int)(sizeof(specs) / sizeof(specs[0])), nrest, rest, 0, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels); // --zeroshot-data
     if (nin < 1 || !out) return cli_error("soup", "give checkpoints and -o OUT (see vlmoe soup --help)");
     for (int i = 0; i < nin; i++)
         if (cli_check_output("soup", "-o", out, &(cli_input){"the checkpoint", inputs[i]}, 1)) return 1;

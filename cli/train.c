@@ -321,6 +321,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     // the paper's recipe where no flag says otherwise (train_flags.h); LIMoE's images are in
     // [-1, 1] (its appendix A), for a model made here (one loaded records its own)
     const char *paper = cli_paper_of(a.preset, a.pretrained ? NULL : a.model);
+    const cli_optim_flags optim_given = a.o; // a resume fills these from the run's record first
     cli_paper_optim(paper, &a.o);
     if (paper && !strcmp(paper, "limoe") && a.data.path && !a.pretrained && !a.resume && !a.image_mean && !a.image_std)
         a.image_mean = a.image_std = "0.5,0.5,0.5";
@@ -447,6 +448,16 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (existed && cli_run_taken("train", r.dir, a.resume)) return 1;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);
+    // a paper's recipe became the default of its models (limoe-*, clipup-*, --preset) after runs
+    // had been started with AdamW's: a resume goes on with the optimizer the run recorded
+    if (a.resume && paper) {
+        cJSON *rec = cli_run_record(r.dir);
+        a.o = optim_given;
+        cli_resumed_optim(rec, &a.o);
+        cJSON_Delete(rec);
+        cli_paper_optim(paper, &a.o);
+        if (cli_optim_params("train", &a.o, a.steps, 0.98, &tp)) return train_run_free(&r, 1), 1;
+    }
     cJSON *changes = NULL, *now = a.resume ? run_params(&a, dist->world) : NULL;
     const int rhow = (a.allow_changes ? CLI_RESUME_ALLOW : 0) | (r.lead ? CLI_RESUME_PRINT : 0) | CLI_RESUME_CARRIED;
     rc = now && cli_resume_check("train", r.dir, now, rhow, &changes);

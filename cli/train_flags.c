@@ -48,7 +48,8 @@ void cli_paper_optim(const char *paper, cli_optim_flags *o) {
     // Adafactor's decay is big_vision's: wd * p per step, times the schedule (LIMoE: 1e-5)
     if (isnan(o->wd)) o->wd = adafactor ? 1e-5 : clipup || vlmoe ? 0.05 : 0.1;
     // ViT-G's memory saving, which LIMoE's "modifications used for ViT-G" include
-    if (!o->momentum_dtype && adafactor && limoe) o->momentum_dtype = "bfloat16";
+    // (not with --beta1 0: no momentum to keep, and --momentum-dtype would be an error nobody gave)
+    if (!o->momentum_dtype && adafactor && limoe && !(o->beta1 == 0)) o->momentum_dtype = "bfloat16";
 }
 
 int cli_optim_params(const char *cmd, cli_optim_flags *o, long steps, double beta2_default, vlmoe_train_params *tp) {
@@ -124,6 +125,26 @@ static const char *const FREE[] = {
 // What a contrastive checkpoint carries (src/nn/inputs.c): a resume without the flag uses the
 // checkpoint's, which is no change; a flag that is given is compared.
 static const char *const CARRIED[] = {"tokenizer", "image_mean", "image_std", NULL};
+
+// Keys params.json gained after runs had been written without them, and what such a run did: a
+// resume goes on that way when the flag is not given (cli_resumed_*), and a flag given now is
+// compared against it, so that a run is never switched to a newer default from its resumed step.
+static const struct {
+    const char *key, *str; // str: a string value, else num
+    double num;
+} OLD[] = {
+    {"drop_path", NULL, 0},           // VL-MoE before --drop-path: no stochastic depth
+    {"hflip", NULL, 0},               // VL-MoE image files before --hflip: no flip
+    {"color_jitter", NULL, 0},        // and before --color-jitter: no jitter
+    {"precision", "fp32", 0},         // before --precision: fp32
+    {"momentum_dtype", "float32", 0}, // before --momentum-dtype: Adafactor's momentum (if any) in float32
+};
+
+static int old_index(const char *key) {
+    for (int i = 0; i < (int)(sizeof(OLD) / sizeof(OLD[0])); i++)
+        if (!strcmp(OLD[i].key, key)) return i;
+    return -1;
+}
 
 static int listed(const char *const *list, const char *key) {
     for (int k = 0; list[k]; k++)
@@ -215,15 +236,25 @@ int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int 
     cJSON *diffs = cJSON_CreateArray();
     for (const cJSON *now = params->child; now && diffs; now = now->next) {
         const cJSON *then = cJSON_GetObjectItemCaseSensitive(rec, now->string);
-        if (listed(FREE, now->string) || !then || cJSON_Compare(now, then, 1)) continue;
-        if ((how & CLI_RESUME_CARRIED) && cJSON_IsNull(now) && listed(CARRIED, now->string)) continue;
-        if (relaid && !strcmp(now->string, "batch_size")) continue;
-        char flag[96], a[512], b[512], msg[1400];
-        flag_of(now->string, flag, sizeof(flag));
-        value_of(now, a, sizeof(a));
-        value_of(then, b, sizeof(b));
-        snprintf(msg, sizeof(msg), "%s %s differs from the run's %s (%s of %s)", flag, a, b, name, dir);
-        cJSON_AddItemToArray(diffs, cJSON_CreateString(msg));
+        const int o = then || cJSON_IsNull(now) ? -1 : old_index(now->string); // a key the record predates
+        cJSON *was = o < 0 ? NULL : OLD[o].str ? cJSON_CreateString(OLD[o].str) : cJSON_CreateNumber(OLD[o].num);
+        if (was) then = was;
+        const int same = listed(FREE, now->string) || !then || cJSON_Compare(now, then, 1) ||
+                         ((how & CLI_RESUME_CARRIED) && cJSON_IsNull(now) && listed(CARRIED, now->string)) ||
+                         (relaid && !strcmp(now->string, "batch_size"));
+        char flag[96], a[512], b[512], msg[2400];
+        if (!same) {
+            flag_of(now->string, flag, sizeof(flag));
+            value_of(now, a, sizeof(a));
+            value_of(then, b, sizeof(b));
+            if (was)
+                snprintf(msg, sizeof(msg), "%s %s differs from the run's %s (%s of %s has no %s: the run is older than "
+                         "the flag and ran with %s)", flag, a, b, name, dir, now->string, b);
+            else
+                snprintf(msg, sizeof(msg), "%s %s differs from the run's %s (%s of %s)", flag, a, b, name, dir);
+            cJSON_AddItemToArray(diffs, cJSON_CreateString(msg));
+        }
+        cJSON_Delete(was);
     }
     cJSON_Delete(rec);
     const int n = cJSON_GetArraySize(diffs);
@@ -246,6 +277,44 @@ int cli_resume_check(const char *cmd, const char *dir, const cJSON *params, int 
     }
     cJSON_Delete(diffs);
     return 1;
+}
+
+cJSON *cli_run_record(const char *dir) {
+    char name[32];
+    cJSON *rec = read_record(dir, name, sizeof(name));
+    if (!cJSON_IsObject(rec)) cJSON_Delete(rec), rec = NULL;
+    return rec;
+}
+
+double cli_resumed_num(const cJSON *rec, const char *key, double fresh) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rec, key);
+    if (cJSON_IsNumber(v)) return v->valuedouble;
+    const int o = old_index(key);
+    return rec && !v && o >= 0 && !OLD[o].str ? OLD[o].num : fresh;
+}
+
+// A recorded string as one of the literals it may be (the record is freed before o is used).
+static const char *recorded(const cJSON *rec, const char *key, const char *const *values) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(rec, key);
+    for (int i = 0; cJSON_IsString(v) && values[i]; i++)
+        if (!strcmp(v->valuestring, values[i])) return values[i];
+    return NULL;
+}
+
+void cli_resumed_optim(const cJSON *rec, cli_optim_flags *o) {
+    static const char *const opts[] = {"adamw", "adafactor", NULL}, *const dtypes[] = {"float32", "bfloat16", NULL};
+    if (!rec) return;
+    if (!o->optimizer) o->optimizer = recorded(rec, "optimizer", opts);
+    if (isnan(o->lr)) o->lr = cli_resumed_num(rec, "lr", NAN);
+    if (isnan(o->wd)) o->wd = cli_resumed_num(rec, "wd", NAN);
+    if (isnan(o->beta1)) o->beta1 = cli_resumed_num(rec, "beta1", NAN);
+    const int adamw = o->optimizer && !strcmp(o->optimizer, "adamw");
+    if (adamw && isnan(o->beta2)) o->beta2 = cli_resumed_num(rec, "beta2", NAN);
+    if (adamw && isnan(o->eps)) o->eps = cli_resumed_num(rec, "eps", NAN);
+    const int momentum = o->optimizer && !strcmp(o->optimizer, "adafactor") && o->beta1 > 0;
+    if (!o->momentum_dtype && momentum)
+        o->momentum_dtype = cJSON_GetObjectItemCaseSensitive(rec, "momentum_dtype") ? recorded(rec, "momentum_dtype", dtypes)
+                                                                                    : OLD[old_index("momentum_dtype")].str;
 }
 
 int cli_resume_record(const char *cmd, const char *dir, cJSON *params, cJSON *changes, long step) {

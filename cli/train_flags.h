@@ -71,7 +71,9 @@ int cli_reject_flags(const char *cmd, int argc, char **argv, const char *const *
 // DIR/params.json (the first run's, never rewritten). Every key is compared except those a resume
 // may change (--steps and --epochs to train longer, cadences, threads, workers, device) and, when
 // not given now, what the checkpoint carries (tokenizer, normalisation). A key the
-// record lacks (a run from an older vlmoe) is not compared; the batch per process is not compared
+// record lacks (a run from an older vlmoe) is compared with the value that vlmoe used before the
+// key existed, where one is known (cli_resumed_*: drop_path 0, hflip 0, color_jitter 0, precision
+// fp32, momentum_dtype float32), else not compared; the batch per process is not compared
 // when the number of processes changed (the global batch is). Each difference reads
 // "--lr 0.002 differs from the run's 0.001 (params.json of logs/run1)"; with CLI_RESUME_ALLOW
 // (--resume-allow-changes) each is printed as a warning and *changes gets them (a cJSON array of
@@ -90,6 +92,21 @@ void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char 
 // 1 (after printing why) when a run without --resume would write into dir, which already holds
 // another run's checkpoints or metrics; 0 otherwise.
 int cli_run_taken(const char *cmd, const char *dir, const char *resume);
+
+// What a resumed run takes for a flag that was not given, so that it goes on as the run it
+// continues: rec is the run's record (cli_run_record: params_resumed.json, else params.json; NULL
+// when there is none, for a fresh run), and a key the record lacks (written before the flag
+// existed) means the behaviour of that older vlmoe, not today's default.
+cJSON *cli_run_record(const char *dir);
+// The record's number for key; the older vlmoe's value when rec lacks the key (fresh when that is
+// not known); fresh without a record or when the record holds null (the flag did not apply).
+double cli_resumed_num(const cJSON *rec, const char *key, double fresh);
+// The optimizer settings not given (NULL / NAN in o) from the record, before cli_paper_optim
+// fills the rest: a run started under an older paper recipe keeps its optimizer, lr, wd, betas,
+// eps and momentum dtype. beta2 and eps are taken only for AdamW (Adafactor records them as 0).
+// The trainers call it where a paper's recipe gives the defaults (contrastive: limoe-*, clipup-*,
+// --preset; VL-MoE always), the defaults that changed under runs already started.
+void cli_resumed_optim(const cJSON *rec, cli_optim_flags *o);
 
 // After a resume that went on with changes: DIR/params_resumed.json, params with the list
 // "resumed_with_changes" (the earlier resumes' entries and {"step": step, "changes": changes}).

@@ -67,6 +67,12 @@ static int steps_epochs(mome_args *a, long steps_given) {
     return 0;
 }
 
+static int synthetic(const vlmoe_mome_split *sp) {
+    for (int k = 0; k < VLMOE_MOME_STREAMS; k++)
+        if (sp->src[k] == VLMOE_MOME_SYNTH) return 1;
+    return 0;
+}
+
 static void on_warn(void *u, const char *msg) { fprintf(stderr, "vlmoe train: %s\n", msg); }
 
 // params.json: every flag that shapes the run (the --resume check compares them), strings that
@@ -102,8 +108,9 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
                          (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
     for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
     cJSON_AddNumberToObject(p, "drop_path", a->drop_path);
-    // the augmentations of image files (null on synthetic data, which has none)
-    const int files = a->image_data || a->data.path;
+    // the augmentations of image files (null where a stream is synthetic: mome_open_data then
+    // augments nothing)
+    const int files = !synthetic(sp);
     cJSON_AddItemToObject(p, "hflip", files ? cJSON_CreateNumber(isnan(a->hflip) ? 0.5 : a->hflip) : cJSON_CreateNull());
     cJSON_AddItemToObject(p, "color_jitter", files ? cJSON_CreateNumber(isnan(a->color_jitter) ? 0.4 : a->color_jitter)
                                                    : cJSON_CreateNull());
@@ -205,10 +212,10 @@ static const char *USAGE_MORE =
 
 int cmd_train_mome(int argc, char **argv) {
     mome_args a = {.logs = "logs", .mix = "1,1,1", .csv_separator = "\t", .batch = 48, .log_every = 10, .keep = 3,
-                   .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = 0.1, .hflip = NAN, .color_jitter = NAN,
+                   .workers = 2, .steps = 300, .max_bad = 0.1, .drop_path = NAN, .hflip = NAN, .color_jitter = NAN,
                    .o = {.optimizer = NULL, .scheduler = "cosine", .lr = NAN, .wd = NAN, .beta1 = NAN, .beta2 = NAN,
                          .eps = NAN, .grad_clip = 1.0, .warmup = 30, .cooldown = 0, .momentum_dtype = NULL}};
-    long steps_given = -1;
+    long steps_given = -1, max_pixels = 0;
     a.data = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
         {"model", ARG_STRING, &a.model, "NAME|FILE", "a VL-MoE (arch mome) model, e.g. vlmoe-tiny"},
@@ -252,6 +259,7 @@ int cmd_train_mome(int argc, char **argv) {
         {"hflip", ARG_FRAC, &a.hflip, "P", "image files: horizontal flip probability (0.5, as BEiT / VL-MoE)"},
         {"color-jitter", ARG_DOUBLE, &a.color_jitter, "S", "image files: brightness, contrast and saturation jitter "
                                                            "(0.4, as BEiT / VL-MoE; 0: off)"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
         {"drop-path", ARG_DOUBLE, &a.drop_path, "RATE", "stochastic depth of the last block, rising linearly from 0 "
                                                         "at the first (0.1, VL-MoE / BEiT; 0: off)"},
         {"seed", ARG_LONG, &a.seed, "N", "initialisation, data order, masks, drop path and routing noise (0)"},
@@ -301,6 +309,7 @@ int cmd_train_mome(int argc, char **argv) {
     args_set_epilogue(USAGE_MORE);
     int rc = args_parse(CMD, specs, ns, argc, argv, 2, USAGE);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels);
     if (a.threads > 0) omp_set_num_threads(a.threads);
     if (!a.model) return cli_error(CMD, "--model is required");
     // before any data is read: what vlmoe_model_set_grad_checkpointing and vlmoe_trainer_init say
@@ -318,7 +327,8 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.steps < 1 || a.log_every < 1 || a.keep < 0)
         return cli_error(CMD, "--steps and --log-every-n-steps must be >= 1, --keep-checkpoints >= 0");
     if (a.allow_changes && !a.resume) return cli_error(CMD, "--resume-allow-changes applies to --resume");
-    if (!(a.drop_path >= 0 && a.drop_path < 1)) return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
+    if (!isnan(a.drop_path) && !(a.drop_path >= 0 && a.drop_path < 1))
+        return cli_error(CMD, "--drop-path %g: expected a rate in [0, 1)", a.drop_path);
     if (!isnan(a.hflip) && !(a.hflip >= 0 && a.hflip <= 1))
         return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
     if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
@@ -376,6 +386,15 @@ int cmd_train_mome(int argc, char **argv) {
     if (existed && cli_run_taken(CMD, r.dir, a.resume)) return mome_run_free(&r, 1), 1;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();
+    if (a.resume) { // flags not given go on as the run had them, also where the run is older than the flag
+        cJSON *rec = cli_run_record(r.dir);
+        cli_resumed_optim(rec, &a.o);
+        if (isnan(a.drop_path)) a.drop_path = cli_resumed_num(rec, "drop_path", NAN);
+        if (!synthetic(&sp) && isnan(a.hflip)) a.hflip = cli_resumed_num(rec, "hflip", NAN);
+        if (!synthetic(&sp) && isnan(a.color_jitter)) a.color_jitter = cli_resumed_num(rec, "color_jitter", NAN);
+        cJSON_Delete(rec);
+    }
+    if (isnan(a.drop_path)) a.drop_path = 0.1; // VL-MoE pre-trains with stochastic depth 0.1
     // VL-MoE sec. 4.1: Adam (0.9, 0.999), weight decay 0.05
     cli_paper_optim("vlmoe", &a.o);
     if (cli_optim_params(CMD, &a.o, a.steps, 0.999, &tp)) return mome_run_free(&r, 1), 1;

@@ -48,7 +48,7 @@ static int folder_images(const char *cmd, const char *dir, const vlmoe_image_par
 int cmd_vq(int argc, char **argv) {
     const char *model = "vlmoe-tiny", *output = NULL, *image_data = NULL, *image_mean = NULL, *image_std = NULL;
     int size = 8192, images = 0, iters = 20;
-    long seed = 0;
+    long seed = 0, max_pixels = 0;
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "NAME|FILE", "model whose image and patch size the codebook serves (vlmoe-tiny)"},
         {"size", ARG_INT1, &size, "K", "codebook entries = visual tokens (8192; the model's mim_vocab must match)"},
@@ -59,6 +59,7 @@ int cmd_vq(int argc, char **argv) {
         {"iters", ARG_INT1, &iters, "N", "Lloyd iterations at most (20)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the k-means++ seeding (0)"},
         {"output", ARG_STRING, &output, "FILE", "codebook file to write (safetensors), also -o"},
+        {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     const char *usage = "usage: vlmoe vq train --size K -o codebook.safetensors [--image-data DIR] [options]\n\n"
@@ -70,6 +71,7 @@ int cmd_vq(int argc, char **argv) {
     }
     int rc = args_parse_pos("vq train", specs, ns, argc, argv, 3, usage, NULL, 0, NULL);
     if (rc) return rc == 1 ? 0 : 2;
+    cli_set_max_image_pixels(max_pixels);
     if (!output) return cli_error("vq train", "--output (-o) FILE is required");
     if (cli_check_output("vq train", "-o", output, &(cli_input){"--model", model}, 1)) return 1;
     vlmoe_model_config cfg;

@@ -122,14 +122,21 @@ static void tokenizer_seeds(void) {
     }
 }
 
+// fuzz_safetensors takes a mode byte before the file: each seed goes in as it is (0) and with its
+// checksums rewritten by the target (1, NAME_crc).
 static void safetensors_seed(const char *name, const char *header, size_t data_len) {
     static uint8_t buf[4096];
     size_t h = strlen(header), pad = (8 - h % 8) % 8;
-    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((h + pad) >> (8 * i));
-    memcpy(buf + 8, header, h);
-    memset(buf + 8 + h, ' ', pad);
-    for (size_t i = 0; i < data_len; i++) buf[8 + h + pad + i] = (uint8_t)(i * 29 + 3);
-    put("fuzz_safetensors", name, buf, 8 + h + pad + data_len);
+    for (int i = 0; i < 8; i++) buf[1 + i] = (uint8_t)((h + pad) >> (8 * i));
+    memcpy(buf + 9, header, h);
+    memset(buf + 9 + h, ' ', pad);
+    for (size_t i = 0; i < data_len; i++) buf[9 + h + pad + i] = (uint8_t)(i * 29 + 3);
+    char crc_name[64];
+    snprintf(crc_name, sizeof(crc_name), "%s_crc", name);
+    buf[0] = 0;
+    put("fuzz_safetensors", name, buf, 9 + h + pad + data_len);
+    buf[0] = 1;
+    put("fuzz_safetensors", crc_name, buf, 9 + h + pad + data_len);
 }
 
 // fuzz_config: byte 0 picks the way in (even: a JSON config file, odd: a model file's metadata)
@@ -175,6 +182,10 @@ int main(int argc, char **argv) {
                      "\"d\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[24,32]},"
                      "\"e\":{\"dtype\":\"I64\",\"shape\":[0,5],\"data_offsets\":[32,32]}}", 32);
     safetensors_seed("empty", "{}", 0);
+    // checksums as the writer records them (wrong here: mode 0 reaches the mismatch, mode 1 fixes them)
+    safetensors_seed("checked", "{\"__metadata__\":{\"vlmoe.crc32\":\"00000000 00000000\"},"
+                     "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                     "\"v\":{\"dtype\":\"BF16\",\"shape\":[2,1],\"data_offsets\":[8,12]}}", 12);
     config_seeds();
     safetensors_seed("scalar", "{\"s\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}", 1);
     return 0;

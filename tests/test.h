@@ -123,6 +123,28 @@ static inline char *test_read_file(const char *path, size_t *n) {
     return b;
 }
 
+// Removes "key" from a params.json as vlmoe writes it (one key and value a line, not the first
+// key), as a run written before the key existed would lack it; a failed check if it is not there.
+static inline void test_json_drop_key(const char *path, const char *key) {
+    char *j = test_read_file(path, NULL), pat[128];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    char *at = j ? strstr(j, pat) : NULL, *from = at, *to = at ? strchr(at, '\n') : NULL;
+    CHECK(at && to && to > at, "%s: no key %s to remove", path, key);
+    if (!at || !to || to <= at) {
+        free(j);
+        return;
+    }
+    if (to[-1] == ',') { // the line and its newline
+        while (from > j && from[-1] != '\n') from--;
+        to++;
+    } else { // the last key: from the previous value's comma
+        while (from > j && *from != ',') from--;
+    }
+    memmove(from, to, strlen(to) + 1);
+    test_write_file(path, j, strlen(j));
+    free(j);
+}
+
 // Fixture folder made by tests/ref/gen_all.py (build/fixtures unless VLMOE_FIXTURES is set).
 static inline const char *fixture_dir(void) {
     const char *d = getenv("VLMOE_FIXTURES");

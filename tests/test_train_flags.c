@@ -1,7 +1,8 @@
 // test_train_flags.c: the flags of `vlmoe train` as OpenCLIP users know them (cli/train.c,
 // cli/train_flags.c): --save-frequency counts epochs (--save-every-n-steps steps), --image-mean
 // takes three values in train and eval, --resume refuses changed flags naming both values unless
-// --resume-allow-changes (then logged, params.json untouched), a JSON config's run carries the
+// --resume-allow-changes (then logged, params.json untouched), a limoe-* run older than LIMoE's
+// recipe and --precision resumes with its AdamW and fp32, a JSON config's run carries the
 // file's name, and flags that do not apply are errors. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN), as
 // tests/run.sh sets them; the VL-MoE trainer's side is in tests/test_vlmoe_train.c.
 #include <stdio.h>
@@ -131,6 +132,50 @@ static void test_resume(void) {
     expect("train --steps 2 --resume-allow-changes --logs runs --name q", 1, "--resume-allow-changes applies to --resume");
 }
 
+// Two checkpoint files hold the same tensors, bit for bit (their metadata differ: every save has
+// its own run and save ids).
+static int same_tensors(const char *a, const char *b) {
+    vlmoe_st *x = NULL, *y = NULL;
+    int same = !vlmoe_st_open(P(a), &x) && !vlmoe_st_open(P(b), &y) && vlmoe_st_count(x) == vlmoe_st_count(y);
+    for (int i = 0; same && i < vlmoe_st_count(x); i++) {
+        vlmoe_tensor_info p, q;
+        same = !vlmoe_st_info(x, i, &p) && !vlmoe_st_info(y, i, &q) && !strcmp(p.name, q.name) &&
+               p.nbytes == q.nbytes && !memcmp(p.data, q.data, p.nbytes);
+    }
+    vlmoe_st_close(x), vlmoe_st_close(y);
+    return same;
+}
+
+// A limoe-* run from before LIMoE's recipe (Adafactor, wd 1e-5, bf16 momentum) became its default
+// and before --precision: its params.json records AdamW and wd 0.1 and has no "precision". Resumed
+// without optimizer flags it goes on with AdamW (bit for bit as the run that never stopped), not
+// the recipe; --precision bf16 is a change from the fp32 it ran with.
+static void test_resume_old(void) {
+    const char *flags = "train --model limoe-tiny --batch-size 8 --eval-samples 0 --logs runs --threads 1";
+    char args[1024];
+    snprintf(args, sizeof(args), "%s --optimizer adamw --wd 0.1 --steps 4 --name oldfull", flags);
+    expect(args, 0, "trained to step 4");
+    snprintf(args, sizeof(args), "%s --optimizer adamw --wd 0.1 --steps 2 --name old", flags);
+    expect(args, 0, "trained to step 2");
+    test_json_drop_key(P("runs/old/params.json"), "precision");
+    snprintf(args, sizeof(args), "%s --steps 4 --name old --resume latest --precision bf16", flags);
+    expect(args, 1, "--precision bf16 differs from the run's fp32 (params.json of runs/old has no precision");
+    snprintf(args, sizeof(args), "%s --steps 4 --name old --resume latest", flags);
+    expect(args, 0, "trained to step 4");
+    CHECK(same_tensors("runs/old/checkpoints/step_4.safetensors", "runs/oldfull/checkpoints/step_4.safetensors") &&
+              same_tensors("runs/old/checkpoints/step_4.state.safetensors",
+                           "runs/oldfull/checkpoints/step_4.state.safetensors"),
+          "a resumed AdamW limoe-tiny run differs from the one that never stopped: it took another optimizer");
+    // the values the resumed run took, in the record a change writes
+    snprintf(args, sizeof(args), "%s --steps 5 --name old --resume latest --seed 3 --resume-allow-changes", flags);
+    expect(args, 0, "trained to step 5");
+    char *res = test_read_file(P("runs/old/params_resumed.json"), NULL);
+    CHECK(res && strstr(res, "\"optimizer\":\t\"adamw\"") && strstr(res, "\"wd\":\t0.1,") &&
+              strstr(res, "\"precision\":\t\"fp32\"") && !strstr(res, "momentum_dtype"),
+          "params_resumed.json of a resumed pre-recipe run:\n%s", res ? res : "(none)");
+    free(res);
+}
+
 static void test_config_name(void) {
     const char *cfg = "{\"base\": \"tiny\", \"embed_dim\": 32}";
     test_write_file(P("mine.json"), cfg, strlen(cfg));
@@ -212,6 +257,7 @@ int main(int argc, char **argv) {
     test_save_frequency();
     test_image_mean();
     test_resume();
+    test_resume_old();
     test_config_name();
     test_inapplicable();
     test_paper_recipe();

@@ -4,7 +4,8 @@
 // image folder, a text file and an OpenCLIP CSV written here (PNG files), and on the CSV alone; (c)
 // a run of N steps equals a run of N/2 steps resumed to N (metrics records but for their "time"
 // object, and checkpoint bytes), with an uneven --mix on that data, and with the cosine schedule
-// from a mid-run checkpoint on synthetic data; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+// from a mid-run checkpoint on synthetic data, and a run older than --drop-path/--hflip/--color-jitter
+// resumed as it ran; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -267,6 +268,25 @@ int main(int argc, char **argv) {
     CHECK(params && strstr(params, "--wd 0.1 differs from the run's 0.05") && strstr(params, "\"step\":\t8"),
           "params_resumed.json:\n%s", params ? params : "(none)");
     free(params);
+    // a run from before --drop-path, --hflip and --color-jitter (its params.json has none of them)
+    // trained without stochastic depth, flips or jitter: resumed without the flags it goes on so,
+    // bit for bit as the run that never stopped, not with today's 0.1 / 0.5 / 0.4; a flag given
+    // is a change from what the run did
+    const char *old = "--codebook cbf.safetensors --batch-size 6 --mix 1,0,0 --image-data imgs";
+    snprintf(a, sizeof(a), "train %s %s --drop-path 0 --hflip 0 --color-jitter 0 --steps 4 --name augfull", common, old);
+    expect(a, 0, "trained to step 4", NULL);
+    snprintf(a, sizeof(a), "train %s %s --drop-path 0 --hflip 0 --color-jitter 0 --steps 2 --name aug", common, old);
+    expect(a, 0, "trained to step 2", NULL);
+    static const char *const newer[] = {"drop_path", "hflip", "color_jitter"};
+    for (int i = 0; i < 3; i++) test_json_drop_key(P("runs/aug/params.json"), newer[i]);
+    snprintf(a, sizeof(a), "train %s %s --steps 4 --name aug --resume latest --hflip 0.5", common, old);
+    expect(a, 1, "--hflip 0.5 differs from the run's 0 (params.json of runs/aug has no hflip", NULL);
+    snprintf(a, sizeof(a), "train %s %s --steps 4 --name aug --resume latest --drop-path 0.1", common, old);
+    expect(a, 1, "--drop-path 0.1 differs from the run's 0 (params.json of runs/aug has no drop_path", NULL);
+    snprintf(a, sizeof(a), "train %s %s --steps 4 --name aug --resume latest", common, old);
+    expect(a, 0, "resuming from runs/aug/checkpoints/step_2.safetensors", "trained to step 4");
+    check_same("augfull", "aug", 4);
+
     // --save-frequency counts epochs of --train-num-samples: 24 samples at 12 a step are 2 steps
     snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --batch-size 12 --train-num-samples 24 --epochs 2 "
              "--save-frequency 1 --keep-checkpoints 0 --name ep", common);
@@ -315,6 +335,11 @@ int main(int argc, char **argv) {
     // an unreadable file is skipped (the next one takes its place); a folder of them stops the run
     expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data some_bad --mix 1,0,0 --batch-size 3 "
            "--logs runs --name some_bad", 0, "warning: --image-data some_bad: skipped", "; first: some_bad/b.png: not a JPEG");
+    // --max-image-pixels 1500: a.png (44x36) is skipped as a decompression bomb would be, c.png (40x36) is read
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data some_bad --mix 1,0,0 --batch-size 3 "
+           "--max-image-pixels 1500 --logs runs --name capped", 0, "trained to step 2",
+           "some_bad/a.png: PNG: image size 44x36 (1584 pixels) is more than the 1500 pixels allowed");
+    CHECK(!strstr(out, "c.png"), "--max-image-pixels 1500 skipped c.png (1440 pixels) too:\n%s", out);
     expect("train --steps 2 --model m.json --codebook cb.safetensors --image-data all_bad --mix 1,0,0 --batch-size 3", 1,
            "--image-data all_bad: no image could be read; first: all_bad/x.jpg", NULL);
     expect("train --steps 2 --model m.json --codebook nothere.safetensors", 1, "nothere.safetensors", NULL);

@@ -366,7 +366,7 @@ static int fill_folder(vlmoe_mome_run *r, long step) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : failed)
     for (int j = 0; j < n; j++) {
-        vlmoe_image im = {0};
+        vlmoe_image im = {.max_pixels = (size_t)r->p.image.max_pixels}; // --max-image-pixels
         vlmoe_rng g;
         int st = 1;
         for (int k = 0; k < N && st; k++) {
