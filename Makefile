@@ -206,7 +206,7 @@ DEMO_STEPS ?= 3000
 demo: all
 	rm -rf logs/demo
 	./vlmoe train --model limoe-mini --dataset-type synthetic --steps $(DEMO_STEPS) --lr 1e-3 --warmup 150 \
-	    --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --report-every 500 --logs logs --name demo
+	    --optimizer adamw --wd 0.1 --log-every-n-steps 50 --zeroshot-frequency 500 --eval-samples 500 --report-every 500 --logs logs --name demo
 	./vlmoe eval --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors
 	./vlmoe prune --model logs/demo/checkpoints/step_$(DEMO_STEPS).safetensors --modality text --sweep 1,2,4 \
 	    --stats logs/demo/metrics.jsonl
