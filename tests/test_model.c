@@ -135,6 +135,15 @@ static void test_configs(void) {
     }
     CHECK(vlmoe_config_named("B/17", &c) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "B/17"),
           "unknown name message: %s", vlmoe_last_error());
+    { // found by fuzz_config: each "limoe-" prefix recursed once, thousands overflowed the stack
+        static char deep[6 * 5000 + 8];
+        for (int i = 0; i < 5000; i++) memcpy(deep + 6 * i, "limoe-", 6);
+        memcpy(deep + 6 * 5000, "tiny", 5);
+        CHECK(vlmoe_config_named(deep, &c) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "not another MoE name"),
+              "limoe-limoe-...: %s", vlmoe_last_error());
+        CHECK(vlmoe_config_named("clipup-limoe-tiny", &c) == VLMOE_ERR_CONFIG, "clipup-limoe-tiny accepted");
+        CHECK(vlmoe_config_named("limoe-tiny", &c) == VLMOE_OK, "limoe-tiny: %s", vlmoe_last_error());
+    }
     // ViT-B-16 must be OpenAI CLIP exactly: 149.6M parameters
     vlmoe_model *m;
     vlmoe_config_named("ViT-B-16", &c);

@@ -165,7 +165,13 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         // the papers' sizes (src/nn/sizes.c)
     } else if (!strncmp(name, "limoe-", 6) || !strncmp(name, "clipup-", 7)) {
         int lim = name[0] == 'l';
-        int st = moe_named(name + (lim ? 6 : 7), lim ? "limoe" : "clipup", out);
+        const char *base = name + (lim ? 6 : 7);
+        // the base is a dense model: "limoe-limoe-..." would recurse once per prefix (a fuzzed
+        // name of thousands of them overflowed the stack)
+        if (!strncmp(base, "limoe-", 6) || !strncmp(base, "clipup-", 7))
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%.80s': the base of a limoe-/clipup- name is a dense model, "
+                              "not another MoE name", name);
+        int st = moe_named(base, lim ? "limoe" : "clipup", out);
         if (st) return st;
     } else if (!strcmp(name, "vlmoe-tiny") || !strcmp(name, "mome-tiny")) {
         // VL-MoE at test size: 4 blocks, VL-FFN in the last one, V-MoE and T-MoE (4 experts) in
