@@ -401,7 +401,6 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     a.val_every = a.val_freq ? a.val_freq * per_epoch : a.val_steps;
     a.zeroshot_every = a.zs_freq ? a.zs_freq * per_epoch : a.zs_steps;
     if (a.log_every < 1) a.log_every = 1;
-    if (a.report_every < 0) return cli_error("train", "--report-every: %ld is negative (0: no report)", a.report_every);
     if (a.report_to && strcmp(a.report_to, "tensorboard"))
         return cli_error("train", "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");

@@ -333,7 +333,6 @@ int cmd_train_mome(int argc, char **argv) {
         return cli_error(CMD, "--hflip %g: expected a probability in [0, 1]", a.hflip);
     if (!isnan(a.color_jitter) && !(a.color_jitter >= 0 && a.color_jitter <= 100))
         return cli_error(CMD, "--color-jitter %g: expected a strength in [0, 100] (timm's 0.4)", a.color_jitter);
-    if (a.report_every < 0) return cli_error(CMD, "--report-every: %ld is negative (0: no report)", a.report_every);
     if (a.report_to && strcmp(a.report_to, "tensorboard"))
         return cli_error(CMD, "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     int w[3];
