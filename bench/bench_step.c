@@ -3,7 +3,7 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
-// [--precision fp32|bf16]
+// [--precision fp32|bf16] [--device cpu|cuda[:N]]
 // Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
 // compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
 #include <math.h>
@@ -41,14 +41,15 @@ static double step_flops(const vlmoe_model_config *c, int B) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N]\n");
+        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16] [--device cpu|cuda[:N]]\n");
         return 2;
     }
     int B = 64, steps = 10, warmup = 2, threads = 0, fell_back = 0;
-    const char *precision = "fp32";
+    const char *precision = "fp32", *device = NULL;
     for (int i = 2; i + 1 < argc; i += 2) {
         int v = atoi(argv[i + 1]);
         if (!strcmp(argv[i], "--precision")) precision = argv[i + 1];
+        else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
         else if (!strcmp(argv[i], "--batch")) B = v;
         else if (!strcmp(argv[i], "--steps")) steps = v;
         else if (!strcmp(argv[i], "--warmup")) warmup = v;
@@ -65,7 +66,8 @@ int main(int argc, char **argv) {
     vlmoe_train_params tp = vlmoe_train_default_params();
     tp.schedule.base_lr = 1e-4;
     if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) ||
-        model_set_precision(m, precision, &fell_back) || vlmoe_model_plan(m, B) ||
+        (device && model_set_device(m, device)) || model_set_precision(m, precision, &fell_back) ||
+        vlmoe_model_plan(m, B) ||
         vlmoe_trainer_init(&tr, m, &tp)) {
         fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
         return 1;

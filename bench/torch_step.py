@@ -105,7 +105,8 @@ class MoE(nn.Module):
         out = x.new_zeros(S, D).index_add(0, tok, (gate[:, None] * y[idx]).to(x.dtype))
         ga.E, ga.K, ga.NOISE_STD = E, K, c["noise_std"]
         wanted = F.one_hot(topi, E).sum((0, 1)).float()
-        ls = ga.losses(logits, noisy, mod, wanted, c["tau"])
+        wanted_mod = torch.stack([F.one_hot(topi[mod == m], E).sum((0, 1)).float() for m in (0, 1)])
+        ls = ga.losses(logits, noisy, mod, wanted, c["tau"], wanted_mod)
         return out, sum(w * ls[name] for name, w in c["aux"].items())
 
 
@@ -204,26 +205,38 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (its default mode)")
     a = ap.parse_args()
-    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.precision == "bf16" else contextlib.nullcontext
+    dev = torch.device(a.device)
+    amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if a.precision == "bf16" else contextlib.nullcontext
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if dev.type != "cpu":  # every tensor the model makes inside a step, too (PyTorch >= 2.0)
+        torch.set_default_device(dev)
+    if dev.type == "cuda":  # fp32 means fp32 on both sides: no TF32 in the reference either
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     cfg = load_config(a.model)
     B, S, T, V = a.batch, cfg["image_size"], cfg["context_length"], cfg["vocab_size"]
-    model = Model(cfg)
+    model = Model(cfg).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    fwd = torch.compile(model) if a.compile else model
     # the same deterministic inputs as bench_step.c
     images = torch.sin(0.001 * torch.arange(B * 3 * S * S, dtype=torch.float64)).float().view(B, 3, S, S)
     lens = torch.tensor([T // 2 + b % (T // 2 + 1) for b in range(B)])
     tokens = torch.tensor([[(b * 131 + t * 17) % V if t < lens[b] else 0 for t in range(T)] for b in range(B)])
+    images, tokens, lens = images.to(dev), tokens.to(dev), lens.to(dev)
     times = []
     for i in range(a.warmup + a.steps):
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with amp():
-            loss = model(images, tokens, lens)
+            loss = fwd(images, tokens, lens)
         loss.backward()
         opt.step()
+        sync()
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     times.sort()
@@ -233,13 +246,16 @@ def main():
         model, images = copy.deepcopy(model).to(torch.bfloat16), images.to(torch.bfloat16)
     with torch.no_grad():
         for _ in range(5):
+            sync()
             t0 = time.perf_counter()
             model.encode(images=images)
+            sync()
             t1 = time.perf_counter()
             model.encode(tokens=tokens, lens=lens)
+            sync()
             t2 = time.perf_counter()
             ti, tt = min(ti, t1 - t0), min(tt, t2 - t1)
-    print(json.dumps({"impl": "torch", "precision": a.precision, **blas_report(), "model": cfg.get("name"), "threads": a.threads, "batch": B,
+    print(json.dumps({"impl": "torch" + ("-compile" if a.compile else ""), "device": str(dev), "precision": a.precision, **blas_report(), "model": cfg.get("name"), "threads": a.threads, "batch": B,
                       "step_s": times[len(times) // 2], "step_min_s": times[0], "step_max_s": times[-1],
                       "loss": loss.item(), "image_per_s": B / ti, "text_per_s": B / tt,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
