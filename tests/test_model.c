@@ -344,13 +344,48 @@ static void fd_moe_checks(void) {
 // A model on a table without host memory (what --device cuda gives) keeps its master parameters
 // on the host and hands the graphs a device copy; gradients and embeddings come back by download.
 // Checked here with the CPU kernels behind a table that claims separate memory, so every upload
-// and download is exercised: 3 training steps of limoe-tiny and an encode must equal the plain
-// CPU model's bit for bit (a missed upload or download would leave stale or zero buffers).
-static void test_device_memory(void) {
+// and download is exercised: 3 training steps of each MoE kind and an encode must equal the plain
+// CPU model's bit for bit (a missed upload or download would leave stale or zero buffers). The
+// table also records its allocations, and its aux_loss refuses a pointer that is not one of them:
+// the losses' modality and counts once reached the CUDA kernels as host arrays (NaN at step 0 on
+// a real GPU, while this CPU table read them happily).
+static struct { const char *lo, *hi; } dev_blocks[4096];
+static int dev_nblocks, dev_stray;
+static const vlmoe_backend_f32 *dev_cpu;
+static void *dev_alloc(const vlmoe_backend_f32 *be, size_t bytes, const char *what) {
+    void *p = dev_cpu->alloc(dev_cpu, bytes, what);
+    if (p && dev_nblocks < (int)(sizeof(dev_blocks) / sizeof(dev_blocks[0])))
+        dev_blocks[dev_nblocks].lo = p, dev_blocks[dev_nblocks++].hi = (const char *)p + bytes;
+    return p;
+}
+static void dev_free(const vlmoe_backend_f32 *be, void *p) {
+    for (int i = 0; p && i < dev_nblocks; i++)
+        if (dev_blocks[i].lo == p) dev_blocks[i] = dev_blocks[--dev_nblocks];
+    dev_cpu->free(dev_cpu, p);
+}
+static void dev_check(const void *p, const char *what) {
+    if (!p) return;
+    for (int i = 0; i < dev_nblocks; i++)
+        if ((const char *)p >= dev_blocks[i].lo && (const char *)p < dev_blocks[i].hi) return;
+    if (!dev_stray++) fprintf(stderr, "test_model: aux_loss got %s in host memory\n", what);
+}
+static double dev_aux(const vlmoe_backend_f32 *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
+                      float *dlogits, float *scratch) {
+    dev_check(in->logits, "logits"), dev_check(in->noisy_logits, "noisy_logits");
+    dev_check(in->modality, "modality"), dev_check(in->wanted, "wanted");
+    if (kind == VLMOE_AUX_SWITCH && in->modality) dev_check(in->wanted_mod, "wanted_mod");
+    dev_check(dlogits, "dlogits"), dev_check(scratch, "scratch");
+    return dev_cpu->aux_loss(dev_cpu, kind, in, weight, dlogits, scratch);
+}
+
+static void device_memory_check(const char *name) {
     vlmoe_backend_f32 dev = *backend_cpu_f32();
+    dev_cpu = backend_cpu_f32();
     dev.name = "cpu-separate", dev.host_memory = 0;
+    dev.alloc = dev_alloc, dev.free = dev_free, dev.aux_loss = dev_aux;
+    dev_stray = 0;
     vlmoe_model_config c;
-    vlmoe_config_named("limoe-tiny", &c);
+    vlmoe_config_named(name, &c);
     vlmoe_model *m[2] = {NULL, NULL};
     vlmoe_trainer *t[2] = {NULL, NULL};
     vlmoe_synth *s = NULL;
@@ -368,8 +403,8 @@ static void test_device_memory(void) {
         if (!st && k) st = model_set_backend(m[k], &dev, NULL);
         if (!st) st = vlmoe_trainer_init(&t[k], m[k], &tp);
     }
-    CHECK(st == VLMOE_OK && m[1]->d_params && m[1]->d_grads, "a model on separate memory: %s", vlmoe_last_error());
-    double loss[2][3] = {{0}};
+    CHECK(st == VLMOE_OK && m[1]->d_params && m[1]->d_grads, "%s on separate memory: %s", name, vlmoe_last_error());
+    double loss[2][3] = {{0}}, soft[2][3] = {{0}};
     for (int step = 0; step < 3 && !st; step++) {
         vlmoe_synth_batch(s, VLMOE_SPLIT_TRAIN, (uint64_t)step * B, B, T, img, tok, len);
         const vlmoe_batch b = {B, img, tok, len};
@@ -377,25 +412,43 @@ static void test_device_memory(void) {
             vlmoe_step_stats ss;
             st = vlmoe_trainer_step(t[k], &b, &ss);
             loss[k][step] = ss.loss;
+            int nl = 0;
+            const vlmoe_moe_stats *ms = vlmoe_model_moe_stats(m[k], &nl);
+            for (int l = 0; l < nl; l++) soft[k][step] += ms[l].soft_mean_max[0] + ms[l].soft_mean_max[1] + ms[l].aux[0];
         }
     }
-    CHECK(st == VLMOE_OK, "steps: %s", vlmoe_last_error());
-    for (int step = 0; step < 3; step++)
-        CHECK(loss[0][step] == loss[1][step], "step %d: loss %.17g on the host table, %.17g on separate memory", step + 1,
-              loss[0][step], loss[1][step]);
+    CHECK(st == VLMOE_OK, "%s steps: %s", name, vlmoe_last_error());
+    CHECK(dev_stray == 0, "%s: the auxiliary losses got %d host pointers on a table without host memory", name,
+          dev_stray);
+    for (int step = 0; step < 3; step++) {
+        CHECK(loss[0][step] == loss[1][step], "%s step %d: loss %.17g on the host table, %.17g on separate memory",
+              name, step + 1, loss[0][step], loss[1][step]);
+        CHECK(soft[0][step] == soft[1][step], "%s step %d: Soft MoE statistics %.17g on the host table, %.17g on "
+              "separate memory", name, step + 1, soft[0][step], soft[1][step]);
+    }
     CHECK(!st && !memcmp(m[0]->params, m[1]->params, sizeof(float) * m[0]->L.total),
-          "parameters after 3 steps differ between the host table and separate memory");
+          "%s: parameters after 3 steps differ between the host table and separate memory", name);
     for (int k = 0; k < 2 && !st; k++) st = vlmoe_model_encode_images(m[k], img, B, e[k]);
-    CHECK(!st && !memcmp(e[0], e[1], sizeof(float) * B * c.embed_dim), "image embeddings differ: %s", vlmoe_last_error());
+    CHECK(!st && !memcmp(e[0], e[1], sizeof(float) * B * c.embed_dim), "%s: image embeddings differ: %s", name,
+          vlmoe_last_error());
+    for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]), free(e[k]);
+    vlmoe_synth_free(s);
+    free(img), free(tok), free(len);
+    CHECK(dev_nblocks == 0, "%s: %d blocks of separate memory not freed", name, dev_nblocks);
+}
+
+static void test_device_memory(void) {
+    const char *names[] = {"limoe-tiny", "clipup-tiny", "soft-tiny", "ec-tiny"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) device_memory_check(names[i]);
     // VL-MoE models stay where the host can read them
+    vlmoe_backend_f32 dev = *backend_cpu_f32();
+    dev.name = "cpu-separate", dev.host_memory = 0;
+    vlmoe_model_config c;
     vlmoe_model *mm = NULL;
     vlmoe_config_named("vlmoe-tiny", &c);
     CHECK(vlmoe_model_init(&mm, &c, 1) == VLMOE_OK && model_set_backend(mm, &dev, NULL) == VLMOE_ERR_CONFIG &&
               strstr(vlmoe_last_error(), "VL-MoE"), "a VL-MoE model on separate memory: %s", vlmoe_last_error());
     vlmoe_model_free(mm);
-    for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]), free(e[k]);
-    vlmoe_synth_free(s);
-    free(img), free(tok), free(len);
 }
 
 int main(void) {

@@ -53,7 +53,7 @@ static void test_golden(void) {
     soft_moe_forward_f64(out, acts, x, &p, &d);
     for (int i = 0; i < 4; i++) CHECK_CLOSE(out[i], want[i], 1e-12, 0, "soft golden out (f64)");
     double meanmax[2];
-    soft_moe_stats_f64(acts, &d, mm, meanmax);
+    soft_moe_stats_f64(acts + soft_moe_weights_at(&d), &d, mm, meanmax);
     // App. E's monitors: each slot's largest dispatch weight is 3/4, each token's largest
     // combine weight 3/4: both means 0.75
     CHECK_CLOSE(meanmax[0], 0.75, 1e-12, 0, "soft golden mean max dispatch");
@@ -84,7 +84,7 @@ static void test_golden(void) {
     int finite = 1;
     for (int i = 0; i < 4; i++) finite &= isfinite(out[i]) != 0;
     CHECK(finite, "soft zero token: out %g %g %g %g", out[0], out[1], out[2], out[3]);
-    soft_moe_stats_f64(acts, &d, mm, meanmax); // slot 0 sees logits (0, 0): dispatch 1/2 each
+    soft_moe_stats_f64(acts + soft_moe_weights_at(&d), &d, mm, meanmax); // slot 0 sees logits (0, 0): dispatch 1/2 each
     CHECK_CLOSE(mm[0], 0.25, 1e-12, 0, "soft zero token min dispatch");
     free(acts);
 }
@@ -137,7 +137,7 @@ static void test_slots_check(void) {
           "P = 0: %s", vlmoe_last_error());
     double acts[1] = {0}, mm[4], meanmax[2]; // with no slot the statistics read nothing of acts
     CHECK(soft_moe_acts_floats(&d) == (size_t)3 * 2 + 3, "acts of an empty slot set: %zu", soft_moe_acts_floats(&d));
-    soft_moe_stats_f64(acts, &d, mm, meanmax);
+    soft_moe_stats_f64(acts + soft_moe_weights_at(&d), &d, mm, meanmax);
     CHECK(mm[0] == 0 && mm[3] == 0 && meanmax[0] == 0, "stats of no slots");
     d = (soft_dims){5, 2, 3, 2, 2, VLMOE_ACT_GELU, VLMOE_SOFT_MIX_IDENTITY, 0};
     CHECK(soft_dims_check(&d) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "identity"),
@@ -321,7 +321,7 @@ static void test_parity(const char *file) {
         double mm[4];
         float mmf[4];
         double meanmax[2];
-        soft_moe_stats_f32(acts, &d, mm, meanmax);
+        soft_moe_stats_f32(acts + soft_moe_weights_at(&d), &d, mm, meanmax);
         for (int i = 0; i < 4; i++) mmf[i] = (float)mm[i];
         compare("soft_moe.stats", mmf, stats_ref, 4, tol);
         float *mm_ref = fixture_get(f, "soft_moe.meanmax", 2);

@@ -56,12 +56,19 @@ struct R(moe_state) {
     // Soft MoE
     real *soft_acts, *soft_scratch, *soft_out; // per group
     size_t soft_acts_n;
+    real *soft_w_h;                 // host: one group's dispatch and combine weights, for the stats
+                                    // when the table's memory is not the host's
     // the last forward
     int n, S, G, C, rows, training, noisy_on;
     const uint8_t *modality;
     double *routed[2], *accepted[2], *pbar[2]; // statistics, (E) each
     int32_t *hits;                  // (nmax) accepted assignments per token
     int32_t *wanted_mod;            // (2,E) one group's assignments before capacity, per modality
+    // device copies of what the auxiliary losses read besides the logits, when the table's memory
+    // is not the host's: the modality by position (nmax), each group's wanted (E) and wanted_mod
+    // (2,E) in a slot of its own (gmax * 3E)
+    uint8_t *d_mod;
+    int32_t *d_want;
     struct moe_ep *ep;              // expert parallelism (moe_set_expert_parallel), or NULL
 };
 
@@ -128,6 +135,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->soft_acts, st->soft_acts_n * (size_t)st->gmax);
         DALLOC(st->soft_scratch, soft_moe_scratch_floats(&d));
         DALLOC(st->soft_out, (size_t)Smax * D);
+        if (!be->host_memory) ALLOC(st->soft_w_h, 2 * (size_t)Smax * d.E * d.P);
         DALLOC(st->xg, (size_t)nmax * D);
         DALLOC(st->yg, (size_t)nmax * D);
         DALLOC(st->dxg, (size_t)nmax * D);
@@ -169,6 +177,10 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->aux_scratch, aux_scratch_floats(Smax, E));
         DALLOC(st->d_rows, 3 * rm + (size_t)nmax + 1);
         DALLOC(st->d_keys, nmax);
+        if (!be->host_memory) {
+            DALLOC(st->d_mod, nmax);
+            DALLOC(st->d_want, (size_t)st->gmax * 3 * E);
+        }
         ALLOC(st->gates_h, ne);
         ALLOC(st->probs_h, ne);
         ALLOC(st->gates_f, (size_t)Smax * E);
@@ -205,12 +217,12 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     void *dev[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
                    st->combine, st->dcombine, st->aux_scratch, st->d_rows,
                    st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out, st->d_perm, st->lg,
-                   st->ng, st->dlg, st->xg, st->yg, st->dxg};
+                   st->ng, st->dlg, st->xg, st->yg, st->dxg, st->d_mod, st->d_want};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos};
+                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->soft_w_h};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
     vlmoe_free_mem(st);
 }
@@ -351,7 +363,12 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
             be->add(be, out + o, st->soft_out, (size_t)st->S * D);
         }
         double mm[4], mean_max[2];
-        R(soft_moe_stats)(acts, &d, mm, mean_max);
+        const real *w = acts + soft_moe_weights_at(&d); // the stats read the weights on the host
+        if (st->soft_w_h) {
+            be->download(be, st->soft_w_h, w, 2 * (size_t)d.S * d.E * d.P);
+            w = st->soft_w_h;
+        }
+        R(soft_moe_stats)(w, &d, mm, mean_max);
         s->soft_mean_max[0] += mean_max[0] / st->G, s->soft_mean_max[1] += mean_max[1] / st->G;
         s->soft_minmax[0] = fmin(s->soft_minmax[0], mm[0]);
         s->soft_minmax[1] = fmax(s->soft_minmax[1], mm[1]);
@@ -481,20 +498,30 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
     real *dl = dlogits && st->ordered ? st->dlg : dlogits;
     if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
+    // the losses run where the table's memory is: what they read from the host goes there first
+    const int dev = st->d_want != NULL;
+    const uint8_t *kmod = dev && mod ? st->d_mod : mod;
+    if (dev && mod) be->upload_bytes(be, st->d_mod, mod, (size_t)st->n);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         if (cfg->aux_weight[k] == 0) continue;
         double v = 0;
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * E;
-            const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL;
+            const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
             // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
             memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
             for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
                 for (int r = 0; r < st->K; r++)
                     st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
+            const int32_t *want = st->rt[g].wanted, *wmod = st->wanted_mod;
+            if (dev) {
+                int32_t *dw = st->d_want + (size_t)g * 3 * E;
+                be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
+                if (k == VLMOE_AUX_SWITCH) be->upload_bytes(be, dw + E, wmod, sizeof(int32_t) * 2 * (size_t)E);
+                want = dw, wmod = dw + E;
+            }
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, gm, st->rt[g].wanted,
-                               {cfg->global_tau[0], cfg->global_tau[1]}, st->wanted_mod};
+                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod};
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);

@@ -93,6 +93,7 @@ static scratch_layout scratch_layout_of(const soft_dims *d) {
 // objects of this file do not both export them.
 #ifndef VLMOE_REAL_F64
 size_t soft_moe_acts_floats(const soft_dims *d) { return acts_layout_of(d).total; }
+size_t soft_moe_weights_at(const soft_dims *d) { return acts_layout_of(d).dwt; }
 size_t soft_moe_scratch_floats(const soft_dims *d) { return scratch_layout_of(d).total; }
 #endif
 
@@ -287,8 +288,7 @@ void R(soft_moe_backward)(real *dx, const R(soft_grads) *g, const real *dout, co
 // MOE.md asks for the min/max dispatch and combine weights, taken here over every entry of the
 // group (the caller folds groups and layers together); the paper's appendix E plots the mean
 // over slots (tokens) of the max dispatch (combine) weight: both are reported.
-void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4], double meanmax[2]) {
-    const acts_layout L = acts_layout_of(d);
+void R(soft_moe_stats)(const real *w, const soft_dims *d, double minmax[4], double meanmax[2]) {
     const int S = d->S, N = d->E * d->P;
     const size_t n = (size_t)S * N;
     if (n == 0) { // no slot or no token (refused by soft_dims_check; kept safe here): nothing to read
@@ -296,7 +296,7 @@ void R(soft_moe_stats)(const real *acts, const soft_dims *d, double minmax[4], d
         meanmax[0] = meanmax[1] = 0;
         return;
     }
-    const real *dw = acts + L.dwt, *cw = acts + L.cw;
+    const real *dw = w, *cw = w + n; // acts_layout: cw follows dwt
     // App. E's monitors: dw is (N,S), one slot per row; cw (S,N), one token per row
     double md = 0, mc = 0;
     for (int j = 0; j < N; j++) {

@@ -62,10 +62,16 @@ size_t soft_moe_scratch_floats(const soft_dims *d);
     void soft_moe_backward_##S(T *dx, const soft_grads_##S *g, const T *dout, const T *acts,       \
                                const T *x, const soft_params_##S *p, const soft_dims *d,          \
                                T *scratch);                                                        \
-    /* from a forward's acts: minmax = {min, max dispatch weight, min, max combine weight}; */    \
-    /* meanmax = {mean over slots of the largest dispatch weight, mean over tokens of the    */    \
-    /* largest combine weight} (the collapse monitors of Soft MoE App. E, Fig. 13)           */    \
-    void soft_moe_stats_##S(const T *acts, const soft_dims *d, double minmax[4], double meanmax[2]);
+    /* from a forward's weights w = acts + soft_moe_weights_at(d) (host memory): minmax =    */    \
+    /* {min, max dispatch weight, min, max combine weight}; meanmax = {mean over slots of the */    \
+    /* largest dispatch weight, mean over tokens of the largest combine weight} (the collapse */    \
+    /* monitors of Soft MoE App. E, Fig. 13)                                                  */    \
+    void soft_moe_stats_##S(const T *w, const soft_dims *d, double minmax[4], double meanmax[2]);
+
+// Where a forward's acts hold the dispatch weights (N,S) followed by the combine weights (S,N):
+// soft_moe_weights_at(d) elements in, 2*S*N elements long (what soft_moe_stats reads, and what a
+// caller on device memory downloads for it).
+size_t soft_moe_weights_at(const soft_dims *d);
 
 SOFT_DECL(float, f32)
 SOFT_DECL(double, f64)
