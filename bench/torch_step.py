@@ -88,12 +88,12 @@ class MoE(nn.Module):
                     out.index_add_(0, idx, (topv[idx, k, None] * (h @ self.w2[e] + self.b2[e])).to(x.dtype))
             return out, 0.0
         cap = math.ceil(c["capacity_factor"] * S * K / E)
-        prio = torch.sort(-topv[:, 0], stable=True).indices if c["order"] == "bpr" else torch.arange(S)
-        used = torch.zeros(E, dtype=torch.long)
+        prio = torch.sort(-topv[:, 0], stable=True).indices if c["order"] == "bpr" else torch.arange(S, device=x.device)
+        used = torch.zeros(E, dtype=torch.long, device=x.device)
         slot_tok, slot_idx, slot_gate = [], [], []
         for k in range(K):  # every first choice before any second choice
             onehot = F.one_hot(topi[prio, k], E)
-            pos = (used + onehot.cumsum(0) - onehot)[torch.arange(S), topi[prio, k]]
+            pos = (used + onehot.cumsum(0) - onehot)[torch.arange(S, device=x.device), topi[prio, k]]
             keep = pos < cap
             slot_tok.append(prio[keep])
             slot_idx.append(topi[prio, k][keep] * cap + pos[keep])
@@ -152,12 +152,12 @@ class Model(nn.Module):
         if images is not None:
             xs.append(self.patch(images).flatten(2).transpose(1, 2) + self.ipos)
             masks.append(None)
-            mods.append(torch.zeros(xs[-1].shape[0] * xs[-1].shape[1], dtype=torch.long))
+            mods.append(torch.zeros(xs[-1].shape[0] * xs[-1].shape[1], dtype=torch.long, device=images.device))
         if tokens is not None:
-            pad = torch.arange(tokens.shape[1])[None, :] >= lens[:, None]
+            pad = torch.arange(tokens.shape[1], device=tokens.device)[None, :] >= lens[:, None]
             xs.append(self.tok(tokens) + self.tpos)
             masks.append(pad)
-            mods.append(torch.ones(tokens.numel(), dtype=torch.long))
+            mods.append(torch.ones(tokens.numel(), dtype=torch.long, device=tokens.device))
         mod, aux = torch.cat(mods), 0.0
         for b in self.blocks:
             xs, a = b(xs, masks, mod)
@@ -172,7 +172,7 @@ class Model(nn.Module):
     def forward(self, images, tokens, lens):
         (img, txt), aux = self.encode(images, tokens, lens)
         logits = self.logit_scale.exp() * img @ txt.t()
-        target = torch.arange(logits.shape[0])
+        target = torch.arange(logits.shape[0], device=logits.device)
         return 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.t(), target)) + aux
 
 
