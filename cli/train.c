@@ -444,6 +444,8 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (cli_check_run_outputs("train", r.dir, in, 7)) return 1;
     struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
     const int existed = stat(r.dir, &dir_sb) == 0;
+    if (vlmoe_mkdir_p(r.dir)) return cli_error("train", "%s", vlmoe_last_error());
+    if (cli_run_lock("train", r.dir, dist, r.lead)) return 1; // before looking at what the folder holds
     if (existed && cli_run_taken("train", r.dir, a.resume)) return 1;
     if (vlmoe_mkdir_p(r.ckdir)) return cli_error("train", "%s", vlmoe_last_error());
     if (r.lead) vlmoe_ckpt_clean_tmp(r.ckdir);

@@ -7,9 +7,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "cli.h"
+#include "dist/dist.h"
 #include "train/run.h"
 
 long cli_epoch_steps(long samples, long G) { return G > 0 ? (samples + G - 1) / G : 0; }
@@ -366,4 +371,38 @@ int cli_run_taken(const char *cmd, const char *dir, const char *resume) {
                          "it, or another --name", dir, step);
     return cli_error(cmd, "%s already holds a run's metrics (%s): give --resume latest to continue it, or another "
                      "--name", dir, metrics);
+}
+
+int cli_run_lock(const char *cmd, const char *dir, struct vlmoe_dist *d, int lead) {
+    static int held = -1; // kept open for the life of the process: closing it would release the lock
+    char path[1100], other[32] = "";
+    uint8_t failed = 0;
+    int err = 0;
+    snprintf(path, sizeof(path), "%s/.vlmoe.lock", dir);
+    if (lead && held < 0) {
+        const int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0) {
+            failed = 1, err = errno;
+        } else if (flock(fd, LOCK_EX | LOCK_NB)) {
+            failed = 2, err = errno;
+            ssize_t n = pread(fd, other, sizeof(other) - 1, 0);
+            other[n > 0 ? n : 0] = 0;
+            other[strcspn(other, "\n")] = 0;
+            close(fd);
+        } else {
+            char pid[32];
+            const int n = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
+            if (ftruncate(fd, 0) || pwrite(fd, pid, (size_t)n, 0) != n) { /* the pid is only a hint */ }
+            held = fd;
+        }
+    }
+    if (d && d->world > 1 && d->allreduce_max(d, &failed, 1, VLMOE_DIST_U8))
+        return cli_error(cmd, "%s: the processes could not agree on the run folder's lock: %s", dir,
+                         vlmoe_last_error());
+    if (failed && !lead) return 1; // the lead says why
+    if (failed == 2 && err == EWOULDBLOCK)
+        return cli_error(cmd, "%s is in use by another run (process %s, on this or another machine sharing the "
+                         "folder): give another --name, or wait for it to end", dir, *other ? other : "?");
+    if (failed) return cli_error(cmd, "cannot lock the run folder (%s): %s", path, strerror(err));
+    return 0;
 }

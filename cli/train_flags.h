@@ -92,6 +92,13 @@ void cli_resume_fresh(const char *cmd, const char *dir, int existed, const char 
 // 1 (after printing why) when a run without --resume would write into dir, which already holds
 // another run's checkpoints or metrics; 0 otherwise.
 int cli_run_taken(const char *cmd, const char *dir, const char *resume);
+// Claims the run folder dir (which must exist) for this job until the process ends: the lead
+// process holds an exclusive lock on dir/.vlmoe.lock (flock: released when the process ends, even
+// when killed), so that two runs started into one folder (the same --name, two unnamed runs in the
+// same second, two resumes of one run) cannot write over each other's files. Every process of d
+// (NULL: one process) learns whether the lead got it. 0, or 1 after printing why.
+struct vlmoe_dist;
+int cli_run_lock(const char *cmd, const char *dir, struct vlmoe_dist *d, int lead);
 
 // What a resumed run takes for a flag that was not given, so that it goes on as the run it
 // continues: rec is the run's record (cli_run_record: params_resumed.json, else params.json; NULL

@@ -382,6 +382,8 @@ int cmd_train_mome(int argc, char **argv) {
     if (cli_check_run_outputs(CMD, r.dir, in, 4)) return mome_run_free(&r, 1), 1;
     struct stat dir_sb; // a --resume latest of a run folder that exists but holds no checkpoint starts again
     const int existed = stat(r.dir, &dir_sb) == 0;
+    if (vlmoe_mkdir_p(r.dir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
+    if (cli_run_lock(CMD, r.dir, dist, dist->rank == 0)) return mome_run_free(&r, 1), 1;
     if (existed && cli_run_taken(CMD, r.dir, a.resume)) return mome_run_free(&r, 1), 1;
     if (vlmoe_mkdir_p(r.ckdir)) return rc = mome_lib_error(""), mome_run_free(&r, rc), rc;
     vlmoe_train_params tp = vlmoe_train_default_params();

@@ -2,9 +2,12 @@
 // files and corrupt checkpoints each give one clear message and a non-zero exit (never a crash),
 // and a short training run writes its run folder. Runs the binary named by $VLMOE_BIN (or
 // $VLMOE_BIN_ASAN when this test is the sanitizer build), as tests/run.sh sets them.
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -188,6 +191,21 @@ int main(int argc, char **argv) {
           params ? params : "no params.json");
     free(params);
     expect("train --pretrained clip.safetensors --preset clipup --steps 1 --logs runs --name d", 1, "has no MoE layers");
+    // a run folder another run holds (its lock, as a second job given the same --name, or an
+    // unnamed run started in the same second, finds it): refused, naming the holder, and nothing
+    // of the folder is touched; once the holder is gone a fresh run goes in
+    char lk[256];
+    snprintf(lk, sizeof(lk), "%s/runs/busy", dir);
+    CHECK(mkdir(lk, 0755) == 0, "mkdir %s", lk);
+    snprintf(lk, sizeof(lk), "%s/runs/busy/.vlmoe.lock", dir);
+    const int lfd = open(lk, O_RDWR | O_CREAT, 0644);
+    CHECK(lfd >= 0 && flock(lfd, LOCK_EX | LOCK_NB) == 0 && write(lfd, "4242\n", 5) == 5, "hold %s", lk);
+    expect("train --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name busy", 1,
+           "runs/busy is in use by another run (process 4242");
+    snprintf(lk, sizeof(lk), "%s/runs/busy/metrics.jsonl", dir);
+    CHECK(access(lk, F_OK) != 0, "a refused run wrote %s", lk);
+    close(lfd);
+    expect("train --steps 1 --batch-size 8 --eval-samples 0 --logs runs --name busy", 0, "trained to step 1");
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     CHECK(system(cmd) == 0, "cleanup");

@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -192,6 +194,15 @@ int main(int argc, char **argv) {
     expect(a, 0, "routing  image: b1 V-MoE success", "| text: b1 T-MoE success");
     CHECK(strstr(out, "| pair: b1 V-MoE success") && strstr(out, "8 images + 8 texts + 8 pairs"), "%s", out);
     check_learned("syn", 40);
+    // a run folder another run holds is refused, naming the holder (cli_run_lock, as vlmoe train)
+    char lk[256];
+    snprintf(lk, sizeof(lk), "%s/runs/syn/.vlmoe.lock", dir);
+    const int lfd = open(lk, O_RDWR);
+    CHECK(lfd >= 0 && flock(lfd, LOCK_EX | LOCK_NB) == 0 && pwrite(lfd, "4242\n", 5, 0) == 5, "hold %s", lk);
+    snprintf(a, sizeof(a), "train %s --codebook cb.safetensors --steps 41 --batch-size 24 --name syn --resume latest",
+             common);
+    expect(a, 1, "runs/syn is in use by another run (process 4242", NULL);
+    close(lfd);
 
     // (b) an image folder, a text file and a CSV of pairs; then the CSV alone for all three streams
     expect("vq train --model m.json --size 64 --image-data imgs -o cbf.safetensors", 0, "of 24 images under imgs", NULL);
