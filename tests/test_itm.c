@@ -183,8 +183,209 @@ static void test_itm_fd(void) {
     model_layout_free(&m.L);
 }
 
+
+// ---- the model-level step: its ITM loss rebuilt from the mined negatives and the head's scores
+static const vlmoe_param_info *param_named(const vlmoe_model *m, const char *name) {
+    int n;
+    const vlmoe_param_info *t = vlmoe_model_params(m, &n);
+    for (int i = 0; i < n; i++)
+        if (!strcmp(t[i].name, name)) return &t[i];
+    return NULL;
+}
+
+enum { MB = 4, MC = 3 * 8 * 8, MT = 5 };
+static float m_img[MB * MC];
+static int32_t m_tok[MB * MT], m_len[MB] = {5, 4, 3, 5};
+
+static void make_batch(vlmoe_mome_batch *b) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 21);
+    for (int i = 0; i < MB * MC; i++) m_img[i] = (float)vlmoe_rng_normal(&r);
+    for (int b2 = 0; b2 < MB; b2++)
+        for (int t = 0; t < MT; t++)
+            m_tok[b2 * MT + t] = t == 0 ? 1 : t == m_len[b2] - 1 ? 2 : t < m_len[b2] ? 4 + (int)vlmoe_rng_below(&r, 6) : 0;
+    *b = (vlmoe_mome_batch){.encoding = VLMOE_ENC_PAIR, .batch_size = MB, .images = m_img, .tokens = m_tok,
+                            .lengths = m_len};
+}
+
+static double softplus(double x) { return x > 0 ? x + log1p(exp(-x)) : log1p(exp(x)); }
+
+static void test_model_step(void) {
+    vlmoe_model_config cfg = small();
+    vlmoe_model *m = NULL;
+    if (vlmoe_model_init(&m, &cfg, 3) != VLMOE_OK) {
+        CHECK(0, "model: %s", vlmoe_last_error());
+        return;
+    }
+    vlmoe_mome_batch b;
+    make_batch(&b);
+    const uint64_t key = vlmoe_itm_key(5, 0);
+    vlmoe_mome_stats s, sc;
+    CHECK(vlmoe_mome_forward_retrieval_itm(m, &b, key, 0, &s) == VLMOE_OK, "itm forward: %s", vlmoe_last_error());
+    CHECK(vlmoe_mome_forward_retrieval(m, m_img, m_tok, m_len, MB, 0, &sc) == VLMOE_OK, "itc: %s", vlmoe_last_error());
+    CHECK(s.itc == sc.itc, "the contrastive part %.9g is the contrastive step's %.9g", s.itc, sc.itc);
+    CHECK(fabs(s.loss - (s.itc + s.itm + s.aux)) < 1e-9 && s.itm > 0, "loss %.9g = itc %.9g + itm %.9g + aux %.9g",
+          s.loss, s.itc, s.itm, s.aux);
+    // rebuild: embeddings -> similarities x exp(logit_scale) -> the same mining -> 3B pairs -> ITM
+    const int E = cfg.embed_dim;
+    float ie[MB * 6], te[MB * 6], sim[MB * MB];
+    CHECK(vlmoe_mome_embed(m, VLMOE_ENC_IMAGE, m_img, NULL, NULL, MB, ie) == VLMOE_OK &&
+              vlmoe_mome_embed(m, VLMOE_ENC_TEXT, NULL, m_tok, m_len, MB, te) == VLMOE_OK,
+          "embed: %s", vlmoe_last_error());
+    const vlmoe_param_info *ls = param_named(m, "logit_scale");
+    const double t = exp(vlmoe_model_param_data(m)[ls->offset]);
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < MB; j++) {
+            double d = 0;
+            for (int e = 0; e < E; e++) d += (double)ie[i * E + e] * te[j * E + e];
+            sim[i * MB + j] = (float)(t * d);
+        }
+    int32_t nt[MB], ni[MB];
+    vlmoe_itm_mine(sim, MB, key, NULL, NULL, nt, ni);
+    float pimg[3 * MB * MC], score[3 * MB];
+    int32_t ptok[3 * MB * MT], plen[3 * MB];
+    for (int r = 0; r < 3 * MB; r++) {
+        const int q = r % MB, im = r < MB ? q : r < 2 * MB ? ni[q] : q, tx = r < 2 * MB ? q : nt[q];
+        memcpy(pimg + r * MC, m_img + im * MC, sizeof(float) * MC);
+        memcpy(ptok + r * MT, m_tok + tx * MT, sizeof(int32_t) * MT);
+        plen[r] = m_len[tx];
+    }
+    CHECK(vlmoe_mome_itm_scores(m, pimg, ptok, plen, 3 * MB, score) == VLMOE_OK, "scores: %s", vlmoe_last_error());
+    double want = 0;
+    for (int r = 0; r < 3 * MB; r++) want += r < MB ? softplus(-score[r]) : softplus(score[r]);
+    want /= 3 * MB;
+    CHECK(fabs(s.itm - want) < 1e-5 * (1 + want), "ITM loss %.9g, rebuilt from the mined pairs %.9g", s.itm, want);
+    printf("model step (B = %d): itc %.5f + itm %.5f (rebuilt %.5f) + aux %.5f; negatives texts %d %d %d %d, images "
+           "%d %d %d %d\n", MB, s.itc, s.itm, want, s.aux, nt[0], nt[1], nt[2], nt[3], ni[0], ni[1], ni[2], ni[3]);
+    // a model without the head says what to do
+    vlmoe_model *plain = NULL;
+    cfg.itm_head = 0;
+    CHECK(vlmoe_model_init(&plain, &cfg, 3) == VLMOE_OK, "plain: %s", vlmoe_last_error());
+    CHECK(plain && vlmoe_mome_forward_retrieval_itm(plain, &b, key, 1, &s) == VLMOE_ERR_ARG &&
+              strstr(vlmoe_last_error(), "--itm"), "no ITM head: %s", vlmoe_last_error());
+    CHECK(plain && vlmoe_mome_itm_scores(plain, pimg, ptok, plen, 3, score) == VLMOE_ERR_ARG &&
+              strstr(vlmoe_last_error(), "itm_head"), "no ITM head, no scores: %s", vlmoe_last_error());
+    // vlmoe_mome_with_itm: fresh heads on a copy, the rest copied; the config says itm_head 1
+    vlmoe_model *w = NULL;
+    CHECK(plain && vlmoe_mome_with_itm(&w, plain, 9) == VLMOE_OK && vlmoe_model_get_config(w)->itm_head == 1 &&
+              param_named(w, "itm_head.weight") && !param_named(plain, "itm_head.weight"),
+          "with_itm: %s", vlmoe_last_error());
+    vlmoe_model_free(w);
+    vlmoe_model_free(plain);
+    vlmoe_model_free(m);
+}
+
+// ---- save, then resume: the negatives (keyed by seed and step) and so the weights match bit for bit
+static int train_steps(vlmoe_model *m, vlmoe_trainer **t, int n, const char *load, const char *save) {
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 1, 6, 0, 0, 0};
+    if (!*t && vlmoe_trainer_init(t, m, &tp)) return 1;
+    char st[256];
+    if (load) {
+        snprintf(st, sizeof(st), "%s.state", load);
+        if (vlmoe_trainer_load(*t, load, st, NULL)) return 1;
+    }
+    vlmoe_mome_batch b;
+    make_batch(&b);
+    for (int i = 0; i < n; i++)
+        if (vlmoe_trainer_step_mome_itm(*t, &b, 5, NULL, NULL)) return 1;
+    if (save) {
+        snprintf(st, sizeof(st), "%s.state", save);
+        vlmoe_data_state ds;
+        memset(&ds, 0, sizeof(ds));
+        if (vlmoe_trainer_save(*t, save, st, &ds)) return 1;
+    }
+    return 0;
+}
+
+static void test_resume(void) {
+    vlmoe_model_config cfg = small();
+    vlmoe_model *a = NULL, *b = NULL, *c = NULL;
+    vlmoe_trainer *ta = NULL, *tb = NULL, *tc = NULL;
+    char path[64];
+    snprintf(path, sizeof(path), "/tmp/vlmoe_itm_resume_%d.safetensors", (int)getpid());
+    int ok = !vlmoe_model_init(&a, &cfg, 3) && !vlmoe_model_init(&b, &cfg, 3) && !vlmoe_model_init(&c, &cfg, 4);
+    ok = ok && !train_steps(a, &ta, 4, NULL, NULL);
+    ok = ok && !train_steps(b, &tb, 2, NULL, path) && !train_steps(c, &tc, 2, path, NULL);
+    CHECK(ok, "training / checkpoint: %s", vlmoe_last_error());
+    if (ok) {
+        const size_t n = vlmoe_model_num_floats(a);
+        CHECK(!memcmp(vlmoe_model_param_data(a), vlmoe_model_param_data(c), sizeof(float) * n),
+              "4 steps in one go and 2 + resume + 2 must give the same weights bit for bit");
+        printf("resume: 4 steps = 2 steps, save, load into another model, 2 steps (bit for bit, %zu floats)\n", n);
+    }
+    char st[80];
+    snprintf(st, sizeof(st), "%s.state", path);
+    unlink(path), unlink(st);
+    vlmoe_trainer_free(ta), vlmoe_trainer_free(tb), vlmoe_trainer_free(tc);
+    vlmoe_model_free(a), vlmoe_model_free(b), vlmoe_model_free(c);
+}
+
+// ---- `vlmoe finetune --task retrieval --itm` on the synthetic data
+static const char *bin;
+static char dir[64], out[16384];
+
+static int run(const char *args) { return test_run_in(dir, bin, args, 1, out, sizeof(out)); }
+
+// held-out R@1 image->text and text->image of the last run's report line starting with `what`
+static int held_r1(const char *what, double *i2t, double *t2i) {
+    const char *p = strstr(out, what);
+    return p && sscanf(p + strlen(what), " image->text R@1 %lf R@5 %*f R@10 %*f; text->image R@1 %lf", i2t, t2i) == 2;
+}
+
+static void test_cli(const char *argv0) {
+    static char abs[4096];
+    if (!(bin = test_vlmoe_bin(argv0, abs))) return;
+    snprintf(dir, sizeof(dir), "/tmp/vlmoe_itm_XXXXXX");
+    if (!mkdtemp(dir)) {
+        CHECK(0, "mkdtemp %s", dir);
+        return;
+    }
+    vlmoe_model_config cfg;
+    vlmoe_config_named("vlmoe-tiny", &cfg);
+    vlmoe_model *pre = NULL;
+    CHECK(vlmoe_model_init(&pre, &cfg, 3) == VLMOE_OK && vlmoe_model_save(pre, test_path(dir, "pre.safetensors")) == VLMOE_OK,
+          "pre: %s", vlmoe_last_error());
+    vlmoe_model_free(pre);
+    CHECK(run("synth export --out shapes --n 120") == 0, "synth export:\n%s", out);
+    const char *common = "finetune --model pre.safetensors --task retrieval --itm --data shapes/captions.csv "
+                         "--image-mean 0.5 --image-std 0.5 --batch-size 16";
+    char args[1024];
+    double s_i = -1, s_t = -1, f_i = -1, f_t = -1, r_i = -1, r_t = -1;
+    snprintf(args, sizeof(args), "%s --steps 1 --lr 1e-9 -o start.safetensors", common); // the start, untrained
+    CHECK(run(args) == 0 && held_r1("held-out retrieval (30 pairs):", &s_i, &s_t), "start run:\n%s", out);
+    snprintf(args, sizeof(args), "%s --steps 100 --log-every 50 --itm-rerank 8 -o ft.safetensors", common);
+    const int st = run(args);
+    CHECK(st == 0 && strstr(out, "contrastive + ITM with hard negatives") && strstr(out, "  itm "),
+          "ITM fine-tuning: exit %d:\n%s", st, out);
+    CHECK(held_r1("held-out retrieval (30 pairs):", &f_i, &f_t) &&
+              held_r1("held-out retrieval, top 8 re-ranked by ITM (30 pairs):", &r_i, &r_t), "report lines:\n%s", out);
+    printf("finetune --itm (90 train / 30 held-out synthetic pairs, 100 steps): held-out R@1 image->text %.3f -> %.3f, "
+           "text->image %.3f -> %.3f; top-8 re-ranked by ITM %.3f / %.3f\n", s_i, f_i, s_t, f_t, r_i, r_t);
+    CHECK(f_i > s_i && f_t > s_t, "held-out recall@1 must improve over the start: %.3f -> %.3f, %.3f -> %.3f", s_i, f_i,
+          s_t, f_t);
+    vlmoe_model *ft = NULL;
+    CHECK(vlmoe_model_load(&ft, test_path(dir, "ft.safetensors")) == VLMOE_OK && vlmoe_model_get_config(ft)->itm_head == 1,
+          "the written model keeps its ITM head: %s", vlmoe_last_error());
+    vlmoe_model_free(ft);
+    char *pj = test_read_file(test_path(dir, "ft.safetensors.params.json"), NULL);
+    CHECK(pj && strstr(pj, "\"itm\":\ttrue") && strstr(pj, "\"itm_rerank\":\t8"), "params.json records --itm: %s",
+          pj ? pj : "(none)");
+    free(pj);
+    test_expect_in(dir, bin, "finetune --model pre.safetensors --task image-cls --itm --data shapes/classes -o x.safetensors",
+                   1, "--itm: image-text matching is a retrieval objective", out, sizeof(out));
+    test_expect_in(dir, bin, "finetune --model pre.safetensors --task retrieval --itm-rerank 4 --data shapes/captions.csv "
+                   "-o x.safetensors", 1, "--itm-rerank 4", out, sizeof(out));
+    char cmd[128];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    CHECK(system(cmd) == 0, "rm %s", dir);
+}
+
 int main(int argc, char **argv) {
     test_mining_golden();
     test_itm_fd();
+    test_model_step();
+    test_resume();
+    test_cli(argv[0]);
     return test_summary("test_itm");
 }
