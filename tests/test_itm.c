@@ -14,7 +14,9 @@
 
 #include "core/core.h"
 #include "io/safetensors.h"
+#include "nn/model.h"
 #include "nn/mome.h"
+#include "ops/backend.h"
 #include "test.h"
 
 // ---- mining: hand-worked probabilities
@@ -183,6 +185,181 @@ static void test_itm_fd(void) {
     model_layout_free(&m.L);
 }
 
+
+// ---- PyTorch parity (tests/ref/gen_itm.py): the contrastive step, the mining distribution, and
+// with torch's draws the 3B-pair ITM loss, its logits and every gradient, on the same weights
+static float *fx_get(const vlmoe_st *f, const char *name, size_t *n) {
+    vlmoe_tensor_info ti;
+    const int i = vlmoe_st_find(f, name);
+    if (i < 0 || vlmoe_st_info(f, i, &ti)) {
+        CHECK(0, "fixture tensor %s missing", name);
+        return NULL;
+    }
+    float *v = malloc(sizeof(float) * (ti.numel ? ti.numel : 1));
+    if (vlmoe_st_read_f32(f, name, v, ti.numel)) CHECK(0, "read %s: %s", name, vlmoe_last_error());
+    if (n) *n = ti.numel;
+    return v;
+}
+
+static int32_t *fx_i32(const vlmoe_st *f, const char *name) {
+    vlmoe_tensor_info ti;
+    const int i = vlmoe_st_find(f, name);
+    if (i < 0 || vlmoe_st_info(f, i, &ti) || ti.dtype != VLMOE_DT_I32) {
+        CHECK(0, "fixture int32 tensor %s missing", name);
+        return NULL;
+    }
+    int32_t *v = malloc(ti.nbytes);
+    memcpy(v, ti.data, ti.nbytes);
+    return v;
+}
+
+// max |a - ref| / max |ref|
+static double fx_err(const float *a, const float *ref, size_t n) {
+    double num = 0, den = 1e-30;
+    for (size_t i = 0; ref && i < n; i++) num = fmax(num, fabs((double)a[i] - ref[i])), den = fmax(den, fabs((double)ref[i]));
+    return ref ? num / den : 1;
+}
+
+// Sets the fixture noise "PREFIX.noise.I" of every MoE layer on g; noise[] keeps the buffers.
+static void fx_noise(const vlmoe_st *f, const char *prefix, mome_graph_f32 *g, int nmoe, double **noise) {
+    char name[96];
+    for (int i = 0; i < nmoe && i < 16; i++) {
+        snprintf(name, sizeof(name), "%s.noise.%d", prefix, i);
+        if (vlmoe_st_find(f, name) < 0) continue;
+        size_t n;
+        float *v = fx_get(f, name, &n);
+        noise[i] = malloc(sizeof(double) * n);
+        for (size_t k = 0; k < n; k++) noise[i][k] = v[k];
+        free(v);
+        mome_graph_set_noise_f32(g, i, noise[i]);
+    }
+}
+
+static double fx_scalar(const vlmoe_st *f, const char *name) {
+    float *v = fx_get(f, name, NULL);
+    const double r = v ? v[0] : NAN;
+    free(v);
+    return r;
+}
+
+static void test_parity(void) {
+    char path[512];
+    snprintf(path, sizeof(path), "%s/itm.ref.safetensors", fixture_dir());
+    vlmoe_st *f = NULL;
+    vlmoe_model *m = NULL;
+    if (vlmoe_st_open(path, &f) != VLMOE_OK) {
+        CHECK(0, "cannot open fixture %s (run `make fixtures`): %s", path, vlmoe_last_error());
+        return;
+    }
+    snprintf(path, sizeof(path), "%s/itm.init.safetensors", fixture_dir());
+    if (vlmoe_model_load(&m, path) != VLMOE_OK) {
+        CHECK(0, "load %s: %s", path, vlmoe_last_error());
+        vlmoe_st_close(f);
+        return;
+    }
+    const model_layout *L = &m->L;
+    const vlmoe_backend_f32 *be = backend_cpu_f32();
+    const int B = 4, E = L->cfg.embed_dim, T = L->cfg.context_length;
+    const size_t isz = (size_t)L->cfg.channels * L->cfg.image_size * L->cfg.image_size;
+    mome_graph_f32 *gi = NULL, *gt = NULL, *gp = NULL;
+    mome_itc_f32 *itc = NULL;
+    mome_itm_f32 *itm = NULL;
+    double *noise[3][16] = {{0}};
+    float *img = fx_get(f, "itm.images", NULL), *G = calloc(L->total, sizeof(float));
+    int32_t *tok = fx_i32(f, "itm.tokens"), *len = fx_i32(f, "itm.lens");
+    int32_t *nt = fx_i32(f, "itm.neg_text"), *ni = fx_i32(f, "itm.neg_image");
+    int ok = img && tok && len && nt && ni && L->cfg.itm_head == 1 && !mome_graph_create_f32(&gi, L, be, B) &&
+             !mome_graph_create_f32(&gt, L, be, B) && !mome_graph_create_f32(&gp, L, be, 3 * B) &&
+             !mome_itc_create_f32(&itc, L, be, B) && !mome_itm_create_f32(&itm, L, be, 3 * B);
+    CHECK(ok, "itm parity setup: %s", vlmoe_last_error());
+    vlmoe_mome_stats si, st2, sp;
+    if (ok) {
+        fx_noise(f, "itm.image", gi, L->nmoe, noise[0]);
+        fx_noise(f, "itm.text", gt, L->nmoe, noise[1]);
+        fx_noise(f, "itm.pair", gp, L->nmoe, noise[2]);
+        mome_graph_set_mode_f32(gi, 1, 0), mome_graph_set_mode_f32(gt, 1, 0), mome_graph_set_mode_f32(gp, 1, 0);
+        const mome_input_f32 ii = {VLMOE_ENC_IMAGE, img, NULL, NULL, NULL, NULL, NULL},
+                             it = {VLMOE_ENC_TEXT, NULL, tok, len, NULL, NULL, NULL};
+        ok = !mome_graph_forward_f32(gi, m->params, &ii, &si) && !mome_graph_forward_f32(gt, m->params, &it, &st2);
+        CHECK(ok, "itm parity: forwards: %s", vlmoe_last_error());
+    }
+    for (int i = 0; i < B && ok; i++) ok = nt[i] >= 0 && nt[i] < B && ni[i] >= 0 && ni[i] < B;
+    if (ok) {
+        double acc[2];
+        const double c = mome_itc_forward_f32(itc, gi, gt, m->params, acc);
+        // the mining similarities and distributions from vlmoe's own logits
+        const float *ie = mome_itc_embedding_f32(itc, 0), *te = mome_itc_embedding_f32(itc, 1);
+        const double t = exp((double)m->params[L->logit_scale]);
+        float sim[16], ptf[16], pif[16];
+        for (int i = 0; i < B; i++)
+            for (int j = 0; j < B; j++) {
+                double d = 0;
+                for (int e = 0; e < E; e++) d += (double)ie[i * E + e] * te[j * E + e];
+                sim[i * B + j] = (float)(t * d);
+            }
+        double pt[16], pi[16];
+        int32_t dt[4], di[4];
+        vlmoe_itm_mine(sim, B, 1, pt, pi, dt, di);
+        for (int k = 0; k < 16; k++) ptf[k] = (float)pt[k], pif[k] = (float)pi[k];
+        float *rs = fx_get(f, "itm.sim", NULL), *rt = fx_get(f, "itm.p_text", NULL), *ri = fx_get(f, "itm.p_image", NULL);
+        const double es = fx_err(sim, rs, 16), et = fx_err(ptf, rt, 16), ei = fx_err(pif, ri, 16);
+        CHECK(es <= 2e-6 && et <= 1e-5 && ei <= 1e-5, "mining vs torch: similarities %.3g, p_text %.3g, p_image %.3g", es,
+              et, ei);
+        free(rs), free(rt), free(ri);
+        // torch's draws -> the 3B pairs in VLMo's order
+        float *pimg = malloc(sizeof(float) * isz * 3 * B);
+        int32_t ptok[12 * 64], plen[12], lab[12];
+        for (int r = 0; r < 3 * B; r++) {
+            const int q = r % B, im = r < B ? q : r < 2 * B ? ni[q] : q, tx = r < 2 * B ? q : nt[q];
+            memcpy(pimg + isz * r, img + isz * im, sizeof(float) * isz);
+            memcpy(ptok + T * r, tok + T * tx, sizeof(int32_t) * T);
+            plen[r] = len[tx], lab[r] = r < B;
+        }
+        const mome_input_f32 ip = {VLMOE_ENC_PAIR, pimg, ptok, plen, NULL, NULL, NULL};
+        ok = T <= 64 && !mome_graph_forward_f32(gp, m->params, &ip, &sp);
+        CHECK(ok, "itm parity: pair forward: %s", vlmoe_last_error());
+        if (ok) {
+            const double l = mome_itm_forward_f32(itm, gp, m->params, lab, NULL);
+            const double aux = si.aux + st2.aux + sp.aux, tot = c + l + aux;
+            const double want[4] = {fx_scalar(f, "itm.itc"), fx_scalar(f, "itm.itm"), fx_scalar(f, "itm.aux"),
+                                    fx_scalar(f, "itm.loss")};
+            const double got[4] = {c, l, aux, tot};
+            double lerr = 0;
+            for (int k = 0; k < 4; k++) lerr = fmax(lerr, fabs(got[k] - want[k]) / (fabs(want[k]) + 1e-30));
+            CHECK(lerr <= 2e-6, "losses vs torch: itc %.9g/%.9g itm %.9g/%.9g aux %.9g/%.9g total %.9g/%.9g", c, want[0],
+                  l, want[1], aux, want[2], tot, want[3]);
+            float *rl = fx_get(f, "itm.logits", NULL);
+            const double el = fx_err(mome_itm_logits_f32(itm), rl, 6 * B);
+            CHECK(el <= 2e-6, "ITM logits vs torch: %.3g", el);
+            free(rl);
+            mome_itc_backward_f32(itc, gi, gt, m->params, G);
+            mome_itm_backward_f32(itm, gp, m->params, G);
+            double worst = 0, head = 0;
+            const char *wn = "";
+            char name[200];
+            for (int k = 0; k < L->nparams; k++) {
+                snprintf(name, sizeof(name), "itm.grad.%s", L->table[k].name);
+                float *ref = fx_get(f, name, NULL);
+                const double e = fx_err(G + L->table[k].offset, ref, L->table[k].numel);
+                if (e > worst) worst = e, wn = L->table[k].name;
+                if (!strncmp(L->table[k].name, "itm_head.", 9)) head = fmax(head, e);
+                CHECK(e <= 2e-5, "gradient of %s vs torch: %.3g", L->table[k].name, e);
+                free(ref);
+            }
+            printf("parity with torch (4 pairs, 12 ITM pairs): itc %.6f itm %.6f aux %.6f within %.2g; mining "
+                   "similarities %.2g, probabilities %.2g / %.2g; ITM logits %.2g; %d gradients, worst %.2g (%s), "
+                   "itm_head %.2g\n", c, l, aux, lerr, es, et, ei, el, L->nparams, worst, wn, head);
+        }
+        free(pimg);
+    }
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < 16; i++) free(noise[k][i]);
+    free(img), free(G), free(tok), free(len), free(nt), free(ni);
+    mome_itm_free_f32(itm), mome_itc_free_f32(itc);
+    mome_graph_free_f32(gi), mome_graph_free_f32(gt), mome_graph_free_f32(gp);
+    vlmoe_model_free(m);
+    vlmoe_st_close(f);
+}
 
 // ---- the model-level step: its ITM loss rebuilt from the mined negatives and the head's scores
 static const vlmoe_param_info *param_named(const vlmoe_model *m, const char *name) {
@@ -384,6 +561,7 @@ static void test_cli(const char *argv0) {
 int main(int argc, char **argv) {
     test_mining_golden();
     test_itm_fd();
+    test_parity();
     test_model_step();
     test_resume();
     test_cli(argv[0]);
