@@ -2,7 +2,7 @@
 // retrieval head (VL-MoE sec. 4.2): the data, the split, the steps and the report are the
 // fine-tuning task of src/train/tasks.h run by the loop of src/train/run.h; this file reads the
 // flags, prints and picks the exit code. Writes the model with its head and OUT.labels (one class
-// per line, in class order). Covered by tests/test_finetune.c.
+// per line, in class order). Covered by tests/test_finetune.c and, for --itm, tests/test_itm.c.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -186,6 +186,27 @@ static void test_itm_fd(void) {
 }
 
 
+// ---- the config key: itm_head needs the retrieval head; JSON round trip
+static void test_config(void) {
+    vlmoe_model_config c;
+    CHECK(vlmoe_config_from_json("{\"base\": \"vlmoe-tiny\", \"itm_head\": 1}", "cfg.json", &c) == VLMOE_ERR_CONFIG &&
+              strstr(vlmoe_last_error(), "itm_head: 1: need 0, or 1 with retrieval_head 1"),
+          "itm_head without the retrieval head: %s", vlmoe_last_error());
+    CHECK(vlmoe_config_from_json("{\"base\": \"vlmoe-tiny\", \"retrieval_head\": 1, \"itm_head\": 2}", "cfg.json", &c) ==
+              VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "itm_head: 2"), "itm_head 2: %s", vlmoe_last_error());
+    CHECK(vlmoe_config_from_json("{\"base\": \"vlmoe-tiny\", \"retrieval_head\": 1, \"itm_head\": 1}", "cfg.json", &c) ==
+              VLMOE_OK && c.itm_head == 1, "itm_head 1: %s", vlmoe_last_error());
+    char *j = vlmoe_config_to_json(&c);
+    vlmoe_model_config back;
+    CHECK(j && strstr(j, "\"itm_head\"") && vlmoe_config_from_json(j, "round trip", &back) == VLMOE_OK &&
+              back.itm_head == 1, "itm_head survives the JSON round trip: %s", j ? j : "(null)");
+    free(j);
+    vlmoe_config_named("vlmoe-tiny", &c);
+    j = vlmoe_config_to_json(&c);
+    CHECK(j && !strstr(j, "itm_head"), "a model without the head writes no itm_head key");
+    free(j);
+}
+
 // ---- PyTorch parity (tests/ref/gen_itm.py): the contrastive step, the mining distribution, and
 // with torch's draws the 3B-pair ITM loss, its logits and every gradient, on the same weights
 static float *fx_get(const vlmoe_st *f, const char *name, size_t *n) {
@@ -560,6 +581,7 @@ static void test_cli(const char *argv0) {
 
 int main(int argc, char **argv) {
     test_mining_golden();
+    test_config();
     test_itm_fd();
     test_parity();
     test_model_step();

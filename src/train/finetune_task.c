@@ -2,7 +2,8 @@
 // the data of the four tasks (image folder, text TSV, image-question TSV or NLVR2's two images and
 // a sentence, image-caption pairs), classes numbered in sorted label order, every holdout-th
 // example held out, batches in the data order of src/data/order.c, a classification or a
-// contrastive step, and the accuracy / recall report. The heads are vlmoe_mome_with_heads
+// contrastive step (plus ITM with hard negatives when the model has itm_head), and the accuracy /
+// recall report (optionally ITM re-ranked). The heads are vlmoe_mome_with_heads
 // (src/nn/mome_model.c). Covered by tests/test_finetune.c.
 #include <errno.h>
 #include <stdio.h>
