@@ -2,7 +2,7 @@
 // retrieval head (VL-MoE sec. 4.2): the data, the split, the steps and the report are the
 // fine-tuning task of src/train/tasks.h run by the loop of src/train/run.h; this file reads the
 // flags, prints and picks the exit code. Writes the model with its head and OUT.labels (one class
-// per line, in class order). Covered by tests/test_finetune.c.
+// per line, in class order). Covered by tests/test_finetune.c and, for --itm, tests/test_itm.c.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +38,18 @@ static int report(vlmoe_model *m, const vlmoe_ft_data *d, int held, const char *
     return 0;
 }
 
+// The held-out retrieval report again with each query's top k candidates re-ranked by the ITM
+// head (--itm-rerank k, VLMo's inference).
+static int report_itm(vlmoe_model *m, const vlmoe_ft_data *d, int held, const char *what, int k) {
+    vlmoe_ft_score sc;
+    if (vlmoe_ft_evaluate_rerank(m, d, held, k, &sc)) return cli_error(CMD, "%s", vlmoe_last_error());
+    if (sc.n)
+        printf("%s retrieval, top %d re-ranked by ITM (%d pairs): image->text R@1 %.4f R@5 %.4f R@10 %.4f; "
+               "text->image R@1 %.4f R@5 %.4f R@10 %.4f\n", what, k, sc.n, sc.i2t[0], sc.i2t[1], sc.i2t[2], sc.t2i[0],
+               sc.t2i[1], sc.t2i[2]);
+    return 0;
+}
+
 // OUT.params.json: the settings of the fine-tuning, so that a model says how it was made (whether
 // its routers and experts are the pre-trained ones above all).
 typedef struct {
@@ -45,6 +57,7 @@ typedef struct {
     int steps, batch, holdout, freeze_moe;
     double lr, wd;
     long seed;
+    int itm, itm_rerank;
 } ft_settings;
 
 static int write_params(const char *output, const ft_settings *s) {
@@ -55,6 +68,8 @@ static int write_params(const char *output, const ft_settings *s) {
     const double nv[] = {s->steps, s->batch, s->holdout, s->lr, s->wd, (double)s->seed};
     for (int i = 0; i < 6; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
     cJSON_AddBoolToObject(p, "freeze_moe", s->freeze_moe);
+    cJSON_AddBoolToObject(p, "itm", s->itm);
+    cJSON_AddNumberToObject(p, "itm_rerank", s->itm_rerank);
     char path[4096], *text = cJSON_Print(p);
     cJSON_Delete(p);
     snprintf(path, sizeof(path), "%s.params.json", output);
@@ -69,6 +84,7 @@ int cmd_finetune(int argc, char **argv) {
     const char *model = NULL, *task = NULL, *data = NULL, *output = NULL, *tokenizer = NULL, *sep = "\t";
     const char *norm[2] = {NULL, NULL};
     int steps = 100, batch = 16, holdout = 4, freeze = 0, no_freeze = 0, log_every = 10, override = 0;
+    int itm = 0, itm_rerank = 0;
     double lr = 1e-3, wd = 0.05;
     long seed = 0, max_pixels = 0;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
@@ -99,6 +115,13 @@ int cmd_finetune(int argc, char **argv) {
         {"log-every", ARG_INT1, &log_every, "N", "progress line every N steps (10)"},
         {"seed", ARG_LONG, &seed, "N", "seed of the head's initialisation and the data order (0)"},
         {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},
+        {"itm", ARG_FLAG, &itm, NULL, "retrieval: add image-text matching with hard negatives (VLMo, VL-MoE sec. 4.2): "
+                                      "a matched/unmatched head on the fused pair, each image's negative text and "
+                                      "each text's negative image drawn from the in-batch softmax of the contrastive "
+                                      "similarities; loss = contrastive + ITM"},
+        {"itm-rerank", ARG_INT, &itm_rerank, "K", "retrieval with --itm: also report recall with each query's top K "
+                                                  "candidates re-ranked by the ITM score (VLMo/ALBEF's k_test; 0 = "
+                                                  "contrastive ranking only, the default)"},
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     const char *usage =
@@ -110,7 +133,10 @@ int cmd_finetune(int argc, char **argv) {
         "reads the two fused [T_CLS] features side by side). Retrieval: images and captions encoded\n"
         "separately, [I_CLS] and [T_CLS] projected to embed_dim and trained with the contrastive loss;\n"
         "held-out recall@1/5/10 is reported. Routers and experts stay frozen as in the paper unless\n"
-        "--no-freeze-moe is given. The settings go to OUT.params.json.\n\n"
+        "--no-freeze-moe is given. The settings go to OUT.params.json. With --itm (VLMo's recipe, which\n"
+        "VL-MoE follows) retrieval also trains an image-text matching head on 3B fused pairs per batch\n"
+        "of B: the true pairs and, for each image and each text, a hard negative drawn (seeded by\n"
+        "--seed and the step) from the softmax of its contrastive similarities.\n\n"
         "example:\n"
         "  vlmoe finetune --model logs/vlmoe-tiny/checkpoints/step_300.safetensors --task pair-cls \\\n"
         "      --data match.tsv --steps 200 -o match.safetensors";
@@ -125,6 +151,10 @@ int cmd_finetune(int argc, char **argv) {
     int tk = 0;
     while (tk < 4 && strcmp(task, TASKS[tk])) tk++;
     if (tk == 4) return cli_error(CMD, "--task %s: expected image-cls, text-cls, pair-cls or retrieval", task);
+    if (itm && tk != 3) return cli_error(CMD, "--itm: image-text matching is a retrieval objective: use it with --task "
+                                          "retrieval, not --task %s", task);
+    if (itm_rerank < 0 || (itm_rerank && !itm))
+        return cli_error(CMD, "--itm-rerank %d: need K >= 0, and --itm (the model needs the ITM head)", itm_rerank);
     if (steps < 1 || batch < 1 || batch > 4096 || holdout < 0 || holdout == 1 || log_every < 1 || !(lr > 0) || !(wd >= 0))
         return cli_error(CMD, "need --steps >= 1, --batch-size in [1, 4096], --holdout 0 or >= 2, --lr > 0, --wd >= 0");
     if (cli_separator(CMD, sep, &dp.separator)) return 1;
@@ -160,7 +190,8 @@ int cmd_finetune(int argc, char **argv) {
         cli_bad_warn(CMD, &bad, "images", data);
     }
     const int ret = tk == VLMOE_FT_RETRIEVAL;
-    if (!rc && vlmoe_mome_with_heads(&m, pre, ret ? 0 : info.classes, info.per, ret, (uint64_t)seed))
+    if (!rc && (itm ? vlmoe_mome_with_itm(&m, pre, (uint64_t)seed)
+                    : vlmoe_mome_with_heads(&m, pre, ret ? 0 : info.classes, info.per, ret, (uint64_t)seed)))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
     const int B = batch < info.train ? batch : info.train;
     vlmoe_train_params tp = vlmoe_train_default_params();
@@ -171,8 +202,8 @@ int cmd_finetune(int argc, char **argv) {
         rc = cli_error(CMD, "%s", vlmoe_last_error());
     if (!rc && ret)
         printf("finetune retrieval: %d training and %d held-out image-caption pairs, embed_dim %d, batch %d, %d "
-               "steps%s\n", info.train, info.held, vlmoe_model_get_config(m)->embed_dim, B, steps,
-               freeze ? ", routers and experts frozen" : "");
+               "steps%s%s\n", info.train, info.held, vlmoe_model_get_config(m)->embed_dim, B, steps,
+               freeze ? ", routers and experts frozen" : "", itm ? ", contrastive + ITM with hard negatives" : "");
     else if (!rc)
         printf("finetune %s%s: %d classes, %d training and %d held-out examples, batch %d, %d steps%s\n", task,
                info.per == 2 ? " (NLVR2: two image-text pairs per example)" : "", info.classes, info.train, info.held,
@@ -184,10 +215,11 @@ int cmd_finetune(int argc, char **argv) {
     }
     if (!rc) rc = report(m, d, 0, "train");
     if (!rc) rc = report(m, d, 1, "held-out");
+    if (!rc && itm_rerank) rc = report_itm(m, d, 1, "held-out", itm_rerank);
     if (!rc && !ret) printf("chance %.4f (%d classes)\n", 1.0 / info.classes, info.classes);
     if (!rc && (vlmoe_model_save(m, output) || (!ret && vlmoe_ft_write_labels(d, output))))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
-    const ft_settings fs = {model, task, data, tokenizer, steps, batch, holdout, freeze, lr, wd, seed};
+    const ft_settings fs = {model, task, data, tokenizer, steps, batch, holdout, freeze, lr, wd, seed, itm, itm_rerank};
     if (!rc) rc = write_params(output, &fs);
     if (!rc && !ret) printf("wrote %s, %s.labels and %s.params.json\n", output, output, output);
     if (!rc && ret) printf("wrote %s and %s.params.json\n", output, output);

@@ -381,6 +381,10 @@ typedef struct {
     int retrieval_head;      // mome: 1 adds the contrastive retrieval head: projections of the
                              // [I_CLS] and [T_CLS] features to embed_dim and a logit_scale
                              // (JSON "retrieval_head", written when 1)
+    int itm_head;            // mome: 1 adds the image-text matching head "itm_head" (2, width) +
+                             // bias on the fused [T_CLS] of a pair (VLMo's ITM; needs
+                             // retrieval_head, whose similarities mine its hard negatives);
+                             // JSON "itm_head", written when 1
 } vlmoe_model_config;
 // Warnings about a config that is valid but cannot do what it asks: a global-entropy threshold at
 // or above log(num_experts) (LIMoE 2.2.2: no routing over E experts reaches it, so the loss never
@@ -556,6 +560,8 @@ typedef struct {
     double cls, cls_acc;         // classification head: mean cross-entropy, top-1 accuracy
     int cls_count;               // examples with a class label (B/cls_sequences, or 0)
     double itc, itc_acc[2];      // retrieval: contrastive loss, image->text and text->image top-1
+    double itm, itm_acc;         // retrieval with the ITM head: mean matching cross-entropy over
+                                 // the 3B pairs (B true, 2B hard negatives), its top-1 accuracy
 } vlmoe_mome_stats;
 // Forward of one encoding (training: routing noise and the train capacity factor). MLM is a text
 // batch with text_labels, MIM an image batch with patch_labels, VLM a pair batch with both.
@@ -602,6 +608,45 @@ VLMOE_API int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, 
                                            int B, int training, vlmoe_mome_stats *s);
 // Back-propagates the last training retrieval forward (accumulate = 0 zeroes the gradients first).
 VLMOE_API int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate);
+
+// Image-text matching with hard negatives (VL-MoE sec. 4.2 fine-tunes retrieval "jointly with
+// image-text contrastive and image-text matching with hard negative mining objectives as in
+// VLMo"; VLMo/ALBEF's recipe), config itm_head = 1 (src/nn/mome_itm.c, src/loss/itm.c).
+// Mining: sim (B,B) the contrastive logits of image i against text j (a copy: no gradient flows
+// through the choice). Image i's negative text is j != i with probability
+// exp(sim[i][j]) / sum_{k != i} exp(sim[i][k]) (softmax of its row, the positive left out), text
+// j's negative image i != j likewise over column j. p_text (B,B) row i and p_image (B,B) row j
+// get those probabilities (either may be NULL); neg_text[i] and neg_image[j] the draws, by
+// inverse CDF of one uniform each from the counter-based stream (key, row, side): the same key
+// gives the same negatives on any machine and after a resume, whatever was drawn before.
+// B >= 2 and finite similarities, else VLMOE_ERR_ARG.
+VLMOE_API int vlmoe_itm_mine(const float *sim, int B, uint64_t key, double *p_text, double *p_image,
+                             int32_t *neg_text, int32_t *neg_image);
+// The draw key of training step `step` of a run seeded by `seed`.
+VLMOE_API uint64_t vlmoe_itm_key(uint64_t seed, long step);
+// A copy of mome model m with fresh retrieval and ITM heads (retrieval_head = itm_head = 1; no
+// classification head), every other tensor copied.
+VLMOE_API int vlmoe_mome_with_itm(vlmoe_model **out, const vlmoe_model *m, uint64_t seed);
+// The contrastive loss of the B pairs of b (images, tokens, lengths, batch_size; the rest
+// unused) plus the ITM loss: hard negatives mined from the contrastive logits with `key`, then
+// one pair forward of 3B sequences: (image i, text i) labelled matched, (image i, its negative
+// text) and (text j's negative image, text j) unmatched; ITM is the mean 2-way cross-entropy of
+// the head on their fused [T_CLS]. s->loss = itc + itm + aux (all three forwards' MoE losses),
+// VLMo's equal weights. vlmoe_mome_backward_retrieval back-propagates both losses.
+VLMOE_API int vlmoe_mome_forward_retrieval_itm(vlmoe_model *m, const vlmoe_mome_batch *b, uint64_t key, int training,
+                                               vlmoe_mome_stats *s);
+// ITM scores of n image-text pairs (eval mode, in chunks): out[i] = logit(matched) -
+// logit(unmatched) of pair i (images (n,C,H,W), tokens (n,ctx), lengths (n)).
+VLMOE_API int vlmoe_mome_itm_scores(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
+                                    int n, float *out);
+// Retrieval recall@K re-ranked by ITM (VLMo's / ALBEF's inference): pairs i = (images i, text i)
+// of n, ranked first by the contrastive similarity of their embeddings (img, txt (n,E)
+// L2-normalised), then each query's top `rerank` candidates re-ordered by the ITM score (ties to
+// the contrastive order); candidates below the top `rerank` keep their contrastive order after
+// them. i2t[q] / t2i[q]: fraction of queries whose own pair is among the top ks[q] (q < nk).
+VLMOE_API int vlmoe_mome_itm_recall(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths,
+                                    const float *img, const float *txt, int n, int rerank, const int *ks, int nk,
+                                    double *i2t, double *t2i);
 
 // Masking (src/data/masking.c), seeded: the same seed gives the same masks on any machine.
 typedef struct {
@@ -692,6 +737,10 @@ VLMOE_API int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *
 // One retrieval fine-tuning step (vlmoe_mome_forward_retrieval, then the update).
 VLMOE_API int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
                                                 const int32_t *lengths, int B, vlmoe_mome_stats *s, vlmoe_step_stats *stats);
+// One retrieval fine-tuning step with ITM and hard negatives (vlmoe_mome_forward_retrieval_itm
+// with the key vlmoe_itm_key(seed, step), then the update): a resumed run draws the same negatives.
+VLMOE_API int vlmoe_trainer_step_mome_itm(vlmoe_trainer *t, const vlmoe_mome_batch *b, uint64_t seed,
+                                          vlmoe_mome_stats *s, vlmoe_step_stats *stats);
 VLMOE_API long vlmoe_trainer_get_step(const vlmoe_trainer *t);
 VLMOE_API vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t);
 VLMOE_API vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t);

@@ -737,3 +737,5 @@ void R(mome_itc_backward)(struct R(mome_itc) *c, struct R(mome_graph) *gi, struc
         R(mome_graph_set_feature_grad)(g[s], NULL);
     }
 }
+
+const real *R(mome_itc_embedding)(const struct R(mome_itc) *c, int which) { return c->emb[which ? 1 : 0]; }

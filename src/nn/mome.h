@@ -30,6 +30,8 @@ typedef struct mome_layout {
     size_t itc_proj[2];             // (embed_dim, D) projections of the image [I_CLS] and the text
                                     // [T_CLS] features (retrieval head; NO_PARAM without), and
                                     // model_layout.logit_scale
+    size_t itm_w, itm_b;            // (2, D), (2) the ITM head on a pair's fused [T_CLS]
+                                    // (class 1 = matched); NO_PARAM without
     int np, pd;                     // patches per image, values per patch
     int Ti, Tt;                     // image sequence (1 + np), text sequence (context_length)
 } mome_layout;
@@ -96,7 +98,21 @@ int mome_model_plan(vlmoe_model *m, int B);
     double mome_itc_forward_##S(mome_itc_##S *c, const mome_graph_##S *gi, const mome_graph_##S *gt, \
                                 const T *P, double *acc);                                         \
     /* accumulates into G the gradient of the contrastive loss plus both graphs' own losses */   \
-    void mome_itc_backward_##S(mome_itc_##S *c, mome_graph_##S *gi, mome_graph_##S *gt, const T *P, T *G);
+    void mome_itc_backward_##S(mome_itc_##S *c, mome_graph_##S *gi, mome_graph_##S *gt, const T *P, T *G);   \
+    /* (B, embed_dim) the normalised embeddings of the last mome_itc_forward (0 images, 1 texts) */ \
+    const T *mome_itc_embedding_##S(const mome_itc_##S *c, int which);                               \
+    /* The ITM head (src/nn/mome_itm.c): a linear 2-way classifier on the fused [T_CLS] of each */  \
+    /* of the n pairs of a pair graph, its mean softmax cross-entropy against labels (1 matched). */ \
+    typedef struct mome_itm_##S mome_itm_##S;                                                     \
+    int mome_itm_create_##S(mome_itm_##S **out, const model_layout *L, const vlmoe_backend_##S *be, int n); \
+    void mome_itm_free_##S(mome_itm_##S *c);                                                      \
+    /* the head's (n,2) logits of g's last pair forward; with labels (n) the loss (else 0), acc */ \
+    /* its top-1 accuracy (may be NULL) */                                                       \
+    double mome_itm_forward_##S(mome_itm_##S *c, const mome_graph_##S *g, const T *P, const int32_t *labels, \
+                                double *acc);                                                     \
+    const T *mome_itm_logits_##S(const mome_itm_##S *c);                                          \
+    /* accumulates into G the gradient of the last forward's loss and g's own losses */           \
+    void mome_itm_backward_##S(mome_itm_##S *c, mome_graph_##S *g, const T *P, T *G);
 
 MOME_DECL(float, f32)
 MOME_DECL(double, f64)

@@ -21,10 +21,20 @@ struct mome_model {
     mome_itc_f32 *itc;          // the retrieval head's buffers, for batches of itc_B
     int itc_B, text_B;          // batch sizes itc and mg_text are planned for
     int have_itc;               // a training retrieval forward awaits its backward
+    // ITM with hard negatives (vlmoe_mome_forward_retrieval_itm): the pair graph of the 3B
+    // pairs, its head, their inputs; itm_eval: the head for eval chunks of planned_B pairs
+    mome_graph_f32 *mg_pair;
+    mome_itm_f32 *itm, *itm_eval;
+    int pair_B, eval_B, have_itm;
+    float *pimg, *sim;          // (3B,C,H,W) pair images, (B,B) mining similarities
+    int32_t *ptok, *plen, *plab, *neg; // (3B,ctx), (3B), (3B), (2B)
     float *codebook;            // the MIM targets' codebook (mim_vocab, patch values) or NULL;
                                 // saved with the weights as a codebook file's tensor
     double drop_path;           // stochastic depth of training forwards (vlmoe_model_set_drop_path)
 };
+
+static int with_config(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
+                       int retrieval_head, int itm_head, uint64_t seed);
 
 int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc) {
     const int g = c->image_size / c->patch_size, Ti = 1 + g * g;
@@ -99,6 +109,11 @@ int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
         X->itc_proj[1] = layout_add(&tb, "itc.text_proj.weight", 1, 2, cfg->embed_dim, D, 0);
         L->logit_scale = layout_add(&tb, "logit_scale", 0, 0, 0, 0, 0);
     }
+    X->itm_w = X->itm_b = NO_PARAM;
+    if (cfg->itm_head) {
+        X->itm_w = layout_add(&tb, "itm_head.weight", 1, 2, 2, D, 0);
+        X->itm_b = layout_add(&tb, "itm_head.bias", 0, 1, 2, 0, 0);
+    }
     if (!L->table || tb.off == 0) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
     for (int i = 0; i < L->nparams; i++)
         if (L->table[i].offset == NO_PARAM) return model_layout_free(L), vlmoe_fail(VLMOE_ERR_NOMEM, "layout");
@@ -110,7 +125,7 @@ int mome_model_plan(vlmoe_model *m, int B) {
     if (m->mome->mg && m->planned_B == B) return VLMOE_OK;
     mome_graph_free_f32(m->mome->mg);
     m->mome->mg = NULL;
-    m->have_forward = m->mome->have_itc = 0;
+    m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     int st = mome_graph_create_f32(&m->mome->mg, &m->L, m->be, B);
     if (st) return st;
     m->planned_B = B;
@@ -171,7 +186,7 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
                          b->class_labels};
     if ((st = data_parallel(m, b, training))) return st;
     training_mode(m, m->mome->mg, training);
-    m->have_forward = m->mome->have_itc = 0;
+    m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     vlmoe_mome_stats r;
     if ((st = mome_graph_forward_f32(m->mome->mg, m->params, &in, &r))) return st;
     if (s) *s = r;
@@ -199,14 +214,32 @@ static int itc_plan(vlmoe_model *m, int B) {
     return st;
 }
 
-enum { OUT_HIDDEN, OUT_LOGITS, OUT_EMBED };
+enum { OUT_HIDDEN, OUT_LOGITS, OUT_EMBED, OUT_ITM };
+
+// The ITM head's eval buffers for chunks of B pairs (once; again only if B changes).
+static int itm_eval_plan(vlmoe_model *m, int B) {
+    if (m->mome->itm_eval && m->mome->eval_B == B) return VLMOE_OK;
+    mome_itm_free_f32(m->mome->itm_eval);
+    m->mome->itm_eval = NULL;
+    int st = mome_itm_create_f32(&m->mome->itm_eval, &m->L, m->be, B);
+    if (!st) m->mome->eval_B = B;
+    return st;
+}
+
+// ITM scores of the last eval forward of B pairs: logit(matched) - logit(unmatched).
+static const float *itm_eval_scores(vlmoe_model *m, int B) {
+    mome_itm_forward_f32(m->mome->itm_eval, m->mome->mg, m->params, NULL, NULL);
+    float *lg = (float *)mome_itm_logits_f32(m->mome->itm_eval);
+    for (int b = 0; b < B; b++) lg[b] = lg[2 * b + 1] - lg[2 * b]; // in place: row b is read before written
+    return lg;
+}
 
 // Eval-mode forwards of n inputs in chunks of the planned batch size; writes per item either the
 // final hidden states (seq_len, width), the retrieval embedding (embed_dim), or per example (cs
 // items) the class scores (num_classes).
 static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, const int32_t *tokens,
                       const int32_t *lengths, int n, float *out, int kind) {
-    static const char *what[] = {"mome encode", "mome logits", "mome embed"};
+    static const char *what[] = {"mome encode", "mome logits", "mome embed", "mome ITM scores"};
     int st = need_mome(m, what[kind]);
     if (st) return st;
     const vlmoe_model_config *c = &m->L.cfg;
@@ -215,6 +248,9 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
         return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: model '%s' has no classification head (num_classes = 0)", c->name);
     if (kind == OUT_EMBED && !c->retrieval_head)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: model '%s' has no retrieval head (retrieval_head = 0)", c->name);
+    if (kind == OUT_ITM && !c->itm_head)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome ITM scores: model '%s' has no image-text matching head (itm_head = 0)",
+                          c->name);
     if (kind == OUT_EMBED && enc == VLMOE_ENC_PAIR)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: retrieval embeds images and texts separately, not pairs");
     if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
@@ -225,9 +261,11 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
     if ((!m->mome->mg || m->planned_B % cs) && (st = mome_model_plan(m, n < 64 ? n : 64))) return st; // n % cs == 0
     const int B = m->planned_B, T = c->context_length, D = c->encoder.width;
     if (kind == OUT_EMBED && (st = itc_plan(m, B))) return st;
+    if (kind == OUT_ITM && (st = itm_eval_plan(m, B))) return st;
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
     const size_t per = kind == OUT_LOGITS ? (size_t)c->num_classes
-                     : kind == OUT_EMBED  ? (size_t)c->embed_dim : (size_t)vlmoe_mome_seq_len(c, enc) * D;
+                     : kind == OUT_EMBED  ? (size_t)c->embed_dim
+                     : kind == OUT_ITM    ? 1 : (size_t)vlmoe_mome_seq_len(c, enc) * D;
     const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
     // the last chunk is padded by repeating its final item, whose outputs are discarded
     float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
@@ -246,12 +284,13 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
         if (st) break;
         const float *res = kind == OUT_LOGITS ? mome_graph_logits_f32(m->mome->mg)
                          : kind == OUT_EMBED ? mome_itc_embed_f32(m->mome->itc, m->mome->mg, m->params, enc == VLMOE_ENC_TEXT)
+                         : kind == OUT_ITM ? itm_eval_scores(m, B)
                          : mome_graph_hidden_f32(m->mome->mg, NULL);
         memcpy(out + (size_t)i0 / cs * per, res, sizeof(float) * per * (size_t)(k / cs));
     }
     vlmoe_free_mem(pimg);
     vlmoe_free_mem(ptok);
-    m->have_forward = m->mome->have_itc = 0;
+    m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     return st;
 }
 
@@ -287,7 +326,7 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
         if ((st = mome_graph_create_f32(&m->mome->mg_text, &m->L, m->be, B))) return st;
         m->mome->text_B = B;
     }
-    m->have_forward = m->mome->have_itc = 0;
+    m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     const mome_input_f32 ii = {VLMOE_ENC_IMAGE, images, NULL, NULL, NULL, NULL, NULL},
                          it = {VLMOE_ENC_TEXT, NULL, tokens, lengths, NULL, NULL, NULL};
     vlmoe_mome_stats ri, rt;
@@ -314,8 +353,102 @@ int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate) {
         return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval backward called without a training retrieval forward");
     if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
     mome_itc_backward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, m->params, m->grads);
-    m->mome->have_itc = 0;
+    if (m->mome->have_itm) mome_itm_backward_f32(m->mome->itm, m->mome->mg_pair, m->params, m->grads);
+    m->mome->have_itc = m->mome->have_itm = 0;
     return VLMOE_OK;
+}
+
+// The ITM step's pair graph and head for 3B pairs, and their inputs (once; again if B changes).
+static int itm_plan(vlmoe_model *m, int B) {
+    struct mome_model *X = m->mome;
+    if (X->mg_pair && X->pair_B == B) return VLMOE_OK;
+    mome_graph_free_f32(X->mg_pair);
+    mome_itm_free_f32(X->itm);
+    vlmoe_free_mem(X->pimg), vlmoe_free_mem(X->sim), vlmoe_free_mem(X->ptok);
+    vlmoe_free_mem(X->plen), vlmoe_free_mem(X->plab), vlmoe_free_mem(X->neg);
+    X->mg_pair = NULL, X->itm = NULL, X->pimg = X->sim = NULL, X->ptok = X->plen = X->plab = X->neg = NULL;
+    X->pair_B = 0;
+    const vlmoe_model_config *c = &m->L.cfg;
+    const size_t n = 3 * (size_t)B, isz = (size_t)c->channels * c->image_size * c->image_size;
+    int st = mome_graph_create_f32(&X->mg_pair, &m->L, m->be, 3 * B);
+    if (!st) st = mome_itm_create_f32(&X->itm, &m->L, m->be, 3 * B);
+    if (st) return st;
+    X->pimg = vlmoe_alloc(sizeof(float) * isz * n, "ITM pairs");
+    X->sim = vlmoe_alloc(sizeof(float) * (size_t)B * B, "ITM similarities");
+    X->ptok = vlmoe_alloc(sizeof(int32_t) * (size_t)c->context_length * n, "ITM pairs");
+    X->plen = vlmoe_alloc(sizeof(int32_t) * n, "ITM pairs");
+    X->plab = vlmoe_alloc(sizeof(int32_t) * n, "ITM pairs");
+    X->neg = vlmoe_alloc(sizeof(int32_t) * 2 * (size_t)B, "ITM negatives");
+    if (!X->pimg || !X->sim || !X->ptok || !X->plen || !X->plab || !X->neg) return VLMOE_ERR_NOMEM;
+    X->pair_B = B;
+    return VLMOE_OK;
+}
+
+// Pair r of the ITM batch: image `img` of b with text `txt` of b, labelled `lab`.
+static void put_pair(struct mome_model *X, const vlmoe_mome_batch *b, size_t isz, int T, int r, int img, int txt,
+                     int lab) {
+    memcpy(X->pimg + isz * r, b->images + isz * img, sizeof(float) * isz);
+    memcpy(X->ptok + (size_t)T * r, b->tokens + (size_t)T * txt, sizeof(int32_t) * T);
+    X->plen[r] = b->lengths[txt], X->plab[r] = lab;
+}
+
+int vlmoe_mome_forward_retrieval_itm(vlmoe_model *m, const vlmoe_mome_batch *b, uint64_t key, int training,
+                                     vlmoe_mome_stats *s) {
+    int st = need_mome(m, "mome retrieval ITM");
+    if (st) return st;
+    const vlmoe_model_config *c = &m->L.cfg;
+    if (!c->itm_head)
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval ITM: model '%s' has no image-text matching head (itm_head = "
+                          "0): fine-tune one with `vlmoe finetune --task retrieval --itm`", c->name);
+    if (!b) return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval ITM: no batch");
+    const int B = b->batch_size, T = c->context_length, E = c->embed_dim;
+    vlmoe_mome_stats r;
+    if ((st = vlmoe_mome_forward_retrieval(m, b->images, b->tokens, b->lengths, B, training, &r))) return st;
+    const int have_itc = m->mome->have_itc;
+    struct mome_model *X = m->mome;
+    if ((st = itm_plan(m, B))) return m->mome->have_itc = 0, st;
+    // the mining similarities: a copy of the contrastive logits, exp(logit_scale) * img . txt
+    const float *ie = mome_itc_embedding_f32(X->itc, 0), *te = mome_itc_embedding_f32(X->itc, 1);
+    const double t = exp((double)m->params[m->L.logit_scale]);
+    for (int i = 0; i < B; i++)
+        for (int j = 0; j < B; j++) {
+            double d = 0;
+            for (int e = 0; e < E; e++) d += (double)ie[(size_t)i * E + e] * te[(size_t)j * E + e];
+            X->sim[(size_t)i * B + j] = (float)(t * d);
+        }
+    int32_t *neg_text = X->neg, *neg_image = X->neg + B;
+    if ((st = vlmoe_itm_mine(X->sim, B, key, NULL, NULL, neg_text, neg_image))) return m->mome->have_itc = 0, st;
+    // VLMo's order: the true pairs, (negative image, text j), (image i, negative text)
+    const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
+    for (int i = 0; i < B; i++) {
+        put_pair(X, b, isz, T, i, i, i, 1);
+        put_pair(X, b, isz, T, B + i, neg_image[i], i, 0);
+        put_pair(X, b, isz, T, 2 * B + i, i, neg_text[i], 0);
+    }
+    const mome_input_f32 in = {VLMOE_ENC_PAIR, X->pimg, X->ptok, X->plen, NULL, NULL, NULL};
+    vlmoe_mome_stats rp;
+    training_mode(m, X->mg_pair, training);
+    mome_graph_set_sample_base_f32(X->mg_pair, 0);
+    mome_graph_set_norm_f32(X->mg_pair, 0, 0);
+    if ((st = mome_graph_forward_f32(X->mg_pair, m->params, &in, &rp))) return m->mome->have_itc = 0, st;
+    r.itm = mome_itm_forward_f32(X->itm, X->mg_pair, m->params, X->plab, &r.itm_acc);
+    r.aux += rp.aux;
+    r.loss = r.itc + r.itm + r.aux;
+    if (s) *s = r;
+    if (!isfinite(r.loss)) return m->mome->have_itc = 0, vlmoe_fail(VLMOE_ERR_NUMERIC, "the retrieval + ITM loss is %g", r.loss);
+    X->have_itm = have_itc;
+    return VLMOE_OK;
+}
+
+int vlmoe_mome_itm_scores(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lengths, int n,
+                          float *out) {
+    if (n > 0 && (!images || !tokens || !lengths || !out))
+        return vlmoe_fail(VLMOE_ERR_ARG, "mome ITM scores: needs n images, their texts and lengths, and room for n scores");
+    return run_chunks(m, VLMOE_ENC_PAIR, images, tokens, lengths, n, out, OUT_ITM);
+}
+
+int vlmoe_mome_with_itm(vlmoe_model **out, const vlmoe_model *m, uint64_t seed) {
+    return with_config(out, m, 0, 0, 1, 1, seed);
 }
 
 int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classes, uint64_t seed) {
@@ -324,6 +457,11 @@ int vlmoe_mome_with_head(vlmoe_model **out, const vlmoe_model *m, int num_classe
 
 int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
                           int retrieval_head, uint64_t seed) {
+    return with_config(out, m, num_classes, cls_sequences, retrieval_head, 0, seed);
+}
+
+static int with_config(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
+                       int retrieval_head, int itm_head, uint64_t seed) {
     *out = NULL;
     int st = need_mome(m, "mome head");
     if (st) return st;
@@ -331,13 +469,15 @@ int vlmoe_mome_with_heads(vlmoe_model **out, const vlmoe_model *m, int num_class
     c.num_classes = num_classes;
     c.cls_sequences = num_classes ? cls_sequences : 0;
     c.retrieval_head = retrieval_head;
+    c.itm_head = itm_head;
     vlmoe_model *h;
     if ((st = vlmoe_model_init(&h, &c, seed))) return st; // validates num_classes
     if ((st = model_copy_inputs(h, m))) return vlmoe_model_free(h), st;
     // every tensor but the head has the same name and shape in both tables
     for (int i = 0; i < h->L.nparams; i++) {
         const vlmoe_param_info *p = &h->L.table[i];
-        if (!strncmp(p->name, "cls_head.", 9) || !strncmp(p->name, "itc.", 4) || !strcmp(p->name, "logit_scale"))
+        if (!strncmp(p->name, "cls_head.", 9) || !strncmp(p->name, "itc.", 4) || !strcmp(p->name, "logit_scale") ||
+            !strncmp(p->name, "itm_head.", 9))
             continue; // the fresh heads
         for (int j = 0; j < m->L.nparams; j++)
             if (!strcmp(m->L.table[j].name, p->name)) {
@@ -394,6 +534,11 @@ static void arch_free(vlmoe_model *m) {
     mome_graph_free_f32(m->mome->mg);
     mome_graph_free_f32(m->mome->mg_text);
     mome_itc_free_f32(m->mome->itc);
+    mome_graph_free_f32(m->mome->mg_pair);
+    mome_itm_free_f32(m->mome->itm);
+    mome_itm_free_f32(m->mome->itm_eval);
+    vlmoe_free_mem(m->mome->pimg), vlmoe_free_mem(m->mome->sim), vlmoe_free_mem(m->mome->ptok);
+    vlmoe_free_mem(m->mome->plen), vlmoe_free_mem(m->mome->plab), vlmoe_free_mem(m->mome->neg);
     vlmoe_free_mem(m->mome->codebook);
     vlmoe_free_mem(m->mome);
     m->mome = NULL;

@@ -2,7 +2,8 @@
 // the data of the four tasks (image folder, text TSV, image-question TSV or NLVR2's two images and
 // a sentence, image-caption pairs), classes numbered in sorted label order, every holdout-th
 // example held out, batches in the data order of src/data/order.c, a classification or a
-// contrastive step, and the accuracy / recall report. The heads are vlmoe_mome_with_heads
+// contrastive step (plus ITM with hard negatives when the model has itm_head), and the accuracy /
+// recall report (optionally ITM re-ranked). The heads are vlmoe_mome_with_heads
 // (src/nn/mome_model.c). Covered by tests/test_finetune.c.
 #include <errno.h>
 #include <stdio.h>
@@ -324,6 +325,8 @@ struct vlmoe_finetune {
     int *pick;               // (B) this step's examples
     ft_batch b;
     vlmoe_mome_stats ps;     // of the last step
+    int itm;                 // retrieval with the model's ITM head: hard negatives drawn from seed
+    uint64_t seed;
 };
 
 int vlmoe_finetune_init(vlmoe_finetune **out, vlmoe_model *m, const vlmoe_ft_data *d, int batch, uint64_t seed) {
@@ -333,6 +336,7 @@ int vlmoe_finetune_init(vlmoe_finetune **out, vlmoe_model *m, const vlmoe_ft_dat
     vlmoe_finetune *f = calloc(1, sizeof(*f));
     if (!f) return vlmoe_fail(VLMOE_ERR_NOMEM, "fine-tuning");
     f->m = m, f->d = d, f->B = batch < d->ntrain ? batch : d->ntrain;
+    f->itm = d->kind == VLMOE_FT_RETRIEVAL && vlmoe_model_get_config(m)->itm_head, f->seed = seed;
     int st = vlmoe_order_init(&f->order, (size_t)d->ntrain, seed, 0x66696e65ull /* "fine" */, 0, 1);
     if (!st && !(f->pick = malloc(sizeof(int) * (size_t)f->B))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "fine-tuning");
     if (!st) st = batch_alloc(&f->b, d, f->B);
@@ -358,6 +362,11 @@ static int f_fill(void *u, long step) {
 
 static int f_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     vlmoe_finetune *f = u;
+    if (f->itm) {
+        const vlmoe_mome_batch rb = {.encoding = VLMOE_ENC_PAIR, .batch_size = f->B, .images = f->b.img,
+                                     .tokens = f->b.tok, .lengths = f->b.lens};
+        return vlmoe_trainer_step_mome_itm(t, &rb, f->seed, &f->ps, s);
+    }
     if (f->d->kind == VLMOE_FT_RETRIEVAL)
         return vlmoe_trainer_step_mome_retrieval(t, f->b.img, f->b.tok, f->b.lens, f->B, &f->ps, s);
     const vlmoe_mome_batch mb = {(vlmoe_encoding)f->d->enc, f->B * f->d->per, f->b.img, f->b.tok, f->b.lens, NULL, NULL,
@@ -373,6 +382,12 @@ static int f_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char
         cJSON_AddNumberToObject(rec, "acc_t2i", f->ps.itc_acc[1]);
         snprintf(line, cap, "  contrastive %.4f  batch accuracy i2t %.3f t2i %.3f", f->ps.itc, f->ps.itc_acc[0],
                  f->ps.itc_acc[1]);
+        if (f->itm) {
+            cJSON_AddNumberToObject(rec, "itm_loss", f->ps.itm);
+            cJSON_AddNumberToObject(rec, "itm_acc", f->ps.itm_acc);
+            const size_t k = strlen(line);
+            snprintf(line + k, cap - k, "  itm %.4f (accuracy %.3f)", f->ps.itm, f->ps.itm_acc);
+        }
     } else {
         cJSON_AddNumberToObject(rec, "cls_loss", f->ps.cls);
         cJSON_AddNumberToObject(rec, "cls_acc", f->ps.cls_acc);
@@ -407,8 +422,9 @@ static int accuracy(vlmoe_model *m, const vlmoe_ft_data *d, const int *idx, int 
     return st;
 }
 
-// Retrieval recall@1/5/10 both ways over the n pairs idx (each row its own image).
-static int recall(vlmoe_model *m, const vlmoe_ft_data *d, const int *idx, int n, double *i2t, double *t2i) {
+// Retrieval recall@1/5/10 both ways over the n pairs idx (each row its own image); rerank > 0:
+// each query's top rerank candidates re-ordered by the ITM score (vlmoe_mome_itm_recall).
+static int recall(vlmoe_model *m, const vlmoe_ft_data *d, const int *idx, int n, int rerank, double *i2t, double *t2i) {
     const int E = vlmoe_model_get_config(m)->embed_dim, ks[3] = {1, 5, 10};
     ft_batch b;
     float *ie = malloc(sizeof(float) * (size_t)n * E), *te = malloc(sizeof(float) * (size_t)n * E);
@@ -419,7 +435,10 @@ static int recall(vlmoe_model *m, const vlmoe_ft_data *d, const int *idx, int n,
         gather_batch(d, idx, n, &b);
         st = vlmoe_mome_embed(m, VLMOE_ENC_IMAGE, b.img, NULL, NULL, n, ie);
         if (!st) st = vlmoe_mome_embed(m, VLMOE_ENC_TEXT, NULL, b.tok, b.lens, n, te);
-        if (!st) st = vlmoe_retrieval_recall(ie, n, te, n, own, E, ks, 3, i2t, t2i);
+        if (!st && rerank > 0)
+            st = vlmoe_mome_itm_recall(m, b.img, b.tok, b.lens, ie, te, n, rerank, ks, 3, i2t, t2i);
+        else if (!st)
+            st = vlmoe_retrieval_recall(ie, n, te, n, own, E, ks, 3, i2t, t2i);
         batch_free(&b);
     }
     free(ie), free(te), free(own);
@@ -427,9 +446,14 @@ static int recall(vlmoe_model *m, const vlmoe_ft_data *d, const int *idx, int n,
 }
 
 int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmoe_ft_score *out) {
+    return vlmoe_ft_evaluate_rerank(m, d, held_out, 0, out);
+}
+
+int vlmoe_ft_evaluate_rerank(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, int rerank, vlmoe_ft_score *out) {
     memset(out, 0, sizeof(*out));
     const int *idx = held_out ? d->idx + d->ntrain : d->idx, n = held_out ? d->nheld : d->ntrain;
     if (n < (d->kind == VLMOE_FT_RETRIEVAL ? 2 : 1)) return VLMOE_OK;
     out->n = n;
-    return d->kind == VLMOE_FT_RETRIEVAL ? recall(m, d, idx, n, out->i2t, out->t2i) : accuracy(m, d, idx, n, &out->accuracy);
+    return d->kind == VLMOE_FT_RETRIEVAL ? recall(m, d, idx, n, rerank, out->i2t, out->t2i)
+                                         : accuracy(m, d, idx, n, &out->accuracy);
 }

@@ -122,6 +122,9 @@ typedef struct {
     double i2t[3], t2i[3];
 } vlmoe_ft_score;
 int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmoe_ft_score *out);
+// The same; retrieval with rerank > 0: each query's top rerank candidates by the contrastive
+// similarity re-ordered by the model's ITM head (VLMo's inference; needs itm_head).
+int vlmoe_ft_evaluate_rerank(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, int rerank, vlmoe_ft_score *out);
 
 // ---- VL-MoE pre-training (src/train/mome_task.c; VL-MoE sec. 3.1): masked data modeling on three
 // streams per step: images (MIM: 40% block masks, the codebook's visual tokens as targets), texts

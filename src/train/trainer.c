@@ -533,6 +533,28 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
     return VLMOE_OK;
 }
 
+int vlmoe_trainer_step_mome_itm(vlmoe_trainer *t, const vlmoe_mome_batch *b, uint64_t seed, vlmoe_mome_stats *ms,
+                                vlmoe_step_stats *stats) {
+    vlmoe_step_stats s;
+    memset(&s, 0, sizeof(s));
+    const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
+    vlmoe_mome_stats r;
+    int st = vlmoe_mome_forward_retrieval_itm(t->m, b, vlmoe_itm_key(seed, step), 1, &r);
+    if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
+    if (st) {
+        vlmoe_error_prefix("step %ld", step);
+        return failed(t, st, step, &s);
+    }
+    s.loss = r.loss;
+    s.aux = r.aux;
+    if ((st = apply(t, step, &s))) return st;
+    if (ms) *ms = r;
+    if (stats) *stats = s;
+    return VLMOE_OK;
+}
+
 // Data parallelism: each part's statistics over every process's share of it (the one-process
 // part): the losses, whose per-process values are shares scaled by W (src/nn/mome_model.c), and
 // the auxiliary losses average; the accuracies weigh by the labelled positions, which add up.
