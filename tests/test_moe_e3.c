@@ -326,7 +326,27 @@ static void test_trains(void) {
     vlmoe_model_free(m);
 }
 
-int main(void) {
+// `vlmoe info` shows the E.3 setting; a bad text_experts in a config file is a clear error.
+static void test_cli(const char *argv0) {
+    char bin[4096], out[8192], dir[] = "/tmp/vlmoe_test_e3cli_XXXXXX";
+    if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;
+    test_expect_in(dir, bin, "info --model limoe-disjoint-tiny", 0,
+                   "expert pools         image experts 0-5, text experts 6-7 (disjoint)", out, sizeof(out));
+    CHECK(strstr(out, "routers              one per modality (image, text)"), "info: no router line:\n%s", out);
+    test_expect_in(dir, bin, "info --model limoe-permod-tiny --json", 0, "\"router_per_modality\"", out, sizeof(out));
+    CHECK(!strstr(out, "text_experts"), "limoe-permod-tiny has no pools:\n%s", out);
+    const char *js = "{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"layers\": \"every_2\", "
+                     "\"text_experts\": 7, \"top_k\": 2}}";
+    test_write_file(test_path(dir, "e3.json"), js, strlen(js));
+    const int st = test_run_in(dir, bin, "info --model e3.json", 1, out, sizeof(out));
+    CHECK(st != 0 && strstr(out, "e3.json") && strstr(out, "moe.text_experts: 7 leaves a pool smaller than top_k = 2"),
+          "bad text_experts: exit %d:\n%s", st, out);
+    unlink(test_path(dir, "e3.json")), rmdir(dir);
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    test_cli(argv[0]);
     test_golden();
     test_pool_bounds();
     test_config();
