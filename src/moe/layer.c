@@ -4,8 +4,10 @@
 // of each expert gathered into one contiguous buffer (all groups), one matrix product per expert
 // and layer, and a weighted scatter back; dropped tokens and empty slots cost nothing. Soft MoE
 // runs src/moe/soft.c per group. Backward flows through the combine weights into the gates and
-// router, plus the auxiliary losses (src/moe/aux.c). Compiled as float and double; covered by
-// tests/test_moe_layer.c (finite differences, upcycling identity) and tests/test_parity.c.
+// router, plus the auxiliary losses (src/moe/aux.c). LIMoE appendix E.3: a router per modality
+// and disjoint expert pools (router_forward, moe_aux_pools). Compiled as float and double;
+// covered by tests/test_moe_layer.c (finite differences, upcycling identity),
+// tests/test_moe_e3.c and tests/test_parity.c.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
