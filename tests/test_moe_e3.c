@@ -180,6 +180,15 @@ static void test_config(void) {
     js = vlmoe_config_to_json(&c);
     CHECK(js && !strstr(js, "text_experts") && !strstr(js, "router_per_modality"), "limoe-tiny's JSON names E.3 keys");
     free(js);
+    // global-entropy thresholds are the pool's: limoe's log 6 cannot be met by 2 text experts,
+    // nor (exactly uniform aside) by 6 image experts; limoe-disjoint-tiny has no entropy losses
+    char w[1024];
+    vlmoe_config_named("limoe-disjoint-tiny", &c);
+    CHECK(vlmoe_config_warnings(&c, w, sizeof(w)) == 0, "limoe-disjoint-tiny warned: %s", w);
+    vlmoe_config_named("limoe-tiny", &c);
+    c.moe.text_experts = 2;
+    CHECK(vlmoe_config_warnings(&c, w, sizeof(w)) == 2 && strstr(w, "log(text_experts = 2)") &&
+              strstr(w, "num_experts - text_experts = 6)"), "pool thresholds: '%s'", w);
     const char *bad[][2] = {
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"layers\": \"every_2\", \"text_experts\": 8}}", "text_experts: 8 leaves a pool"},
         {"{\"base\": \"tiny\", \"moe\": {\"preset\": \"limoe\", \"layers\": \"every_2\", \"text_experts\": -1}}", "text_experts: -1"},

@@ -237,16 +237,21 @@ int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap) {
         const int aux[2] = {VLMOE_AUX_GLOBAL_ENT_IMAGE, VLMOE_AUX_GLOBAL_ENT_TEXT};
         if (m->router != VLMOE_ROUTER_TOKENS || m->num_experts < 1) continue;
         for (int k = 0; k < 2; k++) {
-            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform
-            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)m->num_experts)) continue;
+            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform;
+            // with disjoint pools (LIMoE E.3) E is the modality's pool
+            const int T = m->text_experts, pool = T > 0 && T < m->num_experts;
+            const int E = pool ? (k ? T : m->num_experts - T) : m->num_experts;
+            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)E)) continue;
             n++;
             if (buf && u < cap)
                 u += (size_t)snprintf(buf + u, cap - u, "%s%s.global_entropy_tau[%s] = %g = log(%.3g) is at or above "
-                                      "log(num_experts = %d) = %g: no routing over %d experts meets it, so the "
+                                      "log(%s = %d) = %g: no routing over %d experts meets it, so the "
                                       "%s loss never switches off (tau = log(S), S the soft minimum number of "
                                       "experts)", n > 1 ? "\n" : "", t ? "text_moe" : "moe", k ? "text" : "image",
-                                      m->global_tau[k], exp(m->global_tau[k]), m->num_experts,
-                                      log((double)m->num_experts), m->num_experts, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
+                                      m->global_tau[k], exp(m->global_tau[k]),
+                                      pool ? (k ? "text_experts" : "image experts, num_experts - text_experts")
+                                           : "num_experts",
+                                      E, log((double)E), E, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
         }
     }
     return n;
