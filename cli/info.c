@@ -48,6 +48,8 @@ int cmd_info(int argc, char **argv) {
         const double nv[] = {k.params, k.active_params, k.expert_params, k.gflop_pair, k.gflop_image, k.gflop_text,
                              k.moe_layers, k.image_tokens, k.text_tokens};
         for (int i = 0; i < 9; i++) cJSON_AddNumberToObject(o, nk[i], nv[i]);
+        if (mc->router_per_modality) cJSON_AddBoolToObject(o, "router_per_modality", 1);
+        if (mc->text_experts) cJSON_AddNumberToObject(o, "text_experts", mc->text_experts);
         char *s = cJSON_Print(o);
         if (s) printf("%s\n", s);
         free(s);
@@ -58,6 +60,11 @@ int cmd_info(int argc, char **argv) {
            c.encoder.width, c.encoder.mlp_dim, k.moe_layers, k.moe_layers == 1 ? "" : "s");
     if (k.moe_layers) printf(" of %d experts (top-%d)", mc->num_experts, mc->top_k);
     printf("\n");
+    // LIMoE appendix E.3
+    if (k.moe_layers && mc->router_per_modality) printf("routers              one per modality (image, text)\n");
+    if (k.moe_layers && mc->text_experts)
+        printf("expert pools         image experts 0-%d, text experts %d-%d (disjoint)\n",
+               mc->num_experts - mc->text_experts - 1, mc->num_experts - mc->text_experts, mc->num_experts - 1);
     printf("parameters           %.1fM (experts %.1fM)\n", k.params / 1e6, k.expert_params / 1e6);
     printf("active per token     %.1fM\n", k.active_params / 1e6);
     printf("tokens               %d image + %d text\n", k.image_tokens, k.text_tokens);

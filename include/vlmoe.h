@@ -248,6 +248,13 @@ typedef struct {
                                  // of block l out of the top-K; the softmax still covers it
     int text_first;              // one_tower: a routing group visits its text tokens before its image
                                  // tokens (fifo positions, BPR ties); 0 = image first (LIMoE Fig. 6)
+    // LIMoE appendix E.3 (one_tower only). router_per_modality: image and text tokens each get a
+    // router of their own (parameter "moe.router.per_modality.weight", (2,E,D), image first).
+    // text_experts T > 0: disjoint pools, text tokens routed only among experts [E-T, E), image
+    // tokens among [0, E-T): softmax and top-K over the token's pool, the auxiliary losses per
+    // modality over its pool (src/moe/layer.c). Tokens choice only; 0 = one shared pool.
+    int router_per_modality;
+    int text_experts;
 } vlmoe_moe_config;
 
 // Presets (MOE.md): "limoe" (tokens choice, K=1, BPR, noise 1, cf 1.05 train / 16 eval, importance + load + text

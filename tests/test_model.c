@@ -322,6 +322,17 @@ static void fd_moe_checks(void) {
     grp.moe.group_size = 0; // one group of all 3 examples, text tokens first
     grp.moe.text_first = 1;
     fd_model_check(&grp, "all aux losses, K=2, text first", 1);
+    // LIMoE E.3: a router per modality (over the shared pool), and disjoint pools, whose
+    // losses are per modality over its pool: 3 image / 2 text experts (pool logits moved one at a
+    // time, gcd(5, 2) = 1), then 4 / 2 with K = 2 (in pairs, gcd(6, 2) = 2), groups of one example
+    vlmoe_model_config pm = all;
+    pm.moe.router_per_modality = 1;
+    fd_model_check(&pm, "per-modality routers, all aux losses, K=2", 1);
+    vlmoe_model_config pool = pm;
+    pool.moe.num_experts = 5, pool.moe.text_experts = 2, pool.moe.top_k = 1;
+    fd_model_check(&pool, "disjoint pools 3/2, all aux losses", 1);
+    pool.moe.num_experts = 6, pool.moe.top_k = 2, pool.moe.group_size = 9, pool.moe.router_per_modality = 0;
+    fd_model_check(&pool, "disjoint pools 4/2, shared router, K=2, groups of one example", 1);
     vlmoe_model_config cu = small(VLMOE_ARCH_TWO_TOWER);
     cu.moe.layers = cu.text_moe.layers = vlmoe_moe_every(2, 2);
     cu.moe.num_experts = cu.text_moe.num_experts = 3;
@@ -438,7 +449,8 @@ static void device_memory_check(const char *name) {
 }
 
 static void test_device_memory(void) {
-    const char *names[] = {"limoe-tiny", "clipup-tiny", "soft-tiny", "ec-tiny"};
+    const char *names[] = {"limoe-tiny", "clipup-tiny", "soft-tiny", "ec-tiny", "limoe-permod-tiny",
+                           "limoe-disjoint-tiny"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) device_memory_check(names[i]);
     // VL-MoE models stay where the host can read them
     vlmoe_backend_f32 dev = *backend_cpu_f32();

@@ -384,7 +384,8 @@ static void test_model(const char *arch) {
 
 // One MoE layer (24 tokens, width 8, 4 experts, hidden 16) against the PyTorch reference in
 // tests/ref/gen_moe_layer.py: output, weighted auxiliary loss and every gradient, with the
-// routing noise injected explicitly.
+// routing noise injected explicitly. LIMoE E.3's cases also give per_modality (a router per
+// modality) and text_experts (disjoint pools).
 static void test_moe_layer_case(const char *name) {
     char file[128];
     snprintf(file, sizeof(file), "moe_layer_%s.safetensors", name);
@@ -403,6 +404,9 @@ static void test_moe_layer_case(const char *name) {
     mc.gate_renorm = atoi(vlmoe_st_metadata(f, "renorm")) ? VLMOE_RENORM_AFTER_ROUTING : VLMOE_RENORM_NONE;
     mc.noise_std = atof(vlmoe_st_metadata(f, "noise_std"));
     mc.global_tau[0] = log(20.0), mc.global_tau[1] = log(9.0);
+    const char *pm = vlmoe_st_metadata(f, "per_modality"), *te = vlmoe_st_metadata(f, "text_experts");
+    mc.router_per_modality = pm ? atoi(pm) : 0;
+    mc.text_experts = te ? atoi(te) : 0;
     char aux[512];
     snprintf(aux, sizeof(aux), "%s", vlmoe_st_metadata(f, "aux"));
     for (char *tok = strtok(aux, ","); tok; tok = strtok(NULL, ",")) {
@@ -413,7 +417,7 @@ static void test_moe_layer_case(const char *name) {
     }
     moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0};
     size_t off = 0;
-    sp.router_w = off, off += (size_t)E * D;
+    sp.router_w = off, off += (size_t)(mc.router_per_modality ? 2 : 1) * E * D;
     sp.w1 = off, off += (size_t)E * M * D;
     sp.b1 = off, off += (size_t)E * M;
     sp.w2 = off, off += (size_t)E * D * M;
@@ -453,6 +457,22 @@ static void test_moe_layer_case(const char *name) {
         for (int i = 0; i < 5; i++) compare_fixture(f, gn[i], G + po[i], 1e-5);
         printf("moe layer %s: success image %.3f text %.3f, aux %.6f: output and gradients match torch\n", name,
                stats.success[0], stats.success[1], auxv);
+        // disjoint pools: every choice vlmoe made lies in the token's pool, and it accepted the
+        // assignments the reference did
+        if (mc.text_experts) {
+            float *acc = get(f, "accepted", NULL);
+            vlmoe_token_route rt[24 * 2];
+            int n = 0, out_of_pool = 0, differ = 0;
+            CHECK(moe_routing_f32(st, rt, 48, &n) == VLMOE_OK && n == S * mc.top_k, "moe %s routing: %s", name,
+                  vlmoe_last_error());
+            for (int i = 0; acc && i < n; i++) {
+                out_of_pool += (rt[i].expert >= E - mc.text_experts) != (rt[i].modality == 1);
+                differ += !rt[i].dropped != (acc[rt[i].token * E + rt[i].expert] != 0);
+            }
+            CHECK(acc && out_of_pool == 0 && differ == 0, "moe %s: %d of %d choices outside the token's pool, "
+                  "%d accepted differently from torch", name, out_of_pool, n, differ);
+            free(acc);
+        }
         (void)what;
     }
     moe_state_free_f32(st);
@@ -864,5 +884,8 @@ int main(void) {
     test_moe_layer_case("bpr_k1");
     test_moe_layer_case("fifo_k2_renorm");
     test_moe_layer_case("experts_choice");
+    test_moe_layer_case("per_modality");
+    test_moe_layer_case("pools_bpr_k1");
+    test_moe_layer_case("pools_fifo_k2");
     return test_summary("test_parity");
 }

@@ -4,8 +4,10 @@
 // of each expert gathered into one contiguous buffer (all groups), one matrix product per expert
 // and layer, and a weighted scatter back; dropped tokens and empty slots cost nothing. Soft MoE
 // runs src/moe/soft.c per group. Backward flows through the combine weights into the gates and
-// router, plus the auxiliary losses (src/moe/aux.c). Compiled as float and double; covered by
-// tests/test_moe_layer.c (finite differences, upcycling identity) and tests/test_parity.c.
+// router, plus the auxiliary losses (src/moe/aux.c). LIMoE appendix E.3: a router per modality
+// and disjoint expert pools (router_forward, moe_aux_pools). Compiled as float and double;
+// covered by tests/test_moe_layer.c (finite differences, upcycling identity),
+// tests/test_moe_e3.c and tests/test_parity.c.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,7 +72,36 @@ struct R(moe_state) {
     uint8_t *d_mod;
     int32_t *d_want;
     struct moe_ep *ep;              // expert parallelism (moe_set_expert_parallel), or NULL
+    // LIMoE E.3 (router_per_modality, text_experts): the pass's runs of consecutive rows of one
+    // modality, each through its modality's router and, with pools, a bias of -inf outside its
+    // pool, so the softmax is the pool's and the other experts get gate 0 and gradient 0
+    int nruns;
+    int32_t *run_at;                // (nmax+1) first row of each run, then n
+    uint8_t *run_mod;               // (nmax) the run's modality
+    real *d_mask;                   // device (2,E): 0 in the modality's pool, -inf outside
+    // the auxiliary losses of each modality over its own pool: the pool's logits of each
+    // (group, modality) block packed into a (S_gm, E_m) matrix (in lg / ng / dlg), moved in
+    // slices of pool_w = gcd(E, text_experts) logits by the table's gather_rows
+    int pool_w, pool_rows;          // slice width, slices this pass
+    int32_t *pool_idx, *pool_off, *pool_inv; // host: slice r of the packed matrices reads logit
+                                    // slice pool_idx[r]; logit slice t's packed slices (0 or 1) are
+                                    // pool_inv[pool_off[t] .. pool_off[t+1])
+    int32_t *d_pool;                // device copies of the three
+    be_dispatch pool_dd;            // the packed slices back onto the logits (backward)
+    uint8_t *pool_mod;              // (nmax) modality of each packed token
+    int32_t *pool_blk;              // (2 gmax + 1) first packed token of each (group, modality)
 };
+
+// The experts tokens of modality m may be routed to: [*e0, *e0 + *ne). Disjoint pools give text
+// the last text_experts and images the rest, the order of VLMOE_MOD_* and of the token buffer
+// (images first); without pools both see all E.
+static void pool_of(const vlmoe_moe_config *c, int m, int *e0, int *ne) {
+    const int E = c->num_experts, T = c->text_experts;
+    *e0 = T && m == VLMOE_MOD_TEXT ? E - T : 0;
+    *ne = !T ? E : m == VLMOE_MOD_TEXT ? T : E - T;
+}
+
+static int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
 
 static int group_size(const moe_spec *sp, int n) {
     return sp->cfg->group_size > 0 ? sp->cfg->group_size : n;
@@ -192,6 +223,30 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         ALLOC(st->cnt, E);
         ALLOC(st->tok_off, (size_t)nmax + 1);
         ALLOC(st->tok_rows, rm);
+        if (c->router_per_modality || c->text_experts) {
+            ALLOC(st->run_at, (size_t)nmax + 1);
+            ALLOC(st->run_mod, nmax);
+        }
+        if (c->text_experts > 0 && c->text_experts < E) {
+            st->pool_w = gcd(E, c->text_experts);
+            const size_t pe = ne / (size_t)st->pool_w;
+            DALLOC(st->d_mask, 2 * E);
+            ALLOC(st->pool_idx, pe);
+            ALLOC(st->pool_off, pe + 1);
+            ALLOC(st->pool_inv, pe);
+            DALLOC(st->d_pool, 3 * pe + 1);
+            ALLOC(st->pool_mod, nmax);
+            ALLOC(st->pool_blk, 2 * (size_t)st->gmax + 1);
+            real *mask = ok ? vlmoe_alloc(sizeof(real) * 2 * (size_t)E, "moe pool mask") : NULL;
+            ok = mask != NULL;
+            for (int m = 0; ok && m < 2; m++) {
+                int e0, nm;
+                pool_of(c, m, &e0, &nm);
+                for (int e = 0; e < E; e++) mask[m * E + e] = e >= e0 && e < e0 + nm ? 0 : -(real)INFINITY;
+            }
+            if (ok) be->upload(be, st->d_mask, mask, 2 * (size_t)E);
+            vlmoe_free_mem(mask);
+        }
     }
 #undef ALLOC
 #undef DALLOC
@@ -217,12 +272,15 @@ void R(moe_state_free)(struct R(moe_state) *st) {
     void *dev[] = {st->logits, st->noisy, st->gates, st->probs, st->dgates, st->dlogits, st->zsum,
                    st->combine, st->dcombine, st->aux_scratch, st->d_rows,
                    st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out, st->d_perm, st->lg,
-                   st->ng, st->dlg, st->xg, st->yg, st->dxg, st->d_mod, st->d_want};
+                   st->ng, st->dlg, st->xg, st->yg, st->dxg, st->d_mod, st->d_want, st->d_mask,
+                   st->d_pool};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->soft_w_h};
+                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->soft_w_h,
+                    st->run_at, st->run_mod, st->pool_idx, st->pool_off, st->pool_inv, st->pool_mod,
+                    st->pool_blk};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
     vlmoe_free_mem(st);
 }
@@ -384,16 +442,104 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
 // ---- the phases of one forward: route (router on the device, the decision on the host),
 // dispatch (tokens packed by expert), experts (one grouped call), combine.
 
+// Where the router of the tokens of modality m starts in the parameters (LIMoE E.3).
+static size_t router_at(const struct R(moe_state) *st, int m) {
+    const moe_spec *sp = &st->sp;
+    return sp->router_w + (sp->cfg->router_per_modality ? (size_t)m * st->E * sp->D : 0);
+}
+
+// logits (n,E) = x Wr^T: one product, or one per run of a modality's rows (LIMoE E.3), its
+// pool's mask as the bias. In full precision even under --precision bf16: the decision rides on it.
+static void router_forward(struct R(moe_state) *st, const real *P, const real *x) {
+    const R(vlmoe_backend) *rbe = st->be->fp32 ? st->be->fp32 : st->be;
+    const int E = st->E, D = st->sp.D;
+    if (!st->run_at) {
+        rbe->linear_forward(rbe, st->logits, x, P + st->sp.router_w, NULL, st->n, D, E, 0);
+        return;
+    }
+    for (int i = 0; i < st->nruns; i++) {
+        const int r0 = st->run_at[i], m = st->run_mod[i];
+        rbe->linear_forward(rbe, st->logits + (size_t)r0 * E, x + (size_t)r0 * D, P + router_at(st, m),
+                            st->d_mask ? st->d_mask + (size_t)m * E : NULL, st->run_at[i + 1] - r0, D, E, 0);
+    }
+}
+
+// Backward of router_forward: dx and the router's gradient accumulate (the mask is a constant).
+static void router_backward(struct R(moe_state) *st, const real *P, real *G, const real *x, real *dx) {
+    const R(vlmoe_backend) *rbe = st->be->fp32 ? st->be->fp32 : st->be;
+    const int E = st->E, D = st->sp.D;
+    for (int i = 0; i < (st->run_at ? st->nruns : 1); i++) {
+        const int r0 = st->run_at ? st->run_at[i] : 0, m = st->run_at ? st->run_mod[i] : 0;
+        const int len = st->run_at ? st->run_at[i + 1] - r0 : st->n;
+        const size_t at = router_at(st, m); // the gradients have the parameters' layout
+        rbe->linear_backward(rbe, dx + (size_t)r0 * D, G + at, NULL, st->dlogits + (size_t)r0 * E,
+                             x + (size_t)r0 * D, P + at, len, D, E);
+    }
+}
+
+// The runs of consecutive rows of one modality (router_per_modality, text_experts).
+static int plan_runs(struct R(moe_state) *st, const uint8_t *modality) {
+    if (!st->run_at) return VLMOE_OK;
+    if (!modality && st->n > 0)
+        return vlmoe_fail(VLMOE_ERR_ARG, "moe: router_per_modality / text_experts (LIMoE E.3) route by the "
+                          "token's modality, and this pass gives none");
+    st->nruns = 0;
+    for (int t = 0; t < st->n; t++) {
+        if (modality[t] > VLMOE_MOD_TEXT)
+            return vlmoe_fail(VLMOE_ERR_ARG, "moe: token %d has modality %d, not image (0) or text (1)", t,
+                              modality[t]);
+        if (t == 0 || modality[t] != modality[t - 1]) {
+            st->run_at[st->nruns] = t;
+            st->run_mod[st->nruns++] = modality[t];
+        }
+    }
+    st->run_at[st->nruns] = st->n;
+    return VLMOE_OK;
+}
+
+// Disjoint pools: each (group, modality) block's pool logits packed for its auxiliary losses,
+// and the inverse map their gradient takes back.
+static void plan_pools(struct R(moe_state) *st) {
+    const vlmoe_moe_config *cfg = st->sp.cfg;
+    const R(vlmoe_backend) *be = st->be;
+    const int E = st->E, w = st->pool_w;
+    const size_t ns = (size_t)st->n * E / w, pe = (size_t)st->nmax * E / w;
+    int tok = 0, r = 0;
+    for (int g = 0; g < st->G; g++)
+        for (int m = 0; m < 2; m++) {
+            int e0, ne;
+            pool_of(cfg, m, &e0, &ne);
+            st->pool_blk[2 * g + m] = tok;
+            for (int i = 0; i < st->S; i++) {
+                const int t = row_of(st, g * st->S + i);
+                if (st->modality[t] != m) continue;
+                st->pool_mod[tok++] = (uint8_t)m;
+                for (int j = 0; j < ne / w; j++) st->pool_idx[r++] = (int32_t)(((size_t)t * E + e0) / w + j);
+            }
+        }
+    st->pool_blk[2 * st->G] = tok;
+    st->pool_rows = r;
+    memset(st->pool_off, 0, sizeof(int32_t) * (ns + 1));
+    for (int k = 0; k < r; k++) st->pool_off[st->pool_idx[k] + 1] = 1;
+    for (size_t t = 0; t < ns; t++) st->pool_off[t + 1] += st->pool_off[t];
+    for (int k = 0; k < r; k++) st->pool_inv[st->pool_off[st->pool_idx[k]]] = k;
+    int32_t *d = st->d_pool;
+    be->upload_bytes(be, d, st->pool_idx, sizeof(int32_t) * (size_t)r);
+    be->upload_bytes(be, d + pe, st->pool_off, sizeof(int32_t) * (ns + 1));
+    be->upload_bytes(be, d + 2 * pe + 1, st->pool_inv, sizeof(int32_t) * (size_t)r);
+    st->pool_dd = (be_dispatch){(int)ns, r, E, d, NULL, d + pe, d + 2 * pe + 1};
+    be->gather_rows(be, st->lg, st->logits, d, r, w);
+    if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, d, r, w);
+}
+
 // Router logits, training noise and gates on the device; the decision of every group on the
 // host from the downloaded gates; then the packed row layout, uploaded for the later phases.
 static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, const real *x) {
     const R(vlmoe_backend) *be = st->be;
     const moe_spec *sp = &st->sp;
     const vlmoe_moe_config *cfg = sp->cfg;
-    const int E = st->E, K = st->K, D = sp->D, n = st->n;
-    // the router's product in full precision even under --precision bf16: the decision rides on it
-    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be;
-    rbe->linear_forward(rbe, st->logits, x, P + sp->router_w, NULL, n, D, E, 0);
+    const int E = st->E, K = st->K, n = st->n;
+    router_forward(st, P, x);
     be->softmax_forward(be, st->probs, st->logits, n, E);
     st->noisy_on = c->training && cfg->noise_std > 0;
     if (st->noisy_on && c->noise) { // a test pins the noise
@@ -413,7 +559,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         be->copy(be, st->gates, st->probs, (size_t)n * E);
     be->download(be, st->gates_h, st->gates, (size_t)n * E);
     be->download(be, st->probs_h, st->probs, (size_t)n * E);
-    if (st->ordered) { // the auxiliary losses see each group's rows together, in group order
+    if (st->ordered && !st->d_mask) { // the auxiliary losses see each group's rows together, in group order
         be->gather_rows(be, st->lg, st->logits, st->perm.row_token, n, E);
         if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, st->perm.row_token, n, E);
     }
@@ -435,6 +581,14 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         if (sp->pruned)
             for (size_t i = 0; i < (size_t)st->S * E; i++)
                 if (sp->pruned >> (i % E) & 1) st->gates_f[i] = -1;
+        // disjoint pools: the experts outside a token's pool already have gate 0; -1 keeps them
+        // out of its top K even where a pool gate underflows to 0 too
+        for (int i = 0; st->d_mask && i < st->S; i++) {
+            int e0, ne;
+            pool_of(cfg, st->modality[row_of(st, g * st->S + i)], &e0, &ne);
+            for (int e = 0; e < E; e++)
+                if (e < e0 || e >= e0 + ne) st->gates_f[(size_t)i * E + e] = -1;
+        }
         rp.seed = c->seed + 0x9e3779b97f4a7c15ULL * (uint64_t)(g + 1);
         // the arrays were sized for the largest group and capacity (create); this pass's
         // decision describes its own S and C
@@ -445,6 +599,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
                   : vlmoe_route_experts_choice(st->gates_f, st->S, E, C, &st->rt[g]);
         if (stt) return stt;
     }
+    if (st->d_mask) plan_pools(st);
     // the packed layout: rows ordered by expert, then group, then slot
     memset(st->cnt, 0, sizeof(int32_t) * E);
     for (int g = 0; g < st->G; g++)
@@ -484,6 +639,55 @@ static be_experts experts_of(const struct R(moe_state) *st) {
     return (be_experts){st->E, st->sp.D, st->sp.M, st->sp.act, st->expert_off};
 }
 
+// The auxiliary losses with disjoint pools (LIMoE E.3): each (group, modality) block is a MoE of
+// its own over its pool: the losses see that modality's tokens and its pool's logits only
+// (importance and load balance the pool's experts over its tokens, the switch loss counts its
+// assignments with R_e = E_m/(K S_m) wanted_e, the entropies are the pool's), and the two
+// modalities' losses add up, as two MoE layers' would; then the mean over groups as usual. The
+// load loss keeps the routing's noise scale noise_std/E. Arguments as moe_aux.
+static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, real *dlogits) {
+    const R(vlmoe_backend) *be = st->be;
+    const vlmoe_moe_config *cfg = st->sp.cfg;
+    const int E = st->E;
+    const int dev = st->d_want != NULL;
+    const uint8_t *kmod = st->pool_mod;
+    if (dev) be->upload_bytes(be, st->d_mod, st->pool_mod, (size_t)st->n), kmod = st->d_mod;
+    if (dlogits) be->zero(be, st->dlg, (size_t)st->pool_rows * st->pool_w);
+    double total = 0;
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+        if (cfg->aux_weight[k] == 0) continue;
+        double v = 0;
+        size_t at = 0; // the block's first packed logit
+        for (int g = 0; g < st->G; g++) {
+            const int32_t *want = st->rt[g].wanted;
+            if (dev) {
+                int32_t *dw = st->d_want + (size_t)g * 3 * E;
+                be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
+                want = dw;
+            }
+            for (int m = 0; m < 2; m++) {
+                const int b0 = st->pool_blk[2 * g + m], Sm = st->pool_blk[2 * g + m + 1] - b0;
+                int e0, ne;
+                pool_of(cfg, m, &e0, &ne);
+                if (!Sm) continue;
+                R(aux_input) in = {Sm, ne, st->K, st->lg + at, st->noisy_on ? st->ng + at : NULL,
+                                   cfg->noise_std * ne / E, kmod + b0, want + e0,
+                                   {cfg->global_tau[0], cfg->global_tau[1]}, NULL};
+                if (dlogits)
+                    be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, st->dlg + at,
+                                 st->aux_scratch);
+                else
+                    v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+                at += (size_t)Sm * ne;
+            }
+        }
+        if (s) s->aux[k] = v / st->G;
+        total += cfg->aux_weight[k] * (v / st->G);
+    }
+    if (dlogits) be->gather_rows_backward(be, dlogits, st->dlg, &st->pool_dd, st->pool_w);
+    return total;
+}
+
 // The auxiliary losses (tokens choice only: experts choice needs none, MOE.md): their weighted
 // sum, with each unweighted loss in s. With dlogits, accumulates daux times the weighted
 // gradient into it instead.
@@ -493,6 +697,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const int E = st->E;
     double total = 0;
     if (cfg->router != VLMOE_ROUTER_TOKENS) return 0;
+    if (st->d_mask) return moe_aux_pools(st, s, daux, dlogits);
     // groups of whole examples: the position-ordered copies, whose gradient goes back onto rows
     const real *lg = st->ordered ? st->lg : st->logits, *ng = st->ordered ? st->ng : st->noisy;
     const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
@@ -734,6 +939,7 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     *aux = 0;
     memset(s->aux, 0, sizeof(s->aux));
     s->num_experts = st->E;
+    if ((stt = plan_runs(st, c->modality))) return stt;
     if (sp->cfg->router == VLMOE_ROUTER_SOFT) return soft_forward(st, P, x, out, s);
     if ((stt = moe_route(st, c, P, x))) return stt;
     be->gather_rows(be, st->xp, x, st->dd.row_token, st->rows, D);
@@ -801,8 +1007,7 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->zero(be, st->dlogits, (size_t)n * E);
     be->softmax_backward(be, st->dlogits, st->gates, st->dgates, n, E);
     moe_aux(st, NULL, daux, st->dlogits);
-    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be; // the router in full precision
-    rbe->linear_backward(rbe, dx, G + sp->router_w, NULL, st->dlogits, x, P + sp->router_w, n, D, E);
+    router_backward(st, P, G, x, dx);
 }
 
 // The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).

@@ -57,7 +57,7 @@ static vlmoe_model_config clip(const char *name, int img, int patch, int vw, int
 
 static const char *NAMES = "tiny, mini, tiny-clip, S/32, B/32, B/16, ViT-B-32, ViT-B-16, limoe-tiny, "
                            "limoe-mini, limoe-S/32, limoe-B/16, clipup-tiny, clipup-ViT-B-16, ec-tiny, "
-                           "soft-tiny, vlmoe-tiny, mome-tiny";
+                           "soft-tiny, vlmoe-tiny, mome-tiny, limoe-permod-tiny, limoe-disjoint-tiny";
 
 uint64_t vlmoe_moe_every(int n, int layers) {
     uint64_t m = 0;
@@ -163,6 +163,24 @@ int vlmoe_config_named(const char *name, vlmoe_model_config *out) {
         *out = clip(name, 224, 16, 768, 12, 12, 512, 12, 8, 512);
     } else if (!sizes_named(name, out)) {
         // the papers' sizes (src/nn/sizes.c)
+    } else if (!strcmp(name, "limoe-permod-tiny") || !strcmp(name, "limoe-disjoint-tiny")) {
+        // LIMoE appendix E.3 at test size: limoe-tiny (8 experts) with a router per modality;
+        // "disjoint" also splits the experts, 6 for images and 2 for text (the paper: 27 / 5 of
+        // 32). Its pools balance by design, so it keeps only the classic importance + load
+        // losses per pool (E.3: "did not need entropy regularisation"), 0.04 averaged over the
+        // two; capacity factor 2: with 16 patches and 16 text tokens per pair, each of the 2
+        // text experts expects S/4 tokens of a group, the capacity ceil(2 S/8) = S/4 (the
+        // paper's B/16 gives its 5 text experts fewer than an even share, 16/5 < 1.05 212/32)
+        int st = moe_named("tiny", "limoe", out);
+        if (st) return st;
+        vlmoe_moe_config *m = &out->moe;
+        m->router_per_modality = 1;
+        if (name[6] == 'd') {
+            m->text_experts = 2;
+            memset(m->aux_weight, 0, sizeof(m->aux_weight));
+            m->aux_weight[VLMOE_AUX_IMPORTANCE] = m->aux_weight[VLMOE_AUX_LOAD] = 0.04 / 2;
+            m->capacity_factor = 2.0;
+        }
     } else if (!strncmp(name, "limoe-", 6) || !strncmp(name, "clipup-", 7)) {
         int lim = name[0] == 'l';
         const char *base = name + (lim ? 6 : 7);
@@ -219,16 +237,21 @@ int vlmoe_config_warnings(const vlmoe_model_config *c, char *buf, size_t cap) {
         const int aux[2] = {VLMOE_AUX_GLOBAL_ENT_IMAGE, VLMOE_AUX_GLOBAL_ENT_TEXT};
         if (m->router != VLMOE_ROUTER_TOKENS || m->num_experts < 1) continue;
         for (int k = 0; k < 2; k++) {
-            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform
-            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)m->num_experts)) continue;
+            // H(mean p) <= log E, so tau >= log E keeps max(0, tau - H) > 0 except at exact uniform;
+            // with disjoint pools (LIMoE E.3) E is the modality's pool
+            const int T = m->text_experts, pool = T > 0 && T < m->num_experts;
+            const int E = pool ? (k ? T : m->num_experts - T) : m->num_experts;
+            if (m->aux_weight[aux[k]] == 0 || m->global_tau[k] < log((double)E)) continue;
             n++;
             if (buf && u < cap)
                 u += (size_t)snprintf(buf + u, cap - u, "%s%s.global_entropy_tau[%s] = %g = log(%.3g) is at or above "
-                                      "log(num_experts = %d) = %g: no routing over %d experts meets it, so the "
+                                      "log(%s = %d) = %g: no routing over %d experts meets it, so the "
                                       "%s loss never switches off (tau = log(S), S the soft minimum number of "
                                       "experts)", n > 1 ? "\n" : "", t ? "text_moe" : "moe", k ? "text" : "image",
-                                      m->global_tau[k], exp(m->global_tau[k]), m->num_experts,
-                                      log((double)m->num_experts), m->num_experts, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
+                                      m->global_tau[k], exp(m->global_tau[k]),
+                                      pool ? (k ? "text_experts" : "image experts, num_experts - text_experts")
+                                           : "num_experts",
+                                      E, log((double)E), E, vlmoe_aux_name((vlmoe_aux_kind)aux[k]));
         }
     }
     return n;
@@ -304,6 +327,21 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
              m->noise_std);
         NEED(m->group_size >= 0, "%s.group_size must be >= 0 (0 = the whole batch)", nm);
         NEED(m->text_first == 0 || m->text_first == 1, "%s.text_first must be 0 or 1", nm);
+        // LIMoE E.3: both options split the router by the token's modality, which only a shared
+        // encoder mixes in one layer; Soft MoE has no router to split
+        NEED(m->router_per_modality == 0 || m->router_per_modality == 1, "%s.router_per_modality must be "
+             "true or false", nm);
+        NEED((!m->router_per_modality && !m->text_experts) ||
+                 (c->arch == VLMOE_ARCH_ONE_TOWER && m->router != VLMOE_ROUTER_SOFT),
+             "%s: router_per_modality and text_experts (LIMoE E.3) need a shared one_tower encoder with a "
+             "tokens- or experts-choice router", nm);
+        // experts choice lets each expert pick any token: a pool could not be enforced
+        NEED(m->text_experts == 0 || m->router == VLMOE_ROUTER_TOKENS, "%s.text_experts: disjoint expert "
+             "pools need tokens-choice routing (router \"tokens\")", nm);
+        NEED(m->text_experts == 0 || (m->text_experts >= m->top_k && m->num_experts - m->text_experts >= m->top_k),
+             "%s.text_experts: %d leaves a pool smaller than top_k = %d (text experts are [E-T, E), image "
+             "experts [0, E-T) of num_experts E = %d; 0 = one shared pool)", nm, m->text_experts, m->top_k,
+             m->num_experts);
         NEED(m->router != VLMOE_ROUTER_SOFT || m->slots_per_expert > 0 || m->group_size > 0,
              "%s: Soft MoE needs slots_per_expert or group_size (the number of slots is a parameter shape)", nm);
         NEED(m->slots_per_expert >= 0, "%s.slots_per_expert: %d must be >= 1 (0: rint(group_size / num_experts))", nm,
@@ -329,6 +367,8 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
             for (int e = 0; e < m->num_experts && e < 64; e++) kept += !(m->pruned[l] >> e & 1);
             NEED(m->router == VLMOE_ROUTER_TOKENS && (m->layers >> l & 1),
                  "%s.pruned: block %d is not a tokens-choice MoE layer", nm, l);
+            NEED(!m->text_experts, "%s.pruned: block %d: pruning a model with disjoint expert pools "
+                 "(text_experts) is not supported; each pool is its modality's already", nm, l);
             NEED(m->num_experts <= 64 && (m->num_experts == 64 || !(m->pruned[l] >> m->num_experts)),
                  "%s.pruned: block %d names an expert beyond num_experts = %d", nm, l, m->num_experts);
             NEED(kept >= m->top_k, "%s.pruned: block %d keeps %d experts, fewer than top_k = %d", nm, l,
@@ -502,6 +542,11 @@ static int read_moe(const cJSON *o, const char *what, const char *key, vlmoe_moe
             if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
             else m->soft_raw = !cJSON_IsTrue(it);
         }
+        else if (!strcmp(n, "router_per_modality")) {
+            if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
+            else m->router_per_modality = cJSON_IsTrue(it);
+        }
+        else if (!strcmp(n, "text_experts")) st = read_int(it, what, k, &m->text_experts);
         else if (!strcmp(n, "text_first")) {
             if (!cJSON_IsBool(it)) st = vlmoe_fail(VLMOE_ERR_CONFIG, "%s: key \"%s\" must be true or false", what, k);
             else m->text_first = cJSON_IsTrue(it);
@@ -585,6 +630,8 @@ static cJSON *moe_json(const vlmoe_moe_config *m) {
     add_num(o, "slots_per_expert", m->slots_per_expert);
     if (m->text_first) cJSON_AddBoolToObject(o, "text_first", 1); // written when set: older files lack it
     if (m->capacity_per_token) cJSON_AddBoolToObject(o, "capacity_per_assignment", 0); // likewise
+    if (m->router_per_modality) cJSON_AddBoolToObject(o, "router_per_modality", 1); // likewise
+    if (m->text_experts) add_num(o, "text_experts", m->text_experts);
     if (m->soft_mix) cJSON_AddStringToObject(o, "soft_dispatch", SOFT_MIX_NAMES[m->soft_mix]);
     if (m->soft_raw) cJSON_AddBoolToObject(o, "soft_normalize", 0);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)

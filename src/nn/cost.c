@@ -54,7 +54,10 @@ static double idle_expert_params(const tower *t) {
     if (!mc || mc->router != VLMOE_ROUTER_TOKENS) return 0; // experts choice, Soft MoE: any expert may
     double n = 0;
     for (int l = 0; l < t->L && l < 64; l++)
-        if (mc->layers >> l & 1) n += (double)(mc->num_experts - mc->top_k) * (2.0 * t->D * t->M + t->M + t->D);
+        if (mc->layers >> l & 1) {
+            n += (double)(mc->num_experts - mc->top_k) * (2.0 * t->D * t->M + t->M + t->D);
+            n += mc->router_per_modality ? (double)mc->num_experts * t->D : 0; // the other modality's router
+        }
     return n;
 }
 

@@ -65,6 +65,10 @@ void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc
         int P = moe_slots_per_expert(mc);
         f->phi = layout_add(tb, NAME("moe.soft.phi"), 1, 3, D, X, P < 1 ? 1 : P);
         f->scale = add(tb, NAME("moe.soft.scale"), 0, 0, 0, 0);
+    } else if (mc->router_per_modality) {
+        // LIMoE E.3: the image router (E,D), then the text router (E,D); a name of its own so a
+        // checkpoint of one kind never loads into the other
+        f->router_w = layout_add(tb, NAME("moe.router.per_modality.weight"), 1, 3, 2, X, D);
     } else {
         f->router_w = add(tb, NAME("moe.router.weight"), 1, 2, X, D);
     }

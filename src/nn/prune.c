@@ -34,6 +34,9 @@ int vlmoe_model_prune(vlmoe_model **out, const vlmoe_model *m, int modality, con
     if (mc->router != VLMOE_ROUTER_TOKENS)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "prune: the %s tower of '%s' has no tokens-choice MoE layers",
                           prefix, cfg.name);
+    if (mc->router_per_modality || mc->text_experts)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "prune: '%s' has per-modality routers or disjoint expert pools (LIMoE "
+                          "E.3); pruning them is not supported", cfg.name);
     if (E > 64) return vlmoe_fail(VLMOE_ERR_CONFIG, "prune: %d experts per layer; at most 64 supported", E);
     if (keep < mc->top_k || keep > E)
         return vlmoe_fail(VLMOE_ERR_ARG, "prune: --keep %d must be between top_k = %d and the %d experts of each layer",
