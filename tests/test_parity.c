@@ -136,7 +136,7 @@ static void test_ops(void) {
         float *qkv = get(f, nm, NULL);
         snprintf(nm, sizeof(nm), "attention%d.r", causal);
         float *r = get(f, nm, NULL), *o = zerosf(96), *att = zerosf(144), *datt = zerosf(144), *dq = zerosf(288);
-        attn_segment seg = {0, 2, 6, causal, lens};
+        attn_segment seg = {.nseq = 2, .seqlen = 6, .causal = causal, .lens = lens};
         attention_forward_f32(o, att, qkv, &seg, 8, 2);
         attention_backward_f32(dq, datt, r, qkv, att, &seg, 8, 2);
         snprintf(nm, sizeof(nm), "attention%d.out", causal);
@@ -146,6 +146,19 @@ static void test_ops(void) {
         free(qkv), free(r), free(o), free(att), free(datt), free(dq);
     }
     free(lens);
+    { // BEiT-3's captioning mask: causal after a prefix of 3 (the image), lengths 6 and 4
+        const int32_t plens[2] = {6, 4};
+        float *qkv = get(f, "attention_prefix.qkv", NULL), *r = get(f, "attention_prefix.r", NULL);
+        float *o = zerosf(96), *att = zerosf(144), *datt = zerosf(144), *dq = zerosf(288);
+        attn_segment seg = {.nseq = 2, .seqlen = 6, .causal = 1, .lens = plens, .prefix = 3};
+        if (qkv && r) {
+            attention_forward_f32(o, att, qkv, &seg, 8, 2);
+            attention_backward_f32(dq, datt, r, qkv, att, &seg, 8, 2);
+            compare_fixture(f, "attention_prefix.out", o, tol);
+            compare_fixture(f, "attention_prefix.dqkv", dq, 1e-5);
+        }
+        free(qkv), free(r), free(o), free(att), free(datt), free(dq);
+    }
     { // patch embedding: conv (8,3,4,4) stride 4 on (2,3,8,8) = patchify + linear
         float *img = get(f, "patch.images", NULL), *w = get(f, "patch.w", NULL), *b = get(f, "patch.b", NULL);
         float *r = get(f, "patch.r", NULL), *pt = zerosf(2 * 4 * 48), *o = zerosf(64), *dw = zerosf(384), *db = zerosf(8);
@@ -239,7 +252,7 @@ static void test_block(void) {
     float *ln1 = zerosf(N * D), m1[10], s1[10], *qkv = zerosf(N * 3 * D), *att = zerosf(B * H * T * T);
     float *atty = zerosf(N * D), *res1 = zerosf(N * D), *ln2 = zerosf(N * D), m2[10], s2[10];
     float *h = zerosf(N * M), *a = zerosf(N * M), *y = zerosf(N * D);
-    attn_segment seg = {0, B, T, 0, lens};
+    attn_segment seg = {.nseq = B, .seqlen = T, .lens = lens};
     layernorm_forward_f32(ln1, m1, s1, x, l1w, l1b, N, D, 1e-6);
     linear_forward_f32(qkv, ln1, qw, qb, N, D, 3 * D, 0);
     attention_forward_f32(atty, att, qkv, &seg, D, H);

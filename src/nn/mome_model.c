@@ -117,6 +117,8 @@ int mome_model_plan(vlmoe_model *m, int B) {
     return VLMOE_OK;
 }
 
+mome_graph_f32 *mome_model_graph(vlmoe_model *m) { return m->mome ? m->mome->mg : NULL; }
+
 static int need_mome(const vlmoe_model *m, const char *what) {
     return m->L.mome ? VLMOE_OK
                      : vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is not a VL-MoE (arch mome) model", what,
