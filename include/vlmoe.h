@@ -187,6 +187,9 @@ VLMOE_API int vlmoe_synth_sample(const vlmoe_synth *s, int split, uint64_t index
 enum { VLMOE_TOK_PAD = 0, VLMOE_TOK_SOT = 1, VLMOE_TOK_EOT = 2, VLMOE_TOK_UNK = 3 };
 VLMOE_API int vlmoe_synth_vocab_size(const vlmoe_synth *s);
 VLMOE_API int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, int ctx);
+// The inverse: the words of ids joined by spaces, PAD/SOT/EOT skipped, any other id outside the
+// vocabulary (UNK, or an id only a bigger model has) as "<unk>". NUL-terminated in out (cap bytes).
+VLMOE_API int vlmoe_synth_detokenize(const vlmoe_synth *s, const int32_t *ids, int n, char *out, size_t cap);
 
 // ---------------------------------------------------------------------------------------------
 // Models (src/nn/): config, parameters, forward/backward, save/load.

@@ -217,9 +217,9 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
         return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: model '%s' has no classification head (num_classes = 0)", c->name);
     if (kind == OUT_EMBED && !c->retrieval_head)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: model '%s' has no retrieval head (retrieval_head = 0)", c->name);
-    if (kind == OUT_EMBED && enc == VLMOE_ENC_PAIR)
+    if (kind == OUT_EMBED && (enc == VLMOE_ENC_PAIR || enc == VLMOE_ENC_CAPTION))
         return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: retrieval embeds images and texts separately, not pairs");
-    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
+    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_CAPTION) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
     if (n % cs)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: the head takes %d sequences per example, %d is not a multiple",
                           cs, n);
