@@ -129,6 +129,40 @@ static void test_shown_run(void) {
     const char *cap = strstr(out, "held-out CIDEr-D");
     if (cap) cap = strstr(cap + 1, "\nheld-out CIDEr-D");
     if (cap) printf("%.400s\n", cap + 1);
+    // the captioner on held-out data: `vlmoe eval --caption-data` and `vlmoe caption --data` give one
+    // CIDEr-D, above the untrained model's; image files are captioned one line each
+    snprintf(cmd, sizeof(cmd), "synth export --out %s/val --n 40 --image-size 32 --split val", dir);
+    CHECK(test_run_in(dir, bin, cmd, 1, out, sizeof(out)) == 0, "synth export val:\n%s", out);
+    CHECK(test_run_in(dir, bin, "eval --model cap.safetensors --caption-data val/captions.csv", 1, out, sizeof(out)) == 0,
+          "eval --caption-data:\n%s", out);
+    const double ev = field("greedy decoding): CIDEr-D ");
+    CHECK(test_run_in(dir, bin, "eval --model pre.safetensors --caption-data val/captions.csv --image-mean 0.5 "
+                      "--image-std 0.5 --json", 1, out, sizeof(out)) == 0, "eval --json:\n%s", out);
+    const double ev0 = field("\"cider_d\":");
+    CHECK(test_run_in(dir, bin, "caption --model cap.safetensors --data val/captions.csv -o caps.tsv", 1, out,
+                      sizeof(out)) == 0, "caption --data:\n%s", out);
+    const double cv = field("CIDEr-D ");
+    printf("held-out split (40 images): vlmoe eval --caption-data CIDEr-D %.4f (untrained model %.4f), vlmoe caption "
+           "--data %.4f\n", ev, ev0, cv);
+    CHECK(ev > ev0 + 0.5 && ev0 >= 0 && fabs(ev - cv) < 1e-4, "eval %g vs untrained %g vs caption %g", ev, ev0, cv);
+    char path[256];
+    snprintf(path, sizeof(path), "%s/caps.tsv", dir);
+    size_t n = 0;
+    char *tsv = test_read_file(path, &n);
+    int lines = 0;
+    for (size_t i = 0; tsv && i < n; i++) lines += tsv[i] == '\n';
+    CHECK(lines == 40 && strstr(tsv, "val/classes/") && strchr(tsv, '\t'), "caps.tsv: %d lines", lines);
+    free(tsv);
+    test_expect_in(dir, bin, "caption --model cap.safetensors --data val/captions.csv -o caps.tsv", 1,
+                   "-o caps.tsv: cannot create it", out, sizeof(out));
+    tsv = test_read_file(path, &n);
+    CHECK(tsv && n > 100, "an existing -o file is left as it was");
+    free(tsv);
+    CHECK(test_run_in(dir, bin, "caption --model cap.safetensors val/classes/red_circle", 1, out, sizeof(out)) == 0 &&
+              strstr(out, "red_circle/") && strchr(out, '\t'), "caption IMAGE|DIR:\n%s", out);
+    test_expect_in(dir, bin, "caption --model cap.safetensors", 1, "give --data PAIRS", out, sizeof(out));
+    test_expect_in(dir, bin, "caption --model cap.safetensors --max-len 99 val/classes", 1, "--max-len 99", out,
+                   sizeof(out));
     // bad input on purpose
     test_expect_in(dir, bin, "finetune --model pre.safetensors --task caption --data shapes/captions.csv -o x.safetensors "
                    "--caption-mask-prob 0", 1, "--caption-mask-prob 0: expected a fraction in (0, 1]", out, sizeof(out));
