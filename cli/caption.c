@@ -47,7 +47,7 @@ static int caption_files(vlmoe_model *m, const vlmoe_image_params *ip, cli_text 
     enum { CHUNK = 64 };
     float *img = malloc(sizeof(float) * isz * CHUNK);
     int32_t *tok = malloc(sizeof(int32_t) * T * CHUNK), len[CHUNK];
-    char *line = malloc(16 * T + 64);
+    char *line = malloc(64 * T + 64);
     int rc = img && tok && line ? 0 : cli_error(CMD, "out of memory");
     vlmoe_caption_params cp = cli_caption_params(text);
     cp.max_len = max_len;
@@ -61,7 +61,8 @@ static int caption_files(vlmoe_model *m, const vlmoe_image_params *ip, cli_text 
         }
         if (!rc && vlmoe_mome_caption(m, img, k, &cp, tok, len)) rc = cli_error(CMD, "%s", vlmoe_last_error());
         for (int j = 0; !rc && j < k; j++) {
-            if (cli_detokenize(text, tok + T * (size_t)j, len[j], line, 16 * T + 64)) rc = cli_error(CMD, "%s", vlmoe_last_error());
+            if (cli_detokenize(text, tok + T * (size_t)j, len[j], line, 64 * T + 64))
+                rc = cli_error(CMD, "%s", vlmoe_last_error());
             else if (fprintf(out, "%s\t%s\n", paths[i0 + j], line) < 0) rc = cli_error(CMD, "cannot write the captions");
         }
     }

@@ -175,7 +175,14 @@ int cli_tokenize(void *u, const char *text, int32_t *ids, int ctx) {
 
 int cli_detokenize(void *u, const int32_t *ids, int n, char *out, size_t cap) {
     const cli_text *t = u;
-    return t->bpe ? vlmoe_tokenizer_decode(t->bpe, ids, n, out, cap) : vlmoe_synth_detokenize(t->synth, ids, n, out, cap);
+    if (!t->bpe) return vlmoe_synth_detokenize(t->synth, ids, n, out, cap);
+    // a model may have ids beyond its tokenizer's (its [MASK] and spares): a caption drops them
+    int32_t keep[1024];
+    const int32_t V = vlmoe_tokenizer_vocab_size(t->bpe);
+    int k = 0;
+    for (int i = 0; i < n && k < 1024; i++)
+        if (ids[i] >= 0 && ids[i] < V) keep[k++] = ids[i];
+    return vlmoe_tokenizer_decode(t->bpe, keep, k, out, cap);
 }
 
 vlmoe_caption_params cli_caption_params(const cli_text *t) {

@@ -142,7 +142,7 @@ int vlmoe_eval_captions_run(vlmoe_model *m, vlmoe_dataset *ds, const char *name,
         st = vlmoe_fail(VLMOE_ERR_NOMEM, "captioning");
     if (!st && p->progress) p->progress(p->progress_user, "images captioned", 0, n);
     if (!st) st = vlmoe_mome_caption(m, images, n, cp, tok, len);
-    const size_t ccap = 16 * T + 64;
+    const size_t ccap = 64 * T + 64; // a BPE piece decodes to tens of bytes
     for (int i = 0; !st && i < n; i++)
         if (!(r->captions[i] = malloc(ccap))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "captions");
         else st = detok(user, tok + T * (size_t)i, len[i], r->captions[i], ccap);

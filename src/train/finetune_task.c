@@ -487,7 +487,7 @@ int vlmoe_ft_caption_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_o
         return vlmoe_fail(VLMOE_ERR_ARG, "caption evaluation: the data was not read for captioning");
     const int *idx = held_out ? d->idx + d->ntrain : d->idx, n = held_out ? d->nheld : d->ntrain;
     if (n < 2) return VLMOE_OK; // CIDEr-D's idf needs two images (one scores 0)
-    const size_t T = d->T, cap = 16 * T + 64;
+    const size_t T = d->T, cap = 64 * T + 64; // a BPE piece decodes to tens of bytes
     float *img = malloc(sizeof(float) * d->isz * (size_t)n);
     int32_t *tok = malloc(sizeof(int32_t) * T * (size_t)n), *len = malloc(sizeof(int32_t) * (size_t)n);
     int *off = malloc(sizeof(int) * ((size_t)n + 1));
