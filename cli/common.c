@@ -173,6 +173,24 @@ int cli_tokenize(void *u, const char *text, int32_t *ids, int ctx) {
     return vlmoe_tokenizer_encode(t->bpe, text, ids, ctx, &len) ? -1 : len;
 }
 
+int cli_detokenize(void *u, const int32_t *ids, int n, char *out, size_t cap) {
+    const cli_text *t = u;
+    if (!t->bpe) return vlmoe_synth_detokenize(t->synth, ids, n, out, cap);
+    // a model may have ids beyond its tokenizer's (its [MASK] and spares): a caption drops them
+    int32_t keep[1024];
+    const int32_t V = vlmoe_tokenizer_vocab_size(t->bpe);
+    int k = 0;
+    for (int i = 0; i < n && k < 1024; i++)
+        if (ids[i] >= 0 && ids[i] < V) keep[k++] = ids[i];
+    return vlmoe_tokenizer_decode(t->bpe, keep, k, out, cap);
+}
+
+vlmoe_caption_params cli_caption_params(const cli_text *t) {
+    vlmoe_caption_params p = {.bos = VLMOE_TOK_SOT, .eos = VLMOE_TOK_EOT};
+    if (t->bpe) p.bos = vlmoe_tokenizer_sot(t->bpe), p.eos = vlmoe_tokenizer_eot(t->bpe);
+    return p;
+}
+
 void cli_text_free(cli_text *t) {
     vlmoe_tokenizer_free(t->bpe);
     vlmoe_synth_free(t->synth);

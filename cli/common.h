@@ -64,6 +64,9 @@ int cli_synthetic_model(const char *cmd, const vlmoe_model *m, const char *path,
 #define CLI_OVERRIDE_HELP "let --tokenizer/--image-mean/--image-std replace what the model file records"
 // A vlmoe_tokenize_fn over a cli_text.
 int cli_tokenize(void *t, const char *text, int32_t *ids, int ctx);
+// Its inverse (a vlmoe_detokenize_fn), and the start and end ids captions are decoded between.
+int cli_detokenize(void *t, const int32_t *ids, int n, char *out, size_t cap);
+vlmoe_caption_params cli_caption_params(const cli_text *t);
 void cli_text_free(cli_text *t);
 
 // A progress line on stderr: rewritten in place on a terminal, a plain line every 30 s otherwise.

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "args.h"
+#include "caption.h"
 #include "cli.h"
 #include "nn/model.h"
 #include "common.h"
@@ -212,6 +213,27 @@ static int eval_pairs(eval_ctx *e, const vlmoe_dataset_params *dp) {
     return rc;
 }
 
+// --caption-data: a VL-MoE captioner's greedy captions of the distinct images, CIDEr-D against
+// each image's captions (cli/caption.c, src/eval/caption_eval.c).
+static int eval_captions(eval_ctx *e, const vlmoe_dataset_params *dp0, const char *path) {
+    vlmoe_dataset_params dp = *dp0;
+    dp.path = path;
+    vlmoe_eval_captions r;
+    const int rc = cli_caption_eval("eval", e->m, &dp, &e->p, &e->text, 0, &r);
+    if (!rc) {
+        fprintf(e->txt, "captioning on %s (%d images, %d reference captions; greedy decoding): CIDEr-D %.4f\n", path,
+                r.images, r.references, r.cider);
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "data", path);
+        cJSON_AddNumberToObject(o, "images", r.images);
+        cJSON_AddNumberToObject(o, "references", r.references);
+        cJSON_AddNumberToObject(o, "cider_d", r.cider);
+        cJSON_AddItemToObject(e->out, "captioning", o);
+    }
+    vlmoe_eval_captions_free(&r);
+    return rc;
+}
+
 // --output: CLIP_benchmark's results JSON, in a file that did not exist ("wx": never overwritten).
 static int write_results(const eval_ctx *e, const char *path, const char *dataset, const char *model, int zeroshot) {
     cJSON *o = vlmoe_eval_clip_benchmark_json(dataset, e->c->name, model, zeroshot ? &e->zs : NULL, zeroshot ? NULL : &e->rt);
@@ -232,7 +254,7 @@ static int write_results(const eval_ctx *e, const char *path, const char *datase
 
 int cmd_eval(int argc, char **argv) {
     const char *precision = NULL, *device = NULL, *model = NULL, *dataset = NULL, *zs_dir = NULL, *classnames = NULL, *templates = NULL;
-    const char *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL, *output = NULL;
+    const char *capd = NULL, *val = NULL, *tokenizer = NULL, *sep = "\t", *mean = NULL, *std = NULL, *zs_key = NULL, *output = NULL;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     int n = 1000, B = 64, shots = 10, json = 0, threads = 0, override = 0;
     long max_pixels = 0;
@@ -250,6 +272,8 @@ int cmd_eval(int argc, char **argv) {
         {"zeroshot-dataset", ARG_STRING, &zs_key, "NAME", "the list of a CLIP_benchmark JSON file (cifar10, ...)"},
         {"val-data", ARG_STRING, &val, "FILE", "image-caption pairs (CSV/TSV or webdataset shards): retrieval"},
         {"val-num-samples", ARG_LONG, &val_num, "N", "the first N usable pairs of --val-data (default: all)"},
+        {"caption-data", ARG_STRING, &capd, "FILE", "image-caption pairs (CSV/TSV or webdataset): a VL-MoE captioner's "
+                                                    "greedy captions of each image, CIDEr-D against its captions"},
         {"dataset-type", ARG_STRING, &dataset, "TYPE", "of --val-data: auto (default), csv, webdataset; "
                                                        "synthetic: the built-in held-out split"},
         {"csv-img-key", ARG_STRING, &dp.img_key, "NAME", "CSV column of image paths (default filepath)"},
@@ -273,13 +297,14 @@ int cmd_eval(int argc, char **argv) {
     if (threads > 0) omp_set_num_threads(threads);
     cli_set_max_image_pixels(max_pixels);
     if (!model) return cli_error("eval", "--model is required (see vlmoe eval --help)");
-    const int user_data = zs_dir || val;
+    const int user_data = zs_dir || val || capd;
     const int synthetic = dataset ? !strcmp(dataset, "synthetic") : !user_data;
     if (dataset && !synthetic && cli_dataset_type("eval", dataset, 1, &dp.type)) return 1;
     if (synthetic && user_data)
         return cli_error("eval", "--dataset-type synthetic evaluates on the built-in data; leave it out with "
                          "--zeroshot-data or --val-data");
-    if (!synthetic && !val && dataset) return cli_error("eval", "--dataset-type %s needs --val-data", dataset);
+    if (!synthetic && !val && !capd && dataset)
+        return cli_error("eval", "--dataset-type %s needs --val-data or --caption-data", dataset);
     if ((classnames || templates || zs_key) && !zs_dir)
         return cli_error("eval", "--classnames, --templates and --zeroshot-dataset need --zeroshot-data");
     if (zs_key && !cli_is_json(classnames) && !cli_is_json(templates))
@@ -322,6 +347,7 @@ int cmd_eval(int argc, char **argv) {
     if (!rc && synthetic) rc = eval_synthetic(&e, n);
     if (!rc && zs_dir) rc = eval_folder(&e, zs_dir, classnames, templates, zs_key, val == NULL);
     if (!rc && val) rc = eval_pairs(&e, &dp);
+    if (!rc && capd) rc = eval_captions(&e, &dp, capd);
     if (!rc && output) rc = write_results(&e, output, zs_key ? zs_key : zs_dir ? zs_dir : val, model, zs_dir != NULL);
     if (e.txt) fclose(e.txt);
     if (!rc && json) {

@@ -23,6 +23,24 @@ static void on_step(void *u, int what, const char *line) {
 
 static void on_read(void *u, long n) { cli_progress_show(u, n, -1); }
 
+// Captioning's report: CIDEr-D of the greedy captions of the training or held-out images, and
+// the first few held-out captions beside their references.
+static int caption_report(vlmoe_model *m, const vlmoe_ft_data *d, cli_text *text, int held, const char *what) {
+    const vlmoe_caption_params cp = cli_caption_params(text);
+    vlmoe_ft_caption_score sc;
+    char **caps = NULL;
+    if (vlmoe_ft_caption_evaluate(m, d, held, &cp, cli_detokenize, text, &sc, held ? &caps : NULL))
+        return cli_error(CMD, "%s", vlmoe_last_error());
+    if (!sc.n) return 0;
+    printf("%s CIDEr-D %.4f (%d images, greedy decoding)\n", what, sc.cider, sc.n);
+    for (int i = 0; caps && i < sc.n; i++) {
+        if (i < 3) printf("  caption %d: \"%s\"\n", i, caps[i]);
+        free(caps[i]);
+    }
+    free(caps);
+    return 0;
+}
+
 // The held-out report: accuracy (classification) or recall@1/5/10 (retrieval).
 static int report(vlmoe_model *m, const vlmoe_ft_data *d, int held, const char *what) {
     vlmoe_ft_score sc;
@@ -85,16 +103,18 @@ int cmd_finetune(int argc, char **argv) {
     const char *norm[2] = {NULL, NULL};
     int steps = 100, batch = 16, holdout = 4, freeze = 0, no_freeze = 0, log_every = 10, override = 0;
     int itm = 0, itm_rerank = 0;
-    double lr = 1e-3, wd = 0.05;
+    double lr = 1e-3, wd = 0.05, cmask = 0.6;
     long seed = 0, max_pixels = 0;
     vlmoe_dataset_params dp = vlmoe_dataset_default_params();
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "pretrained VL-MoE (arch mome) model (safetensors)"},
-        {"task", ARG_STRING, &task, "TASK", "image-cls | text-cls | pair-cls | retrieval"},
+        {"task", ARG_STRING, &task, "TASK", "image-cls | text-cls | pair-cls | retrieval | caption"},
         {"data", ARG_STRING, &data, "PATH", "image-cls: a folder of class folders; text-cls: TSV text<TAB>label; "
                                             "pair-cls: TSV image<TAB>question<TAB>answer (VQA) or image1<TAB>image2"
                                             "<TAB>sentence<TAB>label (NLVR2); retrieval: OpenCLIP CSV/TSV or "
-                                            "webdataset shards of image-caption pairs"},
+                                            "webdataset shards of image-caption pairs (also caption)"},
+        {"caption-mask-prob", ARG_DOUBLE, &cmask, "P", "caption: fraction of each caption's tokens masked and "
+                                                       "predicted per step (0.6, BEiT-3's captioning_mask_prob)"},
         {"output", ARG_STRING, &output, "FILE", "fine-tuned model to write (also -o); class names go to FILE.labels"},
         {"tokenizer", ARG_STRING, &tokenizer, "FILE", "BPE tokenizer of the model (default: the synthetic words)"},
         {"image-mean", ARG_STRING, &norm[0], "R,G,B", "normalisation mean (default CLIP's; the synthetic data's and "
@@ -125,18 +145,22 @@ int cmd_finetune(int argc, char **argv) {
     };
     const int ns = (int)(sizeof(specs) / sizeof(specs[0]));
     const char *usage =
-        "usage: vlmoe finetune --model M.safetensors --task image-cls|text-cls|pair-cls|retrieval --data PATH -o OUT\n\n"
+        "usage: vlmoe finetune --model M.safetensors --task image-cls|text-cls|pair-cls|retrieval|caption --data PATH -o OUT\n\n"
         "Fine-tunes a VL-MoE model (VL-MoE sec. 4.2). Classification: a linear head on the mean image\n"
         "feature (image-cls), the [T_CLS] feature (text-cls; MNLI-style sentence pairs are one text\n"
         "joined by the end token) or the fused [T_CLS] of an image-text pair (pair-cls, VQA as answer\n"
         "classification; with 4 columns NLVR2: both images are paired with the sentence and the head\n"
         "reads the two fused [T_CLS] features side by side). Retrieval: images and captions encoded\n"
         "separately, [I_CLS] and [T_CLS] projected to embed_dim and trained with the contrastive loss;\n"
-        "held-out recall@1/5/10 is reported. Routers and experts stay frozen as in the paper unless\n"
-        "--no-freeze-moe is given. The settings go to OUT.params.json. With --itm (VLMo's recipe, which\n"
-        "VL-MoE follows) retrieval also trains an image-text matching head on 3B fused pairs per batch\n"
-        "of B: the true pairs and, for each image and each text, a hard negative drawn (seeded by\n"
-        "--seed and the step) from the softmax of its contrastive similarities.\n\n"
+        "held-out recall@1/5/10 is reported. Captioning (caption, BEiT-3's recipe): the same pairs, each\n"
+        "image and its caption one sequence whose image tokens attend to the image and whose text tokens\n"
+        "attend to the image and causally to the text; a fraction of each caption is masked and predicted\n"
+        "by the MLM head; held-out CIDEr-D of greedy captions is reported before and after. Routers and\n"
+        "experts stay frozen as in the paper unless --no-freeze-moe is given. The settings go to\n"
+        "OUT.params.json. With --itm (VLMo's recipe, which VL-MoE follows) retrieval also trains an\n"
+        "image-text matching head on 3B fused pairs per batch of B: the true pairs and, for each image\n"
+        "and each text, a hard negative drawn (seeded by --seed and the step) from the softmax of its\n"
+        "contrastive similarities.\n\n"
         "example:\n"
         "  vlmoe finetune --model logs/vlmoe-tiny/checkpoints/step_300.safetensors --task pair-cls \\\n"
         "      --data match.tsv --steps 200 -o match.safetensors";
@@ -147,10 +171,11 @@ int cmd_finetune(int argc, char **argv) {
     // VL-MoE sec. 4.2 fine-tunes with the routers and experts frozen: that is the default
     freeze = !no_freeze;
     if (!model || !task || !data || !output) return cli_error(CMD, "--model, --task, --data and --output (-o) are required");
-    static const char *const TASKS[4] = {"image-cls", "text-cls", "pair-cls", "retrieval"};
+    static const char *const TASKS[5] = {"image-cls", "text-cls", "pair-cls", "retrieval", "caption"};
     int tk = 0;
-    while (tk < 4 && strcmp(task, TASKS[tk])) tk++;
-    if (tk == 4) return cli_error(CMD, "--task %s: expected image-cls, text-cls, pair-cls or retrieval", task);
+    while (tk < 5 && strcmp(task, TASKS[tk])) tk++;
+    if (tk == 5) return cli_error(CMD, "--task %s: expected image-cls, text-cls, pair-cls, retrieval or caption", task);
+    if (!(cmask > 0 && cmask <= 1)) return cli_error(CMD, "--caption-mask-prob %g: expected a fraction in (0, 1]", cmask);
     if (itm && tk != 3) return cli_error(CMD, "--itm: image-text matching is a retrieval objective: use it with --task "
                                           "retrieval, not --task %s", task);
     if (itm_rerank < 0 || (itm_rerank && !itm))
@@ -189,7 +214,7 @@ int cmd_finetune(int argc, char **argv) {
         snprintf(bad.first[0], sizeof(bad.first[0]), "%s", info.first_bad);
         cli_bad_warn(CMD, &bad, "images", data);
     }
-    const int ret = tk == VLMOE_FT_RETRIEVAL;
+    const int ret = tk == VLMOE_FT_RETRIEVAL, cap = tk == VLMOE_FT_CAPTION;
     if (!rc && (itm ? vlmoe_mome_with_itm(&m, pre, (uint64_t)seed)
                     : vlmoe_mome_with_heads(&m, pre, ret ? 0 : info.classes, info.per, ret, (uint64_t)seed)))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
@@ -198,13 +223,20 @@ int cmd_finetune(int argc, char **argv) {
     tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, lr, steps / 10, steps, 0, 0, 0};
     tp.optim.weight_decay = (float)wd;
     tp.freeze_moe = freeze;
-    if (!rc && (vlmoe_finetune_init(&ft, m, d, batch, (uint64_t)seed) || vlmoe_trainer_init(&t, m, &tp)))
+    if (!rc && (vlmoe_finetune_init(&ft, m, d, batch, (uint64_t)seed) || vlmoe_trainer_init(&t, m, &tp) ||
+                (cap && vlmoe_finetune_set_caption_mask(ft, cmask))))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
+    if (!rc && cap) {
+        printf("finetune caption: %d training and %d held-out image-caption pairs, %.0f%% of each caption masked "
+               "(BEiT-3's captioning: image attended both ways, text causally), batch %d, %d steps%s\n", info.train,
+               info.held, 100 * cmask, B, steps, freeze ? ", routers and experts frozen" : "");
+        rc = caption_report(m, d, &text, 1, "before fine-tuning: held-out");
+    }
     if (!rc && ret)
         printf("finetune retrieval: %d training and %d held-out image-caption pairs, embed_dim %d, batch %d, %d "
                "steps%s%s\n", info.train, info.held, vlmoe_model_get_config(m)->embed_dim, B, steps,
                freeze ? ", routers and experts frozen" : "", itm ? ", contrastive + ITM with hard negatives" : "");
-    else if (!rc)
+    else if (!rc && !cap)
         printf("finetune %s%s: %d classes, %d training and %d held-out examples, batch %d, %d steps%s\n", task,
                info.per == 2 ? " (NLVR2: two image-text pairs per example)" : "", info.classes, info.train, info.held,
                B, steps, freeze ? ", routers and experts frozen" : "");
@@ -213,16 +245,18 @@ int cmd_finetune(int argc, char **argv) {
         const vlmoe_run_params rp = {NULL, steps, log_every, 0, 0, 0, 0, B, NULL, on_step, NULL, 0};
         if (vlmoe_run_train(t, &rt, &rp)) rc = cli_error(CMD, "%s", vlmoe_last_error());
     }
-    if (!rc) rc = report(m, d, 0, "train");
-    if (!rc) rc = report(m, d, 1, "held-out");
+    if (!rc && cap) rc = caption_report(m, d, &text, 0, "train");
+    if (!rc && cap) rc = caption_report(m, d, &text, 1, "held-out");
+    if (!rc && !cap) rc = report(m, d, 0, "train");
+    if (!rc && !cap) rc = report(m, d, 1, "held-out");
     if (!rc && itm_rerank) rc = report_itm(m, d, 1, "held-out", itm_rerank);
-    if (!rc && !ret) printf("chance %.4f (%d classes)\n", 1.0 / info.classes, info.classes);
-    if (!rc && (vlmoe_model_save(m, output) || (!ret && vlmoe_ft_write_labels(d, output))))
+    if (!rc && !ret && !cap) printf("chance %.4f (%d classes)\n", 1.0 / info.classes, info.classes);
+    if (!rc && (vlmoe_model_save(m, output) || (!ret && !cap && vlmoe_ft_write_labels(d, output))))
         rc = cli_error(CMD, "%s", vlmoe_last_error());
     const ft_settings fs = {model, task, data, tokenizer, steps, batch, holdout, freeze, lr, wd, seed, itm, itm_rerank};
     if (!rc) rc = write_params(output, &fs);
-    if (!rc && !ret) printf("wrote %s, %s.labels and %s.params.json\n", output, output, output);
-    if (!rc && ret) printf("wrote %s and %s.params.json\n", output, output);
+    if (!rc && !ret && !cap) printf("wrote %s, %s.labels and %s.params.json\n", output, output, output);
+    if (!rc && (ret || cap)) printf("wrote %s and %s.params.json\n", output, output);
     vlmoe_finetune_free(ft);
     vlmoe_ft_data_free(d);
     cli_text_free(&text);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <string.h>
 
+#include "caption.h"
 #include "cli.h"
 #include "common.h"
 #include "dist/dist.h"
@@ -65,7 +66,8 @@ static const char *USAGE =
     "  tokenize   CLIP BPE ids and pieces of a text\n"
     "  tokenizer  train a BPE vocabulary from captions (vlmoe tokenizer train)\n"
     "  vq         learn the k-means codebook of visual tokens for VL-MoE's MIM (vlmoe vq train)\n"
-    "  finetune   fine-tune a VL-MoE model: image-cls, text-cls, pair-cls (VQA, NLVR2), retrieval\n"
+    "  finetune   fine-tune a VL-MoE model: image-cls, text-cls, pair-cls (VQA, NLVR2), retrieval, caption\n"
+    "  caption    caption images with a VL-MoE captioner, CIDEr-D against references (--data)\n"
     "  synth      write the built-in synthetic data as image files + captions (vlmoe synth export)\n"
     "  report     the HTML report of a run (plots, routing maps), or its TensorBoard files\n"
     "  routes     one input's routing: the expert of each patch and word (--png draws it)\n"
@@ -106,6 +108,7 @@ static int run_command(int argc, char **argv) {
     if (!strcmp(argv[1], "train")) return contrastive ? cmd_train(argc, argv) : cmd_train_mome(argc, argv);
     if (!strcmp(argv[1], "vq")) return cmd_vq(argc, argv);
     if (!strcmp(argv[1], "finetune")) return cmd_finetune(argc, argv);
+    if (!strcmp(argv[1], "caption")) return cmd_caption(argc, argv);
     if (!strcmp(argv[1], "synth")) return cmd_synth(argc, argv);
     if (!strcmp(argv[1], "eval")) return cmd_eval(argc, argv);
     if (!strcmp(argv[1], "classify")) return cmd_classify(argc, argv);

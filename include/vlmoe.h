@@ -187,6 +187,9 @@ VLMOE_API int vlmoe_synth_sample(const vlmoe_synth *s, int split, uint64_t index
 enum { VLMOE_TOK_PAD = 0, VLMOE_TOK_SOT = 1, VLMOE_TOK_EOT = 2, VLMOE_TOK_UNK = 3 };
 VLMOE_API int vlmoe_synth_vocab_size(const vlmoe_synth *s);
 VLMOE_API int vlmoe_synth_tokenize(const vlmoe_synth *s, const char *text, int32_t *ids, int ctx);
+// The inverse: the words of ids joined by spaces, PAD/SOT/EOT skipped, any other id outside the
+// vocabulary (UNK, or an id only a bigger model has) as "<unk>". NUL-terminated in out (cap bytes).
+VLMOE_API int vlmoe_synth_detokenize(const vlmoe_synth *s, const int32_t *ids, int n, char *out, size_t cap);
 
 // ---------------------------------------------------------------------------------------------
 // Models (src/nn/): config, parameters, forward/backward, save/load.
@@ -541,7 +544,9 @@ VLMOE_API int vlmoe_model_load(vlmoe_model **out, const char *path);
 // VL blocks) are sparse MoEs with their own routers (V-MoE: BPR, v-loss; T-MoE: load loss).
 // Inputs: [I_CLS] + patch embeddings + image positions; [T_CLS] text [T_SEP] + text positions;
 // a pair is the concatenation of both. Heads: MLM (width -> vocab) and MIM (width -> mim_vocab).
-typedef enum { VLMOE_ENC_IMAGE = 0, VLMOE_ENC_TEXT = 1, VLMOE_ENC_PAIR = 2 } vlmoe_encoding;
+// VLMOE_ENC_CAPTION is a pair whose attention is BEiT-3's captioning mask: the image tokens
+// attend to the image, each text token to the whole image and causally to the text up to itself.
+typedef enum { VLMOE_ENC_IMAGE = 0, VLMOE_ENC_TEXT = 1, VLMOE_ENC_PAIR = 2, VLMOE_ENC_CAPTION = 3 } vlmoe_encoding;
 // Tokens per sequence of an encoding: 1 + patches (image), context_length (text), their sum (pair).
 VLMOE_API int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc);
 // One encoding of B sequences with its masked-modeling targets.
@@ -671,6 +676,33 @@ VLMOE_API vlmoe_mlm_params vlmoe_mlm_default_params(const vlmoe_model_config *c)
 // Sequence b draws from its own stream (seed, b).
 VLMOE_API int vlmoe_mlm_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
                              const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels);
+// Captioning (BEiT-3's recipe, which VL-MoE follows for COCO captions, VL-MoE appendix):
+// fine-tuning is masked language modeling on VLMOE_ENC_CAPTION pairs (vlmoe_caption_mask picks the
+// masked text tokens); decoding (src/nn/mome_caption.c) is autoregressive: the caption so far
+// ([T_CLS] w1 .. wt-1) with [MASK] appended at position t, the MLM head's prediction at the
+// [MASK] becomes wt, until [T_SEP] or max_len tokens. Greedy (argmax; never [MASK] or [T_CLS]).
+typedef struct {
+    int32_t bos, eos;    // the tokenizer's [T_CLS] (SOT) and [T_SEP] (EOT) ids
+    int max_len;         // tokens of a caption with bos and eos, in [2, context_length]; 0: context_length
+} vlmoe_caption_params;
+// tokens (n, context_length): bos, the words, eos, then 0; lengths (n) with bos and eos.
+VLMOE_API int vlmoe_mome_caption(vlmoe_model *m, const float *images, int n, const vlmoe_caption_params *p,
+                                 int32_t *tokens, int32_t *lengths);
+// BEiT-3's captioning masks: of a caption of len tokens, round(prob * len) clamped to [1, len-1]
+// distinct positions in [1, len) ([T_SEP] included, so the model learns to stop; [T_CLS] never)
+// get their label; a chosen token is replaced by [MASK] (mask_frac), a random token in
+// [random_lo, random_hi) (random_frac) or kept. Sequence b draws from its own stream (seed, b).
+// input, labels (B,T) as vlmoe_mlm_mask's.
+VLMOE_API int vlmoe_caption_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens,
+                                 const int32_t *lengths, int B, int T, int32_t *input, int32_t *labels);
+// CIDEr-D (src/eval/cider.c; Vedantam et al. 2015, as the COCO caption evaluation computes it) of n
+// candidate captions against image i's references refs[ref_off[i] .. ref_off[i+1]) (ref_off (n+1),
+// ref_off[0] = 0, every image >= 1 reference): n-grams of 1..4 lowercased words, tf-idf with the
+// document frequencies over the n reference sets, per n the cosine with the candidate's weights
+// clipped by the reference's, times exp(-(lc-lr)^2 / 72), averaged over n and references, times
+// 10. *score: the mean over images; per_image (n) or NULL. One image scores 0 (log 1 idf).
+VLMOE_API int vlmoe_cider_d(const char *const *cands, int n, const char *const *refs, const int *ref_off,
+                            double *score, double *per_image);
 // BEiT's block-wise masking (BEiT sec. 2.5, Algorithm 1, its masking_generator): rectangles of
 // at least min(16, target) patches with log-uniform aspect ratio in [0.3, 1/0.3] are added until
 // target = round(ratio * h * w) patches are masked (a block that would overshoot is redrawn; the

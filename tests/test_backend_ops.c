@@ -167,10 +167,12 @@ static void case_softmax(ctx *c) {
 
 static void case_attention(ctx *c) {
     const int nseq = 3, T = 7, D = 16, H = 2, n = nseq * T;
-    for (int causal = 0; causal < 2; causal++) {
+    for (int mode = 0; mode < 3; mode++) { // plain, causal, causal after a prefix of 3 (BEiT-3's captioning)
         const int32_t lens[3] = {7, 4, 1};
         const int32_t *dl = upb(c, lens, sizeof(lens));
-        const attn_segment rs = {0, nseq, T, causal, lens}, fs = {0, nseq, T, causal, dl};
+        const int causal = mode > 0, prefix = mode == 2 ? 3 : 0;
+        const attn_segment rs = {.nseq = nseq, .seqlen = T, .causal = causal, .lens = lens, .prefix = prefix},
+                           fs = {.nseq = nseq, .seqlen = T, .causal = causal, .lens = dl, .prefix = prefix};
         const size_t na = (size_t)nseq * H * T * T;
         double *qkv = rnd(c, (size_t)n * 3 * D, 1), *out = zeros(c, (size_t)n * D), *att = zeros(c, na);
         double *dout = rnd(c, (size_t)n * D, 1), *dqkv = rnd(c, (size_t)n * 3 * D, 1), *datt = zeros(c, na);

@@ -233,7 +233,7 @@ int main(int argc, char **argv) {
     expect("finetune --model pre.safetensors --task pair-cls --data bad_nlvr2.tsv -o x.safetensors", 1,
            "bad_nlvr2.tsv:2: expected 4 non-empty tab-separated columns (image 1, image 2, sentence, label), found 3");
     expect("finetune --model pre.safetensors --task captioning --data texts.tsv -o x.safetensors", 1,
-           "expected image-cls, text-cls, pair-cls or retrieval");
+           "expected image-cls, text-cls, pair-cls, retrieval or caption");
     expect("finetune --model pre.safetensors --task text-cls -o x.safetensors", 1, "required");
     expect("finetune --model pre.safetensors --task image-cls --data imgs --image-mean 0.5,0.5 -o x.safetensors", 1,
            "--image-mean expects R,G,B");

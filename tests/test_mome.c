@@ -1031,6 +1031,7 @@ int main(void) {
     fd_check(VLMOE_ENC_IMAGE, 0, "MIM (image only)", 0);
     fd_check(VLMOE_ENC_TEXT, 0, "MLM (text only)", 0);
     fd_check(VLMOE_ENC_PAIR, 0, "VLM (image-text pair)", 0);
+    fd_check(VLMOE_ENC_CAPTION, 0, "VLM under BEiT-3's captioning mask (caption pair)", 0);
     fd_check(VLMOE_ENC_IMAGE, 0, "MIM with drop path 0.5 (fixed mask)", 0.5);
     fd_check(VLMOE_ENC_PAIR, 0, "VLM with drop path 0.5 (fixed mask)", 0.5);
     fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification with drop path 0.5 (fixed mask)", 0.5);

@@ -143,37 +143,46 @@ static double att_loss(void *p) {
     attention_forward_f64(c->out, c->att, c->qkv, &c->seg, c->D, c->H);
     return dot(c->out, c->r, c->n);
 }
+// modes: bit 0 causal, bit 1 padded, bit 2 causal with a prefix of 2 (BEiT-3's captioning mask:
+// an image of 2 tokens seen both ways, then text seeing the image and causally itself)
 static void test_attention(void) {
     const int B = 2, T = 4, D = 6, H = 2;
-    int32_t lens[2] = {4, 2};
-    for (int mode = 0; mode < 4; mode++) {
+    int32_t lens[2] = {4, 3};
+    for (int mode = 0; mode < 8; mode++) {
+        if ((mode & 5) == 5) continue; // the prefix implies causal
+        const int causal = (mode & 1) || (mode & 4), padded = (mode >> 1) & 1, prefix = mode & 4 ? 2 : 0;
         att_ctx c;
         c.D = D, c.H = H, c.n = (size_t)B * T * D;
-        c.seg = (attn_segment){0, B, T, mode & 1, (mode & 2) ? lens : NULL};
+        c.seg = (attn_segment){.nseq = B, .seqlen = T, .causal = causal, .lens = padded ? lens : NULL, .prefix = prefix};
         c.out = zeros(c.n), c.att = zeros((size_t)B * H * T * T), c.qkv = randv(c.n * 3, 1);
         c.r = randv(c.n, 1);
         double *dq = zeros(c.n * 3), *da = zeros((size_t)B * H * T * T);
         att_loss(&c);
         attention_backward_f64(dq, da, c.r, c.qkv, c.att, &c.seg, D, H);
         char what[64];
-        snprintf(what, sizeof(what), "attention causal=%d padded=%d", mode & 1, (mode >> 1) & 1);
+        snprintf(what, sizeof(what), "attention causal=%d padded=%d prefix=%d", causal, padded, prefix);
         fd_check(what, att_loss, &c, c.qkv, dq, c.n * 3);
-        // masked probabilities are exactly zero and rows sum to one
+        // masked probabilities are exactly zero, the allowed ones are not, and rows sum to one
         int ok = 1;
         for (int b = 0; b < B; b++)
             for (int h = 0; h < H; h++)
                 for (int i = 0; i < T; i++) {
                     double s = 0;
+                    const int len = padded ? lens[b] : T, k = i < prefix ? prefix : i + 1;
+                    const int nk = causal && k < len ? k : len;
                     for (int j = 0; j < T; j++) {
                         double pr = c.att[(((size_t)b * H + h) * T + i) * T + j];
-                        int allowed = (!(mode & 1) || j <= i || (mode & 2 && i >= lens[b])) &&
-                                      (!(mode & 2) || j < lens[b]);
-                        if (!allowed && pr != 0) ok = 0;
+                        if ((j < nk) != (pr != 0)) ok = 0;
                         s += pr;
                     }
                     if (fabs(s - 1) > 1e-12) ok = 0;
                 }
         CHECK(ok, "%s: masked probabilities not zero or rows not normalised", what);
+        // the prefix mask by hand: query 0 (image) sees keys 0-1, query 2 (text) keys 0-2
+        if (prefix && !padded) {
+            const double *a = c.att;
+            CHECK(a[1] != 0 && a[2] == 0 && a[2 * T + 2] != 0 && a[2 * T + 3] == 0, "prefix mask rows 0 and 2");
+        }
         free(c.out), free(c.att), free(c.qkv), free(c.r), free(dq), free(da);
     }
 }

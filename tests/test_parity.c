@@ -136,7 +136,7 @@ static void test_ops(void) {
         float *qkv = get(f, nm, NULL);
         snprintf(nm, sizeof(nm), "attention%d.r", causal);
         float *r = get(f, nm, NULL), *o = zerosf(96), *att = zerosf(144), *datt = zerosf(144), *dq = zerosf(288);
-        attn_segment seg = {0, 2, 6, causal, lens};
+        attn_segment seg = {.nseq = 2, .seqlen = 6, .causal = causal, .lens = lens};
         attention_forward_f32(o, att, qkv, &seg, 8, 2);
         attention_backward_f32(dq, datt, r, qkv, att, &seg, 8, 2);
         snprintf(nm, sizeof(nm), "attention%d.out", causal);
@@ -146,6 +146,19 @@ static void test_ops(void) {
         free(qkv), free(r), free(o), free(att), free(datt), free(dq);
     }
     free(lens);
+    { // BEiT-3's captioning mask: causal after a prefix of 3 (the image), lengths 6 and 4
+        const int32_t plens[2] = {6, 4};
+        float *qkv = get(f, "attention_prefix.qkv", NULL), *r = get(f, "attention_prefix.r", NULL);
+        float *o = zerosf(96), *att = zerosf(144), *datt = zerosf(144), *dq = zerosf(288);
+        attn_segment seg = {.nseq = 2, .seqlen = 6, .causal = 1, .lens = plens, .prefix = 3};
+        if (qkv && r) {
+            attention_forward_f32(o, att, qkv, &seg, 8, 2);
+            attention_backward_f32(dq, datt, r, qkv, att, &seg, 8, 2);
+            compare_fixture(f, "attention_prefix.out", o, tol);
+            compare_fixture(f, "attention_prefix.dqkv", dq, 1e-5);
+        }
+        free(qkv), free(r), free(o), free(att), free(datt), free(dq);
+    }
     { // patch embedding: conv (8,3,4,4) stride 4 on (2,3,8,8) = patchify + linear
         float *img = get(f, "patch.images", NULL), *w = get(f, "patch.w", NULL), *b = get(f, "patch.b", NULL);
         float *r = get(f, "patch.r", NULL), *pt = zerosf(2 * 4 * 48), *o = zerosf(64), *dw = zerosf(384), *db = zerosf(8);
@@ -239,7 +252,7 @@ static void test_block(void) {
     float *ln1 = zerosf(N * D), m1[10], s1[10], *qkv = zerosf(N * 3 * D), *att = zerosf(B * H * T * T);
     float *atty = zerosf(N * D), *res1 = zerosf(N * D), *ln2 = zerosf(N * D), m2[10], s2[10];
     float *h = zerosf(N * M), *a = zerosf(N * M), *y = zerosf(N * D);
-    attn_segment seg = {0, B, T, 0, lens};
+    attn_segment seg = {.nseq = B, .seqlen = T, .lens = lens};
     layernorm_forward_f32(ln1, m1, s1, x, l1w, l1b, N, D, 1e-6);
     linear_forward_f32(qkv, ln1, qw, qb, N, D, 3 * D, 0);
     attention_forward_f32(atty, att, qkv, &seg, D, H);
@@ -750,6 +763,57 @@ static void test_mome_drop(void) {
     vlmoe_st_close(f);
 }
 
+// BEiT-3's captioning attention (gen_mome.py's mome_caption.ref): mome.ref's images and texts as
+// caption pairs (VLMOE_ENC_CAPTION: image tokens attend to the image, text tokens to the image and
+// causally to the text) with its MLM labels, on mome.init's weights, torch expressing the mask as
+// an attn_mask on its text-first order: the losses, the hidden states and every gradient.
+static void test_mome_caption(void) {
+    vlmoe_st *f = open_fixture("mome_caption.ref.safetensors"), *in = f ? open_fixture("mome.ref.safetensors") : NULL;
+    if (!in) {
+        vlmoe_st_close(f);
+        return;
+    }
+    const int B = 3;
+    mome_side sd = {0};
+    double *noise[64] = {0};
+    int32_t *tok = get_i32(in, "input.tokens"), *lens = get_i32(in, "input.lens"), *tl = get_i32(in, "input.text_labels");
+    float *images = get(in, "input.images", NULL);
+    if (mome_side_open(&sd, "caption", "mome.init.safetensors", B) && tok && lens && tl && images) {
+        const model_layout *L = &sd.m->L;
+        const int D = L->enc[0].width;
+        mome_noise(f, "caption", noise, L->nmoe);
+        for (int i = 0; i < L->nmoe && i < 64; i++) mome_graph_set_noise_f32(sd.g, i, noise[i]);
+        mome_graph_set_mode_f32(sd.g, 1, 0);
+        const mome_input_f32 mi = {VLMOE_ENC_CAPTION, images, tok, lens, tl, NULL, NULL};
+        vlmoe_mome_stats s;
+        if (mome_graph_forward_f32(sd.g, sd.m->params, &mi, &s) != VLMOE_OK) {
+            CHECK(0, "mome caption forward: %s", vlmoe_last_error());
+        } else {
+            double lerr = 0;
+            const double got[4] = {s.loss, s.text, s.image, s.aux};
+            const char *names[4] = {"caption.loss", "caption.text", "caption.image", "caption.aux"};
+            for (int k = 0; k < 4; k++) mome_loss(f, names[k], got[k], "mome caption", &lerr);
+            int T;
+            const float *hid = mome_graph_hidden_f32(sd.g, &T);
+            float *href = get(f, "caption.hidden", NULL);
+            const double herr = href ? rel_err(hid, href, (size_t)B * T * D) : 1;
+            CHECK(herr <= 2e-6, "mome caption: hidden states: max error %.3g of max |ref|", herr);
+            free(href);
+            memset(sd.G, 0, sizeof(float) * L->total);
+            mome_graph_backward_f32(sd.g, sd.m->params, sd.G);
+            const grad_report gr = mome_grads(f, L, sd.G, "caption.", "mome caption");
+            printf("mome caption (BEiT-3's captioning mask): loss %.6f (MLM %.6f) within %.2g, hidden states within "
+                   "%.2g, %d parameter gradients match torch, worst %.2g (%s)\n", s.loss, s.text, lerr, herr,
+                   L->nparams, gr.worst, gr.wname);
+        }
+    }
+    for (int i = 0; i < 64; i++) free(noise[i]);
+    free(tok), free(lens), free(tl), free(images);
+    mome_side_close(&sd);
+    vlmoe_st_close(in);
+    vlmoe_st_close(f);
+}
+
 // NLVR2 (gen_mome.py's mome_heads.*): the pair encoding of 4 sequences, fixture noise in every
 // MoE layer, 2 class labels, no masking; example k reads the fused [T_CLS] of pairs 2k and 2k+1
 // side by side. The losses, hidden states, class scores (2, 3) and every gradient against torch.
@@ -876,6 +940,7 @@ static void test_mome_heads(void) {
 int main(void) {
     test_mome();
     test_mome_drop();
+    test_mome_caption();
     test_mome_heads();
     test_ops();
     test_block();

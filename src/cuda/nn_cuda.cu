@@ -212,12 +212,13 @@ void cu_softmax_backward(const backend *be, float *dinp, const float *out, const
 
 // Row (b,h,i) of att (nseq,H,T,T): softmax over the keys query i may see (key_limit of ops.c),
 // exactly 0 beyond them.
-__global__ static void k_attn_softmax(float *att, const int32_t *lens, int H, int T, int causal) {
+__global__ static void k_attn_softmax(float *att, const int32_t *lens, int H, int T, int causal, int prefix) {
     __shared__ float sh[ROW_THREADS];
     const size_t row = blockIdx.x;
     const int b = (int)(row / ((size_t)H * T)), i = (int)(row % T);
     const int len = lens ? lens[b] : T;
-    int nk = causal && i + 1 < len ? i + 1 : len;
+    const int lim = i < prefix ? prefix : i + 1;
+    int nk = causal && lim < len ? lim : len;
     nk = nk < 0 ? 0 : nk > T ? T : nk;
     float *a = att + row * T;
     float mx = -INFINITY;
@@ -249,7 +250,7 @@ static void cuda_attention_forward(const backend *be, float *out, float *att, co
             return;
     }
     k_attn_softmax<<<(unsigned)((size_t)nb * H * T), ROW_THREADS, 0, stream_of(be)>>>(att, seg->lens, H, T,
-                                                                                       seg->causal);
+                                                                                       seg->causal, seg->prefix);
     if (LAUNCHED("attention")) return;
     for (int h = 0; h < H; h++) {
         // out (T,hd) columns of head h = p v

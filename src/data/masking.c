@@ -135,3 +135,44 @@ int mim_labels_from(const vlmoe_model_config *c, const float *codebook, int K, c
     vlmoe_free_mem(mask);
     return st;
 }
+
+// BEiT-3's captioning masks (its captioning data set's _masking_on_text_tokens): an exact count of
+// distinct positions drawn uniformly from [1, len), the end token among them.
+int vlmoe_caption_mask(const vlmoe_mlm_params *p, uint64_t seed, const int32_t *tokens, const int32_t *lengths,
+                       int B, int T, int32_t *input, int32_t *labels) {
+    if (!(p->prob > 0 && p->prob <= 1 && p->mask_frac >= 0 && p->random_frac >= 0 &&
+          p->mask_frac + p->random_frac <= 1 + 1e-12))
+        return vlmoe_fail(VLMOE_ERR_ARG, "caption masking: need 0 < prob <= 1 and mask_frac, random_frac >= 0 "
+                          "summing to <= 1 (got %g, %g, %g)", p->prob, p->mask_frac, p->random_frac);
+    const int in_range = p->mask_id >= p->random_lo && p->mask_id < p->random_hi;
+    if (p->mask_id < 0 || p->random_lo < 0 || p->random_hi - p->random_lo - in_range < 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "caption masking: [MASK] id %d and random ids [%d, %d) must leave at "
+                          "least one random token", p->mask_id, p->random_lo, p->random_hi);
+    if (B < 1 || T < 1) return vlmoe_fail(VLMOE_ERR_ARG, "caption masking: empty batch (%d x %d)", B, T);
+    for (int b = 0; b < B; b++) {
+        const int len = lengths[b];
+        if (len < 2 || len > T)
+            return vlmoe_fail(VLMOE_ERR_ARG, "caption masking: caption %d has length %d, not in [2, %d] (a caption is "
+                              "[T_CLS] words [T_SEP])", b, len, T);
+        const int32_t *t = tokens + (size_t)b * T;
+        int32_t *in = input + (size_t)b * T, *lab = labels + (size_t)b * T;
+        vlmoe_rng r;
+        item_rng(&r, seed ^ 0x63617074696f6eULL /* "caption" */, (uint64_t)b);
+        for (int i = 0; i < T; i++) in[i] = t[i], lab[i] = -1;
+        int want = (int)(len * p->prob + 0.5);
+        want = want > len - 1 ? len - 1 : want < 1 ? 1 : want;
+        for (int done = 0; done < want;) {
+            const int i = 1 + (int)vlmoe_rng_below(&r, (uint32_t)(len - 1));
+            if (lab[i] >= 0) continue;
+            lab[i] = t[i], done++;
+            const double v = vlmoe_rng_uniform(&r);
+            if (v < p->mask_frac) {
+                in[i] = p->mask_id;
+            } else if (v < p->mask_frac + p->random_frac) {
+                int32_t id = p->random_lo + (int32_t)vlmoe_rng_below(&r, (uint32_t)(p->random_hi - p->random_lo - in_range));
+                in[i] = in_range && id >= p->mask_id ? id + 1 : id;
+            }
+        }
+    }
+    return VLMOE_OK;
+}

@@ -329,6 +329,23 @@ static int32_t word_id(const char *w) {
     return VLMOE_TOK_UNK;
 }
 
+int vlmoe_synth_detokenize(const vlmoe_synth *s, const int32_t *ids, int n, char *out, size_t cap) {
+    if (!s || (!ids && n > 0) || !out || !cap)
+        return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_synth_detokenize: dataset, ids and a buffer must not be NULL");
+    size_t k = 0;
+    out[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const int32_t id = ids[i];
+        if (id == VLMOE_TOK_PAD || id == VLMOE_TOK_SOT || id == VLMOE_TOK_EOT) continue;
+        const char *w = id >= FIRST_WORD_ID && id < FIRST_WORD_ID + NWORDS ? vocab[id - FIRST_WORD_ID] : "<unk>";
+        const int wrote = snprintf(out + k, cap - k, "%s%s", k ? " " : "", w);
+        if (wrote < 0 || (size_t)wrote >= cap - k)
+            return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_synth_detokenize: the text needs more than %zu bytes", cap);
+        k += (size_t)wrote;
+    }
+    return VLMOE_OK;
+}
+
 static int is_alnum(unsigned char ch) {
     return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9');
 }

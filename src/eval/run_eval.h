@@ -171,4 +171,21 @@ cJSON *vlmoe_eval_fewshot_json(const vlmoe_eval_fewshot *f);
 // plus OpenCLIP's image_to_text_ / text_to_image_ mean_rank and median_rank. In report.c.
 cJSON *vlmoe_eval_clip_benchmark_json(const char *dataset, const char *model, const char *pretrained,
                                       const vlmoe_eval_zeroshot *z, const vlmoe_eval_retrieval *r);
+// ---- captioning (src/eval/caption_eval.c): image-caption pairs read from ds; rows with the same
+// image bytes are one image whose captions are all its references; each distinct image captioned
+// greedily (vlmoe_mome_caption with cp, detok turning ids into text) and scored by CIDEr-D.
+// Uses p->ip, p->max_pairs (the first N rows; 0: all) and p->progress. name labels errors.
+typedef int (*vlmoe_detokenize_cb)(void *user, const int32_t *ids, int n, char *out, size_t cap);
+typedef struct {
+    int images, references;     // distinct readable images, captions read as references
+    double cider;               // CIDEr-D of the generated captions
+    char **keys;                // (images) each image's file (CSV) or sample key (webdataset)
+    char **captions;            // (images) its generated caption
+    vlmoe_skip_log bad;         // undecodable images
+} vlmoe_eval_captions;
+int vlmoe_eval_captions_run(vlmoe_model *m, vlmoe_dataset *ds, const char *name, const vlmoe_eval_params *p,
+                            const vlmoe_caption_params *cp, vlmoe_detokenize_cb detok, void *user,
+                            vlmoe_eval_captions *r);
+void vlmoe_eval_captions_free(vlmoe_eval_captions *r);   // zeroes r
+
 #endif

@@ -143,6 +143,7 @@ static void plan(struct R(graph) *g, carver *c) {
             sg->seqlen = T;
             sg->causal = L->mod[m].causal;
             sg->lens = NULL;
+            sg->prefix = 0;
             s->att_off[s->nseg] = natt;
             s->mod_of_seg[s->nseg] = m;
             g->mod[m].seg = s->nseg++;

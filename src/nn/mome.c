@@ -54,6 +54,7 @@ struct R(mome_graph) {
     int B, D, H, M;
     // the current forward
     int enc, T, n, text_off, training, have_forward;
+    int causal;                      // VLMOE_ENC_CAPTION: a pair under BEiT-3's captioning mask
     uint64_t seed;
     uint64_t sample_base;            // global index of sequence 0: keys the routing noise
     double norm[2];                  // the heads' divisors (0: their own labelled count)
@@ -266,6 +267,11 @@ const real *R(mome_graph_hidden)(const struct R(mome_graph) *g, int *seq) {
     return g->lnf;
 }
 
+const real *R(mome_graph_text_probs)(const struct R(mome_graph) *g, int *count) {
+    if (count) *count = g->count[HEAD_TEXT];
+    return g->probs[HEAD_TEXT];
+}
+
 const real *R(mome_graph_logits)(const struct R(mome_graph) *g) {
     return g->X->cls_w == NO_PARAM ? NULL : g->clogits;
 }
@@ -347,7 +353,9 @@ static void set_pass(struct R(mome_graph) *g) {
     static const size_t att_off[1] = {0};
     const int32_t *lens = g->enc == VLMOE_ENC_IMAGE ? NULL : g->enc == VLMOE_ENC_TEXT ? g->lens : g->seqlens;
     R(block_pass) *p = &g->pass;
-    g->seg = (attn_segment){0, g->B, g->T, 0, lens};
+    // a caption pair: the image (the first text_off tokens) both ways, the text causally after it
+    g->seg = (attn_segment){.nseq = g->B, .seqlen = g->T, .causal = g->causal, .lens = lens,
+                            .prefix = g->causal ? g->text_off : 0};
     p->be = g->be;
     p->D = g->D, p->H = g->H, p->M = g->M, p->act = g->L->cfg.act;
     p->eps = g->L->cfg.ln_eps;
@@ -358,24 +366,27 @@ static void set_pass(struct R(mome_graph) *g) {
     p->nseg = 1;
 }
 
-static const char *ENC_NAMES[] = {"image", "text", "pair"};
+static const char *ENC_NAMES[] = {"image", "text", "pair", "caption pair"};
 
 // Validates and copies the inputs of one forward; fills the heads' row lists.
 static int take_inputs(struct R(mome_graph) *g, const R(mome_input) *in) {
-    const int enc = in->encoding;
+    // a caption pair is a pair with another attention mask: everything else is the pair's
+    const int enc = in->encoding == VLMOE_ENC_CAPTION ? VLMOE_ENC_PAIR : in->encoding;
     const int32_t *tokens = in->tokens, *lens = in->lens, *tl = in->text_labels, *pl = in->patch_labels;
     const mome_layout *X = g->X;
     const vlmoe_model_config *c = &g->L->cfg;
     const int B = g->B;
     if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", enc);
+    const int named = in->encoding; // the name in messages
     const int img = enc != VLMOE_ENC_TEXT, txt = enc != VLMOE_ENC_IMAGE;
     if (img && !in->images)
-        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs images%s", ENC_NAMES[enc],
+        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs images%s", ENC_NAMES[named],
                           enc == VLMOE_ENC_PAIR ? " and texts: text-only data cannot stand in for image-text pairs" : "");
     if (txt && (!tokens || !lens))
-        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs texts (tokens and lengths)%s", ENC_NAMES[enc],
+        return vlmoe_fail(VLMOE_ERR_ARG, "the %s encoding needs texts (tokens and lengths)%s", ENC_NAMES[named],
                           enc == VLMOE_ENC_PAIR ? ": image-only data cannot stand in for image-text pairs" : "");
     g->enc = enc;
+    g->causal = in->encoding == VLMOE_ENC_CAPTION;
     g->text_off = enc == VLMOE_ENC_PAIR ? X->Ti : 0;
     g->T = enc == VLMOE_ENC_IMAGE ? X->Ti : enc == VLMOE_ENC_TEXT ? X->Tt : X->Ti + X->Tt;
     g->n = B * g->T;

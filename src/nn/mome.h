@@ -39,6 +39,8 @@ typedef struct mome_layout {
 int mome_layout_build(model_layout *L, const vlmoe_model_config *cfg);
 // Plans the model's mome graph for batch size B (once; again only if B changes).
 int mome_model_plan(vlmoe_model *m, int B);
+// The graph mome_model_plan planned (src/nn/mome_caption.c decodes with it).
+struct mome_graph_f32 *mome_model_graph(vlmoe_model *m);
 
 #define MOME_DECL(T, S)                                                                          \
     typedef struct mome_graph_##S mome_graph_##S;                                                 \
@@ -77,6 +79,9 @@ int mome_model_plan(vlmoe_model *m, int B);
     void mome_graph_backward_##S(mome_graph_##S *g, const T *P, T *G);                            \
     /* (B, seq, D) final hidden states of the last forward; *seq gets the sequence length */     \
     const T *mome_graph_hidden_##S(const mome_graph_##S *g, int *seq);                            \
+    /* (count, vocab) MLM softmax of the last forward's labelled text positions, in the order */ \
+    /* of the positions (sequence, then position): what caption decoding reads */                \
+    const T *mome_graph_text_probs_##S(const mome_graph_##S *g, int *count);                      \
     /* (B/cs, num_classes) class scores of the last forward (NULL without a head) */            \
     const T *mome_graph_logits_##S(const mome_graph_##S *g);                                      \
     const vlmoe_moe_stats *mome_graph_moe_stats_##S(const mome_graph_##S *g, int *count);         \

@@ -132,6 +132,8 @@ int mome_model_plan(vlmoe_model *m, int B) {
     return VLMOE_OK;
 }
 
+mome_graph_f32 *mome_model_graph(vlmoe_model *m) { return m->mome ? m->mome->mg : NULL; }
+
 static int need_mome(const vlmoe_model *m, const char *what) {
     return m->L.mome ? VLMOE_OK
                      : vlmoe_fail(VLMOE_ERR_ARG, "%s: model '%s' is not a VL-MoE (arch mome) model", what,
@@ -251,9 +253,9 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
     if (kind == OUT_ITM && !c->itm_head)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome ITM scores: model '%s' has no image-text matching head (itm_head = 0)",
                           c->name);
-    if (kind == OUT_EMBED && enc == VLMOE_ENC_PAIR)
+    if (kind == OUT_EMBED && (enc == VLMOE_ENC_PAIR || enc == VLMOE_ENC_CAPTION))
         return vlmoe_fail(VLMOE_ERR_ARG, "mome embed: retrieval embeds images and texts separately, not pairs");
-    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_PAIR) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
+    if (enc < VLMOE_ENC_IMAGE || enc > VLMOE_ENC_CAPTION) return vlmoe_fail(VLMOE_ERR_ARG, "unknown encoding %d", (int)enc);
     if (n % cs)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome logits: the head takes %d sequences per example, %d is not a multiple",
                           cs, n);

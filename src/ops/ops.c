@@ -295,9 +295,11 @@ void R(softmax_backward)(real *dinp, const real *out, const real *dout, int N, i
     }
 }
 
-// Number of keys query i may attend to within a sequence of valid length len.
-static inline int key_limit(int i, int len, int causal) {
-    return causal && i + 1 < len ? i + 1 : len;
+// Number of keys query i may attend to within a sequence of valid length len: all of them, or
+// causally those up to i, where a query inside the prefix sees the whole prefix.
+static inline int key_limit(int i, int len, int causal, int prefix) {
+    const int k = i < prefix ? prefix : i + 1;
+    return causal && k < len ? k : len;
 }
 
 // Attention of one (sequence, head) as matrix products on the strided q/k/v columns of the
@@ -317,7 +319,7 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
             gemm1(0, 1, T, T, hd, scale, q, ld, q + D, ld, 0, a, T);
             for (int i = 0; i < T; i++) {
                 real *row = a + (size_t)i * T, mx = -INFINITY, s = 0;
-                const int nk = key_limit(i, len, seg->causal);
+                const int nk = key_limit(i, len, seg->causal, seg->prefix);
                 for (int j = 0; j < nk; j++) mx = row[j] > mx ? row[j] : mx;
 #pragma omp simd reduction(+ : s)
                 for (int j = 0; j < nk; j++) s += (row[j] = vexp(row[j] - mx));

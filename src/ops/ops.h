@@ -14,12 +14,15 @@
 
 // One run of same-length sequences inside a token buffer: attention stays inside a sequence.
 // lens (nseq) gives each sequence's valid length (keys at positions >= len are masked); NULL
-// means every position is valid.
+// means every position is valid. causal with a prefix is UniLM's / BEiT-3's captioning mask: the
+// first `prefix` positions (the image of an image-text pair) attend to each other both ways,
+// every later position to the whole prefix and causally to the positions after it up to itself.
 typedef struct {
     size_t tok_off;      // first token of the segment in the (Ntok, ...) buffer
     int nseq, seqlen;
     int causal;
     const int32_t *lens;
+    int prefix;          // causal only: positions [0, prefix) see all of [0, prefix) (0: plain causal)
 } attn_segment;
 
 #define OPS_DECL(T, S)                                                                             \

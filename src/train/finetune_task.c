@@ -168,8 +168,9 @@ static int read_folder(const char *dir, vlmoe_ft_data *d) {
     return VLMOE_OK;
 }
 
-// Image-caption pairs for retrieval (OpenCLIP CSV/TSV or webdataset shards), decoded and tokenized
-// as they are read; pairs whose image does not decode are skipped and counted.
+// Image-caption pairs for retrieval or captioning (OpenCLIP CSV/TSV or webdataset shards), decoded
+// and tokenized as they are read (captioning keeps the caption too: CIDEr-D's reference); pairs
+// whose image does not decode are skipped and counted.
 static int read_pairs(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
     vlmoe_dataset *ds = NULL;
     int st = vlmoe_dataset_open(&p->data, &ds), cap = 0;
@@ -188,7 +189,9 @@ static int read_pairs(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
             if (nt) d->tokens = nt;
             int32_t *nl = nt ? realloc(d->lens, sizeof(int32_t) * (size_t)cap) : NULL;
             if (nl) d->lens = nl;
-            if (!ni || !nt || !nl) {
+            char **tx = p->kind == VLMOE_FT_CAPTION ? realloc(d->texts, sizeof(char *) * (size_t)cap) : d->texts;
+            if (tx) d->texts = tx;
+            if (!ni || !nt || !nl || (p->kind == VLMOE_FT_CAPTION && !tx)) {
                 st = vlmoe_fail(VLMOE_ERR_NOMEM, "image-caption pairs");
                 break;
             }
@@ -203,13 +206,18 @@ static int read_pairs(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
                             vlmoe_last_error());
             break;
         }
+        if (d->texts && !(d->texts[d->n] = strdup(s.caption))) {
+            st = vlmoe_fail(VLMOE_ERR_NOMEM, "captions");
+            break;
+        }
         d->n++;
         if (p->progress) p->progress(p->progress_user, d->n);
     }
     vlmoe_image_free(&im);
     vlmoe_dataset_free(ds);
     if (!st && d->n < 2)
-        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: %d usable image-caption pairs; retrieval needs at least 2", p->data.path, d->n);
+        st = vlmoe_fail(VLMOE_ERR_ARG, "%s: %d usable image-caption pairs; %s needs at least 2", p->data.path, d->n,
+                        p->kind == VLMOE_FT_CAPTION ? "captioning" : "retrieval");
     return st;
 }
 
@@ -239,18 +247,20 @@ static int prepare(const vlmoe_ft_data_params *p, vlmoe_ft_data *d) {
 
 int vlmoe_ft_data_load(vlmoe_ft_data **out, const vlmoe_ft_data_params *p, const vlmoe_model_config *c) {
     *out = NULL;
-    if (!p->data.path || !p->tokenize || p->holdout < 0 || p->holdout == 1 || (int)p->kind < 0 || p->kind > VLMOE_FT_RETRIEVAL)
+    if (!p->data.path || !p->tokenize || p->holdout < 0 || p->holdout == 1 || (int)p->kind < 0 || p->kind > VLMOE_FT_CAPTION)
         return vlmoe_fail(VLMOE_ERR_ARG, "fine-tuning data: a path, a tokenizer, holdout 0 or >= 2 and a known task");
     vlmoe_ft_data *d = calloc(1, sizeof(*d));
     if (!d) return vlmoe_fail(VLMOE_ERR_NOMEM, "fine-tuning data");
     d->kind = p->kind, d->per = 1;
     d->enc = p->kind == VLMOE_FT_RETRIEVAL ? VLMOE_ENC_IMAGE : (int)p->kind; // VLMOE_ENC_* of the head's input
+    if (p->kind == VLMOE_FT_CAPTION) d->enc = VLMOE_ENC_CAPTION;
+    const int pairs = p->kind == VLMOE_FT_RETRIEVAL || p->kind == VLMOE_FT_CAPTION;
     d->isz = (size_t)c->channels * c->image_size * c->image_size, d->T = (size_t)c->context_length;
     const char *path = p->data.path;
     int st = p->kind == VLMOE_FT_IMAGE_CLS ? read_folder(path, d)
-           : p->kind == VLMOE_FT_RETRIEVAL ? read_pairs(p, d)
-                                           : read_tsv(path, p->kind == VLMOE_FT_TEXT_CLS, d);
-    if (!st && p->kind != VLMOE_FT_RETRIEVAL) st = number_classes(d);
+           : pairs ? read_pairs(p, d)
+                   : read_tsv(path, p->kind == VLMOE_FT_TEXT_CLS, d);
+    if (!st && !pairs) st = number_classes(d);
     if (!st) st = prepare(p, d);
     // the split: training examples first, then the held-out ones
     if (!st && !(d->idx = malloc(sizeof(int) * (size_t)d->n))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "the split");
@@ -258,7 +268,7 @@ int vlmoe_ft_data_load(vlmoe_ft_data **out, const vlmoe_ft_data_params *p, const
         if (!p->holdout || i % p->holdout != p->holdout - 1) d->idx[d->ntrain++] = i;
     for (int i = 0; !st && i < d->n; i++)
         if (p->holdout && i % p->holdout == p->holdout - 1) d->idx[d->ntrain + d->nheld++] = i;
-    if (!st && d->ntrain < (p->kind == VLMOE_FT_RETRIEVAL ? 2 : 1))
+    if (!st && d->ntrain < (pairs ? 2 : 1))
         st = vlmoe_fail(VLMOE_ERR_ARG, "%d training examples left after --holdout %d: too few", d->ntrain, p->holdout);
     if (st) return vlmoe_ft_data_free(d), st;
     *out = d;
@@ -326,6 +336,8 @@ struct vlmoe_finetune {
     ft_batch b;
     vlmoe_mome_stats ps;     // of the last step
     int itm;                 // retrieval with the model's ITM head: hard negatives drawn from seed
+    double caption_prob;     // captioning: the fraction of a caption's tokens masked
+    int32_t *cin, *clab;     // captioning: (B, ctx) masked input and labels of the step
     uint64_t seed;
 };
 
@@ -337,9 +349,13 @@ int vlmoe_finetune_init(vlmoe_finetune **out, vlmoe_model *m, const vlmoe_ft_dat
     if (!f) return vlmoe_fail(VLMOE_ERR_NOMEM, "fine-tuning");
     f->m = m, f->d = d, f->B = batch < d->ntrain ? batch : d->ntrain;
     f->itm = d->kind == VLMOE_FT_RETRIEVAL && vlmoe_model_get_config(m)->itm_head, f->seed = seed;
+    f->caption_prob = 0.6;
     int st = vlmoe_order_init(&f->order, (size_t)d->ntrain, seed, 0x66696e65ull /* "fine" */, 0, 1);
     if (!st && !(f->pick = malloc(sizeof(int) * (size_t)f->B))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "fine-tuning");
     if (!st) st = batch_alloc(&f->b, d, f->B);
+    if (!st && d->kind == VLMOE_FT_CAPTION &&
+        (!(f->cin = malloc(sizeof(int32_t) * d->T * (size_t)f->B)) || !(f->clab = malloc(sizeof(int32_t) * d->T * (size_t)f->B))))
+        st = vlmoe_fail(VLMOE_ERR_NOMEM, "caption masks");
     if (st) return vlmoe_finetune_free(f), st;
     *out = f;
     return VLMOE_OK;
@@ -349,8 +365,28 @@ void vlmoe_finetune_free(vlmoe_finetune *f) {
     if (!f) return;
     vlmoe_order_free(&f->order);
     batch_free(&f->b);
-    free(f->pick);
+    free(f->pick), free(f->cin), free(f->clab);
     free(f);
+}
+
+int vlmoe_finetune_set_caption_mask(vlmoe_finetune *f, double prob) {
+    if (!(prob > 0 && prob <= 1)) return vlmoe_fail(VLMOE_ERR_ARG, "caption mask fraction %g: expected (0, 1]", prob);
+    f->caption_prob = prob;
+    return VLMOE_OK;
+}
+
+// BEiT-3's captioning step: masked language modeling of the caption pairs under the captioning
+// attention (the image both ways, the text causally), the masks drawn per step.
+static int caption_step(vlmoe_finetune *f, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
+    const vlmoe_model_config *c = vlmoe_model_get_config(f->m);
+    vlmoe_mlm_params mp = vlmoe_mlm_default_params(c);
+    mp.prob = f->caption_prob;
+    int st = vlmoe_caption_mask(&mp, f->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)step, f->b.tok, f->b.lens, f->B,
+                                (int)f->d->T, f->cin, f->clab);
+    if (st) return st;
+    const vlmoe_mome_batch mb = {.encoding = VLMOE_ENC_CAPTION, .batch_size = f->B, .images = f->b.img,
+                                 .tokens = f->cin, .lengths = f->b.lens, .text_labels = f->clab};
+    return vlmoe_trainer_step_mome(t, &mb, 1, &f->ps, s);
 }
 
 static int f_fill(void *u, long step) {
@@ -367,6 +403,7 @@ static int f_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
                                      .tokens = f->b.tok, .lengths = f->b.lens};
         return vlmoe_trainer_step_mome_itm(t, &rb, f->seed, &f->ps, s);
     }
+    if (f->d->kind == VLMOE_FT_CAPTION) return caption_step(f, t, step, s);
     if (f->d->kind == VLMOE_FT_RETRIEVAL)
         return vlmoe_trainer_step_mome_retrieval(t, f->b.img, f->b.tok, f->b.lens, f->B, &f->ps, s);
     const vlmoe_mome_batch mb = {(vlmoe_encoding)f->d->enc, f->B * f->d->per, f->b.img, f->b.tok, f->b.lens, NULL, NULL,
@@ -376,7 +413,11 @@ static int f_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
 
 static int f_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char *line, size_t cap) {
     vlmoe_finetune *f = u;
-    if (f->d->kind == VLMOE_FT_RETRIEVAL) {
+    if (f->d->kind == VLMOE_FT_CAPTION) {
+        cJSON_AddNumberToObject(rec, "mlm_loss", f->ps.text);
+        cJSON_AddNumberToObject(rec, "mlm_acc", f->ps.text_acc);
+        snprintf(line, cap, "  caption MLM %.4f  masked-token accuracy %.3f", f->ps.text, f->ps.text_acc);
+    } else if (f->d->kind == VLMOE_FT_RETRIEVAL) {
         cJSON_AddNumberToObject(rec, "contrastive_loss", f->ps.itc);
         cJSON_AddNumberToObject(rec, "acc_i2t", f->ps.itc_acc[0]);
         cJSON_AddNumberToObject(rec, "acc_t2i", f->ps.itc_acc[1]);
@@ -451,9 +492,44 @@ int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmo
 
 int vlmoe_ft_evaluate_rerank(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, int rerank, vlmoe_ft_score *out) {
     memset(out, 0, sizeof(*out));
+    if (d->kind == VLMOE_FT_CAPTION)
+        return vlmoe_fail(VLMOE_ERR_ARG, "captioning is scored by vlmoe_ft_caption_evaluate (CIDEr-D)");
     const int *idx = held_out ? d->idx + d->ntrain : d->idx, n = held_out ? d->nheld : d->ntrain;
     if (n < (d->kind == VLMOE_FT_RETRIEVAL ? 2 : 1)) return VLMOE_OK;
     out->n = n;
     return d->kind == VLMOE_FT_RETRIEVAL ? recall(m, d, idx, n, rerank, out->i2t, out->t2i)
                                          : accuracy(m, d, idx, n, &out->accuracy);
+}
+
+// ---- captioning: greedy decoding scored by CIDEr-D against each image's own caption
+int vlmoe_ft_caption_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, const vlmoe_caption_params *cp,
+                              vlmoe_detokenize_fn detok, void *user, vlmoe_ft_caption_score *out, char ***captions) {
+    memset(out, 0, sizeof(*out));
+    if (captions) *captions = NULL;
+    if (d->kind != VLMOE_FT_CAPTION || !d->texts)
+        return vlmoe_fail(VLMOE_ERR_ARG, "caption evaluation: the data was not read for captioning");
+    const int *idx = held_out ? d->idx + d->ntrain : d->idx, n = held_out ? d->nheld : d->ntrain;
+    if (n < 2) return VLMOE_OK; // CIDEr-D's idf needs two images (one scores 0)
+    const size_t T = d->T, cap = 64 * T + 64; // a BPE piece decodes to tens of bytes
+    float *img = malloc(sizeof(float) * d->isz * (size_t)n);
+    int32_t *tok = malloc(sizeof(int32_t) * T * (size_t)n), *len = malloc(sizeof(int32_t) * (size_t)n);
+    int *off = malloc(sizeof(int) * ((size_t)n + 1));
+    char **cand = calloc((size_t)n, sizeof(char *));
+    const char **refs = malloc(sizeof(char *) * (size_t)n);
+    int st = img && tok && len && off && cand && refs ? VLMOE_OK : vlmoe_fail(VLMOE_ERR_NOMEM, "caption evaluation");
+    for (int i = 0; !st && i < n; i++) {
+        memcpy(img + d->isz * (size_t)i, d->images + d->isz * (size_t)idx[i], sizeof(float) * d->isz);
+        refs[i] = d->texts[idx[i]], off[i] = i;
+    }
+    if (!st) off[n] = n, st = vlmoe_mome_caption(m, img, n, cp, tok, len);
+    for (int i = 0; !st && i < n; i++) {
+        if (!(cand[i] = malloc(cap))) st = vlmoe_fail(VLMOE_ERR_NOMEM, "captions");
+        else st = detok(user, tok + T * (size_t)i, len[i], cand[i], cap);
+    }
+    if (!st) st = vlmoe_cider_d((const char *const *)cand, n, refs, off, &out->cider, NULL);
+    if (!st) out->n = n;
+    if (!st && captions) *captions = cand, cand = NULL;
+    for (int i = 0; cand && i < n; i++) free(cand[i]);
+    free(cand), free(img), free(tok), free(len), free(off), free(refs);
+    return st;
 }

@@ -78,6 +78,7 @@ typedef enum {
     VLMOE_FT_PAIR_CLS = 2,       // a TSV of image<TAB>question<TAB>answer (VQA) or
                                  // image1<TAB>image2<TAB>sentence<TAB>label (NLVR2)
     VLMOE_FT_RETRIEVAL = 3,      // image-caption pairs: OpenCLIP CSV/TSV or webdataset shards
+    VLMOE_FT_CAPTION = 4,        // the same pairs, captioning (BEiT-3's masked LM, causal text)
 } vlmoe_ft_kind;
 
 typedef struct {
@@ -125,6 +126,20 @@ int vlmoe_ft_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, vlmo
 // The same; retrieval with rerank > 0: each query's top rerank candidates by the contrastive
 // similarity re-ordered by the model's ITM head (VLMo's inference; needs itm_head).
 int vlmoe_ft_evaluate_rerank(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, int rerank, vlmoe_ft_score *out);
+
+// Captioning (VLMOE_FT_CAPTION): the fraction of each caption's tokens the training masks (BEiT-3's
+// captioning_mask_prob; vlmoe_caption_mask), set before the run (default 0.6, BEiT-3's).
+int vlmoe_finetune_set_caption_mask(vlmoe_finetune *f, double prob);
+// Decodes the training or held-out images' captions greedily (vlmoe_mome_caption with cp) and
+// scores them with CIDEr-D against each image's caption; detok turns ids into text. captions: NULL,
+// or gets the n decoded captions (malloc'd; free each and the array), in the examples' order.
+typedef int (*vlmoe_detokenize_fn)(void *user, const int32_t *ids, int n, char *out, size_t cap);
+typedef struct {
+    int n;                       // images scored (0: too few)
+    double cider;                // CIDEr-D of the n captions
+} vlmoe_ft_caption_score;
+int vlmoe_ft_caption_evaluate(vlmoe_model *m, const vlmoe_ft_data *d, int held_out, const vlmoe_caption_params *cp,
+                              vlmoe_detokenize_fn detok, void *user, vlmoe_ft_caption_score *out, char ***captions);
 
 // ---- VL-MoE pre-training (src/train/mome_task.c; VL-MoE sec. 3.1): masked data modeling on three
 // streams per step: images (MIM: 40% block masks, the codebook's visual tokens as targets), texts

@@ -151,6 +151,8 @@ static void outputs_vs_inputs(const char *refdir) {
         {"vq train --size 4 --model model.safetensors -o model.safetensors", "same file as --model"},
         {"finetune --model model.safetensors --task text-cls --data caps.txt -o caps.txt", "same file as --data"},
         {"finetune --model model.safetensors --task text-cls --data caps.labels -o caps", "(its .labels file) caps.labels"},
+        {"caption --model model.safetensors --data caps.txt -o caps.txt", "same file as --data"},
+        {"caption --model model.safetensors --data caps.txt -o hard.safetensors", "same file as --model"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         test_expect_in(d, bin, cases[i].args, 1, cases[i].needle, out, sizeof(out));

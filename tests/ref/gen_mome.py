@@ -164,12 +164,14 @@ class MoME(nn.Module):
                     out.append((l, name))
         return out
 
-    def forward(self, enc, images, tokens, lens, tlab, plab, noise, clab=None, drop=None):
+    def forward(self, enc, images, tokens, lens, tlab, plab, noise, clab=None, drop=None, caption=False):
         """Returns loss, text loss, image loss, aux, the hidden states (vlmoe's order: image first
         in a pair), the class scores (None without a head) and the classification loss (zero
         without class labels clab). drop: stochastic depth as (rate, keep), keep (L, 2, B) the
         kept attention (0) and feed-forward (1) branches of each sample, block l's rate
-        linspace(0, rate, L)[l] as timm's and BEiT's models space it."""
+        linspace(0, rate, L)[l] as timm's and BEiT's models space it. caption: a pair under BEiT-3's
+        captioning mask (image queries see the image only, text queries the image and the text up
+        to themselves)."""
         rates = torch.linspace(0, drop[0], self.L).tolist() if drop is not None else None
 
         def dp(y, l, k):  # timm's drop_path with the mask given: y / keep_prob * mask
@@ -192,12 +194,17 @@ class MoME(nn.Module):
         pad = torch.zeros(b, x.shape[1], dtype=torch.bool)
         if "t" in kinds:
             pad[:, :tt] = torch.arange(tt)[None, :] >= lens[:, None]
+        cmask = None
+        if caption:  # True = not attended; the text comes first here: [H^w; H^v]
+            cmask = torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool)
+            cmask[:tt, :tt] = torch.triu(torch.ones(tt, tt, dtype=torch.bool), 1)
+            cmask[tt:, :tt] = True
         aux = torch.zeros(())
         moe_ids = {k: i for i, k in enumerate(self.moe_order())}
         for l in range(self.L):
             h = self.ln1[l](x)
-            x = x + dp(self.attn[l](h, h, h, need_weights=False, key_padding_mask=pad if pad.any() else None)[0],
-                       l, 0)
+            x = x + dp(self.attn[l](h, h, h, need_weights=False, key_padding_mask=pad if pad.any() else None,
+                                    attn_mask=cmask)[0], l, 0)
             d = x.shape[-1]
             if enc == "pair" and l >= self.L - self.F:
                 y, a = self.vl[str(l)](x.reshape(-1, d), None, 0)
@@ -344,6 +351,7 @@ def generate(out):
             grads(ref, key, names)
     st.save(os.path.join(out, "mome.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
     generate_drop(out, m, names, images, tokens, lens, tlab, plab)
+    generate_caption(out, m, names, images, tokens, lens, tlab)
     generate_heads(out, m, cfg)
 
 
@@ -366,6 +374,25 @@ def generate_drop(out, m, names, images, tokens, lens, tlab, plab):
     ref["drop.hidden"] = h.detach().numpy()
     grads(ref, "drop", names)
     st.save(os.path.join(out, "mome_drop.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
+
+
+def generate_caption(out, m, names, images, tokens, lens, tlab):
+    """mome_caption.ref.safetensors: the caption encoding (a pair under BEiT-3's captioning mask)
+    of mome.ref's images and texts on mome.init's weights, with its MLM labels: the noise
+    (caption.noise.I, its own generator), the losses, hidden states and every gradient."""
+    b = images.shape[0]
+    noise = draw_noise(m, torch.Generator().manual_seed(13), b, ("v", "t"))
+    ref = {}
+    for i, v in noise.items():
+        ref[f"caption.noise.{i}"] = v.numpy()
+    m.zero_grad(set_to_none=True)
+    loss, lt, li, aux, h, _, _ = m("pair", images, tokens, lens, tlab, None, noise, None, None, caption=True)
+    loss.backward()
+    for k, v in (("loss", loss), ("text", lt), ("image", li), ("aux", aux)):
+        ref[f"caption.{k}"] = np.array([v.item()], dtype=np.float64)
+    ref["caption.hidden"] = h.detach().numpy()
+    grads(ref, "caption", names)
+    st.save(os.path.join(out, "mome_caption.ref.safetensors"), ref, {"generator": "tests/ref/gen_mome.py"})
 
 
 def grads(ref, key, names):

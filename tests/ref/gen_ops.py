@@ -27,14 +27,17 @@ def record(t, name, out, inputs):
             t[f"{name}.d{k}"] = v.grad.numpy()
 
 
-def attention(qkv, heads, lens, causal):
+def attention(qkv, heads, lens, causal, prefix=0):
     b, t, d3 = qkv.shape
     d = d3 // 3
     q, k, v = (z.reshape(b, t, heads, d // heads).transpose(1, 2) for z in qkv.split(d, dim=-1))
     s = q @ k.transpose(-1, -2) / math.sqrt(d // heads)
     mask = torch.arange(t)[None, None, None, :] >= lens[:, None, None, None]
     if causal:
-        mask = mask | torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        # BEiT-3's captioning mask with a prefix: the prefix (image) block is seen both ways
+        future = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+        future[:prefix, :prefix] = False
+        mask = mask | future
     p = s.masked_fill(mask, float("-inf")).softmax(-1)
     return (p @ v).transpose(1, 2).reshape(b, t, d)
 
@@ -102,4 +105,8 @@ def generate(out):
               "contrastive.logits": logits.detach().numpy(), "contrastive.dimg": a.grad.numpy(),
               "contrastive.dtxt": b.grad.numpy(),
               "contrastive.dscale": np.array([scale.grad.item()], dtype=np.float32)})
+    # last, so the fixtures above keep their random draws: causal attention after a prefix of 3
+    # (image tokens seen both ways), lengths 6 and 4
+    qkv = leaf(2, 6, 3 * 8)
+    record(t, "attention_prefix", attention(qkv, 2, torch.tensor([6, 4]), 1, prefix=3), {"qkv": qkv})
     st.save(os.path.join(out, "ops.safetensors"), t)
