@@ -40,7 +40,7 @@ for np in 2 3 4; do
         echo "FAILED: mpirun -np $np $b (exit $rc, $ranks of $np ranks reported)"
         [ "$f" = 0 ] && f=1
     else
-        printf '%s\n' "$out" | grep -E '^[a-z-]+: [0-9]+ processes' | sed 's/^/     /'
+        printf '%s\n' "$out" | grep -E '^[a-z-]+( \(Adafactor\))?: [0-9]+ processes|, sharded vs replicated' | sed 's/^/     /'
         echo "ok   mpirun -np $np $b ($p checks on $np ranks)"
     fi
     pass=$((pass + p)); fail=$((fail + f))

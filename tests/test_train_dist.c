@@ -171,7 +171,8 @@ static int train(const char *model, vlmoe_dist *d, vlmoe_dist *ep, int batch, in
         free(g_keyb);
         g_keyb = calloc(vlmoe_model_num_floats(m), 1);
         for (int i = 0; i < ntab; i++)
-            if (strstr(tab[i].name, "attn.qkv.bias")) memset(g_keyb + tab[i].offset + tab[i].numel / 3, 1, tab[i].numel / 3);
+            if (strstr(tab[i].name, "attn.qkv.bias"))
+                memset(g_keyb + tab[i].offset + tab[i].numel / 3, 1, tab[i].numel / 3);
         *n = vlmoe_model_num_floats(m);
         *params = malloc(sizeof(float) * *n);
         memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);
@@ -433,7 +434,8 @@ static int train_mome(vlmoe_dist *d, int batch, double *losses, double *norms, f
         free(g_keyb);
         g_keyb = calloc(vlmoe_model_num_floats(m), 1);
         for (int i = 0; i < ntab; i++)
-            if (strstr(tab[i].name, "attn.qkv.bias")) memset(g_keyb + tab[i].offset + tab[i].numel / 3, 1, tab[i].numel / 3);
+            if (strstr(tab[i].name, "attn.qkv.bias"))
+                memset(g_keyb + tab[i].offset + tab[i].numel / 3, 1, tab[i].numel / 3);
         *n = vlmoe_model_num_floats(m);
         *params = malloc(sizeof(float) * *n);
         memcpy(*params, vlmoe_model_param_data(m), sizeof(float) * *n);

@@ -37,12 +37,13 @@ char *vlmoe_trainer_run_id(vlmoe_trainer *t) { return t->run_id; }
 // of N computes the gradients of its E/N experts of every bank only, so those are all-reduced
 // only over the `replicas`, the processes at the same place of every group (world / N of them),
 // and the optimizer (AdamW or Adafactor) updates only them; the dense parameters are all-reduced
-// over the whole world as in plain data parallelism. The parameters stay replicated (every process allocates every expert:
-// the forward reads only its own, src/moe/layer.c ep_forward), but the other experts' slices,
-// their gradients and optimizer state are never touched, and the state's zero pages never become
-// resident (src/optim/optim.c). Those slices are stale between steps: rank 0 gathers them before
-// it writes or evaluates, and every process gets the parameters at the end of a run
-// (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and tests/test_dist_mpi.sh.
+// over the whole world as in plain data parallelism. The parameters stay replicated (every
+// process allocates every expert: the forward reads only its own, src/moe/layer.c ep_forward),
+// but the other experts' slices, their gradients and optimizer state are never touched, and the
+// state's zero pages never become resident (src/optim/optim.c). Those slices are stale between
+// steps: rank 0 gathers them before it writes or evaluates, and every process gets the parameters
+// at the end of a run (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and
+// tests/test_dist_mpi.sh.
 typedef struct { size_t off, n; } span; // floats [off, off + n) of the flat buffer
 
 struct shard {
