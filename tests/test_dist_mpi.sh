@@ -40,7 +40,7 @@ for np in 2 3 4; do
         echo "FAILED: mpirun -np $np $b (exit $rc, $ranks of $np ranks reported)"
         [ "$f" = 0 ] && f=1
     else
-        printf '%s\n' "$out" | grep -E '^[a-z-]+: [0-9]+ processes' | sed 's/^/     /'
+        printf '%s\n' "$out" | grep -E '^[a-z-]+( \(Adafactor\))?: [0-9]+ processes|, sharded vs replicated' | sed 's/^/     /'
         echo "ok   mpirun -np $np $b ($p checks on $np ranks)"
     fi
     pass=$((pass + p)); fail=$((fail + f))
@@ -177,7 +177,7 @@ fi
 # checkpoint after step 1 hold every expert's current weights: the record = vlmoe eval on it, and
 # so does the record of the same run without that checkpoint (rank 0 gathers for the evaluation).
 ck3="$tmp/w4/checkpoints/step_3.safetensors"
-# (AdamW: its moments are what sharding narrows; limoe-tiny would train with LIMoE's Adafactor)
+# (AdamW here; Adafactor, limoe-tiny's own, is checked below)
 ep2="--logs $tmp --log-every-n-steps 1 --eval-samples 0 --expert-parallel 2 --optimizer adamw"
 if mkdir -p "$tmp/e2r/checkpoints" && cp "$tmp/w4/metrics.jsonl" "$tmp/w4/params.json" "$tmp/e2r/" &&
    cp "$ck3" "${ck3%.safetensors}.state.safetensors" "$tmp/e2r/checkpoints/" &&
@@ -208,6 +208,65 @@ else
     tail -n 20 "$tmp/e2r.log" "$tmp/e2v.log" "$tmp/e2w.log" "$tmp/e2v.json" 2>/dev/null
     echo "FAILED: sharded experts under mpirun"
     fail=$((fail + 1))
+fi
+# sharded experts with Adafactor, LIMoE's optimizer (momentum in bfloat16), whose factored moments
+# and momentum are per expert matrix: 4 processes with the experts split 4 ways and over pairs
+# train 3 steps and save, with the losses of one process; each checkpoint (weights and state) holds,
+# byte for byte, the tensors of the same run with the experts' state replicated
+# (VLMOE_TEST_REPLICATE_EXPERTS, the path before sharding); the 4-way checkpoint resumed by 1
+# process and by 4 split over pairs trains on to step 6 with the losses of one process alone.
+# The tensors of a safetensors file: all that follows its header (which holds the run's ids).
+st_data() {
+    n=$(od -An -t u8 -N8 "$1" | tr -d ' ')
+    tail -c +$((n + 9)) "$1"
+}
+af="train --model $tmp/lg.json --optimizer adafactor --momentum-dtype bfloat16 --log-every-n-steps 1 --eval-samples 0"
+af="$af --logs $tmp --save-every-n-steps 3 --batch-size 2"
+afs="train --model $tmp/lg.json --optimizer adafactor --momentum-dtype bfloat16 --log-every-n-steps 1 --eval-samples 0"
+afs="$afs --logs $tmp --save-every-n-steps 3 --batch-size 8"
+ok=1
+for ep in 4 2; do
+    if timeout 300 mpirun -np 4 --oversubscribe "$vl" $af --steps 3 --expert-parallel $ep --name af$ep > "$tmp/af$ep.log" 2>&1 &&
+       env VLMOE_TEST_REPLICATE_EXPERTS=1 timeout 300 mpirun -np 4 --oversubscribe "$vl" $af --steps 3 \
+           --expert-parallel $ep --name af${ep}r > "$tmp/af${ep}r.log" 2>&1; then
+        same=0
+        for f in step_3.safetensors step_3.state.safetensors; do
+            st_data "$tmp/af$ep/checkpoints/$f" > "$tmp/a.bin"; st_data "$tmp/af${ep}r/checkpoints/$f" > "$tmp/b.bin"
+            [ -s "$tmp/a.bin" ] && cmp -s "$tmp/a.bin" "$tmp/b.bin" && same=$((same + 1))
+        done
+        bytes=$(wc -c < "$tmp/a.bin")
+        if [ "$same" = 2 ] && grep -qE '"optim\.adafactor\.m\.[^"]*moe\.experts\.fc1\.weight"' "$tmp/af$ep/checkpoints/step_3.state.safetensors"; then
+            echo "ok   Adafactor, experts sharded $ep ways over 4 processes: the step-3 weights and state (its tensors: $bytes bytes) = the replicated run's, byte for byte"
+            pass=$((pass + 1))
+        else
+            echo "FAILED: Adafactor, experts sharded $ep ways: $same of 2 checkpoint files hold the replicated run's tensors"
+            fail=$((fail + 1))
+        fi
+    else
+        tail -n 20 "$tmp/af$ep.log" "$tmp/af${ep}r.log"; echo "FAILED: Adafactor with --expert-parallel $ep under mpirun"
+        fail=$((fail + 1)); ok=0
+    fi
+done
+ck="$tmp/af4/checkpoints/step_3.safetensors"
+if [ $ok = 1 ] && timeout 300 "$vl" $afs --steps 6 --name afsolo > "$tmp/afsolo.log" 2>&1 &&
+   mkdir -p "$tmp/afr1/checkpoints" "$tmp/afr2/checkpoints" &&
+   cp "$tmp/af4/metrics.jsonl" "$tmp/af4/params.json" "$tmp/afr1/" && cp "$tmp/af4/metrics.jsonl" "$tmp/af4/params.json" "$tmp/afr2/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/afr1/checkpoints/" &&
+   cp "$ck" "${ck%.safetensors}.state.safetensors" "$tmp/afr2/checkpoints/" &&
+   timeout 300 "$vl" $afs --steps 6 --name afr1 --resume latest > "$tmp/afr1.log" 2>&1 &&
+   timeout 300 mpirun -np 4 --oversubscribe "$vl" $af --steps 6 --expert-parallel 2 --name afr2 --resume latest \
+       > "$tmp/afr2.log" 2>&1; then
+    w4=$(loss_diff af4 afsolo 3); w2=$(loss_diff af2 afsolo 3); r1=$(loss_diff afr1 afsolo 6); r2=$(loss_diff afr2 afsolo 6)
+    if within "$w4" "$w2" "$r1" "$r2"; then
+        echo "ok   Adafactor, experts sharded 4 and 2 ways: the losses of one process (within $w4, $w2); the 4-way checkpoint resumed by 1 process and by 4 sharded 2 ways (within $r1, $r2)"
+        pass=$((pass + 1))
+    else
+        echo "FAILED: Adafactor sharded: loss differences to one process $w4 (EP 4), $w2 (EP 2), resumed $r1 (1 process), $r2 (EP 2)"
+        fail=$((fail + 1))
+    fi
+else
+    tail -n 20 "$tmp/afsolo.log" "$tmp/afr1.log" "$tmp/afr2.log" 2>/dev/null
+    echo "FAILED: Adafactor checkpoints resumed across layouts"; fail=$((fail + 1))
 fi
 # a process killed mid-run (kill -9 one of 4) ends the job within 60 s with a message naming it,
 # and leaves no half-written checkpoint

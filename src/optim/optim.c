@@ -34,6 +34,7 @@ typedef struct {
 // a and b and after b; or a plain second moment v. A weight matrix (out, in) is A = Bm = C = 1.
 typedef struct {
     int factored;
+    int a;       // the first factored dim (a >= 1: dim 0, an expert bank's E, is one of the batched)
     size_t A, NA, Bm, NB, C;
     float *vr;   // (A, NA, Bm, C): EMA of mean over dim b of g^2 + eps1
     float *vc;   // (A, Bm, NB, C): EMA of mean over dim a of g^2 + eps1
@@ -51,6 +52,11 @@ struct vlmoe_optim {
     optim_state *states;
     int nstates;
     adafactor_slot *slots;    // Adafactor only, one per parameter
+    // Adafactor: the table at init and its slots, which lay out the state (its names, shapes and
+    // pool); a table set later (optim_set_table) views slices of these
+    vlmoe_param_info *base;
+    adafactor_slot *base_slots;
+    int nbase;
     float *row_mean;          // Adafactor scratch: mean of vr over dim a, (A, Bm, C) floats at most
     const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
 };
@@ -197,6 +203,7 @@ static int adafactor_layout(vlmoe_optim *o, float *pool, size_t *nfloats) {
         int a, b;
         if (factored_dims(t, factor_min, &a, &b)) {
             s.factored = 1;
+            s.a = a;
             s.A = s.Bm = s.C = 1;
             for (int d = 0; d < a; d++) s.A *= (size_t)t->shape[d];
             for (int d = a + 1; d < b; d++) s.Bm *= (size_t)t->shape[d];
@@ -322,7 +329,12 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
             if (s->factored && s->A * s->Bm * s->C > max_lead) max_lead = s->A * s->Bm * s->C;
         }
         o->row_mean = vlmoe_alloc(max_lead * sizeof(float), "Adafactor row means");
-        if (!o->row_mean) goto nomem;
+        o->base = vlmoe_alloc((size_t)nparams * sizeof *table, "optimizer parameter table");
+        o->base_slots = vlmoe_alloc((size_t)nparams * sizeof *o->slots, "Adafactor slots");
+        if (!o->row_mean || !o->base || !o->base_slots) goto nomem;
+        memcpy(o->base, table, (size_t)nparams * sizeof *table);
+        memcpy(o->base_slots, o->slots, (size_t)nparams * sizeof *o->slots);
+        o->nbase = nparams;
     }
     *out = o;
     return VLMOE_OK;
@@ -340,6 +352,8 @@ void vlmoe_optim_free(vlmoe_optim *o) {
     vlmoe_free_mem(o->states);
     vlmoe_free_mem(o->slots);
     vlmoe_free_mem(o->row_mean);
+    vlmoe_free_mem(o->base);
+    vlmoe_free_mem(o->base_slots);
     vlmoe_free_mem(o);
 }
 
@@ -348,19 +362,104 @@ const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n) {
     return o->table;
 }
 
+// Adafactor over a slice of experts: a bank (E, ...) is factored over two dims after the expert
+// dim (a >= 1), so A = E x (the dims between), and every buffer of the slot (vr, vc, v, m) holds
+// its experts one after the other: expert e's part of each is a contiguous 1/E of it, computed
+// from that expert's gradient only. With update clipping (clip_threshold > 0) the RMS spans the
+// whole tensor, every expert at once, so that tensor cannot be split.
+static int af_splits(const vlmoe_optim *o, const vlmoe_param_info *t, const adafactor_slot *s) {
+    return o->p.clip_threshold == 0.0f && t->ndim >= 1 && t->shape[0] > 0 && (!s->factored || s->a >= 1);
+}
+
+static int base_index(const vlmoe_optim *o, const char *name) {
+    for (int j = 0; j < o->nbase; j++)
+        if (!strcmp(o->base[j].name, name)) return j;
+    return -1;
+}
+
+// The slot of t, which is base tensor b or the slice of experts [e0, e0 + shape[0]) of it.
+static int af_narrow(const vlmoe_optim *o, int b, const vlmoe_param_info *t, adafactor_slot *out) {
+    const vlmoe_param_info *f = &o->base[b];
+    const adafactor_slot *s = &o->base_slots[b];
+    *out = *s;
+    if (t->offset == f->offset && t->numel == f->numel && !memcmp(t->shape, f->shape, sizeof t->shape)) return VLMOE_OK;
+    int same = t->ndim == f->ndim && t->ndim >= 1;
+    for (int d = 1; same && d < t->ndim; d++) same = t->shape[d] == f->shape[d];
+    const size_t E = same && f->shape[0] > 0 ? (size_t)f->shape[0] : 1, per = f->numel / E;
+    const size_t e0 = per && t->offset >= f->offset ? (t->offset - f->offset) / per : 0, El = (size_t)t->shape[0];
+    if (!same || !per || t->offset < f->offset || (t->offset - f->offset) % per || El < 1 || e0 + El > E ||
+        t->numel != El * per)
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: param %s: Adafactor's new table may only narrow a tensor to a slice "
+                          "of its leading dimension (of %lld), at offset %zu + a multiple of %zu", t->name,
+                          (long long)f->shape[0], f->offset, per);
+    if (!af_splits(o, f, s))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: param %s: Adafactor's state cannot be split over its leading "
+                          "dimension (%s)", t->name, o->p.clip_threshold > 0.0f ? "update clipping takes the RMS "
+                          "of the whole tensor" : "it is factored over that dimension");
+    // each buffer is E equal parts, one per index of the leading dim
+    if (s->factored) {
+        out->A = s->A / E * El;
+        out->vr = s->vr + e0 * (s->A / E * s->NA * s->Bm * s->C);
+        out->vc = s->vc + e0 * (s->A / E * s->Bm * s->NB * s->C);
+    } else {
+        out->v = s->v + e0 * per;
+    }
+    if (s->m) out->m = s->m + e0 * per;
+    return VLMOE_OK;
+}
+
 int optim_set_table(vlmoe_optim *o, const vlmoe_param_info *table, int n) {
-    if (o->p.kind != VLMOE_OPT_ADAMW)
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: only AdamW's table can change after init (Adafactor's state is "
-                          "shaped by its tensors)");
     if (n < 1 || !table) return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new table needs at least one entry");
     int st = check_table(table, n, o->total);
     if (st) return st;
+    adafactor_slot *slots = NULL;
+    if (o->p.kind == VLMOE_OPT_ADAFACTOR) {
+        // the state stays laid out by the init table: each entry must be one of its tensors or a
+        // slice of one's leading dimension (expert parallelism: this process's experts of a bank)
+        if (!(slots = vlmoe_alloc((size_t)n * sizeof *slots, "Adafactor slots"))) return VLMOE_ERR_NOMEM;
+        for (int k = 0; k < n && !st; k++) {
+            const int b = base_index(o, table[k].name);
+            st = b < 0 ? vlmoe_fail(VLMOE_ERR_ARG, "optim: param %s has no Adafactor state (not in the table the "
+                                    "optimizer was made with)", table[k].name)
+                       : af_narrow(o, b, &table[k], &slots[k]);
+        }
+        if (st) return vlmoe_free_mem(slots), st;
+    }
     vlmoe_param_info *t = vlmoe_alloc((size_t)n * sizeof *table, "optimizer parameter table");
-    if (!t) return VLMOE_ERR_NOMEM;
+    if (!t) return vlmoe_free_mem(slots), VLMOE_ERR_NOMEM;
     memcpy(t, table, (size_t)n * sizeof *table);
     vlmoe_free_mem(o->table);
     o->table = t, o->nparams = n;
+    if (slots) vlmoe_free_mem(o->slots), o->slots = slots;
     return VLMOE_OK;
+}
+
+int optim_can_split(const vlmoe_optim *o, size_t offset) {
+    if (o->p.kind == VLMOE_OPT_ADAMW) return 1;
+    for (int j = 0; j < o->nbase; j++)
+        if (o->base[j].offset == offset && o->base[j].numel) return af_splits(o, &o->base[j], &o->base_slots[j]);
+    return 1; // not updated (frozen): no state to split
+}
+
+int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, float **bufs, size_t *per_buf) {
+    if (o->p.kind == VLMOE_OPT_ADAMW) {
+        for (int k = 0; k < 2; k++) bufs[k] = o->states[k].data + offset, per_buf[k] = per;
+        return 2;
+    }
+    for (int j = 0; j < o->nbase; j++) {
+        const adafactor_slot *s = &o->base_slots[j];
+        if (o->base[j].offset != offset || o->base[j].numel != (size_t)E * per || !o->base[j].numel) continue;
+        int n = 0;
+        if (s->factored) {
+            bufs[n] = s->vr, per_buf[n++] = s->A / (size_t)E * s->NA * s->Bm * s->C;
+            bufs[n] = s->vc, per_buf[n++] = s->A / (size_t)E * s->Bm * s->NB * s->C;
+        } else {
+            bufs[n] = s->v, per_buf[n++] = per;
+        }
+        if (s->m) bufs[n] = s->m, per_buf[n++] = per;
+        return n;
+    }
+    return 0;
 }
 
 long vlmoe_optim_get_step(const vlmoe_optim *o) { return o ? o->step : 0; }

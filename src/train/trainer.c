@@ -26,7 +26,7 @@ struct vlmoe_trainer {
     vlmoe_param_info *frozen;   // freeze_moe, lock_*: tensors left out of the optimizer
     int nfrozen;
     vlmoe_dist *dist;           // data parallelism: the processes whose gradients are averaged
-    struct shard *shard;        // expert parallelism with AdamW: who reduces and updates what (below)
+    struct shard *shard;        // expert parallelism: who reduces and updates what (below)
     train_buckets *bk;          // and the buckets their sum goes in (made at the first step)
     char run_id[VLMOE_RUN_ID_LEN]; // the run's id in its checkpoints ("" until the first save or load)
 };
@@ -36,13 +36,14 @@ char *vlmoe_trainer_run_id(vlmoe_trainer *t) { return t->run_id; }
 // Expert parallelism shards the experts' training state (issue 15): a process of an expert group
 // of N computes the gradients of its E/N experts of every bank only, so those are all-reduced
 // only over the `replicas`, the processes at the same place of every group (world / N of them),
-// and AdamW updates only them; the dense parameters are all-reduced over the whole world as in
-// plain data parallelism. The parameters stay replicated (every process allocates every expert:
-// the forward reads only its own, src/moe/layer.c ep_forward), but the other experts' slices,
-// their gradients and moments are never touched, and the moments' zero pages never become
-// resident (src/optim/optim.c). Those slices are stale between steps: rank 0 gathers them before
-// it writes or evaluates, and every process gets the parameters at the end of a run
-// (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and tests/test_dist_mpi.sh.
+// and the optimizer (AdamW or Adafactor) updates only them; the dense parameters are all-reduced
+// over the whole world as in plain data parallelism. The parameters stay replicated (every
+// process allocates every expert: the forward reads only its own, src/moe/layer.c ep_forward),
+// but the other experts' slices, their gradients and optimizer state are never touched, and the
+// state's zero pages never become resident (src/optim/optim.c). Those slices are stale between
+// steps: rank 0 gathers them before it writes or evaluates, and every process gets the parameters
+// at the end of a run (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and
+// tests/test_dist_mpi.sh.
 typedef struct { size_t off, n; } span; // floats [off, off + n) of the flat buffer
 
 struct shard {
@@ -64,7 +65,7 @@ struct shard {
 static void shard_free(vlmoe_trainer *t) {
     struct shard *sh = t->shard;
     if (!sh) return;
-    if (sh->full) optim_set_table(t->opt, sh->full, sh->nfull); // cannot fail: the table it had
+    if (sh->full && sh->nfull) optim_set_table(t->opt, sh->full, sh->nfull); // cannot fail: the table it had
     if (sh->replicas) vlmoe_dist_close(sh->replicas);
     free(sh->banks), free(sh->dense), free(sh->own), free(sh->cnt), free(sh->full);
     vlmoe_free_mem(sh->buf);
@@ -104,6 +105,19 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
         if (sh->banks[i].E % sh->N)
             return free(narrow), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d "
                                             "processes (the process count must divide num_experts)", sh->banks[i].E, sh->N);
+    // Which banks are sharded: those whose optimizer state splits by expert (optim_can_split), each
+    // expert's part computed from its own gradient. AdamW's always does; Adafactor's (big_vision's:
+    // each tensor factored over its two largest dims) does for a weight bank (E, M, D), factored per
+    // expert matrix over M and D, and for an unfactored one, but not for a bank factored over its
+    // expert dim (a bias bank (E, M) with E >= 32 experts: its column moments are means over the
+    // experts) nor with update clipping (its RMS spans the whole tensor). Such a bank stays replicated
+    // as a dense tensor: its gradient (each expert's written by its owner, zero elsewhere) is summed
+    // over the world and every process updates it whole, the same update.
+    int ns = 0;
+    for (int i = 0; i < nb; i++)
+        if (optim_can_split(t->opt, sh->banks[i].offset)) sh->banks[ns++] = sh->banks[i];
+    sh->nbanks = nb = ns;
+    if (!nb) return free(narrow), shard_free(t), VLMOE_OK;
     qsort(sh->banks, (size_t)nb, sizeof(model_bank), cmp_bank);
     memcpy(sh->full, tab, sizeof(*tab) * (size_t)n);
     memcpy(narrow, tab, sizeof(*tab) * (size_t)n);
@@ -152,9 +166,11 @@ int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts)
     t->dist = d && d->world > 1 ? d : NULL;
     model_set_dist(t->m, t->dist, experts);
     model_set_grad_ready(t->m, NULL, NULL);
-    // Adafactor's factored moments are shaped by whole banks: with it the experts' state stays
-    // replicated and their gradients are all-reduced over the world (every process's copy)
-    if (!t->dist || !experts || experts->world < 2 || t->p.optim.kind != VLMOE_OPT_ADAMW) return VLMOE_OK;
+    // VLMOE_TEST_REPLICATE_EXPERTS (a test hook of tests/test_train_dist.c and test_dist_mpi.sh):
+    // the experts' state stays replicated, every bank as a dense tensor, the path sharding must
+    // reproduce bit for bit
+    const char *rep = getenv("VLMOE_TEST_REPLICATE_EXPERTS");
+    if (!t->dist || !experts || experts->world < 2 || (rep && *rep && strcmp(rep, "0"))) return VLMOE_OK;
     int st = shard_init(t, t->dist, experts);
     if (st) {
         shard_free(t);
@@ -223,34 +239,39 @@ static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     return VLMOE_OK;
 }
 
-// Brings the other experts' current parameters and AdamW moments from their owners to rank 0
-// (before it writes a checkpoint or evaluates; the other processes keep their slices untouched),
-// and with every = 1 (the end of a run, whose model every process then holds whole) the
-// parameters to every process too; the moments only ever go to rank 0, the one writer, so no
-// other process ever holds them whole. Collective over the world; nothing to do without sharding.
+// Brings the other experts' current parameters and optimizer state (AdamW's moments; Adafactor's
+// factored moments and momentum, per expert matrix: optim_expert_states) from their owners to
+// rank 0 (before it writes a checkpoint or evaluates; the other processes keep their slices
+// untouched), and with every = 1 (the end of a run, whose model every process then holds whole)
+// the parameters to every process too; the state only ever goes to rank 0, the one writer, so no
+// other process ever holds it whole. Collective over the world; nothing to do without sharding.
 int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
     struct shard *sh = t->shard;
     if (!sh || (!every && !sh->root_group)) return VLMOE_OK;
     vlmoe_dist *ex = sh->experts;
-    float *bufs[3] = {vlmoe_model_param_data(t->m), NULL, NULL};
-    for (int k = 0; k < 2; k++) vlmoe_optim_state_get(t->opt, k, NULL, &bufs[k + 1], NULL); // adamw.m, adamw.v
     size_t *sc = sh->cnt, *sd = sc + sh->N, *rc = sd + sh->N, *rd = rc + sh->N;
     int e = VLMOE_OK;
     for (int i = 0; i < sh->nbanks && !e; i++) {
-        const span o = own_span(sh, &sh->banks[i]);
-        for (int k = 0; k < 3 && !e; k++) {
-            float *bank = bufs[k] + sh->banks[i].offset;
+        const model_bank *b = &sh->banks[i];
+        // each buffer holds the bank's E experts one after the other, per[k] floats each
+        float *bufs[1 + 4] = {vlmoe_model_param_data(t->m) + b->offset};
+        size_t per[1 + 4] = {b->per};
+        const int nb = 1 + optim_expert_states(t->opt, b->offset, b->E, b->per, bufs + 1, per + 1);
+        const size_t El = (size_t)(b->E / sh->N);
+        for (int k = 0; k < nb && !e; k++) {
+            float *bank = bufs[k], *own = bank + (size_t)sh->q * El * per[k];
+            const size_t n = El * per[k];
             if (!sh->root_group && k) continue;
             if (every && !k) {
-                e = ex->allgather(ex, bank, bufs[k] + o.off, o.n, VLMOE_DIST_F32); // in place
+                e = ex->allgather(ex, bank, own, n, VLMOE_DIST_F32); // in place
                 continue;
             }
             // a gather to the group's first process: each sends it its slice, it places them
             for (int j = 0; j < sh->N; j++) {
-                sc[j] = sh->q && !j ? o.n : 0, sd[j] = 0;
-                rc[j] = !sh->q && j ? o.n : 0, rd[j] = (size_t)j * o.n;
+                sc[j] = sh->q && !j ? n : 0, sd[j] = 0;
+                rc[j] = !sh->q && j ? n : 0, rd[j] = (size_t)j * n;
             }
-            e = sh->q ? ex->alltoallv(ex, sh->buf, rc, rd, bufs[k] + o.off, sc, sd, VLMOE_DIST_F32)
+            e = sh->q ? ex->alltoallv(ex, sh->buf, rc, rd, own, sc, sd, VLMOE_DIST_F32)
                       : ex->alltoallv(ex, bank, rc, rd, sh->buf, sc, sd, VLMOE_DIST_F32);
         }
     }
