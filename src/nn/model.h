@@ -241,6 +241,7 @@ struct vlmoe_model {
     // before each forward; backward writes d_grads, downloaded into grads
     float *d_params, *d_grads;
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
+    struct model_int8 *int8; // --precision int8: the quantized weights its table reads (device.c)
     model_inputs in;         // saved with the weights
 };
 
