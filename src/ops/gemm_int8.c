@@ -129,6 +129,9 @@ static void *scratch(size_t bytes, int slot) {
 int linear_forward_int8(float *out, const float *x, const int8_t *wq, const float *ws, const float *b,
                         int N, int K, int O, int beta) {
     if (N <= 0 || O <= 0) return 0;
+    // VNNI multiplies u8 by s8: oneDNN shifts s8 inputs by 128, so a sum reaches 255 * 127 * K,
+    // which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand)
+    if (K > 65536) return -1;
     int8_t *xq = scratch((size_t)N * K, 0);
     float *xs = scratch(sizeof(float) * ((size_t)N + (size_t)N * O), 1), *t = xs ? xs + N : NULL;
     if (!xq || !xs) return -1;

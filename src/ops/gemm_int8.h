@@ -20,10 +20,10 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
 
 // out (N,O) = (x quantized per row) . (wq (O,K) scaled per row by ws)^T + b, written (beta 0)
 // or added (beta 1); x (N,K) fp32, b (O) or NULL. Element (n,o) is
-// xs[n] * (ws[o] * sum_k xq[n,k] wq[o,k]) + b[o] with the sum exact in int32 (K < 133,000).
-// Fixed blocks of rows or columns, one single-threaded matmul each: the bits do not depend on
-// the thread count. Returns 0, or -1 when its scratch memory cannot be had (out is untouched;
-// the caller computes in fp32).
+// xs[n] * (ws[o] * sum_k xq[n,k] wq[o,k]) + b[o] with the sum exact in int32. Fixed blocks of
+// rows or columns, one single-threaded matmul each: the bits do not depend on the thread count.
+// Returns 0, or -1 when its scratch memory cannot be had or K > 65536 (out is untouched; the
+// caller computes in fp32).
 int linear_forward_int8(float *out, const float *x, const int8_t *wq, const float *ws, const float *b,
                         int N, int K, int O, int beta);
 
