@@ -1,7 +1,10 @@
 // precision.c: the --precision flag of train, embed, classify and eval: fp32 (the default) or
 // bf16, whose linear and expert products run in bf16 on a CPU with AVX512_BF16 or AMX
-// (src/nn/device.c). Elsewhere the run goes on in fp32 after a one-line notice.
+// (src/nn/device.c), or, for inference only (train refuses it), int8, whose MLP and expert
+// products run in int8 on a CPU with VNNI. Elsewhere the run goes on in fp32 after a one-line
+// notice.
 #include <stdio.h>
+#include <string.h>
 
 #include "cli.h"
 #include "nn/model.h"
@@ -11,7 +14,10 @@ int cli_set_precision(const char *cmd, vlmoe_model *m, const char *precision) {
     if (!precision) return 0;
     const int st = model_set_precision(m, precision, &fell_back);
     if (st) return st;
-    if (fell_back)
+    if (fell_back && !strcmp(precision, "int8"))
+        fprintf(stderr, "vlmoe %s: --precision int8: this CPU has no VNNI instructions (AVX512_VNNI or AVX-VNNI); "
+                "running in fp32\n", cmd);
+    else if (fell_back)
         fprintf(stderr, "vlmoe %s: --precision bf16: this CPU has no bf16 instructions (AVX512_BF16 or AMX); "
                 "running in fp32\n", cmd);
     return 0;

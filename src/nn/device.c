@@ -4,13 +4,17 @@
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
 // forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
 // own memory) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
-// (src/ops/backend_cpu.c) where the CPU has bf16 instructions; tests/test_bf16.c.
+// (src/ops/backend_cpu.c) where the CPU has bf16 instructions; tests/test_bf16.c. --precision
+// int8 (inference) quantizes the model's MLP and expert weights once and runs them on a cpu-int8
+// table of the model's own where the CPU has VNNI; tests/test_int8.c.
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
 #include "nn/model.h"
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
+#include "ops/gemm_int8.h"
 
 int model_set_device(vlmoe_model *m, const char *name) {
     const vlmoe_backend_f32 *be = NULL;
@@ -22,21 +26,93 @@ int model_set_device(vlmoe_model *m, const char *name) {
     return VLMOE_OK;
 }
 
+// --precision int8: the int8 copies of the weights and the table that reads them.
+struct model_int8 {
+    vlmoe_backend_f32 table;
+    int8_weights w;
+};
+
+static void int8_free(struct model_int8 *q) {
+    if (!q) return;
+    int8_weights_free(&q->w);
+    free(q);
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    const size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && !strcmp(s + n - k, suffix);
+}
+
+// Whether the table names a parameter "<prefix of name up to cut><tail>".
+static int has_param(const model_layout *L, const char *name, size_t cut, const char *tail) {
+    for (int i = 0; i < L->nparams; i++) {
+        const char *n = L->table[i].name;
+        if (!strncmp(n, name, cut) && !strcmp(n + cut, tail)) return 1;
+    }
+    return 0;
+}
+
+// Quantizes what the expert banks read (be_experts): the dense MLPs' and the token- and
+// experts-choice MoE layers' fc1 and fc2 weights. Soft MoE's experts run in src/moe/soft.c's own
+// fp32 products and keep no copy. The attention's linears, the stems and heads stay fp32: they
+// are a third of a block's products (the MLP's hidden width is 4x), and the attention logits
+// multiply the errors of two products.
+static int int8_build(const vlmoe_model *m, struct model_int8 **out) {
+    static const char *const banks[] = {"mlp.fc1.weight", "mlp.fc2.weight", "moe.experts.fc1.weight",
+                                        "moe.experts.fc2.weight"};
+    struct model_int8 *q = calloc(1, sizeof(*q));
+    if (!q) return vlmoe_fail(VLMOE_ERR_NOMEM, "--precision int8: the int8 weights");
+    const model_layout *L = &m->L;
+    for (int i = 0; i < L->nparams; i++) {
+        const vlmoe_param_info *p = &L->table[i];
+        int bank = -1;
+        for (int k = 0; k < 4 && bank < 0; k++) bank = ends_with(p->name, banks[k]) ? k : -1;
+        if (bank < 0 || p->ndim < 2) continue;
+        const size_t cut = strlen(p->name) - strlen(banks[bank]);
+        if (bank >= 2 && !has_param(L, p->name, cut, "moe.router.weight")) continue; // Soft MoE
+        const int K = (int)p->shape[p->ndim - 1];
+        const int st = int8_weights_add(&q->w, m->params + p->offset, p->numel / (size_t)K, K);
+        if (st) return int8_free(q), vlmoe_error_prefix("--precision int8: %s", p->name), st;
+    }
+    backend_cpu_int8(&q->table, &q->w);
+    *out = q;
+    return VLMOE_OK;
+}
+
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     *fell_back = 0;
     const vlmoe_backend_f32 *cpu = backend_cpu_f32(), *bf16 = backend_cpu_bf16();
+    const int on_cpu = m->be == cpu || m->be == bf16 || m->int8;
     if (!name || !strcmp(name, "fp32"))
-        return m->be == bf16 ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
-    if (strcmp(name, "bf16"))
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32 or bf16", name);
-    if (m->be != cpu && m->be != bf16)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision bf16: the %s backend computes in fp32 only; use "
-                          "--precision fp32 there", m->be->name);
-    if (!gemm_bf16_native()) {
-        *fell_back = 1;
-        return VLMOE_OK;
+        return m->be != cpu && on_cpu ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
+    const int int8 = !strcmp(name, "int8");
+    if (strcmp(name, "bf16") && !int8)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32, bf16 or int8", name);
+    if (!on_cpu)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision %s: the %s backend computes in fp32 only; use "
+                          "--precision fp32 there", name, m->be->name);
+    if (!int8) {
+        if (!gemm_bf16_native()) {
+            *fell_back = 1;
+            return VLMOE_OK;
+        }
+        return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
     }
-    return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
+    if (!gemm_int8_native()) {
+        *fell_back = 1;
+        return m->be == cpu ? VLMOE_OK : model_set_backend(m, cpu, NULL);
+    }
+    // quantized again each time: the weights may have changed since the last call
+    struct model_int8 *q = NULL, *old = m->int8;
+    int st = int8_build(m, &q);
+    if (st) return st;
+    m->int8 = q;
+    if ((st = model_set_backend(m, &q->table, NULL))) {
+        m->int8 = old;
+        return int8_free(q), st;
+    }
+    int8_free(old);
+    return VLMOE_OK;
 }
 
 static void drop_device(vlmoe_model *m) {
@@ -58,6 +134,7 @@ int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend
     vlmoe_backend_f32 *old = m->owned_be;
     m->be = be, m->owned_be = owned;
     backend_cuda_free(old);
+    if (m->int8 && be != &m->int8->table) int8_free(m->int8), m->int8 = NULL;
     if (!be->host_memory) {
         const size_t bytes = sizeof(float) * m->L.total;
         m->d_params = be->alloc(be, bytes, "parameters on the device");
@@ -76,6 +153,8 @@ void model_release_backend(vlmoe_model *m) {
     drop_device(m);
     backend_cuda_free(m->owned_be);
     m->owned_be = NULL;
+    int8_free(m->int8);
+    m->int8 = NULL;
 }
 
 const float *model_params_for_graph(vlmoe_model *m) {

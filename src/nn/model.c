@@ -234,6 +234,9 @@ int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
 }
 
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
+    if (m->int8) // its products are a snapshot of the weights, and have no backward of their own
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision int8 is for inference (embed, classify, eval); train "
+                          "with --precision fp32 or bf16");
     return m->L.arch->forward(m, b, stats, 1);
 }
 

@@ -241,6 +241,7 @@ struct vlmoe_model {
     // before each forward; backward writes d_grads, downloaded into grads
     float *d_params, *d_grads;
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
+    struct model_int8 *int8; // --precision int8: the quantized weights its table reads (device.c)
     model_inputs in;         // saved with the weights
 };
 
@@ -321,7 +322,10 @@ int model_set_frozen_towers(vlmoe_model *m, int image, int text);
 int model_set_device(vlmoe_model *m, const char *name);
 // --precision: "fp32" (the default) or "bf16" (src/nn/device.c; after model_set_device). bf16
 // runs the products of linear layers and experts in bf16 on a CPU that has it natively; on one
-// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so).
+// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so). "int8"
+// (inference: vlmoe_model_forward refuses to train) quantizes the MLP and expert weights as they
+// are now and runs those products in int8 on a CPU with VNNI (else fp32, *fell_back 1); weights
+// changed later are not seen until it is set again.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
 
 #endif

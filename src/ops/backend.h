@@ -17,6 +17,7 @@
 
 #include "moe/aux.h"
 #include "moe/soft.h"
+#include "ops/gemm_int8.h"
 #include "ops/ops.h"
 
 // Every entry of the table that computes, by name (append-only: the test prints these).
@@ -205,6 +206,10 @@ BACKEND_DECL(double, f64)
 
 // The CPU table of `--precision bf16`: products in bf16 (src/ops/gemm_bf16.h), the rest fp32.
 const vlmoe_backend_f32 *backend_cpu_bf16(void);
+// The CPU table of `--precision int8` (inference): the expert banks' products in int8 from the
+// quantized weights w (src/ops/gemm_int8.h), which must outlive the table; the rest fp32.
+// Fills *table (a table per model: the weights are the model's).
+void backend_cpu_int8(vlmoe_backend_f32 *table, const int8_weights *w);
 
 // The CUDA table: VLMOE_OK and *out set on a machine with a device and a `make CUDA=1` build;
 // otherwise an error saying why (src/cuda/). device: the CUDA ordinal. backend_cuda_free(NULL)

@@ -12,6 +12,7 @@
 #include "loss/masked.h"
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
+#include "ops/gemm_int8.h"
 
 typedef struct R(vlmoe_backend) backend;
 
@@ -371,6 +372,44 @@ static void bf16_experts_backward(const backend *be, real *dx, real *const dw[4]
                                   real *dh, const be_experts *ex) {
     experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex);
 }
+
+// ---- the cpu-int8 tables (`--precision int8`, inference only): the expert banks' two products
+// (a dense MLP's too: the bank of one expert) read the int8 copies of w1 and w2 that the table's
+// ctx holds (src/ops/gemm_int8.h), found by the fp32 weights' address; everything else, the
+// attention's linears and the router included, is the fp32 table's. A bank with no int8 copy
+// (a model changed under the table) or a product whose scratch cannot be had runs in fp32.
+static void int8_linear(const int8_weights *q, real *out, const real *inp, const real *w, const real *b,
+                        int N, int K, int O, int beta) {
+    size_t row;
+    const int8_tensor *t = int8_weights_find(q, w, &row);
+    if (!t || t->K != K || row + (size_t)O > t->rows ||
+        linear_forward_int8(out, inp, t->q + row * (size_t)K, t->scale + row, b, N, K, O, beta))
+        R(linear_forward)(out, inp, w, b, N, K, O, beta);
+}
+
+static void int8_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
+                                 const real *const w[4], const be_experts *ex, int beta) {
+    PROF_SCOPE(PROF_OTHER) {
+        const int8_weights *q = be->ctx;
+        const int D = ex->D, M = ex->M;
+        for (int e = 0; e < ex->E; e++) {
+            const size_t o = (size_t)ex->off[e];
+            const int k = ex->off[e + 1] - ex->off[e];
+            if (k <= 0) continue;
+            int8_linear(q, h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
+            PROF_SCOPE(PROF_GELU) R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
+            int8_linear(q, y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+        }
+    }
+}
+
+// Training is refused before it gets here (vlmoe_model_forward); should a backward come anyway,
+// it is the fp32 one, the gradient of the fp32 model.
+static void int8_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                  const real *x, const real *h, const real *const w[4], real *da,
+                                  real *dh, const be_experts *ex) {
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex);
+}
 #endif
 
 // ---- trainer ops over flat buffers
@@ -507,6 +546,21 @@ static const backend cpu_bf16_table = {
 };
 
 const backend *backend_cpu_bf16(void) { return &cpu_bf16_table; }
+
+static const backend cpu_int8_table = {
+    .name = "cpu-int8",
+    CPU_COMMON_ENTRIES,
+    .fp32 = &cpu_table,
+    .linear_forward = cpu_linear_forward,
+    .linear_backward = cpu_linear_backward,
+    .experts_forward = int8_experts_forward,
+    .experts_backward = int8_experts_backward,
+};
+
+void backend_cpu_int8(backend *table, const int8_weights *w) {
+    *table = cpu_int8_table;
+    table->ctx = (void *)w;
+}
 #endif
 
 int R(backend_require)(const backend *be, be_op op, const void *cfg) {

@@ -1,0 +1,296 @@
+// test_int8.c: `--precision int8` (src/ops/gemm_int8.c, the cpu-int8 table of
+// src/ops/backend_cpu.c, model_set_precision in src/nn/device.c).
+// 1. Quantization: |q| <= 127, the row's largest |x| maps to +-127, |x - s q| <= s/2.
+// 2. The int8 linear (beta 0 and 1, bias or none, shapes split by rows and by columns, odd K)
+//    equals the double product of the same quantized values to fp32 rounding, and differs from
+//    the fp32 product by no more than the quantization steps allow (bound below); 1 and 2
+//    threads give the same bits; a zero row gives the bias, a NaN row NaN.
+// 3. limoe-mini's embeddings in int8 against fp32: cosine >= 0.999 per embedding (bound below);
+//    they differ at all (the int8 products ran); fp32 again gives fp32's bits; training refused.
+// 4. The command line: embed in int8 against fp32; the fall-back without VNNI (oneDNN capped by
+//    DNNL_MAX_CPU_ISA) is fp32's bits after a one-line notice; train refuses int8.
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "nn/model.h"
+#include "ops/backend.h"
+#include "ops/gemm_int8.h"
+#include "ops/ops.h"
+#include "test.h"
+
+#define U 0x1p-24 // fp32's unit roundoff
+
+static float *randf(size_t n, vlmoe_rng *r, double sd) {
+    float *v = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)(sd * vlmoe_rng_normal(r));
+    return v;
+}
+
+static void check_quantize(void) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 7);
+    const int rows = 50, K = 77;
+    float *x = randf((size_t)rows * K, &r, 3), s[50];
+    int8_t *q = malloc((size_t)rows * K);
+    int8_quantize_rows(q, s, x, rows, K, K);
+    double worst = 0;
+    int peak_ok = 1;
+    for (int i = 0; i < rows; i++) {
+        int peak = 0;
+        for (int k = 0; k < K; k++) {
+            const size_t j = (size_t)i * K + k;
+            worst = fmax(worst, fabs(x[j] - (double)s[i] * q[j]) / s[i]);
+            peak = abs(q[j]) > peak ? abs(q[j]) : peak;
+        }
+        peak_ok &= peak == 127;
+    }
+    // s/2 up to the rounding of x * (127 / max|x|) (a few ulps of 127)
+    CHECK(worst <= 0.5 + 1e-5, "int8 quantization: |x - s q| reaches %.6f s (want <= s/2)", worst);
+    CHECK(peak_ok, "int8 quantization: a row's largest |x| does not map to +-127");
+    free(x), free(q);
+}
+
+// linear_forward_int8 on (N,K) x (O,K) with the weights quantized per row.
+static void check_linear(int N, int K, int O) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)N * 131 + K * 7 + O);
+    float *x = randf((size_t)N * K, &r, 1), *w = randf((size_t)O * K, &r, 0.05), *b = randf(O, &r, 0.1);
+    float *out = randf((size_t)N * O, &r, 1), *old = malloc(sizeof(float) * N * O);
+    memcpy(old, out, sizeof(float) * N * O);
+    if (N > 2) { // a zero row and a NaN row
+        memset(x, 0, sizeof(float) * K);
+        x[(size_t)K + K / 2] = NAN;
+    }
+    int8_t *wq = malloc((size_t)O * K), *xq = malloc((size_t)N * K);
+    float *ws = malloc(sizeof(float) * O), *xs = malloc(sizeof(float) * N);
+    int8_quantize_rows(wq, ws, w, O, K, K);
+    int8_quantize_rows(xq, xs, x, N, K, K);
+    CHECK(linear_forward_int8(out, x, wq, ws, b, N, K, O, 1) == 0, "int8 linear (%d,%d,%d): no scratch", N, K, O);
+    // same quantized values: out = old + xs ws sum(xq wq) + b, the sum exact in int32. Ours
+    // rounds the scaled sum, the row scale's product, the bias's and old's sums: at most 4 fp32
+    // roundings of terms no bigger than |prod| + |b| + |old| (8 U of that, with room to spare).
+    // Against fp32: with x = xs xq + dx, w = ws wq + dw, |dx| <= xs/2, |dw| <= ws/2,
+    //   x.w - xh.wh = dx.w + xh.dw, so |error| <= xs/2 ||w||_1 + ws/2 ||xh||_1,
+    // a worst case (every rounding error of one sign); the typical error is ~sqrt(K) smaller.
+    double e_same = 0, e_fp32 = 0, typical = 0;
+    int nan_ok = 1, zero_ok = 1, n_fin = 0;
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) {
+            const size_t i = (size_t)n * O + o;
+            if (N > 2 && n == 1) {
+                nan_ok &= isnan(out[i]);
+                continue;
+            }
+            double acc = 0, exact = 0, l1w = 0, l1x = 0;
+            for (int k = 0; k < K; k++) {
+                const size_t a = (size_t)n * K + k, c = (size_t)o * K + k;
+                acc += (double)xq[a] * wq[c];
+                exact += (double)x[a] * w[c];
+                l1w += fabs(w[c]), l1x += fabs((double)xs[n] * xq[a]);
+            }
+            const double prod = (double)xs[n] * ws[o] * acc, ref = old[i] + prod + b[o];
+            const double room = 8 * U * (fabs(prod) + fabs(b[o]) + fabs(old[i])) + 1e-30;
+            e_same = fmax(e_same, fabs(out[i] - ref) / room);
+            const double bound = xs[n] / 2 * l1w * (1 + 1e-5) + ws[o] / 2 * l1x * (1 + 1e-5) + room;
+            const double d = fabs(out[i] - (old[i] + exact + b[o]));
+            e_fp32 = fmax(e_fp32, d / bound);
+            typical += d / bound, n_fin++;
+            if (N > 2 && n == 0) zero_ok &= out[i] == old[i] + b[o];
+        }
+    CHECK(e_same <= 1, "int8 linear (%d,%d,%d): %.3g of the fp32 rounding room from the double product of the "
+          "quantized values", N, K, O, e_same);
+    CHECK(e_fp32 <= 1, "int8 linear (%d,%d,%d): error against fp32 at %.3g of the quantization bound", N, K, O, e_fp32);
+    CHECK(nan_ok && zero_ok, "int8 linear (%d,%d,%d): a NaN row gives NaN (%d), a zero row the bias (%d)", N, K, O,
+          nan_ok, zero_ok);
+    printf("int8 linear (%d,%d,%d): error vs fp32 at most %.3f, on average %.4f of the worst-case bound\n", N, K, O,
+           e_fp32, typical / (n_fin ? n_fin : 1));
+    // beta 0, no bias: the plain scaled product; 1 thread gives the bits of 2
+    float *o1 = malloc(sizeof(float) * N * O), *o2 = malloc(sizeof(float) * N * O);
+    omp_set_num_threads(1);
+    linear_forward_int8(o1, x, wq, ws, NULL, N, K, O, 0);
+    omp_set_num_threads(2);
+    linear_forward_int8(o2, x, wq, ws, NULL, N, K, O, 0);
+    CHECK(!memcmp(o1, o2, sizeof(float) * N * O), "int8 linear (%d,%d,%d): 1 and 2 threads differ", N, K, O);
+    double e0 = 0;
+    for (int n = N > 2 ? 2 : 0; n < N; n++)
+        for (int o = 0; o < O; o++) {
+            double acc = 0;
+            for (int k = 0; k < K; k++) acc += (double)xq[(size_t)n * K + k] * wq[(size_t)o * K + k];
+            const double prod = (double)xs[n] * ws[o] * acc;
+            e0 = fmax(e0, fabs(o1[(size_t)n * O + o] - prod) / (4 * U * fabs(prod) + 1e-30));
+        }
+    CHECK(e0 <= 1, "int8 linear (%d,%d,%d) beta 0: %.3g of 4 fp32 roundings from the exact product", N, K, O, e0);
+    free(x), free(w), free(b), free(out), free(old), free(wq), free(xq), free(ws), free(xs), free(o1), free(o2);
+}
+
+// Embeddings of B synthetic pairs: images then texts, (2B, E).
+static float *embed(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lens, int B, int E) {
+    float *e = malloc(sizeof(float) * 2 * (size_t)B * E);
+    CHECK(vlmoe_model_encode_images(m, images, B, e) == VLMOE_OK, "encode images: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_encode_texts(m, tokens, lens, B, e + (size_t)B * E) == VLMOE_OK, "encode texts: %s",
+          vlmoe_last_error());
+    return e;
+}
+
+// The smallest cosine between rows of a and b (rows unit length: the embeddings are normalised).
+static double min_cos(const float *a, const float *b, int rows, int E) {
+    double worst = 2;
+    for (int i = 0; i < rows; i++) {
+        double d = 0, na = 0, nb = 0;
+        for (int k = 0; k < E; k++) {
+            const size_t j = (size_t)i * E + k;
+            d += (double)a[j] * b[j], na += (double)a[j] * a[j], nb += (double)b[j] * b[j];
+        }
+        worst = fmin(worst, d / sqrt(na * nb + 1e-300));
+    }
+    return worst;
+}
+
+// limoe-mini (dense and MoE blocks, both towers' MLPs quantized) on 32 held-out synthetic pairs.
+// Bound: each quantized product's output carries a relative error of about one quantization
+// step over sqrt(3) per operand, 2 x (1/127)/sqrt(3) ~ 1% at worst per element, mostly
+// averaging out over a row; through two blocks and the residual stream the embeddings' error
+// stays near 1%, and cos = 1 - err^2/2 >= 0.999 allows 4.5%. A token whose top-1 expert flips
+// moves its embedding more: the trained demo model has 10 of 4096 images below 0.999 (lowest
+// 0.9953, median 0.99999), so the bound is for this seed's 32 pairs (measured 0.99969).
+static void check_model(void) {
+    vlmoe_model *m = NULL;
+    vlmoe_model_config cfg;
+    CHECK(vlmoe_config_named("limoe-mini", &cfg) == VLMOE_OK, "preset: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_init(&m, &cfg, 3) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    if (!m) return;
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = cfg.image_size;
+    vlmoe_synth *s = NULL;
+    CHECK(vlmoe_synth_init(&s, &sp) == VLMOE_OK, "synth: %s", vlmoe_last_error());
+    const int B = 32, E = cfg.embed_dim, ctx = cfg.context_length, px = 3 * cfg.image_size * cfg.image_size;
+    float *images = malloc(sizeof(float) * (size_t)B * px);
+    int32_t *tokens = calloc((size_t)B * ctx, sizeof(int32_t)), *lens = malloc(sizeof(int32_t) * B);
+    for (int i = 0; i < B && s; i++) {
+        char cap[256];
+        int cls;
+        vlmoe_synth_sample(s, VLMOE_SPLIT_HELDOUT, (uint64_t)i, images + (size_t)i * px, cap, sizeof(cap), &cls);
+        lens[i] = vlmoe_synth_tokenize(s, cap, tokens + (size_t)i * ctx, ctx);
+    }
+    float *f32 = embed(m, images, tokens, lens, B, E);
+    int fell_back = -1;
+    CHECK(model_set_precision(m, "int8", &fell_back) == VLMOE_OK, "int8: %s", vlmoe_last_error());
+    CHECK(fell_back == 0 && m->int8 && !strcmp(m->be->name, "cpu-int8"), "int8 on a VNNI CPU picks the cpu-int8 table");
+    float *q8 = embed(m, images, tokens, lens, B, E);
+    const double ci = min_cos(q8, f32, B, E), ct = min_cos(q8 + (size_t)B * E, f32 + (size_t)B * E, B, E);
+    printf("limoe-mini int8 against fp32: smallest cosine %.6f (images), %.6f (texts) over %d pairs\n", ci, ct, B);
+    CHECK(ci >= 0.999 && ct >= 0.999, "int8 embeddings: cosine %.6f / %.6f to fp32's (want >= 0.999)", ci, ct);
+    CHECK(memcmp(q8, f32, sizeof(float) * 2 * (size_t)B * E), "int8 gives fp32's bits: the int8 products did not run");
+    // quantized again: the same bits (the copies depend only on the weights)
+    CHECK(model_set_precision(m, "int8", &fell_back) == VLMOE_OK, "int8 again: %s", vlmoe_last_error());
+    float *again = embed(m, images, tokens, lens, B, E);
+    CHECK(!memcmp(again, q8, sizeof(float) * 2 * (size_t)B * E), "int8 set twice gives other bits");
+    // training refused, with the flag named
+    const vlmoe_batch batch = {B, images, tokens, lens};
+    vlmoe_step_stats st;
+    CHECK(vlmoe_model_forward(m, &batch, &st) != VLMOE_OK && strstr(vlmoe_last_error(), "--precision int8 is for inference"),
+          "a training forward in int8 is refused: %s", vlmoe_last_error());
+    CHECK(model_set_precision(m, "fp32", &fell_back) == VLMOE_OK && !m->int8 && m->be == backend_cpu_f32(),
+          "back to fp32: %s", vlmoe_last_error());
+    float *back = embed(m, images, tokens, lens, B, E);
+    CHECK(!memcmp(back, f32, sizeof(float) * 2 * (size_t)B * E), "fp32 after int8 does not give fp32's bits");
+    free(f32), free(q8), free(again), free(back), free(images), free(tokens), free(lens);
+    vlmoe_synth_free(s);
+    vlmoe_model_free(m);
+}
+
+static float *read_emb(const char *path, size_t *n) {
+    vlmoe_st *f = NULL;
+    vlmoe_tensor_info ti;
+    if (vlmoe_st_open(path, &f) || vlmoe_st_find(f, "image_embeds") < 0 ||
+        vlmoe_st_info(f, vlmoe_st_find(f, "image_embeds"), &ti)) {
+        CHECK(0, "read %s: %s", path, vlmoe_last_error());
+        vlmoe_st_close(f);
+        return NULL;
+    }
+    *n = ti.numel;
+    float *v = malloc(sizeof(float) * ti.numel);
+    CHECK(vlmoe_st_read_f32(f, "image_embeds", v, ti.numel) == VLMOE_OK, "read %s: %s", path, vlmoe_last_error());
+    vlmoe_st_close(f);
+    return v;
+}
+
+// vnni 0: only what a CPU without VNNI can check (train's refusal, the fall-back's notice).
+static void check_cli(const char *argv0, int vnni) {
+    char bin[4096], capped[4200], out[8192], dir[] = "/tmp/vlmoe_test_int8_XXXXXX", args[1024];
+    if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;
+    test_expect_in(dir, bin, "train --model limoe-mini --dataset-type synthetic --steps 1 --precision int8 --logs logs "
+                   "--name x", 1, "--precision int8 is for inference", out, sizeof(out));
+    CHECK(access(test_path(dir, "logs"), F_OK) != 0, "a refused --precision int8 made %s", test_path(dir, "logs"));
+    if (!vnni) {
+        test_expect_in(dir, bin, "train --model limoe-mini --dataset-type synthetic --steps 1 --batch-size 8 "
+                       "--eval-samples 16 --logs logs --name m", 0, "trained to step 1", out, sizeof(out));
+        test_expect_in(dir, bin, "synth export --out shapes --n 4 --split val", 0, "", out, sizeof(out));
+        test_expect_in(dir, bin, "embed --model logs/m/checkpoints/step_1.safetensors --images shapes/classes "
+                       "--precision int8 -o e.npy", 0, "--precision int8: this CPU has no VNNI instructions", out,
+                       sizeof(out));
+        snprintf(args, sizeof(args), "rm -rf %s", dir);
+        CHECK(system(args) == 0, "rm -rf %s", dir);
+        return;
+    }
+    test_expect_in(dir, bin, "train --model limoe-mini --dataset-type synthetic --steps 2 --batch-size 8 --eval-samples 16 "
+                   "--logs logs --name m", 0, "trained to step 2", out, sizeof(out));
+    test_expect_in(dir, bin, "synth export --out shapes --n 24 --split val", 0, "", out, sizeof(out));
+    const char *model = "--model logs/m/checkpoints/step_2.safetensors --images shapes/classes";
+    snprintf(args, sizeof(args), "embed %s -o f32.safetensors", model);
+    test_expect_in(dir, bin, args, 0, "", out, sizeof(out));
+    snprintf(args, sizeof(args), "embed %s --precision int8 -o int8.safetensors", model);
+    test_expect_in(dir, bin, args, 0, "", out, sizeof(out));
+    CHECK(!strstr(out, "no VNNI"), "int8 on this VNNI CPU printed the fall-back notice:\n%s", out);
+    // oneDNN told the CPU has AVX-512 without VNNI: the notice, then fp32
+    snprintf(capped, sizeof(capped), "DNNL_MAX_CPU_ISA=AVX512_CORE %s", bin);
+    snprintf(args, sizeof(args), "embed %s --precision int8 -o fb.safetensors", model);
+    test_expect_in(dir, capped, args, 0, "vlmoe embed: --precision int8: this CPU has no VNNI instructions (AVX512_VNNI "
+                   "or AVX-VNNI); running in fp32", out, sizeof(out));
+    size_t n1 = 0, n2 = 0, n3 = 0;
+    float *a = read_emb(test_path(dir, "f32.safetensors"), &n1), *b = read_emb(test_path(dir, "int8.safetensors"), &n2);
+    float *c = read_emb(test_path(dir, "fb.safetensors"), &n3);
+    if (a && b && c && n1 == n2 && n1 == n3 && n1 % 24 == 0) {
+        const int E = (int)(n1 / 24);
+        const double cs = min_cos(b, a, 24, E);
+        printf("vlmoe embed --precision int8 against fp32: smallest cosine %.6f over 24 images\n", cs);
+        CHECK(cs >= 0.999 && memcmp(a, b, sizeof(float) * n1), "embed int8: cosine %.6f to fp32 (want >= 0.999, "
+              "and not fp32's bits)", cs);
+        CHECK(!memcmp(a, c, sizeof(float) * n1), "the fall-back without VNNI does not give fp32's bits");
+    } else {
+        CHECK(0, "embed outputs: %zu, %zu, %zu floats (want equal, 24 rows)", n1, n2, n3);
+    }
+    free(a), free(b), free(c);
+    snprintf(args, sizeof(args), "rm -rf %s", dir);
+    CHECK(system(args) == 0, "rm -rf %s", dir);
+}
+
+int main(int argc, char **argv) {
+    vlmoe_model *m = NULL;
+    vlmoe_model_config cfg;
+    CHECK(vlmoe_config_named("limoe-mini", &cfg) == VLMOE_OK, "preset: %s", vlmoe_last_error());
+    CHECK(vlmoe_model_init(&m, &cfg, 1) == VLMOE_OK, "init: %s", vlmoe_last_error());
+    int fell_back = -1;
+    CHECK(model_set_precision(m, "int4", &fell_back) != VLMOE_OK &&
+              strstr(vlmoe_last_error(), "--precision 'int4': expected fp32, bf16 or int8"),
+          "a bad --precision is refused with its value named: %s", vlmoe_last_error());
+    CHECK(model_set_precision(m, "int8", &fell_back) == VLMOE_OK, "int8: %s", vlmoe_last_error());
+    if (!gemm_int8_native()) {
+        CHECK(fell_back == 1 && m->be == backend_cpu_f32() && !m->int8, "without VNNI the model stays fp32, and says so");
+        printf("this CPU has no VNNI instructions: the int8 products are not tested here\n");
+        if (argc > 0) check_cli(argv[0], 0);
+        vlmoe_model_free(m);
+        return test_summary("test_int8");
+    }
+    vlmoe_model_free(m);
+    check_quantize();
+    const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24},
+                             {65, 256, 64}};
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    check_model();
+    if (argc > 0) check_cli(argv[0], 1);
+    return test_summary("test_int8");
+}
