@@ -1,7 +1,8 @@
 #!/bin/sh
 # parity.sh [VLMOE] [OUTDIR]: whole-model parity of the CUDA backend with the CPU (issue 16's check).
-# Each model trains 5 AdamW steps (lr 1e-3, no warmup, so every parameter moves) on the built-in
-# synthetic data on the CPU in fp32, then on the GPU in fp32 (no TF32) and in bf16, and on the CPU in
+# Each model (the four MoE kinds, and LIMoE E.3's per-modality routers and disjoint pools) trains 5
+# AdamW steps (lr 1e-3, no warmup, so every parameter moves) on the built-in synthetic data on the
+# CPU in fp32, then on the GPU in fp32 (no TF32) and in bf16, and on the CPU in
 # bf16; compare_runs.py prints the per-step loss and final-parameter differences. fp32 must agree
 # within 1e-5; the bf16 rows are printed against the same CPU fp32 run for comparison (not gated).
 # Needs a GPU and a vlmoe built with `make CUDA=1`; exits 1 when an fp32 comparison fails.
@@ -10,7 +11,7 @@ D=${2:-/tmp/vlmoe-parity}
 HERE=$(dirname "$0")
 rm -rf "$D" && mkdir -p "$D" || exit 1
 fail=0
-for m in limoe-tiny clipup-tiny soft-tiny ec-tiny; do
+for m in limoe-tiny clipup-tiny soft-tiny ec-tiny limoe-permod-tiny limoe-disjoint-tiny; do
     run() {
         tag=$1
         shift
