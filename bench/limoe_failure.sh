@@ -20,7 +20,10 @@ steps=${1:-400}
 seeds=${2:-3}
 patch=${3:-8}
 case "$steps$seeds$patch" in *[!0-9]*|'') echo "usage: $0 [steps] [seeds] [patch] (positive integers)" >&2; exit 2;; esac
-[ "$steps" -ge 50 ] && [ "$seeds" -ge 1 ] || { echo "$0: need steps >= 50 (the rates are over the last 50) and seeds >= 1" >&2; exit 2; }
+if [ "$steps" -lt 50 ] || [ "$seeds" -lt 1 ]; then
+    echo "$0: need steps >= 50 (the rates are over the last 50) and seeds >= 1" >&2
+    exit 2
+fi
 [ -x ./vlmoe ] || { echo "$0: ./vlmoe not found: run it from the repository root after make" >&2; exit 2; }
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -38,17 +41,32 @@ for s in $settings; do
     esac
     echo "{\"base\": \"tiny\", \"name\": \"fail-$s\", \"patch_size\": $patch, \"moe\": {$moe, $extra}}" > "$dir/$s.json"
 done
+# One job per seed (each runs its four settings, then its pruning sweep), one thread each unless
+# OMP_NUM_THREADS says otherwise: results do not depend on the thread count, and on a shared or
+# small machine the seeds overlap instead of queueing.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+one_seed() {
+    for s in $settings; do
+        ./vlmoe train --model "$dir/$s.json" --seed "$1" --steps "$steps" --log-every-n-steps 1 \
+            --eval-samples 500 --logs "$dir" --name "$s-$1" > "$dir/$s-$1.log" 2>&1 ||
+            { echo "$s seed $1: vlmoe train failed:" >&2; tail -5 "$dir/$s-$1.log" >&2; return 1; }
+        echo "$s seed $1: $(grep 'held-out' "$dir/$s-$1.log" | tail -1)" >&2
+    done
+    run="$dir/limoe-$1"
+    ./vlmoe prune --model "$run/checkpoints/step_$steps.safetensors" --modality text --sweep 1,2,4,6 \
+        --stats "$run/metrics.jsonl" > "$dir/prune-$1.log" 2>&1 ||
+        { echo "limoe seed $1: vlmoe prune --sweep failed:" >&2; cat "$dir/prune-$1.log" >&2; return 1; }
+    touch "$dir/ok-$1"
+}
 seed=0
 while [ "$seed" -lt "$seeds" ]; do
-    for s in $settings; do
-        ./vlmoe train --model "$dir/$s.json" --seed "$seed" --steps "$steps" --log-every-n-steps 1 \
-            --eval-samples 500 --logs "$dir" --name "$s-$seed" > "$dir/$s-$seed.log" 2>&1 ||
-            { tail -5 "$dir/$s-$seed.log" >&2; exit 1; }
-        echo "$s seed $seed: $(grep 'held-out' "$dir/$s-$seed.log" | tail -1)" >&2
-    done
-    run="$dir/limoe-$seed"
-    ./vlmoe prune --model "$run/checkpoints/step_$steps.safetensors" --modality text --sweep 1,2,4,6 \
-        --stats "$run/metrics.jsonl" > "$dir/prune-$seed.log" 2>&1 || { cat "$dir/prune-$seed.log" >&2; exit 1; }
+    one_seed "$seed" &
+    seed=$((seed + 1))
+done
+wait
+seed=0
+while [ "$seed" -lt "$seeds" ]; do
+    [ -e "$dir/ok-$seed" ] || { echo "$0: seed $seed failed (above)" >&2; exit 1; }
     seed=$((seed + 1))
 done
 python3 - "$dir" "$steps" "$seeds" "$patch" "$settings" <<'PY'
