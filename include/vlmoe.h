@@ -395,6 +395,10 @@ typedef struct {
                              // bias on the fused [T_CLS] of a pair (VLMo's ITM; needs
                              // retrieval_head, whose similarities mine its hard negatives);
                              // JSON "itm_head", written when 1
+    int beit_init;           // mome: 1 initialises as BEiT (and VL-MoE) do: N(0, 0.02), each block's
+                             // output matrices scaled by 1/sqrt(2l) (src/nn/model.c); 0 keeps
+                             // the ViT init. The paper sizes (vlmoe-base, vlmoe-large) set it; JSON
+                             // "beit_init", written when 1
 } vlmoe_model_config;
 // Warnings about a config that is valid but cannot do what it asks: a global-entropy threshold at
 // or above log(num_experts) (LIMoE 2.2.2: no routing over E experts reaches it, so the loss never

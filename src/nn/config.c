@@ -275,9 +275,12 @@ int vlmoe_config_validate(const vlmoe_model_config *c) {
         NEED(c->retrieval_head == 0 || c->retrieval_head == 1, "retrieval_head: %d: need 0 or 1", c->retrieval_head);
         NEED(c->itm_head == 0 || (c->itm_head == 1 && c->retrieval_head == 1), "itm_head: %d: need 0, or 1 with "
              "retrieval_head 1 (its contrastive similarities mine the hard negatives)", c->itm_head);
+        NEED(c->beit_init == 0 || c->beit_init == 1, "beit_init: %d: need 0 or 1", c->beit_init);
         NEED(c->image_class_token && !c->image_ln_pre && !c->text_causal,
              "mome: needs image_class_token true ([I_CLS]), image_ln_pre and text_causal false");
     }
+    NEED(!c->beit_init || c->arch == VLMOE_ARCH_MOME, "beit_init: only VL-MoE (arch mome) models take BEiT's "
+         "initialisation");
     NEED(c->channels >= 1 && c->channels <= 4, "channels: %d not in [1, 4]", c->channels);
     NEED(c->patch_size >= 1 && c->image_size >= c->patch_size && c->image_size <= 4096,
          "image_size %d / patch_size %d: need 1 <= patch_size <= image_size <= 4096", c->image_size,
@@ -388,7 +391,7 @@ static const char *POOL_NAMES[] = {"mean", "cls", "eot"};
 static const char *ARCH_NAMES[] = {"one_tower", "two_tower", "mome"};
 // mome's own keys: optional in the JSON (absent: 0), written only for mome configs
 static const char *MOME_KEYS[] = {"vl_layers", "mim_vocab", "mask_token", "num_classes", "cls_sequences",
-                                  "retrieval_head", "itm_head"};
+                                  "retrieval_head", "itm_head", "beit_init"};
 
 static int enum_index(const char *s, const char **names, int n) {
     for (int i = 0; i < n; i++)
@@ -726,10 +729,10 @@ int vlmoe_config_from_json(const char *json, const char *what, vlmoe_model_confi
             if ((st = read_encoder(it, what, it->string, e, complete))) goto done;
             continue;
         }
-        const int mk = enum_index(it->string, MOME_KEYS, 7);
+        const int mk = enum_index(it->string, MOME_KEYS, 8);
         if (mk >= 0) {
-            int *f[7] = {&c.vl_layers, &c.mim_vocab, &c.mask_token, &c.num_classes, &c.cls_sequences, &c.retrieval_head,
-                         &c.itm_head};
+            int *f[8] = {&c.vl_layers, &c.mim_vocab, &c.mask_token, &c.num_classes, &c.cls_sequences, &c.retrieval_head,
+                         &c.itm_head, &c.beit_init};
             if ((st = read_int(it, what, it->string, f[mk]))) goto done;
             continue;
         }
@@ -868,6 +871,7 @@ char *vlmoe_config_to_json(const vlmoe_model_config *c) {
         if (c->cls_sequences == 2) add_num(o, "cls_sequences", 2);
         if (c->retrieval_head) add_num(o, "retrieval_head", 1);
         if (c->itm_head) add_num(o, "itm_head", 1);
+        if (c->beit_init) add_num(o, "beit_init", 1);
     }
     char *s = cJSON_Print(o);
     cJSON_Delete(o);

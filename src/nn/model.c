@@ -131,10 +131,30 @@ static int ends_with(const char *s, const char *suffix) {
     return n >= k && !strcmp(s + n - k, suffix);
 }
 
+// BEiT's initialisation (Bao et al. 2022, sec. 2.5), which VL-MoE uses ("We randomly initialize
+// the model parameters using the method described in BEiT"): every weight matrix, embedding and
+// token is drawn from N(0, 0.02) (BEiT's code calls timm's trunc_normal_ with std 0.02 and its
+// default bounds of +-2, a hundred standard deviations away: a plain normal); then the output matrix of
+// each sub-layer of block l (1-based: the attention's output projection and the second linear of
+// every FFN or expert in it) is divided by sqrt(2l). The patch embedding keeps its LeCun normal
+// (BEiT leaves its convolution to PyTorch's default) and the routers their N(0, 0.02).
+static int beit_init(const vlmoe_param_info *p, float *w, vlmoe_rng *r) {
+    int block = -1, off = 0;
+    if (strstr(p->name, "patch_embed") || strstr(p->name, "router")) return 0;
+    for (size_t k = 0; k < p->numel; k++) w[k] = (float)(0.02 * vlmoe_rng_normal(r));
+    if (sscanf(p->name, "encoder.blocks.%d.%n", &block, &off) == 1 && off > 0 &&
+        (ends_with(p->name, "attn.out.weight") || ends_with(p->name, "fc2.weight"))) {
+        const float s = (float)(1.0 / sqrt(2.0 * (block + 1)));
+        for (size_t k = 0; k < p->numel; k++) w[k] *= s;
+    }
+    return 1;
+}
+
 // ViT/CLIP-style init: LayerNorm (1, 0), biases 0, matrices Xavier-uniform (qkv as three square
 // blocks), patch embedding LeCun-normal, embeddings N(0, 0.02), projections N(0, width^-1/2),
-// logit_scale = log(init_temperature). Each tensor draws from its own seeded stream so adding a
-// tensor does not change the others.
+// logit_scale = log(init_temperature); a config with beit_init takes BEiT's (the VL-MoE paper
+// sizes do; the tiny VL-MoE models keep this one, under which they learn in the tests' few steps). Each
+// tensor draws from its own seeded stream so adding a tensor does not change the others.
 void model_layout_init_params(const model_layout *L, float *params, uint64_t seed) {
     for (int i = 0; i < L->nparams; i++) {
         const vlmoe_param_info *p = &L->table[i];
@@ -151,6 +171,8 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
             for (size_t k = 0; k < p->numel; k++) w[k] = 1;
         } else if (ends_with(p->name, ".bias")) {
             memset(w, 0, sizeof(float) * p->numel);
+        } else if (L->cfg.beit_init && beit_init(p, w, &r)) {
+            // drawn
         } else {
             double std;
             int xavier = 0;

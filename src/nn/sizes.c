@@ -128,6 +128,7 @@ static int vlmoe_named(const char *size, vlmoe_model_config *out) {
     out->moe.layers = out->text_moe.layers = vlmoe_moe_every(2, out->encoder.layers - out->vl_layers);
     vlmoe_moe_preset("vlmoe-v", &out->moe);
     vlmoe_moe_preset("vlmoe-t", &out->text_moe);
+    out->beit_init = 1; // sec. 4.1: "We randomly initialize the model parameters using the method described in BEiT"
     return 0;
 }
 
