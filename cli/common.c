@@ -340,8 +340,9 @@ static int json_strings(const char *cmd, const char *flag, const char *path, con
 }
 
 static int read_json(const char *cmd, const char *flag, const char *path, const char *key, char ***out, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return cli_error(cmd, "%s %s: cannot open: %s", flag, path, strerror(errno));
+    const char *why = NULL;
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return cli_error(cmd, "%s %s: cannot open: %s", flag, path, why);
     char *buf = NULL;
     size_t len = 0, cap = 0, got;
     do {

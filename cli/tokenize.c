@@ -11,6 +11,7 @@
 
 #include "args.h"
 #include "cli.h"
+#include "core/core.h"
 #include "outputs.h"
 #include "tok/tok.h"
 
@@ -112,8 +113,9 @@ int cmd_tokenize(int argc, char **argv) {
 }
 
 int cli_read_lines_numbered(const char *cmd, const char *path, char ***out, long **lineno, size_t *n) {
-    FILE *f = fopen(path, "r");
-    if (!f) return cli_error(cmd, "%s: %s", path, strerror(errno));
+    const char *why = NULL; // a FIFO or a device would block or never end: regular files only
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return cli_error(cmd, "%s: %s", path, why);
     char *line = NULL, **v = NULL;
     long *num = NULL, at = 0;
     size_t cap = 0, nv = 0, capv = 0;

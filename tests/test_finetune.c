@@ -228,6 +228,12 @@ int main(int argc, char **argv) {
     expect("finetune --model pre.safetensors --task pair-cls --data bad_pairs.tsv -o x.safetensors", 1,
            "bad_pairs.tsv:2: expected 3 non-empty tab-separated columns (image path, question, answer), found 2");
     expect("finetune --model pre.safetensors --task pair-cls --data texts.tsv -o x.safetensors", 1, "texts.tsv:1: expected 3");
+    // a FIFO as the table: refused at once (a blocking open would wait for a writer forever)
+    char fifo[160];
+    snprintf(fifo, sizeof(fifo), "%s/fifo.tsv", dir);
+    CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
+    expect("finetune --model pre.safetensors --task text-cls --data fifo.tsv -o x.safetensors", 1,
+           "fifo.tsv: cannot open the data file: not a regular file (a FIFO)");
     expect("finetune --model clip.safetensors --task text-cls --data texts.tsv -o x.safetensors", 1, "not a VL-MoE");
     expect("finetune --model pre.safetensors --task retrieval --data texts.tsv -o x.safetensors", 1, "filepath");
     expect("finetune --model pre.safetensors --task pair-cls --data bad_nlvr2.tsv -o x.safetensors", 1,

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <utf8proc.h>
 #include <zlib.h>
 
@@ -1016,9 +1017,17 @@ static int build_clip(vlmoe_tokenizer **out, const merge_src *m, int n, const ch
 // Whole file, gzip-decoded when it is gzip (zlib reads plain files as they are); NUL-terminated.
 static int read_file(const char *path, char **out, size_t *n) {
     *out = NULL, *n = 0;
+    const char *why = NULL; // regular files only: a FIFO would block, a device never end
+    FILE *rf = vlmoe_fopen_regular(path, &why);
+    if (!rf) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, why);
     errno = 0;
-    gzFile f = gzopen(path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, errno ? strerror(errno) : "out of memory");
+    const int fd = dup(fileno(rf));
+    fclose(rf);
+    gzFile f = fd >= 0 ? gzdopen(fd, "rb") : NULL;
+    if (!f) {
+        if (fd >= 0) close(fd);
+        return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open: %s", path, errno ? strerror(errno) : "out of memory");
+    }
     char *buf = NULL;
     size_t cap = 0, len = 0;
     int st = VLMOE_OK;

@@ -97,8 +97,9 @@ static const char *tsv_columns(int cols) {
 // image1<TAB>image2<TAB>sentence<TAB>label (pair-cls, NLVR2: the first line decides); image paths
 // relative to the TSV's folder; empty lines skipped.
 static int read_tsv(const char *path, int text_only, vlmoe_ft_data *d) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open the data file", path);
+    const char *why = NULL;
+    FILE *f = vlmoe_fopen_regular(path, &why);
+    if (!f) return vlmoe_fail(VLMOE_ERR_IO, "%s: cannot open the data file: %s", path, why);
     const char *slash = strrchr(path, '/');
     const int dirlen = slash ? (int)(slash - path) + 1 : 0;
     char *line = NULL;

@@ -222,6 +222,11 @@ static void special_files(void) {
     expect("train --train-data fifo.tar --dataset-type webdataset --steps 1 --logs runs --name f", 1,
            "fifo.tar: shard missing (not a regular file (a FIFO))");
     expect("classify --model m.safetensors --image fifo.png --labels a,b", 1, "fifo.png: cannot open: not a regular file");
+    // text inputs: tokenizer files, label and prompt lists (fine-tuning tables: test_finetune)
+    CHECK(mkfifo(test_path(dir, "fifo.txt"), 0600) == 0, "mkfifo");
+    expect("tokenize --tokenizer fifo.txt hello", 1, "fifo.txt: cannot open: not a regular file (a FIFO)");
+    expect("classify --model m.safetensors --image fifo.png --labels-file fifo.txt", 1,
+           "fifo.txt: not a regular file (a FIFO)");
     // a folder that links to itself twice: 2^64 listings before the depth bound
     CHECK(mkdir(test_path(dir, "loop"), 0700) == 0 && mkdir(test_path(dir, "loop/a"), 0700) == 0, "mkdir");
     CHECK(symlink("..", test_path(dir, "loop/a/up1")) == 0 && symlink("..", test_path(dir, "loop/a/up2")) == 0, "ln");
