@@ -532,48 +532,43 @@ int vlmoe_trainer_step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, 
     return VLMOE_OK;
 }
 
-int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
-                                      const int32_t *lengths, int B, vlmoe_mome_stats *ms, vlmoe_step_stats *stats) {
+// The rest of a retrieval step after its forward (st: the forward's status, r its statistics):
+// the backward, the update and the caller's statistics.
+static int retrieval_finish(vlmoe_trainer *t, int st, long step, const vlmoe_mome_stats *r, vlmoe_mome_stats *ms,
+                            vlmoe_step_stats *stats) {
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
-    const long step = vlmoe_optim_get_step(t->opt);
-    int bst = begin_step(t);
-    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
-    vlmoe_mome_stats r;
-    int st = vlmoe_mome_forward_retrieval(t->m, images, tokens, lengths, B, 1, &r);
     if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
         return failed(t, st, step, &s);
     }
-    s.loss = r.loss;
-    s.aux = r.aux;
+    s.loss = r->loss;
+    s.aux = r->aux;
     if ((st = apply(t, step, &s))) return st;
-    if (ms) *ms = r;
+    if (ms) *ms = *r;
     if (stats) *stats = s;
     return VLMOE_OK;
 }
 
-int vlmoe_trainer_step_mome_itm(vlmoe_trainer *t, const vlmoe_mome_batch *b, uint64_t seed, vlmoe_mome_stats *ms,
-                                vlmoe_step_stats *stats) {
-    vlmoe_step_stats s;
-    memset(&s, 0, sizeof(s));
+int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
+                                      const int32_t *lengths, int B, vlmoe_mome_stats *ms, vlmoe_step_stats *stats) {
     const long step = vlmoe_optim_get_step(t->opt);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     vlmoe_mome_stats r;
-    int st = vlmoe_mome_forward_retrieval_itm(t->m, b, vlmoe_itm_key(seed, step), 1, &r);
-    if (!st) st = vlmoe_mome_backward_retrieval(t->m, 0);
-    if (st) {
-        vlmoe_error_prefix("step %ld", step);
-        return failed(t, st, step, &s);
-    }
-    s.loss = r.loss;
-    s.aux = r.aux;
-    if ((st = apply(t, step, &s))) return st;
-    if (ms) *ms = r;
-    if (stats) *stats = s;
-    return VLMOE_OK;
+    const int st = vlmoe_mome_forward_retrieval(t->m, images, tokens, lengths, B, 1, &r);
+    return retrieval_finish(t, st, step, &r, ms, stats);
+}
+
+int vlmoe_trainer_step_mome_itm(vlmoe_trainer *t, const vlmoe_mome_batch *b, uint64_t seed, vlmoe_mome_stats *ms,
+                                vlmoe_step_stats *stats) {
+    const long step = vlmoe_optim_get_step(t->opt);
+    int bst = begin_step(t);
+    if (bst) return vlmoe_error_prefix("step %ld", step), bst;
+    vlmoe_mome_stats r;
+    const int st = vlmoe_mome_forward_retrieval_itm(t->m, b, vlmoe_itm_key(seed, step), 1, &r);
+    return retrieval_finish(t, st, step, &r, ms, stats);
 }
 
 // Data parallelism: each part's statistics over every process's share of it (the one-process
