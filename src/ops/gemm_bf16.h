@@ -16,12 +16,18 @@ int gemm_bf16_native(void);
 // leading dimension ld, or, with trans, src (cols, rows) read transposed. Threads split the rows.
 void bf16_pack(uint16_t *dst, const float *src, int rows, int cols, int ld, int trans);
 
-// C (M,N) = A (M,K) . B + beta C (beta 0 or 1) on one thread: A packed row-major bf16, B
-// packed bf16 given by its strides (bs_k, bs_n) (a (K,N) view: (N,1), or (1,K) for a transposed
-// (N,K) matrix); C fp32 with leading dimension ldc. Returns 0, or -1 when oneDNN refuses (the
-// caller then computes the block in fp32).
-int bf16_matmul(int M, int N, int K, const uint16_t *A, const uint16_t *B, long bs_k, long bs_n,
-                float beta, float *C, int ldc);
+// C (M,N) = op(A) op(B) + beta C (beta 0 or 1), row-major fp32 with leading dimensions, the
+// operands rounded to bf16 and the sums in fp32; threads take fixed blocks of C's rows, so the
+// result does not depend on their count. Returns 0, or -1, with C untouched, when oneDNN
+// refuses the shape or memory runs out (the caller then computes the product in fp32).
+int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
+              float beta, float *C, int ldc);
+
+// The two products of linear_backward_bf16: dinp (N,K) += dout (N,O) . w (O,K) (skipped when
+// dinp is NULL) and dw (O,K) += dout^T . inp (N,K), with dout rounded to bf16 once for both.
+// Returns 0, or -1 with neither touched (the caller then computes both in fp32).
+int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
+                       int O);
 
 // linear_forward_f32 and linear_backward_f32 (src/ops/ops.h) with the products in bf16
 // (src/ops/ops.c; same arguments, same accumulation rules).
@@ -29,8 +35,4 @@ void linear_forward_bf16(float *out, const float *inp, const float *w, const flo
                          int O, int beta);
 void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                           const float *w, int N, int K, int O);
-
-// A per-thread buffer of n bf16 values, reused by later calls on the same thread (NULL when
-// memory runs out).
-uint16_t *bf16_scratch(size_t n, int slot);
 #endif

@@ -49,9 +49,8 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
 // way on 1 or 64 threads (a threaded BLAS changes the summation order with the thread count),
 // and there is one thread pool (OpenMP's), never two busy-waiting against each other.
 //
-// With bf16 (float only: `--precision bf16`), op(A) and op(B) are first rounded to bf16, once,
-// and each block is one bf16 matmul with fp32 output (src/ops/gemm_bf16.c); a block oneDNN
-// refuses, or a product whose packed operands find no memory, is computed in fp32 instead.
+// With bf16 (float only: `--precision bf16`) the product goes to gemm_bf16 (src/ops/gemm_bf16.c:
+// its own fixed blocks, also independent of the thread count); one it refuses runs in fp32.
 static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
                    const real *B, int ldb, real beta, real *C, int ldc) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
@@ -62,27 +61,9 @@ static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A,
     nb = nb > 64 ? 64 : nb;
     const int bs = (dim + nb - 1) / nb;
 #ifndef VLMOE_REAL_F64
-    uint16_t *ah = bf16 ? bf16_scratch((size_t)M * K, 0) : NULL, *bh = bf16 ? bf16_scratch((size_t)K * N, 1) : NULL;
-    if (ah && bh) {
-        PROF_SCOPE(PROF_MATMUL) {
-            bf16_pack(ah, A, M, K, lda, ta);   // op(A), row-major (M,K)
-            bf16_pack(bh, B, tb ? N : K, tb ? K : N, ldb, 0); // B as stored, without its padding
-            const long bs_k = tb ? 1 : N, bs_n = tb ? K : 1;
-#pragma omp parallel for schedule(static)
-            for (int b = 0; b < nb; b++) {
-                const int o = b * bs, n = dim - o < bs ? dim - o : bs;
-                if (n <= 0) continue;
-                if (split_rows) {
-                    if (bf16_matmul(n, N, K, ah + (size_t)o * K, bh, bs_k, bs_n, beta, C + (size_t)o * ldc, ldc))
-                        gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
-                              C + (size_t)o * ldc, ldc);
-                } else if (bf16_matmul(M, n, K, ah, bh + (size_t)o * (tb ? K : 1), bs_k, bs_n, beta, C + o, ldc)) {
-                    gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o, ldc);
-                }
-            }
-        }
-        return;
-    }
+    int done = 0;
+    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc) == 0;
+    if (done) return;
 #endif
     PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(static)
@@ -147,9 +128,13 @@ static void linear_fwd(int bf16, real *out, const real *inp, const real *w, cons
 
 static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
                        const real *w, int N, int K, int O) {
-    if (dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    int done = 0;
+#ifndef VLMOE_REAL_F64
+    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, dout, inp, w, N, K, O) == 0;
+#endif
+    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
-    gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
+    if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
     if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
