@@ -3,7 +3,8 @@
 // 1. The bf16 products: linear forward and backward (every transpose the block split makes,
 //    beta 0 and 1, shapes that are no multiple of any tile) equal the double product of the
 //    operands rounded to bf16, to fp32 accumulation error; the bits do not depend on the thread
-//    count.
+//    count, also between processes that made their oneDNN primitives under 1 and 2 threads
+//    (`--probe FILE`: this binary writes the products of a few shapes, see check_threads).
 // 2. The whole one_tower parity model (tests/ref/gen_model.py) in bf16 against fp32: loss,
 //    embeddings and gradients move by no more than twice what PyTorch's own CPU bf16 autocast
 //    moves the same model (tests/ref/gen_bf16.py measures it). Twice, because vlmoe rounds a
@@ -104,6 +105,49 @@ static void check_linear(int N, int K, int O) {
     CHECK(worst <= 1e-5, "bf16 linear (%d,%d,%d) beta 0: error %.3g (per sqrt(K))", N, K, O, worst);
     free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db), free(ro), free(rdi), free(rdw);
     free(o1), free(o2), free(xr), free(wr), free(gr);
+}
+
+// The bf16 products of shapes that cut into several row blocks with a remainder, have few
+// rows and a long sum (where a matmul made for 2 threads could split the sum), or are an
+// expert's: written to path for check_threads. Returns the exit status.
+static int probe(const char *path) {
+    const int shapes[][3] = {{1030, 96, 200}, {4096, 64, 32}, {47, 256, 1024}, {300, 1024, 64}};
+    FILE *f = fopen(path, "wb");
+    if (!f) return 1;
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        const int N = shapes[s][0], K = shapes[s][1], O = shapes[s][2];
+        vlmoe_rng r;
+        vlmoe_rng_seed(&r, 17 + s);
+        float *x = randf((size_t)N * K, &r), *w = randf((size_t)O * K, &r), *b = randf(O, &r), *g = randf((size_t)N * O, &r);
+        float *out = malloc(sizeof(float) * N * O), *dinp = calloc((size_t)N * K, sizeof(float));
+        float *dw = calloc((size_t)O * K, sizeof(float)), *db = calloc(O, sizeof(float));
+        linear_forward_bf16(out, x, w, b, N, K, O, 0);
+        linear_backward_bf16(dinp, dw, db, g, x, w, N, K, O);
+        fwrite(out, sizeof(float), (size_t)N * O, f), fwrite(dinp, sizeof(float), (size_t)N * K, f);
+        fwrite(dw, sizeof(float), (size_t)O * K, f);
+        free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db);
+    }
+    return fclose(f) != 0;
+}
+
+// Two fresh processes, 1 and 2 threads, give the same bits: every primitive is made anew in
+// each, so this also covers what oneDNN decides at creation from the thread count it sees.
+static void check_threads(const char *argv0) {
+    char dir[] = "/tmp/vlmoe_test_bf16t_XXXXXX", cmd[8192], *bits[2] = {NULL, NULL};
+    size_t n[2] = {0, 0};
+    if (!mkdtemp(dir)) return;
+    for (int t = 0; t < 2; t++) {
+        char name[16];
+        snprintf(name, sizeof(name), "t%d", t + 1);
+        snprintf(cmd, sizeof(cmd), "OMP_NUM_THREADS=%d '%s' --probe '%s'", t + 1, argv0, test_path(dir, name));
+        CHECK(system(cmd) == 0, "%s failed", cmd);
+        bits[t] = test_read_file(test_path(dir, name), &n[t]);
+    }
+    CHECK(bits[0] && bits[1] && n[0] == n[1] && n[0] > 0 && !memcmp(bits[0], bits[1], n[0]),
+          "bf16 products made in a 1-thread and a 2-thread process differ (%zu and %zu bytes)", n[0], n[1]);
+    free(bits[0]), free(bits[1]);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    CHECK(system(cmd) == 0, "rm -rf %s", dir);
 }
 
 static float *fixture_f32(const vlmoe_st *f, const char *name, size_t *n) {
@@ -225,6 +269,7 @@ static void check_cli(const char *argv0) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 3 && !strcmp(argv[1], "--probe")) return probe(argv[2]);
     vlmoe_model *m = NULL;
     vlmoe_model_config cfg;
     CHECK(vlmoe_config_named("limoe-mini", &cfg) == VLMOE_OK, "preset: %s", vlmoe_last_error());
@@ -244,6 +289,7 @@ int main(int argc, char **argv) {
     vlmoe_model_free(m);
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    if (argc > 0) check_threads(argv[0]);
     check_model();
     if (argc > 0) check_cli(argv[0]);
     return test_summary("test_bf16");

@@ -7,6 +7,7 @@
 // blocks stay dense, which that kernel needs (a strided C sends it to the slower gemm:jit).
 // The primitives are kept per shape. Covered by tests/test_bf16.c.
 #include <dnnl.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,19 +69,21 @@ static dnnl_stream_t stream(void) {
 }
 
 // Rows per block: about 16 MFLOP of work (2 bs N K), a multiple of 32 (brgemm's row tile)
-// between 32 and 512. Enough blocks for every thread, few enough that a block's fixed cost
-// (some microseconds) stays small; a function of the shape only, never of the thread count.
+// between 32 and 512: enough blocks to balance the threads (B is packed once per product, so
+// small blocks cost no repacking; 8 to 256 MFLOP per block measured alike on one thread), and
+// a function of the shape only, never of the thread count.
 static int block_rows(int N, int K) {
     const double r = 8.0e6 / ((double)N * K);
     int bs = r >= 512 ? 512 : ((int)r + 31) / 32 * 32;
     return bs < 32 ? 32 : bs;
 }
 
-// ---- primitives kept per shape. Creating a matmul primitive descriptor costs tens of
-// microseconds even when oneDNN's own cache then finds the kernel, and a step makes thousands
-// of products of a few dozen shapes (the experts' row counts vary, their remainder blocks with
-// them: at most block_rows values per shape). Entries are never freed while the process runs;
-// past the table's size a product makes and frees its own.
+// ---- primitives kept per shape: a product looks up its B layout and its three primitives once,
+// under one lock, and its blocks share them (with oneDNN's own cache a descriptor and a
+// primitive still cost a microsecond or two each, some 1200 products a bench-s step). The
+// shapes are few (the experts' row counts vary, their remainder blocks with them: at most
+// block_rows values per shape). Entries are never freed while the process runs; past the
+// table's size a product makes and frees its own.
 enum { K_LAYOUT, K_MATMUL, K_REORDER, K_TRANSPOSE };
 typedef struct {
     int kind, m, n, k, sum, ld, tb; // ld: C's leading dimension (matmul), B's (reorder) or A's (transpose)
@@ -122,9 +125,15 @@ static int make_matmul(dnnl_primitive_t *prim, dnnl_primitive_desc_t *pd_out, in
     if (ok && sum)
         ok = dnnl_post_ops_create(&po) == dnnl_success && dnnl_post_ops_append_sum(po, 1.0f) == dnnl_success &&
              dnnl_primitive_attr_set_post_ops(attr, po) == dnnl_success;
+    // made for one thread, as every block runs (oneDNN runs sequentially inside a parallel
+    // region, but would choose its blocking, a split of the sum included, for the thread count
+    // it sees here)
+    const int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
     ok = ok && dnnl_primitive_desc_create(&pd, &desc, attr, engine(), NULL) == dnnl_success;
     if (ok && pd_out) *pd_out = pd, pd = NULL;
     else ok = ok && dnnl_primitive_create(prim, pd) == dnnl_success;
+    omp_set_num_threads(nt);
     dnnl_primitive_desc_destroy(pd);
     dnnl_post_ops_destroy(po);
     dnnl_primitive_attr_destroy(attr);
