@@ -83,25 +83,42 @@ static int block_rows(int N, int K) {
 // primitive still cost a microsecond or two each, some 1200 products a bench-s step). The
 // shapes are few (the experts' row counts vary, their remainder blocks with them: at most
 // block_rows values per shape). Entries are never freed while the process runs; past the
-// table's size a product makes and frees its own.
+// table's size a product makes and frees its own. An open-addressing hash table: a training
+// run adds remainder shapes for a while, and a product looks up three or four entries.
 enum { K_LAYOUT, K_MATMUL, K_REORDER, K_TRANSPOSE };
 typedef struct {
-    int kind, m, n, k, sum, ld, tb; // ld: C's leading dimension (matmul), B's (reorder) or A's (transpose)
+    int used, kind, m, n, k, sum, ld, tb; // ld: C's leading dimension (matmul), B's (reorder) or A's (transpose)
     dnnl_memory_desc_t md;          // K_LAYOUT: the blocked bf16 layout of a (K,N) B
     dnnl_primitive_t prim;
 } entry;
-enum { CACHE_N = 4096 };
+enum { CACHE_N = 4096 }; // slots, filled to 3/4 at most
 static entry cache[CACHE_N];
 static int cache_n;
 static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
 
+static unsigned slot_of(int kind, int m, int n, int k, int sum, int ld, int tb) {
+    const int v[7] = {kind, m, n, k, sum, ld, tb};
+    uint64_t h = 14695981039346656037u; // FNV-1a over the key's ints
+    for (int i = 0; i < 7; i++) h = (h ^ (uint32_t)v[i]) * 1099511628211u;
+    return (unsigned)((h ^ h >> 32) % CACHE_N);
+}
+
 static entry *find(int kind, int m, int n, int k, int sum, int ld, int tb) {
-    for (int i = cache_n - 1; i >= 0; i--) {
-        entry *e = &cache[i];
+    for (unsigned i = slot_of(kind, m, n, k, sum, ld, tb); cache[i].used; i = (i + 1) % CACHE_N) {
+        const entry *e = &cache[i];
         if (e->kind == kind && e->m == m && e->n == n && e->k == k && e->sum == sum && e->ld == ld && e->tb == tb)
-            return e;
+            return &cache[i];
     }
     return NULL;
+}
+
+// stores e; 0 when the table is full (the caller then owns e's primitive)
+static int keep(entry e) {
+    if (cache_n >= CACHE_N / 4 * 3) return 0;
+    unsigned i = slot_of(e.kind, e.m, e.n, e.k, e.sum, e.ld, e.tb);
+    while (cache[i].used) i = (i + 1) % CACHE_N;
+    e.used = 1, cache[i] = e, cache_n++;
+    return 1;
 }
 
 // the matmul primitive of a (m,K)x(K,N) block with B in layout *wmd (format any when NULL);
@@ -182,7 +199,7 @@ static int plan(product *p) {
         if (ok) {
             const dnnl_memory_desc_t *w = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
             ok = w != NULL;
-            if (ok && cache_n < CACHE_N) cache[cache_n++] = (entry){.kind = K_LAYOUT, .n = N, .k = K, .md = *w};
+            if (ok) keep((entry){.kind = K_LAYOUT, .n = N, .k = K, .md = *w});
             if (ok) p->wmd = *w;
         }
         dnnl_primitive_desc_destroy(pd);
@@ -205,11 +222,8 @@ static int plan(product *p) {
                                         : make_matmul(&pr, NULL, want[i].m, N, K, p->sum, p->ldc, &p->wmd)) == 0;
         if (!ok) break;
         *want[i].dst = pr;
-        if (cache_n < CACHE_N)
-            cache[cache_n++] = (entry){.kind = want[i].kind, .m = want[i].m, .n = N, .k = K, .sum = want[i].sum,
-                                       .ld = want[i].ld, .tb = want[i].tb, .prim = pr};
-        else
-            p->owned[i] = 1;
+        p->owned[i] = !keep((entry){.kind = want[i].kind, .m = want[i].m, .n = N, .k = K, .sum = want[i].sum,
+                                    .ld = want[i].ld, .tb = want[i].tb, .prim = pr});
     }
     pthread_mutex_unlock(&cache_mu);
     return ok ? 0 : -1;
@@ -335,10 +349,7 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
             prim = NULL;
         dnnl_primitive_desc_destroy(pd);
         dnnl_primitive_attr_destroy(attr);
-        if (prim && cache_n < CACHE_N)
-            cache[cache_n++] = (entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .ld = ld, .tb = bf, .prim = prim};
-        else
-            owned = prim != NULL;
+        owned = prim && !keep((entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .ld = ld, .tb = bf, .prim = prim});
     }
     pthread_mutex_unlock(&cache_mu);
     dnnl_memory_t ms = NULL, md = NULL;
