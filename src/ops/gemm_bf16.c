@@ -178,7 +178,8 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
     int M, N, K, sum, ldc, ldb, tb, bs;
-    const uint16_t *ah;
+    uint16_t *ah;
+    int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
     const float *A, *B; // fp32 operands, for a block that has to fall back to fp32
     int lda, ta;
     float *C;
@@ -298,7 +299,9 @@ static int block(const product *p, int o, int m, const void *bh) {
 // reorder rounds to nearest even, as bf16_pack does; it runs on the OpenMP threads when called
 // outside a parallel region), then the blocks. What fails to run from here on (B's buffer, the
 // reorder, a block) is computed in fp32 instead, so a product that was planned always completes
-// (the backward's two products are all or nothing).
+// (the backward's two products are all or nothing). With pack_a the blocks round their rows of
+// A themselves: no pass and no parallel region of its own (with OMP_WAIT_POLICY=PASSIVE, as
+// bench/speed.py runs, each region wakes the sleeping threads).
 static void execute(const product *p) {
     void *bh = scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
     dnnl_memory_desc_t md_s;
@@ -313,9 +316,10 @@ static void execute(const product *p) {
     }
     dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     const int nb = (p->M + p->bs - 1) / p->bs;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (nb > 1)
     for (int b = 0; b < nb; b++) {
         const int o = b * p->bs, m = p->M - o < p->bs ? p->M - o : p->bs;
+        if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
         if (!ok || block(p, o, m, bh))
             dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
                        p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb, p->sum ? 1.0f : 0.0f,
@@ -371,9 +375,9 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
     uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
     const int ok = ah && plan(&p) == 0;
     if (ok) {
-        // op(A), row-major (M,K)
-        if (!ta || transpose(ah, A, 0, M, K, lda)) bf16_pack(ah, A, M, K, lda, ta);
-        p.ah = ah;
+        // op(A), row-major (M,K): rounded by the blocks, or transposed here
+        p.ah = ah, p.pack_a = !ta;
+        if (ta && transpose(ah, A, 0, M, K, lda)) bf16_pack(ah, A, M, K, lda, 1);
         execute(&p);
     }
     unplan(&p);
@@ -390,10 +394,11 @@ int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *i
     uint16_t *gh = scratch(sizeof(uint16_t) * (size_t)N * O, 0), *gt = scratch(sizeof(uint16_t) * (size_t)N * O, 3);
     const int ok = gh && gt && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
     if (ok) {
-        bf16_pack(gh, dout, N, O, O, 0);
-        if (transpose(gt, gh, 1, O, N, O)) bf16_pack(gt, dout, O, N, O, 1);
-        pi.ah = gh, pw.ah = gt;
+        // dinp's blocks round dout as they go (without dinp, one pass does)
+        pi.ah = gh, pi.pack_a = 1, pw.ah = gt;
         if (dinp) execute(&pi);
+        else bf16_pack(gh, dout, N, O, O, 0);
+        if (transpose(gt, gh, 1, O, N, O)) bf16_pack(gt, dout, O, N, O, 1);
         execute(&pw);
     }
     unplan(&pi), unplan(&pw);
