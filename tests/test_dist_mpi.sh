@@ -467,7 +467,7 @@ fi
 # srun without an MPI plugin (--mpi=none) starts tasks that each find an MPI world of one: refused,
 # saying how to launch; a batch script's own environment (the allocation's SLURM_NTASKS, no step)
 # is one process and runs
-if out=$(cd "$tmp" && env SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 timeout 60 "$vl" train --model tiny \
+if out=$(env SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 timeout 60 "$vl" train --model tiny \
          --steps 1 --logs "$tmp" --name srun 2>&1); then
     echo "FAILED: a task of 'srun -n 2 --mpi=none' trained alone"; fail=$((fail + 1))
 elif printf '%s' "$out" | grep -q "one of 2 started by srun.*srun --mpi=pmix" && [ ! -e "$tmp/srun" ]; then
