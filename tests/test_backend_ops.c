@@ -2,6 +2,8 @@
 // test-backend-ops: random inputs, the op run on each built backend in float (the CPU table, and
 // the CUDA table when this build has one and a device is present) and compared with the CPU
 // table in double, the reference. Floats must agree to NMSE <= 1e-7; integer outputs exactly.
+// Then the bf16 products (`--precision bf16`): the cuda-bf16 table against the cpu-bf16 table
+// within a bound of fp32 accumulation order (tests/test_backend_bf16.h).
 // Prints a line per op and backend, then "N passed, N failed, N skipped".
 #include <math.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include "core/core.h"
 #include "ops/backend.h"
 #include "test.h"
+#include "test_backend_bf16.h"
 
 #define NMSE_MAX 1e-7
 #define MAXBUF 64
@@ -584,13 +587,16 @@ int main(void) {
     printf("backend ops against the CPU table in double (NMSE <= %.0e):\n", NMSE_MAX);
     run_backend(backend_cpu_f32(), &pass, &fail, &skip);
     vlmoe_backend_f32 *cuda = NULL;
+    char why[512] = "";
     if (backend_cuda_init(&cuda, 0) == VLMOE_OK) {
         run_backend(cuda, &pass, &fail, &skip);
-        backend_cuda_free(cuda);
     } else {
-        printf("  cuda: %d ops skipped: %s\n", NCASES, vlmoe_last_error());
+        snprintf(why, sizeof(why), "%s", vlmoe_last_error());
+        printf("  cuda: %d ops skipped: %s\n", NCASES, why);
         skip += NCASES;
     }
+    bf16_rows(cuda, why, &pass, &fail, &skip);
+    backend_cuda_free(cuda);
     printf("%d passed, %d failed, %d skipped\n", pass, fail, skip);
     // every unsupported-op answer names the op
     CHECK(backend_require_f32(backend_cpu_f32(), BE_OP_LINEAR, NULL) == VLMOE_OK, "cpu refuses linear");

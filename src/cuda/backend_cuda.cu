@@ -355,6 +355,7 @@ static void cuda_combine_backward(const backend *be, float *dy, float *dw, const
 
 static void ctx_release(cuda_ctx *c) {
     if (!c) return;
+    cuda_bf16_release(c);
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->partial);
     cudaFree(c->flag);
@@ -388,6 +389,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
         vlmoe_free_mem(c);
         return VLMOE_ERR_ARG;
     }
+    c->f32 = be;
     be->name = "cuda";
     be->host_memory = 0; // device memory: host arrays are uploaded
     be->ctx = c;
@@ -417,11 +419,13 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     return VLMOE_OK;
 }
 
+// be: the fp32 table or its bf16 twin; both go, with the context they share
 extern "C" void backend_cuda_free(vlmoe_backend_f32 *be) {
     if (!be) return;
     cuda_ctx *c = ctx_of(be);
+    backend *f32 = c ? c->f32 : be;
     if (c) cudaStreamSynchronize(c->stream);
     ctx_release(c);
     vlmoe_free_mem(c);
-    vlmoe_free_mem(be);
+    vlmoe_free_mem(f32);
 }

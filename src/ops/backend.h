@@ -212,6 +212,12 @@ const vlmoe_backend_f32 *backend_cpu_bf16(void);
 int backend_cuda_init(vlmoe_backend_f32 **out, int device);
 void backend_cuda_free(vlmoe_backend_f32 *be);
 
+// The bf16 twin of a CUDA table (`--precision bf16 --device cuda`, src/cuda/bf16_cuda.cu): the
+// products of linear layers and experts in bf16 as the cpu-bf16 table does, everything else the
+// fp32 table's; its fp32 field is that table. It shares cuda's context and memory and is freed
+// with it (backend_cuda_free of either table frees both); *out = the twin when cuda is it already.
+int backend_cuda_bf16(const vlmoe_backend_f32 **out, const vlmoe_backend_f32 *cuda);
+
 // Picks a table by name: "cpu", "cuda" or "cuda:N".
 int backend_by_name(const vlmoe_backend_f32 **out, vlmoe_backend_f32 **owned, const char *name);
 
