@@ -99,8 +99,7 @@ static void cmp_scalar(ctx *c, const char *what, double got, double ref) {
 
 // ---- the cases: each runs the reference (double, host) and the tested backend (float, its memory)
 
-static void case_linear(ctx *c) {
-    const int N = 37, K = 29, O = 23;
+static void linear_shape(ctx *c, int N, int K, int O) {
     double *x = rnd(c, (size_t)N * K, 1), *w = rnd(c, (size_t)O * K, 0.5), *b = rnd(c, O, 0.5);
     double *out = rnd(c, (size_t)N * O, 1), *dout = rnd(c, (size_t)N * O, 1);
     float *fx = up(c, x, (size_t)N * K), *fw = up(c, w, (size_t)O * K), *fb = up(c, b, O), *fo = up(c, out, (size_t)N * O);
@@ -116,9 +115,13 @@ static void case_linear(ctx *c) {
     cmp(c, "dw", fdw, dw, (size_t)O * K);
     cmp(c, "db", fdb, db, O);
 }
+// 600 rows: the CUDA bias sums split them into chunks (src/cuda/backend_cuda.cu, cu_colsum)
+static void case_linear(ctx *c) {
+    linear_shape(c, 37, 29, 23);
+    linear_shape(c, 600, 40, 70);
+}
 
-static void case_layernorm(ctx *c) {
-    const int N = 19, C = 48;
+static void layernorm_shape(ctx *c, int N, int C) {
     double *x = rnd(c, (size_t)N * C, 2), *w = rnd(c, C, 1), *b = rnd(c, C, 1), *dout = rnd(c, (size_t)N * C, 1);
     double *out = zeros(c, (size_t)N * C), *mean = zeros(c, N), *rstd = zeros(c, N), *out2 = zeros(c, (size_t)N * C);
     float *fx = up(c, x, (size_t)N * C), *fw = up(c, w, C), *fb = up(c, b, C), *fdo = up(c, dout, (size_t)N * C);
@@ -138,6 +141,10 @@ static void case_layernorm(ctx *c) {
     cmp(c, "dinp", fdx, dx, (size_t)N * C);
     cmp(c, "dw", fdw, dw, C);
     cmp(c, "db", fdb, db, C);
+}
+static void case_layernorm(ctx *c) {
+    layernorm_shape(c, 19, 48);
+    layernorm_shape(c, 300, 48); // chunked column sums on CUDA
 }
 
 static void case_act(ctx *c) {

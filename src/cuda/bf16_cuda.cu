@@ -25,26 +25,11 @@ __global__ static void k_round(uint16_t *dst, const float *src, size_t rows, siz
     dst[i] = to_bf16(ld == cols ? src[i] : src[(i / cols) * ld + i % cols]);
 }
 
-// The operand buffer, at least n bf16 values. It only grows (with room to spare), so a training
-// step's products stop allocating after the first steps have met the largest shape.
+// The operand buffer, at least n bf16 values (cu_grow: it stops growing once a training step's
+// largest product has come by).
 static uint16_t *ops_buffer(const backend *be, size_t n, const char *op) {
     cuda_ctx *c = ctx_of(be);
-    if (n <= c->ops16_elems) return c->ops16;
-    // products queued earlier may still read the old buffer
-    if (CK(op, cudaStreamSynchronize(c->stream))) return NULL;
-    if (c->ops16 && CK(op, cudaFree(c->ops16))) return NULL;
-    c->ops16 = NULL;
-    c->ops16_elems = 0;
-    const size_t want = (n + (n >> 2) + 2047) & ~(size_t)2047;
-    cudaError_t e = cudaMalloc((void **)&c->ops16, want * sizeof(uint16_t));
-    if (e != cudaSuccess) {
-        c->ops16 = NULL;
-        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA backend, op %s: out of memory for %zu bytes of bf16 operands (%s)", op,
-                   want * sizeof(uint16_t), cudaGetErrorString(e));
-        return NULL;
-    }
-    c->ops16_elems = want;
-    return c->ops16;
+    return (uint16_t *)cu_grow(be, (void **)&c->ops16, &c->ops16_bytes, n * sizeof(uint16_t), op, "bf16 operands");
 }
 
 static int round_operand(const backend *be, const char *op, uint16_t *dst, const float *src, int rows, int cols,
@@ -78,15 +63,16 @@ void cuda_bf16_release(cuda_ctx *c) {
     if (c->blas16) cublasDestroy(c->blas16);
     cudaFree(c->ops16);
     vlmoe_free_mem(c->bf16);
-    c->blas16 = NULL, c->ops16 = NULL, c->ops16_elems = 0, c->bf16 = NULL;
+    c->blas16 = NULL, c->ops16 = NULL, c->ops16_bytes = 0, c->bf16 = NULL;
 }
 
 // The twin is made once per context and lives as long as it: a model switching precision back
 // and forth keeps one table, one cuBLAS handle and one operand buffer.
 extern "C" int backend_cuda_bf16(const vlmoe_backend_f32 **out, const vlmoe_backend_f32 *cuda) {
     *out = NULL;
-    cuda_ctx *c = cuda && !cuda->host_memory ? ctx_of(cuda) : NULL;
-    if (!c || !c->f32)
+    // a CUDA table by its name, then its context's mark (another table's ctx is another struct)
+    cuda_ctx *c = cuda && !cuda->host_memory && !strncmp(cuda->name, "cuda", 4) ? ctx_of(cuda) : NULL;
+    if (!c || c->magic != CUDA_CTX_MAGIC || !c->f32)
         return vlmoe_fail(VLMOE_ERR_ARG, "--precision bf16: the %s backend is not a CUDA table",
                           cuda ? cuda->name : "(none)");
     if (c->bf16) return *out = c->bf16, VLMOE_OK;

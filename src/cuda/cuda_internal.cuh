@@ -24,7 +24,9 @@ typedef vlmoe_backend_f32 backend;
 
 #define NCHUNK 64
 
+#define CUDA_CTX_MAGIC 0x43554441u // "CUDA": backend_cuda_bf16 tells its tables from others'
 struct cuda_ctx {
+    unsigned magic;
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -32,13 +34,15 @@ struct cuda_ctx {
     int *flag;        // (4) flags and counts on the device
     void *ws;         // workspace for ops that need scratch the table does not pass (grows)
     size_t ws_bytes;
+    float *parts;     // cu_colsum's partial sums (grows; apart from ws, which its callers may hold)
+    size_t parts_bytes;
     // `--precision bf16` (src/cuda/bf16_cuda.cu): the twin table, made on first request, its
     // cuBLAS handle (default math: tensor cores for bf16, still fp32 accumulation) and the
     // rounded operands of one product (grows, like ws)
     backend *f32, *bf16;
     cublasHandle_t blas16;
     uint16_t *ops16;
-    size_t ops16_elems;
+    size_t ops16_bytes;
 };
 
 static inline cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
@@ -51,6 +55,11 @@ CU_INTERNAL int cublas_failed(cublasStatus_t s, const char *op, const char *call
 // after a kernel launch: a bad configuration is reported at once, naming the op
 #define LAUNCHED(op) cu_failed(cudaGetLastError(), (op), "kernel launch")
 
+// A buffer of the context that only grows, with a quarter to spare, at least `bytes` long (NULL
+// with the error set, naming op and what). Growing waits for the stream (queued kernels may read
+// the old one), so a training step stops allocating once its largest shape has come by.
+CU_INTERNAL void *cu_grow(const backend *be, void **buf, size_t *cap, size_t bytes, const char *op,
+                          const char *what);
 // The workspace, at least `bytes` long (NULL with the error set when it cannot be had). One op
 // takes it once and carves it: a second call may move it.
 CU_INTERNAL void *cu_workspace(const backend *be, size_t bytes, const char *op);

@@ -169,7 +169,8 @@ typedef struct {
         /* noisy (n,E) = logits + noise (be_noise) */                                            \
         void (*router_noise)(const vlmoe_backend_##S *be, T *noisy, const T *logits, int n,      \
                              int E, const be_noise *nz);                                         \
-        /* the auxiliary losses of one group (src/moe/aux.h) */                                  \
+        /* the auxiliary losses of one group (src/moe/aux.h). With dlogits (the backward) the */ \
+        /* value goes unused (the forward computed it): a table may return 0 without waiting */  \
         double (*aux_loss)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                     \
                            const aux_input_##S *in, double weight, T *dlogits, T *scratch);      \
         /* one Soft MoE group (src/moe/soft.h) */                                                \
