@@ -8,7 +8,7 @@
 # BINDIR holds vlmoe, test_backend_ops, test_dist and bench_step built with `make CUDA=1`
 # (default: this checkout's build outputs). Each part has its own time limit; OUT gets the logs.
 # PARTS (environment) picks parts by name, in this order; the default set's limits add up to
-# 545 s, inside one 600 s command of the device tool. b16_torch_compile_bf16 (torch.compile,
+# 535 s, inside one 600 s command of the device tool. b16_torch_compile_bf16 (torch.compile,
 # about 2 minutes) runs only when named.
 BIN=${1:-.}
 OUT=${2:-/tmp/vlmoe-gpu}
@@ -43,11 +43,11 @@ part() {  # part NAME SECONDS CMD...: runs CMD with a limit, output to OUT/NAME.
     printf '%s\t%s\t%s\t%s\n' "$name" $rc "$dt" "$(result_of "$name")" >>"$SUMMARY"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-TAILN=3 part backend_ops 60 "$BIN/test_backend_ops"
+TAILN=3 part backend_ops 50 "$BIN/test_backend_ops"
 [ -f "$OUT/backend_ops.txt" ] && grep -E "FAIL|skip|bf16" "$OUT/backend_ops.txt" | head -20
-TAILN=19 part parity 170 env PYTHON="$PY" sh tests/gpu/parity.sh "$BIN/vlmoe" /tmp/vlmoe-parity
+TAILN=19 part parity 190 env PYTHON="$PY" sh tests/gpu/parity.sh "$BIN/vlmoe" /tmp/vlmoe-parity
 for p in bf16 fp32; do
-    TAILN=1 part "b16_vlmoe_$p" 60 "$BIN/bench_step" $b16 --device cuda --precision $p --batch 64 --steps 5 --warmup 2
+    TAILN=1 part "b16_vlmoe_$p" 50 "$BIN/bench_step" $b16 --device cuda --precision $p --batch 64 --steps 5 --warmup 2
 done
 for p in bf16 fp32; do
     TAILN=1 part "b16_torch_$p" 45 $PY bench/torch_step.py $b16 --device cuda --precision $p --batch 64 --steps 5 \
