@@ -19,6 +19,7 @@
 // other operand for such values (the allowance F), from the delta it may move by.
 #include <fenv.h>
 
+#include "nn/model.h"
 #include "ops/gemm_bf16.h"
 
 #define U24 (1.0 / 16777216.0)
@@ -371,6 +372,29 @@ static void row16(const char *name, const vlmoe_backend_f32 *be, int want_fail, 
     if (ok) ++*pass; else ++*fail;
 }
 
+// --precision on a CUDA device (src/nn/device.c): bf16 takes the model to the twin, fp32 back to
+// the table it opened, which it keeps owning throughout (freeing the model frees both).
+static void check_model_twin(void) {
+    vlmoe_model *m = NULL;
+    vlmoe_model_config cfg;
+    int fb = -1;
+    if (vlmoe_config_named("limoe-tiny", &cfg) || vlmoe_model_init(&m, &cfg, 1) || model_set_device(m, "cuda")) {
+        CHECK(0, "limoe-tiny on cuda: %s", vlmoe_last_error());
+        vlmoe_model_free(m);
+        return;
+    }
+    const vlmoe_backend_f32 *cuda = m->be, *twin = NULL;
+    CHECK(model_set_precision(m, "bf16", &fb) == VLMOE_OK && fb == 0 && !strcmp(m->be->name, "cuda-bf16") &&
+              m->be->fp32 == cuda && m->owned_be == cuda && m->d_params, "--precision bf16 on cuda: %s",
+          vlmoe_last_error());
+    twin = m->be;
+    CHECK(model_set_precision(m, "fp32", &fb) == VLMOE_OK && m->be == cuda && m->owned_be == cuda && m->d_params,
+          "--precision fp32 back on cuda: %s", vlmoe_last_error());
+    CHECK(model_set_precision(m, "bf16", &fb) == VLMOE_OK && m->be == twin, "the same twin again: %s",
+          vlmoe_last_error());
+    vlmoe_model_free(m);
+}
+
 // The bf16 rows: the negative control on the CPU's fp32 table (and the CUDA fp32 table when there
 // is one), the positive control on the emulated table, the cuda-bf16 table's products, and the twin's wiring. cuda: NULL without a device
 // (why_not says why).
@@ -407,4 +431,5 @@ static void bf16_rows(vlmoe_backend_f32 *cuda, const char *why_not, int *pass, i
               t->adamw == cuda->adamw && t->alloc == cuda->alloc, "the cuda-bf16 twin's entries");
     CHECK(t->supports(t, BE_OP_LINEAR, NULL) && t->supports(t, BE_OP_EXPERTS, NULL), "cuda-bf16 supports");
     row16("bf16", t, 0, pass, fail);
+    check_model_twin();
 }

@@ -321,7 +321,8 @@ int model_set_frozen_towers(vlmoe_model *m, int image, int text);
 int model_set_device(vlmoe_model *m, const char *name);
 // --precision: "fp32" (the default) or "bf16" (src/nn/device.c; after model_set_device). bf16
 // runs the products of linear layers and experts in bf16 on a CPU that has it natively; on one
-// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so).
+// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so). On a CUDA
+// device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32 goes back.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
 
 #endif
