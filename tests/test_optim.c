@@ -623,7 +623,7 @@ static void test_adafactor_big_vision(void) {
 static int no_adamw(const vlmoe_backend_f32 *be, be_op op, const void *cfg) { return op != BE_OP_ADAMW; }
 
 static void test_backend_table(void) {
-    vlmoe_param_info tab[1] = {{"w", 1, {4, 0, 0, 0}, 0, 4, 1}};
+    vlmoe_param_info tab[1] = {{.name = "w", .ndim = 1, .shape = {4, 0, 0, 0}, .offset = 0, .numel = 4, .decay = 1}};
     vlmoe_optim_params p = vlmoe_optim_default_params(VLMOE_OPT_ADAMW);
     vlmoe_backend_f32 dev = *backend_cpu_f32(), lacking = *backend_cpu_f32();
     dev.name = "device", dev.host_memory = 0;

@@ -462,6 +462,65 @@ int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, 
     return 0;
 }
 
+int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t) {
+    if (p->kind == VLMOE_OPT_ADAMW) return 1;
+    int a = 0, b;
+    const int factored = factored_dims(t, p->min_dim_to_factor, &a, &b);
+    return p->clip_threshold == 0.0f && t->ndim >= 1 && t->shape[0] > 0 && (!factored || a >= 1);
+}
+
+// The experts tensor t holds: [*a0, *a1) of its leading dim (all of it unless t is a bank held
+// split: vlmoe_param_info.experts_local).
+static void held(const vlmoe_param_info *t, int *a0, int *a1) {
+    *a0 = t->experts_local ? t->expert0 : 0;
+    *a1 = t->experts_local ? t->expert0 + t->experts_local : (int)t->shape[0];
+}
+
+// Copies the parts of the experts both tensors hold from src (ns floats of tensor f, one equal
+// part per expert it holds) into dst (of tensor t); a tensor held whole on both sides is copied.
+static void copy_held(float *dst, const vlmoe_param_info *t, const float *src, const vlmoe_param_info *f, size_t ns) {
+    if (!src || !dst) return;
+    if (!t->experts_local && !f->experts_local) {
+        memcpy(dst, src, sizeof(float) * ns);
+        return;
+    }
+    int a0, a1, b0, b1;
+    held(t, &a0, &a1), held(f, &b0, &b1);
+    const int lo = a0 > b0 ? a0 : b0, hi = a1 < b1 ? a1 : b1;
+    const size_t per = b1 > b0 ? ns / (size_t)(b1 - b0) : 0;
+    if (lo < hi) memcpy(dst + (size_t)(lo - a0) * per, src + (size_t)(lo - b0) * per, sizeof(float) * (size_t)(hi - lo) * per);
+}
+
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total) {
+    if (n != o->nparams)
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new layout of %d tensors for an optimizer of %d", n, o->nparams);
+    for (int i = 0; i < n; i++)
+        if (strcmp(table[i].name, o->table[i].name))
+            return vlmoe_fail(VLMOE_ERR_ARG, "optim: the new layout's tensor %d is '%s', the optimizer's '%s'", i,
+                              table[i].name, o->table[i].name);
+    vlmoe_optim *w;
+    int st = optim_init_backend(&w, &o->p, table, n, total, o->be);
+    if (st) return st;
+    w->step = o->step;
+    for (int i = 0; i < n; i++) {
+        const vlmoe_param_info *t = &w->table[i], *f = &o->table[i];
+        if (o->p.kind == VLMOE_OPT_ADAMW) {
+            for (int k = 0; k < 2; k++)
+                copy_held(w->states[k].data + t->offset, t, o->states[k].data + f->offset, f, f->numel);
+            continue;
+        }
+        const adafactor_slot *a = &w->slots[i], *b = &o->slots[i];
+        copy_held(a->vr, t, b->vr, f, b->A * b->NA * b->Bm * b->C);
+        copy_held(a->vc, t, b->vc, f, b->A * b->Bm * b->NB * b->C);
+        copy_held(a->v, t, b->v, f, f->numel);
+        copy_held(a->m, t, b->m, f, f->numel);
+    }
+    const vlmoe_optim old = *o;
+    *o = *w, *w = old;
+    vlmoe_optim_free(w);
+    return VLMOE_OK;
+}
+
 long vlmoe_optim_get_step(const vlmoe_optim *o) { return o ? o->step : 0; }
 
 void vlmoe_optim_set_step(vlmoe_optim *o, long step) {

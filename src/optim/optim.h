@@ -36,4 +36,19 @@ int optim_can_split(const vlmoe_optim *o, size_t offset);
 // between processes (src/train/trainer.c vlmoe_trainer_gather_experts).
 int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, float **bufs, size_t *per_buf);
 
+// Whether an optimizer of params p keeps the state of tensor t (its whole shape) as one part per
+// index of its leading dim, each computed from that index's gradient alone, so a process can hold
+// and update a slice of its experts only (expert parallelism's sharded layout: src/nn/model.h
+// model_shard): always for AdamW; for Adafactor when t is not factored over dim 0 and update
+// clipping is off. optim_can_split asks the same of an optimizer's own tensor.
+int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t);
+
+// Moves o to another layout of the same tensors (expert parallelism: a process's shard of the
+// expert banks, or the whole model again): table lists the same tensors in the same order, an
+// expert bank with its local shape (shape[0] = experts_local) and expert0/experts_local set, or
+// whole (both 0), in a flat buffer of `total` floats. The state of every expert both layouts hold
+// is kept, that of experts only the new one holds is zero (the caller fills it: the trainer's
+// gathers), the step is kept. o is unchanged on failure.
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total);
+
 #endif
