@@ -266,7 +266,10 @@ int model_reshard(vlmoe_model *m, const model_shard *sh) {
     int st = model_layout_build_shard(&L, &m->L.cfg, sh);
     if (st) return st;
     float *params = vlmoe_calloc(sizeof(float) * L.total, "parameters");
-    float *grads = params ? vlmoe_calloc(sizeof(float) * L.total, "gradients") : NULL;
+    // calloc's zero pages, mapped only when written: rank 0 made whole to write a checkpoint never
+    // runs a backward, and its whole gradients cost no memory
+    float *grads = params ? calloc(L.total ? L.total : 1, sizeof(float)) : NULL;
+    if (params && !grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", L.total);
     if (!grads) return vlmoe_free_mem(params), model_layout_free(&L), VLMOE_ERR_NOMEM;
     // the same tensors in the same order: copy the experts both layouts hold
     for (int i = 0; i < L.nparams; i++) {
