@@ -724,7 +724,7 @@ static void test_adafactor_split(void) {
     // the others zero; then to shard 1 again, unchanged
     {
         long bad = 0, others = 0;
-        int ok = optim_relayout(q[1], tab, 3, total) == VLMOE_OK && vlmoe_optim_get_step(q[1]) == STEPS;
+        int ok = optim_relayout(q[1], tab, 3, total, 1) == VLMOE_OK && vlmoe_optim_get_step(q[1]) == STEPS;
         for (int b = 1; b < 3 && ok; b++) {
             const size_t per = tab[b].numel / E;
             float *bw[4], *bq[4];
@@ -737,7 +737,7 @@ static void test_adafactor_split(void) {
                     else others += bq[i][j] != 0.0f;
                 }
         }
-        ok = ok && optim_relayout(q[1], loc[1], 3, ltot[1]) == VLMOE_OK;
+        ok = ok && optim_relayout(q[1], loc[1], 3, ltot[1], 1) == VLMOE_OK;
         float *bq2[4];
         size_t nq2[4];
         float *bw2[4];
@@ -748,7 +748,7 @@ static void test_adafactor_split(void) {
         CHECK(ok && !bad && !others, "optim_relayout: %s; %ld floats differ, %ld of the other experts' not zero",
               ok ? "ok" : vlmoe_last_error(), bad, others);
         vlmoe_param_info wrong[3] = {tab[0], tab[2], tab[1]};
-        CHECK(optim_relayout(q[1], wrong, 3, total) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "'small'"),
+        CHECK(optim_relayout(q[1], wrong, 3, total, 1) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "'small'"),
               "another table: %s", vlmoe_last_error());
     }
     #undef SHARD_COPY

@@ -265,6 +265,10 @@ int model_reshard(vlmoe_model *m, const model_shard *sh) {
     model_layout L;
     int st = model_layout_build_shard(&L, &m->L.cfg, sh);
     if (st) return st;
+    // the gradients are not carried over: their memory goes back before the new parameters take
+    // theirs (zero pages in their place until then)
+    float *fresh = calloc(m->L.total ? m->L.total : 1, sizeof(float));
+    if (fresh) vlmoe_free_mem(m->grads), m->grads = fresh;
     float *params = vlmoe_calloc(sizeof(float) * L.total, "parameters");
     // calloc's zero pages, mapped only when written: rank 0 made whole to write a checkpoint never
     // runs a backward, and its whole gradients cost no memory
@@ -306,7 +310,10 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     int st = model_layout_build(&m->L, cfg);
     if (st) return free(m), st;
     m->params = vlmoe_alloc(sizeof(float) * m->L.total, "parameters");
-    m->grads = vlmoe_calloc(sizeof(float) * m->L.total, "gradients");
+    // calloc's zero pages, mapped when the first backward writes them: a model that trains its
+    // experts sharded (src/train/trainer.c) gives its whole gradients back before that
+    m->grads = calloc(m->L.total ? m->L.total : 1, sizeof(float));
+    if (m->params && !m->grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", m->L.total);
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
     if ((st = model_layout_init_params(&m->L, m->params, seed))) return vlmoe_model_free(m), st;
     m->seed = seed;

@@ -399,7 +399,7 @@ static void copy_held(float *dst, const vlmoe_param_info *t, const float *src, c
     if (lo < hi) memcpy(dst + (size_t)(lo - a0) * per, src + (size_t)(lo - b0) * per, sizeof(float) * (size_t)(hi - lo) * per);
 }
 
-int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total) {
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total, int keep) {
     if (n != o->nparams)
         return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new layout of %d tensors for an optimizer of %d", n, o->nparams);
     for (int i = 0; i < n; i++)
@@ -410,7 +410,9 @@ int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t 
     int st = optim_init_backend(&w, &o->p, table, n, total, o->be);
     if (st) return st;
     w->step = o->step;
-    for (int i = 0; i < n; i++) {
+    // before the first update every state float is zero: nothing to copy, and the new pool stays
+    // zero pages (a run that starts sharded never holds the whole state)
+    for (int i = 0; i < n && o->step > 0 && keep; i++) {
         const vlmoe_param_info *t = &w->table[i], *f = &o->table[i];
         if (o->p.kind == VLMOE_OPT_ADAMW) {
             for (int k = 0; k < 2; k++)

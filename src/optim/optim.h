@@ -36,7 +36,7 @@ int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t);
 // expert bank with its local shape (shape[0] = experts_local) and expert0/experts_local set, or
 // whole (both 0), in a flat buffer of `total` floats. The state of every expert both layouts hold
 // is kept, that of experts only the new one holds is zero (the caller fills it: the trainer's
-// gathers), the step is kept. o is unchanged on failure.
-int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total);
+// gathers), the step is kept; keep 0: all of the new state is zero. o is unchanged on failure.
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total, int keep);
 
 #endif

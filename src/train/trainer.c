@@ -73,29 +73,46 @@ static int keep_whole(void *user, const vlmoe_param_info *bank) {
     return !optim_splits(&t->p.optim, bank);
 }
 
-// Gives the model the layout sh (NULL: whole) and the optimizer and the frozen list the same: the
-// optimizer's table is the model's less the frozen tensors, a split bank with its local shape.
-static int relayout(vlmoe_trainer *t, const model_shard *sh) {
+// The optimizer to the layout of shard sh (NULL: whole): its table is that layout's less the
+// frozen tensors, a split bank with its local shape. keep 0: its state becomes zero instead of
+// moving (a process whose state nobody reads again: the end of a run).
+static int optim_to(vlmoe_trainer *t, const model_shard *sh, int keep) {
+    model_layout L;
+    int st = model_layout_build_shard(&L, vlmoe_model_get_config(t->m), sh);
+    vlmoe_param_info *train = st ? NULL : malloc(sizeof(*train) * (size_t)L.nparams);
+    if (!st && !train) st = vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    int nt = 0;
+    for (int i = 0; !st && i < L.nparams; i++) {
+        int frozen = 0;
+        for (int k = 0; k < t->nfrozen && !frozen; k++) frozen = !strcmp(t->frozen[k].name, L.table[i].name);
+        if (frozen) continue;
+        train[nt] = L.table[i];
+        if (L.table[i].experts_local) train[nt].shape[0] = L.table[i].experts_local;
+        nt++;
+    }
+    if (!st) st = optim_relayout(t->opt, train, nt, L.total, keep);
+    free(train);
+    model_layout_free(&L);
+    return st;
+}
+
+// The model to the layout of shard sh (NULL: whole), the frozen list with it.
+static int model_to(vlmoe_trainer *t, const model_shard *sh) {
     int st = model_reshard(t->m, sh), n;
     if (st) return st;
     buckets_free(t->bk); // they point into the old gradients
     t->bk = NULL;
     const vlmoe_param_info *tab = vlmoe_model_params(t->m, &n);
-    vlmoe_param_info *train = malloc(sizeof(*train) * (size_t)n);
-    if (!train) return vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
-    int nt = 0;
-    for (int i = 0; i < n; i++) {
-        int frozen = 0;
-        for (int k = 0; k < t->nfrozen && !frozen; k++)
-            if (!strcmp(t->frozen[k].name, tab[i].name)) t->frozen[k] = tab[i], frozen = 1;
-        if (frozen) continue;
-        train[nt] = tab[i];
-        if (tab[i].experts_local) train[nt].shape[0] = tab[i].experts_local;
-        nt++;
-    }
-    st = optim_relayout(t->opt, train, nt, vlmoe_model_num_floats(t->m));
-    free(train);
-    return st;
+    for (int k = 0; k < t->nfrozen; k++)
+        for (int i = 0; i < n; i++)
+            if (!strcmp(t->frozen[k].name, tab[i].name)) t->frozen[k] = tab[i];
+    return VLMOE_OK;
+}
+
+// Both, the model first (its whole parameters go before the whole state comes, and back).
+static int relayout(vlmoe_trainer *t, const model_shard *sh) {
+    int st = model_to(t, sh);
+    return st ? st : optim_to(t, sh, 1);
 }
 
 static void shard_free(vlmoe_trainer *t) {
@@ -137,9 +154,12 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
         return free(whole), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
     model_expert_banks(t->m, whole, nb);
     for (int i = 0; i < nb; i++)
-        if (whole[i].E % sh->N)
-            return free(whole), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d "
-                                           "processes (the process count must divide num_experts)", whole[i].E, sh->N);
+        if (whole[i].E % sh->N) {
+            const int E = whole[i].E;
+            free(whole);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d processes (the "
+                              "process count must divide num_experts)", E, sh->N);
+        }
     int st = relayout(t, &sh->layout);
     if (st) return free(whole), st;
     model_bank *local = malloc(sizeof(model_bank) * (size_t)(nb + 1));
@@ -259,41 +279,32 @@ static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     return VLMOE_OK;
 }
 
-// Makes the model whole on rank 0 (every 0: before it writes a checkpoint or evaluates; the
-// others of its group send it their experts' parameters and optimizer state and keep their
-// shards) or on every process (every 1: the end of a run; the parameters to every process, the
-// state to rank 0 only, the one writer: elsewhere the other experts' state is zero). Collective
-// over the world; nothing to do without sharding.
-int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
+// Sends each split bank's buffer k (0: the parameters, 1.. the optimizer's state buffers) from
+// the processes of the expert group to its first process (every 0) or to every process (every 1,
+// the parameters only): a process that is whole sends its slice of the whole bank and receives
+// the others', one that holds its shard sends that. state: 0 the parameters, 1 the optimizer's
+// state; whole: that is whole on this process.
+static int exchange(vlmoe_trainer *t, int state, int every, int whole) {
     struct shard *sh = t->shard;
-    if (!sh || sh->whole || (!every && !sh->root_group)) return VLMOE_OK;
     vlmoe_dist *ex = sh->experts;
-    const int grow = every || sh->q == 0; // this process becomes whole
-    // (out of memory here, the others wait in the exchanges until the run's watchdog stops them)
-    int e = grow ? relayout(t, NULL) : VLMOE_OK;
-    if (e) return vlmoe_error_prefix("gathering the experts"), e;
-    sh->whole = grow;
     size_t *sc = sh->cnt, *sd = sc + sh->N, *rc = sd + sh->N, *rd = rc + sh->N;
     const vlmoe_optim *o = vlmoe_trainer_optim(t);
-    for (int i = 0; i < sh->nbanks; i++) {
+    int e = VLMOE_OK;
+    for (int i = 0; i < sh->nbanks && !e; i++) {
         const model_bank *b = &sh->banks[i];
-        const int whole = grow;
         const size_t off = whole ? sh->whole_off[i] : b->offset, El = (size_t)b->El;
-        const int held = whole ? b->E : b->El;
         // each buffer holds the experts held one after the other, per[k] floats each
-        float *bufs[1 + 4] = {vlmoe_model_param_data(t->m) + off};
-        size_t per[1 + 4] = {b->per};
-        const int nb = 1 + optim_expert_states(o, off, held, b->per, bufs + 1, per + 1);
+        float *bufs[4] = {vlmoe_model_param_data(t->m) + off};
+        size_t per[4] = {b->per};
+        const int nb = state ? optim_expert_states(o, off, whole ? b->E : b->El, b->per, bufs, per) : 1;
         for (int k = 0; k < nb && !e; k++) {
             float *bank = bufs[k], *own = bank + (whole ? (size_t)sh->q * El * per[k] : 0);
             const size_t n = El * per[k];
-            if (!sh->root_group && k) continue;
-            if (every && !k) {
+            if (every) {
                 e = ex->allgather(ex, bank, own, n, VLMOE_DIST_F32); // in place
                 continue;
             }
-            // a gather to the group's first process: each sends it its slice, it places them
-            for (int j = 0; j < sh->N; j++) {
+            for (int j = 0; j < sh->N; j++) { // each sends the first its slice, which places them
                 sc[j] = sh->q && !j ? n : 0, sd[j] = 0;
                 rc[j] = !sh->q && j ? n : 0, rd[j] = (size_t)j * n;
             }
@@ -301,7 +312,32 @@ int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
                       : ex->alltoallv(ex, bank, rc, rd, sh->buf, sc, sd, VLMOE_DIST_F32);
         }
     }
-    return e ? (vlmoe_error_prefix("gathering the experts from their processes"), e) : VLMOE_OK;
+    return e;
+}
+
+// Makes the model whole on rank 0 (every 0: before it writes a checkpoint or evaluates; the
+// others of its group send it their experts' parameters and optimizer state and keep their
+// shards) or on every process (every 1: the end of a run; the parameters to every process, the
+// state to rank 0 only, the one writer: elsewhere it becomes zero, dropped before the whole
+// parameters come, so that no process but rank 0 ever holds more than its shard's state and the
+// whole parameters). Collective over the world; nothing to do without sharding.
+// (Out of memory in a relayout, the others wait in the exchanges until the run's watchdog stops
+// them.)
+int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
+    struct shard *sh = t->shard;
+    if (!sh || sh->whole || (!every && !sh->root_group)) return VLMOE_OK;
+    const int rank0 = sh->root_group && sh->q == 0;
+    int e = VLMOE_OK;
+    if (sh->root_group) { // the state to rank 0
+        if (rank0 && (e = optim_to(t, NULL, 1))) return vlmoe_error_prefix("gathering the experts"), e;
+        if ((e = exchange(t, 1, 0, rank0))) return vlmoe_error_prefix("gathering the experts' optimizer state"), e;
+    }
+    if (every && !rank0 && (e = optim_to(t, NULL, 0))) return vlmoe_error_prefix("gathering the experts"), e;
+    const int grow = every || rank0;
+    if (grow && (e = model_to(t, NULL))) return vlmoe_error_prefix("gathering the experts"), e;
+    sh->whole = grow;
+    if ((e = exchange(t, 0, every, grow))) return vlmoe_error_prefix("gathering the experts from their processes"), e;
+    return VLMOE_OK;
 }
 
 // Sharded experts: rank 0, made whole by vlmoe_trainer_gather_experts(t, 0) to write or evaluate,
