@@ -8,7 +8,7 @@
 // exactly; the same with --accum-freq on every process (src/nn/towers_accum.c). Alone (a world of
 // one, without accumulation), the
 // data-parallel path must equal the plain one bit for bit. With the experts split over processes,
-// each process's optimizer state must hold its own experts only (check_sharded), with AdamW and
+// each process must hold its own experts' parameters and optimizer state only (check_sharded), with AdamW and
 // with LIMoE's Adafactor, and the sharded run must equal the replicated one bit for bit, rank 0's
 // gathered optimizer state included (compare_replicated). tests/test_dist_mpi.sh runs it under
 // mpirun on 2, 3 and 4 processes.

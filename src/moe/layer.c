@@ -746,9 +746,10 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
 // in that order, go to the owner in one all-to-all (variable counts), which reorders what it
 // receives from source-major to expert-major, runs its experts as one grouped call and sends
 // the outputs back the same way; combine is unchanged. Backward runs the exchanges in reverse
-// with the output gradients. The parameters stay replicated: a process writes the gradients of
-// its own experts only (the others' stay zero), so the trainer's mean over the processes is
-// the gradient of the global loss (the sum of every process's tokens' contributions over W).
+// with the output gradients. A process writes the gradients of its own experts only: with the
+// banks split (spec.split, src/nn/model.h model_shard) they are all it holds; with a bank held
+// whole, the others' stay zero, so the trainer's mean over the processes is the gradient of the
+// global loss (the sum of every process's tokens' contributions over W).
 #ifndef VLMOE_MOE_EP_ONCE
 #define VLMOE_MOE_EP_ONCE
 struct moe_ep {
