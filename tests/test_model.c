@@ -463,6 +463,101 @@ static void test_device_memory(void) {
     vlmoe_model_free(mm);
 }
 
+// Expert parallelism's sharded layout (src/nn/model.h model_shard): shard 1 of 1 is the whole
+// layout, table and initial values bit for bit; shard r of 4 of limoe-tiny (8 experts) holds
+// experts [2r, 2r + 2) of every bank: the table keeps each bank's whole shape with expert0 and
+// experts_local, the buffer is shorter by 3/4 of the experts' floats, every tensor's initial
+// values are the whole model's (a bank's: its slice); a bank keep_whole names stays whole.
+// model_reshard moves a model between the layouts; a shard refuses files and the unsplit forward.
+static int keep_fc1_bias(void *user, const vlmoe_param_info *bank) {
+    (void)user;
+    return strstr(bank->name, "fc1.bias") != NULL;
+}
+
+static void test_shard_layout(void) {
+    vlmoe_model_config c;
+    vlmoe_config_named("limoe-tiny", &c);
+    model_layout W, one, S;
+    const model_shard sh1 = {.rank = 0, .size = 1};
+    CHECK(model_layout_build(&W, &c) == VLMOE_OK && model_layout_build_shard(&one, &c, &sh1) == VLMOE_OK, "build: %s",
+          vlmoe_last_error());
+    CHECK(one.total == W.total && one.nparams == W.nparams && one.nsplit == 0 &&
+              !memcmp(one.table, W.table, sizeof(*W.table) * (size_t)W.nparams),
+          "shard 1 of 1: another table than the whole layout's");
+    float *pw = malloc(sizeof(float) * W.total), *ps = malloc(sizeof(float) * W.total);
+    CHECK(model_layout_init_params(&W, pw, 7) == VLMOE_OK, "init");
+    size_t experts = 0;
+    for (int i = 0; i < W.nparams; i++)
+        if (strstr(W.table[i].name, ".moe.experts.")) experts += W.table[i].numel;
+    CHECK(experts > 0 && c.moe.num_experts == 8, "limoe-tiny: %zu expert floats, %d experts", experts, c.moe.num_experts);
+    for (int r = 0; r < 4; r++) {
+        model_shard sh = {.rank = r, .size = 4};
+        if (r == 3) sh.keep_whole = keep_fc1_bias;
+        if (model_layout_build_shard(&S, &c, &sh)) {
+            CHECK(0, "shard %d of 4: %s", r, vlmoe_last_error());
+            continue;
+        }
+        CHECK(model_layout_init_params(&S, ps, 7) == VLMOE_OK, "init shard %d", r);
+        long wrong = 0, split = 0;
+        size_t kept = 0;
+        for (int i = 0; i < S.nparams && S.nparams == W.nparams; i++) {
+            const vlmoe_param_info *p = &S.table[i], *q = &W.table[i];
+            wrong += strcmp(p->name, q->name) || memcmp(p->shape, q->shape, sizeof(p->shape));
+            size_t from = 0;
+            if (p->experts_local) {
+                split++;
+                wrong += p->experts_local != 2 || p->expert0 != 2 * r || p->numel * 4 != q->numel;
+                from = q->numel / 8 * (size_t)p->expert0;
+            } else {
+                wrong += p->numel != q->numel;
+                if (strstr(p->name, ".moe.experts.")) kept += p->numel;
+            }
+            wrong += memcmp(ps + p->offset, pw + q->offset + from, sizeof(float) * p->numel) != 0;
+        }
+        const size_t want = W.total - (experts - kept) / 4 * 3;
+        CHECK(!wrong && split == S.nsplit && split > 0 && S.total == want && (r < 3 || kept > 0),
+              "shard %d of 4: %ld tensors wrong, %ld split, %zu floats (want %zu)", r, wrong, split, S.total, want);
+        model_layout_free(&S);
+    }
+    const model_shard bad = {.rank = 0, .size = 3};
+    CHECK(model_layout_build_shard(&S, &c, &bad) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split"),
+          "8 experts over 3: %s", vlmoe_last_error());
+    model_layout_free(&S);
+    // a model: whole -> shard 2 of 4 -> whole keeps shard 2's experts, the others zero
+    vlmoe_model *m = NULL;
+    const model_shard s2 = {.rank = 2, .size = 4};
+    int st = vlmoe_model_init(&m, &c, 7);
+    if (!st) st = vlmoe_model_plan(m, 2);
+    if (!st) st = model_reshard(m, &s2);
+    CHECK(st == VLMOE_OK && vlmoe_model_num_floats(m) < W.total, "reshard: %s", vlmoe_last_error());
+    if (!st) {
+        float *img = calloc((size_t)2 * c.channels * c.image_size * c.image_size, sizeof(float));
+        int32_t *tok = calloc((size_t)2 * c.context_length, sizeof(int32_t)), lens[2] = {3, 3};
+        vlmoe_batch b = {.images = img, .tokens = tok, .lengths = lens, .batch_size = 2};
+        CHECK(vlmoe_model_evaluate(m, &b, NULL) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "expert-parallel"),
+              "a shard's forward without its group: %s", vlmoe_last_error());
+        free(img), free(tok);
+        CHECK(vlmoe_model_save(m, "/nonexistent/never.safetensors") == VLMOE_ERR_CONFIG &&
+                  strstr(vlmoe_last_error(), "shard of the experts"), "a shard's model file: %s", vlmoe_last_error());
+        st = model_reshard(m, NULL);
+        long wrong = 0;
+        const float *x = vlmoe_model_param_data(m);
+        for (int i = 0; !st && i < W.nparams; i++) {
+            const vlmoe_param_info *q = &W.table[i];
+            const int bank = strstr(q->name, ".moe.experts.") != NULL;
+            for (size_t k = 0; k < q->numel; k++) {
+                const int mine = !bank || k / (q->numel / 8) / 2 == 2;
+                wrong += mine ? x[q->offset + k] != pw[q->offset + k] : x[q->offset + k] != 0.0f;
+            }
+        }
+        CHECK(!st && vlmoe_model_num_floats(m) == W.total && !wrong, "back to whole: %s, %ld floats wrong",
+              st ? vlmoe_last_error() : "ok", wrong);
+    }
+    vlmoe_model_free(m);
+    model_layout_free(&W), model_layout_free(&one);
+    free(pw), free(ps);
+}
+
 int main(void) {
     test_device_memory();
     vlmoe_model_config c1 = small(VLMOE_ARCH_ONE_TOWER), c2 = small(VLMOE_ARCH_TWO_TOWER);
@@ -473,5 +568,6 @@ int main(void) {
     test_entropy_tau();
     test_float_vs_double();
     test_save_load();
+    test_shard_layout();
     return test_summary("test_model");
 }
