@@ -4,15 +4,11 @@
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
 // forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
 // own memory) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
-<<<<<<< HEAD
-// (src/ops/backend_cpu.c) where the CPU has bf16 instructions; tests/test_bf16.c. --precision
-// int8 (inference) quantizes the model's MLP and expert weights once and runs them on a cpu-int8
-// table of the model's own where the CPU has VNNI; tests/test_int8.c.
-#include <stdlib.h>
-=======
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
->>>>>>> cudabf16
+// --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
+// a cpu-int8 table of the model's own where the CPU has VNNI; tests/test_int8.c.
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
@@ -87,41 +83,30 @@ static int int8_build(const vlmoe_model *m, struct model_int8 **out) {
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     *fell_back = 0;
     const vlmoe_backend_f32 *cpu = backend_cpu_f32(), *bf16 = backend_cpu_bf16();
-<<<<<<< HEAD
-    const int on_cpu = m->be == cpu || m->be == bf16 || m->int8;
-    if (!name || !strcmp(name, "fp32"))
-        return m->be != cpu && on_cpu ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
-    const int int8 = !strcmp(name, "int8");
-    if (strcmp(name, "bf16") && !int8)
+    const int want16 = name && !strcmp(name, "bf16"), int8 = name && !strcmp(name, "int8");
+    if (name && !want16 && !int8 && strcmp(name, "fp32"))
         return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32, bf16 or int8", name);
-    if (!on_cpu)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision %s: the %s backend computes in fp32 only; use "
-                          "--precision fp32 there", name, m->be->name);
-    if (!int8) {
-        if (!gemm_bf16_native()) {
-            *fell_back = 1;
-            return VLMOE_OK;
-        }
-        return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
-=======
-    const int want16 = name && !strcmp(name, "bf16");
-    if (name && !want16 && strcmp(name, "fp32"))
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32 or bf16", name);
     // on a CUDA device (the model owns its table): the table's bf16 twin, or back to the table
     if (m->owned_be) {
+        if (int8)
+            return vlmoe_fail(VLMOE_ERR_ARG, "--precision int8: the %s backend has no int8 products; use "
+                              "--precision fp32 or bf16 there", m->owned_be->name);
         const vlmoe_backend_f32 *to = m->owned_be;
         int st = want16 ? backend_cuda_bf16(&to, m->owned_be) : VLMOE_OK;
         if (st) return st;
         return to == m->be ? VLMOE_OK : model_set_backend(m, to, m->owned_be);
     }
-    if (!want16) return m->be == bf16 ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
-    if (m->be != cpu && m->be != bf16)
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision bf16: the %s backend computes in fp32 only; use "
-                          "--precision fp32 there", m->be->name);
-    if (!gemm_bf16_native()) {
-        *fell_back = 1;
-        return VLMOE_OK;
->>>>>>> cudabf16
+    const int on_cpu = m->be == cpu || m->be == bf16 || m->int8;
+    if (!want16 && !int8) return m->be != cpu && on_cpu ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
+    if (!on_cpu)
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision %s: the %s backend computes in fp32 only; use "
+                          "--precision fp32 there", name, m->be->name);
+    if (want16) {
+        if (!gemm_bf16_native()) {
+            *fell_back = 1;
+            return m->be == cpu ? VLMOE_OK : model_set_backend(m, cpu, NULL);
+        }
+        return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
     }
     if (!gemm_int8_native()) {
         *fell_back = 1;
@@ -158,12 +143,8 @@ int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend
     drop_device(m);
     vlmoe_backend_f32 *old = m->owned_be;
     m->be = be, m->owned_be = owned;
-<<<<<<< HEAD
-    backend_cuda_free(old);
-    if (m->int8 && be != &m->int8->table) int8_free(m->int8), m->int8 = NULL;
-=======
     if (old != owned) backend_cuda_free(old); // kept when be is old's bf16 twin (or old itself)
->>>>>>> cudabf16
+    if (m->int8 && be != &m->int8->table) int8_free(m->int8), m->int8 = NULL;
     if (!be->host_memory) {
         const size_t bytes = sizeof(float) * m->L.total;
         m->d_params = be->alloc(be, bytes, "parameters on the device");

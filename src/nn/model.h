@@ -351,15 +351,12 @@ int model_set_frozen_towers(vlmoe_model *m, int image, int text);
 int model_set_device(vlmoe_model *m, const char *name);
 // --precision: "fp32" (the default) or "bf16" (src/nn/device.c; after model_set_device). bf16
 // runs the products of linear layers and experts in bf16 on a CPU that has it natively; on one
-<<<<<<< HEAD
 // that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so). "int8"
 // (inference: vlmoe_model_forward refuses to train) quantizes the MLP and expert weights as they
 // are now and runs those products in int8 on a CPU with VNNI (else fp32, *fell_back 1); weights
 // changed later are not seen until it is set again.
-=======
-// that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so). On a CUDA
-// device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32 goes back.
->>>>>>> cudabf16
+// On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32
+// goes back; int8 is refused there.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
 
 #endif
