@@ -421,8 +421,8 @@ static void device_memory_check(const char *name) {
 // 2,1,1, their MIM and MLM masks, drop path 0.1, 4 forwards and one update a step) must equal the
 // host table's bit for bit: losses, the train record (per-stream losses and accuracies, each
 // stream's routing from an eval forward), the gradient norms and every parameter; then the eval
-// paths the CLI offers with --device: hidden states, a retrieval head's embeddings (vlmoe embed,
-// eval, classify) and ITM scores (vlmoe eval's ITM recall), with no host pointer handed to an op.
+// paths: hidden states, a retrieval head's embeddings (vlmoe_model_encode_*), ITM scores (ITM
+// recall), a retrieval + ITM step, class scores and captions, with no host pointer handed to an op.
 static void mome_device_check(void) {
     vlmoe_backend_f32 dev = sep_table();
     vlmoe_model_config c;
@@ -502,6 +502,35 @@ static void mome_device_check(void) {
         if (!st) st = vlmoe_mome_itm_scores(h[k], img, tok, len, B, out[k]);
     }
     CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * B), "vlmoe-tiny: ITM scores differ: %s", vlmoe_last_error());
+    // the library's other paths: a retrieval + ITM fine-tuning step (the mining reads the
+    // embeddings back), class scores, greedy captions
+    vlmoe_mome_stats ms[2];
+    vlmoe_step_stats ss[2];
+    const vlmoe_mome_batch pb = {.encoding = VLMOE_ENC_PAIR, .batch_size = B, .images = img, .tokens = tok,
+                                 .lengths = len};
+    for (int k = 0; k < 2 && !st; k++) {
+        vlmoe_trainer *ti = NULL;
+        st = vlmoe_trainer_init(&ti, h[k], &tp);
+        if (!st) st = vlmoe_trainer_step_mome_itm(ti, &pb, 5, &ms[k], &ss[k]);
+        vlmoe_trainer_free(ti);
+    }
+    CHECK(!st && ms[0].itc == ms[1].itc && ms[0].itm == ms[1].itm && ss[0].grad_norm == ss[1].grad_norm &&
+              !memcmp(h[0]->params, h[1]->params, sizeof(float) * h[0]->L.total),
+          "vlmoe-tiny: a retrieval + ITM step differs (itc %.17g / %.17g, itm %.17g / %.17g): %s", ms[0].itc, ms[1].itc,
+          ms[0].itm, ms[1].itm, vlmoe_last_error());
+    for (int k = 0; k < 2; k++) vlmoe_model_free(h[k]), h[k] = NULL;
+    for (int k = 0; k < 2 && !st; k++) {
+        st = vlmoe_mome_with_head(&h[k], m[0], 3, 9);
+        if (!st && k) st = model_set_backend(h[k], &dev, NULL);
+        if (!st) st = vlmoe_mome_logits(h[k], VLMOE_ENC_IMAGE, img, NULL, NULL, B, out[k]);
+    }
+    CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * 3 * B), "vlmoe-tiny: class scores differ: %s",
+          vlmoe_last_error());
+    int32_t cap[2][2 * 16 + 2];
+    const vlmoe_caption_params cp = {.bos = 1, .eos = 2, .max_len = 5};
+    for (int k = 0; k < 2 && !st; k++) st = vlmoe_mome_caption(m[k], img, 2, &cp, cap[k], cap[k] + 2 * T);
+    CHECK(T <= 16 && !st && !memcmp(cap[0], cap[1], sizeof(int32_t) * (2 * T + 2)), "vlmoe-tiny: captions differ: %s",
+          vlmoe_last_error());
     CHECK(sep_stray == 0, "vlmoe-tiny: %d host pointers handed to a table without host memory; first: %s", sep_stray,
           sep_first);
     for (int k = 0; k < 2; k++) {
