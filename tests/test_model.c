@@ -3,7 +3,9 @@
 // along random directions, and one per parameter tensor so a failure names the tensor. Also:
 // the encode / contrastive-step split matches the whole forward bit for bit, config parsing
 // errors, named configs, save/load round trip, bad checkpoints, float forward
-// matches double forward, and batch-of-one encodings equal batch-of-many.
+// matches double forward, and batch-of-one encodings equal batch-of-many. On a table without host
+// memory (tests/sep_mem.h, every op's pointers checked): each MoE kind's towers and VL-MoE's
+// pre-training, eval and fine-tuning paths equal the CPU table bit for bit.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
