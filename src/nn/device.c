@@ -2,8 +2,9 @@
 // build opens the device's backend table (src/cuda/) and a build without CUDA=1 says how to make
 // one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
-// forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
-// own memory) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
+// forward; gradients come back by download. Both architectures: the towers and VL-MoE (arch
+// mome). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
+// an op is handed) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
 // --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
@@ -132,13 +133,9 @@ static void drop_device(vlmoe_model *m) {
 }
 
 int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned) {
-    if (m->L.arch != &model_arch_towers && !be->host_memory) {
-        if (owned != m->owned_be) backend_cuda_free(owned);
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': VL-MoE models run on the CPU only for now (the %s backend "
-                          "has no host memory)", m->L.cfg.name, be->name);
-    }
     // the graphs were planned on the old table: plan again on the new one at the next forward
-    m->L.arch->free(m);
+    if (m->L.arch->drop_graphs) m->L.arch->drop_graphs(m);
+    else m->L.arch->free(m);
     m->planned_B = 0, m->have_forward = 0;
     drop_device(m);
     vlmoe_backend_f32 *old = m->owned_be;
