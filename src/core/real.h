@@ -56,8 +56,10 @@ static inline real vexp(real x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const float h = floorf(n * 0.5f);                           // [-75, 64]
-    uint32_t b1 = (uint32_t)((int32_t)h + 127) << 23, b2 = (uint32_t)((int32_t)(n - h) + 127) << 23;
+    // h = floor(n / 2) in integers: floorf would keep GCC from vectorising the loops that call
+    // this (it may raise "inexact", which -ftrapping-math, the default, must preserve)
+    const int32_t ni = (int32_t)n, h = (ni - (ni & 1)) / 2;    // [-75, 64]
+    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
     float s1, s2;
     memcpy(&s1, &b1, sizeof(s1));
     memcpy(&s2, &b2, sizeof(s2));
