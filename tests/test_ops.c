@@ -337,8 +337,71 @@ static void test_linear_rows(void) {
     CHECK(same, "a row alone and the same row in a batch of %d differ", N);
 }
 
+// The MLP's fused first layer against the unfused ops, in float: a = act(h) and dh = (dy.w)
+// act'(h) to the bit for the same h, h within rounding of linear_forward (the bias goes in
+// after the product instead of before), and the backward's dw, db as linear_backward's. Two
+// shapes: products split into row blocks (N > O) and into column blocks (O > N), several of each.
+static void fused_case(int N, int K, int O, int act) {
+    const size_t nh = (size_t)N * O;
+    float *x = malloc(sizeof(float) * N * K), *w = malloc(sizeof(float) * O * K), *b = malloc(sizeof(float) * O);
+    float *h = malloc(sizeof(float) * nh), *a = malloc(sizeof(float) * nh), *h0 = malloc(sizeof(float) * nh);
+    float *a0 = malloc(sizeof(float) * nh), *dy = malloc(sizeof(float) * N * K), *g = calloc(nh, sizeof(float));
+    float *dh = malloc(sizeof(float) * nh), *dh0 = calloc(nh, sizeof(float)), *ar = malloc(sizeof(float) * nh);
+    float *dw = calloc((size_t)K * O, sizeof(float)), *dw0 = calloc((size_t)K * O, sizeof(float));
+    float *db = calloc((size_t)K, sizeof(float)), *db0 = calloc((size_t)K, sizeof(float));
+    for (int i = 0; i < N * K; i++) x[i] = (float)vlmoe_rng_normal(&rng), dy[i] = (float)vlmoe_rng_normal(&rng);
+    for (int i = 0; i < O * K; i++) w[i] = (float)(0.2 * vlmoe_rng_normal(&rng));
+    for (int i = 0; i < O; i++) b[i] = (float)vlmoe_rng_normal(&rng);
+    linear_act_forward_f32(h, a, x, w, b, N, K, O, act);
+    linear_forward_f32(h0, x, w, b, N, K, O, 0);
+    act_forward_f32(a0, h, nh, act);
+    double herr = 0;
+    for (size_t i = 0; i < nh; i++) herr = fmax(herr, fabs(h[i] - h0[i]) / (1 + fabs(h0[i])));
+    CHECK(herr < 1e-5, "linear_act_forward %dx%dx%d act %d: h differs from linear_forward by %.3g", N, K, O, act, herr);
+    CHECK(!memcmp(a, a0, sizeof(float) * nh), "linear_act_forward %dx%dx%d act %d: a is not act_forward(h)", N, K, O, act);
+    // backward through a second layer w2 (K,O): dy (N,K)
+    act_linear_backward_f32(dh, ar, dw, db, dy, h, w, N, O, K, act);
+    linear_backward_f32(g, dw0, db0, dy, a0, w, N, O, K);
+    act_backward_f32(dh0, h, g, nh, act);
+    CHECK(!memcmp(ar, a0, sizeof(float) * nh), "act_linear_backward %dx%dx%d act %d: a is not act(h)", N, K, O, act);
+    CHECK(!memcmp(dh, dh0, sizeof(float) * nh), "act_linear_backward %dx%dx%d act %d: dh differs from the unfused ops", N, K, O, act);
+    CHECK(!memcmp(dw, dw0, sizeof(float) * K * O) && !memcmp(db, db0, sizeof(float) * K),
+          "act_linear_backward %dx%dx%d act %d: dw or db differ from linear_backward", N, K, O, act);
+    free(x), free(w), free(b), free(h), free(a), free(h0), free(a0), free(dy), free(g), free(dh), free(dh0), free(ar);
+    free(dw), free(dw0), free(db), free(db0);
+}
+
+// The same in double against finite differences of the composition, and the shapes above.
+typedef struct { double *h, *a, *x, *w, *b, *w2, *r; int N, K, O, act; } mlp_ctx;
+static double mlp_loss(void *p) {
+    mlp_ctx *c = p;
+    double y[12];
+    linear_act_forward_f64(c->h, c->a, c->x, c->w, c->b, c->N, c->K, c->O, c->act);
+    linear_forward_f64(y, c->a, c->w2, NULL, c->N, c->O, c->K, 0);
+    return dot(y, c->r, (size_t)c->N * c->K);
+}
+static void test_fused_mlp(void) {
+    for (int act = 0; act < 3; act++) {
+        fused_case(1100, 9, 30, act);
+        fused_case(7, 11, 1100, act);
+        mlp_ctx c = {zeros(15), zeros(15), randv(12, 1), randv(20, 0.7), randv(5, 0.5), randv(20, 0.7), randv(12, 1),
+                     3, 4, 5, act};
+        mlp_loss(&c);
+        double *dh = zeros(15), *ar = zeros(15), *dw2 = zeros(20), *dx = zeros(12), *dw = zeros(20), *db = zeros(5);
+        act_linear_backward_f64(dh, ar, dw2, NULL, c.r, c.h, c.w2, 3, 5, 4, act);
+        linear_backward_f64(dx, dw, db, dh, c.x, c.w, 3, 4, 5);
+        fd_check("fused mlp dx", mlp_loss, &c, c.x, dx, 12);
+        fd_check("fused mlp dw1", mlp_loss, &c, c.w, dw, 20);
+        fd_check("fused mlp db1", mlp_loss, &c, c.b, db, 5);
+        fd_check("fused mlp dw2", mlp_loss, &c, c.w2, dw2, 20);
+        free(c.h), free(c.a), free(c.x), free(c.w), free(c.b), free(c.w2), free(c.r);
+        free(dh), free(ar), free(dw2), free(dx), free(dw), free(db);
+    }
+}
+
 int main(void) {
     vlmoe_rng_seed(&rng, 42);
+    test_fused_mlp();
     test_vexp();
     test_linear_rows();
     test_linear();
