@@ -427,6 +427,8 @@ static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfini
             const size_t a = (size_t)k * per < n ? (size_t)k * per : n;
             const size_t b = a + per < n ? a + per : n;
             double acc = 0;
+            // vector lanes, then their total: a fixed order still, whatever the thread count
+#pragma omp simd reduction(+ : acc)
             for (size_t i = a; i < b; i++) acc += (double)x[i] * x[i];
             part[k] = acc;
             bad[k] = !isfinite(acc);

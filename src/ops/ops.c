@@ -144,23 +144,21 @@ static void colsums(real *sg, real *sgx, const real *g, const real *x, const rea
     }
 }
 
+// out += b over a block of out, by the thread that just computed it
+static void epi_bias(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
+    const real *b = e->b + c0;
+    for (int r = r0; r < r0 + nr; r++) {
+        real *o = C + (size_t)r * ldc + c0;
+#pragma omp simd
+        for (int j = 0; j < nc; j++) o[j] += b[j];
+    }
+}
+
 static void linear_fwd(int bf16, real *out, const real *inp, const real *w, const real *b, int N,
                        int K, int O, int beta) {
-    // the bias goes in before the product (the GEMM then adds into it): one pass over out less
-    if (b) {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            real *o = out + (size_t)n * O;
-            if (beta) {
-#pragma omp simd
-                for (int j = 0; j < O; j++) o[j] += b[j];
-            } else {
-                memcpy(o, b, sizeof(real) * O);
-            }
-        }
-    }
-    // out = inp . w^T: row-major (N,K) x (O,K)^T
-    gemm_p(bf16, 0, 1, N, O, K, inp, K, w, K, beta || b ? 1 : 0, out, O);
+    // out = inp . w^T: row-major (N,K) x (O,K)^T; the bias added to each block while in cache
+    const gemm_epi e = {.run = epi_bias, .b = b};
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
 }
 
 static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
@@ -431,6 +429,7 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
             for (int i = 0; i < T; i++) {
                 real *row = a + (size_t)i * T, mx = -INFINITY, s = 0;
                 const int nk = key_limit(i, len, seg->causal, seg->prefix);
+#pragma omp simd reduction(max : mx)
                 for (int j = 0; j < nk; j++) mx = row[j] > mx ? row[j] : mx;
 #pragma omp simd reduction(+ : s)
                 for (int j = 0; j < nk; j++) s += (row[j] = vexp(row[j] - mx));
