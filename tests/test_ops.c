@@ -321,6 +321,29 @@ static void test_vexp(void) {
     CHECK(isnan(vexp(NAN)) && isnan(vexp(-NAN)), "vexp(NaN) %g: a NaN must come out a NaN", vexp(NAN));
 }
 
+// verf (real.h) against erf in double, over the line and near 0 where its relative error
+// matters most; erff's own error printed beside it. GELU (erf) in float computes with it.
+static void test_verf(void) {
+    double worst = 0, worst_libm = 0;
+    float at = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (float x = pass ? 1e-30f : -7.0f; pass ? x < 1.0f : x < 7.0f; x = pass ? x * 1.013f : x + 0.000371f) {
+            const double want = erf((double)x);
+            const float fw = (float)want;
+            const double ulp = fw == 0 ? 1e-45 : fabs((double)nextafterf(fw, INFINITY) - fw);
+            const double e = fabs((double)verf(x) - want) / ulp, el = fabs((double)erff(x) - want) / ulp;
+            if (e > worst) worst = e, at = x;
+            if (el > worst_libm) worst_libm = el;
+        }
+    }
+    printf("verf: worst %.2f ulp from erf on [-7, 7] and (1e-30, 1) (at %g); erff %.2f ulp\n", worst, at, worst_libm);
+    CHECK(worst <= 1.5, "verf within 1.5 ulp of erf: worst %.2f ulp at %g", worst, at);
+    CHECK(verf(INFINITY) == 1 && verf(-INFINITY) == -1 && verf(1e30f) == 1 && verf(-4.5f) == -1 && verf(0) == 0,
+          "verf(+-inf, 1e30, -4.5, 0) = %g %g %g %g %g", verf(INFINITY), verf(-INFINITY), verf(1e30f), verf(-4.5f),
+          verf(0));
+    CHECK(isnan(verf(NAN)), "verf(NaN) = %g: a NaN must come out a NaN", verf(NAN));
+}
+
 // A row's linear output does not depend on how many rows go with it (batch-size invariance).
 static void test_linear_rows(void) {
     enum { K = 37, O = 29, N = 6 };
@@ -403,6 +426,7 @@ int main(void) {
     vlmoe_rng_seed(&rng, 42);
     test_fused_mlp();
     test_vexp();
+    test_verf();
     test_linear_rows();
     test_linear();
     test_layernorm();

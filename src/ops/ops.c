@@ -254,7 +254,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
 #define INV_SQRT_2PI 0.3989422804014327
 
 // GELU (tanh) and quick GELU are x * sigmoid(c(x)): 0.5 (1 + tanh(u)) = sigmoid(2u). Written so,
-// each costs one vexp and vectorises; GELU (erf) keeps libm's erf. The unfused ops and the
+// each costs one vexp and vectorises; GELU (erf) uses verf (src/core/real.h), which does too. The unfused ops and the
 // fused ones below share these, so both give the same bits for the same pre-activation.
 #pragma omp declare simd
 static inline real gelu_arg(real x, int kind) {
@@ -263,8 +263,8 @@ static inline real gelu_arg(real x, int kind) {
 }
 
 // The activations one element at a time: GELU (erf) apart from the sigmoid forms, so each loop
-// below holds one of them without a branch and vectorises (`omp simd`; erf stays libm's call).
-static inline real gelu_erf1(real x) { return (real)0.5 * x * (1 + RERF(x * (real)INV_SQRT_2)); }
+// below holds one of them without a branch and vectorises (`omp simd`; erf is real.h's verf).
+static inline real gelu_erf1(real x) { return (real)0.5 * x * (1 + verf(x * (real)INV_SQRT_2)); }
 
 #pragma omp declare simd uniform(kind)
 static inline real act_sig1(real x, int kind) { return x / (1 + vexp(-gelu_arg(x, kind))); }
@@ -272,9 +272,9 @@ static inline real act_sig1(real x, int kind) { return x / (1 + vexp(-gelu_arg(x
 // act'(x), with act(x) itself in *a: the backward needs both, and they share the erf or exp.
 // For the sigmoid forms, d/dx [x s(c(x))] = s + x s (1 - s) c'(x).
 static inline real gelu_erf_grad1(real x, real *a) {
-    const real ef = RERF(x * (real)INV_SQRT_2);
+    const real ef = verf(x * (real)INV_SQRT_2);
     *a = (real)0.5 * x * (1 + ef); // gelu_erf1's expression: the same bits
-    return (real)0.5 * (1 + ef) + x * (real)INV_SQRT_2PI * REXP((real)-0.5 * x * x);
+    return (real)0.5 * (1 + ef) + x * (real)INV_SQRT_2PI * vexp((real)-0.5 * x * x);
 }
 
 static inline real act_sig_grad1(real x, int kind, real *a) {
