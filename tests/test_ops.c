@@ -321,6 +321,37 @@ static void test_vexp(void) {
     CHECK(isnan(vexp(NAN)) && isnan(vexp(-NAN)), "vexp(NaN) %g: a NaN must come out a NaN", vexp(NAN));
 }
 
+// Attention in float against double at sizes on both sides of ATT_KT_MAX (src/ops/ops.c: heads
+// of T hd <= 16384 floats take the scores from a transposed copy of k, larger ones read k
+// transposed): out and dqkv within float rounding of the double kernels.
+static void att_f32_case(int T, int D, int H, int causal) {
+    const size_t nq = (size_t)2 * T * 3 * D, no = (size_t)2 * T * D, na = (size_t)2 * H * T * T;
+    double *qkv = randv(nq, 1), *g = randv(no, 1), *out = zeros(no), *att = zeros(na), *da = zeros(na), *dq = zeros(nq);
+    float *fq = malloc(sizeof(float) * nq), *fg = malloc(sizeof(float) * no), *fo = calloc(no, sizeof(float));
+    float *fa = calloc(na, sizeof(float)), *fda = calloc(na, sizeof(float)), *fdq = calloc(nq, sizeof(float));
+    for (size_t i = 0; i < nq; i++) fq[i] = (float)qkv[i];
+    for (size_t i = 0; i < no; i++) fg[i] = (float)g[i];
+    for (size_t i = 0; i < nq; i++) qkv[i] = fq[i];
+    for (size_t i = 0; i < no; i++) g[i] = fg[i];
+    const attn_segment seg = {.tok_off = 0, .nseq = 2, .seqlen = T, .causal = causal};
+    attention_forward_f64(out, att, qkv, &seg, D, H);
+    attention_forward_f32(fo, fa, fq, &seg, D, H);
+    attention_backward_f64(dq, da, g, qkv, att, &seg, D, H);
+    attention_backward_f32(fdq, fda, fg, fq, fa, &seg, D, H);
+    double eo = 0, ed = 0;
+    for (size_t i = 0; i < no; i++) eo = fmax(eo, fabs(fo[i] - out[i]) / (1 + fabs(out[i])));
+    for (size_t i = 0; i < nq; i++) ed = fmax(ed, fabs(fdq[i] - dq[i]) / (1 + fabs(dq[i])));
+    CHECK(eo < 1e-5 && ed < 1e-4, "attention T %d D %d H %d causal %d: float vs double out %.3g, dqkv %.3g", T, D, H,
+          causal, eo, ed);
+    free(qkv), free(g), free(out), free(att), free(da), free(dq), free(fq), free(fg), free(fo), free(fa), free(fda), free(fdq);
+}
+static void test_attention_f32(void) {
+    att_f32_case(65, 256, 4, 0);  // bench-s's image heads: the transposed copy
+    att_f32_case(16, 256, 4, 1);
+    att_f32_case(300, 128, 2, 0); // T hd = 19200: k read transposed
+    att_f32_case(300, 128, 2, 1);
+}
+
 // verf (real.h) against erf in double, over the line and near 0 where its relative error
 // matters most; erff's own error printed beside it. GELU (erf) in float computes with it.
 static void test_verf(void) {
@@ -432,6 +463,7 @@ int main(void) {
     test_layernorm();
     test_activations();
     test_attention();
+    test_attention_f32();
     test_embeddings();
     test_pool_l2();
     test_contrastive();

@@ -411,6 +411,28 @@ static inline int key_limit(int i, int len, int causal, int prefix) {
     return causal && k < len ? k : len;
 }
 
+// One head's keys (or values), T rows of hd at stride ld, transposed into kt (hd, T): oneDNN's
+// sgemm runs q.kt as a plain product in about 0.8x the time of q.k^T with k read transposed at
+// attention's small shapes (T = 65, hd = 64), the copy included. Heads whose copy would not fit
+// the stack buffer (T hd > ATT_KT_MAX) keep the transposed read; either way the choice depends
+// only on the shapes, never on the thread count.
+#define ATT_KT_MAX 16384
+static void head_transpose(real *kt, const real *k, int T, int hd, int ld) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) kt[(size_t)d * T + j] = k[(size_t)j * ld + d];
+}
+
+// S (T,T) = alpha x . y^T for one head: x, y (T, hd) at strides ldx, ld
+static void head_scores(real *S, const real *x, int ldx, const real *y, int T, int hd, int ld, real alpha) {
+    if ((size_t)T * hd <= ATT_KT_MAX) {
+        real yt[ATT_KT_MAX];
+        head_transpose(yt, y, T, hd, ld);
+        gemm1(0, 0, T, T, hd, alpha, x, ldx, yt, T, 0, S, T);
+    } else {
+        gemm1(0, 1, T, T, hd, alpha, x, ldx, y, ld, 0, S, T);
+    }
+}
+
 // Attention of one (sequence, head) as matrix products on the strided q/k/v columns of the
 // qkv buffer: scores = scale q k^T, masked row softmax (masked probabilities are exactly 0, so
 // they add nothing below), out = p v. Each (sequence, head) owns its rows of att and its
@@ -425,7 +447,7 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
             const int len = seg->lens ? seg->lens[b] : T;
             const real *q = qkv + (seg->tok_off + (size_t)b * T) * ld + h * hd;
             real *a = att + (((size_t)b * H + h) * T) * T;
-            gemm1(0, 1, T, T, hd, scale, q, ld, q + D, ld, 0, a, T);
+            head_scores(a, q, ld, q + D, T, hd, ld, scale);
             for (int i = 0; i < T; i++) {
                 real *row = a + (size_t)i * T, mx = -INFINITY, s = 0;
                 const int nk = key_limit(i, len, seg->causal, seg->prefix);
@@ -456,7 +478,7 @@ void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real 
             real *dq = dqkv + t0 * ld + h * hd;
             const real *a = att + (((size_t)b * H + h) * T) * T;
             real *da = datt + (((size_t)b * H + h) * T) * T;
-            gemm1(0, 1, T, T, hd, 1, g, D, q + 2 * D, ld, 0, da, T);
+            head_scores(da, g, D, q + 2 * D, T, hd, ld, 1);
             gemm1(1, 0, T, hd, T, 1, a, T, g, D, 1, dq + 2 * D, ld);
             for (int i = 0; i < T; i++) {
                 const real *p = a + (size_t)i * T;
