@@ -90,7 +90,9 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
                 } else if (bf16_matmul(M, n, K, ah, bh + (size_t)o * (tb ? K : 1), bs_k, bs_n, beta, C + o, ldc)) {
                     gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o, ldc);
                 }
-                if (epi) epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o, split_rows ? N : n);
+                if (epi)
+                    epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
+                             split_rows ? N : n);
             }
         }
         return;
@@ -107,7 +109,9 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
             else
                 gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o,
                       ldc);
-            if (epi) epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o, split_rows ? N : n);
+            if (epi)
+                epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
+                         split_rows ? N : n);
         }
     }
 }
@@ -254,8 +258,9 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
 #define INV_SQRT_2PI 0.3989422804014327
 
 // GELU (tanh) and quick GELU are x * sigmoid(c(x)): 0.5 (1 + tanh(u)) = sigmoid(2u). Written so,
-// each costs one vexp and vectorises; GELU (erf) uses verf (src/core/real.h), which does too. The unfused ops and the
-// fused ones below share these, so both give the same bits for the same pre-activation.
+// each costs one vexp and vectorises; GELU (erf) uses verf (src/core/real.h), which does too.
+// The unfused ops and the fused ones below share these helpers, so both give the same bits for
+// the same pre-activation.
 #pragma omp declare simd
 static inline real gelu_arg(real x, int kind) {
     return kind == VLMOE_ACT_GELU_TANH ? (real)(2 * SQRT_2_OVER_PI) * (x + (real)0.044715 * x * x * x)
