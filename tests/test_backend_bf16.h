@@ -264,7 +264,8 @@ static void case16_experts(bctx *c) {
         // db1 sums dh unrounded: its drift counts as it is
         add_colsum(S[1] + (size_t)e * M, F[1] + (size_t)e * M, dhe, ddh + (size_t)o * M, k, M);
     }
-    check16(c, "da", tda, da, Sda, NULL, D, nrm);
+    // da and dh are the bank's scratch (backend.h): the CPU tables fuse act' into the da product and
+    // leave act(h) in da, so neither is compared; dx and the weight gradients are the bank's results
     check16(c, "dx", tdx, dx, Sdx, Fdx, M, nrd);
     const char *names[4] = {"dw1", "db1", "dw2", "db2"};
     for (int i = 0; i < 4; i++) check16(c, names[i], tdw[i], dw[i], S[i], F[i], R, nw[i]);
