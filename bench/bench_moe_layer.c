@@ -44,7 +44,7 @@ int main(int argc, char **argv) {
     mc.noise_std = 1.0;
     mc.aux_weight[VLMOE_AUX_IMPORTANCE] = mc.aux_weight[VLMOE_AUX_LOAD] = 0.01;
     size_t off = 0;
-    moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0};
+    moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     sp.router_w = off, off += (size_t)E * D;
     sp.w1 = off, off += (size_t)E * M * D;
     sp.b1 = off, off += (size_t)E * M;

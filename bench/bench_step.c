@@ -3,7 +3,8 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
-// [--precision fp32|bf16] [--device cpu|cuda[:N]]
+// [--precision fp32|bf16] [--device cpu|cuda[:N]]  (bf16 with cuda: the cuda-bf16 table, named in
+// the "matmul" field, src/cuda/bf16_cuda.cu)
 // Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
 // compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
 #include <math.h>

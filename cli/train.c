@@ -303,7 +303,7 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                                         "trainable (counted as for the image tower)"},
         {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu)"},
         {"precision", ARG_STRING, &a.precision, "fp32|bf16", "bf16: linear and expert products in bf16 on a CPU "
-                                                            "with AVX512_BF16 or AMX; master weights, optimizer, "
+                                                            "with AVX512_BF16 or AMX or on --device cuda; master weights, optimizer, "
                                                             "router, norms and losses stay fp32 (default fp32)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
         {"max-image-pixels", ARG_LONG1, &max_pixels, "N", CLI_MAX_PIXELS_HELP},

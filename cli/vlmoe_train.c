@@ -108,6 +108,7 @@ static cJSON *run_params(const mome_args *a, const int w[3], const vlmoe_mome_sp
                          (double)a->save_every, a->keep, a->log_every, a->workers, a->max_bad, omp_get_max_threads()};
     for (int i = 0; i < 15; i++) cJSON_AddNumberToObject(p, nk[i], nv[i]);
     cJSON_AddNumberToObject(p, "drop_path", a->drop_path);
+    cJSON_AddStringToObject(p, "device", a->device ? a->device : "cpu");
     // the augmentations of image files (null where a stream is synthetic: mome_open_data then
     // augments nothing)
     const int files = !synthetic(sp);
@@ -273,6 +274,8 @@ int cmd_train_mome(int argc, char **argv) {
         {"resume-allow-changes", ARG_FLAG, &a.allow_changes, NULL, "--resume with flags that differ from the run's "
                                                                      "params.json (each logged; else an error)"},
         {"threads", ARG_INT, &a.threads, "N", "worker threads (default: OMP_NUM_THREADS or all cores)"},
+        {"device", ARG_STRING, &a.device, "cpu|cuda[:N]", "where the model trains (default cpu; the optimizer and "
+                                                          "checkpoints keep the host's copy)"},
         {"report-every", ARG_LONG, &a.report_every, "N", "write LOGS/NAME/report.html (vlmoe report) at the first log "
                                                          "step of every N steps and at the end (default 0: never)"},
         {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files of the metrics to "
@@ -298,7 +301,7 @@ int cmd_train_mome(int argc, char **argv) {
                                  "run instead", val_flags[k]);
         }
     static const char *const contrastive[] = {"pretrained", "preset", "zeroshot-frequency", "eval-samples",
-                                              "expert-parallel", "device", "image-size", "context-length", NULL};
+                                              "expert-parallel", "image-size", "context-length", NULL};
     if (cli_reject_flags(CMD, argc, argv, contrastive, "applies to contrastive models (one_tower, two_tower), not "
                          "VL-MoE (arch mome) pre-training"))
         return 1;
@@ -320,6 +323,12 @@ int cmd_train_mome(int argc, char **argv) {
         return cli_error(CMD, "--lock-%s: model '%s' is VL-MoE (arch mome): one transformer runs images and texts, so "
                          "there is no separate tower to lock (LiT needs a two_tower model such as tiny-clip, ViT-B-32 or "
                          "ViT-B-16)", a.lock[0] || a.lock[1] ? "image" : "text", a.model);
+    if (a.device) { // a device that cannot be opened stops the run before anything is read or written
+        const vlmoe_backend_f32 *be;
+        vlmoe_backend_f32 *owned = NULL;
+        if (backend_by_name(&be, &owned, a.device)) return cli_error(CMD, "--device: %s", vlmoe_last_error());
+        backend_cuda_free(owned);
+    }
     if (!a.codebook && !a.resume)
         return cli_error(CMD, "--codebook FILE is required: the MIM targets (make one with `vlmoe vq train`; a resumed "
                          "run takes its checkpoint's)");

@@ -14,6 +14,7 @@ typedef struct {
     const char *model, *codebook, *logs, *name, *mix, *image_data, *text_data, *resume;
     const char *dataset_type, *csv_separator, *tokenizer, *image_mean, *image_std;
     const char *upsampling;      // --train-data-upsampling-factors
+    const char *device;          // --device cpu|cuda[:N] (NULL: cpu)
     int batch, log_every, keep, workers, threads, allow_changes, resampled;
     long steps, seed, save_every, save_epochs, epochs, num_samples;
     double max_bad;

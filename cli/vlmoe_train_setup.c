@@ -140,7 +140,7 @@ static int record_inputs(const vlmoe_mome_params *p, const char *ckpt, mome_cli 
 int mome_setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlmoe_mome_params *p, mome_cli *r) {
     if (!a->resume) {
         if (vlmoe_model_init(&r->m, &r->cfg, (uint64_t)a->seed) || vlmoe_model_set_drop_path(r->m, a->drop_path) ||
-            vlmoe_trainer_init(&r->t, r->m, tp) ||
+            (a->device && model_set_device(r->m, a->device)) || vlmoe_trainer_init(&r->t, r->m, tp) ||
             vlmoe_mome_start(r->task, r->m, r->cb, NULL, NULL))
             return mome_lib_error("");
         return record_inputs(p, NULL, r);
@@ -148,7 +148,8 @@ int mome_setup_model(const mome_args *a, const vlmoe_train_params *tp, const vlm
     char w[1024];
     if (vlmoe_ckpt_resume(r->ckdir, a->resume, tp, 0, &r->m, &r->t, &r->resumed, w, sizeof(w), on_warn, NULL))
         return mome_lib_error("");
-    if (vlmoe_model_set_drop_path(r->m, a->drop_path) || vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w))
+    if (vlmoe_model_set_drop_path(r->m, a->drop_path) || (a->device && model_set_device(r->m, a->device)) ||
+        vlmoe_mome_start(r->task, r->m, r->cb, &r->resumed, w))
         return mome_lib_error("");
     if (r->lead) fprintf(stderr, "vlmoe train: resuming from %s (step %ld)\n", w, vlmoe_trainer_get_step(r->t));
     return record_inputs(p, w, r);

@@ -102,6 +102,10 @@ typedef struct {
     size_t numel;
     int decay;       // 1 if weight decay applies (matrices); 0 for biases, norms, embeddings,
                      // temperature
+    // expert parallelism (docs/DISTRIBUTED.md "Sharding the expert parameters"): an (E, ...)
+    // expert bank of which this process holds experts [expert0, expert0 + experts_local) only;
+    // shape stays the whole bank's, numel is what is held. Both 0 for a tensor held whole.
+    int expert0, experts_local;
 } vlmoe_param_info;
 
 // ---------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 // test-backend-ops: random inputs, the op run on each built backend in float (the CPU table, and
 // the CUDA table when this build has one and a device is present) and compared with the CPU
 // table in double, the reference. Floats must agree to NMSE <= 1e-7; integer outputs exactly.
+// Then the bf16 products (`--precision bf16`): the cuda-bf16 table against the cpu-bf16 table
+// within a bound of fp32 accumulation order (tests/test_backend_bf16.h).
 // Prints a line per op and backend, then "N passed, N failed, N skipped".
 #include <math.h>
 #include <stdio.h>
@@ -11,6 +13,7 @@
 #include "core/core.h"
 #include "ops/backend.h"
 #include "test.h"
+#include "test_backend_bf16.h"
 
 #define NMSE_MAX 1e-7
 #define MAXBUF 64
@@ -96,8 +99,7 @@ static void cmp_scalar(ctx *c, const char *what, double got, double ref) {
 
 // ---- the cases: each runs the reference (double, host) and the tested backend (float, its memory)
 
-static void case_linear(ctx *c) {
-    const int N = 37, K = 29, O = 23;
+static void linear_shape(ctx *c, int N, int K, int O) {
     double *x = rnd(c, (size_t)N * K, 1), *w = rnd(c, (size_t)O * K, 0.5), *b = rnd(c, O, 0.5);
     double *out = rnd(c, (size_t)N * O, 1), *dout = rnd(c, (size_t)N * O, 1);
     float *fx = up(c, x, (size_t)N * K), *fw = up(c, w, (size_t)O * K), *fb = up(c, b, O), *fo = up(c, out, (size_t)N * O);
@@ -113,9 +115,13 @@ static void case_linear(ctx *c) {
     cmp(c, "dw", fdw, dw, (size_t)O * K);
     cmp(c, "db", fdb, db, O);
 }
+// 600 rows: the CUDA bias sums split them into chunks (src/cuda/backend_cuda.cu, cu_colsum)
+static void case_linear(ctx *c) {
+    linear_shape(c, 37, 29, 23);
+    linear_shape(c, 600, 40, 70);
+}
 
-static void case_layernorm(ctx *c) {
-    const int N = 19, C = 48;
+static void layernorm_shape(ctx *c, int N, int C) {
     double *x = rnd(c, (size_t)N * C, 2), *w = rnd(c, C, 1), *b = rnd(c, C, 1), *dout = rnd(c, (size_t)N * C, 1);
     double *out = zeros(c, (size_t)N * C), *mean = zeros(c, N), *rstd = zeros(c, N), *out2 = zeros(c, (size_t)N * C);
     float *fx = up(c, x, (size_t)N * C), *fw = up(c, w, C), *fb = up(c, b, C), *fdo = up(c, dout, (size_t)N * C);
@@ -135,6 +141,10 @@ static void case_layernorm(ctx *c) {
     cmp(c, "dinp", fdx, dx, (size_t)N * C);
     cmp(c, "dw", fdw, dw, C);
     cmp(c, "db", fdb, db, C);
+}
+static void case_layernorm(ctx *c) {
+    layernorm_shape(c, 19, 48);
+    layernorm_shape(c, 300, 48); // chunked column sums on CUDA
 }
 
 static void case_act(ctx *c) {
@@ -586,13 +596,16 @@ int main(void) {
     printf("backend ops against the CPU table in double (NMSE <= %.0e):\n", NMSE_MAX);
     run_backend(backend_cpu_f32(), &pass, &fail, &skip);
     vlmoe_backend_f32 *cuda = NULL;
+    char why[512] = "";
     if (backend_cuda_init(&cuda, 0) == VLMOE_OK) {
         run_backend(cuda, &pass, &fail, &skip);
-        backend_cuda_free(cuda);
     } else {
-        printf("  cuda: %d ops skipped: %s\n", NCASES, vlmoe_last_error());
+        snprintf(why, sizeof(why), "%s", vlmoe_last_error());
+        printf("  cuda: %d ops skipped: %s\n", NCASES, why);
         skip += NCASES;
     }
+    bf16_rows(cuda, why, &pass, &fail, &skip);
+    backend_cuda_free(cuda);
     printf("%d passed, %d failed, %d skipped\n", pass, fail, skip);
     // every unsupported-op answer names the op
     CHECK(backend_require_f32(backend_cpu_f32(), BE_OP_LINEAR, NULL) == VLMOE_OK, "cpu refuses linear");

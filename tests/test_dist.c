@@ -531,9 +531,16 @@ int main(int argc, char **argv) {
     vlmoe_dist_close(NULL);
     CHECK(vlmoe_dist_open(&d, "gloo") == VLMOE_ERR_ARG && !d && strstr(vlmoe_last_error(), "\"gloo\"") &&
           strstr(vlmoe_last_error(), "auto, single, mpi or nccl"), "unknown kind: %s", vlmoe_last_error());
-    // a Slurm batch script's own environment is no launch
-    setenv("SLURM_PROCID", "0", 1), setenv("SLURM_NTASKS", "1", 1);
-    CHECK(vlmoe_dist_open(&d, "auto") == VLMOE_OK && d == one, "Slurm batch step: %s", vlmoe_last_error());
+    // a Slurm batch script's own environment is no launch, whatever the allocation's task count
+    setenv("SLURM_PROCID", "0", 1), setenv("SLURM_NTASKS", "4", 1);
+    CHECK(vlmoe_dist_open(&d, "auto") == VLMOE_OK && d == one && vlmoe_dist_launched(NULL) == 0,
+          "Slurm batch step: %s", vlmoe_last_error());
+    // ... nor is an srun step of one task; a step of several is
+    setenv("SLURM_STEP_NUM_TASKS", "1", 1);
+    CHECK(vlmoe_dist_launched(NULL) == 0, "srun step of one task");
+    setenv("SLURM_STEP_NUM_TASKS", "4", 1);
+    CHECK(vlmoe_dist_launched(NULL) == 4, "srun step of 4 tasks: %ld", vlmoe_dist_launched(NULL));
+    unsetenv("SLURM_STEP_NUM_TASKS");
     unsetenv("SLURM_PROCID"), unsetenv("SLURM_NTASKS");
     if (!dist_mpi_built()) {
         CHECK(vlmoe_dist_open(&d, "mpi") == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "libopenmpi-dev"),

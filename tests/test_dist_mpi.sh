@@ -464,6 +464,23 @@ elif printf '%s' "$out" | grep -q "this command runs on one process"; then
 else
     printf '%s\n' "$out" | tail -n 5; echo "FAILED: mpirun -np 2 vlmoe eval: no clear message"; fail=$((fail + 1))
 fi
+# srun without an MPI plugin (--mpi=none) starts tasks that each find an MPI world of one: refused,
+# saying how to launch; a batch script's own environment (the allocation's SLURM_NTASKS, no step)
+# is one process and runs
+if out=$(env SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_STEP_NUM_TASKS=2 timeout 60 "$vl" train --model tiny \
+         --steps 1 --logs "$tmp" --name srun 2>&1); then
+    echo "FAILED: a task of 'srun -n 2 --mpi=none' trained alone"; fail=$((fail + 1))
+elif printf '%s' "$out" | grep -q "one of 2 started by srun.*srun --mpi=pmix" && [ ! -e "$tmp/srun" ]; then
+    echo "ok   a task of srun -n 2 whose MPI world is one process is refused before it writes anything"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: srun without an MPI plugin: no clear message"; fail=$((fail + 1))
+fi
+if out=$(env SLURM_PROCID=0 SLURM_NTASKS=4 timeout 60 "$vl" train --model tiny --steps 1 --batch-size 8 \
+         --logs "$tmp" --name sbatch 2>&1); then
+    echo "ok   vlmoe train in a Slurm batch script (no srun step) runs as one process"; pass=$((pass + 1))
+else
+    printf '%s\n' "$out" | tail -n 5; echo "FAILED: vlmoe train in a Slurm batch script was refused"; fail=$((fail + 1))
+fi
 rm -rf "$tmp"
 echo "$name: $pass passed, $fail failed"
 [ $fail -eq 0 ]

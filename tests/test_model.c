@@ -3,7 +3,9 @@
 // along random directions, and one per parameter tensor so a failure names the tensor. Also:
 // the encode / contrastive-step split matches the whole forward bit for bit, config parsing
 // errors, named configs, save/load round trip, bad checkpoints, float forward
-// matches double forward, and batch-of-one encodings equal batch-of-many.
+// matches double forward, and batch-of-one encodings equal batch-of-many. On a table without host
+// memory (tests/sep_mem.h, every op's pointers checked): each MoE kind's towers and VL-MoE's
+// pre-training, eval and fine-tuning paths equal the CPU table bit for bit.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,7 +13,10 @@
 
 #include "core/core.h"
 #include "nn/model.h"
+#include "sep_mem.h"
 #include "test.h"
+#include "train/run.h"
+#include "train/tasks.h"
 
 static vlmoe_model_config small(vlmoe_arch arch) {
     vlmoe_model_config c;
@@ -354,47 +359,12 @@ static void fd_moe_checks(void) {
 
 // A model on a table without host memory (what --device cuda gives) keeps its master parameters
 // on the host and hands the graphs a device copy; gradients and embeddings come back by download.
-// Checked here with the CPU kernels behind a table that claims separate memory, so every upload
-// and download is exercised: 3 training steps of each MoE kind and an encode must equal the plain
-// CPU model's bit for bit (a missed upload or download would leave stale or zero buffers). The
-// table also records its allocations, and its aux_loss refuses a pointer that is not one of them:
-// the losses' modality and counts once reached the CUDA kernels as host arrays (NaN at step 0 on
-// a real GPU, while this CPU table read them happily).
-static struct { const char *lo, *hi; } dev_blocks[4096];
-static int dev_nblocks, dev_stray;
-static const vlmoe_backend_f32 *dev_cpu;
-static void *dev_alloc(const vlmoe_backend_f32 *be, size_t bytes, const char *what) {
-    void *p = dev_cpu->alloc(dev_cpu, bytes, what);
-    if (p && dev_nblocks < (int)(sizeof(dev_blocks) / sizeof(dev_blocks[0])))
-        dev_blocks[dev_nblocks].lo = p, dev_blocks[dev_nblocks++].hi = (const char *)p + bytes;
-    return p;
-}
-static void dev_free(const vlmoe_backend_f32 *be, void *p) {
-    for (int i = 0; p && i < dev_nblocks; i++)
-        if (dev_blocks[i].lo == p) dev_blocks[i] = dev_blocks[--dev_nblocks];
-    dev_cpu->free(dev_cpu, p);
-}
-static void dev_check(const void *p, const char *what) {
-    if (!p) return;
-    for (int i = 0; i < dev_nblocks; i++)
-        if ((const char *)p >= dev_blocks[i].lo && (const char *)p < dev_blocks[i].hi) return;
-    if (!dev_stray++) fprintf(stderr, "test_model: aux_loss got %s in host memory\n", what);
-}
-static double dev_aux(const vlmoe_backend_f32 *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
-                      float *dlogits, float *scratch) {
-    dev_check(in->logits, "logits"), dev_check(in->noisy_logits, "noisy_logits");
-    dev_check(in->modality, "modality"), dev_check(in->wanted, "wanted");
-    if (kind == VLMOE_AUX_SWITCH && in->modality) dev_check(in->wanted_mod, "wanted_mod");
-    dev_check(dlogits, "dlogits"), dev_check(scratch, "scratch");
-    return dev_cpu->aux_loss(dev_cpu, kind, in, weight, dlogits, scratch);
-}
-
+// Checked here with the CPU kernels behind a table that claims separate memory (tests/sep_mem.h),
+// so every upload and download is exercised: 3 training steps of each MoE kind and an encode must
+// equal the plain CPU model's bit for bit (a missed upload or download would leave stale or zero
+// buffers), and no op may be handed a pointer outside the table's allocations.
 static void device_memory_check(const char *name) {
-    vlmoe_backend_f32 dev = *backend_cpu_f32();
-    dev_cpu = backend_cpu_f32();
-    dev.name = "cpu-separate", dev.host_memory = 0;
-    dev.alloc = dev_alloc, dev.free = dev_free, dev.aux_loss = dev_aux;
-    dev_stray = 0;
+    vlmoe_backend_f32 dev = sep_table();
     vlmoe_model_config c;
     vlmoe_config_named(name, &c);
     vlmoe_model *m[2] = {NULL, NULL};
@@ -429,8 +399,8 @@ static void device_memory_check(const char *name) {
         }
     }
     CHECK(st == VLMOE_OK, "%s steps: %s", name, vlmoe_last_error());
-    CHECK(dev_stray == 0, "%s: the auxiliary losses got %d host pointers on a table without host memory", name,
-          dev_stray);
+    CHECK(sep_stray == 0, "%s: %d host pointers handed to a table without host memory; first: %s", name, sep_stray,
+          sep_first);
     for (int step = 0; step < 3; step++) {
         CHECK(loss[0][step] == loss[1][step], "%s step %d: loss %.17g on the host table, %.17g on separate memory",
               name, step + 1, loss[0][step], loss[1][step]);
@@ -445,22 +415,235 @@ static void device_memory_check(const char *name) {
     for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]), free(e[k]);
     vlmoe_synth_free(s);
     free(img), free(tok), free(len);
-    CHECK(dev_nblocks == 0, "%s: %d blocks of separate memory not freed", name, dev_nblocks);
+    CHECK(sep_nblocks == 0, "%s: %d blocks of separate memory not freed", name, sep_nblocks);
+}
+
+// VL-MoE pre-training on the separate table: 3 steps of the masked-modeling task as `vlmoe train`
+// runs it (src/train/mome_task.c: image, text and pair streams of the synthetic data at --mix
+// 2,1,1, their MIM and MLM masks, drop path 0.1, 4 forwards and one update a step) must equal the
+// host table's bit for bit: losses, the train record (per-stream losses and accuracies, each
+// stream's routing from an eval forward), the gradient norms and every parameter; then the eval
+// paths: hidden states, a retrieval head's embeddings (vlmoe_model_encode_*), ITM scores (ITM
+// recall), a retrieval + ITM step, class scores and captions, with no host pointer handed to an op.
+static void mome_device_check(void) {
+    vlmoe_backend_f32 dev = sep_table();
+    vlmoe_model_config c;
+    vlmoe_config_named("vlmoe-tiny", &c);
+    const int pd = c.channels * c.patch_size * c.patch_size, T = c.context_length, B = 6;
+    float *cb = malloc(sizeof(float) * (size_t)c.mim_vocab * pd); // a codebook: any fixed centroids
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 11);
+    for (size_t i = 0; i < (size_t)c.mim_vocab * pd; i++) cb[i] = (float)(2 * vlmoe_rng_uniform(&r) - 1);
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule = (vlmoe_schedule){VLMOE_SCHED_COSINE, 1e-3, 0, 3, 0.0, 0, 0};
+    const vlmoe_mome_params mp = {.config = &c, .batch_size = 12, .mix = {2, 1, 1}, .seed = 5, .world = 1};
+    vlmoe_model *m[2] = {NULL, NULL}, *h[2] = {NULL, NULL};
+    vlmoe_trainer *t[2] = {NULL, NULL};
+    vlmoe_mome_run *task[2] = {NULL, NULL};
+    int st = VLMOE_OK;
+    for (int k = 0; k < 2 && !st; k++) {
+        st = vlmoe_mome_init(&task[k], &mp);
+        if (!st) st = vlmoe_model_init(&m[k], &c, 7);
+        if (!st) st = vlmoe_model_set_drop_path(m[k], 0.1);
+        if (!st && k) st = model_set_backend(m[k], &dev, NULL);
+        if (!st) st = vlmoe_trainer_init(&t[k], m[k], &tp);
+        if (!st) st = vlmoe_mome_start(task[k], m[k], cb, NULL, NULL);
+    }
+    CHECK(st == VLMOE_OK && m[1]->d_params && m[1]->d_grads, "vlmoe-tiny on separate memory: %s", vlmoe_last_error());
+    for (long step = 0; step < 3 && !st; step++) {
+        vlmoe_step_stats ss[2];
+        char *rec[2] = {NULL, NULL}, line[2][1024];
+        for (int k = 0; k < 2 && !st; k++) {
+            const vlmoe_run_task rt = vlmoe_mome_task(task[k]);
+            st = rt.fill(rt.user, step);
+            if (!st) st = rt.step(rt.user, t[k], step, &ss[k]);
+            cJSON *j = st ? NULL : vlmoe_metrics_record(step + 1, "train");
+            if (j) st = rt.log(rt.user, step + 1, &ss[k], j, line[k], sizeof(line[k]));
+            rec[k] = j && !st ? cJSON_PrintUnformatted(j) : NULL;
+            cJSON_Delete(j);
+        }
+        CHECK(!st, "vlmoe-tiny step %ld: %s", step + 1, vlmoe_last_error());
+        if (st) break;
+        CHECK(ss[0].loss == ss[1].loss && ss[0].aux == ss[1].aux && ss[0].grad_norm == ss[1].grad_norm,
+              "vlmoe-tiny step %ld: loss %.17g aux %.17g grad norm %.17g on the host table, %.17g %.17g %.17g on "
+              "separate memory", step + 1, ss[0].loss, ss[0].aux, ss[0].grad_norm, ss[1].loss, ss[1].aux,
+              ss[1].grad_norm);
+        CHECK(rec[0] && rec[1] && !strcmp(rec[0], rec[1]) && strstr(rec[0], "\"vlm_text\"") && strstr(rec[0], "\"moe\""),
+              "vlmoe-tiny step %ld: the train records differ:\n  host     %s\n  separate %s", step + 1, rec[0], rec[1]);
+        CHECK(!strcmp(line[0], line[1]), "vlmoe-tiny step %ld: progress '%s' vs '%s'", step + 1, line[0], line[1]);
+        free(rec[0]), free(rec[1]);
+    }
+    CHECK(!st && !memcmp(m[0]->params, m[1]->params, sizeof(float) * m[0]->L.total) &&
+              !memcmp(m[0]->grads, m[1]->grads, sizeof(float) * m[0]->L.total),
+          "vlmoe-tiny: parameters or gradients after 3 steps differ between the host table and separate memory");
+    // the eval paths: a pair's hidden states, then heads copied from the trained model
+    float *img = malloc(sizeof(float) * 3 * c.image_size * c.image_size * B), *out[2] = {NULL, NULL};
+    int32_t *tok = malloc(sizeof(int32_t) * T * B), len[6];
+    vlmoe_synth *syn = NULL;
+    vlmoe_synth_params sp = vlmoe_synth_default_params();
+    sp.image_size = c.image_size;
+    if (!st) st = vlmoe_synth_init(&syn, &sp);
+    if (!st) st = vlmoe_synth_batch(syn, VLMOE_SPLIT_HELDOUT, 0, B, T, img, tok, len);
+    const size_t nh = (size_t)B * vlmoe_mome_seq_len(&c, VLMOE_ENC_PAIR) * c.encoder.width;
+    for (int k = 0; k < 2; k++) out[k] = malloc(sizeof(float) * nh);
+    for (int k = 0; k < 2 && !st; k++) st = vlmoe_mome_encode(m[k], VLMOE_ENC_PAIR, img, tok, len, B, out[k]);
+    CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * nh), "vlmoe-tiny: pair hidden states differ: %s",
+          vlmoe_last_error());
+    for (int k = 0; k < 2 && !st; k++) {
+        st = vlmoe_mome_with_heads(&h[k], m[0], 0, 0, 1, 9);
+        if (!st && k) st = model_set_backend(h[k], &dev, NULL);
+        if (!st) st = vlmoe_model_encode_images(h[k], img, B - 1, out[k]); // a padded last chunk
+        if (!st) st = vlmoe_model_encode_texts(h[k], tok, len, B, out[k] + (size_t)B * c.embed_dim);
+    }
+    CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * (2 * B - 1) * c.embed_dim),
+          "vlmoe-tiny: retrieval embeddings differ: %s", vlmoe_last_error());
+    for (int k = 0; k < 2; k++) vlmoe_model_free(h[k]), h[k] = NULL;
+    for (int k = 0; k < 2 && !st; k++) {
+        st = vlmoe_mome_with_itm(&h[k], m[0], 9);
+        if (!st && k) st = model_set_backend(h[k], &dev, NULL);
+        if (!st) st = vlmoe_mome_itm_scores(h[k], img, tok, len, B, out[k]);
+    }
+    CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * B), "vlmoe-tiny: ITM scores differ: %s", vlmoe_last_error());
+    // the library's other paths: a retrieval + ITM fine-tuning step (the mining reads the
+    // embeddings back), class scores, greedy captions
+    vlmoe_mome_stats ms[2];
+    vlmoe_step_stats ss[2];
+    const vlmoe_mome_batch pb = {.encoding = VLMOE_ENC_PAIR, .batch_size = B, .images = img, .tokens = tok,
+                                 .lengths = len};
+    for (int k = 0; k < 2 && !st; k++) {
+        vlmoe_trainer *ti = NULL;
+        st = vlmoe_trainer_init(&ti, h[k], &tp);
+        if (!st) st = vlmoe_trainer_step_mome_itm(ti, &pb, 5, &ms[k], &ss[k]);
+        vlmoe_trainer_free(ti);
+    }
+    CHECK(!st && ms[0].itc == ms[1].itc && ms[0].itm == ms[1].itm && ss[0].grad_norm == ss[1].grad_norm &&
+              !memcmp(h[0]->params, h[1]->params, sizeof(float) * h[0]->L.total),
+          "vlmoe-tiny: a retrieval + ITM step differs (itc %.17g / %.17g, itm %.17g / %.17g): %s", ms[0].itc, ms[1].itc,
+          ms[0].itm, ms[1].itm, vlmoe_last_error());
+    for (int k = 0; k < 2; k++) vlmoe_model_free(h[k]), h[k] = NULL;
+    for (int k = 0; k < 2 && !st; k++) {
+        st = vlmoe_mome_with_head(&h[k], m[0], 3, 9);
+        if (!st && k) st = model_set_backend(h[k], &dev, NULL);
+        if (!st) st = vlmoe_mome_logits(h[k], VLMOE_ENC_IMAGE, img, NULL, NULL, B, out[k]);
+    }
+    CHECK(!st && !memcmp(out[0], out[1], sizeof(float) * 3 * B), "vlmoe-tiny: class scores differ: %s",
+          vlmoe_last_error());
+    int32_t cap[2][2 * 16 + 2];
+    const vlmoe_caption_params cp = {.bos = 1, .eos = 2, .max_len = 5};
+    for (int k = 0; k < 2 && !st; k++) st = vlmoe_mome_caption(m[k], img, 2, &cp, cap[k], cap[k] + 2 * T);
+    CHECK(T <= 16 && !st && !memcmp(cap[0], cap[1], sizeof(int32_t) * (2 * T + 2)), "vlmoe-tiny: captions differ: %s",
+          vlmoe_last_error());
+    CHECK(sep_stray == 0, "vlmoe-tiny: %d host pointers handed to a table without host memory; first: %s", sep_stray,
+          sep_first);
+    for (int k = 0; k < 2; k++) {
+        vlmoe_model_free(h[k]), vlmoe_mome_free(task[k]), vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]);
+        free(out[k]);
+    }
+    vlmoe_synth_free(syn);
+    free(cb), free(img), free(tok);
+    CHECK(sep_nblocks == 0, "vlmoe-tiny: %d blocks of separate memory not freed", sep_nblocks);
 }
 
 static void test_device_memory(void) {
     const char *names[] = {"limoe-tiny", "clipup-tiny", "soft-tiny", "ec-tiny", "limoe-permod-tiny",
                            "limoe-disjoint-tiny"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) device_memory_check(names[i]);
-    // VL-MoE models stay where the host can read them
-    vlmoe_backend_f32 dev = *backend_cpu_f32();
-    dev.name = "cpu-separate", dev.host_memory = 0;
+    mome_device_check();
+}
+
+// Expert parallelism's sharded layout (src/nn/model.h model_shard): shard 1 of 1 is the whole
+// layout, table and initial values bit for bit; shard r of 4 of limoe-tiny (8 experts) holds
+// experts [2r, 2r + 2) of every bank: the table keeps each bank's whole shape with expert0 and
+// experts_local, the buffer is shorter by 3/4 of the experts' floats, every tensor's initial
+// values are the whole model's (a bank's: its slice); a bank keep_whole names stays whole.
+// model_reshard moves a model between the layouts; a shard refuses files and the unsplit forward.
+static int keep_fc1_bias(void *user, const vlmoe_param_info *bank) {
+    (void)user;
+    return strstr(bank->name, "fc1.bias") != NULL;
+}
+
+static void test_shard_layout(void) {
     vlmoe_model_config c;
-    vlmoe_model *mm = NULL;
-    vlmoe_config_named("vlmoe-tiny", &c);
-    CHECK(vlmoe_model_init(&mm, &c, 1) == VLMOE_OK && model_set_backend(mm, &dev, NULL) == VLMOE_ERR_CONFIG &&
-              strstr(vlmoe_last_error(), "VL-MoE"), "a VL-MoE model on separate memory: %s", vlmoe_last_error());
-    vlmoe_model_free(mm);
+    vlmoe_config_named("limoe-tiny", &c);
+    model_layout W, one, S;
+    const model_shard sh1 = {.rank = 0, .size = 1};
+    CHECK(model_layout_build(&W, &c) == VLMOE_OK && model_layout_build_shard(&one, &c, &sh1) == VLMOE_OK, "build: %s",
+          vlmoe_last_error());
+    CHECK(one.total == W.total && one.nparams == W.nparams && one.nsplit == 0 &&
+              !memcmp(one.table, W.table, sizeof(*W.table) * (size_t)W.nparams),
+          "shard 1 of 1: another table than the whole layout's");
+    float *pw = malloc(sizeof(float) * W.total), *ps = malloc(sizeof(float) * W.total);
+    CHECK(model_layout_init_params(&W, pw, 7) == VLMOE_OK, "init");
+    size_t experts = 0;
+    for (int i = 0; i < W.nparams; i++)
+        if (strstr(W.table[i].name, ".moe.experts.")) experts += W.table[i].numel;
+    CHECK(experts > 0 && c.moe.num_experts == 8, "limoe-tiny: %zu expert floats, %d experts", experts, c.moe.num_experts);
+    for (int r = 0; r < 4; r++) {
+        model_shard sh = {.rank = r, .size = 4};
+        if (r == 3) sh.keep_whole = keep_fc1_bias;
+        if (model_layout_build_shard(&S, &c, &sh)) {
+            CHECK(0, "shard %d of 4: %s", r, vlmoe_last_error());
+            continue;
+        }
+        CHECK(model_layout_init_params(&S, ps, 7) == VLMOE_OK, "init shard %d", r);
+        long wrong = 0, split = 0;
+        size_t kept = 0;
+        for (int i = 0; i < S.nparams && S.nparams == W.nparams; i++) {
+            const vlmoe_param_info *p = &S.table[i], *q = &W.table[i];
+            wrong += strcmp(p->name, q->name) || memcmp(p->shape, q->shape, sizeof(p->shape));
+            size_t from = 0;
+            if (p->experts_local) {
+                split++;
+                wrong += p->experts_local != 2 || p->expert0 != 2 * r || p->numel * 4 != q->numel;
+                from = q->numel / 8 * (size_t)p->expert0;
+            } else {
+                wrong += p->numel != q->numel;
+                if (strstr(p->name, ".moe.experts.")) kept += p->numel;
+            }
+            wrong += memcmp(ps + p->offset, pw + q->offset + from, sizeof(float) * p->numel) != 0;
+        }
+        const size_t want = W.total - (experts - kept) / 4 * 3;
+        CHECK(!wrong && split == S.nsplit && split > 0 && S.total == want && (r < 3 || kept > 0),
+              "shard %d of 4: %ld tensors wrong, %ld split, %zu floats (want %zu)", r, wrong, split, S.total, want);
+        model_layout_free(&S);
+    }
+    const model_shard bad = {.rank = 0, .size = 3};
+    CHECK(model_layout_build_shard(&S, &c, &bad) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "do not split"),
+          "8 experts over 3: %s", vlmoe_last_error());
+    model_layout_free(&S);
+    // a model: whole -> shard 2 of 4 -> whole keeps shard 2's experts, the others zero
+    vlmoe_model *m = NULL;
+    const model_shard s2 = {.rank = 2, .size = 4};
+    int st = vlmoe_model_init(&m, &c, 7);
+    if (!st) st = vlmoe_model_plan(m, 2);
+    if (!st) st = model_reshard(m, &s2);
+    CHECK(st == VLMOE_OK && vlmoe_model_num_floats(m) < W.total, "reshard: %s", vlmoe_last_error());
+    if (!st) {
+        float *img = calloc((size_t)2 * c.channels * c.image_size * c.image_size, sizeof(float));
+        int32_t *tok = calloc((size_t)2 * c.context_length, sizeof(int32_t)), lens[2] = {3, 3};
+        vlmoe_batch b = {.images = img, .tokens = tok, .lengths = lens, .batch_size = 2};
+        CHECK(vlmoe_model_evaluate(m, &b, NULL) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "expert-parallel"),
+              "a shard's forward without its group: %s", vlmoe_last_error());
+        free(img), free(tok);
+        CHECK(vlmoe_model_save(m, "/nonexistent/never.safetensors") == VLMOE_ERR_CONFIG &&
+                  strstr(vlmoe_last_error(), "shard of the experts"), "a shard's model file: %s", vlmoe_last_error());
+        st = model_reshard(m, NULL);
+        long wrong = 0;
+        const float *x = vlmoe_model_param_data(m);
+        for (int i = 0; !st && i < W.nparams; i++) {
+            const vlmoe_param_info *q = &W.table[i];
+            const int bank = strstr(q->name, ".moe.experts.") != NULL;
+            for (size_t k = 0; k < q->numel; k++) {
+                const int mine = !bank || k / (q->numel / 8) / 2 == 2;
+                wrong += mine ? x[q->offset + k] != pw[q->offset + k] : x[q->offset + k] != 0.0f;
+            }
+        }
+        CHECK(!st && vlmoe_model_num_floats(m) == W.total && !wrong, "back to whole: %s, %ld floats wrong",
+              st ? vlmoe_last_error() : "ok", wrong);
+    }
+    vlmoe_model_free(m);
+    model_layout_free(&W), model_layout_free(&one);
+    free(pw), free(ps);
 }
 
 int main(void) {
@@ -473,5 +656,6 @@ int main(void) {
     test_entropy_tau();
     test_float_vs_double();
     test_save_load();
+    test_shard_layout();
     return test_summary("test_model");
 }

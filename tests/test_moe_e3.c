@@ -37,7 +37,7 @@ static void golden_layer(int pools, int per_modality, double out[8], double *aux
     const size_t R = per_modality ? 16 : 8;
     memcpy(P, wi, sizeof(wi));
     if (per_modality) memcpy(P + 8, wt, sizeof(wt));
-    const moe_spec sp = {&mc, 2, 1, VLMOE_ACT_GELU_TANH, 0, R, R + 8, R + 12, R + 20, (size_t)-1, (size_t)-1, 0};
+    const moe_spec sp = {&mc, 2, 1, VLMOE_ACT_GELU_TANH, 0, R, R + 8, R + 12, R + 20, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     memcpy(P + R + 20, b2, sizeof(b2));
     const double x[8] = {1, 0, 1, 0, 2, 0, 2, 0};
     const uint8_t mod[4] = {0, 0, 1, 1};
@@ -120,7 +120,7 @@ static void test_pool_bounds(void) {
     const int D = 3, E = 8, M = 2, n = 40;
     const size_t R = 2 * (size_t)E * D;
     const moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, R, R + E * M * D, R + E * M * D + E * M,
-                         R + 2 * E * M * D + E * M, (size_t)-1, (size_t)-1, 0};
+                         R + 2 * E * M * D + E * M, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     const size_t np = R + 2 * (size_t)E * M * D + (size_t)E * M + (size_t)E * D;
     double *P = calloc(np, sizeof(double)), *x = calloc((size_t)n * D, sizeof(double));
     double *out = calloc((size_t)n * D, sizeof(double));

@@ -406,7 +406,7 @@ static void golden_run(const golden_case *gc, double out[12], vlmoe_moe_stats *s
     double P[16] = {1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     const double b2[4] = {1, 2, 3, 4};
     memcpy(P + 12, b2, sizeof(b2));
-    const moe_spec sp = {&mc, 2, 1, VLMOE_ACT_GELU_TANH, 0, 4, 8, 10, 12, (size_t)-1, (size_t)-1, 0};
+    const moe_spec sp = {&mc, 2, 1, VLMOE_ACT_GELU_TANH, 0, 4, 8, 10, 12, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     const double x[12] = {1, 0, 1, 0, 1, 0, 1, 0, 2, 0, 2, 0};
     const uint8_t mod[6] = {0, 0, 0, 0, 1, 1};
     const uint64_t keys[6] = {moe_token_key(0, 0, 0), moe_token_key(0, 0, 1), moe_token_key(1, 0, 0),
@@ -488,7 +488,7 @@ static void test_group_order(void) {
     mc.router = VLMOE_ROUTER_TOKENS, mc.layers = 1, mc.num_experts = 32, mc.top_k = 1;
     mc.capacity_factor = mc.eval_capacity_factor = 1.05, mc.capacity_multiple = 1;
     mc.group_size = 16 * (196 + 16);
-    const moe_spec sp = {&mc, 8, 8, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0};
+    const moe_spec sp = {&mc, 8, 8, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     const int B = 128, ti = 196, tt = 16, n = B * (ti + tt);
     const moe_examples ex = {B, {ti, tt}};
     uint8_t *mod = malloc((size_t)n);

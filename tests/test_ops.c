@@ -321,6 +321,60 @@ static void test_vexp(void) {
     CHECK(isnan(vexp(NAN)) && isnan(vexp(-NAN)), "vexp(NaN) %g: a NaN must come out a NaN", vexp(NAN));
 }
 
+// Attention in float against double at sizes on both sides of ATT_KT_MAX (src/ops/ops.c: heads
+// of T hd <= 16384 floats take the scores from a transposed copy of k, larger ones read k
+// transposed): out and dqkv within float rounding of the double kernels.
+static void att_f32_case(int T, int D, int H, int causal) {
+    const size_t nq = (size_t)2 * T * 3 * D, no = (size_t)2 * T * D, na = (size_t)2 * H * T * T;
+    double *qkv = randv(nq, 1), *g = randv(no, 1), *out = zeros(no), *att = zeros(na), *da = zeros(na), *dq = zeros(nq);
+    float *fq = malloc(sizeof(float) * nq), *fg = malloc(sizeof(float) * no), *fo = calloc(no, sizeof(float));
+    float *fa = calloc(na, sizeof(float)), *fda = calloc(na, sizeof(float)), *fdq = calloc(nq, sizeof(float));
+    for (size_t i = 0; i < nq; i++) fq[i] = (float)qkv[i];
+    for (size_t i = 0; i < no; i++) fg[i] = (float)g[i];
+    for (size_t i = 0; i < nq; i++) qkv[i] = fq[i];
+    for (size_t i = 0; i < no; i++) g[i] = fg[i];
+    const attn_segment seg = {.tok_off = 0, .nseq = 2, .seqlen = T, .causal = causal};
+    attention_forward_f64(out, att, qkv, &seg, D, H);
+    attention_forward_f32(fo, fa, fq, &seg, D, H);
+    attention_backward_f64(dq, da, g, qkv, att, &seg, D, H);
+    attention_backward_f32(fdq, fda, fg, fq, fa, &seg, D, H);
+    double eo = 0, ed = 0;
+    for (size_t i = 0; i < no; i++) eo = fmax(eo, fabs(fo[i] - out[i]) / (1 + fabs(out[i])));
+    for (size_t i = 0; i < nq; i++) ed = fmax(ed, fabs(fdq[i] - dq[i]) / (1 + fabs(dq[i])));
+    CHECK(eo < 1e-5 && ed < 1e-4, "attention T %d D %d H %d causal %d: float vs double out %.3g, dqkv %.3g", T, D, H,
+          causal, eo, ed);
+    free(qkv), free(g), free(out), free(att), free(da), free(dq), free(fq), free(fg), free(fo), free(fa), free(fda), free(fdq);
+}
+static void test_attention_f32(void) {
+    att_f32_case(65, 256, 4, 0);  // bench-s's image heads: the transposed copy
+    att_f32_case(16, 256, 4, 1);
+    att_f32_case(300, 128, 2, 0); // T hd = 19200: k read transposed
+    att_f32_case(300, 128, 2, 1);
+}
+
+// verf (real.h) against erf in double, over the line and near 0 where its relative error
+// matters most; erff's own error printed beside it. GELU (erf) in float computes with it.
+static void test_verf(void) {
+    double worst = 0, worst_libm = 0;
+    float at = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (float x = pass ? 1e-30f : -7.0f; pass ? x < 1.0f : x < 7.0f; x = pass ? x * 1.013f : x + 0.000371f) {
+            const double want = erf((double)x);
+            const float fw = (float)want;
+            const double ulp = fw == 0 ? 1e-45 : fabs((double)nextafterf(fw, INFINITY) - fw);
+            const double e = fabs((double)verf(x) - want) / ulp, el = fabs((double)erff(x) - want) / ulp;
+            if (e > worst) worst = e, at = x;
+            if (el > worst_libm) worst_libm = el;
+        }
+    }
+    printf("verf: worst %.2f ulp from erf on [-7, 7] and (1e-30, 1) (at %g); erff %.2f ulp\n", worst, at, worst_libm);
+    CHECK(worst <= 1.5, "verf within 1.5 ulp of erf: worst %.2f ulp at %g", worst, at);
+    CHECK(verf(INFINITY) == 1 && verf(-INFINITY) == -1 && verf(1e30f) == 1 && verf(-4.5f) == -1 && verf(0) == 0,
+          "verf(+-inf, 1e30, -4.5, 0) = %g %g %g %g %g", verf(INFINITY), verf(-INFINITY), verf(1e30f), verf(-4.5f),
+          verf(0));
+    CHECK(isnan(verf(NAN)), "verf(NaN) = %g: a NaN must come out a NaN", verf(NAN));
+}
+
 // A row's linear output does not depend on how many rows go with it (batch-size invariance).
 static void test_linear_rows(void) {
     enum { K = 37, O = 29, N = 6 };
@@ -337,14 +391,79 @@ static void test_linear_rows(void) {
     CHECK(same, "a row alone and the same row in a batch of %d differ", N);
 }
 
+// The MLP's fused first layer against the unfused ops, in float: a = act(h) and dh = (dy.w)
+// act'(h) to the bit for the same h, h within rounding of linear_forward (the bias goes in
+// after the product instead of before), and the backward's dw, db as linear_backward's. Two
+// shapes: products split into row blocks (N > O) and into column blocks (O > N), several of each.
+static void fused_case(int N, int K, int O, int act) {
+    const size_t nh = (size_t)N * O;
+    float *x = malloc(sizeof(float) * N * K), *w = malloc(sizeof(float) * O * K), *b = malloc(sizeof(float) * O);
+    float *h = malloc(sizeof(float) * nh), *a = malloc(sizeof(float) * nh), *h0 = malloc(sizeof(float) * nh);
+    float *a0 = malloc(sizeof(float) * nh), *dy = malloc(sizeof(float) * N * K), *g = calloc(nh, sizeof(float));
+    float *dh = malloc(sizeof(float) * nh), *dh0 = calloc(nh, sizeof(float)), *ar = malloc(sizeof(float) * nh);
+    float *dw = calloc((size_t)K * O, sizeof(float)), *dw0 = calloc((size_t)K * O, sizeof(float));
+    float *db = calloc((size_t)K, sizeof(float)), *db0 = calloc((size_t)K, sizeof(float));
+    for (int i = 0; i < N * K; i++) x[i] = (float)vlmoe_rng_normal(&rng), dy[i] = (float)vlmoe_rng_normal(&rng);
+    for (int i = 0; i < O * K; i++) w[i] = (float)(0.2 * vlmoe_rng_normal(&rng));
+    for (int i = 0; i < O; i++) b[i] = (float)vlmoe_rng_normal(&rng);
+    linear_act_forward_f32(h, a, x, w, b, N, K, O, act);
+    linear_forward_f32(h0, x, w, b, N, K, O, 0);
+    act_forward_f32(a0, h, nh, act);
+    double herr = 0;
+    for (size_t i = 0; i < nh; i++) herr = fmax(herr, fabs(h[i] - h0[i]) / (1 + fabs(h0[i])));
+    CHECK(herr < 1e-5, "linear_act_forward %dx%dx%d act %d: h differs from linear_forward by %.3g", N, K, O, act, herr);
+    CHECK(!memcmp(a, a0, sizeof(float) * nh), "linear_act_forward %dx%dx%d act %d: a is not act_forward(h)", N, K, O, act);
+    // backward through a second layer w2 (K,O): dy (N,K)
+    act_linear_backward_f32(dh, ar, dw, db, dy, h, w, N, O, K, act);
+    linear_backward_f32(g, dw0, db0, dy, a0, w, N, O, K);
+    act_backward_f32(dh0, h, g, nh, act);
+    CHECK(!memcmp(ar, a0, sizeof(float) * nh), "act_linear_backward %dx%dx%d act %d: a is not act(h)", N, K, O, act);
+    CHECK(!memcmp(dh, dh0, sizeof(float) * nh), "act_linear_backward %dx%dx%d act %d: dh differs from the unfused ops", N, K, O, act);
+    CHECK(!memcmp(dw, dw0, sizeof(float) * K * O) && !memcmp(db, db0, sizeof(float) * K),
+          "act_linear_backward %dx%dx%d act %d: dw or db differ from linear_backward", N, K, O, act);
+    free(x), free(w), free(b), free(h), free(a), free(h0), free(a0), free(dy), free(g), free(dh), free(dh0), free(ar);
+    free(dw), free(dw0), free(db), free(db0);
+}
+
+// The same in double against finite differences of the composition, and the shapes above.
+typedef struct { double *h, *a, *x, *w, *b, *w2, *r; int N, K, O, act; } mlp_ctx;
+static double mlp_loss(void *p) {
+    mlp_ctx *c = p;
+    double y[12];
+    linear_act_forward_f64(c->h, c->a, c->x, c->w, c->b, c->N, c->K, c->O, c->act);
+    linear_forward_f64(y, c->a, c->w2, NULL, c->N, c->O, c->K, 0);
+    return dot(y, c->r, (size_t)c->N * c->K);
+}
+static void test_fused_mlp(void) {
+    for (int act = 0; act < 3; act++) {
+        fused_case(1100, 9, 30, act);
+        fused_case(7, 11, 1100, act);
+        mlp_ctx c = {zeros(15), zeros(15), randv(12, 1), randv(20, 0.7), randv(5, 0.5), randv(20, 0.7), randv(12, 1),
+                     3, 4, 5, act};
+        mlp_loss(&c);
+        double *dh = zeros(15), *ar = zeros(15), *dw2 = zeros(20), *dx = zeros(12), *dw = zeros(20), *db = zeros(5);
+        act_linear_backward_f64(dh, ar, dw2, NULL, c.r, c.h, c.w2, 3, 5, 4, act);
+        linear_backward_f64(dx, dw, db, dh, c.x, c.w, 3, 4, 5);
+        fd_check("fused mlp dx", mlp_loss, &c, c.x, dx, 12);
+        fd_check("fused mlp dw1", mlp_loss, &c, c.w, dw, 20);
+        fd_check("fused mlp db1", mlp_loss, &c, c.b, db, 5);
+        fd_check("fused mlp dw2", mlp_loss, &c, c.w2, dw2, 20);
+        free(c.h), free(c.a), free(c.x), free(c.w), free(c.b), free(c.w2), free(c.r);
+        free(dh), free(ar), free(dw2), free(dx), free(dw), free(db);
+    }
+}
+
 int main(void) {
     vlmoe_rng_seed(&rng, 42);
+    test_fused_mlp();
     test_vexp();
+    test_verf();
     test_linear_rows();
     test_linear();
     test_layernorm();
     test_activations();
     test_attention();
+    test_attention_f32();
     test_embeddings();
     test_pool_l2();
     test_contrastive();

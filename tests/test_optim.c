@@ -623,7 +623,7 @@ static void test_adafactor_big_vision(void) {
 static int no_adamw(const vlmoe_backend_f32 *be, be_op op, const void *cfg) { return op != BE_OP_ADAMW; }
 
 static void test_backend_table(void) {
-    vlmoe_param_info tab[1] = {{"w", 1, {4, 0, 0, 0}, 0, 4, 1}};
+    vlmoe_param_info tab[1] = {{.name = "w", .ndim = 1, .shape = {4, 0, 0, 0}, .offset = 0, .numel = 4, .decay = 1}};
     vlmoe_optim_params p = vlmoe_optim_default_params(VLMOE_OPT_ADAMW);
     vlmoe_backend_f32 dev = *backend_cpu_f32(), lacking = *backend_cpu_f32();
     dev.name = "device", dev.host_memory = 0;
@@ -640,12 +640,13 @@ static void test_backend_table(void) {
     vlmoe_optim_free(o);
 }
 
-// Expert parallelism (src/train/trainer.c): two processes each narrow Adafactor's table to half
-// of every expert bank (optim_set_table) and update only those experts; each expert's parameters,
-// factored moments (vr, vc), unfactored v and bf16 momentum must be those of the whole update bit
-// for bit, the other experts' untouched (parameters as before, state still zero), and the state
-// list (what checkpoints write) that of the whole table. A bank factored over its expert dim, or
-// update clipping (its RMS spans the bank), cannot be split.
+// Expert parallelism (src/train/trainer.c): two processes each hold half of every expert bank in
+// their own flat layout (src/nn/model.h model_shard: the bank (E/2, ...) with expert0 and
+// experts_local, the offsets after it shifted) and update only those experts; each expert's
+// parameters, factored moments (vr, vc), unfactored v and bf16 momentum must be those of the
+// whole update bit for bit. optim_relayout moves a shard's state to the whole layout (its experts
+// in place, the others zero) and back. A bank factored over its expert dim, or update clipping
+// (its RMS spans the bank), cannot be split (optim_splits).
 static void test_adafactor_split(void) {
     enum { E = 4, STEPS = 3 };
     const int64_t sw[2] = {40, 48}, sb[3] = {E, 64, 40}, ss[3] = {E, 8, 6};
@@ -656,92 +657,115 @@ static void test_adafactor_split(void) {
     p.momentum_bf16 = 1, p.weight_decay = 1e-3f;
     float *init = malloc(sizeof(float) * total), *g = malloc(sizeof(float) * total * STEPS);
     float *pw = malloc(sizeof(float) * total), *pq[2] = {malloc(sizeof(float) * total), malloc(sizeof(float) * total)};
+    float *gq = malloc(sizeof(float) * total);
     vlmoe_rng r;
     vlmoe_rng_seed(&r, 5);
     for (size_t i = 0; i < total; i++) init[i] = (float)(vlmoe_rng_uniform(&r) - 0.5);
     for (size_t i = 0; i < total * STEPS; i++) g[i] = (float)(vlmoe_rng_uniform(&r) - 0.5) * (i % 7 ? 1.0f : 1e-3f);
     vlmoe_optim *w = NULL, *q[2] = {NULL, NULL};
+    vlmoe_param_info loc[2][3];
+    size_t ltot[2];
+    // copies the floats shard k holds of a whole-layout buffer x into its layout (or back: to_whole)
+    #define SHARD_COPY(k, dst, src, to_whole)                                                          \
+        for (int b_ = 0; b_ < 3; b_++) {                                                             \
+            const size_t per_ = tab[b_].numel / (size_t)(b_ ? E : 1), n_ = loc[k][b_].numel;           \
+            const size_t wo_ = tab[b_].offset + (b_ ? (size_t)loc[k][b_].expert0 * per_ : 0);         \
+            if (to_whole) memcpy((dst) + wo_, (src) + loc[k][b_].offset, sizeof(float) * n_);          \
+            else memcpy((dst) + loc[k][b_].offset, (src) + wo_, sizeof(float) * n_);                   \
+        }
     int st = vlmoe_optim_init(&w, &p, tab, 3, total);
     for (int k = 0; k < 2 && !st; k++) {
-        vlmoe_param_info narrow[3] = {tab[0], tab[1], tab[2]};
-        for (int b = 1; b < 3; b++) {
-            const size_t per = tab[b].numel / E;
-            narrow[b].shape[0] = E / 2, narrow[b].numel = per * (E / 2), narrow[b].offset += (size_t)k * (E / 2) * per;
+        size_t at = 0;
+        for (int b = 0; b < 3; b++) {
+            loc[k][b] = tab[b];
+            if (b) {
+                const size_t per = tab[b].numel / E;
+                loc[k][b].shape[0] = E / 2, loc[k][b].numel = per * (E / 2);
+                loc[k][b].expert0 = k * (E / 2), loc[k][b].experts_local = E / 2;
+            }
+            loc[k][b].offset = at, at += loc[k][b].numel;
         }
-        if (!(st = vlmoe_optim_init(&q[k], &p, tab, 3, total))) st = optim_set_table(q[k], narrow, 3);
+        ltot[k] = at;
+        st = vlmoe_optim_init(&q[k], &p, loc[k], 3, ltot[k]);
     }
     CHECK(st == VLMOE_OK, "split set-up: %s", vlmoe_last_error());
     if (st) goto done;
-    CHECK(vlmoe_optim_state_count(q[0]) == vlmoe_optim_state_count(w), "state list %d vs %d",
-          vlmoe_optim_state_count(q[0]), vlmoe_optim_state_count(w));
     memcpy(pw, init, sizeof(float) * total);
-    for (int k = 0; k < 2; k++) memcpy(pq[k], init, sizeof(float) * total);
+    for (int k = 0; k < 2; k++) SHARD_COPY(k, pq[k], init, 0);
     for (int s = 0; s < STEPS; s++) {
         vlmoe_optim_step(w, pw, g + total * s, 1e-2f);
-        for (int k = 0; k < 2; k++) vlmoe_optim_step(q[k], pq[k], g + total * s, 1e-2f);
+        for (int k = 0; k < 2; k++) {
+            SHARD_COPY(k, gq, g + total * s, 0);
+            vlmoe_optim_step(q[k], pq[k], gq, 1e-2f);
+        }
     }
-    long same = 0, differ = 0, other_moved = 0, other_state = 0;
+    long same = 0, differ = 0;
     for (int k = 0; k < 2; k++) {
         differ += memcmp(pq[k], pw, sizeof(float) * tab[0].numel) != 0; // the dense tensor, whole on both
         for (int b = 1; b < 3; b++) {
             const size_t per = tab[b].numel / E;
-            float *bw[5] = {pw + tab[b].offset}, *bq[5] = {pq[k] + tab[b].offset};
+            float *bw[5] = {pw + tab[b].offset}, *bq[5] = {pq[k] + loc[k][b].offset};
             size_t nw[5] = {per}, nq[5] = {per};
             const int n = 1 + optim_expert_states(w, tab[b].offset, E, per, bw + 1, nw + 1);
-            CHECK(n == 1 + optim_expert_states(q[k], tab[b].offset, E, per, bq + 1, nq + 1) && n == (b == 1 ? 4 : 3),
+            CHECK(n == 1 + optim_expert_states(q[k], loc[k][b].offset, E / 2, per, bq + 1, nq + 1) && n == (b == 1 ? 4 : 3),
                   "%s: %d buffers", tab[b].name, n);
             for (int i = 0; i < n; i++)
-                for (int e = 0; e < E; e++) {
-                    const float *x = bq[i] + (size_t)e * nq[i], *y = bw[i] + (size_t)e * nw[i];
-                    const float *x0 = i ? NULL : init + tab[b].offset + (size_t)e * per;
-                    if (e / (E / 2) == k) {
-                        if (memcmp(x, y, sizeof(float) * nw[i])) differ++;
-                        else same++;
-                        continue;
-                    }
-                    for (size_t j = 0; j < nq[i]; j++) {
-                        if (x0) other_moved += x[j] != x0[j];
-                        else other_state += x[j] != 0.0f;
-                    }
+                for (int e = 0; e < E / 2; e++) {
+                    const float *x = bq[i] + (size_t)e * nq[i], *y = bw[i] + (size_t)(k * (E / 2) + e) * nw[i];
+                    if (nq[i] != nw[i] || memcmp(x, y, sizeof(float) * nw[i])) differ++;
+                    else same++;
                 }
         }
     }
     printf("Adafactor over 2 x 2 of 4 experts: %ld expert slices (parameters, vr, vc, v, bf16 m) bit-identical to "
-           "the whole update, %ld differ; the others: %ld parameters moved, %ld state floats written\n", same, differ,
-           other_moved, other_state);
-    CHECK(same == 2 * 2 * (4 + 3) && differ == 0 && other_moved == 0 && other_state == 0,
-          "split Adafactor: %ld slices differ, %ld others' parameters moved, %ld others' state written", differ,
-          other_moved, other_state);
+           "the whole update, %ld differ\n", same, differ);
+    CHECK(same == 2 * 2 * (4 + 3) && differ == 0, "split Adafactor: %ld slices differ", differ);
+    // shard 1 back to the whole layout: its experts' state in place, bit for bit the whole run's,
+    // the others zero; then to shard 1 again, unchanged
+    {
+        long bad = 0, others = 0;
+        int ok = optim_relayout(q[1], tab, 3, total, 1) == VLMOE_OK && vlmoe_optim_get_step(q[1]) == STEPS;
+        for (int b = 1; b < 3 && ok; b++) {
+            const size_t per = tab[b].numel / E;
+            float *bw[4], *bq[4];
+            size_t nw[4], nq[4];
+            const int n = optim_expert_states(w, tab[b].offset, E, per, bw, nw);
+            ok = n == optim_expert_states(q[1], tab[b].offset, E, per, bq, nq);
+            for (int i = 0; i < n && ok; i++)
+                for (size_t j = 0; j < (size_t)E * nw[i]; j++) {
+                    if (j >= (size_t)(E / 2) * nw[i]) bad += bq[i][j] != bw[i][j];
+                    else others += bq[i][j] != 0.0f;
+                }
+        }
+        ok = ok && optim_relayout(q[1], loc[1], 3, ltot[1], 1) == VLMOE_OK;
+        float *bq2[4];
+        size_t nq2[4];
+        float *bw2[4];
+        size_t nw2[4];
+        const int n2 = ok ? optim_expert_states(q[1], loc[1][1].offset, E / 2, tab[1].numel / E, bq2, nq2) : 0;
+        optim_expert_states(w, tab[1].offset, E, tab[1].numel / E, bw2, nw2);
+        for (int i = 0; i < n2; i++) bad += memcmp(bq2[i], bw2[i] + (E / 2) * nw2[i], sizeof(float) * (E / 2) * nq2[i]) != 0;
+        CHECK(ok && !bad && !others, "optim_relayout: %s; %ld floats differ, %ld of the other experts' not zero",
+              ok ? "ok" : vlmoe_last_error(), bad, others);
+        vlmoe_param_info wrong[3] = {tab[0], tab[2], tab[1]};
+        CHECK(optim_relayout(q[1], wrong, 3, total, 1) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "'small'"),
+              "another table: %s", vlmoe_last_error());
+    }
+    #undef SHARD_COPY
     // what cannot split: a bank factored over its expert dim (64 experts of 40 x 8: dims 64 and 40
-    // factored), and with update clipping every bank
+    // factored), and with update clipping every bank; AdamW always splits
     {
         const int64_t sx[3] = {64, 40, 8};
-        vlmoe_param_info t2[1] = {pinfo("wide", 3, sx, 0, 1)}, n2 = t2[0];
-        n2.shape[0] = 32, n2.numel /= 2;
-        vlmoe_optim *o = NULL;
-        CHECK(vlmoe_optim_init(&o, &p, t2, 1, t2[0].numel) == VLMOE_OK && !optim_can_split(o, 0) &&
-                  optim_set_table(o, &n2, 1) == VLMOE_ERR_CONFIG && strstr(vlmoe_last_error(), "wide") &&
-                  strstr(vlmoe_last_error(), "factored over that dimension"),
-              "a bank factored over its experts: %s", vlmoe_last_error());
-        vlmoe_optim_free(o), o = NULL;
-        vlmoe_optim_params pc = p;
+        const vlmoe_param_info wide = pinfo("wide", 3, sx, 0, 1);
+        vlmoe_optim_params pc = p, pa = vlmoe_optim_default_params(VLMOE_OPT_ADAMW);
         pc.clip_threshold = 1.0f;
-        CHECK(vlmoe_optim_init(&o, &pc, tab, 3, total) == VLMOE_OK && !optim_can_split(o, tab[1].offset) &&
-                  optim_can_split(w, tab[1].offset), "update clipping: the bank must not split");
-        vlmoe_optim_free(o), o = NULL;
-        // a slice not on an expert boundary, and a tensor the optimizer was not made with
-        vlmoe_param_info bad = tab[1];
-        bad.offset += 1, bad.shape[0] = 1, bad.numel = 64 * 40;
-        CHECK(vlmoe_optim_init(&o, &p, tab, 3, total) == VLMOE_OK && optim_set_table(o, &bad, 1) == VLMOE_ERR_ARG &&
-                  strstr(vlmoe_last_error(), "slice of its leading dimension"), "misplaced slice: %s", vlmoe_last_error());
-        snprintf(bad.name, sizeof bad.name, "nope");
-        CHECK(optim_set_table(o, &bad, 1) == VLMOE_ERR_ARG && strstr(vlmoe_last_error(), "nope"), "unknown: %s",
-              vlmoe_last_error());
-        vlmoe_optim_free(o);
+        CHECK(!optim_splits(&p, &wide) && optim_splits(&p, &tab[1]) && optim_splits(&p, &tab[2]) &&
+                  !optim_splits(&pc, &tab[1]) && optim_splits(&pa, &wide),
+              "optim_splits: a bank factored over its experts or clipped must not split, the others must");
     }
 done:
     vlmoe_optim_free(w), vlmoe_optim_free(q[0]), vlmoe_optim_free(q[1]);
-    free(init), free(g), free(pw), free(pq[0]), free(pq[1]);
+    free(init), free(g), free(gq), free(pw), free(pq[0]), free(pq[1]);
 }
 
 int main(void) {

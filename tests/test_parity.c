@@ -428,7 +428,7 @@ static void test_moe_layer_case(const char *name) {
         for (int k = 0; k < VLMOE_AUX_COUNT; k++)
             if (!strcmp(vlmoe_aux_name((vlmoe_aux_kind)k), tok)) mc.aux_weight[k] = atof(eq + 1);
     }
-    moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0};
+    moe_spec sp = {&mc, D, M, VLMOE_ACT_GELU_TANH, 0, 0, 0, 0, 0, (size_t)-1, (size_t)-1, 0, 0, 0, 0};
     size_t off = 0;
     sp.router_w = off, off += (size_t)(mc.router_per_modality ? 2 : 1) * E * D;
     sp.w1 = off, off += (size_t)E * M * D;

@@ -5,7 +5,8 @@
 // a run of N steps equals a run of N/2 steps resumed to N (metrics records but for their "time"
 // object, and checkpoint bytes), with an uneven --mix on that data, and with the cosine schedule
 // from a mid-run checkpoint on synthetic data, and a run older than --drop-path/--hflip/--color-jitter
-// resumed as it ran; (d) bad input on purpose. Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
+// resumed as it ran, and a resume with --device cpu; (d) bad input on purpose (--device gpu among
+// them). Runs $VLMOE_BIN (or $VLMOE_BIN_ASAN).
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,6 +233,8 @@ int main(int argc, char **argv) {
     CHECK(sources == 3, "--train-data alone gives images and texts too:\n%s", params ? params : "(no params.json)");
     CHECK(params && strstr(params, "\"drop_path\":\t0.1"), "params.json records VL-MoE's stochastic depth 0.1 by default:\n%s",
           params ? params : "(no params.json)");
+    CHECK(params && strstr(params, "\"device\":\t\"cpu\""), "params.json records the device, cpu by default:\n%s",
+          params ? params : "(no params.json)");
     CHECK(params && strstr(params, "\"hflip\":\t0.5") && strstr(params, "\"color_jitter\":\t0.4"),
           "params.json records the image augmentations hflip 0.5 and color jitter 0.4 by default:\n%s",
           params ? params : "(no params.json)");
@@ -246,7 +249,8 @@ int main(int argc, char **argv) {
     expect(a, 0, "3 images + 3 texts + 6 pairs (forwards of 3)", "trained to step 8");
     snprintf(a, sizeof(a), "train %s %s --steps 4 --name half --workers 0", common, files);
     expect(a, 0, "trained to step 4", NULL);
-    snprintf(a, sizeof(a), "train %s %s --steps 8 --name half --workers 3 --resume latest", common, files);
+    // resumed with --device cpu (a key a resume may change): the same run
+    snprintf(a, sizeof(a), "train %s %s --steps 8 --name half --workers 3 --resume latest --device cpu", common, files);
     expect(a, 0, "resuming from runs/half/checkpoints/step_4.safetensors (step 4)", "trained to step 8");
     check_same("full", "half", 8);
     // a changed --mix is refused by the flags' check, and with --resume-allow-changes by the
@@ -360,8 +364,13 @@ int main(int argc, char **argv) {
            "--save-frequency counts epochs: give --train-num-samples", NULL);
     expect("train --steps 2 --model m.json --codebook cb.safetensors --workers 3", 1, "--workers applies to --train-data",
            NULL);
-    expect("train --steps 2 --model m.json --codebook cb.safetensors --device cpu", 1, "--device applies to contrastive",
-           NULL);
+    // --device: a name that is no device stops the run before anything is written
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --device gpu --name nodev", 1,
+           "--device: device 'gpu': expected cpu, cuda or cuda:N", NULL);
+    expect("train --steps 2 --model m.json --codebook cb.safetensors --device cuda:x --name nodev", 1,
+           "expected cuda:N with N a device number", NULL);
+    struct stat nodev;
+    CHECK(stat(P("logs/nodev"), &nodev) != 0, "a bad --device left a run folder logs/nodev");
     expect("train --steps 2 --model m.json --codebook cb.safetensors --optimizer adafactor --eps 1e-8", 1,
            "--eps applies to --optimizer adamw", NULL);
 

@@ -26,24 +26,29 @@ int cublas_failed(cublasStatus_t s, const char *op, const char *call) {
 }
 #define BK(op, call) cublas_failed((call), (op), #call)
 
-void *cu_workspace(const backend *be, size_t bytes, const char *op) {
+void *cu_grow(const backend *be, void **buf, size_t *cap, size_t bytes, const char *op, const char *what) {
     cuda_ctx *c = ctx_of(be);
-    if (bytes <= c->ws_bytes) return c->ws;
+    if (bytes <= *cap) return *buf;
     // kernels queued earlier may still read the old buffer
     if (CK(op, cudaStreamSynchronize(c->stream))) return NULL;
-    if (c->ws && CK(op, cudaFree(c->ws))) return NULL;
-    c->ws = NULL;
-    c->ws_bytes = 0;
+    if (*buf && CK(op, cudaFree(*buf))) return NULL;
+    *buf = NULL;
+    *cap = 0;
     const size_t want = (bytes + (bytes >> 2) + 4095) & ~(size_t)4095; // room to grow a little
-    cudaError_t e = cudaMalloc(&c->ws, want);
+    cudaError_t e = cudaMalloc(buf, want);
     if (e != cudaSuccess) {
-        c->ws = NULL;
-        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA backend, op %s: out of memory for a %zu-byte workspace (%s)", op,
-                   want, cudaGetErrorString(e));
+        *buf = NULL;
+        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA backend, op %s: out of memory for %zu bytes of %s (%s)", op, want, what,
+                   cudaGetErrorString(e));
         return NULL;
     }
-    c->ws_bytes = want;
-    return c->ws;
+    *cap = want;
+    return *buf;
+}
+
+void *cu_workspace(const backend *be, size_t bytes, const char *op) {
+    cuda_ctx *c = ctx_of(be);
+    return cu_grow(be, &c->ws, &c->ws_bytes, bytes, op, "workspace");
 }
 
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap, the
@@ -67,16 +72,23 @@ int cu_gemm_batched(const backend *be, const char *op, int ta, int tb, int M, in
                                             lda, sA, &beta, C, ldc, sC, batch));
 }
 
-// Column sums: blocks of 32 columns x 8 row lanes; lane y sums rows y, y+8, ... in order, then
-// the 8 partials add in lane order. The same grouping every run.
-__global__ static void k_colsum(float *out, const float *in, const float *x, const float *mean,
-                                const float *rstd, int rows, int C) {
+// Column sums. The rows split into fixed chunks (at least COLSUM_ROWS rows each, at most
+// COLSUM_CHUNKS chunks: a B/16 bias gradient's 12608 rows make 50 chunks, 24 x 50 blocks for 768
+// columns where one chunk gave 24 blocks), each a block of 32 columns x 8 row lanes; lane y sums
+// rows y, y+8, ... of its chunk in order, the 8 lanes add in lane order, and k_colsum_fold adds the
+// chunks' partials in chunk order. The grouping depends on the shape only: the same bits every
+// run. A single chunk adds straight into out.
+#define COLSUM_ROWS 256
+#define COLSUM_CHUNKS 64
+__global__ static void k_colsum(float *out, float *part, const float *in, const float *x, const float *mean,
+                                const float *rstd, int rows, int C, int per) {
     __shared__ float sh[8][33];
-    const int c = blockIdx.x * 32 + threadIdx.x, g = blockIdx.y;
+    const int c = blockIdx.x * 32 + threadIdx.x, j = blockIdx.y, g = blockIdx.z;
     const size_t r0 = (size_t)g * rows;
+    const int a = j * per, b = a + per < rows ? a + per : rows;
     float s = 0;
     if (c < C)
-        for (int r = threadIdx.y; r < rows; r += 8) {
+        for (int r = a + threadIdx.y; r < b; r += 8) {
             const size_t i = (r0 + r) * C + c;
             s = x ? __fadd_rn(s, __fmul_rn(__fmul_rn(in[i], __fsub_rn(x[i], mean[r0 + r])), rstd[r0 + r]))
                   : __fadd_rn(s, in[i]);
@@ -86,14 +98,36 @@ __global__ static void k_colsum(float *out, const float *in, const float *x, con
     if (threadIdx.y == 0 && c < C) {
         float t = sh[0][threadIdx.x];
         for (int k = 1; k < 8; k++) t = __fadd_rn(t, sh[k][threadIdx.x]);
-        out[(size_t)g * C + c] += t;
+        if (part)
+            part[((size_t)g * gridDim.y + j) * C + c] = t;
+        else
+            out[(size_t)g * C + c] += t;
     }
+}
+__global__ static void k_colsum_fold(float *out, const float *part, int C, int nchunk) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, g = blockIdx.y;
+    if (c >= C) return;
+    const float *p = part + (size_t)g * nchunk * C + c;
+    float t = p[0];
+    for (int j = 1; j < nchunk; j++) t = __fadd_rn(t, p[(size_t)j * C]);
+    out[(size_t)g * C + c] = __fadd_rn(out[(size_t)g * C + c], t);
 }
 void cu_colsum(const backend *be, const char *op, float *out, const float *in, const float *x,
                const float *mean, const float *rstd, int rows, int C, int groups) {
-    if (C <= 0 || groups <= 0) return;
-    k_colsum<<<dim3(cu_blocks((size_t)C, 32), groups), dim3(32, 8), 0, stream_of(be)>>>(out, in, x, mean, rstd,
-                                                                                       rows, C);
+    if (C <= 0 || groups <= 0 || rows <= 0) return;
+    int nchunk = (rows + COLSUM_ROWS - 1) / COLSUM_ROWS;
+    nchunk = nchunk > COLSUM_CHUNKS ? COLSUM_CHUNKS : nchunk;
+    const int per = (rows + nchunk - 1) / nchunk;
+    cuda_ctx *ctx = ctx_of(be);
+    float *part = NULL;
+    if (nchunk > 1 && !(part = (float *)cu_grow(be, (void **)&ctx->parts, &ctx->parts_bytes,
+                                                sizeof(float) * (size_t)groups * nchunk * C, op, "column-sum partials")))
+        return;
+    cudaStream_t st = stream_of(be);
+    k_colsum<<<dim3(cu_blocks((size_t)C, 32), nchunk, groups), dim3(32, 8), 0, st>>>(out, part, in, x, mean, rstd,
+                                                                                   rows, C, per);
+    if (LAUNCHED(op) || !part) return;
+    k_colsum_fold<<<dim3(cu_blocks((size_t)C, 256), groups), 256, 0, st>>>(out, part, C, nchunk);
     LAUNCHED(op);
 }
 
@@ -355,10 +389,12 @@ static void cuda_combine_backward(const backend *be, float *dy, float *dw, const
 
 static void ctx_release(cuda_ctx *c) {
     if (!c) return;
+    cuda_bf16_release(c);
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->partial);
     cudaFree(c->flag);
     cudaFree(c->ws);
+    cudaFree(c->parts);
     if (c->stream) cudaStreamDestroy(c->stream);
 }
 
@@ -374,6 +410,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     backend *be = (backend *)vlmoe_calloc(sizeof(backend), "CUDA backend");
     cuda_ctx *c = (cuda_ctx *)vlmoe_calloc(sizeof(cuda_ctx), "CUDA backend");
     if (!be || !c) return vlmoe_free_mem(be), vlmoe_free_mem(c), VLMOE_ERR_NOMEM;
+    c->magic = CUDA_CTX_MAGIC;
     c->device = device;
     // fp32 products in fp32: the pedantic mode rules out TF32 and any reduced-precision path
     if (CK("init", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) ||
@@ -388,6 +425,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
         vlmoe_free_mem(c);
         return VLMOE_ERR_ARG;
     }
+    c->f32 = be;
     be->name = "cuda";
     be->host_memory = 0; // device memory: host arrays are uploaded
     be->ctx = c;
@@ -417,11 +455,13 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     return VLMOE_OK;
 }
 
+// be: the fp32 table or its bf16 twin; both go, with the context they share
 extern "C" void backend_cuda_free(vlmoe_backend_f32 *be) {
     if (!be) return;
     cuda_ctx *c = ctx_of(be);
+    backend *f32 = c ? c->f32 : be;
     if (c) cudaStreamSynchronize(c->stream);
     ctx_release(c);
     vlmoe_free_mem(c);
-    vlmoe_free_mem(be);
+    vlmoe_free_mem(f32);
 }

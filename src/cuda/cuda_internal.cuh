@@ -24,7 +24,9 @@ typedef vlmoe_backend_f32 backend;
 
 #define NCHUNK 64
 
+#define CUDA_CTX_MAGIC 0x43554441u // "CUDA": backend_cuda_bf16 tells its tables from others'
 struct cuda_ctx {
+    unsigned magic;
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
@@ -32,6 +34,15 @@ struct cuda_ctx {
     int *flag;        // (4) flags and counts on the device
     void *ws;         // workspace for ops that need scratch the table does not pass (grows)
     size_t ws_bytes;
+    float *parts;     // cu_colsum's partial sums (grows; apart from ws, which its callers may hold)
+    size_t parts_bytes;
+    // `--precision bf16` (src/cuda/bf16_cuda.cu): the twin table, made on first request, its
+    // cuBLAS handle (default math: tensor cores for bf16, still fp32 accumulation) and the
+    // rounded operands of one product (grows, like ws)
+    backend *f32, *bf16;
+    cublasHandle_t blas16;
+    uint16_t *ops16;
+    size_t ops16_bytes;
 };
 
 static inline cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
@@ -44,6 +55,11 @@ CU_INTERNAL int cublas_failed(cublasStatus_t s, const char *op, const char *call
 // after a kernel launch: a bad configuration is reported at once, naming the op
 #define LAUNCHED(op) cu_failed(cudaGetLastError(), (op), "kernel launch")
 
+// A buffer of the context that only grows, with a quarter to spare, at least `bytes` long (NULL
+// with the error set, naming op and what). Growing waits for the stream (queued kernels may read
+// the old one), so a training step stops allocating once its largest shape has come by.
+CU_INTERNAL void *cu_grow(const backend *be, void **buf, size_t *cap, size_t bytes, const char *op,
+                          const char *what);
 // The workspace, at least `bytes` long (NULL with the error set when it cannot be had). One op
 // takes it once and carves it: a second call may move it.
 CU_INTERNAL void *cu_workspace(const backend *be, size_t bytes, const char *op);
@@ -53,6 +69,12 @@ CU_INTERNAL void *cu_workspace(const backend *be, size_t bytes, const char *op);
 CU_INTERNAL int cu_gemm(const backend *be, const char *op, int ta, int tb, int M, int N, int K,
                         float alpha, const float *A, int lda, const float *B, int ldb, float beta,
                         float *C, int ldc);
+// The same product with op(A) and op(B) rounded to bf16 (nearest even, src/ops/gemm_bf16.c's
+// rounding) into the context's operand buffer, then multiplied by cuBLAS with fp32 accumulation
+// and output (alpha 1): the products of the cuda-bf16 table.
+CU_INTERNAL int cu_gemm_bf16(const backend *be, const char *op, int ta, int tb, int M, int N, int K,
+                             const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                             int ldc);
 // The same over `batch` products, the i-th at A + i sA, B + i sB, C + i sC.
 CU_INTERNAL int cu_gemm_batched(const backend *be, const char *op, int ta, int tb, int M, int N,
                                 int K, float alpha, const float *A, int lda, long long sA,
@@ -70,12 +92,12 @@ CU_INTERNAL void cu_colsum(const backend *be, const char *op, float *out, const 
                            const float *x, const float *mean, const float *rstd, int rows, int C,
                            int groups);
 
-// The ops other files run inside their own (same semantics as the table entries).
-CU_INTERNAL void cu_linear_forward(const backend *be, float *out, const float *inp, const float *w,
-                                   const float *b, int N, int K, int O, int beta);
-CU_INTERNAL void cu_linear_backward(const backend *be, float *dinp, float *dw, float *db,
-                                    const float *dout, const float *inp, const float *w, int N,
-                                    int K, int O);
+// The ops other files run inside their own (same semantics as the table entries; bf16: the
+// products of the cuda-bf16 table, cu_gemm_bf16).
+CU_INTERNAL void cu_linear_fwd(const backend *be, int bf16, float *out, const float *inp, const float *w,
+                               const float *b, int N, int K, int O, int beta);
+CU_INTERNAL void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db,
+                               const float *dout, const float *inp, const float *w, int N, int K, int O);
 CU_INTERNAL void cu_act_forward(const backend *be, float *out, const float *inp, size_t n, int kind);
 CU_INTERNAL void cu_act_backward(const backend *be, float *dinp, const float *inp, const float *dout,
                                  size_t n, int kind);
@@ -94,6 +116,10 @@ CU_INTERNAL void cuda_fill_nn(backend *be);    // src/cuda/nn_cuda.cu
 CU_INTERNAL void cuda_fill_embed(backend *be); // src/cuda/embed_cuda.cu
 CU_INTERNAL void cuda_fill_loss(backend *be);  // src/cuda/loss_cuda.cu
 CU_INTERNAL void cuda_fill_moe(backend *be);   // src/cuda/moe_cuda.cu
+// the cuda-bf16 table: a copy of the fp32 one whose products these replace
+CU_INTERNAL void cuda_fill_nn_bf16(backend *be);
+CU_INTERNAL void cuda_fill_moe_bf16(backend *be);
+CU_INTERNAL void cuda_bf16_release(cuda_ctx *c); // src/cuda/bf16_cuda.cu
 
 // ---- device helpers (header-only: each .cu file gets its own copy)
 

@@ -10,3 +10,9 @@ int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
 }
 
 void backend_cuda_free(vlmoe_backend_f32 *be) { (void)be; }
+
+int backend_cuda_bf16(const vlmoe_backend_f32 **out, const vlmoe_backend_f32 *cuda) {
+    *out = NULL;
+    return vlmoe_fail(VLMOE_ERR_ARG, "--precision bf16: the %s backend is not a CUDA table (this vlmoe was "
+                      "built without CUDA=1)", cuda ? cuda->name : "(none)");
+}

@@ -106,7 +106,7 @@ static void cuda_router_noise(const backend *be, float *noisy, const float *logi
 // ---- the expert bank: expert e owns rows [off[e], off[e+1]) (off on the host); the
 // activations run once over all rows, the products one expert at a time
 
-static void cuda_experts_forward(const backend *be, float *y, float *h, float *a, const float *x,
+static void experts_fwd(const backend *be, int bf16, float *y, float *h, float *a, const float *x,
                                  const float *const w[4], const be_experts *ex, int beta) {
     const int D = ex->D, M = ex->M, E = ex->E;
     if (E <= 0) return;
@@ -115,19 +115,19 @@ static void cuda_experts_forward(const backend *be, float *y, float *h, float *a
     for (int e = 0; e < E; e++) {
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
-        if (k > 0) cu_linear_forward(be, h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
+        if (k > 0) cu_linear_fwd(be, bf16, h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
     }
     cu_act_forward(be, a + r0 * M, h + r0 * M, nr * M, ex->act);
     for (int e = 0; e < E; e++) {
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
         if (k > 0)
-            cu_linear_forward(be, y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+            cu_linear_fwd(be, bf16, y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
     }
 }
 
 // dx and dw {dw1, db1, dw2, db2} ACCUMULATE; da, dh scratch (the activation is recomputed in dh)
-static void cuda_experts_backward(const backend *be, float *dx, float *const dw[4], const float *dy, const float *x,
+static void experts_bwd(const backend *be, int bf16, float *dx, float *const dw[4], const float *dy, const float *x,
                                   const float *h, const float *const w[4], float *da, float *dh,
                                   const be_experts *ex) {
     const int D = ex->D, M = ex->M, E = ex->E;
@@ -141,7 +141,7 @@ static void cuda_experts_backward(const backend *be, float *dx, float *const dw[
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
         if (k > 0)
-            cu_linear_backward(be, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dh + o * M,
+            cu_linear_bwd(be, bf16, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dh + o * M,
                                w[2] + (size_t)e * D * M, k, M, D);
     }
     if (CK("experts", cudaMemsetAsync(dh + r0 * M, 0, sizeof(float) * nr * M, st))) return;
@@ -150,9 +150,28 @@ static void cuda_experts_backward(const backend *be, float *dx, float *const dw[
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
         if (k > 0)
-            cu_linear_backward(be, dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dh + o * M, x + o * D,
+            cu_linear_bwd(be, bf16, dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dh + o * M, x + o * D,
                                w[0] + (size_t)e * M * D, k, D, M);
     }
+}
+
+static void cuda_experts_forward(const backend *be, float *y, float *h, float *a, const float *x,
+                                 const float *const w[4], const be_experts *ex, int beta) {
+    experts_fwd(be, 0, y, h, a, x, w, ex, beta);
+}
+static void cuda_experts_backward(const backend *be, float *dx, float *const dw[4], const float *dy, const float *x,
+                                  const float *h, const float *const w[4], float *da, float *dh,
+                                  const be_experts *ex) {
+    experts_bwd(be, 0, dx, dw, dy, x, h, w, da, dh, ex);
+}
+static void bf16_experts_forward(const backend *be, float *y, float *h, float *a, const float *x,
+                                 const float *const w[4], const be_experts *ex, int beta) {
+    experts_fwd(be, 1, y, h, a, x, w, ex, beta);
+}
+static void bf16_experts_backward(const backend *be, float *dx, float *const dw[4], const float *dy, const float *x,
+                                  const float *h, const float *const w[4], float *da, float *dh,
+                                  const be_experts *ex) {
+    experts_bwd(be, 1, dx, dw, dy, x, h, w, da, dh, ex);
 }
 
 // ---- Soft MoE over one group (src/moe/soft.h): the layouts of acts and scratch are soft.c's,
@@ -387,4 +406,11 @@ void cuda_fill_moe(backend *be) {
     be->experts_backward = cuda_experts_backward;
     be->soft_moe_forward = cuda_soft_moe_forward;
     be->soft_moe_backward = cuda_soft_moe_backward;
+}
+
+// the cuda-bf16 table's expert bank: its products in bf16. Soft MoE keeps the fp32 table's
+// kernels, as the cpu-bf16 table does (src/moe/soft.c multiplies in fp32 there).
+void cuda_fill_moe_bf16(backend *be) {
+    be->experts_forward = bf16_experts_forward;
+    be->experts_backward = bf16_experts_backward;
 }

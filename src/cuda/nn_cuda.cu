@@ -13,7 +13,8 @@
 #define INV_SQRT_2PI 0.3989422804014327
 #define ROW_THREADS 128 // threads of the one-block-per-row kernels
 
-// ---- linear: out (N,O) = inp (N,K) . w^T (w (O,K)) + b; beta 0 writes, 1 adds
+// ---- linear: out (N,O) = inp (N,K) . w^T (w (O,K)) + b; beta 0 writes, 1 adds. The bf16 table
+// (`--precision bf16`) differs from the fp32 one only in the products (lin_gemm).
 
 // out (N,O) = b (beta 0) or out + b (beta 1), before the product adds into it (as the CPU does)
 __global__ static void k_bias_rows(float *out, const float *b, size_t N, int O, int add) {
@@ -23,22 +24,47 @@ __global__ static void k_bias_rows(float *out, const float *b, size_t N, int O, 
     out[i] = add ? __fadd_rn(out[i], bj) : bj;
 }
 
-void cu_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b, int N,
-                       int K, int O, int beta) {
+// The products of linear and the expert bank: fp32 on the "cuda" table, bf16 operands with fp32
+// accumulation on "cuda-bf16" (src/cuda/bf16_cuda.cu)
+static int lin_gemm(const backend *be, int bf16, int ta, int tb, int M, int N, int K, const float *A, int lda,
+                    const float *B, int ldb, float beta, float *C, int ldc) {
+    return bf16 ? cu_gemm_bf16(be, "linear", ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc)
+                : cu_gemm(be, "linear", ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
+
+void cu_linear_fwd(const backend *be, int bf16, float *out, const float *inp, const float *w, const float *b,
+                   int N, int K, int O, int beta) {
     if (N <= 0 || O <= 0) return;
     if (b) {
         k_bias_rows<<<cu_blocks((size_t)N * O, 256), 256, 0, stream_of(be)>>>(out, b, (size_t)N, O, beta);
         if (LAUNCHED("linear")) return;
     }
-    cu_gemm(be, "linear", 0, 1, N, O, K, 1.0f, inp, K, w, K, beta || b ? 1.0f : 0.0f, out, O);
+    lin_gemm(be, bf16, 0, 1, N, O, K, inp, K, w, K, beta || b ? 1.0f : 0.0f, out, O);
 }
 
 // dinp (N,K) += dout.w (dinp may be NULL); dw (O,K) += dout^T.inp; db (O) += colsum(dout)
-void cu_linear_backward(const backend *be, float *dinp, float *dw, float *db, const float *dout, const float *inp,
-                        const float *w, int N, int K, int O) {
-    if (dinp && cu_gemm(be, "linear", 0, 0, N, K, O, 1.0f, dout, O, w, K, 1.0f, dinp, K)) return;
-    if (cu_gemm(be, "linear", 1, 0, O, K, N, 1.0f, dout, O, inp, K, 1.0f, dw, K)) return;
+void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
+                   const float *inp, const float *w, int N, int K, int O) {
+    if (dinp && lin_gemm(be, bf16, 0, 0, N, K, O, dout, O, w, K, 1.0f, dinp, K)) return;
+    if (lin_gemm(be, bf16, 1, 0, O, K, N, dout, O, inp, K, 1.0f, dw, K)) return;
     if (db) cu_colsum(be, "linear", db, dout, NULL, NULL, NULL, N, O, 1);
+}
+
+static void cuda_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
+                                int N, int K, int O, int beta) {
+    cu_linear_fwd(be, 0, out, inp, w, b, N, K, O, beta);
+}
+static void cuda_linear_backward(const backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                 const float *inp, const float *w, int N, int K, int O) {
+    cu_linear_bwd(be, 0, dinp, dw, db, dout, inp, w, N, K, O);
+}
+static void bf16_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
+                                int N, int K, int O, int beta) {
+    cu_linear_fwd(be, 1, out, inp, w, b, N, K, O, beta);
+}
+static void bf16_linear_backward(const backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                 const float *inp, const float *w, int N, int K, int O) {
+    cu_linear_bwd(be, 1, dinp, dw, db, dout, inp, w, N, K, O);
 }
 
 // ---- LayerNorm: one block per row
@@ -499,8 +525,8 @@ static void cuda_l2norm_backward(const backend *be, float *dx, const float *dout
 }
 
 void cuda_fill_nn(backend *be) {
-    be->linear_forward = cu_linear_forward;
-    be->linear_backward = cu_linear_backward;
+    be->linear_forward = cuda_linear_forward;
+    be->linear_backward = cuda_linear_backward;
     be->layernorm_forward = cuda_layernorm_forward;
     be->layernorm_recompute = cuda_layernorm_recompute;
     be->layernorm_backward = cuda_layernorm_backward;
@@ -520,4 +546,9 @@ void cuda_fill_nn(backend *be) {
     be->pool_backward = cuda_pool_backward;
     be->l2norm_forward = cuda_l2norm_forward;
     be->l2norm_backward = cuda_l2norm_backward;
+}
+
+void cuda_fill_nn_bf16(backend *be) {
+    be->linear_forward = bf16_linear_forward;
+    be->linear_backward = bf16_linear_backward;
 }

@@ -16,13 +16,14 @@ static const char *launcher(long *size) {
         {"mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
         {"a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2)", "PMI_RANK", "PMI_SIZE"},
         {"a PMIx launcher (srun --mpi=pmix, prterun)", "PMIX_RANK", NULL},
-        {"srun (Slurm)", "SLURM_PROCID", "SLURM_NTASKS"},
+        {"srun (Slurm)", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"},
     };
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
         if (!getenv(known[i].rank_var)) continue;
         const char *s = known[i].size_var ? getenv(known[i].size_var) : NULL;
         *size = s ? strtol(s, NULL, 10) : 0;
-        // a Slurm batch script has SLURM_PROCID too; only a step of several tasks is a launch
+        // a Slurm batch script has SLURM_PROCID and the allocation's SLURM_NTASKS too, but it is
+        // one process: only srun's tasks see their step's size, and only several of them launch
         if (!strcmp(known[i].rank_var, "SLURM_PROCID") && *size <= 1) continue;
         return known[i].name;
     }
@@ -42,7 +43,21 @@ int vlmoe_dist_open(vlmoe_dist **out, const char *kind) {
     if (!kind || !strcmp(kind, "auto")) {
         long size = 0;
         const char *by = launcher(&size);
-        if (by && dist_mpi_built()) return dist_mpi_open(out);
+        if (by && dist_mpi_built()) {
+            int st = dist_mpi_open(out);
+            // srun without an MPI plugin (a cluster whose default is --mpi=none) starts N
+            // processes that each find a world of one: they would each train alone
+            if (!st && size > 1 && (*out)->world == 1) {
+                vlmoe_dist_close(*out);
+                *out = NULL;
+                st = vlmoe_fail(VLMOE_ERR_CONFIG, "this process is one of %ld started by %s, but MPI "
+                                "found a world of one process: the launcher did not hand its job to MPI, "
+                                "so each process would train alone. Under Slurm, run `srun --mpi=pmix` "
+                                "(`srun --mpi=list` shows the plugins the cluster has) or mpirun inside "
+                                "the allocation", size, by);
+            }
+            return st;
+        }
         // Several copies of a program built without MPI would each train alone and write over
         // each other's checkpoints: refuse rather than run as worlds of one.
         if (by && size != 1) {

@@ -746,9 +746,10 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
 // in that order, go to the owner in one all-to-all (variable counts), which reorders what it
 // receives from source-major to expert-major, runs its experts as one grouped call and sends
 // the outputs back the same way; combine is unchanged. Backward runs the exchanges in reverse
-// with the output gradients. The parameters stay replicated: a process writes the gradients of
-// its own experts only (the others' stay zero), so the trainer's mean over the processes is
-// the gradient of the global loss (the sum of every process's tokens' contributions over W).
+// with the output gradients. A process writes the gradients of its own experts only: with the
+// banks split (spec.split, src/nn/model.h model_shard) they are all it holds; with a bank held
+// whole, the others' stay zero, so the trainer's mean over the processes is the gradient of the
+// global loss (the sum of every process's tokens' contributions over W).
 #ifndef VLMOE_MOE_EP_ONCE
 #define VLMOE_MOE_EP_ONCE
 struct moe_ep {
@@ -791,6 +792,9 @@ int R(moe_set_expert_parallel)(struct R(moe_state) *st, vlmoe_dist *d) {
                           "process count must divide num_experts)", E, W);
     if (!st->be->host_memory)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism over MPI needs host memory (backend %s)", st->be->name);
+    if (st->sp.split && (st->sp.shard_size != W || st->sp.shard_rank != d->rank))
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: this layer holds the experts of process %d of %d, not "
+                          "those of process %d of %d", st->sp.shard_rank, st->sp.shard_size, d->rank, W);
     if (st->ep && st->ep->W == W && st->ep->e0 == d->rank * (E / W)) {
         st->ep->d = d;
         return VLMOE_OK;
@@ -871,6 +875,14 @@ static int ep_counts(struct R(moe_state) *st) {
     return VLMOE_OK;
 }
 
+// This process's experts in banks w (w1, b1, w2, b2): a bank held whole starts at expert 0, so its
+// first local expert is e0 in; a split one holds only this process's experts (spec.split).
+static void ep_weights(const struct R(moe_state) *st, real *const w[4], real *out[4]) {
+    const size_t D = (size_t)st->sp.D, M = (size_t)st->sp.M, e0 = (size_t)st->ep->e0;
+    const size_t per[4] = {M * D, M, D * M, D};
+    for (int k = 0; k < 4; k++) out[k] = w[k] + (st->sp.split >> k & 1 ? 0 : e0 * per[k]);
+}
+
 // Forward of this process's experts over every process's rows: st->xp (packed by expert) in,
 // st->y (the same rows' outputs) back.
 static int ep_forward(struct R(moe_state) *st, const real *const w[4]) {
@@ -882,10 +894,10 @@ static int ep_forward(struct R(moe_state) *st, const real *const w[4]) {
     if (!e) e = ep->d->alltoallv(ep->d, b1, ep->rc, ep->rd, st->xp, ep->sc, ep->sd, EP_TYPE);
     if (e) return vlmoe_error_prefix("expert parallelism: dispatch"), e;
     ep_reorder(st, xe, b1, 1);
-    const size_t e0 = (size_t)ep->e0;
-    const real *const wl[4] = {w[0] + e0 * M * D, w[1] + e0 * M, w[2] + e0 * D * M, w[3] + e0 * D};
+    real *wl[4];
+    ep_weights(st, (real *const *)w, wl);
     const be_experts ex = {ep->El, D, M, sp->act, ep->eoff};
-    st->be->experts_forward(st->be, b2, ep->h, ep->a, xe, wl, &ex, 0);
+    st->be->experts_forward(st->be, b2, ep->h, ep->a, xe, (const real *const *)wl, &ex, 0);
     ep_reorder(st, b1, b2, 0);
     e = ep->d->alltoallv(ep->d, st->y, ep->sc, ep->sd, b1, ep->rc, ep->rd, EP_TYPE);
     return e ? (vlmoe_error_prefix("expert parallelism: combine"), e) : VLMOE_OK;
@@ -901,12 +913,13 @@ static int ep_backward(struct R(moe_state) *st, const real *const w[4], real *co
     int e = ep->d->alltoallv(ep->d, b1, ep->rc, ep->rd, st->dy, ep->sc, ep->sd, EP_TYPE);
     if (e) return vlmoe_error_prefix("expert parallelism: output gradients"), e;
     ep_reorder(st, b2, b1, 1);
-    const size_t e0 = (size_t)ep->e0, n = (size_t)ep->eoff[ep->El] * D;
-    const real *const wl[4] = {w[0] + e0 * M * D, w[1] + e0 * M, w[2] + e0 * D * M, w[3] + e0 * D};
-    real *const dwl[4] = {dw[0] + e0 * M * D, dw[1] + e0 * M, dw[2] + e0 * D * M, dw[3] + e0 * D};
+    const size_t n = (size_t)ep->eoff[ep->El] * D;
+    real *wl[4], *dwl[4];
+    ep_weights(st, (real *const *)w, wl);
+    ep_weights(st, dw, dwl);
     const be_experts ex = {ep->El, D, M, sp->act, ep->eoff};
     if (n) memset(b1, 0, sizeof(real) * n);
-    st->be->experts_backward(st->be, b1, dwl, b2, ep->xe, ep->h, wl, ep->a, ep->dh, &ex);
+    st->be->experts_backward(st->be, b1, dwl, b2, ep->xe, ep->h, (const real *const *)wl, ep->a, ep->dh, &ex);
     ep_reorder(st, b2, b1, 0);
     e = ep->d->alltoallv(ep->d, st->dxp, ep->sc, ep->sd, b2, ep->rc, ep->rd, EP_TYPE);
     return e ? (vlmoe_error_prefix("expert parallelism: input gradients"), e) : VLMOE_OK;
@@ -948,6 +961,10 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     const be_experts ex = experts_of(st);
     if (st->ep && st->ep->d) {
         if ((stt = ep_forward(st, w))) return stt;
+    } else if (sp->split) { // the other experts are not here
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "MoE layer: this process holds the experts of process %d of %d only: the "
+                          "layer runs expert-parallel over its group, or on the whole model", sp->shard_rank,
+                          sp->shard_size);
     } else {
         be->experts_forward(be, st->y, st->h, st->da, st->xp, w, &ex, 0);
     }

@@ -16,6 +16,11 @@ typedef struct {
     int D, M, act;
     size_t router_w, w1, b1, w2, b2, phi, scale; // offsets (NO_PARAM where absent)
     uint64_t pruned;         // router_pred pruning: experts never picked (vlmoe_moe_config.pruned)
+    // expert parallelism with a sharded layout (src/nn/model.h model_shard): bit k of split says
+    // bank k (w1, b1, w2, b2) holds only experts [shard_rank E/shard_size, ...) of the E; such a
+    // layer runs expert-parallel over a group of shard_size, as process shard_rank, or not at all
+    unsigned split;
+    int shard_rank, shard_size;
 } moe_spec;
 
 // The examples of a one-tower encoder's token buffer (MOE.md "Notation"): B image-text pairs laid

@@ -2,11 +2,13 @@
 // build opens the device's backend table (src/cuda/) and a build without CUDA=1 says how to make
 // one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
-// forward; gradients come back by download. Covered by tests/test_model.c (a CPU table with its
-// own memory) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
-// (src/ops/backend_cpu.c) where the CPU has bf16 instructions; tests/test_bf16.c. --precision
-// int8 (inference) quantizes the model's MLP and expert weights once and runs them on a cpu-int8
-// table of the model's own where the CPU has VNNI; tests/test_int8.c.
+// forward; gradients come back by download. Both architectures: the towers and VL-MoE (arch
+// mome). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
+// an op is handed) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
+// (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
+// device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
+// --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
+// a cpu-int8 table of the model's own where the CPU has VNNI; tests/test_int8.c.
 #include <stdlib.h>
 #include <string.h>
 
@@ -82,19 +84,28 @@ static int int8_build(const vlmoe_model *m, struct model_int8 **out) {
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     *fell_back = 0;
     const vlmoe_backend_f32 *cpu = backend_cpu_f32(), *bf16 = backend_cpu_bf16();
-    const int on_cpu = m->be == cpu || m->be == bf16 || m->int8;
-    if (!name || !strcmp(name, "fp32"))
-        return m->be != cpu && on_cpu ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
-    const int int8 = !strcmp(name, "int8");
-    if (strcmp(name, "bf16") && !int8)
+    const int want16 = name && !strcmp(name, "bf16"), int8 = name && !strcmp(name, "int8");
+    if (name && !want16 && !int8 && strcmp(name, "fp32"))
         return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32, bf16 or int8", name);
+    // on a CUDA device (the model owns its table): the table's bf16 twin, or back to the table
+    if (m->owned_be) {
+        if (int8)
+            return vlmoe_fail(VLMOE_ERR_ARG, "--precision int8: the %s backend has no int8 products; use "
+                              "--precision fp32 or bf16 there", m->owned_be->name);
+        const vlmoe_backend_f32 *to = m->owned_be;
+        int st = want16 ? backend_cuda_bf16(&to, m->owned_be) : VLMOE_OK;
+        if (st) return st;
+        return to == m->be ? VLMOE_OK : model_set_backend(m, to, m->owned_be);
+    }
+    const int on_cpu = m->be == cpu || m->be == bf16 || m->int8;
+    if (!want16 && !int8) return m->be != cpu && on_cpu ? model_set_backend(m, cpu, NULL) : VLMOE_OK;
     if (!on_cpu)
         return vlmoe_fail(VLMOE_ERR_ARG, "--precision %s: the %s backend computes in fp32 only; use "
                           "--precision fp32 there", name, m->be->name);
-    if (!int8) {
+    if (want16) {
         if (!gemm_bf16_native()) {
             *fell_back = 1;
-            return VLMOE_OK;
+            return m->be == cpu ? VLMOE_OK : model_set_backend(m, cpu, NULL);
         }
         return m->be == bf16 ? VLMOE_OK : model_set_backend(m, bf16, NULL);
     }
@@ -122,18 +133,14 @@ static void drop_device(vlmoe_model *m) {
 }
 
 int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned) {
-    if (m->L.arch != &model_arch_towers && !be->host_memory) {
-        backend_cuda_free(owned);
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': VL-MoE models run on the CPU only for now (the %s backend "
-                          "has no host memory)", m->L.cfg.name, be->name);
-    }
     // the graphs were planned on the old table: plan again on the new one at the next forward
-    m->L.arch->free(m);
+    if (m->L.arch->drop_graphs) m->L.arch->drop_graphs(m);
+    else m->L.arch->free(m);
     m->planned_B = 0, m->have_forward = 0;
     drop_device(m);
     vlmoe_backend_f32 *old = m->owned_be;
     m->be = be, m->owned_be = owned;
-    backend_cuda_free(old);
+    if (old != owned) backend_cuda_free(old); // kept when be is old's bf16 twin (or old itself)
     if (m->int8 && be != &m->int8->table) int8_free(m->int8), m->int8 = NULL;
     if (!be->host_memory) {
         const size_t bytes = sizeof(float) * m->L.total;

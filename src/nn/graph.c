@@ -252,7 +252,7 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
             layer_acts *a = &s->layers[l];
             a->spec = (moe_spec){L->enc[e].moe, L->enc[e].width, L->enc[e].mlp, L->cfg.act,
                                  f->router_w, f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b, f->phi, f->scale,
-                                 l < 64 ? L->enc[e].moe->pruned[l] : 0};
+                                 l < 64 ? L->enc[e].moe->pruned[l] : 0, f->split, L->shard.rank, L->shard.size};
             st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
             g->stats[f->moe_index].encoder = e;

@@ -43,6 +43,26 @@ static size_t add(table_builder *tb, const char *name, int decay, int ndim, int6
     return layout_add(tb, name, decay, ndim, d0, d1, 0);
 }
 
+// An expert bank (X, d1[, d2]): held whole, or as the layout's shard of its experts (its shape
+// stays the whole bank's, numel and the buffer shrink to X/size experts). Sets bit k of *split
+// when split; split NULL: held whole.
+static size_t add_bank(table_builder *tb, const char *name, int decay, int ndim, int64_t X, int64_t d1, int64_t d2,
+                       unsigned *split, int k) {
+    const model_shard *sh = &tb->L->shard;
+    const size_t off = layout_add(tb, name, decay, ndim, X, d1, d2);
+    if (off == NO_PARAM || sh->size < 2 || !split) return off;
+    vlmoe_param_info *p = &tb->L->table[tb->L->nparams - 1];
+    if (sh->keep_whole && sh->keep_whole(sh->user, p)) return off;
+    const size_t per = p->numel / (size_t)X;
+    p->experts_local = (int)(X / sh->size);
+    p->expert0 = sh->rank * p->experts_local;
+    p->numel = per * (size_t)p->experts_local;
+    tb->off = p->offset + p->numel;
+    tb->L->nsplit++;
+    *split |= 1u << k;
+    return off;
+}
+
 // The feed-forward of block l: a dense MLP, or an MoE layer whose experts are stored stacked
 // (E, ...) so a checkpoint does not depend on how experts are split over processes.
 void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc, int l, int D, int M,
@@ -72,10 +92,14 @@ void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc
     } else {
         f->router_w = add(tb, NAME("moe.router.weight"), 1, 2, X, D);
     }
-    f->fc1_w = layout_add(tb, NAME("moe.experts.fc1.weight"), 1, 3, X, M, D);
-    f->fc1_b = add(tb, NAME("moe.experts.fc1.bias"), 0, 2, X, M);
-    f->fc2_w = layout_add(tb, NAME("moe.experts.fc2.weight"), 1, 3, X, D, M);
-    f->fc2_b = add(tb, NAME("moe.experts.fc2.bias"), 0, 2, X, D);
+    // the experts' banks: a shard of them under expert parallelism (model_shard); Soft MoE mixes
+    // every token into every slot, so its experts are never split
+    f->split = 0;
+    unsigned *sp = mc->router == VLMOE_ROUTER_SOFT ? NULL : &f->split;
+    f->fc1_w = add_bank(tb, NAME("moe.experts.fc1.weight"), 1, 3, X, M, D, sp, 0);
+    f->fc1_b = add_bank(tb, NAME("moe.experts.fc1.bias"), 0, 2, X, M, 0, sp, 1);
+    f->fc2_w = add_bank(tb, NAME("moe.experts.fc2.weight"), 1, 3, X, D, M, sp, 2);
+    f->fc2_b = add_bank(tb, NAME("moe.experts.fc2.bias"), 0, 2, X, D, 0, sp, 3);
 #undef NAME
 }
 
@@ -90,9 +114,14 @@ int model_expert_banks(const vlmoe_model *m, model_bank *out, int cap) {
             const ffn_layout *f = &en->blocks[l].ffn;
             if (f->kind != FFN_MOE) continue;
             const size_t M = (size_t)en->mlp, D = (size_t)en->width;
-            const model_bank b[4] = {{f->fc1_w, M * D, E}, {f->fc1_b, M, E}, {f->fc2_w, D * M, E}, {f->fc2_b, D, E}};
-            for (int k = 0; k < 4; k++, n++)
-                if (n < cap) out[n] = b[k];
+            const size_t off[4] = {f->fc1_w, f->fc1_b, f->fc2_w, f->fc2_b}, per[4] = {M * D, M, D * M, D};
+            const int El = E / (L->shard.size > 0 ? L->shard.size : 1);
+            for (int k = 0; k < 4; k++, n++) {
+                const int split = f->split >> k & 1;
+                if (n < cap)
+                    out[n] = (model_bank){.offset = off[k], .per = per[k], .E = E, .e0 = split ? L->shard.rank * El : 0,
+                                          .El = split ? El : E};
+            }
         }
     }
     return n;
@@ -111,9 +140,25 @@ void layout_add_attention(table_builder *tb, block_layout *b, int D, const char 
 }
 
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg) {
+    return model_layout_build_shard(L, cfg, NULL);
+}
+
+int model_layout_build_shard(model_layout *L, const vlmoe_model_config *cfg, const model_shard *sh) {
     memset(L, 0, sizeof(*L));
+    L->shard = sh ? *sh : (model_shard){.rank = 0, .size = 1};
     int st = vlmoe_config_validate(cfg);
     if (st) return st;
+    const int N = L->shard.size;
+    if (N < 1 || L->shard.rank < 0 || L->shard.rank >= N)
+        return vlmoe_fail(VLMOE_ERR_ARG, "model '%s': expert shard %d of %d", cfg->name, L->shard.rank, N);
+    if (N > 1 && cfg->arch == VLMOE_ARCH_MOME)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': VL-MoE (arch mome) layers are not split over processes",
+                          cfg->name);
+    const vlmoe_moe_config *mc[2] = {&cfg->moe, &cfg->text_moe};
+    for (int k = 0; k < (cfg->arch == VLMOE_ARCH_TWO_TOWER ? 2 : 1) && N > 1; k++)
+        if (mc[k]->router != VLMOE_ROUTER_NONE && mc[k]->router != VLMOE_ROUTER_SOFT && mc[k]->num_experts % N)
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': %d experts do not split over %d processes (the process "
+                              "count must divide num_experts)", cfg->name, mc[k]->num_experts, N);
     // the one place the architecture is chosen: everything after goes through L->arch
     L->arch = cfg->arch == VLMOE_ARCH_MOME ? &model_arch_mome : &model_arch_towers;
     return L->arch->layout_build(L, cfg);
@@ -154,11 +199,18 @@ static int beit_init(const vlmoe_param_info *p, float *w, vlmoe_rng *r) {
 // blocks), patch embedding LeCun-normal, embeddings N(0, 0.02), projections N(0, width^-1/2),
 // logit_scale = log(init_temperature); a config with beit_init takes BEiT's (the VL-MoE paper
 // sizes do; the tiny VL-MoE models keep this one, under which they learn in the tests' few steps). Each
-// tensor draws from its own seeded stream so adding a tensor does not change the others.
-void model_layout_init_params(const model_layout *L, float *params, uint64_t seed) {
+// tensor draws from its own seeded stream so adding a tensor does not change the others; a split
+// expert bank draws the whole bank's stream into a scratch and keeps its experts' slice.
+int model_layout_init_params(const model_layout *L, float *params, uint64_t seed) {
     for (int i = 0; i < L->nparams; i++) {
-        const vlmoe_param_info *p = &L->table[i];
-        float *w = params + p->offset;
+        vlmoe_param_info whole = L->table[i];
+        const vlmoe_param_info *p = &whole;
+        float *w = params + p->offset, *bank = NULL;
+        if (p->experts_local) {
+            whole.numel = p->numel / (size_t)p->experts_local * (size_t)p->shape[0];
+            if (!(bank = w = vlmoe_alloc(sizeof(float) * whole.numel, "an expert bank's initial values")))
+                return VLMOE_ERR_NOMEM;
+        }
         vlmoe_rng r;
         vlmoe_rng_seed(&r, seed * 1000003ULL + (uint64_t)i);
         if (!strcmp(p->name, "logit_scale")) {
@@ -189,7 +241,65 @@ void model_layout_init_params(const model_layout *L, float *params, uint64_t see
             for (size_t k = 0; k < p->numel; k++)
                 w[k] = xavier ? (float)((2 * vlmoe_rng_uniform(&r) - 1) * lim) : (float)(std * vlmoe_rng_normal(&r));
         }
+        if (bank) {
+            const size_t per = whole.numel / (size_t)p->shape[0];
+            memcpy(params + p->offset, bank + (size_t)p->expert0 * per, sizeof(float) * L->table[i].numel);
+            vlmoe_free_mem(bank);
+        }
     }
+    return VLMOE_OK;
+}
+
+// The floats of table entry p (of its layout), an expert bank held whole or split, that hold
+// experts [a, b) of it: [*first, *first + *n) of p's own floats.
+static void held_range(const vlmoe_param_info *p, int a, int b, size_t *first, size_t *n) {
+    const int e0 = p->experts_local ? p->expert0 : 0, held = p->experts_local ? p->experts_local : (int)p->shape[0];
+    const size_t per = p->numel / (size_t)held;
+    *first = (size_t)(a - e0) * per, *n = (size_t)(b - a) * per;
+}
+
+int model_reshard(vlmoe_model *m, const model_shard *sh) {
+    if (m->L.arch != &model_arch_towers || m->d_params || m->int8)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': only a one_tower or two_tower model on the host's memory "
+                          "splits its experts over processes", m->L.cfg.name);
+    model_layout L;
+    int st = model_layout_build_shard(&L, &m->L.cfg, sh);
+    if (st) return st;
+    // the gradients are not carried over: their memory goes back before the new parameters take
+    // theirs (zero pages in their place until then)
+    float *fresh = calloc(m->L.total ? m->L.total : 1, sizeof(float));
+    if (fresh) vlmoe_free_mem(m->grads), m->grads = fresh;
+    float *params = vlmoe_calloc(sizeof(float) * L.total, "parameters");
+    // calloc's zero pages, mapped only when written: rank 0 made whole to write a checkpoint never
+    // runs a backward, and its whole gradients cost no memory
+    float *grads = params ? calloc(L.total ? L.total : 1, sizeof(float)) : NULL;
+    if (params && !grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", L.total);
+    if (!grads) return vlmoe_free_mem(params), model_layout_free(&L), VLMOE_ERR_NOMEM;
+    // the same tensors in the same order: copy the experts both layouts hold
+    for (int i = 0; i < L.nparams; i++) {
+        const vlmoe_param_info *to = &L.table[i], *from = &m->L.table[i];
+        const int E = (int)to->shape[0];
+        const int a0 = to->experts_local ? to->expert0 : 0, a1 = to->experts_local ? a0 + to->experts_local : E;
+        const int b0 = from->experts_local ? from->expert0 : 0, b1 = from->experts_local ? b0 + from->experts_local : E;
+        const int lo = a0 > b0 ? a0 : b0, hi = a1 < b1 ? a1 : b1;
+        if (!to->experts_local && !from->experts_local) {
+            memcpy(params + to->offset, m->params + from->offset, sizeof(float) * to->numel);
+        } else if (lo < hi) {
+            size_t ft, fn, tt, tn;
+            held_range(from, lo, hi, &ft, &fn);
+            held_range(to, lo, hi, &tt, &tn);
+            memcpy(params + to->offset + tt, m->params + from->offset + ft, sizeof(float) * fn);
+        }
+    }
+    const int B = m->planned_B;
+    m->L.arch->free(m);
+    m->planned_B = 0, m->have_forward = 0;
+    vlmoe_free_mem(m->params), vlmoe_free_mem(m->grads);
+    model_layout_free(&m->L);
+    m->L = L; // (the layout's encoders point into its own config: fix the copy's pointers)
+    for (int e = 0; e < m->L.nenc; e++) m->L.enc[e].moe = e ? &m->L.cfg.text_moe : &m->L.cfg.moe;
+    m->params = params, m->grads = grads;
+    return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
 }
 
 int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t seed) {
@@ -200,9 +310,12 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     int st = model_layout_build(&m->L, cfg);
     if (st) return free(m), st;
     m->params = vlmoe_alloc(sizeof(float) * m->L.total, "parameters");
-    m->grads = vlmoe_calloc(sizeof(float) * m->L.total, "gradients");
+    // calloc's zero pages, mapped when the first backward writes them: a model that trains its
+    // experts sharded (src/train/trainer.c) gives its whole gradients back before that
+    m->grads = calloc(m->L.total ? m->L.total : 1, sizeof(float));
+    if (m->params && !m->grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", m->L.total);
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
-    model_layout_init_params(&m->L, m->params, seed);
+    if ((st = model_layout_init_params(&m->L, m->params, seed))) return vlmoe_model_free(m), st;
     m->seed = seed;
     if (m->L.arch->init && (st = m->L.arch->init(m))) return vlmoe_model_free(m), st;
     *out = m;
@@ -347,6 +460,9 @@ int model_writer(const vlmoe_model *m, vlmoe_st_writer **out) {
     if (!json) st = vlmoe_fail(VLMOE_ERR_NOMEM, "config json");
     if (!st) st = vlmoe_st_writer_meta(w, CONFIG_KEY, json);
     if (!st) st = vlmoe_st_writer_meta(w, "format", "pt");
+    if (!st && m->L.nsplit) // a file holds every expert: the trainer gathers them first
+        st = vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': this process holds a shard of the experts only; a model file "
+                        "needs them all", m->L.cfg.name);
     for (int i = 0; i < m->L.nparams && !st; i++) {
         const vlmoe_param_info *p = &m->L.table[i];
         st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
@@ -371,6 +487,9 @@ int vlmoe_model_save(const vlmoe_model *m, const char *path) {
 // only the check that every tensor is there with its shape (the header's offsets were checked
 // against the file's size when it was opened).
 int model_read_params(const model_layout *L, const vlmoe_st *f, float *params) {
+    if (L->nsplit)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "%s: reading into a shard of the experts: load the whole model, then split "
+                          "it", vlmoe_st_path(f));
     for (int i = 0; i < L->nparams; i++) {
         const vlmoe_param_info *p = &L->table[i];
         int idx = vlmoe_st_find(f, p->name);

@@ -20,6 +20,8 @@ typedef struct {
     size_t router_w;                 // (E, D), tokens/experts choice
     size_t phi, scale;               // Soft MoE slots (D, E, P) and scale
     int moe_index;                   // this MoE layer's row in the model's routing statistics
+    unsigned split;                  // bit k: bank k (fc1_w, fc1_b, fc2_w, fc2_b) holds only the
+                                     // layout's shard of the experts (model_shard), not all E
 } ffn_layout;
 
 typedef struct {
@@ -47,6 +49,18 @@ typedef struct {
 struct mome_layout; // src/nn/mome.h
 struct model_arch;  // below
 
+// Which experts a layout holds (expert parallelism, docs/DISTRIBUTED.md "Sharding the expert
+// parameters"): process `rank` of a group of `size` holds experts [rank E/size, (rank+1) E/size)
+// of every (E, ...) bank of the towers' token- and experts-choice MoE layers, but of the banks
+// keep_whole (may be NULL) says to hold whole (Adafactor factored over the expert dimension).
+// Each split bank takes E/size experts' floats in the flat buffer, so every offset after it
+// shifts: the layout is per process. size 1: every bank whole, the one-process layout.
+typedef struct {
+    int rank, size;
+    int (*keep_whole)(void *user, const vlmoe_param_info *bank); // the bank as held whole
+    void *user;
+} model_shard;
+
 typedef struct {
     vlmoe_model_config cfg;
     int nenc;
@@ -59,6 +73,8 @@ typedef struct {
     int nmoe;                        // MoE layers in the model
     struct mome_layout *mome;        // arch mome: the modality experts and heads (else NULL)
     const struct model_arch *arch;   // the architecture's entry points (model_layout_build)
+    model_shard shard;               // the experts it holds (size 1: all)
+    int nsplit;                      // banks held split (0: the whole model)
 } model_layout;
 
 // Builds the parameter table one named tensor at a time (model.c, and mome_model.c for mome).
@@ -80,9 +96,14 @@ void layout_add_ffn(table_builder *tb, ffn_layout *f, const vlmoe_moe_config *mc
 
 // Validates cfg, picks the architecture (L->arch) and builds its parameter table.
 int model_layout_build(model_layout *L, const vlmoe_model_config *cfg);
+// The same for a shard of the experts (sh NULL: the whole model). VLMOE_ERR_CONFIG when size does
+// not divide a bank's E, or for VL-MoE (whose layers are not split).
+int model_layout_build_shard(model_layout *L, const vlmoe_model_config *cfg, const model_shard *sh);
 void model_layout_free(model_layout *L);
-// Seeded initialisation of a flat buffer (float), ViT/CLIP-style (see model.c).
-void model_layout_init_params(const model_layout *L, float *params, uint64_t seed);
+// Seeded initialisation of a flat buffer (float), ViT/CLIP-style (see model.c). A split bank gets
+// its experts' slice of the whole bank's draws: every shard starts from the one-process values.
+// VLMOE_ERR_NOMEM (a split bank's scratch) is the only failure.
+int model_layout_init_params(const model_layout *L, float *params, uint64_t seed);
 
 // Reads weights saved by vlmoe_model_save into an existing model of the same config; the model
 // is unchanged unless every tensor reads back valid and finite.
@@ -179,6 +200,9 @@ typedef struct model_arch {
     int (*init)(vlmoe_model *m);              // the model's own state once the parameters exist
                                               // (NULL: none)
     void (*free)(vlmoe_model *m);             // graphs and state (init may have failed halfway)
+    // the graphs planned on the model's table, its own state kept: a new table plans again
+    // (src/nn/device.c; NULL: free, whose state is only graphs)
+    void (*drop_graphs)(vlmoe_model *m);
     int (*plan)(vlmoe_model *m, int B);       // vlmoe_model_plan
     // vlmoe_model_forward (training 1) and vlmoe_model_evaluate (0), vlmoe_model_backward
     int (*forward)(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training);
@@ -290,11 +314,19 @@ void model_set_grad_ready(vlmoe_model *m, void (*ready)(void *user, size_t offse
 // MoE layers (Soft MoE layers are not split), from the layout: offset, floats per expert (one
 // expert's slice is contiguous, experts being the leading dimension) and E. Writes at most cap
 // and returns how many there are.
+// offset and the experts held: [e0, e0 + El) of E (the whole bank, e0 0 and El E, unless the
+// layout is a shard: model_shard).
 typedef struct {
     size_t offset, per;
     int E;
+    int e0, El;
 } model_bank;
 int model_expert_banks(const vlmoe_model *m, model_bank *out, int cap);
+// Gives m the layout of shard sh (NULL: the whole model): the parameters are copied where both
+// layouts hold them, experts only the new layout holds are zero (the caller fills them: the
+// trainer's gathers), the gradients are new and zero, the graphs are planned again for the batch
+// size planned before. Host memory only; the towers only. m is unchanged on failure.
+int model_reshard(vlmoe_model *m, const model_shard *sh);
 
 // Gradient accumulation (src/nn/towers_accum.c; OpenCLIP's --accum-freq): the gradient of one
 // step over the n micro-batches mb (of one batch size B each) as one batch of n*B pairs, in order
@@ -326,6 +358,8 @@ int model_set_device(vlmoe_model *m, const char *name);
 // (inference: vlmoe_model_forward refuses to train) quantizes the MLP and expert weights as they
 // are now and runs those products in int8 on a CPU with VNNI (else fp32, *fell_back 1); weights
 // changed later are not seen until it is set again.
+// On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32
+// goes back; int8 is refused there.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
 
 #endif

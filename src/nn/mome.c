@@ -16,6 +16,9 @@
 // contrastive loss, whose feature gradients each graph's backward takes in. Activations come
 // from one arena planned for B sequences of the longest (pair) encoding. Compiled as float and double (src/core/real.h); covered by
 // tests/test_mome.c (finite differences) and tests/test_parity.c (PyTorch, tests/ref/gen_mome.py).
+// On a table without host memory (--device) each forward uploads its images and integer inputs
+// first and every kernel reads the table's memory only; the host keeps its copies of the rows,
+// labels and masks to choose what runs (tests/test_model.c, a table that checks every pointer).
 //
 // A pair is laid out image first, then text. VL-MoE writes [H^w; H^v], but position embeddings
 // are added per modality before the concatenation and attention is permutation-equivariant, so
@@ -88,7 +91,16 @@ struct R(mome_graph) {
     vlmoe_moe_stats *stats;          // (nmoe)
     real *arena;
     int32_t *ints;
+    // On a table without host memory the kernels read the copies in its memory: the images
+    // (B,C,H,W) carved in the arena, and d_ints, all of ints uploaded after the inputs are taken
+    // (tokens, lengths, labels, the pool's lengths). With host memory: images NULL, d_ints == ints.
+    real *images;
+    int32_t *d_ints;
+    size_t nints;
 };
+
+// The table's copy of an array of g->ints.
+static const int32_t *dev_ints(const struct R(mome_graph) *g, const int32_t *p) { return g->d_ints + (p - g->ints); }
 
 static void plan(struct R(mome_graph) *g, carver *c) {
     const mome_layout *X = g->X;
@@ -96,6 +108,8 @@ static void plan(struct R(mome_graph) *g, carver *c) {
     const size_t Tmax = (size_t)X->Ti + X->Tt, n = B * Tmax, np = (size_t)X->np;
     const size_t V = (size_t)g->L->cfg.vocab_size, K = (size_t)g->L->cfg.mim_vocab;
     g->patches = carve(c, B * np * X->pd);
+    const vlmoe_model_config *cfg = &g->L->cfg;
+    g->images = carve(c, g->be->host_memory ? 0 : B * cfg->channels * cfg->image_size * cfg->image_size);
     g->pemb = carve(c, B * np * D);
     g->dpemb = carve(c, B * np * D);
     g->ximg = carve(c, B * X->Ti * D);
@@ -156,14 +170,16 @@ int R(mome_graph_create)(struct R(mome_graph) **out, const model_layout *L, cons
     g->stats = vlmoe_calloc(sizeof(vlmoe_moe_stats) * (size_t)(L->nmoe + 1), "routing statistics");
     g->noise = vlmoe_calloc(sizeof(*g->noise) * (size_t)(L->nmoe + 1), "noise hooks");
     const size_t nints = (size_t)B * X->Tt * 3 + 4 * (size_t)B + (size_t)B * X->np * 2;
-    g->ints = vlmoe_alloc(sizeof(int32_t) * nints, "token copies");
+    g->ints = vlmoe_calloc(sizeof(int32_t) * nints, "token copies");
+    g->nints = nints;
+    g->d_ints = be->host_memory ? g->ints : be->alloc(be, sizeof(int32_t) * nints, "token copies on the device");
     g->masked = vlmoe_calloc((size_t)B * X->np, "patch mask");
     g->mods[0] = vlmoe_calloc((size_t)n, "modalities");
     g->mods[1] = vlmoe_alloc((size_t)n, "modalities");
     g->keys = vlmoe_alloc(sizeof(uint64_t) * (size_t)n, "token noise keys");
     g->dropf = vlmoe_alloc(sizeof(double) * (size_t)(nl ? nl : 1) * 2 * B, "drop-path factors");
-    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->masked || !g->mods[0] || !g->mods[1] || !g->keys ||
-        !g->dropf)
+    if (!g->layers || !g->stats || !g->noise || !g->ints || !g->d_ints || !g->masked || !g->mods[0] || !g->mods[1] ||
+        !g->keys || !g->dropf)
         return R(mome_graph_free)(g), VLMOE_ERR_NOMEM;
     memset(g->mods[1], VLMOE_MOD_TEXT, (size_t)n);
     g->tokens = g->ints;
@@ -204,6 +220,7 @@ void R(mome_graph_free)(struct R(mome_graph) *g) {
     if (!g) return;
     for (int l = 0; g->layers && l < g->L->enc[0].layers; l++)
         for (int k = 0; k < 2; k++) R(moe_state_free)(g->layers[l].moe[k]);
+    if (g->d_ints != g->ints) g->be->free(g->be, g->d_ints);
     void *all[] = {g->layers, g->stats, g->noise, g->ints, g->masked, g->mods[0], g->mods[1], g->keys, g->dropf};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) vlmoe_free_mem(all[i]);
     g->be->free(g->be, g->arena);
@@ -351,7 +368,8 @@ static R(block) block_of(struct R(mome_graph) *g, int l, R(block_ffn) *f, int fo
 // The blocks' pass of this forward: all B*T tokens, one attention segment of B sequences of T.
 static void set_pass(struct R(mome_graph) *g) {
     static const size_t att_off[1] = {0};
-    const int32_t *lens = g->enc == VLMOE_ENC_IMAGE ? NULL : g->enc == VLMOE_ENC_TEXT ? g->lens : g->seqlens;
+    const int32_t *lens = g->enc == VLMOE_ENC_IMAGE ? NULL
+                        : dev_ints(g, g->enc == VLMOE_ENC_TEXT ? g->lens : g->seqlens);
     R(block_pass) *p = &g->pass;
     // a caption pair: the image (the first text_off tokens) both ways, the text causally after it
     g->seg = (attn_segment){.nseq = g->B, .seqlen = g->T, .causal = g->causal, .lens = lens,
@@ -464,6 +482,10 @@ static void stem_forward(struct R(mome_graph) *g, const real *P, const real *ima
     const modality_layout *mi = &L->mod[MOD_IMAGE], *mt = &L->mod[MOD_TEXT];
     const int B = g->B, D = g->D;
     if (g->enc != VLMOE_ENC_TEXT) {
+        if (!be->host_memory) {
+            be->upload(be, g->images, images, (size_t)B * c->channels * c->image_size * c->image_size);
+            images = g->images;
+        }
         be->patchify_forward(be, g->patches, images, B, c->channels, c->image_size, c->patch_size);
         be->linear_forward(be, g->pemb, g->patches, P + mi->embed_w, mi->embed_b == NO_PARAM ? NULL : P + mi->embed_b,
                           B * X->np, X->pd, D, 0);
@@ -474,7 +496,7 @@ static void stem_forward(struct R(mome_graph) *g, const real *P, const real *ima
         scatter(be, g->x0, g->ximg, B, g->T, 0, X->Ti, D);
     }
     if (g->enc != VLMOE_ENC_IMAGE) {
-        be->embed_forward(be, g->xtxt, g->tokens, P + mt->embed_w, B * X->Tt, D);
+        be->embed_forward(be, g->xtxt, dev_ints(g, g->tokens), P + mt->embed_w, B * X->Tt, D);
         be->posadd_forward(be, g->xtxt, P + mt->pos, B, X->Tt, D);
         scatter(be, g->x0, g->xtxt, B, g->T, g->text_off, X->Tt, D);
     }
@@ -503,7 +525,7 @@ static void stem_backward(struct R(mome_graph) *g, const real *P, real *G) {
     if (g->enc != VLMOE_ENC_IMAGE) {
         gather(be, g->dxtxt, g->pass.dres, B, g->T, g->text_off, X->Tt, D);
         be->posadd_backward(be, G + mt->pos, g->dxtxt, B, X->Tt, D);
-        be->embed_backward(be, G + mt->embed_w, g->dxtxt, g->tokens, B * X->Tt, D);
+        be->embed_backward(be, G + mt->embed_w, g->dxtxt, dev_ints(g, g->tokens), B * X->Tt, D);
     }
 }
 
@@ -522,7 +544,7 @@ static void pool_forward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D;
     if (g->enc == VLMOE_ENC_IMAGE)
-        be->pool_forward(be, g->pooled, g->lnf + D, g->plens, B, g->T, D, VLMOE_POOL_MEAN);
+        be->pool_forward(be, g->pooled, g->lnf + D, dev_ints(g, g->plens), B, g->T, D, VLMOE_POOL_MEAN);
     else
         be->pool_forward(be, g->pooled, g->lnf + (size_t)g->text_off * D, NULL, B, g->T, D, VLMOE_POOL_CLS);
 }
@@ -532,7 +554,7 @@ static void pool_backward(struct R(mome_graph) *g) {
     const R(vlmoe_backend) *be = g->be;
     const int B = g->B, D = g->D;
     if (g->enc == VLMOE_ENC_IMAGE)
-        be->pool_backward(be, g->dlnf + D, g->dpooled, g->plens, B, g->T, D, VLMOE_POOL_MEAN);
+        be->pool_backward(be, g->dlnf + D, g->dpooled, dev_ints(g, g->plens), B, g->T, D, VLMOE_POOL_MEAN);
     else
         be->pool_backward(be, g->dlnf + (size_t)g->text_off * D, g->dpooled, NULL, B, g->T, D, VLMOE_POOL_CLS);
 }
@@ -546,6 +568,7 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     g->have_forward = 0;
     int st = take_inputs(g, in);
     if (st) return st;
+    if (g->d_ints != g->ints) g->be->upload_bytes(g->be, g->d_ints, g->ints, sizeof(int32_t) * g->nints);
     const int n = g->n;
     g->aux = 0;
     // layers this encoding does not run (V-MoE for texts, T-MoE for images) report 0 tokens, not
@@ -581,7 +604,8 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         for (int i = 0; i < cnt; i++)
             be->copy(be, g->hsel[h] + (size_t)i * D, g->lnf + (size_t)g->rows[h][i] * D, D);
         be->linear_forward(be, g->probs[h], g->hsel[h], P + w, P + b, cnt, D, C, 0);
-        loss[h] = be->xent_forward(be, g->probs[h], g->probs[h], g->labels[h], cnt, C, &right) / head_norm(g, h);
+        loss[h] = be->xent_forward(be, g->probs[h], g->probs[h], dev_ints(g, g->labels[h]), cnt, C, &right) /
+                  head_norm(g, h);
         acc[h] = (double)right / cnt;
     }
     double closs = 0, cacc = 0;
@@ -592,7 +616,7 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
         be->linear_forward(be, g->clogits, g->pooled, P + cw, P + cb, ne, cs * D, NC, 0);
         if (g->have_cls) {
             int right = 0;
-            closs = be->xent_forward(be, g->cprobs, g->clogits, g->clabels, ne, NC, &right) / ne;
+            closs = be->xent_forward(be, g->cprobs, g->clogits, dev_ints(g, g->clabels), ne, NC, &right) / ne;
             cacc = (double)right / ne;
         }
     }
@@ -629,7 +653,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         int C;
         head_params(g, h, &w, &b, &C);
         be->zero(be, g->dlog, (size_t)cnt * C);
-        be->xent_backward(be, g->dlog, g->probs[h], g->labels[h], cnt, C, 1.0 / head_norm(g, h));
+        be->xent_backward(be, g->dlog, g->probs[h], dev_ints(g, g->labels[h]), cnt, C, 1.0 / head_norm(g, h));
         be->zero(be, g->dhsel, (size_t)cnt * D);
         be->linear_backward(be, g->dhsel, G + w, G + b, g->dlog, g->hsel[h], P + w, cnt, D, C);
         for (int i = 0; i < cnt; i++) be->add(be, g->dlnf + (size_t)g->rows[h][i] * D, g->dhsel + (size_t)i * D, D);
@@ -638,7 +662,7 @@ void R(mome_graph_backward)(struct R(mome_graph) *g, const real *P, real *G) {
         const size_t cw = g->X->cls_w, cb = g->X->cls_b;
         const int NC = L->cfg.num_classes, cs = g->X->cs, ne = g->B / cs;
         be->zero(be, g->dlog, (size_t)ne * NC);
-        be->xent_backward(be, g->dlog, g->cprobs, g->clabels, ne, NC, 1.0 / ne);
+        be->xent_backward(be, g->dlog, g->cprobs, dev_ints(g, g->clabels), ne, NC, 1.0 / ne);
         be->zero(be, g->dpooled, (size_t)g->B * D);
         be->linear_backward(be, g->dpooled, G + cw, G + cb, g->dlog, g->pooled, P + cw, ne, cs * D, NC);
         pool_backward(g);

@@ -29,10 +29,13 @@ int vlmoe_mome_caption(vlmoe_model *m, const float *images, int n, const vlmoe_c
     const size_t isz = (size_t)c->channels * c->image_size * c->image_size;
     float *img = vlmoe_alloc(sizeof(float) * isz * B, "caption batch");
     int32_t *tok = vlmoe_alloc(sizeof(int32_t) * (size_t)B * T * 2 + sizeof(int32_t) * B * 2, "caption batch");
-    if (!img || !tok) {
-        vlmoe_free_mem(img), vlmoe_free_mem(tok);
+    // the head's probabilities as the host reads them, where the table's memory is not the host's
+    float *ph = m->be->host_memory ? NULL : vlmoe_alloc(sizeof(float) * (size_t)B * V, "caption probabilities");
+    if (!img || !tok || (!m->be->host_memory && !ph)) {
+        vlmoe_free_mem(img), vlmoe_free_mem(tok), vlmoe_free_mem(ph);
         return VLMOE_ERR_NOMEM;
     }
+    const float *P = model_params_for_graph(m); // uploaded once for every step
     int32_t *lab = tok + (size_t)B * T, *len = lab + (size_t)B * T, *done = len + B;
     mome_graph_set_mode_f32(g, 0, 0);
     m->have_forward = 0;
@@ -52,9 +55,14 @@ int vlmoe_mome_caption(vlmoe_model *m, const float *images, int n, const vlmoe_c
                 len[j] = t + 1;
             }
             const mome_input_f32 in = {VLMOE_ENC_CAPTION, img, tok, len, lab, NULL, NULL};
-            if ((st = mome_graph_forward_f32(g, m->params, &in, NULL))) break;
-            int cnt;
+            if ((st = mome_graph_forward_f32(g, P, &in, NULL))) break;
+            int cnt; // B: one [MASK] per caption
             const float *pr = mome_graph_text_probs_f32(g, &cnt);
+            if (ph) {
+                m->be->download(m->be, ph, pr, (size_t)cnt * V);
+                m->be->sync(m->be);
+                pr = ph;
+            }
             for (int j = 0; j < B; j++) {
                 const float *row = pr + (size_t)j * V;
                 int best = -1;
@@ -72,5 +80,6 @@ int vlmoe_mome_caption(vlmoe_model *m, const float *images, int n, const vlmoe_c
     }
     vlmoe_free_mem(img);
     vlmoe_free_mem(tok);
+    vlmoe_free_mem(ph);
     return st;
 }

@@ -19,7 +19,7 @@ struct R(mome_itm) {
     const R(vlmoe_backend) *be;
     int n, D;
     real *feat, *logits, *probs, *dlog, *dfeat; // (n,D), (n,2), (n,2), (n,2), (n,D)
-    int32_t *labels;                            // (n) of the last forward with labels
+    int32_t *labels;                            // (n) of the last forward with labels (table memory)
     int have_loss;
     real *arena;
 };
@@ -44,7 +44,7 @@ int R(mome_itm_create)(struct R(mome_itm) **out, const model_layout *L, const R(
     carver k = {NULL, 0};
     itm_plan(c, &k);
     c->arena = be->alloc(be, sizeof(real) * k.used, "ITM head");
-    c->labels = vlmoe_alloc(sizeof(int32_t) * (size_t)n, "ITM labels");
+    c->labels = be->alloc(be, sizeof(int32_t) * (size_t)n, "ITM labels");
     if (!c->arena || !c->labels) return R(mome_itm_free)(c), VLMOE_ERR_NOMEM;
     k = (carver){c->arena, 0};
     itm_plan(c, &k);
@@ -55,7 +55,7 @@ int R(mome_itm_create)(struct R(mome_itm) **out, const model_layout *L, const R(
 void R(mome_itm_free)(struct R(mome_itm) *c) {
     if (!c) return;
     if (c->arena) c->be->free(c->be, c->arena);
-    vlmoe_free_mem(c->labels);
+    if (c->labels) c->be->free(c->be, c->labels);
     vlmoe_free_mem(c);
 }
 
@@ -68,7 +68,7 @@ double R(mome_itm_forward)(struct R(mome_itm) *c, const struct R(mome_graph) *g,
     be->linear_forward(be, c->logits, c->feat, P + X->itm_w, P + X->itm_b, n, D, 2, 0);
     c->have_loss = labels != NULL;
     if (!labels) return 0;
-    memcpy(c->labels, labels, sizeof(int32_t) * (size_t)n);
+    be->upload_bytes(be, c->labels, labels, sizeof(int32_t) * (size_t)n);
     int right = 0;
     const double loss = be->xent_forward(be, c->probs, c->logits, c->labels, n, 2, &right) / n;
     if (acc) *acc = (double)right / n;

@@ -28,6 +28,7 @@ struct mome_model {
     int pair_B, eval_B, have_itm;
     float *pimg, *sim;          // (3B,C,H,W) pair images, (B,B) mining similarities
     int32_t *ptok, *plen, *plab, *neg; // (3B,ctx), (3B), (3B), (2B)
+    float *emb_h;               // (2,B,embed_dim) the embeddings as the host reads them (mining)
     float *codebook;            // the MIM targets' codebook (mim_vocab, patch values) or NULL;
                                 // saved with the weights as a codebook file's tensor
     double drop_path;           // stochastic depth of training forwards (vlmoe_model_set_drop_path)
@@ -35,6 +36,41 @@ struct mome_model {
 
 static int with_config(vlmoe_model **out, const vlmoe_model *m, int num_classes, int cls_sequences,
                        int retrieval_head, int itm_head, uint64_t seed);
+
+// On a table without host memory (src/nn/device.c) a forward reads the table's copy of the
+// parameters, uploaded from the host master copy first (model_params_for_graph); its backward
+// reads that copy (fwd_params) and writes the table's gradients, which come back to the master
+// copy by download; the host reads results through host_view. On the host's memory all three are
+// the master copies and the graph's own buffers, as they always were.
+static const float *fwd_params(const vlmoe_model *m) { return m->d_params ? m->d_params : m->params; }
+
+// The gradients a backward writes: the master copy, zeroed unless accumulating, or the table's,
+// holding the master copy's values when accumulating (uploaded: the sum so far is the host's).
+static float *grads_begin(vlmoe_model *m, int accumulate) {
+    if (!m->d_grads) {
+        if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
+        return m->grads;
+    }
+    if (accumulate) m->be->upload(m->be, m->d_grads, m->grads, m->L.total);
+    else m->be->zero(m->be, m->d_grads, m->L.total);
+    return m->d_grads;
+}
+
+// After the backward: the table's gradients into the master copy.
+static void grads_end(vlmoe_model *m) {
+    if (!m->d_grads) return;
+    m->be->download(m->be, m->grads, m->d_grads, m->L.total);
+    m->be->sync(m->be);
+}
+
+// n floats of the table's memory as the host reads them: src itself on the host's memory, else
+// downloaded into host.
+static const float *host_view(const vlmoe_model *m, float *host, const float *src, size_t n) {
+    if (m->be->host_memory) return src;
+    m->be->download(m->be, host, src, n);
+    m->be->sync(m->be);
+    return host;
+}
 
 int vlmoe_mome_seq_len(const vlmoe_model_config *c, vlmoe_encoding enc) {
     const int g = c->image_size / c->patch_size, Ti = 1 + g * g;
@@ -190,7 +226,7 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
     training_mode(m, m->mome->mg, training);
     m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     vlmoe_mome_stats r;
-    if ((st = mome_graph_forward_f32(m->mome->mg, m->params, &in, &r))) return st;
+    if ((st = mome_graph_forward_f32(m->mome->mg, model_params_for_graph(m), &in, &r))) return st;
     if (s) *s = r;
     if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the masked-modeling loss is %g", r.loss);
     m->have_forward = training;
@@ -200,8 +236,8 @@ int vlmoe_mome_forward(vlmoe_model *m, const vlmoe_mome_batch *b, int training, 
 int vlmoe_mome_backward(vlmoe_model *m, int accumulate) {
     if (!m->mome || !m->mome->mg || !m->have_forward)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome backward called without a training forward pass");
-    if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
-    mome_graph_backward_f32(m->mome->mg, m->params, m->grads);
+    mome_graph_backward_f32(m->mome->mg, fwd_params(m), grads_begin(m, accumulate));
+    grads_end(m);
     m->have_forward = 0; // each forward's loss is back-propagated once
     return VLMOE_OK;
 }
@@ -228,12 +264,12 @@ static int itm_eval_plan(vlmoe_model *m, int B) {
     return st;
 }
 
-// ITM scores of the last eval forward of B pairs: logit(matched) - logit(unmatched).
-static const float *itm_eval_scores(vlmoe_model *m, int B) {
-    mome_itm_forward_f32(m->mome->itm_eval, m->mome->mg, m->params, NULL, NULL);
-    float *lg = (float *)mome_itm_logits_f32(m->mome->itm_eval);
-    for (int b = 0; b < B; b++) lg[b] = lg[2 * b + 1] - lg[2 * b]; // in place: row b is read before written
-    return lg;
+// ITM scores of the first k pairs of the last eval forward into out: logit(matched) -
+// logit(unmatched). scratch: 2k floats where the table's memory is not the host's.
+static void itm_eval_scores(vlmoe_model *m, const float *P, int k, float *scratch, float *out) {
+    mome_itm_forward_f32(m->mome->itm_eval, m->mome->mg, P, NULL, NULL);
+    const float *lg = host_view(m, scratch, mome_itm_logits_f32(m->mome->itm_eval), 2 * (size_t)k);
+    for (int b = 0; b < k; b++) out[b] = lg[2 * b + 1] - lg[2 * b];
 }
 
 // Eval-mode forwards of n inputs in chunks of the planned batch size; writes per item either the
@@ -272,7 +308,10 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
     // the last chunk is padded by repeating its final item, whose outputs are discarded
     float *pimg = img ? vlmoe_alloc(sizeof(float) * isz * B, "padded batch") : NULL;
     int32_t *ptok = txt ? vlmoe_alloc(sizeof(int32_t) * ((size_t)T + 1) * B, "padded batch") : NULL;
-    if ((img && !pimg) || (txt && !ptok)) st = VLMOE_ERR_NOMEM;
+    const int scratch = kind == OUT_ITM && !m->be->host_memory; // the logits as the host reads them
+    float *hs = scratch ? vlmoe_alloc(sizeof(float) * 2 * (size_t)B, "ITM logits") : NULL;
+    if ((img && !pimg) || (txt && !ptok) || (scratch && !hs)) st = VLMOE_ERR_NOMEM;
+    const float *P = model_params_for_graph(m); // uploaded once for every chunk
     mome_graph_set_mode_f32(m->mome->mg, 0, 0);
     for (int i0 = 0; i0 < n && !st; i0 += B) {
         const int k = n - i0 < B ? n - i0 : B;
@@ -282,16 +321,27 @@ static int run_chunks(vlmoe_model *m, vlmoe_encoding enc, const float *images, c
             if (txt) memcpy(ptok + (size_t)j * T, tokens + s * T, sizeof(int32_t) * T), ptok[(size_t)B * T + j] = lengths[s];
         }
         mome_input_f32 in = {enc, pimg, ptok, ptok ? ptok + (size_t)B * T : NULL, NULL, NULL, NULL};
-        st = mome_graph_forward_f32(m->mome->mg, m->params, &in, NULL);
+        st = mome_graph_forward_f32(m->mome->mg, P, &in, NULL);
         if (st) break;
+        float *o = out + (size_t)i0 / cs * per;
+        if (kind == OUT_ITM) {
+            itm_eval_scores(m, P, k, hs, o);
+            continue;
+        }
         const float *res = kind == OUT_LOGITS ? mome_graph_logits_f32(m->mome->mg)
-                         : kind == OUT_EMBED ? mome_itc_embed_f32(m->mome->itc, m->mome->mg, m->params, enc == VLMOE_ENC_TEXT)
-                         : kind == OUT_ITM ? itm_eval_scores(m, B)
+                         : kind == OUT_EMBED ? mome_itc_embed_f32(m->mome->itc, m->mome->mg, P, enc == VLMOE_ENC_TEXT)
                          : mome_graph_hidden_f32(m->mome->mg, NULL);
-        memcpy(out + (size_t)i0 / cs * per, res, sizeof(float) * per * (size_t)(k / cs));
+        const size_t nout = per * (size_t)(k / cs);
+        if (m->be->host_memory) {
+            memcpy(o, res, sizeof(float) * nout);
+        } else { // the outputs come back from the table's memory
+            m->be->download(m->be, o, res, nout);
+            m->be->sync(m->be);
+        }
     }
     vlmoe_free_mem(pimg);
     vlmoe_free_mem(ptok);
+    vlmoe_free_mem(hs);
     m->have_forward = m->mome->have_itc = m->mome->have_itm = 0;
     return st;
 }
@@ -335,13 +385,14 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
     struct mome_graph_f32 *g[2] = {m->mome->mg, m->mome->mg_text};
     const mome_input_f32 *in[2] = {&ii, &it};
     vlmoe_mome_stats *r[2] = {&ri, &rt};
+    const float *P = model_params_for_graph(m);
     for (int k = 0; k < 2; k++) {
         training_mode(m, g[k], training);
-        if ((st = mome_graph_forward_f32(g[k], m->params, in[k], r[k]))) return st;
+        if ((st = mome_graph_forward_f32(g[k], P, in[k], r[k]))) return st;
     }
     vlmoe_mome_stats res;
     memset(&res, 0, sizeof(res));
-    res.itc = mome_itc_forward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, m->params, res.itc_acc);
+    res.itc = mome_itc_forward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, P, res.itc_acc);
     res.aux = ri.aux + rt.aux;
     res.loss = res.itc + res.aux;
     if (s) *s = res;
@@ -353,9 +404,10 @@ int vlmoe_mome_forward_retrieval(vlmoe_model *m, const float *images, const int3
 int vlmoe_mome_backward_retrieval(vlmoe_model *m, int accumulate) {
     if (!m->mome || !m->mome->have_itc || !m->mome->itc || !m->mome->mg_text || m->mome->itc_B != m->planned_B)
         return vlmoe_fail(VLMOE_ERR_ARG, "mome retrieval backward called without a training retrieval forward");
-    if (!accumulate) memset(m->grads, 0, sizeof(float) * m->L.total);
-    mome_itc_backward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, m->params, m->grads);
-    if (m->mome->have_itm) mome_itm_backward_f32(m->mome->itm, m->mome->mg_pair, m->params, m->grads);
+    float *G = grads_begin(m, accumulate);
+    mome_itc_backward_f32(m->mome->itc, m->mome->mg, m->mome->mg_text, fwd_params(m), G);
+    if (m->mome->have_itm) mome_itm_backward_f32(m->mome->itm, m->mome->mg_pair, fwd_params(m), G);
+    grads_end(m);
     m->mome->have_itc = m->mome->have_itm = 0;
     return VLMOE_OK;
 }
@@ -367,8 +419,8 @@ static int itm_plan(vlmoe_model *m, int B) {
     mome_graph_free_f32(X->mg_pair);
     mome_itm_free_f32(X->itm);
     vlmoe_free_mem(X->pimg), vlmoe_free_mem(X->sim), vlmoe_free_mem(X->ptok);
-    vlmoe_free_mem(X->plen), vlmoe_free_mem(X->plab), vlmoe_free_mem(X->neg);
-    X->mg_pair = NULL, X->itm = NULL, X->pimg = X->sim = NULL, X->ptok = X->plen = X->plab = X->neg = NULL;
+    vlmoe_free_mem(X->plen), vlmoe_free_mem(X->plab), vlmoe_free_mem(X->neg), vlmoe_free_mem(X->emb_h);
+    X->mg_pair = NULL, X->itm = NULL, X->pimg = X->sim = X->emb_h = NULL, X->ptok = X->plen = X->plab = X->neg = NULL;
     X->pair_B = 0;
     const vlmoe_model_config *c = &m->L.cfg;
     const size_t n = 3 * (size_t)B, isz = (size_t)c->channels * c->image_size * c->image_size;
@@ -381,7 +433,8 @@ static int itm_plan(vlmoe_model *m, int B) {
     X->plen = vlmoe_alloc(sizeof(int32_t) * n, "ITM pairs");
     X->plab = vlmoe_alloc(sizeof(int32_t) * n, "ITM pairs");
     X->neg = vlmoe_alloc(sizeof(int32_t) * 2 * (size_t)B, "ITM negatives");
-    if (!X->pimg || !X->sim || !X->ptok || !X->plen || !X->plab || !X->neg) return VLMOE_ERR_NOMEM;
+    X->emb_h = vlmoe_alloc(sizeof(float) * 2 * (size_t)B * c->embed_dim, "ITM mining embeddings");
+    if (!X->pimg || !X->sim || !X->ptok || !X->plen || !X->plab || !X->neg || !X->emb_h) return VLMOE_ERR_NOMEM;
     X->pair_B = B;
     return VLMOE_OK;
 }
@@ -410,7 +463,9 @@ int vlmoe_mome_forward_retrieval_itm(vlmoe_model *m, const vlmoe_mome_batch *b, 
     struct mome_model *X = m->mome;
     if ((st = itm_plan(m, B))) return m->mome->have_itc = 0, st;
     // the mining similarities: a copy of the contrastive logits, exp(logit_scale) * img . txt
-    const float *ie = mome_itc_embedding_f32(X->itc, 0), *te = mome_itc_embedding_f32(X->itc, 1);
+    const size_t ne = (size_t)B * E;
+    const float *ie = host_view(m, X->emb_h, mome_itc_embedding_f32(X->itc, 0), ne),
+                *te = host_view(m, X->emb_h + ne, mome_itc_embedding_f32(X->itc, 1), ne);
     const double t = exp((double)m->params[m->L.logit_scale]);
     for (int i = 0; i < B; i++)
         for (int j = 0; j < B; j++) {
@@ -432,8 +487,8 @@ int vlmoe_mome_forward_retrieval_itm(vlmoe_model *m, const vlmoe_mome_batch *b, 
     training_mode(m, X->mg_pair, training);
     mome_graph_set_sample_base_f32(X->mg_pair, 0);
     mome_graph_set_norm_f32(X->mg_pair, 0, 0);
-    if ((st = mome_graph_forward_f32(X->mg_pair, m->params, &in, &rp))) return m->mome->have_itc = 0, st;
-    r.itm = mome_itm_forward_f32(X->itm, X->mg_pair, m->params, X->plab, &r.itm_acc);
+    if ((st = mome_graph_forward_f32(X->mg_pair, fwd_params(m), &in, &rp))) return m->mome->have_itc = 0, st;
+    r.itm = mome_itm_forward_f32(X->itm, X->mg_pair, fwd_params(m), X->plab, &r.itm_acc);
     r.aux += rp.aux;
     r.loss = r.itc + r.itm + r.aux;
     if (s) *s = r;
@@ -531,16 +586,28 @@ static int arch_init(vlmoe_model *m) {
     return m->mome ? VLMOE_OK : VLMOE_ERR_NOMEM;
 }
 
+// The graphs and heads hold the old table's memory; the codebook and drop path stay (a model moved
+// by --device or --precision plans again at its next forward).
+static void arch_drop_graphs(vlmoe_model *m) {
+    struct mome_model *X = m->mome;
+    if (!X) return;
+    mome_graph_free_f32(X->mg);
+    mome_graph_free_f32(X->mg_text);
+    mome_itc_free_f32(X->itc);
+    mome_graph_free_f32(X->mg_pair);
+    mome_itm_free_f32(X->itm);
+    mome_itm_free_f32(X->itm_eval);
+    X->mg = X->mg_text = X->mg_pair = NULL, X->itc = NULL, X->itm = X->itm_eval = NULL;
+    X->itc_B = X->text_B = X->pair_B = X->eval_B = 0;
+    X->have_itc = X->have_itm = 0;
+}
+
 static void arch_free(vlmoe_model *m) {
     if (!m->mome) return;
-    mome_graph_free_f32(m->mome->mg);
-    mome_graph_free_f32(m->mome->mg_text);
-    mome_itc_free_f32(m->mome->itc);
-    mome_graph_free_f32(m->mome->mg_pair);
-    mome_itm_free_f32(m->mome->itm);
-    mome_itm_free_f32(m->mome->itm_eval);
+    arch_drop_graphs(m);
     vlmoe_free_mem(m->mome->pimg), vlmoe_free_mem(m->mome->sim), vlmoe_free_mem(m->mome->ptok);
     vlmoe_free_mem(m->mome->plen), vlmoe_free_mem(m->mome->plab), vlmoe_free_mem(m->mome->neg);
+    vlmoe_free_mem(m->mome->emb_h);
     vlmoe_free_mem(m->mome->codebook);
     vlmoe_free_mem(m->mome);
     m->mome = NULL;
@@ -606,6 +673,7 @@ const model_arch model_arch_mome = {
     .layout_free = arch_layout_free,
     .init = arch_init,
     .free = arch_free,
+    .drop_graphs = arch_drop_graphs,
     .plan = mome_model_plan,
     .forward = arch_forward,
     .backward = arch_backward,

@@ -170,7 +170,8 @@ typedef struct {
         /* noisy (n,E) = logits + noise (be_noise) */                                            \
         void (*router_noise)(const vlmoe_backend_##S *be, T *noisy, const T *logits, int n,      \
                              int E, const be_noise *nz);                                         \
-        /* the auxiliary losses of one group (src/moe/aux.h) */                                  \
+        /* the auxiliary losses of one group (src/moe/aux.h). With dlogits (the backward) the */ \
+        /* value goes unused (the forward computed it): a table may return 0 without waiting */  \
         double (*aux_loss)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                     \
                            const aux_input_##S *in, double weight, T *dlogits, T *scratch);      \
         /* one Soft MoE group (src/moe/soft.h) */                                                \
@@ -216,6 +217,12 @@ void backend_cpu_int8(vlmoe_backend_f32 *table, const int8_weights *w);
 // is safe.
 int backend_cuda_init(vlmoe_backend_f32 **out, int device);
 void backend_cuda_free(vlmoe_backend_f32 *be);
+
+// The bf16 twin of a CUDA table (`--precision bf16 --device cuda`, src/cuda/bf16_cuda.cu): the
+// products of linear layers and experts in bf16 as the cpu-bf16 table does, everything else the
+// fp32 table's; its fp32 field is that table. It shares cuda's context and memory and is freed
+// with it (backend_cuda_free of either table frees both); *out = the twin when cuda is it already.
+int backend_cuda_bf16(const vlmoe_backend_f32 **out, const vlmoe_backend_f32 *cuda);
 
 // Picks a table by name: "cpu", "cuda" or "cuda:N".
 int backend_by_name(const vlmoe_backend_f32 **out, vlmoe_backend_f32 **owned, const char *name);

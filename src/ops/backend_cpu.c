@@ -40,7 +40,12 @@ static void cpu_zero(const backend *be, real *p, size_t n) {
     if (n) PROF_SCOPE(PROF_MEMORY) memset(p, 0, sizeof(real) * n);
 }
 static void cpu_add(const backend *be, real *dst, const real *src, size_t n) {
-    PROF_SCOPE(PROF_MEMORY) for (size_t i = 0; i < n; i++) dst[i] += src[i];
+    // `omp simd`: GCC's -O2 cost model leaves a loop of unknown length scalar; elementwise, so
+    // the vector loop gives the scalar loop's bits (likewise scale and clamp below)
+    PROF_SCOPE(PROF_MEMORY) {
+#pragma omp simd
+        for (size_t i = 0; i < n; i++) dst[i] += src[i];
+    }
 }
 static int cpu_sync(const backend *be) { return VLMOE_OK; }
 
@@ -292,15 +297,22 @@ static void cpu_soft_moe_backward(const backend *be, real *dx, const R(soft_grad
     PROF_SCOPE(PROF_DISPATCH) R(soft_moe_backward)(dx, g, dout, acts, x, p, d, scratch);
 }
 
-// The products of a table: fp32 ones (R(linear_*)) or, for the cpu-bf16 table, bf16 ones.
+// The products of a table: fp32 ones (R(linear_*)) or, for the cpu-bf16 table, bf16 ones;
+// fwd_act and bwd_act are an MLP's first layer and its activation fused (src/ops/ops.h).
 typedef struct {
     void (*fwd)(real *out, const real *inp, const real *w, const real *b, int N, int K, int O, int beta);
     void (*bwd)(real *dinp, real *dw, real *db, const real *dout, const real *inp, const real *w, int N,
                 int K, int O);
+    void (*fwd_act)(real *h, real *a, const real *inp, const real *w, const real *b, int N, int K, int O,
+                    int act);
+    void (*bwd_act)(real *dh, real *a, real *dw, real *db, const real *dy, const real *h, const real *w,
+                    int N, int M, int O, int act);
 } products;
-static const products full = {R(linear_forward), R(linear_backward)};
+static const products full = {R(linear_forward), R(linear_backward), R(linear_act_forward),
+                              R(act_linear_backward)};
 
-// One expert's rows at a time, in expert order: the same kernel calls a dense MLP makes.
+// One expert's rows at a time, in expert order: the same kernel calls a dense MLP makes. The
+// bias and activation run inside the first product (the GELU's time counts as the products').
 static void experts_forward(const products *pr, real *y, real *h, real *a, const real *x,
                             const real *const w[4], const be_experts *ex, int beta) {
     PROF_SCOPE(PROF_OTHER) {
@@ -309,13 +321,14 @@ static void experts_forward(const products *pr, real *y, real *h, real *a, const
             const size_t o = (size_t)ex->off[e];
             const int k = ex->off[e + 1] - ex->off[e];
             if (k <= 0) continue;
-            pr->fwd(h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
-            PROF_SCOPE(PROF_GELU) R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
+            pr->fwd_act(h + o * M, a + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k,
+                        D, M, ex->act);
             pr->fwd(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
         }
     }
 }
 
+// dh is written whole by the fused product (no zeroing), da holds the recomputed activations.
 static void experts_backward(const products *pr, real *dx, real *const dw[4], const real *dy,
                              const real *x, const real *h, const real *const w[4], real *da,
                              real *dh, const be_experts *ex) {
@@ -325,14 +338,9 @@ static void experts_backward(const products *pr, real *dx, real *const dw[4], co
             const size_t o = (size_t)ex->off[e];
             const int k = ex->off[e + 1] - ex->off[e];
             if (k <= 0) continue;
-            real *he = (real *)h + o * M, *dae = da + o * M, *dhe = dh + o * M;
-            // the activation again, in dh's space
-            PROF_SCOPE(PROF_GELU) R(act_forward)(dhe, he, (size_t)k * M, ex->act);
-            PROF_SCOPE(PROF_MEMORY) memset(dae, 0, sizeof(real) * (size_t)k * M);
-            pr->bwd(dae, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dhe,
-                    w[2] + (size_t)e * D * M, k, M, D);
-            PROF_SCOPE(PROF_MEMORY) memset(dhe, 0, sizeof(real) * (size_t)k * M);
-            PROF_SCOPE(PROF_GELU) R(act_backward)(dhe, he, dae, (size_t)k * M, ex->act);
+            real *dhe = dh + o * M;
+            pr->bwd_act(dhe, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D,
+                        h + o * M, w[2] + (size_t)e * D * M, k, M, D, ex->act);
             pr->bwd(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
                     w[0] + (size_t)e * M * D, k, D, M);
         }
@@ -354,7 +362,8 @@ static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4],
 // bf16 with fp32 accumulation (src/ops/gemm_bf16.c); the rest is the fp32 table's, and so is
 // the router (the table's fp32 field), as in PyTorch's CPU autocast and the CUDA backend's
 // fp32-everywhere default.
-static const products half = {linear_forward_bf16, linear_backward_bf16};
+static const products half = {linear_forward_bf16, linear_backward_bf16, linear_act_forward_bf16,
+                              act_linear_backward_bf16};
 static void bf16_linear_forward(const backend *be, real *out, const real *inp, const real *w,
                                 const real *b, int N, int K, int O, int beta) {
     PROF_SCOPE(PROF_OTHER) linear_forward_bf16(out, inp, w, b, N, K, O, beta);
@@ -423,6 +432,8 @@ static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfini
             const size_t a = (size_t)k * per < n ? (size_t)k * per : n;
             const size_t b = a + per < n ? a + per : n;
             double acc = 0;
+            // vector lanes, then their total: a fixed order still, whatever the thread count
+#pragma omp simd reduction(+ : acc)
             for (size_t i = a; i < b; i++) acc += (double)x[i] * x[i];
             part[k] = acc;
             bad[k] = !isfinite(acc);
@@ -437,7 +448,7 @@ static double cpu_sumsq(const backend *be, const real *x, size_t n, int *nonfini
 
 static void cpu_scale(const backend *be, real *x, size_t n, float s) {
     PROF_SCOPE(PROF_OPTIMIZER) {
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN)
+#pragma omp parallel for simd schedule(static) if (n >= PAR_MIN)
         for (size_t i = 0; i < n; i++) x[i] *= s;
     }
 }
@@ -466,6 +477,7 @@ static void cpu_adamw(const backend *be, real *p, real *m, real *v, const real *
 static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi) {
     PROF_SCOPE(PROF_OPTIMIZER) {
         const real l = (real)lo, h = (real)hi;
+#pragma omp simd
         for (size_t i = 0; i < n; i++) x[i] = x[i] < l ? l : x[i] > h ? h : x[i];
     }
 }

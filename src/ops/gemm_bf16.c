@@ -180,6 +180,8 @@ typedef struct {
     int M, N, K, sum, ldc, ldb, tb, bs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
+    gemm_bf16_epi epi;  // run on each block after its product (NULL: none)
+    const void *ctx;
     const float *A, *B; // fp32 operands, for a block that has to fall back to fp32
     int lda, ta;
     float *C;
@@ -324,6 +326,7 @@ static void execute(const product *p) {
             dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
                        p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb, p->sum ? 1.0f : 0.0f,
                        p->C + (size_t)o * p->ldc, p->ldc);
+        if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
     }
 }
 
@@ -369,9 +372,10 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
 }
 
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
-              float beta, float *C, int ldc) {
+              float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx) {
     if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
     product p = product_of(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    p.epi = epi, p.ctx = ctx;
     uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
     const int ok = ah && plan(&p) == 0;
     if (ok) {

@@ -18,10 +18,13 @@ void bf16_pack(uint16_t *dst, const float *src, int rows, int cols, int ld, int 
 
 // C (M,N) = op(A) op(B) + beta C (beta 0 or 1), row-major fp32 with leading dimensions, the
 // operands rounded to bf16 and the sums in fp32; threads take fixed blocks of C's rows, so the
-// result does not depend on their count. Returns 0, or -1, with C untouched, when oneDNN
-// refuses the shape or memory runs out (the caller then computes the product in fp32).
+// result does not depend on their count. epi (may be NULL) runs on each block of C (rows
+// [r0, r0+nr), columns [c0, c0+nc)) on the thread that computed it, right after, with ctx.
+// Returns 0, or -1, with C untouched, when oneDNN refuses the shape or memory runs out (the
+// caller then computes the product in fp32).
+typedef void (*gemm_bf16_epi)(const void *ctx, float *C, int ldc, int r0, int nr, int c0, int nc);
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
-              float beta, float *C, int ldc);
+              float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx);
 
 // The two products of linear_backward_bf16: dinp (N,K) += dout (N,O) . w (O,K) (skipped when
 // dinp is NULL) and dw (O,K) += dout^T . inp (N,K), with dout rounded to bf16 once for both.

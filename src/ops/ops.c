@@ -51,8 +51,25 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
 //
 // With bf16 (float only: `--precision bf16`) the product goes to gemm_bf16 (src/ops/gemm_bf16.c:
 // its own fixed blocks, also independent of the thread count); one it refuses runs in fp32.
-static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
-                   const real *B, int ldb, real beta, real *C, int ldc) {
+//
+// epi, when given, is run by the thread that computed a block on that block of C right after its
+// product, while the block is still in cache (a fused bias and activation, below).
+typedef struct gemm_epi gemm_epi;
+struct gemm_epi {
+    // C's rows [r0, r0+nr) and columns [c0, c0+nc)
+    void (*run)(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc);
+    const real *b, *h;   // bias (forward) or pre-activations (backward), by the run function
+    real *a;             // activations out
+    int act;
+};
+#ifndef VLMOE_REAL_F64
+// gemm_bf16's epilogue hook, for a gemm_epi
+static void epi_thunk(const void *e, float *C, int ldc, int r0, int nr, int c0, int nc) {
+    ((const gemm_epi *)e)->run(e, C, ldc, r0, nr, c0, nc);
+}
+#endif
+static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
+                    const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
     // blocks of up to 512 rows: each call packs the whole other operand, so small blocks repack
     // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
@@ -62,7 +79,9 @@ static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A,
     const int bs = (dim + nb - 1) / nb;
 #ifndef VLMOE_REAL_F64
     int done = 0;
-    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc) == 0;
+    if (bf16)
+        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
+                                                 epi ? epi_thunk : NULL, epi) == 0;
     if (done) return;
 #endif
     PROF_SCOPE(PROF_MATMUL) {
@@ -76,8 +95,16 @@ static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A,
             else
                 gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o,
                       ldc);
+            if (epi)
+                epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
+                         split_rows ? N : n);
         }
     }
+}
+
+static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
+                   const real *B, int ldb, real beta, real *C, int ldc) {
+    gemm_pe(bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, NULL);
 }
 
 // Column sums over N rows of C channels: sg += sum_n g, and when sgx is given (LayerNorm's weight
@@ -107,23 +134,21 @@ static void colsums(real *sg, real *sgx, const real *g, const real *x, const rea
     }
 }
 
+// out += b over a block of out, by the thread that just computed it
+static void epi_bias(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
+    const real *b = e->b + c0;
+    for (int r = r0; r < r0 + nr; r++) {
+        real *o = C + (size_t)r * ldc + c0;
+#pragma omp simd
+        for (int j = 0; j < nc; j++) o[j] += b[j];
+    }
+}
+
 static void linear_fwd(int bf16, real *out, const real *inp, const real *w, const real *b, int N,
                        int K, int O, int beta) {
-    // the bias goes in before the product (the GEMM then adds into it): one pass over out less
-    if (b) {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            real *o = out + (size_t)n * O;
-            if (beta) {
-#pragma omp simd
-                for (int j = 0; j < O; j++) o[j] += b[j];
-            } else {
-                memcpy(o, b, sizeof(real) * O);
-            }
-        }
-    }
-    // out = inp . w^T: row-major (N,K) x (O,K)^T
-    gemm_p(bf16, 0, 1, N, O, K, inp, K, w, K, beta || b ? 1 : 0, out, O);
+    // out = inp . w^T: row-major (N,K) x (O,K)^T; the bias added to each block while in cache
+    const gemm_epi e = {.run = epi_bias, .b = b};
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
 }
 
 static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
@@ -223,41 +248,135 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
 #define INV_SQRT_2PI 0.3989422804014327
 
 // GELU (tanh) and quick GELU are x * sigmoid(c(x)): 0.5 (1 + tanh(u)) = sigmoid(2u). Written so,
-// each costs one vexp and vectorises; GELU (erf) keeps libm's erf.
+// each costs one vexp and vectorises; GELU (erf) uses verf (src/core/real.h), which does too.
+// The unfused ops and the fused ones below share these helpers, so both give the same bits for
+// the same pre-activation.
 #pragma omp declare simd
 static inline real gelu_arg(real x, int kind) {
     return kind == VLMOE_ACT_GELU_TANH ? (real)(2 * SQRT_2_OVER_PI) * (x + (real)0.044715 * x * x * x)
                                        : (real)1.702 * x;
 }
 
+// The activations one element at a time: GELU (erf) apart from the sigmoid forms, so each loop
+// below holds one of them without a branch and vectorises (`omp simd`; erf is real.h's verf).
+static inline real gelu_erf1(real x) { return (real)0.5 * x * (1 + verf(x * (real)INV_SQRT_2)); }
+
+#pragma omp declare simd uniform(kind)
+static inline real act_sig1(real x, int kind) { return x / (1 + vexp(-gelu_arg(x, kind))); }
+
+// act'(x), with act(x) itself in *a: the backward needs both, and they share the erf or exp.
+// For the sigmoid forms, d/dx [x s(c(x))] = s + x s (1 - s) c'(x).
+static inline real gelu_erf_grad1(real x, real *a) {
+    const real ef = verf(x * (real)INV_SQRT_2);
+    *a = (real)0.5 * x * (1 + ef); // gelu_erf1's expression: the same bits
+    return (real)0.5 * (1 + ef) + x * (real)INV_SQRT_2PI * vexp((real)-0.5 * x * x);
+}
+
+static inline real act_sig_grad1(real x, int kind, real *a) {
+    const real den = 1 + vexp(-gelu_arg(x, kind)), s = 1 / den;
+    const real dc = kind == VLMOE_ACT_GELU_TANH ? (real)(2 * SQRT_2_OVER_PI) * (1 + (real)(3 * 0.044715) * x * x)
+                                                : (real)1.702;
+    *a = x / den; // act_sig1's expression
+    return s + x * s * (1 - s) * dc;
+}
+
 void R(act_forward)(real *out, const real *inp, size_t n, int kind) {
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp parallel for simd schedule(static)
-        for (size_t i = 0; i < n; i++) out[i] = (real)0.5 * inp[i] * (1 + RERF(inp[i] * (real)INV_SQRT_2));
+        for (size_t i = 0; i < n; i++) out[i] = gelu_erf1(inp[i]);
         return;
     }
 #pragma omp parallel for simd schedule(static)
-    for (size_t i = 0; i < n; i++) out[i] = inp[i] / (1 + vexp(-gelu_arg(inp[i], kind)));
+    for (size_t i = 0; i < n; i++) out[i] = act_sig1(inp[i], kind);
 }
 
 void R(act_backward)(real *dinp, const real *inp, const real *dout, size_t n, int kind) {
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp parallel for simd schedule(static)
         for (size_t i = 0; i < n; i++) {
-            real x = inp[i], cdf = (real)0.5 * (1 + RERF(x * (real)INV_SQRT_2));
-            dinp[i] += dout[i] * (cdf + x * (real)INV_SQRT_2PI * REXP((real)-0.5 * x * x));
+            real a;
+            dinp[i] += dout[i] * gelu_erf_grad1(inp[i], &a);
         }
         return;
     }
-    // d/dx [x s(c(x))] = s + x s (1 - s) c'(x)
 #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) {
-        real x = inp[i], s = 1 / (1 + vexp(-gelu_arg(x, kind)));
-        real dc = kind == VLMOE_ACT_GELU_TANH ? (real)(2 * SQRT_2_OVER_PI) * (1 + (real)(3 * 0.044715) * x * x)
-                                              : (real)1.702;
-        dinp[i] += dout[i] * (s + x * s * (1 - s) * dc);
+        real a;
+        dinp[i] += dout[i] * act_sig_grad1(inp[i], kind, &a);
     }
 }
+
+// ---- the expert MLP's fused passes: bias and activation applied by gemm_pe's epilogue to each
+// block of the first product, and the activation's derivative to each block of the backward's
+// first product, so h and dh are each walked once, while in cache, in the product's own threads
+
+// h += b; a = act(h) over a block of h (rows r0.., columns c0..)
+static void epi_bias_act(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
+    const int kind = e->act;
+    const real *b = e->b + c0;
+    for (int r = r0; r < r0 + nr; r++) {
+        real *h = C + (size_t)r * ldc + c0, *a = e->a + (size_t)r * ldc + c0;
+        if (kind == VLMOE_ACT_GELU) {
+#pragma omp simd
+            for (int j = 0; j < nc; j++) a[j] = gelu_erf1(h[j] += b[j]);
+        } else {
+#pragma omp simd
+            for (int j = 0; j < nc; j++) a[j] = act_sig1(h[j] += b[j], kind);
+        }
+    }
+}
+
+// C (= dy.w, d of the activation's output) becomes dh = C act'(h); a = act(h) on the side
+static void epi_act_grad(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
+    const int kind = e->act;
+    for (int r = r0; r < r0 + nr; r++) {
+        real *g = C + (size_t)r * ldc + c0, *a = e->a + (size_t)r * ldc + c0;
+        const real *h = e->h + (size_t)r * ldc + c0;
+        if (kind == VLMOE_ACT_GELU) {
+#pragma omp simd
+            for (int j = 0; j < nc; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
+        } else {
+#pragma omp simd
+            for (int j = 0; j < nc; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
+        }
+    }
+}
+
+static void linear_act_fwd(int bf16, real *h, real *a, const real *inp, const real *w, const real *b,
+                           int N, int K, int O, int act) {
+    const gemm_epi e = {.run = epi_bias_act, .b = b, .a = a, .act = act};
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, 0, h, O, &e);
+}
+
+static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, const real *dy, const real *h,
+                           const real *w, int N, int M, int O, int act) {
+    const gemm_epi e = {.run = epi_act_grad, .h = h, .a = a, .act = act};
+    gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e);  // dh (N,M) = dy (N,O) . w (O,M), then act'
+    gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M);       // dw (O,M) += dy^T . a
+    if (db) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
+}
+
+void R(linear_act_forward)(real *h, real *a, const real *inp, const real *w, const real *b, int N, int K,
+                           int O, int act) {
+    linear_act_fwd(0, h, a, inp, w, b, N, K, O, act);
+}
+
+void R(act_linear_backward)(real *dh, real *a, real *dw, real *db, const real *dy, const real *h,
+                            const real *w, int N, int M, int O, int act) {
+    act_linear_bwd(0, dh, a, dw, db, dy, h, w, N, M, O, act);
+}
+
+#ifndef VLMOE_REAL_F64
+void linear_act_forward_bf16(float *h, float *a, const float *inp, const float *w, const float *b, int N,
+                             int K, int O, int act) {
+    linear_act_fwd(1, h, a, inp, w, b, N, K, O, act);
+}
+
+void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const float *dy, const float *h,
+                              const float *w, int N, int M, int O, int act) {
+    act_linear_bwd(1, dh, a, dw, db, dy, h, w, N, M, O, act);
+}
+#endif
 
 void R(softmax_forward)(real *out, const real *inp, int N, int C) {
 #pragma omp parallel for schedule(static)
@@ -287,6 +406,28 @@ static inline int key_limit(int i, int len, int causal, int prefix) {
     return causal && k < len ? k : len;
 }
 
+// One head's keys (or values), T rows of hd at stride ld, transposed into kt (hd, T): oneDNN's
+// sgemm runs q.kt as a plain product in about 0.8x the time of q.k^T with k read transposed at
+// attention's small shapes (T = 65, hd = 64), the copy included. Heads whose copy would not fit
+// the stack buffer (T hd > ATT_KT_MAX) keep the transposed read; either way the choice depends
+// only on the shapes, never on the thread count.
+#define ATT_KT_MAX 16384
+static void head_transpose(real *kt, const real *k, int T, int hd, int ld) {
+    for (int j = 0; j < T; j++)
+        for (int d = 0; d < hd; d++) kt[(size_t)d * T + j] = k[(size_t)j * ld + d];
+}
+
+// S (T,T) = alpha x . y^T for one head: x, y (T, hd) at strides ldx, ld
+static void head_scores(real *S, const real *x, int ldx, const real *y, int T, int hd, int ld, real alpha) {
+    if ((size_t)T * hd <= ATT_KT_MAX) {
+        real yt[ATT_KT_MAX];
+        head_transpose(yt, y, T, hd, ld);
+        gemm1(0, 0, T, T, hd, alpha, x, ldx, yt, T, 0, S, T);
+    } else {
+        gemm1(0, 1, T, T, hd, alpha, x, ldx, y, ld, 0, S, T);
+    }
+}
+
 // Attention of one (sequence, head) as matrix products on the strided q/k/v columns of the
 // qkv buffer: scores = scale q k^T, masked row softmax (masked probabilities are exactly 0, so
 // they add nothing below), out = p v. Each (sequence, head) owns its rows of att and its
@@ -301,10 +442,11 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
             const int len = seg->lens ? seg->lens[b] : T;
             const real *q = qkv + (seg->tok_off + (size_t)b * T) * ld + h * hd;
             real *a = att + (((size_t)b * H + h) * T) * T;
-            gemm1(0, 1, T, T, hd, scale, q, ld, q + D, ld, 0, a, T);
+            head_scores(a, q, ld, q + D, T, hd, ld, scale);
             for (int i = 0; i < T; i++) {
                 real *row = a + (size_t)i * T, mx = -INFINITY, s = 0;
                 const int nk = key_limit(i, len, seg->causal, seg->prefix);
+#pragma omp simd reduction(max : mx)
                 for (int j = 0; j < nk; j++) mx = row[j] > mx ? row[j] : mx;
 #pragma omp simd reduction(+ : s)
                 for (int j = 0; j < nk; j++) s += (row[j] = vexp(row[j] - mx));
@@ -331,7 +473,7 @@ void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real 
             real *dq = dqkv + t0 * ld + h * hd;
             const real *a = att + (((size_t)b * H + h) * T) * T;
             real *da = datt + (((size_t)b * H + h) * T) * T;
-            gemm1(0, 1, T, T, hd, 1, g, D, q + 2 * D, ld, 0, da, T);
+            head_scores(da, g, D, q + 2 * D, T, hd, ld, 1);
             gemm1(1, 0, T, hd, T, 1, a, T, g, D, 1, dq + 2 * D, ld);
             for (int i = 0; i < T; i++) {
                 const real *p = a + (size_t)i * T;

@@ -42,6 +42,14 @@ typedef struct {
                                 const T *mean, const T *rstd, int N, int C);                      \
     void act_forward_##S(T *out, const T *inp, size_t n, int kind);                               \
     void act_backward_##S(T *dinp, const T *inp, const T *dout, size_t n, int kind);              \
+    /* an MLP's first layer: h (N,O) = inp (N,K) . w^T + b (O) written, a (N,O) = act(h), the */  \
+    /* bias and activation fused into the product's blocks (act_forward's bits for the same h) */ \
+    void linear_act_forward_##S(T *h, T *a, const T *inp, const T *w, const T *b, int N, int K,   \
+                                int O, int act);                                                  \
+    /* the backward of linear(act(h)) with w (O,M): dh (N,M) = (dy.w) act'(h) WRITTEN; a (N,M) */ \
+    /* = act(h) recomputed (scratch); dw (O,M) += dy^T.a; db (O, may be NULL) += colsum(dy) */    \
+    void act_linear_backward_##S(T *dh, T *a, T *dw, T *db, const T *dy, const T *h, const T *w,  \
+                                 int N, int M, int O, int act);                                   \
     /* row softmax: out (N,C) */                                                                   \
     void softmax_forward_##S(T *out, const T *inp, int N, int C);                                 \
     void softmax_backward_##S(T *dinp, const T *out, const T *dout, int N, int C);                \
@@ -80,5 +88,12 @@ typedef struct {
 
 OPS_DECL(float, f32)
 OPS_DECL(double, f64)
+
+// linear_act_forward_f32 and act_linear_backward_f32 with the products in bf16 (`--precision
+// bf16`, src/ops/gemm_bf16.h; the bias, activation and its derivative stay fp32)
+void linear_act_forward_bf16(float *h, float *a, const float *inp, const float *w, const float *b, int N,
+                             int K, int O, int act);
+void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const float *dy, const float *h,
+                              const float *w, int N, int M, int O, int act);
 
 #endif

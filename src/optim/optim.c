@@ -52,11 +52,6 @@ struct vlmoe_optim {
     optim_state *states;
     int nstates;
     adafactor_slot *slots;    // Adafactor only, one per parameter
-    // Adafactor: the table at init and its slots, which lay out the state (its names, shapes and
-    // pool); a table set later (optim_set_table) views slices of these
-    vlmoe_param_info *base;
-    adafactor_slot *base_slots;
-    int nbase;
     float *row_mean;          // Adafactor scratch: mean of vr over dim a, (A, Bm, C) floats at most
     const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
 };
@@ -302,8 +297,7 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
         goto fail;
     }
     // calloc, not vlmoe_calloc's memset: a large pool comes as zero pages the kernel maps only when
-    // written, so with expert parallelism the moments of experts this process never updates
-    // cost no memory (docs/DISTRIBUTED.md, "Sharded experts")
+    // written (state of frozen or untrained tensors costs no memory)
     o->pool = calloc(1, bytes ? bytes : 1);
     if (!o->pool) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for optimizer state", bytes);
     o->states = vlmoe_calloc((size_t)o->nstates * sizeof *o->states, "optimizer state list");
@@ -329,12 +323,7 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
             if (s->factored && s->A * s->Bm * s->C > max_lead) max_lead = s->A * s->Bm * s->C;
         }
         o->row_mean = vlmoe_alloc(max_lead * sizeof(float), "Adafactor row means");
-        o->base = vlmoe_alloc((size_t)nparams * sizeof *table, "optimizer parameter table");
-        o->base_slots = vlmoe_alloc((size_t)nparams * sizeof *o->slots, "Adafactor slots");
-        if (!o->row_mean || !o->base || !o->base_slots) goto nomem;
-        memcpy(o->base, table, (size_t)nparams * sizeof *table);
-        memcpy(o->base_slots, o->slots, (size_t)nparams * sizeof *o->slots);
-        o->nbase = nparams;
+        if (!o->row_mean) goto nomem;
     }
     *out = o;
     return VLMOE_OK;
@@ -352,8 +341,6 @@ void vlmoe_optim_free(vlmoe_optim *o) {
     vlmoe_free_mem(o->states);
     vlmoe_free_mem(o->slots);
     vlmoe_free_mem(o->row_mean);
-    vlmoe_free_mem(o->base);
-    vlmoe_free_mem(o->base_slots);
     vlmoe_free_mem(o);
 }
 
@@ -362,93 +349,14 @@ const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n) {
     return o->table;
 }
 
-// Adafactor over a slice of experts: a bank (E, ...) is factored over two dims after the expert
-// dim (a >= 1), so A = E x (the dims between), and every buffer of the slot (vr, vc, v, m) holds
-// its experts one after the other: expert e's part of each is a contiguous 1/E of it, computed
-// from that expert's gradient only. With update clipping (clip_threshold > 0) the RMS spans the
-// whole tensor, every expert at once, so that tensor cannot be split.
-static int af_splits(const vlmoe_optim *o, const vlmoe_param_info *t, const adafactor_slot *s) {
-    return o->p.clip_threshold == 0.0f && t->ndim >= 1 && t->shape[0] > 0 && (!s->factored || s->a >= 1);
-}
-
-static int base_index(const vlmoe_optim *o, const char *name) {
-    for (int j = 0; j < o->nbase; j++)
-        if (!strcmp(o->base[j].name, name)) return j;
-    return -1;
-}
-
-// The slot of t, which is base tensor b or the slice of experts [e0, e0 + shape[0]) of it.
-static int af_narrow(const vlmoe_optim *o, int b, const vlmoe_param_info *t, adafactor_slot *out) {
-    const vlmoe_param_info *f = &o->base[b];
-    const adafactor_slot *s = &o->base_slots[b];
-    *out = *s;
-    if (t->offset == f->offset && t->numel == f->numel && !memcmp(t->shape, f->shape, sizeof t->shape)) return VLMOE_OK;
-    int same = t->ndim == f->ndim && t->ndim >= 1;
-    for (int d = 1; same && d < t->ndim; d++) same = t->shape[d] == f->shape[d];
-    const size_t E = same && f->shape[0] > 0 ? (size_t)f->shape[0] : 1, per = f->numel / E;
-    const size_t e0 = per && t->offset >= f->offset ? (t->offset - f->offset) / per : 0, El = (size_t)t->shape[0];
-    if (!same || !per || t->offset < f->offset || (t->offset - f->offset) % per || El < 1 || e0 + El > E ||
-        t->numel != El * per)
-        return vlmoe_fail(VLMOE_ERR_ARG, "optim: param %s: Adafactor's new table may only narrow a tensor to a slice "
-                          "of its leading dimension (of %lld), at offset %zu + a multiple of %zu", t->name,
-                          (long long)f->shape[0], f->offset, per);
-    if (!af_splits(o, f, s))
-        return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: param %s: Adafactor's state cannot be split over its leading "
-                          "dimension (%s)", t->name, o->p.clip_threshold > 0.0f ? "update clipping takes the RMS "
-                          "of the whole tensor" : "it is factored over that dimension");
-    // each buffer is E equal parts, one per index of the leading dim
-    if (s->factored) {
-        out->A = s->A / E * El;
-        out->vr = s->vr + e0 * (s->A / E * s->NA * s->Bm * s->C);
-        out->vc = s->vc + e0 * (s->A / E * s->Bm * s->NB * s->C);
-    } else {
-        out->v = s->v + e0 * per;
-    }
-    if (s->m) out->m = s->m + e0 * per;
-    return VLMOE_OK;
-}
-
-int optim_set_table(vlmoe_optim *o, const vlmoe_param_info *table, int n) {
-    if (n < 1 || !table) return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new table needs at least one entry");
-    int st = check_table(table, n, o->total);
-    if (st) return st;
-    adafactor_slot *slots = NULL;
-    if (o->p.kind == VLMOE_OPT_ADAFACTOR) {
-        // the state stays laid out by the init table: each entry must be one of its tensors or a
-        // slice of one's leading dimension (expert parallelism: this process's experts of a bank)
-        if (!(slots = vlmoe_alloc((size_t)n * sizeof *slots, "Adafactor slots"))) return VLMOE_ERR_NOMEM;
-        for (int k = 0; k < n && !st; k++) {
-            const int b = base_index(o, table[k].name);
-            st = b < 0 ? vlmoe_fail(VLMOE_ERR_ARG, "optim: param %s has no Adafactor state (not in the table the "
-                                    "optimizer was made with)", table[k].name)
-                       : af_narrow(o, b, &table[k], &slots[k]);
-        }
-        if (st) return vlmoe_free_mem(slots), st;
-    }
-    vlmoe_param_info *t = vlmoe_alloc((size_t)n * sizeof *table, "optimizer parameter table");
-    if (!t) return vlmoe_free_mem(slots), VLMOE_ERR_NOMEM;
-    memcpy(t, table, (size_t)n * sizeof *table);
-    vlmoe_free_mem(o->table);
-    o->table = t, o->nparams = n;
-    if (slots) vlmoe_free_mem(o->slots), o->slots = slots;
-    return VLMOE_OK;
-}
-
-int optim_can_split(const vlmoe_optim *o, size_t offset) {
-    if (o->p.kind == VLMOE_OPT_ADAMW) return 1;
-    for (int j = 0; j < o->nbase; j++)
-        if (o->base[j].offset == offset && o->base[j].numel) return af_splits(o, &o->base[j], &o->base_slots[j]);
-    return 1; // not updated (frozen): no state to split
-}
-
 int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, float **bufs, size_t *per_buf) {
     if (o->p.kind == VLMOE_OPT_ADAMW) {
         for (int k = 0; k < 2; k++) bufs[k] = o->states[k].data + offset, per_buf[k] = per;
         return 2;
     }
-    for (int j = 0; j < o->nbase; j++) {
-        const adafactor_slot *s = &o->base_slots[j];
-        if (o->base[j].offset != offset || o->base[j].numel != (size_t)E * per || !o->base[j].numel) continue;
+    for (int j = 0; j < o->nparams; j++) {
+        const adafactor_slot *s = &o->slots[j];
+        if (o->table[j].offset != offset || o->table[j].numel != (size_t)E * per || !o->table[j].numel) continue;
         int n = 0;
         if (s->factored) {
             bufs[n] = s->vr, per_buf[n++] = s->A / (size_t)E * s->NA * s->Bm * s->C;
@@ -460,6 +368,67 @@ int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, 
         return n;
     }
     return 0;
+}
+
+int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t) {
+    if (p->kind == VLMOE_OPT_ADAMW) return 1;
+    int a = 0, b;
+    const int factored = factored_dims(t, p->min_dim_to_factor, &a, &b);
+    return p->clip_threshold == 0.0f && t->ndim >= 1 && t->shape[0] > 0 && (!factored || a >= 1);
+}
+
+// The experts tensor t holds: [*a0, *a1) of its leading dim (all of it unless t is a bank held
+// split: vlmoe_param_info.experts_local).
+static void held(const vlmoe_param_info *t, int *a0, int *a1) {
+    *a0 = t->experts_local ? t->expert0 : 0;
+    *a1 = t->experts_local ? t->expert0 + t->experts_local : (int)t->shape[0];
+}
+
+// Copies the parts of the experts both tensors hold from src (ns floats of tensor f, one equal
+// part per expert it holds) into dst (of tensor t); a tensor held whole on both sides is copied.
+static void copy_held(float *dst, const vlmoe_param_info *t, const float *src, const vlmoe_param_info *f, size_t ns) {
+    if (!src || !dst) return;
+    if (!t->experts_local && !f->experts_local) {
+        memcpy(dst, src, sizeof(float) * ns);
+        return;
+    }
+    int a0, a1, b0, b1;
+    held(t, &a0, &a1), held(f, &b0, &b1);
+    const int lo = a0 > b0 ? a0 : b0, hi = a1 < b1 ? a1 : b1;
+    const size_t per = b1 > b0 ? ns / (size_t)(b1 - b0) : 0;
+    if (lo < hi) memcpy(dst + (size_t)(lo - a0) * per, src + (size_t)(lo - b0) * per, sizeof(float) * (size_t)(hi - lo) * per);
+}
+
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total, int keep) {
+    if (n != o->nparams)
+        return vlmoe_fail(VLMOE_ERR_ARG, "optim: a new layout of %d tensors for an optimizer of %d", n, o->nparams);
+    for (int i = 0; i < n; i++)
+        if (strcmp(table[i].name, o->table[i].name))
+            return vlmoe_fail(VLMOE_ERR_ARG, "optim: the new layout's tensor %d is '%s', the optimizer's '%s'", i,
+                              table[i].name, o->table[i].name);
+    vlmoe_optim *w;
+    int st = optim_init_backend(&w, &o->p, table, n, total, o->be);
+    if (st) return st;
+    w->step = o->step;
+    // before the first update every state float is zero: nothing to copy, and the new pool stays
+    // zero pages (a run that starts sharded never holds the whole state)
+    for (int i = 0; i < n && o->step > 0 && keep; i++) {
+        const vlmoe_param_info *t = &w->table[i], *f = &o->table[i];
+        if (o->p.kind == VLMOE_OPT_ADAMW) {
+            for (int k = 0; k < 2; k++)
+                copy_held(w->states[k].data + t->offset, t, o->states[k].data + f->offset, f, f->numel);
+            continue;
+        }
+        const adafactor_slot *a = &w->slots[i], *b = &o->slots[i];
+        copy_held(a->vr, t, b->vr, f, b->A * b->NA * b->Bm * b->C);
+        copy_held(a->vc, t, b->vc, f, b->A * b->Bm * b->NB * b->C);
+        copy_held(a->v, t, b->v, f, f->numel);
+        copy_held(a->m, t, b->m, f, f->numel);
+    }
+    const vlmoe_optim old = *o;
+    *o = *w, *w = old;
+    vlmoe_optim_free(w);
+    return VLMOE_OK;
 }
 
 long vlmoe_optim_get_step(const vlmoe_optim *o) { return o ? o->step : 0; }

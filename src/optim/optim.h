@@ -14,26 +14,29 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
 // vlmoe_clip_grad_norm on `be`.
 double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm);
 
-// The tensors the optimizer updates (a copy of its table), and replacing them by others of the
-// same buffer (expert parallelism: an expert bank's entry narrowed to this process's experts, so
-// the other experts' parameters and optimizer state are neither updated nor touched). AdamW takes
-// any table; Adafactor's state keeps the layout of the table it was made with, so each entry must
-// be one of those tensors or a slice of its leading dimension whose state splits there
-// (optim_can_split; otherwise VLMOE_ERR_CONFIG). The table is checked as at init.
+// The tensors the optimizer updates (a copy of its table).
 const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n);
-int optim_set_table(vlmoe_optim *o, const vlmoe_param_info *table, int n);
 
-// Whether the state of the tensor at `offset` of the init table splits over its leading dimension
-// (an expert bank's experts), each index's part computed from its own slice of the gradient, so
-// that updating a slice is bit for bit the whole update's slice: always for AdamW; for Adafactor
-// when the tensor is not factored over that dim and update clipping is off (clip_threshold 0).
-int optim_can_split(const vlmoe_optim *o, size_t offset);
-
-// The state buffers of the init table's tensor at `offset` of shape (E, ...) with per floats per
-// index of its leading dim, each laid out index after index: bufs[k] (the whole tensor's) holds
+// The state buffers of the table's tensor at `offset` of shape (E, ...) (E: the experts it holds)
+// with per floats per index of its leading dim, each laid out index after index: bufs[k] holds
 // per_buf[k] floats per index. AdamW: its m and v at `offset` (2); Adafactor: the tensor's vr and
 // vc or v, then m (up to 3); 0 when the optimizer has no state for it. For moving experts' state
 // between processes (src/train/trainer.c vlmoe_trainer_gather_experts).
 int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, float **bufs, size_t *per_buf);
+
+// Whether an optimizer of params p keeps the state of tensor t (its whole shape) as one part per
+// index of its leading dim, each computed from that index's gradient alone, so a process can hold
+// and update a slice of its experts only (expert parallelism's sharded layout: src/nn/model.h
+// model_shard): always for AdamW; for Adafactor when t is not factored over dim 0 and update
+// clipping is off.
+int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t);
+
+// Moves o to another layout of the same tensors (expert parallelism: a process's shard of the
+// expert banks, or the whole model again): table lists the same tensors in the same order, an
+// expert bank with its local shape (shape[0] = experts_local) and expert0/experts_local set, or
+// whole (both 0), in a flat buffer of `total` floats. The state of every expert both layouts hold
+// is kept, that of experts only the new one holds is zero (the caller fills it: the trainer's
+// gathers), the step is kept; keep 0: all of the new state is zero. o is unchanged on failure.
+int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total, int keep);
 
 #endif

@@ -133,12 +133,7 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
                                  : vlmoe_dist_split(dist, dist->rank / N, dist->rank, &experts);
         if (e) return vlmoe_error_prefix("--expert-parallel %d", N), e;
     }
-    int st = vlmoe_trainer_set_dist(t, dist, experts);
-    if (st) {
-        if (experts && experts != dist) vlmoe_dist_close(experts);
-        return vlmoe_error_prefix("run on %d processes", dist->world), st;
-    }
-    if (dist->world > 1) { // every process starts from rank 0's parameters and step
+    if (dist->world > 1) { // every process starts from rank 0's parameters and step (whole models yet)
         vlmoe_model *m = vlmoe_trainer_model(t);
         int64_t at = vlmoe_trainer_get_step(t);
         int e = dist->broadcast(dist, vlmoe_model_param_data(m), vlmoe_model_num_floats(m), VLMOE_DIST_F32, 0);
@@ -147,10 +142,15 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             e = vlmoe_fail(VLMOE_ERR_ARG, "run: process %d resumes at step %ld, another at step %lld: every process "
                            "must load the same checkpoint", dist->rank, vlmoe_trainer_get_step(t), (long long)at);
         if (e) {
-            vlmoe_trainer_set_dist(t, NULL, NULL);
             if (experts && experts != dist) vlmoe_dist_close(experts);
             return vlmoe_error_prefix("run on %d processes", dist->world), e;
         }
+    }
+    // (with experts, each process keeps its shard of them from here: src/train/trainer.c)
+    int st = vlmoe_trainer_set_dist(t, dist, experts);
+    if (st) {
+        if (experts && experts != dist) vlmoe_dist_close(experts);
+        return vlmoe_error_prefix("run on %d processes", dist->world), st;
     }
     char ckdir[1100], path[1100];
     snprintf(ckdir, sizeof(ckdir), "%s/checkpoints", p->dir ? p->dir : ".");
@@ -183,12 +183,13 @@ int vlmoe_run_train(vlmoe_trainer *t, const vlmoe_run_task *task, const vlmoe_ru
             t_last = tn, last = done, sum_loss = 0;
         }
         const int saving = p->dir && ((p->save_every > 0 && done % p->save_every == 0) || done == p->steps);
-        // sharded experts: rank 0 holds stale copies of the others' experts until it gathers them
+        // sharded experts: rank 0 becomes whole to write and evaluate, then goes back to its shard
         const int eval_due = task->eval && p->eval_every > 0 && done % p->eval_every == 0 && done != p->steps;
-        if (!st && (saving || eval_due)) st = vlmoe_trainer_gather_experts(t, 0);
         if (!st && saving && dist->world > 1) st = vlmoe_trainer_check_replicas(t, dist);
+        if (!st && (saving || eval_due)) st = vlmoe_trainer_gather_experts(t, 0);
         if (!st && saving && writer) st = save(t, task, p, ckdir, done);
         if (!st && lead && eval_due) st = evaluate(task, p, mx, done);
+        if (!st && (saving || eval_due)) st = vlmoe_trainer_drop_experts(t);
     }
     // every process leaves the run with the whole model (a caller may read or save any's)
     if (!st) st = vlmoe_trainer_gather_experts(t, 1);

@@ -82,20 +82,25 @@ int vlmoe_metrics_expert_shares(const char *path, int encoder, int modality, int
 // processes before clipping and the update (a world of one or NULL: no collective at all).
 // experts (NULL: none): the group of d's processes the MoE layers' experts are split over (d, or
 // one of the groups of vlmoe_dist_split; its size must divide every MoE layer's num_experts).
-// vlmoe_run_train sets both from its params. With experts and AdamW the experts' gradient
-// reduction and optimizer updates are sharded (src/train/trainer.c): a process reduces and
-// updates its own experts only, over the processes holding the same ones, so the others' slices
-// go stale until vlmoe_trainer_gather_experts. Collective over d when experts are set (a split);
-// NULL, NULL undoes it (not collective).
+// vlmoe_run_train sets both from its params. With experts the model's expert banks are sharded
+// (src/train/trainer.c): a process holds, reduces and updates its own experts only (the model's
+// layout becomes its shard: vlmoe_model_num_floats and the parameter table say so), over the
+// processes holding the same ones, until vlmoe_trainer_gather_experts. Collective over d when
+// experts are set (a split); NULL, NULL undoes it (not collective; a model still sharded
+// becomes whole with its own experts only, the others zero).
 int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts);
-// Sharded experts: brings every expert's current parameters and AdamW moments from its owner to
-// rank 0 (before rank 0 writes or evaluates), and with every 1 (at the end of a run, after which
-// every process holds the whole model) the parameters to every process as well. Collective over
-// the world; a no-op without sharding.
+// Sharded experts: rank 0 becomes whole, every expert's current parameters and optimizer state
+// brought from its owner (before rank 0 writes or evaluates; vlmoe_trainer_drop_experts after),
+// or with every 1 (at the end of a run) every process becomes whole, the parameters gathered to
+// every process and the state to rank 0 only. Collective over the world; a no-op without
+// sharding.
 int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every);
+// Rank 0 goes back to its shard after vlmoe_trainer_gather_experts(t, 0). Not collective.
+int vlmoe_trainer_drop_experts(vlmoe_trainer *t);
 // Before a checkpoint on several processes: every process holds the same step and the same
 // parameters, checked by checksums (with sharded experts: the dense ones over the world, each
-// process's own experts over the processes that own the same ones). Collective over d.
+// process's own experts over the processes that own the same ones; before the gather). Collective
+// over d.
 int vlmoe_trainer_check_replicas(vlmoe_trainer *t, vlmoe_dist *d);
 // OpenCLIP's --accum-freq: one step (divergence guard, clipping, schedule, update) with the
 // gradient of the n micro-batches as one batch of n times their pairs (model_accumulate in

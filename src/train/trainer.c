@@ -33,16 +33,18 @@ struct vlmoe_trainer {
 
 char *vlmoe_trainer_run_id(vlmoe_trainer *t) { return t->run_id; }
 
-// Expert parallelism shards the experts' training state (issue 15): a process of an expert group
-// of N computes the gradients of its E/N experts of every bank only, so those are all-reduced
-// only over the `replicas`, the processes at the same place of every group (world / N of them),
-// and the optimizer (AdamW or Adafactor) updates only them; the dense parameters are all-reduced
-// over the whole world as in plain data parallelism. The parameters stay replicated (every
-// process allocates every expert: the forward reads only its own, src/moe/layer.c ep_forward),
-// but the other experts' slices, their gradients and optimizer state are never touched, and the
-// state's zero pages never become resident (src/optim/optim.c). Those slices are stale between
-// steps: rank 0 gathers them before it writes or evaluates, and every process gets the parameters
-// at the end of a run (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and
+// Expert parallelism shards the experts (issue 15; docs/DISTRIBUTED.md "Sharding the expert
+// parameters"): a process of an expert group of N holds the parameters, gradients and optimizer
+// state of its E/N experts of every bank only: the model's layout becomes its shard
+// (model_reshard: every split bank (E/N, ...), the offsets after it shifted) and the optimizer
+// follows it (optim_relayout), so the flat loops (clipping, AdamW, the sums) stay flat. Dense
+// tensors are all-reduced over the whole world as in plain data parallelism, a process's banks
+// only over its `replicas`, the processes at the same place of every group (world / N of them).
+// A bank whose Adafactor state does not split (factored over the expert dim) stays whole,
+// replicated, a dense tensor (its gradient, each expert's written by its owner and zero
+// elsewhere, summed over the world). Rank 0 becomes whole to write or evaluate (the others send
+// it their experts) and goes back to its shard after; at the end of a run every process becomes
+// whole (vlmoe_trainer_gather_experts). Covered by tests/test_train_dist.c and
 // tests/test_dist_mpi.sh.
 typedef struct { size_t off, n; } span; // floats [off, off + n) of the flat buffer
 
@@ -50,101 +52,135 @@ struct shard {
     vlmoe_dist *experts, *replicas; // replicas: NULL when groups span the world (one copy each)
     int q, N;                       // this process's place in its group, the group's size
     int root_group;                 // the group holds world rank 0
-    model_bank *banks;
+    model_shard layout;             // this process's experts (the model's layout between gathers)
+    model_bank *banks;              // (nbanks) the split banks, in the shard's layout
+    size_t *whole_off;              // (nbanks) their offsets in the whole model's
     int nbanks;
-    span *dense;                    // the buffer outside every bank, in order
+    span *dense;                    // the shard's buffer outside every split bank, in order
     int ndense;
-    span *own;                      // (nbanks) this process's slice of each bank
+    int whole;                      // the model is whole now (gathered), not the shard
     float *buf;                     // packing scratch for the all-reduces: nbuf floats
     size_t nbuf;
     size_t *cnt;                    // (4N) all-to-all counts and displacements of the gather
-    vlmoe_param_info *full;         // the optimizer's table before it was narrowed
-    int nfull;
 };
+
+// Frozen tensors (freeze_moe, locks) are not the optimizer's: a bank of them splits whatever it
+// uses. Otherwise a bank splits where the optimizer's state does (optim_splits).
+static int keep_whole(void *user, const vlmoe_param_info *bank) {
+    const vlmoe_trainer *t = user;
+    for (int i = 0; i < t->nfrozen; i++)
+        if (!strcmp(t->frozen[i].name, bank->name)) return 0;
+    return !optim_splits(&t->p.optim, bank);
+}
+
+// The optimizer to the layout of shard sh (NULL: whole): its table is that layout's less the
+// frozen tensors, a split bank with its local shape. keep 0: its state becomes zero instead of
+// moving (a process whose state nobody reads again: the end of a run).
+static int optim_to(vlmoe_trainer *t, const model_shard *sh, int keep) {
+    model_layout L;
+    int st = model_layout_build_shard(&L, vlmoe_model_get_config(t->m), sh);
+    vlmoe_param_info *train = st ? NULL : malloc(sizeof(*train) * (size_t)L.nparams);
+    if (!st && !train) st = vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    int nt = 0;
+    for (int i = 0; !st && i < L.nparams; i++) {
+        int frozen = 0;
+        for (int k = 0; k < t->nfrozen && !frozen; k++) frozen = !strcmp(t->frozen[k].name, L.table[i].name);
+        if (frozen) continue;
+        train[nt] = L.table[i];
+        if (L.table[i].experts_local) train[nt].shape[0] = L.table[i].experts_local;
+        nt++;
+    }
+    if (!st) st = optim_relayout(t->opt, train, nt, L.total, keep);
+    free(train);
+    model_layout_free(&L);
+    return st;
+}
+
+// The model to the layout of shard sh (NULL: whole), the frozen list with it.
+static int model_to(vlmoe_trainer *t, const model_shard *sh) {
+    int st = model_reshard(t->m, sh), n;
+    if (st) return st;
+    buckets_free(t->bk); // they point into the old gradients
+    t->bk = NULL;
+    const vlmoe_param_info *tab = vlmoe_model_params(t->m, &n);
+    for (int k = 0; k < t->nfrozen; k++)
+        for (int i = 0; i < n; i++)
+            if (!strcmp(t->frozen[k].name, tab[i].name)) t->frozen[k] = tab[i];
+    return VLMOE_OK;
+}
+
+// Both, the model first (its whole parameters go before the whole state comes, and back).
+static int relayout(vlmoe_trainer *t, const model_shard *sh) {
+    int st = model_to(t, sh);
+    return st ? st : optim_to(t, sh, 1);
+}
 
 static void shard_free(vlmoe_trainer *t) {
     struct shard *sh = t->shard;
     if (!sh) return;
-    if (sh->full && sh->nfull) optim_set_table(t->opt, sh->full, sh->nfull); // cannot fail: the table it had
+    // a run that stopped between gathers: the model becomes whole again for whoever holds it, with
+    // this process's experts current and the others' zero (out of memory, it keeps its shard,
+    // which no model file takes: model_writer refuses it)
+    if (t->m->L.nsplit) (void)relayout(t, NULL);
     if (sh->replicas) vlmoe_dist_close(sh->replicas);
-    free(sh->banks), free(sh->dense), free(sh->own), free(sh->cnt), free(sh->full);
+    free(sh->banks), free(sh->whole_off), free(sh->dense), free(sh->cnt);
     vlmoe_free_mem(sh->buf);
     free(sh);
     t->shard = NULL;
 }
 
-static int cmp_bank(const void *a, const void *b) {
-    const size_t x = ((const model_bank *)a)->offset, y = ((const model_bank *)b)->offset;
+static int cmp_span(const void *a, const void *b) {
+    const size_t x = ((const span *)a)->off, y = ((const span *)b)->off;
     return x < y ? -1 : x > y;
 }
 
-// This process's share of bank b: floats [off, off + n).
-static span own_span(const struct shard *sh, const model_bank *b) {
-    const size_t El = (size_t)(b->E / sh->N);
-    return (span){b->offset + (size_t)sh->q * El * b->per, El * b->per};
-}
+// This process's share of bank b in the shard's layout: floats [off, off + n).
+static span own_span(const model_bank *b) { return (span){b->offset, (size_t)b->El * b->per}; }
 
-// Sets up t->shard for expert groups `ex` of world d (collective over d: the replicas' split).
+// Sets up t->shard for expert groups `ex` of world d and splits the model (collective over d: the
+// replicas' split).
 static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
     struct shard *sh = t->shard = calloc(1, sizeof(*sh));
     if (!sh) return vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
     sh->experts = ex, sh->q = ex->rank, sh->N = ex->world;
-    const size_t total = vlmoe_model_num_floats(t->m);
-    int nb = model_expert_banks(t->m, NULL, 0), n;
+    sh->layout = (model_shard){.rank = ex->rank, .size = ex->world, .keep_whole = keep_whole, .user = t};
+    const int nb = model_expert_banks(t->m, NULL, 0);
+    model_bank *whole = malloc(sizeof(model_bank) * (size_t)(nb + 1));
     sh->banks = malloc(sizeof(model_bank) * (size_t)(nb + 1));
+    sh->whole_off = malloc(sizeof(size_t) * (size_t)(nb + 1));
     sh->dense = malloc(sizeof(span) * (size_t)(nb + 1));
-    sh->own = malloc(sizeof(span) * (size_t)(nb + 1));
     sh->cnt = malloc(sizeof(size_t) * 4 * (size_t)sh->N);
-    const vlmoe_param_info *tab = optim_table(t->opt, &n);
-    sh->full = malloc(sizeof(*tab) * (size_t)n);
-    vlmoe_param_info *narrow = malloc(sizeof(*tab) * (size_t)n);
-    if (!sh->banks || !sh->dense || !sh->own || !sh->cnt || !sh->full || !narrow)
-        return free(narrow), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
-    sh->nbanks = model_expert_banks(t->m, sh->banks, nb);
+    if (!whole || !sh->banks || !sh->whole_off || !sh->dense || !sh->cnt)
+        return free(whole), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    model_expert_banks(t->m, whole, nb);
     for (int i = 0; i < nb; i++)
-        if (sh->banks[i].E % sh->N)
-            return free(narrow), vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d "
-                                            "processes (the process count must divide num_experts)", sh->banks[i].E, sh->N);
-    // Which banks are sharded: those whose optimizer state splits by expert (optim_can_split), each
-    // expert's part computed from its own gradient. AdamW's always does; Adafactor's (big_vision's:
-    // each tensor factored over its two largest dims) does for a weight bank (E, M, D), factored per
-    // expert matrix over M and D, and for an unfactored one, but not for a bank factored over its
-    // expert dim (a bias bank (E, M) with E >= 32 experts: its column moments are means over the
-    // experts) nor with update clipping (its RMS spans the whole tensor). Such a bank stays replicated
-    // as a dense tensor: its gradient (each expert's written by its owner, zero elsewhere) is summed
-    // over the world and every process updates it whole, the same update.
-    int ns = 0;
-    for (int i = 0; i < nb; i++)
-        if (optim_can_split(t->opt, sh->banks[i].offset)) sh->banks[ns++] = sh->banks[i];
-    sh->nbanks = nb = ns;
-    if (!nb) return free(narrow), shard_free(t), VLMOE_OK;
-    qsort(sh->banks, (size_t)nb, sizeof(model_bank), cmp_bank);
-    memcpy(sh->full, tab, sizeof(*tab) * (size_t)n);
-    memcpy(narrow, tab, sizeof(*tab) * (size_t)n);
-    // the dense runs between the banks, and the optimizer's entries of the banks narrowed
-    size_t at = 0;
-    for (int i = 0; i < nb; i++) {
-        const model_bank *b = &sh->banks[i];
-        if (b->offset > at) sh->dense[sh->ndense++] = (span){at, b->offset - at};
-        at = b->offset + (size_t)b->E * b->per;
-        sh->own[i] = own_span(sh, b);
-        for (int k = 0; k < n; k++) {
-            vlmoe_param_info *p = &narrow[k];
-            if (p->offset != b->offset) continue;
-            if (p->ndim < 1 || p->shape[0] != b->E || p->numel != (size_t)b->E * b->per) {
-                const int st = vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: tensor '%s' is not an (E = %d, "
-                                          "...) expert bank", p->name, b->E);
-                return free(narrow), st;
-            }
-            const span o = own_span(sh, b);
-            p->offset = o.off, p->numel = o.n, p->shape[0] = b->E / sh->N;
+        if (whole[i].E % sh->N) {
+            const int E = whole[i].E;
+            free(whole);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "expert parallelism: %d experts do not split over %d processes (the "
+                              "process count must divide num_experts)", E, sh->N);
         }
+    int st = relayout(t, &sh->layout);
+    if (st) return free(whole), st;
+    model_bank *local = malloc(sizeof(model_bank) * (size_t)(nb + 1));
+    if (!local) return free(whole), vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    model_expert_banks(t->m, local, nb); // the same banks in the same order, in the shard's layout
+    for (int i = 0; i < nb; i++)
+        if (local[i].El < local[i].E) sh->whole_off[sh->nbanks] = whole[i].offset, sh->banks[sh->nbanks++] = local[i];
+    free(whole), free(local);
+    // the dense runs between the split banks (the banks come in no particular order of offsets)
+    const size_t total = vlmoe_model_num_floats(t->m);
+    span *own = malloc(sizeof(span) * (size_t)(sh->nbanks + 1));
+    if (!own) return vlmoe_fail(VLMOE_ERR_NOMEM, "expert parallelism");
+    for (int i = 0; i < sh->nbanks; i++) own[i] = own_span(&sh->banks[i]);
+    qsort(own, (size_t)sh->nbanks, sizeof(span), cmp_span);
+    size_t at = 0;
+    for (int i = 0; i < sh->nbanks; i++) {
+        if (own[i].off > at) sh->dense[sh->ndense++] = (span){at, own[i].off - at};
+        at = own[i].off + own[i].n;
     }
     if (total > at) sh->dense[sh->ndense++] = (span){at, total - at};
-    sh->nfull = n;
-    int st = optim_set_table(t->opt, narrow, n);
-    free(narrow);
-    if (st) return free(sh->full), sh->full = NULL, st;
+    free(own);
     // 16 MiB buckets (or the whole buffer, when smaller): few all-reduces, little scratch
     // (VLMOE_TEST_BUCKET_FLOATS, a test hook of tests/test_train_dist.c: smaller buckets, so that
     // spans split across them in a small model)
@@ -167,14 +203,15 @@ int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts)
     model_set_dist(t->m, t->dist, experts);
     model_set_grad_ready(t->m, NULL, NULL);
     // VLMOE_TEST_REPLICATE_EXPERTS (a test hook of tests/test_train_dist.c and test_dist_mpi.sh):
-    // the experts' state stays replicated, every bank as a dense tensor, the path sharding must
-    // reproduce bit for bit
+    // every process holds every expert, whose gradients are summed over the world as dense
+    // tensors, the path sharding must reproduce
     const char *rep = getenv("VLMOE_TEST_REPLICATE_EXPERTS");
     if (!t->dist || !experts || experts->world < 2 || (rep && *rep && strcmp(rep, "0"))) return VLMOE_OK;
     int st = shard_init(t, t->dist, experts);
     if (st) {
+        vlmoe_error_prefix("expert parallelism over %d processes", experts->world);
         shard_free(t);
-        return vlmoe_error_prefix("expert parallelism over %d processes", experts->world), st;
+        return st;
     }
     return VLMOE_OK;
 }
@@ -210,25 +247,28 @@ static int reduce_spans(struct shard *sh, vlmoe_dist *d, float *g, const span *s
 }
 
 // The sharded gradient reduction: dense runs summed over the world, this process's experts over
-// its replicas. The other experts' gradients are left as they are (zero: this process's backward
-// writes only its own experts'); nothing reads them.
+// its replicas.
 static int reduce_sharded(vlmoe_trainer *t, float *g) {
     struct shard *sh = t->shard;
     int e = reduce_spans(sh, t->dist, g, sh->dense, sh->ndense);
     if (e || !sh->replicas || sh->replicas->world < 2) return e;
-    return reduce_spans(sh, sh->replicas, g, sh->own, sh->nbanks);
+    for (int i = 0; i < sh->nbanks && !e; i++) {
+        const span o = own_span(&sh->banks[i]);
+        e = reduce_spans(sh, sh->replicas, g, &o, 1);
+    }
+    return e;
 }
 
 // Global-norm clipping over the sharded gradient: every expert's gradient counted once (its
-// owner's, summed over the group) and the dense ones once; the whole buffer is scaled (the other
-// experts' slices are unused). The one-process norm to double rounding.
+// owner's, summed over the group) and the dense ones once. The one-process norm to double
+// rounding.
 static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     struct shard *sh = t->shard;
     const vlmoe_backend_f32 *hb = model_host_backend(t->m);
     double dense = 0, own = 0;
     for (int i = 0; i < sh->ndense; i++) dense += hb->sumsq(hb, g + sh->dense[i].off, sh->dense[i].n, NULL);
     for (int i = 0; i < sh->nbanks; i++) {
-        const span o = own_span(sh, &sh->banks[i]);
+        const span o = own_span(&sh->banks[i]);
         own += hb->sumsq(hb, g + o.off, o.n, NULL);
     }
     int e = sh->experts->allreduce_sum(sh->experts, &own, 1, VLMOE_DIST_F64);
@@ -239,35 +279,32 @@ static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     return VLMOE_OK;
 }
 
-// Brings the other experts' current parameters and optimizer state (AdamW's moments; Adafactor's
-// factored moments and momentum, per expert matrix: optim_expert_states) from their owners to
-// rank 0 (before it writes a checkpoint or evaluates; the other processes keep their slices
-// untouched), and with every = 1 (the end of a run, whose model every process then holds whole)
-// the parameters to every process too; the state only ever goes to rank 0, the one writer, so no
-// other process ever holds it whole. Collective over the world; nothing to do without sharding.
-int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
+// Sends each split bank's buffer k (0: the parameters, 1.. the optimizer's state buffers) from
+// the processes of the expert group to its first process (every 0) or to every process (every 1,
+// the parameters only): a process that is whole sends its slice of the whole bank and receives
+// the others', one that holds its shard sends that. state: 0 the parameters, 1 the optimizer's
+// state; whole: that is whole on this process.
+static int exchange(vlmoe_trainer *t, int state, int every, int whole) {
     struct shard *sh = t->shard;
-    if (!sh || (!every && !sh->root_group)) return VLMOE_OK;
     vlmoe_dist *ex = sh->experts;
     size_t *sc = sh->cnt, *sd = sc + sh->N, *rc = sd + sh->N, *rd = rc + sh->N;
+    const vlmoe_optim *o = vlmoe_trainer_optim(t);
     int e = VLMOE_OK;
     for (int i = 0; i < sh->nbanks && !e; i++) {
         const model_bank *b = &sh->banks[i];
-        // each buffer holds the bank's E experts one after the other, per[k] floats each
-        float *bufs[1 + 4] = {vlmoe_model_param_data(t->m) + b->offset};
-        size_t per[1 + 4] = {b->per};
-        const int nb = 1 + optim_expert_states(t->opt, b->offset, b->E, b->per, bufs + 1, per + 1);
-        const size_t El = (size_t)(b->E / sh->N);
+        const size_t off = whole ? sh->whole_off[i] : b->offset, El = (size_t)b->El;
+        // each buffer holds the experts held one after the other, per[k] floats each
+        float *bufs[4] = {vlmoe_model_param_data(t->m) + off};
+        size_t per[4] = {b->per};
+        const int nb = state ? optim_expert_states(o, off, whole ? b->E : b->El, b->per, bufs, per) : 1;
         for (int k = 0; k < nb && !e; k++) {
-            float *bank = bufs[k], *own = bank + (size_t)sh->q * El * per[k];
+            float *bank = bufs[k], *own = bank + (whole ? (size_t)sh->q * El * per[k] : 0);
             const size_t n = El * per[k];
-            if (!sh->root_group && k) continue;
-            if (every && !k) {
+            if (every) {
                 e = ex->allgather(ex, bank, own, n, VLMOE_DIST_F32); // in place
                 continue;
             }
-            // a gather to the group's first process: each sends it its slice, it places them
-            for (int j = 0; j < sh->N; j++) {
+            for (int j = 0; j < sh->N; j++) { // each sends the first its slice, which places them
                 sc[j] = sh->q && !j ? n : 0, sd[j] = 0;
                 rc[j] = !sh->q && j ? n : 0, rd[j] = (size_t)j * n;
             }
@@ -275,7 +312,43 @@ int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
                       : ex->alltoallv(ex, bank, rc, rd, sh->buf, sc, sd, VLMOE_DIST_F32);
         }
     }
-    return e ? (vlmoe_error_prefix("gathering the experts from their processes"), e) : VLMOE_OK;
+    return e;
+}
+
+// Makes the model whole on rank 0 (every 0: before it writes a checkpoint or evaluates; the
+// others of its group send it their experts' parameters and optimizer state and keep their
+// shards) or on every process (every 1: the end of a run; the parameters to every process, the
+// state to rank 0 only, the one writer: elsewhere it becomes zero, dropped before the whole
+// parameters come, so that no process but rank 0 ever holds more than its shard's state and the
+// whole parameters). Collective over the world; nothing to do without sharding.
+// (Out of memory in a relayout, the others wait in the exchanges until the run's watchdog stops
+// them.)
+int vlmoe_trainer_gather_experts(vlmoe_trainer *t, int every) {
+    struct shard *sh = t->shard;
+    if (!sh || sh->whole || (!every && !sh->root_group)) return VLMOE_OK;
+    const int rank0 = sh->root_group && sh->q == 0;
+    int e = VLMOE_OK;
+    if (sh->root_group) { // the state to rank 0
+        if (rank0 && (e = optim_to(t, NULL, 1))) return vlmoe_error_prefix("gathering the experts"), e;
+        if ((e = exchange(t, 1, 0, rank0))) return vlmoe_error_prefix("gathering the experts' optimizer state"), e;
+    }
+    if (every && !rank0 && (e = optim_to(t, NULL, 0))) return vlmoe_error_prefix("gathering the experts"), e;
+    const int grow = every || rank0;
+    if (grow && (e = model_to(t, NULL))) return vlmoe_error_prefix("gathering the experts"), e;
+    sh->whole = grow;
+    if ((e = exchange(t, 0, every, grow))) return vlmoe_error_prefix("gathering the experts from their processes"), e;
+    return VLMOE_OK;
+}
+
+// Sharded experts: rank 0, made whole by vlmoe_trainer_gather_experts(t, 0) to write or evaluate,
+// goes back to its shard of the experts. Not collective.
+int vlmoe_trainer_drop_experts(vlmoe_trainer *t) {
+    struct shard *sh = t->shard;
+    if (!sh || !sh->whole) return VLMOE_OK;
+    int st = relayout(t, &sh->layout);
+    if (st) return vlmoe_error_prefix("expert parallelism: back to this process's experts"), st;
+    sh->whole = 0;
+    return VLMOE_OK;
 }
 
 // Before a checkpoint of a run on several processes: every process must hold the same step and
@@ -305,13 +378,16 @@ int vlmoe_trainer_check_replicas(vlmoe_trainer *t, vlmoe_dist *d) {
     const int64_t step = vlmoe_trainer_get_step(t);
     const struct shard *sh = t->shard;
     uint64_t h = 1469598103934665603ull;
+    if (sh && sh->whole)
+        return vlmoe_fail(VLMOE_ERR_ARG, "checkpoint: the replicas are compared between gathers (this process holds "
+                          "the whole model now)");
     if (!sh) return agree(d, fnv(h, w, vlmoe_model_num_floats(t->m)), step, "parameters", d->rank);
     for (int i = 0; i < sh->ndense; i++) h = fnv(h, w + sh->dense[i].off, sh->dense[i].n);
     int st = agree(d, h, step, "parameters", d->rank);
     if (st || !sh->replicas) return st;
     h = 1469598103934665603ull;
     for (int i = 0; i < sh->nbanks; i++) {
-        const span o = own_span(sh, &sh->banks[i]);
+        const span o = own_span(&sh->banks[i]);
         h = fnv(h, w + o.off, o.n);
     }
     return agree(sh->replicas, h, step, "experts' parameters", d->rank);

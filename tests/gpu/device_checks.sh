@@ -1,37 +1,65 @@
 #!/bin/bash
 # device_checks.sh [BINDIR] [OUT]: issue 16's GPU checks in one go, for a machine with a GPU: the
-# card, test_backend_ops (every op on CPU and CUDA), test_dist (the NCCL rows), the whole-model
-# parity (tests/gpu/parity.sh), a LIMoE-B/16-shaped step against PyTorch eager and torch.compile
-# on the same card (bench_step / bench/torch_step.py), and the demo's training on the GPU.
+# card, test_backend_ops (every op on CPU and CUDA, and the cuda-bf16 products against the
+# cpu-bf16 ones), the whole-model parity in fp32 and bf16 (tests/gpu/parity.sh), a
+# LIMoE-B/16-shaped step in fp32 and bf16 against PyTorch eager on the same card (bench_step /
+# bench/torch_step.py), test_dist (the NCCL rows) and the demo's training on the GPU; then a
+# table: one row per part with its exit status, time and result.
 # BINDIR holds vlmoe, test_backend_ops, test_dist and bench_step built with `make CUDA=1`
 # (default: this checkout's build outputs). Each part has its own time limit; OUT gets the logs.
+# PARTS (environment) picks parts by name, in this order; the default set's limits add up to
+# 535 s, inside one 600 s command of the device tool. b16_torch_compile_bf16 (torch.compile,
+# about 2 minutes) runs only when named.
 BIN=${1:-.}
 OUT=${2:-/tmp/vlmoe-gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 b16=bench/models/bench-b16.json
-part() {  # part NAME SECONDS CMD...: runs CMD with a limit, output to OUT/NAME.txt and a summary line
+PARTS=${PARTS:-"backend_ops parity b16_vlmoe_bf16 b16_vlmoe_fp32 b16_torch_bf16 b16_torch_fp32 dist demo_gpu"}
+SUMMARY="$OUT/summary.tsv"
+: >"$SUMMARY"
+
+# the one-line result of a part, from its log
+result_of() {
+    f="$OUT/$1.txt"
+    case $1 in
+    backend_ops) grep -E "^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped" "$f" | tail -1 ;;
+    parity) echo "$(grep -cE ' ok$' "$f") gated ok, $(grep -cE ' FAIL$' "$f") gated FAIL, $(grep -c '^FAIL' "$f") FAIL lines" ;;
+    b16_*) grep -o '"\(precision\|matmul\|step_s\|image_per_s\)": "\?[^,"]*' "$f" | tr -d '"' | tr '\n' ' ' ;;
+    *) tail -1 "$f" | cut -c1-100 ;;
+    esac
+}
+part() {  # part NAME SECONDS CMD...: runs CMD with a limit, output to OUT/NAME.txt, a summary row
     name=$1 limit=$2
     shift 2
+    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
     t0=$EPOCHREALTIME
     timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
     rc=$?
-    printf '== %s: exit %d in %.1f s\n' "$name" $rc "$(awk "BEGIN { print $EPOCHREALTIME - $t0 }")"
+    dt=$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $t0 }")
+    printf '== %s: exit %d in %s s\n' "$name" $rc "$dt"
     tail -n "${TAILN:-6}" "$OUT/$name.txt" | cut -c1-600
+    [ $rc = 124 ] && echo "   (stopped at its limit of $limit s)"
+    printf '%s\t%s\t%s\t%s\n' "$name" $rc "$dt" "$(result_of "$name")" >>"$SUMMARY"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-TAILN=3 part backend_ops 120 "$BIN/test_backend_ops"
-grep -E "FAIL|skip" "$OUT/backend_ops.txt" | head -20
-TAILN=12 part parity 200 env PYTHON="$PY" sh tests/gpu/parity.sh "$BIN/vlmoe" /tmp/vlmoe-parity
-TAILN=8 part dist 60 "$BIN/test_dist"
-# the CUDA backend computes in fp32 (no TF32) for now: its step against PyTorch's fp32 and bf16
-TAILN=1 part b16_vlmoe_fp32 90 "$BIN/bench_step" $b16 --device cuda --precision fp32 --batch 64 --steps 5 --warmup 2
-for p in fp32 bf16; do
-    TAILN=1 part "b16_torch_$p" 90 $PY bench/torch_step.py $b16 --device cuda --precision $p --batch 64 --steps 5 \
+TAILN=3 part backend_ops 50 "$BIN/test_backend_ops"
+[ -f "$OUT/backend_ops.txt" ] && grep -E "FAIL|skip|bf16" "$OUT/backend_ops.txt" | head -20
+TAILN=19 part parity 190 env PYTHON="$PY" sh tests/gpu/parity.sh "$BIN/vlmoe" /tmp/vlmoe-parity
+for p in bf16 fp32; do
+    TAILN=1 part "b16_vlmoe_$p" 50 "$BIN/bench_step" $b16 --device cuda --precision $p --batch 64 --steps 5 --warmup 2
+done
+for p in bf16 fp32; do
+    TAILN=1 part "b16_torch_$p" 45 $PY bench/torch_step.py $b16 --device cuda --precision $p --batch 64 --steps 5 \
         --warmup 2
 done
-TAILN=2 part demo_gpu 120 "$BIN/vlmoe" train --model limoe-mini --dataset-type synthetic --steps 3000 --lr 1e-3 \
+TAILN=8 part dist 30 "$BIN/test_dist"
+TAILN=2 part demo_gpu 75 "$BIN/vlmoe" train --model limoe-mini --dataset-type synthetic --steps 3000 --lr 1e-3 \
     --warmup 150 --optimizer adamw --wd 0.1 --log-every-n-steps 500 --zeroshot-frequency 500 --eval-samples 500 \
     --logs /tmp/vlmoe-demo --name demo --device cuda
-TAILN=1 part b16_torch_compile_bf16 120 $PY bench/torch_step.py $b16 --device cuda --precision bf16 --batch 64 \
+TAILN=1 part b16_torch_compile_bf16 150 $PY bench/torch_step.py $b16 --device cuda --precision bf16 --batch 64 \
     --steps 5 --warmup 3 --compile
+echo
+echo "== summary ($OUT/summary.tsv; logs in $OUT)"
+printf '%-24s %-5s %-8s %s\n' part exit seconds result
+awk -F'\t' '{ printf "%-24s %-5s %-8s %s\n", $1, $2, $3, $4 }' "$SUMMARY"
