@@ -134,8 +134,7 @@ static void drop_device(vlmoe_model *m) {
 
 int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned) {
     // the graphs were planned on the old table: plan again on the new one at the next forward
-    if (m->L.arch->drop_graphs) m->L.arch->drop_graphs(m);
-    else m->L.arch->free(m);
+    m->L.arch->drop_graphs(m);
     m->planned_B = 0, m->have_forward = 0;
     drop_device(m);
     vlmoe_backend_f32 *old = m->owned_be;

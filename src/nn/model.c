@@ -292,7 +292,7 @@ int model_reshard(vlmoe_model *m, const model_shard *sh) {
         }
     }
     const int B = m->planned_B;
-    m->L.arch->free(m);
+    m->L.arch->drop_graphs(m);
     m->planned_B = 0, m->have_forward = 0;
     vlmoe_free_mem(m->params), vlmoe_free_mem(m->grads);
     model_layout_free(&m->L);
@@ -363,7 +363,7 @@ int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
     m->grad_ckpt = on;
     // the arena's layout depends on it: plan again, for the batch size planned before
     const int B = m->planned_B;
-    m->L.arch->free(m);
+    m->L.arch->drop_graphs(m);
     m->planned_B = 0, m->have_forward = 0;
     return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
 }

@@ -200,8 +200,8 @@ typedef struct model_arch {
     int (*init)(vlmoe_model *m);              // the model's own state once the parameters exist
                                               // (NULL: none)
     void (*free)(vlmoe_model *m);             // graphs and state (init may have failed halfway)
-    // the graphs planned on the model's table, its own state kept: a new table plans again
-    // (src/nn/device.c; NULL: free, whose state is only graphs)
+    // the graphs planned on the model's table, its own state kept: what a new table, a new
+    // layout or another arena (src/nn/device.c, model.c) plans again
     void (*drop_graphs)(vlmoe_model *m);
     int (*plan)(vlmoe_model *m, int B);       // vlmoe_model_plan
     // vlmoe_model_forward (training 1) and vlmoe_model_evaluate (0), vlmoe_model_backward

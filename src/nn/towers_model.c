@@ -312,6 +312,7 @@ const model_arch model_arch_towers = {
     .name = "towers",
     .layout_build = towers_layout_build,
     .free = towers_free,
+    .drop_graphs = towers_free, // its state is only its graphs
     .plan = towers_plan,
     .forward = towers_forward,
     .backward = towers_backward,
