@@ -158,6 +158,9 @@ int train_setup_data(const train_args *a, train_run *r) {
     // each process decodes only its block of accum_freq micro-batches; the processes agree on
     // which samples were bad (src/data/loader.h)
     lp.batch_size = a->batch_size * a->accum_freq;
+    // one batch a step: its images as bytes, normalised by the model's table (a device gets a
+    // quarter of the bytes); micro-batches keep float images
+    lp.pixels = a->accum_freq <= 1;
     lp.rank = r->dist->rank, lp.world = r->dist->world;
     lp.agree = cli_loader_agree, lp.agree_user = r->dist;
     lp.context_length = c->context_length;

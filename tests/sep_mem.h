@@ -8,6 +8,8 @@
 #ifndef VLMOE_TEST_SEP_MEM_H
 #define VLMOE_TEST_SEP_MEM_H
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "ops/backend.h"
 
@@ -16,9 +18,25 @@ static int sep_nblocks, sep_stray;
 static char sep_first[160];   // the first stray pointer: which op, which argument
 static const vlmoe_backend_f32 *sep_cpu;
 typedef vlmoe_backend_f32 sep_be;
+// Host/device traffic, as a GPU would see it: downloads (each a wait for the device), split into
+// explicit ones by size and the scalars the double-returning ops read back; bytes uploaded.
+static struct {
+    long downloads, download_floats, small_downloads; // download calls; floats; calls of <= 16 floats
+    long scalar_ops;   // contrastive_forward, xent_forward, aux_loss's forward, sumsq: one wait each
+    long aux_ops;      // of which aux_loss (src/moe/layer.c, the routing)
+    long upload_bytes; // upload, upload_bytes and pixels_stage
+    long pixel_bytes;  // of which images staged as bytes
+} sep_traffic;
+
+// the image staging (below): the table's for the process's life, as a device context's
+static uint8_t *sep_pix[2];
+static size_t sep_pix_cap;
+static int sep_pix_next;
 
 static void sep_check(const void *p, const char *op, const char *arg) {
     if (!p) return;
+    for (int k = 0; k < 2; k++)
+        if (sep_pix[k] && (const uint8_t *)p >= sep_pix[k] && (const uint8_t *)p < sep_pix[k] + sep_pix_cap) return;
     for (int i = 0; i < sep_nblocks; i++)
         if ((const char *)p >= sep_blocks[i].lo && (const char *)p < sep_blocks[i].hi) return;
     if (!sep_stray++) snprintf(sep_first, sizeof(sep_first), "%s got %s in host memory", op, arg);
@@ -42,14 +60,17 @@ static void sep_free(const sep_be *be, void *p) {
 // memory
 static void sep_upload(const sep_be *be, float *dst, const float *host, size_t n) {
     (void)be, SEP(dst, "upload", "dst");
+    sep_traffic.upload_bytes += (long)(sizeof(float) * n);
     sep_cpu->upload(sep_cpu, dst, host, n);
 }
 static void sep_download(const sep_be *be, float *host, const float *src, size_t n) {
     (void)be, SEP(src, "download", "src");
+    sep_traffic.downloads++, sep_traffic.download_floats += (long)n, sep_traffic.small_downloads += n <= 16;
     sep_cpu->download(sep_cpu, host, src, n);
 }
 static void sep_upload_bytes(const sep_be *be, void *dst, const void *host, size_t n) {
     (void)be, SEP(dst, "upload_bytes", "dst");
+    sep_traffic.upload_bytes += (long)n;
     sep_cpu->upload_bytes(sep_cpu, dst, host, n);
 }
 static void sep_zero(const sep_be *be, float *p, size_t n) {
@@ -190,6 +211,7 @@ static double sep_con_f(const sep_be *be, float *logits, float *prow, float *pco
     (void)be, SEP(logits, "contrastive_forward", "logits"), SEP(prow, "contrastive_forward", "prow");
     SEP(pcol, "contrastive_forward", "pcol"), SEP(img, "contrastive_forward", "img");
     SEP(txt, "contrastive_forward", "txt");
+    sep_traffic.scalar_ops++;
     return sep_cpu->contrastive_forward(sep_cpu, logits, prow, pcol, img, txt, scale, B, E, acc);
 }
 static void sep_con_b(const sep_be *be, float *dimg, float *dtxt, float *dscale, const float *logits,
@@ -205,6 +227,7 @@ static double sep_xent_f(const sep_be *be, float *probs, const float *logits, co
                          int *correct) {
     (void)be, SEP(probs, "xent_forward", "probs"), SEP(logits, "xent_forward", "logits");
     SEP(labels, "xent_forward", "labels");
+    sep_traffic.scalar_ops++;
     return sep_cpu->xent_forward(sep_cpu, probs, logits, labels, n, C, correct);
 }
 static void sep_xent_b(const sep_be *be, float *dlogits, const float *probs, const int32_t *labels, int n, int C,
@@ -263,6 +286,7 @@ static double sep_aux(const sep_be *be, vlmoe_aux_kind kind, const aux_input_f32
     SEP(in->modality, "aux_loss", "modality"), SEP(in->wanted, "aux_loss", "wanted");
     if (kind == VLMOE_AUX_SWITCH && in->modality) SEP(in->wanted_mod, "aux_loss", "wanted_mod");
     SEP(dlogits, "aux_loss", "dlogits"), SEP(scratch, "aux_loss", "scratch");
+    if (!dlogits) sep_traffic.scalar_ops++, sep_traffic.aux_ops++; // the backward's value is not waited for
     return sep_cpu->aux_loss(sep_cpu, kind, in, weight, dlogits, scratch);
 }
 static void sep_soft_params(const soft_params_f32 *p, const char *op) {
@@ -303,6 +327,7 @@ static void sep_exp_b(const sep_be *be, float *dx, float *const dw[4], const flo
 // trainer ops: the optimizer runs on the host master copy (model_host_backend), never here
 static double sep_sumsq(const sep_be *be, const float *x, size_t n, int *nonfinite) {
     (void)be, SEP(x, "sumsq", "x");
+    sep_traffic.scalar_ops++;
     return sep_cpu->sumsq(sep_cpu, x, n, nonfinite);
 }
 static void sep_adamw(const sep_be *be, float *p, float *m, float *v, const float *g, size_t n, const be_adamw *a) {
@@ -312,6 +337,30 @@ static void sep_adamw(const sep_be *be, float *p, float *m, float *v, const floa
 static void sep_clamp(const sep_be *be, float *x, size_t n, double lo, double hi) {
     (void)be, SEP(x, "clamp", "x");
     sep_cpu->clamp(sep_cpu, x, n, lo, hi);
+}
+
+// Images as bytes: staged into one of two buffers of the table's own, used in turn (the CUDA
+// table's double buffering), which the normalisation must read. They live as long as the process
+// (a CUDA context's live as long as the table), so the tests' count of unfreed blocks leaves them out.
+static const uint8_t *sep_pixels_stage(const sep_be *be, const uint8_t *host, size_t n) {
+    (void)be;
+    if (n > sep_pix_cap) {
+        for (int k = 0; k < 2; k++) {
+            free(sep_pix[k]);
+            if (!(sep_pix[k] = malloc(n))) return sep_pix_cap = 0, NULL;
+        }
+        sep_pix_cap = n;
+    }
+    if (!host) return sep_pix[0];
+    uint8_t *d = sep_pix[sep_pix_next];
+    sep_pix_next ^= 1;
+    memcpy(d, host, n);
+    sep_traffic.upload_bytes += (long)n, sep_traffic.pixel_bytes += (long)n;
+    return d;
+}
+static void sep_pixels_normalize(const sep_be *be, float *out, const uint8_t *pix, const be_pixels *p) {
+    (void)be, SEP(out, "pixels_normalize", "out"), SEP(pix, "pixels_normalize", "pix");
+    sep_cpu->pixels_normalize(sep_cpu, out, pix, p);
 }
 
 // The checking table; resets the stray count (the allocations are tracked across tables).
@@ -335,7 +384,9 @@ static vlmoe_backend_f32 sep_table(void) {
     t.router_noise = sep_noise, t.aux_loss = sep_aux, t.soft_moe_forward = sep_soft_f, t.soft_moe_backward = sep_soft_b;
     t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b;
     t.sumsq = sep_sumsq, t.adamw = sep_adamw, t.clamp = sep_clamp;
+    t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     sep_stray = 0, sep_first[0] = 0;
+    memset(&sep_traffic, 0, sizeof(sep_traffic));
     return t;
 }
 

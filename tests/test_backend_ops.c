@@ -554,6 +554,44 @@ static void case_memory(ctx *c) {
     cmp(c, "zero", fc, zeros(c, n), n);
 }
 
+// Images as bytes, normalised: every byte value in every channel, both layouts, two batches staged
+// before either is normalised (the CUDA table's double buffering). Exact: the reference table
+// widens the same float expression, so any other rounding (a fused or reciprocal division, a
+// different order) shows; NMSE alone would hide it.
+static void case_pixels(ctx *c) {
+    enum { B = 2, C = 3, H = 16, W = 17 };
+    const size_t n = (size_t)B * C * H * W;
+    const be_pixels p[2] = {{.B = B, .C = C, .H = H, .W = W, .hwc = 1, .mean = {0.48145466f, 0.4578275f, 0.40821073f},
+                             .std = {0.26862954f, 0.26130258f, 0.27577711f}},
+                            {.B = B, .C = C, .H = H, .W = W, .hwc = 0, .mean = {0.5f, 0.25f, -0.125f},
+                             .std = {0.5f, 3.0f, 0.1f}}};
+    uint8_t *bytes[2];
+    const uint8_t *staged[2];
+    for (int k = 0; k < 2; k++) {
+        bytes[k] = keep_host(c, malloc(n));
+        for (size_t i = 0; i < n; i++) bytes[k][i] = (uint8_t)(i * 7 + (size_t)k * 91 + vlmoe_rng_below(&c->r, 2));
+        staged[k] = c->be->pixels_stage(c->be, bytes[k], n);
+        if (!staged[k]) c->op_fail = 1, fprintf(stderr, "    stage %d: %s\n", k, vlmoe_last_error());
+    }
+    for (int k = 0; k < 2 && staged[0] && staged[1]; k++) {
+        double *ref = zeros(c, n);
+        float *out = up(c, ref, n), *h = keep_host(c, malloc(sizeof(float) * n));
+        c->ref->pixels_normalize(c->ref, ref, bytes[k], &p[k]);
+        c->be->pixels_normalize(c->be, out, staged[k], &p[k]);
+        c->be->sync(c->be);
+        c->be->download(c->be, h, out, n);
+        size_t bad = 0, first = 0;
+        for (size_t i = 0; i < n; i++)
+            if ((double)h[i] != ref[i] && !bad++) first = i;
+        if (bad) {
+            c->op_fail = 1;
+            fprintf(stderr, "    %s: %zu of %zu values differ, first at %zu: %.9g vs %.9g\n", k ? "chw" : "hwc", bad, n,
+                    first, h[first], ref[first]);
+        }
+        cmp(c, k ? "chw" : "hwc", out, ref, n);
+    }
+}
+
 typedef struct {
     const char *name;
     be_op op;
@@ -571,6 +609,7 @@ static const test_case CASES[] = {
     {"router_noise", BE_OP_ROUTER_NOISE, case_noise}, {"aux_loss", BE_OP_AUX_LOSS, case_aux},
     {"soft_moe", BE_OP_SOFT_MOE, case_soft},       {"experts", BE_OP_EXPERTS, case_experts},
     {"trainer", BE_OP_ADAMW, case_trainer},        {"memory", BE_OP_COUNT, case_memory},
+    {"pixels", BE_OP_PIXELS, case_pixels},
 };
 #define NCASES ((int)(sizeof(CASES) / sizeof(CASES[0])))
 

@@ -197,6 +197,7 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_SCALE: return be->scale != NULL;
     case BE_OP_ADAMW: return be->adamw != NULL;
     case BE_OP_CLAMP: return be->clamp != NULL;
+    case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
     default: return 0;
     }
 }
@@ -390,6 +391,7 @@ static void cuda_combine_backward(const backend *be, float *dy, float *dw, const
 static void ctx_release(cuda_ctx *c) {
     if (!c) return;
     cuda_bf16_release(c);
+    cuda_pixels_release(c);
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->partial);
     cudaFree(c->flag);
@@ -451,6 +453,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     cuda_fill_embed(be);
     cuda_fill_loss(be);
     cuda_fill_moe(be);
+    cuda_fill_pixels(be);
     *out = be;
     return VLMOE_OK;
 }

@@ -43,6 +43,14 @@ struct cuda_ctx {
     cublasHandle_t blas16;
     uint16_t *ops16;
     size_t ops16_bytes;
+    // images as bytes (src/cuda/pixels_cuda.cu): two pinned staging buffers and two device
+    // buffers, filled in turn on a copy stream of their own; copied[k] orders the compute stream
+    // after slot k's copy, consumed[k] the next copy into slot k after the kernel that read it
+    cudaStream_t copy;
+    uint8_t *pin[2], *pix[2];
+    size_t pix_cap;
+    cudaEvent_t copied[2], consumed[2];
+    int pix_next, pix_used[2];
 };
 
 static inline cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
@@ -120,6 +128,8 @@ CU_INTERNAL void cuda_fill_moe(backend *be);   // src/cuda/moe_cuda.cu
 CU_INTERNAL void cuda_fill_nn_bf16(backend *be);
 CU_INTERNAL void cuda_fill_moe_bf16(backend *be);
 CU_INTERNAL void cuda_bf16_release(cuda_ctx *c); // src/cuda/bf16_cuda.cu
+CU_INTERNAL void cuda_fill_pixels(backend *be);     // src/cuda/pixels_cuda.cu
+CU_INTERNAL void cuda_pixels_release(cuda_ctx *c);
 
 // ---- device helpers (header-only: each .cu file gets its own copy)
 

@@ -784,20 +784,34 @@ int vlmoe_image_to_tensor(const vlmoe_image *src, const vlmoe_image_params *p, i
     return VLMOE_OK;
 }
 
+// Resize shorter side + center crop into u8 (S, S, 3): the eval transform before normalising.
+static int eval_u8(const vlmoe_image *img, const vlmoe_image_params *p, uint8_t *u8) {
+    int S = p->size, rw, rh;
+    vlmoe_image_shorter_side_dims(img->w, img->h, S, &rw, &rh);
+    vlmoe_image_box full = {0, 0, img->w, img->h}, win = vlmoe_image_center_box(rw, rh, S, S);
+    return resample(img, &full, rw, rh, &win, u8);
+}
+
 int vlmoe_image_preprocess_eval(const vlmoe_image *img, const vlmoe_image_params *p, float *out) {
     int rc = image_ok(img, "vlmoe_image_preprocess_eval");
     if (rc) return rc;
     if ((rc = vlmoe_image_params_check(p))) return rc;
     if (!out) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_preprocess_eval: out is NULL");
-    int S = p->size, rw, rh;
-    vlmoe_image_shorter_side_dims(img->w, img->h, S, &rw, &rh);
-    vlmoe_image_box full = {0, 0, img->w, img->h}, win = vlmoe_image_center_box(rw, rh, S, S);
+    int S = p->size;
     uint8_t *u8 = vlmoe_alloc((size_t)S * S * 3, "preprocessed pixels");
     if (!u8) return VLMOE_ERR_NOMEM;
-    rc = resample(img, &full, rw, rh, &win, u8);
+    rc = eval_u8(img, p, u8);
     if (!rc) tensor_from_u8(out, u8, S, S, p, 0);
     vlmoe_free_mem(u8);
     return rc;
+}
+
+int vlmoe_image_preprocess_eval_u8(const vlmoe_image *img, const vlmoe_image_params *p, uint8_t *out) {
+    int rc = image_ok(img, "vlmoe_image_preprocess_eval_u8");
+    if (rc) return rc;
+    if ((rc = vlmoe_image_params_check(p))) return rc;
+    if (!out) return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_preprocess_eval_u8: out is NULL");
+    return eval_u8(img, p, out);
 }
 
 static int luma(const uint8_t *px) { return (px[0] * 19595 + px[1] * 38470 + px[2] * 7471 + 0x8000) >> 16; }
@@ -838,26 +852,54 @@ static void draw_jitter(vlmoe_rng *rng, double s, double factor[3], int order[3]
     for (int k = 0; k < 3; k++) factor[k] = lo + (hi - lo) * vlmoe_rng_uniform(rng);
 }
 
+// The train transform into u8 (S, S, 3) up to the flip, which *flip says to apply: the draws
+// in the order of vlmoe_image_preprocess_train's comment.
+static int train_u8(const vlmoe_image *img, const vlmoe_image_params *p, vlmoe_rng *rng, uint8_t *u8,
+                    int *flip) {
+    vlmoe_image_box box;
+    int rc = vlmoe_image_random_resized_box(img->w, img->h, p, rng, &box);
+    if (rc) return rc;
+    *flip = p->flip_prob > 0 && vlmoe_rng_uniform(rng) < p->flip_prob;
+    double factor[3];
+    int order[3];
+    if (p->color_jitter > 0) draw_jitter(rng, p->color_jitter, factor, order);
+    int S = p->size;
+    vlmoe_image_box win = {0, 0, S, S};
+    rc = resample(img, &box, S, S, &win, u8);
+    // the jitter acts on pixel values (contrast on their mean), so it commutes with the flip
+    if (!rc && p->color_jitter > 0) vlmoe_image_color_jitter(u8, S, S, factor, order);
+    return rc;
+}
+
 int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_params *p,
                                  vlmoe_rng *rng, float *out) {
     int rc = image_ok(img, "vlmoe_image_preprocess_train");
     if (rc) return rc;
     if (!out || !rng)
         return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_preprocess_train: out or rng is NULL");
-    vlmoe_image_box box;
-    if ((rc = vlmoe_image_random_resized_box(img->w, img->h, p, rng, &box))) return rc;
-    int flip = p->flip_prob > 0 && vlmoe_rng_uniform(rng) < p->flip_prob;
-    double factor[3];
-    int order[3];
-    if (p->color_jitter > 0) draw_jitter(rng, p->color_jitter, factor, order);
-    int S = p->size;
-    vlmoe_image_box win = {0, 0, S, S};
+    int S = p->size, flip = 0;
     uint8_t *u8 = vlmoe_alloc((size_t)S * S * 3, "preprocessed pixels");
     if (!u8) return VLMOE_ERR_NOMEM;
-    rc = resample(img, &box, S, S, &win, u8);
-    // the jitter acts on pixel values (contrast on their mean), so it commutes with the flip
-    if (!rc && p->color_jitter > 0) vlmoe_image_color_jitter(u8, S, S, factor, order);
+    rc = train_u8(img, p, rng, u8, &flip);
     if (!rc) tensor_from_u8(out, u8, S, S, p, flip);
     vlmoe_free_mem(u8);
     return rc;
+}
+
+int vlmoe_image_preprocess_train_u8(const vlmoe_image *img, const vlmoe_image_params *p,
+                                    vlmoe_rng *rng, uint8_t *out) {
+    int rc = image_ok(img, "vlmoe_image_preprocess_train_u8");
+    if (rc) return rc;
+    if (!out || !rng)
+        return vlmoe_fail(VLMOE_ERR_ARG, "vlmoe_image_preprocess_train_u8: out or rng is NULL");
+    int flip = 0;
+    if ((rc = train_u8(img, p, rng, out, &flip)) || !flip) return rc;
+    const int S = p->size;
+    for (int y = 0; y < S; y++) // mirrored in place: pixel x swaps with S - 1 - x
+        for (int a = 0, b = S - 1; a < b; a++, b--)
+            for (int c = 0; c < 3; c++) {
+                uint8_t *pa = out + ((size_t)y * S + a) * 3 + c, *pb = out + ((size_t)y * S + b) * 3 + c, t = *pa;
+                *pa = *pb, *pb = t;
+            }
+    return VLMOE_OK;
 }

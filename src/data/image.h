@@ -130,6 +130,12 @@ int vlmoe_image_preprocess_eval(const vlmoe_image *img, const vlmoe_image_params
 // three factors.
 int vlmoe_image_preprocess_train(const vlmoe_image *img, const vlmoe_image_params *p,
                                  vlmoe_rng *rng, float *out);
+// The same two transforms stopped before the normalisation: out (S, S, 3) bytes, the flip (train)
+// applied, the same draws. The model's backend table normalises them (src/ops/backend.h
+// pixels_normalize, the float expression above), so a device receives a quarter of the bytes.
+int vlmoe_image_preprocess_eval_u8(const vlmoe_image *img, const vlmoe_image_params *p, uint8_t *out);
+int vlmoe_image_preprocess_train_u8(const vlmoe_image *img, const vlmoe_image_params *p,
+                                    vlmoe_rng *rng, uint8_t *out);
 
 // ---------------------------------------------------------------------------------------------
 // internal

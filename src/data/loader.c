@@ -46,7 +46,7 @@ typedef struct {
     int bad;                     // SLOT_BAD: KNOWN_UNREADABLE or KNOWN_UNDECODABLE
     claim c;                     // SLOT_SKIP: the sample, to decode if it turns out to be kept
     coords at, next;             // this sample and the one after it
-    float *image;                // (3, S, S)
+    float *image;                // (3, S, S); with p.pixels (S, S, 3) bytes
     int32_t *tokens;             // (context_length)
     int32_t len;
     char *key;
@@ -65,6 +65,7 @@ struct vlmoe_loader {
     char *csv_dir;               // CSV: its folder, for image paths not in the working directory
     int noted;                   // the CSV-folder note was given
     size_t isz;                  // floats per image
+    size_t ibytes;               // bytes per image: isz floats, or isz bytes with p.pixels
     // CSV: the usable rows, "path\0caption\0" each at text + off[i]
     char *text;
     size_t text_len, text_cap;
@@ -439,8 +440,12 @@ static int prepare(vlmoe_loader *ld, claim *c, slot *s, vlmoe_image *img) {
     if (!st) {
         vlmoe_rng r;
         seed_rng(&r, ld->p.seed, STREAM_SAMPLE, c->at.epoch, c->at.index);
-        st = ld->p.train ? vlmoe_image_preprocess_train(img, &ld->p.image, &r, s->image)
-                         : vlmoe_image_preprocess_eval(img, &ld->p.image, s->image);
+        if (ld->p.pixels)
+            st = ld->p.train ? vlmoe_image_preprocess_train_u8(img, &ld->p.image, &r, (uint8_t *)s->image)
+                             : vlmoe_image_preprocess_eval_u8(img, &ld->p.image, (uint8_t *)s->image);
+        else
+            st = ld->p.train ? vlmoe_image_preprocess_train(img, &ld->p.image, &r, s->image)
+                             : vlmoe_image_preprocess_eval(img, &ld->p.image, s->image);
     }
     if (!st && ld->p.tokenize) {
         s->len = ld->p.tokenize(ld->p.tokenize_user, caption, s->tokens, ld->p.context_length);
@@ -633,6 +638,7 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     ld->rd_at.epoch = -1;
     const int B = p->batch_size, S = p->image.size;
     ld->isz = (size_t)3 * S * S;
+    ld->ibytes = p->pixels ? ld->isz : sizeof(float) * ld->isz;
     ld->R = (int64_t)p->prefetch * B * p->world;   // the ring holds the global batches
     ld->known = malloc((size_t)B * (size_t)p->world);
     st = ld->path && ld->known && ld->img_key && ld->caption_key && (ld->upsampling || !p->upsampling) ? VLMOE_OK : VLMOE_ERR_NOMEM;
@@ -651,7 +657,7 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
     const size_t ctx = p->tokenize ? (size_t)p->context_length : 1;
     if (!st) {
         ld->slots = calloc((size_t)ld->R, sizeof(slot));
-        ld->images = vlmoe_alloc(sizeof(float) * ld->isz * B, "loader batch");
+        ld->images = vlmoe_alloc(ld->ibytes * B, "loader batch");
         ld->tokens = malloc(sizeof(int32_t) * ctx * B);
         ld->lens = malloc(sizeof(int32_t) * B);
         ld->keys = calloc((size_t)B, sizeof(char *));
@@ -660,7 +666,7 @@ int vlmoe_loader_open(const vlmoe_loader_params *p, vlmoe_loader **out) {
             st = vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate the loader's batch");
     }
     for (int64_t i = 0; !st && i < ld->R; i++) {
-        ld->slots[i].image = vlmoe_alloc(sizeof(float) * ld->isz, "loader slot");
+        ld->slots[i].image = vlmoe_alloc(ld->ibytes, "loader slot");
         ld->slots[i].tokens = malloc(sizeof(int32_t) * ctx);
         if (!ld->slots[i].image || !ld->slots[i].tokens) st = vlmoe_fail(VLMOE_ERR_NOMEM, "loader slots");
     }
@@ -818,7 +824,7 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
             if (s->csv_dir && !ld->noted++ && ld->p.data.note) ld->p.data.note(ld->p.data.note_user, s->msg);
             if (agreed == KNOWN_GOOD) {
                 if (row >= 0) {
-                    memcpy(ld->images + row * ld->isz, s->image, sizeof(float) * ld->isz);
+                    memcpy((char *)ld->images + row * ld->ibytes, s->image, ld->ibytes);
                     if (ld->p.tokenize) memcpy(ld->tokens + (size_t)row * T, s->tokens, sizeof(int32_t) * T);
                     ld->lens[row] = s->len;
                     char *k = ld->keys[row];
@@ -840,7 +846,7 @@ int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys
             }
         }
     }
-    *b = (vlmoe_batch){B, ld->images, ld->p.tokenize ? ld->tokens : NULL, ld->p.tokenize ? ld->lens : NULL};
+    *b = (vlmoe_batch){B, ld->p.pixels ? NULL : ld->images, ld->p.tokenize ? ld->tokens : NULL, ld->p.tokenize ? ld->lens : NULL};
     if (keys) *keys = (const char *const *)ld->keys;
     return VLMOE_OK;
 }
@@ -902,3 +908,9 @@ int vlmoe_loader_seek(vlmoe_loader *ld, const vlmoe_data_state *pos) {
 const vlmoe_dataset_stats *vlmoe_loader_stats(const vlmoe_loader *ld) { return ld ? &ld->stats : NULL; }
 
 int64_t vlmoe_loader_epoch_size(const vlmoe_loader *ld) { return ld && ld->csv ? ld->rows : -1; }
+
+const uint8_t *vlmoe_loader_pixels(const vlmoe_loader *ld) {
+    return ld && ld->p.pixels ? (const uint8_t *)ld->images : NULL;
+}
+
+const vlmoe_image_params *vlmoe_loader_image_params(const vlmoe_loader *ld) { return &ld->p.image; }

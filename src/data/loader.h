@@ -61,6 +61,7 @@ typedef struct {
     vlmoe_dataset_params data;   // what to read (defer_images is the loader's business)
     vlmoe_image_params image;    // output size, normalisation, crop scale and ratio, flip
     int train;                   // 1: random resized crop (+ flip), the default; 0: eval transform
+    int pixels;                  // 1: images as bytes, not normalised (vlmoe_loader_pixels); 0: floats
     int shuffle;                 // 1 (default): the orders above; 0: file and shard order
     int shuffle_block;           // webdataset: samples per shuffle block (default 1000)
     int resampled;               // webdataset: draw shards with replacement (see above); default 0
@@ -104,6 +105,12 @@ int vlmoe_loader_check_order(const vlmoe_loader_params *p);
 // all owned by the loader and valid until the next call. Errors (I/O, too many bad samples, an
 // epoch without a usable sample) are sticky: every later call returns the same.
 int vlmoe_loader_next(vlmoe_loader *ld, vlmoe_batch *b, const char *const **keys);
+// With p.pixels, the last batch's images (B, S, S, 3) as bytes, the flip applied and not normalised
+// (the batch's images are then NULL; src/nn/model.h model_set_pixels hands them to a model), owned by
+// the loader and valid until the next call; NULL otherwise.
+const uint8_t *vlmoe_loader_pixels(const vlmoe_loader *ld);
+// The loader's image parameters (their mean and std normalise the bytes).
+const vlmoe_image_params *vlmoe_loader_image_params(const vlmoe_loader *ld);
 // The position of the next sample (after the batches returned so far), for the training state.
 void vlmoe_loader_position(const vlmoe_loader *ld, vlmoe_data_state *pos);
 // Continues at a position from vlmoe_loader_position (of this or an earlier process, same data,

@@ -9,6 +9,7 @@
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
 // --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
 // a cpu-int8 table of the model's own where the CPU has VNNI; tests/test_int8.c.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -167,6 +168,27 @@ const float *model_params_for_graph(vlmoe_model *m) {
     if (!m->d_params) return m->params;
     m->be->upload(m->be, m->d_params, m->params, m->L.total);
     return m->d_params;
+}
+
+int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float mean[3], const float std[3]) {
+    m->pix = NULL;
+    if (!pix) return VLMOE_OK;
+    const vlmoe_model_config *c = &m->L.cfg;
+    if (m->L.arch != &model_arch_towers)
+        return vlmoe_fail(VLMOE_ERR_ARG, "images as bytes: model '%s' (arch %s) takes float images", c->name,
+                          m->L.arch->name);
+    if (c->channels < 1 || c->channels > 3)
+        return vlmoe_fail(VLMOE_ERR_ARG, "images as bytes: model '%s' has %d channels (1 to 3 have a mean and std)",
+                          c->name, c->channels);
+    be_pixels p = {.C = c->channels, .H = c->image_size, .W = c->image_size, .hwc = hwc != 0};
+    for (int k = 0; k < c->channels; k++) {
+        if (!isfinite(mean[k]) || !isfinite(std[k]) || !(std[k] > 0))
+            return vlmoe_fail(VLMOE_ERR_ARG, "images as bytes: mean[%d] = %g, std[%d] = %g (need finite values "
+                              "and std > 0)", k, (double)mean[k], k, (double)std[k]);
+        p.mean[k] = mean[k], p.std[k] = std[k];
+    }
+    m->pix = pix, m->pixp = p;
+    return VLMOE_OK;
 }
 
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m) {

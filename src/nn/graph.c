@@ -46,7 +46,8 @@ typedef struct {
     int present;
     int seg;                     // segment index inside its encoder
     real *patches, *pemb, *pre, *pre_m, *pre_r; // image stem
-    real *images;                // (B,C,H,W) the forward's images, uploaded (device memory only)
+    real *images;                // (B,C,H,W) the forward's images: uploaded (device memory), or
+                                 // normalised from bytes (graph_set_pixels)
     real *pooled, *proj, *emb, *norm;
     real *dpre, *dpemb, *dpooled, *dproj, *demb;
     int32_t *tokens, *lens;      // text: copies kept for backward
@@ -74,7 +75,14 @@ struct R(graph) {
                                  // forward's are the only ones the model reports
     void (*ready)(void *user, size_t offset); // graph_set_grad_ready
     void *ready_user;
+    const uint8_t *pix;          // graph_set_pixels: the next encode's images as host bytes
+    be_pixels pixp;
 };
+
+void R(graph_set_pixels)(struct R(graph) *g, const uint8_t *pix, const be_pixels *p) {
+    g->pix = pix;
+    if (p) g->pixp = *p;
+}
 
 void R(graph_set_grad_ready)(struct R(graph) *g, void (*ready)(void *user, size_t offset), void *user) {
     g->ready = ready, g->ready_user = user;
@@ -183,8 +191,9 @@ static void plan(struct R(graph) *g, carver *c) {
         if (m == MOD_IMAGE) {
             const int np = (cfg->image_size / cfg->patch_size) * (cfg->image_size / cfg->patch_size);
             const int pd = cfg->channels * cfg->patch_size * cfg->patch_size;
-            // a backend with host memory reads the caller's images where they are
-            ms->images = carve(c, g->be->host_memory ? 0 : (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
+            // every table: the images normalised from bytes (graph_set_pixels) land here; a table
+            // with host memory reads float images where they are
+            ms->images = carve(c, (size_t)B * cfg->channels * cfg->image_size * cfg->image_size);
             ms->patches = carve(c, (size_t)B * np * pd);
             ms->pemb = carve(c, (size_t)B * np * D);
             ms->dpemb = carve(c, (size_t)B * np * D);
@@ -234,6 +243,10 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
     if (!g->stats) return R(graph_free)(g), VLMOE_ERR_NOMEM;
     int st = R(contrastive_step_create)(&g->loss, be, B, L->cfg.embed_dim);
     if (st) return R(graph_free)(g), st;
+    // the image bytes' staging, planned once for the batch (a CUDA table's pinned buffers)
+    if (L->mod[MOD_IMAGE].seq > 0 &&
+        !be->pixels_stage(be, NULL, (size_t)B * L->cfg.channels * L->cfg.image_size * L->cfg.image_size))
+        return R(graph_free)(g), vlmoe_error_prefix("image staging"), VLMOE_ERR_NOMEM;
     for (int e = 0; e < L->nenc; e++) {
         enc_state *s = &g->enc[e];
         s->modality = vlmoe_alloc(s->ntok + 1, "token modalities");
@@ -449,7 +462,7 @@ static void stem_forward(struct R(graph) *g, int m, const real *P, const real *i
         const vlmoe_model_config *c = &L->cfg;
         const int np = (c->image_size / c->patch_size) * (c->image_size / c->patch_size);
         const int pd = c->channels * c->patch_size * c->patch_size;
-        if (!be->host_memory)
+        if (!be->host_memory && images != ms->images)
             be->upload(be, ms->images, images, (size_t)B * c->channels * c->image_size * c->image_size);
         be->patchify_forward(be, ms->patches, be->host_memory ? images : ms->images, B, c->channels, c->image_size, c->patch_size);
         be->linear_forward(be, ms->pemb, ms->patches, P + ml->embed_w,
@@ -506,6 +519,19 @@ int R(graph_encode)(struct R(graph) *g, const real *P, const real *images, const
     const model_layout *L = g->L;
     const vlmoe_model_config *cfg = &L->cfg;
     const int B = g->B, E = cfg->embed_dim;
+    const uint8_t *pix = g->pix;
+    g->pix = NULL; // for this encode only
+    if (pix) {
+        const be_pixels *q = &g->pixp;
+        if (images || q->B != B || q->C != cfg->channels || q->H != cfg->image_size || q->W != cfg->image_size)
+            return vlmoe_fail(VLMOE_ERR_ARG, "image bytes (%d, %d, %d, %d)%s: the model takes (%d, %d, %d, %d)", q->B,
+                              q->C, q->H, q->W, images ? " and float images" : "", B, cfg->channels,
+                              cfg->image_size, cfg->image_size);
+        const uint8_t *d = be->pixels_stage(be, pix, (size_t)B * q->C * q->H * q->W);
+        if (!d) return vlmoe_error_prefix("image bytes"), VLMOE_ERR_ARG;
+        be->pixels_normalize(be, g->mod[MOD_IMAGE].images, d, q);
+        images = g->mod[MOD_IMAGE].images;
+    }
     g->mod[MOD_IMAGE].present = images != NULL;
     g->mod[MOD_TEXT].present = tokens != NULL;
     g->have_loss = 0;
@@ -599,7 +625,7 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
     int st = R(graph_encode)(g, P, images, tokens, lens, &aux);
     if (st) return st;
     if (res) memset(res, 0, sizeof(*res));
-    if (!images || !tokens) return VLMOE_OK;
+    if (!g->mod[MOD_IMAGE].present || !tokens) return VLMOE_OK;
     double acc[2];
     const double loss = R(contrastive_step_forward)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb,
                                                     P + g->L->logit_scale, acc);

@@ -165,6 +165,9 @@ struct vlmoe_dist; // src/dist/dist.h
     int graph_set_expert_parallel_##S(graph_##S *g, struct vlmoe_dist *d);                       \
     /* training: noise and the train capacity factor; seed draws the routing noise */           \
     void graph_set_mode_##S(graph_##S *g, int training, uint64_t seed);                          \
+    /* the next encode's images as bytes (host memory, p's shape: B, channels, image_size), */   \
+    /* which the table stages and normalises (backend.h pixels_*); its images must be NULL */    \
+    void graph_set_pixels_##S(graph_##S *g, const uint8_t *pix, const be_pixels *p);              \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
     /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
     /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
@@ -267,6 +270,8 @@ struct vlmoe_model {
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
     struct model_int8 *int8; // --precision int8: the quantized weights its table reads (device.c)
     model_inputs in;         // saved with the weights
+    const uint8_t *pix;      // model_set_pixels: the next forward's images as bytes
+    be_pixels pixp;
 };
 
 // The model's inputs (src/nn/inputs.c). set_tokenizer: tok's text, or the synthetic word
@@ -292,6 +297,12 @@ int model_inputs_load(vlmoe_model *m, const vlmoe_st *f, const char *path);
 int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned);
 // The parameters as the graphs read them: params, or d_params refreshed from params.
 const float *model_params_for_graph(vlmoe_model *m);
+// The next forward's (or trainer step's) images as bytes (B, S, S, C) (hwc) or (B, C, S, S), with
+// the normalisation of vlmoe_image_params (src/data/loader.h vlmoe_loader_pixels): the model's
+// table normalises them (backend.h pixels_normalize), a device receiving a quarter of the bytes.
+// The batch's images must then be NULL. Towers models, one plain or data-parallel forward (not
+// accumulated micro-batches); an error names what does not fit. pix NULL clears it.
+int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float mean[3], const float std[3]);
 // The table that works on params and grads (the host's when the model runs on a device).
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m);
 // Frees the device copies and the table the model opened (vlmoe_model_free).

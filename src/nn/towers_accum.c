@@ -212,6 +212,7 @@ int model_accumulate(vlmoe_model *m, const vlmoe_batch *mb, int N, vlmoe_step_st
                           "two_tower) models; a VL-MoE step already adds the gradients of its streams' forwards",
                           m->L.cfg.name);
     if (N < 1 || !mb) return vlmoe_fail(VLMOE_ERR_ARG, "gradient accumulation over %d micro-batches", N);
+    if (m->pix) return m->pix = NULL, vlmoe_fail(VLMOE_ERR_ARG, "gradient accumulation takes float images, not bytes");
     const int B = mb[0].batch_size;
     for (int j = 0; j < N; j++)
         if (mb[j].batch_size != B || B < 1 || !mb[j].images || !mb[j].tokens || !mb[j].lengths)

@@ -185,10 +185,17 @@ static void dp_backward(vlmoe_model *m) {
 }
 
 static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
-    if (!b->images || !b->tokens || !b->lengths)
+    const uint8_t *pix = m->pix; // model_set_pixels: this forward's images, as bytes
+    m->pix = NULL;
+    if ((!b->images && !pix) || !b->tokens || !b->lengths)
         return vlmoe_fail(VLMOE_ERR_ARG, "forward needs images, tokens and lengths");
+    if (pix && b->images) return vlmoe_fail(VLMOE_ERR_ARG, "forward given images both as bytes and as floats");
     int st = towers_plan(m, b->batch_size);
     if (st) return st;
+    if (pix) {
+        m->pixp.B = b->batch_size;
+        graph_set_pixels_f32(m->g, pix, &m->pixp);
+    }
     const int dp = training && m->dist;
     graph_set_sample_base_f32(m->g, dp ? (uint64_t)m->dist->rank * (uint64_t)b->batch_size : 0);
     // experts split over the processes in data-parallel training only (rank 0 evaluates alone)

@@ -26,6 +26,7 @@ typedef enum {
     BE_OP_EMBED, BE_OP_POSADD, BE_OP_CLS, BE_OP_POOL, BE_OP_L2NORM, BE_OP_CONTRASTIVE, BE_OP_XENT,
     BE_OP_GATHER_ROWS, BE_OP_COMBINE, BE_OP_COMBINE_WEIGHTS, BE_OP_ROUTER_NOISE, BE_OP_AUX_LOSS,
     BE_OP_SOFT_MOE, BE_OP_EXPERTS, BE_OP_SUMSQ, BE_OP_SCALE, BE_OP_ADAMW, BE_OP_CLAMP,
+    BE_OP_PIXELS,
     BE_OP_COUNT
 } be_op;
 const char *be_op_name(be_op op);
@@ -64,6 +65,16 @@ typedef struct {
     double sigma;
     const uint64_t *key;     // (n) one key per token
 } be_noise;
+
+// A batch of 8-bit images and their normalisation (OpenCLIP's --image-mean/--image-std):
+// pixels_normalize writes out (B,C,H,W) = ((float)v / 255 - mean[c]) / std[c], in float32 in
+// that order, as torchvision's ToTensor + Normalize and src/data/image.c's host path do. The
+// pixels are (B,H,W,C) when hwc (the loader's: its flip already applied), else (B,C,H,W).
+#define BE_PIXELS_MAX_C 4
+typedef struct {
+    int B, C, H, W, hwc;
+    float mean[BE_PIXELS_MAX_C], std[BE_PIXELS_MAX_C];
+} be_pixels;
 
 #define BACKEND_DECL(T, S)                                                                       \
     typedef struct vlmoe_backend_##S vlmoe_backend_##S;                                          \
@@ -196,6 +207,15 @@ typedef struct {
         void (*adamw)(const vlmoe_backend_##S *be, T *p, T *m, T *v, const T *g, size_t n,       \
                       const be_adamw *a);                                                        \
         void (*clamp)(const vlmoe_backend_##S *be, T *x, size_t n, double lo, double hi);        \
+        /* images as bytes (be_pixels). pixels_stage hands the table a batch's n bytes from the */ \
+        /* host and returns the table's memory holding them (a host table: host itself; CUDA: */  \
+        /* pinned staging and a copy stream, double-buffered), NULL with the error set on a   */  \
+        /* failure; host NULL plans room for n bytes without copying. The bytes stay valid    */  \
+        /* for the next pixels_normalize and one stage more, so batch i+1 may be staged while */  \
+        /* step i runs. pixels_normalize reads staged bytes (orders itself after their copy). */  \
+        const uint8_t *(*pixels_stage)(const vlmoe_backend_##S *be, const uint8_t *host, size_t n); \
+        void (*pixels_normalize)(const vlmoe_backend_##S *be, T *out, const uint8_t *pix,        \
+                                 const be_pixels *p);                                            \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

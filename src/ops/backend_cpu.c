@@ -482,6 +482,32 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
     }
 }
 
+// Images as bytes: the table's memory is the host's, so the batch's bytes are read where they are
+// and nothing is copied (the float images the host path made cost as much to write).
+static const uint8_t *cpu_pixels_stage(const backend *be, const uint8_t *host, size_t n) {
+    (void)be, (void)n;
+    return host ? host : (const uint8_t *)"";
+}
+// One table per channel of torchvision's ToTensor + Normalize in float32, the expression of
+// src/data/image.c's tensor_from_u8 (tests/test_pixels.c holds the two bit for bit); the double
+// table widens the same floats, since the op's result is defined in float32.
+static void cpu_pixels_normalize(const backend *be, real *out, const uint8_t *pix, const be_pixels *p) {
+    (void)be;
+    PROF_SCOPE(PROF_DATA) {
+        float lut[BE_PIXELS_MAX_C][256];
+        for (int c = 0; c < p->C; c++)
+            for (int v = 0; v < 256; v++) lut[c][v] = ((float)v / 255.0f - p->mean[c]) / p->std[c];
+        const size_t plane = (size_t)p->H * p->W, img = plane * p->C;
+        for (int b = 0; b < p->B; b++) {
+            const uint8_t *in = pix + (size_t)b * img;
+            real *o = out + (size_t)b * img;
+            for (int c = 0; c < p->C; c++)
+                for (size_t i = 0; i < plane; i++)
+                    o[c * plane + i] = (real)lut[c][p->hwc ? in[i * p->C + c] : in[c * plane + i]];
+        }
+    }
+}
+
 // Every entry but the name, the products and the fp32 twin: the same in both tables.
 #define CPU_COMMON_ENTRIES \
     .host_memory = 1, \
@@ -533,7 +559,9 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
     .sumsq = cpu_sumsq, \
     .scale = cpu_scale, \
     .adamw = cpu_adamw, \
-    .clamp = cpu_clamp
+    .clamp = cpu_clamp, \
+    .pixels_stage = cpu_pixels_stage, \
+    .pixels_normalize = cpu_pixels_normalize
 
 static const backend cpu_table = {
     .name = "cpu",

@@ -21,6 +21,8 @@ struct vlmoe_contrastive {
     float *images;               // synthetic data: the N micro-batches, one after another
     int32_t *tokens, *lens;
     vlmoe_batch *batch;          // (N) this step's micro-batches
+    const uint8_t *pixels;       // the loader's images as bytes (N = 1), for the model's table to
+                                 // normalise (model_set_pixels); NULL: float images
 };
 
 int vlmoe_contrastive_init(vlmoe_contrastive **out, const vlmoe_contrastive_params *p) {
@@ -86,6 +88,10 @@ static int c_fill(void *u, long step) {
                 return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives batches of %d, not %d micro-batches x %d "
                                   "(its share of a global batch of %d processes)", g.batch_size, N, B, r->p.world);
             img = g.images, tok = g.tokens, len = g.lengths;
+            r->pixels = vlmoe_loader_pixels(r->p.loader);
+            if (r->pixels && N > 1)
+                return vlmoe_fail(VLMOE_ERR_ARG, "data: the loader gives image bytes, and %d micro-batches take "
+                                  "float images", N);
         }
     } else {
         st = vlmoe_synth_batch(r->p.synth, VLMOE_SPLIT_TRAIN, first, N * B, r->T, r->images, r->tokens, r->lens);
@@ -93,7 +99,7 @@ static int c_fill(void *u, long step) {
     if (st) return vlmoe_error_prefix("data"), st;
     for (int j = 0; j < N; j++) {
         const size_t o = (size_t)j * B;
-        r->batch[j] = (vlmoe_batch){B, img + o * isz, tok + o * (size_t)r->T, len + o};
+        r->batch[j] = (vlmoe_batch){B, img ? img + o * isz : NULL, tok + o * (size_t)r->T, len + o};
     }
     return VLMOE_OK;
 }
@@ -101,7 +107,14 @@ static int c_fill(void *u, long step) {
 static int c_step(void *u, vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
     vlmoe_contrastive *r = u;
     (void)step;
-    return r->N > 1 ? vlmoe_trainer_step_accum(t, r->batch, r->N, s) : vlmoe_trainer_step(t, &r->batch[0], s);
+    if (r->pixels) {
+        const vlmoe_image_params *ip = vlmoe_loader_image_params(r->p.loader);
+        int st = model_set_pixels(r->p.model, r->pixels, 1, ip->mean, ip->std);
+        if (st) return st;
+    }
+    const int st = r->N > 1 ? vlmoe_trainer_step_accum(t, r->batch, r->N, s) : vlmoe_trainer_step(t, &r->batch[0], s);
+    model_set_pixels(r->p.model, NULL, 0, NULL, NULL); // a step that failed early leaves none behind
+    return st;
 }
 
 static int c_log(void *u, long done, const vlmoe_step_stats *s, cJSON *rec, char *line, size_t cap) {
