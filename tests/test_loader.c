@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "data/loader.h"
+#include "ops/backend.h"
 #include "test.h"
 #include "test_jpeg.h"
 #include "test_tar.h"
@@ -145,6 +146,47 @@ static void run(const vlmoe_loader_params *p, const vlmoe_data_state *from, int 
 }
 
 static run_out ra, rb;   // big: static
+
+// Images as bytes (p.pixels, issue 16): the same samples, crops, flips and order as the float
+// batches, and the CPU table's normalisation of the bytes gives the float batch bit for bit.
+static void test_pixels(const char *path) {
+    vlmoe_loader_params pf = params(path, 2), pb = params(path, 2);
+    pb.pixels = 1;
+    vlmoe_loader *lf = NULL, *lb = NULL;
+    int st = vlmoe_loader_open(&pf, &lf);
+    if (!st) st = vlmoe_loader_open(&pb, &lb);
+    const int S = pf.image.size;
+    const size_t n = (size_t)3 * S * S * BS;
+    float *g = malloc(sizeof(float) * n);
+    const vlmoe_backend_f32 *cpu = backend_cpu_f32();
+    be_pixels q = {.B = BS, .C = 3, .H = S, .W = S, .hwc = 1};
+    memcpy(q.mean, pf.image.mean, sizeof(float) * 3), memcpy(q.std, pf.image.std, sizeof(float) * 3);
+    int same = 0, nb = 6, null_images = 0;
+    for (int k = 0; k < nb && !st; k++) {
+        vlmoe_batch bf, bb;
+        const char *const *kf, *const *kb;
+        if ((st = vlmoe_loader_next(lf, &bf, &kf)) || (st = vlmoe_loader_next(lb, &bb, &kb))) break;
+        null_images += bb.images == NULL && vlmoe_loader_pixels(lf) == NULL;
+        const uint8_t *px = vlmoe_loader_pixels(lb);
+        if (!px) break;
+        cpu->pixels_normalize(cpu, g, px, &q);
+        int keys = 1;
+        for (int i = 0; i < BS; i++) keys &= !strcmp(kf[i], kb[i]);
+        same += keys && !memcmp(g, bf.images, sizeof(float) * n) && !memcmp(bf.lengths, bb.lengths, sizeof(int32_t) * BS);
+    }
+    CHECK(st == VLMOE_OK, "%s as bytes: %s", path, vlmoe_last_error());
+    CHECK(same == nb, "%s: %d of %d byte batches normalise to the float batches", path, same, nb);
+    CHECK(null_images == nb, "%s: a byte loader returned float images too, or a float loader bytes", path);
+    // swapped mean and std: the control, which must not match
+    memcpy(q.mean, pf.image.std, sizeof(float) * 3), memcpy(q.std, pf.image.mean, sizeof(float) * 3);
+    vlmoe_batch bf, bb;
+    if (!st && !vlmoe_loader_next(lf, &bf, NULL) && !vlmoe_loader_next(lb, &bb, NULL)) {
+        cpu->pixels_normalize(cpu, g, vlmoe_loader_pixels(lb), &q);
+        CHECK(memcmp(g, bf.images, sizeof(float) * n) != 0, "%s: swapped mean and std still match", path);
+    }
+    free(g);
+    vlmoe_loader_free(lf), vlmoe_loader_free(lb);
+}
 
 static void test_workers(const char *path) {
     vlmoe_loader_params p = params(path, 0);
@@ -836,6 +878,7 @@ int main(int argc, char **argv) {
         test_workers(paths[k]);
         test_order(paths[k]);
         test_resume(paths[k]);
+        test_pixels(paths[k]);
     }
     test_bad();
     for (int k = 0; k < 2; k++)
