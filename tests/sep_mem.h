@@ -363,6 +363,19 @@ static void sep_pixels_normalize(const sep_be *be, float *out, const uint8_t *pi
     sep_cpu->pixels_normalize(sep_cpu, out, pix, p);
 }
 
+// the step's scalars left in the table's memory: no wait until they are downloaded
+static void sep_con_f_dev(const sep_be *be, float *logits, float *prow, float *pcol, const float *img,
+                          const float *txt, float scale, int B, int E, double *out) {
+    (void)be, SEP(logits, "contrastive_forward_dev", "logits"), SEP(prow, "contrastive_forward_dev", "prow");
+    SEP(pcol, "contrastive_forward_dev", "pcol"), SEP(img, "contrastive_forward_dev", "img");
+    SEP(txt, "contrastive_forward_dev", "txt"), SEP(out, "contrastive_forward_dev", "out");
+    sep_cpu->contrastive_forward_dev(sep_cpu, logits, prow, pcol, img, txt, scale, B, E, out);
+}
+static void sep_sumsq_dev(const sep_be *be, const float *x, size_t n, double *out) {
+    (void)be, SEP(x, "sumsq_dev", "x"), SEP(out, "sumsq_dev", "out");
+    sep_cpu->sumsq_dev(sep_cpu, x, n, out);
+}
+
 // The checking table; resets the stray count (the allocations are tracked across tables).
 static vlmoe_backend_f32 sep_table(void) {
     sep_cpu = backend_cpu_f32();
@@ -385,6 +398,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b;
     t.sumsq = sep_sumsq, t.adamw = sep_adamw, t.clamp = sep_clamp;
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
+    t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;
     sep_stray = 0, sep_first[0] = 0;
     memset(&sep_traffic, 0, sizeof(sep_traffic));
     return t;

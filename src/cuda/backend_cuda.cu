@@ -198,6 +198,7 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_ADAMW: return be->adamw != NULL;
     case BE_OP_CLAMP: return be->clamp != NULL;
     case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
+    case BE_OP_STEP_SCALARS: return be->contrastive_forward_dev && be->sumsq_dev;
     default: return 0;
     }
 }
@@ -323,6 +324,25 @@ static double cuda_sumsq(const backend *be, const float *x, size_t n, int *nonfi
     return sum;
 }
 
+// cuda_sumsq's host fold on the device: the chunks' partials added in chunk order, in double
+__global__ static void k_sumsq_out(double *out, const double *partial, const int *flag, int nchunk) {
+    double sum = 0;
+    for (int k = 0; k < nchunk; k++) sum += partial[k];
+    out[0] = sum;
+    out[1] = *flag ? 1.0 : 0.0;
+}
+static void cuda_sumsq_dev(const backend *be, const float *x, size_t n, double *out) {
+    cuda_ctx *c = ctx_of(be);
+    const size_t per = (n + NCHUNK - 1) / NCHUNK;
+    if (CK("sumsq", cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream))) return;
+    if (n) {
+        k_sumsq<<<NCHUNK, 256, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
+        if (LAUNCHED("sumsq")) return;
+    }
+    k_sumsq_out<<<1, 1, 0, c->stream>>>(out, c->partial, c->flag, n ? NCHUNK : 0);
+    LAUNCHED("sumsq");
+}
+
 __global__ static void k_gather_rows(float *dst, const float *src, const int32_t *idx, int rows, int D) {
     const int r = blockIdx.x;
     if (r >= rows) return;
@@ -446,6 +466,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->combine_backward = cuda_combine_backward;
     be->gather_rows_backward = cuda_gather_rows_backward;
     be->sumsq = cuda_sumsq;
+    be->sumsq_dev = cuda_sumsq_dev;
     be->scale = cuda_scale;
     be->adamw = cuda_adamw;
     be->clamp = cuda_clamp;

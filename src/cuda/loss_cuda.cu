@@ -82,23 +82,31 @@ __global__ static void k_contrastive_line(float *p, double *part, int *right, co
     }
 }
 
-static double cuda_contrastive_forward(const backend *be, float *logits, float *prow, float *pcol, const float *img,
-                                       const float *txt, float scale, int B, int E, double *acc) {
-    if (B <= 0) return NAN;
+// The kernels of the forward, leaving in the context the loss's sum (partial[0]) and the right
+// answers of both directions (flag[0]) and of image->text (flag[1]). 1 on failure.
+static int contrastive_launch(const backend *be, float *logits, float *prow, float *pcol, const float *img,
+                              const float *txt, float scale, int B, int E) {
     cudaStream_t st = stream_of(be);
     const float t = expf(scale);
-    if (cu_gemm(be, "contrastive", 0, 1, B, B, E, t, img, E, txt, E, 0.0f, logits, B)) return NAN;
+    if (cu_gemm(be, "contrastive", 0, 1, B, B, E, t, img, E, txt, E, 0.0f, logits, B)) return 1;
     char *ws = (char *)cu_workspace(be, (sizeof(double) + sizeof(int)) * 2 * (size_t)B, "contrastive");
-    if (!ws) return NAN;
+    if (!ws) return 1;
     double *part = (double *)ws;
     int *right = (int *)(part + 2 * (size_t)B);
     k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(prow, part, right, logits, B, 0);
     k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(pcol, part + B, right + B, logits, B, 1);
-    if (LAUNCHED("contrastive")) return NAN;
+    if (LAUNCHED("contrastive")) return 1;
     // the accuracy counts both directions together; split them: two sums
     k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial, ctx_of(be)->flag, part, right, 2 * B);
     k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial + 1, ctx_of(be)->flag + 1, part, right, B);
-    if (LAUNCHED("contrastive")) return NAN;
+    return LAUNCHED("contrastive");
+}
+
+static double cuda_contrastive_forward(const backend *be, float *logits, float *prow, float *pcol, const float *img,
+                                       const float *txt, float scale, int B, int E, double *acc) {
+    if (B <= 0) return NAN;
+    cudaStream_t st = stream_of(be);
+    if (contrastive_launch(be, logits, prow, pcol, img, txt, scale, B, E)) return NAN;
     double loss = 0;
     int both = 0, i2t = 0;
     if (fetch_scalar(be, "contrastive", &loss, &both) ||
@@ -110,6 +118,19 @@ static double cuda_contrastive_forward(const backend *be, float *logits, float *
         acc[1] = (double)(both - i2t) / B;
     }
     return loss / (2.0 * B);
+}
+
+// the host's last lines of cuda_contrastive_forward, in double on the device: the same bits
+__global__ static void k_contrastive_out(double *out, const double *sum, const int *right, int B) {
+    out[0] = sum[0] / (2.0 * B);
+    out[1] = (double)right[1] / B;
+    out[2] = (double)(right[0] - right[1]) / B;
+}
+static void cuda_contrastive_forward_dev(const backend *be, float *logits, float *prow, float *pcol, const float *img,
+                                         const float *txt, float scale, int B, int E, double *out) {
+    if (B <= 0 || contrastive_launch(be, logits, prow, pcol, img, txt, scale, B, E)) return;
+    k_contrastive_out<<<1, 1, 0, stream_of(be)>>>(out, ctx_of(be)->partial, ctx_of(be)->flag, B);
+    LAUNCHED("contrastive");
 }
 
 // G (B,B) = k (prow + pcol - 2 [i == j]), the gradient of the loss w.r.t. the logits; part[i] =
@@ -613,6 +634,7 @@ static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_in
 
 void cuda_fill_loss(backend *be) {
     be->contrastive_forward = cuda_contrastive_forward;
+    be->contrastive_forward_dev = cuda_contrastive_forward_dev;
     be->contrastive_backward = cuda_contrastive_backward;
     be->xent_forward = cuda_xent_forward;
     be->xent_backward = cuda_xent_backward;

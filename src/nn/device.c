@@ -130,7 +130,9 @@ int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
 static void drop_device(vlmoe_model *m) {
     if (m->d_params) m->be->free(m->be, m->d_params);
     if (m->d_grads) m->be->free(m->be, m->d_grads);
-    m->d_params = m->d_grads = NULL;
+    if (m->d_scalars) m->be->free(m->be, m->d_scalars);
+    m->d_params = m->d_grads = NULL, m->d_scalars = NULL;
+    m->defer = m->deferred = 0;
 }
 
 int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend_f32 *owned) {
@@ -146,7 +148,10 @@ int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend
         const size_t bytes = sizeof(float) * m->L.total;
         m->d_params = be->alloc(be, bytes, "parameters on the device");
         m->d_grads = be->alloc(be, bytes, "gradients on the device");
-        if (!m->d_params || !m->d_grads) {
+        // a table without the step-scalar ops downloads each scalar as its op returns it
+        if (be->supports(be, BE_OP_STEP_SCALARS, NULL))
+            m->d_scalars = be->alloc(be, sizeof(double) * MODEL_SCALARS, "the step's scalars on the device");
+        if (!m->d_params || !m->d_grads || (be->supports(be, BE_OP_STEP_SCALARS, NULL) && !m->d_scalars)) {
             drop_device(m);
             m->be = backend_cpu_f32(), m->owned_be = NULL;
             backend_cuda_free(owned);
@@ -189,6 +194,23 @@ int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float me
     }
     m->pix = pix, m->pixp = p;
     return VLMOE_OK;
+}
+
+void model_defer_scalars(vlmoe_model *m) { m->defer = m->d_scalars != NULL; }
+
+int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *nonfinite) {
+    m->defer = 0;
+    if (!m->deferred) return 0;
+    m->deferred = 0;
+    // the step's one small download: through the float entry, the doubles' bytes as they are
+    double v[MODEL_SCALARS];
+    m->be->download(m->be, (float *)v, (const float *)m->d_scalars, 2 * MODEL_SCALARS);
+    s->contrastive = v[0];
+    s->loss = v[0] + m->aux_deferred;
+    s->acc_i2t = v[1], s->acc_t2i = v[2];
+    *sumsq = v[3];
+    *nonfinite = v[4] != 0.0;
+    return 1;
 }
 
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m) {

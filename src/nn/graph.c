@@ -77,7 +77,13 @@ struct R(graph) {
     void *ready_user;
     const uint8_t *pix;          // graph_set_pixels: the next encode's images as host bytes
     be_pixels pixp;
+    double *scal;                // graph_set_step_scalars: the next forward's loss and accuracies
+    const real *host_scale;      // stay in the table's memory; its logit scale from the host
 };
+
+void R(graph_set_step_scalars)(struct R(graph) *g, double *out, const real *host_scale) {
+    g->scal = out, g->host_scale = host_scale;
+}
 
 void R(graph_set_pixels)(struct R(graph) *g, const uint8_t *pix, const be_pixels *p) {
     g->pix = pix;
@@ -626,6 +632,14 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
     if (st) return st;
     if (res) memset(res, 0, sizeof(*res));
     if (!g->mod[MOD_IMAGE].present || !tokens) return VLMOE_OK;
+    double *scal = g->scal;
+    g->scal = NULL; // for this forward only
+    if (scal) { // the loss stays on the device: the caller reads it with the step's other scalars
+        R(contrastive_step_forward_dev)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb, g->host_scale, scal);
+        g->have_loss = 1;
+        if (res) res->loss = NAN, res->aux = aux, res->acc[0] = res->acc[1] = NAN;
+        return VLMOE_OK;
+    }
     double acc[2];
     const double loss = R(contrastive_step_forward)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb,
                                                     P + g->L->logit_scale, acc);
@@ -689,6 +703,15 @@ double R(contrastive_step_forward)(struct R(contrastive_step) *c, const real *im
     c->img = img;
     c->txt = txt;
     return be->contrastive_forward(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, acc);
+}
+
+void R(contrastive_step_forward_dev)(struct R(contrastive_step) *c, const real *img, const real *txt,
+                                     const real *host_scale, double *out) {
+    const R(vlmoe_backend) *be = c->be;
+    c->scale = *host_scale;
+    c->img = img;
+    c->txt = txt;
+    be->contrastive_forward_dev(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, out);
 }
 
 void R(contrastive_step_backward)(struct R(contrastive_step) *c, real *dimg, real *dtxt, real *dscale, double dloss) {

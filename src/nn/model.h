@@ -168,6 +168,10 @@ struct vlmoe_dist; // src/dist/dist.h
     /* the next encode's images as bytes (host memory, p's shape: B, channels, image_size), */   \
     /* which the table stages and normalises (backend.h pixels_*); its images must be NULL */    \
     void graph_set_pixels_##S(graph_##S *g, const uint8_t *pix, const be_pixels *p);              \
+    /* the next graph_forward leaves its loss and accuracies in out (3 doubles of the table's */ \
+    /* memory: contrastive_forward_dev) and returns NaN for them; the logit scale is read from */ \
+    /* host_scale, the parameters' host copy (no download) */                                    \
+    void graph_set_step_scalars_##S(graph_##S *g, double *out, const T *host_scale);              \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
     /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
     /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
@@ -179,6 +183,10 @@ struct vlmoe_dist; // src/dist/dist.h
     /* the backend's memory); acc: i2t and t2i top-1. img and txt stay unchanged until backward */\
     double contrastive_step_forward_##S(contrastive_step_##S *c, const T *img, const T *txt,     \
                                         const T *scale, double *acc);                            \
+    /* the same with the scale given on the host and the values left in out (backend.h */       \
+    /* contrastive_forward_dev) */                                                               \
+    void contrastive_step_forward_dev_##S(contrastive_step_##S *c, const T *img, const T *txt,   \
+                                          const T *host_scale, double *out);                     \
     /* dimg, dtxt (B,E) and *dscale ACCUMULATE dloss times the last forward's gradients */       \
     void contrastive_step_backward_##S(contrastive_step_##S *c, T *dimg, T *dtxt, T *dscale,    \
                                        double dloss);
@@ -272,7 +280,14 @@ struct vlmoe_model {
     model_inputs in;         // saved with the weights
     const uint8_t *pix;      // model_set_pixels: the next forward's images as bytes
     be_pixels pixp;
+    // a device step's scalars (model_defer_scalars): MODEL_SCALARS doubles of the table's memory
+    // (loss, acc_i2t, acc_t2i, gradient sum of squares, non-finite flag), read in one download
+    double *d_scalars;
+    int defer;               // the next training forward leaves its scalars on the device
+    int deferred;            // the last one did: model_take_scalars reads them after the backward
+    double aux_deferred;     // and its auxiliary losses (known on the host: the routing's)
 };
+#define MODEL_SCALARS 5
 
 // The model's inputs (src/nn/inputs.c). set_tokenizer: tok's text, or the synthetic word
 // tokenizer when tok is NULL. model_tokenizer: the recorded BPE tokenizer (*out NULL when the
@@ -303,6 +318,13 @@ const float *model_params_for_graph(vlmoe_model *m);
 // The batch's images must then be NULL. Towers models, one plain or data-parallel forward (not
 // accumulated micro-batches); an error names what does not fit. pix NULL clears it.
 int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float mean[3], const float std[3]);
+// A trainer step on a device (a table without host memory, towers, one plain batch): the next
+// training forward leaves the loss and accuracies on the device and its stats' loss NaN, the
+// backward adds the gradient's sum of squares and non-finite flag there, and model_take_scalars
+// reads them in one download into *s (loss, contrastive, acc_i2t, acc_t2i), *sumsq and *nonfinite
+// (over the whole gradient). 0 when the model took no such step (a host table: nothing deferred).
+void model_defer_scalars(vlmoe_model *m);
+int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *nonfinite);
 // The table that works on params and grads (the host's when the model runs on a device).
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m);
 // Frees the device copies and the table the model opened (vlmoe_model_free).

@@ -185,6 +185,8 @@ static void dp_backward(vlmoe_model *m) {
 }
 
 static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats, int training) {
+    const int defer = m->defer; // model_defer_scalars: for this forward only
+    m->deferred = m->defer = 0;
     const uint8_t *pix = m->pix; // model_set_pixels: this forward's images, as bytes
     m->pix = NULL;
     if ((!b->images && !pix) || !b->tokens || !b->lengths)
@@ -208,9 +210,13 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
         st = graph_encode_f32(m->g, m->params, b->images, b->tokens, b->lengths, &r.aux);
         if (!st) st = dp_forward(m, b->batch_size, &r);
     } else {
+        // a trainer step on the device: the loss stays there until the step's one download
+        m->deferred = training && defer && m->d_scalars;
+        if (m->deferred) graph_set_step_scalars_f32(m->g, m->d_scalars, &m->params[m->L.logit_scale]);
         st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r);
     }
-    if (st) return st;
+    if (st) return m->deferred = 0, st;
+    m->aux_deferred = r.aux;
     m->have_forward = dp ? FWD_GATHERED : training;
     if (stats) {
         memset(stats, 0, sizeof(*stats));
@@ -221,7 +227,8 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
         stats->acc_t2i = r.acc[1];
         stats->temperature = exp(m->params[m->L.logit_scale]);
     }
-    if (!isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
+    // a deferred loss is checked when it comes down (the trainer, before any parameter changes)
+    if (!m->deferred && !isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
     return VLMOE_OK;
 }
 
@@ -233,6 +240,8 @@ static int towers_backward(vlmoe_model *m) {
     } else if (m->d_grads) { // on the device: its copy of the parameters is the forward's
         m->be->zero(m->be, m->d_grads, m->L.total);
         graph_backward_f32(m->g, m->d_params, m->d_grads);
+        // the clipping norm and the divergence guard's flag join the deferred loss on the device
+        if (m->deferred) m->be->sumsq_dev(m->be, m->d_grads, m->L.total, m->d_scalars + 3);
         m->be->download(m->be, m->grads, m->d_grads, m->L.total);
         m->be->sync(m->be);
     } else {

@@ -26,7 +26,7 @@ typedef enum {
     BE_OP_EMBED, BE_OP_POSADD, BE_OP_CLS, BE_OP_POOL, BE_OP_L2NORM, BE_OP_CONTRASTIVE, BE_OP_XENT,
     BE_OP_GATHER_ROWS, BE_OP_COMBINE, BE_OP_COMBINE_WEIGHTS, BE_OP_ROUTER_NOISE, BE_OP_AUX_LOSS,
     BE_OP_SOFT_MOE, BE_OP_EXPERTS, BE_OP_SUMSQ, BE_OP_SCALE, BE_OP_ADAMW, BE_OP_CLAMP,
-    BE_OP_PIXELS,
+    BE_OP_PIXELS, BE_OP_STEP_SCALARS,
     BE_OP_COUNT
 } be_op;
 const char *be_op_name(be_op op);
@@ -216,6 +216,14 @@ typedef struct {
         const uint8_t *(*pixels_stage)(const vlmoe_backend_##S *be, const uint8_t *host, size_t n); \
         void (*pixels_normalize)(const vlmoe_backend_##S *be, T *out, const uint8_t *pix,        \
                                  const be_pixels *p);                                            \
+        /* The step's scalars left in the table's memory (out: doubles from alloc), so that a   */ \
+        /* device step ends in one download (src/nn/towers_model.c): contrastive_forward's   */   \
+        /* values as out[0] loss, out[1] acc_i2t, out[2] acc_t2i; sumsq's as out[0] the sum, */   \
+        /* out[1] 1.0 when an element is not finite (else 0.0). The same bits as the returns. */ \
+        void (*contrastive_forward_dev)(const vlmoe_backend_##S *be, T *logits, T *prow, T *pcol, \
+                                        const T *img, const T *txt, T scale, int B, int E,       \
+                                        double *out);                                            \
+        void (*sumsq_dev)(const vlmoe_backend_##S *be, const T *x, size_t n, double *out);       \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

@@ -508,6 +508,17 @@ static void cpu_pixels_normalize(const backend *be, real *out, const uint8_t *pi
     }
 }
 
+// The step's scalars in memory: the host's here, so the values the returning ops give.
+static void cpu_contrastive_forward_dev(const backend *be, real *logits, real *prow, real *pcol, const real *img,
+                                        const real *txt, real scale, int B, int E, double *out) {
+    out[0] = cpu_contrastive_forward(be, logits, prow, pcol, img, txt, scale, B, E, out + 1);
+}
+static void cpu_sumsq_dev(const backend *be, const real *x, size_t n, double *out) {
+    int bad = 0;
+    out[0] = cpu_sumsq(be, x, n, &bad);
+    out[1] = bad;
+}
+
 // Every entry but the name, the products and the fp32 twin: the same in both tables.
 #define CPU_COMMON_ENTRIES \
     .host_memory = 1, \
@@ -561,7 +572,9 @@ static void cpu_pixels_normalize(const backend *be, real *out, const uint8_t *pi
     .adamw = cpu_adamw, \
     .clamp = cpu_clamp, \
     .pixels_stage = cpu_pixels_stage, \
-    .pixels_normalize = cpu_pixels_normalize
+    .pixels_normalize = cpu_pixels_normalize, \
+    .contrastive_forward_dev = cpu_contrastive_forward_dev, \
+    .sumsq_dev = cpu_sumsq_dev
 
 static const backend cpu_table = {
     .name = "cpu",

@@ -673,6 +673,13 @@ double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm) {
     return optim_clip_grad_norm(backend_cpu_f32(), grads, n, max_norm);
 }
 
+double optim_clip_grad_norm_given(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm,
+                                  double sumsq) {
+    const double norm = sqrt(sumsq);
+    if (grads && n && max_norm > 0.0 && norm > max_norm) be->scale(be, grads, n, (float)(max_norm / (norm + 1e-6)));
+    return norm;
+}
+
 double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm) {
     if (!grads || n == 0) return 0.0;
     // the sum in NCHUNK fixed chunks and the scaling are the backend's ops (src/ops/backend_cpu.c)

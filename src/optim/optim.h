@@ -13,6 +13,9 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
                        size_t total, const vlmoe_backend_f32 *be);
 // vlmoe_clip_grad_norm on `be`.
 double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm);
+// The same clipping with the sum of squares already known (a device's, src/train/trainer.c).
+double optim_clip_grad_norm_given(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm,
+                                  double sumsq);
 
 // The tensors the optimizer updates (a copy of its table).
 const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n);

@@ -549,16 +549,25 @@ vlmoe_optim *vlmoe_trainer_optim(vlmoe_trainer *t) { return t->opt; }
 vlmoe_model *vlmoe_trainer_model(vlmoe_trainer *t) { return t->m; }
 const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return &t->p; }
 
+// A device step's scalars (model_take_scalars): the gradient's sum of squares and non-finite flag
+// as the device computed them before the step's one small download.
+typedef struct { double sumsq; int nonfinite; } dev_scalars;
+
 // The rest of a step once the gradients are in the model's buffer: the divergence guard,
-// clipping, the schedule, the update and the temperature clamp.
-static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s) {
-    int st = t->dist ? reduce_step(t, VLMOE_OK, step, s) : vlmoe_model_check_finite(t->m, 1);
+// clipping, the schedule, the update and the temperature clamp. dev (may be NULL): the device
+// looked already (a flagged gradient is still searched on the host, for the message naming it).
+static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const dev_scalars *dev) {
+    int st = t->dist ? reduce_step(t, VLMOE_OK, step, s)
+                     : dev && !dev->nonfinite ? VLMOE_OK : vlmoe_model_check_finite(t->m, 1);
     if (st && !t->dist) vlmoe_error_prefix("step %ld", step);
     if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
     if (t->shard) {
         if ((st = clip_sharded(t, g, &s->grad_norm))) return vlmoe_error_prefix("step %ld: gradient norm", step), st;
+    } else if (dev && !t->nfrozen) { // frozen gradients were in the device's sum: zeroed since
+        s->grad_norm = optim_clip_grad_norm_given(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m),
+                                                  t->p.grad_clip_norm, dev->sumsq);
     } else {
         s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m),
                                             t->p.grad_clip_norm);
@@ -581,13 +590,20 @@ int vlmoe_trainer_step(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats 
     const long step = vlmoe_optim_get_step(t->opt);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
+    // on a device (one process): the loss, accuracies, gradient norm and non-finite flag come
+    // back in one download after the backward, not each as its op finishes
+    if (!t->dist) model_defer_scalars(t->m);
     int st = vlmoe_model_forward(t->m, b, &s);
     if (st) {
         vlmoe_error_prefix("step %ld", step);
         return failed(t, st, step, &s);
     }
     if ((st = vlmoe_model_backward(t->m))) return failed(t, st, step, &s);
-    if ((st = apply(t, step, &s))) return st;
+    dev_scalars dev;
+    const int on_dev = model_take_scalars(t->m, &s, &dev.sumsq, &dev.nonfinite);
+    if (on_dev && !isfinite(s.loss)) // the forward's check, later: no parameter has changed
+        return vlmoe_fail(VLMOE_ERR_NUMERIC, "step %ld: the contrastive loss is %g", step, s.loss);
+    if ((st = apply(t, step, &s, on_dev ? &dev : NULL))) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
 }
@@ -603,7 +619,7 @@ int vlmoe_trainer_step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, 
         vlmoe_error_prefix("step %ld", step);
         return failed(t, st, step, &s);
     }
-    if ((st = apply(t, step, &s))) return st;
+    if ((st = apply(t, step, &s, NULL))) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
 }
@@ -621,7 +637,7 @@ static int retrieval_finish(vlmoe_trainer *t, int st, long step, const vlmoe_mom
     }
     s.loss = r->loss;
     s.aux = r->aux;
-    if ((st = apply(t, step, &s))) return st;
+    if ((st = apply(t, step, &s, NULL))) return st;
     if (ms) *ms = *r;
     if (stats) *stats = s;
     return VLMOE_OK;
@@ -701,7 +717,7 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
         s.aux += ps.aux;
     }
     if (bad) return failed(t, vlmoe_fail(bad, "%s", why), step, &s);
-    int st = apply(t, step, &s);
+    int st = apply(t, step, &s, NULL);
     if (!st && t->dist && part_stats) st = reduce_parts(t->dist, part_stats, nparts, step);
     if (st) return st;
     if (stats) *stats = s;
