@@ -113,6 +113,7 @@ static void model_check(const char *name) {
     vlmoe_rng r;
     vlmoe_rng_seed(&r, 3);
     double loss[NM][STEPS] = {{0}};
+    int logged_same = 0; // every number a train record logs, host table against separate memory
     long grads = 0, small = 0, scalar = 0, aux = 0, pix = 0, total_dl = 0;
     for (int step = 0; step < STEPS && !st; step++) {
         for (size_t i = 0; i < n * B; i++) u8[i] = (uint8_t)vlmoe_rng_below(&r, 256);
@@ -127,13 +128,17 @@ static void model_check(const char *name) {
             for (int i = 0; i < T; i++) tok[b * T + i] = i < len[b] ? (int)vlmoe_rng_below(&r, (uint32_t)c.vocab_size) : 0;
         }
         const vlmoe_batch fb = {B, img, tok, len}, ub = {B, NULL, tok, len};
+        vlmoe_step_stats sk[NM];
+        memset(sk, 0, sizeof(sk));
         for (int k = 0; k < NM && !st; k++) {
             if (k) st = model_set_pixels(m[k], u8, 1, k == 2 ? CLIP_STD : CLIP_MEAN, k == 2 ? CLIP_MEAN : CLIP_STD);
             if (k == 3) memset(&sep_traffic, 0, sizeof(sep_traffic));
             vlmoe_step_stats ss;
             if (!st) st = vlmoe_trainer_step(t[k], k ? &ub : &fb, &ss);
             loss[k][step] = ss.loss;
+            sk[k] = ss;
         }
+        logged_same += !memcmp(&sk[0], &sk[3], sizeof(sk[0]));
         pix += sep_traffic.pixel_bytes;
         total_dl += sep_traffic.downloads;
         grads += sep_traffic.download_floats >= (long)m[3]->L.total; // the gradient, whole
@@ -148,6 +153,8 @@ static void model_check(const char *name) {
         CHECK(loss[3][s] == loss[0][s], "%s step %d: loss %.17g from bytes on separate memory, %.17g from floats",
               name, s + 1, loss[3][s], loss[0][s]);
     }
+    CHECK(logged_same == STEPS, "%s: the step statistics (losses, accuracies, temperature, lr, gradient norm) of "
+          "separate memory equal the host table's in %d of %d steps", name, logged_same, STEPS);
     CHECK(loss[2][0] != loss[0][0], "%s: swapped mean and std give the same loss %.17g", name, loss[2][0]);
     for (int k = 1; k < NM && !st; k++)
         if (k != 2)

@@ -205,8 +205,8 @@ int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *
     // the step's one small download: through the float entry, the doubles' bytes as they are
     double v[MODEL_SCALARS];
     m->be->download(m->be, (float *)v, (const float *)m->d_scalars, 2 * MODEL_SCALARS);
-    s->contrastive = v[0];
-    s->loss = v[0] + m->aux_deferred;
+    s->loss = v[0] + m->aux_deferred; // the forward's own expressions (towers_model.c, graph.c)
+    s->contrastive = s->loss - m->aux_deferred;
     s->acc_i2t = v[1], s->acc_t2i = v[2];
     *sumsq = v[3];
     *nonfinite = v[4] != 0.0;
