@@ -10,6 +10,7 @@ static const char *const op_names[BE_OP_COUNT] = {
     "linear", "layernorm", "act", "softmax", "attention", "patchify", "embed", "posadd", "cls",
     "pool", "l2norm", "contrastive", "xent", "gather_rows", "combine", "combine_weights",
     "router_noise", "aux_loss", "soft_moe", "experts", "sumsq", "scale", "adamw", "clamp",
+    "route",
 };
 
 const char *be_op_name(be_op op) {

@@ -13,6 +13,7 @@
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
 #include "ops/gemm_int8.h"
+#include "moe/route_op.h"
 
 typedef struct R(vlmoe_backend) backend;
 
@@ -482,6 +483,11 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
     }
 }
 
+// the routing decision is route.c itself, on host memory (src/moe/route_op.c)
+static int cpu_route(const backend *be, const real *gates, const be_route *r, const be_route_out *o) {
+    return R(route_host)(gates, r, o);
+}
+
 // Every entry but the name, the products and the fp32 twin: the same in both tables.
 #define CPU_COMMON_ENTRIES \
     .host_memory = 1, \
@@ -533,7 +539,9 @@ static void cpu_clamp(const backend *be, real *x, size_t n, double lo, double hi
     .sumsq = cpu_sumsq, \
     .scale = cpu_scale, \
     .adamw = cpu_adamw, \
-    .clamp = cpu_clamp
+    .clamp = cpu_clamp, \
+    .download_bytes = cpu_upload_bytes, \
+    .route = cpu_route
 
 static const backend cpu_table = {
     .name = "cpu",
