@@ -44,8 +44,9 @@ static void sep_upload(const sep_be *be, float *dst, const float *host, size_t n
     (void)be, SEP(dst, "upload", "dst");
     sep_cpu->upload(sep_cpu, dst, host, n);
 }
+static long sep_ndownload, sep_ndownload_bytes; // calls, so a test can see what a step fetches
 static void sep_download(const sep_be *be, float *host, const float *src, size_t n) {
-    (void)be, SEP(src, "download", "src");
+    (void)be, SEP(src, "download", "src"), sep_ndownload++;
     sep_cpu->download(sep_cpu, host, src, n);
 }
 static void sep_upload_bytes(const sep_be *be, void *dst, const void *host, size_t n) {
@@ -316,7 +317,7 @@ static void sep_clamp(const sep_be *be, float *x, size_t n, double lo, double hi
 
 // the routing decision (be_route): its inputs and every output array are table memory
 static void sep_download_bytes(const sep_be *be, void *host, const void *src, size_t n) {
-    (void)be, SEP(src, "download_bytes", "src");
+    (void)be, SEP(src, "download_bytes", "src"), sep_ndownload_bytes++;
     sep_cpu->download_bytes(sep_cpu, host, src, n);
 }
 static int sep_route(const sep_be *be, const float *gates, const be_route *r, const be_route_out *o) {
