@@ -15,6 +15,8 @@ int R(route_host)(const real *gates, const be_route *r, const be_route_out *o) {
     if (S < 1 || G < 1 || (long)S * G != n || K < 1 || C < 1 || E < 1)
         return vlmoe_fail(VLMOE_ERR_ARG, "route: need n = G*S tokens, S, G, E, K, C >= 1 (got n=%d S=%d G=%d "
                           "E=%d K=%d C=%d)", n, S, G, E, K, C);
+    if (r->pools && !r->mod)
+        return vlmoe_fail(VLMOE_ERR_ARG, "route: disjoint pools route by modality, and none was given");
     float *gf = o->work;                                       // (S,E) one group's gates
     int32_t *work = (int32_t *)(gf + (size_t)S * E);           // (2S) route.c's scratch
     const vlmoe_route_params rp0 = {K, C, r->order, r->bpr_score, r->gate_renorm, 0};
