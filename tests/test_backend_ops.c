@@ -547,6 +547,7 @@ typedef struct {
     int G, S, E, K, C, ec, order, score, renorm, perm, pools;
     uint64_t pruned;
     int negzero, flat; // gates of -0.0 beside +0.0; every gate equal
+    int sparse;        // gates 0.125 or (+/-)0: many tokens whose BPR key or column gate is +/-0
 } route_shape;
 
 // what be_route writes, n/G/E/C-sized, in one kind of memory: the tested table's (dev) or the host's
@@ -604,6 +605,12 @@ static void case_route(ctx *c) {
         {.G = 2, .S = 33, .E = 16, .K = 2, .C = 3, .order = VLMOE_ORDER_BPR, .pruned = 0x8001, .negzero = 1},
         {.G = 8, .S = 16, .E = 4, .K = 1, .C = 2, .order = VLMOE_ORDER_BPR, .score = VLMOE_BPR_SUM, .flat = 1},
         {.G = 2, .S = 300, .E = 32, .K = 2, .C = 20, .order = VLMOE_ORDER_BPR, .renorm = 1, .perm = 1},
+        // -0.0 and +0.0 keys compare equal in route.c: ties in token order (checked to fail on a
+        // host emulation of route_cuda.cu's kernels when -0.0 is not keyed as +0.0)
+        {.G = 2, .S = 40, .E = 4, .K = 1, .C = 12, .order = VLMOE_ORDER_BPR, .negzero = 1, .sparse = 1},
+        {.G = 2, .S = 40, .E = 4, .K = 2, .C = 5, .order = VLMOE_ORDER_BPR, .score = VLMOE_BPR_SUM, .perm = 1,
+         .negzero = 1, .sparse = 1},
+        {.G = 2, .S = 40, .E = 4, .K = 1, .C = 30, .ec = 1, .perm = 1, .negzero = 1, .sparse = 1},
     };
     const vlmoe_backend_f32 *cpu = backend_cpu_f32();
     for (int sh = 0; sh < (int)(sizeof(shapes) / sizeof(shapes[0])); sh++) {
@@ -613,7 +620,9 @@ static void case_route(ctx *c) {
         int32_t *perm = keep_host(c, calloc((size_t)n + 1, sizeof(int32_t)));
         uint8_t *mod = keep_host(c, calloc((size_t)n + 1, 1));
         for (size_t i = 0; i < (size_t)n * E; i++) {
-            gates[i] = x->flat ? 0.25f : (float)vlmoe_rng_below(&c->r, 4) / 8;
+            gates[i] = x->flat     ? 0.25f
+                       : x->sparse ? (vlmoe_rng_below(&c->r, 4) == 0 ? 0.125f : 0.0f)
+                                   : (float)vlmoe_rng_below(&c->r, 4) / 8;
             if (x->negzero && gates[i] == 0 && vlmoe_rng_below(&c->r, 2)) gates[i] = -0.0f;
         }
         for (int i = 0; i < n; i++) perm[i] = i, mod[i] = (uint8_t)(i % x->S >= x->S / 2);
