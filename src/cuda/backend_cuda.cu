@@ -197,9 +197,12 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_SCALE: return be->scale != NULL;
     case BE_OP_ADAMW: return be->adamw != NULL;
     case BE_OP_CLAMP: return be->clamp != NULL;
-    // cfg (be_route *): random dispatch order stays on the host (the layer downloads the gates)
-    case BE_OP_ROUTE:
-        return be->route && be->download_bytes && !(cfg && ((const be_route *)cfg)->order == VLMOE_ORDER_RANDOM);
+    // cfg (be_route *): tokens choice in random dispatch order stays on the host (the layer
+    // downloads the gates); experts choice has no dispatch order
+    case BE_OP_ROUTE: {
+        const be_route *r = (const be_route *)cfg;
+        return be->route && be->download_bytes && !(r && !r->experts_choice && r->order == VLMOE_ORDER_RANDOM);
+    }
     default: return 0;
     }
 }
