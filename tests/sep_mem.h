@@ -63,8 +63,9 @@ static void sep_upload(const sep_be *be, float *dst, const float *host, size_t n
     sep_traffic.upload_bytes += (long)(sizeof(float) * n);
     sep_cpu->upload(sep_cpu, dst, host, n);
 }
+static long sep_ndownload, sep_ndownload_bytes; // calls, so a test can see what a step fetches
 static void sep_download(const sep_be *be, float *host, const float *src, size_t n) {
-    (void)be, SEP(src, "download", "src");
+    (void)be, SEP(src, "download", "src"), sep_ndownload++;
     sep_traffic.downloads++, sep_traffic.download_floats += (long)n, sep_traffic.small_downloads += n <= 16;
     sep_cpu->download(sep_cpu, host, src, n);
 }
@@ -376,6 +377,25 @@ static void sep_sumsq_dev(const sep_be *be, const float *x, size_t n, double *ou
     sep_cpu->sumsq_dev(sep_cpu, x, n, out);
 }
 
+// the routing decision (be_route): its inputs and every output array are table memory
+static void sep_download_bytes(const sep_be *be, void *host, const void *src, size_t n) {
+    (void)be, SEP(src, "download_bytes", "src"), sep_ndownload_bytes++;
+    sep_cpu->download_bytes(sep_cpu, host, src, n);
+}
+static int sep_route(const sep_be *be, const float *gates, const be_route *r, const be_route_out *o) {
+    (void)be, SEP(gates, "route", "gates"), SEP(r->pos_row, "route", "pos_row"), SEP(r->mod, "route", "mod");
+    const void *outs[] = {o->expert, o->slot, o->token, o->weight, o->count, o->wanted, o->dropped, o->row_token,
+                          o->row_expert, o->tok_rows, o->tok_off, o->expert_off, o->work};
+    for (size_t i = 0; i < sizeof(outs) / sizeof(outs[0]); i++) SEP(outs[i], "route", "an output array");
+    return sep_cpu->route(sep_cpu, gates, r, o);
+}
+// sep_no_route 1: the table says it cannot route, so the MoE layer takes its host path (the
+// gates downloaded, route.c on the host, the layout uploaded): the reference the route op must equal
+static int sep_no_route;
+static int sep_supports(const sep_be *be, be_op op, const void *cfg) {
+    return op == BE_OP_ROUTE && sep_no_route ? 0 : sep_cpu->supports(sep_cpu, op, cfg);
+}
+
 // The checking table; resets the stray count (the allocations are tracked across tables).
 static vlmoe_backend_f32 sep_table(void) {
     sep_cpu = backend_cpu_f32();
@@ -399,6 +419,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.sumsq = sep_sumsq, t.adamw = sep_adamw, t.clamp = sep_clamp;
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;
+    t.download_bytes = sep_download_bytes, t.route = sep_route, t.supports = sep_supports;
     sep_stray = 0, sep_first[0] = 0;
     memset(&sep_traffic, 0, sizeof(sep_traffic));
     return t;

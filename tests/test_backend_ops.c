@@ -541,6 +541,143 @@ static void case_trainer(ctx *c) {
     if (!fbad) c->op_fail = 1, fprintf(stderr, "    sumsq: a NaN went unreported\n");
 }
 
+// ---- routing: the tested table's decision and layout against the CPU table's (route.c), exactly
+
+typedef struct {
+    int G, S, E, K, C, ec, order, score, renorm, perm, pools;
+    uint64_t pruned;
+    int negzero, flat; // gates of -0.0 beside +0.0; every gate equal
+    int sparse;        // gates 0.125 or (+/-)0: many tokens whose BPR key or column gate is +/-0
+} route_shape;
+
+// what be_route writes, n/G/E/C-sized, in one kind of memory: the tested table's (dev) or the host's
+typedef struct {
+    int32_t *expert, *slot, *token, *count, *wanted, *row_token, *row_expert, *tok_rows, *tok_off, *expert_off;
+    float *weight;
+    uint8_t *dropped;
+} route_arrays;
+
+static void *route_buf(ctx *c, size_t bytes, int dev) {
+    void *h = keep_host(c, calloc(bytes + 8, 1));
+    return dev ? upb(c, h, bytes) : h;
+}
+static be_route_out route_outs(ctx *c, const be_route *r, int rows_max, int dev, route_arrays *a) {
+    const size_t nk = (size_t)r->n * r->K, gec = (size_t)r->G * r->E * r->C, ge = (size_t)r->G * r->E;
+    a->expert = route_buf(c, 4 * nk, dev), a->slot = route_buf(c, 4 * nk, dev);
+    a->token = route_buf(c, 4 * gec, dev), a->weight = route_buf(c, 4 * gec, dev);
+    a->count = route_buf(c, 4 * ge, dev), a->wanted = route_buf(c, 12 * ge, dev);
+    a->dropped = route_buf(c, (size_t)r->n, dev);
+    a->row_token = route_buf(c, 4 * (size_t)rows_max, dev), a->row_expert = route_buf(c, 4 * (size_t)rows_max, dev);
+    a->tok_rows = route_buf(c, 4 * (size_t)rows_max, dev), a->tok_off = route_buf(c, 4 * ((size_t)r->n + 1), dev);
+    a->expert_off = route_buf(c, 4 * ((size_t)r->E + 1), dev);
+    return (be_route_out){.expert = a->expert, .slot = a->slot, .token = a->token, .weight = a->weight,
+                          .count = a->count, .wanted = a->wanted, .dropped = a->dropped, .row_token = a->row_token,
+                          .row_expert = a->row_expert, .tok_rows = a->tok_rows, .tok_off = a->tok_off,
+                          .expert_off = a->expert_off, .rows_max = rows_max,
+                          .work = route_buf(c, be_route_work_bytes(r->S, r->E), dev)};
+}
+
+// one array of the tested table's output against the reference, byte for byte
+static void route_cmp(ctx *c, int shape, const char *what, const void *dev, const void *ref, size_t bytes) {
+    unsigned char *h = malloc(bytes + 1);
+    c->be->download_bytes(c->be, h, dev, bytes);
+    if (memcmp(h, ref, bytes)) {
+        size_t i = 0;
+        while (i < bytes && h[i] == ((const unsigned char *)ref)[i]) i++;
+        c->op_fail = 1;
+        fprintf(stderr, "    route shape %d: %s differs from the CPU's at byte %zu of %zu\n", shape, what, i, bytes);
+    }
+    free(h);
+}
+
+// Shapes with deliberate ties (coarse gates: equal gates within a token and equal BPR keys across
+// tokens), K = 1 and 2, overflow, BPR on and off, max and summed scores, renormalisation,
+// experts choice (C below and above S), several groups in a permuted order, disjoint pools,
+// pruned experts, -0.0 beside +0.0, every gate equal.
+static void case_route(ctx *c) {
+    static const route_shape shapes[] = {
+        {.G = 1, .S = 64, .E = 8, .K = 1, .C = 4, .order = VLMOE_ORDER_BPR},
+        {.G = 3, .S = 40, .E = 8, .K = 2, .C = 6, .order = VLMOE_ORDER_BPR, .score = VLMOE_BPR_SUM, .renorm = 1, .perm = 1},
+        {.G = 4, .S = 32, .E = 8, .K = 2, .C = 16, .order = VLMOE_ORDER_FIFO},
+        {.G = 2, .S = 50, .E = 6, .K = 2, .C = 5, .order = VLMOE_ORDER_BPR, .perm = 1, .pools = 1},
+        {.G = 3, .S = 24, .E = 8, .K = 1, .C = 4, .ec = 1, .perm = 1},
+        {.G = 1, .S = 10, .E = 4, .K = 1, .C = 16, .ec = 1},
+        {.G = 2, .S = 33, .E = 16, .K = 2, .C = 3, .order = VLMOE_ORDER_BPR, .pruned = 0x8001, .negzero = 1},
+        {.G = 8, .S = 16, .E = 4, .K = 1, .C = 2, .order = VLMOE_ORDER_BPR, .score = VLMOE_BPR_SUM, .flat = 1},
+        {.G = 2, .S = 300, .E = 32, .K = 2, .C = 20, .order = VLMOE_ORDER_BPR, .renorm = 1, .perm = 1},
+        // -0.0 and +0.0 keys compare equal in route.c: ties in token order (checked to fail on a
+        // host emulation of route_cuda.cu's kernels when -0.0 is not keyed as +0.0)
+        {.G = 2, .S = 40, .E = 4, .K = 1, .C = 12, .order = VLMOE_ORDER_BPR, .negzero = 1, .sparse = 1},
+        {.G = 2, .S = 40, .E = 4, .K = 2, .C = 5, .order = VLMOE_ORDER_BPR, .score = VLMOE_BPR_SUM, .perm = 1,
+         .negzero = 1, .sparse = 1},
+        {.G = 2, .S = 40, .E = 4, .K = 1, .C = 30, .ec = 1, .perm = 1, .negzero = 1, .sparse = 1},
+    };
+    const vlmoe_backend_f32 *cpu = backend_cpu_f32();
+    for (int sh = 0; sh < (int)(sizeof(shapes) / sizeof(shapes[0])); sh++) {
+        const route_shape *x = &shapes[sh];
+        const int n = x->G * x->S, E = x->E;
+        float *gates = keep_host(c, calloc((size_t)n * E + 1, sizeof(float)));
+        int32_t *perm = keep_host(c, calloc((size_t)n + 1, sizeof(int32_t)));
+        uint8_t *mod = keep_host(c, calloc((size_t)n + 1, 1));
+        for (size_t i = 0; i < (size_t)n * E; i++) {
+            gates[i] = x->flat     ? 0.25f
+                       : x->sparse ? (vlmoe_rng_below(&c->r, 4) == 0 ? 0.125f : 0.0f)
+                                   : (float)vlmoe_rng_below(&c->r, 4) / 8;
+            if (x->negzero && gates[i] == 0 && vlmoe_rng_below(&c->r, 2)) gates[i] = -0.0f;
+        }
+        for (int i = 0; i < n; i++) perm[i] = i, mod[i] = (uint8_t)(i % x->S >= x->S / 2);
+        for (int i = n - 1; x->perm && i > 0; i--) {
+            const int k = (int)vlmoe_rng_below(&c->r, (uint32_t)i + 1), t = perm[i];
+            perm[i] = perm[k], perm[k] = t;
+        }
+        be_route r = {.n = n, .S = x->S, .G = x->G, .E = E, .K = x->K, .C = x->C, .experts_choice = x->ec,
+                      .order = x->order, .bpr_score = x->score, .gate_renorm = x->renorm, .pruned = x->pruned,
+                      .pools = x->pools, .pool = {{0, E - 2}, {E - 2, 2}}, .pos_row = x->perm ? perm : NULL, .mod = mod};
+        const long cap = (long)x->G * E * x->C, rows_max = x->ec || (long)n * x->K > cap ? cap : (long)n * x->K;
+        route_arrays ra, da;
+        const be_route_out ro = route_outs(c, &r, (int)rows_max, 0, &ra);
+        const be_route_out dout = route_outs(c, &r, (int)rows_max, 1, &da);
+        int st = cpu->route(cpu, gates, &r, &ro);
+        if (st) {
+            c->op_fail = 1;
+            fprintf(stderr, "    route shape %d: the CPU table failed: %s\n", sh, vlmoe_last_error());
+            release(c);
+            continue;
+        }
+        be_route rd = r; // the tested table's copies of the inputs
+        rd.pos_row = x->perm ? upb(c, perm, sizeof(int32_t) * (size_t)n) : NULL;
+        rd.mod = upb(c, mod, (size_t)n);
+        float *dg = upb(c, gates, sizeof(float) * (size_t)n * E);
+        st = c->be->route(c->be, dg, &rd, &dout);
+        c->be->sync(c->be);
+        if (st) {
+            c->op_fail = 1;
+            fprintf(stderr, "    route shape %d: %s\n", sh, vlmoe_last_error());
+            release(c);
+            continue;
+        }
+        const size_t nk = (size_t)n * x->K, gec = (size_t)x->G * E * x->C, ge = (size_t)x->G * E;
+        const int rows = ra.expert_off[E];
+        route_cmp(c, sh, "expert", da.expert, ra.expert, 4 * nk);
+        route_cmp(c, sh, "slot", da.slot, ra.slot, 4 * nk);
+        route_cmp(c, sh, "token", da.token, ra.token, 4 * gec);
+        route_cmp(c, sh, "weight", da.weight, ra.weight, 4 * gec);
+        route_cmp(c, sh, "count", da.count, ra.count, 4 * ge);
+        route_cmp(c, sh, "wanted", da.wanted, ra.wanted, 12 * ge);
+        route_cmp(c, sh, "dropped", da.dropped, ra.dropped, (size_t)n);
+        route_cmp(c, sh, "expert_off", da.expert_off, ra.expert_off, 4 * ((size_t)E + 1));
+        route_cmp(c, sh, "row_token", da.row_token, ra.row_token, 4 * (size_t)rows);
+        route_cmp(c, sh, "row_expert", da.row_expert, ra.row_expert, 4 * (size_t)rows);
+        route_cmp(c, sh, "tok_rows", da.tok_rows, ra.tok_rows, 4 * (size_t)rows);
+        route_cmp(c, sh, "tok_off", da.tok_off, ra.tok_off, 4 * ((size_t)n + 1));
+        // the shapes must exercise what they claim: drops where C is small, ties in the gates
+        int dropped = 0;
+        for (size_t i = 0; i < nk; i++) dropped += !x->ec && ra.slot[i] < 0;
+        if (sh == 0 && !dropped) c->op_fail = 1, fprintf(stderr, "    route shape 0 dropped nothing\n");
+        release(c);
+    }
+}
+
 static void case_memory(ctx *c) {
     const size_t n = 77;
     double *a = rnd(c, n, 1), *b = rnd(c, n, 1), *sum = zeros(c, n);
@@ -610,6 +747,7 @@ static const test_case CASES[] = {
     {"soft_moe", BE_OP_SOFT_MOE, case_soft},       {"experts", BE_OP_EXPERTS, case_experts},
     {"trainer", BE_OP_ADAMW, case_trainer},        {"memory", BE_OP_COUNT, case_memory},
     {"pixels", BE_OP_PIXELS, case_pixels},
+    {"route", BE_OP_ROUTE, case_route},
 };
 #define NCASES ((int)(sizeof(CASES) / sizeof(CASES[0])))
 

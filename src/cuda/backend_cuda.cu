@@ -199,6 +199,12 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_CLAMP: return be->clamp != NULL;
     case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
     case BE_OP_STEP_SCALARS: return be->contrastive_forward_dev && be->sumsq_dev;
+    // cfg (be_route *): tokens choice in random dispatch order stays on the host (the layer
+    // downloads the gates); experts choice has no dispatch order
+    case BE_OP_ROUTE: {
+        const be_route *r = (const be_route *)cfg;
+        return be->route && be->download_bytes && !(r && !r->experts_choice && r->order == VLMOE_ORDER_RANDOM);
+    }
     default: return 0;
     }
 }
@@ -225,6 +231,10 @@ static void cuda_upload(const backend *be, float *dst, const float *src, size_t 
 static void cuda_download(const backend *be, float *dst, const float *src, size_t n) {
     if (n && !CK("download", cudaMemcpyAsync(dst, src, sizeof(float) * n, cudaMemcpyDeviceToHost, stream_of(be))))
         CK("download", cudaStreamSynchronize(stream_of(be)));
+}
+static void cuda_download_bytes(const backend *be, void *dst, const void *src, size_t n) {
+    if (n && !CK("download_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_of(be))))
+        CK("download_bytes", cudaStreamSynchronize(stream_of(be)));
 }
 static void cuda_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n) CK("upload_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_of(be)));
@@ -417,6 +427,7 @@ static void ctx_release(cuda_ctx *c) {
     cudaFree(c->flag);
     cudaFree(c->ws);
     cudaFree(c->parts);
+    cudaFree(c->route_ws);
     if (c->stream) cudaStreamDestroy(c->stream);
 }
 
@@ -457,6 +468,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->upload = cuda_upload;
     be->download = cuda_download;
     be->upload_bytes = cuda_upload_bytes;
+    be->download_bytes = cuda_download_bytes;
     be->zero = cuda_zero;
     be->copy = cuda_copy;
     be->add = cuda_add;
@@ -475,6 +487,7 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     cuda_fill_loss(be);
     cuda_fill_moe(be);
     cuda_fill_pixels(be);
+    cuda_fill_route(be);
     *out = be;
     return VLMOE_OK;
 }

@@ -51,6 +51,10 @@ struct cuda_ctx {
     size_t pix_cap;
     cudaEvent_t copied[2], consumed[2];
     int pix_next, pix_used[2];
+    // the route op's keys, values, counts and CUB temp storage (src/cuda/route_cuda.cu; grows
+    // like ws, so a step stops allocating once its largest layer has routed)
+    void *route_ws;
+    size_t route_ws_bytes;
 };
 
 static inline cuda_ctx *ctx_of(const backend *be) { return (cuda_ctx *)be->ctx; }
@@ -124,6 +128,7 @@ CU_INTERNAL void cuda_fill_nn(backend *be);    // src/cuda/nn_cuda.cu
 CU_INTERNAL void cuda_fill_embed(backend *be); // src/cuda/embed_cuda.cu
 CU_INTERNAL void cuda_fill_loss(backend *be);  // src/cuda/loss_cuda.cu
 CU_INTERNAL void cuda_fill_moe(backend *be);   // src/cuda/moe_cuda.cu
+CU_INTERNAL void cuda_fill_route(backend *be); // src/cuda/route_cuda.cu
 // the cuda-bf16 table: a copy of the fp32 one whose products these replace
 CU_INTERNAL void cuda_fill_nn_bf16(backend *be);
 CU_INTERNAL void cuda_fill_moe_bf16(backend *be);

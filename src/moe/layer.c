@@ -17,6 +17,7 @@
 #include "dist/dist.h"
 #include "moe/aux.h"
 #include "moe/layer.h"
+#include "moe/route_op.h"
 #include "moe/soft.h"
 #include "nn/model.h"
 #include "ops/ops.h"
@@ -90,6 +91,18 @@ struct R(moe_state) {
     be_dispatch pool_dd;            // the packed slices back onto the logits (backward)
     uint8_t *pool_mod;              // (nmax) modality of each packed token
     int32_t *pool_blk;              // (2 gmax + 1) first packed token of each (group, modality)
+    // routing on the table (be->route, BE_OP_ROUTE): the decision and the packed layout are made
+    // where the gates are; the host downloads the experts' row offsets (E+1 ints: the expert
+    // bank's off[] is host memory) and, only when the statistics or the decision are read, the
+    // rest (moe_stats_sync)
+    int use_route;
+    be_route_out ro;                // the op's outputs: d_rows' layout, d_dec, d_want
+    int32_t *d_dec;                 // device: expert, slot, token, count, expert_off, weight, dropped
+    void *d_route_work;             // be_route_work_bytes(Smax, E)
+    vlmoe_moe_stats *stats_at;      // the record the last forward's statistics are owed to
+    int stats_owed;                 // 1 until moe_stats_sync fills it (device tables only)
+    uint8_t *mod_row;               // (nmax) the last forward's modality by row (its own copy: the
+                                    // statistics may be filled after the caller's array changed)
 };
 
 // The experts tokens of modality m may be routed to: [*e0, *e0 + *ne). Disjoint pools give text
@@ -148,6 +161,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     ALLOC(st->order, nmax);
     ALLOC(st->inv, nmax);
     ALLOC(st->mod_pos, nmax);
+    ALLOC(st->mod_row, nmax);
     DALLOC(st->d_perm, 3 * (size_t)nmax + 1);
     if (ok) { // the identity offsets of the permutation's dispatch: one row per token
         int32_t *h = vlmoe_alloc(sizeof(int32_t) * ((size_t)nmax + 1), "moe identity");
@@ -208,9 +222,29 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->aux_scratch, aux_scratch_floats(Smax, E));
         DALLOC(st->d_rows, 3 * rm + (size_t)nmax + 1);
         DALLOC(st->d_keys, nmax);
-        if (!be->host_memory) {
-            DALLOC(st->d_mod, nmax);
-            DALLOC(st->d_want, (size_t)st->gmax * 3 * E);
+        // the table routes unless it cannot with this configuration (random dispatch order on a
+        // device: then the gates come to the host and route.c decides there, as it always did)
+        const be_route rc = {.E = E, .K = K, .C = C, .experts_choice = c->router == VLMOE_ROUTER_EXPERTS,
+                             .order = c->order, .bpr_score = c->bpr_score, .gate_renorm = c->gate_renorm};
+        st->use_route = be->route && be->supports(be, BE_OP_ROUTE, &rc);
+        if (!be->host_memory || st->use_route) DALLOC(st->d_want, (size_t)st->gmax * 3 * E);
+        if (!be->host_memory) DALLOC(st->d_mod, nmax);
+        if (st->use_route) {
+            // int32: expert, slot (nmax K each), token (gmax E C), count (gmax E), expert_off (E+1);
+            // then the float weights (gmax E C) and the dropped flags (nmax bytes)
+            const size_t sk = (size_t)nmax * K, ec = (size_t)st->gmax * E * C;
+            DALLOC(st->d_dec, 2 * sk + ec + (size_t)st->gmax * E + E + 1 + ec + (size_t)nmax / 4 + 1);
+            ok = ok && (st->d_route_work = be->alloc(be, be_route_work_bytes(Smax, E), "route work")) != NULL;
+            if (ok) {
+                int32_t *d = st->d_dec;
+                st->ro = (be_route_out){.expert = d, .slot = d + sk, .token = d + 2 * sk,
+                                        .count = d + 2 * sk + ec, .expert_off = d + 2 * sk + ec + (size_t)st->gmax * E,
+                                        .wanted = st->d_want, .row_token = st->d_rows, .row_expert = st->d_rows + rm,
+                                        .tok_rows = st->d_rows + 2 * rm, .tok_off = st->d_rows + 3 * rm,
+                                        .rows_max = st->rows_max, .work = st->d_route_work};
+                st->ro.weight = (float *)(st->ro.expert_off + E + 1);
+                st->ro.dropped = (uint8_t *)(st->ro.weight + ec);
+            }
         }
         ALLOC(st->gates_h, ne);
         ALLOC(st->probs_h, ne);
@@ -273,12 +307,12 @@ void R(moe_state_free)(struct R(moe_state) *st) {
                    st->combine, st->dcombine, st->aux_scratch, st->d_rows,
                    st->d_keys, st->soft_acts, st->soft_scratch, st->soft_out, st->d_perm, st->lg,
                    st->ng, st->dlg, st->xg, st->yg, st->dxg, st->d_mod, st->d_want, st->d_mask,
-                   st->d_pool};
+                   st->d_pool, st->d_dec, st->d_route_work};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
                     st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->soft_w_h,
+                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->mod_row, st->soft_w_h,
                     st->run_at, st->run_mod, st->pool_idx, st->pool_off, st->pool_inv, st->pool_mod,
                     st->pool_blk};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
@@ -532,8 +566,75 @@ static void plan_pools(struct R(moe_state) *st) {
     if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, d, r, w);
 }
 
-// Router logits, training noise and gates on the device; the decision of every group on the
-// host from the downloaded gates; then the packed row layout, uploaded for the later phases.
+// The decision of every group and the packed layout made by the table (be->route) where the gates
+// are: only the experts' row offsets come to the host, for the expert bank.
+static int route_on_table(struct R(moe_state) *st, const moe_call *c, int C) {
+    const R(vlmoe_backend) *be = st->be;
+    const vlmoe_moe_config *cfg = st->sp.cfg;
+    const int E = st->E, n = st->n;
+    const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
+    if (mod && st->d_mod) {
+        be->upload_bytes(be, st->d_mod, mod, (size_t)n);
+        mod = st->d_mod;
+    }
+    be_route r = {.n = n, .S = st->S, .G = st->G, .E = E, .K = st->K, .C = C,
+                  .experts_choice = cfg->router != VLMOE_ROUTER_TOKENS, .order = cfg->order,
+                  .bpr_score = cfg->bpr_score, .gate_renorm = cfg->gate_renorm, .seed = c->seed,
+                  .pruned = st->sp.pruned, .pools = st->d_mask != NULL,
+                  .pos_row = st->ordered ? st->perm.row_token : NULL, .mod = mod};
+    for (int m = 0; r.pools && m < 2; m++) pool_of(cfg, m, &r.pool[m][0], &r.pool[m][1]);
+    int stt = be->route(be, st->gates, &r, &st->ro);
+    if (stt) return stt;
+    be->download_bytes(be, st->expert_off, st->ro.expert_off, sizeof(int32_t) * ((size_t)E + 1));
+    for (int e = 0; e < E; e++) st->cnt[e] = st->expert_off[e + 1] - st->expert_off[e];
+    st->rows = st->expert_off[E];
+    if (st->rows < 0 || st->rows > st->rows_max) // a table's invariant: never trust a size blindly
+        return vlmoe_fail(VLMOE_ERR_ARG, "moe: the %s table's routing gave %d packed rows, outside [0, %d]",
+                          be->name, st->rows, st->rows_max);
+    return VLMOE_OK;
+}
+
+// Everything the statistics and vlmoe_model_routing read on the host, from a table's routing:
+// the gates, clean probabilities, each group's decision and the packed layout.
+static void route_fetch(struct R(moe_state) *st) {
+    const R(vlmoe_backend) *be = st->be;
+    const int E = st->E, K = st->K, S = st->S, C = st->C, n = st->n;
+    be->download(be, st->gates_h, st->gates, (size_t)n * E);
+    be->download(be, st->probs_h, st->probs, (size_t)n * E);
+    const be_route_out *o = &st->ro;
+    for (int g = 0; g < st->G; g++) {
+        vlmoe_routing *rt = &st->rt[g];
+        rt->S = S, rt->C = C;
+        const size_t sk = (size_t)S * K, ec = (size_t)E * C;
+        be->download_bytes(be, rt->expert, o->expert + g * sk, sizeof(int32_t) * sk);
+        be->download_bytes(be, rt->slot, o->slot + g * sk, sizeof(int32_t) * sk);
+        be->download_bytes(be, rt->token, o->token + g * ec, sizeof(int32_t) * ec);
+        be->download_bytes(be, rt->weight, o->weight + g * ec, sizeof(float) * ec);
+        be->download_bytes(be, rt->count, o->count + (size_t)g * E, sizeof(int32_t) * (size_t)E);
+        be->download_bytes(be, rt->wanted, o->wanted + (size_t)g * 3 * E, sizeof(int32_t) * (size_t)E);
+        be->download_bytes(be, rt->dropped, o->dropped + (size_t)g * S, (size_t)S);
+    }
+    const size_t rb = sizeof(int32_t) * (size_t)st->rows;
+    be->download_bytes(be, st->row_token, o->row_token, rb);
+    be->download_bytes(be, st->row_expert, o->row_expert, rb);
+    be->download_bytes(be, st->tok_rows, o->tok_rows, rb);
+    be->download_bytes(be, st->tok_off, o->tok_off, sizeof(int32_t) * ((size_t)n + 1));
+}
+
+void R(moe_stats_sync)(struct R(moe_state) *st) {
+    if (!st || !st->stats_owed) return;
+    st->stats_owed = 0;
+    route_fetch(st);
+    fill_stats(st, st->stats_at);
+}
+
+void R(moe_stats_forget)(struct R(moe_state) *st) {
+    if (st) st->stats_owed = 0;
+}
+
+// Router logits, training noise and gates on the device; the decision of every group by the
+// table where it can (route_on_table), else on the host from the downloaded gates, the packed
+// row layout then uploaded for the later phases.
 static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, const real *x) {
     const R(vlmoe_backend) *be = st->be;
     const moe_spec *sp = &st->sp;
@@ -557,8 +658,6 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         be->softmax_forward(be, st->gates, st->noisy, n, E);
     else
         be->copy(be, st->gates, st->probs, (size_t)n * E);
-    be->download(be, st->gates_h, st->gates, (size_t)n * E);
-    be->download(be, st->probs_h, st->probs, (size_t)n * E);
     if (st->ordered && !st->d_mask) { // the auxiliary losses see each group's rows together, in group order
         be->gather_rows(be, st->lg, st->logits, st->perm.row_token, n, E);
         if (st->noisy_on) be->gather_rows(be, st->ng, st->noisy, st->perm.row_token, n, E);
@@ -570,6 +669,18 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
         return vlmoe_fail(VLMOE_ERR_ARG, "moe: capacity %d of a group of %d tokens exceeds the %d "
                           "the layer was sized for", C, st->S, st->cmax);
     st->C = C;
+    const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;
+    if (st->use_route) {
+        if ((stt = route_on_table(st, c, C))) return stt;
+        if (st->d_mask) plan_pools(st);
+        int32_t *d = st->d_rows;
+        const size_t rm = (size_t)st->rows_max;
+        st->dd = (be_dispatch){n, st->rows, E, d, d + rm, d + 3 * rm, d + 2 * rm};
+        be->combine_weights(be, st->combine, st->zsum, st->gates, &st->dd, renorm);
+        return VLMOE_OK;
+    }
+    be->download(be, st->gates_h, st->gates, (size_t)n * E);
+    be->download(be, st->probs_h, st->probs, (size_t)n * E);
     vlmoe_route_params rp = {K, C, cfg->order, cfg->bpr_score, cfg->gate_renorm, 0};
     for (int g = 0; g < st->G; g++) {
         for (int i = 0; i < st->S; i++) {
@@ -630,7 +741,6 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
     be->upload_bytes(be, d + 2 * rm, st->tok_rows, sizeof(int32_t) * (size_t)st->rows);
     be->upload_bytes(be, d + 3 * rm, st->tok_off, sizeof(int32_t) * ((size_t)n + 1));
     st->dd = (be_dispatch){n, st->rows, E, d, d + rm, d + 3 * rm, d + 2 * rm};
-    const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;
     be->combine_weights(be, st->combine, st->zsum, st->gates, &st->dd, renorm);
     return VLMOE_OK;
 }
@@ -649,7 +759,7 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
     const R(vlmoe_backend) *be = st->be;
     const vlmoe_moe_config *cfg = st->sp.cfg;
     const int E = st->E;
-    const int dev = st->d_want != NULL;
+    const int dev = st->d_mod != NULL; // the table's memory is not the host's
     const uint8_t *kmod = st->pool_mod;
     if (dev) be->upload_bytes(be, st->d_mod, st->pool_mod, (size_t)st->n), kmod = st->d_mod;
     if (dlogits) be->zero(be, st->dlg, (size_t)st->pool_rows * st->pool_w);
@@ -660,7 +770,9 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
         size_t at = 0; // the block's first packed logit
         for (int g = 0; g < st->G; g++) {
             const int32_t *want = st->rt[g].wanted;
-            if (dev) {
+            if (st->use_route) { // the table's routing counted them there
+                want = st->d_want + (size_t)g * 3 * E;
+            } else if (dev) {
                 int32_t *dw = st->d_want + (size_t)g * 3 * E;
                 be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
                 want = dw;
@@ -704,7 +816,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     real *dl = dlogits && st->ordered ? st->dlg : dlogits;
     if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
     // the losses run where the table's memory is: what they read from the host goes there first
-    const int dev = st->d_want != NULL;
+    const int dev = st->d_mod != NULL; // the table's memory is not the host's
     const uint8_t *kmod = dev && mod ? st->d_mod : mod;
     if (dev && mod) be->upload_bytes(be, st->d_mod, mod, (size_t)st->n);
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
@@ -714,12 +826,16 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
             const size_t o = (size_t)g * st->S * E;
             const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
             // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
-            memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
-            for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
-                for (int r = 0; r < st->K; r++)
-                    st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
             const int32_t *want = st->rt[g].wanted, *wmod = st->wanted_mod;
-            if (dev) {
+            if (st->use_route) { // the table's routing counted both where the losses run
+                want = st->d_want + (size_t)g * 3 * E, wmod = want + E;
+            } else {
+                memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
+                for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
+                    for (int r = 0; r < st->K; r++)
+                        st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
+            }
+            if (dev && !st->use_route) {
                 int32_t *dw = st->d_want + (size_t)g * 3 * E;
                 be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
                 if (k == VLMOE_AUX_SWITCH) be->upload_bytes(be, dw + E, wmod, sizeof(int32_t) * 2 * (size_t)E);
@@ -930,13 +1046,16 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     const R(vlmoe_backend) *be = st->be;
     const moe_spec *sp = &st->sp;
     const int D = sp->D, n = c->n;
+    // statistics still owed to another record (a recomputation under gradient checkpointing
+    // names a scratch one) are filled before this pass overwrites the decision they read
+    if (st->stats_owed && st->stats_at != s) R(moe_stats_sync)(st);
     int S, stt = moe_plan_groups(sp, n, c->training, c->examples, c->modality, &S, st->order, &st->ordered);
     if (stt) return stt;
     st->n = n;
     st->S = S;
     st->G = S ? n / S : 0;
     st->training = c->training;
-    st->modality = c->modality;
+    st->modality = c->modality ? memcpy(st->mod_row, c->modality, (size_t)n) : NULL;
     st->have_keys = c->keys != NULL;
     for (int t = 0; t < n; t++) st->keys[t] = c->keys ? c->keys[t] : (uint64_t)t;
     if (st->ordered) {
@@ -970,7 +1089,12 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     }
     be->combine_forward(be, out, st->y, st->combine, &st->dd, D);
     *aux = moe_aux(st, s, 1.0, NULL);
-    fill_stats(st, s);
+    if (st->use_route) { // the statistics download what they read: on a device, when read
+        st->stats_at = s, st->stats_owed = 1;
+        if (be->host_memory) R(moe_stats_sync)(st);
+    } else {
+        fill_stats(st, s);
+    }
     return VLMOE_OK;
 }
 

@@ -84,7 +84,13 @@ struct vlmoe_dist; // src/dist/dist.h
     int moe_routing_##S(const moe_state_##S *st, vlmoe_token_route *out, int cap, int *count);    \
     /* the last forward's router probabilities summed over the tokens of one modality (E), so */ \
     /* the statistics of several forwards merge (src/nn/towers_accum.c); NULL for Soft MoE */     \
-    const double *moe_gate_sums_##S(const moe_state_##S *st, int modality);
+    const double *moe_gate_sums_##S(const moe_state_##S *st, int modality);                   \
+    /* on a table that routes where its memory is (be->route), the statistics, the decision */   \
+    /* moe_routing reads and the gate sums are downloaded when read: whoever hands out the */    \
+    /* stats record calls sync first; forget drops a debt whose record was reset (the layer */   \
+    /* did not run in this pass). Both are no-ops otherwise */                                   \
+    void moe_stats_sync_##S(moe_state_##S *st);                                                  \
+    void moe_stats_forget_##S(moe_state_##S *st);
 
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)

@@ -345,6 +345,9 @@ const struct R(moe_state) *R(graph_moe_layer)(const struct R(graph) *g, int inde
 
 const vlmoe_moe_stats *R(graph_moe_stats)(const struct R(graph) *g, int *count) {
     if (count) *count = g->L->nmoe;
+    // a device table's routing statistics come to the host when read (src/moe/layer.c)
+    for (int e = 0; e < g->L->nenc; e++)
+        for (int l = 0; l < g->L->enc[e].layers; l++) R(moe_stats_sync)(g->enc[e].layers[l].moe);
     return g->L->nmoe ? g->stats : NULL;
 }
 

@@ -302,6 +302,9 @@ const struct R(moe_state) *R(mome_graph_moe_layer)(const struct R(mome_graph) *g
 
 const vlmoe_moe_stats *R(mome_graph_moe_stats)(const struct R(mome_graph) *g, int *count) {
     if (count) *count = g->L->nmoe;
+    // a device table's routing statistics come to the host when read (src/moe/layer.c)
+    for (int l = 0; l < g->L->enc[0].layers; l++)
+        for (int k = MOME_V; k <= MOME_T; k++) R(moe_stats_sync)(g->layers[l].moe[k]);
     return g->L->nmoe ? g->stats : NULL;
 }
 
@@ -573,6 +576,8 @@ int R(mome_graph_forward)(struct R(mome_graph) *g, const real *P, const R(mome_i
     g->aux = 0;
     // layers this encoding does not run (V-MoE for texts, T-MoE for images) report 0 tokens, not
     // the numbers of an earlier forward
+    for (int l = 0; l < E->layers; l++) // nor what a device table still owed them (src/moe/layer.c)
+        for (int k = MOME_V; k <= MOME_T; k++) R(moe_stats_forget)(g->layers[l].moe[k]);
     for (int i = 0; i < L->nmoe; i++) {
         vlmoe_moe_stats *s = &g->stats[i];
         const vlmoe_moe_stats keep = *s;

@@ -11,6 +11,7 @@ static const char *const op_names[BE_OP_COUNT] = {
     "pool", "l2norm", "contrastive", "xent", "gather_rows", "combine", "combine_weights",
     "router_noise", "aux_loss", "soft_moe", "experts", "sumsq", "scale", "adamw", "clamp",
     "pixels", "step_scalars",
+    "route",
 };
 
 const char *be_op_name(be_op op) {

@@ -27,6 +27,7 @@ typedef enum {
     BE_OP_GATHER_ROWS, BE_OP_COMBINE, BE_OP_COMBINE_WEIGHTS, BE_OP_ROUTER_NOISE, BE_OP_AUX_LOSS,
     BE_OP_SOFT_MOE, BE_OP_EXPERTS, BE_OP_SUMSQ, BE_OP_SCALE, BE_OP_ADAMW, BE_OP_CLAMP,
     BE_OP_PIXELS, BE_OP_STEP_SCALARS,
+    BE_OP_ROUTE,
     BE_OP_COUNT
 } be_op;
 const char *be_op_name(be_op op);
@@ -75,6 +76,48 @@ typedef struct {
     int B, C, H, W, hwc;
     float mean[BE_PIXELS_MAX_C], std[BE_PIXELS_MAX_C];
 } be_pixels;
+
+// One routing call: the decision of G groups of S tokens each (src/moe/route.c per group), then
+// the packed row layout of be_dispatch, all where the table's memory is. Position p = g*S + i of
+// the group-major order reads activation row pos_row[p] (NULL: row p). The gate route.c sees for
+// (p, e) is (float)gates[row, e], or -1 where expert e is pruned (bit e of pruned) or outside the
+// pool of the position's modality (pools set: mod[p] picks pool[mod][0] .. + pool[mod][1]),
+// exactly as src/moe/layer.c masks them. This struct is also the `supports` cfg of BE_OP_ROUTE.
+typedef struct {
+    int n, S, G, E;
+    int K;                   // top_k (tokens choice); the per-token arrays' width (experts choice: 1)
+    int C;                   // capacity per expert and group (vlmoe_capacity)
+    int experts_choice;      // 1: each expert takes its top-C tokens (vlmoe_route_experts_choice)
+    int order, bpr_score, gate_renorm; // VLMOE_ORDER_*, VLMOE_BPR_*, VLMOE_RENORM_* (tokens choice)
+    uint64_t seed;           // VLMOE_ORDER_RANDOM: group g uses seed + 0x9e3779b97f4a7c15 (g+1)
+    uint64_t pruned;         // experts never picked (router_pred pruning)
+    int pools;               // disjoint expert pools per modality (LIMoE E.3 text_experts)
+    int pool[2][2];          // {first expert, experts} of the image and the text pool
+    const int32_t *pos_row;  // (n) table memory, or NULL
+    const uint8_t *mod;      // (n) modality by position (table memory), or NULL: all images
+} be_route;
+
+// What be_route writes (table memory). The per-group arrays are vlmoe_routing's, group g's at
+// g times their size, with this call's S and C as strides. rows_max bounds the packed rows.
+typedef struct {
+    int32_t *expert, *slot;  // (G,S,K) each choice's expert and slot (-1: dropped; experts choice: -1)
+    int32_t *token;          // (G,E,C) the token (in-group index) in each slot, -1 if empty
+    float *weight;           // (G,E,C) combine weight of each filled slot, 0 if empty
+    int32_t *count;          // (G,E) accepted assignments
+    int32_t *wanted;         // (G,3,E) assignments before capacity: all, then the image and the
+                             // text positions' (tokens choice; zeros with experts choice)
+    uint8_t *dropped;        // (G,S) 1 when every assignment of the token was dropped
+    int32_t *row_token, *row_expert, *tok_rows; // (rows_max) be_dispatch's arrays; rows ordered
+                             // by expert, then group, then slot
+    int32_t *tok_off;        // (n+1) be_dispatch's, by activation row
+    int32_t *expert_off;     // (E+1) expert e owns rows [expert_off[e], expert_off[e+1])
+    int rows_max;
+    void *work;              // be_route_work_bytes(S, E) of table memory: the CPU tables' scratch
+                             // (a device table may keep its own and leave this unread)
+} be_route_out;
+static inline size_t be_route_work_bytes(int S, int E) {
+    return sizeof(float) * (size_t)S * (size_t)E + 2 * sizeof(int32_t) * (size_t)S;
+}
 
 #define BACKEND_DECL(T, S)                                                                       \
     typedef struct vlmoe_backend_##S vlmoe_backend_##S;                                          \
@@ -224,6 +267,12 @@ typedef struct {
                                         const T *img, const T *txt, T scale, int B, int E,       \
                                         double *out);                                            \
         void (*sumsq_dev)(const vlmoe_backend_##S *be, const T *x, size_t n, double *out);       \
+        /* device -> host of n bytes (the routing decision's integers), waits like download */  \
+        void (*download_bytes)(const vlmoe_backend_##S *be, void *host, const void *src, size_t n); \
+        /* the routing decision and packed layout (be_route); VLMOE_OK, or an error such as   */ \
+        /* route.c's for non-finite gates (a device table may report none: see docs/GPU.md) */  \
+        int (*route)(const vlmoe_backend_##S *be, const T *gates, const be_route *r,             \
+                     const be_route_out *o);                                                     \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

@@ -13,6 +13,7 @@
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
 #include "ops/gemm_int8.h"
+#include "moe/route_op.h"
 
 typedef struct R(vlmoe_backend) backend;
 
@@ -519,6 +520,11 @@ static void cpu_sumsq_dev(const backend *be, const real *x, size_t n, double *ou
     out[1] = bad;
 }
 
+// the routing decision is route.c itself, on host memory (src/moe/route_op.c)
+static int cpu_route(const backend *be, const real *gates, const be_route *r, const be_route_out *o) {
+    return R(route_host)(gates, r, o);
+}
+
 // Every entry but the name, the products and the fp32 twin: the same in both tables.
 #define CPU_COMMON_ENTRIES \
     .host_memory = 1, \
@@ -574,7 +580,9 @@ static void cpu_sumsq_dev(const backend *be, const real *x, size_t n, double *ou
     .pixels_stage = cpu_pixels_stage, \
     .pixels_normalize = cpu_pixels_normalize, \
     .contrastive_forward_dev = cpu_contrastive_forward_dev, \
-    .sumsq_dev = cpu_sumsq_dev
+    .sumsq_dev = cpu_sumsq_dev, \
+    .download_bytes = cpu_upload_bytes, \
+    .route = cpu_route
 
 static const backend cpu_table = {
     .name = "cpu",

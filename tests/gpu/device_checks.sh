@@ -44,7 +44,7 @@ part() {  # part NAME SECONDS CMD...: runs CMD with a limit, output to OUT/NAME.
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 TAILN=3 part backend_ops 50 "$BIN/test_backend_ops"
-[ -f "$OUT/backend_ops.txt" ] && grep -E "FAIL|skip|bf16" "$OUT/backend_ops.txt" | head -20
+[ -f "$OUT/backend_ops.txt" ] && grep -E "FAIL|skip|bf16|route" "$OUT/backend_ops.txt" | head -20
 TAILN=19 part parity 190 env PYTHON="$PY" sh tests/gpu/parity.sh "$BIN/vlmoe" /tmp/vlmoe-parity
 for p in bf16 fp32; do
     TAILN=1 part "b16_vlmoe_$p" 50 "$BIN/bench_step" $b16 --device cuda --precision $p --batch 64 --steps 5 --warmup 2
