@@ -4,9 +4,8 @@
 // oneDNN 2.6's matmul cannot take (its zero points are one per tensor). The weights are
 // quantized and put into the blocked layout of oneDNN's int8 brgemm once (with the shift's
 // compensation, which the reorder computes); a product then runs fixed blocks of rows, each one
-// single-threaded matmul (int32 sums, fp32 output times the weights' scales, given at run time
-// so one primitive, kept per shape, serves every expert), its rows quantized right before and
-// the rows' scales, the bias (and for an MLP the activation and the next product) right after,
+// single-threaded matmul (int32 sums as fp32; one primitive, kept per shape, serves every
+// expert), its rows quantized right before and the weights' and rows' scales, the bias (and for an MLP the activation and the next product) right after,
 // while the block is in cache. Covered by tests/test_int8.c.
 #include <dnnl.h>
 #include <math.h>
@@ -34,6 +33,7 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
         int8_t *qi = q + (size_t)i * K;
         float amax = 0;
         int finite = 1;
+#pragma omp simd reduction(max : amax) reduction(& : finite)
         for (int k = 0; k < K; k++) {
             const float a = fabsf(r[k]);
             finite &= a <= 3.4e38f; // false for NaN too
@@ -77,14 +77,12 @@ static dnnl_stream_t stream(void) {
 // and a block's hidden rows (BS x M fp32 and int8) stay in L2. Results do not depend on it.
 enum { BS = 128 };
 
-// The matmul (m,K)x(K,N) -> f32 (m,N) dense, one output scale per column given at run time,
-// B in layout *wmd (format any when NULL: pd_out then gets the descriptor), the scratchpad the
+// The matmul (m,K)x(K,N) -> f32 (m,N) dense (the exact int32 sums), B in layout *wmd (format any when NULL: pd_out then gets the descriptor), the scratchpad the
 // caller's (threads run the same primitive at once). Made for one thread, as every block runs.
 static int make_matmul(dnnl_primitive_t *prim, dnnl_primitive_desc_t *pd_out, int m, int N, int K,
                        const dnnl_memory_desc_t *wmd) {
     dnnl_memory_desc_t md_a, md_b, md_c;
     const dnnl_dims_t da = {m, K}, sa = {K, 1}, db = {K, N}, dc = {m, N}, sc = {N, 1};
-    const float runtime = DNNL_RUNTIME_F32_VAL;
     dnnl_matmul_desc_t desc;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_primitive_desc_t pd = NULL;
@@ -93,7 +91,6 @@ static int make_matmul(dnnl_primitive_t *prim, dnnl_primitive_desc_t *pd_out, in
              (wmd ? (md_b = *wmd, 1) : dnnl_memory_desc_init_by_tag(&md_b, 2, db, dnnl_s8, dnnl_format_tag_any) == dnnl_success) &&
              dnnl_matmul_desc_init(&desc, &md_a, &md_b, NULL, &md_c) == dnnl_success &&
              dnnl_primitive_attr_create(&attr) == dnnl_success &&
-             dnnl_primitive_attr_set_output_scales(attr, 1, 1 << 1, &runtime) == dnnl_success &&
              dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user) == dnnl_success;
     const int nt = omp_get_max_threads();
     omp_set_num_threads(1);
@@ -176,47 +173,44 @@ static void *scratch(size_t bytes, int slot) {
 }
 
 // The same block without oneDNN (a refused primitive): the same int32 sums, so the same values.
-static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, const float *bscale, float *C) {
+static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, float *C) {
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
             int32_t s = 0;
             for (int k = 0; k < K; k++) s += (int32_t)A[(size_t)i * K + k] * B[(size_t)j * K + k];
-            C[(size_t)i * N + j] = (float)s * bscale[j];
+            C[(size_t)i * N + j] = (float)s;
         }
 }
 
-// C (m, O) = (A (m,K) . matrix c of t ^T) * its scales, on this thread.
+// C (m, O) = A (m,K) . (matrix c of t)^T, the exact int32 sums as floats, on this thread. The
+// weights' scales come after, in the epilogue: oneDNN 2.6 takes run-time output scales only
+// in its gemm:jit int8 kernel, which ran these shapes at a fifth of brgemm's rate.
 static void block_matmul(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
     const int8_t *q = t->q + c * (size_t)t->O * t->K;
-    const float *ws = t->scale + c * (size_t)t->O;
     entry e = {0};
     int owned = 0, ok = t->packed && block_prim(t, m, &e, &owned) == 0;
-    dnnl_memory_desc_t md_a, md_c, md_s;
-    const dnnl_dims_t da = {m, t->K}, sa = {t->K, 1}, dc = {m, t->O}, sc = {t->O, 1}, ds = {t->O}, ss = {1};
-    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL, mp = NULL;
+    dnnl_memory_desc_t md_a, md_c, md_p;
+    const dnnl_dims_t da = {m, t->K}, sa = {t->K, 1}, dc = {m, t->O}, sc = {t->O, 1};
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, mp = NULL;
     void *pad = ok && e.scratch ? scratch(e.scratch, 6) : NULL;
-    dnnl_memory_desc_t md_p;
     const dnnl_dims_t dp = {(dnnl_dim_t)(ok ? e.scratch : 0)};
     ok = ok && (!e.scratch || pad) && stream() &&
          dnnl_memory_desc_init_by_strides(&md_a, 2, da, dnnl_s8, sa) == dnnl_success &&
          dnnl_memory_desc_init_by_strides(&md_c, 2, dc, dnnl_f32, sc) == dnnl_success &&
-         dnnl_memory_desc_init_by_strides(&md_s, 1, ds, dnnl_f32, ss) == dnnl_success &&
          dnnl_memory_desc_init_by_tag(&md_p, 1, dp, dnnl_u8, dnnl_a) == dnnl_success &&
          dnnl_memory_create(&ma, &md_a, engine(), (void *)A) == dnnl_success &&
          dnnl_memory_create(&mb, t->md, engine(), (char *)t->packed + c * t->pbytes) == dnnl_success &&
          dnnl_memory_create(&mc, &md_c, engine(), C) == dnnl_success &&
-         dnnl_memory_create(&ms, &md_s, engine(), (void *)ws) == dnnl_success &&
          (!e.scratch || dnnl_memory_create(&mp, &md_p, engine(), pad) == dnnl_success);
     if (ok) {
-        const dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc},
-                                         {DNNL_ARG_ATTR_OUTPUT_SCALES, ms}, {DNNL_ARG_SCRATCHPAD, mp}};
-        ok = dnnl_primitive_execute(e.prim, stream(), e.scratch ? 5 : 4, args) == dnnl_success &&
+        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc},
+                                         {DNNL_ARG_SCRATCHPAD, mp}};
+        ok = dnnl_primitive_execute(e.prim, stream(), e.scratch ? 4 : 3, args) == dnnl_success &&
              dnnl_stream_wait(stream()) == dnnl_success;
     }
-    dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(ms);
-    dnnl_memory_destroy(mp);
+    dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(mp);
     if (owned) dnnl_primitive_destroy(e.prim);
-    if (!ok) matmul_ref(m, t->O, t->K, A, q, ws, C);
+    if (!ok) matmul_ref(m, t->O, t->K, A, q, C);
 }
 
 // Whether t holds an (O,K) int8 matrix starting at row.
@@ -229,15 +223,18 @@ static int holds(const int8_tensor *t, size_t row, int K, int O) {
 // which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand): holds()
 // refuses wider.
 
-// out rows [r0, r0+m) = xs t + b (beta: added), t the block's scaled product
-static void epilogue(float *out, const float *t, const float *xs, const float *b, int m, int O, int beta) {
+// out (m,O) = xs[i] (ws[j] acc[i][j]) + b[j] (beta: added), acc the block's int32 sums as floats
+static void epilogue(float *out, const float *acc, const float *xs, const float *ws, const float *b, int m, int O,
+                     int beta) {
     for (int i = 0; i < m; i++) {
         float *oi = out + (size_t)i * O;
-        const float *ti = t + (size_t)i * O, s = xs[i];
+        const float *ai = acc + (size_t)i * O, s = xs[i];
         if (beta) {
-            for (int j = 0; j < O; j++) oi[j] = oi[j] + (s * ti[j] + (b ? b[j] : 0.0f));
+#pragma omp simd
+            for (int j = 0; j < O; j++) oi[j] = oi[j] + (s * (ai[j] * ws[j]) + (b ? b[j] : 0.0f));
         } else {
-            for (int j = 0; j < O; j++) oi[j] = s * ti[j] + (b ? b[j] : 0.0f);
+#pragma omp simd
+            for (int j = 0; j < O; j++) oi[j] = s * (ai[j] * ws[j]) + (b ? b[j] : 0.0f);
         }
     }
 }
@@ -264,7 +261,7 @@ int linear_forward_int8(float *out, const float *x, const int8_tensor *t, size_t
                 const int r0 = blk * BS, m = N - r0 < BS ? N - r0 : BS;
                 int8_quantize_rows(xq, xs, x + (size_t)r0 * K, m, K, K);
                 block_matmul(t, c, m, xq, tb);
-                epilogue(out + (size_t)r0 * O, tb, xs, b, m, O, beta);
+                epilogue(out + (size_t)r0 * O, tb, xs, t->scale + c * (size_t)O, b, m, O, beta);
             }
         }
     }
@@ -306,11 +303,11 @@ int experts_forward_int8(float *y, const float *x, const int8_expert *ex, const 
                 const int8_expert *w = &ex[e];
                 int8_quantize_rows(xq, xs, x + (size_t)r0 * D, m, D, D);
                 block_matmul(w->t1, w->r1 / (size_t)M, m, xq, h);
-                epilogue(h, h, xs, w->b1, m, M, 0);
+                epilogue(h, h, xs, w->t1->scale + w->r1, w->b1, m, M, 0);
                 act_forward_f32(h, h, (size_t)m * M, act);
                 int8_quantize_rows(aq, as, h, m, M, M);
                 block_matmul(w->t2, w->r2 / (size_t)D, m, aq, t2);
-                epilogue(y + (size_t)r0 * D, t2, as, w->b2, m, D, beta);
+                epilogue(y + (size_t)r0 * D, t2, as, w->t2->scale + w->r2, w->b2, m, D, beta);
             }
         }
     }
