@@ -191,7 +191,8 @@ def main():
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
     rows, all_res, erows = [], {}, []
     for t in threads:
-        for name, batch in models:
+        # the inference table: the first model only, unless it is all this run does
+        for name, batch in (models if a.embed_only else models[:1]):
             path = os.path.join(HERE, "models", name + ".json")
             er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin)
             all_res[f"{name}/{t}/embed"] = er
