@@ -148,7 +148,15 @@ def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin):
     return out
 
 
-def print_embed(rows, rounds, reps):
+def loadavg():
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def print_embed(rows, rounds, reps, loads):
+    print(f"\nload average (1, 5, 15 min) before the inference runs {loads[0]}, after {loads[1]}")
     print(f"\nembedding alone (bench_step --embed / torch_step.py --embed, inference_mode), batch 64: medians over "
           f"{rounds} alternating rounds of each run's median of {reps} encodes (range of the run medians); "
           f"x: against PyTorch fp32")
@@ -190,6 +198,7 @@ def main():
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
     rows, all_res, erows = [], {}, []
+    load0 = loadavg()
     for t in threads:
         # the inference table: the first model only, unless it is all this run does
         for name, batch in (models if a.embed_only else models[:1]):
@@ -197,8 +206,9 @@ def main():
             er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin)
             all_res[f"{name}/{t}/embed"] = er
             erows.append((name, t, er))
+    loads = (load0, loadavg())
     if a.embed_only:
-        print_embed(erows, a.rounds, a.embed_reps)
+        print_embed(erows, a.rounds, a.embed_reps, loads)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(all_res, f, indent=1)
@@ -242,7 +252,7 @@ def main():
     print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
           + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
                       f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
-    print_embed(erows, a.rounds, a.embed_reps)
+    print_embed(erows, a.rounds, a.embed_reps, loads)
     for t in sorted({r[1] for r in rows}, reverse=True):
         by = {r[0]: r[4] for r in rows if r[1] == t}
         if "bench-s" in by and "bench-s-dense" in by:
