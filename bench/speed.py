@@ -123,9 +123,11 @@ def embed_commands(model, threads, batch, reps, bindir, base_bin):
     return cmds
 
 
-def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin):
+def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin, programs=None):
     """Alternating rounds of inference alone; returns {impl: {"img": .., "img_lo": .., ...}}."""
     cmds = embed_commands(model, threads, batch, reps, bindir, base_bin)
+    if programs:
+        cmds = {k: v for k, v in cmds.items() if k in programs.split(",")}
     names = list(cmds)
     res = {k: [] for k in names}
     for r in range(rounds):
@@ -191,6 +193,7 @@ def main():
     ap.add_argument("--embed-only", action="store_true", help="only the inference table")
     ap.add_argument("--embed-reps", type=int, default=7, help="encodes per run of the inference table")
     ap.add_argument("--base-bin", help="another build's bench dir, alternated with --bin in the inference table")
+    ap.add_argument("--programs", help="only these programs of the inference table (say vlmoe-int8,base-int8,torch)")
     a = ap.parse_args()
     models = [(x, 64) for x in a.models.split(",")] + ([("bench-b16", 8)] if a.b16 else [])
     threads = [int(x) for x in a.threads.split(",")]
@@ -203,7 +206,7 @@ def main():
         # the inference table: the first model only, unless it is all this run does
         for name, batch in (models if a.embed_only else models[:1]):
             path = os.path.join(HERE, "models", name + ".json")
-            er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin)
+            er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin, a.programs)
             all_res[f"{name}/{t}/embed"] = er
             erows.append((name, t, er))
     loads = (load0, loadavg())
