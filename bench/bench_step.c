@@ -3,8 +3,9 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
-// [--precision fp32|bf16] [--device cpu|cuda[:N]]  (bf16 with cuda: the cuda-bf16 table, named in
-// the "matmul" field, src/cuda/bf16_cuda.cu)
+// [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N]  (bf16 with cuda: the cuda-bf16
+// table, named in the "matmul" field, src/cuda/bf16_cuda.cu). --embed N: inference only (int8
+// allowed), no training step; the throughputs are medians of N timed encodes per modality.
 // Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
 // compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
 #include <math.h>
@@ -42,10 +43,10 @@ static double step_flops(const vlmoe_model_config *c, int B) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16] [--device cpu|cuda[:N]]\n");
+        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N]\n");
         return 2;
     }
-    int B = 64, steps = 10, warmup = 2, threads = 0, fell_back = 0;
+    int B = 64, steps = 10, warmup = 2, threads = 0, fell_back = 0, embed = 0;
     const char *precision = "fp32", *device = NULL;
     for (int i = 2; i + 1 < argc; i += 2) {
         int v = atoi(argv[i + 1]);
@@ -55,6 +56,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--steps")) steps = v;
         else if (!strcmp(argv[i], "--warmup")) warmup = v;
         else if (!strcmp(argv[i], "--threads")) threads = v;
+        else if (!strcmp(argv[i], "--embed")) embed = v;
         else {
             fprintf(stderr, "bench_step: unknown option %s\n", argv[i]);
             return 2;
@@ -69,7 +71,7 @@ int main(int argc, char **argv) {
     if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) ||
         (device && model_set_device(m, device)) || model_set_precision(m, precision, &fell_back) ||
         vlmoe_model_plan(m, B) ||
-        vlmoe_trainer_init(&tr, m, &tp)) {
+        (!embed && vlmoe_trainer_init(&tr, m, &tp))) {
         fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
         return 1;
     }
@@ -83,10 +85,11 @@ int main(int argc, char **argv) {
         for (int t = 0; t < T; t++) tok[b * T + t] = t < len[b] ? (b * 131 + t * 17) % cfg.vocab_size : 0;
     }
     vlmoe_batch batch = {B, img, tok, len};
-    double *dt = malloc(sizeof(double) * (steps > 0 ? steps : 1));
-    vlmoe_step_stats st;
+    if (embed) steps = 1, warmup = 0;
+    double *dt = calloc((size_t)(steps > 0 ? steps : 1), sizeof(double));
+    vlmoe_step_stats st = {0};
     double total = 0;
-    for (int i = 0; i < warmup + steps; i++) {
+    for (int i = 0; i < warmup + steps && !embed; i++) {
         if (i == warmup) prof_reset();
         double t0 = bench_now();
         if (vlmoe_trainer_step(tr, &batch, &st)) {
@@ -96,38 +99,65 @@ int main(int argc, char **argv) {
         if (i >= warmup) total += dt[i - warmup] = bench_now() - t0;
     }
 #ifdef VLMOE_PROFILE
-    double prof[PROF_COUNT], sum = 0;
-    prof_read(prof);
-    fprintf(stderr, "per-op profile of one %s step at %d threads (mean of %d steps, %.3f s):\n", cfg.name,
-            omp_get_max_threads(), steps, total / steps);
-    for (int c = 0; c < PROF_COUNT; c++) {
-        sum += prof[c];
-        fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", prof_name(c), 1e3 * prof[c] / steps, 100 * prof[c] / total);
+    if (!embed) {
+        double prof[PROF_COUNT], sum = 0;
+        prof_read(prof);
+        fprintf(stderr, "per-op profile of one %s step at %d threads (mean of %d steps, %.3f s):\n", cfg.name,
+                omp_get_max_threads(), steps, total / steps);
+        for (int c = 0; c < PROF_COUNT; c++) {
+            sum += prof[c];
+            fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", prof_name(c), 1e3 * prof[c] / steps, 100 * prof[c] / total);
+        }
+        fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (total - sum) / steps,
+                100 * (total - sum) / total);
     }
-    fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (total - sum) / steps,
-            100 * (total - sum) / total);
 #endif
     qsort(dt, steps, sizeof(double), bench_cmp);
-    // inference throughput: one modality per call, as an embedding job runs
-    double ti = 1e30, tt = 1e30;
-    for (int r = 0; r < 5; r++) {
+    // inference throughput: one modality per call, as an embedding job runs; after training the
+    // best of 5, with --embed the median of N after one untimed call each
+    const int reps = embed ? embed : 5;
+    double *ri = malloc(sizeof(double) * reps), *rt = malloc(sizeof(double) * reps);
+    for (int r = -(embed > 0); r < reps; r++) {
+        if (r == 0) prof_reset();
         double t0 = bench_now();
-        vlmoe_model_encode_images(m, img, B, emb);
+        int e1 = vlmoe_model_encode_images(m, img, B, emb);
         double t1 = bench_now();
-        vlmoe_model_encode_texts(m, tok, len, B, emb);
+        int e2 = vlmoe_model_encode_texts(m, tok, len, B, emb);
         double t2 = bench_now();
-        ti = t1 - t0 < ti ? t1 - t0 : ti;
-        tt = t2 - t1 < tt ? t2 - t1 : tt;
+        if (e1 || e2) {
+            fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
+            return 1;
+        }
+        if (r >= 0) ri[r] = t1 - t0, rt[r] = t2 - t1;
     }
+    qsort(ri, reps, sizeof(double), bench_cmp);
+    qsort(rt, reps, sizeof(double), bench_cmp);
+    const double ti = embed ? ri[reps / 2] : ri[0], tt = embed ? rt[reps / 2] : rt[0];
+#ifdef VLMOE_PROFILE
+    if (embed) {
+        double prof[PROF_COUNT], sum = 0, tot = 0;
+        prof_read(prof);
+        for (int r = 0; r < reps; r++) tot += ri[r] + rt[r];
+        fprintf(stderr, "per-op profile of one %s encode (images + texts) at %d threads (mean of %d, %.1f ms):\n",
+                cfg.name, omp_get_max_threads(), reps, 1e3 * tot / reps);
+        for (int c = 0; c < PROF_COUNT; c++) {
+            sum += prof[c];
+            fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", prof_name(c), 1e3 * prof[c] / reps, 100 * prof[c] / tot);
+        }
+        fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (tot - sum) / reps, 100 * (tot - sum) / tot);
+    }
+#endif
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    if (fell_back) fprintf(stderr, "bench_step: no bf16 instructions on this CPU: fp32 instead\n");
+    if (fell_back) fprintf(stderr, "bench_step: no %s instructions on this CPU: fp32 instead\n", precision);
     printf("{\"impl\": \"vlmoe\", \"precision\": \"%s\", \"matmul\": \"%s\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
            "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
-           "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"peak_rss_mb\": %.1f}\n",
+           "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"image_per_s_lo\": %.1f, \"image_per_s_hi\": %.1f, "
+           "\"text_per_s_lo\": %.1f, \"text_per_s_hi\": %.1f, \"peak_rss_mb\": %.1f}\n",
            fell_back ? "fp32" : precision, m->be->name, cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
-           step_flops(&cfg, B) * 1e-9, B / ti, B / tt, ru.ru_maxrss / 1024.0);
-    free(img), free(emb), free(tok), free(len), free(dt);
+           step_flops(&cfg, B) * 1e-9, B / ti, B / tt, B / ri[reps - 1], B / ri[0], B / rt[reps - 1], B / rt[0],
+           ru.ru_maxrss / 1024.0);
+    free(img), free(emb), free(tok), free(len), free(dt), free(ri), free(rt);
     vlmoe_trainer_free(tr);
     vlmoe_model_free(m);
     return 0;

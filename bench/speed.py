@@ -17,8 +17,16 @@ thread count (else it spins a second pool against OpenMP's). Before the timings 
 kernels each side runs: OpenBLAS's core (openblas_get_corename), oneDNN's ISA, and the oneDNN
 implementations of every matrix product of one step (ONEDNN_VERBOSE=1).
 
+Inference (issue 22: embed/classify at >= 3x PyTorch's fp32 throughput): a second table times
+embedding alone at the same batch, images and texts one modality per call, vlmoe in fp32, bf16,
+int8 and int8-attn (bench_step --embed) against PyTorch in fp32 and on a bf16 copy of the model,
+both under torch.inference_mode (torch_step.py --embed), alternating in a rotating order; each
+cell is the median over rounds of each run's median of --embed-reps encodes, with the range of
+the run medians. --base-bin DIR adds another build's bench_step (say main's) to the same
+rotation, so a change is measured against its base under the same load.
+
 Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
-[--b16] [--json FILE]
+[--b16] [--json FILE] [--embed-only] [--embed-reps 7] [--base-bin DIR]
 """
 import argparse
 import collections
@@ -98,6 +106,74 @@ def measure(model, threads, batch, rounds, steps, bindir):
     return out
 
 
+EMBED_IMPLS = ("vlmoe", "vlmoe-bf16", "vlmoe-int8", "vlmoe-int8-attn", "torch", "torch-bf16")
+
+
+def embed_commands(model, threads, batch, reps, bindir, base_bin):
+    common = [model, "--batch", str(batch), "--threads", str(threads), "--embed", str(reps)]
+    cmds = {}
+    for name, d in (("vlmoe", bindir), ("base", base_bin)):
+        if not d:
+            continue
+        v = [os.path.join(d, "bench_step")] + common
+        cmds.update({name: v, name + "-bf16": v + ["--precision", "bf16"], name + "-int8": v + ["--precision", "int8"],
+                     name + "-int8-attn": v + ["--precision", "int8-attn"]})
+    t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
+    cmds.update({"torch": t, "torch-bf16": t + ["--precision", "bf16"]})
+    return cmds
+
+
+def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin, programs=None):
+    """Alternating rounds of inference alone; returns {impl: {"img": .., "img_lo": .., ...}}."""
+    cmds = embed_commands(model, threads, batch, reps, bindir, base_bin)
+    if programs:
+        cmds = {k: v for k, v in cmds.items() if k in programs.split(",")}
+    names = list(cmds)
+    res = {k: [] for k in names}
+    for r in range(rounds):
+        for impl in names[r % len(names):] + names[:r % len(names)]:
+            try:
+                res[impl].append(run(cmds[impl], threads, impl.startswith("torch"))[0])
+            except subprocess.CalledProcessError as e:  # an old base binary without int8-attn
+                print(f"  {impl}: failed ({e.stderr.strip()[-200:]})", file=sys.stderr)
+                continue
+            print(f"  {os.path.basename(model)} {threads}t embed round {r + 1} {impl}: "
+                  f"{res[impl][-1]['image_per_s']:.0f} img/s {res[impl][-1]['text_per_s']:.0f} txt/s",
+                  file=sys.stderr, flush=True)
+    out = {}
+    for impl, rs in res.items():
+        if rs:
+            img, txt = [x["image_per_s"] for x in rs], [x["text_per_s"] for x in rs]
+            out[impl] = {"img": statistics.median(img), "img_lo": min(img), "img_hi": max(img),
+                         "txt": statistics.median(txt), "txt_lo": min(txt), "txt_hi": max(txt),
+                         "precision": rs[0].get("precision"), "matmul": rs[0].get("matmul")}
+    return out
+
+
+def loadavg():
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def print_embed(rows, rounds, reps, loads):
+    print(f"\nload average (1, 5, 15 min) before the inference runs {loads[0]}, after {loads[1]}")
+    print(f"\nembedding alone (bench_step --embed / torch_step.py --embed, inference_mode), batch 64: medians over "
+          f"{rounds} alternating rounds of each run's median of {reps} encodes (range of the run medians); "
+          f"x: against PyTorch fp32")
+    hdr = f"{'model':13} {'thr':>3} {'program':16} {'precision':10} {'img/s':>22} {'x':>6} {'txt/s':>24} {'x':>6}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, t, res in rows:
+        ref = res.get("torch")
+        for impl, v in res.items():
+            xi = f"{v['img'] / ref['img']:5.2f}x" if ref else "     -"
+            xt = f"{v['txt'] / ref['txt']:5.2f}x" if ref else "     -"
+            print(f"{name:13} {t:>3} {impl:16} {v['precision'] or '':10} {v['img']:7.0f} ({v['img_lo']:.0f}-{v['img_hi']:.0f}) "
+                  f"{xi} {v['txt']:8.0f} ({v['txt_lo']:.0f}-{v['txt_hi']:.0f}) {xt}")
+
+
 def cpu_model():
     for ln in open("/proc/cpuinfo"):
         if ln.startswith("model name"):
@@ -114,13 +190,32 @@ def main():
     ap.add_argument("--models", default="bench-s,bench-s-dense", help="which of bench/models/*.json (batch 64)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "rel", "bench"))
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--embed-only", action="store_true", help="only the inference table")
+    ap.add_argument("--embed-reps", type=int, default=7, help="encodes per run of the inference table")
+    ap.add_argument("--base-bin", help="another build's bench dir, alternated with --bin in the inference table")
+    ap.add_argument("--programs", help="only these programs of the inference table (say vlmoe-int8,base-int8,torch)")
     a = ap.parse_args()
     models = [(x, 64) for x in a.models.split(",")] + ([("bench-b16", 8)] if a.b16 else [])
     threads = [int(x) for x in a.threads.split(",")]
     unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
-    rows, all_res = [], {}
+    rows, all_res, erows = [], {}, []
+    load0 = loadavg()
+    for t in threads:
+        # the inference table: the first model only, unless it is all this run does
+        for name, batch in (models if a.embed_only else models[:1]):
+            path = os.path.join(HERE, "models", name + ".json")
+            er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin, a.programs)
+            all_res[f"{name}/{t}/embed"] = er
+            erows.append((name, t, er))
+    loads = (load0, loadavg())
+    if a.embed_only:
+        print_embed(erows, a.rounds, a.embed_reps, loads)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(all_res, f, indent=1)
+        return
     for t in threads:
         peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
         sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
@@ -160,6 +255,7 @@ def main():
     print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
           + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
                       f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
+    print_embed(erows, a.rounds, a.embed_reps, loads)
     for t in sorted({r[1] for r in rows}, reverse=True):
         by = {r[0]: r[4] for r in rows if r[1] == t}
         if "bench-s" in by and "bench-s-dense" in by:

@@ -404,9 +404,9 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (a.report_to && strcmp(a.report_to, "tensorboard"))
         return cli_error("train", "--report-to: '%s' is not supported (tensorboard; wandb is not built in)", a.report_to);
     if (a.expert_parallel < 0) return cli_error("train", "--expert-parallel must be >= 1 (1: experts not split)");
-    if (a.precision && !strcmp(a.precision, "int8")) // before any file is made
-        return cli_error("train", "--precision int8 is for inference (embed, classify, eval): train with fp32 or bf16, "
-                         "then run the model with --precision int8");
+    if (a.precision && !strncmp(a.precision, "int8", 4)) // before any file is made
+        return cli_error("train", "--precision %s is for inference (embed, classify, eval): train with fp32 or bf16, "
+                         "then run the model with --precision %s", a.precision, a.precision);
     if (a.precision && strcmp(a.precision, "fp32") && strcmp(a.precision, "bf16")) // before any file is made
         return cli_error("train", "--precision '%s': expected fp32 or bf16", a.precision);
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)

@@ -64,11 +64,19 @@ static void check_linear(int N, int K, int O) {
         memset(x, 0, sizeof(float) * K);
         x[(size_t)K + K / 2] = NAN;
     }
-    int8_t *wq = malloc((size_t)O * K), *xq = malloc((size_t)N * K);
-    float *ws = malloc(sizeof(float) * O), *xs = malloc(sizeof(float) * N);
-    int8_quantize_rows(wq, ws, w, O, K, K);
+    // the weights as a model's are: quantized and packed once (int8_weights_add)
+    int8_weights W = {0};
+    CHECK(int8_weights_add(&W, w, (size_t)O, K, O, INT8_Q8) == VLMOE_OK, "int8 weights: %s", vlmoe_last_error());
+    const int8_tensor *t = W.t;
+    // on a VNNI CPU the weights go into brgemm's blocked layout once (else every block would run
+    // the reference product: the same values, at a fraction of the speed)
+    CHECK(t->packed && t->md && t->pbytes >= (size_t)O * K, "int8 linear (%d,%d,%d): weights not packed", N, K, O);
+    const int8_t *wq = t->q;
+    const float *ws = t->scale;
+    int8_t *xq = malloc((size_t)N * K);
+    float *xs = malloc(sizeof(float) * N);
     int8_quantize_rows(xq, xs, x, N, K, K);
-    CHECK(linear_forward_int8(out, x, wq, ws, b, N, K, O, 1) == 0, "int8 linear (%d,%d,%d): no scratch", N, K, O);
+    CHECK(linear_forward_int8(out, x, t, 0, b, N, K, O, 1) == 0, "int8 linear (%d,%d,%d): no scratch", N, K, O);
     // same quantized values: out = old + xs ws sum(xq wq) + b, the sum exact in int32. Ours
     // rounds the scaled sum, the row scale's product, the bias's and old's sums: at most 4 fp32
     // roundings of terms no bigger than |prod| + |b| + |old| (8 U of that, with room to spare).
@@ -110,9 +118,9 @@ static void check_linear(int N, int K, int O) {
     // beta 0, no bias: the plain scaled product; 1 thread gives the bits of 2
     float *o1 = malloc(sizeof(float) * N * O), *o2 = malloc(sizeof(float) * N * O);
     omp_set_num_threads(1);
-    linear_forward_int8(o1, x, wq, ws, NULL, N, K, O, 0);
+    linear_forward_int8(o1, x, t, 0, NULL, N, K, O, 0);
     omp_set_num_threads(2);
-    linear_forward_int8(o2, x, wq, ws, NULL, N, K, O, 0);
+    linear_forward_int8(o2, x, t, 0, NULL, N, K, O, 0);
     CHECK(!memcmp(o1, o2, sizeof(float) * N * O), "int8 linear (%d,%d,%d): 1 and 2 threads differ", N, K, O);
     double e0 = 0;
     for (int n = N > 2 ? 2 : 0; n < N; n++)
@@ -123,7 +131,61 @@ static void check_linear(int N, int K, int O) {
             e0 = fmax(e0, fabs(o1[(size_t)n * O + o] - prod) / (4 * U * fabs(prod) + 1e-30));
         }
     CHECK(e0 <= 1, "int8 linear (%d,%d,%d) beta 0: %.3g of 4 fp32 roundings from the exact product", N, K, O, e0);
-    free(x), free(w), free(b), free(out), free(old), free(wq), free(xq), free(ws), free(xs), free(o1), free(o2);
+    free(x), free(w), free(b), free(out), free(old), free(xq), free(xs), free(o1), free(o2);
+    int8_weights_free(&W);
+}
+
+// The fused inference forward of an expert bank (experts_forward_int8): row by row the values of
+// its three steps run apart (linear_forward_int8, act_forward_f32, linear_forward_int8), the
+// same bits at 1 and 2 threads, and a bank whose weights are not all quantized is refused.
+static void check_experts(int E, int D, int M, const int *count) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)E * 31 + D * 7 + M);
+    int32_t off[17] = {0};
+    for (int e = 0; e < E; e++) off[e + 1] = off[e] + count[e];
+    const int n = off[E];
+    float *x = randf((size_t)n * D, &r, 1), *w1 = randf((size_t)E * M * D, &r, 0.1), *b1 = randf((size_t)E * M, &r, 0.1);
+    float *w2 = randf((size_t)E * D * M, &r, 0.05), *b2 = randf((size_t)E * D, &r, 0.1);
+    float *y0 = randf((size_t)n * D, &r, 1), *ref = malloc(sizeof(float) * ((size_t)n * D + 1));
+    float *y1 = malloc(sizeof(float) * ((size_t)n * D + 1)), *y2 = malloc(sizeof(float) * ((size_t)n * D + 1));
+    float *h = malloc(sizeof(float) * ((size_t)n * M + 1));
+    int8_weights W = {0};
+    CHECK(int8_weights_add(&W, w1, (size_t)E * M, D, M, INT8_Q8) == VLMOE_OK &&
+              int8_weights_add(&W, w2, (size_t)E * D, M, D, INT8_Q8) == VLMOE_OK,
+          "int8 expert weights: %s", vlmoe_last_error());
+    int8_expert ex[16];
+    for (int e = 0; e < E; e++) {
+        ex[e] = (int8_expert){.b1 = b1 + (size_t)e * M, .b2 = b2 + (size_t)e * D};
+        ex[e].t1 = int8_weights_find(&W, w1 + (size_t)e * M * D, &ex[e].r1);
+        ex[e].t2 = int8_weights_find(&W, w2 + (size_t)e * D * M, &ex[e].r2);
+    }
+    memcpy(ref, y0, sizeof(float) * (size_t)n * D);
+    for (int e = 0; e < E; e++) {
+        const int k = count[e], o = off[e];
+        if (!k) continue;
+        linear_forward_int8(h + (size_t)o * M, x + (size_t)o * D, ex[e].t1, ex[e].r1, ex[e].b1, k, D, M, 0);
+        act_forward_f32(h + (size_t)o * M, h + (size_t)o * M, (size_t)k * M, VLMOE_ACT_GELU);
+        linear_forward_int8(ref + (size_t)o * D, h + (size_t)o * M, ex[e].t2, ex[e].r2, ex[e].b2, k, M, D, 1);
+    }
+    memcpy(y1, y0, sizeof(float) * (size_t)n * D);
+    memcpy(y2, y0, sizeof(float) * (size_t)n * D);
+    omp_set_num_threads(1);
+    CHECK(experts_forward_int8(y1, x, ex, off, E, D, M, VLMOE_ACT_GELU, 1) == 0, "int8 experts (%d,%d,%d) refused", E, D, M);
+    omp_set_num_threads(2);
+    CHECK(experts_forward_int8(y2, x, ex, off, E, D, M, VLMOE_ACT_GELU, 1) == 0, "int8 experts (%d,%d,%d) refused", E, D, M);
+    size_t diff = 0;
+    for (size_t i = 0; i < (size_t)n * D; i++) diff += memcmp(&y1[i], &ref[i], sizeof(float)) != 0;
+    CHECK(diff == 0, "int8 experts (%d,%d,%d): %zu of %zu values differ from the unfused steps'", E, D, M, diff,
+          (size_t)n * D);
+    CHECK(!memcmp(y1, y2, sizeof(float) * (size_t)n * D), "int8 experts (%d,%d,%d): 1 and 2 threads differ", E, D, M);
+    ex[E - 1].t2 = NULL; // an expert without an int8 copy: refused, y untouched
+    memcpy(y1, y0, sizeof(float) * (size_t)n * D);
+    CHECK(count[E - 1] == 0 || (experts_forward_int8(y1, x, ex, off, E, D, M, VLMOE_ACT_GELU, 0) == -1 &&
+                                !memcmp(y1, y0, sizeof(float) * (size_t)n * D)),
+          "int8 experts: a bank with an expert not quantized is refused and leaves y as it was");
+    printf("int8 experts (%d experts, %d,%d, %d rows): fused = unfused bit for bit, 1 thread = 2\n", E, D, M, n);
+    int8_weights_free(&W);
+    free(x), free(w1), free(b1), free(w2), free(b2), free(y0), free(ref), free(y1), free(y2), free(h);
 }
 
 // Embeddings of B synthetic pairs: images then texts, (2B, E).
@@ -275,7 +337,7 @@ int main(int argc, char **argv) {
     CHECK(vlmoe_model_init(&m, &cfg, 1) == VLMOE_OK, "init: %s", vlmoe_last_error());
     int fell_back = -1;
     CHECK(model_set_precision(m, "int4", &fell_back) != VLMOE_OK &&
-              strstr(vlmoe_last_error(), "--precision 'int4': expected fp32, bf16 or int8"),
+              strstr(vlmoe_last_error(), "--precision 'int4': expected fp32, bf16 or int8 (int8-attn"),
           "a bad --precision is refused with its value named: %s", vlmoe_last_error());
     CHECK(model_set_precision(m, "int8", &fell_back) == VLMOE_OK, "int8: %s", vlmoe_last_error());
     if (!gemm_int8_native()) {
@@ -290,6 +352,11 @@ int main(int argc, char **argv) {
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24},
                              {65, 256, 64}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    // empty experts, blocks of one row, loads across the 128-row block size
+    const int c1[] = {0, 1, 300, 129, 0, 7, 128, 2}, c2[] = {257}, c3[] = {5, 0, 40};
+    check_experts(8, 64, 256, c1);
+    check_experts(1, 96, 384, c2);
+    check_experts(3, 256, 1024, c3);
     check_model();
     if (argc > 0) check_cli(argv[0], 1);
     return test_summary("test_int8");

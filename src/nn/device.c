@@ -8,7 +8,8 @@
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
 // --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
-// a cpu-int8 table of the model's own where the CPU has VNNI; tests/test_int8.c.
+// a cpu-int8 table of the model's own where the CPU has VNNI, the attention's linears in bf16
+// where the CPU has bf16 (int8-attn: in int8 too); tests/test_int8.c.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,24 +58,28 @@ static int has_param(const model_layout *L, const char *name, size_t cut, const 
 
 // Quantizes what the expert banks read (be_experts): the dense MLPs' and the token- and
 // experts-choice MoE layers' fc1 and fc2 weights. Soft MoE's experts run in src/moe/soft.c's own
-// fp32 products and keep no copy. The attention's linears, the stems and heads stay fp32: they
-// are a third of a block's products (the MLP's hidden width is 4x), and the attention logits
-// multiply the errors of two products.
-static int int8_build(const vlmoe_model *m, struct model_int8 **out) {
+// fp32 products and keep no copy. The attention's linears (a third of a block's products: the
+// MLP's hidden width is 4x) run in bf16 where the CPU has it, or with attn8 (int8-attn) in int8:
+// the attention logits multiply the errors of two products, so that is the user's choice, with
+// its accuracy measured in the README. The stems and heads stay fp32.
+static int int8_build(const vlmoe_model *m, int attn8, struct model_int8 **out) {
     static const char *const banks[] = {"mlp.fc1.weight", "mlp.fc2.weight", "moe.experts.fc1.weight",
-                                        "moe.experts.fc2.weight"};
+                                        "moe.experts.fc2.weight", "attn.qkv.weight", "attn.out.weight"};
+    const int attn_kind = attn8 ? INT8_Q8 : gemm_bf16_native() ? INT8_BF16 : -1;
     struct model_int8 *q = calloc(1, sizeof(*q));
     if (!q) return vlmoe_fail(VLMOE_ERR_NOMEM, "--precision int8: the int8 weights");
     const model_layout *L = &m->L;
     for (int i = 0; i < L->nparams; i++) {
         const vlmoe_param_info *p = &L->table[i];
         int bank = -1;
-        for (int k = 0; k < 4 && bank < 0; k++) bank = ends_with(p->name, banks[k]) ? k : -1;
-        if (bank < 0 || p->ndim < 2) continue;
+        for (int k = 0; k < 6 && bank < 0; k++) bank = ends_with(p->name, banks[k]) ? k : -1;
+        if (bank < 0 || p->ndim < 2 || (bank >= 4 && attn_kind < 0)) continue;
         const size_t cut = strlen(p->name) - strlen(banks[bank]);
-        if (bank >= 2 && !has_param(L, p->name, cut, "moe.router.weight")) continue; // Soft MoE
-        const int K = (int)p->shape[p->ndim - 1];
-        const int st = int8_weights_add(&q->w, m->params + p->offset, p->numel / (size_t)K, K);
+        if (bank >= 2 && bank < 4 && !has_param(L, p->name, cut, "moe.router.weight")) continue; // Soft MoE
+        // one matrix of O rows per expert (or the one matrix)
+        const int K = (int)p->shape[p->ndim - 1], O = (int)p->shape[p->ndim - 2];
+        const int st = int8_weights_add(&q->w, m->params + p->offset, p->numel / (size_t)K, K, O,
+                                        bank >= 4 ? attn_kind : INT8_Q8);
         if (st) return int8_free(q), vlmoe_error_prefix("--precision int8: %s", p->name), st;
     }
     backend_cpu_int8(&q->table, &q->w);
@@ -85,14 +90,16 @@ static int int8_build(const vlmoe_model *m, struct model_int8 **out) {
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     *fell_back = 0;
     const vlmoe_backend_f32 *cpu = backend_cpu_f32(), *bf16 = backend_cpu_bf16();
-    const int want16 = name && !strcmp(name, "bf16"), int8 = name && !strcmp(name, "int8");
+    const int want16 = name && !strcmp(name, "bf16"), attn8 = name && !strcmp(name, "int8-attn");
+    const int int8 = attn8 || (name && !strcmp(name, "int8"));
     if (name && !want16 && !int8 && strcmp(name, "fp32"))
-        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32, bf16 or int8", name);
+        return vlmoe_fail(VLMOE_ERR_ARG, "--precision '%s': expected fp32, bf16 or int8 (int8-attn: the attention's "
+                          "linears in int8 too)", name);
     // on a CUDA device (the model owns its table): the table's bf16 twin, or back to the table
     if (m->owned_be) {
         if (int8)
-            return vlmoe_fail(VLMOE_ERR_ARG, "--precision int8: the %s backend has no int8 products; use "
-                              "--precision fp32 or bf16 there", m->owned_be->name);
+            return vlmoe_fail(VLMOE_ERR_ARG, "--precision %s: the %s backend has no int8 products; use "
+                              "--precision fp32 or bf16 there", name, m->owned_be->name);
         const vlmoe_backend_f32 *to = m->owned_be;
         int st = want16 ? backend_cuda_bf16(&to, m->owned_be) : VLMOE_OK;
         if (st) return st;
@@ -116,7 +123,7 @@ int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     }
     // quantized again each time: the weights may have changed since the last call
     struct model_int8 *q = NULL, *old = m->int8;
-    int st = int8_build(m, &q);
+    int st = int8_build(m, attn8, &q);
     if (st) return st;
     m->int8 = q;
     if ((st = model_set_backend(m, &q->table, NULL))) {

@@ -383,33 +383,41 @@ static void bf16_experts_backward(const backend *be, real *dx, real *const dw[4]
     experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex);
 }
 
-// ---- the cpu-int8 tables (`--precision int8`, inference only): the expert banks' two products
-// (a dense MLP's too: the bank of one expert) read the int8 copies of w1 and w2 that the table's
-// ctx holds (src/ops/gemm_int8.h), found by the fp32 weights' address; everything else, the
-// attention's linears and the router included, is the fp32 table's. A bank with no int8 copy
-// (a model changed under the table) or a product whose scratch cannot be had runs in fp32.
-static void int8_linear(const int8_weights *q, real *out, const real *inp, const real *w, const real *b,
-                        int N, int K, int O, int beta) {
-    size_t row;
-    const int8_tensor *t = int8_weights_find(q, w, &row);
-    if (!t || t->K != K || row + (size_t)O > t->rows ||
-        linear_forward_int8(out, inp, t->q + row * (size_t)K, t->scale + row, b, N, K, O, beta))
-        R(linear_forward)(out, inp, w, b, N, K, O, beta);
+// ---- the cpu-int8 tables (`--precision int8`, inference only): the expert banks (a dense MLP
+// is the bank of one expert) run src/ops/gemm_int8.c's fused inference forward on the int8
+// copies of w1 and w2 that the table's ctx holds (src/ops/gemm_int8.h), found by the fp32
+// weights' address; a linear layer whose weights have an int8 copy (the attention's, with
+// --precision int8-attn) runs in int8, one marked bf16 (the attention's under int8) in bf16,
+// every other (the router's through the fp32 table, the stems', the heads') in fp32. A bank
+// with no int8 copy (a model changed under the table) or a product whose scratch cannot be had
+// runs in fp32. Nothing is kept for a backward: h and a are left as they were.
+static void int8_linear_forward(const backend *be, real *out, const real *inp, const real *w, const real *b, int N,
+                                int K, int O, int beta) {
+    PROF_SCOPE(PROF_MATMUL) {
+        size_t row;
+        const int8_tensor *t = int8_weights_find(be->ctx, w, &row);
+        if (t && t->kind == INT8_BF16) linear_forward_bf16(out, inp, w, b, N, K, O, beta);
+        else if (!t || linear_forward_int8(out, inp, t, row, b, N, K, O, beta)) R(linear_forward)(out, inp, w, b, N, K, O, beta);
+    }
 }
 
 static void int8_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
                                  const real *const w[4], const be_experts *ex, int beta) {
-    PROF_SCOPE(PROF_OTHER) {
+    PROF_SCOPE(PROF_MATMUL) {
         const int8_weights *q = be->ctx;
         const int D = ex->D, M = ex->M;
-        for (int e = 0; e < ex->E; e++) {
-            const size_t o = (size_t)ex->off[e];
-            const int k = ex->off[e + 1] - ex->off[e];
-            if (k <= 0) continue;
-            int8_linear(q, h + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k, D, M, 0);
-            PROF_SCOPE(PROF_GELU) R(act_forward)(a + o * M, h + o * M, (size_t)k * M, ex->act);
-            int8_linear(q, y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+        int8_expert one[16] = {{0}};
+        int8_expert *all = ex->E <= 16 ? one : vlmoe_alloc(sizeof(int8_expert) * (size_t)ex->E, "int8 experts");
+        int st = all ? 0 : -1;
+        for (int e = 0; !st && e < ex->E; e++) {
+            int8_expert *x8 = &all[e];
+            x8->t1 = int8_weights_find(q, w[0] + (size_t)e * M * D, &x8->r1);
+            x8->t2 = int8_weights_find(q, w[2] + (size_t)e * D * M, &x8->r2);
+            x8->b1 = w[1] + (size_t)e * M, x8->b2 = w[3] + (size_t)e * D;
         }
+        if (!st) st = experts_forward_int8(y, x, all, ex->off, ex->E, D, M, ex->act, beta);
+        if (all != one) vlmoe_free_mem(all);
+        if (st) experts_forward(&full, y, h, a, x, w, ex, beta);
     }
 }
 
@@ -612,7 +620,7 @@ static const backend cpu_int8_table = {
     .name = "cpu-int8",
     CPU_COMMON_ENTRIES,
     .fp32 = &cpu_table,
-    .linear_forward = cpu_linear_forward,
+    .linear_forward = int8_linear_forward,
     .linear_backward = cpu_linear_backward,
     .experts_forward = int8_experts_forward,
     .experts_backward = int8_experts_backward,

@@ -1,18 +1,22 @@
 // gemm_int8.c: int8 products for `--precision int8` on the CPU (src/ops/gemm_int8.h).
 // Symmetric s8 on both sides: oneDNN's VNNI kernels take u8 x s8 and add the +128 shift's
 // compensation themselves, while a u8 activation with a zero point per row is something
-// oneDNN 2.6's matmul cannot take (its zero points are one per tensor). Each fixed block of the
-// result is one single-threaded matmul (int32 sums, fp32 output times the weights' scales, given
-// at run time so one cached primitive serves every expert of a shape); the rows' scales, the bias
-// and the accumulation follow in one pass. Covered by tests/test_int8.c.
+// oneDNN 2.6's matmul cannot take (its zero points are one per tensor). The weights are
+// quantized and put into the blocked layout of oneDNN's int8 brgemm once (with the shift's
+// compensation, which the reorder computes); a product then runs fixed blocks of rows, each one
+// single-threaded matmul (int32 sums as fp32; one primitive, kept per shape, serves every
+// expert), its rows quantized right before and the weights' and rows' scales, the bias (and for an MLP the activation and the next product) right after,
+// while the block is in cache. Covered by tests/test_int8.c.
 #include <dnnl.h>
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
 #include "ops/gemm_int8.h"
+#include "ops/ops.h"
 
 int gemm_int8_native(void) {
     // oneDNN's ISA values are feature masks: AMX's include avx512_core_vnni's bits
@@ -29,6 +33,7 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
         int8_t *qi = q + (size_t)i * K;
         float amax = 0;
         int finite = 1;
+#pragma omp simd reduction(max : amax) reduction(& : finite)
         for (int k = 0; k < K; k++) {
             const float a = fabsf(r[k]);
             finite &= a <= 3.4e38f; // false for NaN too
@@ -56,68 +61,109 @@ static pthread_once_t eng_once = PTHREAD_ONCE_INIT;
 static void make_engine(void) {
     if (dnnl_engine_create(&the_engine, dnnl_cpu, 0) != dnnl_success) the_engine = NULL;
 }
-
-// C (M,N) = (A (M,K) . B) * bscale[n] on one thread: A row-major s8, B s8 given by its strides
-// (bs_k, bs_n), C fp32 with leading dimension ldc. 0, or -1 when oneDNN refuses.
-static int int8_matmul(int M, int N, int K, const int8_t *A, const int8_t *B, long bs_k, long bs_n,
-                       const float *bscale, float *C, int ldc) {
+static dnnl_engine_t engine(void) {
     pthread_once(&eng_once, make_engine);
-    dnnl_engine_t eng = the_engine;
-    if (!eng) return -1;
-    dnnl_memory_desc_t md_a, md_b, md_c, md_s;
-    const dnnl_dims_t da = {M, K}, sa = {K, 1}, db = {K, N}, sb = {bs_k, bs_n}, dc = {M, N}, sc = {ldc, 1};
-    const dnnl_dims_t ds = {N}, ss = {1};
-    const float runtime = DNNL_RUNTIME_F32_VAL;
+    return the_engine;
+}
+
+// A stream per thread, kept (a stream per block costs more than a small block's product).
+static dnnl_stream_t stream(void) {
+    static _Thread_local dnnl_stream_t s;
+    if (!s && engine() && dnnl_stream_create(&s, engine(), dnnl_stream_default_flags) != dnnl_success) s = NULL;
+    return s;
+}
+
+// Rows per block: brgemm's int8 kernels run near their rate from some 64 rows at these widths,
+// and a block's hidden rows (BS x M fp32 and int8) stay in L2. Results do not depend on it.
+enum { BS = 128 };
+
+// The matmul (m,K)x(K,N) -> f32 (m,N) dense (the exact int32 sums), B in layout *wmd (format any when NULL: pd_out then gets the descriptor), the scratchpad the
+// caller's (threads run the same primitive at once). Made for one thread, as every block runs.
+static int make_matmul(dnnl_primitive_t *prim, dnnl_primitive_desc_t *pd_out, int m, int N, int K,
+                       const dnnl_memory_desc_t *wmd) {
+    dnnl_memory_desc_t md_a, md_b, md_c;
+    const dnnl_dims_t da = {m, K}, sa = {K, 1}, db = {K, N}, dc = {m, N}, sc = {N, 1};
     dnnl_matmul_desc_t desc;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_primitive_desc_t pd = NULL;
-    dnnl_primitive_t prim = NULL;
-    dnnl_stream_t stream = NULL;
-    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
     int ok = dnnl_memory_desc_init_by_strides(&md_a, 2, da, dnnl_s8, sa) == dnnl_success &&
-             dnnl_memory_desc_init_by_strides(&md_b, 2, db, dnnl_s8, sb) == dnnl_success &&
              dnnl_memory_desc_init_by_strides(&md_c, 2, dc, dnnl_f32, sc) == dnnl_success &&
-             dnnl_memory_desc_init_by_strides(&md_s, 1, ds, dnnl_f32, ss) == dnnl_success &&
+             (wmd ? (md_b = *wmd, 1) : dnnl_memory_desc_init_by_tag(&md_b, 2, db, dnnl_s8, dnnl_format_tag_any) == dnnl_success) &&
              dnnl_matmul_desc_init(&desc, &md_a, &md_b, NULL, &md_c) == dnnl_success &&
              dnnl_primitive_attr_create(&attr) == dnnl_success &&
-             // one scale per column of C (dimension 1)
-             dnnl_primitive_attr_set_output_scales(attr, 1, 1 << 1, &runtime) == dnnl_success &&
-             dnnl_primitive_desc_create(&pd, &desc, attr, eng, NULL) == dnnl_success &&
-             dnnl_primitive_create(&prim, pd) == dnnl_success &&
-             dnnl_stream_create(&stream, eng, dnnl_stream_default_flags) == dnnl_success &&
-             dnnl_memory_create(&ma, &md_a, eng, (void *)A) == dnnl_success &&
-             dnnl_memory_create(&mb, &md_b, eng, (void *)B) == dnnl_success &&
-             dnnl_memory_create(&mc, &md_c, eng, C) == dnnl_success &&
-             dnnl_memory_create(&ms, &md_s, eng, (void *)bscale) == dnnl_success;
-    if (ok) {
-        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc},
-                                         {DNNL_ARG_ATTR_OUTPUT_SCALES, ms}};
-        ok = dnnl_primitive_execute(prim, stream, 4, args) == dnnl_success && dnnl_stream_wait(stream) == dnnl_success;
-    }
-    dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(ms);
-    dnnl_stream_destroy(stream);
-    dnnl_primitive_destroy(prim);
+             dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user) == dnnl_success;
+    const int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    ok = ok && engine() && dnnl_primitive_desc_create(&pd, &desc, attr, engine(), NULL) == dnnl_success;
+    if (ok && pd_out) *pd_out = pd, pd = NULL;
+    else ok = ok && dnnl_primitive_create(prim, pd) == dnnl_success;
+    omp_set_num_threads(nt);
     dnnl_primitive_desc_destroy(pd);
     dnnl_primitive_attr_destroy(attr);
     return ok ? 0 : -1;
 }
 
-// The same block without oneDNN (a refused primitive): the same int32 sums, so the same values.
-static void int8_matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, long bs_k, long bs_n,
-                            const float *bscale, float *C, int ldc) {
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            int32_t s = 0;
-            for (int k = 0; k < K; k++) s += (int32_t)A[(size_t)i * K + k] * B[k * bs_k + j * bs_n];
-            C[(size_t)i * ldc + j] = (float)s * bscale[j];
+// ---- primitives kept per (m, N, K) for the process (a block's row count m varies with the
+// experts' loads: at most BS values per shape); past the table's size a block makes and frees
+// its own.
+typedef struct {
+    int used, m, n, k;
+    size_t scratch;       // the primitive's scratchpad bytes
+    dnnl_primitive_t prim;
+} entry;
+enum { CACHE_N = 2048 };
+static entry cache[CACHE_N];
+static int cache_n;
+static pthread_mutex_t cache_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static unsigned slot_of(int m, int n, int k) {
+    uint64_t h = 14695981039346656037u; // FNV-1a over the key
+    const int v[3] = {m, n, k};
+    for (int i = 0; i < 3; i++) h = (h ^ (uint32_t)v[i]) * 1099511628211u;
+    return (unsigned)((h ^ h >> 32) % CACHE_N);
+}
+
+static size_t scratch_bytes(dnnl_primitive_t prim) {
+    const_dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_get_primitive_desc(prim, &pd) != dnnl_success) return 0;
+    const dnnl_memory_desc_t *md = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    return md ? dnnl_memory_desc_get_size(md) : 0;
+}
+
+// The block primitive of t's layout for m rows (*owned: made for this block only).
+static int block_prim(const int8_tensor *t, int m, entry *out, int *owned) {
+    *owned = 0;
+    pthread_mutex_lock(&cache_mu);
+    for (unsigned i = slot_of(m, t->O, t->K); cache[i].used; i = (i + 1) % CACHE_N)
+        if (cache[i].m == m && cache[i].n == t->O && cache[i].k == t->K) {
+            *out = cache[i];
+            pthread_mutex_unlock(&cache_mu);
+            return 0;
         }
+    entry e = {.used = 1, .m = m, .n = t->O, .k = t->K};
+    int st = make_matmul(&e.prim, NULL, m, t->O, t->K, t->md);
+    if (!st) {
+        e.scratch = scratch_bytes(e.prim);
+        if (cache_n < CACHE_N / 4 * 3) {
+            unsigned i = slot_of(m, t->O, t->K);
+            while (cache[i].used) i = (i + 1) % CACHE_N;
+            cache[i] = e, cache_n++;
+        } else {
+            *owned = 1;
+        }
+        *out = e;
+    }
+    pthread_mutex_unlock(&cache_mu);
+    return st;
 }
 
 // Per-thread scratch kept between products (the kernels own no workspace; allocating per
-// product would page-fault on every call). Only grows.
+// product would page-fault on every call). Only grows. Slots: 0 quantized rows, 1 their scales,
+// 2 the fp32 block, 3 the hidden block quantized, 4 its scales, 5 the second fp32 block, 6
+// oneDNN's scratchpad.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[2];
-    static _Thread_local size_t cap[2];
+    static _Thread_local void *buf[7];
+    static _Thread_local size_t cap[7];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -126,44 +172,186 @@ static void *scratch(size_t bytes, int slot) {
     return buf[slot];
 }
 
-int linear_forward_int8(float *out, const float *x, const int8_t *wq, const float *ws, const float *b,
-                        int N, int K, int O, int beta) {
+// The same block without oneDNN (a refused primitive): the same int32 sums, so the same values.
+static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, float *C) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            int32_t s = 0;
+            for (int k = 0; k < K; k++) s += (int32_t)A[(size_t)i * K + k] * B[(size_t)j * K + k];
+            C[(size_t)i * N + j] = (float)s;
+        }
+}
+
+// C (m, O) = A (m,K) . (matrix c of t)^T, the exact int32 sums as floats, on this thread. The
+// weights' scales come after, in the epilogue: oneDNN 2.6 takes run-time output scales only
+// in its gemm:jit int8 kernel, which ran these shapes at a fifth of brgemm's rate.
+static void block_matmul(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
+    const int8_t *q = t->q + c * (size_t)t->O * t->K;
+    entry e = {0};
+    int owned = 0, ok = t->packed && block_prim(t, m, &e, &owned) == 0;
+    dnnl_memory_desc_t md_a, md_c, md_p;
+    const dnnl_dims_t da = {m, t->K}, sa = {t->K, 1}, dc = {m, t->O}, sc = {t->O, 1};
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, mp = NULL;
+    void *pad = ok && e.scratch ? scratch(e.scratch, 6) : NULL;
+    const dnnl_dims_t dp = {(dnnl_dim_t)(ok ? e.scratch : 0)};
+    ok = ok && (!e.scratch || pad) && stream() &&
+         dnnl_memory_desc_init_by_strides(&md_a, 2, da, dnnl_s8, sa) == dnnl_success &&
+         dnnl_memory_desc_init_by_strides(&md_c, 2, dc, dnnl_f32, sc) == dnnl_success &&
+         dnnl_memory_desc_init_by_tag(&md_p, 1, dp, dnnl_u8, dnnl_a) == dnnl_success &&
+         dnnl_memory_create(&ma, &md_a, engine(), (void *)A) == dnnl_success &&
+         dnnl_memory_create(&mb, t->md, engine(), (char *)t->packed + c * t->pbytes) == dnnl_success &&
+         dnnl_memory_create(&mc, &md_c, engine(), C) == dnnl_success &&
+         (!e.scratch || dnnl_memory_create(&mp, &md_p, engine(), pad) == dnnl_success);
+    if (ok) {
+        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc},
+                                         {DNNL_ARG_SCRATCHPAD, mp}};
+        ok = dnnl_primitive_execute(e.prim, stream(), e.scratch ? 4 : 3, args) == dnnl_success &&
+             dnnl_stream_wait(stream()) == dnnl_success;
+    }
+    dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc), dnnl_memory_destroy(mp);
+    if (owned) dnnl_primitive_destroy(e.prim);
+    if (!ok) matmul_ref(m, t->O, t->K, A, q, C);
+}
+
+// Whether t holds an (O,K) int8 matrix starting at row.
+static int holds(const int8_tensor *t, size_t row, int K, int O) {
+    return t && t->kind == INT8_Q8 && t->K == K && t->O == O && row % (size_t)O == 0 && row + (size_t)O <= t->rows &&
+           K <= 65536;
+}
+
+// VNNI multiplies u8 by s8: oneDNN shifts s8 inputs by 128, so a sum reaches 255 * 127 * K,
+// which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand): holds()
+// refuses wider.
+
+// out (m,O) = xs[i] (ws[j] acc[i][j]) + b[j] (beta: added), acc the block's int32 sums as floats
+static void epilogue(float *out, const float *acc, const float *xs, const float *ws, const float *b, int m, int O,
+                     int beta) {
+    for (int i = 0; i < m; i++) {
+        float *oi = out + (size_t)i * O;
+        const float *ai = acc + (size_t)i * O, s = xs[i];
+        if (beta) {
+#pragma omp simd
+            for (int j = 0; j < O; j++) oi[j] = oi[j] + (s * (ai[j] * ws[j]) + (b ? b[j] : 0.0f));
+        } else {
+#pragma omp simd
+            for (int j = 0; j < O; j++) oi[j] = s * (ai[j] * ws[j]) + (b ? b[j] : 0.0f);
+        }
+    }
+}
+
+int linear_forward_int8(float *out, const float *x, const int8_tensor *t, size_t row, const float *b, int N,
+                        int K, int O, int beta) {
     if (N <= 0 || O <= 0) return 0;
-    // VNNI multiplies u8 by s8: oneDNN shifts s8 inputs by 128, so a sum reaches 255 * 127 * K,
-    // which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand)
-    if (K > 65536) return -1;
-    int8_t *xq = scratch((size_t)N * K, 0);
-    float *xs = scratch(sizeof(float) * ((size_t)N + (size_t)N * O), 1), *t = xs ? xs + N : NULL;
-    if (!xq || !xs) return -1;
-    int8_quantize_rows(xq, xs, x, N, K, K);
-    // the blocks of src/ops/ops.c's gemm_p: up to 512 rows (or columns), at most 64 blocks
-    const int split_rows = N >= O, dim = split_rows ? N : O;
-    int nb = (dim + 511) / 512;
-    nb = nb > 64 ? 64 : nb;
-    const int bs = (dim + nb - 1) / nb;
-#pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nb; blk++) {
-        const int o = blk * bs, n = dim - o < bs ? dim - o : bs;
-        if (n <= 0) continue;
-        const int r0 = split_rows ? o : 0, nr = split_rows ? n : N, c0 = split_rows ? 0 : o, nc = split_rows ? O : n;
-        const int8_t *A = xq + (size_t)r0 * K, *B = wq + (size_t)c0 * K;
-        float *C = t + (size_t)r0 * O + c0;
-        // B: the (K, nc) view of wq's rows c0.. (stored (O,K)): strides (1, K)
-        if (int8_matmul(nr, nc, K, A, B, 1, K, ws + c0, C, O))
-            int8_matmul_ref(nr, nc, K, A, B, 1, K, ws + c0, C, O);
-        for (int i = r0; i < r0 + nr; i++) {
-            float *oi = out + (size_t)i * O;
-            const float *ti = t + (size_t)i * O, s = xs[i];
-            for (int j = c0; j < c0 + nc; j++) {
-                const float v = s * ti[j] + (b ? b[j] : 0.0f);
-                oi[j] = beta ? oi[j] + v : v;
+    if (!holds(t, row, K, O)) return -1;
+    const size_t c = row / (size_t)O;
+    const int nb = (N + BS - 1) / BS;
+    int bad = 0;
+#pragma omp parallel
+    {
+        int8_t *xq = scratch((size_t)BS * K, 0);
+        float *xs = scratch(sizeof(float) * BS, 1), *tb = scratch(sizeof(float) * (size_t)BS * O, 2);
+        if (!xq || !xs || !tb) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp barrier
+        if (!bad) {
+#pragma omp for schedule(static)
+            for (int blk = 0; blk < nb; blk++) {
+                const int r0 = blk * BS, m = N - r0 < BS ? N - r0 : BS;
+                int8_quantize_rows(xq, xs, x + (size_t)r0 * K, m, K, K);
+                block_matmul(t, c, m, xq, tb);
+                epilogue(out + (size_t)r0 * O, tb, xs, t->scale + c * (size_t)O, b, m, O, beta);
             }
         }
     }
-    return 0;
+    return bad ? -1 : 0;
 }
 
-int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K) {
+int experts_forward_int8(float *y, const float *x, const int8_expert *ex, const int32_t *off, int E, int D,
+                         int M, int act, int beta) {
+    // the blocks of every expert, in order: (expert, first row)
+    int nb = 0;
+    for (int e = 0; e < E; e++) {
+        const int k = off[e + 1] - off[e];
+        if (k <= 0) continue;
+        if (!holds(ex[e].t1, ex[e].r1, D, M) || !holds(ex[e].t2, ex[e].r2, M, D)) return -1;
+        nb += (k + BS - 1) / BS;
+    }
+    if (!nb) return 0;
+    int32_t *task = malloc(sizeof(int32_t) * 2 * (size_t)nb);
+    if (!task) return -1;
+    for (int e = 0, i = 0; e < E; e++)
+        for (int r = off[e]; r < off[e + 1]; r += BS) task[2 * i] = e, task[2 * i + 1] = r, i++;
+    int bad = 0;
+#pragma omp parallel
+    {
+        int8_t *xq = scratch((size_t)BS * D, 0), *aq = scratch((size_t)BS * M, 3);
+        float *xs = scratch(sizeof(float) * BS, 1), *h = scratch(sizeof(float) * (size_t)BS * M, 2);
+        float *as = scratch(sizeof(float) * BS, 4), *t2 = scratch(sizeof(float) * (size_t)BS * D, 5);
+        if (!xq || !aq || !xs || !h || !as || !t2) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp barrier
+        if (!bad) {
+            // experts' loads differ: blocks handed out as threads free up (each row's values are
+            // the same whoever computes it)
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < nb; i++) {
+                const int e = task[2 * i], r0 = task[2 * i + 1], m = off[e + 1] - r0 < BS ? off[e + 1] - r0 : BS;
+                const int8_expert *w = &ex[e];
+                int8_quantize_rows(xq, xs, x + (size_t)r0 * D, m, D, D);
+                block_matmul(w->t1, w->r1 / (size_t)M, m, xq, h);
+                epilogue(h, h, xs, w->t1->scale + w->r1, w->b1, m, M, 0);
+                act_forward_f32(h, h, (size_t)m * M, act);
+                int8_quantize_rows(aq, as, h, m, M, M);
+                block_matmul(w->t2, w->r2 / (size_t)D, m, aq, t2);
+                epilogue(y + (size_t)r0 * D, t2, as, w->t2->scale + w->r2, w->b2, m, D, beta);
+            }
+        }
+    }
+    free(task);
+    return bad ? -1 : 0;
+}
+
+// t's matrices into the layout brgemm picks for a full block (left NULL when oneDNN refuses:
+// the blocks then run the reference product on q).
+static void pack(int8_tensor *t) {
+    dnnl_primitive_desc_t pd = NULL, rpd = NULL;
+    dnnl_primitive_t reorder = NULL;
+    dnnl_memory_desc_t *wmd = malloc(sizeof(*wmd)), md_s;
+    const dnnl_dims_t db = {t->K, t->O}, sb = {1, t->K};
+    int ok = wmd && make_matmul(NULL, &pd, BS, t->O, t->K, NULL) == 0;
+    const dnnl_memory_desc_t *w = ok ? dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0) : NULL;
+    ok = w != NULL;
+    if (ok) *wmd = *w;
+    const size_t n = t->rows / (size_t)t->O, bytes = ok ? dnnl_memory_desc_get_size(wmd) : 0;
+    char *buf = ok && bytes ? malloc(bytes * n) : NULL;
+    ok = buf && dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_s8, sb) == dnnl_success &&
+         dnnl_reorder_primitive_desc_create(&rpd, &md_s, engine(), wmd, engine(), NULL) == dnnl_success &&
+         dnnl_primitive_create(&reorder, rpd) == dnnl_success && stream();
+    for (size_t c = 0; ok && c < n; c++) {
+        dnnl_memory_t src = NULL, dst = NULL;
+        ok = dnnl_memory_create(&src, &md_s, engine(), t->q + c * (size_t)t->O * t->K) == dnnl_success &&
+             dnnl_memory_create(&dst, wmd, engine(), buf + c * bytes) == dnnl_success;
+        const dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, dst}};
+        ok = ok && dnnl_primitive_execute(reorder, stream(), 2, args) == dnnl_success &&
+             dnnl_stream_wait(stream()) == dnnl_success;
+        dnnl_memory_destroy(src), dnnl_memory_destroy(dst);
+    }
+    dnnl_primitive_destroy(reorder);
+    dnnl_primitive_desc_destroy(rpd);
+    dnnl_primitive_desc_destroy(pd);
+    if (!ok) {
+        free(buf), free(wmd);
+        return;
+    }
+    t->packed = buf, t->pbytes = bytes, t->md = wmd;
+}
+
+int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int O, int kind) {
+    if (O <= 0 || rows % (size_t)O) return vlmoe_fail(VLMOE_ERR_ARG, "int8 weights: %zu rows are not matrices of %d", rows, O);
     if (w->count == w->cap) {
         const int cap = w->cap ? 2 * w->cap : 16;
         int8_tensor *t = realloc(w->t, sizeof(int8_tensor) * (size_t)cap);
@@ -171,19 +359,23 @@ int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K) {
         w->t = t, w->cap = cap;
     }
     int8_tensor *e = &w->t[w->count];
-    *e = (int8_tensor){.src = src, .rows = rows, .K = K, .q = malloc(rows * (size_t)K), .scale = malloc(sizeof(float) * rows)};
-    if (!e->q || !e->scale) {
-        free(e->q), free(e->scale);
-        return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu x %d bytes", rows, K);
+    *e = (int8_tensor){.src = src, .rows = rows, .K = K, .O = O, .kind = kind};
+    if (kind == INT8_Q8) {
+        e->q = malloc(rows * (size_t)K), e->scale = malloc(sizeof(float) * rows);
+        if (!e->q || !e->scale) {
+            free(e->q), free(e->scale);
+            return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu x %d bytes", rows, K);
+        }
+        int8_quantize_rows(e->q, e->scale, src, (int)rows, K, K);
+        if (K <= 65536) pack(e);
     }
-    int8_quantize_rows(e->q, e->scale, src, (int)rows, K, K);
     w->count++;
     return VLMOE_OK;
 }
 
 void int8_weights_free(int8_weights *w) {
     if (!w) return;
-    for (int i = 0; i < w->count; i++) free(w->t[i].q), free(w->t[i].scale);
+    for (int i = 0; i < w->count; i++) free(w->t[i].q), free(w->t[i].scale), free(w->t[i].packed), free(w->t[i].md);
     free(w->t);
     *w = (int8_weights){0};
 }

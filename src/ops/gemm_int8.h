@@ -18,23 +18,22 @@ int gemm_int8_native(void);
 // products come out NaN as they would in fp32. Threads split the rows.
 void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld);
 
-// out (N,O) = (x quantized per row) . (wq (O,K) scaled per row by ws)^T + b, written (beta 0)
-// or added (beta 1); x (N,K) fp32, b (O) or NULL. Element (n,o) is
-// xs[n] * (ws[o] * sum_k xq[n,k] wq[o,k]) + b[o] with the sum exact in int32. Fixed blocks of
-// rows or columns, one single-threaded matmul each: the bits do not depend on the thread count.
-// Returns 0, or -1 when its scratch memory cannot be had or K > 65536 (out is untouched; the
-// caller computes in fp32).
-int linear_forward_int8(float *out, const float *x, const int8_t *wq, const float *ws, const float *b,
-                        int N, int K, int O, int beta);
-
 // The quantized copies of a model's weights (matrices (rows, K) of the flat parameter buffer),
-// found by the address of their fp32 original: what a table's ctx points to.
+// found by the address of their fp32 original: what a table's ctx points to. A tensor stacks
+// rows/O matrices of O rows each (an expert bank's experts; O = rows for a plain linear), and
+// each is also kept in the blocked layout oneDNN's int8 brgemm reads (packed once, when the
+// weights are quantized: no product repacks its weights). kind INT8_BF16 marks a weight that is
+// not quantized but runs its products in bf16 (src/ops/gemm_bf16.h): q, scale and packed are NULL.
+enum { INT8_Q8, INT8_BF16 };
 typedef struct {
     const float *src;     // the fp32 weights (rows, K) this is a copy of
     size_t rows;
-    int K;
+    int K, O, kind;       // O: rows of one matrix (one product's outputs)
     int8_t *q;            // (rows, K)
     float *scale;         // (rows)
+    void *packed;         // rows/O matrices of pbytes each in the layout *md, or NULL (strided q read)
+    size_t pbytes;
+    void *md;             // the layout (a dnnl_memory_desc_t)
 } int8_tensor;
 
 typedef struct {
@@ -42,9 +41,35 @@ typedef struct {
     int8_tensor *t;
 } int8_weights;
 
-// Quantizes src (rows, K) into a new entry of w (VLMOE_OK, or an out-of-memory error).
-int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K);
+// Quantizes src (rows, K), rows/O matrices of O rows, into a new entry of w (kind INT8_Q8), or
+// records it for bf16 products (INT8_BF16). VLMOE_OK, or an out-of-memory error.
+int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int O, int kind);
 void int8_weights_free(int8_weights *w);
 // The entry holding p at the start of one of its rows (NULL if none): *row is that row.
 const int8_tensor *int8_weights_find(const int8_weights *w, const float *p, size_t *row);
+
+// out (N,O) = (x quantized per row) . (the matrix of t at row `row`, O rows, scaled per row)^T
+// + b, written (beta 0) or added (beta 1); x (N,K) fp32, b (O) or NULL. Element (n,o) is
+// xs[n] * (ws[o] * sum_k xq[n,k] wq[o,k]) + b[o] with the sum exact in int32, so the values
+// depend on no blocking and no thread count. Returns 0, or -1 when t does not hold an (O,K)
+// matrix at row, its scratch memory cannot be had or K > 65536 (out is untouched; the caller
+// computes in fp32).
+int linear_forward_int8(float *out, const float *x, const int8_tensor *t, size_t row, const float *b, int N,
+                        int K, int O, int beta);
+
+// One expert's weights in a bank: fc1 (M,D) at row r1 of t1, fc2 (D,M) at row r2 of t2.
+typedef struct {
+    const int8_tensor *t1, *t2;
+    size_t r1, r2;
+    const float *b1, *b2;
+} int8_expert;
+
+// The inference forward of a bank of E experts over rows packed by expert (off (E+1)):
+// y = act(x.W1^T + b1).W2^T + b2, written (beta 0) or added (beta 1). Each block of an expert's
+// rows goes through both products on one thread (quantize, product, scales + bias + activation,
+// quantize, product, scales + bias) with its hidden rows in cache, and nothing is kept for a
+// backward. Row by row the values of linear_forward_int8, act_forward_f32, linear_forward_int8.
+// Returns 0, or -1 as linear_forward_int8 (y untouched).
+int experts_forward_int8(float *y, const float *x, const int8_expert *ex, const int32_t *off, int E, int D,
+                         int M, int act, int beta);
 #endif
