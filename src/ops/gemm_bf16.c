@@ -68,13 +68,18 @@ static dnnl_stream_t stream(void) {
     return s;
 }
 
-// Rows per block: about 16 MFLOP of work (2 bs N K), a multiple of 32 (brgemm's row tile)
-// between 32 and 512: enough blocks to balance the threads (B is packed once per product, so
-// small blocks cost no repacking; 8 to 256 MFLOP per block measured alike on one thread), and
-// a function of the shape only, never of the thread count.
-static int block_rows(int N, int K) {
-    const double r = 8.0e6 / ((double)N * K);
-    int bs = r >= 512 ? 512 : ((int)r + 31) / 32 * 32;
+// Rows per block: about 64 MFLOP of work (2 bs N K), a multiple of 32 (brgemm's row tile)
+// between 32 and 512, and an even number of blocks, all a function of the shape only, never of
+// the thread count. Larger blocks read B from L2 fewer times: brgemm ran bench-s's products at
+// 194 GFLOP/s per thread in 16 MFLOP blocks and 210 in 64-128 MFLOP ones (oneDNN's verbose
+// times); the even count keeps two threads balanced where a few large blocks would not (an
+// expert's 640 rows make 4 blocks of 160, not 256 + 256 + 128).
+static int block_rows(int M, int N, int K) {
+    const double r = 32.0e6 / ((double)N * K);
+    int bs = r >= 512 ? 512 : r < 32 ? 32 : (int)r;
+    int nb = (M + bs - 1) / bs;
+    if (nb > 1) nb += nb & 1;
+    bs = ((M + nb - 1) / nb + 31) / 32 * 32;
     return bs < 32 ? 32 : bs;
 }
 
@@ -186,9 +191,62 @@ typedef struct {
     int lda, ta;
     float *C;
     dnnl_memory_desc_t wmd;
+    int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and B_pack writes it
     dnnl_primitive_t reorder, full, rest;
     int owned[3];
 } product;
+
+// brgemm's bf16 B layouts BA16a<w>b2a (w 64 for every bench-s product, 16-48 for narrow ones):
+// B (K,N) cut into blocks of w columns, each block all of K (padded to 32) in chunks of 32 rows
+// stored as 16 row pairs of w columns, a pair's two rows side by side. p->bw is w when wmd is
+// one of them (compared with oneDNN's own descriptor, padding included), else 0 and oneDNN's
+// reorder packs B.
+static void blocked_width(product *p) {
+    static const struct { int w; dnnl_format_tag_t tag; } fmt[] = {
+        {64, dnnl_BA16a64b2a}, {48, dnnl_BA16a48b2a}, {32, dnnl_BA16a32b2a}, {16, dnnl_BA16a16b2a}};
+    const dnnl_dims_t d = {p->K, p->N};
+    p->bw = 0;
+    for (size_t i = 0; i < sizeof(fmt) / sizeof(fmt[0]); i++) {
+        dnnl_memory_desc_t md;
+        const int kp = (p->K + 31) / 32 * 32, np = (p->N + fmt[i].w - 1) / fmt[i].w * fmt[i].w;
+        if (dnnl_memory_desc_init_by_tag(&md, 2, d, dnnl_bf16, fmt[i].tag) == dnnl_success &&
+            dnnl_memory_desc_equal(&md, &p->wmd) && dnnl_memory_desc_get_size(&md) == (size_t)kp * np * 2) {
+            p->bw = fmt[i].w, p->kp = kp;
+            return;
+        }
+    }
+}
+
+static inline uint32_t bf16_pair(float lo, float hi) { return to_bf16(lo) | (uint32_t)to_bf16(hi) << 16; }
+
+// Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
+// leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
+static void pack_b_block(uint32_t *dst, const product *p, int j) {
+    const int w = p->bw, K = p->K, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
+    uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
+    for (int k = 0; k < p->kp; k += 2) {
+        uint32_t *o = d + (size_t)(k / 2) * w;
+        if (k >= K) {
+            memset(o, 0, sizeof(uint32_t) * w);
+            continue;
+        }
+        const int k1 = k + 1 < K; // 0: row k+1 is padding
+        if (p->tb) {
+            // B[n*ldb + k]: each pair is two neighbours of one row of the stored (N,K) matrix
+            const float *s = p->B + (size_t)n0 * ldb + k;
+            for (int n = 0; n < nn; n++) o[n] = bf16_pair(s[(size_t)n * ldb], k1 ? s[(size_t)n * ldb + 1] : 0.0f);
+        } else {
+            const float *r0 = p->B + (size_t)k * ldb + n0, *r1 = k1 ? r0 + ldb : r0;
+            if (k1) {
+#pragma omp simd
+                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], r1[n]);
+            } else {
+                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], 0.0f);
+            }
+        }
+        for (int n = nn; n < w; n++) o[n] = 0;
+    }
+}
 
 static int plan(product *p) {
     const int N = p->N, K = p->K, bs = p->bs, rest = p->M % bs, full = p->M >= bs;
@@ -209,12 +267,13 @@ static int plan(product *p) {
     } else {
         p->wmd = lay->md;
     }
+    if (ok) blocked_width(p);
     struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[3] = {
         {K_REORDER, 0, p->ldb, p->tb, 0, &p->reorder},
         {K_MATMUL, full ? bs : 0, p->ldc, 0, p->sum, &p->full},
         {K_MATMUL, rest, p->ldc, 0, p->sum, &p->rest}};
     for (int i = 0; ok && i < 3; i++) {
-        if (want[i].kind == K_MATMUL && want[i].m == 0) continue;
+        if ((want[i].kind == K_MATMUL && want[i].m == 0) || (want[i].kind == K_REORDER && p->bw)) continue;
         entry *e = find(want[i].kind, want[i].m, N, K, want[i].sum, want[i].ld, want[i].tb);
         if (e) {
             *want[i].dst = e->prim;
@@ -242,7 +301,7 @@ static void unplan(product *p) {
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
     return (product){.M = M, .N = N, .K = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
-                     .bs = block_rows(N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+                     .bs = block_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
@@ -297,36 +356,46 @@ static int block(const product *p, int o, int m, const void *bh) {
     return ok ? 0 : -1;
 }
 
-// Runs a planned product whose op(A) is packed: B into the blocked layout in one pass (oneDNN's
-// reorder rounds to nearest even, as bf16_pack does; it runs on the OpenMP threads when called
-// outside a parallel region), then the blocks. What fails to run from here on (B's buffer, the
-// reorder, a block) is computed in fp32 instead, so a product that was planned always completes
-// (the backward's two products are all or nothing). With pack_a the blocks round their rows of
-// A themselves: no pass and no parallel region of its own (with OMP_WAIT_POLICY=PASSIVE, as
-// bench/speed.py runs, each region wakes the sleeping threads).
+// Runs a planned product whose op(A) is packed or packed by the blocks (pack_a): B into the
+// blocked layout, then the blocks, in one parallel region (with OMP_WAIT_POLICY=PASSIVE, as the
+// vlmoe command and bench/speed.py run, each region wakes the sleeping threads): B's column
+// blocks by pack_b_block, split over the threads, or, for a layout it does not know, first by
+// oneDNN's reorder (on the OpenMP threads, a region of its own). Both round to nearest even as
+// bf16_pack does. What fails to run from here on (B's buffer, the reorder, a block) is computed
+// in fp32 instead, so a product that was planned always completes (the backward's two products
+// are all or nothing).
 static void execute(const product *p) {
     void *bh = scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
-    dnnl_memory_desc_t md_s;
-    const dnnl_dims_t db = {p->K, p->N}, sb = {p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1};
-    dnnl_memory_t ms = NULL, md = NULL;
-    int ok = bh && dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_f32, sb) == dnnl_success &&
+    int ok = bh != NULL;
+    if (ok && !p->bw) {
+        dnnl_memory_desc_t md_s;
+        const dnnl_dims_t db = {p->K, p->N}, sb = {p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1};
+        dnnl_memory_t ms = NULL, md = NULL;
+        ok = dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_f32, sb) == dnnl_success &&
              dnnl_memory_create(&ms, &md_s, engine(), (void *)p->B) == dnnl_success &&
              dnnl_memory_create(&md, &p->wmd, engine(), bh) == dnnl_success;
-    if (ok) {
-        dnnl_exec_arg_t args[3] = {{DNNL_ARG_FROM, ms}, {DNNL_ARG_TO, md}};
-        ok = run(p->reorder, 2, args) == 0;
+        if (ok) {
+            dnnl_exec_arg_t args[3] = {{DNNL_ARG_FROM, ms}, {DNNL_ARG_TO, md}};
+            ok = run(p->reorder, 2, args) == 0;
+        }
+        dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     }
-    dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
-    const int nb = (p->M + p->bs - 1) / p->bs;
-#pragma omp parallel for schedule(dynamic) if (nb > 1)
-    for (int b = 0; b < nb; b++) {
-        const int o = b * p->bs, m = p->M - o < p->bs ? p->M - o : p->bs;
-        if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
-        if (!ok || block(p, o, m, bh))
-            dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
-                       p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb, p->sum ? 1.0f : 0.0f,
-                       p->C + (size_t)o * p->ldc, p->ldc);
-        if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
+    const int nb = (p->M + p->bs - 1) / p->bs, ncb = p->bw && ok ? (p->N + p->bw - 1) / p->bw : 0;
+    // one parallel region for B's packing and the blocks (each region wakes the threads)
+#pragma omp parallel if (nb > 1 || (size_t)ncb * p->bw * p->K >= 65536)
+    {
+#pragma omp for schedule(static)
+        for (int j = 0; j < ncb; j++) pack_b_block(bh, p, j);
+#pragma omp for schedule(dynamic)
+        for (int b = 0; b < nb; b++) {
+            const int o = b * p->bs, m = p->M - o < p->bs ? p->M - o : p->bs;
+            if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
+            if (!ok || block(p, o, m, bh))
+                dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
+                           p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb,
+                           p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+            if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
+        }
     }
 }
 
