@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "ops/gemm_bf16.h"
 
 #define CONFIG_KEY "vlmoe.config"
 
@@ -299,6 +300,7 @@ int model_reshard(vlmoe_model *m, const model_shard *sh) {
     m->L = L; // (the layout's encoders point into its own config: fix the copy's pointers)
     for (int e = 0; e < m->L.nenc; e++) m->L.enc[e].moe = e ? &m->L.cfg.text_moe : &m->L.cfg.moe;
     m->params = params, m->grads = grads;
+    model_weights_changed(m);
     return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
 }
 
@@ -316,6 +318,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     if (m->params && !m->grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", m->L.total);
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
     if ((st = model_layout_init_params(&m->L, m->params, seed))) return vlmoe_model_free(m), st;
+    model_weights_changed(m);
     m->seed = seed;
     if (m->L.arch->init && (st = m->L.arch->init(m))) return vlmoe_model_free(m), st;
     *out = m;
@@ -339,7 +342,12 @@ const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count) {
     return m->L.table;
 }
 size_t vlmoe_model_num_floats(const vlmoe_model *m) { return m->L.total; }
-float *vlmoe_model_param_data(vlmoe_model *m) { return m->params; }
+float *vlmoe_model_param_data(vlmoe_model *m) {
+    model_weights_changed(m); // the caller may write through it
+    return m->params;
+}
+uint64_t model_weights_version(const vlmoe_model *m) { return m->wver; }
+void model_weights_changed(vlmoe_model *m) { m->wver = gemm_bf16_new_version(); }
 float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
@@ -557,7 +565,7 @@ int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void 
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
     if (!st) st = read_weights(m, f, tmp); // into scratch: m changes only if all of it is valid
     if (!st) st = model_inputs_load(m, f, path);
-    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total);
+    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total), model_weights_changed(m);
     vlmoe_free_mem(tmp);
     vlmoe_st_close(f);
     return st;
@@ -578,6 +586,7 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     model_layout_free(&L);
     if (!st) st = vlmoe_model_init(&m, &cfg, 0);
     if (!st) st = read_weights(m, f, m->params);
+    if (m) model_weights_changed(m);
     if (!st && m->L.arch->load) st = m->L.arch->load(m, f, path);
     if (!st) st = model_inputs_load(m, f, path);
     vlmoe_st_close(f);

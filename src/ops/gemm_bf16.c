@@ -191,7 +191,9 @@ typedef struct {
     int lda, ta;
     float *C;
     dnnl_memory_desc_t wmd;
-    int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and B_pack writes it
+    int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and pack_b_block writes it
+    struct shadow *sh;  // B's kept packed copy (a weight's), or NULL: B is packed into scratch
+    uint64_t sh_ver;    // the version sh must hold to be read as it is
     dnnl_primitive_t reorder, full, rest;
     int owned[3];
 } product;
@@ -248,6 +250,82 @@ static void pack_b_block(uint32_t *dst, const product *p, int j) {
     }
 }
 
+// ---- weight shadows (gemm_bf16.h): a table like the primitives', under the same lock, of
+// B's packed copies keyed by B's address and how the product reads it. Only layouts that
+// pack_b_block writes are kept. Declaring another range drops them all (another model's or
+// another trainer's weights: a shadow whose address meets new weights is never read, as its
+// version is not theirs, but it would hold memory). A bench-s step reads each of its 132 twice
+// (the forward's B = w^T, the backward's dinp product B = w).
+typedef struct shadow {
+    int used, tb, N, K, ldb, bw, kp;
+    const float *B;
+    uint64_t ver;       // packed at this version; 0: not yet
+    uint32_t *buf;      // (the layout's bytes)
+} shadow;
+enum { SHADOW_N = 8192 }; // slots, filled to 3/4 at most
+static shadow shadows[SHADOW_N];
+static int shadow_n;
+static const float *act_lo;   // the declared range and version
+static size_t act_n;
+static uint64_t act_ver, last_ver;
+static const float *kept_lo;  // the range the kept shadows were made in
+static size_t kept_n;
+static gemm_bf16_counts counts;
+
+uint64_t gemm_bf16_new_version(void) {
+    pthread_mutex_lock(&cache_mu);
+    const uint64_t v = ++last_ver;
+    pthread_mutex_unlock(&cache_mu);
+    return v;
+}
+
+static void shadows_drop(void) {
+    for (int i = 0; i < SHADOW_N; i++)
+        if (shadows[i].used) free(shadows[i].buf);
+    memset(shadows, 0, sizeof(shadows));
+    shadow_n = 0, counts.shadow_bytes = 0;
+}
+
+void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version) {
+    pthread_mutex_lock(&cache_mu);
+    if (n && (lo != kept_lo || n != kept_n)) shadows_drop(), kept_lo = lo, kept_n = n;
+    act_lo = n ? lo : NULL, act_n = n, act_ver = n ? version : 0;
+    pthread_mutex_unlock(&cache_mu);
+}
+
+// whether B as p reads it lies inside [lo, lo+n)
+static int inside(const product *p, const float *lo, size_t n) {
+    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->K, cols = p->tb ? (size_t)p->K : (size_t)p->N;
+    const uintptr_t b = (uintptr_t)p->B, l = (uintptr_t)lo;
+    return n && b >= l && (b - l) / sizeof(float) + (rows - 1) * (size_t)p->ldb + cols <= n;
+}
+
+static unsigned shadow_slot(const float *B, int tb, int N, int K, int ldb) {
+    uint64_t h = 14695981039346656037u ^ (uint64_t)(uintptr_t)B;
+    const int v[4] = {tb, N, K, ldb};
+    for (int i = 0; i < 4; i++) h = (h ^ (uint32_t)v[i]) * 1099511628211u;
+    return (unsigned)((h ^ h >> 32) % SHADOW_N);
+}
+
+// p's shadow, made (not yet packed) when missing; NULL when the table is full or memory short.
+// Under cache_mu.
+static shadow *shadow_of(const product *p) {
+    unsigned i = shadow_slot(p->B, p->tb, p->N, p->K, p->ldb);
+    for (; shadows[i].used; i = (i + 1) % SHADOW_N) {
+        shadow *e = &shadows[i];
+        if (e->B == p->B && e->tb == p->tb && e->N == p->N && e->K == p->K && e->ldb == p->ldb)
+            return e->bw == p->bw && e->kp == p->kp ? e : NULL;
+    }
+    if (shadow_n >= SHADOW_N / 4 * 3) return NULL;
+    const size_t bytes = dnnl_memory_desc_get_size(&p->wmd);
+    uint32_t *buf = malloc(bytes);
+    if (!buf) return NULL;
+    shadows[i] = (shadow){.used = 1, .tb = p->tb, .N = p->N, .K = p->K, .ldb = p->ldb, .bw = p->bw, .kp = p->kp,
+                          .B = p->B, .buf = buf};
+    shadow_n++, counts.shadow_bytes += bytes;
+    return &shadows[i];
+}
+
 static int plan(product *p) {
     const int N = p->N, K = p->K, bs = p->bs, rest = p->M % bs, full = p->M >= bs;
     int ok = 1;
@@ -268,6 +346,16 @@ static int plan(product *p) {
         p->wmd = lay->md;
     }
     if (ok) blocked_width(p);
+    counts.products++;
+    if (ok && p->bw && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
+        p->sh_ver = act_ver;
+        if (p->sh->ver == act_ver) counts.shadow_reused++;
+        else counts.shadow_packed++;
+    }
+    if (ok) {
+        if (p->bw) counts.b_packed += !p->sh || p->sh->ver != p->sh_ver;
+        else counts.b_reordered++;
+    }
     struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[3] = {
         {K_REORDER, 0, p->ldb, p->tb, 0, &p->reorder},
         {K_MATMUL, full ? bs : 0, p->ldc, 0, p->sum, &p->full},
@@ -277,8 +365,10 @@ static int plan(product *p) {
         entry *e = find(want[i].kind, want[i].m, N, K, want[i].sum, want[i].ld, want[i].tb);
         if (e) {
             *want[i].dst = e->prim;
+            counts.prim_hits++;
             continue;
         }
+        counts.prim_misses++;
         dnnl_primitive_t pr = NULL;
         ok = (want[i].kind == K_REORDER ? make_reorder(&pr, N, K, p->ldb, p->tb, &p->wmd)
                                         : make_matmul(&pr, NULL, want[i].m, N, K, p->sum, p->ldc, &p->wmd)) == 0;
@@ -365,7 +455,8 @@ static int block(const product *p, int o, int m, const void *bh) {
 // in fp32 instead, so a product that was planned always completes (the backward's two products
 // are all or nothing).
 static void execute(const product *p) {
-    void *bh = scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
+    void *bh = p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
+    const int pack = p->bw && (!p->sh || p->sh->ver != p->sh_ver);
     int ok = bh != NULL;
     if (ok && !p->bw) {
         dnnl_memory_desc_t md_s;
@@ -380,7 +471,7 @@ static void execute(const product *p) {
         }
         dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     }
-    const int nb = (p->M + p->bs - 1) / p->bs, ncb = p->bw && ok ? (p->N + p->bw - 1) / p->bw : 0;
+    const int nb = (p->M + p->bs - 1) / p->bs, ncb = pack && ok ? (p->N + p->bw - 1) / p->bw : 0;
     // one parallel region for B's packing and the blocks (each region wakes the threads)
 #pragma omp parallel if (nb > 1 || (size_t)ncb * p->bw * p->K >= 65536)
     {
@@ -397,6 +488,48 @@ static void execute(const product *p) {
             if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
         }
     }
+    if (ok && pack && p->sh) {
+        pthread_mutex_lock(&cache_mu);
+        p->sh->ver = p->sh_ver;
+        pthread_mutex_unlock(&cache_mu);
+    }
+}
+
+void gemm_bf16_shadow_refresh(const float *lo, size_t n, uint64_t version) {
+    pthread_mutex_lock(&cache_mu);
+    // the shadows inside the range, and their column blocks counted, so that one parallel
+    // region packs them all (an expert bank's tensor holds a shadow per expert and layout)
+    int m = 0, *at = malloc(sizeof(int) * (shadow_n + 1)), *first = malloc(sizeof(int) * (shadow_n + 1));
+    product *q = malloc(sizeof(product) * (shadow_n + 1));
+    if (at && first && q) {
+        first[0] = 0;
+        for (int i = 0; i < SHADOW_N; i++) {
+            shadow *e = &shadows[i];
+            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .ldb = e->ldb, .bw = e->bw, .kp = e->kp};
+            if (!e->used || !inside(&q[m], lo, n)) continue;
+            at[m] = i, first[m + 1] = first[m] + (e->N + e->bw - 1) / e->bw, m++;
+        }
+        const int total = first[m];
+#pragma omp parallel for schedule(static) if (m > 0)
+        for (int t = 0; t < total; t++) {
+            int k = 0;
+            while (first[k + 1] <= t) k++;
+            pack_b_block(shadows[at[k]].buf, &q[k], t - first[k]);
+        }
+        for (int k = 0; k < m; k++) shadows[at[k]].ver = version;
+    } else {
+        // no room to list them: they are packed again at their next product
+        for (int i = 0; i < SHADOW_N; i++) shadows[i].ver = 0;
+    }
+    free(at), free(first), free(q);
+    pthread_mutex_unlock(&cache_mu);
+}
+
+gemm_bf16_counts gemm_bf16_get_counts(void) {
+    pthread_mutex_lock(&cache_mu);
+    const gemm_bf16_counts c = counts;
+    pthread_mutex_unlock(&cache_mu);
+    return c;
 }
 
 // dst (rows, cols) bf16 row-major = the transpose of src (cols, rows), row-major with leading
