@@ -246,6 +246,28 @@ static void check_shadows(const char *init, const vlmoe_batch *b) {
               "against %.9g %.9g %.9g %.9g)", loss[0][0], loss[0][1], loss[0][2], loss[0][3], loss[1][0],
               loss[1][1], loss[1][2], loss[1][3]);
     }
+    // encoding reuses them from one call to the next (the first packs m[0]'s: m[1]'s were kept),
+    // with the bits of fresh packing
+    const gemm_bf16_counts c0 = gemm_bf16_get_counts();
+    const int B = b->batch_size, E = t[1] ? vlmoe_model_get_config(m[1])->embed_dim : 1;
+    float *e[3] = {calloc((size_t)B * E, sizeof(float)), calloc((size_t)B * E, sizeof(float)),
+                   calloc((size_t)B * E, sizeof(float))};
+    if (t[0] && t[1]) {
+        vlmoe_model_encode_images(m[0], b->images, B, e[0]);
+        const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+        vlmoe_model_encode_images(m[0], b->images, B, e[1]);
+        const gemm_bf16_counts c2 = gemm_bf16_get_counts();
+        CHECK(c1.shadow_packed > c0.shadow_packed && c2.shadow_packed == c1.shadow_packed &&
+              c2.shadow_reused > c1.shadow_reused, "shadows: a second encode packed %ld weights again",
+              c2.shadow_packed - c1.shadow_packed);
+        static const float other = 0;
+        gemm_bf16_shadow_use(&other, 1, 1);
+        gemm_bf16_shadow_use(NULL, 0, 0);
+        vlmoe_model_encode_images(m[1], b->images, B, e[2]);
+        CHECK(!memcmp(e[0], e[1], sizeof(float) * B * E) && !memcmp(e[0], e[2], sizeof(float) * B * E),
+              "shadows: encodes with kept shadows differ from one that packs afresh");
+    }
+    free(e[0]), free(e[1]), free(e[2]);
     printf("shadows: %zu bytes of packed weights for the one_tower model\n", gemm_bf16_get_counts().shadow_bytes);
     for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]);
 }

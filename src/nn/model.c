@@ -420,16 +420,30 @@ int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
     const vlmoe_backend_f32 *be = model_host_backend(m); // params is the host's master copy
+    // (the weights' version stays: no product reads the temperature, and the update just
+    // packed the shadows of this version)
     be->clamp(be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
 }
 
+// With the cpu-bf16 table the encoder's products keep the weights' packed bf16 copies from one
+// call to the next while the weights' version stays (src/ops/gemm_bf16.h): an embedding job
+// packs each weight once, not once per batch.
+static int encode(vlmoe_model *m, int mod, const float *images, const int32_t *tokens, const int32_t *lengths,
+                  int n, float *out) {
+    const int shadows = m->be == backend_cpu_bf16();
+    if (shadows) gemm_bf16_shadow_use(m->params, m->L.total, m->wver);
+    const int st = m->L.arch->encode(m, mod, images, tokens, lengths, n, out);
+    if (shadows) gemm_bf16_shadow_use(NULL, 0, 0);
+    return st;
+}
+
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out) {
-    return m->L.arch->encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
+    return encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
 }
 
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out) {
-    return m->L.arch->encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
+    return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
 }
 
 void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]) {
