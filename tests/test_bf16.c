@@ -23,6 +23,7 @@
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
 #include "ops/ops.h"
+#include "train/run.h"
 #include "test.h"
 
 // v rounded to bf16 by bf16_pack, as floats (the references multiply these in double)
@@ -198,11 +199,12 @@ static result run_model(vlmoe_model *m, const vlmoe_batch *b, int E) {
     return r;
 }
 
-// The weights' bf16 shadows (src/ops/gemm_bf16.h): a trainer's steps in bf16 that reuse them
-// give the bits of steps that pack every weight afresh (run 1 drops every shadow before each
-// step by declaring another range), also when the weights are written between steps (through
-// vlmoe_model_param_data, which changes their version: without it run 0 would read the old
-// copies); and the steps after an update pack no weight at all.
+// The weights' bf16 shadows (src/ops/gemm_bf16.h): a trainer's steps in bf16 of two
+// micro-batches each, which reuse them, give the bits of steps that pack every weight afresh
+// (run 1 drops every shadow before each step by declaring another range), also when the weights
+// are written between steps (through vlmoe_model_param_data, which changes their version:
+// without it run 0 would read the old copies); the steps after an update pack no weight at all;
+// a plain step keeps none (it would read each once).
 static void check_shadows(const char *init, const vlmoe_batch *b) {
     vlmoe_model *m[2] = {NULL, NULL};
     vlmoe_trainer *t[2] = {NULL, NULL};
@@ -227,7 +229,9 @@ static void check_shadows(const char *init, const vlmoe_batch *b) {
             }
             const gemm_bf16_counts c0 = gemm_bf16_get_counts();
             vlmoe_step_stats st;
-            CHECK(vlmoe_trainer_step(t[k], b, &st) == VLMOE_OK, "shadows: step %d: %s", step, vlmoe_last_error());
+            const vlmoe_batch micro[2] = {*b, *b};
+            CHECK(vlmoe_trainer_step_accum(t[k], micro, 2, &st) == VLMOE_OK, "shadows: step %d: %s", step,
+                  vlmoe_last_error());
             loss[k][step] = st.loss;
             const gemm_bf16_counts c1 = gemm_bf16_get_counts();
             const long reused = c1.shadow_reused - c0.shadow_reused, packed = c1.shadow_packed - c0.shadow_packed;
@@ -237,6 +241,19 @@ static void check_shadows(const char *init, const vlmoe_batch *b) {
             if (k == 0 && step == 2)
                 CHECK(packed > 0, "shadows: the weights written before step 2 were not packed again");
         }
+    }
+    if (t[0]) {
+        const gemm_bf16_counts c0 = gemm_bf16_get_counts();
+        vlmoe_model *m2 = NULL;
+        vlmoe_trainer *t2 = NULL;
+        int fb = -1;
+        CHECK(vlmoe_model_load(&m2, init) == VLMOE_OK && model_set_precision(m2, "bf16", &fb) == VLMOE_OK &&
+              vlmoe_trainer_init(&t2, m2, &tp) == VLMOE_OK && vlmoe_trainer_step(t2, b, NULL) == VLMOE_OK,
+              "shadows: plain step: %s", vlmoe_last_error());
+        const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+        CHECK(c1.shadow_packed == c0.shadow_packed && c1.shadow_reused == c0.shadow_reused,
+              "shadows: a plain step kept shadows");
+        vlmoe_trainer_free(t2), vlmoe_model_free(m2);
     }
     if (t[0] && t[1]) {
         const size_t nf = vlmoe_model_num_floats(m[0]);
