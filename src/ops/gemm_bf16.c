@@ -68,20 +68,29 @@ static dnnl_stream_t stream(void) {
     return s;
 }
 
-// Rows per block: about 64 MFLOP of work (2 bs N K), a multiple of 32 (brgemm's row tile)
-// between 32 and 512, and an even number of blocks, all a function of the shape only, never of
-// the thread count. Larger blocks read B from L2 fewer times: brgemm ran bench-s's products at
-// 194 GFLOP/s per thread in 16 MFLOP blocks and 210 in 64-128 MFLOP ones (oneDNN's verbose
-// times); the even count keeps two threads balanced where a few large blocks would not (an
-// expert's 640 rows make 4 blocks of 160, not 256 + 256 + 128).
-static int block_rows(int M, int N, int K) {
+// The row blocks of a product: nb blocks of whole 32-row units (brgemm's row tile), the first
+// `extra` of them one unit taller, then, when M is no multiple of 32, a block of the `tail` rows
+// left. nb gives about 64 MFLOP (2 rows N K) a block, at most 512 rows, and is even when above
+// 1, all a function of the shape only, never of the thread count. Larger blocks read B from L2
+// fewer times: brgemm ran bench-s's products at 194 GFLOP/s per thread in 16 MFLOP blocks and
+// 210 in 64-128 MFLOP ones (oneDNN's verbose times); the even count keeps two threads balanced
+// where a few large blocks would not (an expert's 640 rows make 4 blocks of 160, not 256 + 256
+// + 128). The heights are multiples of 32 from a few values, and tails: an expert's row count
+// changes every step, and each new height is a primitive to make and keep (its jit code is
+// memory), so a tail of its own keeps them as few as one fixed height did.
+typedef struct { int nb, q, extra, tail; } row_split;
+static row_split split_rows(int M, int N, int K) {
     const double r = 32.0e6 / ((double)N * K);
-    int bs = r >= 512 ? 512 : r < 32 ? 32 : (int)r;
-    int nb = (M + bs - 1) / bs;
+    const int rows = r >= 512 ? 512 : r < 32 ? 32 : (int)r, units = M / 32;
+    int nb = (M + rows - 1) / rows;
     if (nb > 1) nb += nb & 1;
-    bs = ((M + nb - 1) / nb + 31) / 32 * 32;
-    return bs < 32 ? 32 : bs;
+    if (nb > units) nb = units;
+    return (row_split){.nb = nb, .q = nb ? units / nb : 0, .extra = nb ? units % nb : 0, .tail = M % 32};
 }
+static int blocks_of(const row_split *s) { return s->nb + (s->tail > 0); }
+// block b's first row and height
+static int block_start(const row_split *s, int b) { return 32 * (b * s->q + (b < s->extra ? b : s->extra)); }
+static int block_height(const row_split *s, int b) { return b < s->nb ? 32 * (s->q + (b < s->extra)) : s->tail; }
 
 // ---- primitives kept per shape: a product looks up its B layout and its three primitives once,
 // under one lock, and its blocks share them (with oneDNN's own cache a descriptor and a
@@ -182,7 +191,8 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // and its primitives, looked up or made (and
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
-    int M, N, K, sum, ldc, ldb, tb, bs;
+    int M, N, K, sum, ldc, ldb, tb;
+    row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
     gemm_bf16_epi epi;  // run on each block after its product (NULL: none)
@@ -194,8 +204,9 @@ typedef struct {
     int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and pack_b_block writes it
     struct shadow *sh;  // B's kept packed copy (a weight's), or NULL: B is packed into scratch
     uint64_t sh_ver;    // the version sh must hold to be read as it is
-    dnnl_primitive_t reorder, full, rest;
-    int owned[3];
+    dnnl_primitive_t reorder, mm[3]; // the matmuls of the block heights mh (0: none)
+    int mh[3];
+    int owned[4];
 } product;
 
 // brgemm's bf16 B layouts BA16a<w>b2a (w 64 for every bench-s product, 16-48 for narrow ones):
@@ -327,14 +338,19 @@ static shadow *shadow_of(const product *p) {
 }
 
 static int plan(product *p) {
-    const int N = p->N, K = p->K, bs = p->bs, rest = p->M % bs, full = p->M >= bs;
+    const int N = p->N, K = p->K;
+    const row_split *rs = &p->rs;
+    // the heights: the taller blocks', the others', the tail's
+    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
+    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
+    p->mh[2] = rs->tail;
     int ok = 1;
     pthread_mutex_lock(&cache_mu);
     entry *lay = find(K_LAYOUT, 0, N, K, 0, 0, 0);
     if (!lay) {
         // the layout brgemm picks for a full block; every block then reads B in it
         dnnl_primitive_desc_t pd = NULL;
-        ok = make_matmul(NULL, &pd, bs, N, K, 1, N, NULL) == 0;
+        ok = make_matmul(NULL, &pd, block_height(rs, 0), N, K, 1, N, NULL) == 0;
         if (ok) {
             const dnnl_memory_desc_t *w = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
             ok = w != NULL;
@@ -356,11 +372,12 @@ static int plan(product *p) {
         if (p->bw) counts.b_packed += !p->sh || p->sh->ver != p->sh_ver;
         else counts.b_reordered++;
     }
-    struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[3] = {
+    struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[4] = {
         {K_REORDER, 0, p->ldb, p->tb, 0, &p->reorder},
-        {K_MATMUL, full ? bs : 0, p->ldc, 0, p->sum, &p->full},
-        {K_MATMUL, rest, p->ldc, 0, p->sum, &p->rest}};
-    for (int i = 0; ok && i < 3; i++) {
+        {K_MATMUL, p->mh[0], p->ldc, 0, p->sum, &p->mm[0]},
+        {K_MATMUL, p->mh[1], p->ldc, 0, p->sum, &p->mm[1]},
+        {K_MATMUL, p->mh[2], p->ldc, 0, p->sum, &p->mm[2]}};
+    for (int i = 0; ok && i < 4; i++) {
         if ((want[i].kind == K_MATMUL && want[i].m == 0) || (want[i].kind == K_REORDER && p->bw)) continue;
         entry *e = find(want[i].kind, want[i].m, N, K, want[i].sum, want[i].ld, want[i].tb);
         if (e) {
@@ -382,16 +399,16 @@ static int plan(product *p) {
 }
 
 static void unplan(product *p) {
-    dnnl_primitive_t *pr[3] = {&p->reorder, &p->full, &p->rest};
-    for (int i = 0; i < 3; i++)
+    dnnl_primitive_t *pr[4] = {&p->reorder, &p->mm[0], &p->mm[1], &p->mm[2]};
+    for (int i = 0; i < 4; i++)
         if (p->owned[i]) dnnl_primitive_destroy(*pr[i]), p->owned[i] = 0;
 }
 
-// a product's fields; bs: rows per block
+// a product's fields
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
     return (product){.M = M, .N = N, .K = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
-                     .bs = block_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+                     .rs = split_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
@@ -440,7 +457,8 @@ static int block(const product *p, int o, int m, const void *bh) {
              dnnl_memory_create(&mc, &md_c, engine(), p->C + (size_t)o * p->ldc) == dnnl_success;
     if (ok) {
         dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
-        ok = run(m == p->bs ? p->full : p->rest, 3, args) == 0;
+        const dnnl_primitive_t pr = m == p->mh[0] ? p->mm[0] : m == p->mh[1] ? p->mm[1] : p->mm[2];
+        ok = run(pr, 3, args) == 0;
     }
     dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc);
     return ok ? 0 : -1;
@@ -471,7 +489,7 @@ static void execute(const product *p) {
         }
         dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     }
-    const int nb = (p->M + p->bs - 1) / p->bs, ncb = pack && ok ? (p->N + p->bw - 1) / p->bw : 0;
+    const int nb = blocks_of(&p->rs), ncb = pack && ok ? (p->N + p->bw - 1) / p->bw : 0;
     // one parallel region for B's packing and the blocks (each region wakes the threads)
 #pragma omp parallel if (nb > 1 || (size_t)ncb * p->bw * p->K >= 65536)
     {
@@ -479,7 +497,7 @@ static void execute(const product *p) {
         for (int j = 0; j < ncb; j++) pack_b_block(bh, p, j);
 #pragma omp for schedule(dynamic)
         for (int b = 0; b < nb; b++) {
-            const int o = b * p->bs, m = p->M - o < p->bs ? p->M - o : p->bs;
+            const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
             if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
             if (!ok || block(p, o, m, bh))
                 dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
