@@ -263,10 +263,11 @@ static void pack_b_block(uint32_t *dst, const product *p, int j) {
 
 // ---- weight shadows (gemm_bf16.h): a table like the primitives', under the same lock, of
 // B's packed copies keyed by B's address and how the product reads it. Only layouts that
-// pack_b_block writes are kept. Declaring another range drops them all (another model's or
-// another trainer's weights: a shadow whose address meets new weights is never read, as its
-// version is not theirs, but it would hold memory). A bench-s step reads each of its 132 twice
-// (the forward's B = w^T, the backward's dinp product B = w).
+// pack_b_block writes are kept. The declared range is the calling thread's (two threads may
+// run two models). Declaring another range than the kept shadows' drops them all when no other
+// thread has one declared (another model's weights: a shadow whose address meets new weights
+// is never read, as its version is not theirs, but it would hold memory); while another thread
+// does, they stay, as that thread may be reading one.
 typedef struct shadow {
     int used, tb, N, K, ldb, bw, kp;
     const float *B;
@@ -275,13 +276,14 @@ typedef struct shadow {
 } shadow;
 enum { SHADOW_N = 8192 }; // slots, filled to 3/4 at most
 static shadow shadows[SHADOW_N];
-static int shadow_n;
-static const float *act_lo;   // the declared range and version
-static size_t act_n;
-static uint64_t act_ver, last_ver;
+static int shadow_n, users;   // users: threads with a range declared
+static uint64_t last_ver;
 static const float *kept_lo;  // the range the kept shadows were made in
 static size_t kept_n;
 static gemm_bf16_counts counts;
+static _Thread_local const float *act_lo; // this thread's declared range and version
+static _Thread_local size_t act_n;
+static _Thread_local uint64_t act_ver;
 
 uint64_t gemm_bf16_new_version(void) {
     pthread_mutex_lock(&cache_mu);
@@ -299,7 +301,9 @@ static void shadows_drop(void) {
 
 void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version) {
     pthread_mutex_lock(&cache_mu);
-    if (n && (lo != kept_lo || n != kept_n)) shadows_drop(), kept_lo = lo, kept_n = n;
+    users -= act_n != 0;
+    if (n && (lo != kept_lo || n != kept_n) && users == 0) shadows_drop(), kept_lo = lo, kept_n = n;
+    users += n != 0;
     act_lo = n ? lo : NULL, act_n = n, act_ver = n ? version : 0;
     pthread_mutex_unlock(&cache_mu);
 }
