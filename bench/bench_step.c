@@ -18,6 +18,7 @@
 #include "bench.h"
 #include "core/prof.h"
 #include "nn/model.h"
+#include "ops/gemm_bf16.h"
 
 #include "vlmoe.h"
 
@@ -89,8 +90,9 @@ int main(int argc, char **argv) {
     double *dt = calloc((size_t)(steps > 0 ? steps : 1), sizeof(double));
     vlmoe_step_stats st = {0};
     double total = 0;
+    gemm_bf16_counts c0 = gemm_bf16_get_counts();
     for (int i = 0; i < warmup + steps && !embed; i++) {
-        if (i == warmup) prof_reset();
+        if (i == warmup) prof_reset(), c0 = gemm_bf16_get_counts();
         double t0 = bench_now();
         if (vlmoe_trainer_step(tr, &batch, &st)) {
             fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
@@ -112,6 +114,10 @@ int main(int argc, char **argv) {
                 100 * (total - sum) / total);
     }
 #endif
+    // the bf16 products of the timed steps: how many, and how often plan found its primitives kept
+    const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+    const long np = c1.products - c0.products, hits = c1.prim_hits - c0.prim_hits;
+    const long looks = hits + c1.prim_misses - c0.prim_misses;
     qsort(dt, steps, sizeof(double), bench_cmp);
     // inference throughput: one modality per call, as an embedding job runs; after training the
     // best of 5, with --embed the median of N after one untimed call each
@@ -153,10 +159,12 @@ int main(int argc, char **argv) {
     printf("{\"impl\": \"vlmoe\", \"precision\": \"%s\", \"matmul\": \"%s\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
            "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
            "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"image_per_s_lo\": %.1f, \"image_per_s_hi\": %.1f, "
-           "\"text_per_s_lo\": %.1f, \"text_per_s_hi\": %.1f, \"peak_rss_mb\": %.1f}\n",
+           "\"text_per_s_lo\": %.1f, \"text_per_s_hi\": %.1f, \"peak_rss_mb\": %.1f, \"bf16_products_per_step\": %.0f, "
+           "\"bf16_prim_hit_rate\": %.4f, \"bf16_shadow_mb\": %.1f}\n",
            fell_back ? "fp32" : precision, m->be->name, cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
            step_flops(&cfg, B) * 1e-9, B / ti, B / tt, B / ri[reps - 1], B / ri[0], B / rt[reps - 1], B / rt[0],
-           ru.ru_maxrss / 1024.0);
+           ru.ru_maxrss / 1024.0, (double)np / (steps > 0 ? steps : 1), looks ? (double)hits / looks : 1.0,
+           c1.shadow_bytes / 1048576.0);
     free(img), free(emb), free(tok), free(len), free(dt), free(ri), free(rt);
     vlmoe_trainer_free(tr);
     vlmoe_model_free(m);

@@ -23,6 +23,7 @@
 #include "ops/backend.h"
 #include "ops/gemm_bf16.h"
 #include "ops/ops.h"
+#include "train/run.h"
 #include "test.h"
 
 // v rounded to bf16 by bf16_pack, as floats (the references multiply these in double)
@@ -198,6 +199,96 @@ static result run_model(vlmoe_model *m, const vlmoe_batch *b, int E) {
     return r;
 }
 
+// The weights' bf16 shadows (src/ops/gemm_bf16.h): a trainer's steps in bf16 of two
+// micro-batches each, which reuse them, give the bits of steps that pack every weight afresh
+// (run 1 drops every shadow before each step by declaring another range), also when the weights
+// are written between steps (through vlmoe_model_param_data, which changes their version:
+// without it run 0 would read the old copies); the steps after an update pack no weight at all;
+// a plain step keeps none (it would read each once).
+static void check_shadows(const char *init, const vlmoe_batch *b) {
+    vlmoe_model *m[2] = {NULL, NULL};
+    vlmoe_trainer *t[2] = {NULL, NULL};
+    double loss[2][4] = {{0}};
+    vlmoe_train_params tp = vlmoe_train_default_params();
+    tp.schedule.base_lr = 1e-3, tp.schedule.warmup_steps = 0;
+    for (int k = 0; k < 2; k++) {
+        int fb = -1;
+        CHECK(vlmoe_model_load(&m[k], init) == VLMOE_OK && model_set_precision(m[k], "bf16", &fb) == VLMOE_OK &&
+              vlmoe_trainer_init(&t[k], m[k], &tp) == VLMOE_OK, "shadows: %s", vlmoe_last_error());
+        if (!t[k]) break;
+        for (int step = 0; step < 4; step++) {
+            const size_t nf = vlmoe_model_num_floats(m[k]);
+            if (step == 2) {
+                float *w = vlmoe_model_param_data(m[k]);
+                for (size_t i = 0; i < nf; i++) w[i] *= 0.75f;
+            }
+            if (k == 1) {
+                static const float other = 0;
+                gemm_bf16_shadow_use(&other, 1, 1);
+                gemm_bf16_shadow_use(NULL, 0, 0);
+            }
+            const gemm_bf16_counts c0 = gemm_bf16_get_counts();
+            vlmoe_step_stats st;
+            const vlmoe_batch micro[2] = {*b, *b};
+            CHECK(vlmoe_trainer_step_accum(t[k], micro, 2, &st) == VLMOE_OK, "shadows: step %d: %s", step,
+                  vlmoe_last_error());
+            loss[k][step] = st.loss;
+            const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+            const long reused = c1.shadow_reused - c0.shadow_reused, packed = c1.shadow_packed - c0.shadow_packed;
+            if (k == 0 && (step == 1 || step == 3))
+                CHECK(reused > 0 && packed == 0, "shadows: step %d after an update reused %ld and packed %ld "
+                      "(expected all reused)", step, reused, packed);
+            if (k == 0 && step == 2)
+                CHECK(packed > 0, "shadows: the weights written before step 2 were not packed again");
+        }
+    }
+    if (t[0]) {
+        const gemm_bf16_counts c0 = gemm_bf16_get_counts();
+        vlmoe_model *m2 = NULL;
+        vlmoe_trainer *t2 = NULL;
+        int fb = -1;
+        CHECK(vlmoe_model_load(&m2, init) == VLMOE_OK && model_set_precision(m2, "bf16", &fb) == VLMOE_OK &&
+              vlmoe_trainer_init(&t2, m2, &tp) == VLMOE_OK && vlmoe_trainer_step(t2, b, NULL) == VLMOE_OK,
+              "shadows: plain step: %s", vlmoe_last_error());
+        const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+        CHECK(c1.shadow_packed == c0.shadow_packed && c1.shadow_reused == c0.shadow_reused,
+              "shadows: a plain step kept shadows");
+        vlmoe_trainer_free(t2), vlmoe_model_free(m2);
+    }
+    if (t[0] && t[1]) {
+        const size_t nf = vlmoe_model_num_floats(m[0]);
+        CHECK(!memcmp(loss[0], loss[1], sizeof(loss[0])) &&
+              !memcmp(vlmoe_model_param_data(m[0]), vlmoe_model_param_data(m[1]), sizeof(float) * nf),
+              "shadows: 4 steps with kept shadows differ from 4 that pack afresh (losses %.9g %.9g %.9g %.9g "
+              "against %.9g %.9g %.9g %.9g)", loss[0][0], loss[0][1], loss[0][2], loss[0][3], loss[1][0],
+              loss[1][1], loss[1][2], loss[1][3]);
+    }
+    // encoding reuses them from one call to the next (the first packs m[0]'s: m[1]'s were kept),
+    // with the bits of fresh packing
+    const gemm_bf16_counts c0 = gemm_bf16_get_counts();
+    const int B = b->batch_size, E = t[1] ? vlmoe_model_get_config(m[1])->embed_dim : 1;
+    float *e[3] = {calloc((size_t)B * E, sizeof(float)), calloc((size_t)B * E, sizeof(float)),
+                   calloc((size_t)B * E, sizeof(float))};
+    if (t[0] && t[1]) {
+        vlmoe_model_encode_images(m[0], b->images, B, e[0]);
+        const gemm_bf16_counts c1 = gemm_bf16_get_counts();
+        vlmoe_model_encode_images(m[0], b->images, B, e[1]);
+        const gemm_bf16_counts c2 = gemm_bf16_get_counts();
+        CHECK(c1.shadow_packed > c0.shadow_packed && c2.shadow_packed == c1.shadow_packed &&
+              c2.shadow_reused > c1.shadow_reused, "shadows: a second encode packed %ld weights again",
+              c2.shadow_packed - c1.shadow_packed);
+        static const float other = 0;
+        gemm_bf16_shadow_use(&other, 1, 1);
+        gemm_bf16_shadow_use(NULL, 0, 0);
+        vlmoe_model_encode_images(m[1], b->images, B, e[2]);
+        CHECK(!memcmp(e[0], e[1], sizeof(float) * B * E) && !memcmp(e[0], e[2], sizeof(float) * B * E),
+              "shadows: encodes with kept shadows differ from one that packs afresh");
+    }
+    free(e[0]), free(e[1]), free(e[2]);
+    printf("shadows: %zu bytes of packed weights for the one_tower model\n", gemm_bf16_get_counts().shadow_bytes);
+    for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]);
+}
+
 static void check_model(void) {
     char path[512];
     vlmoe_st *tf = NULL, *rf = NULL;
@@ -243,6 +334,8 @@ static void check_model(void) {
     result again = run_model(m, &batch, E);
     CHECK(again.loss == f32.loss && !memcmp(again.grad, f32.grad, sizeof(float) * nf),
           "--precision fp32 after bf16 does not give fp32's bits again");
+    snprintf(path, sizeof(path), "%s/model_one_tower.init.safetensors", fixture_dir());
+    check_shadows(path, &batch);
     free(f32.emb), free(f32.grad), free(b16.emb), free(b16.grad), free(again.emb), free(again.grad);
     free(t_loss), free(t_emb), free(t_grad), free(images), free(tokens), free(lens);
     vlmoe_model_free(m);

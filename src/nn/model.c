@@ -11,6 +11,7 @@
 #include "core/core.h"
 #include "moe/layer.h"
 #include "nn/model.h"
+#include "ops/gemm_bf16.h"
 
 #define CONFIG_KEY "vlmoe.config"
 
@@ -299,6 +300,7 @@ int model_reshard(vlmoe_model *m, const model_shard *sh) {
     m->L = L; // (the layout's encoders point into its own config: fix the copy's pointers)
     for (int e = 0; e < m->L.nenc; e++) m->L.enc[e].moe = e ? &m->L.cfg.text_moe : &m->L.cfg.moe;
     m->params = params, m->grads = grads;
+    model_weights_changed(m);
     return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
 }
 
@@ -316,6 +318,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     if (m->params && !m->grads) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu floats for the gradients", m->L.total);
     if (!m->params || !m->grads) return vlmoe_model_free(m), VLMOE_ERR_NOMEM;
     if ((st = model_layout_init_params(&m->L, m->params, seed))) return vlmoe_model_free(m), st;
+    model_weights_changed(m);
     m->seed = seed;
     if (m->L.arch->init && (st = m->L.arch->init(m))) return vlmoe_model_free(m), st;
     *out = m;
@@ -339,7 +342,12 @@ const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count) {
     return m->L.table;
 }
 size_t vlmoe_model_num_floats(const vlmoe_model *m) { return m->L.total; }
-float *vlmoe_model_param_data(vlmoe_model *m) { return m->params; }
+float *vlmoe_model_param_data(vlmoe_model *m) {
+    model_weights_changed(m); // the caller may write through it
+    return m->params;
+}
+uint64_t model_weights_version(const vlmoe_model *m) { return m->wver; }
+void model_weights_changed(vlmoe_model *m) { m->wver = gemm_bf16_new_version(); }
 float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
@@ -412,16 +420,30 @@ int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
     const vlmoe_backend_f32 *be = model_host_backend(m); // params is the host's master copy
+    // (the weights' version stays: no product reads the temperature, and the update just
+    // packed the shadows of this version)
     be->clamp(be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
 }
 
+// With the cpu-bf16 table the encoder's products keep the weights' packed bf16 copies from one
+// call to the next while the weights' version stays (src/ops/gemm_bf16.h): an embedding job
+// packs each weight once, not once per batch.
+static int encode(vlmoe_model *m, int mod, const float *images, const int32_t *tokens, const int32_t *lengths,
+                  int n, float *out) {
+    const int shadows = m->be == backend_cpu_bf16();
+    if (shadows) gemm_bf16_shadow_use(m->params, m->L.total, m->wver);
+    const int st = m->L.arch->encode(m, mod, images, tokens, lengths, n, out);
+    if (shadows) gemm_bf16_shadow_use(NULL, 0, 0);
+    return st;
+}
+
 int vlmoe_model_encode_images(vlmoe_model *m, const float *images, int n, float *out) {
-    return m->L.arch->encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
+    return encode(m, MOD_IMAGE, images, NULL, NULL, n, out);
 }
 
 int vlmoe_model_encode_texts(vlmoe_model *m, const int32_t *tokens, const int32_t *lengths, int n,
                              float *out) {
-    return m->L.arch->encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
+    return encode(m, MOD_TEXT, NULL, tokens, lengths, n, out);
 }
 
 void vlmoe_model_get_rng(const vlmoe_model *m, uint64_t state[2]) {
@@ -557,7 +579,7 @@ int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void 
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
     if (!st) st = read_weights(m, f, tmp); // into scratch: m changes only if all of it is valid
     if (!st) st = model_inputs_load(m, f, path);
-    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total);
+    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total), model_weights_changed(m);
     vlmoe_free_mem(tmp);
     vlmoe_st_close(f);
     return st;
@@ -578,6 +600,7 @@ int vlmoe_model_load(vlmoe_model **out, const char *path) {
     model_layout_free(&L);
     if (!st) st = vlmoe_model_init(&m, &cfg, 0);
     if (!st) st = read_weights(m, f, m->params);
+    if (m) model_weights_changed(m);
     if (!st && m->L.arch->load) st = m->L.arch->load(m, f, path);
     if (!st) st = model_inputs_load(m, f, path);
     vlmoe_st_close(f);

@@ -254,6 +254,8 @@ struct vlmoe_model {
     model_layout L;                // L.arch: the architecture
     const vlmoe_backend_f32 *be;   // where the graphs run (the CPU table unless chosen otherwise)
     float *params, *grads;
+    uint64_t wver;                 // the weights' version: changed by every write of params
+                                   // the model knows of (model_weights_changed)
     graph_f32 *g;                  // towers: the graph planned for planned_B
     struct mome_model *mome;       // arch mome: its graphs, retrieval head and codebook
     int planned_B;
@@ -327,6 +329,12 @@ void model_defer_scalars(vlmoe_model *m);
 int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *nonfinite);
 // The table that works on params and grads (the host's when the model runs on a device).
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m);
+
+// The weights' version (never 0), and its change, which every write of m->params calls; the
+// public vlmoe_model_param_data counts as one (its caller may write). Whoever keeps something
+// made from the weights (the bf16 shadows of src/ops/gemm_bf16.h) keeps it for one version.
+uint64_t model_weights_version(const vlmoe_model *m);
+void model_weights_changed(vlmoe_model *m);
 // Frees the device copies and the table the model opened (vlmoe_model_free).
 void model_release_backend(vlmoe_model *m);
 

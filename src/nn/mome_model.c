@@ -539,6 +539,7 @@ static int with_config(vlmoe_model **out, const vlmoe_model *m, int num_classes,
         for (int j = 0; j < m->L.nparams; j++)
             if (!strcmp(m->L.table[j].name, p->name)) {
                 memcpy(h->params + p->offset, m->params + m->L.table[j].offset, sizeof(float) * p->numel);
+                model_weights_changed(h);
                 break;
             }
     }

@@ -68,15 +68,29 @@ static dnnl_stream_t stream(void) {
     return s;
 }
 
-// Rows per block: about 16 MFLOP of work (2 bs N K), a multiple of 32 (brgemm's row tile)
-// between 32 and 512: enough blocks to balance the threads (B is packed once per product, so
-// small blocks cost no repacking; 8 to 256 MFLOP per block measured alike on one thread), and
-// a function of the shape only, never of the thread count.
-static int block_rows(int N, int K) {
-    const double r = 8.0e6 / ((double)N * K);
-    int bs = r >= 512 ? 512 : ((int)r + 31) / 32 * 32;
-    return bs < 32 ? 32 : bs;
+// The row blocks of a product: nb blocks of whole 32-row units (brgemm's row tile), the first
+// `extra` of them one unit taller, then, when M is no multiple of 32, a block of the `tail` rows
+// left. nb gives about 64 MFLOP (2 rows N K) a block, at most 512 rows, and is even when above
+// 1, all a function of the shape only, never of the thread count. Larger blocks read B from L2
+// fewer times: brgemm ran bench-s's products at 194 GFLOP/s per thread in 16 MFLOP blocks and
+// 210 in 64-128 MFLOP ones (oneDNN's verbose times); the even count keeps two threads balanced
+// where a few large blocks would not (an expert's 640 rows make 4 blocks of 160, not 256 + 256
+// + 128). The heights are multiples of 32 from a few values, and tails: an expert's row count
+// changes every step, and each new height is a primitive to make and keep (its jit code is
+// memory), so a tail of its own keeps them as few as one fixed height did.
+typedef struct { int nb, q, extra, tail; } row_split;
+static row_split split_rows(int M, int N, int K) {
+    const double r = 32.0e6 / ((double)N * K);
+    const int rows = r >= 512 ? 512 : r < 32 ? 32 : (int)r, units = M / 32;
+    int nb = (M + rows - 1) / rows;
+    if (nb > 1) nb += nb & 1;
+    if (nb > units) nb = units;
+    return (row_split){.nb = nb, .q = nb ? units / nb : 0, .extra = nb ? units % nb : 0, .tail = M % 32};
 }
+static int blocks_of(const row_split *s) { return s->nb + (s->tail > 0); }
+// block b's first row and height
+static int block_start(const row_split *s, int b) { return 32 * (b * s->q + (b < s->extra ? b : s->extra)); }
+static int block_height(const row_split *s, int b) { return b < s->nb ? 32 * (s->q + (b < s->extra)) : s->tail; }
 
 // ---- primitives kept per shape: a product looks up its B layout and its three primitives once,
 // under one lock, and its blocks share them (with oneDNN's own cache a descriptor and a
@@ -177,7 +191,8 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // and its primitives, looked up or made (and
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
-    int M, N, K, sum, ldc, ldb, tb, bs;
+    int M, N, K, sum, ldc, ldb, tb;
+    row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
     gemm_bf16_epi epi;  // run on each block after its product (NULL: none)
@@ -186,19 +201,160 @@ typedef struct {
     int lda, ta;
     float *C;
     dnnl_memory_desc_t wmd;
-    dnnl_primitive_t reorder, full, rest;
-    int owned[3];
+    int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and pack_b_block writes it
+    struct shadow *sh;  // B's kept packed copy (a weight's), or NULL: B is packed into scratch
+    uint64_t sh_ver;    // the version sh must hold to be read as it is
+    dnnl_primitive_t reorder, mm[3]; // the matmuls of the block heights mh (0: none)
+    int mh[3];
+    int owned[4];
 } product;
 
+// brgemm's bf16 B layouts BA16a<w>b2a (w 64 for every bench-s product, 16-48 for narrow ones):
+// B (K,N) cut into blocks of w columns, each block all of K (padded to 32) in chunks of 32 rows
+// stored as 16 row pairs of w columns, a pair's two rows side by side. p->bw is w when wmd is
+// one of them (compared with oneDNN's own descriptor, padding included), else 0 and oneDNN's
+// reorder packs B.
+static void blocked_width(product *p) {
+    static const struct { int w; dnnl_format_tag_t tag; } fmt[] = {
+        {64, dnnl_BA16a64b2a}, {48, dnnl_BA16a48b2a}, {32, dnnl_BA16a32b2a}, {16, dnnl_BA16a16b2a}};
+    const dnnl_dims_t d = {p->K, p->N};
+    p->bw = 0;
+    for (size_t i = 0; i < sizeof(fmt) / sizeof(fmt[0]); i++) {
+        dnnl_memory_desc_t md;
+        const int kp = (p->K + 31) / 32 * 32, np = (p->N + fmt[i].w - 1) / fmt[i].w * fmt[i].w;
+        if (dnnl_memory_desc_init_by_tag(&md, 2, d, dnnl_bf16, fmt[i].tag) == dnnl_success &&
+            dnnl_memory_desc_equal(&md, &p->wmd) && dnnl_memory_desc_get_size(&md) == (size_t)kp * np * 2) {
+            p->bw = fmt[i].w, p->kp = kp;
+            return;
+        }
+    }
+}
+
+static inline uint32_t bf16_pair(float lo, float hi) { return to_bf16(lo) | (uint32_t)to_bf16(hi) << 16; }
+
+// Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
+// leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
+static void pack_b_block(uint32_t *dst, const product *p, int j) {
+    const int w = p->bw, K = p->K, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
+    uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
+    for (int k = 0; k < p->kp; k += 2) {
+        uint32_t *o = d + (size_t)(k / 2) * w;
+        if (k >= K) {
+            memset(o, 0, sizeof(uint32_t) * w);
+            continue;
+        }
+        const int k1 = k + 1 < K; // 0: row k+1 is padding
+        if (p->tb) {
+            // B[n*ldb + k]: each pair is two neighbours of one row of the stored (N,K) matrix
+            const float *s = p->B + (size_t)n0 * ldb + k;
+            for (int n = 0; n < nn; n++) o[n] = bf16_pair(s[(size_t)n * ldb], k1 ? s[(size_t)n * ldb + 1] : 0.0f);
+        } else {
+            const float *r0 = p->B + (size_t)k * ldb + n0, *r1 = k1 ? r0 + ldb : r0;
+            if (k1) {
+#pragma omp simd
+                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], r1[n]);
+            } else {
+                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], 0.0f);
+            }
+        }
+        for (int n = nn; n < w; n++) o[n] = 0;
+    }
+}
+
+// ---- weight shadows (gemm_bf16.h): a table like the primitives', under the same lock, of
+// B's packed copies keyed by B's address and how the product reads it. Only layouts that
+// pack_b_block writes are kept. The declared range is the calling thread's (two threads may
+// run two models). Declaring another range than the kept shadows' drops them all when no other
+// thread has one declared (another model's weights: a shadow whose address meets new weights
+// is never read, as its version is not theirs, but it would hold memory); while another thread
+// does, they stay, as that thread may be reading one.
+typedef struct shadow {
+    int used, tb, N, K, ldb, bw, kp;
+    const float *B;
+    uint64_t ver;       // packed at this version; 0: not yet
+    uint32_t *buf;      // (the layout's bytes)
+} shadow;
+enum { SHADOW_N = 8192 }; // slots, filled to 3/4 at most
+static shadow shadows[SHADOW_N];
+static int shadow_n, users;   // users: threads with a range declared
+static uint64_t last_ver;
+static const float *kept_lo;  // the range the kept shadows were made in
+static size_t kept_n;
+static gemm_bf16_counts counts;
+static _Thread_local const float *act_lo; // this thread's declared range and version
+static _Thread_local size_t act_n;
+static _Thread_local uint64_t act_ver;
+
+uint64_t gemm_bf16_new_version(void) {
+    pthread_mutex_lock(&cache_mu);
+    const uint64_t v = ++last_ver;
+    pthread_mutex_unlock(&cache_mu);
+    return v;
+}
+
+static void shadows_drop(void) {
+    for (int i = 0; i < SHADOW_N; i++)
+        if (shadows[i].used) free(shadows[i].buf);
+    memset(shadows, 0, sizeof(shadows));
+    shadow_n = 0, counts.shadow_bytes = 0;
+}
+
+void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version) {
+    pthread_mutex_lock(&cache_mu);
+    users -= act_n != 0;
+    if (n && (lo != kept_lo || n != kept_n) && users == 0) shadows_drop(), kept_lo = lo, kept_n = n;
+    users += n != 0;
+    act_lo = n ? lo : NULL, act_n = n, act_ver = n ? version : 0;
+    pthread_mutex_unlock(&cache_mu);
+}
+
+// whether B as p reads it lies inside [lo, lo+n)
+static int inside(const product *p, const float *lo, size_t n) {
+    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->K, cols = p->tb ? (size_t)p->K : (size_t)p->N;
+    const uintptr_t b = (uintptr_t)p->B, l = (uintptr_t)lo;
+    return n && b >= l && (b - l) / sizeof(float) + (rows - 1) * (size_t)p->ldb + cols <= n;
+}
+
+static unsigned shadow_slot(const float *B, int tb, int N, int K, int ldb) {
+    uint64_t h = 14695981039346656037u ^ (uint64_t)(uintptr_t)B;
+    const int v[4] = {tb, N, K, ldb};
+    for (int i = 0; i < 4; i++) h = (h ^ (uint32_t)v[i]) * 1099511628211u;
+    return (unsigned)((h ^ h >> 32) % SHADOW_N);
+}
+
+// p's shadow, made (not yet packed) when missing; NULL when the table is full or memory short.
+// Under cache_mu.
+static shadow *shadow_of(const product *p) {
+    unsigned i = shadow_slot(p->B, p->tb, p->N, p->K, p->ldb);
+    for (; shadows[i].used; i = (i + 1) % SHADOW_N) {
+        shadow *e = &shadows[i];
+        if (e->B == p->B && e->tb == p->tb && e->N == p->N && e->K == p->K && e->ldb == p->ldb)
+            return e->bw == p->bw && e->kp == p->kp ? e : NULL;
+    }
+    if (shadow_n >= SHADOW_N / 4 * 3) return NULL;
+    const size_t bytes = dnnl_memory_desc_get_size(&p->wmd);
+    uint32_t *buf = malloc(bytes);
+    if (!buf) return NULL;
+    shadows[i] = (shadow){.used = 1, .tb = p->tb, .N = p->N, .K = p->K, .ldb = p->ldb, .bw = p->bw, .kp = p->kp,
+                          .B = p->B, .buf = buf};
+    shadow_n++, counts.shadow_bytes += bytes;
+    return &shadows[i];
+}
+
 static int plan(product *p) {
-    const int N = p->N, K = p->K, bs = p->bs, rest = p->M % bs, full = p->M >= bs;
+    const int N = p->N, K = p->K;
+    const row_split *rs = &p->rs;
+    // the heights: the taller blocks', the others', the tail's
+    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
+    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
+    p->mh[2] = rs->tail;
     int ok = 1;
     pthread_mutex_lock(&cache_mu);
     entry *lay = find(K_LAYOUT, 0, N, K, 0, 0, 0);
     if (!lay) {
         // the layout brgemm picks for a full block; every block then reads B in it
         dnnl_primitive_desc_t pd = NULL;
-        ok = make_matmul(NULL, &pd, bs, N, K, 1, N, NULL) == 0;
+        ok = make_matmul(NULL, &pd, block_height(rs, 0), N, K, 1, N, NULL) == 0;
         if (ok) {
             const dnnl_memory_desc_t *w = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
             ok = w != NULL;
@@ -209,17 +365,31 @@ static int plan(product *p) {
     } else {
         p->wmd = lay->md;
     }
-    struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[3] = {
+    if (ok) blocked_width(p);
+    counts.products++;
+    if (ok && p->bw && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
+        p->sh_ver = act_ver;
+        if (p->sh->ver == act_ver) counts.shadow_reused++;
+        else counts.shadow_packed++;
+    }
+    if (ok) {
+        if (p->bw) counts.b_packed += !p->sh || p->sh->ver != p->sh_ver;
+        else counts.b_reordered++;
+    }
+    struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[4] = {
         {K_REORDER, 0, p->ldb, p->tb, 0, &p->reorder},
-        {K_MATMUL, full ? bs : 0, p->ldc, 0, p->sum, &p->full},
-        {K_MATMUL, rest, p->ldc, 0, p->sum, &p->rest}};
-    for (int i = 0; ok && i < 3; i++) {
-        if (want[i].kind == K_MATMUL && want[i].m == 0) continue;
+        {K_MATMUL, p->mh[0], p->ldc, 0, p->sum, &p->mm[0]},
+        {K_MATMUL, p->mh[1], p->ldc, 0, p->sum, &p->mm[1]},
+        {K_MATMUL, p->mh[2], p->ldc, 0, p->sum, &p->mm[2]}};
+    for (int i = 0; ok && i < 4; i++) {
+        if ((want[i].kind == K_MATMUL && want[i].m == 0) || (want[i].kind == K_REORDER && p->bw)) continue;
         entry *e = find(want[i].kind, want[i].m, N, K, want[i].sum, want[i].ld, want[i].tb);
         if (e) {
             *want[i].dst = e->prim;
+            counts.prim_hits++;
             continue;
         }
+        counts.prim_misses++;
         dnnl_primitive_t pr = NULL;
         ok = (want[i].kind == K_REORDER ? make_reorder(&pr, N, K, p->ldb, p->tb, &p->wmd)
                                         : make_matmul(&pr, NULL, want[i].m, N, K, p->sum, p->ldc, &p->wmd)) == 0;
@@ -233,16 +403,16 @@ static int plan(product *p) {
 }
 
 static void unplan(product *p) {
-    dnnl_primitive_t *pr[3] = {&p->reorder, &p->full, &p->rest};
-    for (int i = 0; i < 3; i++)
+    dnnl_primitive_t *pr[4] = {&p->reorder, &p->mm[0], &p->mm[1], &p->mm[2]};
+    for (int i = 0; i < 4; i++)
         if (p->owned[i]) dnnl_primitive_destroy(*pr[i]), p->owned[i] = 0;
 }
 
-// a product's fields; bs: rows per block
+// a product's fields
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
     return (product){.M = M, .N = N, .K = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
-                     .bs = block_rows(N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+                     .rs = split_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
@@ -291,43 +461,97 @@ static int block(const product *p, int o, int m, const void *bh) {
              dnnl_memory_create(&mc, &md_c, engine(), p->C + (size_t)o * p->ldc) == dnnl_success;
     if (ok) {
         dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}};
-        ok = run(m == p->bs ? p->full : p->rest, 3, args) == 0;
+        const dnnl_primitive_t pr = m == p->mh[0] ? p->mm[0] : m == p->mh[1] ? p->mm[1] : p->mm[2];
+        ok = run(pr, 3, args) == 0;
     }
     dnnl_memory_destroy(ma), dnnl_memory_destroy(mb), dnnl_memory_destroy(mc);
     return ok ? 0 : -1;
 }
 
-// Runs a planned product whose op(A) is packed: B into the blocked layout in one pass (oneDNN's
-// reorder rounds to nearest even, as bf16_pack does; it runs on the OpenMP threads when called
-// outside a parallel region), then the blocks. What fails to run from here on (B's buffer, the
-// reorder, a block) is computed in fp32 instead, so a product that was planned always completes
-// (the backward's two products are all or nothing). With pack_a the blocks round their rows of
-// A themselves: no pass and no parallel region of its own (with OMP_WAIT_POLICY=PASSIVE, as
-// bench/speed.py runs, each region wakes the sleeping threads).
+// Runs a planned product whose op(A) is packed or packed by the blocks (pack_a): B into the
+// blocked layout, then the blocks, in one parallel region (with OMP_WAIT_POLICY=PASSIVE, as the
+// vlmoe command and bench/speed.py run, each region wakes the sleeping threads): B's column
+// blocks by pack_b_block, split over the threads, or, for a layout it does not know, first by
+// oneDNN's reorder (on the OpenMP threads, a region of its own). Both round to nearest even as
+// bf16_pack does. What fails to run from here on (B's buffer, the reorder, a block) is computed
+// in fp32 instead, so a product that was planned always completes (the backward's two products
+// are all or nothing).
 static void execute(const product *p) {
-    void *bh = scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
-    dnnl_memory_desc_t md_s;
-    const dnnl_dims_t db = {p->K, p->N}, sb = {p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1};
-    dnnl_memory_t ms = NULL, md = NULL;
-    int ok = bh && dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_f32, sb) == dnnl_success &&
+    void *bh = p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
+    const int pack = p->bw && (!p->sh || p->sh->ver != p->sh_ver);
+    int ok = bh != NULL;
+    if (ok && !p->bw) {
+        dnnl_memory_desc_t md_s;
+        const dnnl_dims_t db = {p->K, p->N}, sb = {p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1};
+        dnnl_memory_t ms = NULL, md = NULL;
+        ok = dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_f32, sb) == dnnl_success &&
              dnnl_memory_create(&ms, &md_s, engine(), (void *)p->B) == dnnl_success &&
              dnnl_memory_create(&md, &p->wmd, engine(), bh) == dnnl_success;
-    if (ok) {
-        dnnl_exec_arg_t args[3] = {{DNNL_ARG_FROM, ms}, {DNNL_ARG_TO, md}};
-        ok = run(p->reorder, 2, args) == 0;
+        if (ok) {
+            dnnl_exec_arg_t args[3] = {{DNNL_ARG_FROM, ms}, {DNNL_ARG_TO, md}};
+            ok = run(p->reorder, 2, args) == 0;
+        }
+        dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     }
-    dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
-    const int nb = (p->M + p->bs - 1) / p->bs;
-#pragma omp parallel for schedule(dynamic) if (nb > 1)
-    for (int b = 0; b < nb; b++) {
-        const int o = b * p->bs, m = p->M - o < p->bs ? p->M - o : p->bs;
-        if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
-        if (!ok || block(p, o, m, bh))
-            dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
-                       p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb, p->sum ? 1.0f : 0.0f,
-                       p->C + (size_t)o * p->ldc, p->ldc);
-        if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
+    const int nb = blocks_of(&p->rs), ncb = pack && ok ? (p->N + p->bw - 1) / p->bw : 0;
+    // one parallel region for B's packing and the blocks (each region wakes the threads)
+#pragma omp parallel if (nb > 1 || (size_t)ncb * p->bw * p->K >= 65536)
+    {
+#pragma omp for schedule(static)
+        for (int j = 0; j < ncb; j++) pack_b_block(bh, p, j);
+#pragma omp for schedule(dynamic)
+        for (int b = 0; b < nb; b++) {
+            const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
+            if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
+            if (!ok || block(p, o, m, bh))
+                dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
+                           p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb,
+                           p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+            if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
+        }
     }
+    if (ok && pack && p->sh) {
+        pthread_mutex_lock(&cache_mu);
+        p->sh->ver = p->sh_ver;
+        pthread_mutex_unlock(&cache_mu);
+    }
+}
+
+void gemm_bf16_shadow_refresh(const float *lo, size_t n, uint64_t version) {
+    pthread_mutex_lock(&cache_mu);
+    // the shadows inside the range, and their column blocks counted, so that one parallel
+    // region packs them all (an expert bank's tensor holds a shadow per expert and layout)
+    int m = 0, *at = malloc(sizeof(int) * (shadow_n + 1)), *first = malloc(sizeof(int) * (shadow_n + 1));
+    product *q = malloc(sizeof(product) * (shadow_n + 1));
+    if (at && first && q) {
+        first[0] = 0;
+        for (int i = 0; i < SHADOW_N; i++) {
+            shadow *e = &shadows[i];
+            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .ldb = e->ldb, .bw = e->bw, .kp = e->kp};
+            if (!e->used || !inside(&q[m], lo, n)) continue;
+            at[m] = i, first[m + 1] = first[m] + (e->N + e->bw - 1) / e->bw, m++;
+        }
+        const int total = first[m];
+#pragma omp parallel for schedule(static) if (m > 0)
+        for (int t = 0; t < total; t++) {
+            int k = 0;
+            while (first[k + 1] <= t) k++;
+            pack_b_block(shadows[at[k]].buf, &q[k], t - first[k]);
+        }
+        for (int k = 0; k < m; k++) shadows[at[k]].ver = version;
+    } else {
+        // no room to list them: they are packed again at their next product
+        for (int i = 0; i < SHADOW_N; i++) shadows[i].ver = 0;
+    }
+    free(at), free(first), free(q);
+    pthread_mutex_unlock(&cache_mu);
+}
+
+gemm_bf16_counts gemm_bf16_get_counts(void) {
+    pthread_mutex_lock(&cache_mu);
+    const gemm_bf16_counts c = counts;
+    pthread_mutex_unlock(&cache_mu);
+    return c;
 }
 
 // dst (rows, cols) bf16 row-major = the transpose of src (cols, rows), row-major with leading

@@ -32,6 +32,27 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
 int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
                        int O);
 
+// Weight shadows: packed bf16 copies of weights kept between products. While [lo, lo+n) is
+// declared at a version (gemm_bf16_shadow_use), a product whose B lies in it packs B into a
+// copy kept for that B and that layout, and later products with the same B and layout reuse
+// it as long as the declared version is the one it was packed at. The caller vouches that the
+// floats in the range are the same whenever it declares the same version (src/train/trainer.c
+// declares the model's weights version during a step, src/nn/model.c changes it on every write
+// it knows of). n 0 declares nothing: every product packs its own B again.
+uint64_t gemm_bf16_new_version(void); // never returned before in this process, never 0
+void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version);
+// Packs the shadows of B inside [p, p+n) again now, as they are after a write, and marks them
+// packed at version: the optimizer calls it after updating a tensor, while it is in cache.
+void gemm_bf16_shadow_refresh(const float *p, size_t n, uint64_t version);
+// What the products did since the process started (counts, for tests and the benchmark).
+typedef struct {
+    long products, prim_hits, prim_misses; // primitive lookups of plan: kept or made
+    long b_packed, b_reordered;             // B packed by pack_b_block or by oneDNN's reorder
+    long shadow_reused, shadow_packed;      // products that read a kept shadow / packed one
+    size_t shadow_bytes;                    // memory the shadows hold
+} gemm_bf16_counts;
+gemm_bf16_counts gemm_bf16_get_counts(void);
+
 // linear_forward_f32 and linear_backward_f32 (src/ops/ops.h) with the products in bf16
 // (src/ops/ops.c; same arguments, same accumulation rules).
 void linear_forward_bf16(float *out, const float *inp, const float *w, const float *b, int N, int K,

@@ -10,6 +10,7 @@
 
 #include "core/core.h"
 #include "ops/backend.h"
+#include "ops/gemm_bf16.h"
 #include "optim/optim.h"
 
 // Loops over at least this many elements run on OpenMP threads; below it the fork costs more
@@ -54,6 +55,8 @@ struct vlmoe_optim {
     adafactor_slot *slots;    // Adafactor only, one per parameter
     float *row_mean;          // Adafactor scratch: mean of vr over dim a, (A, Bm, C) floats at most
     const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
+    uint64_t shadow_ver;      // nonzero: each tensor's bf16 shadows are packed again after its
+                              // update, at this version (optim_set_shadow, src/ops/gemm_bf16.h)
 };
 
 vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind) {
@@ -486,6 +489,8 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
         // torch multiplies by exactly 1.0 when weight_decay is 0, so skipping is identical.
         a.decay = info->decay && o->p.weight_decay != 0.0f;
         be->adamw(be, params + off, m_all + off, v_all + off, grads + off, info->numel, &a);
+        // the tensor's bf16 copies, while it is still in cache
+        if (o->shadow_ver) gemm_bf16_shadow_refresh(params + off, info->numel, o->shadow_ver);
     }
 }
 
@@ -654,7 +659,12 @@ static void adafactor_step(vlmoe_optim *o, float *params, const float *grads, fl
                 p[i] -= lr * u + (decay ? wd_step * p[i] : 0.0f);
             }
         }
+        if (o->shadow_ver) gemm_bf16_shadow_refresh(p, n, o->shadow_ver);
     }
+}
+
+void optim_set_shadow(vlmoe_optim *o, uint64_t version) {
+    if (o) o->shadow_ver = version;
 }
 
 void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr) {

@@ -17,6 +17,11 @@ double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n,
 double optim_clip_grad_norm_given(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm,
                                   double sumsq);
 
+// Version nonzero: every step packs the bf16 shadows (src/ops/gemm_bf16.h) of each tensor it
+// updates right after updating it, marked at this version (the trainer passes the model's
+// weights version, once per step, with the cpu-bf16 table); 0: it does not.
+void optim_set_shadow(vlmoe_optim *o, uint64_t version);
+
 // The tensors the optimizer updates (a copy of its table).
 const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n);
 
