@@ -581,11 +581,19 @@ void R(posadd_forward)(real *out, const real *pos, int B, int T_, int D) {
 }
 
 void R(posadd_backward)(real *dpos, const real *dout, int B, int T_, int D) {
+    // 64 positions' sums at a time, each over b in order as one sum per element would be (the
+    // same bits), walking each sample's rows contiguously instead of one float per 64 KB stride
+    const size_t n = (size_t)T_ * D, nb = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < (size_t)T_ * D; i++) {
-        real s = 0;
-        for (int b = 0; b < B; b++) s += dout[(size_t)b * T_ * D + i];
-        dpos[i] += s;
+    for (size_t blk = 0; blk < nb; blk++) {
+        const size_t i0 = blk * 64, m = n - i0 < 64 ? n - i0 : 64;
+        real s[64] = {0};
+        for (int b = 0; b < B; b++) {
+            const real *g = dout + (size_t)b * n + i0;
+#pragma omp simd
+            for (size_t i = 0; i < m; i++) s[i] += g[i];
+        }
+        for (size_t i = 0; i < m; i++) dpos[i0 + i] += s[i];
     }
 }
 
