@@ -230,7 +230,7 @@ static void case_embed(ctx *c) {
 }
 
 static void case_posadd(ctx *c) {
-    const int B = 3, T = 5, D = 8;
+    const int B = 3, T = 5, D = 20; // 100 positions: the CPU op's blocks of 64, one whole, one part
     double *out = rnd(c, (size_t)B * T * D, 1), *pos = rnd(c, (size_t)T * D, 1), *dpos = rnd(c, (size_t)T * D, 1);
     double *dout = rnd(c, (size_t)B * T * D, 1);
     float *fo = up(c, out, (size_t)B * T * D), *fp = up(c, pos, (size_t)T * D), *fdp = up(c, dpos, (size_t)T * D);

@@ -331,6 +331,7 @@ static void att_f32_case(int T, int D, int H, int causal) {
     float *fa = calloc(na, sizeof(float)), *fda = calloc(na, sizeof(float)), *fdq = calloc(nq, sizeof(float));
     for (size_t i = 0; i < nq; i++) fq[i] = (float)qkv[i];
     for (size_t i = 0; i < no; i++) fg[i] = (float)g[i];
+    for (size_t i = 0; i < nq; i++) fdq[i] = 12345; // the backward writes dqkv: nothing may be left of this
     for (size_t i = 0; i < nq; i++) qkv[i] = fq[i];
     for (size_t i = 0; i < no; i++) g[i] = fg[i];
     const attn_segment seg = {.tok_off = 0, .nseq = 2, .seqlen = T, .causal = causal};
@@ -348,6 +349,7 @@ static void att_f32_case(int T, int D, int H, int causal) {
 static void test_attention_f32(void) {
     att_f32_case(65, 256, 4, 0);  // bench-s's image heads: the transposed copy
     att_f32_case(16, 256, 4, 1);
+    att_f32_case(13, 36, 3, 0);   // hd 12, T 13: the transpose's partial 8x8 tiles at both edges
     att_f32_case(300, 128, 2, 0); // T hd = 19200: k read transposed
     att_f32_case(300, 128, 2, 1);
 }

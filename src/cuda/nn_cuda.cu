@@ -299,7 +299,8 @@ __global__ static void k_attn_softmax_bwd(float *datt, const float *att, int T, 
     for (int j = threadIdx.x; j < T; j += blockDim.x) d[j] = __fmul_rn(__fmul_rn(p[j], __fsub_rn(d[j], dot)), scale);
 }
 
-// dqkv ACCUMULATES (dq, dk, dv); datt is scratch (left holding the score gradients)
+// dqkv is WRITTEN (dq, dk, dv), as the CPU op's (src/ops/ops.c says why); datt is scratch (left
+// holding the score gradients)
 static void cuda_attention_backward(const backend *be, float *dqkv, float *datt, const float *dout, const float *qkv,
                                     const float *att, const attn_segment *seg, int D, int H) {
     const int T = seg->seqlen, hd = D / H, ld = 3 * D, nb = seg->nseq;
@@ -311,9 +312,9 @@ static void cuda_attention_backward(const backend *be, float *dqkv, float *datt,
     for (int h = 0; h < H; h++) {
         const float *q = q0 + h * hd, *g = g0 + h * hd, *a = att + (size_t)h * T * T;
         float *da = datt + (size_t)h * T * T, *dq = dq0 + h * hd;
-        // dp (T,T) = dout v^T; dv += p^T dout
+        // dp (T,T) = dout v^T; dv = p^T dout
         if (cu_gemm_batched(be, "attention", 0, 1, T, T, hd, 1.0f, g, D, so, q + 2 * D, ld, sq, 0.0f, da, T, sa, nb) ||
-            cu_gemm_batched(be, "attention", 1, 0, T, hd, T, 1.0f, a, T, sa, g, D, so, 1.0f, dq + 2 * D, ld, sq, nb))
+            cu_gemm_batched(be, "attention", 1, 0, T, hd, T, 1.0f, a, T, sa, g, D, so, 0.0f, dq + 2 * D, ld, sq, nb))
             return;
     }
     k_attn_softmax_bwd<<<(unsigned)((size_t)nb * H * T), ROW_THREADS, 0, stream_of(be)>>>(datt, att, T, scale);
@@ -321,9 +322,9 @@ static void cuda_attention_backward(const backend *be, float *dqkv, float *datt,
     for (int h = 0; h < H; h++) {
         const float *q = q0 + h * hd, *da = datt + (size_t)h * T * T;
         float *dq = dq0 + h * hd;
-        // dq += ds k; dk += ds^T q
-        if (cu_gemm_batched(be, "attention", 0, 0, T, hd, T, 1.0f, da, T, sa, q + D, ld, sq, 1.0f, dq, ld, sq, nb) ||
-            cu_gemm_batched(be, "attention", 1, 0, T, hd, T, 1.0f, da, T, sa, q, ld, sq, 1.0f, dq + D, ld, sq, nb))
+        // dq = ds k; dk = ds^T q
+        if (cu_gemm_batched(be, "attention", 0, 0, T, hd, T, 1.0f, da, T, sa, q + D, ld, sq, 0.0f, dq, ld, sq, nb) ||
+            cu_gemm_batched(be, "attention", 1, 0, T, hd, T, 1.0f, da, T, sa, q, ld, sq, 0.0f, dq + D, ld, sq, nb))
             return;
     }
 }

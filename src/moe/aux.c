@@ -302,14 +302,19 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
     for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
 
-    // Clean gates in double: P = exp(l - logsumexp(l)).
+    // Clean gates in double: P = exp(l - max) / sum, lse = max + log(sum). One exp per logit (the
+    // libm calls were most of the losses' time in a bench-s step: every loss of every group
+    // computes them, forward and backward), and rows are independent, so threads split them
+    // without changing a bit; a small group stays on one thread.
+#pragma omp parallel for schedule(static) if (S >= 1024)
     for (int s = 0; s < S; s++) {
         const real *ls = in->logits + (size_t)s * E;
-        double mx = ls[0], sum = 0;
+        double *p = c.P + (size_t)s * E, mx = ls[0], sum = 0;
         for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
-        for (int e = 0; e < E; e++) sum += exp((double)ls[e] - mx);
+        for (int e = 0; e < E; e++) sum += (p[e] = exp((double)ls[e] - mx));
         c.lse[s] = mx + log(sum);
-        for (int e = 0; e < E; e++) c.P[(size_t)s * E + e] = exp((double)ls[e] - c.lse[s]);
+        const double inv = 1 / sum;
+        for (int e = 0; e < E; e++) p[e] *= inv;
     }
     memset(c.G, 0, SE * sizeof(double));
 

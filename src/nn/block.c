@@ -197,7 +197,7 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
     be->zero(be, p->datty + t0 * D, (size_t)n * D);
     be->linear_backward(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D,
                        P + bl->out_w, n, D, D);
-    be->zero(be, p->dqkv + t0 * 3 * D, (size_t)n * 3 * D);
+    // attention_backward writes dqkv (no zeroing): the segments cover the pass's n tokens
     for (int k = 0; k < p->nseg; k++)
         be->attention_backward(be, p->dqkv, p->datt + p->att_off[k], p->datty, a->qkv, p->att + p->att_off[k],
                               &p->seg[k], D, H);

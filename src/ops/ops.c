@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include <dnnl.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "core/prof.h"
 #include "core/real.h"
@@ -75,6 +78,10 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
     // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
     // make two blocks for two threads
     int nb = (dim + 511) / 512;
+    // a large product in one block (the out projection's dw, 256 x 256 over 5120 rows: 0.67
+    // GFLOP) or in an odd number of them leaves a thread idle while another works: from 32M
+    // multiply-adds on, an even number of blocks of at least 64 rows. The shapes alone decide.
+    if ((double)M * N * K >= 32e6 && dim >= 128 && nb % 2) nb++;
     nb = nb > 64 ? 64 : nb;
     const int bs = (dim + nb - 1) / nb;
 #ifndef VLMOE_REAL_F64
@@ -412,8 +419,40 @@ static inline int key_limit(int i, int len, int causal, int prefix) {
 // the stack buffer (T hd > ATT_KT_MAX) keep the transposed read; either way the choice depends
 // only on the shapes, never on the thread count.
 #define ATT_KT_MAX 16384
+#if defined(__AVX__) && !defined(VLMOE_REAL_F64)
+// The transpose one element at a time was 1.6% of a 1-thread bench-s step (9216 heads a step,
+// each 4160 strided stores): whole 8x8 tiles go through registers, the edges element by element.
+// A copy, so the bits are the same either way.
+static inline void tile8_transpose(float *dst, int ldd, const float *src, int lds) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    // rows 0..3 hold columns 0,1,2,3 of source rows 0-3 (low lanes) and their columns 4-7 (high)
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + (size_t)i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (size_t)(i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
 static void head_transpose(real *kt, const real *k, int T, int hd, int ld) {
-    for (int j = 0; j < T; j++)
+    int j0 = 0;
+#if defined(__AVX__) && !defined(VLMOE_REAL_F64)
+    const int d8 = hd & ~7;
+    for (; j0 + 8 <= T; j0 += 8)
+        for (int d = 0; d < d8; d += 8) tile8_transpose(kt + (size_t)d * T + j0, T, k + (size_t)j0 * ld + d, ld);
+    for (int j = 0; j < j0; j++) // the columns past the last whole tile
+        for (int d = d8; d < hd; d++) kt[(size_t)d * T + j] = k[(size_t)j * ld + d];
+#endif
+    for (int j = j0; j < T; j++) // the rows past the last whole tile
         for (int d = 0; d < hd; d++) kt[(size_t)d * T + j] = k[(size_t)j * ld + d];
 }
 
@@ -460,7 +499,11 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
     }
 }
 
-// dp = dout v^T, dv += p^T dout, ds = p (dp - rowsum(p dp)) scale, dq += ds k, dk += ds^T q.
+// dp = dout v^T, dv = p^T dout, ds = p (dp - rowsum(p dp)) scale, dq = ds k, dk = ds^T q.
+// dqkv is WRITTEN, not accumulated: attention is the only consumer of qkv, and every token of a
+// pass belongs to one segment (the forward's out relies on that too), so the caller need not
+// zero dqkv first (zeroing it was 16 MB of stores per bench-s block). Each (sequence, head)
+// writes all T rows of its columns, masked ones included (as zeros).
 void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real *qkv,
                            const real *att, const attn_segment *seg, int D, int H) {
     const int T = seg->seqlen, hd = D / H, ld = 3 * D;
@@ -474,7 +517,7 @@ void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real 
             const real *a = att + (((size_t)b * H + h) * T) * T;
             real *da = datt + (((size_t)b * H + h) * T) * T;
             head_scores(da, g, D, q + 2 * D, T, hd, ld, 1);
-            gemm1(1, 0, T, hd, T, 1, a, T, g, D, 1, dq + 2 * D, ld);
+            gemm1(1, 0, T, hd, T, 1, a, T, g, D, 0, dq + 2 * D, ld);
             for (int i = 0; i < T; i++) {
                 const real *p = a + (size_t)i * T;
                 real *d = da + (size_t)i * T, dot = 0;
@@ -483,8 +526,8 @@ void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real 
 #pragma omp simd
                 for (int j = 0; j < T; j++) d[j] = p[j] * (d[j] - dot) * scale;
             }
-            gemm1(0, 0, T, hd, T, 1, da, T, q + D, ld, 1, dq, ld);
-            gemm1(1, 0, T, hd, T, 1, da, T, q, ld, 1, dq + D, ld);
+            gemm1(0, 0, T, hd, T, 1, da, T, q + D, ld, 0, dq, ld);
+            gemm1(1, 0, T, hd, T, 1, da, T, q, ld, 0, dq + D, ld);
         }
     }
 }
@@ -538,11 +581,19 @@ void R(posadd_forward)(real *out, const real *pos, int B, int T_, int D) {
 }
 
 void R(posadd_backward)(real *dpos, const real *dout, int B, int T_, int D) {
+    // 64 positions' sums at a time, each over b in order as one sum per element would be (the
+    // same bits), walking each sample's rows contiguously instead of one float per 64 KB stride
+    const size_t n = (size_t)T_ * D, nb = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < (size_t)T_ * D; i++) {
-        real s = 0;
-        for (int b = 0; b < B; b++) s += dout[(size_t)b * T_ * D + i];
-        dpos[i] += s;
+    for (size_t blk = 0; blk < nb; blk++) {
+        const size_t i0 = blk * 64, m = n - i0 < 64 ? n - i0 : 64;
+        real s[64] = {0};
+        for (int b = 0; b < B; b++) {
+            const real *g = dout + (size_t)b * n + i0;
+#pragma omp simd
+            for (size_t i = 0; i < m; i++) s[i] += g[i];
+        }
+        for (size_t i = 0; i < m; i++) dpos[i0 + i] += s[i];
     }
 }
 

@@ -53,7 +53,8 @@ typedef struct {
     /* row softmax: out (N,C) */                                                                   \
     void softmax_forward_##S(T *out, const T *inp, int N, int C);                                 \
     void softmax_backward_##S(T *dinp, const T *out, const T *dout, int N, int C);                \
-    /* qkv (Ntok,3D) -> out (Ntok,D); att (nseq,H,T,T) probabilities of this segment */            \
+    /* qkv (Ntok,3D) -> out (Ntok,D); att (nseq,H,T,T) probabilities of this segment; the       \
+       backward WRITES the segment's rows of dqkv (no accumulation: no zeroing needed) */         \
     void attention_forward_##S(T *out, T *att, const T *qkv, const attn_segment *seg, int D,      \
                                int H);                                                            \
     void attention_backward_##S(T *dqkv, T *datt, const T *dout, const T *qkv, const T *att,      \
