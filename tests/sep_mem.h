@@ -392,8 +392,13 @@ static int sep_route(const sep_be *be, const float *gates, const be_route *r, co
 // sep_no_route 1: the table says it cannot route, so the MoE layer takes its host path (the
 // gates downloaded, route.c on the host, the layout uploaded): the reference the route op must equal
 static int sep_no_route;
+// sep_fixed 1: the table wants the fixed-capacity layout in training (be_route.fixed), as the
+// CUDA table does; the CPU table under it writes that layout when asked
+static int sep_fixed;
 static int sep_supports(const sep_be *be, be_op op, const void *cfg) {
-    return op == BE_OP_ROUTE && sep_no_route ? 0 : sep_cpu->supports(sep_cpu, op, cfg);
+    if (op == BE_OP_ROUTE && sep_no_route) return 0;
+    if (op == BE_OP_ROUTE && cfg && ((const be_route *)cfg)->fixed) return sep_fixed;
+    return sep_cpu->supports(sep_cpu, op, cfg);
 }
 
 // The checking table; resets the stray count (the allocations are tracked across tables).

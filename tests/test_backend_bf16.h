@@ -191,10 +191,12 @@ static double *drift(const double *S_in, int K, const float *v, size_t n) {
     return d;
 }
 
-static void case16_experts(bctx *c) {
+// same_rows: every expert 10 rows (the fixed-capacity layout: one strided-batched product on CUDA)
+static void case16_experts(bctx *c, int same_rows) {
     const vlmoe_backend_f32 *be = c->be, *rf = c->ref;
     enum { E = 3, D = 24, M = 40, R = 30 };
-    const int32_t off[E + 1] = {0, 9, 9, R}; // expert 1 holds no rows
+    const int32_t off_packed[E + 1] = {0, 9, 9, R}, off_same[E + 1] = {0, 10, 20, R}; // packed: expert 1 holds no rows
+    const int32_t *off = same_rows ? off_same : off_packed;
     const be_experts ex = {E, D, M, VLMOE_ACT_QUICK_GELU, off};
     const size_t nw[4] = {(size_t)E * M * D, (size_t)E * M, (size_t)E * D * M, (size_t)E * D};
     const size_t nrd = (size_t)R * D, nrm = (size_t)R * M;
@@ -283,7 +285,8 @@ static void case16_experts(bctx *c) {
 static void case16_all(bctx *c) {
     case16_linear(c, 37, 29, 23);   // no multiple of any tile
     case16_linear(c, 300, 256, 96); // tensor-core shapes; 300 rows: chunked bias sums on CUDA
-    case16_experts(c);
+    case16_experts(c, 0);
+    case16_experts(c, 1);
 }
 
 // ---- the positive control: an emulated second table, so the bound is tried on this machine too.

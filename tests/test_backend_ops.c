@@ -329,12 +329,13 @@ static void case_xent(ctx *c) {
     cmp(c, "dlogits", fdlg, dlg, (size_t)n * C);
 }
 
-// A dispatch of n tokens to E experts with K = 2 distinct experts per token, some dropped.
+// A dispatch of n tokens to E experts with K = 2 distinct experts per token, some dropped; fixed:
+// the fixed-capacity layout, every expert's 6 slots a row, the empty ones padding (token -1).
 typedef struct {
     int n, rows, E;
     int32_t row_token[64], row_expert[64], tok_off[33], tok_rows[64], off[9];
 } disp;
-static void make_dispatch(ctx *c, disp *d) {
+static void make_dispatch(ctx *c, disp *d, int fixed) {
     d->n = 32, d->E = 8, d->rows = 0;
     int cnt[8] = {0};
     int32_t pick[32][2];
@@ -347,45 +348,71 @@ static void make_dispatch(ctx *c, disp *d) {
         for (int t = 0; t < d->n; t++)
             for (int k = 0; k < 2; k++)
                 if (pick[t][k] == e && cnt[e] < 6 && !(t % 11 == 3 && k == 1)) d->row_token[d->rows] = t, d->row_expert[d->rows++] = e, cnt[e]++;
+        for (; fixed && cnt[e] < 6; cnt[e]++) d->row_token[d->rows] = -1, d->row_expert[d->rows++] = e;
     }
     d->off[8] = d->rows;
     memset(d->tok_off, 0, sizeof(d->tok_off));
-    for (int r = 0; r < d->rows; r++) d->tok_off[d->row_token[r] + 1]++;
+    for (int r = 0; r < d->rows; r++)
+        if (d->row_token[r] >= 0) d->tok_off[d->row_token[r] + 1]++;
     for (int t = 0; t < d->n; t++) d->tok_off[t + 1] += d->tok_off[t];
     int fill[33];
     memcpy(fill, d->tok_off, sizeof(fill));
-    for (int r = 0; r < d->rows; r++) d->tok_rows[fill[d->row_token[r]]++] = r;
+    for (int r = 0; r < d->rows; r++)
+        if (d->row_token[r] >= 0) d->tok_rows[fill[d->row_token[r]]++] = r;
 }
 
-static void case_dispatch(ctx *c) {
+// n floats of the tested backend, downloaded
+static float *down(ctx *c, const float *dev, size_t n) {
+    float *h = keep_host(c, malloc(sizeof(float) * (n + 1)));
+    c->be->sync(c->be);
+    c->be->download(c->be, h, dev, n);
+    return h;
+}
+
+// The padding rows of a fixed layout hold exact zeros in what the backend wrote: the gathered
+// inputs (over a buffer that held other values), the combine weights and the backward's dy, dw.
+static void pad_zeros(ctx *c, const disp *h, const char *what, const float *dev, int width) {
+    const float *v = down(c, dev, (size_t)h->rows * width);
+    int bad = 0, pads = 0;
+    for (int r = 0; r < h->rows; r++)
+        for (int k = 0; h->row_token[r] < 0 && k < width; k++) bad += v[(size_t)r * width + k] != 0, pads += !k;
+    if (bad || !pads) {
+        c->op_fail = 1;
+        fprintf(stderr, "    %s: %d non-zero values in %d padding rows\n", what, bad, pads);
+    }
+}
+
+static void dispatch_shape(ctx *c, int fixed) {
     disp h;
-    make_dispatch(c, &h);
+    make_dispatch(c, &h, fixed);
     const int D = 12, n = h.n, R = h.rows, E = h.E;
     const be_dispatch rd = {n, R, E, h.row_token, h.row_expert, h.tok_off, h.tok_rows};
     const be_dispatch fd = {n, R, E, upb(c, h.row_token, sizeof(h.row_token)), upb(c, h.row_expert, sizeof(h.row_expert)),
                             upb(c, h.tok_off, sizeof(h.tok_off)), upb(c, h.tok_rows, sizeof(h.tok_rows))};
-    double *x = rnd(c, (size_t)n * D, 1), *xp = zeros(c, (size_t)R * D);
+    double *x = rnd(c, (size_t)n * D, 1), *xp = rnd(c, (size_t)R * D, 1);
     float *fx = up(c, x, (size_t)n * D), *fxp = up(c, xp, (size_t)R * D);
     c->ref->gather_rows(c->ref, xp, x, h.row_token, R, D);
     c->be->gather_rows(c->be, fxp, fx, fd.row_token, R, D);
     cmp(c, "gather_rows", fxp, xp, (size_t)R * D);
+    if (fixed) pad_zeros(c, &h, "gather_rows", fxp, D);
     // combine weights from gates, plain and renormalised, and their backward
     double *gates = rnd(c, (size_t)n * E, 1);
     for (size_t i = 0; i < (size_t)n * E; i++) gates[i] = fabs(gates[i]) + 0.01;
     float *fg = up(c, gates, (size_t)n * E);
     for (int renorm = 0; renorm < 2; renorm++) {
-        double *w = zeros(c, R), *z = zeros(c, n), *dw = rnd(c, R, 1), *dg = rnd(c, (size_t)n * E, 1);
+        double *w = rnd(c, R, 1), *z = zeros(c, n), *dw = rnd(c, R, 1), *dg = rnd(c, (size_t)n * E, 1);
         float *fw = up(c, w, R), *fz = up(c, z, n), *fdw = up(c, dw, R), *fdg = up(c, dg, (size_t)n * E);
         c->ref->combine_weights(c->ref, w, z, gates, &rd, renorm);
         c->be->combine_weights(c->be, fw, fz, fg, &fd, renorm);
         cmp(c, "combine_weights", fw, w, R);
+        if (fixed) pad_zeros(c, &h, "combine_weights", fw, 1);
         c->ref->combine_weights_backward(c->ref, dg, dw, gates, z, &rd, renorm);
         c->be->combine_weights_backward(c->be, fdg, fdw, fg, fz, &fd, renorm);
         cmp(c, "combine_weights_backward", fdg, dg, (size_t)n * E);
     }
     // combine and its backward, the backward of the gather
     double *y = rnd(c, (size_t)R * D, 1), *w = rnd(c, R, 1), *out = rnd(c, (size_t)n * D, 1), *dout = rnd(c, (size_t)n * D, 1);
-    double *dy = zeros(c, (size_t)R * D), *dw = zeros(c, R), *dx = rnd(c, (size_t)n * D, 1);
+    double *dy = rnd(c, (size_t)R * D, 1), *dw = rnd(c, R, 1), *dx = rnd(c, (size_t)n * D, 1);
     float *fy = up(c, y, (size_t)R * D), *fw = up(c, w, R), *fo = up(c, out, (size_t)n * D), *fdo = up(c, dout, (size_t)n * D);
     float *fdy = up(c, dy, (size_t)R * D), *fdw = up(c, dw, R), *fdx = up(c, dx, (size_t)n * D);
     c->ref->combine_forward(c->ref, out, y, w, &rd, D);
@@ -395,10 +422,14 @@ static void case_dispatch(ctx *c) {
     c->be->combine_backward(c->be, fdy, fdw, fdo, fy, fw, &fd, D);
     cmp(c, "combine_backward dy", fdy, dy, (size_t)R * D);
     cmp(c, "combine_backward dw", fdw, dw, R);
+    if (fixed) pad_zeros(c, &h, "combine_backward dy", fdy, D), pad_zeros(c, &h, "combine_backward dw", fdw, 1);
     c->ref->gather_rows_backward(c->ref, dx, y, &rd, D);
     c->be->gather_rows_backward(c->be, fdx, fy, &fd, D);
     cmp(c, "gather_rows_backward", fdx, dx, (size_t)n * D);
 }
+static void case_dispatch(ctx *c) { dispatch_shape(c, 0); }
+// the fixed-capacity layout's padding rows (be_route.fixed)
+static void case_dispatch_pad(ctx *c) { dispatch_shape(c, 1); }
 
 static void case_noise(ctx *c) {
     const int n = 40, E = 6;
@@ -481,9 +512,8 @@ static void case_soft(ctx *c) {
     for (int i = 0; i < 7; i++) cmp(c, names[i], fg[i], g[i], ng[i]);
 }
 
-static void case_experts(ctx *c) {
+static void experts_shape(ctx *c, const int32_t off[4]) {
     const int E = 3, D = 8, M = 20;
-    const int32_t off[4] = {0, 5, 5, 12}; // expert 1 holds no rows
     const int R = off[E];
     const be_experts ex = {E, D, M, VLMOE_ACT_QUICK_GELU, off};
     const size_t n1 = (size_t)E * M * D;
@@ -511,6 +541,16 @@ static void case_experts(ctx *c) {
     cmp(c, "dx", fdx, dx, (size_t)R * D);
     const char *names[4] = {"dw1", "db1", "dw2", "db2"};
     for (int i = 0; i < 4; i++) cmp(c, names[i], fdw[i], dw[i], nw[i]);
+}
+
+static void case_experts(ctx *c) {
+    const int32_t off[4] = {0, 5, 5, 12}; // expert 1 holds no rows
+    experts_shape(c, off);
+}
+// every expert 7 rows, the first at row 2: CUDA's strided-batched path (the fixed layout)
+static void case_experts_same(ctx *c) {
+    const int32_t off[4] = {2, 9, 16, 23};
+    experts_shape(c, off);
 }
 
 static void case_trainer(ctx *c) {
@@ -748,6 +788,7 @@ static const test_case CASES[] = {
     {"trainer", BE_OP_ADAMW, case_trainer},        {"memory", BE_OP_COUNT, case_memory},
     {"pixels", BE_OP_PIXELS, case_pixels},
     {"route", BE_OP_ROUTE, case_route},
+    {"dispatch_pad", BE_OP_COMBINE, case_dispatch_pad}, {"experts_same", BE_OP_EXPERTS, case_experts_same},
 };
 #define NCASES ((int)(sizeof(CASES) / sizeof(CASES[0])))
 

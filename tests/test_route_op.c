@@ -4,8 +4,12 @@
 // gradients, parameters, routing statistics and the per-token decision over 3 training steps of
 // limoe-tiny, ec-tiny, clipup-tiny and variants (top-2 with renormalisation, BPR on the summed
 // gates, FIFO, disjoint pools, gradient checkpointing), and a step on the op path must fetch no
-// gates (only the experts' row offsets) until the statistics are read. Then the op's packed
-// layout against one rebuilt from its own decision, on shapes with ties and overflow.
+// gates (only the experts' row offsets) until the statistics are read. The fixed-capacity layout
+// (be_route.fixed, wanted by the table) against the packed one through the same op: a step
+// downloads nothing, and losses, gradients and parameters agree within 2e-6 of each array's
+// largest value (padding rows change the expert products' row counts, so the dW sums may add in
+// another order). Then the op's packed and fixed layouts against ones rebuilt from its own
+// decision, on shapes with ties and overflow, and a wrong padding row that the check catches.
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,8 +45,23 @@ static int same_route(const vlmoe_token_route *a, const vlmoe_token_route *b) {
            a->modality == b->modality && a->dropped == b->dropped;
 }
 
+// max |a - b| over max |a|: the gap between two runs relative to the array's scale
+static double rel_gap(const float *a, const float *b, size_t n) {
+    double d = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        d = fabs((double)a[i] - b[i]) > d ? fabs((double)a[i] - b[i]) : d;
+        m = fabs((double)a[i]) > m ? fabs((double)a[i]) : m;
+    }
+    return m > 0 ? d / m : d;
+}
+
+// The bound of the fixed layout against the packed one (see the top), and the largest gap seen.
+#define FIXED_REL 2e-6
+static double fixed_worst;
+
 // Model 0 routes on the host (the table says it cannot), model 1 through the table's route op.
-static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt) {
+// fixed: model 0 through the op in the packed layout, model 1 in the fixed-capacity layout.
+static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt, int fixed) {
     vlmoe_backend_f32 dev = sep_table();
     vlmoe_model *m[2] = {NULL, NULL};
     vlmoe_trainer *t[2] = {NULL, NULL};
@@ -72,7 +91,8 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
         double loss[2] = {0, 0};
         size_t nf[2] = {0, 0};
         for (int k = 0; k < 2 && !st; k++) {
-            sep_no_route = k == 0; // asked when the graph creates its MoE layers
+            sep_no_route = k == 0 && !fixed; // asked when the graph creates its MoE layers
+            sep_fixed = k == 1 && fixed;
             vlmoe_step_stats ss;
             const long d0 = sep_ndownload, b0 = sep_ndownload_bytes;
             st = vlmoe_trainer_step(t[k], &b, &ss);
@@ -83,6 +103,25 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
         }
         CHECK(st == VLMOE_OK, "%s step %d: %s", label, step + 1, vlmoe_last_error());
         if (st) break;
+        if (fixed) {
+            const double gl = fabs(loss[0] - loss[1]) / fabs(loss[0]);
+            const double gg = rel_gap(m[0]->grads, m[1]->grads, m[0]->L.total);
+            const double gp = rel_gap(m[0]->params, m[1]->params, m[0]->L.total);
+            printf("%s step %d: fixed vs packed layout: loss %.3g, gradients %.3g, parameters %.3g (relative)\n",
+                   label, step + 1, gl, gg, gp);
+            fixed_worst = gl > fixed_worst ? gl : fixed_worst, fixed_worst = gg > fixed_worst ? gg : fixed_worst;
+            fixed_worst = gp > fixed_worst ? gp : fixed_worst;
+            CHECK(gl <= FIXED_REL && gg <= FIXED_REL && gp <= FIXED_REL, "%s step %d: the fixed layout is %.3g, %.3g, "
+                  "%.3g from the packed one in loss, gradients, parameters (bound %g)", label, step + 1, gl, gg, gp,
+                  FIXED_REL);
+            // a training step's MoE layers download nothing: no row offsets, and no more floats
+            // than the packed op path (which fetches no gates)
+            if (!ckpt)
+                CHECK(fetched_bytes[0] == nmoe && fetched_bytes[1] == 0 && fetched[1] == fetched[0],
+                      "%s step %d: packed %ld byte + %ld float downloads, fixed %ld + %ld (want %d + n, 0 + n)", label,
+                      step + 1, fetched_bytes[0], fetched[0], fetched_bytes[1], fetched[1], nmoe);
+            continue;
+        }
         CHECK(!memcmp(&loss[0], &loss[1], sizeof(double)), "%s step %d: loss %.17g (host routing) vs %.17g (route op)",
               label, step + 1, loss[0], loss[1]);
         CHECK(!memcmp(m[0]->grads, m[1]->grads, sizeof(float) * m[0]->L.total),
@@ -99,8 +138,25 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
                   "the route op (want %d fewer)", label, step + 1, fetched[0], fetched[1], 2 * nmoe);
         }
     }
-    // the per-token decision of every layer
-    for (int l = 0; l < nmoe && !st; l++) {
+    // the per-token decision of every layer (the fixed layout's: its experts and slots, the
+    // gates and weights within its bound)
+    for (int l = 0; l < nmoe && !st && fixed; l++) {
+        int n[2] = {0, 0}, same = 1;
+        vlmoe_token_route *r[2] = {NULL, NULL};
+        for (int k = 0; k < 2; k++) {
+            vlmoe_model_routing(m[k], l, NULL, 0, &n[k]);
+            r[k] = calloc((size_t)n[k] + 1, sizeof(vlmoe_token_route));
+            vlmoe_model_routing(m[k], l, r[k], n[k], &n[k]);
+        }
+        same = n[0] == n[1] && n[0] > 0;
+        for (int i = 0; same && i < n[0]; i++)
+            same = r[0][i].token == r[1][i].token && r[0][i].expert == r[1][i].expert && r[0][i].slot == r[1][i].slot &&
+                   r[0][i].dropped == r[1][i].dropped && fabsf(r[0][i].gate - r[1][i].gate) <= 1e-5f &&
+                   fabsf(r[0][i].weight - r[1][i].weight) <= 1e-5f;
+        CHECK(same, "%s layer %d: the fixed layout's per-token decisions differ (%d and %d entries)", label, l, n[0], n[1]);
+        free(r[0]), free(r[1]);
+    }
+    for (int l = 0; l < nmoe && !st && !fixed; l++) {
         int n[2] = {0, 0};
         vlmoe_token_route *r[2] = {NULL, NULL};
         for (int k = 0; k < 2; k++) {
@@ -113,16 +169,17 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
         CHECK(same, "%s layer %d: the per-token decisions differ (%d and %d entries)", label, l, n[0], n[1]);
         free(r[0]), free(r[1]);
     }
-    CHECK(!st && !memcmp(m[0]->params, m[1]->params, sizeof(float) * m[0]->L.total),
+    CHECK(fixed || (!st && !memcmp(m[0]->params, m[1]->params, sizeof(float) * m[0]->L.total)),
           "%s: parameters after 3 steps differ between host routing and the route op", label);
-    for (int k = 0; k < 2 && !st; k++) sep_no_route = k == 0, st = vlmoe_model_encode_images(m[k], img, B, e[k]);
-    CHECK(!st && !memcmp(e[0], e[1], sizeof(float) * B * c->embed_dim), "%s: image embeddings (eval capacity) "
-          "differ: %s", label, vlmoe_last_error());
+    for (int k = 0; k < 2 && !st; k++) sep_no_route = k == 0 && !fixed, st = vlmoe_model_encode_images(m[k], img, B, e[k]);
+    const double ge = st ? 1 : rel_gap(e[0], e[1], (size_t)B * c->embed_dim);
+    CHECK(!st && (fixed ? ge <= FIXED_REL : ge == 0), "%s: image embeddings (eval capacity) differ by %.3g: %s", label,
+          ge, vlmoe_last_error());
     CHECK(sep_stray == 0, "%s: %d host pointers handed to the table; first: %s", label, sep_stray, sep_first);
     for (int k = 0; k < 2; k++) vlmoe_trainer_free(t[k]), vlmoe_model_free(m[k]), free(e[k]), free(fs[k]);
     vlmoe_synth_free(s);
     free(img), free(tok), free(len);
-    sep_no_route = 0;
+    sep_no_route = sep_fixed = 0;
     CHECK(sep_nblocks == 0, "%s: %d blocks of separate memory not freed", label, sep_nblocks);
 }
 
@@ -131,19 +188,26 @@ static void layer_paths(void) {
     const char *names[] = {"limoe-tiny", "ec-tiny", "clipup-tiny"};
     for (int i = 0; i < 3; i++) {
         CHECK(vlmoe_config_named(names[i], &c) == VLMOE_OK, "%s: %s", names[i], vlmoe_last_error());
-        paths_check(names[i], &c, 0);
+        paths_check(names[i], &c, 0, 0);
+        char lab[80];
+        snprintf(lab, sizeof(lab), "%s, fixed layout", names[i]);
+        paths_check(lab, &c, 0, 1);
     }
     vlmoe_config_named("limoe-tiny", &c); // top-2, renormalised, BPR on the summed gates
     c.moe.top_k = 2, c.moe.gate_renorm = VLMOE_RENORM_AFTER_ROUTING, c.moe.bpr_score = VLMOE_BPR_SUM;
     c.moe.capacity_factor = 0.5; // overflow: tokens dropped
-    paths_check("limoe-tiny top-2 renorm bpr-sum cf 0.5", &c, 0);
+    paths_check("limoe-tiny top-2 renorm bpr-sum cf 0.5", &c, 0, 0);
+    paths_check("limoe-tiny top-2 renorm bpr-sum cf 0.5, fixed layout", &c, 0, 1);
     vlmoe_config_named("limoe-tiny", &c);
     c.moe.order = VLMOE_ORDER_FIFO, c.moe.text_experts = 2, c.moe.router_per_modality = 1;
-    paths_check("limoe-tiny fifo, disjoint pools", &c, 0);
+    paths_check("limoe-tiny fifo, disjoint pools", &c, 0, 0);
+    paths_check("limoe-tiny fifo, disjoint pools, fixed layout", &c, 0, 1);
     vlmoe_config_named("clipup-tiny", &c);
-    paths_check("clipup-tiny, gradient checkpointing", &c, 1);
+    paths_check("clipup-tiny, gradient checkpointing", &c, 1, 0);
+    paths_check("clipup-tiny, gradient checkpointing, fixed layout", &c, 1, 1);
     vlmoe_config_named("ec-tiny", &c);
-    paths_check("ec-tiny, gradient checkpointing", &c, 1);
+    paths_check("ec-tiny, gradient checkpointing", &c, 1, 0);
+    printf("fixed vs packed layout: largest relative gap %.3g (bound %g)\n", fixed_worst, FIXED_REL);
 }
 
 // ---- the op itself: its packed layout against one rebuilt from its own decision
@@ -196,6 +260,34 @@ static int layout_ok(const be_route *r, const route_bufs *b, char *why, size_t c
     return 1;
 }
 
+// The fixed-capacity layout given the decision: row e G C + g C + c holds slot c of (g, e), -1
+// where the slot is empty; each token's filled rows in row order, and no padding row listed.
+static int layout_fixed_ok(const be_route *r, const route_bufs *b, char *why, size_t cap) {
+    const int E = r->E, C = r->C, S = r->S, G = r->G, n = r->n, rows = G * E * C;
+    for (int e = 0; e <= E; e++)
+        if (b->expert_off[e] != e * G * C)
+            return snprintf(why, cap, "expert_off[%d] = %d, want %d", e, b->expert_off[e], e * G * C), 0;
+    for (int e = 0; e < E; e++)
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < C; c++) {
+                const int row = e * G * C + g * C + c, filled = c < b->count[g * E + e];
+                const int p = filled ? g * S + b->token[(g * E + e) * C + c] : -1;
+                const int want = !filled ? -1 : r->pos_row ? r->pos_row[p] : p;
+                if (b->row_token[row] != want || b->row_expert[row] != e)
+                    return snprintf(why, cap, "row %d: token %d expert %d, want %d %d", row, b->row_token[row],
+                                    b->row_expert[row], want, e), 0;
+            }
+    int j = 0;
+    for (int t = 0; t < n; t++) {
+        if (b->tok_off[t] != j) return snprintf(why, cap, "tok_off[%d] = %d, want %d", t, b->tok_off[t], j), 0;
+        for (int q = 0; q < rows; q++)
+            if (b->row_token[q] == t && b->tok_rows[j++] != q)
+                return snprintf(why, cap, "token %d: tok_rows[%d] = %d, want %d", t, j - 1, b->tok_rows[j - 1], q), 0;
+    }
+    if (b->tok_off[n] != j) return snprintf(why, cap, "tok_off[n] = %d, want %d", b->tok_off[n], j), 0;
+    return 1;
+}
+
 static void op_layout(void) {
     const vlmoe_backend_f32 *cpu = backend_cpu_f32();
     vlmoe_rng rng;
@@ -204,6 +296,7 @@ static void op_layout(void) {
     float gates[256 * 8];
     int32_t perm[256];
     uint8_t mod[256];
+    int npad = 0; // cases with a padding row (the control needs one)
     for (int cs = 0; cs < 6; cs++) {
         const int G = 4, S = 32, E = 8, n = G * S;
         // coarse gates: many exact ties between experts and between tokens' BPR keys
@@ -249,13 +342,40 @@ static void op_layout(void) {
         }
         CHECK(masked == 0, "route case %d: %d choices of pruned experts", cs, masked);
         vlmoe_routing_free(&ref);
+        // the fixed-capacity layout of the same call: the same decision, every slot a row
+        route_bufs *f = malloc(sizeof(*f));
+        memset(f, 0x5a, sizeof(*f));
+        const be_route_out of = outs_of(f);
+        r.fixed = 1;
+        st = cpu->route(cpu, gates, &r, &of);
+        CHECK(st == VLMOE_OK, "route case %d, fixed layout: %s", cs, vlmoe_last_error());
+        const size_t gec = (size_t)G * E * r.C;
+        CHECK(!st && !memcmp(f->expert, b->expert, sizeof(int32_t) * n * r.K) &&
+              !memcmp(f->slot, b->slot, sizeof(int32_t) * n * r.K) && !memcmp(f->token, b->token, sizeof(int32_t) * gec) &&
+              !memcmp(f->weight, b->weight, sizeof(float) * gec) && !memcmp(f->count, b->count, sizeof(int32_t) * G * E) &&
+              !memcmp(f->wanted, b->wanted, sizeof(int32_t) * 3 * G * E) && !memcmp(f->dropped, b->dropped, n),
+              "route case %d: the fixed layout changed the decision", cs);
+        CHECK(!st && layout_fixed_ok(&r, f, why, sizeof(why)), "route case %d, fixed layout: %s", cs, why);
+        // the control: a padding row that names a token instead of -1 is caught
+        int pad = -1;
+        for (int q = 0; q < (int)gec && pad < 0; q++) pad = f->row_token[q] < 0 ? q : -1;
+        if (pad >= 0) {
+            f->row_token[pad] = 0;
+            CHECK(!layout_fixed_ok(&r, f, why, sizeof(why)), "route case %d: a wrong padding row went unseen", cs);
+            npad++;
+        }
+        free(f);
     }
+    CHECK(npad >= 3, "only %d route cases had a padding row for the control", npad);
     // more rows than planned is an error naming the bound, never a write past it
     be_route r = {.n = 32, .S = 32, .G = 1, .E = 8, .K = 2, .C = 8, .order = VLMOE_ORDER_BPR};
     be_route_out o = outs_of(b);
     o.rows_max = 10;
     CHECK(cpu->route(cpu, gates, &r, &o) != VLMOE_OK && strstr(vlmoe_last_error(), "exceed the 10"),
           "rows past rows_max: %s", vlmoe_last_error());
+    r.fixed = 1, o.rows_max = 63; // 1 x 8 x 8 fixed rows
+    CHECK(cpu->route(cpu, gates, &r, &o) != VLMOE_OK && strstr(vlmoe_last_error(), "fixed-capacity rows exceed the 63"),
+          "fixed rows past rows_max: %s", vlmoe_last_error());
     free(b);
 }
 

@@ -200,7 +200,8 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
     case BE_OP_STEP_SCALARS: return be->contrastive_forward_dev && be->sumsq_dev;
     // cfg (be_route *): tokens choice in random dispatch order stays on the host (the layer
-    // downloads the gates); experts choice has no dispatch order
+    // downloads the gates); experts choice has no dispatch order. The fixed layout is wanted:
+    // a training step's expert bank is then one strided-batched product, with no download
     case BE_OP_ROUTE: {
         const be_route *r = (const be_route *)cfg;
         return be->route && be->download_bytes && !(r && !r->experts_choice && r->order == VLMOE_ORDER_RANDOM);
@@ -356,7 +357,8 @@ static void cuda_sumsq_dev(const backend *be, const float *x, size_t n, double *
 __global__ static void k_gather_rows(float *dst, const float *src, const int32_t *idx, int rows, int D) {
     const int r = blockIdx.x;
     if (r >= rows) return;
-    for (int k = threadIdx.x; k < D; k += blockDim.x) dst[(size_t)r * D + k] = src[(size_t)idx[r] * D + k];
+    const int i = idx[r]; // -1: a padding row of the fixed layout, zeros
+    for (int k = threadIdx.x; k < D; k += blockDim.x) dst[(size_t)r * D + k] = i < 0 ? 0.0f : src[(size_t)i * D + k];
 }
 static void cuda_gather_rows(const backend *be, float *dst, const float *src, const int32_t *idx, int rows, int D) {
     if (rows <= 0) return;
@@ -403,6 +405,11 @@ __global__ static void k_combine_back(float *dy, float *dw, const float *dout, c
                                       be_dispatch d, int D) {
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= d.rows) return; // one thread per row: the dot product in CPU order
+    if (d.row_token[r] < 0) { // a padding row: no token, so no gradient into its expert
+        for (int k = 0; k < D; k++) dy[(size_t)r * D + k] = 0.0f;
+        dw[r] = 0.0f;
+        return;
+    }
     const float *g = dout + (size_t)d.row_token[r] * D, *yr = y + (size_t)r * D;
     float dot = 0;
     for (int k = 0; k < D; k++) {

@@ -59,6 +59,31 @@ int cu_gemm_bf16(const backend *be, const char *op, int ta, int tb, int M, int N
                                &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// The strided-batched twin for the expert bank's (E, R, width) blocks: each operand is packed
+// and its batch contiguous, so the whole batch rounds in one launch (A's rounded batch padded to
+// 128 values, as above) and cuBLAS multiplies all of it at once.
+int cu_gemm_bf16_batched(const backend *be, const char *op, int ta, int tb, int M, int N, int K, const float *A,
+                         int lda, long long sA, const float *B, int ldb, long long sB, float beta, float *C, int ldc,
+                         long long sC, int batch) {
+    if (M <= 0 || N <= 0 || batch <= 0) return 0;
+    const int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
+    if (lda != ac || ldb != bc || sA != (long long)ar * ac || sB != (long long)br * bc)
+        return vlmoe_fail(VLMOE_ERR_ARG, "CUDA backend, op %s: a batched bf16 product needs packed operands "
+                          "(lda %d for %d columns, batch stride %lld for %d x %d)", op, lda, ac, sA, ar, ac), 1;
+    const size_t na = ((size_t)sA * batch + 127) & ~(size_t)127, nb = (size_t)sB * batch;
+    uint16_t *a16 = ops_buffer(be, na + nb + 1, op);
+    if (!a16) return 1;
+    uint16_t *b16 = a16 + na;
+    if (round_operand(be, op, a16, A, (int)((long long)ar * batch), ac, ac) ||
+        round_operand(be, op, b16, B, (int)((long long)br * batch), bc, bc))
+        return 1;
+    const float one = 1.0f;
+    return BK(op, cublasGemmStridedBatchedEx(ctx_of(be)->blas16, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                             ta ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &one, b16, CUDA_R_16BF,
+                                             bc < 1 ? 1 : bc, sB, a16, CUDA_R_16BF, ac < 1 ? 1 : ac, sA, &beta, C,
+                                             CUDA_R_32F, ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 void cuda_bf16_release(cuda_ctx *c) {
     if (c->blas16) cublasDestroy(c->blas16);
     cudaFree(c->ops16);

@@ -87,6 +87,13 @@ CU_INTERNAL int cu_gemm(const backend *be, const char *op, int ta, int tb, int M
 CU_INTERNAL int cu_gemm_bf16(const backend *be, const char *op, int ta, int tb, int M, int N, int K,
                              const float *A, int lda, const float *B, int ldb, float beta, float *C,
                              int ldc);
+// cu_gemm_bf16 over `batch` products, the i-th at A + i sA, B + i sB, C + i sC, each operand
+// packed (lda, ldb their stored widths, sA, sB their sizes): cublasGemmStridedBatchedEx
+// (src/cuda/bf16_cuda.cu). Returns 1 (error set) on failure or on operands not so packed.
+CU_INTERNAL int cu_gemm_bf16_batched(const backend *be, const char *op, int ta, int tb, int M, int N,
+                                     int K, const float *A, int lda, long long sA, const float *B,
+                                     int ldb, long long sB, float beta, float *C, int ldc,
+                                     long long sC, int batch);
 // The same over `batch` products, the i-th at A + i sA, B + i sB, C + i sC.
 CU_INTERNAL int cu_gemm_batched(const backend *be, const char *op, int ta, int tb, int M, int N,
                                 int K, float alpha, const float *A, int lda, long long sA,

@@ -1,7 +1,8 @@
 // moe_cuda.cu: the MoE entries of the backend table on the device: combine weights (plain and
 // renormalised) and their backward (src/ops/backend_cpu.c), the counter-based router noise
 // (vlmoe_mix64 / vlmoe_normal_at of src/core/core.c as device functions), the expert bank (one
-// cuBLAS GEMM pair per expert over its packed rows) and Soft MoE (src/moe/soft.c, the experts
+// cuBLAS GEMM pair per expert over its packed rows, or one strided-batched product when every
+// expert has the same rows: the fixed-capacity layout) and Soft MoE (src/moe/soft.c, the experts
 // as strided-batched GEMMs). Semantics as the CPU's: what is written, what ACCUMULATES.
 // Reductions run in a fixed order. Covered by tests/test_backend_ops.c.
 #include <math.h>
@@ -25,6 +26,10 @@ __global__ static void k_combine_weights(float *w, const float *zsum, const floa
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= d.rows) return;
     const int t = d.row_token[r];
+    if (t < 0) { // a padding row of the fixed layout
+        w[r] = 0.0f;
+        return;
+    }
     const float g = gates[(size_t)t * d.E + d.row_expert[r]];
     w[r] = renorm ? __fdiv_rn(g, zsum[t]) : g;
 }
@@ -104,7 +109,58 @@ static void cuda_router_noise(const backend *be, float *noisy, const float *logi
 }
 
 // ---- the expert bank: expert e owns rows [off[e], off[e+1]) (off on the host); the
-// activations run once over all rows, the products one expert at a time
+// activations run once over all rows, the products one expert at a time, or, when every
+// expert has the same R rows (the fixed-capacity layout of a training step, be_route.fixed),
+// one strided-batched product over the (E, R, width) block per product: forward, dX and dW.
+
+// out (E, R, O) = b_e (add 0) or out + b_e (add 1), b (E, O): the bias of every expert at once
+__global__ static void k_bias_experts(float *out, const float *b, size_t R, int O, size_t total, int add) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= total) return;
+    const size_t e = i / (R * O);
+    const float bj = b[e * O + i % O];
+    out[i] = add ? __fadd_rn(out[i], bj) : bj;
+}
+
+// C_e = op(A_e) op(B_e) + beta C_e for the E experts, each operand packed (leading dimension its
+// width): the fp32 table's cublasSgemmStridedBatched, the bf16 twin's cublasGemmStridedBatchedEx
+static int bank_gemm(const backend *be, int bf16, int ta, int tb, int M, int N, int K, const float *A, int lda,
+                     long long sA, const float *B, int ldb, long long sB, float beta, float *C, int ldc, long long sC,
+                     int E) {
+    return bf16 ? cu_gemm_bf16_batched(be, "experts", ta, tb, M, N, K, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, E)
+                : cu_gemm_batched(be, "experts", ta, tb, M, N, K, 1.0f, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, E);
+}
+
+// out_e (R,O) = inp_e (R,K) w_e^T + b_e (beta 1: added to out_e): cu_linear_fwd for every expert
+static int bank_fwd(const backend *be, int bf16, float *out, const float *inp, const float *w, const float *b, int R,
+                    int K, int O, int E, int beta) {
+    const size_t total = (size_t)E * R * O;
+    k_bias_experts<<<cu_blocks(total, 256), 256, 0, stream_of(be)>>>(out, b, (size_t)R, O, total, beta);
+    if (LAUNCHED("experts")) return 1;
+    return bank_gemm(be, bf16, 0, 1, R, O, K, inp, K, (long long)R * K, w, K, (long long)O * K, 1.0f, out, O,
+                     (long long)R * O, E);
+}
+
+// dinp_e (R,K) += dout_e w_e; dw_e (O,K) += dout_e^T inp_e; db_e += colsum(dout_e): cu_linear_bwd
+// for every expert (the column sums per expert in the shape's fixed order, as one expert's)
+static int bank_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
+                    const float *inp, const float *w, int R, int K, int O, int E) {
+    if ((dinp && bank_gemm(be, bf16, 0, 0, R, K, O, dout, O, (long long)R * O, w, K, (long long)O * K, 1.0f, dinp,
+                           K, (long long)R * K, E)) ||
+        bank_gemm(be, bf16, 1, 0, O, K, R, dout, O, (long long)R * O, inp, K, (long long)R * K, 1.0f, dw, K,
+                  (long long)O * K, E))
+        return 1;
+    cu_colsum(be, "experts", db, dout, NULL, NULL, NULL, R, O, E);
+    return 0;
+}
+
+// R when every expert owns R > 0 rows, else 0 (then one product pair per expert)
+static int bank_rows(const be_experts *ex) {
+    const int R = ex->off[1] - ex->off[0];
+    for (int e = 1; e < ex->E; e++)
+        if (ex->off[e + 1] - ex->off[e] != R) return 0;
+    return R > 0 ? R : 0;
+}
 
 static void experts_fwd(const backend *be, int bf16, float *y, float *h, float *a, const float *x,
                                  const float *const w[4], const be_experts *ex, int beta) {
@@ -112,6 +168,13 @@ static void experts_fwd(const backend *be, int bf16, float *y, float *h, float *
     if (E <= 0) return;
     const size_t r0 = (size_t)ex->off[0], nr = (size_t)(ex->off[E] - ex->off[0]);
     if (!nr) return;
+    const int R = bank_rows(ex);
+    if (R) {
+        if (bank_fwd(be, bf16, h + r0 * M, x + r0 * D, w[0], w[1], R, D, M, E, 0)) return;
+        cu_act_forward(be, a + r0 * M, h + r0 * M, nr * M, ex->act);
+        bank_fwd(be, bf16, y + r0 * D, a + r0 * M, w[2], w[3], R, M, D, E, beta);
+        return;
+    }
     for (int e = 0; e < E; e++) {
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
@@ -134,18 +197,27 @@ static void experts_bwd(const backend *be, int bf16, float *dx, float *const dw[
     if (E <= 0) return;
     const size_t r0 = (size_t)ex->off[0], nr = (size_t)(ex->off[E] - ex->off[0]);
     if (!nr) return;
+    const int R = bank_rows(ex);
     cudaStream_t st = stream_of(be);
     cu_act_forward(be, dh + r0 * M, h + r0 * M, nr * M, ex->act);
     if (CK("experts", cudaMemsetAsync(da + r0 * M, 0, sizeof(float) * nr * M, st))) return;
-    for (int e = 0; e < E; e++) {
-        const size_t o = (size_t)ex->off[e];
-        const int k = ex->off[e + 1] - ex->off[e];
-        if (k > 0)
-            cu_linear_bwd(be, bf16, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D, dh + o * M,
-                               w[2] + (size_t)e * D * M, k, M, D);
+    if (R) {
+        if (bank_bwd(be, bf16, da + r0 * M, dw[2], dw[3], dy + r0 * D, dh + r0 * M, w[2], R, M, D, E)) return;
+    } else {
+        for (int e = 0; e < E; e++) {
+            const size_t o = (size_t)ex->off[e];
+            const int k = ex->off[e + 1] - ex->off[e];
+            if (k > 0)
+                cu_linear_bwd(be, bf16, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D,
+                              dh + o * M, w[2] + (size_t)e * D * M, k, M, D);
+        }
     }
     if (CK("experts", cudaMemsetAsync(dh + r0 * M, 0, sizeof(float) * nr * M, st))) return;
     cu_act_backward(be, dh + r0 * M, h + r0 * M, da + r0 * M, nr * M, ex->act);
+    if (R) {
+        bank_bwd(be, bf16, dx + r0 * D, dw[0], dw[1], dh + r0 * M, x + r0 * D, w[0], R, D, M, E);
+        return;
+    }
     for (int e = 0; e < E; e++) {
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];

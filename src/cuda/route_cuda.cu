@@ -15,7 +15,9 @@
 //               one-hot (n K, E) assignment matrix would need E times that, for the same ranks;
 //   experts     per (group, expert) the tokens by descending gate, ties to the lower token;
 //   layout      per-expert offsets by a scan in one block, rows by (expert, group, slot), each
-//               token's rows in row order by a stable sort of the rows by token.
+//               token's rows in row order by a stable sort of the rows by token. The fixed
+//               layout (be_route.fixed) keeps every slot, empty ones as padding rows keyed
+//               past the last token, and its offsets e G C need no scan and no download.
 // Integer counts use atomicAdd (exact, order-free); no float is ever summed out of order. A
 // non-finite gate, route.c's error, cannot be reported without waiting for the device: here a
 // NaN gate ranks as -inf and the step's finite check on the loss and gradients stops it.
@@ -184,8 +186,16 @@ __global__ static void k_ec_take(be_route r, const float *gates, const int32_t *
 
 // ---- the packed layout
 
-// expert_off (E+1) and base (G,E): the first row of (group g, expert e). One block.
+// expert_off (E+1) and base (G,E): the first row of (group g, expert e). One block. The fixed
+// layout's are e G C and e G C + g C, whatever the counts.
 __global__ static void k_offsets(be_route r, const int32_t *count, int32_t *expert_off, int32_t *base) {
+    if (r.fixed) {
+        for (int x = threadIdx.x; x <= r.G * r.E; x += blockDim.x) {
+            if (x <= r.E) expert_off[x] = x * r.G * r.C;
+            if (x < r.G * r.E) base[x] = (x % r.E) * r.G * r.C + (x / r.E) * r.C;
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < r.E; e += blockDim.x) {
         int c = 0;
         for (int g = 0; g < r.G; g++) c += count[g * r.E + e];
@@ -211,28 +221,34 @@ __global__ static void k_offsets(be_route r, const int32_t *count, int32_t *expe
     }
 }
 
-// Slot c of (g, e): row base + c. Rows past rows_max are never written (the host refuses them
-// when it reads expert_off).
+// Slot c of (g, e): row base + c (the fixed layout: an empty slot is a padding row, token -1).
+// Rows past rows_max are never written (the host refuses them when it reads expert_off; the
+// fixed layout's G E C rows are checked before any launch).
 __global__ static void k_rows(be_route r, const int32_t *count, const int32_t *base, const int32_t *token,
                               int32_t *row_token, int32_t *row_expert, int rows_max) {
     const long x = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (x >= (long)r.G * r.E * r.C) return;
     const int ge = (int)(x / r.C), c = (int)(x % r.C);
-    if (c >= count[ge]) return;
+    if (c >= count[ge] && !r.fixed) return;
     const int row = base[ge] + c, g = ge / r.E;
     if (row >= rows_max) return;
+    if (c >= count[ge]) {
+        row_token[row] = -1, row_expert[row] = ge % r.E;
+        return;
+    }
     const int p = g * r.S + token[x];
     row_token[row] = r.pos_row ? r.pos_row[p] : p;
     row_expert[row] = ge % r.E;
 }
 
-// Rows keyed by token (rows past the decision's last keyed n: they sort last) and counted.
+// Rows keyed by token (rows past the decision's last and padding rows keyed n: they sort last,
+// so tok_rows lists the filled rows only) and counted.
 __global__ static void k_tok_keys(const int32_t *row_token, const int32_t *expert_off, int E, int n, int rows_max,
                                   unsigned long long *key, int32_t *val, int32_t *tcnt) {
     const int q = blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= rows_max) return;
     const int rows = expert_off[E] < rows_max ? expert_off[E] : rows_max;
-    const int t = q < rows ? row_token[q] : n;
+    const int t = q < rows && row_token[q] >= 0 ? row_token[q] : n;
     key[q] = (unsigned long long)t;
     val[q] = q;
     if (t < n) atomicAdd(&tcnt[t], 1);
@@ -264,6 +280,9 @@ static int cuda_route(const backend *be, const float *gates, const be_route *rp,
     if ((long)r.n * (r.experts_choice ? r.E : r.K) > 0x7fffffffL || (long)r.G * r.E * r.C > 0x7fffffffL)
         return vlmoe_fail(VLMOE_ERR_ARG, "CUDA backend, op route: %d tokens x %d experts is past the int32 "
                           "indices of the layout", r.n, r.E);
+    if (r.fixed && (long)r.G * r.E * r.C > o->rows_max)
+        return vlmoe_fail(VLMOE_ERR_ARG, "CUDA backend, op route: %ld fixed-capacity rows exceed the %d the layer "
+                          "planned", (long)r.G * r.E * r.C, o->rows_max);
     cudaStream_t st = stream_of(be);
     const int n = r.n, E = r.E, K = r.K, G = r.G, GE = G * E, rows_max = o->rows_max;
     const long na = r.experts_choice ? (long)n * E : (long)n * K; // sorted items of the decision

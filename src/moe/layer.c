@@ -96,6 +96,11 @@ struct R(moe_state) {
     // bank's off[] is host memory) and, only when the statistics or the decision are read, the
     // rest (moe_stats_sync)
     int use_route;
+    // the fixed-capacity layout (be_route.fixed) in training, where the table wants it: expert e
+    // owns rows [e G C, (e+1) G C), so the bank's offsets are known here and a training step's
+    // layer downloads nothing; evaluation (a larger capacity, more padding) and expert
+    // parallelism (its exchange counts rows on the host) keep the packed layout
+    int fixed_ok, fixed;
     be_route_out ro;                // the op's outputs: d_rows' layout, d_dec, d_want
     int32_t *d_dec;                 // device: expert, slot, token, count, expert_off, weight, dropped
     void *d_route_work;             // be_route_work_bytes(Smax, E)
@@ -192,12 +197,29 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
             R(moe_state_free)(st);
             return stt;
         }
+        const int Ct = C; // training's
         if (Ce > C) C = Ce;
         st->cmax = C;
+        // the table routes unless it cannot with this configuration (random dispatch order on a
+        // device: then the gates come to the host and route.c decides there, as it always did)
+        const be_route rc = {.E = E, .K = K, .C = C, .experts_choice = c->router == VLMOE_ROUTER_EXPERTS,
+                             .order = c->order, .bpr_score = c->bpr_score, .gate_renorm = c->gate_renorm};
+        st->use_route = be->route && be->supports(be, BE_OP_ROUTE, &rc);
+        be_route rf = rc;
+        rf.C = Ct, rf.fixed = 1;
+        st->fixed_ok = st->use_route && be->supports(be, BE_OP_ROUTE, &rf);
         // every accepted assignment is one packed row: at most C per expert and group, and with
-        // tokens choice also at most K per token (experts choice may pick a token E times)
-        long rows = (long)nmax * K, cap = (long)st->gmax * E * C;
-        st->rows_max = (int)(c->router == VLMOE_ROUTER_TOKENS && rows < cap ? rows : cap);
+        // tokens choice also at most K per token (experts choice may pick a token E times); the
+        // fixed layout of a training pass has every slot, filled or not
+        long rows = (long)nmax * K, cap = (long)st->gmax * E * C, fixed = (long)st->gmax * E * Ct;
+        rows = c->router == VLMOE_ROUTER_TOKENS && rows < cap ? rows : cap;
+        if (st->fixed_ok && fixed > rows) rows = fixed;
+        if (rows > 0x7fffffffL) {
+            R(moe_state_free)(st);
+            return vlmoe_fail(VLMOE_ERR_CONFIG, "moe: %ld dispatch rows (%d groups x %d experts x capacity %d) are past "
+                              "int32 row indices: lower capacity_factor or group_size", rows, st->gmax, E, C);
+        }
+        st->rows_max = (int)rows;
         const size_t ne = (size_t)nmax * E, rm = (size_t)st->rows_max;
         DALLOC(st->logits, ne);
         DALLOC(st->noisy, ne);
@@ -222,11 +244,6 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         DALLOC(st->aux_scratch, aux_scratch_floats(Smax, E));
         DALLOC(st->d_rows, 3 * rm + (size_t)nmax + 1);
         DALLOC(st->d_keys, nmax);
-        // the table routes unless it cannot with this configuration (random dispatch order on a
-        // device: then the gates come to the host and route.c decides there, as it always did)
-        const be_route rc = {.E = E, .K = K, .C = C, .experts_choice = c->router == VLMOE_ROUTER_EXPERTS,
-                             .order = c->order, .bpr_score = c->bpr_score, .gate_renorm = c->gate_renorm};
-        st->use_route = be->route && be->supports(be, BE_OP_ROUTE, &rc);
         if (!be->host_memory || st->use_route) DALLOC(st->d_want, (size_t)st->gmax * 3 * E);
         if (!be->host_memory) DALLOC(st->d_mod, nmax);
         if (st->use_route) {
@@ -364,7 +381,8 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
         s->tokens[m] = 0;
     }
     memset(st->hits, 0, sizeof(int32_t) * (size_t)st->n);
-    for (int r = 0; r < st->rows; r++) st->hits[st->row_token[r]]++;
+    for (int r = 0; r < st->rows; r++) // padding rows of the fixed layout (-1) hold no token
+        if (st->row_token[r] >= 0) st->hits[st->row_token[r]]++;
     for (int g = 0; g < st->G; g++) {
         const vlmoe_routing *rt = &st->rt[g];
         for (int i = 0; i < st->S; i++) {
@@ -388,6 +406,7 @@ static void fill_stats(struct R(moe_state) *st, vlmoe_moe_stats *s) {
         }
     }
     for (int r = 0; r < st->rows; r++) {
+        if (st->row_token[r] < 0) continue;
         const int t = st->row_token[r], m = st->modality ? st->modality[t] : 0;
         st->accepted[m][st->row_expert[r]] += 1;
         if (!tc) st->routed[m][st->row_expert[r]] += 1, assign[m] += 1;
@@ -473,6 +492,8 @@ static int soft_forward(struct R(moe_state) *st, const real *P, const real *x, r
     for (int m = 0; m < 2; m++) s->success[m] = s->tokens[m] ? 1 : 0; // Soft MoE drops nothing
     return VLMOE_OK;
 }
+static int moe_ep_on(const struct R(moe_state) *st); // expert parallelism runs (below)
+
 // ---- the phases of one forward: route (router on the device, the decision on the host),
 // dispatch (tokens packed by expert), experts (one grouped call), combine.
 
@@ -568,6 +589,7 @@ static void plan_pools(struct R(moe_state) *st) {
 
 // The decision of every group and the packed layout made by the table (be->route) where the gates
 // are: only the experts' row offsets come to the host, for the expert bank.
+// With the fixed layout the offsets are e G C: nothing comes to the host.
 static int route_on_table(struct R(moe_state) *st, const moe_call *c, int C) {
     const R(vlmoe_backend) *be = st->be;
     const vlmoe_moe_config *cfg = st->sp.cfg;
@@ -583,8 +605,18 @@ static int route_on_table(struct R(moe_state) *st, const moe_call *c, int C) {
                   .pruned = st->sp.pruned, .pools = st->d_mask != NULL,
                   .pos_row = st->ordered ? st->perm.row_token : NULL, .mod = mod};
     for (int m = 0; r.pools && m < 2; m++) pool_of(cfg, m, &r.pool[m][0], &r.pool[m][1]);
+    r.fixed = st->fixed;
+    if (st->fixed && (long)st->G * E * C > st->rows_max) // create sized it for the largest pass
+        return vlmoe_fail(VLMOE_ERR_ARG, "moe: %d groups x %d experts x capacity %d fixed-capacity rows exceed the "
+                          "%d the layer was sized for", st->G, E, C, st->rows_max);
     int stt = be->route(be, st->gates, &r, &st->ro);
     if (stt) return stt;
+    if (st->fixed) {
+        for (int e = 0; e <= E; e++) st->expert_off[e] = e * st->G * C;
+        for (int e = 0; e < E; e++) st->cnt[e] = st->G * C;
+        st->rows = st->expert_off[E];
+        return VLMOE_OK;
+    }
     be->download_bytes(be, st->expert_off, st->ro.expert_off, sizeof(int32_t) * ((size_t)E + 1));
     for (int e = 0; e < E; e++) st->cnt[e] = st->expert_off[e + 1] - st->expert_off[e];
     st->rows = st->expert_off[E];
@@ -670,6 +702,7 @@ static int moe_route(struct R(moe_state) *st, const moe_call *c, const real *P, 
                           "the layer was sized for", C, st->S, st->cmax);
     st->C = C;
     const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;
+    st->fixed = st->fixed_ok && c->training && !moe_ep_on(st);
     if (st->use_route) {
         if ((stt = route_on_table(st, c, C))) return stt;
         if (st->d_mask) plan_pools(st);
@@ -892,6 +925,8 @@ static void ep_free(struct moe_ep *ep) {
 #endif
 
 #define EP_TYPE (sizeof(real) == 4 ? VLMOE_DIST_F32 : VLMOE_DIST_F64)
+
+static int moe_ep_on(const struct R(moe_state) *st) { return st->ep && st->ep->d; }
 
 int R(moe_set_expert_parallel)(struct R(moe_state) *st, vlmoe_dist *d) {
     if (!d || d->world < 2) {

@@ -1,6 +1,7 @@
 // route_op.c: the route entry of the CPU tables (be_route, src/ops/backend.h): the decision of
 // each group is src/moe/route.c itself (no second algorithm on the CPU), on the gates the layer
-// masks for pruning and disjoint pools, then the packed row layout the dispatch reads. The CUDA
+// masks for pruning and disjoint pools, then the packed (or fixed-capacity) row layout the
+// dispatch reads. The CUDA
 // route (src/cuda/route_cuda.cu) must match it bit for bit; the MoE layer runs it on downloaded
 // gates where a table cannot route (random dispatch order on a device). Compiled as float and
 // double. Covered by tests/test_route_op.c and tests/test_backend_ops.c.
@@ -47,33 +48,38 @@ int R(route_host)(const real *gates, const be_route *r, const be_route_out *o) {
             for (int k = 0; k < K; k++)
                 wm[(r->mod && r->mod[g * S + i] ? E : 0) + v.expert[(size_t)i * K + k]]++;
     }
-    // the packed layout: rows ordered by expert, then group, then slot
+    // the packed layout: rows ordered by expert, then group, then slot; the fixed one keeps
+    // every slot, empty ones as padding rows (row_token -1)
     int32_t *off = o->expert_off;
     off[0] = 0;
     for (int e = 0; e < E; e++) {
         long c = off[e];
-        for (int g = 0; g < G; g++) c += o->count[(size_t)g * E + e];
+        for (int g = 0; g < G; g++) c += r->fixed ? C : o->count[(size_t)g * E + e];
         if (c > o->rows_max)
-            return vlmoe_fail(VLMOE_ERR_ARG, "route: %ld packed rows exceed the %d the layer planned", c,
-                              o->rows_max);
+            return vlmoe_fail(VLMOE_ERR_ARG, "route: %ld %s rows exceed the %d the layer planned", c,
+                              r->fixed ? "fixed-capacity" : "packed", o->rows_max);
         off[e + 1] = (int32_t)c;
     }
     const int rows = off[E];
     for (int e = 0; e < E; e++) {
         int row = off[e];
-        for (int g = 0; g < G; g++)
-            for (int k = 0; k < o->count[(size_t)g * E + e]; k++, row++) {
-                const int p = g * S + o->token[((size_t)g * E + e) * C + k];
-                o->row_token[row] = r->pos_row ? r->pos_row[p] : p;
+        for (int g = 0; g < G; g++) {
+            const int cnt = o->count[(size_t)g * E + e];
+            for (int k = 0; k < (r->fixed ? C : cnt); k++, row++) {
+                const int p = k < cnt ? g * S + o->token[((size_t)g * E + e) * C + k] : -1;
+                o->row_token[row] = p < 0 ? -1 : r->pos_row ? r->pos_row[p] : p;
                 o->row_expert[row] = e;
             }
+        }
     }
     // each token's rows in row order: the combine sums a token's rows in a fixed order
     int32_t *to = o->tok_off;
     memset(to, 0, sizeof(int32_t) * ((size_t)n + 1));
-    for (int q = 0; q < rows; q++) to[o->row_token[q] + 1]++;
+    for (int q = 0; q < rows; q++)
+        if (o->row_token[q] >= 0) to[o->row_token[q] + 1]++;
     for (int t = 0; t < n; t++) to[t + 1] += to[t];
-    for (int q = 0; q < rows; q++) o->tok_rows[to[o->row_token[q]]++] = q;
+    for (int q = 0; q < rows; q++)
+        if (o->row_token[q] >= 0) o->tok_rows[to[o->row_token[q]]++] = q;
     for (int t = n; t > 0; t--) to[t] = to[t - 1];
     to[0] = 0;
     return VLMOE_OK;

@@ -95,6 +95,13 @@ typedef struct {
     int pool[2][2];          // {first expert, experts} of the image and the text pool
     const int32_t *pos_row;  // (n) table memory, or NULL
     const uint8_t *mod;      // (n) modality by position (table memory), or NULL: all images
+    // 1: the fixed-capacity layout instead of the packed one: expert e owns rows
+    // [e G C, (e+1) G C), row e G C + g C + slot; an empty slot is a padding row (row_token -1,
+    // row_expert e) that gather_rows zeroes and tok_rows never lists, so expert_off is e G C,
+    // known on the host without a download. As the `supports` cfg: 1 when the table wants it in
+    // training (the CUDA table: one strided-batched product per layer); the CPU tables write it
+    // when asked but say no (padding rows cost CPU time).
+    int fixed;
 } be_route;
 
 // What be_route writes (table memory). The per-group arrays are vlmoe_routing's, group g's at
@@ -108,7 +115,7 @@ typedef struct {
                              // text positions' (tokens choice; zeros with experts choice)
     uint8_t *dropped;        // (G,S) 1 when every assignment of the token was dropped
     int32_t *row_token, *row_expert, *tok_rows; // (rows_max) be_dispatch's arrays; rows ordered
-                             // by expert, then group, then slot
+                             // by expert, then group, then slot (be_route.fixed: G E C rows)
     int32_t *tok_off;        // (n+1) be_dispatch's, by activation row
     int32_t *expert_off;     // (E+1) expert e owns rows [expert_off[e], expert_off[e+1])
     int rows_max;
@@ -201,7 +208,10 @@ static inline size_t be_route_work_bytes(int S, int E) {
                                const int32_t *labels, int n, int C, int *correct);               \
         void (*xent_backward)(const vlmoe_backend_##S *be, T *dlogits, const T *probs,           \
                               const int32_t *labels, int n, int C, double scale);                \
-        /* MoE dispatch. gather_rows: dst (rows,D) row r = src row idx[r]. */                    \
+        /* MoE dispatch. gather_rows: dst (rows,D) row r = src row idx[r], zeros where idx[r] */ \
+        /* is -1 (a padding row of the fixed layout, be_route.fixed). A padding row (row_token */ \
+        /* -1) gets w 0 from combine_weights and dy 0, dw 0 from combine_backward; tok_rows */   \
+        /* never lists one, so combine_forward and gather_rows_backward do not read it. */       \
         void (*gather_rows)(const vlmoe_backend_##S *be, T *dst, const T *src,                   \
                             const int32_t *idx, int rows, int D);                                \
         /* out (n,D) += sum over token t's rows of w[r] y[r] (rows in row order) */              \

@@ -23,6 +23,9 @@ typedef struct R(vlmoe_backend) backend;
 #define NCHUNK 64
 
 static int cpu_supports(const backend *be, be_op op, const void *cfg) {
+    // the fixed-capacity layout (be_route.fixed) is written when asked, never wanted: its padding
+    // rows would cost the expert bank CPU time for nothing
+    if (op == BE_OP_ROUTE && cfg && ((const be_route *)cfg)->fixed) return 0;
     return op >= 0 && op < BE_OP_COUNT;
 }
 
@@ -172,8 +175,11 @@ static void cpu_gather_rows(const backend *be, real *dst, const real *src, const
                             int rows, int D) {
     PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)rows * D >= PAR_MIN)
-        for (int r = 0; r < rows; r++)
-            memcpy(dst + (size_t)r * D, src + (size_t)idx[r] * D, sizeof(real) * D);
+        for (int r = 0; r < rows; r++) // -1: a padding row of the fixed layout
+            if (idx[r] < 0)
+                memset(dst + (size_t)r * D, 0, sizeof(real) * D);
+            else
+                memcpy(dst + (size_t)r * D, src + (size_t)idx[r] * D, sizeof(real) * D);
     }
 }
 
@@ -198,8 +204,13 @@ static void cpu_combine_backward(const backend *be, real *dy, real *dw, const re
     PROF_SCOPE(PROF_DISPATCH) {
 #pragma omp parallel for schedule(static) if ((size_t)d->rows * D >= PAR_MIN)
         for (int r = 0; r < d->rows; r++) {
-            const real *g = dout + (size_t)d->row_token[r] * D, *yr = y + (size_t)r * D;
             real *dyr = dy + (size_t)r * D, dot = 0;
+            if (d->row_token[r] < 0) { // a padding row: no token, so no gradient into its expert
+                memset(dyr, 0, sizeof(real) * D);
+                dw[r] = 0;
+                continue;
+            }
+            const real *g = dout + (size_t)d->row_token[r] * D, *yr = y + (size_t)r * D;
             for (int k = 0; k < D; k++) {
                 dyr[k] = w[r] * g[k];
                 dot += g[k] * yr[k];
@@ -237,6 +248,10 @@ static void cpu_combine_weights(const backend *be, real *w, real *zsum, const re
             }
         for (int r = 0; r < d->rows; r++) {
             const int t = d->row_token[r];
+            if (t < 0) { // a padding row
+                w[r] = 0;
+                continue;
+            }
             const real g = gates[(size_t)t * E + d->row_expert[r]];
             w[r] = renorm ? g / zsum[t] : g;
         }

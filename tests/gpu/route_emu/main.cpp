@@ -1,7 +1,8 @@
 // main.cpp: route_cuda.cu's kernels, run on the host through route_emu.h, against the CPU
 // table's route (route.c) on random shapes: tied gates and BPR keys, -0.0 beside +0.0, K = 1 and
 // 2, overflow, BPR max/sum/off, renormalisation, experts choice, pools, pruning, permuted
-// groups. Every output compared byte for byte. Built and run by tests/gpu/route_emu/run.sh.
+// groups, each in the packed and the fixed-capacity layout (be_route.fixed: padding rows, offsets
+// e G C). Every output compared byte for byte. Built and run by tests/gpu/route_emu/run.sh.
 #include <cstdio>
 
 #include "route_cuda_emu.cpp"
@@ -49,9 +50,10 @@ int main() {
     const vlmoe_backend_f32 *cpu = backend_cpu_f32();
     vlmoe_rng rng;
     vlmoe_rng_seed(&rng, 3);
-    int bad = 0, runs = 0;
-    for (int rep = 0; rep < 20; rep++)
+    int bad = 0, runs = 0, nfixed = 0, npad = 0;
+    for (int rep = 0; rep < 40; rep++)
         for (size_t sh = 0; sh < shapes.size(); sh++, runs++) {
+            const int fixed = rep % 2; // every other round in the fixed-capacity layout
             const shape &x = shapes[sh];
             const int n = x.G * x.S, E = x.E;
             std::vector<float> gates((size_t)n * E);
@@ -70,12 +72,15 @@ int main() {
             r.n = n, r.S = x.S, r.G = x.G, r.E = E, r.K = x.K, r.C = x.C, r.experts_choice = x.ec;
             r.order = x.order, r.bpr_score = x.score, r.gate_renorm = x.renorm, r.pruned = x.pruned;
             r.pools = x.pools, r.pool[0][0] = 0, r.pool[0][1] = E - 2, r.pool[1][0] = E - 2, r.pool[1][1] = 2;
-            r.pos_row = x.perm ? perm.data() : nullptr, r.mod = mod.data();
-            const long cap = (long)x.G * E * x.C, rows_max = x.ec || (long)n * x.K > cap ? cap : (long)n * x.K;
+            r.pos_row = x.perm ? perm.data() : nullptr, r.mod = mod.data(), r.fixed = fixed;
+            const long cap = (long)x.G * E * x.C;
+            const long rows_max = fixed || x.ec || (long)n * x.K > cap ? cap : (long)n * x.K;
             outs a(r, (int)rows_max), b(r, (int)rows_max);
             if (cpu->route(cpu, gates.data(), &r, &a.o) || cuda_route(nullptr, gates.data(), &r, &b.o))
                 return printf("shape %zu: %s\n", sh, vlmoe_last_error()), 1;
             const size_t nk = (size_t)n * x.K, gec = (size_t)x.G * E * x.C, ge = (size_t)x.G * E;
+            // tok_rows lists the filled rows only (past tok_off[n]: unspecified, the fixed layout's
+            // padding rows on the device)
             const size_t rows = (size_t)a.expert_off[E];
             const int d = differs("expert", sh, a.expert, b.expert, nk) + differs("slot", sh, a.slot, b.slot, nk) +
                           differs("token", sh, a.token, b.token, gec) + differs("weight", sh, a.weight, b.weight, gec) +
@@ -84,10 +89,15 @@ int main() {
                           differs("expert_off", sh, a.expert_off, b.expert_off, E + 1) +
                           differs("row_token", sh, a.row_token, b.row_token, rows) +
                           differs("row_expert", sh, a.row_expert, b.row_expert, rows) +
-                          differs("tok_rows", sh, a.tok_rows, b.tok_rows, rows) +
+                          differs("tok_rows", sh, a.tok_rows, b.tok_rows, (size_t)a.tok_off[n]) +
                           differs("tok_off", sh, a.tok_off, b.tok_off, n + 1);
-            bad += d != 0;
+            int pad = 0; // the fixed layout: offsets e G C, and some padding row where a slot is empty
+            for (int e = 0; fixed && e <= E; e++) pad += a.expert_off[e] != e * x.G * x.C;
+            if (pad) printf("shape %zu: fixed-layout offsets are not e G C\n", sh);
+            bad += d != 0 || pad != 0;
+            nfixed += fixed, npad += fixed && std::count(b.row_token.begin(), b.row_token.begin() + rows, -1) > 0;
         }
-    printf("route_cuda.cu's kernels on the host against route.c: %d of %d shape runs differ\n", bad, runs);
-    return bad != 0;
+    printf("route_cuda.cu's kernels on the host against route.c: %d of %d shape runs differ (%d in the fixed "
+           "layout, %d of them with padding rows)\n", bad, runs, nfixed, npad);
+    return bad != 0 || npad == 0;
 }
