@@ -3,7 +3,8 @@
 // one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
 // forward; gradients come back by download. Both architectures: the towers and VL-MoE (arch
-// mome). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
+// mome). The trainer's one-process AdamW steps make the towers' device copies the masters
+// instead (model_go_resident; docs/GPU.md "AdamW on the device"; tests/test_devopt.c). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
 // an op is handed) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).

@@ -275,7 +275,8 @@ struct vlmoe_model {
     int accum_stats;         // the last training step was accumulated: its merged routing statistics
     // a backend without host memory (--device cuda): the parameters stay in params (the master
     // copy the optimizer, checkpoints and every host reader use) and are uploaded to d_params
-    // before each forward; backward writes d_grads, downloaded into grads
+    // before each forward; backward writes d_grads, downloaded into grads. Resident (below):
+    // d_params and d_grads are the masters
     float *d_params, *d_grads;
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
     struct model_int8 *int8; // --precision int8: the quantized weights its table reads (device.c)

@@ -264,8 +264,8 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
                        size_t total, const vlmoe_backend_f32 *be) {
     if (!out) return vlmoe_fail(VLMOE_ERR_ARG, "optim: out is NULL");
     *out = NULL;
-    // the state lives in host memory and is written to checkpoints from there; a device table
-    // runs the update once the state moves to the device with it (the CUDA backend's issue)
+    // the state is made in host memory and written to checkpoints from there; AdamW's moves to a
+    // device table afterwards (optim_to_device), the host's pool its mirror
     if (!be || !be->host_memory)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: the optimizer state cannot live on backend %s yet (host memory "
                           "only)", be ? be->name : "(none)");
