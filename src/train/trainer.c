@@ -575,9 +575,6 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return 
 // as the device computed them before the step's one small download.
 typedef struct { double sumsq; int nonfinite; } dev_scalars;
 
-// The rest of a step once the gradients are in the model's buffer: the divergence guard,
-// clipping, the schedule, the update and the temperature clamp. dev (may be NULL): the device
-// looked already (a flagged gradient is still searched on the host, for the message naming it).
 // apply's resident twin: the same guard, clipping and update on the device's buffers (the
 // table's scale, zero and adamw ops), bit for bit the host's on a CPU-backed table.
 static int apply_device(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const dev_scalars *dev) {
@@ -598,6 +595,9 @@ static int apply_device(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const 
     return VLMOE_OK;
 }
 
+// The rest of a step once the gradients are in the model's buffer: the divergence guard,
+// clipping, the schedule, the update and the temperature clamp. dev (may be NULL): the device
+// looked already (a flagged gradient is still searched on the host, for the message naming it).
 static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const dev_scalars *dev) {
     int st = t->dist ? reduce_step(t, VLMOE_OK, step, s)
                      : dev && !dev->nonfinite ? VLMOE_OK : vlmoe_model_check_finite(t->m, 1);
