@@ -105,8 +105,9 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
         if (st) break;
         if (fixed) {
             const double gl = fabs(loss[0] - loss[1]) / fabs(loss[0]);
-            const double gg = rel_gap(m[0]->grads, m[1]->grads, m[0]->L.total);
-            const double gp = rel_gap(m[0]->params, m[1]->params, m[0]->L.total);
+            // resident on separate memory: the host copies are mirrors, read through the API
+            const double gg = rel_gap(vlmoe_model_grad_data(m[0]), vlmoe_model_grad_data(m[1]), m[0]->L.total);
+            const double gp = rel_gap(vlmoe_model_param_data(m[0]), vlmoe_model_param_data(m[1]), m[0]->L.total);
             printf("%s step %d: fixed vs packed layout: loss %.3g, gradients %.3g, parameters %.3g (relative)\n",
                    label, step + 1, gl, gg, gp);
             fixed_worst = gl > fixed_worst ? gl : fixed_worst, fixed_worst = gg > fixed_worst ? gg : fixed_worst;
@@ -169,7 +170,9 @@ static void paths_check(const char *label, const vlmoe_model_config *c, int ckpt
         CHECK(same, "%s layer %d: the per-token decisions differ (%d and %d entries)", label, l, n[0], n[1]);
         free(r[0]), free(r[1]);
     }
-    CHECK(fixed || (!st && !memcmp(m[0]->params, m[1]->params, sizeof(float) * m[0]->L.total)),
+    // both run resident on separate memory: their host copies are mirrors, read through the API
+    CHECK(fixed || (!st && !memcmp(vlmoe_model_param_data(m[0]), vlmoe_model_param_data(m[1]),
+                                   sizeof(float) * m[0]->L.total)),
           "%s: parameters after 3 steps differ between host routing and the route op", label);
     for (int k = 0; k < 2 && !st; k++) sep_no_route = k == 0 && !fixed, st = vlmoe_model_encode_images(m[k], img, B, e[k]);
     const double ge = st ? 1 : rel_gap(e[0], e[1], (size_t)B * c->embed_dim);

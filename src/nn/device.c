@@ -3,7 +3,8 @@
 // one (src/cuda/cuda_stub.c). On a table without host memory the parameters keep their master
 // copy on the host (optimizer, checkpoints) and the graphs read a device copy uploaded before each
 // forward; gradients come back by download. Both architectures: the towers and VL-MoE (arch
-// mome). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
+// mome). The trainer's one-process AdamW steps make the towers' device copies the masters
+// instead (model_go_resident; docs/GPU.md "AdamW on the device"; tests/test_devopt.c). Covered by tests/test_model.c (a CPU table with its own memory that checks every pointer
 // an op is handed) and tests/test_cli.c. --precision bf16 picks the CPU's bf16 table
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
@@ -135,6 +136,7 @@ int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
 }
 
 static void drop_device(vlmoe_model *m) {
+    model_leave_resident(m); // the host's copy is all that stays
     if (m->d_params) m->be->free(m->be, m->d_params);
     if (m->d_grads) m->be->free(m->be, m->d_grads);
     if (m->d_scalars) m->be->free(m->be, m->d_scalars);
@@ -178,8 +180,46 @@ void model_release_backend(vlmoe_model *m) {
 
 const float *model_params_for_graph(vlmoe_model *m) {
     if (!m->d_params) return m->params;
-    m->be->upload(m->be, m->d_params, m->params, m->L.total);
+    if (!m->resident || m->dev_stale) m->be->upload(m->be, m->d_params, m->params, m->L.total);
+    m->dev_stale = 0;
     return m->d_params;
+}
+
+int model_go_resident(vlmoe_model *m) {
+    if (m->resident) return 1;
+    // the deferred step's scalars carry the clipping norm and the non-finite flag: without them
+    // the gradient would come down anyway
+    if (!m->d_params || !m->d_scalars || m->L.arch != &model_arch_towers) return 0;
+    m->resident = 1, m->dev_stale = 1, m->host_stale = 0, m->grads_stale = 0;
+    return 1;
+}
+
+// The mirrors are a cache of the device's copy: bringing them up to date changes no value the
+// model holds, so a const reader may.
+void model_sync_host(const vlmoe_model *m) {
+    vlmoe_model *w = (vlmoe_model *)m;
+    if (!m->resident || (!m->host_stale && !m->grads_stale)) return;
+    if (m->host_stale) m->be->download(m->be, w->params, m->d_params, m->L.total);
+    if (m->grads_stale) m->be->download(m->be, w->grads, m->d_grads, m->L.total);
+    m->be->sync(m->be);
+    w->host_stale = w->grads_stale = 0;
+}
+
+void model_host_written(vlmoe_model *m) {
+    if (!m->resident) return;
+    model_sync_host(m); // a partial write keeps the rest: the mirror must be current first
+    m->dev_stale = 1;
+}
+
+void model_params_changed(vlmoe_model *m) {
+    if (m->resident) m->host_stale = 1;
+    model_weights_changed(m); // whatever was made from the old weights is stale too
+}
+
+void model_leave_resident(vlmoe_model *m) {
+    if (!m->resident) return;
+    model_sync_host(m);
+    m->resident = m->dev_stale = 0;
 }
 
 int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float mean[3], const float std[3]) {

@@ -342,13 +342,19 @@ const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count) {
     return m->L.table;
 }
 size_t vlmoe_model_num_floats(const vlmoe_model *m) { return m->L.total; }
+// Writable: on a resident device model the host's copy is brought up to date and uploaded again
+// before the next forward (src/nn/device.c).
 float *vlmoe_model_param_data(vlmoe_model *m) {
+    model_host_written(m);
     model_weights_changed(m); // the caller may write through it
     return m->params;
 }
 uint64_t model_weights_version(const vlmoe_model *m) { return m->wver; }
 void model_weights_changed(vlmoe_model *m) { m->wver = gemm_bf16_new_version(); }
-float *vlmoe_model_grad_data(vlmoe_model *m) { return m->grads; }
+float *vlmoe_model_grad_data(vlmoe_model *m) {
+    model_sync_host(m);
+    return m->grads;
+}
 
 int vlmoe_model_plan(vlmoe_model *m, int batch_size) { return m->L.arch->plan(m, batch_size); }
 
@@ -419,10 +425,18 @@ int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
+    const float hi = (float)log(m->L.cfg.max_temperature);
+    if (m->resident) { // on the device's master copy; the host keeps this float current (the
+        // deferred contrastive forward and the logged temperature read it there)
+        m->be->clamp(m->be, m->d_params + m->L.logit_scale, 1, 0.0, hi);
+        m->be->download(m->be, &m->params[m->L.logit_scale], m->d_params + m->L.logit_scale, 1);
+        m->be->sync(m->be);
+        return;
+    }
     const vlmoe_backend_f32 *be = model_host_backend(m); // params is the host's master copy
     // (the weights' version stays: no product reads the temperature, and the update just
     // packed the shadows of this version)
-    be->clamp(be, &m->params[m->L.logit_scale], 1, 0.0, (float)log(m->L.cfg.max_temperature));
+    be->clamp(be, &m->params[m->L.logit_scale], 1, 0.0, hi);
 }
 
 // With the cpu-bf16 table the encoder's products keep the weights' packed bf16 copies from one
@@ -461,6 +475,7 @@ const vlmoe_moe_stats *vlmoe_model_moe_stats(const vlmoe_model *m, int *count) {
 }
 
 int vlmoe_model_check_finite(const vlmoe_model *m, int grads) {
+    model_sync_host(m);
     const float *buf = grads ? m->grads : m->params;
     for (int i = 0; i < m->L.nparams; i++) {
         const vlmoe_param_info *p = &m->L.table[i];
@@ -485,6 +500,7 @@ int model_writer(const vlmoe_model *m, vlmoe_st_writer **out) {
     if (!st && m->L.nsplit) // a file holds every expert: the trainer gathers them first
         st = vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': this process holds a shard of the experts only; a model file "
                         "needs them all", m->L.cfg.name);
+    model_sync_host(m); // a resident model's parameters are the device's (src/nn/device.c)
     for (int i = 0; i < m->L.nparams && !st; i++) {
         const vlmoe_param_info *p = &m->L.table[i];
         st = vlmoe_st_writer_add_f32(w, p->name, VLMOE_DT_F32, p->ndim, p->shape, m->params + p->offset);
@@ -579,7 +595,7 @@ int model_load_into_checked(vlmoe_model *m, const char *path, int (*check)(void 
     if (!st && !tmp) st = VLMOE_ERR_NOMEM;
     if (!st) st = read_weights(m, f, tmp); // into scratch: m changes only if all of it is valid
     if (!st) st = model_inputs_load(m, f, path);
-    if (!st) memcpy(m->params, tmp, sizeof(float) * m->L.total), model_weights_changed(m);
+    if (!st) model_host_written(m), memcpy(m->params, tmp, sizeof(float) * m->L.total), model_weights_changed(m);
     vlmoe_free_mem(tmp);
     vlmoe_st_close(f);
     return st;

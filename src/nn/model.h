@@ -275,7 +275,8 @@ struct vlmoe_model {
     int accum_stats;         // the last training step was accumulated: its merged routing statistics
     // a backend without host memory (--device cuda): the parameters stay in params (the master
     // copy the optimizer, checkpoints and every host reader use) and are uploaded to d_params
-    // before each forward; backward writes d_grads, downloaded into grads
+    // before each forward; backward writes d_grads, downloaded into grads. Resident (below):
+    // d_params and d_grads are the masters
     float *d_params, *d_grads;
     struct vlmoe_backend_f32 *owned_be; // a table opened for this model (backend_cuda_free)
     struct model_int8 *int8; // --precision int8: the quantized weights its table reads (device.c)
@@ -288,6 +289,13 @@ struct vlmoe_model {
     int defer;               // the next training forward leaves its scalars on the device
     int deferred;            // the last one did: model_take_scalars reads them after the backward
     double aux_deferred;     // and its auxiliary losses (known on the host: the routing's)
+    // resident (model_go_resident, one process's AdamW steps): d_params and d_grads are the
+    // master copies and params, grads mirrors, downloaded when read (model_sync_host); the
+    // logit scale's float in params is kept current by vlmoe_model_clamp
+    int resident;
+    int host_stale;          // d_params changed since params was downloaded
+    int dev_stale;           // params written on the host since d_params was uploaded
+    int grads_stale;         // d_grads holds a gradient grads has not seen
 };
 #define MODEL_SCALARS 5
 
@@ -327,6 +335,18 @@ int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float me
 // (over the whole gradient). 0 when the model took no such step (a host table: nothing deferred).
 void model_defer_scalars(vlmoe_model *m);
 int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *nonfinite);
+// Resident parameters (src/nn/device.c; the trainer's one-process AdamW steps on a table without
+// host memory, towers with the step's scalars on the device): 0 where that does not apply.
+// After it the backward leaves the gradient on the device (no download), the trainer updates
+// d_params there and calls model_params_changed; a forward uploads only after a host write.
+// model_sync_host brings params and grads up to date (every host reader: vlmoe_model_param_data,
+// _grad_data, check_finite, model_writer call it); model_host_written marks params written there
+// (loading, vlmoe_model_param_data); model_leave_resident makes the host's copy the master again.
+int model_go_resident(vlmoe_model *m);
+void model_leave_resident(vlmoe_model *m);
+void model_sync_host(const vlmoe_model *m);
+void model_host_written(vlmoe_model *m);
+void model_params_changed(vlmoe_model *m);
 // The table that works on params and grads (the host's when the model runs on a device).
 const vlmoe_backend_f32 *model_host_backend(const vlmoe_model *m);
 

@@ -234,7 +234,7 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
 
 static int towers_backward(vlmoe_model *m) {
     if (!m->have_forward) return vlmoe_fail(VLMOE_ERR_ARG, "backward called without a forward pass");
-    memset(m->grads, 0, sizeof(float) * m->L.total);
+    if (!m->resident) memset(m->grads, 0, sizeof(float) * m->L.total); // else a mirror, read later
     if (m->have_forward == FWD_GATHERED) {
         dp_backward(m);
     } else if (m->d_grads) { // on the device: its copy of the parameters is the forward's
@@ -242,8 +242,12 @@ static int towers_backward(vlmoe_model *m) {
         graph_backward_f32(m->g, m->d_params, m->d_grads);
         // the clipping norm and the divergence guard's flag join the deferred loss on the device
         if (m->deferred) m->be->sumsq_dev(m->be, m->d_grads, m->L.total, m->d_scalars + 3);
-        m->be->download(m->be, m->grads, m->d_grads, m->L.total);
-        m->be->sync(m->be);
+        if (m->resident) { // the trainer clips and updates there: the host's copy comes down when read
+            m->grads_stale = 1;
+        } else {
+            m->be->download(m->be, m->grads, m->d_grads, m->L.total);
+            m->be->sync(m->be);
+        }
     } else {
         graph_backward_f32(m->g, m->params, m->grads);
     }

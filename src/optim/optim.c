@@ -57,6 +57,11 @@ struct vlmoe_optim {
     const vlmoe_backend_f32 *be; // runs the update (the model's backend table)
     uint64_t shadow_ver;      // nonzero: each tensor's bf16 shadows are packed again after its
                               // update, at this version (optim_set_shadow, src/ops/gemm_bf16.h)
+    // AdamW's m and v resident on a device table (optim_to_device): pool stays their mirror
+    float *d_pool;               // (2 total) on dbe, NULL: the host's pool is the state
+    const vlmoe_backend_f32 *dbe;
+    int dev_step;                // the update running now reads d_pool through dbe
+    int host_stale, dev_stale;   // d_pool newer than pool / pool written since the upload
 };
 
 vlmoe_optim_params vlmoe_optim_default_params(vlmoe_opt_kind kind) {
@@ -259,8 +264,8 @@ int optim_init_backend(vlmoe_optim **out, const vlmoe_optim_params *p, const vlm
                        size_t total, const vlmoe_backend_f32 *be) {
     if (!out) return vlmoe_fail(VLMOE_ERR_ARG, "optim: out is NULL");
     *out = NULL;
-    // the state lives in host memory and is written to checkpoints from there; a device table
-    // runs the update once the state moves to the device with it (the CUDA backend's issue)
+    // the state is made in host memory and written to checkpoints from there; AdamW's moves to a
+    // device table afterwards (optim_to_device), the host's pool its mirror
     if (!be || !be->host_memory)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "optim: the optimizer state cannot live on backend %s yet (host memory "
                           "only)", be ? be->name : "(none)");
@@ -339,6 +344,7 @@ fail:
 
 void vlmoe_optim_free(vlmoe_optim *o) {
     if (!o) return;
+    if (o->d_pool) o->dbe->free(o->dbe, o->d_pool);
     vlmoe_free_mem(o->table);
     vlmoe_free_mem(o->pool);
     vlmoe_free_mem(o->states);
@@ -353,6 +359,7 @@ const vlmoe_param_info *optim_table(const vlmoe_optim *o, int *n) {
 }
 
 int optim_expert_states(const vlmoe_optim *o, size_t offset, int E, size_t per, float **bufs, size_t *per_buf) {
+    optim_sync_host((vlmoe_optim *)o, 1); // the pool is a mirror while the state is on a device
     if (o->p.kind == VLMOE_OPT_ADAMW) {
         for (int k = 0; k < 2; k++) bufs[k] = o->states[k].data + offset, per_buf[k] = per;
         return 2;
@@ -410,6 +417,7 @@ int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t 
             return vlmoe_fail(VLMOE_ERR_ARG, "optim: the new layout's tensor %d is '%s', the optimizer's '%s'", i,
                               table[i].name, o->table[i].name);
     vlmoe_optim *w;
+    optim_leave_device(o); // the new layout starts on the host
     int st = optim_init_backend(&w, &o->p, table, n, total, o->be);
     if (st) return st;
     w->step = o->step;
@@ -447,6 +455,8 @@ int vlmoe_optim_state_get(vlmoe_optim *o, int i, const char **name, float **data
     if (i < 0 || i >= o->nstates)
         return vlmoe_fail(VLMOE_ERR_ARG, "optim: state index %d out of range [0, %d)", i,
                           o->nstates);
+    // the pointer is writable (a resume reads into it): the device's copy is uploaded again
+    if (data) optim_sync_host(o, 1);
     if (name) *name = o->states[i].name;
     if (data) *data = o->states[i].data;
     if (n) *n = o->states[i].n;
@@ -462,6 +472,50 @@ int vlmoe_optim_state_layout(const vlmoe_optim *o, int i, int *flat, int *ndim, 
     if (ndim) *ndim = o->states[i].ndim;
     if (shape) memcpy(shape, o->states[i].shape, sizeof o->states[i].shape);
     return VLMOE_OK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW's state on a device table (one process's steps with the model resident there,
+// src/train/trainer.c): the update reads and writes d_pool; pool is brought up to date only when
+// something reads it (a checkpoint, a host step), and uploaded again after a host write.
+static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float lr);
+
+int optim_to_device(vlmoe_optim *o, const vlmoe_backend_f32 *be, int *moved) {
+    *moved = 0;
+    if (o->p.kind != VLMOE_OPT_ADAMW || be->host_memory) return VLMOE_OK; // Adafactor: the host's
+    if (o->d_pool && o->dbe == be) return *moved = 1, VLMOE_OK;
+    optim_leave_device(o);
+    int st = backend_require_f32(be, BE_OP_ADAMW, NULL);
+    if (st) return vlmoe_error_prefix("optim"), st;
+    o->d_pool = be->alloc(be, sizeof(float) * 2 * o->total, "AdamW's moments on the device");
+    if (!o->d_pool)
+        return vlmoe_fail(VLMOE_ERR_NOMEM, "optim: %zu bytes of AdamW moments on %s", sizeof(float) * 2 * o->total,
+                          be->name);
+    o->dbe = be, o->dev_stale = 1, o->host_stale = 0, *moved = 1;
+    return VLMOE_OK;
+}
+
+void optim_sync_host(vlmoe_optim *o, int will_write) {
+    if (!o || !o->d_pool) return;
+    if (o->host_stale) o->dbe->download(o->dbe, o->pool, o->d_pool, 2 * o->total), o->dbe->sync(o->dbe);
+    o->host_stale = 0;
+    if (will_write) o->dev_stale = 1;
+}
+
+void optim_leave_device(vlmoe_optim *o) {
+    if (!o || !o->d_pool) return;
+    optim_sync_host(o, 0);
+    o->dbe->free(o->dbe, o->d_pool);
+    o->d_pool = NULL, o->dbe = NULL, o->dev_stale = 0;
+}
+
+void optim_step_device(vlmoe_optim *o, float *d_params, const float *d_grads, float lr) {
+    if (o->dev_stale) o->dbe->upload(o->dbe, o->d_pool, o->pool, 2 * o->total);
+    o->dev_stale = 0;
+    o->dev_step = 1;
+    adamw_step(o, d_params, d_grads, lr);
+    o->dev_step = 0, o->host_stale = 1;
+    o->step++;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,8 +535,9 @@ static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float 
     be_adamw a = {(float)b1, (float)b2, (float)(1.0 - b1), (float)(1.0 - b2), (float)(-(double)lr / bc1),
                   (float)sqrt(bc2), o->p.eps, (float)(1.0 - (o->p.wd_lr_base > 0.0f ? (double)lr / o->p.wd_lr_base : (double)lr) *
                                   (double)o->p.weight_decay), 0};
-    const vlmoe_backend_f32 *be = o->be;
-    float *m_all = o->states[0].data, *v_all = o->states[1].data;
+    const vlmoe_backend_f32 *be = o->dev_step ? o->dbe : o->be;
+    float *m_all = o->dev_step ? o->d_pool : o->states[0].data;
+    float *v_all = o->dev_step ? o->d_pool + o->total : o->states[1].data;
     // One call per run of tensors that lie back to back with the same decay: the update is
     // elementwise, so the bits are the same, and a bench-s step opens some 85 parallel regions
     // fewer (each a thread wake-up).
@@ -678,6 +733,7 @@ void optim_set_shadow(vlmoe_optim *o, uint64_t version) {
 
 void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr) {
     if (!o || !params || !grads) return;
+    optim_sync_host(o, 1); // a host step after device steps starts from their state
     if (o->p.kind == VLMOE_OPT_ADAMW)
         adamw_step(o, params, grads, lr);
     else

@@ -47,4 +47,16 @@ int optim_splits(const vlmoe_optim_params *p, const vlmoe_param_info *t);
 // gathers), the step is kept; keep 0: all of the new state is zero. o is unchanged on failure.
 int optim_relayout(vlmoe_optim *o, const vlmoe_param_info *table, int n, size_t total, int keep);
 
+// AdamW with the model resident on a device table (src/train/trainer.c): its m and v move to
+// be's memory (*moved 1); Adafactor, or a table with host memory, stays (*moved 0, VLMOE_OK).
+// optim_step_device is vlmoe_optim_step on device pointers (the table's adamw op). The host's
+// state becomes a mirror: optim_sync_host downloads it when stale (will_write 1: the caller
+// writes it, so the next device step uploads it); vlmoe_optim_step, vlmoe_optim_state_get,
+// optim_expert_states and optim_relayout call it themselves. optim_leave_device: the state is
+// the host's again.
+int optim_to_device(vlmoe_optim *o, const vlmoe_backend_f32 *be, int *moved);
+void optim_step_device(vlmoe_optim *o, float *d_params, const float *d_grads, float lr);
+void optim_sync_host(vlmoe_optim *o, int will_write);
+void optim_leave_device(vlmoe_optim *o);
+
 #endif

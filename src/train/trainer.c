@@ -199,7 +199,26 @@ static int shard_init(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *ex) {
     return VLMOE_OK;
 }
 
+// One process's AdamW steps on a table without host memory keep the parameters, gradients and
+// both moments resident there (model_go_resident, optim_to_device): no upload before a forward,
+// no gradient download after a backward; the host's copies are mirrors synced when read. Any
+// other step (data parallelism, accumulation, VL-MoE, Adafactor) takes the host's path, so
+// to_host makes the host's copies the masters again first.
+static void to_host(vlmoe_trainer *t) {
+    model_leave_resident(t->m);
+    optim_leave_device(t->opt);
+}
+
+static int to_device(vlmoe_trainer *t, int *on) {
+    *on = 0;
+    if (t->dist || !model_go_resident(t->m)) return to_host(t), VLMOE_OK;
+    int st = optim_to_device(t->opt, t->m->be, on);
+    if (st || !*on) to_host(t);
+    return st;
+}
+
 int vlmoe_trainer_set_dist(vlmoe_trainer *t, vlmoe_dist *d, vlmoe_dist *experts) {
+    to_host(t);
     shard_free(t);
     t->dist = d && d->world > 1 ? d : NULL;
     model_set_dist(t->m, t->dist, experts);
@@ -538,6 +557,7 @@ int vlmoe_trainer_init(vlmoe_trainer **out, vlmoe_model *m, const vlmoe_train_pa
 void vlmoe_trainer_free(vlmoe_trainer *t) {
     if (!t) return;
     if (t->p.lock_image || t->p.lock_text) model_set_frozen_towers(t->m, 0, 0); // the model trains whole again
+    to_host(t); // the model outlives the trainer: its host copy is the master again
     shard_free(t);
     vlmoe_optim_free(t->opt);
     buckets_free(t->bk);
@@ -554,6 +574,26 @@ const vlmoe_train_params *vlmoe_trainer_params(const vlmoe_trainer *t) { return 
 // A device step's scalars (model_take_scalars): the gradient's sum of squares and non-finite flag
 // as the device computed them before the step's one small download.
 typedef struct { double sumsq; int nonfinite; } dev_scalars;
+
+// apply's resident twin: the same guard, clipping and update on the device's buffers (the
+// table's scale, zero and adamw ops), bit for bit the host's on a CPU-backed table.
+static int apply_device(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const dev_scalars *dev) {
+    vlmoe_model *m = t->m;
+    const vlmoe_backend_f32 *be = m->be;
+    const size_t n = vlmoe_model_num_floats(m);
+    // the host searches a flagged gradient for the tensor to name (the gradient comes down)
+    int st = dev->nonfinite ? vlmoe_model_check_finite(m, 1) : VLMOE_OK;
+    if (st) return vlmoe_error_prefix("step %ld", step), st;
+    float *dp = (float *)model_params_for_graph(m), *dg = m->d_grads; // dp: uploaded if written since
+    for (int i = 0; i < t->nfrozen; i++) be->zero(be, dg + t->frozen[i].offset, t->frozen[i].numel);
+    s->grad_norm = t->nfrozen ? optim_clip_grad_norm(be, dg, n, t->p.grad_clip_norm) // frozen in the device's sum
+                              : optim_clip_grad_norm_given(be, dg, n, t->p.grad_clip_norm, dev->sumsq);
+    s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
+    optim_step_device(t->opt, dp, dg, (float)s->lr);
+    model_params_changed(m);
+    vlmoe_model_clamp(m);
+    return VLMOE_OK;
+}
 
 // The rest of a step once the gradients are in the model's buffer: the divergence guard,
 // clipping, the schedule, the update and the temperature clamp. dev (may be NULL): the device
@@ -593,7 +633,8 @@ static int step_one(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *st
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
-    int bst = begin_step(t);
+    int on = 0, bst = begin_step(t);
+    if (!bst) bst = to_device(t, &on);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     // on a device (one process): the loss, accuracies, gradient norm and non-finite flag come
     // back in one download after the backward, not each as its op finishes
@@ -608,7 +649,8 @@ static int step_one(vlmoe_trainer *t, const vlmoe_batch *b, vlmoe_step_stats *st
     const int on_dev = model_take_scalars(t->m, &s, &dev.sumsq, &dev.nonfinite);
     if (on_dev && !isfinite(s.loss)) // the forward's check, later: no parameter has changed
         return vlmoe_fail(VLMOE_ERR_NUMERIC, "step %ld: the contrastive loss is %g", step, s.loss);
-    if ((st = apply(t, step, &s, on_dev ? &dev : NULL))) return st;
+    if (on && !on_dev) return vlmoe_fail(VLMOE_ERR_ARG, "step %ld: a resident step without its device scalars", step);
+    if ((st = on ? apply_device(t, step, &s, &dev) : apply(t, step, &s, on_dev ? &dev : NULL))) return st;
     if (stats) *stats = s;
     return VLMOE_OK;
 }
@@ -617,6 +659,7 @@ static int step_accum(vlmoe_trainer *t, const vlmoe_batch *micro, int n, vlmoe_s
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    to_host(t);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     int st = model_accumulate(t->m, micro, n, &s);
@@ -679,6 +722,7 @@ static int retrieval_finish(vlmoe_trainer *t, int st, long step, const vlmoe_mom
 int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, const int32_t *tokens,
                                       const int32_t *lengths, int B, vlmoe_mome_stats *ms, vlmoe_step_stats *stats) {
     const long step = vlmoe_optim_get_step(t->opt);
+    to_host(t);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     vlmoe_mome_stats r;
@@ -689,6 +733,7 @@ int vlmoe_trainer_step_mome_retrieval(vlmoe_trainer *t, const float *images, con
 int vlmoe_trainer_step_mome_itm(vlmoe_trainer *t, const vlmoe_mome_batch *b, uint64_t seed, vlmoe_mome_stats *ms,
                                 vlmoe_step_stats *stats) {
     const long step = vlmoe_optim_get_step(t->opt);
+    to_host(t);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     vlmoe_mome_stats r;
@@ -726,6 +771,7 @@ int vlmoe_trainer_step_mome(vlmoe_trainer *t, const vlmoe_mome_batch *parts, int
     vlmoe_step_stats s;
     memset(&s, 0, sizeof(s));
     const long step = vlmoe_optim_get_step(t->opt);
+    to_host(t);
     int bst = begin_step(t);
     if (bst) return vlmoe_error_prefix("step %ld", step), bst;
     if (nparts < 1) return failed(t, vlmoe_fail(VLMOE_ERR_ARG, "step %ld: no batches", step), step, &s);
