@@ -26,6 +26,8 @@ static struct {
     long aux_ops;      // of which aux_loss (src/moe/layer.c, the routing)
     long upload_bytes; // upload, upload_bytes and pixels_stage
     long pixel_bytes;  // of which images staged as bytes
+    long syncs;        // sync calls (each a wait for the device)
+    long aux_dev;      // aux_loss_dev: values left in the table's memory (no wait)
 } sep_traffic;
 
 // the image staging (below): the table's for the process's life, as a device context's
@@ -290,6 +292,18 @@ static double sep_aux(const sep_be *be, vlmoe_aux_kind kind, const aux_input_f32
     if (!dlogits) sep_traffic.scalar_ops++, sep_traffic.aux_ops++; // the backward's value is not waited for
     return sep_cpu->aux_loss(sep_cpu, kind, in, weight, dlogits, scratch);
 }
+static void sep_aux_dev(const sep_be *be, vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch, double *out) {
+    (void)be, SEP(in->logits, "aux_loss_dev", "logits"), SEP(in->noisy_logits, "aux_loss_dev", "noisy_logits");
+    SEP(in->modality, "aux_loss_dev", "modality"), SEP(in->wanted, "aux_loss_dev", "wanted");
+    if (kind == VLMOE_AUX_SWITCH && in->modality) SEP(in->wanted_mod, "aux_loss_dev", "wanted_mod");
+    SEP(scratch, "aux_loss_dev", "scratch"), SEP(out, "aux_loss_dev", "out");
+    sep_traffic.aux_dev++;
+    sep_cpu->aux_loss_dev(sep_cpu, kind, in, scratch, out);
+}
+static int sep_sync(const sep_be *be) {
+    (void)be, sep_traffic.syncs++;
+    return sep_cpu->sync(sep_cpu);
+}
 static void sep_soft_params(const soft_params_f32 *p, const char *op) {
     SEP(p->phi, op, "phi"), SEP(p->scale, op, "scale"), SEP(p->w1, op, "w1"), SEP(p->b1, op, "b1");
     SEP(p->w2, op, "w2"), SEP(p->b2, op, "b2");
@@ -425,6 +439,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;
     t.download_bytes = sep_download_bytes, t.route = sep_route, t.supports = sep_supports;
+    t.aux_loss_dev = sep_aux_dev, t.sync = sep_sync;
     sep_stray = 0, sep_first[0] = 0;
     memset(&sep_traffic, 0, sizeof(sep_traffic));
     return t;

@@ -632,6 +632,33 @@ static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_in
     return L;
 }
 
+// aux_loss_dev: k_aux writes the value straight into out; a bad modality leaves NaN there (no
+// wait to report it: the step's finite check stops the step).
+static void cuda_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch,
+                              double *out) {
+    if (!in || !in->logits || !scratch || !out) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits, scratch and out must be given");
+        return;
+    }
+    const int S = in->S, E = in->E, K = in->K;
+    if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT ||
+        (kind == VLMOE_AUX_SWITCH && (!in->wanted || (in->modality && !in->wanted_mod)))) {
+        cuda_aux_loss(be, kind, in, 1.0, NULL, scratch); // its message; launches nothing
+        return;
+    }
+    aux_dev c = {};
+    c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
+    c.mod = in->modality, c.wanted = in->wanted, c.wanted_mod = in->wanted_mod, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
+    const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
+    double *d = (double *)a;
+    const size_t SE = (size_t)S * E;
+    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
+    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    cuda_ctx *x = ctx_of(be);
+    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, 1.0, NULL, out, x->flag);
+    LAUNCHED("aux_loss");
+}
+
 void cuda_fill_loss(backend *be) {
     be->contrastive_forward = cuda_contrastive_forward;
     be->contrastive_forward_dev = cuda_contrastive_forward_dev;
@@ -639,4 +666,5 @@ void cuda_fill_loss(backend *be) {
     be->xent_forward = cuda_xent_forward;
     be->xent_backward = cuda_xent_backward;
     be->aux_loss = cuda_aux_loss;
+    be->aux_loss_dev = cuda_aux_loss_dev;
 }

@@ -79,10 +79,23 @@ struct R(graph) {
     be_pixels pixp;
     double *scal;                // graph_set_step_scalars: the next forward's loss and accuracies
     const real *host_scale;      // stay in the table's memory; its logit scale from the host
+    moe_aux_sink sink;           // and its auxiliary losses' values (the MoE layers write there)
 };
 
-void R(graph_set_step_scalars)(struct R(graph) *g, double *out, const real *host_scale) {
+void R(graph_set_step_scalars)(struct R(graph) *g, double *out, const real *host_scale, double *aux_slots,
+                               int aux_cap) {
     g->scal = out, g->host_scale = host_scale;
+    g->sink.slots = aux_slots, g->sink.cap = aux_slots ? aux_cap : 0;
+}
+
+int R(graph_aux_slots)(const struct R(graph) *g, int *need) {
+    if (need) *need = g->sink.need;
+    return g->sink.used;
+}
+
+double R(graph_take_aux)(struct R(graph) *g, const double *slots) {
+    g->sink.mode = MOE_AUX_OFF;
+    return moe_aux_sink_take(&g->sink, slots);
 }
 
 void R(graph_set_pixels)(struct R(graph) *g, const uint8_t *pix, const be_pixels *p) {
@@ -274,6 +287,7 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
                                  l < 64 ? L->enc[e].moe->pruned[l] : 0, f->split, L->shard.rank, L->shard.size};
             st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
+            R(moe_set_aux_sink)(a->moe, &g->sink);
             g->stats[f->moe_index].encoder = e;
             g->stats[f->moe_index].block = l;
         }
@@ -310,6 +324,7 @@ void R(graph_free)(struct R(graph) *g) {
         vlmoe_free_mem(g->enc[e].keys);
     }
     vlmoe_free_mem(g->stats);
+    moe_aux_sink_free(&g->sink);
     R(contrastive_step_free)(g->loss);
     g->be->free(g->be, g->arena);
     g->be->free(g->be, g->ints);
@@ -631,8 +646,14 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
                      const int32_t *lens, graph_result *res) {
     double aux = 0;
+    // a deferred step's auxiliary values go to the sink (its take adds them up); a recomputation
+    // under gradient checkpointing, in the backward, skips them: they would go unused
+    moe_aux_sink *k = &g->sink;
+    k->mode = g->scal && tokens ? MOE_AUX_RECORD : MOE_AUX_OFF;
+    k->used = k->need = k->nrec = 0;
     int st = R(graph_encode)(g, P, images, tokens, lens, &aux);
-    if (st) return st;
+    if (k->mode == MOE_AUX_RECORD) k->mode = MOE_AUX_SKIP;
+    if (st) return k->mode = MOE_AUX_OFF, st;
     if (res) memset(res, 0, sizeof(*res));
     if (!g->mod[MOD_IMAGE].present || !tokens) return VLMOE_OK;
     double *scal = g->scal;
@@ -665,6 +686,7 @@ void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
     R(contrastive_step_backward)(g->loss, mi->demb, mt->demb, G + g->L->logit_scale, 1.0);
     const real *const demb[NUM_MOD] = {mi->demb, mt->demb};
     R(graph_encode_backward)(g, P, G, demb);
+    if (g->sink.mode == MOE_AUX_SKIP) g->sink.mode = MOE_AUX_OFF; // its recomputations are done
 }
 
 // ---- the contrastive loss step, apart from the encoders that made its embeddings

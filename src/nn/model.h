@@ -170,8 +170,15 @@ struct vlmoe_dist; // src/dist/dist.h
     void graph_set_pixels_##S(graph_##S *g, const uint8_t *pix, const be_pixels *p);              \
     /* the next graph_forward leaves its loss and accuracies in out (3 doubles of the table's */ \
     /* memory: contrastive_forward_dev) and returns NaN for them; the logit scale is read from */ \
-    /* host_scale, the parameters' host copy (no download) */                                    \
-    void graph_set_step_scalars_##S(graph_##S *g, double *out, const T *host_scale);              \
+    /* host_scale, the parameters' host copy (no download); the MoE layers' auxiliary values */ \
+    /* go to aux_slots (aux_cap doubles of the table's memory, moe_aux_sink in src/moe/layer.h) */ \
+    void graph_set_step_scalars_##S(graph_##S *g, double *out, const T *host_scale,              \
+                                    double *aux_slots, int aux_cap);                             \
+    /* the slots the last forward filled (to download), and in *need the slots it wanted */      \
+    int graph_aux_slots_##S(const graph_##S *g, int *need);                                      \
+    /* the auxiliary losses' total of the last deferred forward from the host copy of its */     \
+    /* slots, its MoE statistics' aux[] filled (moe_aux_sink_take) */                            \
+    double graph_take_aux_##S(graph_##S *g, const double *slots);                                \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
     /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
     /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
@@ -286,6 +293,8 @@ struct vlmoe_model {
     // a device step's scalars (model_defer_scalars): MODEL_SCALARS doubles of the table's memory
     // (loss, acc_i2t, acc_t2i, gradient sum of squares, non-finite flag), read in one download
     double *d_scalars;
+    int aux_cap;             // after them, slots for the auxiliary losses' values (moe_aux_sink)
+    double *h_scalars;       // the host's copy (MODEL_SCALARS + aux_cap)
     int defer;               // the next training forward leaves its scalars on the device
     int deferred;            // the last one did: model_take_scalars reads them after the backward
     double aux_deferred;     // and its auxiliary losses (known on the host: the routing's)
@@ -298,6 +307,9 @@ struct vlmoe_model {
     int grads_stale;         // d_grads holds a gradient grads has not seen
 };
 #define MODEL_SCALARS 5
+// Slots for the auxiliary losses' values at first (a step that wants more waits for the rest
+// and the next step plans room: model_defer_scalars).
+#define MODEL_AUX_SLOTS 256
 
 // The model's inputs (src/nn/inputs.c). set_tokenizer: tok's text, or the synthetic word
 // tokenizer when tok is NULL. model_tokenizer: the recorded BPE tokenizer (*out NULL when the

@@ -212,7 +212,9 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     } else {
         // a trainer step on the device: the loss stays there until the step's one download
         m->deferred = training && defer && m->d_scalars;
-        if (m->deferred) graph_set_step_scalars_f32(m->g, m->d_scalars, &m->params[m->L.logit_scale]);
+        if (m->deferred)
+            graph_set_step_scalars_f32(m->g, m->d_scalars, &m->params[m->L.logit_scale], m->d_scalars + MODEL_SCALARS,
+                                       m->aux_cap);
         st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r);
     }
     if (st) return m->deferred = 0, st;

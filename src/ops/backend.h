@@ -283,6 +283,12 @@ static inline size_t be_route_work_bytes(int S, int E) {
         /* route.c's for non-finite gates (a device table may report none: see docs/GPU.md) */  \
         int (*route)(const vlmoe_backend_##S *be, const T *gates, const be_route *r,             \
                      const be_route_out *o);                                                     \
+        /* aux_loss's forward value (weight 1, no gradient) left in out (one double of the    */ \
+        /* table's memory), the same bits as aux_loss returns, so a device step does not wait  */ \
+        /* per MoE layer, loss and group (src/moe/layer.c). A modality that is neither image */   \
+        /* nor text gives NaN there (aux_loss's error, found by the step's finite check). */       \
+        void (*aux_loss_dev)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                   \
+                             const aux_input_##S *in, T *scratch, double *out);                  \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

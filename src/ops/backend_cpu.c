@@ -537,6 +537,10 @@ static void cpu_contrastive_forward_dev(const backend *be, real *logits, real *p
                                         const real *txt, real scale, int B, int E, double *out) {
     out[0] = cpu_contrastive_forward(be, logits, prow, pcol, img, txt, scale, B, E, out + 1);
 }
+static void cpu_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const R(aux_input) *in, real *scratch,
+                             double *out) {
+    out[0] = cpu_aux_loss(be, kind, in, 1.0, NULL, scratch);
+}
 static void cpu_sumsq_dev(const backend *be, const real *x, size_t n, double *out) {
     int bad = 0;
     out[0] = cpu_sumsq(be, x, n, &bad);
@@ -605,7 +609,8 @@ static int cpu_route(const backend *be, const real *gates, const be_route *r, co
     .contrastive_forward_dev = cpu_contrastive_forward_dev, \
     .sumsq_dev = cpu_sumsq_dev, \
     .download_bytes = cpu_upload_bytes, \
-    .route = cpu_route
+    .route = cpu_route, \
+    .aux_loss_dev = cpu_aux_loss_dev
 
 static const backend cpu_table = {
     .name = "cpu",
