@@ -198,7 +198,8 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_ADAMW: return be->adamw != NULL;
     case BE_OP_CLAMP: return be->clamp != NULL;
     case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
-    case BE_OP_STEP_SCALARS: return be->contrastive_forward_dev && be->sumsq_dev && be->aux_loss_dev;
+    case BE_OP_STEP_SCALARS:
+        return be->contrastive_forward_dsc && be->contrastive_backward_dsc && be->sumsq_dev && be->aux_loss_dev;
     // cfg (be_route *): tokens choice in random dispatch order stays on the host (the layer
     // downloads the gates); experts choice has no dispatch order. The fixed layout is wanted:
     // a training step's expert bank is then one strided-batched product, with no download

@@ -284,8 +284,9 @@ int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *
     s->contrastive = s->loss - aux;
     s->aux = aux;
     s->acc_i2t = v[1], s->acc_t2i = v[2];
-    *sumsq = v[3];
-    *nonfinite = v[4] != 0.0;
+    s->temperature = exp((float)v[3]); // the forward's expression on the scale it read
+    *sumsq = v[4];
+    *nonfinite = v[5] != 0.0;
     return 1;
 }
 

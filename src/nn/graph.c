@@ -78,13 +78,12 @@ struct R(graph) {
     const uint8_t *pix;          // graph_set_pixels: the next encode's images as host bytes
     be_pixels pixp;
     double *scal;                // graph_set_step_scalars: the next forward's loss and accuracies
-    const real *host_scale;      // stay in the table's memory; its logit scale from the host
+                                 // stay in the table's memory (the logit scale read there too)
     moe_aux_sink sink;           // and its auxiliary losses' values (the MoE layers write there)
 };
 
-void R(graph_set_step_scalars)(struct R(graph) *g, double *out, const real *host_scale, double *aux_slots,
-                               int aux_cap) {
-    g->scal = out, g->host_scale = host_scale;
+void R(graph_set_step_scalars)(struct R(graph) *g, double *out, double *aux_slots, int aux_cap) {
+    g->scal = out;
     g->sink.slots = aux_slots, g->sink.cap = aux_slots ? aux_cap : 0;
 }
 
@@ -659,7 +658,8 @@ int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, cons
     double *scal = g->scal;
     g->scal = NULL; // for this forward only
     if (scal) { // the loss stays on the device: the caller reads it with the step's other scalars
-        R(contrastive_step_forward_dev)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb, g->host_scale, scal);
+        R(contrastive_step_forward_dev)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb, P + g->L->logit_scale,
+                                        scal);
         g->have_loss = 1;
         if (res) res->loss = NAN, res->aux = aux, res->acc[0] = res->acc[1] = NAN;
         return VLMOE_OK;
@@ -697,6 +697,7 @@ struct R(contrastive_step) {
     real *logits, *prow, *pcol;  // (B,B) scores and their row / column softmax, for backward
     const real *img, *txt;       // the last forward's embeddings
     real scale;                  // and its logit scale
+    const real *dscale;          // or where it lives (contrastive_step_forward_dev): the table's
 };
 
 int R(contrastive_step_create)(struct R(contrastive_step) **out, const R(vlmoe_backend) *be, int B, int E) {
@@ -725,22 +726,27 @@ double R(contrastive_step_forward)(struct R(contrastive_step) *c, const real *im
     const R(vlmoe_backend) *be = c->be;
     // the kernels take the scale by value: one element read back from the table's memory
     be->download(be, &c->scale, scale, 1);
+    c->dscale = NULL;
     c->img = img;
     c->txt = txt;
     return be->contrastive_forward(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, acc);
 }
 
 void R(contrastive_step_forward_dev)(struct R(contrastive_step) *c, const real *img, const real *txt,
-                                     const real *host_scale, double *out) {
+                                     const real *scale, double *out) {
     const R(vlmoe_backend) *be = c->be;
-    c->scale = *host_scale;
+    c->dscale = scale; // read where it is, by the forward and the backward: no download
     c->img = img;
     c->txt = txt;
-    be->contrastive_forward_dev(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, out);
+    be->contrastive_forward_dsc(be, c->logits, c->prow, c->pcol, img, txt, scale, c->B, c->E, out);
 }
 
 void R(contrastive_step_backward)(struct R(contrastive_step) *c, real *dimg, real *dtxt, real *dscale, double dloss) {
     const R(vlmoe_backend) *be = c->be;
-    be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
-                            c->E, dloss);
+    if (c->dscale)
+        be->contrastive_backward_dsc(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->dscale,
+                                     c->B, c->E, dloss);
+    else
+        be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
+                                c->E, dloss);
 }

@@ -289,6 +289,17 @@ static inline size_t be_route_work_bytes(int S, int E) {
         /* nor text gives NaN there (aux_loss's error, found by the step's finite check). */       \
         void (*aux_loss_dev)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                   \
                              const aux_input_##S *in, T *scratch, double *out);                  \
+        /* contrastive_forward_dev and contrastive_backward with the logit scale read from the */ \
+        /* table's memory (scale: one element, the parameter itself), so that a device step   */   \
+        /* need not download it; out[3] = the scale read (the logged temperature's). The CPU  */   \
+        /* tables: the same bits as the by-value entries. */                                      \
+        void (*contrastive_forward_dsc)(const vlmoe_backend_##S *be, T *logits, T *prow, T *pcol, \
+                                        const T *img, const T *txt, const T *scale, int B, int E, \
+                                        double *out);                                            \
+        void (*contrastive_backward_dsc)(const vlmoe_backend_##S *be, T *dimg, T *dtxt, T *dscale, \
+                                         const T *logits, const T *prow, const T *pcol,          \
+                                         const T *img, const T *txt, const T *scale, int B, int E, \
+                                         double dloss);                                          \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \
