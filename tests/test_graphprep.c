@@ -127,7 +127,8 @@ static void check(const variant *v, int fixed) {
     if (v->tiny_cap) m[1]->aux_cap = 1;
     const size_t total = m[0]->L.total;
     int nmoe = 0, stats_same = 0, aux_same = 0, aux_active = 0;
-    long downs[STEPS] = {0}, waits[STEPS] = {0}, slots[STEPS] = {0}, offs[STEPS] = {0};
+    long downs[STEPS] = {0}, waits[STEPS] = {0}, slots[STEPS] = {0}, offs[STEPS] = {0}, pageable[STEPS] = {0};
+    long fixed_up[STEPS] = {0};
     double gap = 0;
     for (int i = 0; i < STEPS && !st; i++) {
         const vlmoe_batch b = {B, img + isz * B * i, tok + (size_t)B * T * i, len + B * i};
@@ -140,6 +141,7 @@ static void check(const variant *v, int fixed) {
         downs[i] = sep_traffic.downloads - late_bytes, offs[i] = late_bytes;
         waits[i] = sep_traffic.scalar_ops + sep_traffic.syncs;
         slots[i] = sep_traffic.aux_dev;
+        pageable[i] = sep_traffic.pageable_uploads, fixed_up[i] = sep_traffic.fixed_uploads;
         stats_same += !memcmp(&ss[0], &ss[1], sizeof(ss[0]));
         const float l0 = (float)ss[0].loss, l1 = (float)ss[1].loss, a0 = (float)ss[0].aux, a1 = (float)ss[1].aux;
         gap = fmax(gap, fmax(rel_gap(&l0, &l1, 1), rel_gap(&a0, &a1, 1)));
@@ -176,12 +178,19 @@ static void check(const variant *v, int fixed) {
         CHECK(downs[i] == 1 && offs[i] == (fixed ? 0 : nmoe) && (first_waits ? waits[i] > 0 : waits[i] == 0),
               "%s step %d: %ld downloads, %ld of expert offsets, %ld waits (op values or syncs), expected 1, %d and %s",
               v->name, i + 1, downs[i], offs[i], waits[i], fixed ? 0 : nmoe, first_waits ? "some" : "0");
+        // from pageable memory only the batch (src/nn/graph.c: the images as floats, the token ids,
+        // the lengths) and, on the first step, the parameters and moments; the MoE layer's from the
+        // table's fixed buffers
+        CHECK((i ? pageable[i] == 3 : pageable[i] >= 3) && fixed_up[i] > 0,
+              "%s step %d: %ld uploads from pageable memory (expected %s3: images, tokens, lengths), %ld from the "
+              "table's host memory", v->name, i + 1, pageable[i], i ? "" : ">= ", fixed_up[i]);
         CHECK(slots[i] > (first_waits ? 0 : 1), "%s step %d: %ld auxiliary values left on the device", v->name, i + 1,
               slots[i]);
     }
     printf("  %s layout, per step: %ld download + %ld of expert offsets, %ld waits, %ld auxiliary values on the "
-           "device (%d MoE layers); first step: %ld waits; largest gap to the CPU %.3g\n", fixed ? "fixed" : "packed",
-           downs[STEPS - 1], offs[STEPS - 1], waits[STEPS - 1], slots[STEPS - 1], nmoe, waits[0], gap);
+           "device (%d MoE layers), uploads %ld pageable + %ld from fixed buffers; first step: %ld waits; largest gap "
+           "to the CPU %.3g\n", fixed ? "fixed" : "packed", downs[STEPS - 1], offs[STEPS - 1], waits[STEPS - 1],
+           slots[STEPS - 1], nmoe, pageable[STEPS - 1], fixed_up[STEPS - 1], waits[0], gap);
     CHECK(sep_stray == 0, "%s: %d host pointers handed to separate memory; first: %s", v->name, sep_stray, sep_first);
     CHECK(late_lost == 0, "%s: %d late values overflowed the test's queue", v->name, late_lost);
 done:

@@ -8,6 +8,7 @@
 // tests/test_backend_ops.c, whose CUDA rows run only on a machine with a device.
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda/cuda_internal.cuh"
 
@@ -237,6 +238,22 @@ static void cuda_download(const backend *be, float *dst, const float *src, size_
 static void cuda_download_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n && !CK("download_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_of(be))))
         CK("download_bytes", cudaStreamSynchronize(stream_of(be)));
+}
+// Page-locked host memory (backend.h host_alloc): copies from it are asynchronous DMA, and a
+// captured graph may replay them.
+static void *cuda_host_alloc(const backend *be, size_t bytes, const char *what) {
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA page-locked host memory for %s: %zu bytes (%s)", what, bytes,
+                   cudaGetErrorString(e));
+        return NULL;
+    }
+    memset(p, 0, bytes ? bytes : 1);
+    return p;
+}
+static void cuda_host_free(const backend *be, void *p) {
+    if (p) cudaFreeHost(p);
 }
 static void cuda_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n) CK("upload_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_of(be)));
@@ -476,6 +493,8 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->upload = cuda_upload;
     be->download = cuda_download;
     be->upload_bytes = cuda_upload_bytes;
+    be->host_alloc = cuda_host_alloc;
+    be->host_free = cuda_host_free;
     be->download_bytes = cuda_download_bytes;
     be->zero = cuda_zero;
     be->copy = cuda_copy;

@@ -133,6 +133,19 @@ static inline int row_of(const struct R(moe_state) *st, int p) {
     return st->ordered ? st->order[p] : p;
 }
 
+// The host arrays a step uploads: the table's own host memory where its memory is not the
+// host's (fixed, page-locked on CUDA), else the heap.
+static void *up_alloc(const R(vlmoe_backend) *be, size_t bytes, const char *what) {
+    return !be->host_memory && be->host_alloc ? be->host_alloc(be, bytes, what) : vlmoe_calloc(bytes, what);
+}
+static void up_free(const R(vlmoe_backend) *be, void *p) {
+    if (!be->host_memory && be->host_alloc) {
+        if (p) be->host_free(be, p);
+    } else {
+        vlmoe_free_mem(p);
+    }
+}
+
 int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(vlmoe_backend) *be,
                         int nmax) {
     *out = NULL;
@@ -158,6 +171,9 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     int ok = 1;
 #define ALLOC(p, n) ok = ok && ((p) = vlmoe_calloc(sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
 #define DALLOC(p, n) ok = ok && ((p) = be->alloc(be, sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
+    // what the host writes and uploads every step (noise keys, modality, group permutation,
+    // pools' slice plan): the table's host memory (backend.h host_alloc) at fixed addresses
+#define HALLOC(p, n) ok = ok && ((p) = up_alloc(be, sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
     for (int m = 0; m < 2; m++) {
         ALLOC(st->routed[m], E);
         ALLOC(st->accepted[m], E);
@@ -165,11 +181,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     }
     ALLOC(st->hits, nmax);
     ALLOC(st->wanted_mod, 2 * E);
-    ALLOC(st->keys, nmax);
-    ALLOC(st->order, nmax);
-    ALLOC(st->inv, nmax);
-    ALLOC(st->mod_pos, nmax);
-    ALLOC(st->mod_row, nmax);
+    HALLOC(st->keys, nmax);
+    HALLOC(st->order, nmax);
+    HALLOC(st->inv, nmax);
+    HALLOC(st->mod_pos, nmax);
+    HALLOC(st->mod_row, nmax);
     DALLOC(st->d_perm, 3 * (size_t)nmax + 1);
     if (ok) { // the identity offsets of the permutation's dispatch: one row per token
         int32_t *h = vlmoe_alloc(sizeof(int32_t) * ((size_t)nmax + 1), "moe identity");
@@ -285,11 +301,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
             st->pool_w = gcd(E, c->text_experts);
             const size_t pe = ne / (size_t)st->pool_w;
             DALLOC(st->d_mask, 2 * E);
-            ALLOC(st->pool_idx, pe);
-            ALLOC(st->pool_off, pe + 1);
-            ALLOC(st->pool_inv, pe);
+            HALLOC(st->pool_idx, pe);
+            HALLOC(st->pool_off, pe + 1);
+            HALLOC(st->pool_inv, pe);
             DALLOC(st->d_pool, 3 * pe + 1);
-            ALLOC(st->pool_mod, nmax);
+            HALLOC(st->pool_mod, nmax);
             ALLOC(st->pool_blk, 2 * (size_t)st->gmax + 1);
             real *mask = ok ? vlmoe_alloc(sizeof(real) * 2 * (size_t)E, "moe pool mask") : NULL;
             ok = mask != NULL;
@@ -303,6 +319,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         }
     }
 #undef ALLOC
+#undef HALLOC
 #undef DALLOC
     if (!ok) {
         R(moe_state_free)(st);
@@ -330,12 +347,14 @@ void R(moe_state_free)(struct R(moe_state) *st) {
                    st->d_pool, st->d_dec, st->d_route_work};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
-                    st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
+                    st->expert_off, st->cnt, st->tok_off, st->tok_rows,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->mod_row, st->soft_w_h,
-                    st->run_at, st->run_mod, st->pool_idx, st->pool_off, st->pool_inv, st->pool_mod,
-                    st->pool_blk};
+                    st->pbar[1], st->hits, st->wanted_mod, st->soft_w_h,
+                    st->run_at, st->run_mod, st->pool_blk};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
+    void *up[] = {st->keys, st->order, st->inv, st->mod_pos, st->mod_row, st->pool_idx, st->pool_off, st->pool_inv,
+                  st->pool_mod};
+    for (size_t i = 0; i < sizeof(up) / sizeof(up[0]); i++) up_free(be, up[i]);
     vlmoe_free_mem(st);
 }
 

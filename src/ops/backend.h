@@ -300,6 +300,13 @@ static inline size_t be_route_work_bytes(int S, int E) {
                                          const T *logits, const T *prow, const T *pcol,          \
                                          const T *img, const T *txt, const T *scale, int B, int E, \
                                          double dloss);                                          \
+        /* host memory the table copies from without staging (CUDA: page-locked), zeroed; NULL */ \
+        /* with the error set. What a layer uploads every step lives there, at addresses fixed  */ \
+        /* at creation, so that a captured CUDA graph's copies replay from the same pointers.  */  \
+        /* Its contents must not change while an upload from it may be in flight: each step   */  \
+        /* ends in a download that waits for the stream before the next step writes them.     */  \
+        void *(*host_alloc)(const vlmoe_backend_##S *be, size_t bytes, const char *what);        \
+        void (*host_free)(const vlmoe_backend_##S *be, void *p);                                  \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

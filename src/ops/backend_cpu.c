@@ -547,6 +547,8 @@ static void cpu_contrastive_backward_dsc(const backend *be, real *dimg, real *dt
                                          const real *scale, int B, int E, double dloss) {
     cpu_contrastive_backward(be, dimg, dtxt, dscale, logits, prow, pcol, img, txt, *scale, B, E, dloss);
 }
+static void *cpu_host_alloc(const backend *be, size_t bytes, const char *what) { return vlmoe_calloc(bytes, what); }
+static void cpu_host_free(const backend *be, void *p) { vlmoe_free_mem(p); }
 static void cpu_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const R(aux_input) *in, real *scratch,
                              double *out) {
     out[0] = cpu_aux_loss(be, kind, in, 1.0, NULL, scratch);
@@ -622,7 +624,9 @@ static int cpu_route(const backend *be, const real *gates, const be_route *r, co
     .route = cpu_route, \
     .aux_loss_dev = cpu_aux_loss_dev, \
     .contrastive_forward_dsc = cpu_contrastive_forward_dsc, \
-    .contrastive_backward_dsc = cpu_contrastive_backward_dsc
+    .contrastive_backward_dsc = cpu_contrastive_backward_dsc, \
+    .host_alloc = cpu_host_alloc, \
+    .host_free = cpu_host_free
 
 static const backend cpu_table = {
     .name = "cpu",
