@@ -299,8 +299,8 @@ struct vlmoe_model {
     int deferred;            // the last one did: model_take_scalars reads them after the backward
     double aux_deferred;     // and its auxiliary losses (known on the host: the routing's)
     // resident (model_go_resident, one process's AdamW steps): d_params and d_grads are the
-    // master copies and params, grads mirrors, downloaded when read (model_sync_host); the
-    // logit scale's float in params is kept current by vlmoe_model_clamp
+    // master copies and params, grads mirrors, downloaded when read (model_sync_host), the
+    // logit scale's float too (a deferred step reads it on the device and downloads its value)
     int resident;
     int host_stale;          // d_params changed since params was downloaded
     int dev_stale;           // params written on the host since d_params was uploaded
