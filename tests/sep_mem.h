@@ -26,6 +26,10 @@ static struct {
     long aux_ops;      // of which aux_loss (src/moe/layer.c, the routing)
     long upload_bytes; // upload, upload_bytes and pixels_stage
     long pixel_bytes;  // of which images staged as bytes
+    long pageable_uploads; // upload / upload_bytes calls from host memory that is not host_alloc's
+    long fixed_uploads;    // and from host_alloc's (what a captured graph can replay)
+    long syncs;        // sync calls (each a wait for the device)
+    long aux_dev;      // aux_loss_dev: values left in the table's memory (no wait)
 } sep_traffic;
 
 // the image staging (below): the table's for the process's life, as a device context's
@@ -57,10 +61,35 @@ static void sep_free(const sep_be *be, void *p) {
     sep_cpu->free(sep_cpu, p);
 }
 
+// the table's host memory (host_alloc), so uploads can be told apart by their source
+static struct { const char *lo, *hi; } sep_hblocks[1024];
+static int sep_nhblocks;
+static void *sep_host_alloc(const sep_be *be, size_t bytes, const char *what) {
+    (void)be;
+    void *p = sep_cpu->host_alloc(sep_cpu, bytes, what);
+    if (p && sep_nhblocks < (int)(sizeof(sep_hblocks) / sizeof(sep_hblocks[0])))
+        sep_hblocks[sep_nhblocks].lo = p, sep_hblocks[sep_nhblocks++].hi = (const char *)p + bytes;
+    return p;
+}
+static void sep_host_free(const sep_be *be, void *p) {
+    (void)be;
+    for (int i = 0; p && i < sep_nhblocks; i++)
+        if (sep_hblocks[i].lo == p) sep_hblocks[i] = sep_hblocks[--sep_nhblocks];
+    sep_cpu->host_free(sep_cpu, p);
+}
+static void sep_count_source(const void *host) {
+    for (int i = 0; i < sep_nhblocks; i++)
+        if ((const char *)host >= sep_hblocks[i].lo && (const char *)host < sep_hblocks[i].hi) {
+            sep_traffic.fixed_uploads++;
+            return;
+        }
+    sep_traffic.pageable_uploads++;
+}
+
 // memory
 static void sep_upload(const sep_be *be, float *dst, const float *host, size_t n) {
     (void)be, SEP(dst, "upload", "dst");
-    sep_traffic.upload_bytes += (long)(sizeof(float) * n);
+    sep_traffic.upload_bytes += (long)(sizeof(float) * n), sep_count_source(host);
     sep_cpu->upload(sep_cpu, dst, host, n);
 }
 static long sep_ndownload, sep_ndownload_bytes; // calls, so a test can see what a step fetches
@@ -71,7 +100,7 @@ static void sep_download(const sep_be *be, float *host, const float *src, size_t
 }
 static void sep_upload_bytes(const sep_be *be, void *dst, const void *host, size_t n) {
     (void)be, SEP(dst, "upload_bytes", "dst");
-    sep_traffic.upload_bytes += (long)n;
+    sep_traffic.upload_bytes += (long)n, sep_count_source(host);
     sep_cpu->upload_bytes(sep_cpu, dst, host, n);
 }
 static void sep_zero(const sep_be *be, float *p, size_t n) {
@@ -290,6 +319,18 @@ static double sep_aux(const sep_be *be, vlmoe_aux_kind kind, const aux_input_f32
     if (!dlogits) sep_traffic.scalar_ops++, sep_traffic.aux_ops++; // the backward's value is not waited for
     return sep_cpu->aux_loss(sep_cpu, kind, in, weight, dlogits, scratch);
 }
+static void sep_aux_dev(const sep_be *be, vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch, double *out) {
+    (void)be, SEP(in->logits, "aux_loss_dev", "logits"), SEP(in->noisy_logits, "aux_loss_dev", "noisy_logits");
+    SEP(in->modality, "aux_loss_dev", "modality"), SEP(in->wanted, "aux_loss_dev", "wanted");
+    if (kind == VLMOE_AUX_SWITCH && in->modality) SEP(in->wanted_mod, "aux_loss_dev", "wanted_mod");
+    SEP(scratch, "aux_loss_dev", "scratch"), SEP(out, "aux_loss_dev", "out");
+    sep_traffic.aux_dev++;
+    sep_cpu->aux_loss_dev(sep_cpu, kind, in, scratch, out);
+}
+static int sep_sync(const sep_be *be) {
+    (void)be, sep_traffic.syncs++;
+    return sep_cpu->sync(sep_cpu);
+}
 static void sep_soft_params(const soft_params_f32 *p, const char *op) {
     SEP(p->phi, op, "phi"), SEP(p->scale, op, "scale"), SEP(p->w1, op, "w1"), SEP(p->b1, op, "b1");
     SEP(p->w2, op, "w2"), SEP(p->b2, op, "b2");
@@ -425,6 +466,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;
     t.download_bytes = sep_download_bytes, t.route = sep_route, t.supports = sep_supports;
+    t.aux_loss_dev = sep_aux_dev, t.sync = sep_sync, t.host_alloc = sep_host_alloc, t.host_free = sep_host_free;
     sep_stray = 0, sep_first[0] = 0;
     memset(&sep_traffic, 0, sizeof(sep_traffic));
     return t;

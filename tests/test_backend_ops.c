@@ -482,6 +482,69 @@ static void case_aux(ctx *c) {
     }
 }
 
+// The values a device step leaves in the table's memory (issue 16): aux_loss_dev gives the bits
+// aux_loss returns on the same table; contrastive_forward_dsc / _backward_dsc (the scale read
+// from the table's memory) the reference's values, bit for bit the by-value entries' on a host
+// table (CUDA's exp of the scale is the device's: within the tolerance), and out[3] the scale.
+static void case_step_scalars(ctx *c) {
+    const int S = 12, E = 4, K = 2;
+    uint8_t mod[12];
+    int32_t wanted[4] = {7, 5, 6, 6}, wanted_mod[8] = {5, 3, 4, 4, 2, 2, 2, 2};
+    for (int i = 0; i < S; i++) mod[i] = (uint8_t)(i % 3 == 0);
+    double *lg = rnd(c, (size_t)S * E, 2), *nz = rnd(c, (size_t)S * E, 2);
+    const aux_input_f32 fi = {S, E, K, up(c, lg, (size_t)S * E), up(c, nz, (size_t)S * E), 1.0,
+                              upb(c, mod, sizeof(mod)), upb(c, wanted, sizeof(wanted)), {1.5, 1.2},
+                              upb(c, wanted_mod, sizeof(wanted_mod))};
+    const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod};
+    double *scr = zeros(c, aux_scratch_floats(S, E));
+    float *fscr = up(c, scr, aux_scratch_floats(S, E));
+    double vals[VLMOE_AUX_COUNT], got[VLMOE_AUX_COUNT] = {0};
+    double *dout = upb(c, got, sizeof(got));
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+        vals[k] = c->be->aux_loss(c->be, (vlmoe_aux_kind)k, &fi, 1.0, NULL, fscr);
+        c->be->aux_loss_dev(c->be, (vlmoe_aux_kind)k, &fi, fscr, dout + k);
+        cmp_scalar(c, vlmoe_aux_name((vlmoe_aux_kind)k), vals[k],
+                   c->ref->aux_loss(c->ref, (vlmoe_aux_kind)k, &ri, 1.0, NULL, scr));
+    }
+    c->be->sync(c->be);
+    c->be->download(c->be, (float *)got, (const float *)dout, 2 * VLMOE_AUX_COUNT);
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+        if (memcmp(&got[k], &vals[k], sizeof(double)))
+            c->op_fail = 1, fprintf(stderr, "    aux_loss_dev %s: %.17g, aux_loss %.17g\n",
+                                    vlmoe_aux_name((vlmoe_aux_kind)k), got[k], vals[k]);
+    // the contrastive loss with the scale in the table's memory
+    const int B = 7, D = 12;
+    const size_t n = (size_t)B * D, bb = (size_t)B * B;
+    double *img = rnd(c, n, 0.3), *txt = rnd(c, n, 0.3), *rl = zeros(c, bb), *rp = zeros(c, bb), *rc = zeros(c, bb);
+    double *di = rnd(c, n, 1), *dt = rnd(c, n, 1), ds[1] = {0.25}, acc[2], sc[1] = {2.3};
+    const float fsc = (float)sc[0];
+    sc[0] = fsc; // the reference at the float's value
+    float *fimg = up(c, img, n), *ftxt = up(c, txt, n), *fl = up(c, rl, bb), *fp = up(c, rp, bb), *fc = up(c, rc, bb);
+    float *fdi = up(c, di, n), *fdt = up(c, dt, n), *fds = up(c, ds, 1), *dsc = up(c, sc, 1);
+    const double none[4] = {0};
+    double *o = upb(c, none, sizeof(none)), *o2 = upb(c, none, sizeof(none));
+    const double l = c->ref->contrastive_forward(c->ref, rl, rp, rc, img, txt, sc[0], B, D, acc);
+    c->be->contrastive_forward_dsc(c->be, fl, fp, fc, fimg, ftxt, dsc, B, D, o);
+    double h[4], h2[4];
+    c->be->sync(c->be);
+    c->be->download(c->be, (float *)h, (const float *)o, 8);
+    cmp_scalar(c, "loss (dsc)", h[0], l);
+    cmp_scalar(c, "acc i2t (dsc)", h[1], acc[0]);
+    cmp_scalar(c, "acc t2i (dsc)", h[2], acc[1]);
+    if (h[3] != fsc) c->op_fail = 1, fprintf(stderr, "    contrastive_forward_dsc: scale %.9g, expected %.9g\n", h[3], fsc);
+    cmp(c, "logits (dsc)", fl, rl, bb);
+    c->ref->contrastive_backward(c->ref, di, dt, ds, rl, rp, rc, img, txt, sc[0], B, D, 0.5);
+    c->be->contrastive_backward_dsc(c->be, fdi, fdt, fds, fl, fp, fc, fimg, ftxt, dsc, B, D, 0.5);
+    cmp(c, "dimg (dsc)", fdi, di, n);
+    cmp(c, "dtxt (dsc)", fdt, dt, n);
+    cmp(c, "dscale (dsc)", fds, ds, 1);
+    if (c->be->host_memory) { // the by-value entry's bits
+        c->be->contrastive_forward_dev(c->be, fl, fp, fc, fimg, ftxt, fsc, B, D, o2);
+        c->be->download(c->be, (float *)h2, (const float *)o2, 6);
+        if (memcmp(h, h2, sizeof(double) * 3)) c->op_fail = 1, fprintf(stderr, "    dsc differs from the by-value entry\n");
+    }
+}
+
 static void case_soft(ctx *c) {
     const soft_dims d = {10, 8, 3, 2, 12, VLMOE_ACT_GELU, 0, 0};
     const int S = d.S, D = d.D, E = d.E, P = d.P, M = d.M;
@@ -789,6 +852,7 @@ static const test_case CASES[] = {
     {"pixels", BE_OP_PIXELS, case_pixels},
     {"route", BE_OP_ROUTE, case_route},
     {"dispatch_pad", BE_OP_COMBINE, case_dispatch_pad}, {"experts_same", BE_OP_EXPERTS, case_experts_same},
+    {"step_scalars", BE_OP_STEP_SCALARS, case_step_scalars},
 };
 #define NCASES ((int)(sizeof(CASES) / sizeof(CASES[0])))
 

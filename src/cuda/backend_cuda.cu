@@ -8,6 +8,7 @@
 // tests/test_backend_ops.c, whose CUDA rows run only on a machine with a device.
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cuda/cuda_internal.cuh"
 
@@ -198,7 +199,8 @@ static int cuda_supports(const backend *be, be_op op, const void *cfg) {
     case BE_OP_ADAMW: return be->adamw != NULL;
     case BE_OP_CLAMP: return be->clamp != NULL;
     case BE_OP_PIXELS: return be->pixels_stage && be->pixels_normalize;
-    case BE_OP_STEP_SCALARS: return be->contrastive_forward_dev && be->sumsq_dev;
+    case BE_OP_STEP_SCALARS:
+        return be->contrastive_forward_dsc && be->contrastive_backward_dsc && be->sumsq_dev && be->aux_loss_dev;
     // cfg (be_route *): tokens choice in random dispatch order stays on the host (the layer
     // downloads the gates); experts choice has no dispatch order. The fixed layout is wanted:
     // a training step's expert bank is then one strided-batched product, with no download
@@ -236,6 +238,22 @@ static void cuda_download(const backend *be, float *dst, const float *src, size_
 static void cuda_download_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n && !CK("download_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_of(be))))
         CK("download_bytes", cudaStreamSynchronize(stream_of(be)));
+}
+// Page-locked host memory (backend.h host_alloc): copies from it are asynchronous DMA, and a
+// captured graph may replay them.
+static void *cuda_host_alloc(const backend *be, size_t bytes, const char *what) {
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        vlmoe_fail(VLMOE_ERR_NOMEM, "CUDA page-locked host memory for %s: %zu bytes (%s)", what, bytes,
+                   cudaGetErrorString(e));
+        return NULL;
+    }
+    memset(p, 0, bytes ? bytes : 1);
+    return p;
+}
+static void cuda_host_free(const backend *be, void *p) {
+    if (p) cudaFreeHost(p);
 }
 static void cuda_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n) CK("upload_bytes", cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, stream_of(be)));
@@ -475,6 +493,8 @@ extern "C" int backend_cuda_init(vlmoe_backend_f32 **out, int device) {
     be->upload = cuda_upload;
     be->download = cuda_download;
     be->upload_bytes = cuda_upload_bytes;
+    be->host_alloc = cuda_host_alloc;
+    be->host_free = cuda_host_free;
     be->download_bytes = cuda_download_bytes;
     be->zero = cuda_zero;
     be->copy = cuda_copy;

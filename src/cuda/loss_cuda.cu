@@ -133,6 +133,39 @@ static void cuda_contrastive_forward_dev(const backend *be, float *logits, float
     LAUNCHED("contrastive");
 }
 
+// The _dsc entries: the scale in device memory. exp in double rounded to float (the host's expf
+// is the by-value entries'; the two may differ in the last bit, within the table's tolerance).
+__device__ static float dev_exp_scale(const float *scale) { return (float)exp((double)*scale); }
+__global__ static void k_times_exp(float *x, const float *scale, size_t n) {
+    const float t = dev_exp_scale(scale);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __fmul_rn(t, x[i]);
+}
+__global__ static void k_put_scale(double *out, const float *scale) { *out = *scale; }
+static unsigned grid_of(size_t n) { return (unsigned)(n / 256 + 1 < 1024 ? n / 256 + 1 : 1024); }
+
+static void cuda_contrastive_forward_dsc(const backend *be, float *logits, float *prow, float *pcol, const float *img,
+                                         const float *txt, const float *scale, int B, int E, double *out) {
+    if (B <= 0) return;
+    cudaStream_t st = stream_of(be);
+    // logits = exp(scale) (img.txt^T): the product, then the factor read where it lives
+    if (cu_gemm(be, "contrastive", 0, 1, B, B, E, 1.0f, img, E, txt, E, 0.0f, logits, B)) return;
+    const size_t bb = (size_t)B * B;
+    k_times_exp<<<grid_of(bb), 256, 0, st>>>(logits, scale, bb);
+    if (LAUNCHED("contrastive")) return;
+    char *ws = (char *)cu_workspace(be, (sizeof(double) + sizeof(int)) * 2 * (size_t)B, "contrastive");
+    if (!ws) return;
+    double *part = (double *)ws;
+    int *right = (int *)(part + 2 * (size_t)B);
+    k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(prow, part, right, logits, B, 0);
+    k_contrastive_line<<<B, ROW_THREADS, 0, st>>>(pcol, part + B, right + B, logits, B, 1);
+    k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial, ctx_of(be)->flag, part, right, 2 * B);
+    k_sum_parts<<<1, 256, 0, st>>>(ctx_of(be)->partial + 1, ctx_of(be)->flag + 1, part, right, B);
+    k_contrastive_out<<<1, 1, 0, st>>>(out, ctx_of(be)->partial, ctx_of(be)->flag, B);
+    k_put_scale<<<1, 1, 0, st>>>(out + 3, scale);
+    LAUNCHED("contrastive");
+}
+
 // G (B,B) = k (prow + pcol - 2 [i == j]), the gradient of the loss w.r.t. the logits; part[i] =
 // row i's share of d/dscale = sum_j G_ij logits_ij (logits = exp(scale) dot)
 __global__ static void k_contrastive_grad(float *G, double *part, const float *logits, const float *prow,
@@ -168,6 +201,30 @@ static void cuda_contrastive_backward(const backend *be, float *dimg, float *dtx
     // dimg += t G txt; dtxt += t G^T img
     if (cu_gemm(be, "contrastive", 0, 0, B, E, B, t, G, B, txt, E, 1.0f, dimg, E) ||
         cu_gemm(be, "contrastive", 1, 0, B, E, B, t, G, B, img, E, 1.0f, dtxt, E))
+        return;
+    cu_sum_doubles(be, "contrastive", ctx_of(be)->partial, part, (size_t)B);
+    k_add_scalar<<<1, 1, 0, st>>>(dscale, ctx_of(be)->partial);
+    LAUNCHED("contrastive");
+}
+
+static void cuda_contrastive_backward_dsc(const backend *be, float *dimg, float *dtxt, float *dscale,
+                                          const float *logits, const float *prow, const float *pcol, const float *img,
+                                          const float *txt, const float *scale, int B, int E, double dloss) {
+    if (B <= 0) return;
+    cudaStream_t st = stream_of(be);
+    const float k = (float)(dloss * 0.5 / B);
+    const size_t gb = (sizeof(float) * (size_t)B * B + 255) & ~(size_t)255;
+    char *ws = (char *)cu_workspace(be, gb + sizeof(double) * (size_t)B, "contrastive");
+    if (!ws) return;
+    float *G = (float *)ws;
+    double *part = (double *)(ws + gb);
+    k_contrastive_grad<<<B, ROW_THREADS, 0, st>>>(G, part, logits, prow, pcol, k, B);
+    // dimg += (t G) txt; dtxt += (t G)^T img, t = exp(scale) read on the device (G's d/dscale
+    // share is summed above, before the factor)
+    k_times_exp<<<grid_of((size_t)B * B), 256, 0, st>>>(G, scale, (size_t)B * B);
+    if (LAUNCHED("contrastive")) return;
+    if (cu_gemm(be, "contrastive", 0, 0, B, E, B, 1.0f, G, B, txt, E, 1.0f, dimg, E) ||
+        cu_gemm(be, "contrastive", 1, 0, B, E, B, 1.0f, G, B, img, E, 1.0f, dtxt, E))
         return;
     cu_sum_doubles(be, "contrastive", ctx_of(be)->partial, part, (size_t)B);
     k_add_scalar<<<1, 1, 0, st>>>(dscale, ctx_of(be)->partial);
@@ -632,6 +689,33 @@ static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_in
     return L;
 }
 
+// aux_loss_dev: k_aux writes the value straight into out; a bad modality leaves NaN there (no
+// wait to report it: the step's finite check stops the step).
+static void cuda_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch,
+                              double *out) {
+    if (!in || !in->logits || !scratch || !out) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits, scratch and out must be given");
+        return;
+    }
+    const int S = in->S, E = in->E, K = in->K;
+    if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT ||
+        (kind == VLMOE_AUX_SWITCH && (!in->wanted || (in->modality && !in->wanted_mod)))) {
+        cuda_aux_loss(be, kind, in, 1.0, NULL, scratch); // its message; launches nothing
+        return;
+    }
+    aux_dev c = {};
+    c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
+    c.mod = in->modality, c.wanted = in->wanted, c.wanted_mod = in->wanted_mod, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
+    const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
+    double *d = (double *)a;
+    const size_t SE = (size_t)S * E;
+    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
+    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    cuda_ctx *x = ctx_of(be);
+    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, 1.0, NULL, out, x->flag);
+    LAUNCHED("aux_loss");
+}
+
 void cuda_fill_loss(backend *be) {
     be->contrastive_forward = cuda_contrastive_forward;
     be->contrastive_forward_dev = cuda_contrastive_forward_dev;
@@ -639,4 +723,7 @@ void cuda_fill_loss(backend *be) {
     be->xent_forward = cuda_xent_forward;
     be->xent_backward = cuda_xent_backward;
     be->aux_loss = cuda_aux_loss;
+    be->aux_loss_dev = cuda_aux_loss_dev;
+    be->contrastive_forward_dsc = cuda_contrastive_forward_dsc;
+    be->contrastive_backward_dsc = cuda_contrastive_backward_dsc;
 }

@@ -108,6 +108,9 @@ struct R(moe_state) {
     int stats_owed;                 // 1 until moe_stats_sync fills it (device tables only)
     uint8_t *mod_row;               // (nmax) the last forward's modality by row (its own copy: the
                                     // statistics may be filled after the caller's array changed)
+
+    moe_aux_sink *sink;             // a device step's auxiliary values (moe_set_aux_sink), or NULL
+    int aux_err;                    // its record could not be had (out of memory)
 };
 
 // The experts tokens of modality m may be routed to: [*e0, *e0 + *ne). Disjoint pools give text
@@ -128,6 +131,19 @@ static int group_size(const moe_spec *sp, int n) {
 // The activation row at position p of the group-major order.
 static inline int row_of(const struct R(moe_state) *st, int p) {
     return st->ordered ? st->order[p] : p;
+}
+
+// The host arrays a step uploads: the table's own host memory where its memory is not the
+// host's (fixed, page-locked on CUDA), else the heap.
+static void *up_alloc(const R(vlmoe_backend) *be, size_t bytes, const char *what) {
+    return !be->host_memory && be->host_alloc ? be->host_alloc(be, bytes, what) : vlmoe_calloc(bytes, what);
+}
+static void up_free(const R(vlmoe_backend) *be, void *p) {
+    if (!be->host_memory && be->host_alloc) {
+        if (p) be->host_free(be, p);
+    } else {
+        vlmoe_free_mem(p);
+    }
 }
 
 int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(vlmoe_backend) *be,
@@ -155,6 +171,9 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     int ok = 1;
 #define ALLOC(p, n) ok = ok && ((p) = vlmoe_calloc(sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
 #define DALLOC(p, n) ok = ok && ((p) = be->alloc(be, sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
+    // what the host writes and uploads every step (noise keys, modality, group permutation,
+    // pools' slice plan): the table's host memory (backend.h host_alloc) at fixed addresses
+#define HALLOC(p, n) ok = ok && ((p) = up_alloc(be, sizeof(*(p)) * (size_t)(n) + 1, #p)) != NULL
     for (int m = 0; m < 2; m++) {
         ALLOC(st->routed[m], E);
         ALLOC(st->accepted[m], E);
@@ -162,11 +181,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
     }
     ALLOC(st->hits, nmax);
     ALLOC(st->wanted_mod, 2 * E);
-    ALLOC(st->keys, nmax);
-    ALLOC(st->order, nmax);
-    ALLOC(st->inv, nmax);
-    ALLOC(st->mod_pos, nmax);
-    ALLOC(st->mod_row, nmax);
+    HALLOC(st->keys, nmax);
+    HALLOC(st->order, nmax);
+    HALLOC(st->inv, nmax);
+    HALLOC(st->mod_pos, nmax);
+    HALLOC(st->mod_row, nmax);
     DALLOC(st->d_perm, 3 * (size_t)nmax + 1);
     if (ok) { // the identity offsets of the permutation's dispatch: one row per token
         int32_t *h = vlmoe_alloc(sizeof(int32_t) * ((size_t)nmax + 1), "moe identity");
@@ -282,11 +301,11 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
             st->pool_w = gcd(E, c->text_experts);
             const size_t pe = ne / (size_t)st->pool_w;
             DALLOC(st->d_mask, 2 * E);
-            ALLOC(st->pool_idx, pe);
-            ALLOC(st->pool_off, pe + 1);
-            ALLOC(st->pool_inv, pe);
+            HALLOC(st->pool_idx, pe);
+            HALLOC(st->pool_off, pe + 1);
+            HALLOC(st->pool_inv, pe);
             DALLOC(st->d_pool, 3 * pe + 1);
-            ALLOC(st->pool_mod, nmax);
+            HALLOC(st->pool_mod, nmax);
             ALLOC(st->pool_blk, 2 * (size_t)st->gmax + 1);
             real *mask = ok ? vlmoe_alloc(sizeof(real) * 2 * (size_t)E, "moe pool mask") : NULL;
             ok = mask != NULL;
@@ -300,6 +319,7 @@ int R(moe_state_create)(struct R(moe_state) **out, const moe_spec *sp, const R(v
         }
     }
 #undef ALLOC
+#undef HALLOC
 #undef DALLOC
     if (!ok) {
         R(moe_state_free)(st);
@@ -327,12 +347,14 @@ void R(moe_state_free)(struct R(moe_state) *st) {
                    st->d_pool, st->d_dec, st->d_route_work};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) be->free(be, dev[i]);
     void *host[] = {st->gates_h, st->probs_h, st->gates_f, st->rt, st->row_token, st->row_expert,
-                    st->expert_off, st->cnt, st->tok_off, st->tok_rows, st->keys,
+                    st->expert_off, st->cnt, st->tok_off, st->tok_rows,
                     st->routed[0], st->routed[1], st->accepted[0], st->accepted[1], st->pbar[0],
-                    st->pbar[1], st->hits, st->wanted_mod, st->order, st->inv, st->mod_pos, st->mod_row, st->soft_w_h,
-                    st->run_at, st->run_mod, st->pool_idx, st->pool_off, st->pool_inv, st->pool_mod,
-                    st->pool_blk};
+                    st->pbar[1], st->hits, st->wanted_mod, st->soft_w_h,
+                    st->run_at, st->run_mod, st->pool_blk};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) vlmoe_free_mem(host[i]);
+    void *up[] = {st->keys, st->order, st->inv, st->mod_pos, st->mod_row, st->pool_idx, st->pool_off, st->pool_inv,
+                  st->pool_mod};
+    for (size_t i = 0; i < sizeof(up) / sizeof(up[0]); i++) up_free(be, up[i]);
     vlmoe_free_mem(st);
 }
 
@@ -664,6 +686,10 @@ void R(moe_stats_forget)(struct R(moe_state) *st) {
     if (st) st->stats_owed = 0;
 }
 
+void R(moe_set_aux_sink)(struct R(moe_state) *st, moe_aux_sink *k) {
+    if (st) st->sink = k;
+}
+
 // Router logits, training noise and gates on the device; the decision of every group by the
 // table where it can (route_on_table), else on the host from the downloaded gates, the packed
 // row layout then uploaded for the later phases.
@@ -782,6 +808,35 @@ static be_experts experts_of(const struct R(moe_state) *st) {
     return (be_experts){st->E, st->sp.D, st->sp.M, st->sp.act, st->expert_off};
 }
 
+// This forward call's record in the step's sink while it records (moe_aux_sink), else NULL
+// (st->aux_err set when the record could not be had).
+static moe_aux_rec *aux_record(struct R(moe_state) *st, vlmoe_moe_stats *s) {
+    moe_aux_sink *k = st->sink;
+    if (!k || k->mode != MOE_AUX_RECORD) return NULL;
+    if (k->nrec == k->rec_cap) { // the first steps only: the count of calls is the same each step
+        const int cap = k->rec_cap ? 2 * k->rec_cap : 16;
+        moe_aux_rec *r = vlmoe_calloc(sizeof(*r) * (size_t)cap, "the auxiliary losses' records");
+        if (!r) return st->aux_err = 1, NULL;
+        if (k->nrec) memcpy(r, k->rec, sizeof(*r) * (size_t)k->nrec);
+        vlmoe_free_mem(k->rec);
+        k->rec = r, k->rec_cap = cap;
+    }
+    moe_aux_rec *r = &k->rec[k->nrec++];
+    memset(r, 0, sizeof(*r));
+    r->s = s, r->G = st->G;
+    return r;
+}
+
+// Loss a of a recorded call (weight w): 1 when its `slots` group values go to the sink's next
+// slots, 0 when they do not fit (waited for, as without a sink; `need` plans the room).
+static int aux_to_slots(moe_aux_sink *k, moe_aux_rec *r, int a, int slots, double w) {
+    r->w[a] = w, r->n[a] = 0, r->host[a] = 0;
+    k->need += slots;
+    if (k->used + slots > k->cap) return r->at[a] = -1, 0;
+    r->at[a] = k->used, k->used += slots;
+    return 1;
+}
+
 // The auxiliary losses with disjoint pools (LIMoE E.3): each (group, modality) block is a MoE of
 // its own over its pool: the losses see that modality's tokens and its pool's logits only
 // (importance and load balance the pool's experts over its tokens, the switch loss counts its
@@ -793,6 +848,8 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
     const vlmoe_moe_config *cfg = st->sp.cfg;
     const int E = st->E;
     const int dev = st->d_mod != NULL; // the table's memory is not the host's
+    if (!dlogits && st->sink && st->sink->mode == MOE_AUX_SKIP) return 0;
+    moe_aux_rec *rec = dlogits ? NULL : aux_record(st, s);
     const uint8_t *kmod = st->pool_mod;
     if (dev) be->upload_bytes(be, st->d_mod, st->pool_mod, (size_t)st->n), kmod = st->d_mod;
     if (dlogits) be->zero(be, st->dlg, (size_t)st->pool_rows * st->pool_w);
@@ -800,6 +857,8 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         if (cfg->aux_weight[k] == 0) continue;
         double v = 0;
+        // at most two blocks (the modalities) per group
+        const int to_slots = rec && aux_to_slots(st->sink, rec, k, 2 * st->G, cfg->aux_weight[k]);
         size_t at = 0; // the block's first packed logit
         for (int g = 0; g < st->G; g++) {
             const int32_t *want = st->rt[g].wanted;
@@ -821,10 +880,17 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
                 if (dlogits)
                     be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, st->dlg + at,
                                  st->aux_scratch);
+                else if (to_slots)
+                    be->aux_loss_dev(be, (vlmoe_aux_kind)k, &in, st->aux_scratch,
+                                     st->sink->slots + rec->at[k] + rec->n[k]++);
                 else
                     v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
                 at += (size_t)Sm * ne;
             }
+        }
+        if (rec) { // the sums wait for the step's download (moe_aux_sink_take)
+            rec->host[k] = v;
+            continue;
         }
         if (s) s->aux[k] = v / st->G;
         total += cfg->aux_weight[k] * (v / st->G);
@@ -847,6 +913,8 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const real *lg = st->ordered ? st->lg : st->logits, *ng = st->ordered ? st->ng : st->noisy;
     const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
     real *dl = dlogits && st->ordered ? st->dlg : dlogits;
+    if (!dlogits && st->sink && st->sink->mode == MOE_AUX_SKIP) return 0;
+    moe_aux_rec *rec = dlogits ? NULL : aux_record(st, s);
     if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
     // the losses run where the table's memory is: what they read from the host goes there first
     const int dev = st->d_mod != NULL; // the table's memory is not the host's
@@ -855,6 +923,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         if (cfg->aux_weight[k] == 0) continue;
         double v = 0;
+        const int to_slots = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
         for (int g = 0; g < st->G; g++) {
             const size_t o = (size_t)g * st->S * E;
             const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
@@ -879,8 +948,15 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);
+            else if (to_slots)
+                be->aux_loss_dev(be, (vlmoe_aux_kind)k, &in, st->aux_scratch,
+                                 st->sink->slots + rec->at[k] + rec->n[k]++);
             else
                 v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+        }
+        if (rec) { // the sums wait for the step's download (moe_aux_sink_take)
+            rec->host[k] = v;
+            continue;
         }
         if (s) s->aux[k] = v / st->G;
         total += cfg->aux_weight[k] * (v / st->G);
@@ -1124,6 +1200,8 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     }
     be->combine_forward(be, out, st->y, st->combine, &st->dd, D);
     *aux = moe_aux(st, s, 1.0, NULL);
+    if (st->aux_err)
+        return st->aux_err = 0, vlmoe_fail(VLMOE_ERR_NOMEM, "MoE layer: the auxiliary losses' records of a device step");
     if (st->use_route) { // the statistics download what they read: on a device, when read
         st->stats_at = s, st->stats_owed = 1;
         if (be->host_memory) R(moe_stats_sync)(st);

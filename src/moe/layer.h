@@ -57,6 +57,32 @@ static inline uint64_t moe_token_key(uint64_t sample, int modality, int pos) {
 
 struct vlmoe_dist; // src/dist/dist.h
 
+// The auxiliary losses' forward values of one device training step, left in the table's memory
+// so that the step waits once (docs/GPU.md "Host synchronisations left"): while a sink records,
+// every MoE layer's forward writes each (loss, group) value into the next slot with
+// aux_loss_dev, instead of waiting for aux_loss, and keeps a record of where; once the step's one
+// download has brought the slots down, moe_aux_sink_take adds them up in moe_aux's order, so the
+// sums, the stats' aux[] and the total have the CPU's bits. A loss whose slots would not fit is
+// waited for as before (its sum kept in the record) and `need` says how many slots to plan.
+enum { MOE_AUX_OFF, MOE_AUX_RECORD, MOE_AUX_SKIP }; // SKIP: a recomputation's values go unused
+typedef struct {
+    vlmoe_moe_stats *s;              // the record the forward filled (may be NULL)
+    int G;                           // its groups: each loss is the mean of its group values
+    int at[VLMOE_AUX_COUNT], n[VLMOE_AUX_COUNT]; // slots of each loss; at -1: its sum is in host
+    double host[VLMOE_AUX_COUNT], w[VLMOE_AUX_COUNT]; // w 0: the loss is off (moe_aux skips it)
+} moe_aux_rec;
+typedef struct {
+    double *slots;                   // cap doubles of the table's memory
+    int cap, used, need, mode;
+    moe_aux_rec *rec;                // one per recorded forward call, in call order
+    int nrec, rec_cap;
+} moe_aux_sink;
+// The weighted total of the recorded calls (what their forwards would have returned, summed in
+// call order), their stats' aux[] filled; slots: the host copy of the first `used` slots. Empties
+// the records; the mode stays.
+double moe_aux_sink_take(moe_aux_sink *k, const double *slots);
+void moe_aux_sink_free(moe_aux_sink *k);
+
 #define MOE_LAYER_DECL(T, S)                                                                     \
     typedef struct moe_state_##S moe_state_##S;                                                  \
     /* plans buffers for up to nmax tokens; nothing is allocated later */                        \
@@ -90,7 +116,9 @@ struct vlmoe_dist; // src/dist/dist.h
     /* stats record calls sync first; forget drops a debt whose record was reset (the layer */   \
     /* did not run in this pass). Both are no-ops otherwise */                                   \
     void moe_stats_sync_##S(moe_state_##S *st);                                                  \
-    void moe_stats_forget_##S(moe_state_##S *st);
+    void moe_stats_forget_##S(moe_state_##S *st);                                                \
+    /* the sink the forward's auxiliary values go to while it records (NULL: none) */           \
+    void moe_set_aux_sink_##S(moe_state_##S *st, moe_aux_sink *k);
 
 MOE_LAYER_DECL(float, f32)
 MOE_LAYER_DECL(double, f64)

@@ -135,12 +135,30 @@ int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {
     return VLMOE_OK;
 }
 
+// The step's scalars and aux_cap slots for the auxiliary losses' values after them, on the
+// device and their host copy; on a failure none (the step then downloads each value).
+static void scalars_plan(vlmoe_model *m, int aux_cap) {
+    const vlmoe_backend_f32 *be = m->be;
+    if (m->d_scalars) be->free(be, m->d_scalars);
+    vlmoe_free_mem(m->h_scalars);
+    const size_t n = (size_t)MODEL_SCALARS + (size_t)aux_cap;
+    m->d_scalars = be->alloc(be, sizeof(double) * n, "the step's scalars on the device");
+    m->h_scalars = vlmoe_calloc(sizeof(double) * n, "the step's scalars");
+    m->aux_cap = aux_cap;
+    if (!m->d_scalars || !m->h_scalars) {
+        if (m->d_scalars) be->free(be, m->d_scalars);
+        vlmoe_free_mem(m->h_scalars);
+        m->d_scalars = m->h_scalars = NULL, m->aux_cap = 0;
+    }
+}
+
 static void drop_device(vlmoe_model *m) {
     model_leave_resident(m); // the host's copy is all that stays
     if (m->d_params) m->be->free(m->be, m->d_params);
     if (m->d_grads) m->be->free(m->be, m->d_grads);
     if (m->d_scalars) m->be->free(m->be, m->d_scalars);
-    m->d_params = m->d_grads = NULL, m->d_scalars = NULL;
+    vlmoe_free_mem(m->h_scalars);
+    m->d_params = m->d_grads = NULL, m->d_scalars = m->h_scalars = NULL, m->aux_cap = 0;
     m->defer = m->deferred = 0;
 }
 
@@ -158,8 +176,7 @@ int model_set_backend(vlmoe_model *m, const vlmoe_backend_f32 *be, vlmoe_backend
         m->d_params = be->alloc(be, bytes, "parameters on the device");
         m->d_grads = be->alloc(be, bytes, "gradients on the device");
         // a table without the step-scalar ops downloads each scalar as its op returns it
-        if (be->supports(be, BE_OP_STEP_SCALARS, NULL))
-            m->d_scalars = be->alloc(be, sizeof(double) * MODEL_SCALARS, "the step's scalars on the device");
+        if (be->supports(be, BE_OP_STEP_SCALARS, NULL)) scalars_plan(m, MODEL_AUX_SLOTS);
         if (!m->d_params || !m->d_grads || (be->supports(be, BE_OP_STEP_SCALARS, NULL) && !m->d_scalars)) {
             drop_device(m);
             m->be = backend_cpu_f32(), m->owned_be = NULL;
@@ -243,20 +260,33 @@ int model_set_pixels(vlmoe_model *m, const uint8_t *pix, int hwc, const float me
     return VLMOE_OK;
 }
 
-void model_defer_scalars(vlmoe_model *m) { m->defer = m->d_scalars != NULL; }
+void model_defer_scalars(vlmoe_model *m) {
+    // room for the auxiliary values the last step wanted (between steps: nothing is in flight)
+    int need = 0;
+    if (m->d_scalars && m->g) graph_aux_slots_f32(m->g, &need);
+    if (need > m->aux_cap) scalars_plan(m, need);
+    m->defer = m->d_scalars != NULL;
+}
 
 int model_take_scalars(vlmoe_model *m, vlmoe_step_stats *s, double *sumsq, int *nonfinite) {
     m->defer = 0;
     if (!m->deferred) return 0;
     m->deferred = 0;
-    // the step's one small download: through the float entry, the doubles' bytes as they are
-    double v[MODEL_SCALARS];
-    m->be->download(m->be, (float *)v, (const float *)m->d_scalars, 2 * MODEL_SCALARS);
-    s->loss = v[0] + m->aux_deferred; // the forward's own expressions (towers_model.c, graph.c)
-    s->contrastive = s->loss - m->aux_deferred;
+    // the step's one small download: through the float entry, the doubles' bytes as they are,
+    // with the auxiliary losses' values behind them
+    double *v = m->h_scalars;
+    const size_t n = (size_t)MODEL_SCALARS + (size_t)graph_aux_slots_f32(m->g, NULL);
+    m->be->download(m->be, (float *)v, (const float *)m->d_scalars, 2 * n);
+    // the forward's aux was 0 (+0.0: every value went to the slots), so this adds as it did
+    const double aux = m->aux_deferred + graph_take_aux_f32(m->g, v + MODEL_SCALARS);
+    m->aux_deferred = aux;
+    s->loss = v[0] + aux; // the forward's own expressions (towers_model.c, graph.c)
+    s->contrastive = s->loss - aux;
+    s->aux = aux;
     s->acc_i2t = v[1], s->acc_t2i = v[2];
-    *sumsq = v[3];
-    *nonfinite = v[4] != 0.0;
+    s->temperature = exp((float)v[3]); // the forward's expression on the scale it read
+    *sumsq = v[4];
+    *nonfinite = v[5] != 0.0;
     return 1;
 }
 

@@ -78,11 +78,23 @@ struct R(graph) {
     const uint8_t *pix;          // graph_set_pixels: the next encode's images as host bytes
     be_pixels pixp;
     double *scal;                // graph_set_step_scalars: the next forward's loss and accuracies
-    const real *host_scale;      // stay in the table's memory; its logit scale from the host
+                                 // stay in the table's memory (the logit scale read there too)
+    moe_aux_sink sink;           // and its auxiliary losses' values (the MoE layers write there)
 };
 
-void R(graph_set_step_scalars)(struct R(graph) *g, double *out, const real *host_scale) {
-    g->scal = out, g->host_scale = host_scale;
+void R(graph_set_step_scalars)(struct R(graph) *g, double *out, double *aux_slots, int aux_cap) {
+    g->scal = out;
+    g->sink.slots = aux_slots, g->sink.cap = aux_slots ? aux_cap : 0;
+}
+
+int R(graph_aux_slots)(const struct R(graph) *g, int *need) {
+    if (need) *need = g->sink.need;
+    return g->sink.used;
+}
+
+double R(graph_take_aux)(struct R(graph) *g, const double *slots) {
+    g->sink.mode = MOE_AUX_OFF;
+    return moe_aux_sink_take(&g->sink, slots);
 }
 
 void R(graph_set_pixels)(struct R(graph) *g, const uint8_t *pix, const be_pixels *p) {
@@ -274,6 +286,7 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
                                  l < 64 ? L->enc[e].moe->pruned[l] : 0, f->split, L->shard.rank, L->shard.size};
             st = R(moe_state_create)(&a->moe, &a->spec, be, (int)s->ntok);
             if (st) return R(graph_free)(g), st;
+            R(moe_set_aux_sink)(a->moe, &g->sink);
             g->stats[f->moe_index].encoder = e;
             g->stats[f->moe_index].block = l;
         }
@@ -310,6 +323,7 @@ void R(graph_free)(struct R(graph) *g) {
         vlmoe_free_mem(g->enc[e].keys);
     }
     vlmoe_free_mem(g->stats);
+    moe_aux_sink_free(&g->sink);
     R(contrastive_step_free)(g->loss);
     g->be->free(g->be, g->arena);
     g->be->free(g->be, g->ints);
@@ -631,14 +645,21 @@ void R(graph_encode_backward)(struct R(graph) *g, const real *P, real *G, const 
 int R(graph_forward)(struct R(graph) *g, const real *P, const real *images, const int32_t *tokens,
                      const int32_t *lens, graph_result *res) {
     double aux = 0;
+    // a deferred step's auxiliary values go to the sink (its take adds them up); a recomputation
+    // under gradient checkpointing, in the backward, skips them: they would go unused
+    moe_aux_sink *k = &g->sink;
+    k->mode = g->scal && tokens ? MOE_AUX_RECORD : MOE_AUX_OFF;
+    k->used = k->need = k->nrec = 0;
     int st = R(graph_encode)(g, P, images, tokens, lens, &aux);
-    if (st) return st;
+    if (k->mode == MOE_AUX_RECORD) k->mode = MOE_AUX_SKIP;
+    if (st) return k->mode = MOE_AUX_OFF, st;
     if (res) memset(res, 0, sizeof(*res));
     if (!g->mod[MOD_IMAGE].present || !tokens) return VLMOE_OK;
     double *scal = g->scal;
     g->scal = NULL; // for this forward only
     if (scal) { // the loss stays on the device: the caller reads it with the step's other scalars
-        R(contrastive_step_forward_dev)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb, g->host_scale, scal);
+        R(contrastive_step_forward_dev)(g->loss, g->mod[MOD_IMAGE].emb, g->mod[MOD_TEXT].emb, P + g->L->logit_scale,
+                                        scal);
         g->have_loss = 1;
         if (res) res->loss = NAN, res->aux = aux, res->acc[0] = res->acc[1] = NAN;
         return VLMOE_OK;
@@ -665,6 +686,7 @@ void R(graph_backward)(struct R(graph) *g, const real *P, real *G) {
     R(contrastive_step_backward)(g->loss, mi->demb, mt->demb, G + g->L->logit_scale, 1.0);
     const real *const demb[NUM_MOD] = {mi->demb, mt->demb};
     R(graph_encode_backward)(g, P, G, demb);
+    if (g->sink.mode == MOE_AUX_SKIP) g->sink.mode = MOE_AUX_OFF; // its recomputations are done
 }
 
 // ---- the contrastive loss step, apart from the encoders that made its embeddings
@@ -675,6 +697,7 @@ struct R(contrastive_step) {
     real *logits, *prow, *pcol;  // (B,B) scores and their row / column softmax, for backward
     const real *img, *txt;       // the last forward's embeddings
     real scale;                  // and its logit scale
+    const real *dscale;          // or where it lives (contrastive_step_forward_dev): the table's
 };
 
 int R(contrastive_step_create)(struct R(contrastive_step) **out, const R(vlmoe_backend) *be, int B, int E) {
@@ -703,22 +726,27 @@ double R(contrastive_step_forward)(struct R(contrastive_step) *c, const real *im
     const R(vlmoe_backend) *be = c->be;
     // the kernels take the scale by value: one element read back from the table's memory
     be->download(be, &c->scale, scale, 1);
+    c->dscale = NULL;
     c->img = img;
     c->txt = txt;
     return be->contrastive_forward(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, acc);
 }
 
 void R(contrastive_step_forward_dev)(struct R(contrastive_step) *c, const real *img, const real *txt,
-                                     const real *host_scale, double *out) {
+                                     const real *scale, double *out) {
     const R(vlmoe_backend) *be = c->be;
-    c->scale = *host_scale;
+    c->dscale = scale; // read where it is, by the forward and the backward: no download
     c->img = img;
     c->txt = txt;
-    be->contrastive_forward_dev(be, c->logits, c->prow, c->pcol, img, txt, c->scale, c->B, c->E, out);
+    be->contrastive_forward_dsc(be, c->logits, c->prow, c->pcol, img, txt, scale, c->B, c->E, out);
 }
 
 void R(contrastive_step_backward)(struct R(contrastive_step) *c, real *dimg, real *dtxt, real *dscale, double dloss) {
     const R(vlmoe_backend) *be = c->be;
-    be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
-                            c->E, dloss);
+    if (c->dscale)
+        be->contrastive_backward_dsc(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->dscale,
+                                     c->B, c->E, dloss);
+    else
+        be->contrastive_backward(be, dimg, dtxt, dscale, c->logits, c->prow, c->pcol, c->img, c->txt, c->scale, c->B,
+                                c->E, dloss);
 }

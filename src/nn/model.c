@@ -426,11 +426,11 @@ int vlmoe_model_backward(vlmoe_model *m) { return m->L.arch->backward(m); }
 void vlmoe_model_clamp(vlmoe_model *m) {
     if (m->L.logit_scale == NO_PARAM) return; // no temperature (VL-MoE without a retrieval head)
     const float hi = (float)log(m->L.cfg.max_temperature);
-    if (m->resident) { // on the device's master copy; the host keeps this float current (the
-        // deferred contrastive forward and the logged temperature read it there)
+    if (m->resident) { // on the device's master copy, no wait: the host's float is a mirror like
+        // the rest (the deferred contrastive forward reads the scale on the device and its
+        // download brings it down for the logged temperature)
         m->be->clamp(m->be, m->d_params + m->L.logit_scale, 1, 0.0, hi);
-        m->be->download(m->be, &m->params[m->L.logit_scale], m->d_params + m->L.logit_scale, 1);
-        m->be->sync(m->be);
+        m->host_stale = 1;
         return;
     }
     const vlmoe_backend_f32 *be = model_host_backend(m); // params is the host's master copy

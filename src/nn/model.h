@@ -168,10 +168,16 @@ struct vlmoe_dist; // src/dist/dist.h
     /* the next encode's images as bytes (host memory, p's shape: B, channels, image_size), */   \
     /* which the table stages and normalises (backend.h pixels_*); its images must be NULL */    \
     void graph_set_pixels_##S(graph_##S *g, const uint8_t *pix, const be_pixels *p);              \
-    /* the next graph_forward leaves its loss and accuracies in out (3 doubles of the table's */ \
-    /* memory: contrastive_forward_dev) and returns NaN for them; the logit scale is read from */ \
-    /* host_scale, the parameters' host copy (no download) */                                    \
-    void graph_set_step_scalars_##S(graph_##S *g, double *out, const T *host_scale);              \
+    /* the next graph_forward leaves its loss, accuracies and logit scale in out (4 doubles of */ \
+    /* the table's memory: contrastive_forward_dsc, which reads the scale from the parameters */ \
+    /* there) and returns NaN for them; the MoE layers' auxiliary values go to aux_slots     */  \
+    /* (aux_cap doubles of the table's memory, moe_aux_sink in src/moe/layer.h) */               \
+    void graph_set_step_scalars_##S(graph_##S *g, double *out, double *aux_slots, int aux_cap);  \
+    /* the slots the last forward filled (to download), and in *need the slots it wanted */      \
+    int graph_aux_slots_##S(const graph_##S *g, int *need);                                      \
+    /* the auxiliary losses' total of the last deferred forward from the host copy of its */     \
+    /* slots, its MoE statistics' aux[] filled (moe_aux_sink_take) */                            \
+    double graph_take_aux_##S(graph_##S *g, const double *slots);                                \
     const vlmoe_moe_stats *graph_moe_stats_##S(const graph_##S *g, int *count);                 \
     /* The symmetric contrastive loss over B pairs of normalised embeddings, a step of its own */ \
     /* so it can run on embeddings gathered from elsewhere (src/loss/contrastive.c kernels). */   \
@@ -183,10 +189,10 @@ struct vlmoe_dist; // src/dist/dist.h
     /* the backend's memory); acc: i2t and t2i top-1. img and txt stay unchanged until backward */\
     double contrastive_step_forward_##S(contrastive_step_##S *c, const T *img, const T *txt,     \
                                         const T *scale, double *acc);                            \
-    /* the same with the scale given on the host and the values left in out (backend.h */       \
-    /* contrastive_forward_dev) */                                                               \
+    /* the same with the values and the scale read left in out (backend.h */                    \
+    /* contrastive_forward_dsc); its backward reads the scale there too */                       \
     void contrastive_step_forward_dev_##S(contrastive_step_##S *c, const T *img, const T *txt,   \
-                                          const T *host_scale, double *out);                     \
+                                          const T *scale, double *out);                          \
     /* dimg, dtxt (B,E) and *dscale ACCUMULATE dloss times the last forward's gradients */       \
     void contrastive_step_backward_##S(contrastive_step_##S *c, T *dimg, T *dtxt, T *dscale,    \
                                        double dloss);
@@ -284,20 +290,26 @@ struct vlmoe_model {
     const uint8_t *pix;      // model_set_pixels: the next forward's images as bytes
     be_pixels pixp;
     // a device step's scalars (model_defer_scalars): MODEL_SCALARS doubles of the table's memory
-    // (loss, acc_i2t, acc_t2i, gradient sum of squares, non-finite flag), read in one download
+    // (loss, acc_i2t, acc_t2i, logit scale, gradient sum of squares, non-finite flag), read in
+    // one download
     double *d_scalars;
+    int aux_cap;             // after them, slots for the auxiliary losses' values (moe_aux_sink)
+    double *h_scalars;       // the host's copy (MODEL_SCALARS + aux_cap)
     int defer;               // the next training forward leaves its scalars on the device
     int deferred;            // the last one did: model_take_scalars reads them after the backward
     double aux_deferred;     // and its auxiliary losses (known on the host: the routing's)
     // resident (model_go_resident, one process's AdamW steps): d_params and d_grads are the
-    // master copies and params, grads mirrors, downloaded when read (model_sync_host); the
-    // logit scale's float in params is kept current by vlmoe_model_clamp
+    // master copies and params, grads mirrors, downloaded when read (model_sync_host), the
+    // logit scale's float too (a deferred step reads it on the device and downloads its value)
     int resident;
     int host_stale;          // d_params changed since params was downloaded
     int dev_stale;           // params written on the host since d_params was uploaded
     int grads_stale;         // d_grads holds a gradient grads has not seen
 };
-#define MODEL_SCALARS 5
+#define MODEL_SCALARS 6
+// Slots for the auxiliary losses' values at first (a step that wants more waits for the rest
+// and the next step plans room: model_defer_scalars).
+#define MODEL_AUX_SLOTS 256
 
 // The model's inputs (src/nn/inputs.c). set_tokenizer: tok's text, or the synthetic word
 // tokenizer when tok is NULL. model_tokenizer: the recorded BPE tokenizer (*out NULL when the

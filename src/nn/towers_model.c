@@ -212,7 +212,8 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
     } else {
         // a trainer step on the device: the loss stays there until the step's one download
         m->deferred = training && defer && m->d_scalars;
-        if (m->deferred) graph_set_step_scalars_f32(m->g, m->d_scalars, &m->params[m->L.logit_scale]);
+        if (m->deferred)
+            graph_set_step_scalars_f32(m->g, m->d_scalars, m->d_scalars + MODEL_SCALARS, m->aux_cap);
         st = graph_forward_f32(m->g, model_params_for_graph(m), b->images, b->tokens, b->lengths, &r);
     }
     if (st) return m->deferred = 0, st;
@@ -225,7 +226,12 @@ static int towers_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats
         stats->loss = r.loss;
         stats->acc_i2t = r.acc[0];
         stats->acc_t2i = r.acc[1];
-        stats->temperature = exp(m->params[m->L.logit_scale]);
+        // resident: the host's float is a mirror (vlmoe_model_clamp writes the device's), so a
+        // deferred step reads the scale from its download (model_take_scalars), another forward here
+        float ls = m->params[m->L.logit_scale];
+        if (m->resident && m->host_stale && !m->deferred)
+            m->be->download(m->be, &ls, m->d_params + m->L.logit_scale, 1);
+        stats->temperature = m->deferred ? NAN : exp(ls);
     }
     // a deferred loss is checked when it comes down (the trainer, before any parameter changes)
     if (!m->deferred && !isfinite(r.loss)) return vlmoe_fail(VLMOE_ERR_NUMERIC, "the contrastive loss is %g", r.loss);
@@ -241,7 +247,7 @@ static int towers_backward(vlmoe_model *m) {
         m->be->zero(m->be, m->d_grads, m->L.total);
         graph_backward_f32(m->g, m->d_params, m->d_grads);
         // the clipping norm and the divergence guard's flag join the deferred loss on the device
-        if (m->deferred) m->be->sumsq_dev(m->be, m->d_grads, m->L.total, m->d_scalars + 3);
+        if (m->deferred) m->be->sumsq_dev(m->be, m->d_grads, m->L.total, m->d_scalars + 4);
         if (m->resident) { // the trainer clips and updates there: the host's copy comes down when read
             m->grads_stale = 1;
         } else {

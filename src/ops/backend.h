@@ -283,6 +283,30 @@ static inline size_t be_route_work_bytes(int S, int E) {
         /* route.c's for non-finite gates (a device table may report none: see docs/GPU.md) */  \
         int (*route)(const vlmoe_backend_##S *be, const T *gates, const be_route *r,             \
                      const be_route_out *o);                                                     \
+        /* aux_loss's forward value (weight 1, no gradient) left in out (one double of the    */ \
+        /* table's memory), the same bits as aux_loss returns, so a device step does not wait  */ \
+        /* per MoE layer, loss and group (src/moe/layer.c). A modality that is neither image */   \
+        /* nor text gives NaN there (aux_loss's error, found by the step's finite check). */       \
+        void (*aux_loss_dev)(const vlmoe_backend_##S *be, vlmoe_aux_kind kind,                   \
+                             const aux_input_##S *in, T *scratch, double *out);                  \
+        /* contrastive_forward_dev and contrastive_backward with the logit scale read from the */ \
+        /* table's memory (scale: one element, the parameter itself), so that a device step   */   \
+        /* need not download it; out[3] = the scale read (the logged temperature's). The CPU  */   \
+        /* tables: the same bits as the by-value entries. */                                      \
+        void (*contrastive_forward_dsc)(const vlmoe_backend_##S *be, T *logits, T *prow, T *pcol, \
+                                        const T *img, const T *txt, const T *scale, int B, int E, \
+                                        double *out);                                            \
+        void (*contrastive_backward_dsc)(const vlmoe_backend_##S *be, T *dimg, T *dtxt, T *dscale, \
+                                         const T *logits, const T *prow, const T *pcol,          \
+                                         const T *img, const T *txt, const T *scale, int B, int E, \
+                                         double dloss);                                          \
+        /* host memory the table copies from without staging (CUDA: page-locked), zeroed; NULL */ \
+        /* with the error set. What a layer uploads every step lives there, at addresses fixed  */ \
+        /* at creation, so that a captured CUDA graph's copies replay from the same pointers.  */  \
+        /* Its contents must not change while an upload from it may be in flight: each step   */  \
+        /* ends in a download that waits for the stream before the next step writes them.     */  \
+        void *(*host_alloc)(const vlmoe_backend_##S *be, size_t bytes, const char *what);        \
+        void (*host_free)(const vlmoe_backend_##S *be, void *p);                                  \
     };                                                                                           \
     /* the CPU table (process-wide constant) */                                                  \
     const vlmoe_backend_##S *backend_cpu_##S(void);                                              \

@@ -537,6 +537,22 @@ static void cpu_contrastive_forward_dev(const backend *be, real *logits, real *p
                                         const real *txt, real scale, int B, int E, double *out) {
     out[0] = cpu_contrastive_forward(be, logits, prow, pcol, img, txt, scale, B, E, out + 1);
 }
+static void cpu_contrastive_forward_dsc(const backend *be, real *logits, real *prow, real *pcol, const real *img,
+                                        const real *txt, const real *scale, int B, int E, double *out) {
+    out[0] = cpu_contrastive_forward(be, logits, prow, pcol, img, txt, *scale, B, E, out + 1);
+    out[3] = *scale;
+}
+static void cpu_contrastive_backward_dsc(const backend *be, real *dimg, real *dtxt, real *dscale, const real *logits,
+                                         const real *prow, const real *pcol, const real *img, const real *txt,
+                                         const real *scale, int B, int E, double dloss) {
+    cpu_contrastive_backward(be, dimg, dtxt, dscale, logits, prow, pcol, img, txt, *scale, B, E, dloss);
+}
+static void *cpu_host_alloc(const backend *be, size_t bytes, const char *what) { return vlmoe_calloc(bytes, what); }
+static void cpu_host_free(const backend *be, void *p) { vlmoe_free_mem(p); }
+static void cpu_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const R(aux_input) *in, real *scratch,
+                             double *out) {
+    out[0] = cpu_aux_loss(be, kind, in, 1.0, NULL, scratch);
+}
 static void cpu_sumsq_dev(const backend *be, const real *x, size_t n, double *out) {
     int bad = 0;
     out[0] = cpu_sumsq(be, x, n, &bad);
@@ -605,7 +621,12 @@ static int cpu_route(const backend *be, const real *gates, const be_route *r, co
     .contrastive_forward_dev = cpu_contrastive_forward_dev, \
     .sumsq_dev = cpu_sumsq_dev, \
     .download_bytes = cpu_upload_bytes, \
-    .route = cpu_route
+    .route = cpu_route, \
+    .aux_loss_dev = cpu_aux_loss_dev, \
+    .contrastive_forward_dsc = cpu_contrastive_forward_dsc, \
+    .contrastive_backward_dsc = cpu_contrastive_backward_dsc, \
+    .host_alloc = cpu_host_alloc, \
+    .host_free = cpu_host_free
 
 static const backend cpu_table = {
     .name = "cpu",
