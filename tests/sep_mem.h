@@ -104,6 +104,13 @@ static void sep_linear_b(const sep_be *be, float *dinp, float *dw, float *db, co
     SEP(dout, "linear_backward", "dout"), SEP(inp, "linear_backward", "inp"), SEP(w, "linear_backward", "w");
     sep_cpu->linear_backward(sep_cpu, dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void sep_linear_bw(const sep_be *be, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                          const float *w, int N, int K, int O) {
+    (void)be, SEP(dinp, "linear_backward_write", "dinp"), SEP(dw, "linear_backward_write", "dw");
+    SEP(db, "linear_backward_write", "db"), SEP(dout, "linear_backward_write", "dout");
+    SEP(inp, "linear_backward_write", "inp"), SEP(w, "linear_backward_write", "w");
+    sep_cpu->linear_backward_write(sep_cpu, dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void sep_ln_f(const sep_be *be, float *out, float *mean, float *rstd, const float *inp, const float *w,
                      const float *b, int N, int C, double eps) {
     (void)be, SEP(out, "layernorm_forward", "out"), SEP(mean, "layernorm_forward", "mean");
@@ -408,7 +415,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.name = "cpu-separate", t.host_memory = 0;
     t.alloc = sep_alloc, t.free = sep_free, t.upload = sep_upload, t.download = sep_download;
     t.upload_bytes = sep_upload_bytes, t.zero = sep_zero, t.copy = sep_copy, t.add = sep_add, t.scale = sep_scale;
-    t.linear_forward = sep_linear_f, t.linear_backward = sep_linear_b;
+    t.linear_forward = sep_linear_f, t.linear_backward = sep_linear_b, t.linear_backward_write = sep_linear_bw;
     t.layernorm_forward = sep_ln_f, t.layernorm_recompute = sep_ln_r, t.layernorm_backward = sep_ln_b;
     t.act_forward = sep_act_f, t.act_backward = sep_act_b, t.softmax_forward = sep_softmax_f;
     t.softmax_backward = sep_softmax_b, t.attention_forward = sep_attn_f, t.attention_backward = sep_attn_b;

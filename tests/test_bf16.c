@@ -104,6 +104,21 @@ static void check_linear(int N, int K, int O) {
             worst = fmax(worst, fabs(o1[(size_t)n * O + o] - s) / sqrt((double)K));
         }
     CHECK(worst <= 1e-5, "bf16 linear (%d,%d,%d) beta 0: error %.3g (per sqrt(K))", N, K, O, worst);
+    // the write mode: dinp full of NaN, which an accumulate or a sum post-op left in would read;
+    // the values of an accumulate into zeros, and dw, db accumulated to the same bits
+    float *da = calloc((size_t)N * K, sizeof(float)), *dn = malloc(sizeof(float) * N * K);
+    float *dwa = calloc((size_t)O * K, sizeof(float)), *dwn = calloc((size_t)O * K, sizeof(float));
+    float *dba = calloc(O, sizeof(float)), *dbn = calloc(O, sizeof(float));
+    for (size_t i = 0; i < (size_t)N * K; i++) dn[i] = NAN;
+    linear_backward_bf16(da, dwa, dba, g, x, w, N, K, O);
+    linear_backward_write_bf16(dn, dwn, dbn, g, x, w, N, K, O);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)N * K; i++) bad += !(dn[i] == da[i]);
+    CHECK(bad == 0, "bf16 linear_backward_write (%d,%d,%d): %zu dinp values differ from an accumulate into zeros",
+          N, K, O, bad);
+    CHECK(!memcmp(dwa, dwn, sizeof(float) * O * K) && !memcmp(dba, dbn, sizeof(float) * O),
+          "bf16 linear_backward_write (%d,%d,%d): dw or db differ from linear_backward_bf16's", N, K, O);
+    free(da), free(dn), free(dwa), free(dwn), free(dba), free(dbn);
     free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db), free(ro), free(rdi), free(rdw);
     free(o1), free(o2), free(xr), free(wr), free(gr);
 }

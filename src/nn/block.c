@@ -57,6 +57,18 @@ static void drop_scale(const R(block_pass) *p, real *buf, const double *factor, 
         else if (factor[b] != 1) p->be->scale(p->be, buf + (size_t)b * run, run, (float)factor[b]);
 }
 
+// linear_backward for dinp's first writer: the table writes dinp (its linear_backward_write),
+// or, in a table without that mode, dinp is zeroed and accumulated into
+static void lin_bwd_write(const R(vlmoe_backend) *be, real *dinp, real *dw, real *db, const real *dout,
+                          const real *inp, const real *w, int N, int K, int O) {
+    if (be->linear_backward_write) {
+        be->linear_backward_write(be, dinp, dw, db, dout, inp, w, N, K, O);
+        return;
+    }
+    be->zero(be, dinp, (size_t)N * K);
+    be->linear_backward(be, dinp, dw, db, dout, inp, w, N, K, O);
+}
+
 // A dense MLP is the expert bank of one expert over the part's rows.
 typedef struct {
     int32_t off[2];
@@ -194,18 +206,17 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
         drop_scale(p, p->dbuf + t0 * D, p->drop[0], p->drop_nseq, n / p->drop_nseq);
         dbranch = p->dbuf + t0 * D;
     }
-    be->zero(be, p->datty + t0 * D, (size_t)n * D);
-    be->linear_backward(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D,
-                       P + bl->out_w, n, D, D);
+    // the out projection and the qkv product are the first writers of datty and dln: no zeroing
+    lin_bwd_write(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D, P + bl->out_w, n,
+                  D, D);
     // attention_backward writes dqkv (no zeroing): the segments cover the pass's n tokens
     for (int k = 0; k < p->nseg; k++)
         be->attention_backward(be, p->dqkv, p->datt + p->att_off[k], p->datty, a->qkv, p->att + p->att_off[k],
                               &p->seg[k], D, H);
-    be->zero(be, p->dln + t0 * D, (size_t)n * D);
     be->layernorm_recompute(be, p->ln + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m + t0,
                            a->ln1_r + t0, n, D);
-    be->linear_backward(be, p->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, p->dqkv + t0 * 3 * D, p->ln + t0 * D,
-                       P + bl->qkv_w, n, D, 3 * D);
+    lin_bwd_write(be, p->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, p->dqkv + t0 * 3 * D, p->ln + t0 * D,
+                  P + bl->qkv_w, n, D, 3 * D);
     be->layernorm_backward(be, p->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, p->dln + t0 * D, x + t0 * D,
                           P + bl->ln1_w, a->ln1_m + t0, a->ln1_r + t0, n, D);
 }

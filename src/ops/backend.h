@@ -154,6 +154,10 @@ static inline size_t be_route_work_bytes(int S, int E) {
                                const T *b, int N, int K, int O, int beta);                       \
         void (*linear_backward)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,              \
                                 const T *dout, const T *inp, const T *w, int N, int K, int O);   \
+        /* linear_backward writing dinp, never reading it (ops.h); NULL in a table that lacks  */ \
+        /* it: the caller then zeroes dinp and accumulates (src/nn/block.c, lin_bwd_write)     */ \
+        void (*linear_backward_write)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,        \
+                                      const T *dout, const T *inp, const T *w, int N, int K, int O); \
         void (*layernorm_forward)(const vlmoe_backend_##S *be, T *out, T *mean, T *rstd,         \
                                   const T *inp, const T *w, const T *b, int N, int C, double eps); \
         void (*layernorm_recompute)(const vlmoe_backend_##S *be, T *out, const T *inp,           \

@@ -62,6 +62,10 @@ static void cpu_linear_backward(const backend *be, real *dinp, real *dw, real *d
                                 const real *inp, const real *w, int N, int K, int O) {
     PROF_SCOPE(PROF_OTHER) R(linear_backward)(dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void cpu_linear_backward_write(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                      const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) R(linear_backward_write)(dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void cpu_layernorm_forward(const backend *be, real *out, real *mean, real *rstd,
                                   const real *inp, const real *w, const real *b, int N, int C,
                                   double eps) {
@@ -388,6 +392,10 @@ static void bf16_linear_backward(const backend *be, real *dinp, real *dw, real *
                                  const real *inp, const real *w, int N, int K, int O) {
     PROF_SCOPE(PROF_OTHER) linear_backward_bf16(dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void bf16_linear_backward_write(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                       const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) linear_backward_write_bf16(dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void bf16_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
                                  const real *const w[4], const be_experts *ex, int beta) {
     experts_forward(&half, y, h, a, x, w, ex, beta);
@@ -612,6 +620,7 @@ static const backend cpu_table = {
     CPU_COMMON_ENTRIES,
     .linear_forward = cpu_linear_forward,
     .linear_backward = cpu_linear_backward,
+    .linear_backward_write = cpu_linear_backward_write,
     .experts_forward = cpu_experts_forward,
     .experts_backward = cpu_experts_backward,
 };
@@ -625,6 +634,7 @@ static const backend cpu_bf16_table = {
     .fp32 = &cpu_table,
     .linear_forward = bf16_linear_forward,
     .linear_backward = bf16_linear_backward,
+    .linear_backward_write = bf16_linear_backward_write,
     .experts_forward = bf16_experts_forward,
     .experts_backward = bf16_experts_backward,
 };
@@ -637,6 +647,7 @@ static const backend cpu_int8_table = {
     .fp32 = &cpu_table,
     .linear_forward = int8_linear_forward,
     .linear_backward = cpu_linear_backward,
+    .linear_backward_write = cpu_linear_backward_write,
     .experts_forward = int8_experts_forward,
     .experts_backward = int8_experts_backward,
 };

@@ -613,11 +613,12 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
 }
 
 int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
-                       int O) {
+                       int O, float beta) {
     if (!engine() || N <= 0 || K <= 0 || O <= 0) return -1;
-    // dinp (N,K) += dout (N,O) . w (O,K); dw (O,K) += dout^T (O,N) . inp (N,K): dout is rounded
-    // once, and its transpose made from the bf16 copy (half the bytes to read)
-    product pi = product_of(0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    // dinp (N,K) = dout (N,O) . w (O,K) + beta dinp; dw (O,K) += dout^T (O,N) . inp (N,K): dout
+    // is rounded once, and its transpose made from the bf16 copy (half the bytes to read). With
+    // beta 0 dinp's matmul has no sum post-op, so neither brgemm nor the sgemm fallback reads it.
+    product pi = product_of(0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     product pw = product_of(1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
     uint16_t *gh = scratch(sizeof(uint16_t) * (size_t)N * O, 0), *gt = scratch(sizeof(uint16_t) * (size_t)N * O, 3);
     const int ok = gh && gt && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;

@@ -26,11 +26,12 @@ typedef void (*gemm_bf16_epi)(const void *ctx, float *C, int ldc, int r0, int nr
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
               float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx);
 
-// The two products of linear_backward_bf16: dinp (N,K) += dout (N,O) . w (O,K) (skipped when
-// dinp is NULL) and dw (O,K) += dout^T . inp (N,K), with dout rounded to bf16 once for both.
-// Returns 0, or -1 with neither touched (the caller then computes both in fp32).
+// The two products of linear_backward_bf16: dinp (N,K) = dout (N,O) . w (O,K) + beta dinp
+// (beta 1 accumulates, 0 writes without reading dinp; skipped when dinp is NULL) and dw (O,K) +=
+// dout^T . inp (N,K), with dout rounded to bf16 once for both. Returns 0, or -1 with neither
+// touched (the caller then computes both in fp32).
 int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
-                       int O);
+                       int O, float beta);
 
 // Weight shadows: packed bf16 copies of weights kept between products. While [lo, lo+n) is
 // declared at a version (gemm_bf16_shadow_use), a product whose B lies in it packs B into a
@@ -59,4 +60,6 @@ void linear_forward_bf16(float *out, const float *inp, const float *w, const flo
                          int O, int beta);
 void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                           const float *w, int N, int K, int O);
+void linear_backward_write_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                                const float *w, int N, int K, int O);
 #endif

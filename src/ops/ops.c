@@ -158,13 +158,14 @@ static void linear_fwd(int bf16, real *out, const real *inp, const real *w, cons
     gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
 }
 
+// beta (0 or 1) is dinp's: 0 writes it (linear_backward_write), 1 accumulates
 static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
-                       const real *w, int N, int K, int O) {
+                       const real *w, int N, int K, int O, int beta) {
     int done = 0;
 #ifndef VLMOE_REAL_F64
-    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, dout, inp, w, N, K, O) == 0;
+    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, dout, inp, w, N, K, O, (float)beta) == 0;
 #endif
-    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
     if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
     if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
@@ -177,7 +178,12 @@ void R(linear_forward)(real *out, const real *inp, const real *w, const real *b,
 
 void R(linear_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
                         const real *w, int N, int K, int O) {
-    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O);
+    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O, 1);
+}
+
+void R(linear_backward_write)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
+                              const real *w, int N, int K, int O) {
+    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O, 0);
 }
 
 #ifndef VLMOE_REAL_F64
@@ -188,7 +194,12 @@ void linear_forward_bf16(float *out, const float *inp, const float *w, const flo
 
 void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                           const float *w, int N, int K, int O) {
-    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O);
+    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O, 1);
+}
+
+void linear_backward_write_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                                const float *w, int N, int K, int O) {
+    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O, 0);
 }
 #endif
 

@@ -32,6 +32,10 @@ typedef struct {
     /* dinp (N,K) += dout.w (dinp may be NULL); dw += dout^T.inp; db += colsum(dout) */           \
     void linear_backward_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp, const T *w,      \
                              int N, int K, int O);                                                \
+    /* the same, but dinp (not NULL) = dout.w is written (beta 0): whatever dinp held, NaN   */   \
+    /* included, is never read, so its first writer needs no zeroing; dw, db accumulate      */   \
+    void linear_backward_write_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp,           \
+                                   const T *w, int N, int K, int O);                              \
     /* out (N,C) = (inp-mean)*rstd*w + b; mean, rstd (N) saved for backward */                     \
     void layernorm_forward_##S(T *out, T *mean, T *rstd, const T *inp, const T *w, const T *b,    \
                                int N, int C, double eps);                                         \
