@@ -331,6 +331,13 @@ static void sep_exp_b(const sep_be *be, float *dx, float *const dw[4], const flo
     for (int k = 0; k < 4; k++) SEP(w[k], "experts_backward", "a weight"), SEP(dw[k], "experts_backward", "a gradient");
     sep_cpu->experts_backward(sep_cpu, dx, dw, dy, x, h, w, da, dh, ex);
 }
+static void sep_exp_bw(const sep_be *be, float *dx, float *const dw[4], const float *dy, const float *x, const float *h,
+                       const float *const w[4], float *da, float *dh, const be_experts *ex) {
+    const char *op = "experts_backward_write";
+    (void)be, SEP(dx, op, "dx"), SEP(dy, op, "dy"), SEP(x, op, "x"), SEP(h, op, "h"), SEP(da, op, "da"), SEP(dh, op, "dh");
+    for (int k = 0; k < 4; k++) SEP(w[k], op, "a weight"), SEP(dw[k], op, "a gradient");
+    sep_cpu->experts_backward_write(sep_cpu, dx, dw, dy, x, h, w, da, dh, ex);
+}
 
 // trainer ops: the optimizer runs on the host master copy (model_host_backend), never here
 static double sep_sumsq(const sep_be *be, const float *x, size_t n, int *nonfinite) {
@@ -427,7 +434,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.gather_rows = sep_gather, t.combine_forward = sep_comb_f, t.combine_backward = sep_comb_b;
     t.gather_rows_backward = sep_gather_b, t.combine_weights = sep_cw_f, t.combine_weights_backward = sep_cw_b;
     t.router_noise = sep_noise, t.aux_loss = sep_aux, t.soft_moe_forward = sep_soft_f, t.soft_moe_backward = sep_soft_b;
-    t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b;
+    t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b, t.experts_backward_write = sep_exp_bw;
     t.sumsq = sep_sumsq, t.adamw = sep_adamw, t.clamp = sep_clamp;
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;

@@ -290,6 +290,23 @@ static void case16_experts(bctx *c, int same_rows) {
     check16(c, "dx", tdx, dx, Sdx, Fdx, M, nrd);
     const char *names[4] = {"dw1", "db1", "dw2", "db2"};
     for (int i = 0; i < 4; i++) check16(c, names[i], tdw[i], dw[i], S[i], F[i], R, nw[i]);
+    // the write mode: dx full of NaN on both sides (an accumulate left in reads it), its bound
+    // the products' alone (the gradients accumulate again on both sides and are not compared)
+    if (be->experts_backward_write && rf->experts_backward_write) {
+        for (size_t i = 0; i < nrd; i++) dx[i] = NAN;
+        be->upload(be, tdx, dx, nrd);
+        rf->experts_backward_write(rf, dx, rdw, dy, x, h, cw, da, dh, &ex);
+        be->experts_backward_write(be, tdx, rtdw, tdy, tx, th, ctw, tda, tdh, &ex);
+        double *Sw = dzeros(nrd), *Fw = dzeros(nrd);
+        for (int e = 0; e < E; e++) {
+            const int o = off[e], k = off[e + 1] - off[e];
+            if (k > 0)
+                add_bounds(Sw + (size_t)o * D, Fw + (size_t)o * D, k, D, M,
+                           (opnd){dh + (size_t)o * M, 0, ddh + (size_t)o * M}, (opnd){w[0] + (size_t)e * M * D, 0, NULL});
+        }
+        check16(c, "dx (write)", tdx, dx, Sw, Fw, M, nrd);
+        free(Sw), free(Fw);
+    }
 
     for (int i = 0; i < 4; i++) {
         be->free(be, tw[i]), be->free(be, tdw[i]);
@@ -380,6 +397,12 @@ static void emu_experts_backward(const vlmoe_backend_f32 *be, float *dx, float *
                             w[0] + (size_t)e * M * D, k, D, M);
     }
 }
+static void emu_experts_backward_write(const vlmoe_backend_f32 *be, float *dx, float *const dw[4], const float *dy,
+                                       const float *x, const float *h, const float *const w[4], float *da, float *dh,
+                                       const be_experts *ex) {
+    memset(dx + (size_t)ex->off[0] * ex->D, 0, sizeof(float) * (size_t)(ex->off[ex->E] - ex->off[0]) * ex->D);
+    emu_experts_backward(be, dx, dw, dy, x, h, w, da, dh, ex);
+}
 static const vlmoe_backend_f32 *emulated_table(void) {
     static vlmoe_backend_f32 t;
     t = *backend_cpu_bf16();
@@ -387,6 +410,7 @@ static const vlmoe_backend_f32 *emulated_table(void) {
     t.linear_forward = emu_linear_forward, t.linear_backward = emu_linear_backward;
     t.linear_backward_write = emu_linear_backward_write;
     t.experts_forward = emu_experts_forward, t.experts_backward = emu_experts_backward;
+    t.experts_backward_write = emu_experts_backward_write;
     return &t;
 }
 

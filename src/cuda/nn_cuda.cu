@@ -44,15 +44,15 @@ void cu_linear_fwd(const backend *be, int bf16, float *out, const float *inp, co
 
 // dinp (N,K) = dout.w + beta dinp (dinp may be NULL; beta 0: cuBLAS does not read it);
 // dw (O,K) += dout^T.inp; db (O) += colsum(dout)
-static void lin_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
-                    const float *inp, const float *w, int N, int K, int O, float beta) {
+void cu_linear_bwd_beta(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
+                        const float *inp, const float *w, int N, int K, int O, float beta) {
     if (dinp && lin_gemm(be, bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K)) return;
     if (lin_gemm(be, bf16, 1, 0, O, K, N, dout, O, inp, K, 1.0f, dw, K)) return;
     if (db) cu_colsum(be, "linear", db, dout, NULL, NULL, NULL, N, O, 1);
 }
 void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
                    const float *inp, const float *w, int N, int K, int O) {
-    lin_bwd(be, bf16, dinp, dw, db, dout, inp, w, N, K, O, 1.0f);
+    cu_linear_bwd_beta(be, bf16, dinp, dw, db, dout, inp, w, N, K, O, 1.0f);
 }
 
 static void cuda_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
@@ -65,7 +65,7 @@ static void cuda_linear_backward(const backend *be, float *dinp, float *dw, floa
 }
 static void cuda_linear_backward_write(const backend *be, float *dinp, float *dw, float *db, const float *dout,
                                        const float *inp, const float *w, int N, int K, int O) {
-    lin_bwd(be, 0, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
+    cu_linear_bwd_beta(be, 0, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
 }
 static void bf16_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
                                 int N, int K, int O, int beta) {
@@ -77,7 +77,7 @@ static void bf16_linear_backward(const backend *be, float *dinp, float *dw, floa
 }
 static void bf16_linear_backward_write(const backend *be, float *dinp, float *dw, float *db, const float *dout,
                                        const float *inp, const float *w, int N, int K, int O) {
-    lin_bwd(be, 1, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
+    cu_linear_bwd_beta(be, 1, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
 }
 
 // ---- LayerNorm: one block per row

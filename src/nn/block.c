@@ -120,7 +120,6 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
     real *ln = p->ln + f->row0 * D, *dln = p->dln + f->row0 * D;
     const real *m = a->ln2_m + f->row0, *r = a->ln2_r + f->row0;
     be->layernorm_recompute(be, ln, x, P + f->ln_w, P + f->ln_b, m, r, ns, D);
-    be->zero(be, dln, (size_t)ns * D);
     // drop path: the branch sees d(out) times its sequence's factor; the residual d(out) itself
     const real *dyb = dy;
     if (p->drop[1]) {
@@ -130,14 +129,22 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
         dyb = s;
     }
     if (f->f->kind == FFN_MOE) {
+        // the MoE layer accumulates into dln (its experts' and the router's parts)
+        be->zero(be, dln, (size_t)ns * D);
         R(moe_backward)(f->moe, P, G, ln, dyb, dln, 1.0);
     } else {
+        // the dense MLP (one expert over all ns rows) is dln's first and only writer
         dense_mlp d;
         dense_of(&d, p, f->f, P, ns);
         const ffn_layout *fl = f->f;
         real *const dw[4] = {G + fl->fc1_w, G + fl->fc1_b, G + fl->fc2_w, G + fl->fc2_b};
-        be->experts_backward(be, dln, dw, dyb, ln, a->h + f->row0 * M, d.w, p->da + f->row0 * M,
-                             p->dh + f->row0 * M, &d.ex);
+        real *h = a->h + f->row0 * M, *da = p->da + f->row0 * M, *dh = p->dh + f->row0 * M;
+        if (be->experts_backward_write) {
+            be->experts_backward_write(be, dln, dw, dyb, ln, h, d.w, da, dh, &d.ex);
+        } else {
+            be->zero(be, dln, (size_t)ns * D);
+            be->experts_backward(be, dln, dw, dyb, ln, h, d.w, da, dh, &d.ex);
+        }
     }
     be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, x, P + f->ln_w, m, r, ns, D);
 }
