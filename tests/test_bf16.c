@@ -89,6 +89,13 @@ static void check_linear(int N, int K, int O) {
     double e1 = relerr(out, ro, (size_t)N * O), e2 = relerr(dinp, rdi, (size_t)N * K), e3 = relerr(dw, rdw, (size_t)O * K);
     CHECK(e1 <= tol && e2 <= tol && e3 <= tol, "bf16 linear (%d,%d)x(%d,%d): errors out %.3g dinp %.3g dw %.3g of max "
           "|ref| (tolerance %.0g)", N, K, O, K, e1, e2, e3, tol);
+    // db: the fp32 column sums of the unrounded g (summed by dinp's blocks as they round g)
+    double *rdb = calloc(O, sizeof(double));
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) rdb[o] += g[(size_t)n * O + o];
+    const double e4 = relerr(db, rdb, O);
+    CHECK(e4 <= tol, "bf16 linear (%d,%d,%d): db error %.3g of max |ref| (tolerance %.0g)", N, K, O, e4, tol);
+    free(rdb);
     // beta 0 (no bias) gives the plain product; and 1 thread gives the bits of 2
     float *o1 = malloc(sizeof(float) * N * O), *o2 = malloc(sizeof(float) * N * O);
     omp_set_num_threads(1);
@@ -140,7 +147,7 @@ static int probe(const char *path) {
         linear_forward_bf16(out, x, w, b, N, K, O, 0);
         linear_backward_bf16(dinp, dw, db, g, x, w, N, K, O);
         fwrite(out, sizeof(float), (size_t)N * O, f), fwrite(dinp, sizeof(float), (size_t)N * K, f);
-        fwrite(dw, sizeof(float), (size_t)O * K, f);
+        fwrite(dw, sizeof(float), (size_t)O * K, f), fwrite(db, sizeof(float), (size_t)O, f);
         free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db);
     }
     return fclose(f) != 0;

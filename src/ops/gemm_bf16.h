@@ -28,10 +28,11 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
 
 // The two products of linear_backward_bf16: dinp (N,K) = dout (N,O) . w (O,K) + beta dinp
 // (beta 1 accumulates, 0 writes without reading dinp; skipped when dinp is NULL) and dw (O,K) +=
-// dout^T . inp (N,K), with dout rounded to bf16 once for both. Returns 0, or -1 with neither
-// touched (the caller then computes both in fp32).
-int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
-                       int O, float beta);
+// dout^T . inp (N,K), with dout rounded to bf16 once for both; with db and dinp both given, db
+// (O) += colsum(dout) in fp32, summed while dout is rounded (db is left to the caller when dinp
+// is NULL). Returns 0, or -1 with none touched (the caller then computes them in fp32).
+int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
+                       int N, int K, int O, float beta);
 
 // Weight shadows: packed bf16 copies of weights kept between products. While [lo, lo+n) is
 // declared at a version (gemm_bf16_shadow_use), a product whose B lies in it packs B into a

@@ -163,12 +163,13 @@ static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dou
                        const real *w, int N, int K, int O, int beta) {
     int done = 0;
 #ifndef VLMOE_REAL_F64
-    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, dout, inp, w, N, K, O, (float)beta) == 0;
+    // with dinp, the bf16 products sum db while they round dout (gemm_bf16.h)
+    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, db, dout, inp, w, N, K, O, (float)beta) == 0;
 #endif
     if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
     if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+    if (db && !(done && dinp)) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
