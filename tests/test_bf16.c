@@ -130,6 +130,41 @@ static void check_linear(int N, int K, int O) {
     free(o1), free(o2), free(xr), free(wr), free(gr);
 }
 
+// The cpu-bf16 expert bank's forward reads act(h) as the first product's epilogue rounded it
+// (mlp_forward_bf16): y and h must be the bits of the two products run apart, at 1 and 2
+// threads, for experts of many rows, of a remainder block's rows, of no rows and of one row.
+static void check_mlp_prerounded(void) {
+    enum { E = 4, D = 96, M = 200, R = 1101 };
+    const int32_t off[E + 1] = {0, 700, 700, 1100, R};
+    const be_experts ex = {E, D, M, VLMOE_ACT_GELU, off};
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 99);
+    float *w[4] = {randf((size_t)E * M * D, &r), randf((size_t)E * M, &r), randf((size_t)E * D * M, &r), randf((size_t)E * D, &r)};
+    float *x = randf((size_t)R * D, &r), *y0 = randf((size_t)R * D, &r);
+    float *y = malloc(sizeof(float) * R * D), *yr = malloc(sizeof(float) * R * D), *h = malloc(sizeof(float) * R * M);
+    float *hr = malloc(sizeof(float) * R * M), *a = malloc(sizeof(float) * R * M), *ar = malloc(sizeof(float) * R * M);
+    const float *const cw[4] = {w[0], w[1], w[2], w[3]};
+    for (int thr = 1; thr <= 2; thr++) {
+        omp_set_num_threads(thr);
+        memcpy(y, y0, sizeof(float) * R * D), memcpy(yr, y0, sizeof(float) * R * D);
+        backend_cpu_bf16()->experts_forward(backend_cpu_bf16(), y, h, a, x, cw, &ex, 1);
+        for (int e = 0; e < E; e++) {
+            const size_t o = (size_t)off[e];
+            const int k = off[e + 1] - off[e];
+            if (k <= 0) continue;
+            linear_act_forward_bf16(hr + o * M, ar + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k,
+                                    D, M, VLMOE_ACT_GELU);
+            linear_forward_bf16(yr + o * D, ar + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, 1);
+        }
+        CHECK(!memcmp(h, hr, sizeof(float) * R * M) && !memcmp(a, ar, sizeof(float) * R * M),
+              "bf16 expert bank, %d threads: h or act(h) differ from linear_act_forward_bf16's", thr);
+        CHECK(!memcmp(y, yr, sizeof(float) * R * D),
+              "bf16 expert bank, %d threads: y from the pre-rounded act(h) differs from the products run apart", thr);
+    }
+    for (int i = 0; i < 4; i++) free(w[i]);
+    free(x), free(y0), free(y), free(yr), free(h), free(hr), free(a), free(ar);
+}
+
 // The bf16 products of shapes that cut into several row blocks with a remainder, have few
 // rows and a long sum (where a matmul made for 2 threads could split the sum), or are an
 // expert's: written to path for check_threads. Returns the exit status.
@@ -404,6 +439,7 @@ int main(int argc, char **argv) {
     vlmoe_model_free(m);
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    check_mlp_prerounded();
     if (argc > 0) check_threads(argv[0]);
     check_model();
     if (argc > 0) check_cli(argv[0]);

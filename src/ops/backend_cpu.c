@@ -329,6 +329,9 @@ typedef struct {
                     int N, int M, int O, int act);
     void (*bwd_write)(real *dinp, real *dw, real *db, const real *dout, const real *inp, const real *w, int N,
                       int K, int O); // bwd writing dinp (linear_backward_write)
+    // fwd_act then fwd in one (mlp_forward_bf16: the second reads the first's rounded output), or NULL
+    void (*mlp_fwd)(real *y, real *h, real *a, const real *x, const real *const w[4], int N, int D, int M, int act,
+                    int beta);
 } products;
 static const products full = {.fwd = R(linear_forward), .bwd = R(linear_backward), .fwd_act = R(linear_act_forward),
                               .bwd_act = R(act_linear_backward), .bwd_write = R(linear_backward_write)};
@@ -343,9 +346,14 @@ static void experts_forward(const products *pr, real *y, real *h, real *a, const
             const size_t o = (size_t)ex->off[e];
             const int k = ex->off[e + 1] - ex->off[e];
             if (k <= 0) continue;
-            pr->fwd_act(h + o * M, a + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k,
-                        D, M, ex->act);
-            pr->fwd(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+            const real *const we[4] = {w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, w[2] + (size_t)e * D * M,
+                                       w[3] + (size_t)e * D};
+            if (pr->mlp_fwd) {
+                pr->mlp_fwd(y + o * D, h + o * M, a + o * M, x + o * D, we, k, D, M, ex->act, beta);
+                continue;
+            }
+            pr->fwd_act(h + o * M, a + o * M, x + o * D, we[0], we[1], k, D, M, ex->act);
+            pr->fwd(y + o * D, a + o * M, we[2], we[3], k, M, D, beta);
         }
     }
 }
@@ -392,7 +400,7 @@ static void cpu_experts_backward_write(const backend *be, real *dx, real *const 
 // fp32-everywhere default.
 static const products half = {.fwd = linear_forward_bf16, .bwd = linear_backward_bf16,
                               .fwd_act = linear_act_forward_bf16, .bwd_act = act_linear_backward_bf16,
-                              .bwd_write = linear_backward_write_bf16};
+                              .bwd_write = linear_backward_write_bf16, .mlp_fwd = mlp_forward_bf16};
 static void bf16_linear_forward(const backend *be, real *out, const real *inp, const real *w,
                                 const real *b, int N, int K, int O, int beta) {
     PROF_SCOPE(PROF_OTHER) linear_forward_bf16(out, inp, w, b, N, K, O, beta);

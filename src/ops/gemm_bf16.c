@@ -20,12 +20,7 @@ int gemm_bf16_native(void) {
     return (isa & bf16) == bf16;
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
+static inline uint16_t to_bf16(float f) { return bf16_of(f); }
 
 void bf16_pack(uint16_t *dst, const float *src, int rows, int cols, int ld, int trans) {
     if (!trans) {
@@ -417,12 +412,13 @@ static product product_of(int ta, int tb, int M, int N, int K, const float *A, i
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
-// 2: scratchpad, 3: the backward's transposed dout, 4: its blocks' column sums), kept between products: the kernels own no
+// 2: scratchpad, 3: the backward's transposed dout, 4: its blocks' column sums, 5: the caller's
+// pre-rounded operand, gemm_bf16_side), kept between products: the kernels own no
 // workspace (they are pure functions of their arguments), and allocating megabytes per product
 // would cost page faults on every call. The buffers only grow.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[5];
-    static _Thread_local size_t cap[5];
+    static _Thread_local void *buf[6];
+    static _Thread_local size_t cap[6];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -620,6 +616,22 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
         // op(A), row-major (M,K): rounded by the blocks, or transposed here
         p.ah = ah, p.pack_a = !ta;
         if (ta && transpose(ah, A, 0, M, K, lda)) bf16_pack(ah, A, M, K, lda, 1);
+        execute(&p);
+    }
+    unplan(&p);
+    return ok ? 0 : -1;
+}
+
+uint16_t *gemm_bf16_side(size_t n) { return scratch(sizeof(uint16_t) * n, 5); }
+
+int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *A, int lda, const float *B, int ldb,
+                  float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx) {
+    if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
+    product p = product_of(0, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    p.epi = epi, p.ctx = ctx;
+    const int ok = plan(&p) == 0;
+    if (ok) {
+        p.ah = (uint16_t *)ah, p.pack_a = 0; // read only: the blocks never write ah without pack_a
         execute(&p);
     }
     unplan(&p);
