@@ -133,6 +133,13 @@ static void sep_linear_b(const sep_be *be, float *dinp, float *dw, float *db, co
     SEP(dout, "linear_backward", "dout"), SEP(inp, "linear_backward", "inp"), SEP(w, "linear_backward", "w");
     sep_cpu->linear_backward(sep_cpu, dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void sep_linear_bw(const sep_be *be, float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                          const float *w, int N, int K, int O) {
+    (void)be, SEP(dinp, "linear_backward_write", "dinp"), SEP(dw, "linear_backward_write", "dw");
+    SEP(db, "linear_backward_write", "db"), SEP(dout, "linear_backward_write", "dout");
+    SEP(inp, "linear_backward_write", "inp"), SEP(w, "linear_backward_write", "w");
+    sep_cpu->linear_backward_write(sep_cpu, dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void sep_ln_f(const sep_be *be, float *out, float *mean, float *rstd, const float *inp, const float *w,
                      const float *b, int N, int C, double eps) {
     (void)be, SEP(out, "layernorm_forward", "out"), SEP(mean, "layernorm_forward", "mean");
@@ -365,6 +372,13 @@ static void sep_exp_b(const sep_be *be, float *dx, float *const dw[4], const flo
     for (int k = 0; k < 4; k++) SEP(w[k], "experts_backward", "a weight"), SEP(dw[k], "experts_backward", "a gradient");
     sep_cpu->experts_backward(sep_cpu, dx, dw, dy, x, h, w, da, dh, ex);
 }
+static void sep_exp_bw(const sep_be *be, float *dx, float *const dw[4], const float *dy, const float *x, const float *h,
+                       const float *const w[4], float *da, float *dh, const be_experts *ex) {
+    const char *op = "experts_backward_write";
+    (void)be, SEP(dx, op, "dx"), SEP(dy, op, "dy"), SEP(x, op, "x"), SEP(h, op, "h"), SEP(da, op, "da"), SEP(dh, op, "dh");
+    for (int k = 0; k < 4; k++) SEP(w[k], op, "a weight"), SEP(dw[k], op, "a gradient");
+    sep_cpu->experts_backward_write(sep_cpu, dx, dw, dy, x, h, w, da, dh, ex);
+}
 
 // trainer ops: the optimizer runs on the host master copy (model_host_backend), never here
 static double sep_sumsq(const sep_be *be, const float *x, size_t n, int *nonfinite) {
@@ -449,7 +463,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.name = "cpu-separate", t.host_memory = 0;
     t.alloc = sep_alloc, t.free = sep_free, t.upload = sep_upload, t.download = sep_download;
     t.upload_bytes = sep_upload_bytes, t.zero = sep_zero, t.copy = sep_copy, t.add = sep_add, t.scale = sep_scale;
-    t.linear_forward = sep_linear_f, t.linear_backward = sep_linear_b;
+    t.linear_forward = sep_linear_f, t.linear_backward = sep_linear_b, t.linear_backward_write = sep_linear_bw;
     t.layernorm_forward = sep_ln_f, t.layernorm_recompute = sep_ln_r, t.layernorm_backward = sep_ln_b;
     t.act_forward = sep_act_f, t.act_backward = sep_act_b, t.softmax_forward = sep_softmax_f;
     t.softmax_backward = sep_softmax_b, t.attention_forward = sep_attn_f, t.attention_backward = sep_attn_b;
@@ -461,7 +475,7 @@ static vlmoe_backend_f32 sep_table(void) {
     t.gather_rows = sep_gather, t.combine_forward = sep_comb_f, t.combine_backward = sep_comb_b;
     t.gather_rows_backward = sep_gather_b, t.combine_weights = sep_cw_f, t.combine_weights_backward = sep_cw_b;
     t.router_noise = sep_noise, t.aux_loss = sep_aux, t.soft_moe_forward = sep_soft_f, t.soft_moe_backward = sep_soft_b;
-    t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b;
+    t.experts_forward = sep_exp_f, t.experts_backward = sep_exp_b, t.experts_backward_write = sep_exp_bw;
     t.sumsq = sep_sumsq, t.adamw = sep_adamw, t.clamp = sep_clamp;
     t.pixels_stage = sep_pixels_stage, t.pixels_normalize = sep_pixels_normalize;
     t.contrastive_forward_dev = sep_con_f_dev, t.sumsq_dev = sep_sumsq_dev;

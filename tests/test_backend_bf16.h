@@ -179,6 +179,25 @@ static void case16_linear(bctx *c, int N, int K, int O) {
     check16(c, "db", tdb, db, Sdb, NULL, N, O);
     float *dev[] = {tx, tw, tb, to, tdo, tdi, tdw, tdb};
     for (int i = 0; i < 8; i++) be->free(be, dev[i]);
+    // the write mode: dinp full of NaN on both sides (an accumulate left in reads it), dw and
+    // db from zero, so the bounds are the products' and the sums' alone
+    if (be->linear_backward_write && rf->linear_backward_write) {
+        for (size_t i = 0; i < nx; i++) dinp[i] = NAN;
+        memset(dw, 0, sizeof(float) * nw), memset(db, 0, sizeof(float) * O);
+        tdi = to_be(be, dinp, nx), tdw = to_be(be, dw, nw), tdb = to_be(be, db, O), tdo = to_be(be, dout, no);
+        tx = to_be(be, x, nx), tw = to_be(be, w, nw);
+        memset(Sdi, 0, sizeof(double) * nx), memset(Sdw, 0, sizeof(double) * nw), memset(Sdb, 0, sizeof(double) * O);
+        add_bounds(Sdi, NULL, N, K, O, (opnd){dout, 0, NULL}, (opnd){w, 0, NULL});
+        add_bounds(Sdw, NULL, O, K, N, (opnd){dout, 1, NULL}, (opnd){x, 0, NULL});
+        add_colsum(Sdb, NULL, dout, NULL, N, O);
+        rf->linear_backward_write(rf, dinp, dw, db, dout, x, w, N, K, O);
+        be->linear_backward_write(be, tdi, tdw, tdb, tdo, tx, tw, N, K, O);
+        check16(c, "dinp (write)", tdi, dinp, Sdi, NULL, O, nx);
+        check16(c, "dw (write)", tdw, dw, Sdw, NULL, N, nw);
+        check16(c, "db (write)", tdb, db, Sdb, NULL, N, O);
+        float *dev2[] = {tx, tw, tdo, tdi, tdw, tdb};
+        for (int i = 0; i < 6; i++) be->free(be, dev2[i]);
+    }
     free(x), free(w), free(b), free(out), free(dout), free(dinp), free(dw), free(db);
     free(So), free(Sdi), free(Sdw), free(Sdb);
 }
@@ -271,6 +290,23 @@ static void case16_experts(bctx *c, int same_rows) {
     check16(c, "dx", tdx, dx, Sdx, Fdx, M, nrd);
     const char *names[4] = {"dw1", "db1", "dw2", "db2"};
     for (int i = 0; i < 4; i++) check16(c, names[i], tdw[i], dw[i], S[i], F[i], R, nw[i]);
+    // the write mode: dx full of NaN on both sides (an accumulate left in reads it), its bound
+    // the products' alone (the gradients accumulate again on both sides and are not compared)
+    if (be->experts_backward_write && rf->experts_backward_write) {
+        for (size_t i = 0; i < nrd; i++) dx[i] = NAN;
+        be->upload(be, tdx, dx, nrd);
+        rf->experts_backward_write(rf, dx, rdw, dy, x, h, cw, da, dh, &ex);
+        be->experts_backward_write(be, tdx, rtdw, tdy, tx, th, ctw, tda, tdh, &ex);
+        double *Sw = dzeros(nrd), *Fw = dzeros(nrd);
+        for (int e = 0; e < E; e++) {
+            const int o = off[e], k = off[e + 1] - off[e];
+            if (k > 0)
+                add_bounds(Sw + (size_t)o * D, Fw + (size_t)o * D, k, D, M,
+                           (opnd){dh + (size_t)o * M, 0, ddh + (size_t)o * M}, (opnd){w[0] + (size_t)e * M * D, 0, NULL});
+        }
+        check16(c, "dx (write)", tdx, dx, Sw, Fw, M, nrd);
+        free(Sw), free(Fw);
+    }
 
     for (int i = 0; i < 4; i++) {
         be->free(be, tw[i]), be->free(be, tdw[i]);
@@ -320,6 +356,11 @@ static void emu_linear_backward(const vlmoe_backend_f32 *be, float *dinp, float 
     for (int o = 0; o < O && db; o++)
         for (int n = N - 1; n >= 0; n--) db[o] += dout[(size_t)n * O + o];
 }
+static void emu_linear_backward_write(const vlmoe_backend_f32 *be, float *dinp, float *dw, float *db,
+                                      const float *dout, const float *inp, const float *w, int N, int K, int O) {
+    memset(dinp, 0, sizeof(float) * N * K);
+    emu_linear_backward(be, dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void emu_act(float *v, size_t n) {
     for (size_t i = 0; i < n; i++) v[i] *= 1 + 3 * U24 * 2; // 3 ulps (one ulp: 2^-23 of [1,2))
 }
@@ -356,12 +397,20 @@ static void emu_experts_backward(const vlmoe_backend_f32 *be, float *dx, float *
                             w[0] + (size_t)e * M * D, k, D, M);
     }
 }
+static void emu_experts_backward_write(const vlmoe_backend_f32 *be, float *dx, float *const dw[4], const float *dy,
+                                       const float *x, const float *h, const float *const w[4], float *da, float *dh,
+                                       const be_experts *ex) {
+    memset(dx + (size_t)ex->off[0] * ex->D, 0, sizeof(float) * (size_t)(ex->off[ex->E] - ex->off[0]) * ex->D);
+    emu_experts_backward(be, dx, dw, dy, x, h, w, da, dh, ex);
+}
 static const vlmoe_backend_f32 *emulated_table(void) {
     static vlmoe_backend_f32 t;
     t = *backend_cpu_bf16();
     t.name = "emulated";
     t.linear_forward = emu_linear_forward, t.linear_backward = emu_linear_backward;
+    t.linear_backward_write = emu_linear_backward_write;
     t.experts_forward = emu_experts_forward, t.experts_backward = emu_experts_backward;
+    t.experts_backward_write = emu_experts_backward_write;
     return &t;
 }
 

@@ -89,6 +89,13 @@ static void check_linear(int N, int K, int O) {
     double e1 = relerr(out, ro, (size_t)N * O), e2 = relerr(dinp, rdi, (size_t)N * K), e3 = relerr(dw, rdw, (size_t)O * K);
     CHECK(e1 <= tol && e2 <= tol && e3 <= tol, "bf16 linear (%d,%d)x(%d,%d): errors out %.3g dinp %.3g dw %.3g of max "
           "|ref| (tolerance %.0g)", N, K, O, K, e1, e2, e3, tol);
+    // db: the fp32 column sums of the unrounded g (summed by dinp's blocks as they round g)
+    double *rdb = calloc(O, sizeof(double));
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < O; o++) rdb[o] += g[(size_t)n * O + o];
+    const double e4 = relerr(db, rdb, O);
+    CHECK(e4 <= tol, "bf16 linear (%d,%d,%d): db error %.3g of max |ref| (tolerance %.0g)", N, K, O, e4, tol);
+    free(rdb);
     // beta 0 (no bias) gives the plain product; and 1 thread gives the bits of 2
     float *o1 = malloc(sizeof(float) * N * O), *o2 = malloc(sizeof(float) * N * O);
     omp_set_num_threads(1);
@@ -104,8 +111,58 @@ static void check_linear(int N, int K, int O) {
             worst = fmax(worst, fabs(o1[(size_t)n * O + o] - s) / sqrt((double)K));
         }
     CHECK(worst <= 1e-5, "bf16 linear (%d,%d,%d) beta 0: error %.3g (per sqrt(K))", N, K, O, worst);
+    // the write mode: dinp full of NaN, which an accumulate or a sum post-op left in would read;
+    // the values of an accumulate into zeros, and dw, db accumulated to the same bits
+    float *da = calloc((size_t)N * K, sizeof(float)), *dn = malloc(sizeof(float) * N * K);
+    float *dwa = calloc((size_t)O * K, sizeof(float)), *dwn = calloc((size_t)O * K, sizeof(float));
+    float *dba = calloc(O, sizeof(float)), *dbn = calloc(O, sizeof(float));
+    for (size_t i = 0; i < (size_t)N * K; i++) dn[i] = NAN;
+    linear_backward_bf16(da, dwa, dba, g, x, w, N, K, O);
+    linear_backward_write_bf16(dn, dwn, dbn, g, x, w, N, K, O);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)N * K; i++) bad += !(dn[i] == da[i]);
+    CHECK(bad == 0, "bf16 linear_backward_write (%d,%d,%d): %zu dinp values differ from an accumulate into zeros",
+          N, K, O, bad);
+    CHECK(!memcmp(dwa, dwn, sizeof(float) * O * K) && !memcmp(dba, dbn, sizeof(float) * O),
+          "bf16 linear_backward_write (%d,%d,%d): dw or db differ from linear_backward_bf16's", N, K, O);
+    free(da), free(dn), free(dwa), free(dwn), free(dba), free(dbn);
     free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db), free(ro), free(rdi), free(rdw);
     free(o1), free(o2), free(xr), free(wr), free(gr);
+}
+
+// The cpu-bf16 expert bank's forward reads act(h) as the first product's epilogue rounded it
+// (mlp_forward_bf16): y and h must be the bits of the two products run apart, at 1 and 2
+// threads, for experts of many rows, of a remainder block's rows, of no rows and of one row.
+static void check_mlp_prerounded(void) {
+    enum { E = 4, D = 96, M = 200, R = 1101 };
+    const int32_t off[E + 1] = {0, 700, 700, 1100, R};
+    const be_experts ex = {E, D, M, VLMOE_ACT_GELU, off};
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, 99);
+    float *w[4] = {randf((size_t)E * M * D, &r), randf((size_t)E * M, &r), randf((size_t)E * D * M, &r), randf((size_t)E * D, &r)};
+    float *x = randf((size_t)R * D, &r), *y0 = randf((size_t)R * D, &r);
+    float *y = malloc(sizeof(float) * R * D), *yr = malloc(sizeof(float) * R * D), *h = malloc(sizeof(float) * R * M);
+    float *hr = malloc(sizeof(float) * R * M), *a = malloc(sizeof(float) * R * M), *ar = malloc(sizeof(float) * R * M);
+    const float *const cw[4] = {w[0], w[1], w[2], w[3]};
+    for (int thr = 1; thr <= 2; thr++) {
+        omp_set_num_threads(thr);
+        memcpy(y, y0, sizeof(float) * R * D), memcpy(yr, y0, sizeof(float) * R * D);
+        backend_cpu_bf16()->experts_forward(backend_cpu_bf16(), y, h, a, x, cw, &ex, 1);
+        for (int e = 0; e < E; e++) {
+            const size_t o = (size_t)off[e];
+            const int k = off[e + 1] - off[e];
+            if (k <= 0) continue;
+            linear_act_forward_bf16(hr + o * M, ar + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k,
+                                    D, M, VLMOE_ACT_GELU);
+            linear_forward_bf16(yr + o * D, ar + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, 1);
+        }
+        CHECK(!memcmp(h, hr, sizeof(float) * R * M) && !memcmp(a, ar, sizeof(float) * R * M),
+              "bf16 expert bank, %d threads: h or act(h) differ from linear_act_forward_bf16's", thr);
+        CHECK(!memcmp(y, yr, sizeof(float) * R * D),
+              "bf16 expert bank, %d threads: y from the pre-rounded act(h) differs from the products run apart", thr);
+    }
+    for (int i = 0; i < 4; i++) free(w[i]);
+    free(x), free(y0), free(y), free(yr), free(h), free(hr), free(a), free(ar);
 }
 
 // The bf16 products of shapes that cut into several row blocks with a remainder, have few
@@ -125,7 +182,7 @@ static int probe(const char *path) {
         linear_forward_bf16(out, x, w, b, N, K, O, 0);
         linear_backward_bf16(dinp, dw, db, g, x, w, N, K, O);
         fwrite(out, sizeof(float), (size_t)N * O, f), fwrite(dinp, sizeof(float), (size_t)N * K, f);
-        fwrite(dw, sizeof(float), (size_t)O * K, f);
+        fwrite(dw, sizeof(float), (size_t)O * K, f), fwrite(db, sizeof(float), (size_t)O, f);
         free(x), free(w), free(b), free(g), free(out), free(dinp), free(dw), free(db);
     }
     return fclose(f) != 0;
@@ -382,6 +439,7 @@ int main(int argc, char **argv) {
     vlmoe_model_free(m);
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    check_mlp_prerounded();
     if (argc > 0) check_threads(argv[0]);
     check_model();
     if (argc > 0) check_cli(argv[0]);

@@ -70,6 +70,47 @@ static void test_linear(void) {
     free(c.out), free(c.inp), free(c.w), free(c.b), free(c.r), free(di), free(dw), free(db);
 }
 
+// linear_backward_write: dinp filled with NaN first, so an accumulate (or beta*dinp) left in
+// the write mode shows; its values must equal linear_backward's into zeros, and dw, db must
+// accumulate the same bits. f64 (the reference table) and f32 (sgemm, and its 1-row path).
+static void test_linear_write(void) {
+    const int shapes[][3] = {{37, 29, 23}, {1, 40, 7}, {600, 40, 70}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        const int N = shapes[s][0], K = shapes[s][1], O = shapes[s][2];
+        const size_t nx = (size_t)N * K, nw = (size_t)O * K, ng = (size_t)N * O;
+        double *x = randv(nx, 1), *w = randv(nw, 1), *g = randv(ng, 1), *dw0 = randv(nw, 1), *db0 = randv(O, 1);
+        double *da = zeros(nx), *dn = malloc(sizeof(double) * nx), *dwa = malloc(sizeof(double) * nw);
+        double *dwn = malloc(sizeof(double) * nw), *dba = malloc(sizeof(double) * O), *dbn = malloc(sizeof(double) * O);
+        for (size_t i = 0; i < nx; i++) dn[i] = NAN;
+        memcpy(dwa, dw0, sizeof(double) * nw), memcpy(dwn, dw0, sizeof(double) * nw);
+        memcpy(dba, db0, sizeof(double) * O), memcpy(dbn, db0, sizeof(double) * O);
+        linear_backward_f64(da, dwa, dba, g, x, w, N, K, O);
+        linear_backward_write_f64(dn, dwn, dbn, g, x, w, N, K, O);
+        size_t bad = 0;
+        for (size_t i = 0; i < nx; i++) bad += !(dn[i] == da[i]);
+        CHECK(bad == 0, "linear_backward_write_f64 (%d,%d,%d): %zu of %zu dinp values differ from an accumulate into "
+              "zeros (a NaN-filled dinp was read)", N, K, O, bad, nx);
+        CHECK(!memcmp(dwa, dwn, sizeof(double) * nw) && !memcmp(dba, dbn, sizeof(double) * O),
+              "linear_backward_write_f64 (%d,%d,%d): dw or db differ from linear_backward's", N, K, O);
+        float *fx = malloc(sizeof(float) * nx), *fw = malloc(sizeof(float) * nw), *fg = malloc(sizeof(float) * ng);
+        float *fa = calloc(nx, sizeof(float)), *fn = malloc(sizeof(float) * nx), *fwa = calloc(nw, sizeof(float));
+        float *fwn = calloc(nw, sizeof(float)), *fba = calloc(O, sizeof(float)), *fbn = calloc(O, sizeof(float));
+        for (size_t i = 0; i < nx; i++) fx[i] = (float)x[i], fn[i] = NAN;
+        for (size_t i = 0; i < nw; i++) fw[i] = (float)w[i];
+        for (size_t i = 0; i < ng; i++) fg[i] = (float)g[i];
+        linear_backward_f32(fa, fwa, fba, fg, fx, fw, N, K, O);
+        linear_backward_write_f32(fn, fwn, fbn, fg, fx, fw, N, K, O);
+        bad = 0;
+        for (size_t i = 0; i < nx; i++) bad += !(fn[i] == fa[i]);
+        CHECK(bad == 0, "linear_backward_write_f32 (%d,%d,%d): %zu of %zu dinp values differ from an accumulate into "
+              "zeros (a NaN-filled dinp was read)", N, K, O, bad, nx);
+        CHECK(!memcmp(fwa, fwn, sizeof(float) * nw) && !memcmp(fba, fbn, sizeof(float) * O),
+              "linear_backward_write_f32 (%d,%d,%d): dw or db differ from linear_backward's", N, K, O);
+        free(x), free(w), free(g), free(dw0), free(db0), free(da), free(dn), free(dwa), free(dwn), free(dba), free(dbn);
+        free(fx), free(fw), free(fg), free(fa), free(fn), free(fwa), free(fwn), free(fba), free(fbn);
+    }
+}
+
 // ---- layernorm
 typedef struct { double *out, *m, *rs, *inp, *w, *b, *r; int N, C; } ln_ctx;
 static double ln_loss(void *p) {
@@ -462,6 +503,7 @@ int main(void) {
     test_verf();
     test_linear_rows();
     test_linear();
+    test_linear_write();
     test_layernorm();
     test_activations();
     test_attention();

@@ -117,6 +117,10 @@ CU_INTERNAL void cu_linear_fwd(const backend *be, int bf16, float *out, const fl
                                const float *b, int N, int K, int O, int beta);
 CU_INTERNAL void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db,
                                const float *dout, const float *inp, const float *w, int N, int K, int O);
+// cu_linear_bwd with dinp = dout.w + beta dinp (beta 0: written, never read)
+CU_INTERNAL void cu_linear_bwd_beta(const backend *be, int bf16, float *dinp, float *dw, float *db,
+                                    const float *dout, const float *inp, const float *w, int N, int K, int O,
+                                    float beta);
 CU_INTERNAL void cu_act_forward(const backend *be, float *out, const float *inp, size_t n, int kind);
 CU_INTERNAL void cu_act_backward(const backend *be, float *dinp, const float *inp, const float *dout,
                                  size_t n, int kind);

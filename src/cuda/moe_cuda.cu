@@ -141,11 +141,11 @@ static int bank_fwd(const backend *be, int bf16, float *out, const float *inp, c
                      (long long)R * O, E);
 }
 
-// dinp_e (R,K) += dout_e w_e; dw_e (O,K) += dout_e^T inp_e; db_e += colsum(dout_e): cu_linear_bwd
-// for every expert (the column sums per expert in the shape's fixed order, as one expert's)
+// dinp_e (R,K) = dout_e w_e + beta dinp_e; dw_e (O,K) += dout_e^T inp_e; db_e += colsum(dout_e):
+// cu_linear_bwd_beta for every expert (the column sums per expert in the shape's fixed order)
 static int bank_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
-                    const float *inp, const float *w, int R, int K, int O, int E) {
-    if ((dinp && bank_gemm(be, bf16, 0, 0, R, K, O, dout, O, (long long)R * O, w, K, (long long)O * K, 1.0f, dinp,
+                    const float *inp, const float *w, int R, int K, int O, int E, float beta) {
+    if ((dinp && bank_gemm(be, bf16, 0, 0, R, K, O, dout, O, (long long)R * O, w, K, (long long)O * K, beta, dinp,
                            K, (long long)R * K, E)) ||
         bank_gemm(be, bf16, 1, 0, O, K, R, dout, O, (long long)R * O, inp, K, (long long)R * K, 1.0f, dw, K,
                   (long long)O * K, E))
@@ -189,10 +189,11 @@ static void experts_fwd(const backend *be, int bf16, float *y, float *h, float *
     }
 }
 
-// dx and dw {dw1, db1, dw2, db2} ACCUMULATE; da, dh scratch (the activation is recomputed in dh)
+// dx and dw {dw1, db1, dw2, db2} ACCUMULATE (dx_beta 1) or dx's rows are written (dx_beta 0);
+// da, dh scratch (the activation is recomputed in dh)
 static void experts_bwd(const backend *be, int bf16, float *dx, float *const dw[4], const float *dy, const float *x,
                                   const float *h, const float *const w[4], float *da, float *dh,
-                                  const be_experts *ex) {
+                                  const be_experts *ex, float dx_beta) {
     const int D = ex->D, M = ex->M, E = ex->E;
     if (E <= 0) return;
     const size_t r0 = (size_t)ex->off[0], nr = (size_t)(ex->off[E] - ex->off[0]);
@@ -202,7 +203,7 @@ static void experts_bwd(const backend *be, int bf16, float *dx, float *const dw[
     cu_act_forward(be, dh + r0 * M, h + r0 * M, nr * M, ex->act);
     if (CK("experts", cudaMemsetAsync(da + r0 * M, 0, sizeof(float) * nr * M, st))) return;
     if (R) {
-        if (bank_bwd(be, bf16, da + r0 * M, dw[2], dw[3], dy + r0 * D, dh + r0 * M, w[2], R, M, D, E)) return;
+        if (bank_bwd(be, bf16, da + r0 * M, dw[2], dw[3], dy + r0 * D, dh + r0 * M, w[2], R, M, D, E, 1.0f)) return;
     } else {
         for (int e = 0; e < E; e++) {
             const size_t o = (size_t)ex->off[e];
@@ -215,15 +216,15 @@ static void experts_bwd(const backend *be, int bf16, float *dx, float *const dw[
     if (CK("experts", cudaMemsetAsync(dh + r0 * M, 0, sizeof(float) * nr * M, st))) return;
     cu_act_backward(be, dh + r0 * M, h + r0 * M, da + r0 * M, nr * M, ex->act);
     if (R) {
-        bank_bwd(be, bf16, dx + r0 * D, dw[0], dw[1], dh + r0 * M, x + r0 * D, w[0], R, D, M, E);
+        bank_bwd(be, bf16, dx + r0 * D, dw[0], dw[1], dh + r0 * M, x + r0 * D, w[0], R, D, M, E, dx_beta);
         return;
     }
     for (int e = 0; e < E; e++) {
         const size_t o = (size_t)ex->off[e];
         const int k = ex->off[e + 1] - ex->off[e];
         if (k > 0)
-            cu_linear_bwd(be, bf16, dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dh + o * M, x + o * D,
-                               w[0] + (size_t)e * M * D, k, D, M);
+            cu_linear_bwd_beta(be, bf16, dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dh + o * M,
+                               x + o * D, w[0] + (size_t)e * M * D, k, D, M, dx_beta);
     }
 }
 
@@ -234,7 +235,12 @@ static void cuda_experts_forward(const backend *be, float *y, float *h, float *a
 static void cuda_experts_backward(const backend *be, float *dx, float *const dw[4], const float *dy, const float *x,
                                   const float *h, const float *const w[4], float *da, float *dh,
                                   const be_experts *ex) {
-    experts_bwd(be, 0, dx, dw, dy, x, h, w, da, dh, ex);
+    experts_bwd(be, 0, dx, dw, dy, x, h, w, da, dh, ex, 1.0f);
+}
+static void cuda_experts_backward_write(const backend *be, float *dx, float *const dw[4], const float *dy,
+                                        const float *x, const float *h, const float *const w[4], float *da,
+                                        float *dh, const be_experts *ex) {
+    experts_bwd(be, 0, dx, dw, dy, x, h, w, da, dh, ex, 0.0f);
 }
 static void bf16_experts_forward(const backend *be, float *y, float *h, float *a, const float *x,
                                  const float *const w[4], const be_experts *ex, int beta) {
@@ -243,7 +249,12 @@ static void bf16_experts_forward(const backend *be, float *y, float *h, float *a
 static void bf16_experts_backward(const backend *be, float *dx, float *const dw[4], const float *dy, const float *x,
                                   const float *h, const float *const w[4], float *da, float *dh,
                                   const be_experts *ex) {
-    experts_bwd(be, 1, dx, dw, dy, x, h, w, da, dh, ex);
+    experts_bwd(be, 1, dx, dw, dy, x, h, w, da, dh, ex, 1.0f);
+}
+static void bf16_experts_backward_write(const backend *be, float *dx, float *const dw[4], const float *dy,
+                                        const float *x, const float *h, const float *const w[4], float *da,
+                                        float *dh, const be_experts *ex) {
+    experts_bwd(be, 1, dx, dw, dy, x, h, w, da, dh, ex, 0.0f);
 }
 
 // ---- Soft MoE over one group (src/moe/soft.h): the layouts of acts and scratch are soft.c's,
@@ -476,6 +487,7 @@ void cuda_fill_moe(backend *be) {
     be->router_noise = cuda_router_noise;
     be->experts_forward = cuda_experts_forward;
     be->experts_backward = cuda_experts_backward;
+    be->experts_backward_write = cuda_experts_backward_write;
     be->soft_moe_forward = cuda_soft_moe_forward;
     be->soft_moe_backward = cuda_soft_moe_backward;
 }
@@ -485,4 +497,5 @@ void cuda_fill_moe(backend *be) {
 void cuda_fill_moe_bf16(backend *be) {
     be->experts_forward = bf16_experts_forward;
     be->experts_backward = bf16_experts_backward;
+    be->experts_backward_write = bf16_experts_backward_write;
 }

@@ -42,12 +42,17 @@ void cu_linear_fwd(const backend *be, int bf16, float *out, const float *inp, co
     lin_gemm(be, bf16, 0, 1, N, O, K, inp, K, w, K, beta || b ? 1.0f : 0.0f, out, O);
 }
 
-// dinp (N,K) += dout.w (dinp may be NULL); dw (O,K) += dout^T.inp; db (O) += colsum(dout)
-void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
-                   const float *inp, const float *w, int N, int K, int O) {
-    if (dinp && lin_gemm(be, bf16, 0, 0, N, K, O, dout, O, w, K, 1.0f, dinp, K)) return;
+// dinp (N,K) = dout.w + beta dinp (dinp may be NULL; beta 0: cuBLAS does not read it);
+// dw (O,K) += dout^T.inp; db (O) += colsum(dout)
+void cu_linear_bwd_beta(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
+                        const float *inp, const float *w, int N, int K, int O, float beta) {
+    if (dinp && lin_gemm(be, bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K)) return;
     if (lin_gemm(be, bf16, 1, 0, O, K, N, dout, O, inp, K, 1.0f, dw, K)) return;
     if (db) cu_colsum(be, "linear", db, dout, NULL, NULL, NULL, N, O, 1);
+}
+void cu_linear_bwd(const backend *be, int bf16, float *dinp, float *dw, float *db, const float *dout,
+                   const float *inp, const float *w, int N, int K, int O) {
+    cu_linear_bwd_beta(be, bf16, dinp, dw, db, dout, inp, w, N, K, O, 1.0f);
 }
 
 static void cuda_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
@@ -58,6 +63,10 @@ static void cuda_linear_backward(const backend *be, float *dinp, float *dw, floa
                                  const float *inp, const float *w, int N, int K, int O) {
     cu_linear_bwd(be, 0, dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void cuda_linear_backward_write(const backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                       const float *inp, const float *w, int N, int K, int O) {
+    cu_linear_bwd_beta(be, 0, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
+}
 static void bf16_linear_forward(const backend *be, float *out, const float *inp, const float *w, const float *b,
                                 int N, int K, int O, int beta) {
     cu_linear_fwd(be, 1, out, inp, w, b, N, K, O, beta);
@@ -65,6 +74,10 @@ static void bf16_linear_forward(const backend *be, float *out, const float *inp,
 static void bf16_linear_backward(const backend *be, float *dinp, float *dw, float *db, const float *dout,
                                  const float *inp, const float *w, int N, int K, int O) {
     cu_linear_bwd(be, 1, dinp, dw, db, dout, inp, w, N, K, O);
+}
+static void bf16_linear_backward_write(const backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                       const float *inp, const float *w, int N, int K, int O) {
+    cu_linear_bwd_beta(be, 1, dinp, dw, db, dout, inp, w, N, K, O, 0.0f);
 }
 
 // ---- LayerNorm: one block per row
@@ -528,6 +541,7 @@ static void cuda_l2norm_backward(const backend *be, float *dx, const float *dout
 void cuda_fill_nn(backend *be) {
     be->linear_forward = cuda_linear_forward;
     be->linear_backward = cuda_linear_backward;
+    be->linear_backward_write = cuda_linear_backward_write;
     be->layernorm_forward = cuda_layernorm_forward;
     be->layernorm_recompute = cuda_layernorm_recompute;
     be->layernorm_backward = cuda_layernorm_backward;
@@ -552,4 +566,5 @@ void cuda_fill_nn(backend *be) {
 void cuda_fill_nn_bf16(backend *be) {
     be->linear_forward = bf16_linear_forward;
     be->linear_backward = bf16_linear_backward;
+    be->linear_backward_write = bf16_linear_backward_write;
 }

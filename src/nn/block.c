@@ -57,6 +57,18 @@ static void drop_scale(const R(block_pass) *p, real *buf, const double *factor, 
         else if (factor[b] != 1) p->be->scale(p->be, buf + (size_t)b * run, run, (float)factor[b]);
 }
 
+// linear_backward for dinp's first writer: the table writes dinp (its linear_backward_write),
+// or, in a table without that mode, dinp is zeroed and accumulated into
+static void lin_bwd_write(const R(vlmoe_backend) *be, real *dinp, real *dw, real *db, const real *dout,
+                          const real *inp, const real *w, int N, int K, int O) {
+    if (be->linear_backward_write) {
+        be->linear_backward_write(be, dinp, dw, db, dout, inp, w, N, K, O);
+        return;
+    }
+    be->zero(be, dinp, (size_t)N * K);
+    be->linear_backward(be, dinp, dw, db, dout, inp, w, N, K, O);
+}
+
 // A dense MLP is the expert bank of one expert over the part's rows.
 typedef struct {
     int32_t off[2];
@@ -108,7 +120,6 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
     real *ln = p->ln + f->row0 * D, *dln = p->dln + f->row0 * D;
     const real *m = a->ln2_m + f->row0, *r = a->ln2_r + f->row0;
     be->layernorm_recompute(be, ln, x, P + f->ln_w, P + f->ln_b, m, r, ns, D);
-    be->zero(be, dln, (size_t)ns * D);
     // drop path: the branch sees d(out) times its sequence's factor; the residual d(out) itself
     const real *dyb = dy;
     if (p->drop[1]) {
@@ -118,14 +129,22 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
         dyb = s;
     }
     if (f->f->kind == FFN_MOE) {
+        // the MoE layer accumulates into dln (its experts' and the router's parts)
+        be->zero(be, dln, (size_t)ns * D);
         R(moe_backward)(f->moe, P, G, ln, dyb, dln, 1.0);
     } else {
+        // the dense MLP (one expert over all ns rows) is dln's first and only writer
         dense_mlp d;
         dense_of(&d, p, f->f, P, ns);
         const ffn_layout *fl = f->f;
         real *const dw[4] = {G + fl->fc1_w, G + fl->fc1_b, G + fl->fc2_w, G + fl->fc2_b};
-        be->experts_backward(be, dln, dw, dyb, ln, a->h + f->row0 * M, d.w, p->da + f->row0 * M,
-                             p->dh + f->row0 * M, &d.ex);
+        real *h = a->h + f->row0 * M, *da = p->da + f->row0 * M, *dh = p->dh + f->row0 * M;
+        if (be->experts_backward_write) {
+            be->experts_backward_write(be, dln, dw, dyb, ln, h, d.w, da, dh, &d.ex);
+        } else {
+            be->zero(be, dln, (size_t)ns * D);
+            be->experts_backward(be, dln, dw, dyb, ln, h, d.w, da, dh, &d.ex);
+        }
     }
     be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, x, P + f->ln_w, m, r, ns, D);
 }
@@ -194,18 +213,17 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
         drop_scale(p, p->dbuf + t0 * D, p->drop[0], p->drop_nseq, n / p->drop_nseq);
         dbranch = p->dbuf + t0 * D;
     }
-    be->zero(be, p->datty + t0 * D, (size_t)n * D);
-    be->linear_backward(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D,
-                       P + bl->out_w, n, D, D);
+    // the out projection and the qkv product are the first writers of datty and dln: no zeroing
+    lin_bwd_write(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D, P + bl->out_w, n,
+                  D, D);
     // attention_backward writes dqkv (no zeroing): the segments cover the pass's n tokens
     for (int k = 0; k < p->nseg; k++)
         be->attention_backward(be, p->dqkv, p->datt + p->att_off[k], p->datty, a->qkv, p->att + p->att_off[k],
                               &p->seg[k], D, H);
-    be->zero(be, p->dln + t0 * D, (size_t)n * D);
     be->layernorm_recompute(be, p->ln + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m + t0,
                            a->ln1_r + t0, n, D);
-    be->linear_backward(be, p->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, p->dqkv + t0 * 3 * D, p->ln + t0 * D,
-                       P + bl->qkv_w, n, D, 3 * D);
+    lin_bwd_write(be, p->dln + t0 * D, G + bl->qkv_w, G + bl->qkv_b, p->dqkv + t0 * 3 * D, p->ln + t0 * D,
+                  P + bl->qkv_w, n, D, 3 * D);
     be->layernorm_backward(be, p->dres + t0 * D, G + bl->ln1_w, G + bl->ln1_b, p->dln + t0 * D, x + t0 * D,
                           P + bl->ln1_w, a->ln1_m + t0, a->ln1_r + t0, n, D);
 }

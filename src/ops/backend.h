@@ -154,6 +154,10 @@ static inline size_t be_route_work_bytes(int S, int E) {
                                const T *b, int N, int K, int O, int beta);                       \
         void (*linear_backward)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,              \
                                 const T *dout, const T *inp, const T *w, int N, int K, int O);   \
+        /* linear_backward writing dinp, never reading it (ops.h); NULL in a table that lacks  */ \
+        /* it: the caller then zeroes dinp and accumulates (src/nn/block.c, lin_bwd_write)     */ \
+        void (*linear_backward_write)(const vlmoe_backend_##S *be, T *dinp, T *dw, T *db,        \
+                                      const T *dout, const T *inp, const T *w, int N, int K, int O); \
         void (*layernorm_forward)(const vlmoe_backend_##S *be, T *out, T *mean, T *rstd,         \
                                   const T *inp, const T *w, const T *b, int N, int C, double eps); \
         void (*layernorm_recompute)(const vlmoe_backend_##S *be, T *out, const T *inp,           \
@@ -253,6 +257,12 @@ static inline size_t be_route_work_bytes(int S, int E) {
         void (*experts_backward)(const vlmoe_backend_##S *be, T *dx, T *const dw[4],             \
                                  const T *dy, const T *x, const T *h, const T *const w[4],        \
                                  T *da, T *dh, const be_experts *ex);                            \
+        /* the same, but dx's rows [off[0], off[E]) are written, never read (the experts'      */ \
+        /* linear_backward_write), the others left alone: for dx's first writer (a dense MLP's */ \
+        /* dln in src/nn/block.c). NULL in a table without it: the caller zeroes, accumulates */ \
+        void (*experts_backward_write)(const vlmoe_backend_##S *be, T *dx, T *const dw[4],       \
+                                       const T *dy, const T *x, const T *h, const T *const w[4],  \
+                                       T *da, T *dh, const be_experts *ex);                      \
         /* trainer: sum of squares in a fixed chunk order (any thread count gives the same */    \
         /* bits); *nonfinite set to 1 when an element is NaN or infinite */                      \
         double (*sumsq)(const vlmoe_backend_##S *be, const T *x, size_t n, int *nonfinite);      \

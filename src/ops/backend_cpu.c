@@ -62,6 +62,10 @@ static void cpu_linear_backward(const backend *be, real *dinp, real *dw, real *d
                                 const real *inp, const real *w, int N, int K, int O) {
     PROF_SCOPE(PROF_OTHER) R(linear_backward)(dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void cpu_linear_backward_write(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                      const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) R(linear_backward_write)(dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void cpu_layernorm_forward(const backend *be, real *out, real *mean, real *rstd,
                                   const real *inp, const real *w, const real *b, int N, int C,
                                   double eps) {
@@ -323,9 +327,14 @@ typedef struct {
                     int act);
     void (*bwd_act)(real *dh, real *a, real *dw, real *db, const real *dy, const real *h, const real *w,
                     int N, int M, int O, int act);
+    void (*bwd_write)(real *dinp, real *dw, real *db, const real *dout, const real *inp, const real *w, int N,
+                      int K, int O); // bwd writing dinp (linear_backward_write)
+    // fwd_act then fwd in one (mlp_forward_bf16: the second reads the first's rounded output), or NULL
+    void (*mlp_fwd)(real *y, real *h, real *a, const real *x, const real *const w[4], int N, int D, int M, int act,
+                    int beta);
 } products;
-static const products full = {R(linear_forward), R(linear_backward), R(linear_act_forward),
-                              R(act_linear_backward)};
+static const products full = {.fwd = R(linear_forward), .bwd = R(linear_backward), .fwd_act = R(linear_act_forward),
+                              .bwd_act = R(act_linear_backward), .bwd_write = R(linear_backward_write)};
 
 // One expert's rows at a time, in expert order: the same kernel calls a dense MLP makes. The
 // bias and activation run inside the first product (the GELU's time counts as the products').
@@ -337,17 +346,23 @@ static void experts_forward(const products *pr, real *y, real *h, real *a, const
             const size_t o = (size_t)ex->off[e];
             const int k = ex->off[e + 1] - ex->off[e];
             if (k <= 0) continue;
-            pr->fwd_act(h + o * M, a + o * M, x + o * D, w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, k,
-                        D, M, ex->act);
-            pr->fwd(y + o * D, a + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, beta);
+            const real *const we[4] = {w[0] + (size_t)e * M * D, w[1] + (size_t)e * M, w[2] + (size_t)e * D * M,
+                                       w[3] + (size_t)e * D};
+            if (pr->mlp_fwd) {
+                pr->mlp_fwd(y + o * D, h + o * M, a + o * M, x + o * D, we, k, D, M, ex->act, beta);
+                continue;
+            }
+            pr->fwd_act(h + o * M, a + o * M, x + o * D, we[0], we[1], k, D, M, ex->act);
+            pr->fwd(y + o * D, a + o * M, we[2], we[3], k, M, D, beta);
         }
     }
 }
 
-// dh is written whole by the fused product (no zeroing), da holds the recomputed activations.
+// dh is written whole by the fused product (no zeroing), da holds the recomputed activations;
+// dx's rows are accumulated into, or, with write, written (each row is one expert's)
 static void experts_backward(const products *pr, real *dx, real *const dw[4], const real *dy,
                              const real *x, const real *h, const real *const w[4], real *da,
-                             real *dh, const be_experts *ex) {
+                             real *dh, const be_experts *ex, int write) {
     PROF_SCOPE(PROF_OTHER) {
         const int D = ex->D, M = ex->M;
         for (int e = 0; e < ex->E; e++) {
@@ -357,8 +372,8 @@ static void experts_backward(const products *pr, real *dx, real *const dw[4], co
             real *dhe = dh + o * M;
             pr->bwd_act(dhe, da + o * M, dw[2] + (size_t)e * D * M, dw[3] + (size_t)e * D, dy + o * D,
                         h + o * M, w[2] + (size_t)e * D * M, k, M, D, ex->act);
-            pr->bwd(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe, x + o * D,
-                    w[0] + (size_t)e * M * D, k, D, M);
+            (write ? pr->bwd_write : pr->bwd)(dx + o * D, dw[0] + (size_t)e * M * D, dw[1] + (size_t)e * M, dhe,
+                                              x + o * D, w[0] + (size_t)e * M * D, k, D, M);
         }
     }
 }
@@ -370,7 +385,12 @@ static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, co
 static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
                                  const real *x, const real *h, const real *const w[4], real *da,
                                  real *dh, const be_experts *ex) {
-    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex);
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex, 0);
+}
+static void cpu_experts_backward_write(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                       const real *x, const real *h, const real *const w[4], real *da,
+                                       real *dh, const be_experts *ex) {
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex, 1);
 }
 
 #ifndef VLMOE_REAL_F64
@@ -378,8 +398,9 @@ static void cpu_experts_backward(const backend *be, real *dx, real *const dw[4],
 // bf16 with fp32 accumulation (src/ops/gemm_bf16.c); the rest is the fp32 table's, and so is
 // the router (the table's fp32 field), as in PyTorch's CPU autocast and the CUDA backend's
 // fp32-everywhere default.
-static const products half = {linear_forward_bf16, linear_backward_bf16, linear_act_forward_bf16,
-                              act_linear_backward_bf16};
+static const products half = {.fwd = linear_forward_bf16, .bwd = linear_backward_bf16,
+                              .fwd_act = linear_act_forward_bf16, .bwd_act = act_linear_backward_bf16,
+                              .bwd_write = linear_backward_write_bf16, .mlp_fwd = mlp_forward_bf16};
 static void bf16_linear_forward(const backend *be, real *out, const real *inp, const real *w,
                                 const real *b, int N, int K, int O, int beta) {
     PROF_SCOPE(PROF_OTHER) linear_forward_bf16(out, inp, w, b, N, K, O, beta);
@@ -388,6 +409,10 @@ static void bf16_linear_backward(const backend *be, real *dinp, real *dw, real *
                                  const real *inp, const real *w, int N, int K, int O) {
     PROF_SCOPE(PROF_OTHER) linear_backward_bf16(dinp, dw, db, dout, inp, w, N, K, O);
 }
+static void bf16_linear_backward_write(const backend *be, real *dinp, real *dw, real *db, const real *dout,
+                                       const real *inp, const real *w, int N, int K, int O) {
+    PROF_SCOPE(PROF_OTHER) linear_backward_write_bf16(dinp, dw, db, dout, inp, w, N, K, O);
+}
 static void bf16_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
                                  const real *const w[4], const be_experts *ex, int beta) {
     experts_forward(&half, y, h, a, x, w, ex, beta);
@@ -395,7 +420,12 @@ static void bf16_experts_forward(const backend *be, real *y, real *h, real *a, c
 static void bf16_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
                                   const real *x, const real *h, const real *const w[4], real *da,
                                   real *dh, const be_experts *ex) {
-    experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex);
+    experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex, 0);
+}
+static void bf16_experts_backward_write(const backend *be, real *dx, real *const dw[4], const real *dy,
+                                        const real *x, const real *h, const real *const w[4], real *da,
+                                        real *dh, const be_experts *ex) {
+    experts_backward(&half, dx, dw, dy, x, h, w, da, dh, ex, 1);
 }
 
 // ---- the cpu-int8 tables (`--precision int8`, inference only): the expert banks (a dense MLP
@@ -441,7 +471,7 @@ static void int8_experts_forward(const backend *be, real *y, real *h, real *a, c
 static void int8_experts_backward(const backend *be, real *dx, real *const dw[4], const real *dy,
                                   const real *x, const real *h, const real *const w[4], real *da,
                                   real *dh, const be_experts *ex) {
-    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex);
+    experts_backward(&full, dx, dw, dy, x, h, w, da, dh, ex, 0);
 }
 #endif
 
@@ -633,8 +663,10 @@ static const backend cpu_table = {
     CPU_COMMON_ENTRIES,
     .linear_forward = cpu_linear_forward,
     .linear_backward = cpu_linear_backward,
+    .linear_backward_write = cpu_linear_backward_write,
     .experts_forward = cpu_experts_forward,
     .experts_backward = cpu_experts_backward,
+    .experts_backward_write = cpu_experts_backward_write,
 };
 
 const backend *R(backend_cpu)(void) { return &cpu_table; }
@@ -646,8 +678,10 @@ static const backend cpu_bf16_table = {
     .fp32 = &cpu_table,
     .linear_forward = bf16_linear_forward,
     .linear_backward = bf16_linear_backward,
+    .linear_backward_write = bf16_linear_backward_write,
     .experts_forward = bf16_experts_forward,
     .experts_backward = bf16_experts_backward,
+    .experts_backward_write = bf16_experts_backward_write,
 };
 
 const backend *backend_cpu_bf16(void) { return &cpu_bf16_table; }
@@ -658,8 +692,10 @@ static const backend cpu_int8_table = {
     .fp32 = &cpu_table,
     .linear_forward = int8_linear_forward,
     .linear_backward = cpu_linear_backward,
+    .linear_backward_write = cpu_linear_backward_write,
     .experts_forward = int8_experts_forward,
     .experts_backward = int8_experts_backward,
+    .experts_backward_write = cpu_experts_backward_write,
 };
 
 void backend_cpu_int8(backend *table, const int8_weights *w) {

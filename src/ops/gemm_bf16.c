@@ -20,12 +20,7 @@ int gemm_bf16_native(void) {
     return (isa & bf16) == bf16;
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
+static inline uint16_t to_bf16(float f) { return bf16_of(f); }
 
 void bf16_pack(uint16_t *dst, const float *src, int rows, int cols, int ld, int trans) {
     if (!trans) {
@@ -195,6 +190,7 @@ typedef struct {
     row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
+    float *cs;          // with pack_a, or NULL: block b's column sums of its rows of A, at cs + b K
     gemm_bf16_epi epi;  // run on each block after its product (NULL: none)
     const void *ctx;
     const float *A, *B; // fp32 operands, for a block that has to fall back to fp32
@@ -416,12 +412,13 @@ static product product_of(int ta, int tb, int M, int N, int K, const float *A, i
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
-// 2: scratchpad, 3: the backward's transposed dout), kept between products: the kernels own no
+// 2: scratchpad, 3: the backward's transposed dout, 4: its blocks' column sums, 5: the caller's
+// pre-rounded operand, gemm_bf16_side), kept between products: the kernels own no
 // workspace (they are pure functions of their arguments), and allocating megabytes per product
 // would cost page faults on every call. The buffers only grow.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[4];
-    static _Thread_local size_t cap[4];
+    static _Thread_local void *buf[6];
+    static _Thread_local size_t cap[6];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -468,6 +465,18 @@ static int block(const product *p, int o, int m, const void *bh) {
     return ok ? 0 : -1;
 }
 
+// bf16_pack's rows (not transposed) and, in the same pass, their column sums in fp32, row by
+// row in order: sum (cols) = the sum of the rows of src. One thread, inside a block.
+static void pack_sum(uint16_t *dst, float *sum, const float *src, int rows, int cols, int ld) {
+    memset(sum, 0, sizeof(float) * cols);
+    for (int i = 0; i < rows; i++) {
+        const float *s = src + (size_t)i * ld;
+        uint16_t *d = dst + (size_t)i * cols;
+#pragma omp simd
+        for (int j = 0; j < cols; j++) d[j] = to_bf16(s[j]), sum[j] += s[j];
+    }
+}
+
 // Runs a planned product whose op(A) is packed or packed by the blocks (pack_a): B into the
 // blocked layout, then the blocks, in one parallel region (with OMP_WAIT_POLICY=PASSIVE, as the
 // vlmoe command and bench/speed.py run, each region wakes the sleeping threads): B's column
@@ -502,7 +511,8 @@ static void execute(const product *p) {
 #pragma omp for schedule(dynamic)
         for (int b = 0; b < nb; b++) {
             const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
-            if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
+            if (p->pack_a && p->cs) pack_sum(p->ah + (size_t)o * p->K, p->cs + (size_t)b * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda);
+            else if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
             if (!ok || block(p, o, m, bh))
                 dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
                            p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb,
@@ -612,20 +622,50 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
     return ok ? 0 : -1;
 }
 
-int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
-                       int O) {
+uint16_t *gemm_bf16_side(size_t n) { return scratch(sizeof(uint16_t) * n, 5); }
+
+int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *A, int lda, const float *B, int ldb,
+                  float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx) {
+    if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
+    product p = product_of(0, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+    p.epi = epi, p.ctx = ctx;
+    const int ok = plan(&p) == 0;
+    if (ok) {
+        p.ah = (uint16_t *)ah, p.pack_a = 0; // read only: the blocks never write ah without pack_a
+        execute(&p);
+    }
+    unplan(&p);
+    return ok ? 0 : -1;
+}
+
+int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
+                       int N, int K, int O, float beta) {
     if (!engine() || N <= 0 || K <= 0 || O <= 0) return -1;
-    // dinp (N,K) += dout (N,O) . w (O,K); dw (O,K) += dout^T (O,N) . inp (N,K): dout is rounded
-    // once, and its transpose made from the bf16 copy (half the bytes to read)
-    product pi = product_of(0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    // dinp (N,K) = dout (N,O) . w (O,K) + beta dinp; dw (O,K) += dout^T (O,N) . inp (N,K): dout
+    // is rounded once, and its transpose made from the bf16 copy (half the bytes to read). With
+    // beta 0 dinp's matmul has no sum post-op, so neither brgemm nor the sgemm fallback reads it.
+    product pi = product_of(0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     product pw = product_of(1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
     uint16_t *gh = scratch(sizeof(uint16_t) * (size_t)N * O, 0), *gt = scratch(sizeof(uint16_t) * (size_t)N * O, 3);
-    const int ok = gh && gt && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
+    // db's sums: each of dinp's blocks sums its rows of dout while rounding them (dout is read
+    // once, not again by a column-sum pass), then the blocks' sums are added in block order: the
+    // blocks are the shape's, so the bits do not depend on the thread count
+    const int nb = blocks_of(&pi.rs);
+    float *cs = db && dinp ? scratch(sizeof(float) * (size_t)nb * O, 4) : NULL;
+    const int ok = gh && gt && (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
     if (ok) {
         // dinp's blocks round dout as they go (without dinp, one pass does)
-        pi.ah = gh, pi.pack_a = 1, pw.ah = gt;
+        pi.ah = gh, pi.pack_a = 1, pi.cs = cs, pw.ah = gt;
         if (dinp) execute(&pi);
         else bf16_pack(gh, dout, N, O, O, 0);
+        if (cs) {
+#pragma omp parallel for schedule(static) if ((size_t)nb * O >= 65536)
+            for (int j = 0; j < O; j++) {
+                float s = 0;
+                for (int b = 0; b < nb; b++) s += cs[(size_t)b * O + j];
+                db[j] += s;
+            }
+        }
         if (transpose(gt, gh, 1, O, N, O)) bf16_pack(gt, dout, O, N, O, 1);
         execute(&pw);
     }

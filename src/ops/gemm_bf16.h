@@ -7,10 +7,20 @@
 #define VLMOE_OPS_GEMM_BF16_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 // 1 when oneDNN runs bf16 matmuls natively on this CPU (AVX512_BF16 or AMX), else 0: then
 // bf16 products would be emulated, slower than fp32, and the caller keeps fp32.
 int gemm_bf16_native(void);
+
+// f rounded to bf16 (nearest even; NaN stays a quiet NaN): the one rounding of every operand,
+// so an operand rounded by its producer has the bits the product would give it
+static inline uint16_t bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); // quiet NaN
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
 
 // dst (rows, cols) = src rounded to bf16 (nearest even; NaN stays NaN); src (rows, cols) with
 // leading dimension ld, or, with trans, src (cols, rows) read transposed. Threads split the rows.
@@ -26,11 +36,22 @@ typedef void (*gemm_bf16_epi)(const void *ctx, float *C, int ldc, int r0, int nr
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
               float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx);
 
-// The two products of linear_backward_bf16: dinp (N,K) += dout (N,O) . w (O,K) (skipped when
-// dinp is NULL) and dw (O,K) += dout^T . inp (N,K), with dout rounded to bf16 once for both.
-// Returns 0, or -1 with neither touched (the caller then computes both in fp32).
-int gemm_bf16_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w, int N, int K,
-                       int O);
+// gemm_bf16 (ta 0) with op(A) already rounded by its producer: ah (M,K) row-major bf16 holds
+// bf16_of of A's values, so C gets the bits gemm_bf16 would give, without A's rounding pass.
+// A (fp32) is still read by a block that falls back to fp32. Returns as gemm_bf16.
+int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *A, int lda, const float *B, int ldb,
+                  float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx);
+// n bf16 values of this thread's buffer for such a pre-rounded operand, kept between calls (the
+// products use other buffers, so it lives until the next call); NULL when memory runs out
+uint16_t *gemm_bf16_side(size_t n);
+
+// The two products of linear_backward_bf16: dinp (N,K) = dout (N,O) . w (O,K) + beta dinp
+// (beta 1 accumulates, 0 writes without reading dinp; skipped when dinp is NULL) and dw (O,K) +=
+// dout^T . inp (N,K), with dout rounded to bf16 once for both; with db and dinp both given, db
+// (O) += colsum(dout) in fp32, summed while dout is rounded (db is left to the caller when dinp
+// is NULL). Returns 0, or -1 with none touched (the caller then computes them in fp32).
+int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
+                       int N, int K, int O, float beta);
 
 // Weight shadows: packed bf16 copies of weights kept between products. While [lo, lo+n) is
 // declared at a version (gemm_bf16_shadow_use), a product whose B lies in it packs B into a
@@ -59,4 +80,6 @@ void linear_forward_bf16(float *out, const float *inp, const float *w, const flo
                          int O, int beta);
 void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                           const float *w, int N, int K, int O);
+void linear_backward_write_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                                const float *w, int N, int K, int O);
 #endif

@@ -63,6 +63,7 @@ struct gemm_epi {
     void (*run)(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc);
     const real *b, *h;   // bias (forward) or pre-activations (backward), by the run function
     real *a;             // activations out
+    uint16_t *ab;        // with bf16: a rounded, beside a (the next product's operand), or NULL
     int act;
 };
 #ifndef VLMOE_REAL_F64
@@ -158,16 +159,18 @@ static void linear_fwd(int bf16, real *out, const real *inp, const real *w, cons
     gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
 }
 
+// beta (0 or 1) is dinp's: 0 writes it (linear_backward_write), 1 accumulates
 static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dout, const real *inp,
-                       const real *w, int N, int K, int O) {
+                       const real *w, int N, int K, int O, int beta) {
     int done = 0;
 #ifndef VLMOE_REAL_F64
-    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, dout, inp, w, N, K, O) == 0;
+    // with dinp, the bf16 products sum db while they round dout (gemm_bf16.h)
+    if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, db, dout, inp, w, N, K, O, (float)beta) == 0;
 #endif
-    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, 1, dinp, K);
+    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
     if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    if (db) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+    if (db && !(done && dinp)) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
@@ -177,7 +180,12 @@ void R(linear_forward)(real *out, const real *inp, const real *w, const real *b,
 
 void R(linear_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
                         const real *w, int N, int K, int O) {
-    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O);
+    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O, 1);
+}
+
+void R(linear_backward_write)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
+                              const real *w, int N, int K, int O) {
+    linear_bwd(0, dinp, dw, db, dout, inp, w, N, K, O, 0);
 }
 
 #ifndef VLMOE_REAL_F64
@@ -188,7 +196,12 @@ void linear_forward_bf16(float *out, const float *inp, const float *w, const flo
 
 void linear_backward_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
                           const float *w, int N, int K, int O) {
-    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O);
+    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O, 1);
+}
+
+void linear_backward_write_bf16(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                                const float *w, int N, int K, int O) {
+    linear_bwd(1, dinp, dw, db, dout, inp, w, N, K, O, 0);
 }
 #endif
 
@@ -330,6 +343,13 @@ static void epi_bias_act(const gemm_epi *e, real *C, int ldc, int r0, int nr, in
 #pragma omp simd
             for (int j = 0; j < nc; j++) a[j] = act_sig1(h[j] += b[j], kind);
         }
+#ifndef VLMOE_REAL_F64
+        if (e->ab) {
+            uint16_t *ab = e->ab + (size_t)r * ldc + c0;
+#pragma omp simd
+            for (int j = 0; j < nc; j++) ab[j] = bf16_of(a[j]);
+        }
+#endif
     }
 }
 
@@ -382,6 +402,21 @@ void linear_act_forward_bf16(float *h, float *a, const float *inp, const float *
 void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const float *dy, const float *h,
                               const float *w, int N, int M, int O, int act) {
     act_linear_bwd(1, dh, a, dw, db, dy, h, w, N, M, O, act);
+}
+
+// The first product's epilogue rounds act(h) into a bf16 buffer as it writes a, and the second
+// product reads that buffer as its A: the bits of the two calls apart (bf16_of is the one
+// rounding), without a second pass over a.
+void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float *const w[4], int N, int D, int M,
+                      int act, int beta) {
+    uint16_t *ab = gemm_bf16_side((size_t)N * M);
+    const gemm_epi e1 = {.run = epi_bias_act, .b = w[1], .a = a, .ab = ab, .act = act}, e2 = {.run = epi_bias, .b = w[3]};
+    gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1);
+    int done = 0;
+    if (ab)
+        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_pre(1, N, D, M, ab, a, M, w[2], M, beta ? 1.0f : 0.0f, y, D,
+                                                     w[3] ? epi_thunk : NULL, w[3] ? &e2 : NULL) == 0;
+    if (!done) linear_fwd(1, y, a, w[2], w[3], N, M, D, beta);
 }
 #endif
 

@@ -32,6 +32,10 @@ typedef struct {
     /* dinp (N,K) += dout.w (dinp may be NULL); dw += dout^T.inp; db += colsum(dout) */           \
     void linear_backward_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp, const T *w,      \
                              int N, int K, int O);                                                \
+    /* the same, but dinp (not NULL) = dout.w is written (beta 0): whatever dinp held, NaN   */   \
+    /* included, is never read, so its first writer needs no zeroing; dw, db accumulate      */   \
+    void linear_backward_write_##S(T *dinp, T *dw, T *db, const T *dout, const T *inp,           \
+                                   const T *w, int N, int K, int O);                              \
     /* out (N,C) = (inp-mean)*rstd*w + b; mean, rstd (N) saved for backward */                     \
     void layernorm_forward_##S(T *out, T *mean, T *rstd, const T *inp, const T *w, const T *b,    \
                                int N, int C, double eps);                                         \
@@ -94,6 +98,11 @@ OPS_DECL(double, f64)
 // bf16`, src/ops/gemm_bf16.h; the bias, activation and its derivative stay fp32)
 void linear_act_forward_bf16(float *h, float *a, const float *inp, const float *w, const float *b, int N,
                              int K, int O, int act);
+// y (N,D) = act(x.w1^T + b1).w2^T + b2 (w {w1, b1, w2, b2}; h, a as linear_act_forward's; beta as
+// linear_forward's): the two bf16 products of an MLP, the second reading act(h) as the first's
+// epilogue rounded it (src/ops/ops.c); the bits of linear_act_forward_bf16 then linear_forward_bf16
+void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float *const w[4], int N, int D, int M,
+                      int act, int beta);
 void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const float *dy, const float *h,
                               const float *w, int N, int M, int O, int act);
 
