@@ -644,34 +644,41 @@ __global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, doub
     if (threadIdx.x == 0) *loss = L, *bad = 0;
 }
 
-// The arguments are checked as aux_loss_f32 checks them (same messages); the pointers in `in`
-// and scratch are device memory (scratch: aux_scratch_floats(S,E) floats).
-static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
-                            float *dlogits, float *scratch) {
+// The arguments are checked as aux_loss_f32 checks them (same messages), and k_aux's view of
+// them is planned: the pointers in `in` and scratch are device memory (scratch:
+// aux_scratch_floats(S,E) floats, aux.c's doubles aligned up to double). 0 on success.
+static int aux_plan(vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch, aux_dev *c) {
     if (!in || !in->logits || !scratch) {
         vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits and scratch must be given");
-        return NAN;
+        return 1;
     }
     const int S = in->S, E = in->E, K = in->K;
     if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT) {
         vlmoe_fail(VLMOE_ERR_ARG, "aux loss %d: need S >= 1, E >= 1, 1 <= K <= E (got S=%d E=%d K=%d)", (int)kind, S,
                    E, K);
-        return NAN;
+        return 1;
     }
     if (kind == VLMOE_AUX_SWITCH && (!in->wanted || (in->modality && !in->wanted_mod))) {
         vlmoe_fail(VLMOE_ERR_ARG, "aux loss switch: the per-expert counts `wanted` (and `wanted_mod` with "
                    "modalities) must be given");
-        return NAN;
+        return 1;
     }
-    aux_dev c = {};
-    c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
-    c.mod = in->modality, c.wanted = in->wanted, c.wanted_mod = in->wanted_mod, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
-    // the doubles of aux.c's layout in the caller's scratch, aligned up to double
+    *c = aux_dev{};
+    c->S = S, c->E = E, c->K = K, c->l = in->logits, c->nl = in->noisy_logits, c->noise_std = in->noise_std;
+    c->mod = in->modality, c->wanted = in->wanted, c->wanted_mod = in->wanted_mod;
+    c->tau[0] = in->global_tau[0], c->tau[1] = in->global_tau[1];
     const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
     double *d = (double *)a;
     const size_t SE = (size_t)S * E;
-    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
-    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    c->P = d, c->G = d + SE, c->lse = d + 2 * SE, c->tS1 = c->lse + S, c->tS2 = c->tS1 + S;
+    for (int i = 0; i < 8; i++) c->v[i] = c->tS2 + S + (size_t)i * E;
+    return 0;
+}
+
+static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
+                            float *dlogits, float *scratch) {
+    aux_dev c;
+    if (aux_plan(kind, in, scratch, &c)) return NAN;
     cuda_ctx *x = ctx_of(be);
     k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, weight, dlogits, x->partial, x->flag);
     if (LAUNCHED("aux_loss")) return NAN;
@@ -693,24 +700,12 @@ static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_in
 // wait to report it: the step's finite check stops the step).
 static void cuda_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch,
                               double *out) {
-    if (!in || !in->logits || !scratch || !out) {
-        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: input, logits, scratch and out must be given");
+    aux_dev c;
+    if (!out) {
+        vlmoe_fail(VLMOE_ERR_ARG, "aux loss: out must be given");
         return;
     }
-    const int S = in->S, E = in->E, K = in->K;
-    if (S < 1 || E < 1 || K < 1 || K > E || (int)kind < 0 || (int)kind >= VLMOE_AUX_COUNT ||
-        (kind == VLMOE_AUX_SWITCH && (!in->wanted || (in->modality && !in->wanted_mod)))) {
-        cuda_aux_loss(be, kind, in, 1.0, NULL, scratch); // its message; launches nothing
-        return;
-    }
-    aux_dev c = {};
-    c.S = S, c.E = E, c.K = K, c.l = in->logits, c.nl = in->noisy_logits, c.noise_std = in->noise_std;
-    c.mod = in->modality, c.wanted = in->wanted, c.wanted_mod = in->wanted_mod, c.tau[0] = in->global_tau[0], c.tau[1] = in->global_tau[1];
-    const uintptr_t a = ((uintptr_t)scratch + (sizeof(double) - 1)) & ~(uintptr_t)(sizeof(double) - 1);
-    double *d = (double *)a;
-    const size_t SE = (size_t)S * E;
-    c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
-    for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    if (aux_plan(kind, in, scratch, &c)) return;
     cuda_ctx *x = ctx_of(be);
     k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, 1.0, NULL, out, x->flag);
     LAUNCHED("aux_loss");
