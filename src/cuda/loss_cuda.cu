@@ -184,19 +184,23 @@ __global__ static void k_contrastive_grad(float *G, double *part, const float *l
 }
 __global__ static void k_add_scalar(float *dst, const double *v) { *dst = __fadd_rn(*dst, (float)*v); }
 
-// dimg, dtxt (B,E) and *dscale accumulate the gradient of loss * dloss
-static void cuda_contrastive_backward(const backend *be, float *dimg, float *dtxt, float *dscale, const float *logits,
-                                      const float *prow, const float *pcol, const float *img, const float *txt,
-                                      float scale, int B, int E, double dloss) {
+// dimg, dtxt (B,E) and *dscale accumulate the gradient of loss * dloss. The temperature
+// t = exp(scale) is either the host's t (scale_dev NULL) or read on the device from scale_dev.
+static void contrastive_backward(const backend *be, float *dimg, float *dtxt, float *dscale, const float *logits,
+                                 const float *prow, const float *pcol, const float *img, const float *txt, float t,
+                                 const float *scale_dev, int B, int E, double dloss) {
     if (B <= 0) return;
     cudaStream_t st = stream_of(be);
-    const float t = expf(scale), k = (float)(dloss * 0.5 / B);
+    const float k = (float)(dloss * 0.5 / B);
     const size_t gb = (sizeof(float) * (size_t)B * B + 255) & ~(size_t)255;
     char *ws = (char *)cu_workspace(be, gb + sizeof(double) * (size_t)B, "contrastive");
     if (!ws) return;
     float *G = (float *)ws;
     double *part = (double *)(ws + gb);
     k_contrastive_grad<<<B, ROW_THREADS, 0, st>>>(G, part, logits, prow, pcol, k, B);
+    // with the scale on the device, G becomes t G there (its d/dscale share is summed above,
+    // before the factor) and the products take alpha 1
+    if (scale_dev) k_times_exp<<<grid_of((size_t)B * B), 256, 0, st>>>(G, scale_dev, (size_t)B * B), t = 1.0f;
     if (LAUNCHED("contrastive")) return;
     // dimg += t G txt; dtxt += t G^T img
     if (cu_gemm(be, "contrastive", 0, 0, B, E, B, t, G, B, txt, E, 1.0f, dimg, E) ||
@@ -207,28 +211,16 @@ static void cuda_contrastive_backward(const backend *be, float *dimg, float *dtx
     LAUNCHED("contrastive");
 }
 
+static void cuda_contrastive_backward(const backend *be, float *dimg, float *dtxt, float *dscale, const float *logits,
+                                      const float *prow, const float *pcol, const float *img, const float *txt,
+                                      float scale, int B, int E, double dloss) {
+    contrastive_backward(be, dimg, dtxt, dscale, logits, prow, pcol, img, txt, expf(scale), NULL, B, E, dloss);
+}
+
 static void cuda_contrastive_backward_dsc(const backend *be, float *dimg, float *dtxt, float *dscale,
                                           const float *logits, const float *prow, const float *pcol, const float *img,
                                           const float *txt, const float *scale, int B, int E, double dloss) {
-    if (B <= 0) return;
-    cudaStream_t st = stream_of(be);
-    const float k = (float)(dloss * 0.5 / B);
-    const size_t gb = (sizeof(float) * (size_t)B * B + 255) & ~(size_t)255;
-    char *ws = (char *)cu_workspace(be, gb + sizeof(double) * (size_t)B, "contrastive");
-    if (!ws) return;
-    float *G = (float *)ws;
-    double *part = (double *)(ws + gb);
-    k_contrastive_grad<<<B, ROW_THREADS, 0, st>>>(G, part, logits, prow, pcol, k, B);
-    // dimg += (t G) txt; dtxt += (t G)^T img, t = exp(scale) read on the device (G's d/dscale
-    // share is summed above, before the factor)
-    k_times_exp<<<grid_of((size_t)B * B), 256, 0, st>>>(G, scale, (size_t)B * B);
-    if (LAUNCHED("contrastive")) return;
-    if (cu_gemm(be, "contrastive", 0, 0, B, E, B, 1.0f, G, B, txt, E, 1.0f, dimg, E) ||
-        cu_gemm(be, "contrastive", 1, 0, B, E, B, 1.0f, G, B, img, E, 1.0f, dtxt, E))
-        return;
-    cu_sum_doubles(be, "contrastive", ctx_of(be)->partial, part, (size_t)B);
-    k_add_scalar<<<1, 1, 0, st>>>(dscale, ctx_of(be)->partial);
-    LAUNCHED("contrastive");
+    contrastive_backward(be, dimg, dtxt, dscale, logits, prow, pcol, img, txt, 1.0f, scale, B, E, dloss);
 }
 
 // ---- masked cross-entropy: probs (n,C) = softmax(logits) (may alias logits); returns the sum of
