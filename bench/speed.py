@@ -26,7 +26,7 @@ the run medians. --base-bin DIR adds another build's bench_step (say main's) to 
 rotation, so a change is measured against its base under the same load.
 
 Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
-[--b16] [--json FILE] [--embed-only] [--embed-reps 7] [--base-bin DIR]
+[--b16] [--json FILE] [--embed-only | --no-embed] [--embed-reps 7] [--base-bin DIR]
 """
 import argparse
 import collections
@@ -191,6 +191,7 @@ def main():
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "rel", "bench"))
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--embed-only", action="store_true", help="only the inference table")
+    ap.add_argument("--no-embed", action="store_true", help="only the training table (half the run)")
     ap.add_argument("--embed-reps", type=int, default=7, help="encodes per run of the inference table")
     ap.add_argument("--base-bin", help="another build's bench dir, alternated with --bin in the inference table")
     ap.add_argument("--programs", help="only these programs of the inference table (say vlmoe-int8,base-int8,torch)")
@@ -202,7 +203,9 @@ def main():
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
     rows, all_res, erows = [], {}, []
     load0 = loadavg()
-    for t in threads:
+    if a.embed_only and a.no_embed:
+        ap.error("--embed-only and --no-embed leave nothing to run")
+    for t in threads if not a.no_embed else []:
         # the inference table: the first model only, unless it is all this run does
         for name, batch in (models if a.embed_only else models[:1]):
             path = os.path.join(HERE, "models", name + ".json")
@@ -255,7 +258,8 @@ def main():
     print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
           + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
                       f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
-    print_embed(erows, a.rounds, a.embed_reps, loads)
+    if erows:
+        print_embed(erows, a.rounds, a.embed_reps, loads)
     for t in sorted({r[1] for r in rows}, reverse=True):
         by = {r[0]: r[4] for r in rows if r[1] == t}
         if "bench-s" in by and "bench-s-dense" in by:
