@@ -457,7 +457,13 @@ VLMOE_API void vlmoe_model_free(vlmoe_model *m);
 VLMOE_API const vlmoe_model_config *vlmoe_model_get_config(const vlmoe_model *m);
 VLMOE_API const vlmoe_param_info *vlmoe_model_params(const vlmoe_model *m, int *count);
 VLMOE_API size_t vlmoe_model_num_floats(const vlmoe_model *m);
+// The host copy of every parameter (vlmoe_model_params gives each one's offset), brought up to
+// date from a device first. The call counts as a write: the device copy is uploaded again and the
+// packed bf16 copies of the weights (`--precision bf16` on a CPU) are made again before their next
+// use. So write through the pointer before the next call into the library that runs the model; a
+// write made after such a call is seen by the fp32 host path only, until this is called again.
 VLMOE_API float *vlmoe_model_param_data(vlmoe_model *m);
+// The host copy of the gradients of the last backward, in the same layout, to read.
 VLMOE_API float *vlmoe_model_grad_data(vlmoe_model *m);
 // Plans the activation arena for batch size B (done once; forward re-plans only if B changes).
 VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
