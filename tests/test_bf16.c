@@ -130,6 +130,41 @@ static void check_linear(int N, int K, int O) {
     free(o1), free(o2), free(xr), free(wr), free(gr);
 }
 
+// B packed from either of its stored forms, (N,K) read transposed (the forward's weights,
+// pack_b_block's tile transposes) or (K,N) as it is, holds the same bf16 values, so the products
+// must give the same bits: values that round to even and up, subnormals, signed zeros and
+// large ones, at column counts past whole 16-column tiles and odd K (a half-padded last pair).
+static void check_repack(int M, int N, int K) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)M * 7919 + N * 31 + K);
+    const int ld = K + 3; // a strided (N,K)
+    float *a = randf((size_t)M * K, &r), *bt = malloc(sizeof(float) * (size_t)N * ld), *b = malloc(sizeof(float) * (size_t)K * N);
+    float *c1 = malloc(sizeof(float) * (size_t)M * N), *c2 = malloc(sizeof(float) * (size_t)M * N);
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < ld; k++) {
+            const int kind = (n * 13 + k * 7) % 9;
+            float v = (float)vlmoe_rng_normal(&r);
+            if (kind == 1) v = 1.0f + 0x1p-8f;         // a tie: rounds to even (down)
+            else if (kind == 2) v = -(1.0f + 3 * 0x1p-8f); // a tie that rounds up
+            else if (kind == 3) v = 0x1p-130f * (1 + n % 5); // subnormal
+            else if (kind == 4) v = -0.0f;
+            else if (kind == 5) v = 3.0e38f * (k % 2 ? 1 : -1);
+            bt[(size_t)n * ld + k] = v;
+            if (k < K) b[(size_t)k * N + n] = v;
+        }
+    const gemm_bf16_counts k0 = gemm_bf16_get_counts();
+    const int e1 = gemm_bf16(0, 1, M, N, K, a, K, bt, ld, 0, c1, N, NULL, NULL);
+    const int e2 = gemm_bf16(0, 0, M, N, K, a, K, b, N, 0, c2, N, NULL, NULL);
+    const gemm_bf16_counts k1 = gemm_bf16_get_counts();
+    printf("repack (%d,%d,%d): B packed by pack_b_block %ld times, by a reorder %ld\n", M, N, K, k1.b_packed - k0.b_packed,
+           k1.b_reordered - k0.b_reordered);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)M * N; i++) bad += memcmp(c1 + i, c2 + i, sizeof(float)) != 0;
+    CHECK(e1 == 0 && e2 == 0 && bad == 0, "bf16 B packed transposed and as stored (%d,%d,%d): %zu of %zu results differ "
+          "(returns %d %d)", M, N, K, bad, (size_t)M * N, e1, e2);
+    free(a), free(bt), free(b), free(c1), free(c2);
+}
+
 // The cpu-bf16 expert bank's forward reads act(h) as the first product's epilogue rounded it
 // (mlp_forward_bf16): y and h must be the bits of the two products run apart, at 1 and 2
 // threads, for experts of many rows, of a remainder block's rows, of no rows and of one row.
@@ -439,6 +474,8 @@ int main(int argc, char **argv) {
     vlmoe_model_free(m);
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    const int rp[][3] = {{5, 1, 1}, {33, 15, 2}, {40, 16, 31}, {7, 17, 33}, {64, 48, 64}, {35, 70, 77}, {96, 130, 256}, {64, 256, 1024}};
+    for (size_t i = 0; i < sizeof(rp) / sizeof(rp[0]); i++) check_repack(rp[i][0], rp[i][1], rp[i][2]);
     check_mlp_prerounded();
     if (argc > 0) check_threads(argv[0]);
     check_model();

@@ -7,6 +7,9 @@
 // blocks stay dense, which that kernel needs (a strided C sends it to the slower gemm:jit).
 // The primitives are kept per shape. Covered by tests/test_bf16.c.
 #include <dnnl.h>
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -228,11 +231,86 @@ static void blocked_width(product *p) {
 
 static inline uint32_t bf16_pair(float lo, float hi) { return to_bf16(lo) | (uint32_t)to_bf16(hi) << 16; }
 
+#if defined(__AVX512BW__)
+// bf16_of on 16 lanes, in integer arithmetic as bf16_of does (vcvtneps2bf16 would flush
+// subnormals to zero: other bits than the scalar rounding's); the bf16 in each lane's low half
+static inline __m512i bf16_of16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+}
+
+// The tb layout through registers: 16 stored rows (B's columns n1..n1+15) of 32 floats from k0
+// (masked past K, zero rows past nn) become 16 lanes of pairs each, and a 16x16 transpose of
+// those pairs gives 16 of the layout's rows, each 16 columns wide. The scalar loop read one
+// strided float at a time (a third of pack_b_block's time in a 1-thread bench-s step).
+static void pack_tb_tile(uint32_t *o, int w, const float *s, int ldb, int rows, __mmask16 m0, __mmask16 m1) {
+    // word m of the pair vector: the bf16 of k0+m (words 0..15 from the first 16 floats)
+    static const uint16_t even[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+    const __m512i idx = _mm512_loadu_si512(even);
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) {
+        if (i >= rows) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+        }
+        const float *x = s + (size_t)i * ldb;
+        r[i] = _mm512_permutex2var_epi16(bf16_of16(_mm512_maskz_loadu_ps(m0, x)), idx,
+                                         bf16_of16(_mm512_maskz_loadu_ps(m1, x + 16)));
+    }
+    // 16x16 transpose of 32-bit lanes: pairs of rows, then of pairs, then 128-bit quarters
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // r[4q+c] holds, in 128-bit quarter g, lane c of the pairs 4g..4g+3 of rows 4q..4q+3
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), b = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88), d = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+        _mm512_storeu_si512(o + (size_t)i * w, a);
+        _mm512_storeu_si512(o + (size_t)(i + 8) * w, b);
+        _mm512_storeu_si512(o + (size_t)(i + 4) * w, c);
+        _mm512_storeu_si512(o + (size_t)(i + 12) * w, d);
+    }
+}
+#endif
+
 // Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
 // leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
 static void pack_b_block(uint32_t *dst, const product *p, int j) {
     const int w = p->bw, K = p->K, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
     uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
+#if defined(__AVX512BW__)
+    if (p->tb) {
+        // 32 rows k0.. (16 pairs) by 16 columns a tile; w is a multiple of 16, K's padding masked
+        for (int k0 = 0; k0 < p->kp; k0 += 32) {
+            const int left = K - k0;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            for (int n1 = 0; n1 < w; n1 += 16) {
+                const float *s = n1 < nn ? p->B + (size_t)(n0 + n1) * ldb + k0 : p->B;
+                pack_tb_tile(d + (size_t)(k0 / 2) * w + n1, w, s, ldb, nn - n1, m0, m1);
+            }
+        }
+        return;
+    }
+#endif
     for (int k = 0; k < p->kp; k += 2) {
         uint32_t *o = d + (size_t)(k / 2) * w;
         if (k >= K) {
