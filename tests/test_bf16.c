@@ -191,13 +191,49 @@ static void check_mlp_prerounded(void) {
                                     D, M, VLMOE_ACT_GELU);
             linear_forward_bf16(yr + o * D, ar + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, 1);
         }
-        CHECK(!memcmp(h, hr, sizeof(float) * R * M) && !memcmp(a, ar, sizeof(float) * R * M),
-              "bf16 expert bank, %d threads: h or act(h) differ from linear_act_forward_bf16's", thr);
+        // a is the bank's scratch: the fused forward only rounds act(h), for the second product
+        CHECK(!memcmp(h, hr, sizeof(float) * R * M), "bf16 expert bank, %d threads: h differs from linear_act_forward_bf16's",
+              thr);
         CHECK(!memcmp(y, yr, sizeof(float) * R * D),
               "bf16 expert bank, %d threads: y from the pre-rounded act(h) differs from the products run apart", thr);
     }
     for (int i = 0; i < 4; i++) free(w[i]);
     free(x), free(y0), free(y), free(yr), free(h), free(hr), free(a), free(ar);
+}
+
+// act_linear_backward_bf16 rounds act(h) straight into the layout of dw's B (gemm_bf16_bpack):
+// dw must get the bits of the product reading act(h) from fp32 (linear_backward_bf16 on
+// act_forward's a), at 1 and 2 threads, for row counts that are odd (a half-padded last pair),
+// below one 32-row block, and columns past whole 64-column blocks; dh the values of dy.w act'(h).
+static void check_act_backward_packed(int N, int M, int O) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)N * 17 + M * 3 + O);
+    float *dy = randf((size_t)N * O, &r), *h = randf((size_t)N * M, &r), *w = randf((size_t)O * M, &r);
+    float *dw0 = randf((size_t)O * M, &r), *dw = malloc(sizeof(float) * O * M), *dwr = malloc(sizeof(float) * O * M);
+    float *dh = malloc(sizeof(float) * N * M), *dhr = calloc((size_t)N * M, sizeof(float)), *a = malloc(sizeof(float) * N * M);
+    float *db = calloc(O, sizeof(float)), *dbr = calloc(O, sizeof(float)), *c = malloc(sizeof(float) * N * M);
+    act_forward_f32(a, h, (size_t)N * M, VLMOE_ACT_GELU_TANH);
+    memcpy(dwr, dw0, sizeof(float) * O * M);
+    linear_backward_bf16(NULL, dwr, NULL, dy, a, w, N, M, O);
+    CHECK(gemm_bf16(0, 0, N, M, O, dy, O, w, M, 0, c, M, NULL, NULL) == 0, "bf16 dy.w (%d,%d,%d)", N, M, O);
+    act_backward_f32(dhr, h, c, (size_t)N * M, VLMOE_ACT_GELU_TANH);
+    for (int j = 0; j < O; j++)
+        for (int n = 0; n < N; n++) dbr[j] += dy[(size_t)n * O + j];
+    for (int thr = 1; thr <= 2; thr++) {
+        omp_set_num_threads(thr);
+        memcpy(dw, dw0, sizeof(float) * O * M);
+        memset(db, 0, sizeof(float) * O);
+        act_linear_backward_bf16(dh, a, dw, db, dy, h, w, N, M, O, VLMOE_ACT_GELU_TANH);
+        size_t bad = 0, badh = 0;
+        for (size_t i = 0; i < (size_t)O * M; i++) bad += memcmp(dw + i, dwr + i, sizeof(float)) != 0;
+        for (size_t i = 0; i < (size_t)N * M; i++) badh += !(dh[i] == dhr[i]);
+        CHECK(bad == 0 && badh == 0, "bf16 act_linear_backward (%d,%d,%d), %d threads: %zu dw values differ from the "
+              "product on fp32 act(h), %zu dh values from dy.w act'(h)", N, M, O, thr, bad, badh);
+        double e = 0;
+        for (int j = 0; j < O; j++) e = fmax(e, fabs(db[j] - dbr[j]) / (1 + fabs(dbr[j])));
+        CHECK(e <= 1e-5, "bf16 act_linear_backward (%d,%d,%d): db off by %.3g of the fp32 column sums", N, M, O, e);
+    }
+    free(dy), free(h), free(w), free(dw0), free(dw), free(dwr), free(dh), free(dhr), free(a), free(db), free(dbr), free(c);
 }
 
 // The bf16 products of shapes that cut into several row blocks with a remainder, have few
@@ -477,6 +513,8 @@ int main(int argc, char **argv) {
     const int rp[][3] = {{5, 1, 1}, {33, 15, 2}, {40, 16, 31}, {7, 17, 33}, {64, 48, 64}, {35, 70, 77}, {96, 130, 256}, {64, 256, 1024}};
     for (size_t i = 0; i < sizeof(rp) / sizeof(rp[0]); i++) check_repack(rp[i][0], rp[i][1], rp[i][2]);
     check_mlp_prerounded();
+    const int ab[][3] = {{1, 64, 16}, {31, 200, 96}, {33, 64, 40}, {700, 1024, 96}, {1101, 200, 64}};
+    for (size_t i = 0; i < sizeof(ab) / sizeof(ab[0]); i++) check_act_backward_packed(ab[i][0], ab[i][1], ab[i][2]);
     if (argc > 0) check_threads(argv[0]);
     check_model();
     if (argc > 0) check_cli(argv[0]);

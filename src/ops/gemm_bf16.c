@@ -10,6 +10,7 @@
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
+#include <math.h>
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -202,6 +203,7 @@ typedef struct {
     dnnl_memory_desc_t wmd;
     int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and pack_b_block writes it
     struct shadow *sh;  // B's kept packed copy (a weight's), or NULL: B is packed into scratch
+    uint32_t *bpre;     // B packed by its producer (gemm_bf16_bpack), or NULL; then B is NULL
     uint64_t sh_ver;    // the version sh must hold to be read as it is
     dnnl_primitive_t reorder, mm[3]; // the matmuls of the block heights mh (0: none)
     int mh[3];
@@ -415,15 +417,12 @@ static shadow *shadow_of(const product *p) {
     return &shadows[i];
 }
 
-static int plan(product *p) {
+// p->wmd (and bw, kp): the B layout of a (K,N) B, kept per (N,K), so that every product of
+// that N and K reads B in one layout. Under cache_mu.
+static int layout_of(product *p) {
     const int N = p->N, K = p->K;
     const row_split *rs = &p->rs;
-    // the heights: the taller blocks', the others', the tail's
-    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
-    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
-    p->mh[2] = rs->tail;
     int ok = 1;
-    pthread_mutex_lock(&cache_mu);
     entry *lay = find(K_LAYOUT, 0, N, K, 0, 0, 0);
     if (!lay) {
         // the layout brgemm picks for a full block; every block then reads B in it
@@ -440,14 +439,26 @@ static int plan(product *p) {
         p->wmd = lay->md;
     }
     if (ok) blocked_width(p);
+    return ok ? 0 : -1;
+}
+
+static int plan(product *p) {
+    const int N = p->N, K = p->K;
+    const row_split *rs = &p->rs;
+    // the heights: the taller blocks', the others', the tail's
+    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
+    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
+    p->mh[2] = rs->tail;
+    pthread_mutex_lock(&cache_mu);
+    int ok = layout_of(p) == 0;
     counts.products++;
-    if (ok && p->bw && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
+    if (ok && p->bw && p->B && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
         p->sh_ver = act_ver;
         if (p->sh->ver == act_ver) counts.shadow_reused++;
         else counts.shadow_packed++;
     }
     if (ok) {
-        if (p->bw) counts.b_packed += !p->sh || p->sh->ver != p->sh_ver;
+        if (p->bw) counts.b_packed += !p->bpre && (!p->sh || p->sh->ver != p->sh_ver);
         else counts.b_reordered++;
     }
     struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[4] = {
@@ -491,12 +502,12 @@ static product product_of(int ta, int tb, int M, int N, int K, const float *A, i
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
 // 2: scratchpad, 3: the backward's transposed dout, 4: its blocks' column sums, 5: the caller's
-// pre-rounded operand, gemm_bf16_side), kept between products: the kernels own no
+// pre-rounded operand, gemm_bf16_side, 6: a B packed by its producer), kept between products: the kernels own no
 // workspace (they are pure functions of their arguments), and allocating megabytes per product
 // would cost page faults on every call. The buffers only grow.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[6];
-    static _Thread_local size_t cap[6];
+    static _Thread_local void *buf[7];
+    static _Thread_local size_t cap[7];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -543,6 +554,39 @@ static int block(const product *p, int o, int m, const void *bh) {
     return ok ? 0 : -1;
 }
 
+// value (k, n) of a B in the layout of blocked_width
+static float packed_value(const product *p, const uint32_t *bh, int k, int n) {
+    const uint32_t pair = bh[((size_t)(n / p->bw) * (p->kp / 2) + k / 2) * p->bw + n % p->bw];
+    const uint32_t u = (k & 1 ? pair >> 16 : pair & 0xffff) << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// A block that brgemm failed to run, in fp32 (dnnl_sgemm) from the fp32 operands, or, where the
+// caller gave none (gemm_bf16_pre's A, a producer-packed B), from the bf16 values it gave. If
+// memory runs out even for that, the block's C is NaN, which the trainer's finite check reports.
+static void fallback(const product *p, int o, int m, const void *bh) {
+    const int K = p->K, N = p->N;
+    float *fa = p->A ? NULL : malloc(sizeof(float) * (size_t)m * K), *fb = p->B ? NULL : malloc(sizeof(float) * (size_t)K * N);
+    if ((!p->A && !fa) || (!p->B && !fb)) {
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < N; j++) p->C[(size_t)(o + i) * p->ldc + j] = NAN;
+        free(fa), free(fb);
+        return;
+    }
+    for (size_t i = 0; fa && i < (size_t)m * K; i++) {
+        const uint32_t u = (uint32_t)p->ah[(size_t)o * K + i] << 16;
+        memcpy(fa + i, &u, sizeof(float));
+    }
+    for (int k = 0; fb && k < K; k++)
+        for (int n = 0; n < N; n++) fb[(size_t)k * N + n] = packed_value(p, bh, k, n);
+    const float *A = fa ? fa : p->ta ? p->A + o : p->A + (size_t)o * p->lda;
+    dnnl_sgemm(fa || !p->ta ? 'N' : 'T', fb || !p->tb ? 'N' : 'T', m, N, K, 1, A, fa ? K : p->lda, fb ? fb : p->B,
+               fb ? N : p->ldb, p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+    free(fa), free(fb);
+}
+
 // bf16_pack's rows (not transposed) and, in the same pass, their column sums in fp32, row by
 // row in order: sum (cols) = the sum of the rows of src. One thread, inside a block.
 static void pack_sum(uint16_t *dst, float *sum, const float *src, int rows, int cols, int ld) {
@@ -564,8 +608,8 @@ static void pack_sum(uint16_t *dst, float *sum, const float *src, int rows, int 
 // in fp32 instead, so a product that was planned always completes (the backward's two products
 // are all or nothing).
 static void execute(const product *p) {
-    void *bh = p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
-    const int pack = p->bw && (!p->sh || p->sh->ver != p->sh_ver);
+    void *bh = p->bpre ? (void *)p->bpre : p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
+    const int pack = p->bw && !p->bpre && (!p->sh || p->sh->ver != p->sh_ver);
     int ok = bh != NULL;
     if (ok && !p->bw) {
         dnnl_memory_desc_t md_s;
@@ -591,10 +635,7 @@ static void execute(const product *p) {
             const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
             if (p->pack_a && p->cs) pack_sum(p->ah + (size_t)o * p->K, p->cs + (size_t)b * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda);
             else if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
-            if (!ok || block(p, o, m, bh))
-                dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
-                           p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb,
-                           p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+            if (!ok || block(p, o, m, bh)) fallback(p, o, m, bh);
             if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
         }
     }
@@ -683,21 +724,28 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
     return ok ? 0 : -1;
 }
 
+// plans and runs p with op(A) rounded here (with pb, B packed by its producer in that layout)
+static int product_run(product *p, const gemm_bf16_bpack *pb) {
+    const int M = p->M, K = p->K;
+    uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
+    if (pb) p->bpre = pb->buf;
+    const int ok = ah && plan(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
+    if (ok) {
+        // op(A), row-major (M,K): rounded by the blocks, or transposed here
+        p->ah = ah, p->pack_a = !p->ta;
+        if (p->ta && transpose(ah, p->A, 0, M, K, p->lda)) bf16_pack(ah, p->A, M, K, p->lda, 1);
+        execute(p);
+    }
+    unplan(p);
+    return ok ? 0 : -1;
+}
+
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
               float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx) {
     if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
     product p = product_of(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
     p.epi = epi, p.ctx = ctx;
-    uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
-    const int ok = ah && plan(&p) == 0;
-    if (ok) {
-        // op(A), row-major (M,K): rounded by the blocks, or transposed here
-        p.ah = ah, p.pack_a = !ta;
-        if (ta && transpose(ah, A, 0, M, K, lda)) bf16_pack(ah, A, M, K, lda, 1);
-        execute(&p);
-    }
-    unplan(&p);
-    return ok ? 0 : -1;
+    return product_run(&p, NULL);
 }
 
 uint16_t *gemm_bf16_side(size_t n) { return scratch(sizeof(uint16_t) * n, 5); }
@@ -714,6 +762,49 @@ int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *
     }
     unplan(&p);
     return ok ? 0 : -1;
+}
+
+int gemm_bf16_bpack_begin(gemm_bf16_bpack *pb, int M, int N, int K) {
+    if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
+    product p = product_of(0, 0, M, N, K, NULL, K, NULL, N, 0, NULL, N);
+    pthread_mutex_lock(&cache_mu);
+    const int ok = layout_of(&p) == 0 && p.bw;
+    pthread_mutex_unlock(&cache_mu);
+    uint32_t *buf = ok ? scratch(dnnl_memory_desc_get_size(&p.wmd), 6) : NULL;
+    if (!buf) return -1;
+    *pb = (gemm_bf16_bpack){.buf = buf, .w = p.bw, .kp = p.kp, .K = K, .N = N};
+    // the zeros brgemm reads past B: the pair rows from K/2 on (an odd K's last pair gets its
+    // row K-1 from the producer) and the last column block's columns past N
+    const int nb = (N + p.bw - 1) / p.bw, rows = p.kp / 2, w = p.bw, np = nb * w;
+    for (int j = 0; j < nb; j++) memset(buf + ((size_t)j * rows + K / 2) * w, 0, sizeof(uint32_t) * (size_t)(rows - K / 2) * w);
+    if (np > N)
+        for (int i = 0; i < K / 2; i++) memset(buf + ((size_t)(nb - 1) * rows + i) * w + N % w, 0, sizeof(uint32_t) * (size_t)(np - N));
+    return 0;
+}
+
+void gemm_bf16_bpack_rows(const gemm_bf16_bpack *pb, int k, int c, int n, const float *r0, const float *r1) {
+    const int w = pb->w, rows = pb->kp / 2;
+    for (int j = 0; j < n;) {
+        const int col = c + j, off = col % w, len = n - j < w - off ? n - j : w - off;
+        const size_t at = ((size_t)(col / w) * rows + k / 2) * w + off;
+        if (r1) {
+            uint32_t *o = pb->buf + at;
+#pragma omp simd
+            for (int i = 0; i < len; i++) o[i] = bf16_pair(r0[j + i], r1[j + i]);
+        } else {
+            // one half of each pair: the other row's half is another block's (or padding)
+            uint16_t *o = (uint16_t *)(pb->buf + at) + (k & 1);
+            for (int i = 0; i < len; i++) o[2 * i] = to_bf16(r0[j + i]);
+        }
+        j += len;
+    }
+}
+
+int gemm_bf16_packed_b(int ta, int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta,
+                       float *C, int ldc) {
+    if (!engine() || M <= 0 || N != pb->N || K != pb->K) return -1;
+    product p = product_of(ta, 0, M, N, K, A, lda, NULL, N, beta, C, ldc);
+    return product_run(&p, pb);
 }
 
 int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
