@@ -201,6 +201,35 @@ static void check_mlp_prerounded(void) {
     free(x), free(y0), free(y), free(yr), free(h), free(hr), free(a), free(ar);
 }
 
+// A product with op(A) = A^T (a weight gradient: K is the tokens) runs with K padded to 32 by
+// zeros (gemm_bf16.c's product_of): it must give the bits of the same product with A stored
+// transposed (op(A) = A, K as it is), accumulating (beta 1) as the gradients do, for K of no
+// multiple of 32, and its primitives must be those of the padded K (the second K of a 32 makes none).
+static void check_padded_k(int M, int N, int K) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)M * 5 + N * 11 + K);
+    float *a = randf((size_t)K * M, &r), *at = malloc(sizeof(float) * (size_t)M * K), *b = randf((size_t)K * N, &r);
+    float *c1 = randf((size_t)M * N, &r), *c2 = malloc(sizeof(float) * (size_t)M * N);
+    memcpy(c2, c1, sizeof(float) * (size_t)M * N);
+    for (int k = 0; k < K; k++)
+        for (int m = 0; m < M; m++) at[(size_t)m * K + k] = a[(size_t)k * M + m];
+    const int e1 = gemm_bf16(1, 0, M, N, K, a, M, b, N, 1, c1, N, NULL, NULL);
+    const int e2 = gemm_bf16(0, 0, M, N, K, at, K, b, N, 1, c2, N, NULL, NULL);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)M * N; i++) bad += memcmp(c1 + i, c2 + i, sizeof(float)) != 0;
+    CHECK(e1 == 0 && e2 == 0 && bad == 0, "bf16 A^T B with K %d padded (%d,%d): %zu of %zu results differ from A B's "
+          "(returns %d %d)", K, M, N, bad, (size_t)M * N, e1, e2);
+    // a K one less within the same 32 (K > 1) finds every primitive of the product made
+    if (K % 32 != 1) {
+        const gemm_bf16_counts k0 = gemm_bf16_get_counts();
+        CHECK(gemm_bf16(1, 0, M, N, K - 1, a, M, b, N, 1, c1, N, NULL, NULL) == 0, "bf16 A^T B, K %d", K - 1);
+        const gemm_bf16_counts k1 = gemm_bf16_get_counts();
+        CHECK(k1.prim_misses == k0.prim_misses, "bf16 A^T B (%d,%d): K %d made %ld primitives after K %d", M, N, K - 1,
+              k1.prim_misses - k0.prim_misses, K);
+    }
+    free(a), free(at), free(b), free(c1), free(c2);
+}
+
 // act_linear_backward_bf16 rounds act(h) straight into the layout of dw's B (gemm_bf16_bpack):
 // dw must get the bits of the product reading act(h) from fp32 (linear_backward_bf16 on
 // act_forward's a), at 1 and 2 threads, for row counts that are odd (a half-padded last pair),
@@ -513,6 +542,8 @@ int main(int argc, char **argv) {
     const int rp[][3] = {{5, 1, 1}, {33, 15, 2}, {40, 16, 31}, {7, 17, 33}, {64, 48, 64}, {35, 70, 77}, {96, 130, 256}, {64, 256, 1024}};
     for (size_t i = 0; i < sizeof(rp) / sizeof(rp[0]); i++) check_repack(rp[i][0], rp[i][1], rp[i][2]);
     check_mlp_prerounded();
+    const int pk[][3] = {{40, 24, 1}, {96, 200, 31}, {256, 1024, 77}, {1024, 256, 333}, {64, 64, 700}};
+    for (size_t i = 0; i < sizeof(pk) / sizeof(pk[0]); i++) check_padded_k(pk[i][0], pk[i][1], pk[i][2]);
     const int ab[][3] = {{1, 64, 16}, {31, 200, 96}, {33, 64, 40}, {700, 1024, 96}, {1101, 200, 64}};
     for (size_t i = 0; i < sizeof(ab) / sizeof(ab[0]); i++) check_act_backward_packed(ab[i][0], ab[i][1], ab[i][2]);
     if (argc > 0) check_threads(argv[0]);

@@ -191,6 +191,7 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
     int M, N, K, sum, ldc, ldb, tb;
+    int kr;             // op(A)'s columns and B's rows that hold values: K, or fewer (pad_k)
     row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
@@ -296,7 +297,7 @@ static void pack_tb_tile(uint32_t *o, int w, const float *s, int ldb, int rows, 
 // Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
 // leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
 static void pack_b_block(uint32_t *dst, const product *p, int j) {
-    const int w = p->bw, K = p->K, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
+    const int w = p->bw, K = p->kr, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
     uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
 #if defined(__AVX512BW__)
     if (p->tb) {
@@ -386,7 +387,7 @@ void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version) {
 
 // whether B as p reads it lies inside [lo, lo+n)
 static int inside(const product *p, const float *lo, size_t n) {
-    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->K, cols = p->tb ? (size_t)p->K : (size_t)p->N;
+    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->kr, cols = p->tb ? (size_t)p->kr : (size_t)p->N;
     const uintptr_t b = (uintptr_t)p->B, l = (uintptr_t)lo;
     return n && b >= l && (b - l) / sizeof(float) + (rows - 1) * (size_t)p->ldb + cols <= n;
 }
@@ -452,7 +453,7 @@ static int plan(product *p) {
     pthread_mutex_lock(&cache_mu);
     int ok = layout_of(p) == 0;
     counts.products++;
-    if (ok && p->bw && p->B && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
+    if (ok && p->bw && p->B && p->K == p->kr && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
         p->sh_ver = act_ver;
         if (p->sh->ver == act_ver) counts.shadow_reused++;
         else counts.shadow_packed++;
@@ -493,11 +494,27 @@ static void unplan(product *p) {
         if (p->owned[i]) dnnl_primitive_destroy(*pr[i]), p->owned[i] = 0;
 }
 
-// a product's fields
+// A product's fields. With ta (the weight gradients, whose K is the tokens: an expert's count
+// changes every step) K is padded to a multiple of 32 with zero columns of op(A) and zero rows
+// of B, which B's blocked layout holds anyway: the products of each 32 counts then share
+// their primitives (bench-s made some 50 a step otherwise, ~0.4 ms each), and brgemm gives the
+// bits of the unpadded product (adding zero products; tests/test_bf16.c checks it). kr keeps
+// the real K. unpad_k undoes it where B is not in such a layout.
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
-    return (product){.M = M, .N = N, .K = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
-                     .rs = split_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+    const int kp = ta ? (K + 31) / 32 * 32 : K;
+    return (product){.M = M, .N = N, .K = kp, .kr = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
+                     .rs = split_rows(M, N, kp), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+}
+
+// plan, and plan again unpadded when B's layout is one oneDNN's reorder writes (it would read
+// B's padding rows from B)
+static int plan_k(product *p) {
+    if (plan(p)) return -1;
+    if (p->K == p->kr || p->bw) return 0;
+    unplan(p);
+    p->K = p->kr, p->rs = split_rows(p->M, p->N, p->K);
+    return plan(p);
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
@@ -567,7 +584,7 @@ static float packed_value(const product *p, const uint32_t *bh, int k, int n) {
 // caller gave none (gemm_bf16_pre's A, a producer-packed B), from the bf16 values it gave. If
 // memory runs out even for that, the block's C is NaN, which the trainer's finite check reports.
 static void fallback(const product *p, int o, int m, const void *bh) {
-    const int K = p->K, N = p->N;
+    const int K = p->kr, N = p->N;
     float *fa = p->A ? NULL : malloc(sizeof(float) * (size_t)m * K), *fb = p->B ? NULL : malloc(sizeof(float) * (size_t)K * N);
     if ((!p->A && !fa) || (!p->B && !fb)) {
         for (int i = 0; i < m; i++)
@@ -576,7 +593,7 @@ static void fallback(const product *p, int o, int m, const void *bh) {
         return;
     }
     for (size_t i = 0; fa && i < (size_t)m * K; i++) {
-        const uint32_t u = (uint32_t)p->ah[(size_t)o * K + i] << 16;
+        const uint32_t u = (uint32_t)p->ah[(size_t)o * K + i] << 16; // (unpadded: ta 0)
         memcpy(fa + i, &u, sizeof(float));
     }
     for (int k = 0; fb && k < K; k++)
@@ -656,7 +673,8 @@ void gemm_bf16_shadow_refresh(const float *lo, size_t n, uint64_t version) {
         first[0] = 0;
         for (int i = 0; i < SHADOW_N; i++) {
             shadow *e = &shadows[i];
-            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .ldb = e->ldb, .bw = e->bw, .kp = e->kp};
+            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .kr = e->K, .ldb = e->ldb, .bw = e->bw,
+                             .kp = e->kp};
             if (!e->used || !inside(&q[m], lo, n)) continue;
             at[m] = i, first[m + 1] = first[m] + (e->N + e->bw - 1) / e->bw, m++;
         }
@@ -683,20 +701,20 @@ gemm_bf16_counts gemm_bf16_get_counts(void) {
     return c;
 }
 
-// dst (rows, cols) bf16 row-major = the transpose of src (cols, rows), row-major with leading
-// dimension ld, fp32 or (bf) bf16: a oneDNN reorder, whose jit transpose runs some ten times
+// dst (rows, cols) bf16 row-major with leading dimension ldd = the transpose of src (cols,
+// rows), row-major with leading dimension ld, fp32 or (bf) bf16: a oneDNN reorder, whose jit transpose runs some ten times
 // faster than bf16_pack's scalar tiles (and on the OpenMP threads outside a parallel region).
 // Returns -1 when the reorder cannot be made or run.
-static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols, int ld) {
+static int transpose(uint16_t *dst, int ldd, const void *src, int bf, int rows, int cols, int ld) {
     dnnl_memory_desc_t md_s, md_d;
-    const dnnl_dims_t d = {rows, cols}, ss = {1, ld}, sd = {cols, 1};
+    const dnnl_dims_t d = {rows, cols}, ss = {1, ld}, sd = {ldd, 1};
     if (dnnl_memory_desc_init_by_strides(&md_s, 2, d, bf ? dnnl_bf16 : dnnl_f32, ss) != dnnl_success ||
         dnnl_memory_desc_init_by_strides(&md_d, 2, d, dnnl_bf16, sd) != dnnl_success)
         return -1;
     dnnl_primitive_t prim = NULL;
     int owned = 0;
     pthread_mutex_lock(&cache_mu);
-    entry *e = find(K_TRANSPOSE, rows, cols, 0, 0, ld, bf);
+    entry *e = find(K_TRANSPOSE, rows, cols, ldd, 0, ld, bf);
     if (e) {
         prim = e->prim;
     } else {
@@ -709,7 +727,7 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
             prim = NULL;
         dnnl_primitive_desc_destroy(pd);
         dnnl_primitive_attr_destroy(attr);
-        owned = prim && !keep((entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .ld = ld, .tb = bf, .prim = prim});
+        owned = prim && !keep((entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .k = ldd, .ld = ld, .tb = bf, .prim = prim});
     }
     pthread_mutex_unlock(&cache_mu);
     dnnl_memory_t ms = NULL, md = NULL;
@@ -724,20 +742,33 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
     return ok ? 0 : -1;
 }
 
+// op(A) = A^T of a ta product into ah (M,K) row-major, its columns from kr on zero: from a16
+// (bf16, when given) or a32 (fp32), both (kr,M) with leading dimension lda
+static void a_transposed(uint16_t *ah, const uint16_t *a16, const float *a32, int lda, const product *p) {
+    const int M = p->M, K = p->K, kr = p->kr;
+    if (transpose(ah, K, a16 ? (const void *)a16 : a32, a16 != NULL, M, kr, lda)) {
+        // no reorder: bf16_pack's tiles, or, padded, one element at a time (a fall-back only)
+        if (K == kr) bf16_pack(ah, a32, M, K, lda, 1);
+        else
+            for (int i = 0; i < M; i++)
+                for (int k = 0; k < kr; k++) ah[(size_t)i * K + k] = to_bf16(a32[(size_t)k * lda + i]);
+    }
+    for (int i = 0; K > kr && i < M; i++) memset(ah + (size_t)i * K + kr, 0, sizeof(uint16_t) * (K - kr));
+}
+
 // plans and runs p with op(A) rounded here (with pb, B packed by its producer in that layout)
 static int product_run(product *p, const gemm_bf16_bpack *pb) {
-    const int M = p->M, K = p->K;
-    uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
     if (pb) p->bpre = pb->buf;
-    const int ok = ah && plan(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
-    if (ok) {
+    const int ok = plan_k(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
+    uint16_t *ah = ok ? scratch(sizeof(uint16_t) * (size_t)p->M * p->K, 0) : NULL;
+    if (ah) {
         // op(A), row-major (M,K): rounded by the blocks, or transposed here
         p->ah = ah, p->pack_a = !p->ta;
-        if (p->ta && transpose(ah, p->A, 0, M, K, p->lda)) bf16_pack(ah, p->A, M, K, p->lda, 1);
+        if (p->ta) a_transposed(ah, NULL, p->A, p->lda, p);
         execute(p);
     }
     unplan(p);
-    return ok ? 0 : -1;
+    return ah ? 0 : -1;
 }
 
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
@@ -766,7 +797,7 @@ int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *
 
 int gemm_bf16_bpack_begin(gemm_bf16_bpack *pb, int M, int N, int K) {
     if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
-    product p = product_of(0, 0, M, N, K, NULL, K, NULL, N, 0, NULL, N);
+    product p = product_of(1, 0, M, N, K, NULL, M, NULL, N, 0, NULL, N); // gemm_bf16_packed_b's (K padded)
     pthread_mutex_lock(&cache_mu);
     const int ok = layout_of(&p) == 0 && p.bw;
     pthread_mutex_unlock(&cache_mu);
@@ -800,10 +831,10 @@ void gemm_bf16_bpack_rows(const gemm_bf16_bpack *pb, int k, int c, int n, const 
     }
 }
 
-int gemm_bf16_packed_b(int ta, int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta,
-                       float *C, int ldc) {
+int gemm_bf16_packed_b(int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta, float *C,
+                       int ldc) {
     if (!engine() || M <= 0 || N != pb->N || K != pb->K) return -1;
-    product p = product_of(ta, 0, M, N, K, A, lda, NULL, N, beta, C, ldc);
+    product p = product_of(1, 0, M, N, K, A, lda, NULL, N, beta, C, ldc);
     return product_run(&p, pb);
 }
 
@@ -815,14 +846,15 @@ int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, con
     // beta 0 dinp's matmul has no sum post-op, so neither brgemm nor the sgemm fallback reads it.
     product pi = product_of(0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     product pw = product_of(1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    uint16_t *gh = scratch(sizeof(uint16_t) * (size_t)N * O, 0), *gt = scratch(sizeof(uint16_t) * (size_t)N * O, 3);
     // db's sums: each of dinp's blocks sums its rows of dout while rounding them (dout is read
     // once, not again by a column-sum pass), then the blocks' sums are added in block order: the
     // blocks are the shape's, so the bits do not depend on the thread count
     const int nb = blocks_of(&pi.rs);
     float *cs = db && dinp ? scratch(sizeof(float) * (size_t)nb * O, 4) : NULL;
-    const int ok = gh && gt && (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
-    if (ok) {
+    const int ok = (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan_k(&pw) == 0;
+    uint16_t *gh = ok ? scratch(sizeof(uint16_t) * (size_t)N * O, 0) : NULL;
+    uint16_t *gt = gh ? scratch(sizeof(uint16_t) * (size_t)O * pw.K, 3) : NULL;
+    if (gt) {
         // dinp's blocks round dout as they go (without dinp, one pass does)
         pi.ah = gh, pi.pack_a = 1, pi.cs = cs, pw.ah = gt;
         if (dinp) execute(&pi);
@@ -835,9 +867,9 @@ int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, con
                 db[j] += s;
             }
         }
-        if (transpose(gt, gh, 1, O, N, O)) bf16_pack(gt, dout, O, N, O, 1);
+        a_transposed(gt, gh, dout, O, &pw);
         execute(&pw);
     }
     unplan(&pi), unplan(&pw);
-    return ok ? 0 : -1;
+    return gt ? 0 : -1;
 }

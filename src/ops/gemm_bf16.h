@@ -56,10 +56,11 @@ int gemm_bf16_bpack_begin(gemm_bf16_bpack *pb, int M, int N, int K);
 // B's columns [c, c+n) of rows k (even) and k+1 (r0, r1: n floats each), or, with r1 NULL,
 // of row k alone (k even or odd: its pair's other row is written apart, or is padding)
 void gemm_bf16_bpack_rows(const gemm_bf16_bpack *pb, int k, int c, int n, const float *r0, const float *r1);
-// gemm_bf16 (tb 0, no epilogue) with B the producer's pb: the bits gemm_bf16 gives for B with
-// those values. Returns as gemm_bf16 (-1 also when pb is not this product's layout).
-int gemm_bf16_packed_b(int ta, int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta,
-                       float *C, int ldc);
+// gemm_bf16 (ta 1, tb 0, no epilogue: C (M,N) = A^T B + beta C, A (K,M)) with B the producer's
+// pb, begun with the same M, N, K: the bits gemm_bf16 gives for B with those values. Returns as
+// gemm_bf16 (-1 also when pb is not this product's layout).
+int gemm_bf16_packed_b(int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta, float *C,
+                       int ldc);
 // n bf16 values of this thread's buffer for such a pre-rounded operand, kept between calls (the
 // products use other buffers, so it lives until the next call); NULL when memory runs out
 uint16_t *gemm_bf16_side(size_t n);

@@ -423,7 +423,7 @@ static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, cons
     gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e);  // dh (N,M) = dy (N,O) . w (O,M), then act'
 #ifndef VLMOE_REAL_F64
     if (e.pb) {
-        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_packed_b(1, O, M, N, dy, O, &pb, 1, dw, M) == 0;
+        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_packed_b(O, M, N, dy, O, &pb, 1, dw, M) == 0;
         if (!done) R(act_forward)(a, h, (size_t)N * M, act);
     }
 #endif
