@@ -743,17 +743,19 @@ static int transpose(uint16_t *dst, int ldd, const void *src, int bf, int rows, 
 }
 
 // op(A) = A^T of a ta product into ah (M,K) row-major, its columns from kr on zero: from a16
-// (bf16, when given) or a32 (fp32), both (kr,M) with leading dimension lda
+// (bf16, when given) or a32 (fp32), both (kr,M) with leading dimension lda. oneDNN's reorder
+// transposes whole 32s of A's rows, so that its primitives are shared as the padded K's are
+// (one per token count cost ~0.3 ms to make); the rest of the rows, or all of them where the
+// reorder cannot run, go one element at a time.
 static void a_transposed(uint16_t *ah, const uint16_t *a16, const float *a32, int lda, const product *p) {
     const int M = p->M, K = p->K, kr = p->kr;
-    if (transpose(ah, K, a16 ? (const void *)a16 : a32, a16 != NULL, M, kr, lda)) {
-        // no reorder: bf16_pack's tiles, or, padded, one element at a time (a fall-back only)
-        if (K == kr) bf16_pack(ah, a32, M, K, lda, 1);
-        else
-            for (int i = 0; i < M; i++)
-                for (int k = 0; k < kr; k++) ah[(size_t)i * K + k] = to_bf16(a32[(size_t)k * lda + i]);
+    int k0 = kr / 32 * 32;
+    if (k0 && transpose(ah, K, a16 ? (const void *)a16 : a32, a16 != NULL, M, k0, lda)) k0 = 0;
+    for (int i = 0; i < M; i++) {
+        uint16_t *d = ah + (size_t)i * K;
+        for (int k = k0; k < kr; k++) d[k] = a16 ? a16[(size_t)k * lda + i] : to_bf16(a32[(size_t)k * lda + i]);
+        memset(d + kr, 0, sizeof(uint16_t) * (K - kr));
     }
-    for (int i = 0; K > kr && i < M; i++) memset(ah + (size_t)i * K + kr, 0, sizeof(uint16_t) * (K - kr));
 }
 
 // plans and runs p with op(A) rounded here (with pb, B packed by its producer in that layout)
