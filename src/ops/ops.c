@@ -354,8 +354,8 @@ static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind
 }
 
 // Where act(h) is only read rounded to bf16 (by the next product), it goes through a chunk of
-// this many floats on the stack instead of an fp32 array in memory: a store and a read of 4
-// bytes a value fewer (the epilogues were store-bound).
+// this many floats on the stack instead of an fp32 array in memory: 4 bytes a value fewer to
+// store, and, in the backward, to read back when dw's B is packed.
 enum { EPI_CHUNK = 64 };
 
 // h += b; a = act(h) over a block of h (rows r0.., columns c0..); with ab, act(h) rounded too
