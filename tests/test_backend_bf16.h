@@ -233,6 +233,9 @@ static void case16_experts(bctx *c, int same_rows) {
     // forward: h = x.w1^T + b1 (shared inputs), then y += act(h).w2^T + b2 (a computed operand)
     rf->experts_forward(rf, y, h, a, x, cw, &ex, 1);
     be->experts_forward(be, ty, th, ta, tx, ctw, &ex, 1);
+    // a is the bank's scratch (backend.h; the cpu-bf16 bank only rounds act(h)): act(h) for the
+    // bounds below, from the reference's h
+    act_forward_f32(a, h, nrm, ex.act);
     double *Sh = dzeros(nrm), *Sy = dzeros(nrd), *Fy = dzeros(nrd);
     for (int e = 0; e < E; e++) {
         const int o = off[e], k = off[e + 1] - off[e];

@@ -130,6 +130,41 @@ static void check_linear(int N, int K, int O) {
     free(o1), free(o2), free(xr), free(wr), free(gr);
 }
 
+// B packed from either of its stored forms, (N,K) read transposed (the forward's weights,
+// pack_b_block's tile transposes) or (K,N) as it is, holds the same bf16 values, so the products
+// must give the same bits: values that round to even and up, subnormals, signed zeros and
+// large ones, at column counts past whole 16-column tiles and odd K (a half-padded last pair).
+static void check_repack(int M, int N, int K) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)M * 7919 + N * 31 + K);
+    const int ld = K + 3; // a strided (N,K)
+    float *a = randf((size_t)M * K, &r), *bt = malloc(sizeof(float) * (size_t)N * ld), *b = malloc(sizeof(float) * (size_t)K * N);
+    float *c1 = malloc(sizeof(float) * (size_t)M * N), *c2 = malloc(sizeof(float) * (size_t)M * N);
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < ld; k++) {
+            const int kind = (n * 13 + k * 7) % 9;
+            float v = (float)vlmoe_rng_normal(&r);
+            if (kind == 1) v = 1.0f + 0x1p-8f;         // a tie: rounds to even (down)
+            else if (kind == 2) v = -(1.0f + 3 * 0x1p-8f); // a tie that rounds up
+            else if (kind == 3) v = 0x1p-130f * (1 + n % 5); // subnormal
+            else if (kind == 4) v = -0.0f;
+            else if (kind == 5) v = 3.0e38f * (k % 2 ? 1 : -1);
+            bt[(size_t)n * ld + k] = v;
+            if (k < K) b[(size_t)k * N + n] = v;
+        }
+    const gemm_bf16_counts k0 = gemm_bf16_get_counts();
+    const int e1 = gemm_bf16(0, 1, M, N, K, a, K, bt, ld, 0, c1, N, NULL, NULL);
+    const int e2 = gemm_bf16(0, 0, M, N, K, a, K, b, N, 0, c2, N, NULL, NULL);
+    const gemm_bf16_counts k1 = gemm_bf16_get_counts();
+    printf("repack (%d,%d,%d): B packed by pack_b_block %ld times, by a reorder %ld\n", M, N, K, k1.b_packed - k0.b_packed,
+           k1.b_reordered - k0.b_reordered);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)M * N; i++) bad += memcmp(c1 + i, c2 + i, sizeof(float)) != 0;
+    CHECK(e1 == 0 && e2 == 0 && bad == 0, "bf16 B packed transposed and as stored (%d,%d,%d): %zu of %zu results differ "
+          "(returns %d %d)", M, N, K, bad, (size_t)M * N, e1, e2);
+    free(a), free(bt), free(b), free(c1), free(c2);
+}
+
 // The cpu-bf16 expert bank's forward reads act(h) as the first product's epilogue rounded it
 // (mlp_forward_bf16): y and h must be the bits of the two products run apart, at 1 and 2
 // threads, for experts of many rows, of a remainder block's rows, of no rows and of one row.
@@ -156,13 +191,78 @@ static void check_mlp_prerounded(void) {
                                     D, M, VLMOE_ACT_GELU);
             linear_forward_bf16(yr + o * D, ar + o * M, w[2] + (size_t)e * D * M, w[3] + (size_t)e * D, k, M, D, 1);
         }
-        CHECK(!memcmp(h, hr, sizeof(float) * R * M) && !memcmp(a, ar, sizeof(float) * R * M),
-              "bf16 expert bank, %d threads: h or act(h) differ from linear_act_forward_bf16's", thr);
+        // a is the bank's scratch: the fused forward only rounds act(h), for the second product
+        CHECK(!memcmp(h, hr, sizeof(float) * R * M), "bf16 expert bank, %d threads: h differs from linear_act_forward_bf16's",
+              thr);
         CHECK(!memcmp(y, yr, sizeof(float) * R * D),
               "bf16 expert bank, %d threads: y from the pre-rounded act(h) differs from the products run apart", thr);
     }
     for (int i = 0; i < 4; i++) free(w[i]);
     free(x), free(y0), free(y), free(yr), free(h), free(hr), free(a), free(ar);
+}
+
+// A product with op(A) = A^T (a weight gradient: K is the tokens) runs with K padded to 32 by
+// zeros (gemm_bf16.c's product_of): it must give the bits of the same product with A stored
+// transposed (op(A) = A, K as it is), accumulating (beta 1) as the gradients do, for K of no
+// multiple of 32, and its primitives must be those of the padded K (the second K of a 32 makes none).
+static void check_padded_k(int M, int N, int K) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)M * 5 + N * 11 + K);
+    float *a = randf((size_t)K * M, &r), *at = malloc(sizeof(float) * (size_t)M * K), *b = randf((size_t)K * N, &r);
+    float *c1 = randf((size_t)M * N, &r), *c2 = malloc(sizeof(float) * (size_t)M * N);
+    memcpy(c2, c1, sizeof(float) * (size_t)M * N);
+    for (int k = 0; k < K; k++)
+        for (int m = 0; m < M; m++) at[(size_t)m * K + k] = a[(size_t)k * M + m];
+    const int e1 = gemm_bf16(1, 0, M, N, K, a, M, b, N, 1, c1, N, NULL, NULL);
+    const int e2 = gemm_bf16(0, 0, M, N, K, at, K, b, N, 1, c2, N, NULL, NULL);
+    size_t bad = 0;
+    for (size_t i = 0; i < (size_t)M * N; i++) bad += memcmp(c1 + i, c2 + i, sizeof(float)) != 0;
+    CHECK(e1 == 0 && e2 == 0 && bad == 0, "bf16 A^T B with K %d padded (%d,%d): %zu of %zu results differ from A B's "
+          "(returns %d %d)", K, M, N, bad, (size_t)M * N, e1, e2);
+    // a K one less within the same 32 (K > 1) finds every primitive of the product made
+    if (K % 32 != 1) {
+        const gemm_bf16_counts k0 = gemm_bf16_get_counts();
+        CHECK(gemm_bf16(1, 0, M, N, K - 1, a, M, b, N, 1, c1, N, NULL, NULL) == 0, "bf16 A^T B, K %d", K - 1);
+        const gemm_bf16_counts k1 = gemm_bf16_get_counts();
+        CHECK(k1.prim_misses == k0.prim_misses, "bf16 A^T B (%d,%d): K %d made %ld primitives after K %d", M, N, K - 1,
+              k1.prim_misses - k0.prim_misses, K);
+    }
+    free(a), free(at), free(b), free(c1), free(c2);
+}
+
+// act_linear_backward_bf16 rounds act(h) straight into the layout of dw's B (gemm_bf16_bpack):
+// dw must get the bits of the product reading act(h) from fp32 (linear_backward_bf16 on
+// act_forward's a), at 1 and 2 threads, for row counts that are odd (a half-padded last pair),
+// below one 32-row block, and columns past whole 64-column blocks; dh the values of dy.w act'(h).
+static void check_act_backward_packed(int N, int M, int O) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)N * 17 + M * 3 + O);
+    float *dy = randf((size_t)N * O, &r), *h = randf((size_t)N * M, &r), *w = randf((size_t)O * M, &r);
+    float *dw0 = randf((size_t)O * M, &r), *dw = malloc(sizeof(float) * O * M), *dwr = malloc(sizeof(float) * O * M);
+    float *dh = malloc(sizeof(float) * N * M), *dhr = calloc((size_t)N * M, sizeof(float)), *a = malloc(sizeof(float) * N * M);
+    float *db = calloc(O, sizeof(float)), *dbr = calloc(O, sizeof(float)), *c = malloc(sizeof(float) * N * M);
+    act_forward_f32(a, h, (size_t)N * M, VLMOE_ACT_GELU_TANH);
+    memcpy(dwr, dw0, sizeof(float) * O * M);
+    linear_backward_bf16(NULL, dwr, NULL, dy, a, w, N, M, O);
+    CHECK(gemm_bf16(0, 0, N, M, O, dy, O, w, M, 0, c, M, NULL, NULL) == 0, "bf16 dy.w (%d,%d,%d)", N, M, O);
+    act_backward_f32(dhr, h, c, (size_t)N * M, VLMOE_ACT_GELU_TANH);
+    for (int j = 0; j < O; j++)
+        for (int n = 0; n < N; n++) dbr[j] += dy[(size_t)n * O + j];
+    for (int thr = 1; thr <= 2; thr++) {
+        omp_set_num_threads(thr);
+        memcpy(dw, dw0, sizeof(float) * O * M);
+        memset(db, 0, sizeof(float) * O);
+        act_linear_backward_bf16(dh, a, dw, db, dy, h, w, N, M, O, VLMOE_ACT_GELU_TANH);
+        size_t bad = 0, badh = 0;
+        for (size_t i = 0; i < (size_t)O * M; i++) bad += memcmp(dw + i, dwr + i, sizeof(float)) != 0;
+        for (size_t i = 0; i < (size_t)N * M; i++) badh += !(dh[i] == dhr[i]);
+        CHECK(bad == 0 && badh == 0, "bf16 act_linear_backward (%d,%d,%d), %d threads: %zu dw values differ from the "
+              "product on fp32 act(h), %zu dh values from dy.w act'(h)", N, M, O, thr, bad, badh);
+        double e = 0;
+        for (int j = 0; j < O; j++) e = fmax(e, fabs(db[j] - dbr[j]) / (1 + fabs(dbr[j])));
+        CHECK(e <= 1e-5, "bf16 act_linear_backward (%d,%d,%d): db off by %.3g of the fp32 column sums", N, M, O, e);
+    }
+    free(dy), free(h), free(w), free(dw0), free(dw), free(dwr), free(dh), free(dhr), free(a), free(db), free(dbr), free(c);
 }
 
 // The bf16 products of shapes that cut into several row blocks with a remainder, have few
@@ -439,7 +539,13 @@ int main(int argc, char **argv) {
     vlmoe_model_free(m);
     const int shapes[][3] = {{1, 7, 5}, {3, 33, 17}, {37, 64, 1100}, {700, 48, 96}, {1030, 96, 40}, {600, 520, 24}};
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) check_linear(shapes[i][0], shapes[i][1], shapes[i][2]);
+    const int rp[][3] = {{5, 1, 1}, {33, 15, 2}, {40, 16, 31}, {7, 17, 33}, {64, 48, 64}, {35, 70, 77}, {96, 130, 256}, {64, 256, 1024}};
+    for (size_t i = 0; i < sizeof(rp) / sizeof(rp[0]); i++) check_repack(rp[i][0], rp[i][1], rp[i][2]);
     check_mlp_prerounded();
+    const int pk[][3] = {{40, 24, 1}, {96, 200, 31}, {256, 1024, 77}, {1024, 256, 333}, {64, 64, 700}};
+    for (size_t i = 0; i < sizeof(pk) / sizeof(pk[0]); i++) check_padded_k(pk[i][0], pk[i][1], pk[i][2]);
+    const int ab[][3] = {{1, 64, 16}, {31, 200, 96}, {33, 64, 40}, {700, 1024, 96}, {1101, 200, 64}};
+    for (size_t i = 0; i < sizeof(ab) / sizeof(ab[0]); i++) check_act_backward_packed(ab[i][0], ab[i][1], ab[i][2]);
     if (argc > 0) check_threads(argv[0]);
     check_model();
     if (argc > 0) check_cli(argv[0]);

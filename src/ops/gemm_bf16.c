@@ -7,6 +7,10 @@
 // blocks stay dense, which that kernel needs (a strided C sends it to the slower gemm:jit).
 // The primitives are kept per shape. Covered by tests/test_bf16.c.
 #include <dnnl.h>
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+#include <math.h>
 #include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -187,6 +191,7 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
     int M, N, K, sum, ldc, ldb, tb;
+    int kr;             // op(A)'s columns and B's rows that hold values: K, or fewer (pad_k)
     row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
@@ -199,6 +204,7 @@ typedef struct {
     dnnl_memory_desc_t wmd;
     int bw, kp;         // bw > 0: wmd is BA16a<bw>b2a with K padded to kp, and pack_b_block writes it
     struct shadow *sh;  // B's kept packed copy (a weight's), or NULL: B is packed into scratch
+    uint32_t *bpre;     // B packed by its producer (gemm_bf16_bpack), or NULL; then B is NULL
     uint64_t sh_ver;    // the version sh must hold to be read as it is
     dnnl_primitive_t reorder, mm[3]; // the matmuls of the block heights mh (0: none)
     int mh[3];
@@ -228,11 +234,86 @@ static void blocked_width(product *p) {
 
 static inline uint32_t bf16_pair(float lo, float hi) { return to_bf16(lo) | (uint32_t)to_bf16(hi) << 16; }
 
+#if defined(__AVX512BW__)
+// bf16_of on 16 lanes, in integer arithmetic as bf16_of does (vcvtneps2bf16 would flush
+// subnormals to zero: other bits than the scalar rounding's); the bf16 in each lane's low half
+static inline __m512i bf16_of16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+}
+
+// The tb layout through registers: 16 stored rows (B's columns n1..n1+15) of 32 floats from k0
+// (masked past K, zero rows past nn) become 16 lanes of pairs each, and a 16x16 transpose of
+// those pairs gives 16 of the layout's rows, each 16 columns wide. The scalar loop read one
+// strided float at a time (a third of pack_b_block's time in a 1-thread bench-s step).
+static void pack_tb_tile(uint32_t *o, int w, const float *s, int ldb, int rows, __mmask16 m0, __mmask16 m1) {
+    // word m of the pair vector: the bf16 of k0+m (words 0..15 from the first 16 floats)
+    static const uint16_t even[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+    const __m512i idx = _mm512_loadu_si512(even);
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) {
+        if (i >= rows) {
+            r[i] = _mm512_setzero_si512();
+            continue;
+        }
+        const float *x = s + (size_t)i * ldb;
+        r[i] = _mm512_permutex2var_epi16(bf16_of16(_mm512_maskz_loadu_ps(m0, x)), idx,
+                                         bf16_of16(_mm512_maskz_loadu_ps(m1, x + 16)));
+    }
+    // 16x16 transpose of 32-bit lanes: pairs of rows, then of pairs, then 128-bit quarters
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // r[4q+c] holds, in 128-bit quarter g, lane c of the pairs 4g..4g+3 of rows 4q..4q+3
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512i a = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), b = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88), d = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+        _mm512_storeu_si512(o + (size_t)i * w, a);
+        _mm512_storeu_si512(o + (size_t)(i + 8) * w, b);
+        _mm512_storeu_si512(o + (size_t)(i + 4) * w, c);
+        _mm512_storeu_si512(o + (size_t)(i + 12) * w, d);
+    }
+}
+#endif
+
 // Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
 // leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
 static void pack_b_block(uint32_t *dst, const product *p, int j) {
-    const int w = p->bw, K = p->K, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
+    const int w = p->bw, K = p->kr, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
     uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
+#if defined(__AVX512BW__)
+    if (p->tb) {
+        // 32 rows k0.. (16 pairs) by 16 columns a tile; w is a multiple of 16, K's padding masked
+        for (int k0 = 0; k0 < p->kp; k0 += 32) {
+            const int left = K - k0;
+            const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 m1 = left >= 32 ? 0xffff : left > 16 ? (__mmask16)((1u << (left - 16)) - 1) : 0;
+            for (int n1 = 0; n1 < w; n1 += 16) {
+                const float *s = n1 < nn ? p->B + (size_t)(n0 + n1) * ldb + k0 : p->B;
+                pack_tb_tile(d + (size_t)(k0 / 2) * w + n1, w, s, ldb, nn - n1, m0, m1);
+            }
+        }
+        return;
+    }
+#endif
     for (int k = 0; k < p->kp; k += 2) {
         uint32_t *o = d + (size_t)(k / 2) * w;
         if (k >= K) {
@@ -306,7 +387,7 @@ void gemm_bf16_shadow_use(const float *lo, size_t n, uint64_t version) {
 
 // whether B as p reads it lies inside [lo, lo+n)
 static int inside(const product *p, const float *lo, size_t n) {
-    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->K, cols = p->tb ? (size_t)p->K : (size_t)p->N;
+    const size_t rows = p->tb ? (size_t)p->N : (size_t)p->kr, cols = p->tb ? (size_t)p->kr : (size_t)p->N;
     const uintptr_t b = (uintptr_t)p->B, l = (uintptr_t)lo;
     return n && b >= l && (b - l) / sizeof(float) + (rows - 1) * (size_t)p->ldb + cols <= n;
 }
@@ -337,15 +418,12 @@ static shadow *shadow_of(const product *p) {
     return &shadows[i];
 }
 
-static int plan(product *p) {
+// p->wmd (and bw, kp): the B layout of a (K,N) B, kept per (N,K), so that every product of
+// that N and K reads B in one layout. Under cache_mu.
+static int layout_of(product *p) {
     const int N = p->N, K = p->K;
     const row_split *rs = &p->rs;
-    // the heights: the taller blocks', the others', the tail's
-    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
-    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
-    p->mh[2] = rs->tail;
     int ok = 1;
-    pthread_mutex_lock(&cache_mu);
     entry *lay = find(K_LAYOUT, 0, N, K, 0, 0, 0);
     if (!lay) {
         // the layout brgemm picks for a full block; every block then reads B in it
@@ -362,14 +440,26 @@ static int plan(product *p) {
         p->wmd = lay->md;
     }
     if (ok) blocked_width(p);
+    return ok ? 0 : -1;
+}
+
+static int plan(product *p) {
+    const int N = p->N, K = p->K;
+    const row_split *rs = &p->rs;
+    // the heights: the taller blocks', the others', the tail's
+    p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
+    p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
+    p->mh[2] = rs->tail;
+    pthread_mutex_lock(&cache_mu);
+    int ok = layout_of(p) == 0;
     counts.products++;
-    if (ok && p->bw && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
+    if (ok && p->bw && p->B && p->K == p->kr && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
         p->sh_ver = act_ver;
         if (p->sh->ver == act_ver) counts.shadow_reused++;
         else counts.shadow_packed++;
     }
     if (ok) {
-        if (p->bw) counts.b_packed += !p->sh || p->sh->ver != p->sh_ver;
+        if (p->bw) counts.b_packed += !p->bpre && (!p->sh || p->sh->ver != p->sh_ver);
         else counts.b_reordered++;
     }
     struct { int kind, m, ld, tb, sum; dnnl_primitive_t *dst; } want[4] = {
@@ -404,21 +494,37 @@ static void unplan(product *p) {
         if (p->owned[i]) dnnl_primitive_destroy(*pr[i]), p->owned[i] = 0;
 }
 
-// a product's fields
+// A product's fields. With ta (the weight gradients, whose K is the tokens: an expert's count
+// changes every step) K is padded to a multiple of 32 with zero columns of op(A) and zero rows
+// of B, which B's blocked layout holds anyway: the products of each 32 counts then share
+// their primitives (bench-s made some 50 a step otherwise, ~0.4 ms each), and brgemm gives the
+// bits of the unpadded product (adding zero products; tests/test_bf16.c checks it). kr keeps
+// the real K. unpad_k undoes it where B is not in such a layout.
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
-    return (product){.M = M, .N = N, .K = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
-                     .rs = split_rows(M, N, K), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+    const int kp = ta ? (K + 31) / 32 * 32 : K;
+    return (product){.M = M, .N = N, .K = kp, .kr = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
+                     .rs = split_rows(M, N, kp), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
+}
+
+// plan, and plan again unpadded when B's layout is one oneDNN's reorder writes (it would read
+// B's padding rows from B)
+static int plan_k(product *p) {
+    if (plan(p)) return -1;
+    if (p->K == p->kr || p->bw) return 0;
+    unplan(p);
+    p->K = p->kr, p->rs = split_rows(p->M, p->N, p->K);
+    return plan(p);
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
 // 2: scratchpad, 3: the backward's transposed dout, 4: its blocks' column sums, 5: the caller's
-// pre-rounded operand, gemm_bf16_side), kept between products: the kernels own no
+// pre-rounded operand, gemm_bf16_side, 6: a B packed by its producer), kept between products: the kernels own no
 // workspace (they are pure functions of their arguments), and allocating megabytes per product
 // would cost page faults on every call. The buffers only grow.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[6];
-    static _Thread_local size_t cap[6];
+    static _Thread_local void *buf[7];
+    static _Thread_local size_t cap[7];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -465,6 +571,39 @@ static int block(const product *p, int o, int m, const void *bh) {
     return ok ? 0 : -1;
 }
 
+// value (k, n) of a B in the layout of blocked_width
+static float packed_value(const product *p, const uint32_t *bh, int k, int n) {
+    const uint32_t pair = bh[((size_t)(n / p->bw) * (p->kp / 2) + k / 2) * p->bw + n % p->bw];
+    const uint32_t u = (k & 1 ? pair >> 16 : pair & 0xffff) << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+// A block that brgemm failed to run, in fp32 (dnnl_sgemm) from the fp32 operands, or, where the
+// caller gave none (gemm_bf16_pre's A, a producer-packed B), from the bf16 values it gave. If
+// memory runs out even for that, the block's C is NaN, which the trainer's finite check reports.
+static void fallback(const product *p, int o, int m, const void *bh) {
+    const int K = p->kr, N = p->N;
+    float *fa = p->A ? NULL : malloc(sizeof(float) * (size_t)m * K), *fb = p->B ? NULL : malloc(sizeof(float) * (size_t)K * N);
+    if ((!p->A && !fa) || (!p->B && !fb)) {
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < N; j++) p->C[(size_t)(o + i) * p->ldc + j] = NAN;
+        free(fa), free(fb);
+        return;
+    }
+    for (size_t i = 0; fa && i < (size_t)m * K; i++) {
+        const uint32_t u = (uint32_t)p->ah[(size_t)o * K + i] << 16; // (unpadded: ta 0)
+        memcpy(fa + i, &u, sizeof(float));
+    }
+    for (int k = 0; fb && k < K; k++)
+        for (int n = 0; n < N; n++) fb[(size_t)k * N + n] = packed_value(p, bh, k, n);
+    const float *A = fa ? fa : p->ta ? p->A + o : p->A + (size_t)o * p->lda;
+    dnnl_sgemm(fa || !p->ta ? 'N' : 'T', fb || !p->tb ? 'N' : 'T', m, N, K, 1, A, fa ? K : p->lda, fb ? fb : p->B,
+               fb ? N : p->ldb, p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+    free(fa), free(fb);
+}
+
 // bf16_pack's rows (not transposed) and, in the same pass, their column sums in fp32, row by
 // row in order: sum (cols) = the sum of the rows of src. One thread, inside a block.
 static void pack_sum(uint16_t *dst, float *sum, const float *src, int rows, int cols, int ld) {
@@ -486,8 +625,8 @@ static void pack_sum(uint16_t *dst, float *sum, const float *src, int rows, int 
 // in fp32 instead, so a product that was planned always completes (the backward's two products
 // are all or nothing).
 static void execute(const product *p) {
-    void *bh = p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
-    const int pack = p->bw && (!p->sh || p->sh->ver != p->sh_ver);
+    void *bh = p->bpre ? (void *)p->bpre : p->sh ? (void *)p->sh->buf : scratch(dnnl_memory_desc_get_size(&p->wmd), 1);
+    const int pack = p->bw && !p->bpre && (!p->sh || p->sh->ver != p->sh_ver);
     int ok = bh != NULL;
     if (ok && !p->bw) {
         dnnl_memory_desc_t md_s;
@@ -513,10 +652,7 @@ static void execute(const product *p) {
             const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
             if (p->pack_a && p->cs) pack_sum(p->ah + (size_t)o * p->K, p->cs + (size_t)b * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda);
             else if (p->pack_a) bf16_pack(p->ah + (size_t)o * p->K, p->A + (size_t)o * p->lda, m, p->K, p->lda, 0);
-            if (!ok || block(p, o, m, bh))
-                dnnl_sgemm(p->ta ? 'T' : 'N', p->tb ? 'T' : 'N', m, p->N, p->K, 1,
-                           p->ta ? p->A + o : p->A + (size_t)o * p->lda, p->lda, p->B, p->ldb,
-                           p->sum ? 1.0f : 0.0f, p->C + (size_t)o * p->ldc, p->ldc);
+            if (!ok || block(p, o, m, bh)) fallback(p, o, m, bh);
             if (p->epi) p->epi(p->ctx, p->C, p->ldc, o, m, 0, p->N);
         }
     }
@@ -537,7 +673,8 @@ void gemm_bf16_shadow_refresh(const float *lo, size_t n, uint64_t version) {
         first[0] = 0;
         for (int i = 0; i < SHADOW_N; i++) {
             shadow *e = &shadows[i];
-            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .ldb = e->ldb, .bw = e->bw, .kp = e->kp};
+            q[m] = (product){.B = e->B, .tb = e->tb, .N = e->N, .K = e->K, .kr = e->K, .ldb = e->ldb, .bw = e->bw,
+                             .kp = e->kp};
             if (!e->used || !inside(&q[m], lo, n)) continue;
             at[m] = i, first[m + 1] = first[m] + (e->N + e->bw - 1) / e->bw, m++;
         }
@@ -564,20 +701,20 @@ gemm_bf16_counts gemm_bf16_get_counts(void) {
     return c;
 }
 
-// dst (rows, cols) bf16 row-major = the transpose of src (cols, rows), row-major with leading
-// dimension ld, fp32 or (bf) bf16: a oneDNN reorder, whose jit transpose runs some ten times
+// dst (rows, cols) bf16 row-major with leading dimension ldd = the transpose of src (cols,
+// rows), row-major with leading dimension ld, fp32 or (bf) bf16: a oneDNN reorder, whose jit transpose runs some ten times
 // faster than bf16_pack's scalar tiles (and on the OpenMP threads outside a parallel region).
 // Returns -1 when the reorder cannot be made or run.
-static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols, int ld) {
+static int transpose(uint16_t *dst, int ldd, const void *src, int bf, int rows, int cols, int ld) {
     dnnl_memory_desc_t md_s, md_d;
-    const dnnl_dims_t d = {rows, cols}, ss = {1, ld}, sd = {cols, 1};
+    const dnnl_dims_t d = {rows, cols}, ss = {1, ld}, sd = {ldd, 1};
     if (dnnl_memory_desc_init_by_strides(&md_s, 2, d, bf ? dnnl_bf16 : dnnl_f32, ss) != dnnl_success ||
         dnnl_memory_desc_init_by_strides(&md_d, 2, d, dnnl_bf16, sd) != dnnl_success)
         return -1;
     dnnl_primitive_t prim = NULL;
     int owned = 0;
     pthread_mutex_lock(&cache_mu);
-    entry *e = find(K_TRANSPOSE, rows, cols, 0, 0, ld, bf);
+    entry *e = find(K_TRANSPOSE, rows, cols, ldd, 0, ld, bf);
     if (e) {
         prim = e->prim;
     } else {
@@ -590,7 +727,7 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
             prim = NULL;
         dnnl_primitive_desc_destroy(pd);
         dnnl_primitive_attr_destroy(attr);
-        owned = prim && !keep((entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .ld = ld, .tb = bf, .prim = prim});
+        owned = prim && !keep((entry){.kind = K_TRANSPOSE, .m = rows, .n = cols, .k = ldd, .ld = ld, .tb = bf, .prim = prim});
     }
     pthread_mutex_unlock(&cache_mu);
     dnnl_memory_t ms = NULL, md = NULL;
@@ -605,21 +742,43 @@ static int transpose(uint16_t *dst, const void *src, int bf, int rows, int cols,
     return ok ? 0 : -1;
 }
 
+// op(A) = A^T of a ta product into ah (M,K) row-major, its columns from kr on zero: from a16
+// (bf16, when given) or a32 (fp32), both (kr,M) with leading dimension lda. oneDNN's reorder
+// transposes whole 32s of A's rows, so that its primitives are shared as the padded K's are
+// (one per token count cost ~0.3 ms to make); the rest of the rows, or all of them where the
+// reorder cannot run, go one element at a time.
+static void a_transposed(uint16_t *ah, const uint16_t *a16, const float *a32, int lda, const product *p) {
+    const int M = p->M, K = p->K, kr = p->kr;
+    int k0 = kr / 32 * 32;
+    if (k0 && transpose(ah, K, a16 ? (const void *)a16 : a32, a16 != NULL, M, k0, lda)) k0 = 0;
+    for (int i = 0; i < M; i++) {
+        uint16_t *d = ah + (size_t)i * K;
+        for (int k = k0; k < kr; k++) d[k] = a16 ? a16[(size_t)k * lda + i] : to_bf16(a32[(size_t)k * lda + i]);
+        memset(d + kr, 0, sizeof(uint16_t) * (K - kr));
+    }
+}
+
+// plans and runs p with op(A) rounded here (with pb, B packed by its producer in that layout)
+static int product_run(product *p, const gemm_bf16_bpack *pb) {
+    if (pb) p->bpre = pb->buf;
+    const int ok = plan_k(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
+    uint16_t *ah = ok ? scratch(sizeof(uint16_t) * (size_t)p->M * p->K, 0) : NULL;
+    if (ah) {
+        // op(A), row-major (M,K): rounded by the blocks, or transposed here
+        p->ah = ah, p->pack_a = !p->ta;
+        if (p->ta) a_transposed(ah, NULL, p->A, p->lda, p);
+        execute(p);
+    }
+    unplan(p);
+    return ah ? 0 : -1;
+}
+
 int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
               float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx) {
     if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
     product p = product_of(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
     p.epi = epi, p.ctx = ctx;
-    uint16_t *ah = scratch(sizeof(uint16_t) * (size_t)M * K, 0);
-    const int ok = ah && plan(&p) == 0;
-    if (ok) {
-        // op(A), row-major (M,K): rounded by the blocks, or transposed here
-        p.ah = ah, p.pack_a = !ta;
-        if (ta && transpose(ah, A, 0, M, K, lda)) bf16_pack(ah, A, M, K, lda, 1);
-        execute(&p);
-    }
-    unplan(&p);
-    return ok ? 0 : -1;
+    return product_run(&p, NULL);
 }
 
 uint16_t *gemm_bf16_side(size_t n) { return scratch(sizeof(uint16_t) * n, 5); }
@@ -638,6 +797,49 @@ int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *
     return ok ? 0 : -1;
 }
 
+int gemm_bf16_bpack_begin(gemm_bf16_bpack *pb, int M, int N, int K) {
+    if (!engine() || M <= 0 || N <= 0 || K <= 0) return -1;
+    product p = product_of(1, 0, M, N, K, NULL, M, NULL, N, 0, NULL, N); // gemm_bf16_packed_b's (K padded)
+    pthread_mutex_lock(&cache_mu);
+    const int ok = layout_of(&p) == 0 && p.bw;
+    pthread_mutex_unlock(&cache_mu);
+    uint32_t *buf = ok ? scratch(dnnl_memory_desc_get_size(&p.wmd), 6) : NULL;
+    if (!buf) return -1;
+    *pb = (gemm_bf16_bpack){.buf = buf, .w = p.bw, .kp = p.kp, .K = K, .N = N};
+    // the zeros brgemm reads past B: the pair rows from K/2 on (an odd K's last pair gets its
+    // row K-1 from the producer) and the last column block's columns past N
+    const int nb = (N + p.bw - 1) / p.bw, rows = p.kp / 2, w = p.bw, np = nb * w;
+    for (int j = 0; j < nb; j++) memset(buf + ((size_t)j * rows + K / 2) * w, 0, sizeof(uint32_t) * (size_t)(rows - K / 2) * w);
+    if (np > N)
+        for (int i = 0; i < K / 2; i++) memset(buf + ((size_t)(nb - 1) * rows + i) * w + N % w, 0, sizeof(uint32_t) * (size_t)(np - N));
+    return 0;
+}
+
+void gemm_bf16_bpack_rows(const gemm_bf16_bpack *pb, int k, int c, int n, const float *r0, const float *r1) {
+    const int w = pb->w, rows = pb->kp / 2;
+    for (int j = 0; j < n;) {
+        const int col = c + j, off = col % w, len = n - j < w - off ? n - j : w - off;
+        const size_t at = ((size_t)(col / w) * rows + k / 2) * w + off;
+        if (r1) {
+            uint32_t *o = pb->buf + at;
+#pragma omp simd
+            for (int i = 0; i < len; i++) o[i] = bf16_pair(r0[j + i], r1[j + i]);
+        } else {
+            // one half of each pair: the other row's half is another block's (or padding)
+            uint16_t *o = (uint16_t *)(pb->buf + at) + (k & 1);
+            for (int i = 0; i < len; i++) o[2 * i] = to_bf16(r0[j + i]);
+        }
+        j += len;
+    }
+}
+
+int gemm_bf16_packed_b(int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta, float *C,
+                       int ldc) {
+    if (!engine() || M <= 0 || N != pb->N || K != pb->K) return -1;
+    product p = product_of(1, 0, M, N, K, A, lda, NULL, N, beta, C, ldc);
+    return product_run(&p, pb);
+}
+
 int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp, const float *w,
                        int N, int K, int O, float beta) {
     if (!engine() || N <= 0 || K <= 0 || O <= 0) return -1;
@@ -646,14 +848,15 @@ int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, con
     // beta 0 dinp's matmul has no sum post-op, so neither brgemm nor the sgemm fallback reads it.
     product pi = product_of(0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
     product pw = product_of(1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    uint16_t *gh = scratch(sizeof(uint16_t) * (size_t)N * O, 0), *gt = scratch(sizeof(uint16_t) * (size_t)N * O, 3);
     // db's sums: each of dinp's blocks sums its rows of dout while rounding them (dout is read
     // once, not again by a column-sum pass), then the blocks' sums are added in block order: the
     // blocks are the shape's, so the bits do not depend on the thread count
     const int nb = blocks_of(&pi.rs);
     float *cs = db && dinp ? scratch(sizeof(float) * (size_t)nb * O, 4) : NULL;
-    const int ok = gh && gt && (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
-    if (ok) {
+    const int ok = (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan_k(&pw) == 0;
+    uint16_t *gh = ok ? scratch(sizeof(uint16_t) * (size_t)N * O, 0) : NULL;
+    uint16_t *gt = gh ? scratch(sizeof(uint16_t) * (size_t)O * pw.K, 3) : NULL;
+    if (gt) {
         // dinp's blocks round dout as they go (without dinp, one pass does)
         pi.ah = gh, pi.pack_a = 1, pi.cs = cs, pw.ah = gt;
         if (dinp) execute(&pi);
@@ -666,9 +869,9 @@ int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, con
                 db[j] += s;
             }
         }
-        if (transpose(gt, gh, 1, O, N, O)) bf16_pack(gt, dout, O, N, O, 1);
+        a_transposed(gt, gh, dout, O, &pw);
         execute(&pw);
     }
     unplan(&pi), unplan(&pw);
-    return ok ? 0 : -1;
+    return gt ? 0 : -1;
 }

@@ -38,9 +38,29 @@ int gemm_bf16(int ta, int tb, int M, int N, int K, const float *A, int lda, cons
 
 // gemm_bf16 (ta 0) with op(A) already rounded by its producer: ah (M,K) row-major bf16 holds
 // bf16_of of A's values, so C gets the bits gemm_bf16 would give, without A's rounding pass.
-// A (fp32) is still read by a block that falls back to fp32. Returns as gemm_bf16.
+// A (fp32) is read by a block that falls back to fp32; A NULL: such a block reads ah's values
+// (the producer then need not write A at all). Returns as gemm_bf16.
 int gemm_bf16_pre(int tb, int M, int N, int K, const uint16_t *ah, const float *A, int lda, const float *B, int ldb,
                   float beta, float *C, int ldc, gemm_bf16_epi epi, const void *ctx);
+// A B operand (K,N) that its producer writes straight into the blocked bf16 layout the product
+// reads, so that no pass reads B back in fp32 to pack it: column blocks of w columns, each kp/2
+// rows of w pairs, a pair holding rows 2i (low half) and 2i+1 of one column, rounded by bf16_of.
+// gemm_bf16_bpack_begin finds the layout of the product's B and writes its padding (zero pairs
+// from row K on, zero columns past N) into this thread's buffer for it (kept until the next
+// begin on this thread; the products use other buffers); the producer writes every row below K
+// (gemm_bf16_bpack_rows, from any thread, each row once), then gemm_bf16_packed_b runs the
+// product. begin returns 0, or -1 when the layout is not one of these or memory runs out: the
+// caller then gives B in fp32 to gemm_bf16.
+typedef struct { uint32_t *buf; int w, kp, K, N; } gemm_bf16_bpack;
+int gemm_bf16_bpack_begin(gemm_bf16_bpack *pb, int M, int N, int K);
+// B's columns [c, c+n) of rows k (even) and k+1 (r0, r1: n floats each), or, with r1 NULL,
+// of row k alone (k even or odd: its pair's other row is written apart, or is padding)
+void gemm_bf16_bpack_rows(const gemm_bf16_bpack *pb, int k, int c, int n, const float *r0, const float *r1);
+// gemm_bf16 (ta 1, tb 0, no epilogue: C (M,N) = A^T B + beta C, A (K,M)) with B the producer's
+// pb, begun with the same M, N, K: the bits gemm_bf16 gives for B with those values. Returns as
+// gemm_bf16 (-1 also when pb is not this product's layout).
+int gemm_bf16_packed_b(int M, int N, int K, const float *A, int lda, const gemm_bf16_bpack *pb, float beta, float *C,
+                       int ldc);
 // n bf16 values of this thread's buffer for such a pre-rounded operand, kept between calls (the
 // products use other buffers, so it lives until the next call); NULL when memory runs out
 uint16_t *gemm_bf16_side(size_t n);

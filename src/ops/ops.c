@@ -62,8 +62,9 @@ struct gemm_epi {
     // C's rows [r0, r0+nr) and columns [c0, c0+nc)
     void (*run)(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc);
     const real *b, *h;   // bias (forward) or pre-activations (backward), by the run function
-    real *a;             // activations out
+    real *a;             // activations out (NULL: with ab or pb, only rounded)
     uint16_t *ab;        // with bf16: a rounded, beside a (the next product's operand), or NULL
+    const gemm_bf16_bpack *pb; // with bf16: a rounded into the dw product's B layout, or NULL
     int act;
 };
 #ifndef VLMOE_REAL_F64
@@ -330,43 +331,77 @@ void R(act_backward)(real *dinp, const real *inp, const real *dout, size_t n, in
 // block of the first product, and the activation's derivative to each block of the backward's
 // first product, so h and dh are each walked once, while in cache, in the product's own threads
 
-// h += b; a = act(h) over a block of h (rows r0.., columns c0..)
+// h += b; a = act(h) over n values
+static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind) {
+    if (kind == VLMOE_ACT_GELU) {
+#pragma omp simd
+        for (int j = 0; j < n; j++) a[j] = gelu_erf1(h[j] += b[j]);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < n; j++) a[j] = act_sig1(h[j] += b[j], kind);
+    }
+}
+
+// g *= act'(h); a = act(h) over n values
+static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind) {
+    if (kind == VLMOE_ACT_GELU) {
+#pragma omp simd
+        for (int j = 0; j < n; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
+    } else {
+#pragma omp simd
+        for (int j = 0; j < n; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
+    }
+}
+
+// Where act(h) is only read rounded to bf16 (by the next product), it goes through a chunk of
+// this many floats on the stack instead of an fp32 array in memory: 4 bytes a value fewer to
+// store, and, in the backward, to read back when dw's B is packed.
+enum { EPI_CHUNK = 64 };
+
+// h += b; a = act(h) over a block of h (rows r0.., columns c0..); with ab, act(h) rounded too
+// (without a, only rounded)
 static void epi_bias_act(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
     const int kind = e->act;
     const real *b = e->b + c0;
     for (int r = r0; r < r0 + nr; r++) {
-        real *h = C + (size_t)r * ldc + c0, *a = e->a + (size_t)r * ldc + c0;
-        if (kind == VLMOE_ACT_GELU) {
-#pragma omp simd
-            for (int j = 0; j < nc; j++) a[j] = gelu_erf1(h[j] += b[j]);
-        } else {
-#pragma omp simd
-            for (int j = 0; j < nc; j++) a[j] = act_sig1(h[j] += b[j], kind);
-        }
+        real *h = C + (size_t)r * ldc + c0;
 #ifndef VLMOE_REAL_F64
         if (e->ab) {
             uint16_t *ab = e->ab + (size_t)r * ldc + c0;
+            for (int j0 = 0; j0 < nc; j0 += EPI_CHUNK) {
+                real t[EPI_CHUNK], *a = e->a ? e->a + (size_t)r * ldc + c0 + j0 : t;
+                const int n = nc - j0 < EPI_CHUNK ? nc - j0 : EPI_CHUNK;
+                bias_act_row(a, h + j0, b + j0, n, kind);
 #pragma omp simd
-            for (int j = 0; j < nc; j++) ab[j] = bf16_of(a[j]);
+                for (int j = 0; j < n; j++) ab[j0 + j] = bf16_of(a[j]);
+            }
+            continue;
         }
 #endif
+        bias_act_row(e->a + (size_t)r * ldc + c0, h, b, nc, kind);
     }
 }
 
-// C (= dy.w, d of the activation's output) becomes dh = C act'(h); a = act(h) on the side
+// C (= dy.w, d of the activation's output) becomes dh = C act'(h); a = act(h) on the side, or,
+// with pb, act(h) rounded into the layout of the dw product's B, rows in pairs where the block
+// holds both rows of a pair
 static void epi_act_grad(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
     const int kind = e->act;
-    for (int r = r0; r < r0 + nr; r++) {
-        real *g = C + (size_t)r * ldc + c0, *a = e->a + (size_t)r * ldc + c0;
-        const real *h = e->h + (size_t)r * ldc + c0;
-        if (kind == VLMOE_ACT_GELU) {
-#pragma omp simd
-            for (int j = 0; j < nc; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
-        } else {
-#pragma omp simd
-            for (int j = 0; j < nc; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
+#ifndef VLMOE_REAL_F64
+    for (int r = r0, two; e->pb && r < r0 + nr; r += 1 + two) {
+        two = !(r & 1) && r + 1 < r0 + nr;
+        for (int j0 = 0; j0 < nc; j0 += EPI_CHUNK) {
+            real t[2][EPI_CHUNK];
+            const int n = nc - j0 < EPI_CHUNK ? nc - j0 : EPI_CHUNK;
+            for (int i = 0; i <= two; i++)
+                act_grad_row(C + (size_t)(r + i) * ldc + c0 + j0, t[i], e->h + (size_t)(r + i) * ldc + c0 + j0, n, kind);
+            gemm_bf16_bpack_rows(e->pb, r, c0 + j0, n, t[0], two ? t[1] : NULL);
         }
     }
+    if (e->pb) return;
+#endif
+    for (int r = r0; r < r0 + nr; r++)
+        act_grad_row(C + (size_t)r * ldc + c0, e->a + (size_t)r * ldc + c0, e->h + (size_t)r * ldc + c0, nc, kind);
 }
 
 static void linear_act_fwd(int bf16, real *h, real *a, const real *inp, const real *w, const real *b,
@@ -377,9 +412,22 @@ static void linear_act_fwd(int bf16, real *h, real *a, const real *inp, const re
 
 static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, const real *dy, const real *h,
                            const real *w, int N, int M, int O, int act) {
-    const gemm_epi e = {.run = epi_act_grad, .h = h, .a = a, .act = act};
+    gemm_epi e = {.run = epi_act_grad, .h = h, .a = a, .act = act};
+    int done = 0;
+#ifndef VLMOE_REAL_F64
+    // bf16: dw's B is act(h), rounded by the epilogue straight into the layout dw's product
+    // reads, never stored in fp32 (a is then left as it was, unless that product fails)
+    gemm_bf16_bpack pb;
+    if (bf16 && gemm_bf16_bpack_begin(&pb, O, M, N) == 0) e.pb = &pb, e.a = NULL;
+#endif
     gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e);  // dh (N,M) = dy (N,O) . w (O,M), then act'
-    gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M);       // dw (O,M) += dy^T . a
+#ifndef VLMOE_REAL_F64
+    if (e.pb) {
+        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_packed_b(O, M, N, dy, O, &pb, 1, dw, M) == 0;
+        if (!done) R(act_forward)(a, h, (size_t)N * M, act);
+    }
+#endif
+    if (!done) gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M); // dw (O,M) += dy^T . a
     if (db) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
 }
 
@@ -410,12 +458,15 @@ void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const f
 void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float *const w[4], int N, int D, int M,
                       int act, int beta) {
     uint16_t *ab = gemm_bf16_side((size_t)N * M);
-    const gemm_epi e1 = {.run = epi_bias_act, .b = w[1], .a = a, .ab = ab, .act = act}, e2 = {.run = epi_bias, .b = w[3]};
+    // with ab, act(h) is only rounded (a, scratch, is left as it was unless the second fails)
+    const gemm_epi e1 = {.run = epi_bias_act, .b = w[1], .a = ab ? NULL : a, .ab = ab, .act = act},
+                   e2 = {.run = epi_bias, .b = w[3]};
     gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1);
     int done = 0;
     if (ab)
-        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_pre(1, N, D, M, ab, a, M, w[2], M, beta ? 1.0f : 0.0f, y, D,
+        PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_pre(1, N, D, M, ab, NULL, M, w[2], M, beta ? 1.0f : 0.0f, y, D,
                                                      w[3] ? epi_thunk : NULL, w[3] ? &e2 : NULL) == 0;
+    if (!done && ab) act_forward_f32(a, h, (size_t)N * M, act);
     if (!done) linear_fwd(1, y, a, w[2], w[3], N, M, D, beta);
 }
 #endif

@@ -95,12 +95,14 @@ OPS_DECL(float, f32)
 OPS_DECL(double, f64)
 
 // linear_act_forward_f32 and act_linear_backward_f32 with the products in bf16 (`--precision
-// bf16`, src/ops/gemm_bf16.h; the bias, activation and its derivative stay fp32)
+// bf16`, src/ops/gemm_bf16.h; the bias, activation and its derivative stay fp32). The backward
+// rounds act(h) straight into dw's product (a, scratch, is then left unwritten).
 void linear_act_forward_bf16(float *h, float *a, const float *inp, const float *w, const float *b, int N,
                              int K, int O, int act);
-// y (N,D) = act(x.w1^T + b1).w2^T + b2 (w {w1, b1, w2, b2}; h, a as linear_act_forward's; beta as
-// linear_forward's): the two bf16 products of an MLP, the second reading act(h) as the first's
-// epilogue rounded it (src/ops/ops.c); the bits of linear_act_forward_bf16 then linear_forward_bf16
+// y (N,D) = act(x.w1^T + b1).w2^T + b2 (w {w1, b1, w2, b2}; h as linear_act_forward's, a scratch,
+// left unwritten unless the second product falls back; beta as linear_forward's): the two bf16
+// products of an MLP, the second reading act(h) as the first's epilogue rounded it, never stored
+// in fp32 (src/ops/ops.c); the bits of linear_act_forward_bf16 then linear_forward_bf16
 void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float *const w[4], int N, int D, int M,
                       int act, int beta);
 void act_linear_backward_bf16(float *dh, float *a, float *dw, float *db, const float *dy, const float *h,
