@@ -20,7 +20,10 @@ size_t aux_scratch_floats(int S, int E);
 //   modality (S) VLMOE_MOD_* per token (NULL: all image); wanted (E) assignments routed to each
 //   expert before capacity (switch loss only); global_tau per modality (tau = log(S), 0 = log 1);
 //   wanted_mod (2,E) the same counts split by the token's modality, image row first (the switch
-//   loss of a group holding both modalities, computed per modality; may be NULL otherwise).
+//   loss of a group holding both modalities, computed per modality; may be NULL otherwise);
+//   P_kept 1 when the previous call with this scratch took the same logits (S, E and values) and
+//   was of a kind other than load: its clean softmax and logsumexp are still in the scratch, so
+//   the CPU computes them once per group and pass, not once per loss (a table may ignore it).
 // aux_loss_<sfx> returns the loss of `kind` on one group, computed in double. If dlogits (S,E) is
 // given it ACCUMULATES weight * d(loss)/d(logits). Never allocates: scratch holds
 // aux_scratch_floats(S,E) elements. Bad arguments (sizes, K outside [1,E], a modality value other
@@ -35,6 +38,7 @@ size_t aux_scratch_floats(int S, int E);
         const int32_t *wanted;                                                                    \
         double global_tau[2];                                                                     \
         const int32_t *wanted_mod;                                                                \
+        int P_kept;                                                                               \
     } aux_input_##SFX;                                                                            \
     double aux_loss_##SFX(vlmoe_aux_kind kind, const aux_input_##SFX *in, double weight,          \
                           T *dlogits, T *scratch);

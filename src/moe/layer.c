@@ -876,7 +876,7 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
                 if (!Sm) continue;
                 R(aux_input) in = {Sm, ne, st->K, st->lg + at, st->noisy_on ? st->ng + at : NULL,
                                    cfg->noise_std * ne / E, kmod + b0, want + e0,
-                                   {cfg->global_tau[0], cfg->global_tau[1]}, NULL};
+                                   {cfg->global_tau[0], cfg->global_tau[1]}, NULL, 0};
                 if (dlogits)
                     be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, st->dlg + at,
                                  st->aux_scratch);
@@ -920,11 +920,17 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const int dev = st->d_mod != NULL; // the table's memory is not the host's
     const uint8_t *kmod = dev && mod ? st->d_mod : mod;
     if (dev && mod) be->upload_bytes(be, st->d_mod, mod, (size_t)st->n);
-    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
-        if (cfg->aux_weight[k] == 0) continue;
-        double v = 0;
-        const int to_slots = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
-        for (int g = 0; g < st->G; g++) {
+    // Groups outside, losses inside: a group's losses share its softmax (P_kept), and the sums
+    // over groups and the gradient's additions keep their order (per loss, groups in order; per
+    // logit, losses in order), so the bits are those of one loss at a time.
+    double v[VLMOE_AUX_COUNT] = {0};
+    int to_slots[VLMOE_AUX_COUNT] = {0};
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+        if (cfg->aux_weight[k] != 0) to_slots[k] = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
+    for (int g = 0; g < st->G; g++) {
+        int kept = 0; // the scratch holds this group's softmax
+        for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+            if (cfg->aux_weight[k] == 0) continue;
             const size_t o = (size_t)g * st->S * E;
             const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
             // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
@@ -944,22 +950,26 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
                 want = dw, wmod = dw + E;
             }
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod};
+                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod, kept};
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);
-            else if (to_slots)
+            else if (to_slots[k])
                 be->aux_loss_dev(be, (vlmoe_aux_kind)k, &in, st->aux_scratch,
                                  st->sink->slots + rec->at[k] + rec->n[k]++);
             else
-                v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+                v[k] += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+            kept = kept || k != VLMOE_AUX_LOAD; // the load loss computes no softmax
         }
+    }
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+        if (cfg->aux_weight[k] == 0) continue;
         if (rec) { // the sums wait for the step's download (moe_aux_sink_take)
-            rec->host[k] = v;
+            rec->host[k] = v[k];
             continue;
         }
-        if (s) s->aux[k] = v / st->G;
-        total += cfg->aux_weight[k] * (v / st->G);
+        if (s) s->aux[k] = v[k] / st->G;
+        total += cfg->aux_weight[k] * (v[k] / st->G);
     }
     if (dl && dl != dlogits) be->gather_rows_backward(be, dlogits, dl, &st->perm, E);
     return total;
