@@ -542,15 +542,16 @@ static void router_forward(struct R(moe_state) *st, const real *P, const real *x
 }
 
 // Backward of router_forward: dx and the router's gradient accumulate (the mask is a constant).
-static void router_backward(struct R(moe_state) *st, const real *P, real *G, const real *x, real *dx) {
+static void router_backward(struct R(moe_state) *st, const real *P, real *G, const real *x, real *dx, int write) {
     const R(vlmoe_backend) *rbe = st->be->fp32 ? st->be->fp32 : st->be;
     const int E = st->E, D = st->sp.D;
     for (int i = 0; i < (st->run_at ? st->nruns : 1); i++) {
         const int r0 = st->run_at ? st->run_at[i] : 0, m = st->run_at ? st->run_mod[i] : 0;
         const int len = st->run_at ? st->run_at[i + 1] - r0 : st->n;
         const size_t at = router_at(st, m); // the gradients have the parameters' layout
-        rbe->linear_backward(rbe, dx + (size_t)r0 * D, G + at, NULL, st->dlogits + (size_t)r0 * E,
-                             x + (size_t)r0 * D, P + at, len, D, E);
+        (write ? rbe->linear_backward_write : rbe->linear_backward)(rbe, dx + (size_t)r0 * D, G + at, NULL,
+                                                                    st->dlogits + (size_t)r0 * E,
+                                                                    x + (size_t)r0 * D, P + at, len, D, E);
     }
 }
 
@@ -1221,9 +1222,17 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     return VLMOE_OK;
 }
 
-void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
-                     real *dx, double daux) {
+// write: dx is written. The router's product (over every row: the runs of router_per_modality
+// cover them all) is then its first writer and the experts' rows are added after it; per element
+// r + a instead of (0 + a) + r, the same sum, so no zeroing of dx (bench-s: 5 MB a layer).
+static void backward(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout, real *dx,
+                     double daux, int write) {
     const R(vlmoe_backend) *be = st->be;
+    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be;
+    if (write && (st->sp.cfg->router == VLMOE_ROUTER_SOFT || !rbe->linear_backward_write)) {
+        be->zero(be, dx, (size_t)st->n * st->sp.D); // then accumulate
+        write = 0;
+    }
     const moe_spec *sp = &st->sp;
     const vlmoe_moe_config *cfg = sp->cfg;
     const int E = st->E, D = sp->D, n = st->n;
@@ -1250,11 +1259,16 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     // combine, experts, dispatch: back to the tokens
     be->combine_backward(be, st->dy, st->dcombine, dout, st->y, st->combine, &st->dd, D);
     const size_t rm = (size_t)st->rows;
-    be->zero(be, st->dxp, rm * D);
     const real *const w[4] = {P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
     real *const dw[4] = {G + sp->w1, G + sp->b1, G + sp->w2, G + sp->b2};
     const be_experts ex = experts_of(st);
-    if (st->ep && st->ep->d) {
+    // the experts are dxp's first writers: with the write mode its rows need no zeroing (those
+    // outside the experts' offsets are no token's, and gather_rows_backward never reads them)
+    const int xwrite = !(st->ep && st->ep->d) && be->experts_backward_write;
+    if (!xwrite) be->zero(be, st->dxp, rm * D);
+    if (xwrite) {
+        be->experts_backward_write(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
+    } else if (st->ep && st->ep->d) {
         // a failed exchange (the MPI job is broken) leaves NaN gradients, which stop the step
         if (ep_backward(st, w, dw)) {
             const real nan = (real)NAN;
@@ -1263,7 +1277,7 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     } else {
         be->experts_backward(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
     }
-    be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
+    if (!write) be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
     // route: into the gates, then the logits (the noise is an additive constant)
     const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;
     be->zero(be, st->dgates, (size_t)n * E);
@@ -1271,7 +1285,18 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->zero(be, st->dlogits, (size_t)n * E);
     be->softmax_backward(be, st->dlogits, st->gates, st->dgates, n, E);
     moe_aux(st, NULL, daux, st->dlogits);
-    router_backward(st, P, G, x, dx);
+    router_backward(st, P, G, x, dx, write);
+    if (write) be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
+}
+
+void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
+                     real *dx, double daux) {
+    backward(st, P, G, x, dout, dx, daux, 0);
+}
+
+void R(moe_backward_write)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
+                           real *dx, double daux) {
+    backward(st, P, G, x, dout, dx, daux, 1);
 }
 
 // The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).
