@@ -37,6 +37,7 @@ typedef struct {
     double *G;              // (S,E) accumulates d(loss)/d(P), taken through the softmax at the end;
                             // NULL in a forward (no dlogits): the losses then skip their gradients
     double *Z;              // (S,E) the load loss's per-token terms
+    int load_kept;          // Z, thr and e* hold them already (AUX_KEPT_LOAD)
     double *lse;            // (S) logsumexp of each token's logits
     double *tS1, *tS2;      // (S) per-token temporaries
     double *v[8];           // (E) per-expert temporaries
@@ -99,7 +100,7 @@ static double loss_load(aux_ctx *c, const real *nl, double noise_std, double wf,
     // Tokens are independent: threads fill Z's rows (an erfc per logit, most of this loss's
     // time), then one thread sums them in token order, so the bits do not depend on the threads.
 #pragma omp parallel for schedule(static) if ((size_t)S * E >= 8192)
-    for (int s = 0; s < S; s++) {
+    for (int s = 0; s < (c->load_kept ? 0 : S); s++) {
         int k = kth_largest(nl + (size_t)s * E, E, c->K - 1);
         estar[s] = k, thr[s] = nl[(size_t)s * E + k];
         for (int e = 0; e < E; e++) {
@@ -320,8 +321,9 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     // libm calls were most of the losses' time in a bench-s step: every loss of every group
     // computes them, forward and backward), and rows are independent, so threads split them
     // without changing a bit; a small group stays on one thread. The load loss reads none of
-    // them, and the caller says when the previous loss of the group left them here (P_kept).
-    const int need_P = kind != VLMOE_AUX_LOAD && !in->P_kept;
+    // them, and the caller says when the previous loss of the group left them here (kept).
+    const int need_P = kind != VLMOE_AUX_LOAD && !(in->kept & AUX_KEPT_P);
+    c.load_kept = (in->kept & AUX_KEPT_LOAD) != 0;
 #pragma omp parallel for schedule(static) if (need_P && S >= 1024)
     for (int s = 0; s < (need_P ? S : 0); s++) {
         const real *ls = in->logits + (size_t)s * E;

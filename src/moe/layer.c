@@ -106,6 +106,7 @@ struct R(moe_state) {
     void *d_route_work;             // be_route_work_bytes(Smax, E)
     vlmoe_moe_stats *stats_at;      // the record the last forward's statistics are owed to
     int stats_owed;                 // 1 until moe_stats_sync fills it (device tables only)
+    int load_kept;                  // aux_scratch holds the last forward's load terms (one group)
     uint8_t *mod_row;               // (nmax) the last forward's modality by row (its own copy: the
                                     // statistics may be filled after the caller's array changed)
 
@@ -914,6 +915,10 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const real *lg = st->ordered ? st->lg : st->logits, *ng = st->ordered ? st->ng : st->noisy;
     const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
     real *dl = dlogits && st->ordered ? st->dlg : dlogits;
+    // the load loss's erfc terms of a one-group forward serve its backward (the scratch is the
+    // layer's own, and the other losses leave them alone)
+    int load_kept = dlogits && st->load_kept && st->G == 1;
+    st->load_kept = 0;
     if (!dlogits && st->sink && st->sink->mode == MOE_AUX_SKIP) return 0;
     moe_aux_rec *rec = dlogits ? NULL : aux_record(st, s);
     if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
@@ -921,7 +926,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const int dev = st->d_mod != NULL; // the table's memory is not the host's
     const uint8_t *kmod = dev && mod ? st->d_mod : mod;
     if (dev && mod) be->upload_bytes(be, st->d_mod, mod, (size_t)st->n);
-    // Groups outside, losses inside: a group's losses share its softmax (P_kept), and the sums
+    // Groups outside, losses inside: a group's losses share its softmax (kept), and the sums
     // over groups and the gradient's additions keep their order (per loss, groups in order; per
     // logit, losses in order), so the bits are those of one loss at a time.
     double v[VLMOE_AUX_COUNT] = {0};
@@ -929,7 +934,7 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (cfg->aux_weight[k] != 0) to_slots[k] = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
     for (int g = 0; g < st->G; g++) {
-        int kept = 0; // the scratch holds this group's softmax
+        int kept = 0; // AUX_KEPT_P: the scratch holds this group's softmax
         for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
             if (cfg->aux_weight[k] == 0) continue;
             const size_t o = (size_t)g * st->S * E;
@@ -951,7 +956,9 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
                 want = dw, wmod = dw + E;
             }
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod, kept};
+                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod,
+                               kept | (load_kept ? AUX_KEPT_LOAD : 0)};
+            const int is_load = k == VLMOE_AUX_LOAD || k == VLMOE_AUX_VLOSS;
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);
@@ -960,7 +967,9 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
                                  st->sink->slots + rec->at[k] + rec->n[k]++);
             else
                 v[k] += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
-            kept = kept || k != VLMOE_AUX_LOAD; // the load loss computes no softmax
+            if (k != VLMOE_AUX_LOAD) kept = AUX_KEPT_P; // the load loss computes no softmax
+            if (is_load) load_kept = 0;                   // a backward's call uses its terms up
+            if (is_load && !dl && st->G == 1 && st->noisy_on) st->load_kept = 1;
         }
     }
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
