@@ -480,8 +480,8 @@ static void case_aux(ctx *c) {
     float *fscr = up(c, scr, aux_scratch_floats(S, E));
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         // tau 1.5 < log 4: the global losses are active where the entropy is below it
-        const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod};
-        const aux_input_f32 fi = {S, E, K, flg, fnz, 1.0, fmod, fwant, {1.5, 1.2}, fwm};
+        const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod, 0};
+        const aux_input_f32 fi = {S, E, K, flg, fnz, 1.0, fmod, fwant, {1.5, 1.2}, fwm, 0};
         double *dl = rnd(c, (size_t)S * E, 1);
         float *fdl = up(c, dl, (size_t)S * E);
         const double l = c->ref->aux_loss(c->ref, (vlmoe_aux_kind)k, &ri, 1.0, NULL, scr);
@@ -505,8 +505,8 @@ static void case_step_scalars(ctx *c) {
     double *lg = rnd(c, (size_t)S * E, 2), *nz = rnd(c, (size_t)S * E, 2);
     const aux_input_f32 fi = {S, E, K, up(c, lg, (size_t)S * E), up(c, nz, (size_t)S * E), 1.0,
                               upb(c, mod, sizeof(mod)), upb(c, wanted, sizeof(wanted)), {1.5, 1.2},
-                              upb(c, wanted_mod, sizeof(wanted_mod))};
-    const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod};
+                              upb(c, wanted_mod, sizeof(wanted_mod)), 0};
+    const aux_input_f64 ri = {S, E, K, lg, nz, 1.0, mod, wanted, {1.5, 1.2}, wanted_mod, 0};
     double *scr = zeros(c, aux_scratch_floats(S, E));
     float *fscr = up(c, scr, aux_scratch_floats(S, E));
     double vals[VLMOE_AUX_COUNT], got[VLMOE_AUX_COUNT] = {0};

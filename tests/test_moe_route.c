@@ -440,7 +440,7 @@ static void test_aux_fd(void) {
     float *scr32 = malloc(nscr * sizeof(float));
     // tau 1.5 > log 4 >= H(pbar): the global losses are active everywhere nearby.
     const int32_t wanted_mod[2 * FE] = {2, 2, 1, 1, 2, 1, 2, 1}; // image row, text row
-    aux_input_f64 in = {FS, FE, FK, l, nl, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod};
+    aux_input_f64 in = {FS, FE, FK, l, nl, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod, 0};
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         vlmoe_aux_kind kind = (vlmoe_aux_kind)k;
         const double w = 0.7;
@@ -469,7 +469,7 @@ static void test_aux_fd(void) {
         // The float path agrees with the double one.
         float lf[FS * FE], nf[FS * FE], gf[FS * FE] = {0};
         for (int i = 0; i < FS * FE; i++) lf[i] = (float)l[i], nf[i] = (float)nl[i];
-        aux_input_f32 in32 = {FS, FE, FK, lf, nf, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod};
+        aux_input_f32 in32 = {FS, FE, FK, lf, nf, noise_std, mod, wanted, {1.5, 1.5}, wanted_mod, 0};
         double L32 = aux_loss_f32(kind, &in32, w, gf, scr32);
         CHECK_CLOSE(L32, L, 1e-6, 1e-5, vlmoe_aux_name(kind));
         double ge = 0;
@@ -525,7 +525,7 @@ static void test_aux_fixture(void) {
     // The double path on the same float inputs, for a tighter comparison.
     double ld[XS * XE], nld[XS * XE];
     for (int i = 0; i < XS * XE; i++) ld[i] = l[i], nld[i] = nl[i];
-    aux_input_f64 in64 = {XS, XE, XK, ld, nld, nstd[0], mod, wanted, {tau[0], tau[1]}, wanted_mod};
+    aux_input_f64 in64 = {XS, XE, XK, ld, nld, nstd[0], mod, wanted, {tau[0], tau[1]}, wanted_mod, 0};
     double *scr = malloc(aux_scratch_floats(XS, XE) * sizeof(double));
     for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
         const char *nm = vlmoe_aux_name((vlmoe_aux_kind)k);

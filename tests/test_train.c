@@ -122,6 +122,31 @@ static void test_determinism_and_guard(void) {
     run_free(&r);
 }
 
+// The guard when only the gradient is non-finite (the loss is finite): one step's clipping sum
+// finds it (src/train/trainer.c apply), and the message still names the tensor. A huge finite
+// fc1 bias makes the next LayerNorm's float variance overflow: its output (the bias) and the loss
+// stay finite, while its backward multiplies infinities by zeros.
+static void test_guard_gradient(void) {
+    run r;
+    run_init(&r, 16, 5);
+    run_step(&r, 0);
+    int np;
+    const vlmoe_param_info *tab = vlmoe_model_params(r.m, &np);
+    float *P = vlmoe_model_param_data(r.m);
+    for (int i = 0; i < np; i++)
+        if (!strcmp(tab[i].name, "encoder.blocks.0.mlp.fc1.bias"))
+            for (size_t k = 0; k < tab[i].numel; k++) P[tab[i].offset + k] = 1e30f;
+    float keep = P[0];
+    vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
+    vlmoe_batch bt = {16, r.img, r.tok, r.lens};
+    vlmoe_step_stats s;
+    int st = vlmoe_trainer_step(r.t, &bt, &s);
+    CHECK(st == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "step 1: the gradient of '"),
+          "a non-finite gradient: status %d, message '%s'", st, vlmoe_last_error());
+    CHECK(vlmoe_trainer_get_step(r.t) == 1 && P[0] == keep, "a refused step changed the state");
+    run_free(&r);
+}
+
 static void test_metrics(void) {
     // 3 images, 3 classes, E = 2. Class embeddings e0 = (1,0), e1 = (0,1), e2 = (0.6,0.8).
     float cls[6] = {1, 0, 0, 1, 0.6f, 0.8f};
@@ -154,6 +179,7 @@ static void test_metrics(void) {
 int main(void) {
     test_metrics();
     test_determinism_and_guard();
+    test_guard_gradient();
     test_learns();
     return test_summary("test_train");
 }

@@ -17,8 +17,10 @@
 // it the term is < 1e-28 in value and its gradient is finite (the torch reference does the same).
 #define AUX_TINY 1e-30
 
-// Doubles of scratch: P and G (S,E), three (S) vectors, eight (E) vectors.
-#define AUX_DOUBLES(S, E) (2 * (size_t)(S) * (size_t)(E) + 3 * (size_t)(S) + 8 * (size_t)(E))
+// Doubles of scratch: P and G (S,E), three (S) vectors, eight (E) vectors, then Z (S,E), the load
+// loss's per-token terms (after the rest, so P and lse survive a load call and the CUDA table's
+// view of the first part is unchanged).
+#define AUX_DOUBLES(S, E) (3 * (size_t)(S) * (size_t)(E) + 3 * (size_t)(S) + 8 * (size_t)(E))
 
 #ifndef VLMOE_REAL_F64
 // Plain (not suffixed): compiled once, in the float pass. Counted in floats, two per double, plus
@@ -32,7 +34,10 @@ typedef struct {
     const uint8_t *mod;     // (S) or NULL (all image)
     int n[2];               // tokens per modality
     double *P;              // (S,E) clean softmax
-    double *G;              // (S,E) accumulates d(loss)/d(P), taken through the softmax at the end
+    double *G;              // (S,E) accumulates d(loss)/d(P), taken through the softmax at the end;
+                            // NULL in a forward (no dlogits): the losses then skip their gradients
+    double *Z;              // (S,E) the load loss's per-token terms
+    int load_kept;          // Z, thr and e* hold them already (AUX_KEPT_LOAD)
     double *lse;            // (S) logsumexp of each token's logits
     double *tS1, *tS2;      // (S) per-token temporaries
     double *v[8];           // (E) per-expert temporaries
@@ -77,7 +82,7 @@ static double loss_importance(aux_ctx *c, double f) {
     for (int s = 0; s < c->S; s++)
         for (int e = 0; e < c->E; e++) imp[e] += c->P[(size_t)s * c->E + e];
     double L = cv2(imp, c->E, dimp);
-    for (int s = 0; s < c->S; s++)
+    for (int s = 0; c->G && s < c->S; s++)
         for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += f * dimp[e];
     return L;
 }
@@ -91,22 +96,29 @@ static double loss_load(aux_ctx *c, const real *nl, double noise_std, double wf,
     const int S = c->S, E = c->E;
     const double sigma = noise_std / E;
     if (!nl || !(sigma > 0) || !isfinite(sigma)) return 0; // no noise: the loss does not apply
-    double *thr = c->tS1, *estar = c->tS2, *load = c->v[2], *dload = c->v[3];
-    for (int e = 0; e < E; e++) load[e] = 0;
-    for (int s = 0; s < S; s++) {
+    double *thr = c->tS1, *estar = c->tS2, *load = c->v[2], *dload = c->v[3], *Z = c->Z;
+    // Tokens are independent: threads fill Z's rows (an erfc per logit, most of this loss's
+    // time), then one thread sums them in token order, so the bits do not depend on the threads.
+#pragma omp parallel for schedule(static) if ((size_t)S * E >= 8192)
+    for (int s = 0; s < (c->load_kept ? 0 : S); s++) {
         int k = kth_largest(nl + (size_t)s * E, E, c->K - 1);
         estar[s] = k, thr[s] = nl[(size_t)s * E + k];
         for (int e = 0; e < E; e++) {
             double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
-            load[e] += 0.5 * erfc(z / sqrt(2.0)); // 1 - Phi(z) without cancellation
+            Z[(size_t)s * E + e] = 0.5 * erfc(z / sqrt(2.0)); // 1 - Phi(z) without cancellation
         }
     }
+    for (int e = 0; e < E; e++) load[e] = 0;
+    for (int s = 0; s < S; s++)
+        for (int e = 0; e < E; e++) load[e] += Z[(size_t)s * E + e];
     for (int e = 0; e < E; e++) load[e] /= S;
     double L = cv2(load, E, dload);
     if (dl) {
         const double inv = 0.39894228040143267794; // 1/sqrt(2 pi)
-        double *row = c->v[4];
+        // rows are independent (each token writes its own; Z's row, summed above, is its temp)
+#pragma omp parallel for schedule(static) if ((size_t)S * E >= 8192)
         for (int s = 0; s < S; s++) {
+            double *row = Z + (size_t)s * E;
             // The direct and the threshold terms of l[s,e*] nearly cancel: sum them in double
             // and round to the caller's type once.
             double dthr = 0;
@@ -151,7 +163,7 @@ static double loss_switch(aux_ctx *c, int m, const int32_t *wanted, double f) {
     for (int e = 0; e < E; e++) {
         double R = (double)E / ((double)c->K * n) * wanted[e];
         L += R * pm[e] / n;
-        for (int s = 0; s < S; s++)
+        for (int s = 0; c->G && s < S; s++)
             if (m < 0 || mod_of(c, s) == m) c->G[(size_t)s * E + e] += f * R / n;
     }
     return L;
@@ -176,7 +188,7 @@ static double mean_token_entropy(aux_ctx *c, int m) {
 // G += fg * d(mean_token_entropy)/dP, fg being the outer derivative; dH/dp_e = -(log p_e + 1).
 static void mean_token_entropy_grad(aux_ctx *c, int m, double fg) {
     int n = m < 0 ? c->S : c->n[m];
-    if (!n || fg == 0) return;
+    if (!n || fg == 0 || !c->G) return;
     for (int s = 0; s < c->S; s++) {
         if (m >= 0 && mod_of(c, s) != m) continue;
         for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] -= fg * (logp(c, s, e) + 1) / n;
@@ -209,7 +221,7 @@ static double loss_global_entropy(aux_ctx *c, int m, double tau, double f) {
     double L = tau - entropy(pbar, c->E);
     if (!(L > 0)) return 0;
     // dL/dpbar_e = log pbar_e + 1; dpbar_e/dP[s,e] = 1/S_m for tokens of m.
-    for (int s = 0; s < c->S; s++)
+    for (int s = 0; c->G && s < c->S; s++)
         if (mod_of(c, s) == m)
             for (int e = 0; e < c->E; e++)
                 c->G[(size_t)s * c->E + e] += f * (logt(pbar[e]) + 1) / c->n[m];
@@ -233,7 +245,7 @@ static double loss_mi(aux_ctx *c, double f) {
     for (int m = 0; m < 2; m++)
         if (c->n[m]) L += entropy(pb[m], c->E) / M;
     L -= entropy(mix, c->E);
-    for (int s = 0; s < c->S; s++) {
+    for (int s = 0; c->G && s < c->S; s++) {
         int m = mod_of(c, s);
         for (int e = 0; e < c->E; e++)
             c->G[(size_t)s * c->E + e] +=
@@ -262,6 +274,7 @@ static double loss_merged(aux_ctx *c, int m, double f) {
             else r += p[e];
         }
         L -= xlogx(q) + xlogx(r);
+        if (!c->G) continue;
         double gq = -(logt(q) + 1) / n, gr = -(logt(r) + 1) / n;
         for (int e = 0; e < E; e++) c->G[(size_t)s * E + e] += f * (top[e] != 0 ? gq : gr);
     }
@@ -301,13 +314,18 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     const size_t SE = (size_t)S * E;
     c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
     for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
+    c.Z = c.v[7] + E;
+    if (!dlogits) c.G = NULL; // a forward: the value only
 
     // Clean gates in double: P = exp(l - max) / sum, lse = max + log(sum). One exp per logit (the
     // libm calls were most of the losses' time in a bench-s step: every loss of every group
     // computes them, forward and backward), and rows are independent, so threads split them
-    // without changing a bit; a small group stays on one thread.
-#pragma omp parallel for schedule(static) if (S >= 1024)
-    for (int s = 0; s < S; s++) {
+    // without changing a bit; a small group stays on one thread. The load loss reads none of
+    // them, and the caller says when the previous loss of the group left them here (kept).
+    const int need_P = kind != VLMOE_AUX_LOAD && !(in->kept & AUX_KEPT_P);
+    c.load_kept = (in->kept & AUX_KEPT_LOAD) != 0;
+#pragma omp parallel for schedule(static) if (need_P && S >= 1024)
+    for (int s = 0; s < (need_P ? S : 0); s++) {
         const real *ls = in->logits + (size_t)s * E;
         double *p = c.P + (size_t)s * E, mx = ls[0], sum = 0;
         for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
@@ -316,7 +334,7 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
         const double inv = 1 / sum;
         for (int e = 0; e < E; e++) p[e] *= inv;
     }
-    memset(c.G, 0, SE * sizeof(double));
+    if (c.G) memset(c.G, 0, SE * sizeof(double));
 
     double L = 0;
     switch (kind) {
@@ -363,7 +381,8 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     }
 
     // Gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e).
-    if (dlogits) {
+    if (dlogits && kind != VLMOE_AUX_LOAD) { // (G is 0 for load, which adds into dlogits itself)
+#pragma omp parallel for schedule(static) if (S >= 1024)
         for (int s = 0; s < S; s++) {
             const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
             double dot = 0;

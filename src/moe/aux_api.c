@@ -23,7 +23,7 @@ double vlmoe_aux_loss(vlmoe_aux_kind kind, const vlmoe_aux_input *in, double wei
         return NAN;
     }
     aux_input_f32 a = {in->S, in->E, in->K, in->logits, in->noisy_logits, in->noise_std,
-                       in->modality, in->wanted, {in->global_tau[0], in->global_tau[1]}, in->wanted_mod};
+                       in->modality, in->wanted, {in->global_tau[0], in->global_tau[1]}, in->wanted_mod, 0};
     size_t n = aux_scratch_floats(in->S, in->E), bytes;
     if (vlmoe_mul_ok(n, sizeof(float), &bytes)) {
         vlmoe_fail(VLMOE_ERR_NOMEM, "vlmoe_aux_loss: scratch for S=%d E=%d overflows", in->S, in->E);

@@ -106,6 +106,7 @@ struct R(moe_state) {
     void *d_route_work;             // be_route_work_bytes(Smax, E)
     vlmoe_moe_stats *stats_at;      // the record the last forward's statistics are owed to
     int stats_owed;                 // 1 until moe_stats_sync fills it (device tables only)
+    int load_kept;                  // aux_scratch holds the last forward's load terms (one group)
     uint8_t *mod_row;               // (nmax) the last forward's modality by row (its own copy: the
                                     // statistics may be filled after the caller's array changed)
 
@@ -542,15 +543,16 @@ static void router_forward(struct R(moe_state) *st, const real *P, const real *x
 }
 
 // Backward of router_forward: dx and the router's gradient accumulate (the mask is a constant).
-static void router_backward(struct R(moe_state) *st, const real *P, real *G, const real *x, real *dx) {
+static void router_backward(struct R(moe_state) *st, const real *P, real *G, const real *x, real *dx, int write) {
     const R(vlmoe_backend) *rbe = st->be->fp32 ? st->be->fp32 : st->be;
     const int E = st->E, D = st->sp.D;
     for (int i = 0; i < (st->run_at ? st->nruns : 1); i++) {
         const int r0 = st->run_at ? st->run_at[i] : 0, m = st->run_at ? st->run_mod[i] : 0;
         const int len = st->run_at ? st->run_at[i + 1] - r0 : st->n;
         const size_t at = router_at(st, m); // the gradients have the parameters' layout
-        rbe->linear_backward(rbe, dx + (size_t)r0 * D, G + at, NULL, st->dlogits + (size_t)r0 * E,
-                             x + (size_t)r0 * D, P + at, len, D, E);
+        (write ? rbe->linear_backward_write : rbe->linear_backward)(rbe, dx + (size_t)r0 * D, G + at, NULL,
+                                                                    st->dlogits + (size_t)r0 * E,
+                                                                    x + (size_t)r0 * D, P + at, len, D, E);
     }
 }
 
@@ -876,7 +878,7 @@ static double moe_aux_pools(struct R(moe_state) *st, vlmoe_moe_stats *s, double 
                 if (!Sm) continue;
                 R(aux_input) in = {Sm, ne, st->K, st->lg + at, st->noisy_on ? st->ng + at : NULL,
                                    cfg->noise_std * ne / E, kmod + b0, want + e0,
-                                   {cfg->global_tau[0], cfg->global_tau[1]}, NULL};
+                                   {cfg->global_tau[0], cfg->global_tau[1]}, NULL, 0};
                 if (dlogits)
                     be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, st->dlg + at,
                                  st->aux_scratch);
@@ -913,6 +915,10 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const real *lg = st->ordered ? st->lg : st->logits, *ng = st->ordered ? st->ng : st->noisy;
     const uint8_t *mod = st->ordered ? st->mod_pos : st->modality;
     real *dl = dlogits && st->ordered ? st->dlg : dlogits;
+    // the load loss's erfc terms of a one-group forward serve its backward (the scratch is the
+    // layer's own, and the other losses leave them alone)
+    int load_kept = dlogits && st->load_kept && st->G == 1;
+    st->load_kept = 0;
     if (!dlogits && st->sink && st->sink->mode == MOE_AUX_SKIP) return 0;
     moe_aux_rec *rec = dlogits ? NULL : aux_record(st, s);
     if (dl && dl != dlogits) be->zero(be, dl, (size_t)st->n * E);
@@ -920,11 +926,17 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     const int dev = st->d_mod != NULL; // the table's memory is not the host's
     const uint8_t *kmod = dev && mod ? st->d_mod : mod;
     if (dev && mod) be->upload_bytes(be, st->d_mod, mod, (size_t)st->n);
-    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
-        if (cfg->aux_weight[k] == 0) continue;
-        double v = 0;
-        const int to_slots = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
-        for (int g = 0; g < st->G; g++) {
+    // Groups outside, losses inside: a group's losses share its softmax (kept), and the sums
+    // over groups and the gradient's additions keep their order (per loss, groups in order; per
+    // logit, losses in order), so the bits are those of one loss at a time.
+    double v[VLMOE_AUX_COUNT] = {0};
+    int to_slots[VLMOE_AUX_COUNT] = {0};
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++)
+        if (cfg->aux_weight[k] != 0) to_slots[k] = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
+    for (int g = 0; g < st->G; g++) {
+        int kept = 0; // AUX_KEPT_P: the scratch holds this group's softmax
+        for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+            if (cfg->aux_weight[k] == 0) continue;
             const size_t o = (size_t)g * st->S * E;
             const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
             // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
@@ -944,22 +956,30 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
                 want = dw, wmod = dw + E;
             }
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
-                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod};
+                               cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod,
+                               kept | (load_kept ? AUX_KEPT_LOAD : 0)};
+            const int is_load = k == VLMOE_AUX_LOAD || k == VLMOE_AUX_VLOSS;
             if (dl)
                 be->aux_loss(be, (vlmoe_aux_kind)k, &in, daux * cfg->aux_weight[k] / st->G, dl + o,
                              st->aux_scratch);
-            else if (to_slots)
+            else if (to_slots[k])
                 be->aux_loss_dev(be, (vlmoe_aux_kind)k, &in, st->aux_scratch,
                                  st->sink->slots + rec->at[k] + rec->n[k]++);
             else
-                v += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+                v[k] += be->aux_loss(be, (vlmoe_aux_kind)k, &in, 1.0, NULL, st->aux_scratch);
+            if (k != VLMOE_AUX_LOAD) kept = AUX_KEPT_P; // the load loss computes no softmax
+            if (is_load) load_kept = 0;                   // a backward's call uses its terms up
+            if (is_load && !dl && st->G == 1 && st->noisy_on) st->load_kept = 1;
         }
+    }
+    for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
+        if (cfg->aux_weight[k] == 0) continue;
         if (rec) { // the sums wait for the step's download (moe_aux_sink_take)
-            rec->host[k] = v;
+            rec->host[k] = v[k];
             continue;
         }
-        if (s) s->aux[k] = v / st->G;
-        total += cfg->aux_weight[k] * (v / st->G);
+        if (s) s->aux[k] = v[k] / st->G;
+        total += cfg->aux_weight[k] * (v[k] / st->G);
     }
     if (dl && dl != dlogits) be->gather_rows_backward(be, dlogits, dl, &st->perm, E);
     return total;
@@ -1211,9 +1231,17 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     return VLMOE_OK;
 }
 
-void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
-                     real *dx, double daux) {
+// write: dx is written. The router's product (over every row: the runs of router_per_modality
+// cover them all) is then its first writer and the experts' rows are added after it; per element
+// r + a instead of (0 + a) + r, the same sum, so no zeroing of dx (bench-s: 5 MB a layer).
+static void backward(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout, real *dx,
+                     double daux, int write) {
     const R(vlmoe_backend) *be = st->be;
+    const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be;
+    if (write && (st->sp.cfg->router == VLMOE_ROUTER_SOFT || !rbe->linear_backward_write)) {
+        be->zero(be, dx, (size_t)st->n * st->sp.D); // then accumulate
+        write = 0;
+    }
     const moe_spec *sp = &st->sp;
     const vlmoe_moe_config *cfg = sp->cfg;
     const int E = st->E, D = sp->D, n = st->n;
@@ -1240,11 +1268,16 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     // combine, experts, dispatch: back to the tokens
     be->combine_backward(be, st->dy, st->dcombine, dout, st->y, st->combine, &st->dd, D);
     const size_t rm = (size_t)st->rows;
-    be->zero(be, st->dxp, rm * D);
     const real *const w[4] = {P + sp->w1, P + sp->b1, P + sp->w2, P + sp->b2};
     real *const dw[4] = {G + sp->w1, G + sp->b1, G + sp->w2, G + sp->b2};
     const be_experts ex = experts_of(st);
-    if (st->ep && st->ep->d) {
+    // the experts are dxp's first writers: with the write mode its rows need no zeroing (those
+    // outside the experts' offsets are no token's, and gather_rows_backward never reads them)
+    const int xwrite = !(st->ep && st->ep->d) && be->experts_backward_write;
+    if (!xwrite) be->zero(be, st->dxp, rm * D);
+    if (xwrite) {
+        be->experts_backward_write(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
+    } else if (st->ep && st->ep->d) {
         // a failed exchange (the MPI job is broken) leaves NaN gradients, which stop the step
         if (ep_backward(st, w, dw)) {
             const real nan = (real)NAN;
@@ -1253,7 +1286,7 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     } else {
         be->experts_backward(be, st->dxp, dw, st->dy, st->xp, st->h, w, st->da, st->dh, &ex);
     }
-    be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
+    if (!write) be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
     // route: into the gates, then the logits (the noise is an additive constant)
     const int renorm = cfg->router == VLMOE_ROUTER_TOKENS && cfg->gate_renorm == VLMOE_RENORM_AFTER_ROUTING;
     be->zero(be, st->dgates, (size_t)n * E);
@@ -1261,7 +1294,18 @@ void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real
     be->zero(be, st->dlogits, (size_t)n * E);
     be->softmax_backward(be, st->dlogits, st->gates, st->dgates, n, E);
     moe_aux(st, NULL, daux, st->dlogits);
-    router_backward(st, P, G, x, dx);
+    router_backward(st, P, G, x, dx, write);
+    if (write) be->gather_rows_backward(be, dx, st->dxp, &st->dd, D);
+}
+
+void R(moe_backward)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
+                     real *dx, double daux) {
+    backward(st, P, G, x, dout, dx, daux, 0);
+}
+
+void R(moe_backward_write)(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout,
+                           real *dx, double daux) {
+    backward(st, P, G, x, dout, dx, daux, 1);
 }
 
 // The decision of the last forward, token by token (vlmoe_model_routing in include/vlmoe.h).

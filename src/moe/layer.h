@@ -102,6 +102,9 @@ void moe_aux_sink_free(moe_aux_sink *k);
     /* dx (n,D) and the parameter gradients G accumulate; dout (n,D); daux scales the aux loss */\
     void moe_backward_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout, T *dx,  \
                           double daux);                                                          \
+    /* the same, but dx is written, never read (its first writer: no zeroing before it) */       \
+    void moe_backward_write_##S(moe_state_##S *st, const T *P, T *G, const T *x, const T *dout,   \
+                                T *dx, double daux);                                             \
     /* expert parallelism over d's processes (d NULL or a world of one: off); every process must \
        hold whole routing groups of its own tokens (src/moe/layer.c) */                         \
     int moe_set_expert_parallel_##S(moe_state_##S *st, struct vlmoe_dist *d);                  \

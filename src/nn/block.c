@@ -129,9 +129,8 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
         dyb = s;
     }
     if (f->f->kind == FFN_MOE) {
-        // the MoE layer accumulates into dln (its experts' and the router's parts)
-        be->zero(be, dln, (size_t)ns * D);
-        R(moe_backward)(f->moe, P, G, ln, dyb, dln, 1.0);
+        // the MoE layer is dln's first writer (its router's part, then its experts')
+        R(moe_backward_write)(f->moe, P, G, ln, dyb, dln, 1.0);
     } else {
         // the dense MLP (one expert over all ns rows) is dln's first and only writer
         dense_mlp d;
