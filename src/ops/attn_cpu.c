@@ -88,8 +88,12 @@ static void transpose_pad(float *kt, const float *k, int T, int TP, int hd, int 
 // registers, then per row: forward (bwd 0): scale, mask, softmax, and the probabilities stored
 // to o (T, T); backward: with the forward's p (T, T), ds = p (dp - rowsum(p dp)) scale stored to
 // o. NV and RT are constants at every call, so the loops unroll and acc lives in registers.
-AI void score_tile(const int NV, const int RT, int bwd, const head_dims *s, int i0, const float *x,
-                   int ldx, const float *kt, const float *p, float *o) {
+// TAIL 1: the last T - 16 NV keys (1 or 2: T 65 is 64 + the class token) are not in the tiles'
+// vectors but dot products with their rows of k (kr, at stride ldk), which would otherwise cost
+// a whole vector of mostly padding for every d: a fifth of the scores' work at T 65.
+AI void score_tile(const int NV, const int RT, const int TAIL, int bwd, const head_dims *s, int i0,
+                   const float *x, int ldx, const float *kt, const float *kr, int ldk, const float *p,
+                   float *o) {
     __m512 acc[8][6];
     const float *xr[8];
 #pragma GCC unroll 8
@@ -102,7 +106,12 @@ AI void score_tile(const int NV, const int RT, int bwd, const head_dims *s, int 
         const float *kd = kt + (size_t)d * s->TP;
         __m512 kv[6];
 #pragma GCC unroll 6
-        for (int v = 0; v < NV; v++) kv[v] = _mm512_load_ps(kd + 16 * v);
+        for (int v = 0; v < NV; v++) {
+            kv[v] = _mm512_load_ps(kd + 16 * v);
+            // held in a register: GCC would fold the load into each of the RT multiply-adds,
+            // RT times the loads, and the load ports, not the FMAs, would set the pace
+            __asm__("" : "+v"(kv[v]));
+        }
 #pragma GCC unroll 8
         for (int r = 0; r < RT; r++) {
             const __m512 b = _mm512_set1_ps(xr[r][d]);
@@ -116,36 +125,50 @@ AI void score_tile(const int NV, const int RT, int bwd, const head_dims *s, int 
         const int i = i0 + r;
         if (i >= s->T) break;
         float *orow = o + (size_t)i * s->T;
+        if (TAIL) {
+            __m512 tl = _mm512_setzero_ps();
+            for (int j = 16 * NV; j < s->T; j++) {
+                __m512 dt = _mm512_setzero_ps();
+                for (int d0 = 0; d0 < s->hd; d0 += 16) {
+                    const __mmask16 m = lanes(s->hd - d0);
+                    dt = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xr[r] + d0),
+                                         _mm512_maskz_loadu_ps(m, kr + (size_t)j * ldk + d0), dt);
+                }
+                tl = _mm512_mask_mov_ps(tl, (__mmask16)(1u << (j - 16 * NV)), _mm512_set1_ps(_mm512_reduce_add_ps(dt)));
+            }
+            acc[r][NV] = tl;
+        }
+        const int NT = NV + TAIL; // vectors of the row from here on
         if (!bwd) {
             const int nk = key_limit(i, s->len, s->causal, s->prefix);
             __m512 mx = ninf, sum = _mm512_setzero_ps();
 #pragma GCC unroll 6
-            for (int v = 0; v < NV; v++) {
+            for (int v = 0; v < NT; v++) {
                 acc[r][v] = _mm512_mask_mul_ps(ninf, lanes(nk - 16 * v), acc[r][v], scale);
                 mx = _mm512_max_ps(mx, acc[r][v]);
             }
             const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
 #pragma GCC unroll 6
-            for (int v = 0; v < NV; v++) {
+            for (int v = 0; v < NT; v++) {
                 acc[r][v] = _mm512_maskz_mov_ps(lanes(nk - 16 * v), exp16(_mm512_sub_ps(acc[r][v], m)));
                 sum = _mm512_add_ps(sum, acc[r][v]);
             }
             // a row that sees no key (valid length 0) stays all zeros, as in the reference
             const __m512 inv = _mm512_set1_ps(nk > 0 ? 1 / _mm512_reduce_add_ps(sum) : 0);
 #pragma GCC unroll 6
-            for (int v = 0; v < NV; v++)
+            for (int v = 0; v < NT; v++)
                 _mm512_mask_storeu_ps(orow + 16 * v, lanes(s->T - 16 * v), _mm512_mul_ps(acc[r][v], inv));
         } else {
             const float *prow = p + (size_t)i * s->T;
             __m512 pv[6], dot = _mm512_setzero_ps();
 #pragma GCC unroll 6
-            for (int v = 0; v < NV; v++) {
+            for (int v = 0; v < NT; v++) {
                 pv[v] = _mm512_maskz_loadu_ps(lanes(s->T - 16 * v), prow + 16 * v);
                 dot = _mm512_fmadd_ps(pv[v], acc[r][v], dot);
             }
             const __m512 dt = _mm512_set1_ps(_mm512_reduce_add_ps(dot));
 #pragma GCC unroll 6
-            for (int v = 0; v < NV; v++)
+            for (int v = 0; v < NT; v++)
                 _mm512_mask_storeu_ps(orow + 16 * v, lanes(s->T - 16 * v),
                                       _mm512_mul_ps(_mm512_mul_ps(pv[v], _mm512_sub_ps(acc[r][v], dt)), scale));
         }
@@ -155,61 +178,89 @@ AI void score_tile(const int NV, const int RT, int bwd, const head_dims *s, int 
 // All T rows of one head's score tiles. Rows per tile keep RT x NV accumulators plus NV loaded
 // keys and a broadcast within the 32 registers, with at least 8 independent sums in flight.
 static void score_rows(int bwd, const head_dims *s, const float *x, int ldx, const float *kt,
-                       const float *p, float *o) {
-#define ROWS(NV, RT) \
-    for (int i0 = 0; i0 < s->T; i0 += RT) score_tile(NV, RT, bwd, s, i0, x, ldx, kt, p, o); \
+                       const float *kr, int ldk, const float *p, float *o) {
+#define ROWS(NV, RT, TAIL) \
+    for (int i0 = 0; i0 < s->T; i0 += RT) score_tile(NV, RT, TAIL, bwd, s, i0, x, ldx, kt, kr, ldk, p, o); \
     break;
+    if (s->T > 16 && s->T % 16 <= 2 && s->T % 16) {
+        switch (s->T / 16) {
+        case 1: ROWS(1, 8, 1)
+        case 2: ROWS(2, 8, 1)
+        case 3: ROWS(3, 6, 1)
+        case 4: ROWS(4, 6, 1)
+        default: ROWS(5, 4, 1)
+        }
+        return;
+    }
     switch (s->NV) {
-    case 1: ROWS(1, 8)
-    case 2: ROWS(2, 8)
-    case 3: ROWS(3, 6)
-    case 4: ROWS(4, 5)
-    case 5: ROWS(5, 4)
-    default: ROWS(6, 4)
+    case 1: ROWS(1, 8, 0)
+    case 2: ROWS(2, 8, 0)
+    case 3: ROWS(3, 6, 0)
+    case 4: ROWS(4, 5, 0)
+    case 5: ROWS(5, 4, 0)
+    default: ROWS(6, 4, 0)
     }
 #undef ROWS
 }
 
+AI void bcast_chunk(const int full, float *c, int ldc, const float *const ar[6], int acs, int nr, int k0,
+                    int k1, const float *b, int ldb, int nc) {
+    __mmask16 m[4];
+    __m512 acc[6][4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) m[u] = lanes(nc - 16 * u);
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+    for (int k = k0; k < k1; k++) {
+        const float *bk = b + (size_t)k * ldb;
+        __m512 bv[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) bv[u] = full ? _mm512_loadu_ps(bk + 16 * u) : _mm512_maskz_loadu_ps(m[u], bk + 16 * u);
+#pragma GCC unroll 6
+        for (int r = 0; r < 6; r++) {
+            const __m512 bc = _mm512_set1_ps(ar[r][(size_t)k * acs]);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(bc, bv[u], acc[r][u]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < 6; r++) // a constant bound keeps acc's indices constant
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            if (r >= nr) break;
+            if (full) _mm512_storeu_ps(c + (size_t)r * ldc + 16 * u, acc[r][u]);
+            else _mm512_mask_storeu_ps(c + (size_t)r * ldc + 16 * u, m[u], acc[r][u]);
+        }
+}
+
 // c (nr <= 6 rows at ldc, hd columns) = sum over k in [k0, k1) of a[r ars + k acs] b[k ldb ..]:
 // p v and ds k with (ars, acs) = (T, 1), p^T dout and ds^T q with (1, T). The rest of a's rows
-// past nr repeat its last and are not stored; hd runs in chunks of 4 vectors, the last masked.
+// past nr repeat its last and are not stored; hd runs in chunks of 4 vectors, a partial last
+// one masked (whole chunks take plain loads and stores).
 static void bcast_tile(float *c, int ldc, const float *a, int ars, int acs, int nr, int k0, int k1,
                        const float *b, int ldb, int hd) {
     const float *ar[6];
-#pragma GCC unroll 6
     for (int r = 0; r < 6; r++) ar[r] = a + (size_t)(r < nr ? r : nr - 1) * ars;
     for (int c0 = 0; c0 < hd; c0 += 64) {
-        __mmask16 m[4];
-        __m512 acc[6][4];
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) m[u] = lanes(hd - c0 - 16 * u);
-#pragma GCC unroll 6
-        for (int r = 0; r < 6; r++)
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
-        for (int k = k0; k < k1; k++) {
-            const float *bk = b + (size_t)k * ldb + c0;
-            __m512 bv[4];
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; u++) bv[u] = _mm512_maskz_loadu_ps(m[u], bk + 16 * u);
-#pragma GCC unroll 6
-            for (int r = 0; r < 6; r++) {
-                const __m512 bc = _mm512_set1_ps(ar[r][(size_t)k * acs]);
-#pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(bc, bv[u], acc[r][u]);
-            }
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < 6; r++) // a constant bound keeps acc's indices constant
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; u++)
-                if (r < nr) _mm512_mask_storeu_ps(c + (size_t)r * ldc + c0 + 16 * u, m[u], acc[r][u]);
+        if (c0 + 64 <= hd) bcast_chunk(1, c + c0, ldc, ar, acs, nr, k0, k1, b + c0, ldb, 64);
+        else bcast_chunk(0, c + c0, ldc, ar, acs, nr, k0, k1, b + c0, ldb, hd - c0);
     }
 }
 
 // The first query that may see key j: past the prefix a causal key is seen from itself on.
 static inline int first_query(const head_dims *s, int j) {
     return s->causal && j >= s->prefix ? j : 0;
+}
+
+// The rows of the next (sequence, head) a thread will take (static schedule: the next index)
+// asked into L2 while this one computes: its q, k, v (and dout) are 4 cache lines per row at a
+// stride of 3 KB, which the hardware prefetcher does not follow, and each head reads them first
+// from memory. Prefetching is a hint, so the results cannot depend on it.
+static void prefetch_rows(const float *x, int rows, int ld, int n) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < n; c += 16) _mm_prefetch((const char *)(x + (size_t)r * ld + c), _MM_HINT_T1);
 }
 
 static int fused_dims(head_dims *s, const attn_segment *seg, int D, int H) {
@@ -232,9 +283,14 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
             const size_t t0 = seg->tok_off + (size_t)b * T;
             const float *q = qkv + t0 * ld + h * hd;
             float *a = att + (((size_t)b * H + h) * T) * T, *o = out + t0 * D + h * hd;
+            if ((b * H + h + 1) < seg->nseq * H) {
+                const int nb = (b * H + h + 1) / H, nh = (b * H + h + 1) % H;
+                const float *nq = qkv + (seg->tok_off + (size_t)nb * T) * ld + nh * hd;
+                prefetch_rows(nq, T, ld, hd), prefetch_rows(nq + D, T, ld, hd), prefetch_rows(nq + 2 * D, T, ld, hd);
+            }
             _Alignas(64) float kt[ATT_TILE];
             transpose_pad(kt, q + D, T, s.TP, hd, ld);
-            score_rows(0, &s, q, ld, kt, NULL, a);
+            score_rows(0, &s, q, ld, kt, q + D, ld, NULL, a);
             for (int i0 = 0; i0 < T; i0 += 6) { // rows past key_limit hold zeros: stop at the last row's
                 const int nr = T - i0 < 6 ? T - i0 : 6;
                 bcast_tile(o + (size_t)i0 * D, D, a + (size_t)i0 * T, T, 1, nr, 0,
@@ -258,10 +314,19 @@ int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float
             const size_t t0 = seg->tok_off + (size_t)b * T;
             const float *q = qkv + t0 * ld + h * hd, *g = dout + t0 * D + h * hd;
             const float *a = att + (((size_t)b * H + h) * T) * T;
-            float *ds = datt + (((size_t)b * H + h) * T) * T, *dq = dqkv + t0 * ld + h * hd;
-            _Alignas(64) float vt[ATT_TILE];
+            float *dq = dqkv + t0 * ld + h * hd;
+            if ((b * H + h + 1) < seg->nseq * H) {
+                const int nb = (b * H + h + 1) / H, nh = (b * H + h + 1) % H;
+                const size_t n0 = seg->tok_off + (size_t)nb * T;
+                const float *nq = qkv + n0 * ld + nh * hd;
+                prefetch_rows(nq, T, ld, hd), prefetch_rows(nq + D, T, ld, hd), prefetch_rows(nq + 2 * D, T, ld, hd);
+                prefetch_rows(dout + n0 * D + nh * hd, T, D, hd);
+            }
+            // ds (T, T) stays in this thread's L1/L2: written to datt it went out to memory and
+            // back (17 KB a head at T 65), and the head's own reads were already memory-bound
+            _Alignas(64) float vt[ATT_TILE], ds[ATTN_FUSED_TMAX * ATTN_FUSED_TMAX];
             transpose_pad(vt, q + 2 * D, T, s.TP, hd, ld);
-            score_rows(1, &s, g, D, vt, a, ds); // ds (T, T) in datt, the scratch it was before
+            score_rows(1, &s, g, D, vt, q + 2 * D, ld, a, ds);
             for (int j0 = 0; j0 < T; j0 += 6) {  // key rows: dv = p^T dout, dk = ds^T q
                 const int nr = T - j0 < 6 ? T - j0 : 6, i0 = first_query(&s, j0);
                 bcast_tile(dq + 2 * D + (size_t)j0 * ld, ld, a + j0, 1, T, nr, i0, T, g, D, hd);

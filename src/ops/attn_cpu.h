@@ -8,7 +8,8 @@
 // The same contracts as attention_forward_f32 / attention_backward_f32 (ops.h). Each returns 1
 // when it did the work, 0 (having touched nothing) when this build or these shapes need the
 // reference loops: no AVX-512, more than ATTN_FUSED_TMAX positions, or a head too wide for the
-// stack tile. The choice depends on the shapes only, never on the thread count.
+// stack tile. The choice depends on the shapes only, never on the thread count. The fused
+// backward keeps its scratch on the stack: datt is left as it was.
 #define ATTN_FUSED_TMAX 96
 int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segment *seg, int D,
                        int H);
