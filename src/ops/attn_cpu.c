@@ -254,15 +254,6 @@ static inline int first_query(const head_dims *s, int j) {
     return s->causal && j >= s->prefix ? j : 0;
 }
 
-// The rows of the next (sequence, head) a thread will take (static schedule: the next index)
-// asked into L2 while this one computes: its q, k, v (and dout) are 4 cache lines per row at a
-// stride of 3 KB, which the hardware prefetcher does not follow, and each head reads them first
-// from memory. Prefetching is a hint, so the results cannot depend on it.
-static void prefetch_rows(const float *x, int rows, int ld, int n) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < n; c += 16) _mm_prefetch((const char *)(x + (size_t)r * ld + c), _MM_HINT_T1);
-}
-
 static int fused_dims(head_dims *s, const attn_segment *seg, int D, int H) {
     const int T = seg->seqlen, hd = D / H, NV = (T + 15) / 16;
     *s = (head_dims){.T = T, .TP = 16 * NV, .NV = NV, .hd = hd, .causal = seg->causal,
@@ -283,11 +274,6 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
             const size_t t0 = seg->tok_off + (size_t)b * T;
             const float *q = qkv + t0 * ld + h * hd;
             float *a = att + (((size_t)b * H + h) * T) * T, *o = out + t0 * D + h * hd;
-            if ((b * H + h + 1) < seg->nseq * H) {
-                const int nb = (b * H + h + 1) / H, nh = (b * H + h + 1) % H;
-                const float *nq = qkv + (seg->tok_off + (size_t)nb * T) * ld + nh * hd;
-                prefetch_rows(nq, T, ld, hd), prefetch_rows(nq + D, T, ld, hd), prefetch_rows(nq + 2 * D, T, ld, hd);
-            }
             _Alignas(64) float kt[ATT_TILE];
             transpose_pad(kt, q + D, T, s.TP, hd, ld);
             score_rows(0, &s, q, ld, kt, q + D, ld, NULL, a);
@@ -315,22 +301,20 @@ int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float
             const float *q = qkv + t0 * ld + h * hd, *g = dout + t0 * D + h * hd;
             const float *a = att + (((size_t)b * H + h) * T) * T;
             float *dq = dqkv + t0 * ld + h * hd;
-            if ((b * H + h + 1) < seg->nseq * H) {
-                const int nb = (b * H + h + 1) / H, nh = (b * H + h + 1) % H;
-                const size_t n0 = seg->tok_off + (size_t)nb * T;
-                const float *nq = qkv + n0 * ld + nh * hd;
-                prefetch_rows(nq, T, ld, hd), prefetch_rows(nq + D, T, ld, hd), prefetch_rows(nq + 2 * D, T, ld, hd);
-                prefetch_rows(dout + n0 * D + nh * hd, T, D, hd);
-            }
             // ds (T, T) stays in this thread's L1/L2: written to datt it went out to memory and
-            // back (17 KB a head at T 65), and the head's own reads were already memory-bound
+            // back (17 KB a head at T 65)
             _Alignas(64) float vt[ATT_TILE], ds[ATTN_FUSED_TMAX * ATTN_FUSED_TMAX];
             transpose_pad(vt, q + 2 * D, T, s.TP, hd, ld);
             score_rows(1, &s, g, D, vt, q + 2 * D, ld, a, ds);
-            for (int j0 = 0; j0 < T; j0 += 6) {  // key rows: dv = p^T dout, dk = ds^T q
-                const int nr = T - j0 < 6 ? T - j0 : 6, i0 = first_query(&s, j0);
-                bcast_tile(dq + 2 * D + (size_t)j0 * ld, ld, a + j0, 1, T, nr, i0, T, g, D, hd);
-                bcast_tile(dq + D + (size_t)j0 * ld, ld, ds + j0, 1, T, nr, i0, T, q, ld, hd);
+            // key rows: dv = p^T dout, then dk = ds^T q, each pass's two operands (34 KB at T 65)
+            // near L1's size where together they were twice it
+            for (int j0 = 0; j0 < T; j0 += 6) {
+                const int nr = T - j0 < 6 ? T - j0 : 6;
+                bcast_tile(dq + 2 * D + (size_t)j0 * ld, ld, a + j0, 1, T, nr, first_query(&s, j0), T, g, D, hd);
+            }
+            for (int j0 = 0; j0 < T; j0 += 6) {
+                const int nr = T - j0 < 6 ? T - j0 : 6;
+                bcast_tile(dq + D + (size_t)j0 * ld, ld, ds + j0, 1, T, nr, first_query(&s, j0), T, q, ld, hd);
             }
             for (int i0 = 0; i0 < T; i0 += 6) { // dq = ds k
                 const int nr = T - i0 < 6 ? T - i0 : 6;
