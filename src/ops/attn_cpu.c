@@ -1,8 +1,9 @@
 // attn_cpu.c: multi-head attention in float as one fused AVX-512 kernel per (sequence, head):
 // scores, mask, softmax and normalisation in registers, then the products with V (forward) or
-// dout, q, k (backward) as broadcast tiles, instead of ~18k tiny sgemm calls a step with the
-// softmax passes in between. Same maths as ops.c's reference loops (Vaswani et al. 2017, eq. 1;
-// masks: ops.h's attn_segment). Covered by tests/test_attn_cpu.c and ops.c's tests.
+// dout, q, k (backward) as broadcast tiles, in place of 2 + 4 sgemm calls a head with softmax
+// passes and transposes between them (bench/bench_attention.c times both). Same maths as ops.c's
+// reference loops (Vaswani et al. 2017, eq. 1; masks: ops.h's attn_segment). Covered by
+// tests/test_attn_cpu.c and ops.c's tests.
 #include "ops/attn_cpu.h"
 
 #if defined(__AVX512F__)
@@ -229,9 +230,8 @@ AI void bcast_chunk(const int full, float *c, int ldc, const float *const ar[6],
     for (int r = 0; r < 6; r++) // a constant bound keeps acc's indices constant
 #pragma GCC unroll 4
         for (int u = 0; u < 4; u++) {
-            if (r >= nr) break;
-            if (full) _mm512_storeu_ps(c + (size_t)r * ldc + 16 * u, acc[r][u]);
-            else _mm512_mask_storeu_ps(c + (size_t)r * ldc + 16 * u, m[u], acc[r][u]);
+            if (r < nr && full) _mm512_storeu_ps(c + (size_t)r * ldc + 16 * u, acc[r][u]);
+            else if (r < nr) _mm512_mask_storeu_ps(c + (size_t)r * ldc + 16 * u, m[u], acc[r][u]);
         }
 }
 
@@ -289,6 +289,7 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
 
 int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float *qkv,
                         const float *att, const attn_segment *seg, int D, int H) {
+    (void)datt; // ds stays on the stack (below)
     head_dims s0;
     if (!fused_dims(&s0, seg, D, H)) return 0;
     const int T = s0.T, hd = s0.hd, ld = 3 * D;
