@@ -1,12 +1,14 @@
 // bench_attention.c: float attention forward + backward on bench-s's shapes (batch 64; images:
 // T 65, width 256, 4 heads; texts: T 16, causal, padded), ops.c's reference loops (sgemm per
-// head) against the fused kernel (src/ops/attn_cpu.c), at 1 and 2 threads. Medians of 20 runs.
+// head) against the fused kernel (src/ops/attn_cpu.c), at 1 and 2 threads. Medians of 20 runs
+// (wall clock: on a shared machine, compare ratios from the same run).
 // Usage: bench_attention [batch]
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "bench.h"
+#include "ops/attn_cpu.h"
 #include "ops/ops.h"
 
 typedef struct {
@@ -17,9 +19,10 @@ static double time_pass(int fused, int bwd, const bufs *m, const attn_segment *s
     double t[20];
     for (int r = -2; r < 20; r++) { // two warm-up runs
         const double t0 = bench_now();
-        if (fused && bwd) attention_backward_f32(m->dqkv, m->datt, m->g, m->qkv, m->att, s, D, H);
+        // the fused kernels directly: ops.c's backward takes them only up to ATTN_FUSED_BWD_TMAX
+        if (fused && bwd) attn_fused_backward(m->dqkv, m->datt, m->g, m->qkv, m->att, s, D, H);
         else if (bwd) attention_backward_ref_f32(m->dqkv, m->datt, m->g, m->qkv, m->att, s, D, H);
-        else if (fused) attention_forward_f32(m->out, m->att, m->qkv, s, D, H);
+        else if (fused) attn_fused_forward(m->out, m->att, m->qkv, s, D, H);
         else attention_forward_ref_f32(m->out, m->att, m->qkv, s, D, H);
         if (r >= 0) t[r] = bench_now() - t0;
     }

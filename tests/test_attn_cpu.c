@@ -91,8 +91,9 @@ static double rel_err(const float *x, const double *ref, size_t n) {
 }
 
 // One shape and mask: the segment sits after `pad` tokens of other data in the buffers, which
-// neither path may touch. Runs fused (attention_*_f32) and reference (attention_*_ref_f32) at 1
-// and 3 threads: each bit-identical across thread counts and within the bounds of double.
+// neither path may touch. Runs fused (attn_fused_*, or attention_*_f32 where they decline) and
+// reference (attention_*_ref_f32) at 1 and 3 threads: each bit-identical across thread counts
+// and within the bounds of double.
 static void run_case(int T, int hd, int H, int nseq, int causal, int prefix, int padded, double amp) {
     const int D = hd * H, ld = 3 * D, pad = 3;
     const size_t ntok = (size_t)nseq * T + 2 * pad, na = (size_t)nseq * H * T * T;
@@ -119,9 +120,10 @@ static void run_case(int T, int hd, int H, int nseq, int causal, int prefix, int
             for (size_t i = 0; i < ntok * ld; i++) dqkv[i] = 12345; // all segment rows are written
             for (size_t i = 0; i < na; i++) att[i] = datt[i] = NAN;  // every probability is written
             omp_set_num_threads(th ? 3 : 1);
-            if (path == 0) {
-                attention_forward_f32(out, att, qkv, &seg, D, H);
-                attention_backward_f32(dqkv, datt, g, qkv, att, &seg, D, H);
+            if (path == 0) { // the fused kernels wherever they take the shape (ops.c may not)
+                if (!attn_fused_forward(out, att, qkv, &seg, D, H)) attention_forward_f32(out, att, qkv, &seg, D, H);
+                if (!attn_fused_backward(dqkv, datt, g, qkv, att, &seg, D, H))
+                    attention_backward_f32(dqkv, datt, g, qkv, att, &seg, D, H);
             } else {
                 attention_forward_ref_f32(out, att, qkv, &seg, D, H);
                 attention_backward_ref_f32(dqkv, datt, g, qkv, att, &seg, D, H);

@@ -11,6 +11,10 @@
 // stack tile. The choice depends on the shapes only, never on the thread count. The fused
 // backward keeps its scratch on the stack: datt is left as it was.
 #define ATTN_FUSED_TMAX 96
+// ops.c's attention_backward_f32 takes the fused backward only up to this T: at T 65 (bench-s's
+// images, batch 64, inputs from L3 or memory) it measured 7% slower than the reference's sgemm
+// calls, though 17% faster with everything in L2; at T 16 (texts) 1.2x faster.
+#define ATTN_FUSED_BWD_TMAX 32
 int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segment *seg, int D,
                        int H);
 int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float *qkv,

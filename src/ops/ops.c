@@ -580,7 +580,8 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
 void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real *qkv,
                            const real *att, const attn_segment *seg, int D, int H) {
 #ifndef VLMOE_REAL_F64
-    if (attn_fused_backward(dqkv, datt, dout, qkv, att, seg, D, H)) return;
+    if (seg->seqlen <= ATTN_FUSED_BWD_TMAX && attn_fused_backward(dqkv, datt, dout, qkv, att, seg, D, H))
+        return;
 #endif
     R(attention_backward_ref)(dqkv, datt, dout, qkv, att, seg, D, H);
 }
