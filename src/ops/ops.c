@@ -14,6 +14,7 @@
 
 #include "core/prof.h"
 #include "core/real.h"
+#include "ops/attn_cpu.h"
 #include "ops/gemm_bf16.h"
 #include "ops/ops.h"
 
@@ -556,9 +557,10 @@ static void head_scores(real *S, const real *x, int ldx, const real *y, int T, i
 // Attention of one (sequence, head) as matrix products on the strided q/k/v columns of the
 // qkv buffer: scores = scale q k^T, masked row softmax (masked probabilities are exactly 0, so
 // they add nothing below), out = p v. Each (sequence, head) owns its rows of att and its
-// columns of out, so threads never write the same float.
-void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segment *seg, int D,
-                          int H) {
+// columns of out, so threads never write the same float. The reference the fused float kernel
+// (attn_cpu.c) is tested against, and the path of the shapes and builds it does not take.
+void R(attention_forward_ref)(real *out, real *att, const real *qkv, const attn_segment *seg,
+                              int D, int H) {
     const int T = seg->seqlen, hd = D / H, ld = 3 * D;
     const real scale = (real)(1.0 / sqrt((double)hd));
 #pragma omp parallel for collapse(2) schedule(static)
@@ -590,8 +592,8 @@ void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segm
 // pass belongs to one segment (the forward's out relies on that too), so the caller need not
 // zero dqkv first (zeroing it was 16 MB of stores per bench-s block). Each (sequence, head)
 // writes all T rows of its columns, masked ones included (as zeros).
-void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real *qkv,
-                           const real *att, const attn_segment *seg, int D, int H) {
+void R(attention_backward_ref)(real *dqkv, real *datt, const real *dout, const real *qkv,
+                               const real *att, const attn_segment *seg, int D, int H) {
     const int T = seg->seqlen, hd = D / H, ld = 3 * D;
     const real scale = (real)(1.0 / sqrt((double)hd));
 #pragma omp parallel for collapse(2) schedule(static)
@@ -616,6 +618,23 @@ void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real 
             gemm1(1, 0, T, hd, T, 1, da, T, q, ld, 0, dq + D, ld);
         }
     }
+}
+
+void R(attention_forward)(real *out, real *att, const real *qkv, const attn_segment *seg, int D,
+                          int H) {
+#ifndef VLMOE_REAL_F64
+    if (attn_fused_forward(out, att, qkv, seg, D, H)) return;
+#endif
+    R(attention_forward_ref)(out, att, qkv, seg, D, H);
+}
+
+void R(attention_backward)(real *dqkv, real *datt, const real *dout, const real *qkv,
+                           const real *att, const attn_segment *seg, int D, int H) {
+#ifndef VLMOE_REAL_F64
+    if (seg->seqlen <= ATTN_FUSED_BWD_TMAX && attn_fused_backward(dqkv, datt, dout, qkv, att, seg, D, H))
+        return;
+#endif
+    R(attention_backward_ref)(dqkv, datt, dout, qkv, att, seg, D, H);
 }
 
 void R(patchify_forward)(real *patches, const real *images, int B, int C, int HW, int P) {

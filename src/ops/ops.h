@@ -63,6 +63,11 @@ typedef struct {
                                int H);                                                            \
     void attention_backward_##S(T *dqkv, T *datt, const T *dout, const T *qkv, const T *att,      \
                                 const attn_segment *seg, int D, int H);                           \
+    /* the same by plain loops and sgemm: the fused float kernel's reference (attn_cpu.c) */     \
+    void attention_forward_ref_##S(T *out, T *att, const T *qkv, const attn_segment *seg, int D,  \
+                                   int H);                                                        \
+    void attention_backward_ref_##S(T *dqkv, T *datt, const T *dout, const T *qkv, const T *att,  \
+                                    const attn_segment *seg, int D, int H);                       \
     /* images (B,C,H,W) -> patches (B, (H/P)*(W/P), C*P*P), inner order (c, py, px) = conv */    \
     void patchify_forward_##S(T *patches, const T *images, int B, int C, int HW, int P);          \
     void patchify_backward_##S(T *dimages, const T *dpatches, int B, int C, int HW, int P);       \

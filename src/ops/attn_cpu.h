@@ -1,0 +1,22 @@
+// attn_cpu.h: the fused float attention kernel of the CPU backend (src/ops/attn_cpu.c), which
+// ops.c's attention_forward_f32 / attention_backward_f32 try before their reference loops.
+// Covered by tests/test_attn_cpu.c (against plain loops in double) and the tests of ops.c.
+#ifndef VLMOE_ATTN_CPU_H
+#define VLMOE_ATTN_CPU_H
+#include "ops/ops.h"
+
+// The same contracts as attention_forward_f32 / attention_backward_f32 (ops.h). Each returns 1
+// when it did the work, 0 (having touched nothing) when this build or these shapes need the
+// reference loops: no AVX-512, more than ATTN_FUSED_TMAX positions, or a head too wide for the
+// stack tile. The choice depends on the shapes only, never on the thread count. The fused
+// backward keeps its scratch on the stack: datt is left as it was.
+#define ATTN_FUSED_TMAX 96
+// ops.c's attention_backward_f32 takes the fused backward only up to this T: at T 65 (bench-s's
+// images, batch 64, inputs from L3 or memory) it measured 7% slower than the reference's sgemm
+// calls, though 17% faster with everything in L2; at T 16 (texts) 1.2x faster.
+#define ATTN_FUSED_BWD_TMAX 32
+int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segment *seg, int D,
+                       int H);
+int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float *qkv,
+                        const float *att, const attn_segment *seg, int D, int H);
+#endif
