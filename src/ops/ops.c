@@ -66,14 +66,42 @@ struct gemm_epi {
     uint16_t *ab;        // with bf16: a rounded, beside a (the next product's operand), or NULL
     int act;
 };
+// s (C) = the sum of n rows of x (leading dimension ld), row by row in order: one block's partial
+static void rowsum(real *s, const real *x, size_t ld, int n, int C) {
+    memset(s, 0, sizeof(real) * C);
+    for (int r = 0; r < n; r++) {
+        const real *xr = x + (size_t)r * ld;
+#pragma omp simd
+        for (int i = 0; i < C; i++) s[i] += xr[i];
+    }
+}
+
+// sum (C) += the nb partials cs (nb, C), added in block order: the blocks are the shape's, so
+// the bits do not depend on the thread count
+static void colsum_blocks(real *sum, const real *cs, int nb, int C) {
+#pragma omp parallel for schedule(static) if ((size_t)nb * C >= 65536)
+    for (int j = 0; j < C; j++) {
+        real s = 0;
+        for (int b = 0; b < nb; b++) s += cs[(size_t)b * C + j];
+        sum[j] += s;
+    }
+}
+
 #ifndef VLMOE_REAL_F64
 // gemm_bf16's epilogue hook, for a gemm_epi
 static void epi_thunk(const void *e, float *C, int ldc, int r0, int nr, int c0, int nc) {
     ((const gemm_epi *)e)->run(e, C, ldc, r0, nr, c0, nc);
 }
 #endif
-static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
-                    const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi) {
+//
+// asum, when given (A not transposed: (M,K) row-major), accumulates A's column sums (a linear's
+// bias gradient, A being dout): the block that multiplied rows [o, o+n) of A sums them right
+// after, while they are in cache, into a partial of its own, and the partials are added in
+// block order (colsum_blocks), so the bits depend on the shapes only. Returns 1 when it did,
+// 0 when the caller must sum them (bf16 took the product, the blocks split C's columns, or the
+// partials' memory could not be had).
+static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
+                   const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi, real *asum) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
     // blocks of up to 512 rows: each call packs the whole other operand, so small blocks repack
     // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
@@ -90,8 +118,10 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
     if (bf16)
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                                                  epi ? epi_thunk : NULL, epi) == 0;
-    if (done) return;
+    if (done) return 0;
 #endif
+    // the partials, nb x K (at most 64 blocks): a few hundred KB, against the MBs of A
+    real *cs = asum && split_rows && !ta ? malloc(sizeof(real) * (size_t)nb * K) : NULL;
     PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(static)
         for (int b = 0; b < nb; b++) {
@@ -106,13 +136,18 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
             if (epi)
                 epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
                          split_rows ? N : n);
+            if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
         }
     }
+    if (!cs) return 0;
+    colsum_blocks(asum, cs, nb, K);
+    free(cs);
+    return 1;
 }
 
 static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
                    const real *B, int ldb, real beta, real *C, int ldc) {
-    gemm_pe(bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, NULL);
+    gemm_pe(bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, NULL, NULL);
 }
 
 // Column sums over N rows of C channels: sg += sum_n g, and when sgx is given (LayerNorm's weight
@@ -156,7 +191,7 @@ static void linear_fwd(int bf16, real *out, const real *inp, const real *w, cons
                        int K, int O, int beta) {
     // out = inp . w^T: row-major (N,K) x (O,K)^T; the bias added to each block while in cache
     const gemm_epi e = {.run = epi_bias, .b = b};
-    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL, NULL);
 }
 
 // beta (0 or 1) is dinp's: 0 writes it (linear_backward_write), 1 accumulates
@@ -167,10 +202,12 @@ static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dou
     // with dinp, the bf16 products sum db while they round dout (gemm_bf16.h)
     if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, db, dout, inp, w, N, K, O, (float)beta) == 0;
 #endif
-    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
+    // db's sums by dinp's product, over the rows of dout it just read (else a pass of their own)
+    int summed = done && dinp;
+    if (!done && dinp) summed = gemm_pe(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K, NULL, db);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
     if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    if (db && !(done && dinp)) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+    if (db && !summed) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
@@ -239,13 +276,16 @@ void R(layernorm_recompute)(real *out, const real *inp, const real *w, const rea
         ln_row(out + (size_t)n * C, inp + (size_t)n * C, mean[n], rstd[n], w, b, C);
 }
 
-void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
-                           const real *w, const real *mean, const real *rstd, int N, int C) {
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const real *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
-        real *dx = dinp + (size_t)n * C;
-        real m = mean[n], s = rstd[n], dnorm_mean = 0, dnorm_norm = 0;
+// dinp += LayerNorm's dx over rows [r0, r0+n); with sg, sgx (C) their dout's column sums too,
+// sg = sum g and sgx = sum g xhat (the bias and weight gradients), written, while the rows are in
+// cache. dx's expression is the same whichever way it is called.
+static void ln_bwd_rows(real *dinp, real *sg, real *sgx, const real *dout, const real *inp, const real *w,
+                        const real *mean, const real *rstd, int r0, int n, int C) {
+    if (sg) memset(sg, 0, sizeof(real) * C), memset(sgx, 0, sizeof(real) * C);
+    for (int row = r0; row < r0 + n; row++) {
+        const real *x = inp + (size_t)row * C, *g = dout + (size_t)row * C;
+        real *dx = dinp + (size_t)row * C;
+        real m = mean[row], s = rstd[row], dnorm_mean = 0, dnorm_norm = 0;
 #pragma omp simd reduction(+ : dnorm_mean, dnorm_norm)
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
@@ -254,13 +294,47 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         }
         dnorm_mean /= C;
         dnorm_norm /= C;
+        if (sg) {
 #pragma omp simd
-        for (int i = 0; i < C; i++) {
-            real dn = w[i] * g[i];
-            dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;
+            for (int i = 0; i < C; i++) {
+                const real dn = w[i] * g[i], xh = (x[i] - m) * s;
+                dx[i] += (dn - dnorm_mean - xh * dnorm_norm) * s;
+                sg[i] += g[i];
+                sgx[i] += g[i] * xh;
+            }
+        } else {
+#pragma omp simd
+            for (int i = 0; i < C; i++) {
+                real dn = w[i] * g[i];
+                dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;
+            }
         }
     }
-    colsums(db, dw, dout, inp, mean, rstd, N, C);
+}
+
+// Rows per block of layernorm_backward: each block sums its rows' weight and bias gradients in
+// the pass that computes their dx, into partials added in block order afterwards, so dout and x
+// are read once and the bits depend on N and C only (a separate column-sum pass read both again)
+#define LN_ROWS 128
+
+void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
+                           const real *w, const real *mean, const real *rstd, int N, int C) {
+    const int nb = (N + LN_ROWS - 1) / LN_ROWS;
+    real *cs = nb > 0 ? malloc(sizeof(real) * 2 * (size_t)nb * C) : NULL;
+    if (!cs) { // no room for the partials: rows in parallel, then the sums' own pass
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) ln_bwd_rows(dinp, NULL, NULL, dout, inp, w, mean, rstd, n, 1, C);
+        colsums(db, dw, dout, inp, mean, rstd, N, C);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < nb; b++) {
+        const int r0 = b * LN_ROWS, n = N - r0 < LN_ROWS ? N - r0 : LN_ROWS;
+        ln_bwd_rows(dinp, cs + (size_t)b * C, cs + (size_t)(nb + b) * C, dout, inp, w, mean, rstd, r0, n, C);
+    }
+    colsum_blocks(db, cs, nb, C);
+    colsum_blocks(dw, cs + (size_t)nb * C, nb, C);
+    free(cs);
 }
 
 #define SQRT_2_OVER_PI 0.7978845608028654
@@ -372,15 +446,16 @@ static void epi_act_grad(const gemm_epi *e, real *C, int ldc, int r0, int nr, in
 static void linear_act_fwd(int bf16, real *h, real *a, const real *inp, const real *w, const real *b,
                            int N, int K, int O, int act) {
     const gemm_epi e = {.run = epi_bias_act, .b = b, .a = a, .act = act};
-    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, 0, h, O, &e);
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, 0, h, O, &e, NULL);
 }
 
 static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, const real *dy, const real *h,
                            const real *w, int N, int M, int O, int act) {
     const gemm_epi e = {.run = epi_act_grad, .h = h, .a = a, .act = act};
-    gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e);  // dh (N,M) = dy (N,O) . w (O,M), then act'
-    gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M);       // dw (O,M) += dy^T . a
-    if (db) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
+    // dh (N,M) = dy (N,O) . w (O,M), then act'; db += colsum(dy) by its blocks where it can
+    const int summed = gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e, db);
+    gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M); // dw (O,M) += dy^T . a
+    if (db && !summed) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_act_forward)(real *h, real *a, const real *inp, const real *w, const real *b, int N, int K,
@@ -411,7 +486,7 @@ void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float 
                       int act, int beta) {
     uint16_t *ab = gemm_bf16_side((size_t)N * M);
     const gemm_epi e1 = {.run = epi_bias_act, .b = w[1], .a = a, .ab = ab, .act = act}, e2 = {.run = epi_bias, .b = w[3]};
-    gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1);
+    gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1, NULL);
     int done = 0;
     if (ab)
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_pre(1, N, D, M, ab, a, M, w[2], M, beta ? 1.0f : 0.0f, y, D,
