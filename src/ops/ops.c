@@ -76,6 +76,21 @@ static void rowsum(real *s, const real *x, size_t ld, int n, int C) {
     }
 }
 
+// sum[c0, c0+nc) += the column sums of g (N rows, leading dimension ld) there, 64 columns at a
+// time, each column's rows added in order: colsums' bits, for one block's share of the columns
+static void colsum_slice(real *sum, const real *g, size_t ld, int N, int c0, int nc) {
+    for (int j0 = c0; j0 < c0 + nc; j0 += 64) {
+        const int m = c0 + nc - j0 < 64 ? c0 + nc - j0 : 64;
+        real s[64] = {0};
+        for (int r = 0; r < N; r++) {
+            const real *gr = g + (size_t)r * ld + j0;
+#pragma omp simd
+            for (int i = 0; i < m; i++) s[i] += gr[i];
+        }
+        for (int i = 0; i < m; i++) sum[j0 + i] += s[i];
+    }
+}
+
 // sum (C) += the nb partials cs (nb, C), added in block order: the blocks are the shape's, so
 // the bits do not depend on the thread count
 static void colsum_blocks(real *sum, const real *cs, int nb, int C) {
@@ -95,11 +110,12 @@ static void epi_thunk(const void *e, float *C, int ldc, int r0, int nr, int c0, 
 #endif
 //
 // asum, when given (A not transposed: (M,K) row-major), accumulates A's column sums (a linear's
-// bias gradient, A being dout): the block that multiplied rows [o, o+n) of A sums them right
-// after, while they are in cache, into a partial of its own, and the partials are added in
-// block order (colsum_blocks), so the bits depend on the shapes only. Returns 1 when it did,
-// 0 when the caller must sum them (bf16 took the product, the blocks split C's columns, or the
-// partials' memory could not be had).
+// bias gradient, A being dout) while A is in cache. Blocks of rows: the block that multiplied
+// rows [o, o+n) of A sums them right after into a partial of its own, and the partials are added
+// in block order (colsum_blocks). Blocks of columns (each reads all of A): block b sums its share
+// of A's columns over all rows, as colsums would. Either way the bits depend on the shapes only.
+// Returns 1 when it did, 0 when the caller must sum them (bf16 took the product, A is
+// transposed, or the partials' memory could not be had).
 static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
                    const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi, real *asum) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
@@ -122,10 +138,12 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
 #endif
     // the partials, nb x K (at most 64 blocks): a few hundred KB, against the MBs of A
     real *cs = asum && split_rows && !ta ? malloc(sizeof(real) * (size_t)nb * K) : NULL;
+    const int csum = asum && !split_rows && !ta, ks = (K + nb - 1) / nb; // ks: each block's columns
     PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(static)
         for (int b = 0; b < nb; b++) {
             const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+            if (csum && b * ks < K) colsum_slice(asum, A, lda, M, b * ks, K - b * ks < ks ? K - b * ks : ks);
             if (n <= 0) continue;
             if (split_rows)
                 gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
@@ -139,7 +157,7 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
             if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
         }
     }
-    if (!cs) return 0;
+    if (!cs) return csum;
     colsum_blocks(asum, cs, nb, K);
     free(cs);
     return 1;
@@ -693,18 +711,10 @@ void R(posadd_forward)(real *out, const real *pos, int B, int T_, int D) {
 void R(posadd_backward)(real *dpos, const real *dout, int B, int T_, int D) {
     // 64 positions' sums at a time, each over b in order as one sum per element would be (the
     // same bits), walking each sample's rows contiguously instead of one float per 64 KB stride
-    const size_t n = (size_t)T_ * D, nb = (n + 63) / 64;
+    // (colsum_slice over dout as B rows of T*D)
+    const int n = T_ * D, nb = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
-    for (size_t blk = 0; blk < nb; blk++) {
-        const size_t i0 = blk * 64, m = n - i0 < 64 ? n - i0 : 64;
-        real s[64] = {0};
-        for (int b = 0; b < B; b++) {
-            const real *g = dout + (size_t)b * n + i0;
-#pragma omp simd
-            for (size_t i = 0; i < m; i++) s[i] += g[i];
-        }
-        for (size_t i = 0; i < m; i++) dpos[i0 + i] += s[i];
-    }
+    for (int blk = 0; blk < nb; blk++) colsum_slice(dpos, dout, (size_t)n, B, blk * 64, n - blk * 64 < 64 ? n - blk * 64 : 64);
 }
 
 void R(cls_forward)(real *out, const real *cls, const real *x, int B, int N, int D) {
