@@ -647,12 +647,21 @@ static void case_trainer(ctx *c) {
     c->ref->scale(c->ref, g, n, 0.75f);
     c->be->scale(c->be, fg, n, 0.75f);
     cmp(c, "scale", fg, g, n);
-    const be_adamw a = {0.9f, 0.95f, 0.1f, 0.05f, -1e-3f / 0.19f, sqrtf(1 - 0.95f * 0.95f), 1e-8f, 1 - 1e-4f, 1};
+    const be_adamw a = {.b1 = 0.9f, .b2 = 0.95f, .ab1 = 0.1f, .ab2 = 0.05f, .neg_step = -1e-3f / 0.19f,
+                        .bc2_sqrt = sqrtf(1 - 0.95f * 0.95f), .eps = 1e-8f, .shrink = 1 - 1e-4f, .decay = 1,
+                        .gscale = 1};
     c->ref->adamw(c->ref, p, m, v, g, n, &a);
     c->be->adamw(c->be, fp, fm, fv, fg, n, &a);
     cmp(c, "adamw p", fp, p, n);
     cmp(c, "adamw m", fm, m, n);
     cmp(c, "adamw v", fv, v, n);
+    // clipping's factor read with the gradient (the trainer folds its scale pass into the update)
+    be_adamw as = a;
+    as.gscale = 0.6f;
+    c->ref->adamw(c->ref, p, m, v, g, n, &as);
+    c->be->adamw(c->be, fp, fm, fv, fg, n, &as);
+    cmp(c, "adamw gscale p", fp, p, n);
+    cmp(c, "adamw gscale m", fm, m, n);
     c->ref->clamp(c->ref, p, n, -0.5, 0.5);
     c->be->clamp(c->be, fp, n, -0.5, 0.5);
     cmp(c, "clamp", fp, p, n);

@@ -120,6 +120,31 @@ static void test_determinism_and_guard(void) {
         CHECK(vlmoe_trainer_get_step(r.t) == step && P[0] == keep, "a refused step changed the state");
     }
     run_free(&r);
+    // a finite loss with a non-finite gradient: a logit scale of e^80 and text embeddings made 1e6
+    // times shorter (the L2 norm undoes it in the forward; its backward divides by the norm)
+    // overflow the text tower's gradients; the step is refused and the message names the tensor
+    run_init(&r, 16, 5);
+    run_step(&r, 0);
+    tab = vlmoe_model_params(r.m, &np);
+    P = vlmoe_model_param_data(r.m);
+    for (int i = 0; i < np; i++) {
+        if (!strcmp(tab[i].name, "logit_scale")) P[tab[i].offset] = 80;
+        if (!strcmp(tab[i].name, "text.proj"))
+            for (size_t k = 0; k < tab[i].numel; k++) P[tab[i].offset + k] *= 1e-6f;
+    }
+    float *before = malloc(sizeof(float) * vlmoe_model_num_floats(r.m));
+    memcpy(before, P, sizeof(float) * vlmoe_model_num_floats(r.m));
+    vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
+    vlmoe_batch bt = {16, r.img, r.tok, r.lens};
+    vlmoe_step_stats s;
+    const int st = vlmoe_trainer_step(r.t, &bt, &s);
+    CHECK(st == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "step 1: the gradient of 'text."),
+          "a non-finite gradient under a finite loss: status %d, '%s' (want %d, naming the tensor)", st,
+          vlmoe_last_error(), VLMOE_ERR_NUMERIC);
+    CHECK(vlmoe_trainer_get_step(r.t) == 1 && !memcmp(before, P, sizeof(float) * vlmoe_model_num_floats(r.m)),
+          "the refused step changed the state");
+    free(before);
+    run_free(&r);
 }
 
 // The guard when only the gradient is non-finite (the loss is finite): one step's clipping sum

@@ -305,7 +305,7 @@ __global__ static void k_adamw(float *p, float *m, float *v, const float *g, siz
     if (i >= n) return;
     float pi = p[i];
     if (a.decay) pi = __fmul_rn(pi, a.shrink);
-    const float gi = g[i];
+    const float gi = __fmul_rn(g[i], a.gscale);
     const float mi = __fadd_rn(__fmul_rn(a.b1, m[i]), __fmul_rn(a.ab1, gi));
     const float vi = __fadd_rn(__fmul_rn(a.b2, v[i]), __fmul_rn(__fmul_rn(a.ab2, gi), gi));
     m[i] = mi;

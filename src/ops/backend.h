@@ -40,6 +40,7 @@ typedef struct {
     float eps;
     float shrink;            // 1 - lr*weight_decay, applied when decay is set
     int decay;
+    float gscale;            // the gradient read is g * gscale (clipping's factor; 1: g's bits)
 } be_adamw;
 
 // One MoE dispatch: rows ordered by expert; row r holds token row_token[r] for expert

@@ -515,11 +515,12 @@ static void cpu_adamw(const backend *be, real *p, real *m, real *v, const real *
                       const be_adamw *a) {
     const real b1 = a->b1, b2 = a->b2, ab1 = a->ab1, ab2 = a->ab2, bc2 = a->bc2_sqrt, eps = a->eps;
     const real step = a->neg_step, shrink = a->decay ? a->shrink : 1;
+    const float gs = a->gscale; // the scale op's multiply, done here: x * 1 is x, bit for bit
     PROF_SCOPE(PROF_OPTIMIZER) {
 #pragma omp parallel for simd schedule(static) if (n >= PAR_MIN)
         for (size_t i = 0; i < n; i++) {
             const real pi = p[i] * shrink; // times 1 when there is no decay: the same bits
-            const real gi = g[i];
+            const real gi = g[i] * gs;
             const real mi = b1 * m[i] + ab1 * gi;
             const real vi = b2 * v[i] + (ab2 * gi) * gi;
             m[i] = mi;

@@ -68,14 +68,58 @@ struct gemm_epi {
     const gemm_bf16_bpack *pb; // with bf16: a rounded into the dw product's B layout, or NULL
     int act;
 };
+// s (C) = the sum of n rows of x (leading dimension ld), row by row in order: one block's partial
+static void rowsum(real *s, const real *x, size_t ld, int n, int C) {
+    memset(s, 0, sizeof(real) * C);
+    for (int r = 0; r < n; r++) {
+        const real *xr = x + (size_t)r * ld;
+#pragma omp simd
+        for (int i = 0; i < C; i++) s[i] += xr[i];
+    }
+}
+
+// sum[c0, c0+nc) += the column sums of g (N rows, leading dimension ld) there, 64 columns at a
+// time, each column's rows added in order: colsums' bits, for one block's share of the columns
+static void colsum_slice(real *sum, const real *g, size_t ld, int N, int c0, int nc) {
+    for (int j0 = c0; j0 < c0 + nc; j0 += 64) {
+        const int m = c0 + nc - j0 < 64 ? c0 + nc - j0 : 64;
+        real s[64] = {0};
+        for (int r = 0; r < N; r++) {
+            const real *gr = g + (size_t)r * ld + j0;
+#pragma omp simd
+            for (int i = 0; i < m; i++) s[i] += gr[i];
+        }
+        for (int i = 0; i < m; i++) sum[j0 + i] += s[i];
+    }
+}
+
+// sum (C) += the nb partials cs (nb, C), added in block order: the blocks are the shape's, so
+// the bits do not depend on the thread count
+static void colsum_blocks(real *sum, const real *cs, int nb, int C) {
+#pragma omp parallel for schedule(static) if ((size_t)nb * C >= 65536)
+    for (int j = 0; j < C; j++) {
+        real s = 0;
+        for (int b = 0; b < nb; b++) s += cs[(size_t)b * C + j];
+        sum[j] += s;
+    }
+}
+
 #ifndef VLMOE_REAL_F64
 // gemm_bf16's epilogue hook, for a gemm_epi
 static void epi_thunk(const void *e, float *C, int ldc, int r0, int nr, int c0, int nc) {
     ((const gemm_epi *)e)->run(e, C, ldc, r0, nr, c0, nc);
 }
 #endif
-static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
-                    const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi) {
+//
+// asum, when given (A not transposed: (M,K) row-major), accumulates A's column sums (a linear's
+// bias gradient, A being dout) while A is in cache. Blocks of rows: the block that multiplied
+// rows [o, o+n) of A sums them right after into a partial of its own, and the partials are added
+// in block order (colsum_blocks). Blocks of columns (each reads all of A): block b sums its share
+// of A's columns over all rows, as colsums would. Either way the bits depend on the shapes only.
+// Returns 1 when it did, 0 when the caller must sum them (bf16 took the product, A is
+// transposed, or the partials' memory could not be had).
+static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
+                   const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi, real *asum) {
     const int split_rows = M >= N, dim = split_rows ? M : N;
     // blocks of up to 512 rows: each call packs the whole other operand, so small blocks repack
     // it often (64-row blocks cost bench-s 8% more time), while an expert's 640 rows still
@@ -92,12 +136,16 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
     if (bf16)
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                                                  epi ? epi_thunk : NULL, epi) == 0;
-    if (done) return;
+    if (done) return 0;
 #endif
+    // the partials, nb x K (at most 64 blocks): a few hundred KB, against the MBs of A
+    real *cs = asum && split_rows && !ta ? calloc((size_t)nb * K, sizeof(real)) : NULL; // zeros: a block with no rows adds none
+    const int csum = asum && !split_rows && !ta, ks = (K + nb - 1) / nb; // ks: each block's columns
     PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(static)
         for (int b = 0; b < nb; b++) {
             const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+            if (csum && b * ks < K) colsum_slice(asum, A, lda, M, b * ks, K - b * ks < ks ? K - b * ks : ks);
             if (n <= 0) continue;
             if (split_rows)
                 gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
@@ -108,13 +156,18 @@ static void gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A
             if (epi)
                 epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
                          split_rows ? N : n);
+            if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
         }
     }
+    if (!cs) return csum;
+    colsum_blocks(asum, cs, nb, K);
+    free(cs);
+    return 1;
 }
 
 static void gemm_p(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
                    const real *B, int ldb, real beta, real *C, int ldc) {
-    gemm_pe(bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, NULL);
+    gemm_pe(bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, NULL, NULL);
 }
 
 // Column sums over N rows of C channels: sg += sum_n g, and when sgx is given (LayerNorm's weight
@@ -158,7 +211,7 @@ static void linear_fwd(int bf16, real *out, const real *inp, const real *w, cons
                        int K, int O, int beta) {
     // out = inp . w^T: row-major (N,K) x (O,K)^T; the bias added to each block while in cache
     const gemm_epi e = {.run = epi_bias, .b = b};
-    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL);
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, beta ? 1 : 0, out, O, b ? &e : NULL, NULL);
 }
 
 // beta (0 or 1) is dinp's: 0 writes it (linear_backward_write), 1 accumulates
@@ -169,10 +222,12 @@ static void linear_bwd(int bf16, real *dinp, real *dw, real *db, const real *dou
     // with dinp, the bf16 products sum db while they round dout (gemm_bf16.h)
     if (bf16) PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_backward(dinp, dw, db, dout, inp, w, N, K, O, (float)beta) == 0;
 #endif
-    if (!done && dinp) gemm_p(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K);
+    // db's sums by dinp's product, over the rows of dout it just read (else a pass of their own)
+    int summed = done && dinp;
+    if (!done && dinp) summed = gemm_pe(bf16, 0, 0, N, K, O, dout, O, w, K, beta, dinp, K, NULL, db);
     // dw (O,K) += dout^T (O,N) . inp (N,K)
     if (!done) gemm_p(bf16, 1, 0, O, K, N, dout, O, inp, K, 1, dw, K);
-    if (db && !(done && dinp)) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
+    if (db && !summed) colsums(db, NULL, dout, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_forward)(real *out, const real *inp, const real *w, const real *b, int N, int K,
@@ -241,13 +296,16 @@ void R(layernorm_recompute)(real *out, const real *inp, const real *w, const rea
         ln_row(out + (size_t)n * C, inp + (size_t)n * C, mean[n], rstd[n], w, b, C);
 }
 
-void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
-                           const real *w, const real *mean, const real *rstd, int N, int C) {
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const real *x = inp + (size_t)n * C, *g = dout + (size_t)n * C;
-        real *dx = dinp + (size_t)n * C;
-        real m = mean[n], s = rstd[n], dnorm_mean = 0, dnorm_norm = 0;
+// dinp += LayerNorm's dx over rows [r0, r0+n); with sg, sgx (C) their dout's column sums too,
+// sg = sum g and sgx = sum g xhat (the bias and weight gradients), written, while the rows are in
+// cache. dx's expression is the same whichever way it is called.
+static void ln_bwd_rows(real *dinp, real *sg, real *sgx, const real *dout, const real *inp, const real *w,
+                        const real *mean, const real *rstd, int r0, int n, int C) {
+    if (sg) memset(sg, 0, sizeof(real) * C), memset(sgx, 0, sizeof(real) * C);
+    for (int row = r0; row < r0 + n; row++) {
+        const real *x = inp + (size_t)row * C, *g = dout + (size_t)row * C;
+        real *dx = dinp + (size_t)row * C;
+        real m = mean[row], s = rstd[row], dnorm_mean = 0, dnorm_norm = 0;
 #pragma omp simd reduction(+ : dnorm_mean, dnorm_norm)
         for (int i = 0; i < C; i++) {
             real dn = w[i] * g[i];
@@ -256,13 +314,47 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
         }
         dnorm_mean /= C;
         dnorm_norm /= C;
+        if (sg) {
 #pragma omp simd
-        for (int i = 0; i < C; i++) {
-            real dn = w[i] * g[i];
-            dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;
+            for (int i = 0; i < C; i++) {
+                const real dn = w[i] * g[i], xh = (x[i] - m) * s;
+                dx[i] += (dn - dnorm_mean - xh * dnorm_norm) * s;
+                sg[i] += g[i];
+                sgx[i] += g[i] * xh;
+            }
+        } else {
+#pragma omp simd
+            for (int i = 0; i < C; i++) {
+                real dn = w[i] * g[i];
+                dx[i] += (dn - dnorm_mean - (x[i] - m) * s * dnorm_norm) * s;
+            }
         }
     }
-    colsums(db, dw, dout, inp, mean, rstd, N, C);
+}
+
+// Rows per block of layernorm_backward: each block sums its rows' weight and bias gradients in
+// the pass that computes their dx, into partials added in block order afterwards, so dout and x
+// are read once and the bits depend on N and C only (a separate column-sum pass read both again)
+#define LN_ROWS 128
+
+void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, const real *inp,
+                           const real *w, const real *mean, const real *rstd, int N, int C) {
+    const int nb = (N + LN_ROWS - 1) / LN_ROWS;
+    real *cs = nb > 0 ? malloc(sizeof(real) * 2 * (size_t)nb * C) : NULL;
+    if (!cs) { // no room for the partials: rows in parallel, then the sums' own pass
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) ln_bwd_rows(dinp, NULL, NULL, dout, inp, w, mean, rstd, n, 1, C);
+        colsums(db, dw, dout, inp, mean, rstd, N, C);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < nb; b++) {
+        const int r0 = b * LN_ROWS, n = N - r0 < LN_ROWS ? N - r0 : LN_ROWS;
+        ln_bwd_rows(dinp, cs + (size_t)b * C, cs + (size_t)(nb + b) * C, dout, inp, w, mean, rstd, r0, n, C);
+    }
+    colsum_blocks(db, cs, nb, C);
+    colsum_blocks(dw, cs + (size_t)nb * C, nb, C);
+    free(cs);
 }
 
 #define SQRT_2_OVER_PI 0.7978845608028654
@@ -408,7 +500,7 @@ static void epi_act_grad(const gemm_epi *e, real *C, int ldc, int r0, int nr, in
 static void linear_act_fwd(int bf16, real *h, real *a, const real *inp, const real *w, const real *b,
                            int N, int K, int O, int act) {
     const gemm_epi e = {.run = epi_bias_act, .b = b, .a = a, .act = act};
-    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, 0, h, O, &e);
+    gemm_pe(bf16, 0, 1, N, O, K, inp, K, w, K, 0, h, O, &e, NULL);
 }
 
 static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, const real *dy, const real *h,
@@ -421,7 +513,8 @@ static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, cons
     gemm_bf16_bpack pb;
     if (bf16 && gemm_bf16_bpack_begin(&pb, O, M, N) == 0) e.pb = &pb, e.a = NULL;
 #endif
-    gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e);  // dh (N,M) = dy (N,O) . w (O,M), then act'
+    // dh (N,M) = dy (N,O) . w (O,M), then act'; db += colsum(dy) by its blocks where it can
+    const int summed = gemm_pe(bf16, 0, 0, N, M, O, dy, O, w, M, 0, dh, M, &e, db);
 #ifndef VLMOE_REAL_F64
     if (e.pb) {
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_packed_b(O, M, N, dy, O, &pb, 1, dw, M) == 0;
@@ -429,7 +522,7 @@ static void act_linear_bwd(int bf16, real *dh, real *a, real *dw, real *db, cons
     }
 #endif
     if (!done) gemm_p(bf16, 1, 0, O, M, N, dy, O, a, M, 1, dw, M); // dw (O,M) += dy^T . a
-    if (db) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
+    if (db && !summed) colsums(db, NULL, dy, NULL, NULL, NULL, N, O);
 }
 
 void R(linear_act_forward)(real *h, real *a, const real *inp, const real *w, const real *b, int N, int K,
@@ -462,7 +555,7 @@ void mlp_forward_bf16(float *y, float *h, float *a, const float *x, const float 
     // with ab, act(h) is only rounded (a, scratch, is left as it was unless the second fails)
     const gemm_epi e1 = {.run = epi_bias_act, .b = w[1], .a = ab ? NULL : a, .ab = ab, .act = act},
                    e2 = {.run = epi_bias, .b = w[3]};
-    gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1);
+    gemm_pe(1, 0, 1, N, M, D, x, D, w[0], D, 0, h, M, &e1, NULL);
     int done = 0;
     if (ab)
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16_pre(1, N, D, M, ab, NULL, M, w[2], M, beta ? 1.0f : 0.0f, y, D,
@@ -688,18 +781,10 @@ void R(posadd_forward)(real *out, const real *pos, int B, int T_, int D) {
 void R(posadd_backward)(real *dpos, const real *dout, int B, int T_, int D) {
     // 64 positions' sums at a time, each over b in order as one sum per element would be (the
     // same bits), walking each sample's rows contiguously instead of one float per 64 KB stride
-    const size_t n = (size_t)T_ * D, nb = (n + 63) / 64;
+    // (colsum_slice over dout as B rows of T*D)
+    const int n = T_ * D, nb = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
-    for (size_t blk = 0; blk < nb; blk++) {
-        const size_t i0 = blk * 64, m = n - i0 < 64 ? n - i0 : 64;
-        real s[64] = {0};
-        for (int b = 0; b < B; b++) {
-            const real *g = dout + (size_t)b * n + i0;
-#pragma omp simd
-            for (size_t i = 0; i < m; i++) s[i] += g[i];
-        }
-        for (size_t i = 0; i < m; i++) dpos[i0 + i] += s[i];
-    }
+    for (int blk = 0; blk < nb; blk++) colsum_slice(dpos, dout, (size_t)n, B, blk * 64, n - blk * 64 < 64 ? n - blk * 64 : 64);
 }
 
 void R(cls_forward)(real *out, const real *cls, const real *x, int B, int N, int D) {

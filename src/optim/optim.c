@@ -478,7 +478,7 @@ int vlmoe_optim_state_layout(const vlmoe_optim *o, int i, int *flat, int *ndim, 
 // AdamW's state on a device table (one process's steps with the model resident there,
 // src/train/trainer.c): the update reads and writes d_pool; pool is brought up to date only when
 // something reads it (a checkpoint, a host step), and uploaded again after a host write.
-static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float lr);
+static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float lr, float gscale);
 
 int optim_to_device(vlmoe_optim *o, const vlmoe_backend_f32 *be, int *moved) {
     *moved = 0;
@@ -513,7 +513,7 @@ void optim_step_device(vlmoe_optim *o, float *d_params, const float *d_grads, fl
     if (o->dev_stale) o->dbe->upload(o->dbe, o->d_pool, o->pool, 2 * o->total);
     o->dev_stale = 0;
     o->dev_step = 1;
-    adamw_step(o, d_params, d_grads, lr);
+    adamw_step(o, d_params, d_grads, lr, 1.0f);
     o->dev_step = 0, o->host_stale = 1;
     o->step++;
 }
@@ -526,15 +526,18 @@ void optim_step_device(vlmoe_optim *o, float *d_params, const float *d_grads, fl
 //   v  = b2*v + ((float)(1-b2) * g) * g           (addcmul's order)
 //   denom = sqrt(v) / (float)sqrt(1 - b2^t) + eps (bias corrections in double, t = step+1)
 //   p += ((float)(-lr / (1 - b1^t)) * m) / denom  (addcdiv's order)
-static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float lr) {
+// gscale multiplies each gradient as it is read (clipping folded into the update, one pass fewer)
+static void adamw_step(vlmoe_optim *o, float *params, const float *grads, float lr, float gscale) {
     const double t = (double)o->step + 1.0;
     const double b1 = o->p.beta1, b2 = o->p.beta2;
     const double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
     // the update of each tensor is the backend's adamw op (src/ops/backend_cpu.c), whose
     // element-wise order of operations is the one written above
-    be_adamw a = {(float)b1, (float)b2, (float)(1.0 - b1), (float)(1.0 - b2), (float)(-(double)lr / bc1),
-                  (float)sqrt(bc2), o->p.eps, (float)(1.0 - (o->p.wd_lr_base > 0.0f ? (double)lr / o->p.wd_lr_base : (double)lr) *
-                                  (double)o->p.weight_decay), 0};
+    const double shrink = 1.0 - (o->p.wd_lr_base > 0.0f ? (double)lr / o->p.wd_lr_base : (double)lr) *
+                                    (double)o->p.weight_decay;
+    be_adamw a = {.b1 = (float)b1, .b2 = (float)b2, .ab1 = (float)(1.0 - b1), .ab2 = (float)(1.0 - b2),
+                  .neg_step = (float)(-(double)lr / bc1), .bc2_sqrt = (float)sqrt(bc2), .eps = o->p.eps,
+                  .shrink = (float)shrink, .decay = 0, .gscale = gscale};
     const vlmoe_backend_f32 *be = o->dev_step ? o->dbe : o->be;
     float *m_all = o->dev_step ? o->d_pool : o->states[0].data;
     float *v_all = o->dev_step ? o->d_pool + o->total : o->states[1].data;
@@ -731,14 +734,26 @@ void optim_set_shadow(vlmoe_optim *o, uint64_t version) {
     if (o) o->shadow_ver = version;
 }
 
-void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr) {
+static void optim_step(vlmoe_optim *o, float *params, const float *grads, float lr, float gscale) {
     if (!o || !params || !grads) return;
     optim_sync_host(o, 1); // a host step after device steps starts from their state
     if (o->p.kind == VLMOE_OPT_ADAMW)
-        adamw_step(o, params, grads, lr);
+        adamw_step(o, params, grads, lr, gscale);
     else
         adafactor_step(o, params, grads, lr);
     o->step++;
+}
+
+void vlmoe_optim_step(vlmoe_optim *o, float *params, const float *grads, float lr) {
+    optim_step(o, params, grads, lr, 1.0f);
+}
+
+void optim_step_clipped(vlmoe_optim *o, float *params, float *grads, float lr, float gscale) {
+    // Adafactor reads the gradient in several passes (its factored moments, the update's RMS):
+    // there the scale stays a pass of its own
+    if (o && grads && gscale != 1.0f && o->p.kind != VLMOE_OPT_ADAMW)
+        o->be->scale(o->be, grads, o->total, gscale), gscale = 1.0f;
+    optim_step(o, params, grads, lr, gscale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -748,18 +763,21 @@ double vlmoe_clip_grad_norm(float *grads, size_t n, double max_norm) {
     return optim_clip_grad_norm(backend_cpu_f32(), grads, n, max_norm);
 }
 
+float optim_clip_factor(double norm, double max_norm) {
+    // torch computes this coefficient as a float32 tensor before multiplying.
+    return max_norm > 0.0 && norm > max_norm ? (float)(max_norm / (norm + 1e-6)) : 1.0f;
+}
+
 double optim_clip_grad_norm_given(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm,
                                   double sumsq) {
     const double norm = sqrt(sumsq);
-    if (grads && n && max_norm > 0.0 && norm > max_norm) be->scale(be, grads, n, (float)(max_norm / (norm + 1e-6)));
+    const float f = optim_clip_factor(norm, max_norm);
+    if (grads && n && f != 1.0f) be->scale(be, grads, n, f);
     return norm;
 }
 
 double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm) {
     if (!grads || n == 0) return 0.0;
     // the sum in NCHUNK fixed chunks and the scaling are the backend's ops (src/ops/backend_cpu.c)
-    const double norm = sqrt(be->sumsq(be, grads, n, NULL));
-    // torch computes this coefficient as a float32 tensor before multiplying.
-    if (max_norm > 0.0 && norm > max_norm) be->scale(be, grads, n, (float)(max_norm / (norm + 1e-6)));
-    return norm;
+    return optim_clip_grad_norm_given(be, grads, n, max_norm, be->sumsq(be, grads, n, NULL));
 }

@@ -16,6 +16,13 @@ double optim_clip_grad_norm(const vlmoe_backend_f32 *be, float *grads, size_t n,
 // The same clipping with the sum of squares already known (a device's, src/train/trainer.c).
 double optim_clip_grad_norm_given(const vlmoe_backend_f32 *be, float *grads, size_t n, double max_norm,
                                   double sumsq);
+// Clipping's factor for a gradient of this norm: max_norm / (norm + 1e-6) as a float when norm
+// exceeds max_norm > 0, else 1 (the gradient as it is).
+float optim_clip_factor(double norm, double max_norm);
+// vlmoe_optim_step on the clipped gradient grads * gscale (its o->total floats): AdamW multiplies
+// each gradient as it reads it, with the float multiply the scale op would do (the same bits, one
+// pass over the gradient fewer); Adafactor scales grads first.
+void optim_step_clipped(vlmoe_optim *o, float *params, float *grads, float lr, float gscale);
 
 // Version nonzero: every step packs the bf16 shadows (src/ops/gemm_bf16.h) of each tensor it
 // updates right after updating it, marked at this version (the trainer passes the model's

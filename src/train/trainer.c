@@ -599,39 +599,41 @@ static int apply_device(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const 
 // clipping, the schedule, the update and the temperature clamp. dev (may be NULL): the device
 // looked already (a flagged gradient is still searched on the host, for the message naming it).
 static int apply(vlmoe_trainer *t, long step, vlmoe_step_stats *s, const dev_scalars *dev) {
-    // One process on the host, nothing frozen or sharded: the clipping's sum of squares is the
-    // guard. It is summed in double, where squares of finite floats cannot overflow, so it is
-    // finite exactly when every gradient is, and the gradient is read once instead of twice
-    // (the element-wise check cost a bench-s step 6 ms); a flagged one is searched for the
-    // tensor to name.
-    dev_scalars own;
-    if (!t->dist && !dev && !t->shard && !t->nfrozen) {
-        own.sumsq = model_host_backend(t->m)->sumsq(model_host_backend(t->m), vlmoe_model_grad_data(t->m),
-                                                    vlmoe_model_num_floats(t->m), &own.nonfinite);
-        dev = &own;
-        if (own.nonfinite && !vlmoe_model_check_finite(t->m, 1))
-            vlmoe_fail(VLMOE_ERR_NUMERIC, "the gradient's sum of squares is %g", own.sumsq);
-        if (own.nonfinite) return vlmoe_error_prefix("step %ld", step), VLMOE_ERR_NUMERIC;
-    }
+    // one process on the host with nothing frozen: the finite check comes from clipping's sum of
+    // squares (below), and the clip's factor goes into the update: two passes over the gradient
+    // fewer. (Frozen gradients are zeroed before the sum, but a non-finite one still fails the
+    // step: those steps check every tensor first.)
+    const int plain = !t->dist && !t->shard && !dev && !t->nfrozen;
     int st = t->dist ? reduce_step(t, VLMOE_OK, step, s)
-                     : dev && !dev->nonfinite ? VLMOE_OK : vlmoe_model_check_finite(t->m, 1);
+                     : plain || (dev && !dev->nonfinite) ? VLMOE_OK : vlmoe_model_check_finite(t->m, 1);
     if (st && !t->dist) vlmoe_error_prefix("step %ld", step);
     if (st) return st;
     float *g = vlmoe_model_grad_data(t->m);
+    const size_t n = vlmoe_model_num_floats(t->m);
     for (int i = 0; i < t->nfrozen; i++) memset(g + t->frozen[i].offset, 0, sizeof(float) * t->frozen[i].numel);
-    if (t->shard) {
+    float gscale = 1.0f;
+    if (plain) {
+        const vlmoe_backend_f32 *hb = model_host_backend(t->m);
+        int bad = 0;
+        const double sumsq = hb->sumsq(hb, g, n, &bad);
+        // squares of floats summed in double cannot overflow: a non-finite sum means a non-finite
+        // gradient, which the search names as the check above would have
+        if (bad && !(st = vlmoe_model_check_finite(t->m, 1)))
+            st = vlmoe_fail(VLMOE_ERR_NUMERIC, "the gradient's sum of squares is %g", sumsq);
+        if (st) return vlmoe_error_prefix("step %ld", step), st;
+        s->grad_norm = sqrt(sumsq);
+        gscale = optim_clip_factor(s->grad_norm, t->p.grad_clip_norm);
+    } else if (t->shard) {
         if ((st = clip_sharded(t, g, &s->grad_norm))) return vlmoe_error_prefix("step %ld: gradient norm", step), st;
     } else if (dev && !t->nfrozen) { // frozen gradients were in the device's sum: zeroed since
-        s->grad_norm = optim_clip_grad_norm_given(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m),
-                                                  t->p.grad_clip_norm, dev->sumsq);
+        s->grad_norm = optim_clip_grad_norm_given(model_host_backend(t->m), g, n, t->p.grad_clip_norm, dev->sumsq);
     } else {
-        s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, vlmoe_model_num_floats(t->m),
-                                            t->p.grad_clip_norm);
+        s->grad_norm = optim_clip_grad_norm(model_host_backend(t->m), g, n, t->p.grad_clip_norm);
     }
     s->lr = vlmoe_schedule_lr(&t->p.schedule, step);
     float *w = vlmoe_model_param_data(t->m); // (a new weights version)
     optim_set_shadow(t->opt, t->shadows ? model_weights_version(t->m) : 0);
-    vlmoe_optim_step(t->opt, w, g, (float)s->lr);
+    optim_step_clipped(t->opt, w, g, (float)s->lr, gscale);
     optim_set_shadow(t->opt, 0);
     vlmoe_model_clamp(t->m);
     return VLMOE_OK;
