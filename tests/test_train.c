@@ -84,6 +84,15 @@ static void test_learns(void) {
     run_free(&r);
 }
 
+// the table entry of the parameter called name, or NULL
+static const vlmoe_param_info *param_named(vlmoe_model *m, const char *name) {
+    int np;
+    const vlmoe_param_info *tab = vlmoe_model_params(m, &np);
+    for (int i = 0; i < np; i++)
+        if (!strcmp(tab[i].name, name)) return &tab[i];
+    return NULL;
+}
+
 static void test_determinism_and_guard(void) {
     double a[4], b[4];
     int nt = omp_get_max_threads();
@@ -100,12 +109,8 @@ static void test_determinism_and_guard(void) {
     run r;
     run_init(&r, 16, 5);
     run_step(&r, 0);
-    int np;
-    const vlmoe_param_info *tab = vlmoe_model_params(r.m, &np);
+    const vlmoe_param_info *fc1 = param_named(r.m, "encoder.blocks.1.mlp.fc1.bias");
     float *P = vlmoe_model_param_data(r.m);
-    const vlmoe_param_info *fc1 = NULL;
-    for (int i = 0; i < np; i++)
-        if (!strcmp(tab[i].name, "encoder.blocks.1.mlp.fc1.bias")) fc1 = &tab[i];
     CHECK(fc1 != NULL, "parameter encoder.blocks.1.mlp.fc1.bias exists");
     if (fc1) {
         P[fc1->offset] = INFINITY;
@@ -125,13 +130,11 @@ static void test_determinism_and_guard(void) {
     // overflow the text tower's gradients; the step is refused and the message names the tensor
     run_init(&r, 16, 5);
     run_step(&r, 0);
-    tab = vlmoe_model_params(r.m, &np);
+    const vlmoe_param_info *ls = param_named(r.m, "logit_scale"), *tp = param_named(r.m, "text.proj");
     P = vlmoe_model_param_data(r.m);
-    for (int i = 0; i < np; i++) {
-        if (!strcmp(tab[i].name, "logit_scale")) P[tab[i].offset] = 80;
-        if (!strcmp(tab[i].name, "text.proj"))
-            for (size_t k = 0; k < tab[i].numel; k++) P[tab[i].offset + k] *= 1e-6f;
-    }
+    CHECK(ls && tp, "parameters logit_scale and text.proj exist");
+    if (ls) P[ls->offset] = 80;
+    for (size_t k = 0; tp && k < tp->numel; k++) P[tp->offset + k] *= 1e-6f;
     float *before = malloc(sizeof(float) * vlmoe_model_num_floats(r.m));
     memcpy(before, P, sizeof(float) * vlmoe_model_num_floats(r.m));
     vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
@@ -155,12 +158,10 @@ static void test_guard_gradient(void) {
     run r;
     run_init(&r, 16, 5);
     run_step(&r, 0);
-    int np;
-    const vlmoe_param_info *tab = vlmoe_model_params(r.m, &np);
+    const vlmoe_param_info *fc1 = param_named(r.m, "encoder.blocks.0.mlp.fc1.bias");
     float *P = vlmoe_model_param_data(r.m);
-    for (int i = 0; i < np; i++)
-        if (!strcmp(tab[i].name, "encoder.blocks.0.mlp.fc1.bias"))
-            for (size_t k = 0; k < tab[i].numel; k++) P[tab[i].offset + k] = 1e30f;
+    CHECK(fc1 != NULL, "parameter encoder.blocks.0.mlp.fc1.bias exists");
+    for (size_t k = 0; fc1 && k < fc1->numel; k++) P[fc1->offset + k] = 1e30f;
     float keep = P[0];
     vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
     vlmoe_batch bt = {16, r.img, r.tok, r.lens};

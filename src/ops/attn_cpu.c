@@ -21,12 +21,6 @@ typedef struct {
     float scale;
 } head_dims;
 
-// ops.c's key_limit: the keys query i sees (causal, with UniLM's prefix, and the valid length).
-static inline int key_limit(int i, int len, int causal, int prefix) {
-    const int k = i < prefix ? prefix : i + 1;
-    return causal && k < len ? k : len;
-}
-
 // The first n lanes of a vector (n clamped to [0, 16]).
 static inline __mmask16 lanes(int n) {
     n = n < 0 ? 0 : n > 16 ? 16 : n;
@@ -61,25 +55,8 @@ static inline __m512 exp16(__m512 x) {
 static void transpose_pad(float *kt, const float *k, int T, int TP, int hd, int ld) {
     const int d8 = hd & ~7;
     for (int j0 = 0; j0 < TP; j0 += 8) {
-        for (int d = 0; d < d8; d += 8) {
-            __m256 r[8], t[8];
-            for (int i = 0; i < 8; i++)
-                r[i] = j0 + i < T ? _mm256_loadu_ps(k + (size_t)(j0 + i) * ld + d) : _mm256_setzero_ps();
-            for (int i = 0; i < 8; i += 2) {
-                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-            }
-            for (int i = 0; i < 8; i += 4) {
-                r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-                r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-                r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-                r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-            }
-            for (int i = 0; i < 4; i++) {
-                _mm256_store_ps(kt + (size_t)(d + i) * TP + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-                _mm256_store_ps(kt + (size_t)(d + i + 4) * TP + j0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-            }
-        }
+        for (int d = 0; d < d8; d += 8)
+            tile8_transpose(kt + (size_t)d * TP + j0, (size_t)TP, k + (size_t)j0 * ld + d, (size_t)ld, T - j0);
         for (int d = d8; d < hd; d++)
             for (int i = 0; i < 8; i++) kt[(size_t)d * TP + j0 + i] = j0 + i < T ? k[(size_t)(j0 + i) * ld + d] : 0;
     }

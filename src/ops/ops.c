@@ -587,49 +587,18 @@ void R(softmax_backward)(real *dinp, const real *out, const real *dout, int N, i
     }
 }
 
-// Number of keys query i may attend to within a sequence of valid length len: all of them, or
-// causally those up to i, where a query inside the prefix sees the whole prefix.
-static inline int key_limit(int i, int len, int causal, int prefix) {
-    const int k = i < prefix ? prefix : i + 1;
-    return causal && k < len ? k : len;
-}
-
 // One head's keys (or values), T rows of hd at stride ld, transposed into kt (hd, T): oneDNN's
 // sgemm runs q.kt as a plain product in about 0.8x the time of q.k^T with k read transposed at
 // attention's small shapes (T = 65, hd = 64), the copy included. Heads whose copy would not fit
 // the stack buffer (T hd > ATT_KT_MAX) keep the transposed read; either way the choice depends
 // only on the shapes, never on the thread count.
 #define ATT_KT_MAX 16384
-#if defined(__AVX__) && !defined(VLMOE_REAL_F64)
-// The transpose one element at a time was 1.6% of a 1-thread bench-s step (9216 heads a step,
-// each 4160 strided stores): whole 8x8 tiles go through registers, the edges element by element.
-// A copy, so the bits are the same either way.
-static inline void tile8_transpose(float *dst, int ldd, const float *src, int lds) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (size_t)i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    // rows 0..3 hold columns 0,1,2,3 of source rows 0-3 (low lanes) and their columns 4-7 (high)
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + (size_t)i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (size_t)(i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-    }
-}
-#endif
 static void head_transpose(real *kt, const real *k, int T, int hd, int ld) {
     int j0 = 0;
 #if defined(__AVX__) && !defined(VLMOE_REAL_F64)
     const int d8 = hd & ~7;
     for (; j0 + 8 <= T; j0 += 8)
-        for (int d = 0; d < d8; d += 8) tile8_transpose(kt + (size_t)d * T + j0, T, k + (size_t)j0 * ld + d, ld);
+        for (int d = 0; d < d8; d += 8) tile8_transpose(kt + (size_t)d * T + j0, (size_t)T, k + (size_t)j0 * ld + d, (size_t)ld, 8);
     for (int j = 0; j < j0; j++) // the columns past the last whole tile
         for (int d = d8; d < hd; d++) kt[(size_t)d * T + j] = k[(size_t)j * ld + d];
 #endif
