@@ -180,21 +180,19 @@ static void colsums(real *sg, real *sgx, const real *g, const real *x, const rea
 #pragma omp parallel for schedule(static)
     for (int blk = 0; blk < nb; blk++) {
         const int c0 = blk * 64, nc = C - c0 < 64 ? C - c0 : 64;
+        if (!sgx) {
+            colsum_slice(sg, g, (size_t)C, N, c0, nc);
+            continue;
+        }
         real s[64] = {0}, sx[64] = {0};
         for (int n = 0; n < N; n++) {
-            const real *gr = g + (size_t)n * C + c0;
+            const real *gr = g + (size_t)n * C + c0, *xr = x + (size_t)n * C + c0, m = mean[n], r = rstd[n];
 #pragma omp simd
             for (int i = 0; i < nc; i++) s[i] += gr[i];
-            if (sgx) {
-                const real *xr = x + (size_t)n * C + c0, m = mean[n], r = rstd[n];
 #pragma omp simd
-                for (int i = 0; i < nc; i++) sx[i] += gr[i] * (xr[i] - m) * r;
-            }
+            for (int i = 0; i < nc; i++) sx[i] += gr[i] * (xr[i] - m) * r;
         }
-        for (int i = 0; i < nc; i++) {
-            sg[c0 + i] += s[i];
-            if (sgx) sgx[c0 + i] += sx[i];
-        }
+        for (int i = 0; i < nc; i++) sg[c0 + i] += s[i], sgx[c0 + i] += sx[i];
     }
 }
 
@@ -749,12 +747,10 @@ void R(posadd_forward)(real *out, const real *pos, int B, int T_, int D) {
 }
 
 void R(posadd_backward)(real *dpos, const real *dout, int B, int T_, int D) {
-    // 64 positions' sums at a time, each over b in order as one sum per element would be (the
-    // same bits), walking each sample's rows contiguously instead of one float per 64 KB stride
-    // (colsum_slice over dout as B rows of T*D)
-    const int n = T_ * D, nb = (n + 63) / 64;
-#pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nb; blk++) colsum_slice(dpos, dout, (size_t)n, B, blk * 64, n - blk * 64 < 64 ? n - blk * 64 : 64);
+    // dout as B rows of T*D: each position's sum over b in order, as one sum per element would
+    // be (the same bits), 64 positions at a time walking each sample's rows contiguously instead
+    // of one float per 64 KB stride
+    colsums(dpos, NULL, dout, NULL, NULL, NULL, B, T_ * D);
 }
 
 void R(cls_forward)(real *out, const real *cls, const real *x, int B, int N, int D) {
