@@ -13,7 +13,9 @@
 #define ATTN_FUSED_TMAX 96
 // ops.c's attention_backward_f32 takes the fused backward only up to this T: at T 65 (bench-s's
 // images, batch 64, inputs from L3 or memory) it measured 7% slower than the reference's sgemm
-// calls, though 17% faster with everything in L2; at T 16 (texts) 1.2x faster.
+// calls on a loaded machine, though 17% faster with everything in L2, and on a quiet one the
+// whole bench-s step was 1% slower with it (1 thread bf16, 2 threads fp32); at T 16 (texts)
+// 1.2x faster.
 #define ATTN_FUSED_BWD_TMAX 32
 // Number of keys query i may attend to within a sequence of valid length len: all of them, or
 // causally those up to i, where a query inside the prefix sees the whole prefix (UniLM).
