@@ -3,8 +3,10 @@
 // inputs). Prints one JSON line: median/min/max step seconds after warm-up, embedding
 // throughput at the same batch, peak RSS and the step's analytic matrix-product FLOPs.
 // Usage: bench_step MODEL.json [--batch 64] [--steps 10] [--warmup 2] [--threads 2]
-// [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N]  (bf16 with cuda: the cuda-bf16
-// table, named in the "matmul" field, src/cuda/bf16_cuda.cu). --embed N: inference only (int8
+// [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N] [--recompute-attention auto|on|off]
+// (bf16 with cuda: the cuda-bf16 table, named in the "matmul" field, src/cuda/bf16_cuda.cu;
+// --recompute-attention: vlmoe_model_set_attention_recompute, auto by default as in `vlmoe train`,
+// the choice made named in the "attention" field). --embed N: inference only (int8
 // allowed), no training step; the throughputs are medians of N timed encodes per modality.
 // Built with -DVLMOE_PROFILE (build/rel/bench/bench_step_prof, with the library's kernels
 // compiled the same way) it also prints, to stderr, where a step's time goes (src/core/prof.h).
@@ -44,11 +46,11 @@ static double step_flops(const vlmoe_model_config *c, int B) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N]\n");
+        fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N] [--recompute-attention auto|on|off]\n");
         return 2;
     }
     int B = 64, steps = 10, warmup = 2, threads = 0, fell_back = 0, embed = 0;
-    const char *precision = "fp32", *device = NULL;
+    const char *precision = "fp32", *device = NULL, *recompute = "auto";
     for (int i = 2; i + 1 < argc; i += 2) {
         int v = atoi(argv[i + 1]);
         if (!strcmp(argv[i], "--precision")) precision = argv[i + 1];
@@ -58,10 +60,16 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--warmup")) warmup = v;
         else if (!strcmp(argv[i], "--threads")) threads = v;
         else if (!strcmp(argv[i], "--embed")) embed = v;
+        else if (!strcmp(argv[i], "--recompute-attention")) recompute = argv[i + 1];
         else {
             fprintf(stderr, "bench_step: unknown option %s\n", argv[i]);
             return 2;
         }
+    }
+    const int rmode = !strcmp(recompute, "on") ? 1 : !strcmp(recompute, "off") ? 0 : !strcmp(recompute, "auto") ? -1 : 2;
+    if (rmode == 2) {
+        fprintf(stderr, "bench_step: --recompute-attention '%s': expected auto, on or off\n", recompute);
+        return 2;
     }
     if (threads > 0) omp_set_num_threads(threads);
     vlmoe_model_config cfg;
@@ -71,7 +79,7 @@ int main(int argc, char **argv) {
     tp.schedule.base_lr = 1e-4;
     if (vlmoe_config_load(argv[1], &cfg) || vlmoe_model_init(&m, &cfg, 1) ||
         (device && model_set_device(m, device)) || model_set_precision(m, precision, &fell_back) ||
-        vlmoe_model_plan(m, B) ||
+        vlmoe_model_set_attention_recompute(m, rmode) || vlmoe_model_plan(m, B) ||
         (!embed && vlmoe_trainer_init(&tr, m, &tp))) {
         fprintf(stderr, "bench_step: %s\n", vlmoe_last_error());
         return 1;
@@ -156,12 +164,13 @@ int main(int argc, char **argv) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     if (fell_back) fprintf(stderr, "bench_step: no %s instructions on this CPU: fp32 instead\n", precision);
-    printf("{\"impl\": \"vlmoe\", \"precision\": \"%s\", \"matmul\": \"%s\", \"model\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
+    printf("{\"impl\": \"vlmoe\", \"precision\": \"%s\", \"matmul\": \"%s\", \"model\": \"%s\", \"attention\": \"%s\", \"threads\": %d, \"batch\": %d, \"step_s\": %.5f, "
            "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
            "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"image_per_s_lo\": %.1f, \"image_per_s_hi\": %.1f, "
            "\"text_per_s_lo\": %.1f, \"text_per_s_hi\": %.1f, \"peak_rss_mb\": %.1f, \"bf16_products_per_step\": %.0f, "
            "\"bf16_prim_hit_rate\": %.4f, \"bf16_shadow_mb\": %.1f}\n",
-           fell_back ? "fp32" : precision, m->be->name, cfg.name, omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
+           fell_back ? "fp32" : precision, m->be->name, cfg.name,
+           model_keeps_attention(m) ? "kept" : "recomputed", omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
            step_flops(&cfg, B) * 1e-9, B / ti, B / tt, B / ri[reps - 1], B / ri[0], B / rt[reps - 1], B / rt[0],
            ru.ru_maxrss / 1024.0, (double)np / (steps > 0 ? steps : 1), looks ? (double)hits / looks : 1.0,
            c1.shadow_bytes / 1048576.0);

@@ -148,6 +148,7 @@ static cJSON *run_params(const train_args *a, int world) {
     cJSON_AddNumberToObject(pj, "val_every_n_steps", (double)a->val_every);
     cJSON_AddNumberToObject(pj, "val_num_samples", (double)a->val_num);
     cJSON_AddBoolToObject(pj, "grad_checkpointing", a->grad_ckpt);
+    cJSON_AddStringToObject(pj, "recompute_attention", a->recompute_attn ? a->recompute_attn : "auto");
     cJSON_AddBoolToObject(pj, "lock_image", a->lock_image);
     cJSON_AddNumberToObject(pj, "lock_image_unlocked_groups", a->lock_image_groups);
     cJSON_AddBoolToObject(pj, "lock_text", a->lock_text);
@@ -295,6 +296,10 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                                                                "routing maps at each report) to LOGS/NAME/tensorboard/"},
         {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "keep only each block's input and recompute the block in the "
                                                              "backward: less activation memory, the same gradients"},
+        {"recompute-attention", ARG_STRING, &a.recompute_attn, "auto|on|off",
+         "on: the backward recomputes each block's attention from its qkv; off: each block keeps it from the "
+         "forward (more activation memory, one attention forward a block less, the same gradients); auto "
+         "(default): off with --precision bf16 on a CPU, on otherwise"},
         {"lock-image", ARG_FLAG, &a.lock_image, NULL, "two_tower: freeze the image tower (LiT): no update, no weight decay"},
         {"lock-image-unlocked-groups", ARG_INT, &a.lock_image_groups, "N", "with --lock-image: leave its last N groups "
                                                                           "trainable (1: projection; 2: + last block and final norm; ...)"},
@@ -409,6 +414,11 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
                          "then run the model with --precision %s", a.precision, a.precision);
     if (a.precision && strcmp(a.precision, "fp32") && strcmp(a.precision, "bf16")) // before any file is made
         return cli_error("train", "--precision '%s': expected fp32 or bf16", a.precision);
+    const char *const rmodes[3] = {"auto", "off", "on"}; // vlmoe_model_set_attention_recompute's -1, 0, 1
+    int rmode = a.recompute_attn ? -2 : -1;
+    for (int i = 0; i < 3 && rmode == -2; i++)
+        if (!strcmp(a.recompute_attn, rmodes[i])) rmode = i - 1;
+    if (rmode == -2) return cli_error("train", "--recompute-attention '%s': expected auto, on or off", a.recompute_attn);
     if (a.expert_parallel > 1 && dist->world % a.expert_parallel)
         return cli_error("train", "--expert-parallel %d does not divide the %d process%s into groups%s", a.expert_parallel,
                          dist->world, dist->world == 1 ? "" : "es",
@@ -471,6 +481,14 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && cli_set_precision("train", r.m, a.precision)) rc = cli_error("train", "%s", vlmoe_last_error());
+    if (!rc && rmode >= 0) { // as for checkpointing below: the arena it plans instead
+        const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
+        if (vlmoe_model_set_attention_recompute(r.m, rmode))
+            rc = cli_error("train", "--recompute-attention: %s", vlmoe_last_error());
+        else if (r.lead && was > 0 && r.m->g)
+            fprintf(stderr, "vlmoe train: --recompute-attention %s: activation arena %.1f MiB instead of %.1f MiB\n",
+                    a.recompute_attn, graph_activation_bytes_f32(r.m->g) / mib, was);
+    }
     if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
         const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
         if (vlmoe_model_set_grad_checkpointing(r.m, 1))

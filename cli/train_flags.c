@@ -126,7 +126,7 @@ static const char *const FREE[] = {
     "zeroshot_frequency", "zeroshot_every_n_steps", "eval_samples", "val_data", "val_frequency", "val_every_n_steps",
     "val_num_samples", "zeroshot_data", "zeroshot_classnames", "zeroshot_templates", "zeroshot_dataset", "log_every_n_steps",
     "threads", "workers", "max_bad_fraction", "device", "world_size", "expert_parallel", "grad_checkpointing",
-    "codebook", "override_inputs", "resumed_with_changes", NULL};
+    "recompute_attention", "codebook", "override_inputs", "resumed_with_changes", NULL};
 // What a contrastive checkpoint carries (src/nn/inputs.c): a resume without the flag uses the
 // checkpoint's, which is no change; a flag that is given is compared.
 static const char *const CARRIED[] = {"tokenizer", "image_mean", "image_std", NULL};

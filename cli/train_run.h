@@ -26,6 +26,7 @@ typedef struct {
     int override;                // --override-inputs: flags replace what a checkpoint records
     int allow_changes;           // --resume-allow-changes
     int grad_ckpt;               // --grad-checkpointing
+    const char *recompute_attn;  // --recompute-attention auto|on|off (NULL: auto)
     int lock_image, lock_image_groups, lock_text, lock_text_layers; // LiT (vlmoe_train_params)
     long steps, warmup, seed, cooldown, save_every, zeroshot_every, epochs, num_samples;
     long save_epochs, save_steps;  // --save-frequency (epochs), --save-every-n-steps

@@ -7,7 +7,7 @@
 #include "core/core.h"
 #include "nn/block.h"
 
-void R(block_plan)(carver *c, R(block_acts) *a, size_t nmax, int D, int M, int dense) {
+void R(block_plan)(carver *c, R(block_acts) *a, size_t nmax, size_t natt, int D, int M, int dense) {
     a->ln1_m = carve(c, nmax);
     a->ln1_r = carve(c, nmax);
     a->qkv = carve(c, nmax * 3 * D);
@@ -16,12 +16,15 @@ void R(block_plan)(carver *c, R(block_acts) *a, size_t nmax, int D, int M, int d
     a->ln2_r = carve(c, nmax);
     a->h = dense ? carve(c, nmax * M) : NULL;
     a->res2 = carve(c, nmax * D);
+    a->att = natt ? carve(c, natt) : NULL;
+    a->atty = natt ? carve(c, nmax * D) : NULL;
 }
 
-void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, int D, int M, int gather) {
+void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, int D, int M, int gather,
+                        int kept) {
     p->ln = carve(c, nmax * D);
-    p->att = carve(c, natt);
-    p->atty = carve(c, nmax * D);
+    p->att = kept ? NULL : carve(c, natt);
+    p->atty = kept ? NULL : carve(c, nmax * D);
     p->dres = carve(c, nmax * D);
     p->dln = carve(c, nmax * D);
     p->datty = carve(c, nmax * D);
@@ -157,15 +160,16 @@ int R(block_forward)(const R(block_pass) *p, const R(block) *b, const real *P, c
     be->layernorm_forward(be, p->ln + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
                          n, D, p->eps);
     be->linear_forward(be, a->qkv + t0 * 3 * D, p->ln + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
+    real *atty = a->atty ? a->atty : p->atty, *att = a->att ? a->att : p->att;
     for (int k = 0; k < p->nseg; k++)
-        be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
+        be->attention_forward(be, atty, att + p->att_off[k], a->qkv, &p->seg[k], D, H);
     if (p->drop[0]) { // drop path: res1 = x + factor * out(atty), per sequence
-        be->linear_forward(be, a->res1 + t0 * D, p->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 0);
+        be->linear_forward(be, a->res1 + t0 * D, atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 0);
         drop_scale(p, a->res1 + t0 * D, p->drop[0], p->drop_nseq, n / p->drop_nseq);
         be->add(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
     } else {
         be->copy(be, a->res1 + t0 * D, x + t0 * D, (size_t)n * D);
-        be->linear_forward(be, a->res1 + t0 * D, p->atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 1);
+        be->linear_forward(be, a->res1 + t0 * D, atty + t0 * D, P + bl->out_w, P + bl->out_b, n, D, D, 1);
     }
     for (int k = 0; k < b->nffn; k++) {
         const R(block_ffn) *f = &b->ffn[k];
@@ -203,9 +207,11 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
             scatter(p, f, p->dres, p->sdy);
         }
     }
-    // dres now holds d(res1): the attention half, its outputs recomputed
-    for (int k = 0; k < p->nseg; k++)
-        be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
+    // dres now holds d(res1): the attention half, its outputs kept or recomputed
+    const real *atty = a->atty ? a->atty : p->atty, *att = a->att ? a->att : p->att;
+    if (!a->atty)
+        for (int k = 0; k < p->nseg; k++)
+            be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
     const real *dbranch = p->dres + t0 * D;
     if (p->drop[0]) {
         be->copy(be, p->dbuf + t0 * D, p->dres + t0 * D, (size_t)n * D);
@@ -213,11 +219,11 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
         dbranch = p->dbuf + t0 * D;
     }
     // the out projection and the qkv product are the first writers of datty and dln: no zeroing
-    lin_bwd_write(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, p->atty + t0 * D, P + bl->out_w, n,
+    lin_bwd_write(be, p->datty + t0 * D, G + bl->out_w, G + bl->out_b, dbranch, atty + t0 * D, P + bl->out_w, n,
                   D, D);
     // attention_backward writes dqkv (no zeroing): the segments cover the pass's n tokens
     for (int k = 0; k < p->nseg; k++)
-        be->attention_backward(be, p->dqkv, p->datt + p->att_off[k], p->datty, a->qkv, p->att + p->att_off[k],
+        be->attention_backward(be, p->dqkv, p->datt + p->att_off[k], p->datty, a->qkv, att + p->att_off[k],
                               &p->seg[k], D, H);
     be->layernorm_recompute(be, p->ln + t0 * D, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b, a->ln1_m + t0,
                            a->ln1_r + t0, n, D);

@@ -41,9 +41,11 @@ typedef struct {
     const size_t *att_off;       // (nseg) where each segment's probabilities start in att, datt
     int nseg;
     // scratch, reused by every block: forward uses each output right away and backward recomputes
-    // it (LayerNorm from the saved mean and rstd, attention from qkv) with the same kernels
+    // it (LayerNorm from the saved mean and rstd, attention from qkv, unless the block keeps its
+    // own: R(block_acts).att) with the same kernels
     real *ln;                    // (nmax,D) LayerNorm output of either half (rows for the FFN)
-    real *att, *atty;            // attention probabilities, attention output (nmax,D)
+    real *att, *atty;            // attention probabilities, attention output (nmax,D); NULL
+                                 // when every block keeps its own
     real *dres;                  // (nmax,D) d(block output) into backward, d(block input) out
     real *dln, *datty, *dqkv, *datt;
     real *da, *dh;               // (nmax,M) the MLP activation (forward) and its gradients
@@ -64,6 +66,9 @@ typedef struct {
     real *ln2_m, *ln2_r;              // (rows) the feed-forwards' LayerNorm statistics
     real *h;                          // (rows,M) dense fc1 outputs (NULL: no dense MLP)
     real *res2;                       // (nmax,D) block output
+    // the attention probabilities and output, kept from the forward for the backward (the same
+    // bits the backward would recompute from qkv), or NULL: recomputed into the pass's scratch
+    real *att, *atty;
 } R(block_acts);
 
 // One feed-forward part of a block: its tokens are positions [off, off+len) of each of nseq
@@ -89,11 +94,13 @@ typedef struct {
     int nffn;
 } R(block);
 
-// Carves one block's activations for nmax tokens; dense: some part is a dense MLP.
-void R(block_plan)(carver *c, R(block_acts) *a, size_t nmax, int D, int M, int dense);
+// Carves one block's activations for nmax tokens; dense: some part is a dense MLP; natt > 0:
+// the block keeps its natt attention probabilities and its attention output (att, atty).
+void R(block_plan)(carver *c, R(block_acts) *a, size_t nmax, size_t natt, int D, int M, int dense);
 // Carves a stack's scratch for nmax tokens and natt attention probabilities; gather: some part
-// does not run in place.
-void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, int D, int M, int gather);
+// does not run in place; kept: every block keeps its attention (no recompute scratch).
+void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, int D, int M, int gather,
+                        int kept);
 
 // a->res2 = block(x) over the active tokens; the MoE layers' weighted auxiliary losses are added
 // to *aux. Returns an MoE layer's error (the message names the block's MoE layer).

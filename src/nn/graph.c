@@ -6,7 +6,12 @@
 // the one block of src/nn/block.c with a single feed-forward part over all active tokens.
 // Gradient checkpointing (graph_create_ckpt): each block keeps only its output (the next block's
 // input); its other activations live in one set shared by the blocks of the encoder, which the
-// backward refills by running the block's forward again just before the block's backward.
+// backward refills by running the block's forward again just before the block's backward; that
+// set holds the attention probabilities and output too, so the block's backward uses the ones
+// its forward just made. Without checkpointing, the blocks' backward recomputes the attention's
+// probabilities and output from the kept qkv (Megatron's selective recomputation), or, with
+// keep_attn, each block keeps its own from the forward: B H T^2 + B T D more floats a block for
+// one attention forward less in each block's backward. The bits are the same either way.
 // Compiled as float and double (src/core/real.h). Covered by tests/test_model.c (finite
 // differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
 #include <math.h>
@@ -70,6 +75,7 @@ struct R(graph) {
     vlmoe_moe_stats *stats;      // (L->nmoe)
     uint64_t sample_base;        // global index of this batch's first sample (noise keys)
     int ckpt;                    // gradient checkpointing: blocks recomputed in the backward
+    int keep_attn;               // blocks keep their attention for the backward (no checkpointing)
     int frozen[NUM_MOD];         // graph_set_frozen: the backward skips the modality's tower
     vlmoe_moe_stats recomputed;  // where a recomputed MoE layer writes its statistics, so the
                                  // forward's are the only ones the model reports
@@ -178,15 +184,15 @@ static void plan(struct R(graph) *g, carver *c) {
         }
         const size_t n = s->ntok;
         s->x0 = carve(c, n * D);
-        R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0);
-        const int nl = s->E->layers;
-        if (g->ckpt && nl > 0) {
+        const int nl = s->E->layers, ckpt = g->ckpt && nl > 0;
+        R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0, ckpt || g->keep_attn);
+        if (ckpt) {
             // one set of block activations for the encoder, the last block's after the forward
             // (its backward needs no recompute), and every other block's output
             int dense = 0;
             for (int l = 0; l < nl; l++) dense |= s->E->blocks[l].ffn.kind != FFN_MOE;
             R(block_acts) w;
-            R(block_plan)(c, &w, n, D, M, dense);
+            R(block_plan)(c, &w, n, natt, D, M, dense);
             for (int l = 0; l < nl; l++) {
                 R(block_acts) *a = &s->layers[l].a;
                 *a = w;
@@ -195,7 +201,8 @@ static void plan(struct R(graph) *g, carver *c) {
             }
         } else {
             for (int l = 0; l < nl; l++)
-                R(block_plan)(c, &s->layers[l].a, n, D, M, s->E->blocks[l].ffn.kind != FFN_MOE);
+                R(block_plan)(c, &s->layers[l].a, n, g->keep_attn ? natt : 0, D, M,
+                              s->E->blocks[l].ffn.kind != FFN_MOE);
         }
         s->lnf = carve(c, n * D);
         s->lnf_m = carve(c, n);
@@ -231,11 +238,11 @@ static void plan(struct R(graph) *g, carver *c) {
 }
 
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
-    return R(graph_create_ckpt)(out, L, be, B, 0);
+    return R(graph_create_ckpt)(out, L, be, B, 0, 0);
 }
 
 int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B,
-                         int checkpoint) {
+                         int checkpoint, int keep_attn) {
     *out = NULL;
     if (B < 1) return vlmoe_fail(VLMOE_ERR_ARG, "batch size must be >= 1, got %d", B);
     struct R(graph) *g = vlmoe_calloc(sizeof(*g), "graph");
@@ -244,6 +251,7 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
     g->be = be;
     g->B = B;
     g->ckpt = checkpoint != 0;
+    g->keep_attn = keep_attn != 0;
     for (int e = 0; e < L->nenc; e++) {
         g->enc[e].layers = vlmoe_calloc(sizeof(layer_acts) * (size_t)L->enc[e].layers, "layer acts");
         if (!g->enc[e].layers) return R(graph_free)(g), VLMOE_ERR_NOMEM;

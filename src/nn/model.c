@@ -309,6 +309,7 @@ int vlmoe_model_init(vlmoe_model **out, const vlmoe_model_config *cfg, uint64_t 
     vlmoe_model *m = calloc(1, sizeof(*m));
     if (!m) return vlmoe_fail(VLMOE_ERR_NOMEM, "model");
     m->be = backend_cpu_f32();
+    m->attn_recompute = -1;
     int st = model_layout_build(&m->L, cfg);
     if (st) return free(m), st;
     m->params = vlmoe_alloc(sizeof(float) * m->L.total, "parameters");
@@ -368,6 +369,15 @@ int model_set_frozen_towers(vlmoe_model *m, int image, int text) {
     return VLMOE_OK;
 }
 
+// After a change the activation arena's layout depends on: plans again, for the batch size
+// planned before (if any).
+static int plan_again(vlmoe_model *m) {
+    const int B = m->planned_B;
+    m->L.arch->drop_graphs(m);
+    m->planned_B = 0, m->have_forward = 0;
+    return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
+}
+
 int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
     if (m->L.arch != &model_arch_towers)
         return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': gradient checkpointing (--grad-checkpointing) is implemented "
@@ -375,11 +385,24 @@ int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on) {
     on = on != 0;
     if (m->grad_ckpt == on) return VLMOE_OK;
     m->grad_ckpt = on;
-    // the arena's layout depends on it: plan again, for the batch size planned before
-    const int B = m->planned_B;
-    m->L.arch->drop_graphs(m);
-    m->planned_B = 0, m->have_forward = 0;
-    return B > 0 ? m->L.arch->plan(m, B) : VLMOE_OK;
+    return plan_again(m);
+}
+
+int vlmoe_model_set_attention_recompute(vlmoe_model *m, int mode) {
+    if (mode < -1 || mode > 1)
+        return vlmoe_fail(VLMOE_ERR_ARG, "attention recompute mode %d: expected -1 (by precision), 0 (keep) or "
+                          "1 (recompute)", mode);
+    if (m->L.arch != &model_arch_towers && mode >= 0)
+        return vlmoe_fail(VLMOE_ERR_CONFIG, "model '%s': keeping or recomputing the attention (--recompute-attention) "
+                          "is chosen for the one_tower and two_tower architectures; VL-MoE (arch mome) always "
+                          "recomputes it", m->L.cfg.name);
+    if (m->attn_recompute == mode) return VLMOE_OK;
+    m->attn_recompute = mode;
+    return plan_again(m);
+}
+
+int model_keeps_attention(const vlmoe_model *m) {
+    return m->attn_recompute == 0 || (m->attn_recompute < 0 && m->be == backend_cpu_bf16());
 }
 
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {

@@ -130,9 +130,10 @@ struct vlmoe_dist; // src/dist/dist.h
     int graph_create_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be,   \
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
-    /* checkpoint: gradient checkpointing (graph.c); graph_create is checkpoint 0 */            \
+    /* checkpoint: gradient checkpointing; keep_attn: without it, every block keeps its     */  \
+    /* attention for the backward (graph.c); graph_create is 0, 0                             */  \
     int graph_create_ckpt_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be, \
-                              int B, int checkpoint);                                            \
+                              int B, int checkpoint, int keep_attn);                             \
     /* a frozen modality's tower gets no backward (two_tower LiT: every tensor of its head, */  \
     /* encoder and stem is frozen, and their gradients stay as they are); 0 at creation */       \
     void graph_set_frozen_##S(graph_##S *g, int modality, int frozen);                           \
@@ -267,6 +268,7 @@ struct vlmoe_model {
     int planned_B;
     int have_forward;
     int grad_ckpt;           // towers: gradient checkpointing (vlmoe_model_set_grad_checkpointing)
+    int attn_recompute;      // towers: vlmoe_model_set_attention_recompute's mode (-1: by precision)
     int frozen[NUM_MOD];     // towers: model_set_frozen_towers
     uint64_t seed;           // the init seed: also seeds the routing noise
     uint64_t forwards;       // training forwards so far: the routing noise of the next one
@@ -435,5 +437,8 @@ int model_set_device(vlmoe_model *m, const char *name);
 // On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32
 // goes back; int8 is refused there.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
+// Whether the towers' blocks keep their attention for the backward (vlmoe_model_set_attention_
+// recompute; by default where the products run in bf16 on the CPU).
+int model_keeps_attention(const vlmoe_model *m);
 
 #endif

@@ -123,9 +123,9 @@ static void plan(struct R(mome_graph) *g, carver *c) {
             const mome_ffn *f = &X->ffn[l * MOME_NFFN + k];
             dense |= f->ln_w != NO_PARAM && f->ffn.kind != FFN_MOE;
         }
-        R(block_plan)(c, &g->layers[l].a, n, (int)D, (int)M, dense);
+        R(block_plan)(c, &g->layers[l].a, n, 0, (int)D, (int)M, dense);
     }
-    R(block_plan_pass)(c, &g->pass, n, B * H * Tmax * Tmax, (int)D, (int)M, 1);
+    R(block_plan_pass)(c, &g->pass, n, B * H * Tmax * Tmax, (int)D, (int)M, 1, 0);
     g->pass.dbuf = carve(c, n * D);
     g->lnf = carve(c, n * D);
     g->lnf_m = carve(c, n);
