@@ -258,6 +258,9 @@ def main():
     print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
           + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
                       f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
+    print("(peak RSS MB in bf16, vlmoe/torch: "
+          + ", ".join(f"{r[0]} {r[1]}t {r[4]['vlmoe-bf16']['rss']:.0f}/{r[4]['torch-bf16']['rss']:.0f} "
+                      f"({r[4]['vlmoe-bf16']['rss'] / r[4]['torch-bf16']['rss']:.2f}x)" for r in rows) + ")")
     if erows:
         print_embed(erows, a.rounds, a.embed_reps, loads)
     for t in sorted({r[1] for r in rows}, reverse=True):

@@ -652,6 +652,16 @@ int main(void) {
     vlmoe_model_config c1 = small(VLMOE_ARCH_ONE_TOWER), c2 = small(VLMOE_ARCH_TWO_TOWER);
     fd_model_check(&c1, "one_tower", 1);
     fd_model_check(&c2, "two_tower", 1);
+    // MLPs wide enough (2M >= 5D + 2HT floats a token) that the attention's scratch lies inside
+    // the MLP's (src/nn/block.c), dense and MoE (whose experts share that scratch)
+    vlmoe_model_config w1 = c1, w2 = c2;
+    w1.encoder.mlp_dim = w2.encoder.mlp_dim = w2.text_encoder.mlp_dim = 40;
+    fd_model_check(&w1, "one_tower, attention scratch in the MLP's", 1);
+    fd_model_check(&w2, "two_tower, attention scratch in the MLP's", 1);
+    w1.moe.layers = vlmoe_moe_every(2, w1.encoder.layers);
+    w1.moe.num_experts = 4;
+    vlmoe_moe_preset("limoe", &w1.moe);
+    fd_model_check(&w1, "limoe, attention scratch in the MLP's", 1);
     fd_moe_checks();
     test_configs();
     test_entropy_tau();
