@@ -474,13 +474,15 @@ VLMOE_API int vlmoe_model_plan(vlmoe_model *m, int batch_size);
 VLMOE_API int vlmoe_model_set_grad_checkpointing(vlmoe_model *m, int on);
 // Attention in the backward, without gradient checkpointing: 1 recomputes each block's attention
 // probabilities and output from its kept qkv (Megatron's selective recomputation), 0 keeps them
-// from the forward: B*H*T^2 + B*T*width more floats a block (bench-s, batch 64: 55 MB) for one
-// attention forward less a block in the backward (about 4% of a bench-s step in bf16 on one
-// thread). The same bits either way. -1 (the default): keep where the linear products run in
-// bf16 on the CPU (`--precision bf16`), whose step the recompute slows the most, recompute
-// otherwise. With checkpointing the blocks are recomputed whole and share one set. One_tower
-// and two_tower models; VL-MoE (arch mome) recomputes, and refuses 0 or 1 (VLMOE_ERR_CONFIG).
-// A planned model is planned again.
+// from the forward: B*H*T^2 + B*T*width more floats a block (bench-s at batch 64: 48 MB),
+// allocated by the first training forward (a model that only encodes holds none), for one
+// attention forward less a block in the backward (3% of a bench-s step in bf16). The same bits
+// either way. -1 (the default): keep them where the products run in bf16 on the CPU
+// (`--precision bf16`), whose step the recompute slows the most, and keeping adds at most a
+// quarter to the activations (bench-s 18%, limoe-S/16 23%; not B/16, 26%, or limoe-L/16, 41%);
+// recompute otherwise, and always in fp32, whose activations stay lean. With checkpointing the
+// blocks are recomputed whole and share one set. One_tower and two_tower models; VL-MoE (arch
+// mome) recomputes, and refuses 0 or 1 (VLMOE_ERR_CONFIG). A planned model is planned again.
 VLMOE_API int vlmoe_model_set_attention_recompute(vlmoe_model *m, int mode);
 // Stochastic depth (BEiT's drop path, VL-MoE pre-training) of a VL-MoE (arch mome) model's
 // training forwards: the last block's rate, rising linearly from 0 at the first block; each

@@ -186,7 +186,8 @@ static void test_attention_modes(void) {
               "back to the default did not restore the plain arena");
         int fell_back = 0;
         if (gemm_bf16_native()) {
-            CHECK(model_set_precision(m, "bf16", &fell_back) == VLMOE_OK && model_keeps_attention(m),
+            CHECK(model_set_precision(m, "bf16", &fell_back) == VLMOE_OK && vlmoe_model_plan(m, 16) == VLMOE_OK &&
+                      model_keeps_attention(m),
                   "bf16 does not keep the attention by default: %s", vlmoe_last_error());
             CHECK(vlmoe_model_set_attention_recompute(m, 1) == VLMOE_OK && !model_keeps_attention(m),
                   "bf16 with recompute 1 keeps it");
@@ -205,6 +206,34 @@ static void test_attention_modes(void) {
               "VL-MoE, keep: %s", vlmoe_last_error());
     }
     vlmoe_model_free(m);
+}
+
+// The default's size rule (graph_create_ckpt's keep_attn -1): kept where that adds at most a
+// quarter to the activation arena (bench-s: 18%), not where the probabilities weigh more (B/16,
+// 197 tokens in 12 heads a block: 26%); never with checkpointing, whose blocks share one set.
+static void test_attention_size_rule(void) {
+    const char *names[2] = {"bench/models/bench-s.json", "B/16"};
+    for (int i = 0; i < 2; i++) {
+        vlmoe_model_config c;
+        model_layout L;
+        graph_f32 *g[3] = {NULL, NULL, NULL};
+        const int st = i ? vlmoe_config_named(names[i], &c) : vlmoe_config_load(names[i], &c);
+        CHECK(st == VLMOE_OK && model_layout_build(&L, &c) == VLMOE_OK, "%s: %s", names[i], vlmoe_last_error());
+        if (st) continue;
+        for (int k = 0; k < 3; k++)
+            CHECK(graph_create_ckpt_f32(&g[k], &L, backend_cpu_f32(), 2, k == 2, k ? -1 : 1) == VLMOE_OK, "%s: %s",
+                  names[i], vlmoe_last_error());
+        if (g[0] && g[1] && g[2]) {
+            CHECK(graph_keeps_attention_f32(g[0]) && graph_keeps_attention_f32(g[1]) == !i &&
+                      !graph_keeps_attention_f32(g[2]),
+                  "%s: kept %d, by the rule %d, checkpointed %d", names[i], graph_keeps_attention_f32(g[0]),
+                  graph_keeps_attention_f32(g[1]), graph_keeps_attention_f32(g[2]));
+            printf("%s: keeping the attention: activation arena %zu -> %zu bytes\n", names[i],
+                   graph_activation_bytes_f32(g[1]), graph_activation_bytes_f32(g[0]));
+        }
+        for (int k = 0; k < 3; k++) graph_free_f32(g[k]);
+        model_layout_free(&L);
+    }
 }
 
 // Switching it on and off re-plans a planned model; VL-MoE keeps its activations and says so.
@@ -284,6 +313,7 @@ int main(int argc, char **argv) {
     test_identical();
     test_attention_kept();
     test_attention_modes();
+    test_attention_size_rule();
     test_switch_and_refuse();
     test_cli(argv[0]);
     return test_summary("test_gradckpt");

@@ -11,7 +11,10 @@
 // its forward just made. Without checkpointing, the blocks' backward recomputes the attention's
 // probabilities and output from the kept qkv (Megatron's selective recomputation), or, with
 // keep_attn, each block keeps its own from the forward: B H T^2 + B T D more floats a block for
-// one attention forward less in each block's backward. The bits are the same either way.
+// one attention forward less in each block's backward (-1: where that adds at most a quarter to
+// the activation arena, as in bench-s, 18%, or limoe-S/16, 23%, and not where the attention's
+// probabilities weigh more, as in B/16, 26%, or limoe-L/16, 41%). The bits are the same either
+// way.
 // Compiled as float and double (src/core/real.h). Covered by tests/test_model.c (finite
 // differences over all parameters) and tests/test_parity.c (PyTorch, one and five AdamW steps).
 #include <math.h>
@@ -36,6 +39,7 @@ typedef struct {
     size_t ntok;                 // tokens of all segments
     attn_segment seg[NUM_MOD];
     size_t att_off[NUM_MOD];     // offset of each segment's attention probabilities
+    size_t natt;                 // attention probabilities of all segments
     int mod_of_seg[NUM_MOD], nseg;
     attn_segment live[NUM_MOD];  // the segments present in this forward, and their offsets
     size_t live_off[NUM_MOD];
@@ -76,6 +80,8 @@ struct R(graph) {
     uint64_t sample_base;        // global index of this batch's first sample (noise keys)
     int ckpt;                    // gradient checkpointing: blocks recomputed in the backward
     int keep_attn;               // blocks keep their attention for the backward (no checkpointing)
+    real *kept;                  // their storage (kept_n floats), made by the first training forward
+    size_t kept_n;
     int frozen[NUM_MOD];         // graph_set_frozen: the backward skips the modality's tower
     vlmoe_moe_stats recomputed;  // where a recomputed MoE layer writes its statistics, so the
                                  // forward's are the only ones the model reports
@@ -183,9 +189,10 @@ static void plan(struct R(graph) *g, carver *c) {
             natt += (size_t)B * H * T * T;
         }
         const size_t n = s->ntok;
+        s->natt = natt;
         s->x0 = carve(c, n * D);
         const int nl = s->E->layers, ckpt = g->ckpt && nl > 0;
-        R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0, ckpt || g->keep_attn);
+        R(block_plan_pass)(c, &s->pass, n, natt, D, M, 0, ckpt);
         if (ckpt) {
             // one set of block activations for the encoder, the last block's after the forward
             // (its backward needs no recompute), and every other block's output
@@ -201,8 +208,7 @@ static void plan(struct R(graph) *g, carver *c) {
             }
         } else {
             for (int l = 0; l < nl; l++)
-                R(block_plan)(c, &s->layers[l].a, n, g->keep_attn ? natt : 0, D, M,
-                              s->E->blocks[l].ffn.kind != FFN_MOE);
+                R(block_plan)(c, &s->layers[l].a, n, 0, D, M, s->E->blocks[l].ffn.kind != FFN_MOE);
         }
         s->lnf = carve(c, n * D);
         s->lnf_m = carve(c, n);
@@ -237,6 +243,30 @@ static void plan(struct R(graph) *g, carver *c) {
     }
 }
 
+// The blocks' kept attention (keep_attn without checkpointing), carved from kept (NULL: counted
+// only): each block's probabilities and output, in the arena's layout.
+static size_t plan_kept(struct R(graph) *g, real *kept) {
+    carver c = {kept, 0};
+    for (int e = 0; e < g->L->nenc; e++) {
+        enc_state *s = &g->enc[e];
+        for (int l = 0; l < s->E->layers; l++) {
+            s->layers[l].a.att = carve(&c, s->natt);
+            s->layers[l].a.atty = carve(&c, s->ntok * (size_t)s->E->width);
+        }
+    }
+    return c.used;
+}
+
+// The first training forward makes the kept storage: inference never runs a backward, so a
+// graph that only encodes holds none. Where it cannot be had, the backward recomputes (the
+// same bits).
+static void make_kept(struct R(graph) *g) {
+    if (!g->keep_attn || g->kept || !g->training) return;
+    g->kept = g->be->alloc(g->be, sizeof(real) * g->kept_n, "the blocks' kept attention");
+    if (g->kept) plan_kept(g, g->kept);
+    else g->keep_attn = 0;
+}
+
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
     return R(graph_create_ckpt)(out, L, be, B, 0, 0);
 }
@@ -251,13 +281,17 @@ int R(graph_create_ckpt)(struct R(graph) **out, const model_layout *L, const R(v
     g->be = be;
     g->B = B;
     g->ckpt = checkpoint != 0;
-    g->keep_attn = keep_attn != 0;
     for (int e = 0; e < L->nenc; e++) {
         g->enc[e].layers = vlmoe_calloc(sizeof(layer_acts) * (size_t)L->enc[e].layers, "layer acts");
         if (!g->enc[e].layers) return R(graph_free)(g), VLMOE_ERR_NOMEM;
     }
     carver c = {NULL, 0};
     plan(g, &c);
+    if (!g->ckpt && keep_attn) {
+        g->kept_n = plan_kept(g, NULL);
+        // -1: kept where that adds at most a quarter to the arena
+        g->keep_attn = keep_attn > 0 || g->kept_n * 4 <= c.used;
+    }
     g->arena_n = c.used;
     g->arena = be->alloc(be, sizeof(real) * c.used, "activation arena");
     const size_t T = (size_t)L->mod[MOD_TEXT].seq;
@@ -334,6 +368,7 @@ void R(graph_free)(struct R(graph) *g) {
     moe_aux_sink_free(&g->sink);
     R(contrastive_step_free)(g->loss);
     g->be->free(g->be, g->arena);
+    if (g->kept) g->be->free(g->be, g->kept);
     g->be->free(g->be, g->ints);
     vlmoe_free_mem(g);
 }
@@ -347,7 +382,11 @@ static int encoder_trains(const struct R(graph) *g, int e) {
     return 0;
 }
 
-size_t R(graph_activation_bytes)(const struct R(graph) *g) { return sizeof(real) * g->arena_n; }
+size_t R(graph_activation_bytes)(const struct R(graph) *g) {
+    return sizeof(real) * (g->arena_n + (g->keep_attn ? g->kept_n : 0));
+}
+
+int R(graph_keeps_attention)(const struct R(graph) *g) { return g->keep_attn && !g->ckpt; }
 
 const real *R(graph_embeddings)(const struct R(graph) *g, int modality) {
     return g->mod[modality].emb;
@@ -427,6 +466,7 @@ static int encoder_forward(struct R(graph) *g, enc_state *s, const real *P) {
     const R(vlmoe_backend) *be = g->be;
     const encoder_layout *E = s->E;
     if (!set_pass(g, s)) return VLMOE_OK;
+    make_kept(g);
     const R(block_pass) *p = &s->pass;
     const int D = p->D, n = p->n;
     const size_t t0 = p->t0;

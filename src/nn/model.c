@@ -401,9 +401,15 @@ int vlmoe_model_set_attention_recompute(vlmoe_model *m, int mode) {
     return plan_again(m);
 }
 
-int model_keeps_attention(const vlmoe_model *m) {
-    return m->attn_recompute == 0 || (m->attn_recompute < 0 && m->be == backend_cpu_bf16());
+int model_keep_request(const vlmoe_model *m) {
+    if (m->attn_recompute >= 0) return !m->attn_recompute;
+    return m->be == backend_cpu_bf16() ? -1 : 0; // fp32's activations stay lean (its RSS target)
 }
+
+int model_keeps_attention(const vlmoe_model *m) {
+    return m->L.arch == &model_arch_towers && m->g && graph_keeps_attention_f32(m->g);
+}
+
 
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     if (m->int8) // its products are a snapshot of the weights, and have no backward of their own

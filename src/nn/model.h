@@ -131,7 +131,8 @@ struct vlmoe_dist; // src/dist/dist.h
                          int B);                                                                 \
     void graph_free_##S(graph_##S *g);                                                           \
     /* checkpoint: gradient checkpointing; keep_attn: without it, every block keeps its     */  \
-    /* attention for the backward (graph.c); graph_create is 0, 0                             */  \
+    /* attention for the backward (1), recomputes it (0), or keeps it where that adds at most */  \
+    /* a quarter to the activation arena (-1) (graph.c); graph_create is 0, 0                 */  \
     int graph_create_ckpt_##S(graph_##S **out, const model_layout *L, const vlmoe_backend_##S *be, \
                               int B, int checkpoint, int keep_attn);                             \
     /* a frozen modality's tower gets no backward (two_tower LiT: every tensor of its head, */  \
@@ -139,6 +140,8 @@ struct vlmoe_dist; // src/dist/dist.h
     void graph_set_frozen_##S(graph_##S *g, int modality, int frozen);                           \
     /* bytes of the activation arena planned at creation (MoE layers' own buffers apart) */     \
     size_t graph_activation_bytes_##S(const graph_##S *g);                                       \
+    /* whether its blocks keep their attention for the backward (keep_attn, as decided) */       \
+    int graph_keeps_attention_##S(const graph_##S *g);                                           \
     /* The towers: images (B,C,H,W) or NULL, tokens (B,T)+lens or NULL -> the normalised */      \
     /* embeddings of each given modality (graph_embeddings); *aux (may be NULL) gets the pass's */ \
     /* weighted MoE auxiliary losses */                                                         \
@@ -437,8 +440,11 @@ int model_set_device(vlmoe_model *m, const char *name);
 // On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32
 // goes back; int8 is refused there.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
-// Whether the towers' blocks keep their attention for the backward (vlmoe_model_set_attention_
-// recompute; by default where the products run in bf16 on the CPU).
+// What the towers' graph is asked for (graph_create_ckpt's keep_attn) by
+// vlmoe_model_set_attention_recompute's mode: keep (0), recompute (1), or by default keep where
+// the products run in bf16 on the CPU and keeping adds at most a quarter to the activations.
+int model_keep_request(const vlmoe_model *m);
+// Whether the planned towers' blocks keep their attention for the backward (0 before a plan).
 int model_keeps_attention(const vlmoe_model *m);
 
 #endif

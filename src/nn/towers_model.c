@@ -93,7 +93,7 @@ static int towers_plan(vlmoe_model *m, int batch_size) {
     graph_free_f32(m->g);
     m->g = NULL;
     m->have_forward = 0;
-    int st = graph_create_ckpt_f32(&m->g, &m->L, m->be, batch_size, m->grad_ckpt, model_keeps_attention(m));
+    int st = graph_create_ckpt_f32(&m->g, &m->L, m->be, batch_size, m->grad_ckpt, model_keep_request(m));
     if (st) return st;
     for (int k = 0; k < NUM_MOD; k++) graph_set_frozen_f32(m->g, k, m->frozen[k]);
     m->planned_B = batch_size;
