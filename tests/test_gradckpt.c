@@ -169,13 +169,20 @@ static void test_attention_kept(void) {
     same_training_as(&c, 32, (variant){0, 1, "bf16"}, (variant){0, -1, "bf16"}, -1);
 }
 
-// The mode's default follows the precision; a change re-plans a planned model; VL-MoE recomputes
-// and refuses an explicit choice; a mode out of range is an argument error.
-static void test_attention_modes(void) {
+// A limoe-tiny model planned for batch 16, or NULL (a failed check).
+static vlmoe_model *planned_limoe_tiny(void) {
     vlmoe_model_config c;
     vlmoe_config_named("limoe-tiny", &c);
     vlmoe_model *m = NULL;
     CHECK(vlmoe_model_init(&m, &c, 1) == VLMOE_OK && vlmoe_model_plan(m, 16) == VLMOE_OK, "%s", vlmoe_last_error());
+    return m;
+}
+
+// The mode's default follows the precision; a change re-plans a planned model; VL-MoE recomputes
+// and refuses an explicit choice; a mode out of range is an argument error.
+static void test_attention_modes(void) {
+    vlmoe_model_config c;
+    vlmoe_model *m = planned_limoe_tiny();
     if (m) {
         const size_t plain = graph_activation_bytes_f32(m->g);
         CHECK(!model_keeps_attention(m), "fp32 keeps the attention by default");
@@ -239,9 +246,7 @@ static void test_attention_size_rule(void) {
 // Switching it on and off re-plans a planned model; VL-MoE keeps its activations and says so.
 static void test_switch_and_refuse(void) {
     vlmoe_model_config c;
-    vlmoe_config_named("limoe-tiny", &c);
-    vlmoe_model *m = NULL;
-    CHECK(vlmoe_model_init(&m, &c, 1) == VLMOE_OK && vlmoe_model_plan(m, 16) == VLMOE_OK, "%s", vlmoe_last_error());
+    vlmoe_model *m = planned_limoe_tiny();
     if (m) {
         const size_t plain = graph_activation_bytes_f32(m->g);
         CHECK(vlmoe_model_set_grad_checkpointing(m, 1) == VLMOE_OK, "%s", vlmoe_last_error());
