@@ -296,6 +296,25 @@ static void pack_tb_tile(uint32_t *o, int w, const float *s, int ldb, int rows, 
 
 // Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
 // leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
+// One row pair k, k+1 of B not transposed (or of the padding past K), columns n0..n0+nn, into
+// the w values at o, the columns past nn zero
+static void pack_pair(uint32_t *o, const product *p, int k, int n0, int nn) {
+    const int K = p->kr, w = p->bw;
+    if (k >= K) {
+        memset(o, 0, sizeof(uint32_t) * w);
+        return;
+    }
+    const int k1 = k + 1 < K; // 0: row k+1 is padding
+    const float *r0 = p->B + (size_t)k * p->ldb + n0, *r1 = k1 ? r0 + p->ldb : r0;
+    if (k1) {
+#pragma omp simd
+        for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], r1[n]);
+    } else {
+        for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], 0.0f);
+    }
+    for (int n = nn; n < w; n++) o[n] = 0;
+}
+
 static void pack_b_block(uint32_t *dst, const product *p, int j) {
     const int w = p->bw, K = p->kr, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
     uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
@@ -316,26 +335,27 @@ static void pack_b_block(uint32_t *dst, const product *p, int j) {
 #endif
     for (int k = 0; k < p->kp; k += 2) {
         uint32_t *o = d + (size_t)(k / 2) * w;
-        if (k >= K) {
-            memset(o, 0, sizeof(uint32_t) * w);
+        if (k >= K || !p->tb) {
+            pack_pair(o, p, k, n0, nn);
             continue;
         }
+        // B[n*ldb + k]: each pair is two neighbours of one row of the stored (N,K) matrix
         const int k1 = k + 1 < K; // 0: row k+1 is padding
-        if (p->tb) {
-            // B[n*ldb + k]: each pair is two neighbours of one row of the stored (N,K) matrix
-            const float *s = p->B + (size_t)n0 * ldb + k;
-            for (int n = 0; n < nn; n++) o[n] = bf16_pair(s[(size_t)n * ldb], k1 ? s[(size_t)n * ldb + 1] : 0.0f);
-        } else {
-            const float *r0 = p->B + (size_t)k * ldb + n0, *r1 = k1 ? r0 + ldb : r0;
-            if (k1) {
-#pragma omp simd
-                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], r1[n]);
-            } else {
-                for (int n = 0; n < nn; n++) o[n] = bf16_pair(r0[n], 0.0f);
-            }
-        }
+        const float *s = p->B + (size_t)n0 * ldb + k;
+        for (int n = 0; n < nn; n++) o[n] = bf16_pair(s[(size_t)n * ldb], k1 ? s[(size_t)n * ldb + 1] : 0.0f);
         for (int n = nn; n < w; n++) o[n] = 0;
     }
+}
+
+// B not transposed, the row pairs [r0, r1) of every column block: B's rows read in order, each
+// once, where pack_b_block reads a block's w columns of every row (a stride of ldb floats)
+static void pack_b_rows(uint32_t *dst, const product *p, int r0, int r1) {
+    const int w = p->bw, ncb = (p->N + w - 1) / w;
+    for (int r = r0; r < r1; r++)
+        for (int j = 0; j < ncb; j++) {
+            const int n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w;
+            pack_pair(dst + ((size_t)j * (p->kp / 2) + (size_t)r) * w, p, 2 * r, n0, nn);
+        }
 }
 
 // ---- weight shadows (gemm_bf16.h): a table like the primitives', under the same lock, of
@@ -642,11 +662,16 @@ static void execute(const product *p) {
         dnnl_memory_destroy(ms), dnnl_memory_destroy(md);
     }
     const int nb = blocks_of(&p->rs), ncb = pack && ok ? (p->N + p->bw - 1) / p->bw : 0;
+    // B not transposed (an activation, in a weight-gradient product) by runs of 16 row pairs,
+    // each run's rows read once and in order; transposed (a weight) by column blocks
+    const int nrun = ncb && !p->tb ? (p->kp / 2 + 15) / 16 : 0;
     // one parallel region for B's packing and the blocks (each region wakes the threads)
 #pragma omp parallel if (nb > 1 || (size_t)ncb * p->bw * p->K >= 65536)
     {
 #pragma omp for schedule(static)
-        for (int j = 0; j < ncb; j++) pack_b_block(bh, p, j);
+        for (int j = 0; j < (nrun ? 0 : ncb); j++) pack_b_block(bh, p, j);
+#pragma omp for schedule(static)
+        for (int r = 0; r < nrun; r++) pack_b_rows(bh, p, 16 * r, 16 * r + 16 < p->kp / 2 ? 16 * r + 16 : p->kp / 2);
 #pragma omp for schedule(dynamic)
         for (int b = 0; b < nb; b++) {
             const int o = block_start(&p->rs, b), m = block_height(&p->rs, b);
