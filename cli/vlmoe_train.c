@@ -281,6 +281,8 @@ int cmd_train_mome(int argc, char **argv) {
         {"report-to", ARG_STRING, &a.report_to, "tensorboard", "also write TensorBoard event files of the metrics to "
                                                                "LOGS/NAME/tensorboard/"},
         {"grad-checkpointing", ARG_FLAG, &a.grad_ckpt, NULL, "not for VL-MoE models (an error naming why)"},
+        {"recompute-attention", ARG_STRING, &a.recompute_attn, "auto", "VL-MoE recomputes each block's attention "
+                                                                       "in the backward: auto or on (off is an error)"},
         {"lock-image", ARG_FLAG, &a.lock[0], NULL, "two_tower models only: VL-MoE has no separate towers (an error)"},
         {"lock-image-unlocked-groups", ARG_INT, &a.lock[1], "N", "with --lock-image (an error here)"},
         {"lock-text", ARG_FLAG, &a.lock[2], NULL, "two_tower models only (an error here)"},
@@ -319,6 +321,10 @@ int cmd_train_mome(int argc, char **argv) {
     if (a.grad_ckpt)
         return cli_error(CMD, "--grad-checkpointing: model '%s' is VL-MoE (arch mome): gradient checkpointing is "
                          "implemented for the one_tower and two_tower architectures, not for VL-MoE", a.model);
+    if (a.recompute_attn && strcmp(a.recompute_attn, "auto") && strcmp(a.recompute_attn, "on"))
+        return cli_error(CMD, "--recompute-attention %s: model '%s' is VL-MoE (arch mome), whose blocks always recompute "
+                         "their attention in the backward; keeping it is implemented for the one_tower and two_tower "
+                         "architectures (expected auto or on)", a.recompute_attn, a.model);
     if (a.lock[0] || a.lock[1] || a.lock[2] || a.lock[3])
         return cli_error(CMD, "--lock-%s: model '%s' is VL-MoE (arch mome): one transformer runs images and texts, so "
                          "there is no separate tower to lock (LiT needs a two_tower model such as tiny-clip, ViT-B-32 or "

@@ -23,6 +23,7 @@ typedef struct {
     long report_every;           // --report-every: LOGS/NAME/report.html every N steps (0: none)
     const char *report_to;       // --report-to tensorboard
     int grad_ckpt, lock[4];      // OpenCLIP's flags the VL-MoE trainer refuses (one set of flags)
+    const char *recompute_attn;  // --recompute-attention: auto or on (what VL-MoE does), else refused
     cli_optim_flags o;           // --optimizer, --lr, --lr-scheduler, ...
     vlmoe_dataset_params data;   // --train-data and the CSV flags
 } mome_args;

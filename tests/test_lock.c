@@ -205,6 +205,12 @@ static void test_cli(const char *argv0) {
     test_expect_in(dir, bin, args, 1, "not for VL-MoE", out, sizeof(out));
     snprintf(args, sizeof(args), "train --model vlmoe-tiny --steps 1 --batch-size 8 --logs %s --name four --lock-text", dir);
     test_expect_in(dir, bin, args, 1, "VL-MoE (arch mome)", out, sizeof(out));
+    snprintf(args, sizeof(args), "train --model vlmoe-tiny --steps 1 --batch-size 8 --logs %s --name five "
+             "--recompute-attention off", dir);
+    test_expect_in(dir, bin, args, 1, "always recompute their attention", out, sizeof(out));
+    snprintf(args, sizeof(args), "train --model limoe-tiny --steps 1 --batch-size 8 --logs %s --name six "
+             "--recompute-attention sometimes", dir);
+    test_expect_in(dir, bin, args, 1, "--recompute-attention 'sometimes': expected auto, on or off", out, sizeof(out));
     snprintf(args, sizeof(args), "rm -rf %s", dir);
     CHECK(system(args) == 0, "rm %s", dir);
 }
