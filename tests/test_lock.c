@@ -195,22 +195,20 @@ static void test_cli(const char *argv0) {
               strstr(pj, "\"grad_checkpointing\":\ttrue"),
           "params.json lacks the locks:\n%s", pj ? pj : "(unreadable)");
     free(pj);
-    snprintf(args, sizeof(args), "train --model limoe-tiny --steps 1 --batch-size 8 --logs %s --name one --lock-image", dir);
-    test_expect_in(dir, bin, args, 1, "no separate image tower", out, sizeof(out));
-    snprintf(args, sizeof(args), "train --model tiny-clip --steps 1 --batch-size 8 --logs %s --name two "
-             "--lock-text-unlocked-layers 1", dir);
-    test_expect_in(dir, bin, args, 1, "needs --lock-text", out, sizeof(out));
-    snprintf(args, sizeof(args), "train --model vlmoe-tiny --steps 1 --batch-size 8 --logs %s --name three "
-             "--grad-checkpointing", dir);
-    test_expect_in(dir, bin, args, 1, "not for VL-MoE", out, sizeof(out));
-    snprintf(args, sizeof(args), "train --model vlmoe-tiny --steps 1 --batch-size 8 --logs %s --name four --lock-text", dir);
-    test_expect_in(dir, bin, args, 1, "VL-MoE (arch mome)", out, sizeof(out));
-    snprintf(args, sizeof(args), "train --model vlmoe-tiny --steps 1 --batch-size 8 --logs %s --name five "
-             "--recompute-attention off", dir);
-    test_expect_in(dir, bin, args, 1, "always recompute their attention", out, sizeof(out));
-    snprintf(args, sizeof(args), "train --model limoe-tiny --steps 1 --batch-size 8 --logs %s --name six "
-             "--recompute-attention sometimes", dir);
-    test_expect_in(dir, bin, args, 1, "--recompute-attention 'sometimes': expected auto, on or off", out, sizeof(out));
+    // refusals: model, flags, what the message must say
+    static const char *const bad[][3] = {
+        {"limoe-tiny", "--lock-image", "no separate image tower"},
+        {"tiny-clip", "--lock-text-unlocked-layers 1", "needs --lock-text"},
+        {"vlmoe-tiny", "--grad-checkpointing", "not for VL-MoE"},
+        {"vlmoe-tiny", "--lock-text", "VL-MoE (arch mome)"},
+        {"vlmoe-tiny", "--recompute-attention off", "always recompute their attention"},
+        {"limoe-tiny", "--recompute-attention sometimes", "--recompute-attention 'sometimes': expected auto, on or off"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        snprintf(args, sizeof(args), "train --model %s --steps 1 --batch-size 8 --logs %s --name bad%zu %s", bad[i][0],
+                 dir, i, bad[i][1]);
+        test_expect_in(dir, bin, args, 1, bad[i][2], out, sizeof(out));
+    }
     snprintf(args, sizeof(args), "rm -rf %s", dir);
     CHECK(system(args) == 0, "rm %s", dir);
 }
