@@ -40,9 +40,9 @@ void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, i
     // (the MLP's act(h) and dh, which MoE layers share: moe_share_scratch) are never live at once:
     // a block's attention is done with before its feed-forward starts in the forward, and starts
     // after it ends in the backward. So the first lie inside the second (dh, then da, one run of
-    // floats) where they fit: 5D + 2HT floats a token (3D + 2HT with the attention kept) against
-    // 2M, as in bench-s (1800 or 1288 against 2048); elsewhere (ViT-B/16: 8568 against 6144)
-    // they get their own.
+    // floats) where they fit: 5D + 2HT floats a token (3D + 2HT under checkpointing, whose
+    // blocks hold their own attention) against 2M, as in bench-s (1800 or 1288 against 2048);
+    // elsewhere (ViT-B/16: 8568 against 6144) they get their own.
     carver run = {NULL, 0}, fit = {NULL, 0}, mlp = {c->base ? p->dh : NULL, 0};
     carve(&run, nmax * M), carve(&run, nmax * M); // dh and da as carved above
     attn_scratch(&fit, p, nmax, natt, D, kept);   // how much it takes
