@@ -69,8 +69,10 @@ static int used(const char *name, int enc, int nl, int F, int cls) {
 // sample dropped, the kept ones scaled by 1/(1-rate of their block)).
 static const uint8_t DROP_KEEP[3 * 2 * 4] = {1, 0, 1, 1, 1, 1, 0, 1, /* block 0 */ 0, 1, 1, 0, 1, 1, 0, 1,
                                              /* block 1 */ 1, 1, 0, 1, 0, 1, 1, 0 /* block 2 */};
-static void fd_check(int enc, int cls, const char *label, double drop) {
+// mlp > 0: that MLP width instead of small()'s
+static void fd_check_mlp(int enc, int cls, const char *label, double drop, int mlp) {
     vlmoe_model_config cfg = small();
+    if (mlp > 0) cfg.encoder.mlp_dim = mlp;
     cfg.num_classes = cls ? 3 : 0;
     cfg.cls_sequences = cls == 2 ? 2 : 1;
     fd_model m;
@@ -158,6 +160,8 @@ static void fd_check(int enc, int cls, const char *label, double drop) {
     mome_graph_free_f64(m.g);
     model_layout_free(&m.L);
 }
+
+static void fd_check(int enc, int cls, const char *label, double drop) { fd_check_mlp(enc, cls, label, drop, 0); }
 
 // The retrieval head: an image forward and a text forward of the same 3 pairs, their [I_CLS] and
 // [T_CLS] features projected, normalised and compared contrastively; the loss also holds both
@@ -1095,6 +1099,11 @@ int main(void) {
     fd_check(VLMOE_ENC_TEXT, 1, "MLM + text classification", 0);
     fd_check(VLMOE_ENC_PAIR, 1, "VLM + pair classification", 0);
     fd_check(VLMOE_ENC_PAIR, 2, "VLM + NLVR2 classification (two pairs per example)", 0);
+    // MLPs wide enough (2M >= 5D + 2HT floats a token) that the attention's scratch lies inside
+    // the MLP's (src/nn/block.c), with the gathered feed-forward parts and drop path
+    fd_check_mlp(VLMOE_ENC_PAIR, 0, "VLM, attention scratch in the MLP's", 0, 48);
+    fd_check_mlp(VLMOE_ENC_PAIR, 1, "VLM + pair classification with drop path 0.5, attention scratch in the MLP's",
+                 0.5, 48);
     test_drop_path_draws();
     fd_check_retrieval();
     test_heads_api();
