@@ -238,6 +238,13 @@ static int fused_dims(head_dims *s, const attn_segment *seg, int D, int H) {
     return T >= 1 && T <= ATTN_FUSED_TMAX && (size_t)hd * 16 * NV <= ATT_TILE;
 }
 
+// Sequence b's dims (s0 with its length) in *s; returns its first token's row.
+static size_t head_of(head_dims *s, const head_dims *s0, const attn_segment *seg, int b) {
+    *s = *s0;
+    s->len = seg->lens ? seg->lens[b] : s0->T;
+    return seg->tok_off + (size_t)b * s0->T;
+}
+
 int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segment *seg, int D,
                        int H) {
     head_dims s0;
@@ -246,9 +253,8 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < seg->nseq; b++) {
         for (int h = 0; h < H; h++) {
-            head_dims s = s0;
-            s.len = seg->lens ? seg->lens[b] : T;
-            const size_t t0 = seg->tok_off + (size_t)b * T;
+            head_dims s;
+            const size_t t0 = head_of(&s, &s0, seg, b);
             const float *q = qkv + t0 * ld + h * hd;
             float *a = att + (((size_t)b * H + h) * T) * T, *o = out + t0 * D + h * hd;
             _Alignas(64) float kt[ATT_TILE];
@@ -273,9 +279,8 @@ int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < seg->nseq; b++) {
         for (int h = 0; h < H; h++) {
-            head_dims s = s0;
-            s.len = seg->lens ? seg->lens[b] : T;
-            const size_t t0 = seg->tok_off + (size_t)b * T;
+            head_dims s;
+            const size_t t0 = head_of(&s, &s0, seg, b);
             const float *q = qkv + t0 * ld + h * hd, *g = dout + t0 * D + h * hd;
             const float *a = att + (((size_t)b * H + h) * T) * T;
             float *dq = dqkv + t0 * ld + h * hd;
