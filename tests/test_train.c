@@ -93,6 +93,21 @@ static const vlmoe_param_info *param_named(vlmoe_model *m, const char *name) {
     return NULL;
 }
 
+// A run of batch 16 after its first step; its parameters, to write through
+static float *stepped_run(run *r) {
+    run_init(r, 16, 5);
+    run_step(r, 0);
+    return vlmoe_model_param_data(r->m);
+}
+
+// One trainer step on the 16 training samples from `first`; its status
+static int step_from(run *r, uint64_t first) {
+    vlmoe_synth_batch(r->data, VLMOE_SPLIT_TRAIN, first, 16, r->T, r->img, r->tok, r->lens);
+    vlmoe_batch bt = {16, r->img, r->tok, r->lens};
+    vlmoe_step_stats s;
+    return vlmoe_trainer_step(r->t, &bt, &s);
+}
+
 static void test_determinism_and_guard(void) {
     double a[4], b[4];
     int nt = omp_get_max_threads();
@@ -107,19 +122,14 @@ static void test_determinism_and_guard(void) {
     CHECK(!memcmp(a, b, sizeof(a)), "1 thread and 2 threads differ: %.17g vs %.17g", a[3], b[3]);
     // divergence guard: a NaN weight makes the loss or a gradient non-finite; the step is refused
     run r;
-    run_init(&r, 16, 5);
-    run_step(&r, 0);
+    float *P = stepped_run(&r);
     const vlmoe_param_info *fc1 = param_named(r.m, "encoder.blocks.1.mlp.fc1.bias");
-    float *P = vlmoe_model_param_data(r.m);
     CHECK(fc1 != NULL, "parameter encoder.blocks.1.mlp.fc1.bias exists");
     if (fc1) {
         P[fc1->offset] = INFINITY;
         float keep = P[0];
         long step = vlmoe_trainer_get_step(r.t);
-        vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 0, 16, r.T, r.img, r.tok, r.lens);
-        vlmoe_batch bt = {16, r.img, r.tok, r.lens};
-        vlmoe_step_stats s;
-        int st = vlmoe_trainer_step(r.t, &bt, &s);
+        int st = step_from(&r, 0);
         CHECK(st == VLMOE_ERR_NUMERIC, "non-finite step returned %d: %s", st, vlmoe_last_error());
         CHECK(strstr(vlmoe_last_error(), "step 1") != NULL, "message names the step: %s", vlmoe_last_error());
         CHECK(vlmoe_trainer_get_step(r.t) == step && P[0] == keep, "a refused step changed the state");
@@ -128,19 +138,14 @@ static void test_determinism_and_guard(void) {
     // a finite loss with a non-finite gradient: a logit scale of e^80 and text embeddings made 1e6
     // times shorter (the L2 norm undoes it in the forward; its backward divides by the norm)
     // overflow the text tower's gradients; the step is refused and the message names the tensor
-    run_init(&r, 16, 5);
-    run_step(&r, 0);
+    P = stepped_run(&r);
     const vlmoe_param_info *ls = param_named(r.m, "logit_scale"), *tp = param_named(r.m, "text.proj");
-    P = vlmoe_model_param_data(r.m);
     CHECK(ls && tp, "parameters logit_scale and text.proj exist");
     if (ls) P[ls->offset] = 80;
     for (size_t k = 0; tp && k < tp->numel; k++) P[tp->offset + k] *= 1e-6f;
     float *before = malloc(sizeof(float) * vlmoe_model_num_floats(r.m));
     memcpy(before, P, sizeof(float) * vlmoe_model_num_floats(r.m));
-    vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
-    vlmoe_batch bt = {16, r.img, r.tok, r.lens};
-    vlmoe_step_stats s;
-    const int st = vlmoe_trainer_step(r.t, &bt, &s);
+    const int st = step_from(&r, 16);
     CHECK(st == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "step 1: the gradient of 'text."),
           "a non-finite gradient under a finite loss: status %d, '%s' (want %d, naming the tensor)", st,
           vlmoe_last_error(), VLMOE_ERR_NUMERIC);
@@ -156,17 +161,12 @@ static void test_determinism_and_guard(void) {
 // stay finite, while its backward multiplies infinities by zeros.
 static void test_guard_gradient(void) {
     run r;
-    run_init(&r, 16, 5);
-    run_step(&r, 0);
+    float *P = stepped_run(&r);
     const vlmoe_param_info *fc1 = param_named(r.m, "encoder.blocks.0.mlp.fc1.bias");
-    float *P = vlmoe_model_param_data(r.m);
     CHECK(fc1 != NULL, "parameter encoder.blocks.0.mlp.fc1.bias exists");
     for (size_t k = 0; fc1 && k < fc1->numel; k++) P[fc1->offset + k] = 1e30f;
     float keep = P[0];
-    vlmoe_synth_batch(r.data, VLMOE_SPLIT_TRAIN, 16, 16, r.T, r.img, r.tok, r.lens);
-    vlmoe_batch bt = {16, r.img, r.tok, r.lens};
-    vlmoe_step_stats s;
-    int st = vlmoe_trainer_step(r.t, &bt, &s);
+    int st = step_from(&r, 16);
     CHECK(st == VLMOE_ERR_NUMERIC && strstr(vlmoe_last_error(), "step 1: the gradient of '"),
           "a non-finite gradient: status %d, message '%s'", st, vlmoe_last_error());
     CHECK(vlmoe_trainer_get_step(r.t) == 1 && P[0] == keep, "a refused step changed the state");
