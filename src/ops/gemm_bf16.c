@@ -191,7 +191,7 @@ static int make_reorder(dnnl_primitive_t *prim, int N, int K, int ldb, int tb, c
 // kept while the table has room; owned[i]: made for this product only, freed after it).
 typedef struct {
     int M, N, K, sum, ldc, ldb, tb;
-    int kr;             // op(A)'s columns and B's rows that hold values: K, or fewer (pad_k)
+    int kr;             // op(A)'s columns and B's rows that hold values: K, or fewer (product_of)
     row_split rs;
     uint16_t *ah;
     int pack_a;         // 1: each block rounds its own rows of A (row-major fp32) into ah first
@@ -464,14 +464,19 @@ static int layout_of(product *p) {
 }
 
 static int plan(product *p) {
+    pthread_mutex_lock(&cache_mu);
+    int ok = layout_of(p) == 0;
+    if (ok && !p->bw && p->K != p->kr) {
+        // a B layout oneDNN's reorder writes would read B's padding rows from B: unpadded
+        p->K = p->kr, p->rs = split_rows(p->M, p->N, p->K);
+        ok = layout_of(p) == 0;
+    }
     const int N = p->N, K = p->K;
     const row_split *rs = &p->rs;
     // the heights: the taller blocks', the others', the tail's
     p->mh[0] = rs->extra ? block_height(rs, 0) : 0;
     p->mh[1] = rs->nb > rs->extra ? block_height(rs, rs->extra) : 0;
     p->mh[2] = rs->tail;
-    pthread_mutex_lock(&cache_mu);
-    int ok = layout_of(p) == 0;
     counts.products++;
     if (ok && p->bw && p->B && p->K == p->kr && act_n && inside(p, act_lo, act_n) && (p->sh = shadow_of(p))) {
         p->sh_ver = act_ver;
@@ -519,22 +524,12 @@ static void unplan(product *p) {
 // of B, which B's blocked layout holds anyway: the products of each 32 counts then share
 // their primitives (bench-s made some 50 a step otherwise, ~0.4 ms each), and brgemm gives the
 // bits of the unpadded product (adding zero products; tests/test_bf16.c checks it). kr keeps
-// the real K. unpad_k undoes it where B is not in such a layout.
+// the real K. plan undoes it where B is not in such a layout.
 static product product_of(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float beta, float *C, int ldc) {
     const int kp = ta ? (K + 31) / 32 * 32 : K;
     return (product){.M = M, .N = N, .K = kp, .kr = K, .sum = beta != 0, .ldc = ldc, .ldb = ldb, .tb = tb,
                      .rs = split_rows(M, N, kp), .A = A, .B = B, .lda = lda, .ta = ta, .C = C};
-}
-
-// plan, and plan again unpadded when B's layout is one oneDNN's reorder writes (it would read
-// B's padding rows from B)
-static int plan_k(product *p) {
-    if (plan(p)) return -1;
-    if (p->K == p->kr || p->bw) return 0;
-    unplan(p);
-    p->K = p->kr, p->rs = split_rows(p->M, p->N, p->K);
-    return plan(p);
 }
 
 // The packed operands and the primitives' scratchpad, per thread and slot (0: op(A), 1: B,
@@ -786,7 +781,7 @@ static void a_transposed(uint16_t *ah, const uint16_t *a16, const float *a32, in
 // plans and runs p with op(A) rounded here (with pb, B packed by its producer in that layout)
 static int product_run(product *p, const gemm_bf16_bpack *pb) {
     if (pb) p->bpre = pb->buf;
-    const int ok = plan_k(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
+    const int ok = plan(p) == 0 && (!pb || (p->bw == pb->w && p->kp == pb->kp));
     uint16_t *ah = ok ? scratch(sizeof(uint16_t) * (size_t)p->M * p->K, 0) : NULL;
     if (ah) {
         // op(A), row-major (M,K): rounded by the blocks, or transposed here
@@ -878,7 +873,7 @@ int gemm_bf16_backward(float *dinp, float *dw, float *db, const float *dout, con
     // blocks are the shape's, so the bits do not depend on the thread count
     const int nb = blocks_of(&pi.rs);
     float *cs = db && dinp ? scratch(sizeof(float) * (size_t)nb * O, 4) : NULL;
-    const int ok = (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan_k(&pw) == 0;
+    const int ok = (!db || !dinp || cs) && (!dinp || plan(&pi) == 0) && plan(&pw) == 0;
     uint16_t *gh = ok ? scratch(sizeof(uint16_t) * (size_t)N * O, 0) : NULL;
     uint16_t *gt = gh ? scratch(sizeof(uint16_t) * (size_t)O * pw.K, 3) : NULL;
     if (gt) {
