@@ -1231,19 +1231,22 @@ int R(moe_forward)(struct R(moe_state) *st, const moe_call *c, const real *P, co
     return VLMOE_OK;
 }
 
-// write: dx is written. The router's product (over every row: the runs of router_per_modality
-// cover them all) is then its first writer and the experts' rows are added after it; per element
-// r + a instead of (0 + a) + r, the same sum, so no zeroing of dx (bench-s: 5 MB a layer).
+// write: dx is written. Where a token has at most one row (tokens choice, top-1), the router's
+// product (over every row: the runs of router_per_modality cover them all) is then its first
+// writer and the expert row is added after it: per element r + a instead of (0 + a) + r, the
+// same sum, so no zeroing of dx (bench-s: 5 MB a layer). With more rows a token, (r + a1) + a2
+// would not be ((0 + a1) + a2) + r: dx is zeroed and accumulated as without write.
 static void backward(struct R(moe_state) *st, const real *P, real *G, const real *x, const real *dout, real *dx,
                      double daux, int write) {
     const R(vlmoe_backend) *be = st->be;
     const R(vlmoe_backend) *rbe = be->fp32 ? be->fp32 : be;
-    if (write && (st->sp.cfg->router == VLMOE_ROUTER_SOFT || !rbe->linear_backward_write)) {
+    const moe_spec *sp = &st->sp;
+    const vlmoe_moe_config *cfg = sp->cfg;
+    const int one_row = cfg->router == VLMOE_ROUTER_TOKENS && st->K == 1;
+    if (write && (!one_row || !rbe->linear_backward_write)) {
         be->zero(be, dx, (size_t)st->n * st->sp.D); // then accumulate
         write = 0;
     }
-    const moe_spec *sp = &st->sp;
-    const vlmoe_moe_config *cfg = sp->cfg;
     const int E = st->E, D = sp->D, n = st->n;
     if (cfg->router == VLMOE_ROUTER_SOFT) {
         soft_dims d;
