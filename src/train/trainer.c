@@ -294,9 +294,7 @@ static int clip_sharded(vlmoe_trainer *t, float *g, double *norm) {
     }
     int e = sh->experts->allreduce_sum(sh->experts, &own, 1, VLMOE_DIST_F64);
     if (e) return e;
-    *norm = sqrt(dense + own);
-    const double max = t->p.grad_clip_norm;
-    if (max > 0.0 && *norm > max) hb->scale(hb, g, vlmoe_model_num_floats(t->m), (float)(max / (*norm + 1e-6)));
+    *norm = optim_clip_grad_norm_given(hb, g, vlmoe_model_num_floats(t->m), t->p.grad_clip_norm, dense + own);
     return VLMOE_OK;
 }
 
