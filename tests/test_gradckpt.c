@@ -32,6 +32,7 @@ static void clip_moe(vlmoe_model_config *c) {
 typedef struct {
     int ckpt, recompute;
     const char *precision;
+    int lock_image; // two_tower LiT: the image tower frozen (it keeps no attention)
 } variant;
 
 static int make(vlmoe_model **m, vlmoe_trainer **t, const vlmoe_model_config *c, int B, variant v) {
@@ -40,6 +41,7 @@ static int make(vlmoe_model **m, vlmoe_trainer **t, const vlmoe_model_config *c,
     tp.schedule.warmup_steps = 1;
     tp.schedule.total_steps = STEPS;
     tp.optim.weight_decay = 0.1f;
+    tp.lock_image = v.lock_image;
     int st = vlmoe_model_init(m, c, 7), fell_back = 0;
     if (!st && v.precision) st = model_set_precision(*m, v.precision, &fell_back); // plans again: first
     if (!st) st = vlmoe_model_plan(*m, B);
@@ -122,7 +124,7 @@ out:
 
 // checkpointed against plain (the default: fp32 recomputes the attention)
 static void same_training(const vlmoe_model_config *c, int B) {
-    same_training_as(c, B, (variant){0, -1, NULL}, (variant){1, -1, NULL}, 1);
+    same_training_as(c, B, (variant){0, -1, NULL, 0}, (variant){1, -1, NULL, 0}, 1);
 }
 
 static void test_identical(void) {
@@ -147,26 +149,27 @@ static void test_identical(void) {
 static void test_attention_kept(void) {
     const char *names[] = {"tiny", "limoe-tiny", "tiny-clip"};
     vlmoe_model_config c;
-    const variant recompute = {0, 1, NULL}, keep = {0, 0, NULL};
+    const variant recompute = {0, 1, NULL, 0}, keep = {0, 0, NULL, 0};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         vlmoe_config_named(names[i], &c);
         same_training_as(&c, 32, recompute, keep, -1);
     }
     clip_moe(&c);
     same_training_as(&c, 32, recompute, keep, -1);
+    same_training_as(&c, 32, (variant){0, 1, NULL, 1}, (variant){0, 0, NULL, 1}, -1); // LiT
     vlmoe_config_named("limoe-tiny", &c);
     c.encoder.layers = 4;
     c.moe.layers = vlmoe_moe_every(2, 4);
     snprintf(c.name, sizeof(c.name), "limoe-tiny-4");
-    same_training_as(&c, 32, keep, (variant){1, 0, NULL}, 1); // checkpointed blocks share one set
+    same_training_as(&c, 32, keep, (variant){1, 0, NULL, 0}, 1); // checkpointed blocks share one set
     if (!gemm_bf16_native()) {
         printf("bf16 attention kept vs recomputed: skipped, this CPU has no bf16 products (oneDNN's ISA lacks "
                "avx512_core_bf16)\n");
         return;
     }
-    same_training_as(&c, 32, (variant){0, 1, "bf16"}, (variant){0, -1, "bf16"}, -1);
+    same_training_as(&c, 32, (variant){0, 1, "bf16", 0}, (variant){0, -1, "bf16", 0}, -1);
     vlmoe_config_named("tiny-clip", &c);
-    same_training_as(&c, 32, (variant){0, 1, "bf16"}, (variant){0, -1, "bf16"}, -1);
+    same_training_as(&c, 32, (variant){0, 1, "bf16", 0}, (variant){0, -1, "bf16", 0}, -1);
 }
 
 // A limoe-tiny model planned for batch 16, or NULL (a failed check).

@@ -244,12 +244,16 @@ static void plan(struct R(graph) *g, carver *c) {
 }
 
 // The blocks' kept attention (keep_attn without checkpointing), carved from kept (NULL: counted
-// only): each block's probabilities and output, in the arena's layout.
+// only): each block's probabilities and output, in the arena's layout. An encoder whose
+// modalities are all frozen has no backward: its blocks keep none (their pointers stay NULL, so
+// a backward after unfreezing recomputes).
 static size_t plan_kept(struct R(graph) *g, real *kept) {
     carver c = {kept, 0};
     for (int e = 0; e < g->L->nenc; e++) {
         enc_state *s = &g->enc[e];
-        for (int l = 0; l < s->E->layers; l++) {
+        int frozen = 1;
+        for (int m = 0; m < NUM_MOD; m++) frozen &= g->L->mod[m].enc != e || g->frozen[m];
+        for (int l = 0; l < s->E->layers && !frozen; l++) {
             s->layers[l].a.att = carve(&c, s->natt);
             s->layers[l].a.atty = carve(&c, s->ntok * (size_t)s->E->width);
         }
@@ -262,9 +266,10 @@ static size_t plan_kept(struct R(graph) *g, real *kept) {
 // same bits).
 static void make_kept(struct R(graph) *g) {
     if (!g->keep_attn || g->kept || !g->training) return;
-    g->kept = g->be->alloc(g->be, sizeof(real) * g->kept_n, "the blocks' kept attention");
+    const size_t n = plan_kept(g, NULL); // kept_n less the frozen encoders'
+    g->kept = n ? g->be->alloc(g->be, sizeof(real) * n, "the blocks' kept attention") : NULL;
     if (g->kept) plan_kept(g, g->kept);
-    else g->keep_attn = 0;
+    else g->keep_attn = 0; // none to keep, or no memory for it: recomputed, the same bits
 }
 
 int R(graph_create)(struct R(graph) **out, const model_layout *L, const R(vlmoe_backend) *be, int B) {
@@ -386,7 +391,7 @@ size_t R(graph_activation_bytes)(const struct R(graph) *g) {
     return sizeof(real) * (g->arena_n + (g->keep_attn ? g->kept_n : 0));
 }
 
-int R(graph_keeps_attention)(const struct R(graph) *g) { return g->keep_attn && !g->ckpt; }
+int R(graph_keeps_attention)(const struct R(graph) *g) { return g->keep_attn; }
 
 const real *R(graph_embeddings)(const struct R(graph) *g, int modality) {
     return g->mod[modality].emb;
