@@ -34,6 +34,7 @@ void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, i
     p->ln = carve(c, nmax * D);
     p->dres = carve(c, nmax * D);
     p->dln = carve(c, nmax * D);
+    const size_t mlp_at = c->used;
     p->dh = carve(c, nmax * M);
     p->da = carve(c, nmax * M);
     // The attention half's scratch (its recompute, its gradients) and the feed-forward half's
@@ -43,10 +44,9 @@ void R(block_plan_pass)(carver *c, R(block_pass) *p, size_t nmax, size_t natt, i
     // floats) where they fit: 5D + 2HT floats a token (3D + 2HT under checkpointing, whose
     // blocks hold their own attention) against 2M, as in bench-s (1800 or 1288 against 2048);
     // elsewhere (ViT-B/16: 8568 against 6144) they get their own.
-    carver run = {NULL, 0}, fit = {NULL, 0}, mlp = {c->base ? p->dh : NULL, 0};
-    carve(&run, nmax * M), carve(&run, nmax * M); // dh and da as carved above
-    attn_scratch(&fit, p, nmax, natt, D, kept);   // how much it takes
-    attn_scratch(fit.used <= run.used ? &mlp : c, p, nmax, natt, D, kept);
+    carver fit = {NULL, 0}, mlp = {p->dh, 0};   // p->dh: NULL while counting
+    attn_scratch(&fit, p, nmax, natt, D, kept); // how much it takes
+    attn_scratch(fit.used <= c->used - mlp_at ? &mlp : c, p, nmax, natt, D, kept);
     p->sx = gather ? carve(c, nmax * D) : NULL;
     p->sdy = gather ? carve(c, nmax * D) : NULL;
 }
@@ -166,6 +166,14 @@ static void ffn_backward(const R(block_pass) *p, const R(block_acts) *a, const R
     be->layernorm_backward(be, dy, G + f->ln_w, G + f->ln_b, dln, x, P + f->ln_w, m, r, ns, D);
 }
 
+// The block's attention probabilities and output: its own kept ones, or the pass's scratch.
+// Returns whether they are kept.
+static int attention_of(const R(block_pass) *p, const R(block_acts) *a, real **att, real **atty) {
+    *att = a->att ? a->att : p->att;
+    *atty = a->atty ? a->atty : p->atty;
+    return a->atty != NULL;
+}
+
 int R(block_forward)(const R(block_pass) *p, const R(block) *b, const real *P, const real *x, double *aux) {
     const R(vlmoe_backend) *be = p->be;
     const block_layout *bl = b->bl;
@@ -175,7 +183,8 @@ int R(block_forward)(const R(block_pass) *p, const R(block) *b, const real *P, c
     be->layernorm_forward(be, p->ln + t0 * D, a->ln1_m + t0, a->ln1_r + t0, x + t0 * D, P + bl->ln1_w, P + bl->ln1_b,
                          n, D, p->eps);
     be->linear_forward(be, a->qkv + t0 * 3 * D, p->ln + t0 * D, P + bl->qkv_w, P + bl->qkv_b, n, D, 3 * D, 0);
-    real *atty = a->atty ? a->atty : p->atty, *att = a->att ? a->att : p->att;
+    real *att, *atty;
+    attention_of(p, a, &att, &atty);
     for (int k = 0; k < p->nseg; k++)
         be->attention_forward(be, atty, att + p->att_off[k], a->qkv, &p->seg[k], D, H);
     if (p->drop[0]) { // drop path: res1 = x + factor * out(atty), per sequence
@@ -223,10 +232,10 @@ void R(block_backward)(const R(block_pass) *p, const R(block) *b, const real *P,
         }
     }
     // dres now holds d(res1): the attention half, its outputs kept or recomputed
-    const real *atty = a->atty ? a->atty : p->atty, *att = a->att ? a->att : p->att;
-    if (!a->atty)
+    real *att, *atty;
+    if (!attention_of(p, a, &att, &atty))
         for (int k = 0; k < p->nseg; k++)
-            be->attention_forward(be, p->atty, p->att + p->att_off[k], a->qkv, &p->seg[k], D, H);
+            be->attention_forward(be, atty, att + p->att_off[k], a->qkv, &p->seg[k], D, H);
     const real *dbranch = p->dres + t0 * D;
     if (p->drop[0]) {
         be->copy(be, p->dbuf + t0 * D, p->dres + t0 * D, (size_t)n * D);

@@ -407,9 +407,8 @@ int model_keep_request(const vlmoe_model *m) {
 }
 
 int model_keeps_attention(const vlmoe_model *m) {
-    return m->L.arch == &model_arch_towers && m->g && graph_keeps_attention_f32(m->g);
+    return m->g && graph_keeps_attention_f32(m->g); // only the towers plan m->g
 }
-
 
 int vlmoe_model_forward(vlmoe_model *m, const vlmoe_batch *b, vlmoe_step_stats *stats) {
     if (m->int8) // its products are a snapshot of the weights, and have no backward of their own
