@@ -64,7 +64,7 @@ struct gemm_epi {
     void (*run)(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc);
     const real *b, *h;   // bias (forward) or pre-activations (backward), by the run function
     real *a;             // activations out (NULL: with ab or pb, only rounded)
-    uint16_t *ab;        // with bf16: a rounded, beside a (the next product's operand), or NULL
+    uint16_t *ab;        // with bf16: the activations rounded instead (the next product's operand)
     const gemm_bf16_bpack *pb; // with bf16: a rounded into the dw product's B layout, or NULL
     int act;
 };
@@ -450,8 +450,8 @@ static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind
 // store, and, in the backward, to read back when dw's B is packed.
 enum { EPI_CHUNK = 64 };
 
-// h += b; a = act(h) over a block of h (rows r0.., columns c0..); with ab, act(h) rounded too
-// (without a, only rounded)
+// h += b; a = act(h) over a block of h (rows r0.., columns c0..); with ab, act(h) only rounded
+// into ab
 static void epi_bias_act(const gemm_epi *e, real *C, int ldc, int r0, int nr, int c0, int nc) {
     const int kind = e->act;
     const real *b = e->b + c0;
@@ -461,7 +461,7 @@ static void epi_bias_act(const gemm_epi *e, real *C, int ldc, int r0, int nr, in
         if (e->ab) {
             uint16_t *ab = e->ab + (size_t)r * ldc + c0;
             for (int j0 = 0; j0 < nc; j0 += EPI_CHUNK) {
-                real t[EPI_CHUNK], *a = e->a ? e->a + (size_t)r * ldc + c0 + j0 : t;
+                real a[EPI_CHUNK];
                 const int n = nc - j0 < EPI_CHUNK ? nc - j0 : EPI_CHUNK;
                 bias_act_row(a, h + j0, b + j0, n, kind);
 #pragma omp simd
