@@ -315,7 +315,8 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     c.P = d, c.G = d + SE, c.lse = d + 2 * SE, c.tS1 = c.lse + S, c.tS2 = c.tS1 + S;
     for (int i = 0; i < 8; i++) c.v[i] = c.tS2 + S + (size_t)i * E;
     c.Z = c.v[7] + E;
-    if (!dlogits) c.G = NULL; // a forward: the value only
+    // a forward: the value only; the load loss adds into dlogits itself and collects no G
+    if (!dlogits || kind == VLMOE_AUX_LOAD) c.G = NULL;
 
     // Clean gates in double: P = exp(l - max) / sum, lse = max + log(sum). One exp per logit (the
     // libm calls were most of the losses' time in a bench-s step: every loss of every group
@@ -381,7 +382,7 @@ double R(aux_loss)(vlmoe_aux_kind kind, const R(aux_input) *in, double weight, r
     }
 
     // Gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e).
-    if (dlogits && kind != VLMOE_AUX_LOAD) { // (G is 0 for load, which adds into dlogits itself)
+    if (c.G) {
 #pragma omp parallel for schedule(static) if (S >= 1024)
         for (int s = 0; s < S; s++) {
             const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
