@@ -933,28 +933,31 @@ static double moe_aux(struct R(moe_state) *st, vlmoe_moe_stats *s, double daux, 
     int to_slots[VLMOE_AUX_COUNT] = {0};
     for (int k = 0; k < VLMOE_AUX_COUNT; k++)
         if (cfg->aux_weight[k] != 0) to_slots[k] = rec && aux_to_slots(st->sink, rec, k, st->G, cfg->aux_weight[k]);
+    const int sw = cfg->aux_weight[VLMOE_AUX_SWITCH] != 0;
     for (int g = 0; g < st->G; g++) {
+        const size_t o = (size_t)g * st->S * E;
+        const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
+        // the switch loss's counts (no other loss reads them), also per modality (CLIP-UP: per
+        // tower; here per modality)
+        const int32_t *want = NULL, *wmod = NULL;
+        if (sw && st->use_route) { // the table's routing counted both where the losses run
+            want = st->d_want + (size_t)g * 3 * E, wmod = want + E;
+        } else if (sw) {
+            want = st->rt[g].wanted, wmod = st->wanted_mod;
+            memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
+            for (int i = 0; i < st->S; i++)
+                for (int r = 0; r < st->K; r++)
+                    st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
+            if (dev) {
+                int32_t *dw = st->d_want + (size_t)g * 3 * E;
+                be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
+                be->upload_bytes(be, dw + E, wmod, sizeof(int32_t) * 2 * (size_t)E);
+                want = dw, wmod = dw + E;
+            }
+        }
         int kept = 0; // AUX_KEPT_P: the scratch holds this group's softmax
         for (int k = 0; k < VLMOE_AUX_COUNT; k++) {
             if (cfg->aux_weight[k] == 0) continue;
-            const size_t o = (size_t)g * st->S * E;
-            const uint8_t *gm = mod ? mod + (size_t)g * st->S : NULL, *km = kmod ? kmod + (size_t)g * st->S : NULL;
-            // the switch loss's counts per modality (CLIP-UP: per tower; here per modality)
-            const int32_t *want = st->rt[g].wanted, *wmod = st->wanted_mod;
-            if (st->use_route) { // the table's routing counted both where the losses run
-                want = st->d_want + (size_t)g * 3 * E, wmod = want + E;
-            } else {
-                memset(st->wanted_mod, 0, sizeof(int32_t) * 2 * E);
-                for (int i = 0; k == VLMOE_AUX_SWITCH && i < st->S; i++)
-                    for (int r = 0; r < st->K; r++)
-                        st->wanted_mod[(gm && gm[i] ? E : 0) + st->rt[g].expert[i * st->K + r]]++;
-            }
-            if (dev && !st->use_route) {
-                int32_t *dw = st->d_want + (size_t)g * 3 * E;
-                be->upload_bytes(be, dw, want, sizeof(int32_t) * (size_t)E);
-                if (k == VLMOE_AUX_SWITCH) be->upload_bytes(be, dw + E, wmod, sizeof(int32_t) * 2 * (size_t)E);
-                want = dw, wmod = dw + E;
-            }
             R(aux_input) in = {st->S, E, st->K, lg + o, st->noisy_on ? ng + o : NULL,
                                cfg->noise_std, km, want, {cfg->global_tau[0], cfg->global_tau[1]}, wmod,
                                kept | (load_kept ? AUX_KEPT_LOAD : 0)};
