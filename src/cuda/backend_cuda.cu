@@ -322,15 +322,29 @@ static void cuda_adamw(const backend *be, float *p, float *m, float *v, const fl
 
 // One block per chunk of the CPU's chunking, summed in double in a fixed tree order: the bits do
 // not depend on scheduling (they may differ from the CPU's sequential sum in the last places).
+// Each thread keeps SUMSQ_ILP sums over interleaved elements, so that many loads are in flight:
+// with one, 64 blocks read the gradients at about 50 GB/s (8 ms a step at B/16 on an H100).
+#define SUMSQ_THREADS 1024
+#define SUMSQ_ILP 4
 __global__ static void k_sumsq(double *partial, int *flag, const float *x, size_t n, size_t per) {
-    __shared__ double s[256];
+    __shared__ double s[SUMSQ_THREADS];
     const size_t a = blockIdx.x * per < n ? blockIdx.x * per : n, b = a + per < n ? a + per : n;
-    double acc = 0;
-    for (size_t i = a + threadIdx.x; i < b; i += blockDim.x) acc += (double)x[i] * x[i];
-    acc = block_sum(acc, s);
+    double acc[SUMSQ_ILP] = {0};
+    const size_t step = (size_t)SUMSQ_ILP * blockDim.x;
+    size_t i = a + threadIdx.x;
+    for (; i + (SUMSQ_ILP - 1) * blockDim.x < b; i += step)
+#pragma unroll
+        for (int j = 0; j < SUMSQ_ILP; j++) {
+            const double v = x[i + j * blockDim.x];
+            acc[j] += v * v;
+        }
+    for (int j = 0; i < b; i += blockDim.x, j++) acc[j] += (double)x[i] * x[i];
+    double sum = 0;
+    for (int j = 0; j < SUMSQ_ILP; j++) sum += acc[j];
+    sum = block_sum(sum, s);
     if (threadIdx.x == 0) {
-        partial[blockIdx.x] = acc;
-        if (!isfinite(acc)) *flag = 1;
+        partial[blockIdx.x] = sum;
+        if (!isfinite(sum)) *flag = 1;
     }
 }
 static double cuda_sumsq(const backend *be, const float *x, size_t n, int *nonfinite) {
@@ -340,7 +354,7 @@ static double cuda_sumsq(const backend *be, const float *x, size_t n, int *nonfi
     const size_t per = (n + NCHUNK - 1) / NCHUNK;
     if (CK("sumsq", cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream))) return NAN;
     if (n) {
-        k_sumsq<<<NCHUNK, 256, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
+        k_sumsq<<<NCHUNK, SUMSQ_THREADS, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
         if (LAUNCHED("sumsq")) return NAN;
     }
     if (CK("sumsq", cudaMemcpyAsync(part, c->partial, sizeof(part), cudaMemcpyDeviceToHost, c->stream)) ||
@@ -365,7 +379,7 @@ static void cuda_sumsq_dev(const backend *be, const float *x, size_t n, double *
     const size_t per = (n + NCHUNK - 1) / NCHUNK;
     if (CK("sumsq", cudaMemsetAsync(c->flag, 0, sizeof(int), c->stream))) return;
     if (n) {
-        k_sumsq<<<NCHUNK, 256, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
+        k_sumsq<<<NCHUNK, SUMSQ_THREADS, 0, c->stream>>>(c->partial, c->flag, x, n, per ? per : 1);
         if (LAUNCHED("sumsq")) return;
     }
     k_sumsq_out<<<1, 1, 0, c->stream>>>(out, c->partial, c->flag, n ? NCHUNK : 0);

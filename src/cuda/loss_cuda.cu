@@ -346,17 +346,39 @@ __device__ static double block_sum(double v) {
     return r;
 }
 
+// Each thread's AUX_SUM_E partial sums a[j] (each taken over its tokens in order) folded in
+// block_sum's tree, all at once; thread 0 gets out[j] = sum / div for j < ne. The same bits as
+// ne calls of block_sum, with one pass over the tokens instead of ne.
+#define AUX_SUM_E 8
+__device__ static void block_sums(const double *a, int ne, double div, double *out) {
+    __shared__ double buf[AUX_SUM_E][AUX_THREADS];
+    for (int j = 0; j < AUX_SUM_E; j++) buf[j][threadIdx.x] = a[j];
+    __syncthreads();
+    for (int w = AUX_THREADS / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w)
+            for (int j = 0; j < ne; j++) buf[j][threadIdx.x] += buf[j][threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        for (int j = 0; j < ne; j++) out[j] = buf[j][0] / div;
+    __syncthreads();
+}
+
 // out[e] = the sum of P[s][e] over the tokens of modality m (m < 0: all), divided by div, for
 // every expert; written by thread 0 and visible to the block on return
 __device__ static void aux_sum_p(const aux_dev *c, int m, double div, double *out) {
-    for (int e = 0; e < c->E; e++) {
-        double a = 0;
+    for (int e0 = 0; e0 < c->E; e0 += AUX_SUM_E) {
+        const int ne = c->E - e0 < AUX_SUM_E ? c->E - e0 : AUX_SUM_E;
+        double a[AUX_SUM_E] = {0};
         for (int s = threadIdx.x; s < c->S; s += blockDim.x)
-            if (m < 0 || aux_mod(c, s) == m) a += c->P[(size_t)s * c->E + e];
-        a = block_sum(a);
-        if (threadIdx.x == 0) out[e] = a / div;
+            if (m < 0 || aux_mod(c, s) == m) {
+                const double *p = c->P + (size_t)s * c->E + e0;
+#pragma unroll
+                for (int j = 0; j < AUX_SUM_E; j++)
+                    if (j < ne) a[j] += p[j];
+            }
+        block_sums(a, ne, div, out + e0);
     }
-    __syncthreads();
 }
 
 // cv2 of src/moe/aux.c (thread 0 only)
@@ -405,16 +427,18 @@ __device__ static double aux_load(aux_dev *c, double wf, float *dl) {
         estar[s] = k, thr[s] = c->nl[(size_t)s * E + k];
     }
     __syncthreads();
-    for (int e = 0; e < E; e++) {
-        double a = 0;
-        for (int s = threadIdx.x; s < S; s += blockDim.x) {
-            const double z = (thr[s] - (double)c->l[(size_t)s * E + e]) / sigma;
-            a += 0.5 * erfc(z / sqrt(2.0));
-        }
-        a = block_sum(a);
-        if (threadIdx.x == 0) load[e] = a / S;
+    for (int e0 = 0; e0 < E; e0 += AUX_SUM_E) {
+        const int ne = E - e0 < AUX_SUM_E ? E - e0 : AUX_SUM_E;
+        double a[AUX_SUM_E] = {0};
+        for (int s = threadIdx.x; s < S; s += blockDim.x)
+#pragma unroll
+            for (int j = 0; j < AUX_SUM_E; j++)
+                if (j < ne) {
+                    const double z = (thr[s] - (double)c->l[(size_t)s * E + e0 + j]) / sigma;
+                    a[j] += 0.5 * erfc(z / sqrt(2.0));
+                }
+        block_sums(a, ne, S, load + e0);
     }
-    __syncthreads();
     const double L = bcast(threadIdx.x == 0 ? cv2(load, E, dload) : 0);
     if (dl) {
         const double inv = 0.39894228040143267794; // 1/sqrt(2 pi)
@@ -504,9 +528,12 @@ __device__ static double aux_global_entropy(aux_dev *c, int m, double tau, doubl
     aux_sum_p(c, m, c->n[m], pbar);
     const double L = bcast(threadIdx.x == 0 ? tau - entropy(pbar, c->E) : 0);
     if (!(L > 0)) return 0;
+    double *ge = c->v[1]; // each expert's term, its logarithm taken once, not once a token
+    for (int e = threadIdx.x; e < c->E; e += blockDim.x) ge[e] = f * (logt(pbar[e]) + 1) / c->n[m];
+    __syncthreads();
     for (int s = threadIdx.x; s < c->S; s += blockDim.x)
         if (aux_mod(c, s) == m)
-            for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += f * (logt(pbar[e]) + 1) / c->n[m];
+            for (int e = 0; e < c->E; e++) c->G[(size_t)s * c->E + e] += ge[e];
     __syncthreads();
     return L;
 }
@@ -530,10 +557,15 @@ __device__ static double aux_mi(aux_dev *c, double f) {
         L -= entropy(mix, c->E);
     }
     L = bcast(L);
+    double *ge[2] = {c->v[3], c->v[4]}; // each (modality, expert)'s term, computed once
+    for (int e = threadIdx.x; e < c->E; e += blockDim.x)
+        for (int m = 0; m < 2; m++)
+            if (c->n[m]) ge[m][e] = f * (logt(mix[e]) - logt(pb[m][e])) / ((double)M * c->n[m]);
+    __syncthreads();
     for (int s = threadIdx.x; s < c->S; s += blockDim.x) {
         const int m = aux_mod(c, s);
         for (int e = 0; e < c->E; e++)
-            c->G[(size_t)s * c->E + e] += f * (logt(mix[e]) - logt(pb[m][e])) / ((double)M * c->n[m]);
+            c->G[(size_t)s * c->E + e] += ge[m][e];
     }
     __syncthreads();
     return L;
@@ -578,19 +610,6 @@ __global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, doub
         return;
     }
     c.n[0] = n[0], c.n[1] = n[1];
-    // clean gates in double: P = exp(l - logsumexp(l)); G zeroed
-    for (int s = threadIdx.x; s < S; s += blockDim.x) {
-        const float *ls = c.l + (size_t)s * E;
-        double mx = ls[0], sum = 0;
-        for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
-        for (int e = 0; e < E; e++) sum += exp((double)ls[e] - mx);
-        c.lse[s] = mx + log(sum);
-        for (int e = 0; e < E; e++) {
-            c.P[(size_t)s * E + e] = exp((double)ls[e] - c.lse[s]);
-            c.G[(size_t)s * E + e] = 0;
-        }
-    }
-    __syncthreads();
     double L = 0;
     switch (kind) {
     case VLMOE_AUX_IMPORTANCE: L = aux_importance(&c, 1); break;
@@ -625,15 +644,37 @@ __global__ static void k_aux(int kind, aux_dev c, double weight, float *dl, doub
     case VLMOE_AUX_MERGED_ENT: L = aux_merged(&c, VLMOE_MOD_TEXT, 1); break;
     default: break;
     }
-    // gradients collected w.r.t. P go through the softmax: dl_j = P_j (G_j - sum_e G_e P_e)
-    if (dl)
-        for (int s = threadIdx.x; s < S; s += blockDim.x) {
-            const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
-            double dot = 0;
-            for (int e = 0; e < E; e++) dot += g[e] * p[e];
-            for (int e = 0; e < E; e++) dl[(size_t)s * E + e] += (float)(weight * p[e] * (g[e] - dot));
-        }
     if (threadIdx.x == 0) *loss = L, *bad = 0;
+}
+
+// Before k_aux, on as many blocks as the tokens need (each token's row alone): the clean gates in
+// double, P = exp(l - logsumexp(l)), unless the scratch holds them (AUX_KEPT_P); G zeroed.
+__global__ static void k_aux_gates(aux_dev c, int kept) {
+    const int S = c.S, E = c.E;
+    for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < S; s += gridDim.x * blockDim.x) {
+        const float *ls = c.l + (size_t)s * E;
+        if (!kept) {
+            double mx = ls[0], sum = 0;
+            for (int e = 1; e < E; e++) mx = ls[e] > mx ? ls[e] : mx;
+            for (int e = 0; e < E; e++) sum += exp((double)ls[e] - mx);
+            c.lse[s] = mx + log(sum);
+            for (int e = 0; e < E; e++) c.P[(size_t)s * E + e] = exp((double)ls[e] - c.lse[s]);
+        }
+        for (int e = 0; e < E; e++) c.G[(size_t)s * E + e] = 0;
+    }
+}
+
+// After k_aux, likewise per token: the gradients k_aux collected w.r.t. P go through the
+// softmax, dl_j += weight P_j (G_j - sum_e G_e P_e); nothing when k_aux found a bad modality.
+__global__ static void k_aux_dl(aux_dev c, double weight, float *dl, const int *bad) {
+    const int S = c.S, E = c.E;
+    if (*bad) return;
+    for (int s = blockIdx.x * blockDim.x + threadIdx.x; s < S; s += gridDim.x * blockDim.x) {
+        const double *p = c.P + (size_t)s * E, *g = c.G + (size_t)s * E;
+        double dot = 0;
+        for (int e = 0; e < E; e++) dot += g[e] * p[e];
+        for (int e = 0; e < E; e++) dl[(size_t)s * E + e] += (float)(weight * p[e] * (g[e] - dot));
+    }
 }
 
 // The arguments are checked as aux_loss_f32 checks them (same messages), and k_aux's view of
@@ -667,13 +708,26 @@ static int aux_plan(vlmoe_aux_kind kind, const aux_input_f32 *in, float *scratch
     return 0;
 }
 
+// The three kernels of one loss on one group: the per-token gates, the loss on one block, the
+// per-token gradient; the value into *loss, a bad modality into x->flag. 0 when launched.
+static int aux_launch(cuda_ctx *x, vlmoe_aux_kind kind, const aux_dev *c, int kept, double weight, float *dl,
+                      double *loss) {
+    const unsigned nb = cu_blocks((size_t)c->S, 256);
+    k_aux_gates<<<nb, 256, 0, x->stream>>>(*c, (kept & AUX_KEPT_P) != 0);
+    if (LAUNCHED("aux_loss")) return 1;
+    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, *c, weight, dl, loss, x->flag);
+    if (LAUNCHED("aux_loss")) return 1;
+    if (!dl) return 0;
+    k_aux_dl<<<nb, 256, 0, x->stream>>>(*c, weight, dl, x->flag);
+    return LAUNCHED("aux_loss");
+}
+
 static double cuda_aux_loss(const backend *be, vlmoe_aux_kind kind, const aux_input_f32 *in, double weight,
                             float *dlogits, float *scratch) {
     aux_dev c;
     if (aux_plan(kind, in, scratch, &c)) return NAN;
     cuda_ctx *x = ctx_of(be);
-    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, weight, dlogits, x->partial, x->flag);
-    if (LAUNCHED("aux_loss")) return NAN;
+    if (aux_launch(x, kind, &c, in->kept, weight, dlogits, x->partial)) return NAN;
     // the backward's value goes unused (src/ops/backend.h): no wait for the device, one host sync
     // less per group and loss
     if (dlogits) return 0;
@@ -698,9 +752,7 @@ static void cuda_aux_loss_dev(const backend *be, vlmoe_aux_kind kind, const aux_
         return;
     }
     if (aux_plan(kind, in, scratch, &c)) return;
-    cuda_ctx *x = ctx_of(be);
-    k_aux<<<1, AUX_THREADS, 0, x->stream>>>((int)kind, c, 1.0, NULL, out, x->flag);
-    LAUNCHED("aux_loss");
+    aux_launch(ctx_of(be), kind, &c, in->kept, 1.0, NULL, out);
 }
 
 void cuda_fill_loss(backend *be) {
