@@ -6,10 +6,10 @@
 # bench/torch_step.py), test_dist (the NCCL rows) and the demo's training on the GPU; then a
 # table: one row per part with its exit status, time and result.
 # BINDIR holds vlmoe, test_backend_ops, test_dist and bench_step built with `make CUDA=1`
-# (default: this checkout's build outputs). Each part has its own time limit; OUT gets the logs.
-# PARTS (environment) picks parts by name, in this order; the default set's limits add up to
-# 535 s, inside one 600 s command of the device tool. b16_torch_compile_bf16 (torch.compile,
-# about 2 minutes) runs only when named.
+# (default: this checkout's build outputs), and may hold libs.tar.xz (tests/gpu/bundle.sh).
+# Each part has its own time limit; OUT gets the logs. PARTS (environment) picks parts by name,
+# in this order; the default set's limits add up to 535 s, inside ten minutes.
+# b16_torch_compile_bf16 (torch.compile, about 2 minutes) runs only when named.
 BIN=${1:-.}
 OUT=${2:-/tmp/vlmoe-gpu}
 mkdir -p "$OUT"
@@ -18,6 +18,28 @@ b16=bench/models/bench-b16.json
 PARTS=${PARTS:-"backend_ops parity b16_vlmoe_bf16 b16_vlmoe_fp32 b16_torch_bf16 b16_torch_fp32 dist demo_gpu"}
 SUMMARY="$OUT/summary.tsv"
 : >"$SUMMARY"
+
+# Libraries this machine lacks: CUDA's NCCL from PyTorch's wheels where the toolkit has none,
+# the rest from a bundle made by tests/gpu/bundle.sh (another distribution's oneDNN, cJSON, ...)
+missing() { ldd "$BIN"/* 2>/dev/null | awk '/not found/ { print $1 }' | sort -u; }
+if [ -n "$(missing)" ]; then # only the wheels' folders that hold a missing one, after the rest
+    for d in $("$PY" -c 'import nvidia, os; print(" ".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p))))' 2>/dev/null); do
+        for f in $(missing); do
+            [ -f "$d/$f" ] && LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d && break
+        done
+    done
+    export LD_LIBRARY_PATH
+fi
+if [ -n "$(missing)" ] && [ -f "$BIN/libs.tar.xz" ]; then
+    L=$(mktemp -d)
+    mkdir -p "$L/all" "$L/use" && tar -xJf "$BIN/libs.tar.xz" -C "$L/all"
+    export LD_LIBRARY_PATH="$L/use:$LD_LIBRARY_PATH"
+    for i in 1 2 3 4; do # a library found may need another one the machine lacks
+        for f in $(missing); do [ -f "$L/all/$f" ] && ln -sf "$L/all/$f" "$L/use/$f"; done
+    done
+    echo "from $BIN/libs.tar.xz: $(ls "$L/use" | tr '\n' ' ')"
+fi
+[ -n "$(missing)" ] && echo "still missing: $(missing | tr '\n' ' ')"
 
 # the one-line result of a part, from its log
 result_of() {
