@@ -9,7 +9,8 @@
 # (default: this checkout's build outputs), and may hold libs.tar.xz (tests/gpu/bundle.sh).
 # Each part has its own time limit; OUT gets the logs. PARTS (environment) picks parts by name,
 # in this order; the default set's limits add up to 535 s, inside ten minutes.
-# b16_torch_compile_bf16 (torch.compile, about 2 minutes) runs only when named.
+# b16_torch_compile_bf16 (torch.compile, about 2 minutes) and profile_bf16 (ncu's time per
+# kernel of the B/16-shaped bf16 step, about 1 minute) run only when named.
 BIN=${1:-.}
 OUT=${2:-/tmp/vlmoe-gpu}
 mkdir -p "$OUT"
@@ -47,6 +48,7 @@ result_of() {
     case $1 in
     backend_ops) grep -E "^[0-9]+ passed, [0-9]+ failed, [0-9]+ skipped" "$f" | tail -1 ;;
     parity) echo "$(grep -cE ' ok$' "$f") gated ok, $(grep -cE ' FAIL$' "$f") gated FAIL, $(grep -c '^FAIL' "$f") FAIL lines" ;;
+    profile_*) head -1 "$f" ;;
     b16_*) grep -o '"\(precision\|matmul\|step_s\|image_per_s\)": "\?[^,"]*' "$f" | tr -d '"' | tr '\n' ' ' ;;
     *) tail -1 "$f" | cut -c1-100 ;;
     esac
@@ -79,6 +81,12 @@ TAILN=8 part dist 30 "$BIN/test_dist"
 TAILN=2 part demo_gpu 75 "$BIN/vlmoe" train --model limoe-mini --dataset-type synthetic --steps 3000 --lr 1e-3 \
     --warmup 150 --optimizer adamw --wd 0.1 --log-every-n-steps 500 --zeroshot-frequency 500 --eval-samples 500 \
     --logs /tmp/vlmoe-demo --name demo --device cuda
+# Nsight Compute's time per kernel over a warm-up step and one step, as a table by kernel
+# (tests/gpu/kernel_table.py); its raw log beside it
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+TAILN=16 part profile_bf16 150 sh -c "'$NCU' --metrics gpu__time_duration.sum --print-summary per-kernel \
+    '$BIN/bench_step' $b16 --device cuda --precision bf16 --batch 64 --steps 1 --warmup 1 >'$OUT/profile_bf16.ncu' 2>&1 &&
+    '$PY' tests/gpu/kernel_table.py '$OUT/profile_bf16.ncu' --steps 2 --top 20"
 TAILN=1 part b16_torch_compile_bf16 150 $PY bench/torch_step.py $b16 --device cuda --precision bf16 --batch 64 \
     --steps 5 --warmup 3 --compile
 echo
