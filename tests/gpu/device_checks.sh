@@ -24,7 +24,8 @@ SUMMARY="$OUT/summary.tsv"
 # the rest from a bundle made by tests/gpu/bundle.sh (another distribution's oneDNN, cJSON, ...)
 missing() { ldd "$BIN"/* 2>/dev/null | awk '/not found/ { print $1 }' | sort -u; }
 if [ -n "$(missing)" ]; then # only the wheels' folders that hold a missing one, after the rest
-    for d in $("$PY" -c 'import nvidia, os; print(" ".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in sorted(os.listdir(p))))' 2>/dev/null); do
+    wheels='import nvidia, os; print(" ".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p)))'
+    for d in $("$PY" -c "$wheels" 2>/dev/null); do
         for f in $(missing); do
             [ -f "$d/$f" ] && LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d && break
         done
