@@ -185,6 +185,23 @@ static int check_applicable(const train_args *a, int argc, char **argv) {
 
 // The run; *dist is the process group once it is open (left open when the run fails on several
 // processes, for cmd_train to end the job with).
+// A choice the activation arena's layout depends on (--recompute-attention, --grad-checkpointing):
+// made, the model planned for it now if it is not (a model moved to bf16's or a device's table
+// has no plan until its first forward), and the arena said, with the one it replaces if the
+// model had one.
+static int set_arena_mode(train_run *r, int batch, const char *flag, const char *what,
+                          int (*set)(vlmoe_model *, int), int mode) {
+    const double mib = 1024.0 * 1024.0, was = r->m->g ? graph_activation_bytes_f32(r->m->g) / mib : 0;
+    if (set(r->m, mode) || (!r->m->g && vlmoe_model_plan(r->m, batch)))
+        return cli_error("train", "%s: %s", flag, vlmoe_last_error());
+    if (!r->lead || !r->m->g) return 0;
+    char instead[64] = "";
+    if (was > 0) snprintf(instead, sizeof(instead), " instead of %.1f MiB", was);
+    fprintf(stderr, "vlmoe train: %s: %sactivation arena %.1f MiB%s\n", flag, what,
+            graph_activation_bytes_f32(r->m->g) / mib, instead);
+    return 0;
+}
+
 static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,
@@ -482,22 +499,14 @@ static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     if (!(rc = train_setup_model(&a, &tp, &r)) && a.device && model_set_device(r.m, a.device))
         rc = cli_error("train", "%s", vlmoe_last_error());
     if (!rc && cli_set_precision("train", r.m, a.precision)) rc = cli_error("train", "%s", vlmoe_last_error());
-    if (!rc && rmode >= 0) { // as for checkpointing below: the arena it plans instead
-        const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
-        if (vlmoe_model_set_attention_recompute(r.m, rmode))
-            rc = cli_error("train", "--recompute-attention: %s", vlmoe_last_error());
-        else if (r.lead && was > 0 && r.m->g)
-            fprintf(stderr, "vlmoe train: --recompute-attention %s: activation arena %.1f MiB instead of %.1f MiB\n",
-                    a.recompute_attn, graph_activation_bytes_f32(r.m->g) / mib, was);
+    if (!rc && rmode >= 0) {
+        char flag[64];
+        snprintf(flag, sizeof(flag), "--recompute-attention %s", a.recompute_attn);
+        rc = set_arena_mode(&r, a.batch_size, flag, "", vlmoe_model_set_attention_recompute, rmode);
     }
-    if (!rc && a.grad_ckpt) { // the arena it plans instead, when the model is planned here already
-        const double mib = 1024.0 * 1024.0, was = r.m->g ? graph_activation_bytes_f32(r.m->g) / mib : 0;
-        if (vlmoe_model_set_grad_checkpointing(r.m, 1))
-            rc = cli_error("train", "--grad-checkpointing: %s", vlmoe_last_error());
-        else if (r.lead && was > 0 && r.m->g)
-            fprintf(stderr, "vlmoe train: --grad-checkpointing: blocks recomputed in the backward; activation arena "
-                    "%.1f MiB instead of %.1f MiB\n", graph_activation_bytes_f32(r.m->g) / mib, was);
-    }
+    if (!rc && a.grad_ckpt)
+        rc = set_arena_mode(&r, a.batch_size, "--grad-checkpointing", "blocks recomputed in the backward; ",
+                            vlmoe_model_set_grad_checkpointing, 1);
     if (!rc && !(rc = train_setup_data(&a, &r))) {
         vlmoe_contrastive_params cp = {.model = r.m, .batch_size = a.batch_size, .synth = r.synth, .loader = r.loader,
                                        .eval_samples = a.eval_samples, .rank = r.dist->rank, .world = r.dist->world,
