@@ -183,8 +183,6 @@ static int check_applicable(const train_args *a, int argc, char **argv) {
             cli_reject_flags("train", argc, argv, norm, "applies to image files: --train-data, --val-data, --zeroshot-data"));
 }
 
-// The run; *dist is the process group once it is open (left open when the run fails on several
-// processes, for cmd_train to end the job with).
 // A choice the activation arena's layout depends on (--recompute-attention, --grad-checkpointing):
 // made, the model planned for it now if it is not (a model moved to bf16's or a device's table
 // has no plan until its first forward), and the arena said, with the one it replaces if the
@@ -202,6 +200,8 @@ static int set_arena_mode(train_run *r, int batch, const char *flag, const char 
     return 0;
 }
 
+// The run; *dist is the process group once it is open (left open when the run fails on several
+// processes, for cmd_train to end the job with).
 static int train_main(int argc, char **argv, vlmoe_dist **dist_out) {
     train_args a = {.model = "tiny", .logs = "./logs", .csv_separator = "\t", .batch_size = 64, .log_every = 10,
                     .eval_samples = -1, .keep = 3, .workers = 2, .steps = 300, .max_bad = 0.1, .accum_freq = 1,

@@ -13,9 +13,10 @@ mkdir -p "$D"
 cp $BINS "$D/"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# every library the binaries load, by path, less CUDA's and the C library's own
+# every library the binaries load, by path, less CUDA's (wherever installed) and the C library's
 ldd $BINS | awk '$3 ~ /^\// { print $3 }' | sort -u |
     grep -vE '/usr/local/cuda|/(libc|libm|libpthread|librt|libdl|ld-linux[^/]*)\.so[^/]*$' |
+    grep -vE '/lib(cuda|nvidia-[^/]*|nccl|cublas|cublasLt|cudart)\.so[^/]*$' |
     while read -r f; do cp -L "$f" "$tmp/"; done
 tar -C "$tmp" -cf - . | xz -T0 -6 >"$D/libs.tar.xz"
 echo "$D: $(ls "$D" | tr '\n' ' ')($(ls "$tmp" | wc -l) libraries, $(du -h "$D/libs.tar.xz" | cut -f1) packed)"

@@ -22,7 +22,11 @@ SUMMARY="$OUT/summary.tsv"
 
 # Libraries this machine lacks: CUDA's NCCL from PyTorch's wheels where the toolkit has none,
 # the rest from a bundle made by tests/gpu/bundle.sh (another distribution's oneDNN, cJSON, ...)
-missing() { ldd "$BIN"/* 2>/dev/null | awk '/not found/ { print $1 }' | sort -u; }
+# (absent ones, and ones too old for a symbol version the binaries need: "LIB: version ... not found")
+missing() {
+    ldd "$BIN"/* 2>&1 | awk '/=> not found/ { print $1 }
+        / version .* not found/ { sub(/:$/, "", $2); n = split($2, p, "/"); print p[n] }' | sort -u
+}
 if [ -n "$(missing)" ]; then # only the wheels' folders that hold a missing one, after the rest
     wheels='import nvidia, os; print(" ".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p)))'
     for d in $("$PY" -c "$wheels" 2>/dev/null); do
@@ -34,8 +38,9 @@ if [ -n "$(missing)" ]; then # only the wheels' folders that hold a missing one,
 fi
 if [ -n "$(missing)" ] && [ -f "$BIN/libs.tar.xz" ]; then
     L=$(mktemp -d)
+    trap 'rm -rf "$L"' EXIT
     mkdir -p "$L/all" "$L/use" && tar -xJf "$BIN/libs.tar.xz" -C "$L/all"
-    export LD_LIBRARY_PATH="$L/use:$LD_LIBRARY_PATH"
+    export LD_LIBRARY_PATH="$L/use${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     for i in 1 2 3 4; do # a library found may need another one the machine lacks
         for f in $(missing); do [ -f "$L/all/$f" ] && ln -sf "$L/all/$f" "$L/use/$f"; done
     done

@@ -32,6 +32,18 @@ def parse(text):
     return rows
 
 
+def without_arguments(name):
+    """the kernel's name less its trailing argument list, '(anonymous namespace)::' and templates kept"""
+    if not name.endswith(")"):
+        return name.strip()
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i].strip() or name.strip()
+    return name.strip()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log")
@@ -44,7 +56,7 @@ def main():
         sys.exit(f"kernel_table.py: {a.log}: no per-kernel summary with gpu__time_duration.sum in it")
     by = {}
     for name, calls, ms in rows:
-        base = name.split("(")[0].strip()  # C++ kernels' argument lists apart; templates keep theirs
+        base = without_arguments(name)
         t = by.setdefault(base, [0.0, 0])
         t[0] += calls * ms
         t[1] += calls
