@@ -1,7 +1,8 @@
 // loss_cuda.cu: the losses of the backend table on the device: the symmetric image-text
 // contrastive loss (src/loss/contrastive.c; logits on cuBLAS), the masked-modeling
 // cross-entropy (src/loss/masked.c) and the auxiliary MoE losses of one routing group
-// (src/moe/aux.c, ported line by line to one thread block in double). Each scalar the CPU returns
+// (src/moe/aux.c, ported line by line, in double: the per-token softmax and chain rule on many
+// blocks, the rest of each loss on one). Each scalar the CPU returns
 // is reduced on the device in a fixed order and downloaded, so a run repeats the previous one's
 // bits. Covered by tests/test_backend_ops.c against the CPU table in double.
 #include <math.h>
@@ -292,10 +293,12 @@ static void cuda_xent_backward(const backend *be, float *dlogits, const float *p
     LAUNCHED("xent");
 }
 
-// ---- auxiliary losses of one group: src/moe/aux.c on one block. Loops over tokens give each
-// thread whole tokens (rows of P, G, dlogits); sums over the tokens (per expert, or of a scalar)
-// take each thread's tokens in order and then fold the threads' partial sums in a fixed tree
-// (block_sum), so every run gives the same bits; scalars over the experts are folded by thread 0.
+// ---- auxiliary losses of one group: src/moe/aux.c in three kernels (aux_launch): the clean
+// softmax per token (k_aux_gates), the loss on one block (k_aux), the gradient through the
+// softmax per token (k_aux_dl). In k_aux, loops over tokens give each thread whole tokens (rows
+// of P, G, dlogits); sums over the tokens (per expert, or of a scalar) take each thread's tokens
+// in order and then fold the threads' partial sums in a fixed tree (block_sum, block_sums), so
+// every run gives the same bits; scalars over the experts are folded by thread 0.
 // All in double, as on the CPU. (The first version walked the tokens with one thread per expert
 // and folded scalars over the tokens on thread 0: 2.6 ms a launch at B/16 on an H200.)
 

@@ -294,8 +294,6 @@ static void pack_tb_tile(uint32_t *o, int w, const float *s, int ldb, int rows, 
 }
 #endif
 
-// Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
-// leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
 // One row pair k, k+1 of B not transposed (or of the padding past K), columns n0..n0+nn, into
 // the w values at o, the columns past nn zero
 static void pack_pair(uint32_t *o, const product *p, int k, int n0, int nn) {
@@ -315,6 +313,8 @@ static void pack_pair(uint32_t *o, const product *p, int k, int n0, int nn) {
     for (int n = nn; n < w; n++) o[n] = 0;
 }
 
+// Column block j of B into the layout of blocked_width (padding zero, as oneDNN's reorder
+// leaves it), rounding as bf16_pack does. A pair is one uint32_t: dst is only written as such.
 static void pack_b_block(uint32_t *dst, const product *p, int j) {
     const int w = p->bw, K = p->kr, n0 = j * w, nn = p->N - n0 < w ? p->N - n0 : w, ldb = p->ldb;
     uint32_t *d = dst + (size_t)j * (p->kp / 2) * w;  // the block's kp/2 rows of w pairs
