@@ -16,8 +16,13 @@ BLASINC := /usr/include/x86_64-linux-gnu/openblas-openmp
 
 OPT     := -O2 $(if $(filter 1,$(NATIVE)),-march=native,)
 WARN    := -Wall -Wextra -Wpedantic -Wshadow -Wno-unused-parameter $(if $(filter 1,$(WERROR)),-Werror,)
+# -fno-trapping-math: vlmoe never unmasks floating-point exceptions, so an operation may run where
+# its result is then discarded. That is what lets GCC vectorise the loops whose element function
+# has a branch (vexp's range checks, the GELU forms) on CPUs without AVX-512's masked operations:
+# on AVX2 they ran one element at a time, GELU's epilogue alone 14% of a bench-s step on a Zen 3.
+# No value changes (rounding stays IEEE's, unlike -ffast-math, which we never use).
 CFLAGS_BASE := -std=c11 -D_POSIX_C_SOURCE=200809L -D_DEFAULT_SOURCE $(WARN) -fopenmp -fPIC \
-               -Iinclude -Isrc -I$(BLASINC) -g
+               -fno-trapping-math -Iinclude -Isrc -I$(BLASINC) -g
 # MPI (src/dist/mpi.c, the process group of a run started by mpirun or srun): MPI ?= auto builds
 # it when Open MPI's `mpicc --showme` (or `pkg-config ompi`) gives its flags, MPI=1 insists on it,
 # MPI=0 compiles src/dist/mpi_stub.c instead, whose error says how to get it. The flags are looked
