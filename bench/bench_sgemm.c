@@ -2,7 +2,9 @@
 // compares whole steps against. Runs OpenBLAS's threaded cblas_sgemm and oneDNN's threaded
 // dnnl_sgemm (what vlmoe calls, one block per thread) in their best case (one call, all
 // threads) on the forward and backward products of one transformer block (tokens x width x
-// mlp) and prints each library's FLOP-weighted rate as one JSON line.
+// mlp) and prints each library's FLOP-weighted rate as one JSON line, with the rate of vlmoe's
+// own AVX2 product (src/ops/gemm_f32.c, single-threaded calls on one block of C's rows or
+// columns per thread, as vlmoe runs it) where the CPU has AVX2 and FMA3.
 // Usage: bench_sgemm [tokens width mlp threads reps]
 #include <cblas.h>
 #include <dnnl.h>
@@ -11,6 +13,7 @@
 #include <stdlib.h>
 
 #include "bench.h"
+#include "ops/gemm_f32.h"
 
 typedef struct { int ta, tb, M, N, K; } shape;
 
@@ -44,10 +47,11 @@ int main(int argc, char **argv) {
     size_t big = (size_t)n * (Mh > 3 * D ? Mh : 3 * D);
     float *A = malloc(4 * big), *B = malloc(4 * big), *C = malloc(4 * big);
     for (size_t i = 0; i < big; i++) A[i] = (float)(i % 7) * 0.1f, B[i] = (float)(i % 5) * 0.1f;
-    double flops = 0, best[2] = {1e30, 1e30};
+    double flops = 0, best[3] = {1e30, 1e30, 1e30};
+    const int libs = gemm_f32_supported() ? 3 : 2;
     for (int i = 0; i < ns; i++) flops += 2.0 * S[i].M * S[i].N * S[i].K;
     for (int r = 0; r < reps + 1; r++) {
-        for (int lib = 0; lib < 2; lib++) {
+        for (int lib = 0; lib < libs; lib++) {
             double t0 = bench_now();
             for (int i = 0; i < ns; i++) {
                 const shape *s = &S[i];
@@ -56,7 +60,21 @@ int main(int argc, char **argv) {
                     cblas_sgemm(CblasRowMajor, s->ta ? CblasTrans : CblasNoTrans,
                                 s->tb ? CblasTrans : CblasNoTrans, s->M, s->N, s->K, 1.0f, A, lda, B,
                                 ldb, 0.0f, C, s->N);
-                else
+                else if (lib == 2) {
+                    // one block of the larger dimension per thread
+                    const int rows = s->M >= s->N, dim = rows ? s->M : s->N, bs = (dim + threads - 1) / threads;
+#pragma omp parallel for schedule(static)
+                    for (int b = 0; b < threads; b++) {
+                        const int o = b * bs, m = dim - o < bs ? dim - o : bs;
+                        if (m <= 0) continue;
+                        if (rows)
+                            gemm_f32(s->ta, s->tb, m, s->N, s->K, 1.0f, s->ta ? A + o : A + (size_t)o * lda,
+                                     lda, B, ldb, 0.0f, C + (size_t)o * s->N, s->N);
+                        else
+                            gemm_f32(s->ta, s->tb, s->M, m, s->K, 1.0f, A, lda,
+                                     s->tb ? B + (size_t)o * ldb : B + o, ldb, 0.0f, C + o, s->N);
+                    }
+                } else
                     dnnl_sgemm(s->ta ? 'T' : 'N', s->tb ? 'T' : 'N', s->M, s->N, s->K, 1.0f, A, lda, B,
                                ldb, 0.0f, C, s->N);
             }
@@ -65,8 +83,9 @@ int main(int argc, char **argv) {
         }
     }
     printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"openblas_gflops\": %.1f, "
-           "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\"}\n", threads, openblas_get_corename(),
-           flops / best[0] * 1e-9, flops / best[1] * 1e-9, onednn_isa());
+           "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\", \"vlmoe_avx2_gflops\": %.1f}\n", threads,
+           openblas_get_corename(), flops / best[0] * 1e-9, flops / best[1] * 1e-9, onednn_isa(),
+           libs > 2 ? flops / best[2] * 1e-9 : 0.0);
     free(A), free(B), free(C);
     return 0;
 }

@@ -21,6 +21,7 @@
 #include "core/prof.h"
 #include "nn/model.h"
 #include "ops/gemm_bf16.h"
+#include "ops/gemm_f32.h"
 
 #include "vlmoe.h"
 
@@ -168,12 +169,12 @@ int main(int argc, char **argv) {
            "\"step_min_s\": %.5f, \"step_max_s\": %.5f, \"loss\": %.6f, \"gflop\": %.3f, "
            "\"image_per_s\": %.1f, \"text_per_s\": %.1f, \"image_per_s_lo\": %.1f, \"image_per_s_hi\": %.1f, "
            "\"text_per_s_lo\": %.1f, \"text_per_s_hi\": %.1f, \"peak_rss_mb\": %.1f, \"bf16_products_per_step\": %.0f, "
-           "\"bf16_prim_hit_rate\": %.4f, \"bf16_shadow_mb\": %.1f}\n",
+           "\"bf16_prim_hit_rate\": %.4f, \"bf16_shadow_mb\": %.1f, \"fp32_gemm\": \"%s\"}\n",
            fell_back ? "fp32" : precision, m->be->name, cfg.name,
            model_keeps_attention(m) ? "kept" : "recomputed", omp_get_max_threads(), B, dt[steps / 2], dt[0], dt[steps - 1], st.loss,
            step_flops(&cfg, B) * 1e-9, B / ti, B / tt, B / ri[reps - 1], B / ri[0], B / rt[reps - 1], B / rt[0],
            ru.ru_maxrss / 1024.0, (double)np / (steps > 0 ? steps : 1), looks ? (double)hits / looks : 1.0,
-           c1.shadow_bytes / 1048576.0);
+           c1.shadow_bytes / 1048576.0, gemm_f32_preferred() ? "vlmoe-avx2 (src/ops/gemm_f32.c)" : "oneDNN dnnl_sgemm");
     free(img), free(emb), free(tok), free(len), free(dt), free(ri), free(rt);
     vlmoe_trainer_free(tr);
     vlmoe_model_free(m);

@@ -5,8 +5,9 @@ bf16 with PyTorch (bench/torch_step.py) in fp32 and under bf16 autocast, for sev
 (the order rotates each round), so bursts of machine noise hit every program, and reports the
 median step time over the rounds with the spread (min-max of the per-round medians). Matrix
 products are counted analytically (bench_step) and compared with the machine's own peak,
-measured by bench_peak (a register-only loop of AVX-512 FMAs, and of vdpbf16ps for bf16), and
-with the SGEMM rates of OpenBLAS and oneDNN at the model's shapes (bench_sgemm).
+measured by bench_peak (a register-only loop of FMAs on the widest registers the CPU has, and of
+vdpbf16ps for bf16), and with the SGEMM rates of OpenBLAS, oneDNN and, on AVX2 CPUs, vlmoe's own
+product at the model's shapes (bench_sgemm).
 
 Each side gets its best settings. PyTorch runs without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
 (some machines set them for old OpenBLAS builds: CORETYPE=Haswell forces AVX2 kernels on an
@@ -79,7 +80,7 @@ def kernels(model, threads, batch, bindir):
             if len(f) > 4 and f[1] == "exec" and f[3] in ("matmul", "inner_product", "convolution"):
                 n[f"{f[3]}:{f[4]}"] += 1
         out[impl] = {"onednn": dict(n), "openblas_core": js.get("openblas_core"),
-                     "matmul": js.get("matmul")}
+                     "matmul": js.get("matmul"), "fp32_gemm": js.get("fp32_gemm")}
     return out
 
 
@@ -222,9 +223,11 @@ def main():
     for t in threads:
         peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
         sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
-        print(f"{t} thread(s): fp32 FMA peak {peak['fp32_fma_gflops']:.0f} GFLOP/s, bf16 vdpbf16ps peak "
-              f"{peak['bf16_dot_gflops']:.0f}; SGEMM at bench-s shapes: OpenBLAS ({sg['openblas_core']}) "
-              f"{sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) {sg['onednn_gflops']:.0f}")
+        own = f", vlmoe's AVX2 product {sg['vlmoe_avx2_gflops']:.0f}" if sg.get("vlmoe_avx2_gflops") else ""
+        print(f"{t} thread(s): fp32 FMA peak ({peak['fp32_fma_isa']}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
+              f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}; SGEMM at bench-s shapes: OpenBLAS "
+              f"({sg['openblas_core']}) {sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) "
+              f"{sg['onednn_gflops']:.0f}{own}")
         for name, batch in models:
             path = os.path.join(HERE, "models", name + ".json")
             if t == threads[0]:
@@ -233,8 +236,9 @@ def main():
                 for impl, v in k.items():
                     desc = ", ".join(f"{n}x {x}" for x, n in sorted(v["onednn"].items(), key=lambda z: -z[1]))
                     blas = (f"OpenBLAS core {v['openblas_core']}" if v["openblas_core"] else
-                            f"backend {v.get('matmul')}" + ("" if impl.endswith("bf16") else
-                                                             f": oneDNN dnnl_sgemm ({sg['onednn_isa']}, no verbose log)"))
+                            f"backend {v.get('matmul')}" + ("" if v.get("matmul") != "cpu" else
+                                                             f": fp32 products {v['fp32_gemm']} (oneDNN ISA "
+                                                             f"{sg['onednn_isa']}; dnnl_sgemm has no verbose log)"))
                     print(f"  {name} {impl:10} kernels: {blas}{'; oneDNN ' + desc if desc else ''}")
             res = measure(path, t, batch, a.rounds, a.steps, a.bin)
             all_res[f"{name}/{t}"] = {"peak": peak, "sgemm": sg, **res}

@@ -16,18 +16,24 @@
 #include "core/real.h"
 #include "ops/attn_cpu.h"
 #include "ops/gemm_bf16.h"
+#include "ops/gemm_f32.h"
 #include "ops/ops.h"
 
 // One single-threaded product C (M,N) = alpha op(A) op(B) + beta C, row-major with leading
 // dimensions (strided views are fine). Float goes to oneDNN's sgemm: its AVX-512 kernels run
-// vlmoe's shapes 1.6x faster than OpenBLAS's on the same core (bench/speed.py); double (the
-// gradient checks) to OpenBLAS. Both run sequentially when called inside an OpenMP region.
+// vlmoe's shapes 1.6x faster than OpenBLAS's on the same core (bench/speed.py); on a CPU with
+// AVX2 but no AVX-512, where oneDNN's and OpenBLAS's reach 55-60% of the FMA peak, to vlmoe's own
+// (src/ops/gemm_f32.h). Double (the gradient checks) goes to OpenBLAS. All run sequentially when
+// called inside an OpenMP region.
 static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda,
                          const real *B, int ldb, real beta, real *C, int ldc) {
 #ifdef VLMOE_REAL_F64
     cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N,
                 K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
+    // AVX2 without AVX-512: vlmoe's own product (src/ops/gemm_f32.c), which sums a row the same
+    // way whatever M is, so a batch of one needs nothing special there
+    if (gemm_f32_preferred() && gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == 0) return;
     if (M == 1) {
         // a 1-row product takes oneDNN's gemv path, whose sums differ in the last bit from the
         // same row inside a larger product; as 2 rows, a batch of one gives what a batch of many

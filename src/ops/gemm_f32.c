@@ -1,0 +1,148 @@
+// gemm_f32.c: vlmoe's own fp32 matrix product for AVX2+FMA3 CPUs without AVX-512, in the
+// layout of Goto and van de Geijn ("Anatomy of high-performance matrix multiplication", 2008) as
+// BLIS runs it: op(B) packed in KC x NC blocks of 16-column panels, op(A) in MC x KC blocks of
+// 6-row panels, and a kernel that keeps a 6x16 tile of C in 12 ymm registers while it walks K.
+// Covered by tests/test_gemm_f32.c (against a double-precision product, every transpose, edges).
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/gemm_f32.h"
+
+// MR x NR: the register tile (12 accumulators, 2 B vectors and one broadcast A value are 15 of
+// the 16 ymm registers). KC: one B panel (KC x NR floats, 16 KB) stays in L1 while the kernel runs
+// down the A block; MC x KC (144 KB) stays in L2; the KC x NC block of B in L3 (3 MB at most).
+enum { MR = 6, NR = 16, KC = 256, MC = 144, NC = 3072 };
+
+int gemm_f32_supported(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+int gemm_f32_preferred(void) { return gemm_f32_supported() && !__builtin_cpu_supports("avx512f"); }
+
+// rows [i0, i0+mc) and columns [p0, p0+kc) of op(A) into panels of MR rows: panel q holds
+// element (row q*MR+r, column k) at q*MR*kc + k*MR + r; rows past mc are zeros
+static void pack_a(float *dst, int ta, const float *A, int lda, int i0, int mc, int p0, int kc) {
+    for (int q = 0; q < mc; q += MR) {
+        const int mr = mc - q < MR ? mc - q : MR;
+        float *d = dst + (size_t)q * kc;
+        if (!ta && mr == MR) { // six row streams in, one contiguous stream out
+            const float *s0 = A + (size_t)(i0 + q) * lda + p0;
+            const float *s1 = s0 + lda, *s2 = s1 + lda, *s3 = s2 + lda, *s4 = s3 + lda, *s5 = s4 + lda;
+            for (int k = 0; k < kc; k++, d += MR)
+                d[0] = s0[k], d[1] = s1[k], d[2] = s2[k], d[3] = s3[k], d[4] = s4[k], d[5] = s5[k];
+            continue;
+        }
+        if (ta && mr == MR) { // six contiguous values a row of A
+            const float *s = A + (size_t)p0 * lda + i0 + q;
+            for (int k = 0; k < kc; k++, d += MR, s += lda)
+                d[0] = s[0], d[1] = s[1], d[2] = s[2], d[3] = s[3], d[4] = s[4], d[5] = s[5];
+            continue;
+        }
+        for (int k = 0; k < kc; k++)
+            for (int r = 0; r < MR; r++)
+                d[k * MR + r] = r >= mr ? 0 : ta ? A[(size_t)(p0 + k) * lda + i0 + q + r] : A[(size_t)(i0 + q + r) * lda + p0 + k];
+    }
+}
+
+// rows [p0, p0+kc) and columns [j0, j0+nc) of op(B) into panels of NR columns: panel q holds
+// element (row k, column q*NR+c) at q*NR*kc + k*NR + c; columns past nc are zeros
+static void pack_b(float *dst, int tb, const float *B, int ldb, int j0, int nc, int p0, int kc) {
+    for (int q = 0; q < nc; q += NR) {
+        const int nr = nc - q < NR ? nc - q : NR;
+        float *d = dst + (size_t)q * kc;
+        if (nr < NR) { // the last, partial panel
+            for (int k = 0; k < kc; k++)
+                for (int c = 0; c < NR; c++)
+                    d[k * NR + c] = c >= nr ? 0 : tb ? B[(size_t)(j0 + q + c) * ldb + p0 + k] : B[(size_t)(p0 + k) * ldb + j0 + q + c];
+        } else if (!tb) {
+            for (int k = 0; k < kc; k++) memcpy(d + (size_t)k * NR, B + (size_t)(p0 + k) * ldb + j0 + q, sizeof(float) * NR);
+        } else { // sixteen column streams in, one contiguous stream out
+            const float *s = B + (size_t)(j0 + q) * ldb + p0;
+            for (int k = 0; k < kc; k++, d += NR)
+                for (int c = 0; c < NR; c++) d[c] = s[(size_t)c * ldb + k];
+        }
+    }
+}
+
+// c (mr x nr of a 6x16 tile, leading dimension ldc) = alpha a.b + beta c over kc products, a and
+// b being packed panels; beta 0 never reads c. A partial tile goes through a full one on the
+// stack, with the same vector operations, so an element's bits do not depend on its position.
+__attribute__((target("avx2,fma"))) static void kernel(int kc, const float *a, const float *b, float *c,
+                                                        int ldc, int mr, int nr, float alpha, float beta) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#pragma GCC unroll 4
+    for (int k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        __m256 x = _mm256_broadcast_ss(a);
+        c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
+        x = _mm256_broadcast_ss(a + 1);
+        c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11);
+        x = _mm256_broadcast_ss(a + 2);
+        c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21);
+        x = _mm256_broadcast_ss(a + 3);
+        c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31);
+        x = _mm256_broadcast_ss(a + 4);
+        c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41);
+        x = _mm256_broadcast_ss(a + 5);
+        c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51);
+        a += MR, b += NR;
+    }
+    const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+    const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+    const int full = mr == MR && nr == NR;
+    float tile[MR * NR];
+    float *t = full ? c : tile;
+    const int ldt = full ? ldc : NR;
+    if (!full && beta != 0)
+        for (int r = 0; r < mr; r++) memcpy(tile + r * NR, c + (size_t)r * ldc, sizeof(float) * nr);
+    for (int r = 0; r < MR; r++)
+        for (int h = 0; h < 2; h++) {
+            float *p = t + (size_t)r * ldt + 8 * h;
+            __m256 v = _mm256_mul_ps(va, acc[r][h]);
+            if (beta != 0) v = _mm256_add_ps(v, _mm256_mul_ps(vb, _mm256_loadu_ps(p)));
+            _mm256_storeu_ps(p, v);
+        }
+    if (!full)
+        for (int r = 0; r < mr; r++) memcpy(c + (size_t)r * ldc, tile + r * NR, sizeof(float) * nr);
+}
+
+static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+             const float *B, int ldb, float beta, float *C, int ldc) {
+    if (M <= 0 || N <= 0) return 0;
+    if (!gemm_f32_supported()) return -1;
+    if (K <= 0) { // no products: C = beta C
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta != 0 ? beta * C[(size_t)i * ldc + j] : 0;
+        return 0;
+    }
+    const size_t kcm = (size_t)(K < KC ? K : KC);
+    const size_t nb = round_up(kcm * round_up((size_t)(N < NC ? N : NC), NR) * sizeof(float), 64);
+    const size_t na = round_up(kcm * round_up((size_t)(M < MC ? M : MC), MR) * sizeof(float), 64);
+    float *bp = aligned_alloc(64, nb), *ap = aligned_alloc(64, na);
+    if (!bp || !ap) {
+        free(bp), free(ap);
+        return -1;
+    }
+    for (int jc = 0; jc < N; jc += NC) {
+        const int nc = N - jc < NC ? N - jc : NC;
+        for (int pc = 0; pc < K; pc += KC) {
+            const int kc = K - pc < KC ? K - pc : KC;
+            const float bet = pc == 0 ? beta : 1; // later chunks add to what the first wrote
+            pack_b(bp, tb, B, ldb, jc, nc, pc, kc);
+            for (int ic = 0; ic < M; ic += MC) {
+                const int mc = M - ic < MC ? M - ic : MC;
+                pack_a(ap, ta, A, lda, ic, mc, pc, kc);
+                for (int jr = 0; jr < nc; jr += NR)
+                    for (int ir = 0; ir < mc; ir += MR)
+                        kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc,
+                               C + (size_t)(ic + ir) * ldc + jc + jr, ldc, mc - ir < MR ? mc - ir : MR,
+                               nc - jr < NR ? nc - jr : NR, alpha, bet);
+            }
+        }
+    }
+    free(bp), free(ap);
+    return 0;
+}

@@ -1,0 +1,24 @@
+// gemm_f32.h: vlmoe's own single-threaded fp32 matrix product for CPUs with AVX2 and FMA3 but no
+// AVX-512 (Zen 1-3, Intel client cores): packed operands and a 6x16 register-tile kernel. On such
+// a CPU oneDNN's and OpenBLAS's sgemm reach 55-59% of the FMA peak at a training step's shapes
+// (bench/bench_sgemm.c); this one reaches more. Covered by tests/test_gemm_f32.c.
+#ifndef VLMOE_OPS_GEMM_F32_H
+#define VLMOE_OPS_GEMM_F32_H
+
+// 1 when gemm_f32 is the faster product on this CPU (AVX2 and FMA3, no AVX-512F), else 0: with
+// AVX-512 oneDNN's kernels run at ~90% of the peak and stay.
+int gemm_f32_preferred(void);
+
+// 1 when this CPU can run gemm_f32 at all (AVX2 and FMA3): the tests run it wherever it can.
+int gemm_f32_supported(void);
+
+// C (M,N) = alpha op(A) op(B) + beta C, row-major with leading dimensions; op(A) is (M,K) and
+// op(B) (K,N); with beta 0, C is only written (its old values, NaN included, are never read).
+// Single-threaded. Every element of C is summed the same way whatever M, N and its position:
+// K in chunks of 256, each chunk's products added in order, so a row gives the same bits alone
+// or inside a larger product. Returns 0, or -1 with C untouched when the packing buffers cannot
+// be allocated or the CPU lacks AVX2/FMA3 (the caller then uses another product).
+int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+             const float *B, int ldb, float beta, float *C, int ldc);
+
+#endif

@@ -1,0 +1,120 @@
+// test_gemm_f32.c: vlmoe's own AVX2 fp32 product (src/ops/gemm_f32.c), run wherever the CPU
+// has AVX2 and FMA3 (the library itself prefers it only without AVX-512, but the kernel is the
+// same). 1. Every transpose, alpha and beta, shapes at and across every block edge (the 6x16
+// tile, KC 256, MC 144, NC 3072), K 0, leading dimensions wider than the matrices: C equals the
+// double product to fp32 summation error, and nothing outside C's window is written. 2. beta 0
+// never reads C (NaN there stays out of the result). 3. A row's bits do not depend on M or on
+// its position, and a column's not on N or its position: what the header promises and what makes
+// a batch of one equal the same row in a batch of many.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/gemm_f32.h"
+#include "test.h"
+
+static unsigned lcg = 12345;
+static float frand(void) {
+    lcg = lcg * 1664525u + 1013904223u;
+    return (float)((lcg >> 8) & 0xffff) / 32768.0f - 1.0f;
+}
+
+// op(X)[i][k] of a row-major X with leading dimension ld
+static float at(const float *X, int trans, int ld, int i, int k) {
+    return trans ? X[(size_t)k * ld + i] : X[(size_t)i * ld + k];
+}
+
+// one product against double: the error bound is K+2 roundings of the magnitudes involved
+static void check_product(int ta, int tb, int M, int N, int K, float alpha, float beta) {
+    const int lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 2, ldc = N + 5;
+    const size_t na = (size_t)(ta ? K : M) * lda + 1, nb = (size_t)(tb ? N : K) * ldb + 1, nc = (size_t)M * ldc;
+    float *A = malloc(sizeof(float) * na), *B = malloc(sizeof(float) * nb), *C = malloc(sizeof(float) * nc);
+    float *C0 = malloc(sizeof(float) * nc);
+    for (size_t i = 0; i < na; i++) A[i] = frand();
+    for (size_t i = 0; i < nb; i++) B[i] = frand();
+    for (size_t i = 0; i < nc; i++) C0[i] = C[i] = frand();
+    const int rc = gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    CHECK(rc == 0, "gemm_f32 returned %d", rc);
+    double worst = 0;
+    int bad = 0, outside = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < ldc; j++) {
+            const size_t o = (size_t)i * ldc + j;
+            if (j >= N) {
+                outside += memcmp(&C[o], &C0[o], sizeof(float)) != 0;
+                continue;
+            }
+            double s = 0, mag = 0;
+            for (int k = 0; k < K; k++) {
+                const double p = (double)at(A, ta, lda, i, k) * at(B, !tb, ldb, j, k);
+                s += p, mag += fabs(p);
+            }
+            const double ref = alpha * s + (beta != 0 ? beta * (double)C0[o] : 0);
+            const double tol = (K + 3) * 6.0e-8 * (fabs(alpha) * mag + fabs(beta * C0[o])) + 1e-30;
+            const double err = fabs(C[o] - ref) / tol;
+            worst = err > worst ? err : worst;
+            bad += err > 1;
+        }
+    CHECK(bad == 0 && outside == 0,
+          "ta %d tb %d M %d N %d K %d alpha %g beta %g: %d elements beyond the bound (worst %.2fx), %d written outside C",
+          ta, tb, M, N, K, alpha, beta, bad, worst, outside);
+    free(A), free(B), free(C), free(C0);
+}
+
+// beta 0: C's old values are never read, NaN included
+static void check_beta0_nan(void) {
+    const int M = 13, N = 21, K = 40;
+    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N), *C = malloc(sizeof(float) * M * N);
+    for (int i = 0; i < M * K; i++) A[i] = frand();
+    for (int i = 0; i < K * N; i++) B[i] = frand();
+    for (int i = 0; i < M * N; i++) C[i] = NAN;
+    CHECK(gemm_f32(0, 0, M, N, K, 1, A, K, B, N, 0, C, N) == 0, "gemm_f32 failed");
+    int nans = 0;
+    for (int i = 0; i < M * N; i++) nans += isnan(C[i]);
+    CHECK(nans == 0, "beta 0 read C: %d NaN in the result", nans);
+    free(A), free(B), free(C);
+}
+
+// rows and columns alone or at any offset give the bits they give inside the whole product
+static void check_position(int ta, int tb) {
+    const int M = 29, N = 45, K = 300; // M, N no multiple of the tile; K across a KC chunk
+    const int lda = ta ? M : K, ldb = tb ? K : N;
+    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N);
+    float *C = malloc(sizeof(float) * M * N), *P = malloc(sizeof(float) * M * N);
+    for (int i = 0; i < M * K; i++) A[i] = frand();
+    for (int i = 0; i < K * N; i++) B[i] = frand();
+    CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, 0, C, N) == 0, "gemm_f32 failed");
+    int diff = 0;
+    for (int r0 = 0; r0 < M; r0 += 4) { // rows [r0, r0 + m) alone: the first lands mid-tile
+        const int m = r0 % 3 + 1 < M - r0 ? r0 % 3 + 1 : M - r0;
+        CHECK(gemm_f32(ta, tb, m, N, K, 1, ta ? A + r0 : A + (size_t)r0 * lda, lda, B, ldb, 0, P, N) == 0, "gemm_f32 failed");
+        diff += memcmp(P, C + (size_t)r0 * N, sizeof(float) * m * N) != 0;
+    }
+    for (int c0 = 0; c0 < N; c0 += 7) { // columns [c0, c0 + n) alone
+        const int n = c0 % 5 + 1 < N - c0 ? c0 % 5 + 1 : N - c0;
+        CHECK(gemm_f32(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)c0 * ldb : B + c0, ldb, 0, P, n) == 0, "gemm_f32 failed");
+        for (int i = 0; i < M; i++) diff += memcmp(P + (size_t)i * n, C + (size_t)i * N + c0, sizeof(float) * n) != 0;
+    }
+    CHECK(diff == 0, "ta %d tb %d: %d row or column blocks differ in bits from the same place in the whole product", ta, tb, diff);
+    free(A), free(B), free(C), free(P);
+}
+
+int main(void) {
+    if (!gemm_f32_supported()) {
+        printf("test_gemm_f32: skipped: this CPU lacks AVX2 or FMA3, so the library never runs gemm_f32\n");
+        return test_summary("test_gemm_f32");
+    }
+    printf("test_gemm_f32: the library %s it on this CPU\n", gemm_f32_preferred() ? "prefers" : "does not prefer (AVX-512: oneDNN)");
+    static const int shapes[][3] = {
+        {1, 1, 1},   {1, 17, 5},   {5, 16, 256}, {6, 16, 257}, {7, 33, 300}, {13, 15, 513},
+        {150, 40, 70}, {289, 50, 20}, {3, 3100, 9}, {20, 20, 0}, {64, 64, 64},
+    };
+    const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -0.25f}};
+    for (int t = 0; t < 4; t++)
+        for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+            for (size_t v = 0; v < sizeof(ab) / sizeof(ab[0]); v++)
+                check_product(t >> 1, t & 1, shapes[s][0], shapes[s][1], shapes[s][2], ab[v][0], ab[v][1]);
+    check_beta0_nan();
+    for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1);
+    return test_summary("test_gemm_f32");
+}
