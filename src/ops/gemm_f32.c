@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "ops/gemm_f32.h"
+#include "ops/tile8.h"
 
 // MR x NR: the register tile (12 accumulators, 2 B vectors and one broadcast A value are 15 of
 // the 16 ymm registers). KC: one B panel (KC x NR floats, 16 KB) stays in L1 while the kernel runs
@@ -20,47 +21,73 @@ int gemm_f32_supported(void) { return __builtin_cpu_supports("avx2") && __builti
 int gemm_f32_preferred(void) { return gemm_f32_supported() && !__builtin_cpu_supports("avx512f"); }
 
 // rows [i0, i0+mc) and columns [p0, p0+kc) of op(A) into panels of MR rows: panel q holds
-// element (row q*MR+r, column k) at q*MR*kc + k*MR + r; rows past mc are zeros
-static void pack_a(float *dst, int ta, const float *A, int lda, int i0, int mc, int p0, int kc) {
-    for (int q = 0; q < mc; q += MR) {
-        const int mr = mc - q < MR ? mc - q : MR;
-        float *d = dst + (size_t)q * kc;
-        if (!ta && mr == MR) { // six row streams in, one contiguous stream out
-            const float *s0 = A + (size_t)(i0 + q) * lda + p0;
-            const float *s1 = s0 + lda, *s2 = s1 + lda, *s3 = s2 + lda, *s4 = s3 + lda, *s5 = s4 + lda;
-            for (int k = 0; k < kc; k++, d += MR)
-                d[0] = s0[k], d[1] = s1[k], d[2] = s2[k], d[3] = s3[k], d[4] = s4[k], d[5] = s5[k];
-            continue;
+// element (row q*MR+r, column k) at q*MR*kc + k*MR + r; rows past mc are zeros. Each row of A in
+// memory is read in order: A's rows (a row of op(A), along k) eight values at a time through an
+// 8x8 transpose, or A^T's (a row of A, across the panels) value by value into every panel.
+__attribute__((target("avx2,fma"))) static void pack_a(float *dst, int ta, const float *A, int lda, int i0, int mc,
+                                                        int p0, int kc) {
+    const int full = mc / MR * MR; // rows in whole panels
+    if (ta) {
+        for (int k = 0; k < kc; k++) {
+            const float *s = A + (size_t)(p0 + k) * lda + i0;
+            for (int q = 0; q < full; q += MR) memcpy(dst + (size_t)q * kc + (size_t)k * MR, s + q, sizeof(float) * MR);
         }
-        if (ta && mr == MR) { // six contiguous values a row of A
-            const float *s = A + (size_t)p0 * lda + i0 + q;
-            for (int k = 0; k < kc; k++, d += MR, s += lda)
-                d[0] = s[0], d[1] = s[1], d[2] = s[2], d[3] = s[3], d[4] = s[4], d[5] = s[5];
-            continue;
+    } else {
+        const int k8 = kc & ~7;
+        for (int q = 0; q < full; q += MR) {
+            const float *s = A + (size_t)(i0 + q) * lda + p0;
+            float *d = dst + (size_t)q * kc;
+            for (int k0 = 0; k0 < k8; k0 += 8) {
+                float t[64];
+                tile8_transpose(t, 8, s + k0, (size_t)lda, MR); // t[k][r], r < MR
+                for (int k = 0; k < 8; k++) memcpy(d + (size_t)(k0 + k) * MR, t + 8 * k, sizeof(float) * MR);
+            }
+            for (int k = k8; k < kc; k++)
+                for (int r = 0; r < MR; r++) d[(size_t)k * MR + r] = s[(size_t)r * lda + k];
         }
+    }
+    if (full < mc) { // the last, partial panel
+        float *d = dst + (size_t)full * kc;
         for (int k = 0; k < kc; k++)
             for (int r = 0; r < MR; r++)
-                d[k * MR + r] = r >= mr ? 0 : ta ? A[(size_t)(p0 + k) * lda + i0 + q + r] : A[(size_t)(i0 + q + r) * lda + p0 + k];
+                d[(size_t)k * MR + r] = full + r >= mc ? 0
+                                        : ta       ? A[(size_t)(p0 + k) * lda + i0 + full + r]
+                                                   : A[(size_t)(i0 + full + r) * lda + p0 + k];
     }
 }
 
 // rows [p0, p0+kc) and columns [j0, j0+nc) of op(B) into panels of NR columns: panel q holds
-// element (row k, column q*NR+c) at q*NR*kc + k*NR + c; columns past nc are zeros
-static void pack_b(float *dst, int tb, const float *B, int ldb, int j0, int nc, int p0, int kc) {
-    for (int q = 0; q < nc; q += NR) {
-        const int nr = nc - q < NR ? nc - q : NR;
-        float *d = dst + (size_t)q * kc;
-        if (nr < NR) { // the last, partial panel
-            for (int k = 0; k < kc; k++)
-                for (int c = 0; c < NR; c++)
-                    d[k * NR + c] = c >= nr ? 0 : tb ? B[(size_t)(j0 + q + c) * ldb + p0 + k] : B[(size_t)(p0 + k) * ldb + j0 + q + c];
-        } else if (!tb) {
-            for (int k = 0; k < kc; k++) memcpy(d + (size_t)k * NR, B + (size_t)(p0 + k) * ldb + j0 + q, sizeof(float) * NR);
-        } else { // sixteen column streams in, one contiguous stream out
-            const float *s = B + (size_t)(j0 + q) * ldb + p0;
-            for (int k = 0; k < kc; k++, d += NR)
-                for (int c = 0; c < NR; c++) d[c] = s[(size_t)c * ldb + k];
+// element (row k, column q*NR+c) at q*NR*kc + k*NR + c; columns past nc are zeros. As for A,
+// memory is read along its rows: B's (a row of op(B)) sixteen values into each panel, B^T's
+// through two 8x8 transposes a panel.
+__attribute__((target("avx2,fma"))) static void pack_b(float *dst, int tb, const float *B, int ldb, int j0, int nc,
+                                                        int p0, int kc) {
+    const int full = nc / NR * NR;
+    if (!tb) {
+        for (int k = 0; k < kc; k++) {
+            const float *s = B + (size_t)(p0 + k) * ldb + j0;
+            for (int q = 0; q < full; q += NR) memcpy(dst + (size_t)q * kc + (size_t)k * NR, s + q, sizeof(float) * NR);
         }
+    } else {
+        const int k8 = kc & ~7;
+        for (int q = 0; q < full; q += NR) {
+            const float *s = B + (size_t)(j0 + q) * ldb + p0;
+            float *d = dst + (size_t)q * kc;
+            for (int k0 = 0; k0 < k8; k0 += 8) {
+                tile8_transpose(d + (size_t)k0 * NR, NR, s + k0, (size_t)ldb, 8);
+                tile8_transpose(d + (size_t)k0 * NR + 8, NR, s + (size_t)8 * ldb + k0, (size_t)ldb, 8);
+            }
+            for (int k = k8; k < kc; k++)
+                for (int c = 0; c < NR; c++) d[(size_t)k * NR + c] = s[(size_t)c * ldb + k];
+        }
+    }
+    if (full < nc) { // the last, partial panel
+        float *d = dst + (size_t)full * kc;
+        for (int k = 0; k < kc; k++)
+            for (int c = 0; c < NR; c++)
+                d[(size_t)k * NR + c] = full + c >= nc ? 0
+                                        : tb       ? B[(size_t)(j0 + full + c) * ldb + p0 + k]
+                                                   : B[(size_t)(p0 + k) * ldb + j0 + full + c];
     }
 }
 
