@@ -1,7 +1,9 @@
 // gemm_f32.c: vlmoe's own fp32 matrix product for AVX2+FMA3 CPUs without AVX-512, in the
 // layout of Goto and van de Geijn ("Anatomy of high-performance matrix multiplication", 2008) as
-// BLIS runs it: op(B) packed in KC x NC blocks of 16-column panels, op(A) in MC x KC blocks of
-// 6-row panels, and a kernel that keeps a 6x16 tile of C in 12 ymm registers while it walks K.
+// BLIS runs it: op(B) packed in KC x NC blocks of 16-column panels, op(A) taken MC x KC at a
+// time, and a kernel that keeps a 6x16 tile of C in 12 ymm registers while it walks K. op(A) = A
+// is read in place (its rows run along K, six streams the prefetchers follow: packing them cost
+// more than it saved); op(A) = A^T is packed into 6-row panels.
 // Covered by tests/test_gemm_f32.c (against a double-precision product, every transpose, edges).
 #include <immintrin.h>
 #include <stdint.h>
@@ -13,46 +15,24 @@
 
 // MR x NR: the register tile (12 accumulators, 2 B vectors and one broadcast A value are 15 of
 // the 16 ymm registers). KC: one B panel (KC x NR floats, 16 KB) stays in L1 while the kernel runs
-// down the A block; MC x KC (144 KB) stays in L2; the KC x NC block of B in L3 (3 MB at most).
+// down the A block; MC x KC of A (144 KB) stays in L2; the KC x NC block of B in L3 (3 MB at most).
 enum { MR = 6, NR = 16, KC = 256, MC = 144, NC = 3072 };
 
 int gemm_f32_supported(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 int gemm_f32_preferred(void) { return gemm_f32_supported() && !__builtin_cpu_supports("avx512f"); }
 
-// rows [i0, i0+mc) and columns [p0, p0+kc) of op(A) into panels of MR rows: panel q holds
-// element (row q*MR+r, column k) at q*MR*kc + k*MR + r; rows past mc are zeros. Each row of A in
-// memory is read in order: A's rows (a row of op(A), along k) eight values at a time through an
-// 8x8 transpose, or A^T's (a row of A, across the panels) value by value into every panel.
-__attribute__((target("avx2,fma"))) static void pack_a(float *dst, int ta, const float *A, int lda, int i0, int mc,
-                                                        int p0, int kc) {
+// rows [i0, i0+mc) and columns [p0, p0+kc) of op(A) = A^T into panels of MR rows: panel q
+// holds element (row q*MR+r, column k) at q*MR*kc + k*MR + r; rows past mc are zeros. A's rows
+// (running across the panels) are read in order, each copied into every panel. (op(A) = A is
+// not packed: the kernel reads its rows where they are.)
+static void pack_a(float *dst, const float *A, int lda, int i0, int mc, int p0, int kc) {
     const int full = mc / MR * MR; // rows in whole panels
-    if (ta) {
-        for (int k = 0; k < kc; k++) {
-            const float *s = A + (size_t)(p0 + k) * lda + i0;
-            for (int q = 0; q < full; q += MR) memcpy(dst + (size_t)q * kc + (size_t)k * MR, s + q, sizeof(float) * MR);
-        }
-    } else {
-        const int k8 = kc & ~7;
-        for (int q = 0; q < full; q += MR) {
-            const float *s = A + (size_t)(i0 + q) * lda + p0;
-            float *d = dst + (size_t)q * kc;
-            for (int k0 = 0; k0 < k8; k0 += 8) {
-                float t[64];
-                tile8_transpose(t, 8, s + k0, (size_t)lda, MR); // t[k][r], r < MR
-                for (int k = 0; k < 8; k++) memcpy(d + (size_t)(k0 + k) * MR, t + 8 * k, sizeof(float) * MR);
-            }
-            for (int k = k8; k < kc; k++)
-                for (int r = 0; r < MR; r++) d[(size_t)k * MR + r] = s[(size_t)r * lda + k];
-        }
-    }
-    if (full < mc) { // the last, partial panel
-        float *d = dst + (size_t)full * kc;
-        for (int k = 0; k < kc; k++)
-            for (int r = 0; r < MR; r++)
-                d[(size_t)k * MR + r] = full + r >= mc ? 0
-                                        : ta       ? A[(size_t)(p0 + k) * lda + i0 + full + r]
-                                                   : A[(size_t)(i0 + full + r) * lda + p0 + k];
+    for (int k = 0; k < kc; k++) {
+        const float *s = A + (size_t)(p0 + k) * lda + i0;
+        for (int q = 0; q < full; q += MR) memcpy(dst + (size_t)q * kc + (size_t)k * MR, s + q, sizeof(float) * MR);
+        if (full < mc) // the last, partial panel
+            for (int r = 0; r < MR; r++) dst[(size_t)full * kc + (size_t)k * MR + r] = full + r < mc ? s[full + r] : 0;
     }
 }
 
@@ -91,29 +71,37 @@ __attribute__((target("avx2,fma"))) static void pack_b(float *dst, int tb, const
     }
 }
 
-// c (mr x nr of a 6x16 tile, leading dimension ldc) = alpha a.b + beta c over kc products, a and
-// b being packed panels; beta 0 never reads c. A partial tile goes through a full one on the
+// c (mr x nr of a 6x16 tile, leading dimension ldc) = alpha a.b + beta c over kc products, b
+// being a packed panel; beta 0 never reads c. A partial tile goes through a full one on the
 // stack, with the same vector operations, so an element's bits do not depend on its position.
-__attribute__((target("avx2,fma"))) static void kernel(int kc, const float *a, const float *b, float *c,
-                                                        int ldc, int mr, int nr, float alpha, float beta) {
+// Row r of the tile reads a[r ars + k acs]: a packed panel (ars 1, acs MR) or, for op(A) = A,
+// A's rows in place (ars lda, acs 1), which they can be read from as they are; rows past mr
+// repeat the last valid one and are not stored.
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, float *c, int ldc, int mr, int nr,
+            float alpha, float beta) {
+    const float *a0 = a, *a1 = a + (size_t)(mr > 1 ? 1 : 0) * ars, *a2 = a + (size_t)(mr > 2 ? 2 : mr - 1) * ars;
+    const float *a3 = a + (size_t)(mr > 3 ? 3 : mr - 1) * ars, *a4 = a + (size_t)(mr > 4 ? 4 : mr - 1) * ars;
+    const float *a5 = a + (size_t)(mr > 5 ? 5 : mr - 1) * ars;
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
     for (int k = 0; k < kc; k++) {
         const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-        __m256 x = _mm256_broadcast_ss(a);
+        const size_t o = (size_t)k * acs;
+        __m256 x = _mm256_broadcast_ss(a0 + o);
         c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1);
+        x = _mm256_broadcast_ss(a1 + o);
         c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2);
+        x = _mm256_broadcast_ss(a2 + o);
         c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3);
+        x = _mm256_broadcast_ss(a3 + o);
         c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4);
+        x = _mm256_broadcast_ss(a4 + o);
         c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5);
+        x = _mm256_broadcast_ss(a5 + o);
         c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51);
-        a += MR, b += NR;
+        b += NR;
     }
     const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
@@ -134,6 +122,16 @@ __attribute__((target("avx2,fma"))) static void kernel(int kc, const float *a, c
         for (int r = 0; r < mr; r++) memcpy(c + (size_t)r * ldc, tile + r * NR, sizeof(float) * nr);
 }
 
+__attribute__((target("avx2,fma"))) static void kernel_packed(int kc, const float *a, const float *b, float *c, int ldc,
+                                                               int mr, int nr, float alpha, float beta) {
+    kernel_body(MR, kc, a, 1, b, c, ldc, mr, nr, alpha, beta);
+}
+
+__attribute__((target("avx2,fma"))) static void kernel_rows(int kc, const float *a, size_t lda, const float *b, float *c,
+                                                             int ldc, int mr, int nr, float alpha, float beta) {
+    kernel_body(1, kc, a, lda, b, c, ldc, mr, nr, alpha, beta);
+}
+
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
@@ -148,8 +146,8 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
     const size_t kcm = (size_t)(K < KC ? K : KC);
     const size_t nb = round_up(kcm * round_up((size_t)(N < NC ? N : NC), NR) * sizeof(float), 64);
     const size_t na = round_up(kcm * round_up((size_t)(M < MC ? M : MC), MR) * sizeof(float), 64);
-    float *bp = aligned_alloc(64, nb), *ap = aligned_alloc(64, na);
-    if (!bp || !ap) {
+    float *bp = aligned_alloc(64, nb), *ap = ta ? aligned_alloc(64, na) : NULL;
+    if (!bp || (ta && !ap)) {
         free(bp), free(ap);
         return -1;
     }
@@ -161,12 +159,15 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
             pack_b(bp, tb, B, ldb, jc, nc, pc, kc);
             for (int ic = 0; ic < M; ic += MC) {
                 const int mc = M - ic < MC ? M - ic : MC;
-                pack_a(ap, ta, A, lda, ic, mc, pc, kc);
+                if (ta) pack_a(ap, A, lda, ic, mc, pc, kc);
                 for (int jr = 0; jr < nc; jr += NR)
-                    for (int ir = 0; ir < mc; ir += MR)
-                        kernel(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc,
-                               C + (size_t)(ic + ir) * ldc + jc + jr, ldc, mc - ir < MR ? mc - ir : MR,
-                               nc - jr < NR ? nc - jr : NR, alpha, bet);
+                    for (int ir = 0; ir < mc; ir += MR) {
+                        float *ct = C + (size_t)(ic + ir) * ldc + jc + jr;
+                        const int mr = mc - ir < MR ? mc - ir : MR, nr = nc - jr < NR ? nc - jr : NR;
+                        if (ta) kernel_packed(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, ct, ldc, mr, nr, alpha, bet);
+                        else kernel_rows(kc, A + (size_t)(ic + ir) * lda + pc, (size_t)lda, bp + (size_t)jr * kc, ct, ldc,
+                                         mr, nr, alpha, bet);
+                    }
             }
         }
     }

@@ -25,6 +25,15 @@
 // AVX2 but no AVX-512, where oneDNN's and OpenBLAS's reach 55-60% of the FMA peak, to vlmoe's own
 // (src/ops/gemm_f32.h). Double (the gradient checks) goes to OpenBLAS. All run sequentially when
 // called inside an OpenMP region.
+// 1 when gemm1 runs vlmoe's own product: float, on a CPU with AVX2 and no AVX-512
+static inline int gemm1_own(void) {
+#ifdef VLMOE_REAL_F64
+    return 0;
+#else
+    return gemm_f32_preferred();
+#endif
+}
+
 static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda,
                          const real *B, int ldb, real beta, real *C, int ldc) {
 #ifdef VLMOE_REAL_F64
@@ -33,7 +42,7 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
 #else
     // AVX2 without AVX-512: vlmoe's own product (src/ops/gemm_f32.c), which sums a row the same
     // way whatever M is, so a batch of one needs nothing special there
-    if (gemm_f32_preferred() && gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == 0) return;
+    if (gemm1_own() && gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == 0) return;
     if (M == 1) {
         // a 1-row product takes oneDNN's gemv path, whose sums differ in the last bit from the
         // same row inside a larger product; as 2 rows, a batch of one gives what a batch of many
@@ -612,7 +621,9 @@ static void head_transpose(real *kt, const real *k, int T, int hd, int ld) {
 
 // S (T,T) = alpha x . y^T for one head: x, y (T, hd) at strides ldx, ld
 static void head_scores(real *S, const real *x, int ldx, const real *y, int T, int hd, int ld, real alpha) {
-    if ((size_t)T * hd <= ATT_KT_MAX) {
+    // vlmoe's own product (AVX2 CPUs) packs y^T through the same transposes either way: the copy
+    // would be work for nothing, and its bits are the same without it
+    if ((size_t)T * hd <= ATT_KT_MAX && !gemm1_own()) {
         real yt[ATT_KT_MAX];
         head_transpose(yt, y, T, hd, ld);
         gemm1(0, 0, T, T, hd, alpha, x, ldx, yt, T, 0, S, T);
