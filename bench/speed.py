@@ -39,7 +39,24 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-IMPLS = ("vlmoe", "vlmoe-bf16", "torch", "torch-bf16")
+
+
+def cpu_has_bf16():
+    """AVX512_BF16 or AMX: the CPUs whose bf16 products run natively. Elsewhere vlmoe's
+    --precision bf16 falls back to fp32 (one-line notice) and PyTorch's CPU autocast emulates
+    bf16, one thread at a fraction of its fp32 speed (over 4 minutes a bench-s step on a Zen 3):
+    the bf16 programs are left out and their cells read nan."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+BF16 = cpu_has_bf16()
+IMPLS = ("vlmoe", "vlmoe-bf16", "torch", "torch-bf16") if BF16 else ("vlmoe", "torch")
+NA = {k: float("nan") for k in ("step_s", "lo", "hi", "rss", "img", "txt", "gflop")}
 UNSET_FOR_TORCH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
@@ -64,8 +81,9 @@ def commands(model, threads, batch, steps, bindir):
     common = [model, "--batch", str(batch), "--steps", str(steps), "--warmup", "2", "--threads", str(threads)]
     v = [os.path.join(bindir, "bench_step")] + common
     t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
-    return {"vlmoe": v, "vlmoe-bf16": v + ["--precision", "bf16"],
+    cmds = {"vlmoe": v, "vlmoe-bf16": v + ["--precision", "bf16"],
             "torch": t, "torch-bf16": t + ["--precision", "bf16"]}
+    return {k: c for k, c in cmds.items() if k in IMPLS}
 
 
 def kernels(model, threads, batch, bindir):
@@ -121,7 +139,7 @@ def embed_commands(model, threads, batch, reps, bindir, base_bin):
                      name + "-int8-attn": v + ["--precision", "int8-attn"]})
     t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
     cmds.update({"torch": t, "torch-bf16": t + ["--precision", "bf16"]})
-    return cmds
+    return {k: c for k, c in cmds.items() if BF16 or not k.endswith("-bf16")}
 
 
 def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin, programs=None):
@@ -251,7 +269,7 @@ def main():
     print(hdr)
     print("-" * len(hdr))
     for name, t, batch, peak, res in rows:
-        v, vb, p, pb = res["vlmoe"], res["vlmoe-bf16"], res["torch"], res["torch-bf16"]
+        v, vb, p, pb = res["vlmoe"], res.get("vlmoe-bf16", NA), res["torch"], res.get("torch-bf16", NA)
         g32, g16 = v["gflop"] / v["step_s"], vb["gflop"] / vb["step_s"]
         pk32, pk16 = peak["fp32_fma_gflops"] or float("nan"), peak["bf16_dot_gflops"] or float("nan")
         cell = lambda x: f"{x['step_s']:6.3f} ({x['lo']:.2f}-{x['hi']:.2f})"  # noqa: E731
@@ -259,12 +277,16 @@ def main():
               f"{p['step_s'] / v['step_s']:7.2f}x {pb['step_s'] / vb['step_s']:6.2f}x {p['step_s'] / vb['step_s']:6.2f}x "
               f"{g32:9.1f} {100 * g32 / pk32:4.0f}% {g16:9.1f} {100 * g16 / pk16:4.0f}% "
               f"{v['rss']:5.0f}/{p['rss']:<5.0f} {v['img']:5.0f}/{p['img']:<5.0f} {v['txt']:5.0f}/{p['txt']:<5.0f}")
-    print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
-          + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
-                      f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
-    print("(peak RSS MB in bf16, vlmoe/torch: "
-          + ", ".join(f"{r[0]} {r[1]}t {r[4]['vlmoe-bf16']['rss']:.0f}/{r[4]['torch-bf16']['rss']:.0f} "
-                      f"({r[4]['vlmoe-bf16']['rss'] / r[4]['torch-bf16']['rss']:.2f}x)" for r in rows) + ")")
+    if not BF16:
+        print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: not run, this CPU has neither "
+              "AVX512_BF16 nor AMX)")
+    else:
+        print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: "
+              + ", ".join(f"{r[0]} {r[1]}t vlmoe {r[4]['vlmoe-bf16']['img']:.0f}/{r[4]['vlmoe-bf16']['txt']:.0f} "
+                          f"torch {r[4]['torch-bf16']['img']:.0f}/{r[4]['torch-bf16']['txt']:.0f}" for r in rows) + ")")
+        print("(peak RSS MB in bf16, vlmoe/torch: "
+              + ", ".join(f"{r[0]} {r[1]}t {r[4]['vlmoe-bf16']['rss']:.0f}/{r[4]['torch-bf16']['rss']:.0f} "
+                          f"({r[4]['vlmoe-bf16']['rss'] / r[4]['torch-bf16']['rss']:.2f}x)" for r in rows) + ")")
     if erows:
         print_embed(erows, a.rounds, a.embed_reps, loads)
     for t in sorted({r[1] for r in rows}, reverse=True):
