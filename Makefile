@@ -111,24 +111,34 @@ $(MPI_MK): $(DEPS_STAMP)
 	else c= l=; echo "note: no MPI found (mpicc --showme, pkg-config ompi): src/dist/mpi_stub.c is built"; fi; \
 	printf 'MPI_FOUND_CFLAGS := %s\nMPI_FOUND_LIBS := %s\n' "$$c" "$$l" >$@
 
+# The flags a build folder's objects were compiled with, in FOLDER/.flags, rewritten only when
+# they change: the objects depend on it, so new flags (an updated Makefile, NATIVE=0, CFLAGS=...)
+# rebuild them, where make alone would link the objects of the old ones.
+FLAGS_LINE = $(CC) $(CXX) $(CFLAGS_BASE) $(CXXFLAGS_BASE) $(OPT) $(CFLAGS) $(CXXFLAGS)
+$(B)/.flags $(BA)/.flags: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(FLAGS_LINE) $(if $(findstring $(BA),$@),$(SAN))' | cmp -s - $@ || \
+	 echo '$(FLAGS_LINE) $(if $(findstring $(BA),$@),$(SAN))' >$@
+FORCE:
+
 # ---- optimised build
-$(B)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(B)/%.o: %.c $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
-$(B)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(B)/f32/%.o: %.c $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -c $< -o $@
-$(B)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(B)/f64/%.o: %.c $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 
 # The C++ shim's own functions (vlmoe_spm_*) stay global; the rest (libstdc++ template copies,
 # which its headers give default visibility) is made local, so libvlmoe.so exports no C++.
-$(B)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
+$(B)/%.o: %.cc $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS_BASE) $(OPT) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
 	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
-$(BA)/%.o: %.cc $(HDRS) | $(DEPS_STAMP)
+$(BA)/%.o: %.cc $(HDRS) $(BA)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CXXFLAGS) -c $< -o $@
 	objcopy -w --keep-global-symbol='vlmoe_spm_*' $@
@@ -155,13 +165,13 @@ $(GEN_TORCH): python/vlmoe_torch.py
 	   echo '0};'; echo 'const unsigned long cli_vlmoe_torch_py_len = sizeof(cli_vlmoe_torch_py) - 1;'; } >$@
 
 # ---- sanitizer build (tests only)
-$(BA)/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(BA)/%.o: %.c $(HDRS) $(BA)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
-$(BA)/f32/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(BA)/f32/%.o: %.c $(HDRS) $(BA)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -c $< -o $@
-$(BA)/f64/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(BA)/f64/%.o: %.c $(HDRS) $(BA)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -O1 $(SAN) $(LIB_VIS) $(CFLAGS) -DVLMOE_REAL_F64 -c $< -o $@
 $(BA)/libvlmoe.a: $(call objs,$(BA))
@@ -294,5 +304,5 @@ install: all
 clean:
 	rm -rf build/rel build/asan build/cuda build/fixtures build/fuzz $(MPI_MK) libvlmoe.a libvlmoe.so vlmoe
 
-.PHONY: all test fixtures install clean bench demo fuzz cuda-check
+.PHONY: all test fixtures install clean bench demo fuzz cuda-check FORCE
 .SECONDARY:
