@@ -114,11 +114,14 @@ $(MPI_MK): $(DEPS_STAMP)
 # The flags a build folder's objects were compiled with, in FOLDER/.flags, rewritten only when
 # they change: the objects depend on it, so new flags (an updated Makefile, NATIVE=0, CFLAGS=...)
 # rebuild them, where make alone would link the objects of the old ones.
-FLAGS_LINE = $(CC) $(CXX) $(CFLAGS_BASE) $(CXXFLAGS_BASE) $(OPT) $(CFLAGS) $(CXXFLAGS)
+# The lines are expanded here, once, from the global flags: a prerequisite inherits its target's
+# target-specific variables (backend_cpu.o's -fno-math-errno), which must not reach the stamp.
+FLAGS_REL := $(CC) $(CXX) $(CFLAGS_BASE) $(CXXFLAGS_BASE) $(OPT) $(CFLAGS) $(CXXFLAGS)
+FLAGS_ASAN := $(CC) $(CXX) $(CFLAGS_BASE) $(CXXFLAGS_BASE) -O1 $(SAN) $(CFLAGS) $(CXXFLAGS)
 $(B)/.flags $(BA)/.flags: FORCE
 	@mkdir -p $(dir $@)
-	@echo '$(FLAGS_LINE) $(if $(findstring $(BA),$@),$(SAN))' | cmp -s - $@ || \
-	 echo '$(FLAGS_LINE) $(if $(findstring $(BA),$@),$(SAN))' >$@
+	@printf '%s\n' "$(if $(findstring $(BA),$@),$(FLAGS_ASAN),$(FLAGS_REL))" | cmp -s - $@ || \
+	 printf '%s\n' "$(if $(findstring $(BA),$@),$(FLAGS_ASAN),$(FLAGS_REL))" >$@
 FORCE:
 
 # ---- optimised build
@@ -237,7 +240,7 @@ $(B)/bench/%: bench/%.c libvlmoe.a $(HDRS)
 # files that hold them; those objects come before libvlmoe.a, so the archive's plain ones stay out
 PROF_SRCS := src/ops/ops.c src/ops/backend_cpu.c
 PROF_OBJS := $(patsubst %.c,$(B)/prof/%.o,$(PROF_SRCS))
-$(B)/prof/%.o: %.c $(HDRS) | $(DEPS_STAMP)
+$(B)/prof/%.o: %.c $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(CFLAGS) -DVLMOE_PROFILE -c $< -o $@
 $(B)/bench/bench_step_prof: bench/bench_step.c $(PROF_OBJS) libvlmoe.a $(HDRS)
@@ -271,7 +274,7 @@ build/cuda/tests/test_backend_ops: tests/test_backend_ops.c $(CUDA_CHECK_OBJS) l
 ifneq ($(HAVE_MPI),)
 CUDA_CHECK += $(if $(HAVE_NVCC),build/cuda/tests/test_dist,)
 endif
-build/cuda/dist_nccl.o: src/dist/nccl.c $(HDRS) | $(DEPS_STAMP)
+build/cuda/dist_nccl.o: src/dist/nccl.c $(HDRS) $(B)/.flags | $(DEPS_STAMP)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(OPT) $(SRC_FLAGS) $(CFLAGS) -c $< -o $@
 build/cuda/tests/test_dist: tests/test_dist.c build/cuda/dist_nccl.o $(CUDA_CHECK_OBJS) libvlmoe.a $(HDRS)

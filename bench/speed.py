@@ -148,6 +148,8 @@ def measure_embed(model, threads, batch, rounds, reps, bindir, base_bin, program
     if programs:
         cmds = {k: v for k, v in cmds.items() if k in programs.split(",")}
     names = list(cmds)
+    if not names:
+        sys.exit(f"speed.py: none of --programs {programs} runs on this CPU (bf16 programs need AVX512_BF16 or AMX)")
     res = {k: [] for k in names}
     for r in range(rounds):
         for impl in names[r % len(names):] + names[:r % len(names)]:
@@ -242,7 +244,7 @@ def main():
         peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
         sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
         own = f", vlmoe's AVX2 product {sg['vlmoe_avx2_gflops']:.0f}" if sg.get("vlmoe_avx2_gflops") else ""
-        print(f"{t} thread(s): fp32 FMA peak ({peak['fp32_fma_isa']}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
+        print(f"{t} thread(s): fp32 FMA peak ({peak.get('fp32_fma_isa', 'avx512f')}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
               f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}; SGEMM at bench-s shapes: OpenBLAS "
               f"({sg['openblas_core']}) {sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) "
               f"{sg['onednn_gflops']:.0f}{own}")

@@ -3,7 +3,7 @@
 // same). 1. Every transpose, alpha and beta, shapes at and across every block edge (the 6x16
 // tile, KC 256, MC 144, NC 3072), K 0, leading dimensions wider than the matrices: C equals the
 // double product to fp32 summation error, and nothing outside C's window is written. 2. beta 0
-// never reads C (NaN there stays out of the result). 3. A row's bits do not depend on M or on
+// never reads C, and alpha 0 neither A nor B (NaN there stays out of the result). 3. A row's bits do not depend on M or on
 // its position, and a column's not on N or its position: what the header promises and what makes
 // a batch of one equal the same row in a batch of many.
 #include <math.h>
@@ -61,18 +61,30 @@ static void check_product(int ta, int tb, int M, int N, int K, float alpha, floa
     free(A), free(B), free(C), free(C0);
 }
 
-// beta 0: C's old values are never read, NaN included
-static void check_beta0_nan(void) {
-    const int M = 13, N = 21, K = 40;
-    float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N), *C = malloc(sizeof(float) * M * N);
-    for (int i = 0; i < M * K; i++) A[i] = frand();
-    for (int i = 0; i < K * N; i++) B[i] = frand();
-    for (int i = 0; i < M * N; i++) C[i] = NAN;
-    CHECK(gemm_f32(0, 0, M, N, K, 1, A, K, B, N, 0, C, N) == 0, "gemm_f32 failed");
-    int nans = 0;
-    for (int i = 0; i < M * N; i++) nans += isnan(C[i]);
-    CHECK(nans == 0, "beta 0 read C: %d NaN in the result", nans);
-    free(A), free(B), free(C);
+// beta 0: C's old values are never read, NaN included, whatever the transposes and K (0, one
+// chunk, two); alpha 0: neither are A's and B's (NaN there), C = beta C
+static void check_nan_unread(void) {
+    const int M = 13, N = 21, Ks[] = {0, 40, 300};
+    for (int t = 0; t < 4; t++)
+        for (int ki = 0; ki < 3; ki++) {
+            const int ta = t >> 1, tb = t & 1, K = Ks[ki], lda = ta ? M : K, ldb = tb ? K : N;
+            float *A = malloc(sizeof(float) * (M * K + 1)), *B = malloc(sizeof(float) * (K * N + 1));
+            float *C = malloc(sizeof(float) * M * N);
+            for (int i = 0; i < M * K; i++) A[i] = frand();
+            for (int i = 0; i < K * N; i++) B[i] = frand();
+            for (int i = 0; i < M * N; i++) C[i] = NAN;
+            CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, 0, C, N) == 0, "gemm_f32 failed");
+            int nans = 0;
+            for (int i = 0; i < M * N; i++) nans += isnan(C[i]);
+            CHECK(nans == 0, "ta %d tb %d K %d: beta 0 read C: %d NaN in the result", ta, tb, K, nans);
+            for (int i = 0; i < M * K; i++) A[i] = NAN;
+            for (int i = 0; i < M * N; i++) C[i] = (float)i;
+            CHECK(gemm_f32(ta, tb, M, N, K, 0, A, lda, B, ldb, 0.5f, C, N) == 0, "gemm_f32 failed");
+            int wrong = 0;
+            for (int i = 0; i < M * N; i++) wrong += C[i] != 0.5f * (float)i;
+            CHECK(wrong == 0, "ta %d tb %d K %d: alpha 0 read A (NaN) or missed C = beta C in %d elements", ta, tb, K, wrong);
+            free(A), free(B), free(C);
+        }
 }
 
 // rows and columns alone or at any offset give the bits they give inside the whole product
@@ -114,7 +126,7 @@ int main(void) {
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
             for (size_t v = 0; v < sizeof(ab) / sizeof(ab[0]); v++)
                 check_product(t >> 1, t & 1, shapes[s][0], shapes[s][1], shapes[s][2], ab[v][0], ab[v][1]);
-    check_beta0_nan();
+    check_nan_unread();
     for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1);
     return test_summary("test_gemm_f32");
 }

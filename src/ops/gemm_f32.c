@@ -109,8 +109,10 @@ kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, f
     float tile[MR * NR];
     float *t = full ? c : tile;
     const int ldt = full ? ldc : NR;
-    if (!full && beta != 0)
+    if (!full && beta != 0) { // the lanes outside c's window are zeros, not stack garbage
+        memset(tile, 0, sizeof(tile));
         for (int r = 0; r < mr; r++) memcpy(tile + r * NR, c + (size_t)r * ldc, sizeof(float) * nr);
+    }
     for (int r = 0; r < MR; r++)
         for (int h = 0; h < 2; h++) {
             float *p = t + (size_t)r * ldt + 8 * h;
@@ -138,7 +140,7 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
              const float *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return 0;
     if (!gemm_f32_supported()) return -1;
-    if (K <= 0) { // no products: C = beta C
+    if (K <= 0 || alpha == 0) { // no products (as in BLAS, alpha 0 reads neither A nor B): C = beta C
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta != 0 ? beta * C[(size_t)i * ldc + j] : 0;
         return 0;

@@ -13,7 +13,8 @@ int gemm_f32_preferred(void);
 int gemm_f32_supported(void);
 
 // C (M,N) = alpha op(A) op(B) + beta C, row-major with leading dimensions; op(A) is (M,K) and
-// op(B) (K,N); with beta 0, C is only written (its old values, NaN included, are never read).
+// op(B) (K,N); with beta 0, C is only written (its old values, NaN included, are never read),
+// and with alpha 0 (or K 0) neither A nor B is read, as in BLAS.
 // Single-threaded. Every element of C is summed the same way whatever M, N and its position:
 // K in chunks of 256, each chunk's products added in order, so a row gives the same bits alone
 // or inside a larger product. Returns 0, or -1 with C untouched when the packing buffers cannot

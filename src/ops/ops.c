@@ -41,7 +41,8 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
                 K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
     // AVX2 without AVX-512: vlmoe's own product (src/ops/gemm_f32.c), which sums a row the same
-    // way whatever M is, so a batch of one needs nothing special there
+    // way whatever M is, so a batch of one needs nothing special there. Only if its packing
+    // buffers cannot be had does the block go to oneDNN below, whose bits differ in the last place.
     if (gemm1_own() && gemm_f32(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) == 0) return;
     if (M == 1) {
         // a 1-row product takes oneDNN's gemv path, whose sums differ in the last bit from the
