@@ -7,7 +7,6 @@
 // through the public API; bad input on purpose. Fine-tuning: the classification head on each
 // encoding in the same finite-difference check, the pooling's golden values by hand, and
 // freeze_moe keeping every router/expert tensor bit-identical while the rest trains.
-#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,14 +62,6 @@ static int used(const char *name, int enc, int nl, int F, int cls) {
         return !strstr(name, "image.") && !strstr(name, "v_ffn") && !strstr(name, "vl_ffn") && !strstr(name, "mim_head");
     return !((strstr(name, "v_ffn") || strstr(name, "t_ffn")) && top);
 }
-
-// What a central difference of the loss cannot resolve: the loss's last bits (its value
-// rounded, and summed over many terms in an order the kernels choose) divided by 2h, times 8. A
-// tensor whose directional derivative is tiny (an expert's bias the test batch barely reaches,
-// ~3e-5) otherwise fails the relative check on rounding alone: on a Zen 3 the one fc1.bias of the
-// image-text case measured 5.5e-7 in the optimised build and 1.3e-6 under ASan (-O1 sums in
-// another order), an absolute difference of 8e-11 against this floor's 8.5e-10 (loss 4.76, h 1e-5).
-static double fd_noise(double loss, double h) { return 8 * DBL_EPSILON * fabs(loss) / h; }
 
 // cls: also the classification head on the encoding's pooled feature, with class labels; cls 2:
 // the NLVR2 head on two sequences per example (4 sequences, 2 examples).
@@ -143,7 +134,7 @@ static void fd_check_mlp(int enc, int cls, const char *label, double drop, int m
         double fd, gv;
         const double err = test_fd_direction(m.p + pi->offset, g + pi->offset, v, pi->numel, h, loss_cb, &m, &r, &fd, &gv);
         worst = fmax(worst, err);
-        if (err > 1e-6 && fabs(fd - gv) > fd_noise(loss0, h)) {
+        if (err > 1e-6 && fabs(fd - gv) > test_fd_noise(loss0, h)) {
             bad++;
             fprintf(stderr, "%s: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n", label,
                     pi->name, fd, gv, err);
@@ -243,7 +234,7 @@ static void fd_check_retrieval(void) {
         }
         const double err = test_fd_direction(m.p + pi->offset, g + pi->offset, v, pi->numel, 1e-5, itc_loss, &m, &r, &fd, &gv);
         worst = fmax(worst, err);
-        if (err > 1e-6 && fabs(fd - gv) > fd_noise(loss, 1e-5)) {
+        if (err > 1e-6 && fabs(fd - gv) > test_fd_noise(loss, 1e-5)) {
             bad++;
             fprintf(stderr, "retrieval: %s: directional derivative %.10g, gradient says %.10g (rel err %.2g)\n",
                     pi->name, fd, gv, err);

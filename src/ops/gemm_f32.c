@@ -6,7 +6,6 @@
 // more than it saved); op(A) = A^T is packed into 6-row panels.
 // Covered by tests/test_gemm_f32.c (against a double-precision product, every transpose, edges).
 #include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
