@@ -5,7 +5,8 @@
 // double product to fp32 summation error, and nothing outside C's window is written. 2. beta 0
 // never reads C, and alpha 0 neither A nor B (NaN there stays out of the result). 3. A row's bits do not depend on M or on
 // its position, and a column's not on N or its position: what the header promises and what makes
-// a batch of one equal the same row in a batch of many.
+// a batch of one equal the same row in a batch of many. 4. gemm_f32_epi runs its epilogue once on
+// every element, after the element's last product, in blocks within the promised size.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,6 +112,56 @@ static void check_position(int ta, int tb) {
     free(A), free(B), free(C), free(P);
 }
 
+// what the epilogue saw: C at the moment each element was handed to it, and how many times
+typedef struct {
+    float *seen;
+    int *count, ldc, M, N, bad_block;
+} epi_log;
+
+static void epi_record(const void *ctx, float *C, int ldc, int r0, int nr, int c0, int nc) {
+    const epi_log *l = ctx;
+    if (ldc != l->ldc || r0 < 0 || c0 < 0 || nr <= 0 || nc <= 0 || r0 + nr > l->M || c0 + nc > l->N ||
+        nr > 144 || nc > 64) {
+        ((epi_log *)l)->bad_block++;
+        return;
+    }
+    for (int i = r0; i < r0 + nr; i++)
+        for (int j = c0; j < c0 + nc; j++) {
+            l->seen[(size_t)i * l->N + j] = C[(size_t)i * ldc + j];
+            l->count[(size_t)i * l->N + j]++;
+            C[(size_t)i * ldc + j] += 1; // what an epilogue does: change C in place
+        }
+}
+
+// gemm_f32_epi hands every element of C to the epilogue once, in blocks of at most 144 x 64,
+// when its value is final (the bits gemm_f32 gives), and what the epilogue writes stays
+static void check_epilogue(int ta, int tb, int M, int N, int K, float beta) {
+    const int lda = ta ? M : K, ldb = tb ? K : N, ldc = N + 3;
+    const size_t nc = (size_t)M * ldc;
+    float *A = malloc(sizeof(float) * ((size_t)M * K + 1)), *B = malloc(sizeof(float) * ((size_t)K * N + 1));
+    float *C = malloc(sizeof(float) * nc), *R = malloc(sizeof(float) * nc), *seen = calloc((size_t)M * N, sizeof(float));
+    int *count = calloc((size_t)M * N, sizeof(int));
+    for (size_t i = 0; i < (size_t)M * K; i++) A[i] = frand();
+    for (size_t i = 0; i < (size_t)K * N; i++) B[i] = frand();
+    for (size_t i = 0; i < nc; i++) C[i] = R[i] = frand();
+    epi_log l = {seen, count, ldc, M, N, 0};
+    CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, R, ldc) == 0, "gemm_f32 failed");
+    CHECK(gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C, ldc, epi_record, &l) == 0, "gemm_f32_epi failed");
+    int once = 0, final = 0, kept = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            const size_t o = (size_t)i * N + j, oc = (size_t)i * ldc + j;
+            once += count[o] == 1;
+            final += memcmp(&seen[o], &R[oc], sizeof(float)) == 0;
+            kept += C[oc] == R[oc] + 1;
+        }
+    CHECK(l.bad_block == 0 && once == M * N && final == M * N && kept == M * N,
+          "ta %d tb %d M %d N %d K %d beta %g: %d blocks out of bounds; of %d elements %d seen once, %d with their "
+          "final value, %d keep the epilogue's write",
+          ta, tb, M, N, K, beta, l.bad_block, M * N, once, final, kept);
+    free(A), free(B), free(C), free(R), free(seen), free(count);
+}
+
 int main(void) {
     if (!gemm_f32_supported()) {
         printf("test_gemm_f32: skipped: this CPU lacks AVX2 or FMA3, so the library never runs gemm_f32\n");
@@ -128,5 +179,10 @@ int main(void) {
                 check_product(t >> 1, t & 1, shapes[s][0], shapes[s][1], shapes[s][2], ab[v][0], ab[v][1]);
     check_nan_unread();
     for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1);
+    // shapes across MC (144 rows), the 64-column epilogue blocks, NC (3072) and KC (256); K 0
+    static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}};
+    for (int t = 0; t < 4; t++)
+        for (size_t s = 0; s < sizeof(eshapes) / sizeof(eshapes[0]); s++)
+            for (int b = 0; b < 2; b++) check_epilogue(t >> 1, t & 1, eshapes[s][0], eshapes[s][1], eshapes[s][2], (float)b);
     return test_summary("test_gemm_f32");
 }

@@ -82,6 +82,12 @@ kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, f
     const float *a0 = a, *a1 = a + (size_t)(mr > 1 ? 1 : 0) * ars, *a2 = a + (size_t)(mr > 2 ? 2 : mr - 1) * ars;
     const float *a3 = a + (size_t)(mr > 3 ? 3 : mr - 1) * ars, *a4 = a + (size_t)(mr > 4 ? 4 : mr - 1) * ars;
     const float *a5 = a + (size_t)(mr > 5 ? 5 : mr - 1) * ars;
+    // c's lines asked for now, to be in L1 when the tile is stored at the end: after the first K
+    // chunk, c is read back from memory or L3, one miss per line a tile otherwise waits on
+    for (int r = 0; r < mr; r++) {
+        __builtin_prefetch(c + (size_t)r * ldc, 1);
+        __builtin_prefetch(c + (size_t)r * ldc + nr - 1, 1);
+    }
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
@@ -137,11 +143,24 @@ static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
 
 int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
              const float *B, int ldb, float beta, float *C, int ldc) {
+    return gemm_f32_epi(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, NULL, NULL);
+}
+
+// columns of C an epilogue call covers: four panels, 36 KB of C at MC rows, in L1 with the panel
+// of B the kernel reads
+enum { EPI_NC = 4 * NR };
+
+int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc, gemm_f32_epi_fn epi,
+                 const void *ctx) {
     if (M <= 0 || N <= 0) return 0;
     if (!gemm_f32_supported()) return -1;
     if (K <= 0 || alpha == 0) { // no products (as in BLAS, alpha 0 reads neither A nor B): C = beta C
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta != 0 ? beta * C[(size_t)i * ldc + j] : 0;
+        if (epi)
+            for (int i = 0; i < M; i += MC)
+                for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, i, M - i < MC ? M - i : MC, j, N - j < EPI_NC ? N - j : EPI_NC);
         return 0;
     }
     const size_t kcm = (size_t)(K < KC ? K : KC);
@@ -157,11 +176,12 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
         for (int pc = 0; pc < K; pc += KC) {
             const int kc = K - pc < KC ? K - pc : KC;
             const float bet = pc == 0 ? beta : 1; // later chunks add to what the first wrote
+            const int last = pc + kc >= K;
             pack_b(bp, tb, B, ldb, jc, nc, pc, kc);
             for (int ic = 0; ic < M; ic += MC) {
                 const int mc = M - ic < MC ? M - ic : MC;
                 if (ta) pack_a(ap, A, lda, ic, mc, pc, kc);
-                for (int jr = 0; jr < nc; jr += NR)
+                for (int jr = 0; jr < nc; jr += NR) {
                     for (int ir = 0; ir < mc; ir += MR) {
                         float *ct = C + (size_t)(ic + ir) * ldc + jc + jr;
                         const int mr = mc - ir < MR ? mc - ir : MR, nr = nc - jr < NR ? nc - jr : NR;
@@ -169,6 +189,11 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
                         else kernel_rows(kc, A + (size_t)(ic + ir) * lda + pc, (size_t)lda, bp + (size_t)jr * kc, ct, ldc,
                                          mr, nr, alpha, bet);
                     }
+                    if (epi && last && (jr + NR >= nc || (jr + NR) % EPI_NC == 0)) {
+                        const int j0 = jr / EPI_NC * EPI_NC;
+                        epi(ctx, C, ldc, ic, mc, jc + j0, (jr + NR < nc ? jr + NR : nc) - j0);
+                    }
+                }
             }
         }
     }

@@ -22,4 +22,16 @@ int gemm_f32_supported(void);
 int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
              const float *B, int ldb, float beta, float *C, int ldc);
 
+// An epilogue: called on a block of C, rows [r0, r0+nr) and columns [c0, c0+nc) of the C that
+// gemm_f32_epi was given, once that block's products are all in.
+typedef void (*gemm_f32_epi_fn)(const void *ctx, float *C, int ldc, int r0, int nr, int c0, int nc);
+
+// gemm_f32, then epi (may be NULL) over all of C, in blocks of at most 144 rows and 64 columns,
+// each run right after the kernel wrote it, while it is in L1 (a bias and activation applied
+// this way read and write C once, not again from memory after the product). The blocks cover C
+// once, in an order that depends on M, N and K only; on -1 epi has not run.
+int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
+                 const float *B, int ldb, float beta, float *C, int ldc, gemm_f32_epi_fn epi,
+                 const void *ctx);
+
 #endif

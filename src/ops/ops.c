@@ -125,7 +125,35 @@ static void colsum_blocks(real *sum, const real *cs, int nb, int C) {
 static void epi_thunk(const void *e, float *C, int ldc, int r0, int nr, int c0, int nc) {
     ((const gemm_epi *)e)->run(e, C, ldc, r0, nr, c0, nc);
 }
+
+// a gemm_epi for gemm_f32_epi, which gives a block's place in the C it was handed: its place in
+// the whole C is that plus where gemm_pe's block starts
+typedef struct {
+    const gemm_epi *e;
+    real *C; // the whole C
+    int r0, c0;
+} epi_at;
+static void epi_at_run(const void *ctx, float *C, int ldc, int r0, int nr, int c0, int nc) {
+    (void)C;
+    const epi_at *p = ctx;
+    p->e->run(p->e, p->C, ldc, p->r0 + r0, nr, p->c0 + c0, nc);
+}
 #endif
+
+// gemm1 on gemm_pe's block at (r0, c0) of C, with epi run on it: inside vlmoe's own product, on
+// each small block as soon as it is written (gemm_f32_epi), else on the whole block after
+static void gemm1_epi(int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B, int ldb,
+                      real beta, real *C, int ldc, const gemm_epi *epi, int r0, int c0) {
+#ifndef VLMOE_REAL_F64
+    if (epi && gemm1_own()) {
+        const epi_at at = {epi, C, r0, c0};
+        if (gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C + (size_t)r0 * ldc + c0, ldc, epi_at_run, &at) == 0)
+            return;
+    }
+#endif
+    gemm1(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C + (size_t)r0 * ldc + c0, ldc);
+    if (epi) epi->run(epi, C, ldc, r0, M, c0, N);
+}
 //
 // asum, when given (A not transposed: (M,K) row-major), accumulates A's column sums (a linear's
 // bias gradient, A being dout) while A is in cache. Blocks of rows: the block that multiplied
@@ -165,14 +193,9 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
             if (csum && b * ks < K) colsum_slice(asum, A, lda, M, b * ks, K - b * ks < ks ? K - b * ks : ks);
             if (n <= 0) continue;
             if (split_rows)
-                gemm1(ta, tb, n, N, K, 1, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta,
-                      C + (size_t)o * ldc, ldc);
+                gemm1_epi(ta, tb, n, N, K, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta, C, ldc, epi, o, 0);
             else
-                gemm1(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C + o,
-                      ldc);
-            if (epi)
-                epi->run(epi, C, ldc, split_rows ? o : 0, split_rows ? n : M, split_rows ? 0 : o,
-                         split_rows ? N : n);
+                gemm1_epi(ta, tb, M, n, K, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C, ldc, epi, 0, o);
             if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
         }
     }
