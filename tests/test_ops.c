@@ -3,6 +3,7 @@
 // Each check builds loss = sum(out * r) for a fixed random r, runs the op's backward with
 // dout = r, and compares every input gradient element with a central difference.
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -434,6 +435,41 @@ static void test_linear_rows(void) {
     CHECK(same, "a row alone and the same row in a batch of %d differ", N);
 }
 
+// A weight gradient summed over thousands of tokens (where, with vlmoe's own AVX2 product, the
+// sum is cut in chunks of tokens added after: ops.c's gemm_ksplit): dw += dout^T inp against a
+// double sum to fp32 rounding, for token counts that give 2 and 4 chunks, the last a short one,
+// and the same bits at 1 and 2 threads.
+static void test_linear_long_sum(void) {
+    const int Ns[2] = {4685, 9000}, K = 20, O = 12;
+    for (int c = 0; c < 2; c++) {
+        const int N = Ns[c];
+        float *x = malloc(sizeof(float) * N * K), *g = malloc(sizeof(float) * N * O), w[12 * 20], dw[2][12 * 20];
+        float *di = calloc((size_t)N * K, sizeof(float)), db[12] = {0};
+        for (int i = 0; i < N * K; i++) x[i] = (float)vlmoe_rng_normal(&rng);
+        for (int i = 0; i < N * O; i++) g[i] = (float)vlmoe_rng_normal(&rng);
+        for (int i = 0; i < O * K; i++) w[i] = (float)vlmoe_rng_normal(&rng), dw[0][i] = dw[1][i] = 0.5f;
+        for (int t = 0; t < 2; t++) {
+            omp_set_num_threads(t + 1);
+            linear_backward_f32(di, dw[t], db, g, x, w, N, K, O);
+        }
+        omp_set_num_threads(2);
+        int bad = 0;
+        for (int o = 0; o < O; o++)
+            for (int k = 0; k < K; k++) {
+                double s = 0.5, mag = 0.5;
+                for (int n = 0; n < N; n++) {
+                    const double p = (double)g[(size_t)n * O + o] * x[(size_t)n * K + k];
+                    s += p, mag += fabs(p);
+                }
+                bad += fabs(dw[0][o * K + k] - s) > (N + 2) * 6e-8 * mag;
+            }
+        CHECK(bad == 0, "linear_backward_f32 over %d tokens: %d of %d dw values beyond fp32 rounding of the double sum", N,
+              bad, O * K);
+        CHECK(!memcmp(dw[0], dw[1], sizeof(dw[0])), "linear_backward_f32 over %d tokens: dw differs between 1 and 2 threads", N);
+        free(x), free(g), free(di);
+    }
+}
+
 // The MLP's fused first layer against the unfused ops, in float: a = act(h) and dh = (dy.w)
 // act'(h) to the bit for the same h, h within rounding of linear_forward (the bias goes in
 // after the product instead of before), and the backward's dw, db as linear_backward's. Two
@@ -516,6 +552,7 @@ int main(void) {
     test_vexp();
     test_verf();
     test_linear_rows();
+    test_linear_long_sum();
     test_linear();
     test_linear_write();
     test_layernorm();
