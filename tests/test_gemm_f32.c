@@ -171,6 +171,7 @@ int main(void) {
     static const int shapes[][3] = {
         {1, 1, 1},   {1, 17, 5},   {5, 16, 256}, {6, 16, 257}, {7, 33, 300}, {13, 15, 513},
         {150, 40, 70}, {289, 50, 20}, {3, 3100, 9}, {20, 20, 0}, {64, 64, 64},
+        {65, 64, 65}, {150, 32, 7}, // op(B) = B read in place (N whole panels up to 64, K up to 256)
     };
     const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -0.25f}};
     for (int t = 0; t < 4; t++)
@@ -180,7 +181,7 @@ int main(void) {
     check_nan_unread();
     for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1);
     // shapes across MC (144 rows), the 64-column epilogue blocks, NC (3072) and KC (256); K 0
-    static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}};
+    static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}, {150, 64, 65}};
     for (int t = 0; t < 4; t++)
         for (size_t s = 0; s < sizeof(eshapes) / sizeof(eshapes[0]); s++)
             for (int b = 0; b < 2; b++) check_epilogue(t >> 1, t & 1, eshapes[s][0], eshapes[s][1], eshapes[s][2], (float)b);

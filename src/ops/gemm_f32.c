@@ -77,7 +77,7 @@ __attribute__((target("avx2,fma"))) static void pack_b(float *dst, int tb, const
 // A's rows in place (ars lda, acs 1), which they can be read from as they are; rows past mr
 // repeat the last valid one and are not stored.
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, float *c, int ldc, int mr, int nr,
+kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, size_t bs, float *c, int ldc, int mr, int nr,
             float alpha, float beta) {
     const float *a0 = a, *a1 = a + (size_t)(mr > 1 ? 1 : 0) * ars, *a2 = a + (size_t)(mr > 2 ? 2 : mr - 1) * ars;
     const float *a3 = a + (size_t)(mr > 3 ? 3 : mr - 1) * ars, *a4 = a + (size_t)(mr > 4 ? 4 : mr - 1) * ars;
@@ -92,7 +92,7 @@ kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, f
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
     for (int k = 0; k < kc; k++) {
-        const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
         const size_t o = (size_t)k * acs;
         __m256 x = _mm256_broadcast_ss(a0 + o);
         c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
@@ -106,7 +106,7 @@ kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, f
         c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41);
         x = _mm256_broadcast_ss(a5 + o);
         c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51);
-        b += NR;
+        b += bs;
     }
     const __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
     const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
@@ -131,12 +131,19 @@ kernel_body(const int acs, int kc, const float *a, size_t ars, const float *b, f
 
 __attribute__((target("avx2,fma"))) static void kernel_packed(int kc, const float *a, const float *b, float *c, int ldc,
                                                                int mr, int nr, float alpha, float beta) {
-    kernel_body(MR, kc, a, 1, b, c, ldc, mr, nr, alpha, beta);
+    kernel_body(MR, kc, a, 1, b, NR, c, ldc, mr, nr, alpha, beta);
 }
 
 __attribute__((target("avx2,fma"))) static void kernel_rows(int kc, const float *a, size_t lda, const float *b, float *c,
                                                              int ldc, int mr, int nr, float alpha, float beta) {
-    kernel_body(1, kc, a, lda, b, c, ldc, mr, nr, alpha, beta);
+    kernel_body(1, kc, a, lda, b, NR, c, ldc, mr, nr, alpha, beta);
+}
+
+// kernel_rows with op(B) = B read in place, row k of the panel at b + k ldb (see gemm_f32_epi)
+__attribute__((target("avx2,fma"))) static void kernel_inplace(int kc, const float *a, size_t lda, const float *b,
+                                                                size_t ldb, float *c, int ldc, int mr, float alpha,
+                                                                float beta) {
+    kernel_body(1, kc, a, lda, b, ldb, c, ldc, mr, NR, alpha, beta);
 }
 
 static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
@@ -161,6 +168,21 @@ int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *
         if (epi)
             for (int i = 0; i < M; i += MC)
                 for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, i, M - i < MC ? M - i : MC, j, N - j < EPI_NC ? N - j : EPI_NC);
+        return 0;
+    }
+    // a small op(B) = B of whole panels (attention's products with V, K, Q and dout, 65 x 64 at
+    // bench-s): read where it is, its rows' 16-float runs being what packing would copy; packing
+    // it cost as much as the products at that size. Same arithmetic, so the same bits.
+    if (!ta && !tb && K <= KC && N <= 4 * NR && N % NR == 0) {
+        for (int ic = 0; ic < M; ic += MC) {
+            const int mc = M - ic < MC ? M - ic : MC;
+            for (int jr = 0; jr < N; jr += NR)
+                for (int ir = 0; ir < mc; ir += MR)
+                    kernel_inplace(K, A + (size_t)(ic + ir) * lda, (size_t)lda, B + jr, (size_t)ldb,
+                                   C + (size_t)(ic + ir) * ldc + jr, ldc, mc - ir < MR ? mc - ir : MR, alpha, beta);
+            if (epi)
+                for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, ic, mc, j, N - j < EPI_NC ? N - j : EPI_NC);
+        }
         return 0;
     }
     const size_t kcm = (size_t)(K < KC ? K : KC);
