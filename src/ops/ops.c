@@ -205,7 +205,10 @@ static int gemm_ksplit(int tb, int M, int N, int K, const real *A, int lda, cons
 // transposed, or the partials' memory could not be had).
 static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda,
                    const real *B, int ldb, real beta, real *C, int ldc, const gemm_epi *epi, real *asum) {
-    const int split_rows = M >= N, dim = split_rows ? M : N;
+    // vlmoe's own product (AVX2) reads op(A) = A in place and packs op(B): blocks of rows each
+    // pack all of B, blocks of columns their share of it. Where A is short (an expert's tokens,
+    // a batch of texts) its rows are too few to pay for that, so the columns are split.
+    const int split_rows = gemm1_own() && !ta && M <= 1024 && N >= 128 ? 0 : M >= N, dim = split_rows ? M : N;
     // blocks of up to 1024 rows: each call packs the whole other operand, so small blocks repack
     // it often (64-row blocks cost bench-s 8% more time than 512, and 512 some 1-2% more than
     // 1024 at 2 threads: 5120 tokens in 10 blocks against 6), while an expert's 640 rows still
