@@ -157,6 +157,11 @@ int gemm_f32(int ta, int tb, int M, int N, int K, float alpha, const float *A, i
 // of B the kernel reads
 enum { EPI_NC = 4 * NR };
 
+// epi over rows [i0, i0+mc) of C's first N columns, EPI_NC columns a call
+static void epi_rows(gemm_f32_epi_fn epi, const void *ctx, float *C, int ldc, int i0, int mc, int N) {
+    for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, i0, mc, j, N - j < EPI_NC ? N - j : EPI_NC);
+}
+
 int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc, gemm_f32_epi_fn epi,
                  const void *ctx) {
@@ -165,9 +170,7 @@ int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *
     if (K <= 0 || alpha == 0) { // no products (as in BLAS, alpha 0 reads neither A nor B): C = beta C
         for (int i = 0; i < M; i++)
             for (int j = 0; j < N; j++) C[(size_t)i * ldc + j] = beta != 0 ? beta * C[(size_t)i * ldc + j] : 0;
-        if (epi)
-            for (int i = 0; i < M; i += MC)
-                for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, i, M - i < MC ? M - i : MC, j, N - j < EPI_NC ? N - j : EPI_NC);
+        for (int i = 0; epi && i < M; i += MC) epi_rows(epi, ctx, C, ldc, i, M - i < MC ? M - i : MC, N);
         return 0;
     }
     // a small op(B) = B of whole panels (attention's products with V, K, Q and dout, 65 x 64 at
@@ -180,8 +183,7 @@ int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *
                 for (int ir = 0; ir < mc; ir += MR)
                     kernel_inplace(K, A + (size_t)(ic + ir) * lda, (size_t)lda, B + jr, (size_t)ldb,
                                    C + (size_t)(ic + ir) * ldc + jr, ldc, mc - ir < MR ? mc - ir : MR, alpha, beta);
-            if (epi)
-                for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, ic, mc, j, N - j < EPI_NC ? N - j : EPI_NC);
+            if (epi) epi_rows(epi, ctx, C, ldc, ic, mc, N);
         }
         return 0;
     }
