@@ -9,7 +9,7 @@
 // (src/ops/backend_cpu.c) where the CPU has bf16 instructions (tests/test_bf16.c), and on a CUDA
 // device that table's bf16 twin (src/cuda/bf16_cuda.cu; tests/test_backend_ops.c on a GPU).
 // --precision int8 (inference) quantizes the model's MLP and expert weights once and runs them on
-// a cpu-int8 table of the model's own where the CPU has VNNI, the attention's linears in bf16
+// a cpu-int8 table of the model's own where the CPU has VNNI or AVX2, the attention's linears in bf16
 // where the CPU has bf16 (int8-attn: in int8 too); tests/test_int8.c.
 #include <math.h>
 #include <stdlib.h>

@@ -434,7 +434,7 @@ int model_set_device(vlmoe_model *m, const char *name);
 // runs the products of linear layers and experts in bf16 on a CPU that has it natively; on one
 // that does not, the model stays fp32 and *fell_back is set to 1 (the caller says so). "int8"
 // (inference: vlmoe_model_forward refuses to train) quantizes the MLP and expert weights as they
-// are now and runs those products in int8 on a CPU with VNNI (else fp32, *fell_back 1), the
+// are now and runs those products in int8 on a CPU with VNNI or AVX2 (else fp32, *fell_back 1), the
 // attention's linears in bf16 where the CPU has it; "int8-attn" quantizes those too; weights
 // changed later are not seen until it is set again.
 // On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32

@@ -1,6 +1,7 @@
 // gemm_int8.c: int8 products for `--precision int8` on the CPU (src/ops/gemm_int8.h).
 // Symmetric s8 on both sides: oneDNN's VNNI kernels take u8 x s8 and add the +128 shift's
-// compensation themselves, while a u8 activation with a zero point per row is something
+// compensation themselves (without VNNI, on AVX2, block_gemm_u8 shifts and compensates here,
+// with 7-bit weights: see there), while a u8 activation with a zero point per row is something
 // oneDNN 2.6's matmul cannot take (its zero points are one per tensor). The weights are
 // quantized and put into the blocked layout of oneDNN's int8 brgemm once (with the shift's
 // compensation, which the reorder computes); a product then runs fixed blocks of rows, each one
@@ -19,13 +20,26 @@
 #include "ops/ops.h"
 
 int gemm_int8_native(void) {
-    // oneDNN's ISA values are feature masks: AMX's include avx512_core_vnni's bits
+    // oneDNN's ISA values are feature masks: AMX's include avx512_core_vnni's bits, every
+    // AVX-512 level avx2's
     const unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
     const unsigned v512 = (unsigned)dnnl_cpu_isa_avx512_core_vnni, v256 = (unsigned)dnnl_cpu_isa_avx2_vnni;
-    return (isa & v512) == v512 || (isa & v256) == v256;
+    const unsigned avx2 = (unsigned)dnnl_cpu_isa_avx2;
+    if ((isa & v512) == v512 || (isa & v256) == v256) return INT8_VNNI;
+    return (isa & avx2) == avx2 ? INT8_AVX2 : 0;
 }
 
+int int8_weight_max(void) {
+    return gemm_int8_native() == INT8_AVX2 ? 63 : 127;
+}
+
+static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax);
+
 void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld) {
+    quantize(q, scale, x, rows, K, ld, 127);
+}
+
+static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax) {
     if (K <= 0) return;
 #pragma omp parallel for schedule(static) if ((size_t)rows * K >= 65536)
     for (int i = 0; i < rows; i++) {
@@ -44,14 +58,16 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
             scale[i] = finite ? 0.0f : NAN;
             continue;
         }
-        const float inv = 127.0f / amax;
+        const float inv = (float)qmax / amax, fq = (float)qmax;
+        // clamped before rounding (v is within [-qmax, qmax] up to one rounding), so the
+        // conversion's lanes narrow with no integer compare: the loop vectorizes
 #pragma omp simd
         for (int k = 0; k < K; k++) {
-            const float v = r[k] * inv; // within [-127, 127] up to one rounding
-            const int n = (int)(v + (v >= 0 ? 0.5f : -0.5f));
-            qi[k] = (int8_t)(n > 127 ? 127 : n < -127 ? -127 : n);
+            float v = r[k] * inv;
+            v = v > fq ? fq : v < -fq ? -fq : v;
+            qi[k] = (int8_t)(int)(v + (v >= 0 ? 0.5f : -0.5f));
         }
-        scale[i] = amax / 127.0f;
+        scale[i] = amax / (float)qmax;
     }
 }
 
@@ -160,10 +176,10 @@ static int block_prim(const int8_tensor *t, int m, entry *out, int *owned) {
 // Per-thread scratch kept between products (the kernels own no workspace; allocating per
 // product would page-fault on every call). Only grows. Slots: 0 quantized rows, 1 their scales,
 // 2 the fp32 block, 3 the hidden block quantized, 4 its scales, 5 the second fp32 block, 6
-// oneDNN's scratchpad.
+// oneDNN's scratchpad, 7 and 8 the u8 rows and int32 sums of block_gemm_u8.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[7];
-    static _Thread_local size_t cap[7];
+    static _Thread_local void *buf[9];
+    static _Thread_local size_t cap[9];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -182,10 +198,35 @@ static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, fl
         }
 }
 
+// Without VNNI (INT8_AVX2): C (m, O) = A . q^T by oneDNN's u8 x s8 gemm, whose AVX2 kernel
+// multiplies pairs with vpmaddubsw into 16-bit sums (saturating) before widening: with A
+// shifted to u8 (A + 128 <= 255) and weights within [-63, 63] (int8_weight_max), a pair reaches
+// 2 * 255 * 63 = 32130 < 32767, so the int32 sums are exact. The shift comes back off as 128 times
+// each weight row's sum, kept with the weights. 0, or -1 when its scratch cannot be had (or
+// oneDNN refuses).
+static int block_gemm_u8(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
+    const int K = t->K, O = t->O;
+    uint8_t *au = scratch((size_t)m * K, 7);
+    int32_t *ci = scratch(sizeof(int32_t) * (size_t)m * O, 8);
+    if (!au || !ci || !t->wsum) return -1;
+#pragma omp simd
+    for (size_t i = 0; i < (size_t)m * K; i++) au[i] = (uint8_t)((uint8_t)A[i] ^ 0x80u); // a + 128
+    const int32_t co = 0;
+    if (dnnl_gemm_u8s8s32('N', 'T', 'F', m, O, K, 1.0f, au, K, 0, t->q + c * (size_t)O * K, K, 0, 0.0f, ci, O,
+                          &co) != dnnl_success)
+        return -1;
+    const int32_t *ws = t->wsum + c * (size_t)O;
+    for (int i = 0; i < m; i++)
+#pragma omp simd
+        for (int j = 0; j < O; j++) C[(size_t)i * O + j] = (float)(ci[(size_t)i * O + j] - 128 * ws[j]);
+    return 0;
+}
+
 // C (m, O) = A (m,K) . (matrix c of t)^T, the exact int32 sums as floats, on this thread. The
 // weights' scales come after, in the epilogue: oneDNN 2.6 takes run-time output scales only
 // in its gemm:jit int8 kernel, which ran these shapes at a fifth of brgemm's rate.
 static void block_matmul(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
+    if (t->wsum && block_gemm_u8(t, c, m, A, C) == 0) return;
     const int8_t *q = t->q + c * (size_t)t->O * t->K;
     entry e = {0};
     int owned = 0, ok = t->packed && block_prim(t, m, &e, &owned) == 0;
@@ -220,8 +261,8 @@ static int holds(const int8_tensor *t, size_t row, int K, int O) {
 }
 
 // VNNI multiplies u8 by s8: oneDNN shifts s8 inputs by 128, so a sum reaches 255 * 127 * K,
-// which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand): holds()
-// refuses wider.
+// which stays in int32 up to K = 66,000 (the widest MLP input here is a few thousand; AVX2's
+// 255 * 63 * K twice that): holds() refuses wider.
 
 // out (m,O) = xs[i] (ws[j] acc[i][j]) + b[j] (beta: added), acc the block's int32 sums as floats
 static void epilogue(float *out, const float *acc, const float *xs, const float *ws, const float *b, int m, int O,
@@ -366,8 +407,21 @@ int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int 
             free(e->q), free(e->scale);
             return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu x %d bytes", rows, K);
         }
-        int8_quantize_rows(e->q, e->scale, src, (int)rows, K, K);
-        if (K <= 65536) pack(e);
+        const int qmax = int8_weight_max();
+        quantize(e->q, e->scale, src, (int)rows, K, K, qmax);
+        if (qmax < 127) { // AVX2: the products read q as it is, and need each row's sum
+            if (!(e->wsum = malloc(sizeof(int32_t) * rows))) {
+                free(e->q), free(e->scale);
+                return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu row sums", rows);
+            }
+            for (size_t i = 0; i < rows; i++) {
+                int32_t sum = 0;
+                for (int k = 0; k < K; k++) sum += e->q[i * (size_t)K + k];
+                e->wsum[i] = sum;
+            }
+        } else if (K <= 65536) {
+            pack(e);
+        }
     }
     w->count++;
     return VLMOE_OK;
@@ -375,7 +429,10 @@ int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int 
 
 void int8_weights_free(int8_weights *w) {
     if (!w) return;
-    for (int i = 0; i < w->count; i++) free(w->t[i].q), free(w->t[i].scale), free(w->t[i].packed), free(w->t[i].md);
+    for (int i = 0; i < w->count; i++) {
+        int8_tensor *t = &w->t[i];
+        free(t->q), free(t->scale), free(t->packed), free(t->md), free(t->wsum);
+    }
     free(w->t);
     *w = (int8_weights){0};
 }

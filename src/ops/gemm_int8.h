@@ -1,19 +1,27 @@
 // gemm_int8.h: int8 products for `--precision int8` (inference only) on the CPU: weights
 // quantized once, symmetric per output channel; activations quantized per row as the product
-// runs; s8 x s8 products through oneDNN's int8 matmul (VNNI) with int32 accumulation and fp32
-// output, the weight scales applied by oneDNN and the row scales after it. Used by the expert
-// banks of src/ops/backend_cpu.c's cpu-int8 table. Covered by tests/test_int8.c.
+// runs; s8 x s8 products through oneDNN's int8 matmul (VNNI; its u8 x s8 gemm with 7-bit
+// weights on AVX2 without VNNI) with int32 accumulation and fp32 output, the weight scales and
+// the row scales applied after it. Used by the expert banks (and linears) of
+// src/ops/backend_cpu.c's cpu-int8 table. Covered by tests/test_int8.c.
 #ifndef VLMOE_OPS_GEMM_INT8_H
 #define VLMOE_OPS_GEMM_INT8_H
 #include <stddef.h>
 #include <stdint.h>
 
-// 1 when oneDNN runs int8 matmuls on VNNI instructions here (AVX512_VNNI or AVX-VNNI), else 0:
-// without them the int8 products would be no faster than fp32, and the caller keeps fp32.
+// How oneDNN multiplies int8 here: INT8_VNNI (AVX512_VNNI or AVX-VNNI: brgemm, one instruction
+// per 4 products), INT8_AVX2 (no VNNI: vpmaddubsw pairs into 16-bit sums, so the weights keep 7
+// bits, int8_weight_max), or 0 (no AVX2: int8 would be no faster than fp32, and the caller
+// keeps fp32). oneDNN's ISA cap (DNNL_MAX_CPU_ISA) counts.
+enum { INT8_VNNI = 1, INT8_AVX2 = 2 };
 int gemm_int8_native(void);
+// The weights' quantization range [-w, w]: 127 with VNNI, 63 on AVX2 (a pair of u8 x s7
+// products then fits a 16-bit sum).
+int int8_weight_max(void);
 
-// Symmetric quantization of rows (rows, K) with leading dimension ld: scale[i] = max_k |x[i,k]|
-// / 127 and q[i,k] = round(x[i,k] / scale[i]) in [-127, 127], so |x - scale q| <= scale / 2.
+// Symmetric quantization of rows (rows, K) with leading dimension ld (the activations; weights
+// use int8_weight_max in place of 127): scale[i] = max_k |x[i,k]| / 127 and
+// q[i,k] = round(x[i,k] / scale[i]) in [-127, 127], so |x - scale q| <= scale / 2.
 // An all-zero row gets scale 0 (and q 0); a row holding NaN or infinity gets scale NaN, so its
 // products come out NaN as they would in fp32. Threads split the rows.
 void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld);
@@ -21,9 +29,10 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
 // The quantized copies of a model's weights (matrices (rows, K) of the flat parameter buffer),
 // found by the address of their fp32 original: what a table's ctx points to. A tensor stacks
 // rows/O matrices of O rows each (an expert bank's experts; O = rows for a plain linear), and
-// each is also kept in the blocked layout oneDNN's int8 brgemm reads (packed once, when the
-// weights are quantized: no product repacks its weights). kind INT8_BF16 marks a weight that is
-// not quantized but runs its products in bf16 (src/ops/gemm_bf16.h): q, scale and packed are NULL.
+// with VNNI each is also kept in the blocked layout oneDNN's int8 brgemm reads (packed once,
+// when the weights are quantized: no product repacks its weights; on AVX2 the gemm reads q).
+// kind INT8_BF16 marks a weight that is not quantized but runs its products in bf16
+// (src/ops/gemm_bf16.h): q, scale, packed and wsum are NULL.
 enum { INT8_Q8, INT8_BF16 };
 typedef struct {
     const float *src;     // the fp32 weights (rows, K) this is a copy of
@@ -34,6 +43,7 @@ typedef struct {
     void *packed;         // rows/O matrices of pbytes each in the layout *md, or NULL (strided q read)
     size_t pbytes;
     void *md;             // the layout (a dnnl_memory_desc_t)
+    int32_t *wsum;        // (rows) each row's sum of q, for the u8 shift (INT8_AVX2; else NULL)
 } int8_tensor;
 
 typedef struct {
