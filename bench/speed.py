@@ -271,9 +271,12 @@ def main():
               f"{again['bf16_dot_gflops']:.0f} (the table uses the higher)")
         for k in ("fp32_fma_gflops", "bf16_dot_gflops"):
             peak[k] = max(peak[k], again[k])
-    hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} {'vlmoe bf16':>17} {'torch fp32':>17} {'torch bf16':>17} "
-           f"{'v/t fp32':>8} {'vbf/tbf':>7} {'vbf/t32':>7} {'fp32 GF/s':>9} {'%peak':>5} {'bf16 GF/s':>9} "
-           f"{'%peak':>5} {'RSS MB v/t':>11} {'img/s v/t':>11} {'txt/s v/t':>11}")
+    # without bf16 products (no AVX512_BF16 or AMX) the bf16 columns would hold only nan: left out
+    bf = lambda txt: txt if BF16 else ""  # noqa: E731
+    hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} " + bf(f"{'vlmoe bf16':>17} ") + f"{'torch fp32':>17} "
+           + bf(f"{'torch bf16':>17} ") + f"{'v/t fp32':>8} " + bf(f"{'vbf/tbf':>7} {'vbf/t32':>7} ")
+           + f"{'fp32 GF/s':>9} {'%peak':>5} " + bf(f"{'bf16 GF/s':>9} {'%peak':>5} ")
+           + f"{'RSS MB v/t':>11} {'img/s v/t':>11} {'txt/s v/t':>11}")
     print(f"\nbench/speed.py: {cpu_model()}, medians over {a.rounds} alternating rounds of {a.steps} steps "
           f"(range of the round medians); matrix-product FLOP/s against the measured FMA / vdpbf16ps peak")
     print(hdr)
@@ -283,10 +286,11 @@ def main():
         g32, g16 = v["gflop"] / v["step_s"], vb["gflop"] / vb["step_s"]
         pk32, pk16 = peak["fp32_fma_gflops"] or float("nan"), peak["bf16_dot_gflops"] or float("nan")
         cell = lambda x: f"{x['step_s']:6.3f} ({x['lo']:.2f}-{x['hi']:.2f})"  # noqa: E731
-        print(f"{name:13} {t:>3} {cell(v)} {cell(vb)} {cell(p)} {cell(pb)} "
-              f"{p['step_s'] / v['step_s']:7.2f}x {pb['step_s'] / vb['step_s']:6.2f}x {p['step_s'] / vb['step_s']:6.2f}x "
-              f"{g32:9.1f} {100 * g32 / pk32:4.0f}% {g16:9.1f} {100 * g16 / pk16:4.0f}% "
-              f"{v['rss']:5.0f}/{p['rss']:<5.0f} {v['img']:5.0f}/{p['img']:<5.0f} {v['txt']:5.0f}/{p['txt']:<5.0f}")
+        print(f"{name:13} {t:>3} {cell(v)} " + bf(f"{cell(vb)} ") + f"{cell(p)} " + bf(f"{cell(pb)} ")
+              + f"{p['step_s'] / v['step_s']:7.2f}x "
+              + bf(f"{pb['step_s'] / vb['step_s']:6.2f}x {p['step_s'] / vb['step_s']:6.2f}x ")
+              + f"{g32:9.1f} {100 * g32 / pk32:4.0f}% " + bf(f"{g16:9.1f} {100 * g16 / pk16:4.0f}% ")
+              + f"{v['rss']:5.0f}/{p['rss']:<5.0f} {v['img']:5.0f}/{p['img']:<5.0f} {v['txt']:5.0f}/{p['txt']:<5.0f}")
     if not BF16:
         print("(img/s and txt/s: embedding at the same batch, fp32 for both; bf16: not run, this CPU has neither "
               "AVX512_BF16 nor AMX)")

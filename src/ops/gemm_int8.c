@@ -33,12 +33,7 @@ int int8_weight_max(void) {
     return gemm_int8_native() == INT8_AVX2 ? 63 : 127;
 }
 
-static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax);
-
-void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld) {
-    quantize(q, scale, x, rows, K, ld, 127);
-}
-
+// int8_quantize_rows with the range [-qmax, qmax] (the weights': int8_weight_max).
 static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax) {
     if (K <= 0) return;
 #pragma omp parallel for schedule(static) if ((size_t)rows * K >= 65536)
@@ -69,6 +64,10 @@ static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, i
         }
         scale[i] = amax / (float)qmax;
     }
+}
+
+void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld) {
+    quantize(q, scale, x, rows, K, ld, 127);
 }
 
 // One engine for the process (stateless, safe to share), made by whichever thread asks first.
