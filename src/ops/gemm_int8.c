@@ -197,7 +197,7 @@ static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, fl
         }
 }
 
-// Without VNNI (INT8_AVX2): C (m, O) = A . q^T by oneDNN's u8 x s8 gemm, whose AVX2 kernel
+// Without VNNI (INT8_AVX2, t->wsum set): C (m, O) = A . q^T by oneDNN's u8 x s8 gemm, whose AVX2 kernel
 // multiplies pairs with vpmaddubsw into 16-bit sums (saturating) before widening: with A
 // shifted to u8 (A + 128 <= 255) and weights within [-63, 63] (int8_weight_max), a pair reaches
 // 2 * 255 * 63 = 32130 < 32767, so the int32 sums are exact. The shift comes back off as 128 times
@@ -207,7 +207,7 @@ static int block_gemm_u8(const int8_tensor *t, size_t c, int m, const int8_t *A,
     const int K = t->K, O = t->O;
     uint8_t *au = scratch((size_t)m * K, 7);
     int32_t *ci = scratch(sizeof(int32_t) * (size_t)m * O, 8);
-    if (!au || !ci || !t->wsum) return -1;
+    if (!au || !ci) return -1;
 #pragma omp simd
     for (size_t i = 0; i < (size_t)m * K; i++) au[i] = (uint8_t)((uint8_t)A[i] ^ 0x80u); // a + 128
     const int32_t co = 0;
@@ -406,9 +406,8 @@ int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int 
             free(e->q), free(e->scale);
             return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu x %d bytes", rows, K);
         }
-        const int qmax = int8_weight_max();
-        quantize(e->q, e->scale, src, (int)rows, K, K, qmax);
-        if (qmax < 127) { // AVX2: the products read q as it is, and need each row's sum
+        quantize(e->q, e->scale, src, (int)rows, K, K, int8_weight_max());
+        if (gemm_int8_native() == INT8_AVX2) { // the products read q as it is, and need each row's sum
             if (!(e->wsum = malloc(sizeof(int32_t) * rows))) {
                 free(e->q), free(e->scale);
                 return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu row sums", rows);
