@@ -1,12 +1,13 @@
 // test_gemm_f32.c: vlmoe's own AVX2 fp32 product (src/ops/gemm_f32.c), run wherever the CPU
 // has AVX2 and FMA3 (the library itself prefers it only without AVX-512, but the kernel is the
 // same). 1. Every transpose, alpha and beta, shapes at and across every block edge (the 6x16
-// tile, KC 256, MC 144, NC 3072), K 0, leading dimensions wider than the matrices: C equals the
+// tile, KC 256, MC 144, NC 3072, the 2 MB of op(B) packed whole), K 0, leading dimensions wider than the matrices: C equals the
 // double product to fp32 summation error, and nothing outside C's window is written. 2. beta 0
 // never reads C, and alpha 0 neither A nor B (NaN there stays out of the result). 3. A row's bits do not depend on M or on
 // its position, and a column's not on N or its position: what the header promises and what makes
 // a batch of one equal the same row in a batch of many. 4. gemm_f32_epi runs its epilogue once on
-// every element, after the element's last product, in blocks within the promised size.
+// every element, after the element's last product, in blocks within the promised size. 5. op(B)
+// packed once (gemm_f32_pack_b, gemm_f32_epi_packed) gives the same bits and epilogue.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,9 +89,11 @@ static void check_nan_unread(void) {
         }
 }
 
-// rows and columns alone or at any offset give the bits they give inside the whole product
-static void check_position(int ta, int tb) {
-    const int M = 29, N = 45, K = 300; // M, N no multiple of the tile; K across a KC chunk
+// rows and columns alone or at any offset give the bits they give inside the whole product. M, N
+// no multiple of the tile; K across a KC chunk. With op(A) = A and N 1800, the whole product takes
+// the block order that packs each chunk of op(B) alone (K x N over 2 MB) and the column blocks the
+// one that packs op(B) whole: both must sum every element alike.
+static void check_position(int ta, int tb, int M, int N, int K) {
     const int lda = ta ? M : K, ldb = tb ? K : N;
     float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N);
     float *C = malloc(sizeof(float) * M * N), *P = malloc(sizeof(float) * M * N);
@@ -108,7 +111,8 @@ static void check_position(int ta, int tb) {
         CHECK(gemm_f32(ta, tb, M, n, K, 1, A, lda, tb ? B + (size_t)c0 * ldb : B + c0, ldb, 0, P, n) == 0, "gemm_f32 failed");
         for (int i = 0; i < M; i++) diff += memcmp(P + (size_t)i * n, C + (size_t)i * N + c0, sizeof(float) * n) != 0;
     }
-    CHECK(diff == 0, "ta %d tb %d: %d row or column blocks differ in bits from the same place in the whole product", ta, tb, diff);
+    CHECK(diff == 0, "ta %d tb %d M %d N %d K %d: %d row or column blocks differ in bits from the same place in the whole product",
+          ta, tb, M, N, K, diff);
     free(A), free(B), free(C), free(P);
 }
 
@@ -162,6 +166,44 @@ static void check_epilogue(int ta, int tb, int M, int N, int K, float beta) {
     free(A), free(B), free(C), free(R), free(seen), free(count);
 }
 
+// op(B) packed once (gemm_f32_pack_b, in 64-column ranges packed last to first, as threads may)
+// and then multiplied (gemm_f32_epi_packed) gives gemm_f32's bits, and with an epilogue
+// gemm_f32_epi's: the shapes cover the small op(B) = B that gemm_f32 reads in place, K across KC,
+// N across NC, and op(B) over the 2 MB that changes the block order
+static void check_packed(int ta, int tb, int M, int N, int K, float beta) {
+    const int lda = ta ? M : K, ldb = tb ? K : N, ldc = N + 1;
+    const size_t nc = (size_t)M * ldc, nbp = gemm_f32_packed_b_floats(N, K);
+    float *A = malloc(sizeof(float) * ((size_t)M * K + 1)), *B = malloc(sizeof(float) * ((size_t)K * N + 1));
+    float *R = malloc(sizeof(float) * nc), *P = malloc(sizeof(float) * nc), *bp = malloc(sizeof(float) * (nbp + 1));
+    for (size_t i = 0; i < (size_t)M * K; i++) A[i] = frand();
+    for (size_t i = 0; i < (size_t)K * N; i++) B[i] = frand();
+    for (size_t i = 0; i < nc; i++) R[i] = P[i] = frand();
+    CHECK(nbp >= (size_t)K * N && nbp < (size_t)K * (N + 16), "N %d K %d: %zu floats for the packed op(B)", N, K, nbp);
+    for (int j0 = (N - 1) / 64 * 64; j0 >= 0; j0 -= 64) gemm_f32_pack_b(bp, tb, B, ldb, N, K, j0, j0 + 64);
+    CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, R, ldc) == 0, "gemm_f32 failed");
+    CHECK(gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, P, ldc, NULL, NULL) == 0, "gemm_f32_epi_packed failed");
+    int diff = 0;
+    for (size_t i = 0; i < nc; i++) diff += memcmp(&R[i], &P[i], sizeof(float)) != 0;
+    CHECK(diff == 0, "ta %d tb %d M %d N %d K %d beta %g: %d elements differ in bits from gemm_f32", ta, tb, M, N, K, beta, diff);
+    // with an epilogue: each element once, with the final value (check_epilogue's record)
+    int *count = calloc((size_t)M * N, sizeof(int));
+    float *seen = calloc((size_t)M * N, sizeof(float));
+    for (size_t i = 0; i < nc; i++) P[i] = R[i];
+    CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, R, ldc) == 0, "gemm_f32 failed");
+    epi_log l = {seen, count, ldc, M, N, 0};
+    CHECK(gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, P, ldc, epi_record, &l) == 0, "gemm_f32_epi_packed failed");
+    int once = 0, final = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            const size_t o = (size_t)i * N + j;
+            once += count[o] == 1, final += memcmp(&seen[o], &R[(size_t)i * ldc + j], sizeof(float)) == 0;
+        }
+    CHECK(l.bad_block == 0 && once == M * N && final == M * N,
+          "ta %d tb %d M %d N %d K %d: epilogue: %d blocks out of bounds; of %d elements %d seen once, %d final", ta, tb, M,
+          N, K, l.bad_block, M * N, once, final);
+    free(A), free(B), free(R), free(P), free(bp), free(count), free(seen);
+}
+
 int main(void) {
     if (!gemm_f32_supported()) {
         printf("test_gemm_f32: skipped: this CPU lacks AVX2 or FMA3, so the library never runs gemm_f32\n");
@@ -172,6 +214,7 @@ int main(void) {
         {1, 1, 1},   {1, 17, 5},   {5, 16, 256}, {6, 16, 257}, {7, 33, 300}, {13, 15, 513},
         {150, 40, 70}, {289, 50, 20}, {3, 3100, 9}, {20, 20, 0}, {64, 64, 64},
         {65, 64, 65}, {150, 32, 7}, // op(B) = B read in place (N whole panels up to 64, K up to 256)
+        {150, 700, 520}, {7, 3100, 300}, // K over KC, op(B) packed whole (K x N up to 2 MB) or not
     };
     const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -0.25f}};
     for (int t = 0; t < 4; t++)
@@ -179,11 +222,15 @@ int main(void) {
             for (size_t v = 0; v < sizeof(ab) / sizeof(ab[0]); v++)
                 check_product(t >> 1, t & 1, shapes[s][0], shapes[s][1], shapes[s][2], ab[v][0], ab[v][1]);
     check_nan_unread();
-    for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1);
+    for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1, 29, 45, 300), check_position(t >> 1, t & 1, 29, 1800, 300);
     // shapes across MC (144 rows), the 64-column epilogue blocks, NC (3072) and KC (256); K 0
     static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}, {150, 64, 65}};
     for (int t = 0; t < 4; t++)
         for (size_t s = 0; s < sizeof(eshapes) / sizeof(eshapes[0]); s++)
             for (int b = 0; b < 2; b++) check_epilogue(t >> 1, t & 1, eshapes[s][0], eshapes[s][1], eshapes[s][2], (float)b);
+    static const int pshapes[][3] = {{1, 1, 1}, {7, 33, 300}, {150, 64, 65}, {65, 48, 200}, {150, 700, 520}, {9, 3100, 270}, {5, 2100, 300}};
+    for (int t = 0; t < 4; t++)
+        for (size_t s = 0; s < sizeof(pshapes) / sizeof(pshapes[0]); s++)
+            for (int b = 0; b < 2; b++) check_packed(t >> 1, t & 1, pshapes[s][0], pshapes[s][1], pshapes[s][2], (float)b);
     return test_summary("test_gemm_f32");
 }

@@ -17,6 +17,10 @@
 // down the A block; MC x KC of A (144 KB) stays in L2; the KC x NC block of B in L3 (3 MB at most).
 enum { MR = 6, NR = 16, KC = 256, MC = 144, NC = 3072 };
 
+// op(B) packed whole, for the block order that keeps C's rows in cache (drive): at most
+// this many floats (2 MB)
+enum { B_WHOLE = 1 << 19 };
+
 int gemm_f32_supported(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 int gemm_f32_preferred(void) { return gemm_f32_supported() && !__builtin_cpu_supports("avx512f"); }
@@ -162,6 +166,82 @@ static void epi_rows(gemm_f32_epi_fn epi, const void *ctx, float *C, int ldc, in
     for (int j = 0; j < N; j += EPI_NC) epi(ctx, C, ldc, i0, mc, j, N - j < EPI_NC ? N - j : EPI_NC);
 }
 
+// the operands of one gemm_f32_epi call, for run_block
+typedef struct {
+    int ta, M, K;
+    float alpha, beta;
+    const float *A;
+    int lda;
+    float *ap; // op(A)'s packed MC x KC block when op(A) = A^T
+    float *C;
+    int ldc;
+    gemm_f32_epi_fn epi;
+    const void *ctx;
+} blocks;
+
+// C's rows [ic, ic+MC) and columns [jc, jc+nc) += their products over K's chunk [pc, pc+KC),
+// bp holding that chunk of op(B) packed; the first chunk applies beta, the last the epilogue
+static void run_block(const blocks *g, const float *bp, int jc, int nc, int ic, int pc) {
+    const int mc = g->M - ic < MC ? g->M - ic : MC, kc = g->K - pc < KC ? g->K - pc : KC;
+    const float bet = pc == 0 ? g->beta : 1; // later chunks add to what the first wrote
+    const int last = pc + kc >= g->K;
+    if (g->ta) pack_a(g->ap, g->A, g->lda, ic, mc, pc, kc);
+    for (int jr = 0; jr < nc; jr += NR) {
+        for (int ir = 0; ir < mc; ir += MR) {
+            float *ct = g->C + (size_t)(ic + ir) * g->ldc + jc + jr;
+            const int mr = mc - ir < MR ? mc - ir : MR, nr = nc - jr < NR ? nc - jr : NR;
+            if (g->ta) kernel_packed(kc, g->ap + (size_t)ir * kc, bp + (size_t)jr * kc, ct, g->ldc, mr, nr, g->alpha, bet);
+            else kernel_rows(kc, g->A + (size_t)(ic + ir) * g->lda + pc, (size_t)g->lda, bp + (size_t)jr * kc, ct, g->ldc,
+                             mr, nr, g->alpha, bet);
+        }
+        if (g->epi && last && (jr + NR >= nc || (jr + NR) % EPI_NC == 0)) {
+            const int j0 = jr / EPI_NC * EPI_NC;
+            g->epi(g->ctx, g->C, g->ldc, ic, mc, jc + j0, (jr + NR < nc ? jr + NR : nc) - j0);
+        }
+    }
+}
+
+// The blocks of a product with K > 0 and alpha != 0, op(B) packed here from B (pre NULL) or
+// packed already (pre, gemm_f32_pack_b's layout). Two orders of the blocks, the same sums in the
+// same order for every element of C, so the same bits. By default each KC chunk of op(B) is
+// packed once and every MC block of op(A) runs against it, C passing through the cache once per
+// chunk. With K over KC and op(A) = A (the forward products and the input gradients, 4160 x 256 x
+// 1024 at bench-s), all of op(B)'s KC chunks for the NC columns are packed up front (2 MB at
+// most) and each MC block of C stays in L2 while its sums run over all of K: 8% faster on a Zen 3
+// there. The weight gradients (op(A) = A^T, K the tokens) keep the first order, their C being a
+// few rows and their op(B) long: there, packing B whole and reading it again for every row block
+// of C was 10-15% slower.
+static int drive(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda, const float *B, int ldb,
+                 const float *pre, float beta, float *C, int ldc, gemm_f32_epi_fn epi, const void *ctx) {
+    const size_t kcm = (size_t)(K < KC ? K : KC), ncm = round_up((size_t)(N < NC ? N : NC), NR);
+    const int whole = !ta && K > KC && (size_t)K * ncm <= B_WHOLE;
+    const size_t nb = round_up((whole ? (size_t)K : kcm) * ncm * sizeof(float), 64);
+    const size_t na = round_up(kcm * round_up((size_t)(M < MC ? M : MC), MR) * sizeof(float), 64);
+    float *bp = pre ? NULL : aligned_alloc(64, nb), *ap = ta ? aligned_alloc(64, na) : NULL;
+    if ((!pre && !bp) || (ta && !ap)) {
+        free(bp), free(ap);
+        return -1;
+    }
+    const blocks g = {ta, M, K, alpha, beta, A, lda, ap, C, ldc, epi, ctx};
+    for (int jc = 0; jc < N; jc += NC) {
+        const int nc = N - jc < NC ? N - jc : NC;
+        const size_t ncr = round_up((size_t)nc, NR);
+        const float *bj = pre ? pre + (size_t)jc * K : bp; // this block's chunks, whole-order layout
+        if (whole) {
+            for (int pc = 0; !pre && pc < K; pc += KC) pack_b(bp + (size_t)pc * ncr, tb, B, ldb, jc, nc, pc, K - pc < KC ? K - pc : KC);
+            for (int ic = 0; ic < M; ic += MC)
+                for (int pc = 0; pc < K; pc += KC) run_block(&g, bj + (size_t)pc * ncr, jc, nc, ic, pc);
+        } else {
+            for (int pc = 0; pc < K; pc += KC) {
+                if (!pre) pack_b(bp, tb, B, ldb, jc, nc, pc, K - pc < KC ? K - pc : KC);
+                for (int ic = 0; ic < M; ic += MC) run_block(&g, pre ? bj + (size_t)pc * ncr : bp, jc, nc, ic, pc);
+            }
+        }
+    }
+    free(bp), free(ap);
+    return 0;
+}
+
 int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc, gemm_f32_epi_fn epi,
                  const void *ctx) {
@@ -187,40 +267,30 @@ int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *
         }
         return 0;
     }
-    const size_t kcm = (size_t)(K < KC ? K : KC);
-    const size_t nb = round_up(kcm * round_up((size_t)(N < NC ? N : NC), NR) * sizeof(float), 64);
-    const size_t na = round_up(kcm * round_up((size_t)(M < MC ? M : MC), MR) * sizeof(float), 64);
-    float *bp = aligned_alloc(64, nb), *ap = ta ? aligned_alloc(64, na) : NULL;
-    if (!bp || (ta && !ap)) {
-        free(bp), free(ap);
-        return -1;
-    }
-    for (int jc = 0; jc < N; jc += NC) {
-        const int nc = N - jc < NC ? N - jc : NC;
+    return drive(ta, tb, M, N, K, alpha, A, lda, B, ldb, NULL, beta, C, ldc, epi, ctx);
+}
+
+size_t gemm_f32_packed_b_floats(int N, int K) { return N > 0 && K > 0 ? (size_t)K * round_up((size_t)N, NR) : 0; }
+
+// The packed op(B): for each NC block of columns jc, for each KC chunk pc of K, the chunk's
+// panels (pack_b's layout) at jc K + pc round_up(nc, NR), nc being the block's width
+void gemm_f32_pack_b(float *bp, int tb, const float *B, int ldb, int N, int K, int j0, int j1) {
+    if (j0 % NR || j1 <= j0 || K <= 0 || !gemm_f32_supported()) return;
+    j1 = j1 < N ? j1 : N;
+    for (int jc = j0 / NC * NC; jc < j1; jc += NC) {
+        const int nc = N - jc < NC ? N - jc : NC, a = j0 > jc ? j0 : jc, b = j1 < jc + nc ? j1 : jc + nc;
+        const size_t ncr = round_up((size_t)nc, NR);
         for (int pc = 0; pc < K; pc += KC) {
             const int kc = K - pc < KC ? K - pc : KC;
-            const float bet = pc == 0 ? beta : 1; // later chunks add to what the first wrote
-            const int last = pc + kc >= K;
-            pack_b(bp, tb, B, ldb, jc, nc, pc, kc);
-            for (int ic = 0; ic < M; ic += MC) {
-                const int mc = M - ic < MC ? M - ic : MC;
-                if (ta) pack_a(ap, A, lda, ic, mc, pc, kc);
-                for (int jr = 0; jr < nc; jr += NR) {
-                    for (int ir = 0; ir < mc; ir += MR) {
-                        float *ct = C + (size_t)(ic + ir) * ldc + jc + jr;
-                        const int mr = mc - ir < MR ? mc - ir : MR, nr = nc - jr < NR ? nc - jr : NR;
-                        if (ta) kernel_packed(kc, ap + (size_t)ir * kc, bp + (size_t)jr * kc, ct, ldc, mr, nr, alpha, bet);
-                        else kernel_rows(kc, A + (size_t)(ic + ir) * lda + pc, (size_t)lda, bp + (size_t)jr * kc, ct, ldc,
-                                         mr, nr, alpha, bet);
-                    }
-                    if (epi && last && (jr + NR >= nc || (jr + NR) % EPI_NC == 0)) {
-                        const int j0 = jr / EPI_NC * EPI_NC;
-                        epi(ctx, C, ldc, ic, mc, jc + j0, (jr + NR < nc ? jr + NR : nc) - j0);
-                    }
-                }
-            }
+            pack_b(bp + (size_t)jc * K + (size_t)pc * ncr + (size_t)(a - jc) * kc, tb, B, ldb, a, b - a, pc, kc);
         }
     }
-    free(bp), free(ap);
-    return 0;
+}
+
+int gemm_f32_epi_packed(int ta, int M, int N, int K, float alpha, const float *A, int lda, const float *bp,
+                        float beta, float *C, int ldc, gemm_f32_epi_fn epi, const void *ctx) {
+    if (M <= 0 || N <= 0) return 0;
+    if (!gemm_f32_supported()) return -1;
+    if (K <= 0 || alpha == 0) return gemm_f32_epi(ta, 0, M, N, K, alpha, A, lda, NULL, N, beta, C, ldc, epi, ctx);
+    return drive(ta, 0, M, N, K, alpha, A, lda, NULL, 0, bp, beta, C, ldc, epi, ctx);
 }

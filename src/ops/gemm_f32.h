@@ -5,6 +5,8 @@
 #ifndef VLMOE_OPS_GEMM_F32_H
 #define VLMOE_OPS_GEMM_F32_H
 
+#include <stddef.h>
+
 // 1 when gemm_f32 is the faster product on this CPU (AVX2 and FMA3, no AVX-512F), else 0: with
 // AVX-512 oneDNN's kernels run at ~90% of the peak and stay.
 int gemm_f32_preferred(void);
@@ -33,5 +35,15 @@ typedef void (*gemm_f32_epi_fn)(const void *ctx, float *C, int ldc, int r0, int 
 int gemm_f32_epi(int ta, int tb, int M, int N, int K, float alpha, const float *A, int lda,
                  const float *B, int ldb, float beta, float *C, int ldc, gemm_f32_epi_fn epi,
                  const void *ctx);
+
+// op(B) packed once for several products with it (the row blocks of a product split across
+// threads each packed all of it): gemm_f32_pack_b writes columns [j0, j1) of op(B) (K,N) into bp,
+// gemm_f32_packed_b_floats(N, K) floats (64-byte aligned for speed), j0 a multiple of 16; threads
+// may pack disjoint ranges at once. gemm_f32_epi_packed is gemm_f32_epi with op(B) read from bp:
+// the same blocks and sums, so the same bits.
+size_t gemm_f32_packed_b_floats(int N, int K);
+void gemm_f32_pack_b(float *bp, int tb, const float *B, int ldb, int N, int K, int j0, int j1);
+int gemm_f32_epi_packed(int ta, int M, int N, int K, float alpha, const float *A, int lda, const float *bp,
+                        float beta, float *C, int ldc, gemm_f32_epi_fn epi, const void *ctx);
 
 #endif

@@ -141,15 +141,20 @@ static void epi_at_run(const void *ctx, float *C, int ldc, int r0, int nr, int c
 #endif
 
 // gemm1 on gemm_pe's block at (r0, c0) of C, with epi run on it: inside vlmoe's own product, on
-// each small block as soon as it is written (gemm_f32_epi), else on the whole block after
+// each small block as soon as it is written (gemm_f32_epi), else on the whole block after. bp,
+// when given, is op(B) packed for vlmoe's own product (gemm_f32_pack_b): the same bits.
 static void gemm1_epi(int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B, int ldb,
-                      real beta, real *C, int ldc, const gemm_epi *epi, int r0, int c0) {
+                      const void *bp, real beta, real *C, int ldc, const gemm_epi *epi, int r0, int c0) {
 #ifndef VLMOE_REAL_F64
-    if (epi && gemm1_own()) {
+    if ((epi || bp) && gemm1_own()) {
         const epi_at at = {epi, C, r0, c0};
-        if (gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C + (size_t)r0 * ldc + c0, ldc, epi_at_run, &at) == 0)
+        real *c = C + (size_t)r0 * ldc + c0;
+        if ((bp ? gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, c, ldc, epi ? epi_at_run : NULL, &at)
+                : gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, c, ldc, epi_at_run, &at)) == 0)
             return;
     }
+#else
+    (void)bp;
 #endif
     gemm1(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C + (size_t)r0 * ldc + c0, ldc);
     if (epi) epi->run(epi, C, ldc, r0, M, c0, N);
@@ -231,22 +236,42 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
         gemm_ksplit(tb, M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
         return 0;
 #endif
+    // Blocks of rows each multiply by all of op(B): with vlmoe's own product it is packed once,
+    // here, each thread packing a share of its panels, not once a block (the forward and
+    // input-gradient products' weights, packed six times at bench-s: 3-4% of a step at 1
+    // thread). If the memory cannot be had, each block packs its own as before; same bits.
+    void *bp = NULL;
+#ifndef VLMOE_REAL_F64
+    const size_t bpn = split_rows && nb > 1 && gemm1_own() ? gemm_f32_packed_b_floats(N, K) : 0;
+    bp = bpn ? aligned_alloc(64, (bpn * sizeof(float) + 63) / 64 * 64) : NULL;
+    const int npg = (N + 63) / 64; // groups of four 16-column panels, a thread's share at a time
+#endif
     // the partials, nb x K (at most 64 blocks): a few hundred KB, against the MBs of A
     real *cs = asum && split_rows && !ta ? calloc((size_t)nb * K, sizeof(real)) : NULL; // zeros: a block with no rows adds none
     const int csum = asum && !split_rows && !ta, ks = (K + nb - 1) / nb; // ks: each block's columns
     PROF_SCOPE(PROF_MATMUL) {
-#pragma omp parallel for schedule(static)
-        for (int b = 0; b < nb; b++) {
-            const int o = b * bs, n = dim - o < bs ? dim - o : bs;
-            if (csum && b * ks < K) colsum_slice(asum, A, lda, M, b * ks, K - b * ks < ks ? K - b * ks : ks);
-            if (n <= 0) continue;
-            if (split_rows)
-                gemm1_epi(ta, tb, n, N, K, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, beta, C, ldc, epi, o, 0);
-            else
-                gemm1_epi(ta, tb, M, n, K, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, beta, C, ldc, epi, 0, o);
-            if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
+#pragma omp parallel
+        {
+#ifndef VLMOE_REAL_F64
+            if (bp) {
+#pragma omp for schedule(static)
+                for (int g = 0; g < npg; g++) gemm_f32_pack_b(bp, tb, B, ldb, N, K, 64 * g, 64 * g + 64);
+            }
+#endif
+#pragma omp for schedule(static)
+            for (int b = 0; b < nb; b++) {
+                const int o = b * bs, n = dim - o < bs ? dim - o : bs;
+                if (csum && b * ks < K) colsum_slice(asum, A, lda, M, b * ks, K - b * ks < ks ? K - b * ks : ks);
+                if (n <= 0) continue;
+                if (split_rows)
+                    gemm1_epi(ta, tb, n, N, K, ta ? A + o : A + (size_t)o * lda, lda, B, ldb, bp, beta, C, ldc, epi, o, 0);
+                else
+                    gemm1_epi(ta, tb, M, n, K, A, lda, tb ? B + (size_t)o * ldb : B + o, ldb, NULL, beta, C, ldc, epi, 0, o);
+                if (cs) rowsum(cs + (size_t)b * K, A + (size_t)o * lda, lda, n, K);
+            }
         }
     }
+    free(bp);
     if (!cs) return csum;
     colsum_blocks(asum, cs, nb, K);
     free(cs);
