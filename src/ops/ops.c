@@ -14,6 +14,7 @@
 
 #include "core/prof.h"
 #include "core/real.h"
+#include "ops/act_avx2.h"
 #include "ops/attn_cpu.h"
 #include "ops/gemm_bf16.h"
 #include "ops/gemm_f32.h"
@@ -541,8 +542,12 @@ static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind
 #pragma omp simd
         for (int j = 0; j < n; j++) a[j] = gelu_erf1(h[j] += b[j]);
     } else {
+        int j0 = 0;
+#ifndef VLMOE_REAL_F64
+        if (act_avx2_supported()) j0 = act_sig_bias_avx2(a, h, b, n, kind); // the same bits, faster
+#endif
 #pragma omp simd
-        for (int j = 0; j < n; j++) a[j] = act_sig1(h[j] += b[j], kind);
+        for (int j = j0; j < n; j++) a[j] = act_sig1(h[j] += b[j], kind);
     }
 }
 
@@ -552,8 +557,12 @@ static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind
 #pragma omp simd
         for (int j = 0; j < n; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
     } else {
+        int j0 = 0;
+#ifndef VLMOE_REAL_F64
+        if (act_avx2_supported()) j0 = act_sig_grad_avx2(g, a, h, n, kind);
+#endif
 #pragma omp simd
-        for (int j = 0; j < n; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
+        for (int j = j0; j < n; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
     }
 }
 
