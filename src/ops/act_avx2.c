@@ -1,13 +1,14 @@
-// act_avx2.c: the sigmoid-form activations (GELU tanh, quick GELU) of the fused epilogues
-// (src/ops/ops.c: bias_act_row, act_grad_row) in AVX2, two 8-float vectors at a time with their
-// operations interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
+// act_avx2.c: the activations (GELU erf, GELU tanh, quick GELU) of the fused epilogues and of
+// act_forward (src/ops/ops.c) in AVX2, two 8-float vectors at a time with their operations
+// interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
 // 40 dependent operations (vexp's range reduction and polynomial, the division) filled the
 // out-of-order window, so the loop ran at the chain's latency, not the vector units' rate: 1.9
 // ns an element on a Zen 3, 1.3 with two chains side by side. Every operation is the scalar
 // form's, in its order, with no FMA (none is contracted under -std=c11 either), so each element
-// gets the bits of act_sig1 and act_sig_grad1 with vexp (src/core/real.h); tests/test_ops.c
-// compares them on every kind of float.
+// gets the bits of ops.c's gelu_erf1, act_sig1 and their gradients with vexp and verf
+// (src/core/real.h); tests/test_ops.c compares them on every kind of float.
 #include <immintrin.h>
+#include <stddef.h>
 
 #include "ops/act_avx2.h"
 #include "vlmoe.h"
@@ -34,7 +35,7 @@ __attribute__((target("avx2"), always_inline)) static inline V arg(V x, int tanh
 __attribute__((target("avx2"), always_inline)) static inline void exp2v(V y0, V y1, V *e0, V *e1) {
     const V hi = F(88.7228317f), lo = F(-104.0f);
     const V c0 = _mm256_max_ps(_mm256_min_ps(y0, hi), lo), c1 = _mm256_max_ps(_mm256_min_ps(y1, hi), lo);
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+#define rn (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
     const V n0 = _mm256_round_ps(_mm256_mul_ps(c0, F(1.44269504088896341f)), rn);
     const V n1 = _mm256_round_ps(_mm256_mul_ps(c1, F(1.44269504088896341f)), rn);
     const V r0 = _mm256_add_ps(_mm256_sub_ps(c0, _mm256_mul_ps(n0, F(0.693359375f))), _mm256_mul_ps(n0, F(2.12194440e-4f)));
@@ -72,23 +73,62 @@ __attribute__((target("avx2"), always_inline)) static inline void den2(V x0, V x
     *d0 = _mm256_add_ps(F(1.0f), e0), *d1 = _mm256_add_ps(F(1.0f), e1);
 }
 
-__attribute__((target("avx2"))) int act_sig_bias_avx2(float *a, float *h, const float *b, int n, int kind) {
-    const int t = kind == VLMOE_ACT_GELU_TANH;
-    int j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const V x0 = _mm256_add_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(b + j));
-        const V x1 = _mm256_add_ps(_mm256_loadu_ps(h + j + 8), _mm256_loadu_ps(b + j + 8));
-        _mm256_storeu_ps(h + j, x0), _mm256_storeu_ps(h + j + 8, x1);
-        V d0, d1;
-        den2(x0, x1, t, &d0, &d1);
-        _mm256_storeu_ps(a + j, _mm256_div_ps(x0, d0)), _mm256_storeu_ps(a + j + 8, _mm256_div_ps(x1, d1));
+// erf(x) for two vectors: verf's steps (src/core/real.h), each on both
+__attribute__((target("avx2"), always_inline)) static inline void erf2v(V x0, V x1, V *e0, V *e1) {
+    const V neg = F(-0.0f), zero = _mm256_setzero_ps(), four = F(4.0f), one = F(1.0f);
+    const V lt0 = _mm256_cmp_ps(x0, zero, _CMP_LT_OQ), lt1 = _mm256_cmp_ps(x1, zero, _CMP_LT_OQ);
+    // |x| as verf takes it (x < 0 ? -x : x keeps -0), then at most 4 (NaN -> 4)
+    const V a0 = _mm256_min_ps(_mm256_blendv_ps(x0, _mm256_xor_ps(x0, neg), lt0), four);
+    const V a1 = _mm256_min_ps(_mm256_blendv_ps(x1, _mm256_xor_ps(x1, neg), lt1), four);
+    const V t0 = _mm256_mul_ps(a0, a0), t1 = _mm256_mul_ps(a1, a1);
+    static const float P[] = {1.128969961e-04f, -8.486291626e-04f, 5.221094005e-03f, -2.686541341e-02f,
+                              1.128378138e-01f, -3.761263788e-01f, 1.283791661e-01f};
+    static const float Q[] = {7.987910067e-06f, -7.635998190e-05f, 4.501156800e-04f, -1.869457890e-03f,
+                              5.986477714e-03f, -1.591115445e-02f, 3.719371557e-02f, -7.911061496e-02f,
+                              1.543525457e-01f, -2.732107639e-01f, 4.275835752e-01f};
+    V p0 = F(-9.752990991e-06f), p1 = p0;
+    for (int i = 0; i < 7; i++) {
+        p0 = _mm256_add_ps(_mm256_mul_ps(p0, t0), F(P[i]));
+        p1 = _mm256_add_ps(_mm256_mul_ps(p1, t1), F(P[i]));
     }
-    return j;
+    const V u0 = _mm256_sub_ps(a0, one), u1 = _mm256_sub_ps(a1, one);
+    V q0 = F(-3.835798736e-07f), q1 = q0;
+    for (int i = 0; i < 11; i++) {
+        q0 = _mm256_add_ps(_mm256_mul_ps(q0, u0), F(Q[i]));
+        q1 = _mm256_add_ps(_mm256_mul_ps(q1, u1), F(Q[i]));
+    }
+    V x0e, x1e;
+    exp2v(_mm256_xor_ps(t0, neg), _mm256_xor_ps(t1, neg), &x0e, &x1e);
+    const V small0 = _mm256_add_ps(a0, _mm256_mul_ps(a0, p0)), small1 = _mm256_add_ps(a1, _mm256_mul_ps(a1, p1));
+    const V big0 = _mm256_sub_ps(one, _mm256_mul_ps(x0e, q0)), big1 = _mm256_sub_ps(one, _mm256_mul_ps(x1e, q1));
+    V r0 = _mm256_blendv_ps(big0, small0, _mm256_cmp_ps(a0, one, _CMP_LT_OQ));
+    V r1 = _mm256_blendv_ps(big1, small1, _mm256_cmp_ps(a1, one, _CMP_LT_OQ));
+    r0 = _mm256_blendv_ps(r0, _mm256_xor_ps(r0, neg), lt0), r1 = _mm256_blendv_ps(r1, _mm256_xor_ps(r1, neg), lt1);
+    *e0 = _mm256_blendv_ps(x0, r0, _mm256_cmp_ps(x0, x0, _CMP_EQ_OQ)); // NaN in, NaN out
+    *e1 = _mm256_blendv_ps(x1, r1, _mm256_cmp_ps(x1, x1, _CMP_EQ_OQ));
+}
+
+// 1/sqrt(2) and 1/sqrt(2 pi), rounded to float as ops.c's casts round them
+#define INV_SQRT_2F ((float)0.7071067811865476)
+#define INV_SQRT_2PIF ((float)0.3989422804014327)
+
+// act(x) for two vectors, any kind: gelu_erf1 or act_sig1
+__attribute__((target("avx2"), always_inline)) static inline void act2(V x0, V x1, int kind, V *a0, V *a1) {
+    if (kind == VLMOE_ACT_GELU) {
+        V e0, e1;
+        erf2v(_mm256_mul_ps(x0, F(INV_SQRT_2F)), _mm256_mul_ps(x1, F(INV_SQRT_2F)), &e0, &e1);
+        *a0 = _mm256_mul_ps(_mm256_mul_ps(F(0.5f), x0), _mm256_add_ps(F(1.0f), e0));
+        *a1 = _mm256_mul_ps(_mm256_mul_ps(F(0.5f), x1), _mm256_add_ps(F(1.0f), e1));
+        return;
+    }
+    V d0, d1;
+    den2(x0, x1, kind == VLMOE_ACT_GELU_TANH, &d0, &d1);
+    *a0 = _mm256_div_ps(x0, d0), *a1 = _mm256_div_ps(x1, d1);
 }
 
 // act'(x) = s + x s (1 - s) c'(x), s = 1 / den, for one vector (after den2 the two chains are
 // short and independent, so they need no interleaving by hand)
-__attribute__((target("avx2"), always_inline)) static inline V grad1(V x, V den, int tanh_form, V *a) {
+__attribute__((target("avx2"), always_inline)) static inline V sig_grad1(V x, V den, int tanh_form, V *a) {
     const V s = _mm256_div_ps(F(1.0f), den);
     const V dc = tanh_form ? _mm256_mul_ps(F(GELU_C), _mm256_add_ps(F(1.0f), _mm256_mul_ps(_mm256_mul_ps(F(GELU_K3), x), x)))
                            : F(1.702f);
@@ -96,14 +136,52 @@ __attribute__((target("avx2"), always_inline)) static inline V grad1(V x, V den,
     return _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(x, s), _mm256_sub_ps(F(1.0f), s)), dc));
 }
 
-__attribute__((target("avx2"))) int act_sig_grad_avx2(float *g, float *a, const float *h, int n, int kind) {
+// act(x) and act'(x) for two vectors: gelu_erf_grad1 or act_sig_grad1
+__attribute__((target("avx2"), always_inline)) static inline void grad2(V x0, V x1, int kind, V *a0, V *a1, V *q0, V *q1) {
+    if (kind == VLMOE_ACT_GELU) {
+        V e0, e1, g0, g1;
+        erf2v(_mm256_mul_ps(x0, F(INV_SQRT_2F)), _mm256_mul_ps(x1, F(INV_SQRT_2F)), &e0, &e1);
+        exp2v(_mm256_mul_ps(_mm256_mul_ps(F(-0.5f), x0), x0), _mm256_mul_ps(_mm256_mul_ps(F(-0.5f), x1), x1), &g0, &g1);
+        const V h0 = _mm256_add_ps(F(1.0f), e0), h1 = _mm256_add_ps(F(1.0f), e1);
+        *a0 = _mm256_mul_ps(_mm256_mul_ps(F(0.5f), x0), h0), *a1 = _mm256_mul_ps(_mm256_mul_ps(F(0.5f), x1), h1);
+        *q0 = _mm256_add_ps(_mm256_mul_ps(F(0.5f), h0), _mm256_mul_ps(_mm256_mul_ps(x0, F(INV_SQRT_2PIF)), g0));
+        *q1 = _mm256_add_ps(_mm256_mul_ps(F(0.5f), h1), _mm256_mul_ps(_mm256_mul_ps(x1, F(INV_SQRT_2PIF)), g1));
+        return;
+    }
     const int t = kind == VLMOE_ACT_GELU_TANH;
+    V d0, d1;
+    den2(x0, x1, t, &d0, &d1);
+    *q0 = sig_grad1(x0, d0, t, a0), *q1 = sig_grad1(x1, d1, t, a1);
+}
+
+__attribute__((target("avx2"))) int act_bias_avx2(float *a, float *h, const float *b, int n, int kind) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
-        const V x0 = _mm256_loadu_ps(h + j), x1 = _mm256_loadu_ps(h + j + 8);
-        V d0, d1, a0, a1;
-        den2(x0, x1, t, &d0, &d1);
-        const V q0 = grad1(x0, d0, t, &a0), q1 = grad1(x1, d1, t, &a1);
+        const V x0 = _mm256_add_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(b + j));
+        const V x1 = _mm256_add_ps(_mm256_loadu_ps(h + j + 8), _mm256_loadu_ps(b + j + 8));
+        _mm256_storeu_ps(h + j, x0), _mm256_storeu_ps(h + j + 8, x1);
+        V a0, a1;
+        act2(x0, x1, kind, &a0, &a1);
+        _mm256_storeu_ps(a + j, a0), _mm256_storeu_ps(a + j + 8, a1);
+    }
+    return j;
+}
+
+__attribute__((target("avx2"))) size_t act_avx2(float *a, const float *x, size_t n, int kind) {
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        V a0, a1;
+        act2(_mm256_loadu_ps(x + j), _mm256_loadu_ps(x + j + 8), kind, &a0, &a1);
+        _mm256_storeu_ps(a + j, a0), _mm256_storeu_ps(a + j + 8, a1);
+    }
+    return j;
+}
+
+__attribute__((target("avx2"))) int act_grad_avx2(float *g, float *a, const float *h, int n, int kind) {
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        V a0, a1, q0, q1;
+        grad2(_mm256_loadu_ps(h + j), _mm256_loadu_ps(h + j + 8), kind, &a0, &a1, &q0, &q1);
         _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_loadu_ps(g + j), q0));
         _mm256_storeu_ps(g + j + 8, _mm256_mul_ps(_mm256_loadu_ps(g + j + 8), q1));
         _mm256_storeu_ps(a + j, a0), _mm256_storeu_ps(a + j + 8, a1);

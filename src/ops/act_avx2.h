@@ -1,16 +1,21 @@
-// act_avx2.h: the fused epilogues' sigmoid-form activations (VLMOE_ACT_GELU_TANH,
-// VLMOE_ACT_QUICK_GELU) in AVX2, with the bits of ops.c's scalar forms (src/ops/act_avx2.c).
+// act_avx2.h: the activations (VLMOE_ACT_GELU, VLMOE_ACT_GELU_TANH, VLMOE_ACT_QUICK_GELU) in
+// AVX2, with the bits of ops.c's scalar forms (src/ops/act_avx2.c). Each does the first elements,
+// a multiple of 16, and returns how many: the caller does the rest with the scalar form.
 #ifndef VLMOE_OPS_ACT_AVX2_H
 #define VLMOE_OPS_ACT_AVX2_H
 
-// 1 when this CPU has AVX2, which the two below need
+#include <stddef.h>
+
+// 1 when this CPU has AVX2, which the functions below need
 int act_avx2_supported(void);
 
-// h[j] += b[j], then a[j] = act(h[j]), for j below the returned count (n rounded down to 16):
-// the caller does the rest
-int act_sig_bias_avx2(float *a, float *h, const float *b, int n, int kind);
+// h[j] += b[j], then a[j] = act(h[j])
+int act_bias_avx2(float *a, float *h, const float *b, int n, int kind);
 
-// g[j] *= act'(h[j]) and a[j] = act(h[j]), for j below the returned count, as above
-int act_sig_grad_avx2(float *g, float *a, const float *h, int n, int kind);
+// a[j] = act(x[j]); a may be x
+size_t act_avx2(float *a, const float *x, size_t n, int kind);
+
+// g[j] *= act'(h[j]) and a[j] = act(h[j])
+int act_grad_avx2(float *g, float *a, const float *h, int n, int kind);
 
 #endif

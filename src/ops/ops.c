@@ -507,6 +507,15 @@ static inline real act_sig_grad1(real x, int kind, real *a) {
 }
 
 void R(act_forward)(real *out, const real *inp, size_t n, int kind) {
+#ifndef VLMOE_REAL_F64
+    if (act_avx2_supported()) { // blocks of 4096 in the AVX2 form (the same bits), the tail below
+        const size_t nb = n / 4096;
+#pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < nb; i++) act_avx2(out + 4096 * i, inp + 4096 * i, 4096, kind);
+        const size_t o = 4096 * nb, done = o + act_avx2(out + o, inp + o, n - o, kind);
+        out += done, inp += done, n -= done;
+    }
+#endif
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp parallel for simd schedule(static)
         for (size_t i = 0; i < n; i++) out[i] = gelu_erf1(inp[i]);
@@ -538,14 +547,14 @@ void R(act_backward)(real *dinp, const real *inp, const real *dout, size_t n, in
 
 // h += b; a = act(h) over n values
 static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind) {
+    int j0 = 0;
+#ifndef VLMOE_REAL_F64
+    if (act_avx2_supported()) j0 = act_bias_avx2(a, h, b, n, kind); // the same bits, faster
+#endif
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp simd
-        for (int j = 0; j < n; j++) a[j] = gelu_erf1(h[j] += b[j]);
+        for (int j = j0; j < n; j++) a[j] = gelu_erf1(h[j] += b[j]);
     } else {
-        int j0 = 0;
-#ifndef VLMOE_REAL_F64
-        if (act_avx2_supported()) j0 = act_sig_bias_avx2(a, h, b, n, kind); // the same bits, faster
-#endif
 #pragma omp simd
         for (int j = j0; j < n; j++) a[j] = act_sig1(h[j] += b[j], kind);
     }
@@ -553,14 +562,14 @@ static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind
 
 // g *= act'(h); a = act(h) over n values
 static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind) {
+    int j0 = 0;
+#ifndef VLMOE_REAL_F64
+    if (act_avx2_supported()) j0 = act_grad_avx2(g, a, h, n, kind);
+#endif
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp simd
-        for (int j = 0; j < n; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
+        for (int j = j0; j < n; j++) g[j] *= gelu_erf_grad1(h[j], &a[j]);
     } else {
-        int j0 = 0;
-#ifndef VLMOE_REAL_F64
-        if (act_avx2_supported()) j0 = act_sig_grad_avx2(g, a, h, n, kind);
-#endif
 #pragma omp simd
         for (int j = j0; j < n; j++) g[j] *= act_sig_grad1(h[j], kind, &a[j]);
     }
