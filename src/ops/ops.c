@@ -239,8 +239,9 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
 #endif
     // Blocks of rows each multiply by all of op(B): with vlmoe's own product it is packed once,
     // here, each thread packing a share of its panels, not once a block (the forward and
-    // input-gradient products' weights, packed six times at bench-s: 3-4% of a step at 1
-    // thread). If the memory cannot be had, each block packs its own as before; same bits.
+    // input-gradient products' weights, six row blocks at bench-s: packing fell from 5.0% to
+    // 3.7% of a 1-thread step's `perf` samples). If the memory cannot be had, each block packs
+    // its own as before; the same bits either way.
     void *bp = NULL;
 #ifndef VLMOE_REAL_F64
     const size_t bpn = split_rows && nb > 1 && gemm1_own() ? gemm_f32_packed_b_floats(N, K) : 0;
