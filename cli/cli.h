@@ -34,6 +34,10 @@ void cli_set_dist(struct vlmoe_dist *d);
 // instructions keeps fp32 after a one-line notice. 0, or the library's status (the message in
 // vlmoe_last_error, for the caller's cli_error). NULL: no change.
 int cli_set_precision(const char *cmd, vlmoe_model *m, const char *precision);
+// --precision's help in embed, classify and eval (train's differs: it refuses int8)
+#define CLI_PRECISION_HELP                                                                                      \
+    "bf16: products in bf16 on a CPU with AVX512_BF16 or AMX; int8: MLP and expert products in int8 on a CPU " \
+    "with VNNI or AVX2 (attention's in bf16 where the CPU has it; int8-attn: in int8 too) (default fp32)"
 
 // Monotonic seconds.
 double cli_now(void);

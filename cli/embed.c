@@ -94,11 +94,7 @@ int cmd_embed(int argc, char **argv) {
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
-        {"precision", ARG_STRING, &precision, "fp32|bf16|int8|int8-attn", "bf16: products in bf16 on a CPU with AVX512_BF16 "
-                                                               "or AMX; int8: MLP and expert products in int8 on a "
-                                                               "CPU with VNNI or AVX2 (attention's in bf16 where "
-                                                               "the CPU has it; int8-attn: in int8 too) (default "
-                                                               "fp32)"},
+        {"precision", ARG_STRING, &precision, "fp32|bf16|int8|int8-attn", CLI_PRECISION_HELP},
         {"images", ARG_STRING, &unused, "DIR|FILE...", "image files and folders (searched recursively)"},
         {"texts", ARG_STRING, &texts_path, "FILE", "texts to embed, one per line (blank lines skipped)"},
         {"output", ARG_STRING, &output, "FILE", "the file to write (also -o FILE): .safetensors, or .npy"},

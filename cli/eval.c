@@ -262,11 +262,7 @@ int cmd_eval(int argc, char **argv) {
     const arg_spec specs[] = {
         {"model", ARG_STRING, &model, "FILE", "a vlmoe checkpoint (step_N.safetensors)"},
         {"device", ARG_STRING, &device, "cpu|cuda[:N]", "where the model runs (default cpu)"},
-        {"precision", ARG_STRING, &precision, "fp32|bf16|int8|int8-attn", "bf16: products in bf16 on a CPU with AVX512_BF16 "
-                                                               "or AMX; int8: MLP and expert products in int8 on a "
-                                                               "CPU with VNNI or AVX2 (attention's in bf16 where "
-                                                               "the CPU has it; int8-attn: in int8 too) (default "
-                                                               "fp32)"},
+        {"precision", ARG_STRING, &precision, "fp32|bf16|int8|int8-attn", CLI_PRECISION_HELP},
         {"zeroshot-data", ARG_STRING, &zs_dir, "DIR", "image folder DIR/<class>/*.jpg: zero-shot and few-shot"},
         {"classnames", ARG_STRING, &classnames, "FILE", "class names in sorted folder order: one per line, or JSON (a list, "
                                                         "or CLIP_benchmark's en_classnames.json)"},

@@ -137,9 +137,10 @@ static void epi_record(const void *ctx, float *C, int ldc, int r0, int nr, int c
         }
 }
 
-// gemm_f32_epi hands every element of C to the epilogue once, in blocks of at most 144 x 64,
-// when its value is final (the bits gemm_f32 gives), and what the epilogue writes stays
-static void check_epilogue(int ta, int tb, int M, int N, int K, float beta) {
+// gemm_f32_epi (packed: gemm_f32_epi_packed, op(B) packed first) hands every element of C to the
+// epilogue once, in blocks of at most 144 x 64, when its value is final (the bits gemm_f32
+// gives), and what the epilogue writes stays
+static void check_epilogue(int ta, int tb, int M, int N, int K, float beta, int packed) {
     const int lda = ta ? M : K, ldb = tb ? K : N, ldc = N + 3;
     const size_t nc = (size_t)M * ldc;
     float *A = malloc(sizeof(float) * ((size_t)M * K + 1)), *B = malloc(sizeof(float) * ((size_t)K * N + 1));
@@ -150,7 +151,11 @@ static void check_epilogue(int ta, int tb, int M, int N, int K, float beta) {
     for (size_t i = 0; i < nc; i++) C[i] = R[i] = frand();
     epi_log l = {seen, count, ldc, M, N, 0};
     CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, R, ldc) == 0, "gemm_f32 failed");
-    CHECK(gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C, ldc, epi_record, &l) == 0, "gemm_f32_epi failed");
+    float *bp = packed ? malloc(sizeof(float) * (gemm_f32_packed_b_floats(N, K) + 1)) : NULL;
+    if (bp) gemm_f32_pack_b(bp, tb, B, ldb, N, K, 0, N);
+    CHECK((bp ? gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, C, ldc, epi_record, &l)
+              : gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, C, ldc, epi_record, &l)) == 0,
+          "gemm_f32_epi%s failed", bp ? "_packed" : "");
     int once = 0, final = 0, kept = 0;
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
@@ -160,10 +165,10 @@ static void check_epilogue(int ta, int tb, int M, int N, int K, float beta) {
             kept += C[oc] == R[oc] + 1;
         }
     CHECK(l.bad_block == 0 && once == M * N && final == M * N && kept == M * N,
-          "ta %d tb %d M %d N %d K %d beta %g: %d blocks out of bounds; of %d elements %d seen once, %d with their "
-          "final value, %d keep the epilogue's write",
-          ta, tb, M, N, K, beta, l.bad_block, M * N, once, final, kept);
-    free(A), free(B), free(C), free(R), free(seen), free(count);
+          "ta %d tb %d M %d N %d K %d beta %g%s: %d blocks out of bounds; of %d elements %d seen once, %d with "
+          "their final value, %d keep the epilogue's write",
+          ta, tb, M, N, K, beta, bp ? " (op(B) packed)" : "", l.bad_block, M * N, once, final, kept);
+    free(A), free(B), free(C), free(R), free(seen), free(count), free(bp);
 }
 
 // op(B) packed once (gemm_f32_pack_b, in 64-column ranges packed last to first, as threads may)
@@ -185,23 +190,8 @@ static void check_packed(int ta, int tb, int M, int N, int K, float beta) {
     int diff = 0;
     for (size_t i = 0; i < nc; i++) diff += memcmp(&R[i], &P[i], sizeof(float)) != 0;
     CHECK(diff == 0, "ta %d tb %d M %d N %d K %d beta %g: %d elements differ in bits from gemm_f32", ta, tb, M, N, K, beta, diff);
-    // with an epilogue: each element once, with the final value (check_epilogue's record)
-    int *count = calloc((size_t)M * N, sizeof(int));
-    float *seen = calloc((size_t)M * N, sizeof(float));
-    for (size_t i = 0; i < nc; i++) P[i] = R[i];
-    CHECK(gemm_f32(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, R, ldc) == 0, "gemm_f32 failed");
-    epi_log l = {seen, count, ldc, M, N, 0};
-    CHECK(gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, P, ldc, epi_record, &l) == 0, "gemm_f32_epi_packed failed");
-    int once = 0, final = 0;
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) {
-            const size_t o = (size_t)i * N + j;
-            once += count[o] == 1, final += memcmp(&seen[o], &R[(size_t)i * ldc + j], sizeof(float)) == 0;
-        }
-    CHECK(l.bad_block == 0 && once == M * N && final == M * N,
-          "ta %d tb %d M %d N %d K %d: epilogue: %d blocks out of bounds; of %d elements %d seen once, %d final", ta, tb, M,
-          N, K, l.bad_block, M * N, once, final);
-    free(A), free(B), free(R), free(P), free(bp), free(count), free(seen);
+    free(A), free(B), free(R), free(P), free(bp);
+    check_epilogue(ta, tb, M, N, K, beta, 1); // with an epilogue: each element once, with its final value
 }
 
 int main(void) {
@@ -227,7 +217,7 @@ int main(void) {
     static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}, {150, 64, 65}};
     for (int t = 0; t < 4; t++)
         for (size_t s = 0; s < sizeof(eshapes) / sizeof(eshapes[0]); s++)
-            for (int b = 0; b < 2; b++) check_epilogue(t >> 1, t & 1, eshapes[s][0], eshapes[s][1], eshapes[s][2], (float)b);
+            for (int b = 0; b < 2; b++) check_epilogue(t >> 1, t & 1, eshapes[s][0], eshapes[s][1], eshapes[s][2], (float)b, 0);
     static const int pshapes[][3] = {{1, 1, 1}, {7, 33, 300}, {150, 64, 65}, {65, 48, 200}, {150, 700, 520}, {9, 3100, 270}, {5, 2100, 300}};
     for (int t = 0; t < 4; t++)
         for (size_t s = 0; s < sizeof(pshapes) / sizeof(pshapes[0]); s++)
