@@ -1,7 +1,7 @@
 // bench_attention.c: float attention forward + backward on bench-s's shapes (batch 64; images:
 // T 65, width 256, 4 heads; texts: T 16, causal, padded), ops.c's reference loops (sgemm per
-// head) against the fused kernel (src/ops/attn_cpu.c), at 1 and 2 threads. Medians of 20 runs
-// (wall clock: on a shared machine, compare ratios from the same run).
+// head) against the fused kernel (src/ops/attn_cpu.c, AVX-512 or AVX2), at 1 and 2 threads.
+// Medians of 20 runs (wall clock: on a shared machine, compare ratios from the same run).
 // Usage: bench_attention [batch]
 #include <omp.h>
 #include <stdio.h>
@@ -51,13 +51,13 @@ int main(int argc, char **argv) {
         for (size_t i = 0; i < nt * 3 * D; i++) m.qkv[i] = (float)rand() / RAND_MAX - 0.5f;
         for (size_t i = 0; i < nt * D; i++) m.g[i] = (float)rand() / RAND_MAX - 0.5f;
         const attn_segment s = {.nseq = B, .seqlen = T, .causal = k == 1, .lens = k == 1 ? lens : NULL};
-        // the fused kernels return 0, having done nothing, where this build has no AVX-512
+        // the fused kernels return 0, having done nothing, where this build has neither AVX-512 nor AVX2 and FMA
         const int have_fused = attn_fused_forward(m.out, m.att, m.qkv, &s, D, H);
         for (int th = 1; th <= 2; th++) {
             omp_set_num_threads(th);
             if (!have_fused) {
                 printf("%s T %2d B %d threads %d: forward %.3f ms, backward %.3f ms (reference loops; the fused "
-                       "kernel needs AVX-512, which this build or CPU lacks)\n",
+                       "kernel needs AVX-512 or AVX2 with FMA, which this build lacks)\n",
                        k ? "texts " : "images", T, B, th, 1e3 * time_pass(0, 0, &m, &s, D, H),
                        1e3 * time_pass(0, 1, &m, &s, D, H));
                 continue;
