@@ -7,7 +7,11 @@
 //    threads give the same bits; a zero row gives the bias, a NaN row NaN.
 // 3. limoe-mini's embeddings in int8 against fp32: cosine >= 0.999 per embedding (bound below);
 //    they differ at all (the int8 products ran); fp32 again gives fp32's bits; training refused.
-// 4. The command line: embed in int8 against fp32, also with oneDNN capped at AVX2 (VNNI CPUs
+// 4. Soft MoE's experts under the cpu-int8 table: the table's soft_moe_forward equals the layer
+//    with its experts run as the unfused int8 steps bit for bit, stays near fp32, and falls back
+//    to fp32's bits where an expert has no int8 copy. Every expert bank of a model (one router,
+//    one per modality, Soft MoE) is quantized by model_set_precision.
+// 5. The command line: embed in int8 against fp32, also with oneDNN capped at AVX2 (VNNI CPUs
 //    then take the AVX2 path); the fall-back without AVX2 (capped at AVX) is fp32's bits after a
 //    one-line notice; train refuses int8.
 #include <math.h>
@@ -218,6 +222,91 @@ static void check_experts(int E, int D, int M, const int *count) {
     free(x), free(w1), free(b1), free(w2), free(b2), free(y0), free(ref), free(y1), free(y2), free(h);
 }
 
+// The unfused int8 steps for Soft MoE's experts (a soft_experts_fn): what the table's fused
+// forward must equal bit for bit (check_experts shows fused = unfused for the bank).
+typedef struct {
+    const int8_weights *w;
+    float *h;
+} soft_ref_ctx;
+static int soft_ref_experts(void *ctx, float *ys, const float *xs, const soft_params_f32 *p, const soft_dims *d) {
+    const soft_ref_ctx *c = ctx;
+    const int D = d->D, M = d->M, P = d->P;
+    for (int e = 0; e < d->E; e++) {
+        size_t r1, r2;
+        const int8_tensor *t1 = int8_weights_find(c->w, p->w1 + (size_t)e * M * D, &r1);
+        const int8_tensor *t2 = int8_weights_find(c->w, p->w2 + (size_t)e * D * M, &r2);
+        if (!t1 || !t2) return -1;
+        float *h = c->h + (size_t)e * P * M;
+        linear_forward_int8(h, xs + (size_t)e * P * D, t1, r1, p->b1 + (size_t)e * M, P, D, M, 0);
+        act_forward_f32(h, h, (size_t)P * M, d->act);
+        linear_forward_int8(ys + (size_t)e * P * D, h, t2, r2, p->b2 + (size_t)e * D, P, M, D, 0);
+    }
+    return 0;
+}
+
+// Soft MoE's forward on the cpu-int8 table (S tokens, E experts of P slots). Bound against fp32:
+// the experts' outputs carry the int8 linears' error (about 1.4% of an element at worst, see
+// check_model) and out = Cw Ys averages them over the slots, so 3% of the largest |out| holds it
+// with room (the measured worst is printed).
+static void check_soft(int S, int D, int E, int P, int M) {
+    vlmoe_rng r;
+    vlmoe_rng_seed(&r, (uint64_t)S * 13 + E * 5 + P);
+    const soft_dims d = {.S = S, .D = D, .E = E, .P = P, .M = M, .act = VLMOE_ACT_GELU};
+    const size_t na = soft_moe_acts_floats(&d), n = (size_t)S * D;
+    const float one = 1;
+    float *x = randf(n, &r, 1), *phi = randf((size_t)D * E * P, &r, 1), *w1 = randf((size_t)E * M * D, &r, 0.1);
+    float *b1 = randf((size_t)E * M, &r, 0.1), *w2 = randf((size_t)E * D * M, &r, 0.05), *b2 = randf((size_t)E * D, &r, 0.1);
+    float *acts = malloc(sizeof(float) * na), *h = malloc(sizeof(float) * (size_t)E * P * M);
+    float *o32 = malloc(sizeof(float) * n), *o8 = malloc(sizeof(float) * n), *oref = malloc(sizeof(float) * n);
+    const soft_params_f32 p = {phi, &one, w1, b1, w2, b2};
+    int8_weights W = {0}, half = {0};
+    CHECK(int8_weights_add(&W, w1, (size_t)E * M, D, M, INT8_Q8) == VLMOE_OK &&
+              int8_weights_add(&W, w2, (size_t)E * D, M, D, INT8_Q8) == VLMOE_OK &&
+              int8_weights_add(&half, w1, (size_t)E * M, D, M, INT8_Q8) == VLMOE_OK,
+          "int8 Soft MoE weights: %s", vlmoe_last_error());
+    vlmoe_backend_f32 tab, tab_half;
+    backend_cpu_int8(&tab, &W);
+    backend_cpu_int8(&tab_half, &half);
+    soft_moe_forward_f32(o32, acts, x, &p, &d);
+    soft_ref_ctx c = {&W, h};
+    soft_moe_forward_with_f32(oref, acts, x, &p, &d, soft_ref_experts, &c);
+    tab.soft_moe_forward(&tab, o8, acts, x, &p, &d);
+    double worst = 0, big = 0;
+    for (size_t i = 0; i < n; i++) worst = fmax(worst, fabs((double)o8[i] - o32[i])), big = fmax(big, fabs((double)o32[i]));
+    CHECK(!memcmp(o8, oref, sizeof(float) * n), "int8 Soft MoE (S %d, E %d, P %d): the table's forward differs from the "
+          "unfused int8 experts'", S, E, P);
+    CHECK(memcmp(o8, o32, sizeof(float) * n) && worst <= 0.03 * big,
+          "int8 Soft MoE (S %d, E %d, P %d): largest |int8 - fp32| %.3g against largest |fp32| %.3g (want <= 3%%, "
+          "and not fp32's bits)", S, E, P, worst, big);
+    // w2 without an int8 copy: the layer's own fp32 products, fp32's bits
+    tab_half.soft_moe_forward(&tab_half, o8, acts, x, &p, &d);
+    CHECK(!memcmp(o8, o32, sizeof(float) * n), "int8 Soft MoE with an expert not quantized: not fp32's bits");
+    printf("int8 Soft MoE (S %d, D %d, %d experts x %d slots, M %d): = unfused int8 bit for bit; largest |int8 - fp32| "
+           "%.3g of %.3g\n", S, D, E, P, M, worst, big);
+    int8_weights_free(&W), int8_weights_free(&half);
+    free(x), free(phi), free(w1), free(b1), free(w2), free(b2), free(acts), free(h), free(o32), free(o8), free(oref);
+}
+
+// model_set_precision quantizes every expert bank of preset `name`, whatever its router.
+static void check_banks(const char *name) {
+    vlmoe_model *m = NULL;
+    vlmoe_model_config cfg;
+    CHECK(vlmoe_config_named(name, &cfg) == VLMOE_OK && vlmoe_model_init(&m, &cfg, 5) == VLMOE_OK, "%s: %s", name,
+          vlmoe_last_error());
+    if (!m) return;
+    int fell_back = -1, banks = 0, covered = 0;
+    CHECK(model_set_precision(m, "int8", &fell_back) == VLMOE_OK, "%s int8: %s", name, vlmoe_last_error());
+    for (int i = 0; i < m->L.nparams; i++) {
+        const char *pn = m->L.table[i].name;
+        if (!strstr(pn, "experts.fc1.weight") && !strstr(pn, "experts.fc2.weight")) continue;
+        banks++;
+        covered += model_int8_covers(m, m->params + m->L.table[i].offset);
+    }
+    CHECK(banks > 0 && covered == banks, "%s: %d of %d expert banks quantized", name, covered, banks);
+    printf("%s: %d of %d expert banks quantized\n", name, covered, banks);
+    vlmoe_model_free(m);
+}
+
 // Embeddings of B synthetic pairs: images then texts, (2B, E).
 static float *embed(vlmoe_model *m, const float *images, const int32_t *tokens, const int32_t *lens, int B, int E) {
     float *e = malloc(sizeof(float) * 2 * (size_t)B * E);
@@ -409,6 +498,11 @@ int main(int argc, char **argv) {
     check_experts(8, 64, 256, c1);
     check_experts(1, 96, 384, c2);
     check_experts(3, 256, 1024, c3);
+    check_soft(40, 64, 4, 3, 256);
+    check_soft(65, 96, 20, 1, 384); // more experts than the bank's stack array holds
+    check_banks("soft-tiny");
+    check_banks("limoe-permod-tiny");
+    check_banks("limoe-mini");
     check_model();
     if (argc > 0) check_cli(argv[0], 1);
     return test_summary("test_int8");

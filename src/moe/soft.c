@@ -141,6 +141,11 @@ static int experts_in_parallel(int E) { return E >= omp_get_max_threads(); }
 
 void R(soft_moe_forward)(real *out, real *acts, const real *x, const R(soft_params) *p,
                          const soft_dims *d) {
+    R(soft_moe_forward_with)(out, acts, x, p, d, NULL, NULL);
+}
+
+void R(soft_moe_forward_with)(real *out, real *acts, const real *x, const R(soft_params) *p,
+                              const soft_dims *d, R(soft_experts_fn) experts, void *ctx) {
     const int S = d->S, D = d->D, E = d->E, P = d->P, M = d->M, N = E * P;
     const acts_layout L = acts_layout_of(d);
     real *xh = acts + L.xh, *nx = acts + L.nx, *phih = acts + L.phih, *nphi = acts + L.nphi;
@@ -187,8 +192,9 @@ void R(soft_moe_forward)(real *out, real *acts, const real *x, const R(soft_para
     memset(xs, 0, sizeof(real) * (size_t)N * D);
     R(linear_backward)(NULL, xs, NULL, dw, x, NULL, S, D, N);
 
+    const int done = experts && experts(ctx, ys, xs, p, d) == 0;
 #pragma omp parallel for schedule(static) if (experts_in_parallel(E))
-    for (int e = 0; e < E; e++) {
+    for (int e = 0; e < E * !done; e++) {
         const size_t r0 = (size_t)e * P;
         R(linear_forward)(hpre + r0 * M, xs + r0 * D, p->w1 + (size_t)e * M * D,
                           p->b1 + (size_t)e * M, P, D, M, 0);

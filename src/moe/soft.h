@@ -57,6 +57,14 @@ size_t soft_moe_scratch_floats(const soft_dims *d);
     /* out (S,D) is WRITTEN; acts (soft_moe_acts_floats) saved for backward; x (S,D) */            \
     void soft_moe_forward_##S(T *out, T *acts, const T *x, const soft_params_##S *p,              \
                               const soft_dims *d);                                                 \
+    /* An inference table's own experts: Ys (N,D) = the experts of Xs (N,D), expert e on rows */   \
+    /* e*P .. e*P+P-1; 0 when done, nonzero (ys as it was) for the forward's own products. */      \
+    typedef int (*soft_experts_fn_##S)(void *ctx, T *ys, const T *xs, const soft_params_##S *p,    \
+                                       const soft_dims *d);                                        \
+    /* soft_moe_forward with the experts run by experts(ctx, ...) where it takes them: the */       \
+    /* experts' hidden activations in acts are then left as they were (no backward follows) */      \
+    void soft_moe_forward_with_##S(T *out, T *acts, const T *x, const soft_params_##S *p,         \
+                                   const soft_dims *d, soft_experts_fn_##S experts, void *ctx);    \
     /* dx (S,D) and every gradient in g ACCUMULATE (+=); dx may be NULL; dout (S,D); acts from  */ \
     /* the forward on the same x and p; scratch (soft_moe_scratch_floats) */                       \
     void soft_moe_backward_##S(T *dx, const soft_grads_##S *g, const T *dout, const T *acts,       \

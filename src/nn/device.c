@@ -48,18 +48,9 @@ static int ends_with(const char *s, const char *suffix) {
     return n >= k && !strcmp(s + n - k, suffix);
 }
 
-// Whether the table names a parameter "<prefix of name up to cut><tail>".
-static int has_param(const model_layout *L, const char *name, size_t cut, const char *tail) {
-    for (int i = 0; i < L->nparams; i++) {
-        const char *n = L->table[i].name;
-        if (!strncmp(n, name, cut) && !strcmp(n + cut, tail)) return 1;
-    }
-    return 0;
-}
-
-// Quantizes what the expert banks read (be_experts): the dense MLPs' and the token- and
-// experts-choice MoE layers' fc1 and fc2 weights. Soft MoE's experts run in src/moe/soft.c's own
-// fp32 products and keep no copy. The attention's linears (a third of a block's products: the
+// Quantizes what the expert banks read (be_experts): the dense MLPs' and every MoE layer's fc1
+// and fc2 weights (tokens- and experts-choice, one router or one per modality, and Soft MoE,
+// whose experts the table runs through soft_moe_forward_with). The attention's linears (a third of a block's products: the
 // MLP's hidden width is 4x) run in bf16 where the CPU has it, or with attn8 (int8-attn) in int8:
 // the attention logits multiply the errors of two products, so that is the user's choice, with
 // its accuracy measured in the README. The stems and heads stay fp32.
@@ -75,8 +66,6 @@ static int int8_build(const vlmoe_model *m, int attn8, struct model_int8 **out) 
         int bank = -1;
         for (int k = 0; k < 6 && bank < 0; k++) bank = ends_with(p->name, banks[k]) ? k : -1;
         if (bank < 0 || p->ndim < 2 || (bank >= 4 && attn_kind < 0)) continue;
-        const size_t cut = strlen(p->name) - strlen(banks[bank]);
-        if (bank >= 2 && bank < 4 && !has_param(L, p->name, cut, "moe.router.weight")) continue; // Soft MoE
         // one matrix of O rows per expert (or the one matrix)
         const int K = (int)p->shape[p->ndim - 1], O = (int)p->shape[p->ndim - 2];
         const int st = int8_weights_add(&q->w, m->params + p->offset, p->numel / (size_t)K, K, O,
@@ -86,6 +75,11 @@ static int int8_build(const vlmoe_model *m, int attn8, struct model_int8 **out) 
     backend_cpu_int8(&q->table, &q->w);
     *out = q;
     return VLMOE_OK;
+}
+
+int model_int8_covers(const vlmoe_model *m, const float *w) {
+    size_t row;
+    return m->int8 && int8_weights_find(&m->int8->w, w, &row) != NULL;
 }
 
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back) {

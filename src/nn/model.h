@@ -440,6 +440,8 @@ int model_set_device(vlmoe_model *m, const char *name);
 // On a CUDA device bf16 picks the device table's cuda-bf16 twin (backend_cuda_bf16) and fp32
 // goes back; int8 is refused there.
 int model_set_precision(vlmoe_model *m, const char *name, int *fell_back);
+// Whether --precision int8 holds an int8 copy of the weights at w (a parameter of m's).
+int model_int8_covers(const vlmoe_model *m, const float *w);
 // What the towers' graph is asked for (graph_create_ckpt's keep_attn) by
 // vlmoe_model_set_attention_recompute's mode: keep (0), recompute (1), or by default keep where
 // the products run in bf16 on the CPU and keeping adds at most a quarter to the activations.

@@ -437,7 +437,8 @@ static void bf16_experts_backward_write(const backend *be, real *dx, real *const
 // --precision int8-attn) runs in int8, one marked bf16 (the attention's under int8) in bf16,
 // every other (the router's through the fp32 table, the stems', the heads') in fp32. A bank
 // with no int8 copy (a model changed under the table) or a product whose scratch cannot be had
-// runs in fp32. Nothing is kept for a backward: h and a are left as they were.
+// runs in fp32. Soft MoE's experts run in the same fused forward (int8_soft_experts). Nothing is
+// kept for a backward: h and a (Soft MoE: its experts' hidden activations) are left as they were.
 static void int8_linear_forward(const backend *be, real *out, const real *inp, const real *w, const real *b, int N,
                                 int K, int O, int beta) {
     PROF_SCOPE(PROF_MATMUL) {
@@ -466,6 +467,34 @@ static void int8_experts_forward(const backend *be, real *y, real *h, real *a, c
         if (all != one) vlmoe_free_mem(all);
         if (st) experts_forward(&full, y, h, a, x, w, ex, beta);
     }
+}
+
+// Soft MoE's experts (src/moe/soft.c) as a bank of E experts of P slots each: Ys from Xs by
+// experts_forward_int8, or nonzero (the layer's fp32 products then) where an expert has no int8
+// copy or the scratch cannot be had.
+static int int8_soft_experts(void *ctx, real *ys, const real *xs, const R(soft_params) *p, const soft_dims *d) {
+    const int E = d->E, D = d->D, M = d->M;
+    int8_expert one[16] = {{0}};
+    int32_t off1[17];
+    int8_expert *all = E <= 16 ? one : vlmoe_alloc(sizeof(int8_expert) * (size_t)E, "int8 experts");
+    int32_t *off = E <= 16 ? off1 : vlmoe_alloc(sizeof(int32_t) * ((size_t)E + 1), "int8 experts");
+    int st = all && off ? 0 : -1;
+    for (int e = 0; !st && e < E; e++) {
+        int8_expert *x8 = &all[e];
+        x8->t1 = int8_weights_find(ctx, p->w1 + (size_t)e * M * D, &x8->r1);
+        x8->t2 = int8_weights_find(ctx, p->w2 + (size_t)e * D * M, &x8->r2);
+        x8->b1 = p->b1 + (size_t)e * M, x8->b2 = p->b2 + (size_t)e * D;
+        off[e] = e * d->P;
+    }
+    if (!st) off[E] = E * d->P, st = experts_forward_int8(ys, xs, all, off, E, D, M, d->act, 0);
+    if (all != one) vlmoe_free_mem(all);
+    if (off != off1) vlmoe_free_mem(off);
+    return st;
+}
+
+static void int8_soft_moe_forward(const backend *be, real *out, real *acts, const real *x, const R(soft_params) *p,
+                                  const soft_dims *d) {
+    PROF_SCOPE(PROF_DISPATCH) R(soft_moe_forward_with)(out, acts, x, p, d, int8_soft_experts, (void *)be->ctx);
 }
 
 // Training is refused before it gets here (vlmoe_model_forward); should a backward come anyway,
@@ -703,6 +732,7 @@ static const backend cpu_int8_table = {
 
 void backend_cpu_int8(backend *table, const int8_weights *w) {
     *table = cpu_int8_table;
+    table->soft_moe_forward = int8_soft_moe_forward; // here: the table's initializer has the fp32 one
     table->ctx = (void *)w;
 }
 #endif
