@@ -92,7 +92,8 @@ static void check_nan_unread(void) {
 // rows and columns alone or at any offset give the bits they give inside the whole product. M, N
 // no multiple of the tile; K across a KC chunk. With op(A) = A and N 1800, the whole product takes
 // the block order that packs each chunk of op(B) alone (K x N over 2 MB) and the column blocks the
-// one that packs op(B) whole: both must sum every element alike.
+// one that packs op(B) whole: both must sum every element alike. With op(A) = A^T and M over MC,
+// the whole product packs each chunk of A^T for all rows at once, the row blocks an MC at a time.
 static void check_position(int ta, int tb, int M, int N, int K) {
     const int lda = ta ? M : K, ldb = tb ? K : N;
     float *A = malloc(sizeof(float) * M * K), *B = malloc(sizeof(float) * K * N);
@@ -213,6 +214,9 @@ int main(void) {
                 check_product(t >> 1, t & 1, shapes[s][0], shapes[s][1], shapes[s][2], ab[v][0], ab[v][1]);
     check_nan_unread();
     for (int t = 0; t < 4; t++) check_position(t >> 1, t & 1, 29, 45, 300), check_position(t >> 1, t & 1, 29, 1800, 300);
+    // op(A) = A^T over MC rows: each KC chunk packed for all 301 rows at once (a partial last
+    // panel), the rows alone a block at a time
+    for (int tb = 0; tb < 2; tb++) check_position(1, tb, 301, 45, 300);
     // shapes across MC (144 rows), the 64-column epilogue blocks, NC (3072) and KC (256); K 0
     static const int eshapes[][3] = {{1, 1, 1}, {150, 70, 300}, {145, 65, 256}, {7, 3100, 20}, {20, 130, 0}, {150, 64, 65}};
     for (int t = 0; t < 4; t++)
