@@ -437,7 +437,8 @@ static void score_rows(const head_dims *s, const float *x, int ldx, const float 
 // One row of scores (TP floats, in place) to probabilities in arow (T floats): scale, mask the
 // keys from nk on, softmax. Masked keys take e^0, then 0: e^-inf would come out of exp8's clamp
 // as e^-104, a subnormal, and on a Zen 3 exp8 took 9.7 ns a vector with subnormal results
-// against 4.3 (7 of T 65's 72 lanes are padding). A row that sees no key (valid length 0) is all zeros, as in the reference.
+// against 4.3 (7 of T 65's 72 lanes are padding). A row that sees no key (valid length 0) is
+// all zeros, as in the reference.
 static void softmax_row(float *srow, float *arow, const head_dims *s, int nk) {
     const __m256 scale = _mm256_set1_ps(s->scale), ninf = _mm256_set1_ps(-INFINITY);
     __m256 mx = ninf, sum = _mm256_setzero_ps();
@@ -497,10 +498,11 @@ static inline void prefetch_rows(const float *x, int hd, int gap, int n) {
 }
 
 // T rows of hd floats at stride ld into c as chunks of 16 columns: chunk u, at c + 16 u T, holds
-// T rows of columns 16u .. 16u + 16 (zeros past hd), 16 T floats. A broadcast tile sweeps T rows
-// of one chunk, which so is one stream. Read in place, at qkv's stride (3 KB, or 1 KB for dout)
-// a chunk's rows fell into 4 of L1's 64 sets, which hold 32 lines, so every sweep of a head's
-// 65 rows missed L1 (a third of the fused forward's time went to those loads).
+// T rows of columns 16u .. 16u + 16 (zeros past hd), 16 T floats, so a broadcast tile's sweep
+// over T rows of one chunk reads one contiguous stream. Read in place, at qkv's stride (3 KB, or
+// 1 KB for dout), a chunk's rows fell into 4 of L1's 64 sets, which hold 32 lines, so every sweep
+// of a head's 65 rows missed L1: in `perf`, the instruction after that load took 30% of the
+// broadcast tiles' samples.
 static void rows_pack(float *c, const float *x, int T, int hd, int ld) {
     for (int c0 = 0; c0 < hd; c0 += 16) {
         const __m256i m0 = lanes(hd - c0), m1 = lanes(hd - c0 - 8);
