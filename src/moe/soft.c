@@ -192,15 +192,16 @@ void R(soft_moe_forward_with)(real *out, real *acts, const real *x, const R(soft
     memset(xs, 0, sizeof(real) * (size_t)N * D);
     R(linear_backward)(NULL, xs, NULL, dw, x, NULL, S, D, N);
 
-    const int done = experts && experts(ctx, ys, xs, p, d) == 0;
+    if (!experts || experts(ctx, ys, xs, p, d)) {
 #pragma omp parallel for schedule(static) if (experts_in_parallel(E))
-    for (int e = 0; e < E * !done; e++) {
-        const size_t r0 = (size_t)e * P;
-        R(linear_forward)(hpre + r0 * M, xs + r0 * D, p->w1 + (size_t)e * M * D,
-                          p->b1 + (size_t)e * M, P, D, M, 0);
-        R(act_forward)(hact + r0 * M, hpre + r0 * M, (size_t)P * M, d->act);
-        R(linear_forward)(ys + r0 * D, hact + r0 * M, p->w2 + (size_t)e * D * M,
-                          p->b2 + (size_t)e * D, P, M, D, 0);
+        for (int e = 0; e < E; e++) {
+            const size_t r0 = (size_t)e * P;
+            R(linear_forward)(hpre + r0 * M, xs + r0 * D, p->w1 + (size_t)e * M * D,
+                              p->b1 + (size_t)e * M, P, D, M, 0);
+            R(act_forward)(hact + r0 * M, hpre + r0 * M, (size_t)P * M, d->act);
+            R(linear_forward)(ys + r0 * D, hact + r0 * M, p->w2 + (size_t)e * D * M,
+                              p->b2 + (size_t)e * D, P, M, D, 0);
+        }
     }
 
     // out (S,D) = Cw Ys = (Cw^T)^T Ys, again the dw product of linear_backward

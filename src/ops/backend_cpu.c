@@ -449,45 +449,44 @@ static void int8_linear_forward(const backend *be, real *out, const real *inp, c
     }
 }
 
+// The int8 forward of a bank of E experts with fp32 weights w (w1 (E,M,D), b1, w2 (E,D,M), b2)
+// over rows packed by expert (off, E+1 entries): experts_forward_int8 on the int8 copies q holds,
+// found by the fp32 weights' address. Nonzero, y as it was, where an expert has no int8 copy or
+// the scratch cannot be had.
+static int int8_bank_forward(const int8_weights *q, real *y, const real *x, const real *const w[4],
+                             const int32_t *off, int E, int D, int M, int act, int beta) {
+    int8_expert one[16] = {{0}};
+    int8_expert *all = E <= 16 ? one : vlmoe_alloc(sizeof(int8_expert) * (size_t)E, "int8 experts");
+    if (!all) return -1;
+    for (int e = 0; e < E; e++) {
+        int8_expert *x8 = &all[e];
+        x8->t1 = int8_weights_find(q, w[0] + (size_t)e * M * D, &x8->r1);
+        x8->t2 = int8_weights_find(q, w[2] + (size_t)e * D * M, &x8->r2);
+        x8->b1 = w[1] + (size_t)e * M, x8->b2 = w[3] + (size_t)e * D;
+    }
+    const int st = experts_forward_int8(y, x, all, off, E, D, M, act, beta);
+    if (all != one) vlmoe_free_mem(all);
+    return st;
+}
+
 static void int8_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,
                                  const real *const w[4], const be_experts *ex, int beta) {
     PROF_SCOPE(PROF_MATMUL) {
-        const int8_weights *q = be->ctx;
-        const int D = ex->D, M = ex->M;
-        int8_expert one[16] = {{0}};
-        int8_expert *all = ex->E <= 16 ? one : vlmoe_alloc(sizeof(int8_expert) * (size_t)ex->E, "int8 experts");
-        int st = all ? 0 : -1;
-        for (int e = 0; !st && e < ex->E; e++) {
-            int8_expert *x8 = &all[e];
-            x8->t1 = int8_weights_find(q, w[0] + (size_t)e * M * D, &x8->r1);
-            x8->t2 = int8_weights_find(q, w[2] + (size_t)e * D * M, &x8->r2);
-            x8->b1 = w[1] + (size_t)e * M, x8->b2 = w[3] + (size_t)e * D;
-        }
-        if (!st) st = experts_forward_int8(y, x, all, ex->off, ex->E, D, M, ex->act, beta);
-        if (all != one) vlmoe_free_mem(all);
-        if (st) experts_forward(&full, y, h, a, x, w, ex, beta);
+        if (int8_bank_forward(be->ctx, y, x, w, ex->off, ex->E, ex->D, ex->M, ex->act, beta))
+            experts_forward(&full, y, h, a, x, w, ex, beta);
     }
 }
 
-// Soft MoE's experts (src/moe/soft.c) as a bank of E experts of P slots each: Ys from Xs by
-// experts_forward_int8, or nonzero (the layer's fp32 products then) where an expert has no int8
-// copy or the scratch cannot be had.
+// Soft MoE's experts (src/moe/soft.c) as a bank of E experts of P slots each, expert e on rows
+// e P .. e P + P - 1 of Xs; nonzero (the layer's fp32 products then) as int8_bank_forward.
 static int int8_soft_experts(void *ctx, real *ys, const real *xs, const R(soft_params) *p, const soft_dims *d) {
-    const int E = d->E, D = d->D, M = d->M;
-    int8_expert one[16] = {{0}};
+    const int E = d->E;
     int32_t off1[17];
-    int8_expert *all = E <= 16 ? one : vlmoe_alloc(sizeof(int8_expert) * (size_t)E, "int8 experts");
     int32_t *off = E <= 16 ? off1 : vlmoe_alloc(sizeof(int32_t) * ((size_t)E + 1), "int8 experts");
-    int st = all && off ? 0 : -1;
-    for (int e = 0; !st && e < E; e++) {
-        int8_expert *x8 = &all[e];
-        x8->t1 = int8_weights_find(ctx, p->w1 + (size_t)e * M * D, &x8->r1);
-        x8->t2 = int8_weights_find(ctx, p->w2 + (size_t)e * D * M, &x8->r2);
-        x8->b1 = p->b1 + (size_t)e * M, x8->b2 = p->b2 + (size_t)e * D;
-        off[e] = e * d->P;
-    }
-    if (!st) off[E] = E * d->P, st = experts_forward_int8(ys, xs, all, off, E, D, M, d->act, 0);
-    if (all != one) vlmoe_free_mem(all);
+    if (!off) return -1;
+    for (int e = 0; e <= E; e++) off[e] = e * d->P;
+    const real *const w[4] = {p->w1, p->b1, p->w2, p->b2};
+    const int st = int8_bank_forward(ctx, ys, xs, w, off, E, d->D, d->M, d->act, 0);
     if (off != off1) vlmoe_free_mem(off);
     return st;
 }
