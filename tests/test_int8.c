@@ -55,6 +55,39 @@ static void check_quantize(void) {
     // s/2 up to the rounding of x * (127 / max|x|) (a few ulps of 127)
     CHECK(worst <= 0.5 + 1e-5, "int8 quantization: |x - s q| reaches %.6f s (want <= s/2)", worst);
     CHECK(peak_ok, "int8 quantization: a row's largest |x| does not map to +-127");
+    // every element as the header states it, in fp32 (inv = 127 / max|x|, x inv clamped, half away
+    // from zero), whichever of the AVX2 lanes (32 and 8 at a time) and the scalar rest did it;
+    // row 1 holds subnormals (127 / max|x| overflows: q is then x / max|x| * 127) and zeros,
+    // row 2 exact halves (x inv = k + 0.5 away from zero), row 3 -0 and the clamp's end
+    for (int k = 0; k < K; k++) {
+        x[K + k] = k % 3 ? (float)(k - 38) * 0x1p-140f : 0.0f;
+        x[2 * K + k] = (float)((k % 2 ? -1 : 1) * (k + 0.5)), x[3 * K + k] = k % 2 ? -0.0f : 127.0f;
+    }
+    x[2 * K + K - 1] = 127.0f;
+    int8_quantize_rows(q, s, x, rows, K, K);
+    int exact = 1, first = -1;
+    for (int i = 0; i < rows; i++) {
+        float amax = 0;
+        for (int k = 0; k < K; k++) amax = fabsf(x[(size_t)i * K + k]) > amax ? fabsf(x[(size_t)i * K + k]) : amax;
+        const float inv = 127.0f / amax;
+        for (int k = 0; k < K; k++) {
+            const float xv = x[(size_t)i * K + k];
+            float v = isinf(inv) ? xv / amax * 127.0f : xv * inv;
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            const int want = (int)(v + (v >= 0 ? 0.5f : -0.5f));
+            if (q[(size_t)i * K + k] != want && first < 0) first = i * K + k;
+            exact &= q[(size_t)i * K + k] == want;
+        }
+        exact &= s[i] == amax / 127.0f;
+    }
+    CHECK(exact, "int8 quantization: element %d (row %d) is not round-half-away(clamp(x 127 / max|x|))", first,
+          first / K);
+    // by hand: row 1's max is 38 2^-140 (k 76), so k 1's -37 2^-140 is -37/38 127 = -123.66; row 2's
+    // max is 127 (inv 1), so 0.5 and -1.5 round away from zero
+    CHECK(isinf(127.0f / 0x1p-140f) && q[K + 1] == -124 && q[2 * K] == 1 && q[2 * K + 1] == -2 && q[3 * K] == 127 &&
+              q[3 * K + 1] == 0,
+          "int8 quantization: the hand-worked elements (-124, 1, -2, 127, 0) are %d, %d, %d, %d, %d", q[K + 1],
+          q[2 * K], q[2 * K + 1], q[3 * K], q[3 * K + 1]);
     free(x), free(q);
 }
 

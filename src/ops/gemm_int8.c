@@ -9,6 +9,7 @@
 // expert), its rows quantized right before and the weights' and rows' scales, the bias (and for an MLP the activation and the next product) right after,
 // while the block is in cache. Covered by tests/test_int8.c.
 #include <dnnl.h>
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <pthread.h>
@@ -33,37 +34,91 @@ int int8_weight_max(void) {
     return gemm_int8_native() == INT8_AVX2 ? 63 : 127;
 }
 
+// The largest |r[k]| over K floats into *amax and whether every one is at most 3.4e38 (not
+// NaN, not infinite) into *finite, 8 lanes at a time: the floats done (K rounded down to 8).
+// max and & do not depend on the order, so the scalar rest finishes the same reduction.
+__attribute__((target("avx2"))) static int amax_avx2(const float *r, int K, float *amax, int *finite) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), lim = _mm256_set1_ps(3.4e38f);
+    __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 a = _mm256_and_ps(_mm256_loadu_ps(r + k), absm);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, lim, _CMP_NLE_UQ)); // not a <= lim: NaN too
+        m = _mm256_max_ps(m, a);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, m);
+    for (int i = 0; i < 8; i++) *amax = v[i] > *amax ? v[i] : *amax;
+    *finite = _mm256_movemask_ps(bad) == 0;
+    return k;
+}
+
+// 8 floats' (int)(clamp(r inv, +-fq) +- 0.5): min and max are the clamp for non-NaN values,
+// and the rounding adds 0.5 with v's sign (-0 gives 0 either way) and truncates, as the
+// scalar form's cast does
+__attribute__((target("avx2"), always_inline)) static inline __m256i quant8(const float *r, __m256 inv, __m256 lo,
+                                                                            __m256 hi) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(r), inv), lo), hi);
+    const __m256 h = _mm256_or_ps(_mm256_and_ps(v, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(0.5f));
+    return _mm256_cvttps_epi32(_mm256_add_ps(v, h));
+}
+
+// q[k] = the scalar form's (int8_t)(int)(clamp(r[k] inv, +-fq) +- 0.5) for K rounded down to
+// 32 (the count returned)
+__attribute__((target("avx2"))) static int quant_avx2(int8_t *q, const float *r, int K, float inv, float fq) {
+    const __m256 vi = _mm256_set1_ps(inv), hi = _mm256_set1_ps(fq), lo = _mm256_set1_ps(-fq);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); // packs interleave 128-bit lanes
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i n0 = quant8(r + k, vi, lo, hi), n1 = quant8(r + k + 8, vi, lo, hi);
+        const __m256i n2 = quant8(r + k + 16, vi, lo, hi), n3 = quant8(r + k + 24, vi, lo, hi);
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(n0, n1), _mm256_packs_epi32(n2, n3));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(w, order));
+    }
+    return k;
+}
+
+// One row of K floats into q (s8 within [-qmax, qmax]) and its scale amax / qmax; a row of
+// zeros gets scale 0 (and q 0), one with a NaN or an infinity scale NaN (and q 0).
+static void quantize_row(int8_t *q, float *scale, const float *r, int K, int qmax) {
+    const int avx2 = __builtin_cpu_supports("avx2");
+    float amax = 0;
+    int finite = 1, k0 = avx2 ? amax_avx2(r, K, &amax, &finite) : 0;
+    for (int k = k0; k < K; k++) {
+        const float a = fabsf(r[k]);
+        finite &= a <= 3.4e38f; // false for NaN too
+        amax = a > amax ? a : amax;
+    }
+    if (!finite || amax == 0) {
+        memset(q, 0, (size_t)K);
+        *scale = finite ? 0.0f : NAN;
+        return;
+    }
+    const float inv = (float)qmax / amax, fq = (float)qmax;
+    *scale = amax / (float)qmax;
+    if (!(inv <= 3.4e38f)) { // amax under qmax / FLT_MAX (subnormal): inv overflows, r / amax does not
+        for (int k = 0; k < K; k++) {
+            const float v = r[k] / amax * fq;
+            q[k] = (int8_t)(int)(v + (v >= 0 ? 0.5f : -0.5f));
+        }
+        return;
+    }
+    // clamped before rounding (v is within [-qmax, qmax] up to one rounding), so the
+    // conversion's lanes narrow with no integer compare: the rest vectorizes too
+    k0 = avx2 ? quant_avx2(q, r, K, inv, fq) : 0;
+#pragma omp simd
+    for (int k = k0; k < K; k++) {
+        float v = r[k] * inv;
+        v = v > fq ? fq : v < -fq ? -fq : v;
+        q[k] = (int8_t)(int)(v + (v >= 0 ? 0.5f : -0.5f));
+    }
+}
+
 // int8_quantize_rows with the range [-qmax, qmax] (the weights': int8_weight_max).
 static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax) {
     if (K <= 0) return;
 #pragma omp parallel for schedule(static) if ((size_t)rows * K >= 65536)
-    for (int i = 0; i < rows; i++) {
-        const float *r = x + (size_t)i * ld;
-        int8_t *qi = q + (size_t)i * K;
-        float amax = 0;
-        int finite = 1;
-#pragma omp simd reduction(max : amax) reduction(& : finite)
-        for (int k = 0; k < K; k++) {
-            const float a = fabsf(r[k]);
-            finite &= a <= 3.4e38f; // false for NaN too
-            amax = a > amax ? a : amax;
-        }
-        if (!finite || amax == 0) {
-            for (int k = 0; k < K; k++) qi[k] = 0;
-            scale[i] = finite ? 0.0f : NAN;
-            continue;
-        }
-        const float inv = (float)qmax / amax, fq = (float)qmax;
-        // clamped before rounding (v is within [-qmax, qmax] up to one rounding), so the
-        // conversion's lanes narrow with no integer compare: the loop vectorizes
-#pragma omp simd
-        for (int k = 0; k < K; k++) {
-            float v = r[k] * inv;
-            v = v > fq ? fq : v < -fq ? -fq : v;
-            qi[k] = (int8_t)(int)(v + (v >= 0 ? 0.5f : -0.5f));
-        }
-        scale[i] = amax / (float)qmax;
-    }
+    for (int i = 0; i < rows; i++) quantize_row(q + (size_t)i * K, scale + i, x + (size_t)i * ld, K, qmax);
 }
 
 void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld) {
