@@ -9,6 +9,7 @@
 
 #include "core/core.h"
 #include "core/real.h" // float here: vexp is the float kernel's polynomial
+#include "ops/backend.h"
 #include "ops/ops.h"
 #include "test.h"
 
@@ -470,6 +471,61 @@ static void test_linear_long_sum(void) {
     }
 }
 
+// The CPU table's expert bank (src/ops/backend_cpu.c) at 1 thread (one expert at a time, both
+// threads in each product) and at 2 (from 4 experts with rows, whole experts side by side): the
+// same bits for y, h, a, dx (accumulated and written), dw and db. Six experts of 1-300 rows,
+// expert 2 empty, the largest last (the side-by-side order is by size).
+static void test_experts_threads(void) {
+    const int E = 6, D = 24, M = 80;
+    const int32_t off[7] = {0, 37, 38, 38, 150, 170, 470};
+    const int R = off[E];
+    const be_experts ex = {E, D, M, VLMOE_ACT_GELU_TANH, off};
+    const vlmoe_backend_f32 *be = backend_cpu_f32();
+    const size_t nw[4] = {(size_t)E * M * D, (size_t)E * M, (size_t)E * D * M, (size_t)E * D};
+    float *w[4], *out[2][10];
+    for (int i = 0; i < 4; i++) {
+        w[i] = malloc(sizeof(float) * nw[i]);
+        for (size_t j = 0; j < nw[i]; j++) w[i][j] = (float)(0.2 * vlmoe_rng_normal(&rng));
+    }
+    float *x = malloc(sizeof(float) * R * D), *dy = malloc(sizeof(float) * R * D);
+    for (int j = 0; j < R * D; j++) x[j] = (float)vlmoe_rng_normal(&rng), dy[j] = (float)vlmoe_rng_normal(&rng);
+    const size_t n[10] = {(size_t)R * D, (size_t)R * M, (size_t)R * M, (size_t)R * D, nw[0], nw[1], nw[2], nw[3],
+                          (size_t)R * M, (size_t)R * D}; // y h a dx dw1 db1 dw2 db2 dh dx(write)
+    const float *const cw[4] = {w[0], w[1], w[2], w[3]};
+    for (int t = 0; t < 2; t++) {
+        omp_set_num_threads(t + 1);
+        for (int i = 0; i < 10; i++) {
+            out[t][i] = malloc(sizeof(float) * n[i]);
+            for (size_t j = 0; j < n[i]; j++) out[t][i][j] = i < 8 && i != 1 && i != 2 ? 0.25f : 0.0f;
+        }
+        float *da = malloc(sizeof(float) * R * M);
+        be->experts_forward(be, out[t][0], out[t][1], out[t][2], x, cw, &ex, 1);
+        float *const dw[4] = {out[t][4], out[t][5], out[t][6], out[t][7]};
+        be->experts_backward(be, out[t][3], dw, dy, x, out[t][1], cw, da, out[t][8], &ex);
+        be->experts_backward_write(be, out[t][9], dw, dy, x, out[t][1], cw, da, out[t][8], &ex);
+        free(da);
+    }
+    omp_set_num_threads(2);
+    const char *names[10] = {"y", "h", "a", "dx", "dw1", "db1", "dw2", "db2", "dh", "dx (write)"};
+    for (int i = 0; i < 10; i++) {
+        CHECK(!memcmp(out[0][i], out[1][i], sizeof(float) * n[i]), "expert bank: %s differs between 1 and 2 threads",
+              names[i]);
+        free(out[0][i]), free(out[1][i]);
+    }
+    // and the values are the bank's: y's rows of expert 5 as one linear pair by hand
+    float *h5 = malloc(sizeof(float) * 300 * M), *a5 = malloc(sizeof(float) * 300 * M), *y5 = malloc(sizeof(float) * 300 * D);
+    linear_forward_f32(h5, x + 170 * D, w[0] + 5 * M * D, w[1] + 5 * M, 300, D, M, 0);
+    act_forward_f32(a5, h5, (size_t)300 * M, VLMOE_ACT_GELU_TANH);
+    linear_forward_f32(y5, a5, w[2] + 5 * D * M, w[3] + 5 * D, 300, M, D, 0);
+    float *y = calloc((size_t)R * D, sizeof(float)), *h = malloc(sizeof(float) * R * M), *a = malloc(sizeof(float) * R * M);
+    be->experts_forward(be, y, h, a, x, cw, &ex, 0);
+    double worst = 0;
+    for (int j = 0; j < 300 * D; j++) worst = fmax(worst, fabs(y[170 * D + j] - y5[j]) / (1 + fabs(y5[j])));
+    CHECK(worst < 1e-5, "expert bank: expert 5's rows differ from its two linears by %.3g", worst);
+    free(h5), free(a5), free(y5), free(y), free(h), free(a), free(x), free(dy);
+    for (int i = 0; i < 4; i++) free(w[i]);
+}
+
 // The MLP's fused first layer against the unfused ops, in float: a = act(h) and dh = (dy.w)
 // act'(h) to the bit for the same h, h within rounding of linear_forward (the bias goes in
 // after the product instead of before), and the backward's dw, db as linear_backward's. Two
@@ -555,6 +611,7 @@ int main(void) {
     test_verf();
     test_linear_rows();
     test_linear_long_sum();
+    test_experts_threads();
     test_linear();
     test_linear_write();
     test_layernorm();
