@@ -351,7 +351,10 @@ int linear_forward_int8(float *out, const float *x, const int8_tensor *t, size_t
         }
 #pragma omp barrier
         if (!bad) {
-#pragma omp for schedule(static)
+            // blocks handed out as threads free up, as the experts' below: a thread slowed down
+            // (a busy machine) leaves the others less to wait for (each row's values are the same
+            // whoever computes it)
+#pragma omp for schedule(dynamic, 1)
             for (int blk = 0; blk < nb; blk++) {
                 const int r0 = blk * BS, m = N - r0 < BS ? N - r0 : BS;
                 int8_quantize_rows(xq, xs, x + (size_t)r0 * K, m, K, K);
