@@ -234,10 +234,11 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
     // With vlmoe's own product and op(B) packed once for all blocks (below), a block of rows
     // costs no packing: blocks of ROWS_SHARED rows, handed out as threads free up, so a thread
     // slowed down (a busy machine) leaves the others less to wait for at the end; whole 6-row
-    // tiles but in the last. The shapes alone still decide the blocks (and so the bias
+    // tiles but in the last. Never fewer blocks than the rules above gave (a product of 128-288
+    // rows keeps its two). The shapes alone still decide the blocks (and so the bias
     // gradient's partials, cs), whatever the thread count.
     const int shared = split_rows && nb > 1 && gemm1_own();
-    if (shared) nb = (dim + ROWS_SHARED - 1) / ROWS_SHARED;
+    if (shared && (dim + ROWS_SHARED - 1) / ROWS_SHARED > nb) nb = (dim + ROWS_SHARED - 1) / ROWS_SHARED;
     nb = nb > 64 ? 64 : nb;
     const int bs = shared ? ((dim + nb - 1) / nb + 5) / 6 * 6 : (dim + nb - 1) / nb;
 #ifndef VLMOE_REAL_F64
@@ -253,12 +254,12 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
 #endif
     // Blocks of rows each multiply by all of op(B): with vlmoe's own product it is packed once,
     // here, each thread packing a share of its panels, not once a block (the forward and
-    // input-gradient products' weights, six row blocks at bench-s: packing fell from 5.0% to
-    // 3.7% of a 1-thread step's `perf` samples). If the memory cannot be had, each block packs
-    // its own as before; the same bits either way.
+    // input-gradient products' weights: with six row blocks at bench-s, packing fell from 5.0%
+    // to 3.7% of a 1-thread step's `perf` samples; now ROWS_SHARED blocks share it). If the
+    // memory cannot be had, each block packs its own; the same bits either way.
     void *bp = NULL;
 #ifndef VLMOE_REAL_F64
-    const size_t bpn = split_rows && nb > 1 && gemm1_own() ? gemm_f32_packed_b_floats(N, K) : 0;
+    const size_t bpn = shared ? gemm_f32_packed_b_floats(N, K) : 0;
     bp = bpn ? aligned_alloc(64, (bpn * sizeof(float) + 63) / 64 * 64) : NULL;
     const int npg = (N + 63) / 64; // groups of four 16-column panels, a thread's share at a time
 #endif
