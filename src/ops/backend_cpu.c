@@ -5,7 +5,6 @@
 // against), see src/core/real.h.
 #include <math.h>
 #include <omp.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "core/real.h"
@@ -340,13 +339,17 @@ typedef struct {
 static const products full = {.fwd = R(linear_forward), .bwd = R(linear_backward), .fwd_act = R(linear_act_forward),
                               .bwd_act = R(act_linear_backward), .bwd_write = R(linear_backward_write)};
 
-// The experts with rows, largest first (ties in expert order), into order; their count, or 0
-// when they are better run one at a time with all threads in each product: fewer than two
-// experts a thread, one thread, a parallel region already open, nested regions allowed (each
-// product would start a team of its own), or a table other than fp32's (`full`).
+// Experts side_by_side orders (a stack array): past this many, one at a time
+enum { SIDE_MAX = 256 };
+
+// The experts with rows, largest first (ties in expert order), into order (SIDE_MAX); their
+// count, or 0 when they are better run one at a time with all threads in each product: fewer
+// than two experts a thread, one thread, a parallel region already open, nested regions allowed
+// (each product would start a team of its own), a table other than fp32's (`full`), or more
+// than SIDE_MAX experts.
 static int side_by_side(const products *pr, const be_experts *ex, int *order) {
     const int T = omp_get_max_threads();
-    if (pr != &full || T < 2 || omp_in_parallel() || omp_get_max_active_levels() > 1) return 0;
+    if (pr != &full || T < 2 || ex->E > SIDE_MAX || omp_in_parallel() || omp_get_max_active_levels() > 1) return 0;
     int n = 0;
     for (int e = 0; e < ex->E; e++) {
         const int k = ex->off[e + 1] - ex->off[e];
@@ -402,8 +405,8 @@ static void expert_backward(const products *pr, real *dx, real *const dw[4], con
 // as the products').
 static void experts_forward(const products *pr, real *y, real *h, real *a, const real *x,
                             const real *const w[4], const be_experts *ex, int beta) {
-    int one[64], *order = ex->E <= 64 ? one : malloc(sizeof(int) * (size_t)ex->E);
-    const int n = order ? side_by_side(pr, ex, order) : 0;
+    int order[SIDE_MAX];
+    const int n = side_by_side(pr, ex, order);
     if (n) {
         PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(dynamic, 1)
@@ -414,14 +417,13 @@ static void experts_forward(const products *pr, real *y, real *h, real *a, const
             for (int e = 0; e < ex->E; e++) expert_forward(pr, y, h, a, x, w, ex, e, beta);
         }
     }
-    if (order != one) free(order);
 }
 
 static void experts_backward(const products *pr, real *dx, real *const dw[4], const real *dy,
                              const real *x, const real *h, const real *const w[4], real *da,
                              real *dh, const be_experts *ex, int write) {
-    int one[64], *order = ex->E <= 64 ? one : malloc(sizeof(int) * (size_t)ex->E);
-    const int n = order ? side_by_side(pr, ex, order) : 0;
+    int order[SIDE_MAX];
+    const int n = side_by_side(pr, ex, order);
     if (n) {
         PROF_SCOPE(PROF_MATMUL) {
 #pragma omp parallel for schedule(dynamic, 1)
@@ -432,7 +434,6 @@ static void experts_backward(const products *pr, real *dx, real *const dw[4], co
             for (int e = 0; e < ex->E; e++) expert_backward(pr, dx, dw, dy, x, h, w, da, dh, ex, e, write);
         }
     }
-    if (order != one) free(order);
 }
 
 static void cpu_experts_forward(const backend *be, real *y, real *h, real *a, const real *x,

@@ -79,9 +79,9 @@ __attribute__((target("avx2"))) static int quant_avx2(int8_t *q, const float *r,
 }
 
 // One row of K floats into q (s8 within [-qmax, qmax]) and its scale amax / qmax; a row of
-// zeros gets scale 0 (and q 0), one with a NaN or an infinity scale NaN (and q 0).
-static void quantize_row(int8_t *q, float *scale, const float *r, int K, int qmax) {
-    const int avx2 = __builtin_cpu_supports("avx2");
+// zeros gets scale 0 (and q 0), one with a NaN or an infinity scale NaN (and q 0). avx2: the
+// CPU has AVX2 (the same values either way).
+static void quantize_row(int8_t *q, float *scale, const float *r, int K, int qmax, int avx2) {
     float amax = 0;
     int finite = 1, k0 = avx2 ? amax_avx2(r, K, &amax, &finite) : 0;
     for (int k = k0; k < K; k++) {
@@ -117,8 +117,9 @@ static void quantize_row(int8_t *q, float *scale, const float *r, int K, int qma
 // int8_quantize_rows with the range [-qmax, qmax] (the weights': int8_weight_max).
 static void quantize(int8_t *q, float *scale, const float *x, int rows, int K, int ld, int qmax) {
     if (K <= 0) return;
+    const int avx2 = __builtin_cpu_supports("avx2");
 #pragma omp parallel for schedule(static) if ((size_t)rows * K >= 65536)
-    for (int i = 0; i < rows; i++) quantize_row(q + (size_t)i * K, scale + i, x + (size_t)i * ld, K, qmax);
+    for (int i = 0; i < rows; i++) quantize_row(q + (size_t)i * K, scale + i, x + (size_t)i * ld, K, qmax, avx2);
 }
 
 void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K, int ld) {
