@@ -59,6 +59,25 @@ static size_t head_of(head_dims *s, const head_dims *s0, const attn_segment *seg
     return seg->tok_off + (size_t)b * s0->T;
 }
 
+// c (nr <= 6 rows at ldc, hd columns) = sum over k in [k0, k1) of a's rows times b's: one per
+// instruction set, below (b: rows at ldb in place, or AVX2's rows_pack chunks with ldb T).
+static void bcast_tile(float *c, int ldc, const float *a, int ars, int acs, int nr, int k0, int k1,
+                       const float *b, int ldb, int hd);
+
+// c's T rows, 6 at a time at ldc, = a b over the keys each block of rows needs. Query rows
+// (keys 0: p v, ds k) sum k up to the block's last row's key_limit, past which their a holds
+// zeros; key rows (keys 1: p^T dout, ds^T q) from the first query that sees the block's first
+// key. a's row r at r ars, its k-th element at k acs; b as bcast_tile takes it.
+static void tile_rows(float *c, int ldc, const float *a, int ars, int acs, int keys, const head_dims *s,
+                      const float *b, int ldb) {
+    for (int i0 = 0; i0 < s->T; i0 += 6) {
+        const int nr = s->T - i0 < 6 ? s->T - i0 : 6;
+        const int k0 = keys ? first_query(s, i0) : 0;
+        const int k1 = keys ? s->T : key_limit(i0 + nr - 1, s->len, s->causal, s->prefix);
+        bcast_tile(c + (size_t)i0 * ldc, ldc, a + (size_t)i0 * ars, ars, acs, nr, k0, k1, b, ldb, s->hd);
+    }
+}
+
 #if defined(__AVX512F__)
 // The first n lanes of a vector (n clamped to [0, 16]).
 static inline __mmask16 lanes(int n) {
@@ -267,11 +286,7 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
             _Alignas(64) float kt[ATT_TILE];
             transpose_pad(kt, q + D, T, s.TP, hd, ld);
             score_rows(0, &s, q, ld, kt, q + D, ld, NULL, a);
-            for (int i0 = 0; i0 < T; i0 += 6) { // rows past key_limit hold zeros: stop at the last row's
-                const int nr = T - i0 < 6 ? T - i0 : 6;
-                bcast_tile(o + (size_t)i0 * D, D, a + (size_t)i0 * T, T, 1, nr, 0,
-                           key_limit(i0 + nr - 1, s.len, s.causal, s.prefix), q + 2 * D, ld, hd);
-            }
+            tile_rows(o, D, a, T, 1, 0, &s, q + 2 * D, ld); // out = p v
         }
     }
     return 1;
@@ -298,19 +313,9 @@ int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float
             score_rows(1, &s, g, D, vt, q + 2 * D, ld, a, ds);
             // key rows: dv = p^T dout, then dk = ds^T q, each pass's two operands (34 KB at T 65)
             // near L1's size where together they were twice it
-            for (int j0 = 0; j0 < T; j0 += 6) {
-                const int nr = T - j0 < 6 ? T - j0 : 6;
-                bcast_tile(dq + 2 * D + (size_t)j0 * ld, ld, a + j0, 1, T, nr, first_query(&s, j0), T, g, D, hd);
-            }
-            for (int j0 = 0; j0 < T; j0 += 6) {
-                const int nr = T - j0 < 6 ? T - j0 : 6;
-                bcast_tile(dq + D + (size_t)j0 * ld, ld, ds + j0, 1, T, nr, first_query(&s, j0), T, q, ld, hd);
-            }
-            for (int i0 = 0; i0 < T; i0 += 6) { // dq = ds k
-                const int nr = T - i0 < 6 ? T - i0 : 6;
-                bcast_tile(dq + (size_t)i0 * ld, ld, ds + (size_t)i0 * T, T, 1, nr, 0,
-                           key_limit(i0 + nr - 1, s.len, s.causal, s.prefix), q + D, ld, hd);
-            }
+            tile_rows(dq + 2 * D, ld, a, 1, T, 1, &s, g, D); // dv = p^T dout
+            tile_rows(dq + D, ld, ds, 1, T, 1, &s, q, ld);  // dk = ds^T q
+            tile_rows(dq, ld, ds, T, 1, 0, &s, q + D, ld);  // dq = ds k
         }
     }
     return 1;
@@ -583,11 +588,7 @@ int attn_fused_forward(float *out, float *att, const float *qkv, const attn_segm
             }
             float *vc = kt; // kt's work is done
             rows_pack(vc, q + 2 * D, T, hd, ld);
-            for (int i0 = 0; i0 < T; i0 += 6) { // rows past key_limit hold zeros: stop at the last row's
-                const int nr = T - i0 < 6 ? T - i0 : 6;
-                bcast_tile(o + (size_t)i0 * D, D, a + (size_t)i0 * T, T, 1, nr, 0,
-                           key_limit(i0 + nr - 1, s.len, s.causal, s.prefix), vc, T, hd);
-            }
+            tile_rows(o, D, a, T, 1, 0, &s, vc, T); // out = p v
         }
     }
     return 1;
@@ -620,21 +621,11 @@ int attn_fused_backward(float *dqkv, float *datt, const float *dout, const float
                 }
             }
             rows_pack(t, g, T, hd, D);
-            for (int j0 = 0; j0 < T; j0 += 6) { // dv = p^T dout
-                const int nr = T - j0 < 6 ? T - j0 : 6;
-                bcast_tile(dq + 2 * D + (size_t)j0 * ld, ld, a + j0, 1, T, nr, first_query(&s, j0), T, t, T, hd);
-            }
+            tile_rows(dq + 2 * D, ld, a, 1, T, 1, &s, t, T); // dv = p^T dout
             rows_pack(t, q, T, hd, ld);
-            for (int j0 = 0; j0 < T; j0 += 6) { // dk = ds^T q
-                const int nr = T - j0 < 6 ? T - j0 : 6;
-                bcast_tile(dq + D + (size_t)j0 * ld, ld, ds + j0, 1, TP, nr, first_query(&s, j0), T, t, T, hd);
-            }
+            tile_rows(dq + D, ld, ds, 1, TP, 1, &s, t, T); // dk = ds^T q
             rows_pack(t, q + D, T, hd, ld);
-            for (int i0 = 0; i0 < T; i0 += 6) { // dq = ds k
-                const int nr = T - i0 < 6 ? T - i0 : 6;
-                bcast_tile(dq + (size_t)i0 * ld, ld, ds + (size_t)i0 * TP, TP, 1, nr, 0,
-                           key_limit(i0 + nr - 1, s.len, s.causal, s.prefix), t, T, hd);
-            }
+            tile_rows(dq, ld, ds, TP, 1, 0, &s, t, T); // dq = ds k
         }
     }
     return 1;
