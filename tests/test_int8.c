@@ -116,8 +116,9 @@ static void check_linear(int N, int K, int O, int extreme) {
     const int8_t *wq = t->q;
     const float *ws = t->scale;
     // on a VNNI CPU the weights go into brgemm's blocked layout once (else every block would run
-    // the reference product: the same values, at a fraction of the speed); on AVX2 the gemm
-    // reads q, and the u8 shift needs each row's sum
+    // the reference product: the same values, at a fraction of the speed); on AVX2 into panels
+    // of 16 rows, four k at a time (w[16p + n][4j + i] at byte 64 (p K4 + j) + 4 n + i, zeros past
+    // O and K), and the u8 shift needs each row's sum
     if (gemm_int8_native() == INT8_VNNI) {
         CHECK(t->packed && t->md && t->pbytes >= (size_t)O * K, "int8 linear (%d,%d,%d): weights not packed", N, K, O);
     } else {
@@ -127,8 +128,15 @@ static void check_linear(int N, int K, int O, int extreme) {
             for (int k = 0; k < K; k++) sum += wq[(size_t)o * K + k];
             sums_ok = t->wsum[o] == sum;
         }
-        CHECK(!t->packed && sums_ok, "int8 linear (%d,%d,%d) on AVX2: weights packed, or row sums missing or wrong",
-              N, K, O);
+        const int K4 = (K + 3) / 4, P = (O + 15) / 16;
+        int panels_ok = t->packed && !t->md && t->pbytes == (size_t)P * K4 * 64;
+        for (int o = 0; panels_ok && o < 16 * P; o++)
+            for (int k = 0; k < 4 * K4; k++) {
+                const int8_t want = o < O && k < K ? wq[(size_t)o * K + k] : 0;
+                panels_ok &= ((const int8_t *)t->packed)[((size_t)(o / 16) * K4 + k / 4) * 64 + (o % 16) * 4 + k % 4] == want;
+            }
+        CHECK(sums_ok && panels_ok, "int8 linear (%d,%d,%d) on AVX2: row sums (%d) or panels (%d) missing or wrong",
+              N, K, O, sums_ok, panels_ok);
     }
     // the weights keep int8_weight_max's range, and each row's largest |w| maps to its end
     const int wmax = int8_weight_max();
@@ -190,14 +198,19 @@ static void check_linear(int N, int K, int O, int extreme) {
     linear_forward_int8(o2, x, t, 0, NULL, N, K, O, 0);
     CHECK(!memcmp(o1, o2, sizeof(float) * N * O), "int8 linear (%d,%d,%d): 1 and 2 threads differ", N, K, O);
     double e0 = 0;
+    long inexact = 0;
     for (int n = N > 2 && !extreme ? 2 : 0; n < N; n++)
         for (int o = 0; o < O; o++) {
             double acc = 0;
             for (int k = 0; k < K; k++) acc += (double)xq[(size_t)n * K + k] * wq[(size_t)o * K + k];
             const double prod = (double)xs[n] * ws[o] * acc;
             e0 = fmax(e0, fabs(o1[(size_t)n * O + o] - prod) / (4 * U * fabs(prod) + 1e-30));
+            // and exactly the header's order: the int32 sum as a float, times ws, times xs, + 0
+            const float want = xs[n] * ((float)acc * ws[o]) + 0.0f;
+            inexact += memcmp(&want, &o1[(size_t)n * O + o], sizeof want) != 0;
         }
     CHECK(e0 <= 1, "int8 linear (%d,%d,%d) beta 0: %.3g of 4 fp32 roundings from the exact product", N, K, O, e0);
+    CHECK(!inexact, "int8 linear (%d,%d,%d) beta 0: %ld values not xs (ws sum) + 0 bit for bit", N, K, O, inexact);
     free(x), free(w), free(b), free(out), free(old), free(xq), free(xs), free(o1), free(o2);
     int8_weights_free(&W);
 }

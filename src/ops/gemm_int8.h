@@ -1,7 +1,7 @@
 // gemm_int8.h: int8 products for `--precision int8` (inference only) on the CPU: weights
 // quantized once, symmetric per output channel; activations quantized per row as the product
-// runs; s8 x s8 products through oneDNN's int8 matmul (VNNI; its u8 x s8 gemm with 7-bit
-// weights on AVX2 without VNNI) with int32 accumulation and fp32 output, the weight scales and
+// runs; s8 x s8 products through oneDNN's int8 brgemm (VNNI) or our own u8 x s8 AVX2 kernel
+// with 7-bit weights (no VNNI), with int32 accumulation and fp32 output, the weight scales and
 // the row scales applied after it. Used by the expert banks (and linears) of
 // src/ops/backend_cpu.c's cpu-int8 table. Covered by tests/test_int8.c.
 #ifndef VLMOE_OPS_GEMM_INT8_H
@@ -9,8 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// How oneDNN multiplies int8 here: INT8_VNNI (AVX512_VNNI or AVX-VNNI: brgemm, one instruction
-// per 4 products), INT8_AVX2 (no VNNI: vpmaddubsw pairs into 16-bit sums, so the weights keep 7
+// How int8 is multiplied here: INT8_VNNI (AVX512_VNNI or AVX-VNNI: oneDNN's brgemm, one instruction
+// per 4 products), INT8_AVX2 (no VNNI, our kernel: vpmaddubsw pairs into 16-bit sums, so the weights keep 7
 // bits, int8_weight_max), or 0 (no AVX2: int8 would be no faster than fp32, and the caller
 // keeps fp32). oneDNN's ISA cap (DNNL_MAX_CPU_ISA) counts.
 enum { INT8_VNNI = 1, INT8_AVX2 = 2 };
@@ -30,7 +30,8 @@ void int8_quantize_rows(int8_t *q, float *scale, const float *x, int rows, int K
 // found by the address of their fp32 original: what a table's ctx points to. A tensor stacks
 // rows/O matrices of O rows each (an expert bank's experts; O = rows for a plain linear), and
 // with VNNI each is also kept in the blocked layout oneDNN's int8 brgemm reads (packed once,
-// when the weights are quantized: no product repacks its weights; on AVX2 the gemm reads q).
+// when the weights are quantized: no product repacks its weights); on AVX2 in the panels of
+// our kernel (md NULL: 16 rows at a time, four k at a time, zeros past O and K).
 // kind INT8_BF16 marks a weight that is not quantized but runs its products in bf16
 // (src/ops/gemm_bf16.h): q, scale, packed and wsum are NULL.
 enum { INT8_Q8, INT8_BF16 };
@@ -40,9 +41,9 @@ typedef struct {
     int K, O, kind;       // O: rows of one matrix (one product's outputs)
     int8_t *q;            // (rows, K)
     float *scale;         // (rows)
-    void *packed;         // rows/O matrices of pbytes each in the layout *md, or NULL (strided q read)
-    size_t pbytes;
-    void *md;             // the layout (a dnnl_memory_desc_t)
+    void *packed;         // rows/O matrices of pbytes each in the layout *md (AVX2: the panels), or NULL
+    size_t pbytes;        // (the reference product on q)
+    void *md;             // the layout (a dnnl_memory_desc_t; NULL for the AVX2 panels)
     int32_t *wsum;        // (rows) each row's sum of q, for the u8 shift (INT8_AVX2; else NULL)
 } int8_tensor;
 
