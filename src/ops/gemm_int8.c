@@ -261,8 +261,10 @@ static void matmul_ref(int M, int N, int K, const int8_t *A, const int8_t *B, fl
 // weights are packed once into panels of I8_NR rows, four k at a time: panel p, quad j holds
 // bytes w[16p + n][4j + i] at 64 j + 4 n + i (zeros past O and K), so one 32-byte load is four
 // k of eight outputs. 4 x 16 tiles hold 8 accumulators; a panel (16 KB at K 1024) stays in L1
-// while the block's rows pass over it. oneDNN 2.6's AVX2 u8 x s8 gemm ran these shapes at 115-130
-// GOP/s on a Zen 3 core, this kernel at 140-150 (the instructions' own limit there: 163).
+// while the block's rows pass over it. On a Zen 3 core (best of 40, 128-row blocks, int32
+// products alone) oneDNN 2.6's AVX2 u8 x s8 gemm ran K 256 -> 1024 at 142-153 GOP/s and
+// K 1024 -> 256 at 117-119, this kernel at 146-149 and 133-138; the step's register-only rate
+// there is 177-183 (bench/bench_int8). Its gain is mostly the epilogue it does as it stores.
 enum { I8_NR = 16, I8_MR = 4 };
 
 static size_t panels_bytes(int K, int O) { return (size_t)((O + I8_NR - 1) / I8_NR) * (size_t)((K + 3) / 4) * 64; }
