@@ -7,7 +7,9 @@ median step time over the rounds with the spread (min-max of the per-round media
 products are counted analytically (bench_step) and compared with the machine's own peak,
 measured by bench_peak (a register-only loop of FMAs on the widest registers the CPU has, and of
 vdpbf16ps for bf16), and with the SGEMM rates of OpenBLAS, oneDNN and, on AVX2 CPUs, vlmoe's own
-product at the model's shapes (bench_sgemm).
+product at the model's shapes (bench_sgemm). The inference table is followed by the int8 products'
+rates at an encoder MLP's shapes (bench_int8): the AVX2 kernel step's register-only rate,
+oneDNN's u8s8s32 gemm and vlmoe's int8 linear and MLP.
 
 Each side gets its best settings. PyTorch runs without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE
 (some machines set them for old OpenBLAS builds: CORETYPE=Haswell forces AVX2 kernels on an
@@ -178,7 +180,7 @@ def loadavg():
         return "unknown"
 
 
-def print_embed(rows, rounds, reps, loads):
+def print_embed(rows, rounds, reps, loads, int8_rates=()):
     print(f"\nload average (1, 5, 15 min) before the inference runs {loads[0]}, after {loads[1]}")
     print(f"\nembedding alone (bench_step --embed / torch_step.py --embed, inference_mode), batch 64: medians over "
           f"{rounds} alternating rounds of each run's median of {reps} encodes (range of the run medians); "
@@ -193,6 +195,14 @@ def print_embed(rows, rounds, reps, loads):
             xt = f"{v['txt'] / ref['txt']:5.2f}x" if ref else "     -"
             print(f"{name:13} {t:>3} {impl:16} {v['precision'] or '':10} {v['img']:7.0f} ({v['img_lo']:.0f}-{v['img_hi']:.0f}) "
                   f"{xi} {v['txt']:8.0f} ({v['txt_lo']:.0f}-{v['txt_hi']:.0f}) {xt}")
+    for t, r in int8_rates:
+        if "skipped" in r:
+            print(f"int8 products at {t} thread(s): {r['skipped']}")
+        else:
+            print(f"int8 products at {t} thread(s), {r['tokens']} x {r['width']} x {r['mlp']} ({r['path']}; bench_int8, "
+                  f"medians of {r['reps']}): the AVX2 kernel step's register-only rate {r['peak_gops']:.0f} GOP/s, "
+                  f"oneDNN's u8s8s32 gemm {r['onednn_gops']:.0f}, vlmoe's int8 linear {r['vlmoe_gops']:.0f} "
+                  f"(quantizing included), its int8 MLP {r['vlmoe_mlp_gops']:.0f}")
 
 
 def cpu_model():
@@ -222,7 +232,7 @@ def main():
     unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
-    rows, all_res, erows = [], {}, []
+    rows, all_res, erows, erows_int8 = [], {}, [], []
     load0 = loadavg()
     if a.embed_only and a.no_embed:
         ap.error("--embed-only and --no-embed leave nothing to run")
@@ -233,9 +243,13 @@ def main():
             er = measure_embed(path, t, batch, a.rounds, a.embed_reps, a.bin, a.base_bin, a.programs)
             all_res[f"{name}/{t}/embed"] = er
             erows.append((name, t, er))
+        # what bounds the int8 rows: the products' own rates at an encoder MLP's shapes
+        i8 = run([os.path.join(a.bin, "bench_int8"), "4096", "256", "1024", str(t), "7"], t, False)[0]
+        all_res[f"int8/{t}"] = i8
+        erows_int8.append((t, i8))
     loads = (load0, loadavg())
     if a.embed_only:
-        print_embed(erows, a.rounds, a.embed_reps, loads)
+        print_embed(erows, a.rounds, a.embed_reps, loads, erows_int8)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(all_res, f, indent=1)
@@ -302,7 +316,7 @@ def main():
               + ", ".join(f"{r[0]} {r[1]}t {r[4]['vlmoe-bf16']['rss']:.0f}/{r[4]['torch-bf16']['rss']:.0f} "
                           f"({r[4]['vlmoe-bf16']['rss'] / r[4]['torch-bf16']['rss']:.2f}x)" for r in rows) + ")")
     if erows:
-        print_embed(erows, a.rounds, a.embed_reps, loads)
+        print_embed(erows, a.rounds, a.embed_reps, loads, erows_int8)
     for t in sorted({r[1] for r in rows}, reverse=True):
         by = {r[0]: r[4] for r in rows if r[1] == t}
         if "bench-s" in by and "bench-s-dense" in by:
