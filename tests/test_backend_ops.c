@@ -810,17 +810,22 @@ static void case_route(ctx *c) {
     }
 }
 
+// small arrays, and ones the CPU table splits across its threads (from 65536 elements, in
+// shares of whole 64-byte lines: sizes that leave a partial line and uneven shares)
 static void case_memory(ctx *c) {
-    const size_t n = 77;
-    double *a = rnd(c, n, 1), *b = rnd(c, n, 1), *sum = zeros(c, n);
-    for (size_t i = 0; i < n; i++) sum[i] = a[i] + b[i];
-    float *fa = up(c, a, n), *fb = up(c, b, n), *fc = up(c, b, n);
-    c->be->add(c->be, fb, fa, n);
-    cmp(c, "add", fb, sum, n);
-    c->be->copy(c->be, fc, fa, n);
-    cmp(c, "copy", fc, a, n);
-    c->be->zero(c->be, fc, n);
-    cmp(c, "zero", fc, zeros(c, n), n);
+    const size_t sizes[] = {77, 65536 + 77, 3 * 65536 + 5};
+    for (int k = 0; k < 3; k++) {
+        const size_t n = sizes[k];
+        double *a = rnd(c, n, 1), *b = rnd(c, n, 1), *sum = zeros(c, n);
+        for (size_t i = 0; i < n; i++) sum[i] = a[i] + b[i];
+        float *fa = up(c, a, n), *fb = up(c, b, n), *fc = up(c, b, n);
+        c->be->add(c->be, fb, fa, n);
+        cmp(c, "add", fb, sum, n);
+        c->be->copy(c->be, fc, fa, n);
+        cmp(c, "copy", fc, a, n);
+        c->be->zero(c->be, fc, n);
+        cmp(c, "zero", fc, zeros(c, n), n);
+    }
 }
 
 // Images as bytes, normalised: every byte value in every channel, both layouts, two batches staged

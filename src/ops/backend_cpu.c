@@ -34,22 +34,71 @@ static void *cpu_alloc(const backend *be, size_t bytes, const char *what) {
     return vlmoe_calloc(bytes + 64, what);
 }
 static void cpu_free(const backend *be, void *p) { vlmoe_free_mem(p); }
+// Passes over large arrays are split across the threads, each a contiguous share of whole
+// 64-byte lines: a 5.3 MB copy (bench-s's residual stream) took 505 us on one Zen 3 thread and
+// 158-182 on two. Below MEM_PAR elements, or inside a parallel region, one thread. Each element
+// is written as alone, so the values do not depend on the split.
+enum { MEM_PAR = 1 << 16 };
+static int mem_threads(size_t n) { return n >= MEM_PAR && !omp_in_parallel() ? omp_get_max_threads() : 1; }
+// thread t's share [*o, *e) of n elements out of nt shares, in 16-float steps
+static void mem_share(size_t n, int t, int nt, size_t *o, size_t *e) {
+    const size_t lines = (n + 15) / 16;
+    *o = lines * t / nt * 16, *e = lines * (t + 1) / nt * 16;
+    *o = *o < n ? *o : n, *e = *e < n ? *e : n;
+}
 // upload, download and copy alike: the table's memory is the host's
 static void cpu_memcpy(const backend *be, real *dst, const real *src, size_t n) {
-    if (n && dst != src) PROF_SCOPE(PROF_MEMORY) memcpy(dst, src, sizeof(real) * n);
+    if (!n || dst == src) return;
+    const int nt = mem_threads(n);
+    PROF_SCOPE(PROF_MEMORY) {
+        if (nt == 1) memcpy(dst, src, sizeof(real) * n);
+        else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (int t = 0; t < nt; t++) {
+                size_t o, e;
+                mem_share(n, t, nt, &o, &e);
+                if (e > o) memcpy(dst + o, src + o, sizeof(real) * (e - o));
+            }
+        }
+    }
 }
 static void cpu_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n && dst != src) PROF_SCOPE(PROF_MEMORY) memcpy(dst, src, n);
 }
 static void cpu_zero(const backend *be, real *p, size_t n) {
-    if (n) PROF_SCOPE(PROF_MEMORY) memset(p, 0, sizeof(real) * n);
+    if (!n) return;
+    const int nt = mem_threads(n);
+    PROF_SCOPE(PROF_MEMORY) {
+        if (nt == 1) memset(p, 0, sizeof(real) * n);
+        else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (int t = 0; t < nt; t++) {
+                size_t o, e;
+                mem_share(n, t, nt, &o, &e);
+                if (e > o) memset(p + o, 0, sizeof(real) * (e - o));
+            }
+        }
+    }
+}
+// dst[o, e) += src[o, e). `omp simd`: GCC's -O2 cost model leaves a loop of unknown length
+// scalar; elementwise, so the vector loop gives the scalar loop's bits (likewise scale and
+// clamp below).
+static void add_range(real *dst, const real *src, size_t o, size_t e) {
+#pragma omp simd
+    for (size_t i = o; i < e; i++) dst[i] += src[i];
 }
 static void cpu_add(const backend *be, real *dst, const real *src, size_t n) {
-    // `omp simd`: GCC's -O2 cost model leaves a loop of unknown length scalar; elementwise, so
-    // the vector loop gives the scalar loop's bits (likewise scale and clamp below)
+    const int nt = mem_threads(n);
     PROF_SCOPE(PROF_MEMORY) {
-#pragma omp simd
-        for (size_t i = 0; i < n; i++) dst[i] += src[i];
+        if (nt == 1) add_range(dst, src, 0, n);
+        else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (int t = 0; t < nt; t++) {
+                size_t o, e;
+                mem_share(n, t, nt, &o, &e);
+                add_range(dst, src, o, e);
+            }
+        }
     }
 }
 static int cpu_sync(const backend *be) { return VLMOE_OK; }
