@@ -46,60 +46,42 @@ static void mem_share(size_t n, int t, int nt, size_t *o, size_t *e) {
     *o = lines * t / nt * 16, *e = lines * (t + 1) / nt * 16;
     *o = *o < n ? *o : n, *e = *e < n ? *e : n;
 }
-// upload, download and copy alike: the table's memory is the host's
-static void cpu_memcpy(const backend *be, real *dst, const real *src, size_t n) {
-    if (!n || dst == src) return;
+// one pass's work on elements [o, e)
+typedef void (*mem_range)(real *dst, const real *src, size_t o, size_t e);
+static void copy_range(real *dst, const real *src, size_t o, size_t e) { memcpy(dst + o, src + o, sizeof(real) * (e - o)); }
+static void zero_range(real *dst, const real *src, size_t o, size_t e) { memset(dst + o, 0, sizeof(real) * (e - o)); }
+// `omp simd`: GCC's -O2 cost model leaves a loop of unknown length scalar; elementwise, so the
+// vector loop gives the scalar loop's bits (likewise scale and clamp below)
+static void add_range(real *dst, const real *src, size_t o, size_t e) {
+#pragma omp simd
+    for (size_t i = o; i < e; i++) dst[i] += src[i];
+}
+static void mem_pass(real *dst, const real *src, size_t n, mem_range fn) {
     const int nt = mem_threads(n);
     PROF_SCOPE(PROF_MEMORY) {
-        if (nt == 1) memcpy(dst, src, sizeof(real) * n);
+        if (nt == 1) fn(dst, src, 0, n);
         else {
 #pragma omp parallel for schedule(static) num_threads(nt)
             for (int t = 0; t < nt; t++) {
                 size_t o, e;
                 mem_share(n, t, nt, &o, &e);
-                if (e > o) memcpy(dst + o, src + o, sizeof(real) * (e - o));
+                if (e > o) fn(dst, src, o, e);
             }
         }
     }
+}
+// upload, download and copy alike: the table's memory is the host's
+static void cpu_memcpy(const backend *be, real *dst, const real *src, size_t n) {
+    if (n && dst != src) mem_pass(dst, src, n, copy_range);
 }
 static void cpu_upload_bytes(const backend *be, void *dst, const void *src, size_t n) {
     if (n && dst != src) PROF_SCOPE(PROF_MEMORY) memcpy(dst, src, n);
 }
 static void cpu_zero(const backend *be, real *p, size_t n) {
-    if (!n) return;
-    const int nt = mem_threads(n);
-    PROF_SCOPE(PROF_MEMORY) {
-        if (nt == 1) memset(p, 0, sizeof(real) * n);
-        else {
-#pragma omp parallel for schedule(static) num_threads(nt)
-            for (int t = 0; t < nt; t++) {
-                size_t o, e;
-                mem_share(n, t, nt, &o, &e);
-                if (e > o) memset(p + o, 0, sizeof(real) * (e - o));
-            }
-        }
-    }
-}
-// dst[o, e) += src[o, e). `omp simd`: GCC's -O2 cost model leaves a loop of unknown length
-// scalar; elementwise, so the vector loop gives the scalar loop's bits (likewise scale and
-// clamp below).
-static void add_range(real *dst, const real *src, size_t o, size_t e) {
-#pragma omp simd
-    for (size_t i = o; i < e; i++) dst[i] += src[i];
+    if (n) mem_pass(p, NULL, n, zero_range);
 }
 static void cpu_add(const backend *be, real *dst, const real *src, size_t n) {
-    const int nt = mem_threads(n);
-    PROF_SCOPE(PROF_MEMORY) {
-        if (nt == 1) add_range(dst, src, 0, n);
-        else {
-#pragma omp parallel for schedule(static) num_threads(nt)
-            for (int t = 0; t < nt; t++) {
-                size_t o, e;
-                mem_share(n, t, nt, &o, &e);
-                add_range(dst, src, o, e);
-            }
-        }
-    }
+    if (n) mem_pass(dst, src, n, add_range);
 }
 static int cpu_sync(const backend *be) { return VLMOE_OK; }
 
