@@ -36,10 +36,15 @@ static void *cpu_alloc(const backend *be, size_t bytes, const char *what) {
 static void cpu_free(const backend *be, void *p) { vlmoe_free_mem(p); }
 // Passes over large arrays are split across the threads, each a contiguous share of whole
 // 64-byte lines: a 5.3 MB copy (bench-s's residual stream) took 505 us on one Zen 3 thread and
-// 158-182 on two. Below MEM_PAR elements, or inside a parallel region, one thread. Each element
-// is written as alone, so the values do not depend on the split.
+// 158-182 on two. Below MEM_PAR elements, or inside a parallel region, one thread; else at most
+// one thread per MEM_PAR / 4 elements (many threads' start-up would cost a small array more
+// than they save). Each element is written as alone, so the values do not depend on the split.
 enum { MEM_PAR = 1 << 16 };
-static int mem_threads(size_t n) { return n >= MEM_PAR && !omp_in_parallel() ? omp_get_max_threads() : 1; }
+static int mem_threads(size_t n) {
+    if (n < MEM_PAR || omp_in_parallel()) return 1;
+    const size_t most = n / (MEM_PAR / 4), nt = (size_t)omp_get_max_threads();
+    return (int)(nt < most ? nt : most);
+}
 // thread t's share [*o, *e) of n elements out of nt shares, in 16-float steps
 static void mem_share(size_t n, int t, int nt, size_t *o, size_t *e) {
     const size_t lines = (n + 15) / 16;
