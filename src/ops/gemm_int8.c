@@ -337,13 +337,14 @@ static int block_u8(const int8_tensor *t, size_t c, int m, const int8_t *A, cons
     }
     static const float zero[I8_NR];
     const int8_t *P = (const int8_t *)t->packed + c * t->pbytes;
+    int32_t tsum[I8_NR]; // the last, narrow panel's 16 values, zeros past O (filled only for it)
+    float tws[I8_NR], tb[I8_NR];
     for (int n0 = 0; n0 < O; n0 += I8_NR) {
         const int nc = O - n0 < I8_NR ? O - n0 : I8_NR;
         const int32_t *psum = t->wsum + c * (size_t)O + n0;
         const float *pws = t->scale + c * (size_t)O + n0, *pb = b ? b + n0 : zero;
-        int32_t tsum[I8_NR] = {0};
-        float tws[I8_NR] = {0}, tb[I8_NR] = {0};
-        if (nc < I8_NR) { // the last, narrow panel: its 16 values with zeros past O
+        if (nc < I8_NR) {
+            memset(tsum, 0, sizeof tsum), memset(tws, 0, sizeof tws), memset(tb, 0, sizeof tb);
             memcpy(tsum, psum, sizeof(int32_t) * (size_t)nc), memcpy(tws, pws, sizeof(float) * (size_t)nc);
             memcpy(tb, pb, sizeof(float) * (size_t)nc);
             psum = tsum, pws = tws, pb = tb;
