@@ -1,19 +1,23 @@
 // act_avx2.c: the activations (GELU erf, GELU tanh, quick GELU) of the fused epilogues and of
-// act_forward (src/ops/ops.c) in AVX2, two 8-float vectors at a time with their operations
-// interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
-// 40 dependent operations (vexp's range reduction and polynomial, the division) filled the
-// out-of-order window, so the loop ran at the chain's latency, not the vector units' rate: 1.9
-// ns an element on a Zen 3, 1.3 with two chains side by side. Every operation is the scalar
-// form's, in its order, with no FMA (none is contracted under -std=c11 either), so each element
-// gets the bits of ops.c's gelu_erf1, act_sig1 and their gradients with vexp and verf
-// (src/core/real.h); tests/test_ops.c compares them on every kind of float.
+// act_forward (src/ops/ops.c) in AVX2 and FMA, two 8-float vectors at a time with their
+// operations interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
+// 40 dependent operations (the exponential's range reduction and polynomial, the division)
+// filled the out-of-order window, so the loop ran at the chain's latency, not the vector units'
+// rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The polynomials' steps
+// are fused multiply-adds, one instruction and one latency each where a multiply and an add
+// were two: on a Zen 3 (medians of 3 alternating runs, ns an element on a row in L1) GELU tanh
+// 1.42 -> 1.05 forward and 2.70 -> 2.30 with its gradient, GELU erf 2.86 -> 2.36 and 4.9 -> 3.65,
+// quick GELU 1.14 -> 0.85 and 2.46 -> 2.03. Every operation is the scalar form's, in its
+// order, each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and
+// their gradients with vexp_fma and verf (src/core/real.h); tests/test_ops.c compares them on
+// every kind of float.
 #include <immintrin.h>
 #include <stddef.h>
 
 #include "ops/act_avx2.h"
 #include "vlmoe.h"
 
-int act_avx2_supported(void) { return __builtin_cpu_supports("avx2"); }
+int act_avx2_supported(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 #define V __m256
 #define F(x) _mm256_set1_ps(x)
@@ -24,30 +28,30 @@ int act_avx2_supported(void) { return __builtin_cpu_supports("avx2"); }
 #define GELU_K3 ((float)(3 * 0.044715))
 
 // c(x), the sigmoid's argument: GELU tanh 2 sqrt(2/pi) (x + k x^3), quick GELU 1.702 x
-__attribute__((target("avx2"), always_inline)) static inline V arg(V x, int tanh_form) {
+__attribute__((target("avx2,fma"), always_inline)) static inline V arg(V x, int tanh_form) {
     if (!tanh_form) return _mm256_mul_ps(F(1.702f), x);
     const V x3 = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(F(GELU_K), x), x), x);
     return _mm256_mul_ps(F(GELU_C), _mm256_add_ps(x, x3));
 }
 
-// e^y for two vectors: vexp's steps (src/core/real.h) line by line, each on both. The clamp
-// is min then max: the same value as vexp's for every y but NaN, whose result is NaN either way.
-__attribute__((target("avx2"), always_inline)) static inline void exp2v(V y0, V y1, V *e0, V *e1) {
+// e^y for two vectors: vexp_fma's steps (src/core/real.h) line by line, each on both. The clamp
+// is min then max: the same value as vexp_fma's for every y but NaN, whose result is NaN either way.
+__attribute__((target("avx2,fma"), always_inline)) static inline void exp2v(V y0, V y1, V *e0, V *e1) {
     const V hi = F(88.7228317f), lo = F(-104.0f);
     const V c0 = _mm256_max_ps(_mm256_min_ps(y0, hi), lo), c1 = _mm256_max_ps(_mm256_min_ps(y1, hi), lo);
 #define rn (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
     const V n0 = _mm256_round_ps(_mm256_mul_ps(c0, F(1.44269504088896341f)), rn);
     const V n1 = _mm256_round_ps(_mm256_mul_ps(c1, F(1.44269504088896341f)), rn);
-    const V r0 = _mm256_add_ps(_mm256_sub_ps(c0, _mm256_mul_ps(n0, F(0.693359375f))), _mm256_mul_ps(n0, F(2.12194440e-4f)));
-    const V r1 = _mm256_add_ps(_mm256_sub_ps(c1, _mm256_mul_ps(n1, F(0.693359375f))), _mm256_mul_ps(n1, F(2.12194440e-4f)));
+    const V r0 = _mm256_fmadd_ps(n0, F(2.12194440e-4f), _mm256_fnmadd_ps(n0, F(0.693359375f), c0));
+    const V r1 = _mm256_fmadd_ps(n1, F(2.12194440e-4f), _mm256_fnmadd_ps(n1, F(0.693359375f), c1));
     static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
     V p0 = F(1.9875691500e-4f), p1 = p0;
     for (int i = 0; i < 5; i++) {
-        p0 = _mm256_add_ps(_mm256_mul_ps(p0, r0), F(poly[i]));
-        p1 = _mm256_add_ps(_mm256_mul_ps(p1, r1), F(poly[i]));
+        p0 = _mm256_fmadd_ps(p0, r0, F(poly[i]));
+        p1 = _mm256_fmadd_ps(p1, r1, F(poly[i]));
     }
-    p0 = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p0, r0), r0), r0), F(1.0f));
-    p1 = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p1, r1), r1), r1), F(1.0f));
+    p0 = _mm256_add_ps(_mm256_fmadd_ps(p0, _mm256_mul_ps(r0, r0), r0), F(1.0f));
+    p1 = _mm256_add_ps(_mm256_fmadd_ps(p1, _mm256_mul_ps(r1, r1), r1), F(1.0f));
     // 2^n as 2^h 2^(n-h), h = floor(n / 2)
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(127);
     const __m256i i0 = _mm256_cvttps_epi32(n0), i1 = _mm256_cvttps_epi32(n1);
@@ -66,7 +70,7 @@ __attribute__((target("avx2"), always_inline)) static inline void exp2v(V y0, V 
 }
 
 // 1 + e^(-c(x)) for two vectors: act_sig1's and act_sig_grad1's denominator
-__attribute__((target("avx2"), always_inline)) static inline void den2(V x0, V x1, int tanh_form, V *d0, V *d1) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void den2(V x0, V x1, int tanh_form, V *d0, V *d1) {
     const V neg = F(-0.0f);
     V e0, e1;
     exp2v(_mm256_xor_ps(arg(x0, tanh_form), neg), _mm256_xor_ps(arg(x1, tanh_form), neg), &e0, &e1);
@@ -74,7 +78,7 @@ __attribute__((target("avx2"), always_inline)) static inline void den2(V x0, V x
 }
 
 // erf(x) for two vectors: verf's steps (src/core/real.h), each on both
-__attribute__((target("avx2"), always_inline)) static inline void erf2v(V x0, V x1, V *e0, V *e1) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void erf2v(V x0, V x1, V *e0, V *e1) {
     const V neg = F(-0.0f), zero = _mm256_setzero_ps(), four = F(4.0f), one = F(1.0f);
     const V lt0 = _mm256_cmp_ps(x0, zero, _CMP_LT_OQ), lt1 = _mm256_cmp_ps(x1, zero, _CMP_LT_OQ);
     // |x| as verf takes it (x < 0 ? -x : x keeps -0), then at most 4 (NaN -> 4)
@@ -88,19 +92,19 @@ __attribute__((target("avx2"), always_inline)) static inline void erf2v(V x0, V 
                               1.543525457e-01f, -2.732107639e-01f, 4.275835752e-01f};
     V p0 = F(-9.752990991e-06f), p1 = p0;
     for (int i = 0; i < 7; i++) {
-        p0 = _mm256_add_ps(_mm256_mul_ps(p0, t0), F(P[i]));
-        p1 = _mm256_add_ps(_mm256_mul_ps(p1, t1), F(P[i]));
+        p0 = _mm256_fmadd_ps(p0, t0, F(P[i]));
+        p1 = _mm256_fmadd_ps(p1, t1, F(P[i]));
     }
     const V u0 = _mm256_sub_ps(a0, one), u1 = _mm256_sub_ps(a1, one);
     V q0 = F(-3.835798736e-07f), q1 = q0;
     for (int i = 0; i < 11; i++) {
-        q0 = _mm256_add_ps(_mm256_mul_ps(q0, u0), F(Q[i]));
-        q1 = _mm256_add_ps(_mm256_mul_ps(q1, u1), F(Q[i]));
+        q0 = _mm256_fmadd_ps(q0, u0, F(Q[i]));
+        q1 = _mm256_fmadd_ps(q1, u1, F(Q[i]));
     }
     V x0e, x1e;
     exp2v(_mm256_xor_ps(t0, neg), _mm256_xor_ps(t1, neg), &x0e, &x1e);
-    const V small0 = _mm256_add_ps(a0, _mm256_mul_ps(a0, p0)), small1 = _mm256_add_ps(a1, _mm256_mul_ps(a1, p1));
-    const V big0 = _mm256_sub_ps(one, _mm256_mul_ps(x0e, q0)), big1 = _mm256_sub_ps(one, _mm256_mul_ps(x1e, q1));
+    const V small0 = _mm256_fmadd_ps(a0, p0, a0), small1 = _mm256_fmadd_ps(a1, p1, a1);
+    const V big0 = _mm256_fnmadd_ps(x0e, q0, one), big1 = _mm256_fnmadd_ps(x1e, q1, one);
     V r0 = _mm256_blendv_ps(big0, small0, _mm256_cmp_ps(a0, one, _CMP_LT_OQ));
     V r1 = _mm256_blendv_ps(big1, small1, _mm256_cmp_ps(a1, one, _CMP_LT_OQ));
     r0 = _mm256_blendv_ps(r0, _mm256_xor_ps(r0, neg), lt0), r1 = _mm256_blendv_ps(r1, _mm256_xor_ps(r1, neg), lt1);
@@ -113,7 +117,7 @@ __attribute__((target("avx2"), always_inline)) static inline void erf2v(V x0, V 
 #define INV_SQRT_2PIF ((float)0.3989422804014327)
 
 // act(x) for two vectors, any kind: gelu_erf1 or act_sig1
-__attribute__((target("avx2"), always_inline)) static inline void act2(V x0, V x1, int kind, V *a0, V *a1) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void act2(V x0, V x1, int kind, V *a0, V *a1) {
     if (kind == VLMOE_ACT_GELU) {
         V e0, e1;
         erf2v(_mm256_mul_ps(x0, F(INV_SQRT_2F)), _mm256_mul_ps(x1, F(INV_SQRT_2F)), &e0, &e1);
@@ -128,7 +132,7 @@ __attribute__((target("avx2"), always_inline)) static inline void act2(V x0, V x
 
 // act'(x) = s + x s (1 - s) c'(x), s = 1 / den, for one vector (after den2 the two chains are
 // short and independent, so they need no interleaving by hand)
-__attribute__((target("avx2"), always_inline)) static inline V sig_grad1(V x, V den, int tanh_form, V *a) {
+__attribute__((target("avx2,fma"), always_inline)) static inline V sig_grad1(V x, V den, int tanh_form, V *a) {
     const V s = _mm256_div_ps(F(1.0f), den);
     const V dc = tanh_form ? _mm256_mul_ps(F(GELU_C), _mm256_add_ps(F(1.0f), _mm256_mul_ps(_mm256_mul_ps(F(GELU_K3), x), x)))
                            : F(1.702f);
@@ -137,7 +141,7 @@ __attribute__((target("avx2"), always_inline)) static inline V sig_grad1(V x, V 
 }
 
 // act(x) and act'(x) for two vectors: gelu_erf_grad1 or act_sig_grad1
-__attribute__((target("avx2"), always_inline)) static inline void grad2(V x0, V x1, int kind, V *a0, V *a1, V *q0, V *q1) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void grad2(V x0, V x1, int kind, V *a0, V *a1, V *q0, V *q1) {
     if (kind == VLMOE_ACT_GELU) {
         V e0, e1, g0, g1;
         erf2v(_mm256_mul_ps(x0, F(INV_SQRT_2F)), _mm256_mul_ps(x1, F(INV_SQRT_2F)), &e0, &e1);
@@ -154,7 +158,7 @@ __attribute__((target("avx2"), always_inline)) static inline void grad2(V x0, V 
     *q0 = sig_grad1(x0, d0, t, a0), *q1 = sig_grad1(x1, d1, t, a1);
 }
 
-__attribute__((target("avx2"))) int act_bias_avx2(float *a, float *h, const float *b, int n, int kind) {
+__attribute__((target("avx2,fma"))) int act_bias_avx2(float *a, float *h, const float *b, int n, int kind) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
         const V x0 = _mm256_add_ps(_mm256_loadu_ps(h + j), _mm256_loadu_ps(b + j));
@@ -167,7 +171,7 @@ __attribute__((target("avx2"))) int act_bias_avx2(float *a, float *h, const floa
     return j;
 }
 
-__attribute__((target("avx2"))) size_t act_avx2(float *a, const float *x, size_t n, int kind) {
+__attribute__((target("avx2,fma"))) size_t act_avx2(float *a, const float *x, size_t n, int kind) {
     size_t j = 0;
     for (; j + 16 <= n; j += 16) {
         V a0, a1;
@@ -177,7 +181,7 @@ __attribute__((target("avx2"))) size_t act_avx2(float *a, const float *x, size_t
     return j;
 }
 
-__attribute__((target("avx2"))) int act_grad_avx2(float *g, float *a, const float *h, int n, int kind) {
+__attribute__((target("avx2,fma"))) int act_grad_avx2(float *g, float *a, const float *h, int n, int kind) {
     int j = 0;
     for (; j + 16 <= n; j += 16) {
         V a0, a1, q0, q1;

@@ -349,10 +349,10 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
-// e^x on 8 lanes by src/core/real.h's vexp recipe (the same reduction and Cephes polynomial,
-// here with fused multiply-adds), so the same accuracy: +inf above ln(FLT_MAX), NaN in, NaN
-// out, 0 far below. 2^n is applied as 2^h 2^(n-h), h = floor(n / 2), as n runs from -150 to 128,
-// past one exponent field's range.
+// e^x on 8 lanes by src/core/real.h's vexp_fma, step for step: its bits for every float (all
+// 2^32 but those past +-200, where both clamp, were compared), so the same accuracy: +inf
+// above ln(FLT_MAX), NaN in, NaN out, 0 far below. 2^n is applied as 2^h 2^(n-h),
+// h = floor(n / 2), as n runs from -150 to 128, past one exponent field's range.
 static inline __m256 exp8(__m256 x) {
     const __m256 hi = _mm256_set1_ps(88.7228317f);
     const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), hi); // NaN -> -104
