@@ -2,6 +2,7 @@
 // op in src/ops and the contrastive loss; plus golden values for forward passes worked by hand.
 // Each check builds loss = sum(out * r) for a fixed random r, runs the op's backward with
 // dout = r, and compares every input gradient element with a central difference.
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -373,6 +374,16 @@ static void test_vexp(void) {
     int differ = 0;
     for (float x = -20.0f; x < 20.0f; x += 0.0173f) differ += vexp(x) != vexp_fma(x);
     CHECK(differ > 0, "vexp_fma gave vexp's bits at every x in [-20, 20]: its multiply-adds are not fused");
+    // vexp_sig: vexp_fma's bits on [-87.33, 88.37], clamped past its ends (NaN to the low one)
+    int off = 0;
+    for (float x = -87.33f; x <= 88.37f; x += 0.00913f) off += memcmp(&(float){vexp_sig(x)}, &(float){vexp_fma(x)}, 4) != 0;
+    CHECK(off == 0, "vexp_sig differs from vexp_fma at %d points of [-87.33, 88.37]", off);
+    const float lo = vexp_sig(-87.33f), hi = vexp_sig(88.37f);
+    CHECK(lo >= FLT_MIN && lo < 1.3e-38f && hi > 2.3e38f && hi < FLT_MAX, "vexp_sig at its ends: %g, %g", lo, hi);
+    CHECK(vexp_sig(-1000) == lo && vexp_sig(-INFINITY) == lo && vexp_sig(NAN) == lo && vexp_sig(1000) == hi &&
+              vexp_sig(INFINITY) == hi,
+          "vexp_sig(-1000, -inf, NaN, 1000, inf) = %g %g %g %g %g: the clamped ends", vexp_sig(-1000),
+          vexp_sig(-INFINITY), vexp_sig(NAN), vexp_sig(1000), vexp_sig(INFINITY));
 }
 
 // Attention in float against double at sizes on both sides of ATT_KT_MAX (src/ops/ops.c: heads

@@ -3,14 +3,16 @@
 // operations interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
 // 40 dependent operations (the exponential's range reduction and polynomial, the division)
 // filled the out-of-order window, so the loop ran at the chain's latency, not the vector units'
-// rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The polynomials' steps
-// are fused multiply-adds, one instruction and one latency each where a multiply and an add
-// were two: on a Zen 3 (medians of 3 alternating runs, ns an element on a row in L1) GELU tanh
-// 1.42 -> 1.05 forward and 2.70 -> 2.30 with its gradient, GELU erf 2.86 -> 2.36 and 4.9 -> 3.65,
-// quick GELU 1.14 -> 0.85 and 2.46 -> 2.03. Every operation is the scalar form's, in its
-// order, each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and
-// their gradients with vexp_fma and verf (src/core/real.h); tests/test_ops.c compares them on
-// every kind of float.
+// rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The chains are short
+// as they can be: the polynomials' steps are fused multiply-adds, one instruction and one
+// latency where a multiply and an add were two, and the sigmoid forms' e^x (vexp_sig) applies
+// one power of two and restores no special values. On a Zen 3 (medians of 3 alternating runs,
+// ns an element of a row in L1), against the multiply-and-add form with vexp: GELU tanh 1.46 ->
+// 0.87 forward and 2.71 -> 2.11 with its gradient, quick GELU 1.26 -> 0.73 and 2.45 -> 1.79,
+// GELU erf 2.81 -> 2.33 and 4.84 -> 3.61. Every operation is the scalar form's, in its order,
+// each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and their
+// gradients with vexp_fma, vexp_sig and verf (src/core/real.h); tests/test_ops.c compares them
+// on every kind of float.
 #include <immintrin.h>
 #include <stddef.h>
 
@@ -34,24 +36,30 @@ __attribute__((target("avx2,fma"), always_inline)) static inline V arg(V x, int 
     return _mm256_mul_ps(F(GELU_C), _mm256_add_ps(x, x3));
 }
 
+// n = round(c / ln2) and p = e^(c - n ln2) for two vectors of clamped c: exp_frac_fma's steps
+// (src/core/real.h), each on both
+__attribute__((target("avx2,fma"), always_inline)) static inline void frac2(V c0, V c1, V *n0, V *n1, V *p0, V *p1) {
+    static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    *n0 = _mm256_round_ps(_mm256_mul_ps(c0, F(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *n1 = _mm256_round_ps(_mm256_mul_ps(c1, F(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V r0 = _mm256_fmadd_ps(*n0, F(2.12194440e-4f), _mm256_fnmadd_ps(*n0, F(0.693359375f), c0));
+    const V r1 = _mm256_fmadd_ps(*n1, F(2.12194440e-4f), _mm256_fnmadd_ps(*n1, F(0.693359375f), c1));
+    V q0 = F(1.9875691500e-4f), q1 = q0;
+    for (int i = 0; i < 5; i++) {
+        q0 = _mm256_fmadd_ps(q0, r0, F(poly[i]));
+        q1 = _mm256_fmadd_ps(q1, r1, F(poly[i]));
+    }
+    *p0 = _mm256_add_ps(_mm256_fmadd_ps(q0, _mm256_mul_ps(r0, r0), r0), F(1.0f));
+    *p1 = _mm256_add_ps(_mm256_fmadd_ps(q1, _mm256_mul_ps(r1, r1), r1), F(1.0f));
+}
+
 // e^y for two vectors: vexp_fma's steps (src/core/real.h) line by line, each on both. The clamp
 // is min then max: the same value as vexp_fma's for every y but NaN, whose result is NaN either way.
 __attribute__((target("avx2,fma"), always_inline)) static inline void exp2v(V y0, V y1, V *e0, V *e1) {
     const V hi = F(88.7228317f), lo = F(-104.0f);
     const V c0 = _mm256_max_ps(_mm256_min_ps(y0, hi), lo), c1 = _mm256_max_ps(_mm256_min_ps(y1, hi), lo);
-#define rn (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-    const V n0 = _mm256_round_ps(_mm256_mul_ps(c0, F(1.44269504088896341f)), rn);
-    const V n1 = _mm256_round_ps(_mm256_mul_ps(c1, F(1.44269504088896341f)), rn);
-    const V r0 = _mm256_fmadd_ps(n0, F(2.12194440e-4f), _mm256_fnmadd_ps(n0, F(0.693359375f), c0));
-    const V r1 = _mm256_fmadd_ps(n1, F(2.12194440e-4f), _mm256_fnmadd_ps(n1, F(0.693359375f), c1));
-    static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-    V p0 = F(1.9875691500e-4f), p1 = p0;
-    for (int i = 0; i < 5; i++) {
-        p0 = _mm256_fmadd_ps(p0, r0, F(poly[i]));
-        p1 = _mm256_fmadd_ps(p1, r1, F(poly[i]));
-    }
-    p0 = _mm256_add_ps(_mm256_fmadd_ps(p0, _mm256_mul_ps(r0, r0), r0), F(1.0f));
-    p1 = _mm256_add_ps(_mm256_fmadd_ps(p1, _mm256_mul_ps(r1, r1), r1), F(1.0f));
+    V n0, n1, p0, p1;
+    frac2(c0, c1, &n0, &n1, &p0, &p1);
     // 2^n as 2^h 2^(n-h), h = floor(n / 2)
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(127);
     const __m256i i0 = _mm256_cvttps_epi32(n0), i1 = _mm256_cvttps_epi32(n1);
@@ -69,12 +77,19 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void exp2v(V y0
     *e1 = _mm256_blendv_ps(v1, F(__builtin_inff()), _mm256_cmp_ps(y1, hi, _CMP_GT_OQ));
 }
 
-// 1 + e^(-c(x)) for two vectors: act_sig1's and act_sig_grad1's denominator
+// 1 + e^(-c(x)) for two vectors: act_sig1's and act_sig_grad1's denominator, e^y by vexp_sig's
+// steps (src/core/real.h), exp2v's without its second power of two and special values; the
+// clamp, max then min, takes a NaN to the low end as vexp_sig's does.
 __attribute__((target("avx2,fma"), always_inline)) static inline void den2(V x0, V x1, int tanh_form, V *d0, V *d1) {
-    const V neg = F(-0.0f);
-    V e0, e1;
-    exp2v(_mm256_xor_ps(arg(x0, tanh_form), neg), _mm256_xor_ps(arg(x1, tanh_form), neg), &e0, &e1);
-    *d0 = _mm256_add_ps(F(1.0f), e0), *d1 = _mm256_add_ps(F(1.0f), e1);
+    const V neg = F(-0.0f), lo = F(-87.33f), hi = F(88.37f);
+    const V c0 = _mm256_min_ps(_mm256_max_ps(_mm256_xor_ps(arg(x0, tanh_form), neg), lo), hi);
+    const V c1 = _mm256_min_ps(_mm256_max_ps(_mm256_xor_ps(arg(x1, tanh_form), neg), lo), hi);
+    V n0, n1, p0, p1;
+    frac2(c0, c1, &n0, &n1, &p0, &p1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const V s0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n0), bias), 23));
+    const V s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n1), bias), 23));
+    *d0 = _mm256_add_ps(F(1.0f), _mm256_mul_ps(p0, s0)), *d1 = _mm256_add_ps(F(1.0f), _mm256_mul_ps(p1, s1));
 }
 
 // erf(x) for two vectors: verf's steps (src/core/real.h), each on both

@@ -490,7 +490,7 @@ void R(layernorm_backward)(real *dinp, real *dw, real *db, const real *dout, con
 #define INV_SQRT_2PI 0.3989422804014327
 
 // GELU (tanh) and quick GELU are x * sigmoid(c(x)): 0.5 (1 + tanh(u)) = sigmoid(2u). Written so,
-// each costs one vexp_fma and vectorises; GELU (erf) uses verf (src/core/real.h), which does too.
+// each costs one vexp_sig and vectorises; GELU (erf) uses verf (src/core/real.h), which does too.
 // The unfused ops and the fused ones below share these helpers, so both give the same bits for
 // the same pre-activation.
 #pragma omp declare simd
@@ -504,7 +504,7 @@ static inline real gelu_arg(real x, int kind) {
 static inline real gelu_erf1(real x) { return (real)0.5 * x * (1 + verf(x * (real)INV_SQRT_2)); }
 
 #pragma omp declare simd uniform(kind)
-static inline real act_sig1(real x, int kind) { return x / (1 + vexp_fma(-gelu_arg(x, kind))); }
+static inline real act_sig1(real x, int kind) { return x / (1 + vexp_sig(-gelu_arg(x, kind))); }
 
 // act'(x), with act(x) itself in *a: the backward needs both, and they share the erf or exp.
 // For the sigmoid forms, d/dx [x s(c(x))] = s + x s (1 - s) c'(x).
@@ -515,7 +515,7 @@ static inline real gelu_erf_grad1(real x, real *a) {
 }
 
 static inline real act_sig_grad1(real x, int kind, real *a) {
-    const real den = 1 + vexp_fma(-gelu_arg(x, kind)), s = 1 / den;
+    const real den = 1 + vexp_sig(-gelu_arg(x, kind)), s = 1 / den;
     const real dc = kind == VLMOE_ACT_GELU_TANH ? (real)(2 * SQRT_2_OVER_PI) * (1 + (real)(3 * 0.044715) * x * x)
                                                 : (real)1.702;
     *a = x / den; // act_sig1's expression
