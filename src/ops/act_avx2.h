@@ -1,12 +1,12 @@
 // act_avx2.h: the activations (VLMOE_ACT_GELU, VLMOE_ACT_GELU_TANH, VLMOE_ACT_QUICK_GELU) in
-// AVX2, with the bits of ops.c's scalar forms (src/ops/act_avx2.c). Each does the first elements,
+// AVX2 and FMA, with the bits of ops.c's scalar forms (src/ops/act_avx2.c). Each does the first elements,
 // a multiple of 16, and returns how many: the caller does the rest with the scalar form.
 #ifndef VLMOE_OPS_ACT_AVX2_H
 #define VLMOE_OPS_ACT_AVX2_H
 
 #include <stddef.h>
 
-// 1 when this CPU has AVX2, which the functions below need
+// 1 when this CPU has AVX2 and FMA, which the functions below need
 int act_avx2_supported(void);
 
 // h[j] += b[j], then a[j] = act(h[j])
