@@ -54,7 +54,7 @@ tmp=$(mktemp -d)
 loss_diff() {
     paste "$tmp/$1/metrics.jsonl" "$tmp/$2/metrics.jsonl" | grep '"kind":"train".*"kind":"train"' |
         sed -E 's/.*"loss":([-0-9.e+]*).*\t.*"loss":([-0-9.e+]*).*/\1 \2/' |
-        awk -v want="$3" '{ d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ }
+        awk -v want="$3" 'BEGIN { w = 0 } { d = ($1 - $2) / $2; if (d < 0) d = -d; if (d > w) w = d; n++ }
                           END { if (n != want) print "lines" n; else print w }'
 }
 # Whether every argument is a number no larger than 1e-5.
