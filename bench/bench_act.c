@@ -5,10 +5,14 @@
 //   step  as a training step's product epilogue meets them at bench-s's shapes: 5184 x 1024
 //         (tokens x mlp), blocks of 144 rows by 64 columns of h at leading dimension 1024, a
 //         written to an array of the same size, every value once a pass (memory as well).
-// Medians of reps passes. Without AVX2 and FMA it prints one line saying so and exits 0 (the
-// scalar forms in src/ops/ops.c run there). Usage: bench_act [reps]
+// g is set back to ones before each pass (and in l1 before each repetition of the row, 1-2% of
+// the time): multiplied in place pass after pass it would drift through the subnormals to 0 or
+// +inf, values a step's gradients never hold. Medians of reps passes. Without AVX2 and FMA it
+// prints one line saying so and exits 0 (the scalar forms in src/ops/ops.c run there).
+// Usage: bench_act [reps]
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bench.h"
 #include "ops/act_avx2.h"
@@ -22,11 +26,15 @@ static double median(double *t, int n) {
 }
 
 // one pass, in seconds: the kernel (grad 0: act_bias_avx2, 1: act_grad_avx2) over rows of n at
-// leading dimension ld, in blocks of mb rows by nb columns (the whole row when nb is n)
+// leading dimension ld, in blocks of mb rows by nb columns (the whole row when nb is n), reps
+// times; g (rows x ld) is set to ones first, and again before each repetition, copied from the
+// ones set after it, when reps > 1 (g then holds twice rows x ld)
 static double pass(int grad, int kind, float *h, float *a, float *g, const float *b, int rows, int n, int ld,
                    int mb, int nb, int reps) {
+    for (size_t i = 0; i < (size_t)rows * ld * (reps > 1 ? 2 : 1); i++) g[i] = 1;
     const double t0 = bench_now();
-    for (int r = 0; r < reps; r++)
+    for (int r = 0; r < reps; r++) {
+        if (grad && r) memcpy(g, g + (size_t)rows * ld, sizeof(float) * (size_t)rows * ld);
         for (int i0 = 0; i0 < rows; i0 += mb)
             for (int c0 = 0; c0 < n; c0 += nb)
                 for (int i = i0; i < i0 + mb && i < rows; i++) {
@@ -34,6 +42,7 @@ static double pass(int grad, int kind, float *h, float *a, float *g, const float
                     if (grad) act_grad_avx2(g + o, a + o, h + o, nb, kind);
                     else act_bias_avx2(a + o, h + o, b + c0, nb, kind);
                 }
+    }
     return bench_now() - t0;
 }
 
@@ -51,12 +60,13 @@ int main(int argc, char **argv) {
     float *h = aligned_alloc(64, sizeof(float) * big), *a = aligned_alloc(64, sizeof(float) * big);
     float *g = aligned_alloc(64, sizeof(float) * big), *b = aligned_alloc(64, sizeof(float) * M);
     if (!h || !a || !g || !b) {
-        fprintf(stderr, "bench_act: out of memory\n");
+        fprintf(stderr, "bench_act: out of memory (4 x %zu MB)\n", sizeof(float) * big >> 20);
+        free(h), free(a), free(g), free(b);
         return 1;
     }
-    // pre-activations spread as a trained MLP's are, a bias of zeros (h keeps its values pass
-    // after pass), gradients of ones
-    for (size_t i = 0; i < big; i++) h[i] = (float)((int)(i % 97) - 48) * 0.06f, a[i] = 0, g[i] = 1;
+    // pre-activations spread over [-2.9, 2.9], where GELU's curve bends, and a bias of zeros (h
+    // keeps its values pass after pass); pass() sets the gradients to ones
+    for (size_t i = 0; i < big; i++) h[i] = (float)((int)(i % 97) - 48) * 0.06f, a[i] = 0;
     for (int j = 0; j < M; j++) b[j] = 0;
     static const char *names[3] = {"gelu", "gelu_tanh", "quick_gelu"};
     printf("ns an element (medians of %d passes)      forward   gradient\n", reps);

@@ -6,10 +6,10 @@
 // rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The chains are short
 // as they can be: the polynomials' steps are fused multiply-adds, one instruction and one
 // latency where a multiply and an add were two, and the sigmoid forms' e^x (vexp_sig) applies
-// one power of two and restores no special values. On a Zen 3 (medians of 3 alternating runs,
-// ns an element of a row in L1), against the multiply-and-add form with vexp: GELU tanh 1.46 ->
-// 0.87 forward and 2.71 -> 2.11 with its gradient, quick GELU 1.26 -> 0.73 and 2.45 -> 1.79,
-// GELU erf 2.81 -> 2.33 and 4.84 -> 3.61. Every operation is the scalar form's, in its order,
+// one power of two and restores no special values. On a Zen 3 (bench/bench_act, ns an element
+// of a row in L1), against the multiply-and-add form with vexp: GELU tanh 1.58 -> 0.87 forward
+// and 2.03 -> 1.26 with its gradient, quick GELU 1.40 -> 0.76 and 1.86 -> 1.04, GELU erf
+// 3.22 -> 2.35 and 4.47 -> 3.47. Every operation is the scalar form's, in its order,
 // each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and their
 // gradients with vexp_fma, vexp_sig and verf (src/core/real.h); tests/test_ops.c compares them
 // on every kind of float.
