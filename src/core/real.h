@@ -109,7 +109,8 @@ static inline real vexp_fma(real x) {
 #endif
 }
 
-// e^x for a sigmoid's denominator 1 + e^x (GELU tanh, quick GELU): vexp_fma's steps on x
+// e^x for a sigmoid's denominator 1 + e^x (GELU tanh, quick GELU), and for verf's e^(-x^2) with
+// x^2 <= 16: vexp_fma's steps on x
 // clamped to [-87.33, 88.37] (a NaN to the low end), where n runs from -126 to 127 and one power
 // of two 2^n applies it: vexp_fma's bits in that range. Below it 1 + e^x is 1 either way; above
 // it e^x stays finite (2.4e38 at most) where vexp_fma reaches +inf at 88.72, so x / (1 + e^x)
@@ -135,7 +136,8 @@ static inline real vexp_sig(real x) {
 // branch-free form the `omp simd` loops vectorise. |x| < 1: x + x P(x^2); 1 <= |x| < 4:
 // 1 - e^(-x^2) Q(|x| - 1), Q fitting erfc(x) e^(x^2); |x| >= 4: +-1 (erff's float value there too).
 // P (degree 7) and Q (degree 11) are least-squares fits on Chebyshev nodes against mpmath's erf,
-// evaluated with fused multiply-adds and e^(-x^2) by vexp_fma, as act_avx2.c's vectors do.
+// evaluated with fused multiply-adds and e^(-x^2) by vexp_sig (vexp_fma's bits at x^2 <= 16,
+// by a shorter chain), as act_avx2.c's vectors do.
 // It follows erf within about 1 ulp (tests/test_ops.c measures it against erf in double, next to
 // erff's own error); NaN in, NaN out. In double, libm's erf.
 #pragma omp declare simd
@@ -165,7 +167,7 @@ static inline real verf(real x) {
     q = fmaf(q, u, 1.543525457e-01f);
     q = fmaf(q, u, -2.732107639e-01f);
     q = fmaf(q, u, 4.275835752e-01f);
-    const float r = ax < 1.0f ? fmaf(ax, p, ax) : fmaf(-vexp_fma(-t), q, 1.0f);
+    const float r = ax < 1.0f ? fmaf(ax, p, ax) : fmaf(-vexp_sig(-t), q, 1.0f); // -t in [-16, 0]
     return x == x ? (x < 0 ? -r : r) : x;
 #endif
 }

@@ -77,19 +77,25 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void exp2v(V y0
     *e1 = _mm256_blendv_ps(v1, F(__builtin_inff()), _mm256_cmp_ps(y1, hi, _CMP_GT_OQ));
 }
 
-// 1 + e^(-c(x)) for two vectors: act_sig1's and act_sig_grad1's denominator, e^y by vexp_sig's
-// steps (src/core/real.h), exp2v's without its second power of two and special values; the
-// clamp, max then min, takes a NaN to the low end as vexp_sig's does.
-__attribute__((target("avx2,fma"), always_inline)) static inline void den2(V x0, V x1, int tanh_form, V *d0, V *d1) {
-    const V neg = F(-0.0f), lo = F(-87.33f), hi = F(88.37f);
-    const V c0 = _mm256_min_ps(_mm256_max_ps(_mm256_xor_ps(arg(x0, tanh_form), neg), lo), hi);
-    const V c1 = _mm256_min_ps(_mm256_max_ps(_mm256_xor_ps(arg(x1, tanh_form), neg), lo), hi);
+// e^y for two vectors: vexp_sig's steps (src/core/real.h), exp2v's without its second power of
+// two and special values; the clamp, max then min, takes a NaN to the low end as vexp_sig's does.
+__attribute__((target("avx2,fma"), always_inline)) static inline void exps2(V y0, V y1, V *e0, V *e1) {
+    const V lo = F(-87.33f), hi = F(88.37f);
+    const V c0 = _mm256_min_ps(_mm256_max_ps(y0, lo), hi), c1 = _mm256_min_ps(_mm256_max_ps(y1, lo), hi);
     V n0, n1, p0, p1;
     frac2(c0, c1, &n0, &n1, &p0, &p1);
     const __m256i bias = _mm256_set1_epi32(127);
     const V s0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n0), bias), 23));
     const V s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n1), bias), 23));
-    *d0 = _mm256_add_ps(F(1.0f), _mm256_mul_ps(p0, s0)), *d1 = _mm256_add_ps(F(1.0f), _mm256_mul_ps(p1, s1));
+    *e0 = _mm256_mul_ps(p0, s0), *e1 = _mm256_mul_ps(p1, s1);
+}
+
+// 1 + e^(-c(x)) for two vectors: act_sig1's and act_sig_grad1's denominator
+__attribute__((target("avx2,fma"), always_inline)) static inline void den2(V x0, V x1, int tanh_form, V *d0, V *d1) {
+    const V neg = F(-0.0f);
+    V e0, e1;
+    exps2(_mm256_xor_ps(arg(x0, tanh_form), neg), _mm256_xor_ps(arg(x1, tanh_form), neg), &e0, &e1);
+    *d0 = _mm256_add_ps(F(1.0f), e0), *d1 = _mm256_add_ps(F(1.0f), e1);
 }
 
 // erf(x) for two vectors: verf's steps (src/core/real.h), each on both
@@ -116,8 +122,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void erf2v(V x0
         q0 = _mm256_fmadd_ps(q0, u0, F(Q[i]));
         q1 = _mm256_fmadd_ps(q1, u1, F(Q[i]));
     }
-    V x0e, x1e;
-    exp2v(_mm256_xor_ps(t0, neg), _mm256_xor_ps(t1, neg), &x0e, &x1e);
+    V x0e, x1e; // e^-t, t in [0, 16]: exps2 gives vexp_fma's bits there
+    exps2(_mm256_xor_ps(t0, neg), _mm256_xor_ps(t1, neg), &x0e, &x1e);
     const V small0 = _mm256_fmadd_ps(a0, p0, a0), small1 = _mm256_fmadd_ps(a1, p1, a1);
     const V big0 = _mm256_fnmadd_ps(x0e, q0, one), big1 = _mm256_fnmadd_ps(x1e, q1, one);
     V r0 = _mm256_blendv_ps(big0, small0, _mm256_cmp_ps(a0, one, _CMP_LT_OQ));
