@@ -9,7 +9,7 @@
 // one power of two and restores no special values. On a Zen 3 (bench/bench_act, ns an element
 // of a row in L1), against the multiply-and-add form with vexp: GELU tanh 1.58 -> 0.87 forward
 // and 2.03 -> 1.26 with its gradient, quick GELU 1.40 -> 0.76 and 1.86 -> 1.04, GELU erf
-// 3.22 -> 2.35 and 4.47 -> 3.47. Every operation is the scalar form's, in its order,
+// 2.91 -> 2.19 and 3.35 -> 2.81. Every operation is the scalar form's, in its order,
 // each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and their
 // gradients with vexp_fma, vexp_sig and verf (src/core/real.h); tests/test_ops.c compares them
 // on every kind of float.
