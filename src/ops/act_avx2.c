@@ -162,7 +162,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline V sig_grad1(V x
 }
 
 // act(x) and act'(x) for two vectors: gelu_erf_grad1 or act_sig_grad1
-__attribute__((target("avx2,fma"), always_inline)) static inline void grad2(V x0, V x1, int kind, V *a0, V *a1, V *q0, V *q1) {
+__attribute__((target("avx2,fma"), always_inline)) static inline void grad2(V x0, V x1, int kind, V *a0, V *a1,
+                                                                        V *q0, V *q1) {
     if (kind == VLMOE_ACT_GELU) {
         V e0, e1, g0, g1;
         erf2v(_mm256_mul_ps(x0, F(INV_SQRT_2F)), _mm256_mul_ps(x1, F(INV_SQRT_2F)), &e0, &e1);
