@@ -30,7 +30,43 @@ typedef float real;
 #include <stdint.h>
 #include <string.h>
 
-// e^x for the elementwise kernels (GELU, sigmoid, softmax). In float it is a branch-free
+#ifndef VLMOE_REAL_F64
+// a b + c, rounded once (C99's fmaf) when fused, else as a multiply and an add: the two roundings
+// of the exponential's steps below, picked by a constant, so each call site compiles to one form
+#define EXP_MADD(fused, a, b, c) ((fused) ? fmaf(a, b, c) : (a) * (b) + (c))
+
+// e^(x - n ln2) for |x - n ln2| <= ln2/2: the reduction in two parts of ln2 and Cephes' degree-6
+// polynomial, with fused or with separate multiply-adds
+static inline float exp_frac(float x, float n, int fused) {
+    const float r = EXP_MADD(fused, n, 2.12194440e-4f, EXP_MADD(fused, -n, 0.693359375f, x));
+    float p = 1.9875691500e-4f;
+    p = EXP_MADD(fused, p, r, 1.3981999507e-3f);
+    p = EXP_MADD(fused, p, r, 8.3334519073e-3f);
+    p = EXP_MADD(fused, p, r, 4.1665795894e-2f);
+    p = EXP_MADD(fused, p, r, 1.6666665459e-1f);
+    p = EXP_MADD(fused, p, r, 5.0000001201e-1f);
+    return EXP_MADD(fused, p, r * r, r) + 1.0f;
+}
+
+// vexp's whole recipe (below), its multiply-adds fused or not
+static inline float exp_whole(float x, int fused) {
+    const float hi = 88.7228317f; // the largest float whose e^x is finite
+    const float xc = x > -104.0f ? (x < hi ? x : hi) : -104.0f; // NaN -> -104
+    const float n = rintf(xc * 1.44269504088896341f);           // [-150, 128]
+    const float p = exp_frac(xc, n, fused);
+    // h = floor(n / 2) in integers: floorf would keep GCC from vectorising the loops that call
+    // this (it may raise "inexact", which -ftrapping-math, the default, must preserve)
+    const int32_t ni = (int32_t)n, h = (ni - (ni & 1)) / 2; // [-75, 64]
+    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, sizeof(s1));
+    memcpy(&s2, &b2, sizeof(s2));
+    return x > hi ? (float)INFINITY : x == x ? p * s1 * s2 : x; // (p s1) is exact: one rounding
+}
+#endif
+
+// e^x for the elementwise kernels (the reference attention's softmax; GELU's loops take
+// vexp_fma and vexp_sig, below, the same recipe with fused multiply-adds). In float a branch-free
 // polynomial that loops marked `omp simd` vectorise (libm's expf is a call per element):
 // x = n ln2 + r with |r| <= ln2/2, e^r from Cephes' degree-6 minimax polynomial, 2^n from the
 // exponent bits. It follows expf over the whole line (tests/test_ops.c): within 2 ulp where
@@ -45,74 +81,29 @@ static inline real vexp(real x) {
 #ifdef VLMOE_REAL_F64
     return exp(x);
 #else
-    const float hi = 88.7228317f; // the largest float whose e^x is finite
-    const float xc = x > -104.0f ? (x < hi ? x : hi) : -104.0f; // NaN -> -104
-    float n = rintf(xc * 1.44269504088896341f);                 // [-150, 128]
-    float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    // h = floor(n / 2) in integers: floorf would keep GCC from vectorising the loops that call
-    // this (it may raise "inexact", which -ftrapping-math, the default, must preserve)
-    const int32_t ni = (int32_t)n, h = (ni - (ni & 1)) / 2;    // [-75, 64]
-    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
-    float s1, s2;
-    memcpy(&s1, &b1, sizeof(s1));
-    memcpy(&s2, &b2, sizeof(s2));
-    return x > hi ? (float)INFINITY : x == x ? p * s1 * s2 : x; // (p s1) is exact: one rounding
+    return exp_whole(x, 0);
 #endif
 }
-
-#ifndef VLMOE_REAL_F64
-// e^(x - n ln2) for |x - n ln2| <= ln2/2: vexp's reduction and polynomial, each multiply-add
-// rounded once (C99's fmaf). vexp_fma and vexp_sig scale it by 2^n.
-#pragma omp declare simd
-static inline float exp_frac_fma(float x, float n) {
-    const float r = fmaf(n, 2.12194440e-4f, fmaf(-n, 0.693359375f, x));
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    return fmaf(p, r * r, r) + 1.0f;
-}
-#endif
 
 // vexp with each multiply-add rounded once (C99's fmaf): the same reduction, polynomial, clamps
 // and special values, as accurate (tests/test_ops.c holds it to the same bounds), and what the
 // AVX2 kernels compute with FMA instructions: attn_cpu.c's exp8 and act_avx2.c's GELU get these
-// bits. GELU (erf) uses it (verf below, and its gradient in ops.c): an FMA is one step of the
-// dependent chain where a multiply and an add were two, and the GELU loops run at that chain's
-// latency (src/ops/act_avx2.c).
-// Where the compiler targets no FMA (NATIVE=0 builds) fmaf is a libm call, so the loops that
-// need speed there (softmax) keep vexp. In double, libm's exp.
+// bits. GELU (erf)'s gradient uses it (ops.c): an FMA is one step of the dependent chain where a
+// multiply and an add were two, and the GELU loops run at that chain's latency
+// (src/ops/act_avx2.c). Where the compiler targets no FMA (NATIVE=0 builds) fmaf is a libm
+// call, so the loops that need speed there (softmax) keep vexp. In double, libm's exp.
 #pragma omp declare simd
 static inline real vexp_fma(real x) {
 #ifdef VLMOE_REAL_F64
     return exp(x);
 #else
-    const float hi = 88.7228317f;
-    const float xc = x > -104.0f ? (x < hi ? x : hi) : -104.0f; // NaN -> -104
-    const float n = rintf(xc * 1.44269504088896341f);
-    const float p = exp_frac_fma(xc, n);
-    const int32_t ni = (int32_t)n, h = (ni - (ni & 1)) / 2;
-    uint32_t b1 = (uint32_t)(h + 127) << 23, b2 = (uint32_t)(ni - h + 127) << 23;
-    float s1, s2;
-    memcpy(&s1, &b1, sizeof(s1));
-    memcpy(&s2, &b2, sizeof(s2));
-    return x > hi ? (float)INFINITY : x == x ? p * s1 * s2 : x;
+    return exp_whole(x, 1);
 #endif
 }
 
 // e^x for a sigmoid's denominator 1 + e^x (GELU tanh, quick GELU), and for verf's e^(-x^2) with
-// x^2 <= 16: vexp_fma's steps on x
-// clamped to [-87.33, 88.37] (a NaN to the low end), where n runs from -126 to 127 and one power
-// of two 2^n applies it: vexp_fma's bits in that range. Below it 1 + e^x is 1 either way; above
+// x^2 <= 16: vexp_fma's steps on x clamped to [-87.33, 88.37] (a NaN to the low end), where n
+// runs from -126 to 127 and one power of two 2^n applies it: vexp_fma's bits in that range. Below it 1 + e^x is 1 either way; above
 // it e^x stays finite (2.4e38 at most) where vexp_fma reaches +inf at 88.72, so x / (1 + e^x)
 // is a tiny number of x's sign where it was -0, and -inf at x = -inf where it was NaN. With no
 // special values to restore, the sigmoid forms' loops are some 20% shorter. In double, exp.
@@ -124,7 +115,7 @@ static inline real vexp_sig(real x) {
     const float lo = -87.33f, hi = 88.37f;
     const float xc = x > lo ? (x < hi ? x : hi) : lo; // NaN -> lo
     const float n = rintf(xc * 1.44269504088896341f);
-    const float p = exp_frac_fma(xc, n);
+    const float p = exp_frac(xc, n, 1);
     const uint32_t b = (uint32_t)((int32_t)n + 127) << 23; // [1, 254]
     float s;
     memcpy(&s, &b, sizeof(s));

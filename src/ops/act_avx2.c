@@ -36,7 +36,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline V arg(V x, int 
     return _mm256_mul_ps(F(GELU_C), _mm256_add_ps(x, x3));
 }
 
-// n = round(c / ln2) and p = e^(c - n ln2) for two vectors of clamped c: exp_frac_fma's steps
+// n = round(c / ln2) and p = e^(c - n ln2) for two vectors of clamped c: exp_frac's fused steps
 // (src/core/real.h), each on both
 __attribute__((target("avx2,fma"), always_inline)) static inline void frac2(V c0, V c1, V *n0, V *n1, V *p0, V *p1) {
     static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
