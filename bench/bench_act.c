@@ -27,11 +27,11 @@ static double median(double *t, int n) {
 
 // one pass, in seconds: the kernel (grad 0: act_bias_avx2, 1: act_grad_avx2) over rows of n at
 // leading dimension ld, in blocks of mb rows by nb columns (the whole row when nb is n), reps
-// times; g (rows x ld) is set to ones first, and again before each repetition, copied from the
-// ones set after it, when reps > 1 (g then holds twice rows x ld)
+// times; for the gradient, g (rows x ld) is set to ones first, and again before each
+// repetition, copied from the ones set after it, when reps > 1 (g then holds twice rows x ld)
 static double pass(int grad, int kind, float *h, float *a, float *g, const float *b, int rows, int n, int ld,
                    int mb, int nb, int reps) {
-    for (size_t i = 0; i < (size_t)rows * ld * (reps > 1 ? 2 : 1); i++) g[i] = 1;
+    for (size_t i = 0; grad && i < (size_t)rows * ld * (reps > 1 ? 2 : 1); i++) g[i] = 1;
     const double t0 = bench_now();
     for (int r = 0; r < reps; r++) {
         if (grad && r) memcpy(g, g + (size_t)rows * ld, sizeof(float) * (size_t)rows * ld);

@@ -47,6 +47,7 @@ static inline float exp_frac(float x, float n, int fused) {
     p = EXP_MADD(fused, p, r, 5.0000001201e-1f);
     return EXP_MADD(fused, p, r * r, r) + 1.0f;
 }
+#undef EXP_MADD
 
 // vexp's whole recipe (below), its multiply-adds fused or not
 static inline float exp_whole(float x, int fused) {
