@@ -231,10 +231,10 @@ static int block_prim(const int8_tensor *t, int m, entry *out, int *owned) {
 // Per-thread scratch kept between products (the kernels own no workspace; allocating per
 // product would page-fault on every call). Only grows. Slots: 0 quantized rows, 1 their scales,
 // 2 the fp32 block, 3 the hidden block quantized, 4 its scales, 5 the second fp32 block, 6
-// oneDNN's scratchpad, 7 block_u8's u8 rows.
+// oneDNN's scratchpad, 7 block_u8's u8 rows, 8 and 9 a 1-row block's two rows in and out.
 static void *scratch(size_t bytes, int slot) {
-    static _Thread_local void *buf[8];
-    static _Thread_local size_t cap[8];
+    static _Thread_local void *buf[10];
+    static _Thread_local size_t cap[10];
     if (bytes > cap[slot]) {
         void *p = realloc(buf[slot], bytes);
         if (!p) return NULL;
@@ -364,6 +364,19 @@ static int block_u8(const int8_tensor *t, size_t c, int m, const int8_t *A, cons
 // weights' scales come after, in the epilogue: oneDNN 2.6 takes run-time output scales only
 // in its gemm:jit int8 kernel, which ran these shapes at a fifth of brgemm's rate.
 static void block_matmul(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
+    if (m == 1) {
+        // oneDNN 2.6 runs a 1-row product with B in AMX's layout on its reference kernel
+        // (ref_int8: 6 ms for 1 x 256 x 1024, an expert given one token), so the row goes in as
+        // two, a copy the second: exact int32 sums, the same values
+        int8_t *a2 = scratch(2 * (size_t)t->K, 8);
+        float *c2 = scratch(sizeof(float) * 2 * (size_t)t->O, 9);
+        if (a2 && c2) {
+            memcpy(a2, A, (size_t)t->K), memcpy(a2 + t->K, A, (size_t)t->K);
+            block_matmul(t, c, 2, a2, c2);
+            memcpy(C, c2, sizeof(float) * (size_t)t->O);
+            return;
+        }
+    }
     const int8_t *q = t->q + c * (size_t)t->O * t->K;
     entry e = {0};
     int owned = 0, ok = t->packed && t->md && block_prim(t, m, &e, &owned) == 0;
