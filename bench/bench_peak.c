@@ -1,13 +1,20 @@
 // bench_peak.c: the machine's arithmetic peak, measured rather than taken from a data sheet: an
 // fp32 FMA loop (vfmadd231ps on the widest registers the CPU has: 512-bit with AVX-512, else
-// 256-bit with AVX2 and FMA3) and a bf16 dot-product loop (vdpbf16ps) that touch no memory, run on
-// every thread at once. bench/speed.py reports the training step's matrix-product FLOP/s as a
-// fraction of these. Prints one JSON line naming the fp32 loop's ISA; a peak is 0 on a CPU without
-// the instruction. Usage: bench_peak [threads] [reps]
+// 256-bit with AVX2 and FMA3), a bf16 dot-product loop (vdpbf16ps) and, on CPUs with AMX, tile
+// loops of tdpbf16ps and tdpbssd, all touching no memory, run on every thread at once.
+// bench/speed.py reports the training step's matrix-product FLOP/s as a fraction of these. Prints
+// one JSON line naming the fp32 loop's ISA; a peak is 0 on a CPU without the instruction (or, for
+// AMX, where the kernel does not hand the process the tile state). Usage: bench_peak [threads] [reps]
 #include <immintrin.h>
 #include <omp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "bench.h"
 
@@ -70,10 +77,75 @@ __attribute__((target("avx2,fma"))) static float fma_loop_avx2(float seed, long 
     return l[0] + l[1] + l[2] + l[3] + l[4] + l[5] + l[6] + l[7];
 }
 
-enum loop { LOOP_FMA512, LOOP_FMA256, LOOP_DPBF16 };
+// AMX: eight tile registers of up to 16 rows of 64 bytes. Four accumulators C[i][j] += A[i] B[j]
+// (2 x 2, as the library kernels block), two A and two B tiles loaded once: each tdpbf16ps is a
+// 16 x 16 x 32 product (16384 FLOP), each tdpbssd 16 x 16 x 64 in int8 (32768 operations). Four
+// chains of one instruction each cover its latency at the TMUL's rate of one per 16 cycles.
+struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Linux gives a process AMX's tile data state only when it asks (ARCH_REQ_XCOMP_PERM, 0x1023,
+// for XFEATURE_XTILEDATA, 18); without it the first tile instruction faults. 1 when granted.
+static int amx_permitted(void) {
+#ifdef __linux__
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+
+// int8: tdpbssd (signed x signed to int32); its sums are exact, so the inputs are small enough
+// that 4 x 64 x iters products of them stay inside int32 and the result depends on every step.
+#define AMX_LOOP(name, targets, OP, a_fill, b_fill, T)                                                   \
+    __attribute__((target(targets))) static float name(float seed, long iters) {                        \
+        struct tilecfg cfg;                                                                             \
+        memset(&cfg, 0, sizeof cfg);                                                                    \
+        cfg.palette = 1;                                                                                \
+        for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;                                \
+        _tile_loadconfig(&cfg);                                                                         \
+        uint32_t a[256], b[256];                                                                        \
+        T c[256];                                                                                       \
+        for (int i = 0; i < 256; i++) a[i] = a_fill, b[i] = b_fill, c[i] = (T)seed;                     \
+        _tile_loadd(0, c, 64);                                                                          \
+        _tile_loadd(1, c, 64);                                                                          \
+        _tile_loadd(2, c, 64);                                                                          \
+        _tile_loadd(3, c, 64);                                                                          \
+        _tile_loadd(4, a, 64);                                                                          \
+        _tile_loadd(5, a, 64);                                                                          \
+        _tile_loadd(6, b, 64);                                                                          \
+        _tile_loadd(7, b, 64);                                                                          \
+        for (long it = 0; it < iters; it++) {                                                           \
+            OP(0, 4, 6);                                                                                \
+            OP(1, 4, 7);                                                                                \
+            OP(2, 5, 6);                                                                                \
+            OP(3, 5, 7);                                                                                \
+        }                                                                                               \
+        float s = 0;                                                                                    \
+        for (int t = 0; t < 4; t++) {                                                                   \
+            switch (t) {                                                                                \
+            case 0: _tile_stored(0, c, 64); break;                                                      \
+            case 1: _tile_stored(1, c, 64); break;                                                      \
+            case 2: _tile_stored(2, c, 64); break;                                                      \
+            default: _tile_stored(3, c, 64); break;                                                     \
+            }                                                                                           \
+            for (int i = 0; i < 256; i++) s += (float)c[i];                                             \
+        }                                                                                               \
+        _tile_release();                                                                                \
+        return s;                                                                                       \
+    }
+// bf16 pairs: a = (1, 1), b = (2^-24, 2^-24); int8 quads: a = (1,1,1,1), b = (0,0,0,1)
+AMX_LOOP(amx_bf16_loop, "amx-tile,amx-bf16", _tile_dpbf16ps, 0x3f803f80u, 0x33803380u, float)
+AMX_LOOP(amx_int8_loop, "amx-tile,amx-int8", _tile_dpbssd, 0x01010101u, 0x01000000u, int32_t)
+
+enum loop { LOOP_FMA512, LOOP_FMA256, LOOP_DPBF16, LOOP_AMX_BF16, LOOP_AMX_INT8 };
 
 // Best GFLOP/s of reps runs of the loop on every thread (flop_per_iter for one thread).
 static double peak(enum loop loop, int reps, double flop_per_iter, volatile float *sink) {
+    // a tile instruction does 512-1024 times a vector FMA's work, so fewer rounds take as long
+    const long iters = loop == LOOP_AMX_BF16 || loop == LOOP_AMX_INT8 ? ITERS / 4 : ITERS;
     double best = 0;
     for (int r = 0; r < reps; r++) {
         int threads = 1;
@@ -81,15 +153,17 @@ static double peak(enum loop loop, int reps, double flop_per_iter, volatile floa
 #pragma omp parallel
         {
             const float seed = 1.0f + (float)omp_get_thread_num();
-            float s = loop == LOOP_DPBF16   ? dpbf16_loop(seed, ITERS)
-                      : loop == LOOP_FMA512 ? fma_loop(seed, ITERS)
-                                            : fma_loop_avx2(seed, ITERS);
+            float s = loop == LOOP_DPBF16     ? dpbf16_loop(seed, iters)
+                      : loop == LOOP_FMA512   ? fma_loop(seed, iters)
+                      : loop == LOOP_FMA256   ? fma_loop_avx2(seed, iters)
+                      : loop == LOOP_AMX_BF16 ? amx_bf16_loop(seed, iters)
+                                              : amx_int8_loop(seed, iters);
 #pragma omp critical
             *sink += s;
 #pragma omp single
             threads = omp_get_num_threads();
         }
-        double g = threads * flop_per_iter * ITERS / (bench_now() - t0) * 1e-9;
+        double g = threads * flop_per_iter * (double)iters / (bench_now() - t0) * 1e-9;
         best = g > best ? g : best;
     }
     return best;
@@ -107,9 +181,15 @@ int main(int argc, char **argv) {
                         : has256 ? peak(LOOP_FMA256, reps, 12 * 16.0, &sink)
                                  : 0;
     const double bf16 = hasbf16 ? peak(LOOP_DPBF16, reps, ACCS * 64.0, &sink) : 0;
+    // the permission is the process's, asked once before the threads start
+    const int amx = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                    __builtin_cpu_supports("amx-int8") && amx_permitted();
+    const double amx_bf16 = amx ? peak(LOOP_AMX_BF16, reps, 4 * 16 * 16 * 32 * 2.0, &sink) : 0;
+    const double amx_int8 = amx ? peak(LOOP_AMX_INT8, reps, 4 * 16 * 16 * 64 * 2.0, &sink) : 0;
     printf("{\"threads\": %d, \"fp32_fma_gflops\": %.1f, \"fp32_fma_isa\": \"%s\", "
-           "\"bf16_dot_gflops\": %.1f, \"avx512f\": %d, \"avx512_bf16\": %d, \"sink\": %g}\n",
-           omp_get_max_threads(), fp32, has512 ? "avx512f" : has256 ? "avx2+fma" : "none", bf16,
-           has512, hasbf16, (double)sink);
+           "\"bf16_dot_gflops\": %.1f, \"amx_bf16_gflops\": %.1f, \"amx_int8_gops\": %.1f, "
+           "\"avx512f\": %d, \"avx512_bf16\": %d, \"amx\": %d, \"sink\": %g}\n",
+           omp_get_max_threads(), fp32, has512 ? "avx512f" : has256 ? "avx2+fma" : "none", bf16, amx_bf16,
+           amx_int8, has512, hasbf16, amx, (double)sink);
     return 0;
 }

@@ -258,8 +258,10 @@ def main():
         peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
         sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
         own = f", vlmoe's AVX2 product {sg['vlmoe_avx2_gflops']:.0f}" if sg.get("vlmoe_avx2_gflops") else ""
+        amx = f", AMX tdpbf16ps {peak['amx_bf16_gflops']:.0f}, tdpbssd {peak['amx_int8_gops']:.0f} GOP/s" \
+            if peak.get("amx_bf16_gflops") else ""
         print(f"{t} thread(s): fp32 FMA peak ({peak.get('fp32_fma_isa', 'avx512f')}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
-              f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}; SGEMM at bench-s shapes: OpenBLAS "
+              f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}{amx}; SGEMM at bench-s shapes: OpenBLAS "
               f"({sg['openblas_core']}) {sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) "
               f"{sg['onednn_gflops']:.0f}{own}")
         for name, batch in models:
@@ -281,10 +283,11 @@ def main():
         # dict): on a virtual machine a vCPU taken away for a second reads as half the 2-thread
         # peak (97 GFLOP/s against 186 once on a Zen 3, below the step's own product rate)
         again = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
+        amx = f", AMX {again['amx_bf16_gflops']:.0f}" if again.get("amx_bf16_gflops") else ""
         print(f"{t} thread(s): fp32 FMA peak again after the rounds {again['fp32_fma_gflops']:.0f} GFLOP/s, bf16 "
-              f"{again['bf16_dot_gflops']:.0f} (the table uses the higher)")
-        for k in ("fp32_fma_gflops", "bf16_dot_gflops"):
-            peak[k] = max(peak[k], again[k])
+              f"{again['bf16_dot_gflops']:.0f}{amx} (the table uses the higher)")
+        for k in ("fp32_fma_gflops", "bf16_dot_gflops", "amx_bf16_gflops", "amx_int8_gops"):
+            peak[k] = max(peak.get(k, 0), again.get(k, 0))
     # without bf16 products (no AVX512_BF16 or AMX) the bf16 columns would hold only nan: left out
     bf = lambda txt: txt if BF16 else ""  # noqa: E731
     hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} " + bf(f"{'vlmoe bf16':>17} ") + f"{'torch fp32':>17} "
@@ -292,13 +295,17 @@ def main():
            + f"{'fp32 GF/s':>9} {'%peak':>5} " + bf(f"{'bf16 GF/s':>9} {'%peak':>5} ")
            + f"{'RSS MB v/t':>11} {'img/s v/t':>11} {'txt/s v/t':>11}")
     print(f"\nbench/speed.py: {cpu_model()}, medians over {a.rounds} alternating rounds of {a.steps} steps "
-          f"(range of the round medians); matrix-product FLOP/s against the measured FMA / vdpbf16ps peak")
+          f"(range of the round medians); matrix-product FLOP/s against the measured FMA / "
+          f"{'AMX tdpbf16ps' if any(r[3].get('amx_bf16_gflops') for r in rows) else 'vdpbf16ps'} peak")
     print(hdr)
     print("-" * len(hdr))
     for name, t, batch, peak, res in rows:
         v, vb, p, pb = res["vlmoe"], res.get("vlmoe-bf16", NA), res["torch"], res.get("torch-bf16", NA)
         g32, g16 = v["gflop"] / v["step_s"], vb["gflop"] / vb["step_s"]
-        pk32, pk16 = peak["fp32_fma_gflops"] or float("nan"), peak["bf16_dot_gflops"] or float("nan")
+        # bf16 products run on AMX's tiles where the CPU has them (oneDNN's brgemm picks them), so
+        # that is their peak there; vdpbf16ps's elsewhere
+        pk32 = peak["fp32_fma_gflops"] or float("nan")
+        pk16 = peak.get("amx_bf16_gflops") or peak["bf16_dot_gflops"] or float("nan")
         cell = lambda x: f"{x['step_s']:6.3f} ({x['lo']:.2f}-{x['hi']:.2f})"  # noqa: E731
         print(f"{name:13} {t:>3} {cell(v)} " + bf(f"{cell(vb)} ") + f"{cell(p)} " + bf(f"{cell(pb)} ")
               + f"{p['step_s'] / v['step_s']:7.2f}x "
