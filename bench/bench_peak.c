@@ -98,7 +98,7 @@ static int amx_permitted(void) {
 }
 
 // int8: tdpbssd (signed x signed to int32); its sums are exact, so the inputs are small enough
-// that 4 x 64 x iters products of them stay inside int32 and the result depends on every step.
+// that a lane's 64 x iters products stay inside int32 and the result depends on every step.
 #define AMX_LOOP(name, targets, OP, a_fill, b_fill, T)                                                   \
     __attribute__((target(targets))) static float name(float seed, long iters) {                        \
         struct tilecfg cfg;                                                                             \
