@@ -116,12 +116,12 @@ static int amx_permitted(void) {
         for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;                                \
         _tile_loadconfig(&cfg);                                                                         \
         uint32_t a[256], b[256];                                                                        \
-        T c[256];                                                                                       \
-        for (int i = 0; i < 256; i++) a[i] = a_fill, b[i] = b_fill, c[i] = (T)seed;                     \
-        _tile_loadd(0, c, 64);                                                                          \
-        _tile_loadd(1, c, 64);                                                                          \
-        _tile_loadd(2, c, 64);                                                                          \
-        _tile_loadd(3, c, 64);                                                                          \
+        T c[4][256];                                                                                    \
+        for (int i = 0; i < 256; i++) a[i] = a_fill, b[i] = b_fill, c[0][i] = (T)seed;                  \
+        _tile_loadd(0, c[0], 64);                                                                       \
+        _tile_loadd(1, c[0], 64);                                                                       \
+        _tile_loadd(2, c[0], 64);                                                                       \
+        _tile_loadd(3, c[0], 64);                                                                       \
         _tile_loadd(4, a, 64);                                                                          \
         _tile_loadd(5, a, 64);                                                                          \
         _tile_loadd(6, b, 64);                                                                          \
@@ -132,16 +132,12 @@ static int amx_permitted(void) {
             OP(2, 5, 6);                                                                                \
             OP(3, 5, 7);                                                                                \
         }                                                                                               \
+        _tile_stored(0, c[0], 64);                                                                      \
+        _tile_stored(1, c[1], 64);                                                                      \
+        _tile_stored(2, c[2], 64);                                                                      \
+        _tile_stored(3, c[3], 64);                                                                      \
         float s = 0;                                                                                    \
-        for (int t = 0; t < 4; t++) {                                                                   \
-            switch (t) {                                                                                \
-            case 0: _tile_stored(0, c, 64); break;                                                      \
-            case 1: _tile_stored(1, c, 64); break;                                                      \
-            case 2: _tile_stored(2, c, 64); break;                                                      \
-            default: _tile_stored(3, c, 64); break;                                                     \
-            }                                                                                           \
-            for (int i = 0; i < 256; i++) s += (float)c[i];                                             \
-        }                                                                                               \
+        for (int i = 0; i < 4 * 256; i++) s += (float)c[i / 256][i % 256];                              \
         _tile_release();                                                                                \
         return s;                                                                                       \
     }
@@ -153,7 +149,8 @@ enum loop { LOOP_FMA512, LOOP_FMA256, LOOP_DPBF16, LOOP_AMX_BF16, LOOP_AMX_INT8 
 
 // Best GFLOP/s of reps runs of the loop on every thread (flop_per_iter for one thread).
 static double peak(enum loop loop, int reps, double flop_per_iter, volatile float *sink) {
-    // a tile instruction does 512-1024 times a vector FMA's work, so fewer rounds take as long
+    // a round of the four tile instructions takes some 8 times a round of the 16 FMAs (16 cycles
+    // each at the TMUL's rate, against 2 FMAs a cycle): a quarter of the rounds runs about twice as long
     const long iters = loop == LOOP_AMX_BF16 || loop == LOOP_AMX_INT8 ? ITERS / 4 : ITERS;
     double best = 0;
     for (int r = 0; r < reps; r++) {

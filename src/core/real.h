@@ -104,10 +104,11 @@ static inline real vexp_fma(real x) {
 
 // e^x for a sigmoid's denominator 1 + e^x (GELU tanh, quick GELU), and for verf's e^(-x^2) with
 // x^2 <= 16: vexp_fma's steps on x clamped to [-87.33, 88.37] (a NaN to the low end), where n
-// runs from -126 to 127 and one power of two 2^n applies it: vexp_fma's bits in that range. Below it 1 + e^x is 1 either way; above
-// it e^x stays finite (2.4e38 at most) where vexp_fma reaches +inf at 88.72, so x / (1 + e^x)
-// is a tiny number of x's sign where it was -0, and -inf at x = -inf where it was NaN. With no
-// special values to restore, the sigmoid forms' loops are some 20% shorter. In double, exp.
+// runs from -126 to 127 and one power of two 2^n applies it: vexp_fma's bits in that range.
+// Below it 1 + e^x is 1 either way; above it e^x stays finite (2.4e38 at most) where vexp_fma
+// reaches +inf at 88.72, so x / (1 + e^x) is a tiny number of x's sign where it was -0, and -inf
+// at x = -inf where it was NaN. With no special values to restore, the sigmoid forms' loops are
+// some 20% shorter. In double, exp.
 #pragma omp declare simd
 static inline real vexp_sig(real x) {
 #ifdef VLMOE_REAL_F64
