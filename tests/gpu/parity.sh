@@ -16,6 +16,7 @@
 # vlmoe-tiny (VL-MoE: masked data modeling on the synthetic image, text and pair streams, with a
 # 64-entry codebook from `vlmoe vq train`) trains the same 5 steps on the CPU and the GPU in fp32
 # only (its trainer has no --precision), gated at 1e-5.
+# MODELS (environment) picks models by name (default: all seven, vlmoe-tiny among them).
 # Needs a GPU and a vlmoe built with `make CUDA=1`; exits 1 when a gated comparison fails.
 VLMOE=${1:-./vlmoe}
 D=${2:-/tmp/vlmoe-parity}
@@ -25,7 +26,9 @@ rm -rf "$D" && mkdir -p "$D" || exit 1
 T="$D/table.tsv"
 fail=0
 cmp() { "$PY" "$HERE/compare_runs.py" "$@" --table "$T"; }
-for m in limoe-tiny clipup-tiny soft-tiny ec-tiny limoe-permod-tiny limoe-disjoint-tiny; do
+MODELS=${MODELS:-"limoe-tiny clipup-tiny soft-tiny ec-tiny limoe-permod-tiny limoe-disjoint-tiny vlmoe-tiny"}
+for m in $MODELS; do
+    [ $m = vlmoe-tiny ] && continue
     run() {
         tag=$1
         shift
@@ -52,8 +55,11 @@ for m in limoe-tiny clipup-tiny soft-tiny ec-tiny limoe-permod-tiny limoe-disjoi
     fi
 done
 m=vlmoe-tiny
-printf '{"base": "vlmoe-tiny", "mim_vocab": 64}\n' >"$D/vm.json"
-if "$VLMOE" vq train --model "$D/vm.json" --size 64 --images 16 -o "$D/cb.safetensors" >"$D/vq.log" 2>&1; then
+case " $MODELS " in *" $m "*) ;; *) m= ;; esac
+[ -n "$m" ] && printf '{"base": "vlmoe-tiny", "mim_vocab": 64}\n' >"$D/vm.json"
+if [ -z "$m" ]; then
+    :
+elif "$VLMOE" vq train --model "$D/vm.json" --size 64 --images 16 -o "$D/cb.safetensors" >"$D/vq.log" 2>&1; then
     mome() {
         tag=$1
         shift
