@@ -524,11 +524,11 @@ static inline real act_sig_grad1(real x, int kind, real *a) {
 
 void R(act_forward)(real *out, const real *inp, size_t n, int kind) {
 #ifndef VLMOE_REAL_F64
-    if (act_avx2_supported()) { // blocks of 4096 in the AVX2 form (the same bits), the tail below
+    if (act_avx2_supported()) { // blocks of 4096 in AVX2 or AVX-512 (the same bits), the tail below
         const size_t nb = n / 4096;
 #pragma omp parallel for schedule(static)
-        for (size_t i = 0; i < nb; i++) act_avx2(out + 4096 * i, inp + 4096 * i, 4096, kind);
-        const size_t o = 4096 * nb, done = o + act_avx2(out + o, inp + o, n - o, kind);
+        for (size_t i = 0; i < nb; i++) act_simd(out + 4096 * i, inp + 4096 * i, 4096, kind);
+        const size_t o = 4096 * nb, done = o + act_simd(out + o, inp + o, n - o, kind);
         out += done, inp += done, n -= done;
     }
 #endif
@@ -565,7 +565,7 @@ void R(act_backward)(real *dinp, const real *inp, const real *dout, size_t n, in
 static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind) {
     int j0 = 0;
 #ifndef VLMOE_REAL_F64
-    if (act_avx2_supported()) j0 = act_bias_avx2(a, h, b, n, kind); // the same bits, faster
+    j0 = act_bias_simd(a, h, b, n, kind); // the same bits, faster (0 without AVX2)
 #endif
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp simd
@@ -580,7 +580,7 @@ static inline void bias_act_row(real *a, real *h, const real *b, int n, int kind
 static inline void act_grad_row(real *g, real *a, const real *h, int n, int kind) {
     int j0 = 0;
 #ifndef VLMOE_REAL_F64
-    if (act_avx2_supported()) j0 = act_grad_avx2(g, a, h, n, kind);
+    j0 = act_grad_simd(g, a, h, n, kind);
 #endif
     if (kind == VLMOE_ACT_GELU) {
 #pragma omp simd
