@@ -11,9 +11,10 @@
 #   `git worktree add /tmp/old <rev>` built with `make build/rel/bench/bench_step`
 #   threads: OMP_NUM_THREADS and --threads (default 2); pairs: default 8;
 #   model.json: default bench/models/bench-s.json (batch 64, 4 steps after 1 warm-up)
+#   STEP_ARGS (environment): more bench_step flags for both sides, e.g. STEP_ARGS="--precision bf16"
 set -euo pipefail
 if [ $# -lt 2 ]; then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 old=$1/bench_step new=$2/bench_step threads=${3:-2} pairs=${4:-8}
@@ -27,7 +28,7 @@ case "$threads,$pairs" in
 esac
 
 step() { # prints step_s step_min_s loss of one run
-    OMP_NUM_THREADS=$threads "$1" "$model" --batch 64 --steps 4 --warmup 1 --threads "$threads" 2>/dev/null | tail -1 |
+    OMP_NUM_THREADS=$threads "$1" "$model" --batch 64 --steps 4 --warmup 1 --threads "$threads" ${STEP_ARGS:-} 2>/dev/null | tail -1 |
         python3 -c 'import json, sys; d = json.loads(sys.stdin.read()); print(d["step_s"], d["step_min_s"], d["loss"])'
 }
 for i in $(seq "$pairs"); do
