@@ -77,7 +77,8 @@ int main(int argc, char **argv) {
             double t[2][2][64];
             for (int r = 0; r < reps && r < 64; r++)
                 for (int grad = 0; grad < 2; grad++) {
-                    t[0][grad][r] = pass(grad, kind, h, a, g, b, 1, ROW, ROW, 1, ROW, ROW_REPS) / ((double)ROW * ROW_REPS);
+                    t[0][grad][r] =
+                        pass(grad, kind, h, a, g, b, 1, ROW, ROW, 1, ROW, ROW_REPS) / ((double)ROW * ROW_REPS);
                     t[1][grad][r] = pass(grad, kind, h, a, g, b, N, M, M, MB, NB, 1) / (double)big;
                 }
             const int n = reps < 64 ? reps : 64;

@@ -1,23 +1,23 @@
 // act_avx2.c: the activations (GELU erf, GELU tanh, quick GELU) of the fused epilogues and of
-// act_forward (src/ops/ops.c) in AVX2 and FMA, two 8-float vectors at a time with their
-// operations interleaved. Compiled from the scalar form (`omp simd`), one vector's chain of some
-// 40 dependent operations (the exponential's range reduction and polynomial, the division)
-// filled the out-of-order window, so the loop ran at the chain's latency, not the vector units'
-// rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The chains are short
-// as they can be: the polynomials' steps are fused multiply-adds, one instruction and one
-// latency where a multiply and an add were two, and the sigmoid forms' e^x (vexp_sig) applies
-// one power of two and restores no special values. On a Zen 3 (bench/bench_act, ns an element
-// of a row in L1), against the multiply-and-add form with vexp: GELU tanh 1.58 -> 0.87 forward
-// and 2.03 -> 1.26 with its gradient, quick GELU 1.40 -> 0.76 and 1.86 -> 1.04, GELU erf
-// 2.91 -> 2.19 and 3.35 -> 2.81. Every operation is the scalar form's, in its order,
-// each fmaf an FMA, so each element gets the bits of ops.c's gelu_erf1, act_sig1 and their
-// gradients with vexp_fma, vexp_sig and verf (src/core/real.h); tests/test_ops.c compares them
-// on every kind of float. The kernels' body (src/ops/act_kernels.h) is compiled twice: for AVX2
-// and, where the CPU has it, AVX-512 (F and DQ), 16 floats a vector, which the *_simd entries
-// below take. The divisions set much of the pace at either width (one a value, two with the
-// gradient): on the AMX Xeon, ns an element of a row in L1, GELU tanh 0.72 -> 0.63 forward and
-// 1.23 -> 1.05 with its gradient, quick GELU 0.52 -> 0.47 and 1.14 -> 0.99, GELU erf
-// 1.94 -> 1.73 and 2.06 -> 1.36.
+// act_forward (src/ops/ops.c) in AVX2 and FMA, two 8-float vectors at a time with their operations
+// interleaved, and the same in AVX-512 (below). Compiled from the scalar form (`omp simd`), one
+// vector's chain of some 40 dependent operations (the exponential's range reduction and polynomial,
+// the division) filled the out-of-order window, so the loop ran at the chain's latency, not the
+// vector units' rate: 1.9 ns an element on a Zen 3, 1.3 with two chains side by side. The chains
+// are short as they can be: the polynomials' steps are fused multiply-adds, one instruction and one
+// latency where a multiply and an add were two, and the sigmoid forms' e^x (vexp_sig) applies one
+// power of two and restores no special values. On a Zen 3 (bench/bench_act, ns an element of a row
+// in L1), against the multiply-and-add form with vexp: GELU tanh 1.58 -> 0.87 forward and
+// 2.03 -> 1.26 with its gradient, quick GELU 1.40 -> 0.76 and 1.86 -> 1.04, GELU erf 2.91 -> 2.19
+// and 3.35 -> 2.81. Every operation is the scalar form's, in its order, each fmaf an FMA, so each
+// element gets the bits of ops.c's gelu_erf1, act_sig1 and their gradients with vexp_fma, vexp_sig
+// and verf (src/core/real.h); tests/test_ops.c compares them on every kind of float. The kernels'
+// body (src/ops/act_kernels.h) is compiled twice: for AVX2 and, where the CPU has it, AVX-512 (F
+// and DQ), 16 floats a vector, which the *_simd entries below take. On the AMX Xeon
+// (bench/bench_act, ns an element of a row in L1), AVX2 -> AVX-512: GELU tanh 0.54 -> 0.38 forward
+// and 0.82 -> 0.58 with its gradient, quick GELU 0.43 -> 0.30 and 0.65 -> 0.51, GELU erf
+// 1.02 -> 0.57 and 1.78 -> 0.92. The sigmoid forms gain least: their divisions (one a value, two
+// with the gradient) take as long a float at either width.
 #include <immintrin.h>
 #include <stddef.h>
 
@@ -26,7 +26,9 @@
 
 int act_avx2_supported(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-static int avx512_off; // act_simd_avx512(0): the AVX2 kernels even where AVX-512 is there
+// act_simd_avx512(0): the AVX2 kernels even where AVX-512 is there (a test's switch, set while no
+// kernel runs)
+static int avx512_off;
 
 int act_simd_avx512(int on) {
     avx512_off = !on;
@@ -145,13 +147,16 @@ static inline int use_avx512(void) {
 #include "ops/act_kernels.h"
 
 int act_bias_simd(float *a, float *h, const float *b, int n, int kind) {
-    return use_avx512() ? act_bias_avx512(a, h, b, n, kind) : act_avx2_supported() ? act_bias_avx2(a, h, b, n, kind) : 0;
+    if (use_avx512()) return act_bias_avx512(a, h, b, n, kind);
+    return act_avx2_supported() ? act_bias_avx2(a, h, b, n, kind) : 0;
 }
 
 size_t act_simd(float *a, const float *x, size_t n, int kind) {
-    return use_avx512() ? act_avx512(a, x, n, kind) : act_avx2_supported() ? act_avx2(a, x, n, kind) : 0;
+    if (use_avx512()) return act_avx512(a, x, n, kind);
+    return act_avx2_supported() ? act_avx2(a, x, n, kind) : 0;
 }
 
 int act_grad_simd(float *g, float *a, const float *h, int n, int kind) {
-    return use_avx512() ? act_grad_avx512(g, a, h, n, kind) : act_avx2_supported() ? act_grad_avx2(g, a, h, n, kind) : 0;
+    if (use_avx512()) return act_grad_avx512(g, a, h, n, kind);
+    return act_avx2_supported() ? act_grad_avx2(g, a, h, n, kind) : 0;
 }

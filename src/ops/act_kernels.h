@@ -17,7 +17,8 @@ __attribute__((target(TARGET), always_inline)) static inline V SUF(arg)(V x, int
 // n = round(c / ln2) and p = e^(c - n ln2) for two vectors of clamped c: exp_frac's fused steps
 // (src/core/real.h), each on both
 __attribute__((target(TARGET), always_inline)) static inline void SUF(frac2)(V c0, V c1, V *n0, V *n1, V *p0, V *p1) {
-    static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+    static const float poly[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                                 5.0000001201e-1f};
     *n0 = RND(MUL(c0, F(1.44269504088896341f)), RND_NEAREST);
     *n1 = RND(MUL(c1, F(1.44269504088896341f)), RND_NEAREST);
     const V r0 = FMA(*n0, F(2.12194440e-4f), FNMA(*n0, F(0.693359375f), c0));
