@@ -30,14 +30,14 @@ int act_avx2_supported(void) { return __builtin_cpu_supports("avx2") && __builti
 // kernel runs)
 static int avx512_off;
 
+static inline int has_avx512(void) { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
+
 int act_simd_avx512(int on) {
     avx512_off = !on;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    return has_avx512();
 }
 
-static inline int use_avx512(void) {
-    return !avx512_off && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-}
+static inline int use_avx512(void) { return !avx512_off && has_avx512(); }
 
 // 2 sqrt(2/pi) and the cubic's coefficient, rounded to float as ops.c's (real) casts round them
 #define GELU_C ((float)(2 * 0.7978845608028654))

@@ -364,10 +364,11 @@ static int block_u8(const int8_tensor *t, size_t c, int m, const int8_t *A, cons
 // weights' scales come after, in the epilogue: oneDNN 2.6 takes run-time output scales only
 // in its gemm:jit int8 kernel, which ran these shapes at a fifth of brgemm's rate.
 static void block_matmul(const int8_tensor *t, size_t c, int m, const int8_t *A, float *C) {
-    if (m == 1) {
+    if (m == 1 && t->packed && t->md) {
         // oneDNN 2.6 runs a 1-row product with B in AMX's layout on its reference kernel
         // (ref_int8: 6 ms for 1 x 256 x 1024, an expert given one token), so the row goes in as
-        // two, a copy the second: exact int32 sums, the same values
+        // two, a copy the second: exact int32 sums, the same values (without packed weights
+        // matmul_ref below takes the one row as it is)
         int8_t *a2 = scratch(2 * (size_t)t->K, 8);
         float *c2 = scratch(sizeof(float) * 2 * (size_t)t->O, 9);
         if (a2 && c2) {
