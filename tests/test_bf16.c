@@ -499,7 +499,6 @@ static void check_model(void) {
     vlmoe_st_close(tf), vlmoe_st_close(rf);
 }
 
-// The command line: a bad value is refused before any file is made; bf16 trains and is recorded.
 // The products' per-thread buffers start on a cache line, also after they grow: brgemm's AMX
 // tiles read a row across two lines otherwise, at half the speed (gemm_bf16.c's scratch).
 static void check_aligned(void) {
@@ -510,6 +509,7 @@ static void check_aligned(void) {
     }
 }
 
+// The command line: a bad value is refused before any file is made; bf16 trains and is recorded.
 static void check_cli(const char *argv0) {
     char bin[4096], out[8192], dir[] = "/tmp/vlmoe_test_bf16_XXXXXX", args[1024];
     if (!test_vlmoe_bin(argv0, bin) || !mkdtemp(dir)) return;

@@ -54,6 +54,23 @@ static void test_sizes_and_errors(void) {
     CHECK(!strcmp(vlmoe_last_error(), "layer 3: m.safetensors: tensor w"), "prefixed message: %s", vlmoe_last_error());
 }
 
+// vlmoe_scratch_grow: on a 64-byte line, grown only when asked for more, and a size past
+// SIZE_MAX once rounded up refused with the buffer kept (an allocation of 0 bytes else)
+static void test_scratch(void) {
+    void *buf = NULL;
+    size_t cap = 0;
+    char *p = vlmoe_scratch_grow(&buf, &cap, 100);
+    CHECK(p && p == buf && cap == 128 && (uintptr_t)p % 64 == 0, "100 bytes: %p, capacity %zu", (void *)p, cap);
+    CHECK(vlmoe_scratch_grow(&buf, &cap, 128) == p && cap == 128, "no more than it holds: the same buffer");
+    memset(p, 7, 128);
+    p = vlmoe_scratch_grow(&buf, &cap, 5000);
+    CHECK(p && cap == 5056 && (uintptr_t)p % 64 == 0, "grown to 5000 bytes: %p, capacity %zu", (void *)p, cap);
+    memset(p, 7, 5000); // (ASan: all of it can be written)
+    CHECK(vlmoe_scratch_grow(&buf, &cap, SIZE_MAX - 3) == NULL && buf == p && cap == 5056,
+          "a size past SIZE_MAX once rounded up is refused, the buffer kept");
+    free(buf);
+}
+
 static void test_order(void) {
     vlmoe_order o;
     CHECK(vlmoe_order_init(&o, 10, 5, 1, 0, 1) == VLMOE_OK, "order of 10 items");
@@ -83,6 +100,7 @@ static void test_order(void) {
 int main(void) {
     test_generators();
     test_sizes_and_errors();
+    test_scratch();
     test_order();
     return test_summary("test_core");
 }

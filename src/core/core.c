@@ -90,6 +90,16 @@ void *vlmoe_calloc(size_t bytes, const char *what) {
 
 void vlmoe_free_mem(void *p) { free(p); }
 
+void *vlmoe_scratch_grow(void **buf, size_t *cap, size_t bytes) {
+    if (bytes <= *cap) return *buf;
+    const size_t n = (bytes + 63) & ~(size_t)63;
+    void *p = n >= bytes ? aligned_alloc(64, n) : NULL; // n < bytes: rounding up wrapped around
+    if (!p) return NULL;
+    free(*buf);
+    *buf = p, *cap = n;
+    return p;
+}
+
 static uint64_t splitmix64(uint64_t *x) {
     uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

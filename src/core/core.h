@@ -39,6 +39,10 @@ int vlmoe_add_ok(size_t a, size_t b, size_t *out);
 void *vlmoe_alloc(size_t bytes, const char *what);
 void *vlmoe_calloc(size_t bytes, const char *what);
 void vlmoe_free_mem(void *p);
+// A kept buffer (*buf, *cap bytes) grown to hold at least bytes, on a 64-byte line; what it held
+// is not kept. Returns *buf, or NULL (leaving both as they were, no message set) when memory
+// runs out: for scratch whose callers have a way around a failure.
+void *vlmoe_scratch_grow(void **buf, size_t *cap, size_t bytes);
 
 // Splitmix64-seeded xoshiro256** generator: small, fast and its whole state (4 words) goes into
 // the training-state file so resume is exact.

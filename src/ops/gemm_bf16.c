@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/core.h"
 #include "ops/gemm_bf16.h"
 
 int gemm_bf16_native(void) {
@@ -538,19 +539,12 @@ static product product_of(int ta, int tb, int M, int N, int K, const float *A, i
 // workspace (they are pure functions of their arguments), and allocating megabytes per product
 // would cost page faults on every call. The buffers only grow, and what they held is not kept
 // when they do. They start on a cache line: with 16-byte aligned ones (realloc's) every row of
-// brgemm's AMX tiles straddled two lines, and its products ran at 300-340 GFLOP/s a thread in
-// place of 600-940 (bench-s's shapes, Xeon with AMX, 1 thread).
+// brgemm's AMX tiles straddled two lines, and its products ran at 240-340 GFLOP/s a thread in
+// place of 340-940 (bench-s's shapes, Xeon with AMX, 1 thread).
 static void *scratch(size_t bytes, int slot) {
     static _Thread_local void *buf[7];
     static _Thread_local size_t cap[7];
-    if (bytes > cap[slot]) {
-        const size_t n = (bytes + 63) / 64 * 64;
-        void *p = aligned_alloc(64, n);
-        if (!p) return NULL;
-        free(buf[slot]);
-        buf[slot] = p, cap[slot] = n;
-    }
-    return buf[slot];
+    return vlmoe_scratch_grow(&buf[slot], &cap[slot], bytes);
 }
 
 // runs prim on this thread's stream with this thread's scratchpad; args has room for one more

@@ -237,14 +237,7 @@ static int block_prim(const int8_tensor *t, int m, entry *out, int *owned) {
 static void *scratch(size_t bytes, int slot) {
     static _Thread_local void *buf[10];
     static _Thread_local size_t cap[10];
-    if (bytes > cap[slot]) {
-        const size_t n = (bytes + 63) / 64 * 64;
-        void *p = aligned_alloc(64, n);
-        if (!p) return NULL;
-        free(buf[slot]);
-        buf[slot] = p, cap[slot] = n;
-    }
-    return buf[slot];
+    return vlmoe_scratch_grow(&buf[slot], &cap[slot], bytes);
 }
 
 // The same block without oneDNN (a refused primitive): the same int32 sums, so the same values.
