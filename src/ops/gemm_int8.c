@@ -569,9 +569,9 @@ int int8_weights_add(int8_weights *w, const float *src, size_t rows, int K, int 
         if (gemm_int8_native() == INT8_AVX2) { // block_u8's panels, and each row's sum for the shift
             const size_t n = rows / (size_t)O;
             e->pbytes = panels_bytes(K, O);
-            // the panels on a cache line (pbytes is a multiple of 64): the kernel's 32-byte loads
-            // would straddle two lines at every other panel row from malloc's 16-byte alignment
-            e->wsum = malloc(sizeof(int32_t) * rows), e->packed = aligned_alloc(64, e->pbytes * n);
+            // the panels on a cache line (vlmoe_alloc): the kernel's 32-byte loads would straddle
+            // two lines at every other panel row from malloc's 16-byte alignment
+            e->wsum = malloc(sizeof(int32_t) * rows), e->packed = vlmoe_alloc(e->pbytes * n, "int8 weight panels");
             if (!e->wsum || !e->packed) {
                 free(e->q), free(e->scale), free(e->wsum), free(e->packed);
                 return vlmoe_fail(VLMOE_ERR_NOMEM, "int8 weights: %zu rows' sums and panels", rows);

@@ -56,10 +56,10 @@ for m in $MODELS; do
 done
 m=vlmoe-tiny
 case " $MODELS " in *" $m "*) ;; *) m= ;; esac
-[ -n "$m" ] && printf '{"base": "vlmoe-tiny", "mim_vocab": 64}\n' >"$D/vm.json"
 if [ -z "$m" ]; then
     :
-elif "$VLMOE" vq train --model "$D/vm.json" --size 64 --images 16 -o "$D/cb.safetensors" >"$D/vq.log" 2>&1; then
+elif printf '{"base": "vlmoe-tiny", "mim_vocab": 64}\n' >"$D/vm.json" &&
+    "$VLMOE" vq train --model "$D/vm.json" --size 64 --images 16 -o "$D/cb.safetensors" >"$D/vq.log" 2>&1; then
     mome() {
         tag=$1
         shift
