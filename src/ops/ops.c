@@ -202,6 +202,46 @@ static int gemm_ksplit(int tb, int M, int N, int K, const real *A, int lda, cons
 }
 #endif
 
+#ifndef VLMOE_REAL_F64
+static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B, int ldb,
+                   real beta, real *C, int ldc, const gemm_epi *epi, real *asum);
+
+// C (M,N) = A^T B + beta C, A (K,M) and B (K,N), M > N, as T = B^T A (N,M) and then C = T^T + beta C.
+// A weight gradient's A is dout, whose rows are 4 KB apart where its width is a multiple of 1024
+// floats (an MLP's hidden layer), and oneDNN's sgemm reads such an A^T slowly: bench-s's first
+// MLP weight gradient (1024 x 256 over 5120 tokens, 1 thread, Xeon with AVX-512) ran at 94-102
+// GFLOP/s as one call and at 149 as its transpose product, where the same rows are B. In the
+// step its blocks went from 94 to 137 GFLOP/s, and the step 1.024x (1 thread) and 1.029x (2)
+// faster (bench/ab_step.sh, 8 pairs). qkv's (768 x 256, rows 3 KB apart) gained alone but not in
+// the step (131 against 127), and with M < N the transpose product is the slower one (256 x 1024:
+// 94 against 152), hence gemm_pe's conditions. The shapes alone choose it: the same bits on any
+// thread count. Returns -1, having done nothing, when T's memory cannot be had.
+static int gemm_tn_transposed(int M, int N, int K, const real *A, int lda, const real *B, int ldb, real beta,
+                              real *C, int ldc) {
+    real *T = malloc(sizeof(real) * (size_t)M * N);
+    if (!T) return -1;
+    gemm_pe(0, 1, 0, N, M, K, B, ldb, A, lda, 0, T, M, NULL, NULL);
+    PROF_SCOPE(PROF_MATMUL) {
+        // C in 32 x 32 tiles, so the block of T each reads (32 floats of 32 of its rows) stays in cache
+#pragma omp parallel for collapse(2) schedule(static)
+        for (int i0 = 0; i0 < M; i0 += 32)
+            for (int j0 = 0; j0 < N; j0 += 32) {
+                const int i1 = M - i0 < 32 ? M : i0 + 32, j1 = N - j0 < 32 ? N : j0 + 32;
+                for (int i = i0; i < i1; i++) {
+                    real *c = C + (size_t)i * ldc;
+                    const real *t = T + i;
+                    if (beta == 0)
+                        for (int j = j0; j < j1; j++) c[j] = t[(size_t)j * M];
+                    else
+                        for (int j = j0; j < j1; j++) c[j] = beta * c[j] + t[(size_t)j * M];
+                }
+            }
+    }
+    free(T);
+    return 0;
+}
+#endif
+
 // Rows of a block of gemm_pe's over op(B) packed once for all its blocks: two of the AVX2
 // product's MC blocks. On bench-s at 2 threads on a busy 2-core Zen 3, against six fixed blocks
 // of 854 rows: the threads' barrier spin fell from 7.6-8.5% to 5.5-6.3% of the samples and the
@@ -247,6 +287,9 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                                                  epi ? epi_thunk : NULL, epi) == 0;
     if (done) return 0;
+    // a weight gradient with more rows than columns, with oneDNN: as its transpose (above)
+    if (ta && !tb && !epi && !gemm1_own() && M > N && lda % 1024 == 0 && gemm_tn_transposed(M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
+        return 0;
     // a weight gradient's product with vlmoe's own kernel: chunks of the long sum (above)
     if (ta && !epi && gemm1_own() && K >= 2048 && K >= 2 * dim &&
         gemm_ksplit(tb, M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
