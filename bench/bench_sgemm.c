@@ -4,7 +4,8 @@
 // threads) on the forward and backward products of one transformer block (tokens x width x
 // mlp) and prints each library's FLOP-weighted rate as one JSON line, with the rate of vlmoe's
 // own AVX2 product (src/ops/gemm_f32.c, single-threaded calls on one block of C's rows or
-// columns per thread, as vlmoe runs it) where the CPU has AVX2 and FMA3.
+// columns per thread, as vlmoe runs it) where the CPU has AVX2 and FMA3, and then OpenBLAS's
+// and oneDNN's rates on one 2048 x 2048 x 2048 product, the libraries' best case.
 // Usage: bench_sgemm [tokens width mlp threads reps]
 #include <cblas.h>
 #include <dnnl.h>
@@ -82,10 +83,32 @@ int main(int argc, char **argv) {
             if (r > 0 && t < best[lib]) best[lib] = t; // round 0 warms caches and thread pools
         }
     }
+    // Each library's ceiling: one large square product (2048^3, 17 GFLOP), the shape BLAS
+    // libraries are tuned for, on all threads. What a whole step's products could reach at best.
+    const int Q = 2048;
+    float *QA = malloc(4 * (size_t)Q * Q), *QB = malloc(4 * (size_t)Q * Q), *QC = malloc(4 * (size_t)Q * Q);
+    double qbest[2] = {1e30, 1e30};
+    if (!QA || !QB || !QC) {
+        fprintf(stderr, "bench_sgemm: out of memory for the %d^3 product\n", Q);
+        return 1;
+    }
+    for (size_t i = 0; i < (size_t)Q * Q; i++) QA[i] = (float)(i % 7) * 0.1f, QB[i] = (float)(i % 5) * 0.1f;
+    for (int r = 0; r < reps + 1; r++)
+        for (int lib = 0; lib < 2; lib++) {
+            double t0 = bench_now();
+            if (lib == 0)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Q, Q, Q, 1.0f, QA, Q, QB, Q, 0.0f, QC, Q);
+            else
+                dnnl_sgemm('N', 'N', Q, Q, Q, 1.0f, QA, Q, QB, Q, 0.0f, QC, Q);
+            double t = bench_now() - t0;
+            if (r > 0 && t < qbest[lib]) qbest[lib] = t;
+        }
+    const double qflops = 2.0 * Q * Q * Q;
     printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"openblas_gflops\": %.1f, "
-           "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\", \"vlmoe_avx2_gflops\": %.1f}\n", threads,
+           "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\", \"vlmoe_avx2_gflops\": %.1f, "
+           "\"openblas_square_gflops\": %.1f, \"onednn_square_gflops\": %.1f}\n", threads,
            openblas_get_corename(), flops / best[0] * 1e-9, flops / best[1] * 1e-9, onednn_isa(),
-           libs > 2 ? flops / best[2] * 1e-9 : 0.0);
-    free(A), free(B), free(C);
+           libs > 2 ? flops / best[2] * 1e-9 : 0.0, qflops / qbest[0] * 1e-9, qflops / qbest[1] * 1e-9);
+    free(A), free(B), free(C), free(QA), free(QB), free(QC);
     return 0;
 }

@@ -7,7 +7,8 @@ median step time over the rounds with the spread (min-max of the per-round media
 products are counted analytically (bench_step) and compared with the machine's own peak,
 measured by bench_peak (a register-only loop of FMAs on the widest registers the CPU has, and of
 vdpbf16ps for bf16), and with the SGEMM rates of OpenBLAS, oneDNN and, on AVX2 CPUs, vlmoe's own
-product at the model's shapes (bench_sgemm). The inference table is followed by the int8 products'
+product at the model's shapes, and of OpenBLAS and oneDNN on one 2048^3 product, their best case
+(bench_sgemm). The inference table is followed by the int8 products'
 rates at an encoder MLP's shapes (bench_int8): the AVX2 kernel step's register-only rate,
 oneDNN's u8s8s32 gemm and vlmoe's int8 linear and MLP.
 
@@ -263,7 +264,10 @@ def main():
         print(f"{t} thread(s): fp32 FMA peak ({peak.get('fp32_fma_isa', 'avx512f')}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
               f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}{amx}; SGEMM at bench-s shapes: OpenBLAS "
               f"({sg['openblas_core']}) {sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) "
-              f"{sg['onednn_gflops']:.0f}{own}")
+              f"{sg['onednn_gflops']:.0f}{own}; at 2048^3, the libraries' best case: OpenBLAS "
+              f"{sg['openblas_square_gflops']:.0f}, oneDNN {sg['onednn_square_gflops']:.0f} ("
+              f"{100 * max(sg['openblas_square_gflops'], sg['onednn_square_gflops']) / peak['fp32_fma_gflops']:.0f}% "
+              f"of the peak)")
         for name, batch in models:
             path = os.path.join(HERE, "models", name + ".json")
             if t == threads[0]:
