@@ -90,6 +90,7 @@ int main(int argc, char **argv) {
     double qbest[2] = {1e30, 1e30};
     if (!QA || !QB || !QC) {
         fprintf(stderr, "bench_sgemm: out of memory for the %d^3 product\n", Q);
+        free(A), free(B), free(C), free(QA), free(QB), free(QC);
         return 1;
     }
     for (size_t i = 0; i < (size_t)Q * Q; i++) QA[i] = (float)(i % 7) * 0.1f, QB[i] = (float)(i % 5) * 0.1f;

@@ -462,47 +462,10 @@ static void test_linear_rows(void) {
     CHECK(same, "a row alone and the same row in a batch of %d differ", N);
 }
 
-// A weight gradient summed over thousands of tokens (where, with vlmoe's own AVX2 product, the
-// sum is cut in chunks of tokens added after: ops.c's gemm_ksplit): dw += dout^T inp against a
-// double sum to fp32 rounding, for token counts that give 2 and 4 chunks, the last a short one,
-// and the same bits at 1 and 2 threads.
-static void test_linear_long_sum(void) {
-    const int Ns[2] = {4685, 9000}, K = 20, O = 12;
-    for (int c = 0; c < 2; c++) {
-        const int N = Ns[c];
-        float *x = malloc(sizeof(float) * N * K), *g = malloc(sizeof(float) * N * O), w[12 * 20], dw[2][12 * 20];
-        float *di = calloc((size_t)N * K, sizeof(float)), db[12] = {0};
-        for (int i = 0; i < N * K; i++) x[i] = (float)vlmoe_rng_normal(&rng);
-        for (int i = 0; i < N * O; i++) g[i] = (float)vlmoe_rng_normal(&rng);
-        for (int i = 0; i < O * K; i++) w[i] = (float)vlmoe_rng_normal(&rng), dw[0][i] = dw[1][i] = 0.5f;
-        for (int t = 0; t < 2; t++) {
-            omp_set_num_threads(t + 1);
-            linear_backward_f32(di, dw[t], db, g, x, w, N, K, O);
-        }
-        omp_set_num_threads(2);
-        int bad = 0;
-        for (int o = 0; o < O; o++)
-            for (int k = 0; k < K; k++) {
-                double s = 0.5, mag = 0.5;
-                for (int n = 0; n < N; n++) {
-                    const double p = (double)g[(size_t)n * O + o] * x[(size_t)n * K + k];
-                    s += p, mag += fabs(p);
-                }
-                bad += fabs(dw[0][o * K + k] - s) > (N + 2) * 6e-8 * mag;
-            }
-        CHECK(bad == 0, "linear_backward_f32 over %d tokens: %d of %d dw values beyond fp32 rounding of the double sum", N,
-              bad, O * K);
-        CHECK(!memcmp(dw[0], dw[1], sizeof(dw[0])), "linear_backward_f32 over %d tokens: dw differs between 1 and 2 threads", N);
-        free(x), free(g), free(di);
-    }
-}
-
-// A weight gradient whose dout rows lie 4 KB apart (1024 outputs) and outnumber its inputs, which
-// ops.c's gemm_tn_transposed computes as its transpose and adds back: dw += dout^T inp against a
-// double sum to fp32 rounding (dw starting at 0.5, so the add is checked, not just a write), with
-// neither dimension a whole number of its 32 x 32 tiles, and the same bits at 1 and 2 threads.
-static void test_linear_wide_dw(void) {
-    const int N = 300, K = 37, O = 1024;
+// linear_backward_f32's dw += dout^T inp over N tokens (K inputs, O outputs) against a double
+// sum to fp32 rounding, dw starting at 0.5 (so the add is checked, not just a write), and the
+// same bits at 1 and 2 threads.
+static void check_dw(int N, int K, int O) {
     float *x = malloc(sizeof(float) * N * K), *g = malloc(sizeof(float) * N * O), *w = malloc(sizeof(float) * O * K);
     float *dw[2] = {malloc(sizeof(float) * O * K), malloc(sizeof(float) * O * K)};
     float *di = calloc((size_t)N * K, sizeof(float)), *db = calloc(O, sizeof(float));
@@ -524,12 +487,26 @@ static void test_linear_wide_dw(void) {
             }
             bad += fabs(dw[0][o * K + k] - s) > (N + 2) * 6e-8 * mag;
         }
-    CHECK(bad == 0, "linear_backward_f32 %dx%dx%d: %d of %d dw values beyond fp32 rounding of the double sum", N, K, O,
-          bad, O * K);
-    CHECK(!memcmp(dw[0], dw[1], sizeof(float) * O * K), "linear_backward_f32 %dx%dx%d: dw differs between 1 and 2 threads",
-          N, K, O);
+    CHECK(bad == 0, "linear_backward_f32 over %d tokens, %d in, %d out: %d of %d dw values beyond fp32 rounding of "
+          "the double sum", N, K, O, bad, O * K);
+    CHECK(!memcmp(dw[0], dw[1], sizeof(float) * O * K), "linear_backward_f32 over %d tokens, %d in, %d out: dw "
+          "differs between 1 and 2 threads", N, K, O);
     free(x), free(g), free(w), free(dw[0]), free(dw[1]), free(di), free(db);
 }
+
+// A weight gradient summed over thousands of tokens (where, with vlmoe's own AVX2 product, the
+// sum is cut in chunks of tokens added after: ops.c's gemm_ksplit), for token counts that give 2
+// and 4 chunks, the last a short one.
+static void test_linear_long_sum(void) {
+    check_dw(4685, 20, 12);
+    check_dw(9000, 20, 12);
+}
+
+// A weight gradient whose dout rows lie 4 KB apart (1024 outputs) and outnumber its inputs, which
+// ops.c's gemm_tn_transposed computes as its transpose and adds back where oneDNN's sgemm runs
+// the products (vlmoe's own AVX2 product sums it in chunks of tokens instead), with neither
+// dimension a whole number of its 32 x 32 tiles.
+static void test_linear_wide_dw(void) { check_dw(300, 37, 1024); }
 
 // The CPU table's expert bank (src/ops/backend_cpu.c) at 1 thread (one expert at a time, both
 // threads in each product) and at 2 (from 4 experts with rows, whole experts side by side): the
