@@ -289,7 +289,9 @@ $(FIXTURES): $(wildcard tests/ref/*.py) | $(TEST_DEPS_STAMP)
 	/usr/bin/python3 tests/ref/gen_all.py build/fixtures
 	@touch $@
 
-test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS) $(CUDA_CHECK)
+# the benchmarks are built too (not run: that is `make bench`), so they cannot rot unseen
+test: all $(TESTS) $(TESTS_ASAN) $(BA)/vlmoe $(FIXTURES) $(FUZZ_BINS) $(FUZZ_SEEDS) $(CUDA_CHECK) $(BENCHES) \
+      $(B)/bench/bench_step_prof
 	@$(if $(HAVE_NVCC),,echo "note: $(NVCC) not found: the CUDA backend was not compiled")
 	@VLMOE_SO=libvlmoe.so CUDADIR=$(if $(HAVE_NVCC),build/cuda,) FUZZ_TIME=$(FUZZ_TEST_TIME) ./tests/run.sh "$(B)" "$(BA)" ./vlmoe $(BA)/vlmoe build/fuzz
 

@@ -45,6 +45,22 @@ static double step_flops(const vlmoe_model_config *c, int B) {
     return 3 * f;
 }
 
+#ifdef VLMOE_PROFILE
+// The fp32 products' shapes that took the most time (src/core/prof.h), per step: each call is
+// single-threaded, so its rate is one thread's, against bench_peak's per-thread peak.
+static void print_gemm_shapes(int steps) {
+    prof_gemm_shape g[12];
+    const int n = prof_gemm_read(g, 12);
+    if (!n) return;
+    fprintf(stderr, "fp32 products by shape (single-threaded calls; the %d taking the most time):\n"
+            "  ta tb     M     N     K   lda   ldb  calls/step  ms/step  GFLOP/s a thread\n", n);
+    for (int i = 0; i < n; i++)
+        fprintf(stderr, "  %2d %2d %5d %5d %5d %5d %5d %11.1f %8.2f %8.1f\n", g[i].ta, g[i].tb, g[i].M, g[i].N,
+                g[i].K, g[i].lda, g[i].ldb, (double)g[i].calls / steps, 1e3 * g[i].seconds / steps,
+                2.0 * g[i].M * g[i].N * g[i].K * g[i].calls / g[i].seconds * 1e-9);
+}
+#endif
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: bench_step MODEL.json [--batch N] [--steps N] [--warmup N] [--threads N] [--precision fp32|bf16|int8] [--device cpu|cuda[:N]] [--embed N] [--recompute-attention auto|on|off]\n");
@@ -121,6 +137,7 @@ int main(int argc, char **argv) {
         }
         fprintf(stderr, "  %-18s %8.1f ms %5.1f%%\n", "outside the ops", 1e3 * (total - sum) / steps,
                 100 * (total - sum) / total);
+        print_gemm_shapes(steps);
     }
 #endif
     // the bf16 products of the timed steps: how many, and how often plan found its primitives kept

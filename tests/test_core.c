@@ -3,9 +3,11 @@
 // implementation of splitmix64 and xoshiro256** (the values below, checked bit for bit); the
 // counter-based normals must be a pure function of (key, counter) with the moments of N(0,1);
 // checked size arithmetic must catch overflow; error messages compose with their prefixes; the
-// data order must be a permutation per epoch and give each process its contiguous block.
+// data order must be a permutation per epoch and give each process its contiguous block; the
+// profile's product-shape table (src/core/prof.c) must sum, order and reset.
 #include <stdint.h>
 
+#include "core/prof.h"
 #include "data/order.h"
 #include "test.h"
 
@@ -97,10 +99,37 @@ static void test_order(void) {
     CHECK(vlmoe_order_init(&o, 0, 0, 0, 0, 1) == VLMOE_ERR_ARG, "an empty order");
 }
 
+// The product-shape table behind bench_step_prof (src/core/prof.c): calls of one shape add up,
+// another lda is another shape, the read gives the largest totals first and at most max of them,
+// and a reset empties it.
+static void test_prof_gemm(void) {
+    prof_reset();
+    const double t[5] = {0.5, 2.0, 0.25, 1.0, 3.0};
+    for (int i = 0; i < 5; i++) prof_gemm_add(0, 1, 64 * (i + 1), 32, 16, 16, 16, t[i]);
+    prof_gemm_add(0, 1, 64, 32, 16, 16, 16, 1.0); // shape 0 again: 1.5 s over 2 calls
+    prof_gemm_add(0, 1, 64, 32, 16, 20, 16, 0.1); // another lda: a shape of its own
+    prof_gemm_shape g[8];
+    int n = prof_gemm_read(g, 8);
+    CHECK(n == 6, "prof_gemm_read: %d shapes, want 6", n);
+    const int want_m[6] = {320, 128, 64, 256, 192, 64};
+    for (int i = 0; i < n && i < 6; i++)
+        CHECK(g[i].M == want_m[i], "prof_gemm_read: shape %d has M %d, want %d (largest total first)", i, g[i].M,
+              want_m[i]);
+    CHECK(n >= 3 && g[2].calls == 2 && g[2].seconds == 1.5, "prof_gemm_read: M 64 has %ld calls, %g s; want 2, 1.5",
+          n >= 3 ? g[2].calls : 0L, n >= 3 ? g[2].seconds : 0.0);
+    CHECK(n == 6 && g[5].lda == 20, "prof_gemm_read: the last shape's lda is %d, want 20", n == 6 ? g[5].lda : 0);
+    n = prof_gemm_read(g, 3);
+    CHECK(n == 3 && g[0].M == 320 && g[1].M == 128 && g[2].M == 64, "prof_gemm_read(max 3): %d shapes, M %d %d %d", n,
+          g[0].M, g[1].M, g[2].M);
+    prof_reset();
+    CHECK(prof_gemm_read(g, 8) == 0, "prof_gemm_read after prof_reset: shapes left");
+}
+
 int main(void) {
     test_generators();
     test_sizes_and_errors();
     test_scratch();
     test_order();
+    test_prof_gemm();
     return test_summary("test_core");
 }

@@ -20,6 +20,39 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+double prof_now(void) { return now(); }
+
+// the product shapes seen since the last reset; past GEMM_SHAPES of them, new ones go uncounted
+enum { GEMM_SHAPES = 512 };
+static prof_gemm_shape shapes[GEMM_SHAPES];
+static int nshapes;
+
+void prof_gemm_add(int ta, int tb, int M, int N, int K, int lda, int ldb, double seconds) {
+    // called from inside the products' parallel regions: one thread at a time (unnamed: a named
+    // critical section would be a global symbol of the shared library)
+#pragma omp critical
+    {
+        int i = 0;
+        while (i < nshapes && !(shapes[i].ta == ta && shapes[i].tb == tb && shapes[i].M == M && shapes[i].N == N &&
+                                shapes[i].K == K && shapes[i].lda == lda && shapes[i].ldb == ldb))
+            i++;
+        if (i == nshapes && nshapes < GEMM_SHAPES) shapes[nshapes++] = (prof_gemm_shape){ta, tb, M, N, K, lda, ldb, 0, 0};
+        if (i < nshapes) shapes[i].calls++, shapes[i].seconds += seconds;
+    }
+}
+
+int prof_gemm_read(prof_gemm_shape *out, int max) {
+    int n = 0;
+    for (int i = 0; i < nshapes; i++) { // insertion by total time, largest first
+        int j = n < max ? n++ : max;
+        if (j == max && (max == 0 || shapes[i].seconds <= out[max - 1].seconds)) continue;
+        if (j == max) j = max - 1;
+        while (j > 0 && out[j - 1].seconds < shapes[i].seconds) out[j] = out[j - 1], j--;
+        out[j] = shapes[i];
+    }
+    return n;
+}
+
 const char *prof_name(prof_cat c) { return c >= 0 && c < PROF_COUNT ? names[c] : "unknown"; }
 
 void prof_read(double *out) {
@@ -28,6 +61,7 @@ void prof_read(double *out) {
 
 void prof_reset(void) {
     for (int i = 0; i < PROF_COUNT; i++) total[i] = 0;
+    nshapes = 0;
 }
 
 // Moves the clock from the open scope to c; returns the scope to go back to (-2: ignored).

@@ -2,7 +2,8 @@
 // (matrix products, attention, routing, dispatch/combine, LayerNorm, GELU, ...). The hooks are
 // compiled in only with -DVLMOE_PROFILE (the Makefile builds build/rel/bench/bench_step_prof
 // so); otherwise `PROF_SCOPE(c) stmt` is just `stmt` and costs nothing. Time is exclusive: a
-// scope inside another (the GEMMs inside an expert MLP) is taken out of the outer one.
+// scope inside another (the GEMMs inside an expert MLP) is taken out of the outer one. The same
+// build also times the fp32 products one call at a time by shape (PROF_GEMM, below).
 #ifndef VLMOE_CORE_PROF_H
 #define VLMOE_CORE_PROF_H
 
@@ -19,6 +20,35 @@ void prof_reset(void);
 // threads' time belongs to the scope the region runs in.
 int prof_enter(prof_cat c);
 void prof_leave(int prev);
+
+// The single-threaded fp32 products (ops.c's gemm1) by shape: which shapes the matrix-product
+// time goes to, and at what rate each runs (issue 22's "say which shapes and show the
+// library's rate"). Summed over calls; a thread's call counts its own wall time, so at T threads
+// the totals add up to about T times the products' share of the step. prof_reset clears it.
+typedef struct {
+    int ta, tb, M, N, K, lda, ldb;
+    long calls;
+    double seconds;
+} prof_gemm_shape;
+void prof_gemm_add(int ta, int tb, int M, int N, int K, int lda, int ldb, double seconds);
+// Up to max shapes into out, the largest total time first; returns how many.
+int prof_gemm_read(prof_gemm_shape *out, int max);
+double prof_now(void);
+
+#ifdef VLMOE_PROFILE
+// stmt timed and counted as one call of the product (ta, tb, M, N, K, lda, ldb)
+#define PROF_GEMM(ta, tb, M, N, K, lda, ldb, stmt)                          \
+    do {                                                                    \
+        const double prof_gemm_t0_ = prof_now();                            \
+        stmt;                                                               \
+        prof_gemm_add(ta, tb, M, N, K, lda, ldb, prof_now() - prof_gemm_t0_); \
+    } while (0)
+#else
+#define PROF_GEMM(ta, tb, M, N, K, lda, ldb, stmt) \
+    do {                                           \
+        stmt;                                      \
+    } while (0)
+#endif
 
 #ifdef VLMOE_PROFILE
 // names made unique by line, so scopes nest without shadowing each other

@@ -35,8 +35,8 @@ static inline int gemm1_own(void) {
 #endif
 }
 
-static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda,
-                         const real *B, int ldb, real beta, real *C, int ldc) {
+static inline void gemm1_run(int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda,
+                             const real *B, int ldb, real beta, real *C, int ldc) {
 #ifdef VLMOE_REAL_F64
     cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N,
                 K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -62,6 +62,12 @@ static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const 
     }
     dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
+}
+
+// gemm1_run, timed by shape in the profile build (bench_step_prof's table of product shapes)
+static inline void gemm1(int ta, int tb, int M, int N, int K, real alpha, const real *A, int lda,
+                         const real *B, int ldb, real beta, real *C, int ldc) {
+    PROF_GEMM(ta, tb, M, N, K, lda, ldb, gemm1_run(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc));
 }
 
 // C (M,N) = op(A) op(B) + beta C, row-major. Threads take fixed blocks of C's rows or columns
@@ -150,9 +156,11 @@ static void gemm1_epi(int ta, int tb, int M, int N, int K, const real *A, int ld
     if ((epi || bp) && gemm1_own()) {
         const epi_at at = {epi, C, r0, c0};
         real *c = C + (size_t)r0 * ldc + c0;
-        if ((bp ? gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, c, ldc, epi ? epi_at_run : NULL, &at)
-                : gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, c, ldc, epi_at_run, &at)) == 0)
-            return;
+        int r; // timed with its epilogue in the profile build
+        PROF_GEMM(ta, tb, M, N, K, lda, ldb,
+                  r = bp ? gemm_f32_epi_packed(ta, M, N, K, 1, A, lda, bp, beta, c, ldc, epi ? epi_at_run : NULL, &at)
+                         : gemm_f32_epi(ta, tb, M, N, K, 1, A, lda, B, ldb, beta, c, ldc, epi_at_run, &at));
+        if (r == 0) return;
     }
 #else
     (void)bp;
