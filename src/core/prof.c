@@ -36,7 +36,8 @@ void prof_gemm_add(int ta, int tb, int M, int N, int K, int lda, int ldb, double
         while (i < nshapes && !(shapes[i].ta == ta && shapes[i].tb == tb && shapes[i].M == M && shapes[i].N == N &&
                                 shapes[i].K == K && shapes[i].lda == lda && shapes[i].ldb == ldb))
             i++;
-        if (i == nshapes && nshapes < GEMM_SHAPES) shapes[nshapes++] = (prof_gemm_shape){ta, tb, M, N, K, lda, ldb, 0, 0};
+        if (i == nshapes && nshapes < GEMM_SHAPES)
+            shapes[nshapes++] = (prof_gemm_shape){ta, tb, M, N, K, lda, ldb, 0, 0};
         if (i < nshapes) shapes[i].calls++, shapes[i].seconds += seconds;
     }
 }

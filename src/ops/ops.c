@@ -296,7 +296,8 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
                                                  epi ? epi_thunk : NULL, epi) == 0;
     if (done) return 0;
     // a weight gradient with more rows than columns, with oneDNN: as its transpose (above)
-    if (ta && !tb && !epi && !gemm1_own() && M > N && lda % 1024 == 0 && gemm_tn_transposed(M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
+    if (ta && !tb && !epi && !gemm1_own() && M > N && lda % 1024 == 0 &&
+        gemm_tn_transposed(M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
         return 0;
     // a weight gradient's product with vlmoe's own kernel: chunks of the long sum (above)
     if (ta && !epi && gemm1_own() && K >= 2048 && K >= 2 * dim &&
