@@ -70,14 +70,14 @@ int vlmoe_add_ok(size_t a, size_t b, size_t *out) {
     return 0;
 }
 
-void *vlmoe_alloc(size_t bytes, const char *what) {
+void *vlmoe_alloc_line(size_t bytes) {
     size_t n = (bytes + 63) & ~(size_t)63;
-    if (n < bytes) {   // rounding up wrapped around: no such allocation exists
-        vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for %s", bytes, what);
-        return NULL;
-    }
-    if (n == 0) n = 64;
-    void *p = aligned_alloc(64, n);
+    if (n < bytes) return NULL; // rounding up wrapped around: no such allocation exists
+    return aligned_alloc(64, n ? n : 64);
+}
+
+void *vlmoe_alloc(size_t bytes, const char *what) {
+    void *p = vlmoe_alloc_line(bytes);
     if (!p) vlmoe_fail(VLMOE_ERR_NOMEM, "cannot allocate %zu bytes for %s", bytes, what);
     return p;
 }
@@ -92,11 +92,10 @@ void vlmoe_free_mem(void *p) { free(p); }
 
 void *vlmoe_scratch_grow(void **buf, size_t *cap, size_t bytes) {
     if (bytes <= *cap) return *buf;
-    const size_t n = (bytes + 63) & ~(size_t)63;
-    void *p = n >= bytes ? aligned_alloc(64, n) : NULL; // n < bytes: rounding up wrapped around
+    void *p = vlmoe_alloc_line(bytes);
     if (!p) return NULL;
     free(*buf);
-    *buf = p, *cap = n;
+    *buf = p, *cap = (bytes + 63) & ~(size_t)63; // what vlmoe_alloc_line gave
     return p;
 }
 

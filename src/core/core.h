@@ -37,6 +37,10 @@ int vlmoe_add_ok(size_t a, size_t b, size_t *out);
 
 // Allocation with 64-byte alignment; returns NULL and sets VLMOE_ERR_NOMEM message on failure.
 void *vlmoe_alloc(size_t bytes, const char *what);
+// The same allocation (bytes rounded up to whole 64-byte lines, free with free), NULL with no
+// message set when memory runs out: for buffers whose callers go on without them (a kept copy,
+// scratch with a slower way around).
+void *vlmoe_alloc_line(size_t bytes);
 void *vlmoe_calloc(size_t bytes, const char *what);
 void vlmoe_free_mem(void *p);
 // A kept buffer (*buf, *cap bytes) grown to hold at least bytes, on a 64-byte line; what it held

@@ -43,13 +43,13 @@ void prof_gemm_add(int ta, int tb, int M, int N, int K, int lda, int ldb, double
 }
 
 int prof_gemm_read(prof_gemm_shape *out, int max) {
+    char taken[GEMM_SHAPES] = {0};
     int n = 0;
-    for (int i = 0; i < nshapes; i++) { // insertion by total time, largest first
-        int j = n < max ? n++ : max;
-        if (j == max && (max == 0 || shapes[i].seconds <= out[max - 1].seconds)) continue;
-        if (j == max) j = max - 1;
-        while (j > 0 && out[j - 1].seconds < shapes[i].seconds) out[j] = out[j - 1], j--;
-        out[j] = shapes[i];
+    for (; n < max && n < nshapes; n++) { // the largest total not yet taken, the first seen on a tie
+        int b = -1;
+        for (int i = 0; i < nshapes; i++)
+            if (!taken[i] && (b < 0 || shapes[i].seconds > shapes[b].seconds)) b = i;
+        taken[b] = 1, out[n] = shapes[b];
     }
     return n;
 }

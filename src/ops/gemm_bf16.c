@@ -431,7 +431,7 @@ static shadow *shadow_of(const product *p) {
     }
     if (shadow_n >= SHADOW_N / 4 * 3) return NULL;
     const size_t bytes = dnnl_memory_desc_get_size(&p->wmd);
-    uint32_t *buf = aligned_alloc(64, (bytes + 63) / 64 * 64); // on a cache line, as scratch's
+    uint32_t *buf = vlmoe_alloc_line(bytes); // on a cache line, as scratch's
     if (!buf) return NULL;
     shadows[i] = (shadow){.used = 1, .tb = p->tb, .N = p->N, .K = p->K, .ldb = p->ldb, .bw = p->bw, .kp = p->kp,
                           .B = p->B, .buf = buf};

@@ -524,9 +524,10 @@ static void pack(int8_tensor *t) {
     const dnnl_memory_desc_t *w = ok ? dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0) : NULL;
     ok = w != NULL;
     if (ok) *wmd = *w;
-    // each matrix's packed copy on a cache line
+    // each matrix's packed copy on a cache line (bytes: its size in whole lines)
     const size_t n = t->rows / (size_t)t->O, bytes = ok ? (dnnl_memory_desc_get_size(wmd) + 63) / 64 * 64 : 0;
-    char *buf = ok && bytes ? aligned_alloc(64, bytes * n) : NULL;
+    size_t all = 0;
+    char *buf = ok && bytes && !vlmoe_mul_ok(bytes, n, &all) ? vlmoe_alloc_line(all) : NULL;
     ok = buf && dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_s8, sb) == dnnl_success &&
          dnnl_reorder_primitive_desc_create(&rpd, &md_s, engine(), wmd, engine(), NULL) == dnnl_success &&
          dnnl_primitive_create(&reorder, rpd) == dnnl_success && stream();

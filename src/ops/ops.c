@@ -214,7 +214,7 @@ static int gemm_ksplit(int tb, int M, int N, int K, const real *A, int lda, cons
 static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A, int lda, const real *B, int ldb,
                    real beta, real *C, int ldc, const gemm_epi *epi, real *asum);
 
-// C (M,N) = A^T B + beta C, A (K,M) and B (K,N), M > N, as T = B^T A (N,M) and then C = T^T + beta C.
+// C (M,N) += A^T B, A (K,M) and B (K,N), M > N, as T = B^T A (N,M) and then C += T^T (a weight gradient's sum).
 // A weight gradient's A is dout, whose rows are 4 KB apart where its width is a multiple of 1024
 // floats (an MLP's hidden layer), and oneDNN's sgemm reads such an A^T slowly: bench-s's first
 // MLP weight gradient (1024 x 256 over 5120 tokens, 1 thread, Xeon with AVX-512) ran at 94-102
@@ -224,8 +224,8 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
 // the step (131 against 127), and with M < N the transpose product is the slower one (256 x 1024:
 // 94 against 152), hence gemm_pe's conditions. The shapes alone choose it: the same bits on any
 // thread count. Returns -1, having done nothing, when T's memory cannot be had.
-static int gemm_tn_transposed(int M, int N, int K, const real *A, int lda, const real *B, int ldb, real beta,
-                              real *C, int ldc) {
+static int gemm_tn_transposed(int M, int N, int K, const real *A, int lda, const real *B, int ldb, real *C,
+                              int ldc) {
     real *T = malloc(sizeof(real) * (size_t)M * N);
     if (!T) return -1;
     gemm_pe(0, 1, 0, N, M, K, B, ldb, A, lda, 0, T, M, NULL, NULL);
@@ -238,10 +238,7 @@ static int gemm_tn_transposed(int M, int N, int K, const real *A, int lda, const
                 for (int i = i0; i < i1; i++) {
                     real *c = C + (size_t)i * ldc;
                     const real *t = T + i;
-                    if (beta == 0)
-                        for (int j = j0; j < j1; j++) c[j] = t[(size_t)j * M];
-                    else
-                        for (int j = j0; j < j1; j++) c[j] = beta * c[j] + t[(size_t)j * M];
+                    for (int j = j0; j < j1; j++) c[j] += t[(size_t)j * M];
                 }
             }
     }
@@ -295,9 +292,9 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
         PROF_SCOPE(PROF_MATMUL) done = gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc,
                                                  epi ? epi_thunk : NULL, epi) == 0;
     if (done) return 0;
-    // a weight gradient with more rows than columns, with oneDNN: as its transpose (above)
-    if (ta && !tb && !epi && !gemm1_own() && M > N && lda % 1024 == 0 &&
-        gemm_tn_transposed(M, N, K, A, lda, B, ldb, beta, C, ldc) == 0)
+    // a weight gradient (added to, beta 1) with more rows than columns, with oneDNN: as its transpose (above)
+    if (ta && !tb && !epi && beta == 1 && !gemm1_own() && M > N && lda % 1024 == 0 &&
+        gemm_tn_transposed(M, N, K, A, lda, B, ldb, C, ldc) == 0)
         return 0;
     // a weight gradient's product with vlmoe's own kernel: chunks of the long sum (above)
     if (ta && !epi && gemm1_own() && K >= 2048 && K >= 2 * dim &&
