@@ -29,7 +29,11 @@ cell is the median over rounds of each run's median of --embed-reps encodes, wit
 the run medians. --base-bin DIR adds another build's bench_step (say main's) to the same
 rotation, so a change is measured against its base under the same load.
 
-Usage: /usr/bin/python3 bench/speed.py [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
+--python (or PYTHON in the environment) names the interpreter that runs PyTorch (default
+/usr/bin/python3, Debian's); a newer PyTorch may be faster (its wheels run fp32 products in
+oneMKL), so give the reference the fastest one installed.
+
+Usage: /usr/bin/python3 bench/speed.py [--python PY] [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
 [--b16] [--json FILE] [--embed-only | --no-embed] [--embed-reps 7] [--base-bin DIR]
 """
 import argparse
@@ -61,6 +65,7 @@ BF16 = cpu_has_bf16()
 IMPLS = ("vlmoe", "vlmoe-bf16", "torch", "torch-bf16") if BF16 else ("vlmoe", "torch")
 NA = {k: float("nan") for k in ("step_s", "lo", "hi", "rss", "img", "txt", "gflop")}
 UNSET_FOR_TORCH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+TORCH_PY = os.environ.get("PYTHON", "/usr/bin/python3")  # the interpreter that has PyTorch
 
 
 def env_for(threads, torch, verbose=False):
@@ -70,7 +75,7 @@ def env_for(threads, torch, verbose=False):
         for k in UNSET_FOR_TORCH:
             env.pop(k, None)
     if verbose:
-        env.update(ONEDNN_VERBOSE="1", DNNL_VERBOSE="1")
+        env.update(ONEDNN_VERBOSE="1", DNNL_VERBOSE="1", MKL_VERBOSE="1")
     return env
 
 
@@ -83,7 +88,7 @@ def run(cmd, threads, torch, verbose=False):
 def commands(model, threads, batch, steps, bindir):
     common = [model, "--batch", str(batch), "--steps", str(steps), "--warmup", "2", "--threads", str(threads)]
     v = [os.path.join(bindir, "bench_step")] + common
-    t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
+    t = [TORCH_PY, os.path.join(HERE, "torch_step.py")] + common
     cmds = {"vlmoe": v, "vlmoe-bf16": v + ["--precision", "bf16"],
             "torch": t, "torch-bf16": t + ["--precision", "bf16"]}
     return {k: c for k, c in cmds.items() if k in IMPLS}
@@ -95,14 +100,33 @@ def kernels(model, threads, batch, bindir):
     for impl, cmd in commands(model, threads, batch, 1, bindir).items():
         cmd = [c if c != "2" or cmd[i - 1] != "--warmup" else "0" for i, c in enumerate(cmd)]
         js, lines = run(cmd, threads, impl.startswith("torch"), verbose=True)
-        n = collections.Counter()
-        for ln in lines:
-            f = ln.split(",")
-            if len(f) > 4 and f[1] == "exec" and f[3] in ("matmul", "inner_product", "convolution"):
-                n[f"{f[3]}:{f[4]}"] += 1
-        out[impl] = {"onednn": dict(n), "openblas_core": js.get("openblas_core"),
-                     "matmul": js.get("matmul"), "fp32_gemm": js.get("fp32_gemm")}
+        onednn, mkl, mkl_isa = verbose_counts(lines)
+        out[impl] = {"onednn": onednn, "mkl": mkl, "mkl_isa": mkl_isa, "openblas_core": js.get("openblas_core"),
+                     "torch_blas": js.get("torch_blas"), "matmul": js.get("matmul"), "fp32_gemm": js.get("fp32_gemm")}
     return out
+
+
+def verbose_counts(lines):
+    """The products in a run's verbose log: oneDNN's {"kind:implementation": count} (any release's
+    layout: the engine, the primitive kind and its implementation follow the "exec" field, which
+    newer releases put after a version or time field), oneMKL's {"FUNCTION": count} and the
+    instruction set named by oneMKL's first line (PyTorch's wheels run their fp32 products in
+    oneMKL, which oneDNN's log does not show)."""
+    onednn, mkl, isa = collections.Counter(), collections.Counter(), None
+    for ln in lines:
+        if ln.startswith("MKL_VERBOSE"):
+            w = ln.split()
+            if len(w) > 1 and "(" in w[1]:
+                mkl[w[1].split("(")[0]] += 1
+            elif " architecture " in ln and isa is None:
+                isa = ln.split(" architecture ", 1)[1].split(", Lnx")[0].strip()
+            continue
+        f = ln.split(",")
+        if "exec" in f[:5]:
+            i = f.index("exec")
+            if len(f) > i + 3 and f[i + 2] in ("matmul", "inner_product", "convolution"):
+                onednn[f"{f[i + 2]}:{f[i + 3]}"] += 1
+    return dict(onednn), dict(mkl), isa
 
 
 def measure(model, threads, batch, rounds, steps, bindir):
@@ -140,7 +164,7 @@ def embed_commands(model, threads, batch, reps, bindir, base_bin):
         v = [os.path.join(d, "bench_step")] + common
         cmds.update({name: v, name + "-bf16": v + ["--precision", "bf16"], name + "-int8": v + ["--precision", "int8"],
                      name + "-int8-attn": v + ["--precision", "int8-attn"]})
-    t = ["/usr/bin/python3", os.path.join(HERE, "torch_step.py")] + common
+    t = [TORCH_PY, os.path.join(HERE, "torch_step.py")] + common
     cmds.update({"torch": t, "torch-bf16": t + ["--precision", "bf16"]})
     return {k: c for k, c in cmds.items() if BF16 or not k.endswith("-bf16")}
 
@@ -214,6 +238,7 @@ def cpu_model():
 
 
 def main():
+    global TORCH_PY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
@@ -222,6 +247,8 @@ def main():
     ap.add_argument("--models", default="bench-s,bench-s-dense", help="which of bench/models/*.json (batch 64)")
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "rel", "bench"))
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--python", default=TORCH_PY, help="the interpreter that runs PyTorch (default: PYTHON from the "
+                    "environment, else /usr/bin/python3); the newest PyTorch installed is usually the fastest")
     ap.add_argument("--embed-only", action="store_true", help="only the inference table")
     ap.add_argument("--no-embed", action="store_true", help="only the training table (half the run)")
     ap.add_argument("--embed-reps", type=int, default=7, help="encodes per run of the inference table")
@@ -230,10 +257,13 @@ def main():
     a = ap.parse_args()
     models = [(x, 64) for x in a.models.split(",")] + ([("bench-b16", 8)] if a.b16 else [])
     threads = [int(x) for x in a.threads.split(",")]
+    TORCH_PY = a.python
     unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch runs with "
+    version = subprocess.run([TORCH_PY, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                             text=True, env=env_for(1, True)).stdout.strip() or "not found"
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch {version} ({TORCH_PY}) runs with "
           + (("these removed: " + " ".join(unset)) if unset else "no OPENBLAS_CORETYPE/L2_SIZE set"))
-    rows, all_res, erows, erows_int8 = [], {}, [], []
+    rows, all_res, erows, erows_int8 = [], {"torch_version": version, "torch_python": TORCH_PY}, [], []
     load0 = loadavg()
     if a.embed_only and a.no_embed:
         ap.error("--embed-only and --no-embed leave nothing to run")
@@ -275,10 +305,17 @@ def main():
                 all_res[f"{name}/kernels"] = k
                 for impl, v in k.items():
                     desc = ", ".join(f"{n}x {x}" for x, n in sorted(v["onednn"].items(), key=lambda z: -z[1]))
-                    blas = (f"OpenBLAS core {v['openblas_core']}" if v["openblas_core"] else
-                            f"backend {v.get('matmul')}" + ("" if v.get("matmul") != "cpu" else
-                                                             f": fp32 products {v['fp32_gemm']} (oneDNN ISA "
-                                                             f"{sg['onednn_isa']}; dnnl_sgemm has no verbose log)"))
+                    mkl = ", ".join(f"{n}x {x}" for x, n in sorted(v["mkl"].items(), key=lambda z: -z[1]))
+                    if v["openblas_core"]:
+                        blas = f"OpenBLAS core {v['openblas_core']}"
+                    elif v.get("matmul"):
+                        blas = f"backend {v['matmul']}" + ("" if v["matmul"] != "cpu" else
+                                                           f": fp32 products {v['fp32_gemm']} (oneDNN ISA "
+                                                           f"{sg['onednn_isa']}; dnnl_sgemm has no verbose log)")
+                    else:
+                        blas = f"PyTorch's BLAS {v.get('torch_blas')}"
+                    if mkl:
+                        blas += f"; oneMKL {mkl} ({v['mkl_isa'] or 'no ISA line'})"
                     print(f"  {name} {impl:10} kernels: {blas}{'; oneDNN ' + desc if desc else ''}")
             res = measure(path, t, batch, a.rounds, a.steps, a.bin)
             all_res[f"{name}/{t}"] = {"peak": peak, "sgemm": sg, **res}

@@ -19,6 +19,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -183,6 +184,9 @@ def blas_report():
     libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps")
                    if "blas" in ln.split()[-1].lower() and ".so" in ln})
     rep = {"blas_libs": libs}
+    # the BLAS PyTorch was built with (mkl in the x86 wheels, linked in, so not among the libraries)
+    m = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    rep["torch_blas"] = m.group(1) if m else None
     for lib in libs:
         try:
             f = ctypes.CDLL(lib).openblas_get_corename
