@@ -3,7 +3,8 @@
 # them into one closing line "N passed, N failed"; with FUZZDIR, each libFuzzer target in it then
 # runs for $FUZZ_TIME seconds (fuzz/run.sh) and counts as one check. tests/check_exports.sh (the
 # shared library $VLMOE_SO, default libvlmoe.so, exports exactly include/vlmoe.h) counts as one too,
-# and tests/test_dist_mpi.sh (test_dist under mpirun) adds the checks of its ranks.
+# tests/test_dist_mpi.sh (test_dist under mpirun) adds the checks of its ranks, and the Python tests
+# of the benchmark scripts (tests/py/test_*.py, Debian's python3) theirs.
 # Usage: run.sh RELDIR ASANDIR VLMOE ASANVLMOE [FUZZDIR]
 rel=$1; asan=$2; fuzz=$5; export VLMOE_BIN=$3 VLMOE_BIN_ASAN=$4
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1
@@ -11,23 +12,31 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # tiny tests with busy-waiting OpenMP threads slow down a hundredfold when another process holds a core
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 pass=0; fail=0; bad=""
+# tally NAME RC: adds the "NAME: N passed, N failed" line of $out to the totals (a non-zero exit
+# with no failure counted counts as one)
+tally() {
+    line=$(printf '%s\n' "$out" | grep -E '^[a-z_0-9]+: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
+    p=$(printf '%s' "$line" | sed -E 's/.*: ([0-9]+) passed.*/\1/'); p=${p:-0}
+    f=$(printf '%s' "$line" | sed -E 's/.* ([0-9]+) failed/\1/'); f=${f:-0}
+    if [ "$2" -ne 0 ] && [ "$f" = 0 ]; then f=1; fi
+    pass=$((pass + p)); fail=$((fail + f))
+    if [ "$2" -ne 0 ]; then
+        bad="$bad $1"; printf '%s\n' "$out" | tail -n 40
+        echo "FAILED: $1 (exit $2)"
+    else
+        echo "ok   $1 ($p checks)"
+    fi
+}
 # CUDADIR (set by make test when nvcc is present): tests linked against the CUDA backend
 for dir in "$rel" "$asan" ${CUDADIR:+"$CUDADIR"}; do
     for t in "$dir"/tests/test_* "$dir"/tests/hostile/test_*; do
         [ -x "$t" ] || continue
-        out=$("$t" 2>&1); rc=$?
-        line=$(printf '%s\n' "$out" | grep -E '^[a-z_0-9]+: [0-9]+ passed, [0-9]+ failed$' | tail -n 1)
-        p=$(printf '%s' "$line" | sed -E 's/.*: ([0-9]+) passed.*/\1/'); p=${p:-0}
-        f=$(printf '%s' "$line" | sed -E 's/.* ([0-9]+) failed/\1/'); f=${f:-0}
-        if [ $rc -ne 0 ] && [ "$f" = 0 ]; then f=1; fi
-        pass=$((pass + p)); fail=$((fail + f))
-        if [ $rc -ne 0 ]; then
-            bad="$bad $t"; printf '%s\n' "$out" | tail -n 40
-            echo "FAILED: $t (exit $rc)"
-        else
-            echo "ok   $t ($p checks)"
-        fi
+        out=$("$t" 2>&1); tally "$t" $?
     done
+done
+# the Python tests of the benchmark scripts (Debian's python3)
+for t in tests/py/test_*.py; do
+    out=$(/usr/bin/python3 "$t" 2>&1); tally "$t" $?
 done
 if out=$(./tests/check_exports.sh "${VLMOE_SO:-libvlmoe.so}" include/vlmoe.h 2>&1); then
     pass=$((pass + 1)); printf '%s\n' "$out" | tail -n 1 | sed 's/^check_exports: /ok   /'
