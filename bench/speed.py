@@ -33,8 +33,8 @@ rotation, so a change is measured against its base under the same load.
 /usr/bin/python3, Debian's); a newer PyTorch may be faster (its wheels run fp32 products in
 oneMKL), so give the reference the fastest one installed.
 
-Usage: /usr/bin/python3 bench/speed.py [--python PY] [--rounds 5] [--steps 5] [--threads 2,1] [--models bench-s,bench-s-dense]
-[--b16] [--json FILE] [--embed-only | --no-embed] [--embed-reps 7] [--base-bin DIR]
+Usage: /usr/bin/python3 bench/speed.py [--python PY] [--rounds 5] [--steps 5] [--threads 2,1]
+[--models bench-s,bench-s-dense] [--b16] [--json FILE] [--embed-only | --no-embed] [--embed-reps 7] [--base-bin DIR]
 """
 import argparse
 import collections
