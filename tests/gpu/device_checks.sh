@@ -9,8 +9,10 @@
 # (default: this checkout's build outputs), and may hold libs.tar.xz (tests/gpu/bundle.sh).
 # Each part has its own time limit; OUT gets the logs. PARTS (environment) picks parts by name,
 # in this order; the default set's limits add up to 535 s, inside ten minutes.
-# b16_torch_compile_bf16 (torch.compile, about 2 minutes) and profile_bf16 (ncu's time per
-# kernel of the B/16-shaped bf16 step, about 1 minute) run only when named.
+# b16_torch_compile_bf16 (torch.compile, about 2 minutes), profile_bf16 (ncu's time per
+# kernel of the B/16-shaped bf16 step, about 1 minute) and cpu_speed (bench/speed.py on the host
+# CPU against the machine's PyTorch, bench-s at 2 and 1 threads, 3 rounds of 3 steps, about 7
+# minutes; needs BINDIR/cpu from bundle.sh's CPUBENCH) run only when named.
 BIN=${1:-.}
 OUT=${2:-/tmp/vlmoe-gpu}
 mkdir -p "$OUT"
@@ -24,7 +26,7 @@ SUMMARY="$OUT/summary.tsv"
 # the rest from a bundle made by tests/gpu/bundle.sh (another distribution's oneDNN, cJSON, ...)
 # (absent ones, and ones too old for a symbol version the binaries need: "LIB: version ... not found")
 missing() {
-    ldd "$BIN"/* 2>&1 | awk '/=> not found/ { print $1 }
+    ldd "$BIN"/* "$BIN"/cpu/* 2>&1 | awk '/=> not found/ { print $1 }
         / version .* not found/ { sub(/:$/, "", $2); n = split($2, p, "/"); print p[n] }' | sort -u
 }
 if [ -n "$(missing)" ]; then # only the wheels' folders that hold a missing one, after the rest
@@ -57,6 +59,8 @@ result_of() {
         echo "$(grep -c '^ok .*tolerance' "$f") gated ok, $(grep -c '^FAIL .*tolerance' "$f") gated FAIL," \
             "$(grep -c '^FAIL' "$f") FAIL lines" ;;
     profile_*) head -1 "$f" ;;
+    cpu_speed) # each thread count's row: the fp32 step's and the bf16 step's ratios to PyTorch's
+        awk '/^bench-s +[0-9]/ { printf "%st fp32 %s bf16 %s; ", $2, $11, $12 }' "$f" ;;
     b16_*) grep -o '"\(precision\|matmul\|step_s\|image_per_s\)": "\?[^,"]*' "$f" | tr -d '"' | tr '\n' ' ' ;;
     *) tail -1 "$f" | cut -c1-100 ;;
     esac
@@ -95,6 +99,8 @@ NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 TAILN=16 part profile_bf16 150 sh -c "'$NCU' --metrics gpu__time_duration.sum --print-summary per-kernel \
     '$BIN/bench_step' $b16 --device cuda --precision bf16 --batch 64 --steps 1 --warmup 1 >'$OUT/profile_bf16.ncu' 2>&1 &&
     '$PY' tests/gpu/kernel_table.py '$OUT/profile_bf16.ncu' --steps 2 --top 20"
+TAILN=12 part cpu_speed 480 "$PY" bench/speed.py --python "$PY" --bin "$BIN/cpu" --rounds 3 --steps 3 --no-embed \
+    --models bench-s --threads 2,1
 TAILN=1 part b16_torch_compile_bf16 150 $PY bench/torch_step.py $b16 --device cuda --precision bf16 --batch 64 \
     --steps 5 --warmup 3 --compile
 echo
