@@ -26,4 +26,5 @@ ldd $BINS $CPUBINS | awk '$3 ~ /^\// { print $3 }' | sort -u |
     grep -vE '/lib(cuda|nvidia-[^/]*|nccl|cublas|cublasLt|cudart)\.so[^/]*$' |
     while read -r f; do cp -L "$f" "$tmp/"; done
 tar -C "$tmp" -cf - . | xz -T0 -6 >"$D/libs.tar.xz"
-echo "$D: $(ls "$D" "$D"/cpu 2>/dev/null | tr '\n' ' ')($(ls "$tmp" | wc -l) libraries, $(du -h "$D/libs.tar.xz" | cut -f1) packed)"
+echo "$D: $(ls "$D" | tr '\n' ' ')($(ls "$tmp" | wc -l) libraries," \
+    "$(du -h "$D/libs.tar.xz" | cut -f1) packed)"
