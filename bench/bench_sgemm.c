@@ -31,26 +31,12 @@ static const char *onednn_isa(void) {
     }
 }
 
-int main(int argc, char **argv) {
-    const int n = argc > 1 ? atoi(argv[1]) : 5120, D = argc > 2 ? atoi(argv[2]) : 256;
-    const int Mh = argc > 3 ? atoi(argv[3]) : 1024, threads = argc > 4 ? atoi(argv[4]) : 2;
-    const int reps = argc > 5 ? atoi(argv[5]) : 5;
-    omp_set_num_threads(threads);
-    openblas_set_num_threads(threads);
-    // forward x.W^T, backward dY.W and dY^T.X, for qkv (3D), out (D), fc1 (M), fc2 (D from M)
-    const shape S[] = {
-        {0, 1, n, 3 * D, D}, {0, 0, n, D, 3 * D}, {1, 0, 3 * D, D, n},
-        {0, 1, n, D, D},     {0, 0, n, D, D},     {1, 0, D, D, n},
-        {0, 1, n, Mh, D},    {0, 0, n, D, Mh},    {1, 0, Mh, D, n},
-        {0, 1, n, D, Mh},    {0, 0, n, Mh, D},    {1, 0, D, Mh, n},
-    };
-    const int ns = sizeof(S) / sizeof(S[0]);
-    size_t big = (size_t)n * (Mh > 3 * D ? Mh : 3 * D);
-    float *A = malloc(4 * big), *B = malloc(4 * big), *C = malloc(4 * big);
-    for (size_t i = 0; i < big; i++) A[i] = (float)(i % 7) * 0.1f, B[i] = (float)(i % 5) * 0.1f;
-    double flops = 0, best[3] = {1e30, 1e30, 1e30};
-    const int libs = gemm_f32_supported() ? 3 : 2;
-    for (int i = 0; i < ns; i++) flops += 2.0 * S[i].M * S[i].N * S[i].K;
+// Each library's best time (over reps rounds after one that warms caches and thread pools) for
+// the products S[0..ns) run one after another on all threads: 0 OpenBLAS's threaded
+// cblas_sgemm, 1 oneDNN's dnnl_sgemm, and, where libs is 3, 2 vlmoe's AVX2 product in one
+// block of the larger dimension per thread. lda and ldb are the operands' own widths.
+static void time_libs(const shape *S, int ns, int libs, int threads, int reps, const float *A, const float *B,
+                      float *C, double *best) {
     for (int r = 0; r < reps + 1; r++) {
         for (int lib = 0; lib < libs; lib++) {
             double t0 = bench_now();
@@ -80,9 +66,32 @@ int main(int argc, char **argv) {
                                ldb, 0.0f, C, s->N);
             }
             double t = bench_now() - t0;
-            if (r > 0 && t < best[lib]) best[lib] = t; // round 0 warms caches and thread pools
+            if (r > 0 && t < best[lib]) best[lib] = t;
         }
     }
+}
+
+int main(int argc, char **argv) {
+    const int n = argc > 1 ? atoi(argv[1]) : 5120, D = argc > 2 ? atoi(argv[2]) : 256;
+    const int Mh = argc > 3 ? atoi(argv[3]) : 1024, threads = argc > 4 ? atoi(argv[4]) : 2;
+    const int reps = argc > 5 ? atoi(argv[5]) : 5;
+    omp_set_num_threads(threads);
+    openblas_set_num_threads(threads);
+    // forward x.W^T, backward dY.W and dY^T.X, for qkv (3D), out (D), fc1 (M), fc2 (D from M)
+    const shape S[] = {
+        {0, 1, n, 3 * D, D}, {0, 0, n, D, 3 * D}, {1, 0, 3 * D, D, n},
+        {0, 1, n, D, D},     {0, 0, n, D, D},     {1, 0, D, D, n},
+        {0, 1, n, Mh, D},    {0, 0, n, D, Mh},    {1, 0, Mh, D, n},
+        {0, 1, n, D, Mh},    {0, 0, n, Mh, D},    {1, 0, D, Mh, n},
+    };
+    const int ns = sizeof(S) / sizeof(S[0]);
+    size_t big = (size_t)n * (Mh > 3 * D ? Mh : 3 * D);
+    float *A = malloc(4 * big), *B = malloc(4 * big), *C = malloc(4 * big);
+    for (size_t i = 0; i < big; i++) A[i] = (float)(i % 7) * 0.1f, B[i] = (float)(i % 5) * 0.1f;
+    double flops = 0, best[3] = {1e30, 1e30, 1e30};
+    const int libs = gemm_f32_supported() ? 3 : 2;
+    for (int i = 0; i < ns; i++) flops += 2.0 * S[i].M * S[i].N * S[i].K;
+    time_libs(S, ns, libs, threads, reps, A, B, C, best);
     // Each library's ceiling: one large square product (2048^3, 17 GFLOP), the shape BLAS
     // libraries are tuned for, on all threads. What a whole step's products could reach at best.
     const int Q = 2048;
@@ -94,16 +103,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     for (size_t i = 0; i < (size_t)Q * Q; i++) QA[i] = (float)(i % 7) * 0.1f, QB[i] = (float)(i % 5) * 0.1f;
-    for (int r = 0; r < reps + 1; r++)
-        for (int lib = 0; lib < 2; lib++) {
-            double t0 = bench_now();
-            if (lib == 0)
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Q, Q, Q, 1.0f, QA, Q, QB, Q, 0.0f, QC, Q);
-            else
-                dnnl_sgemm('N', 'N', Q, Q, Q, 1.0f, QA, Q, QB, Q, 0.0f, QC, Q);
-            double t = bench_now() - t0;
-            if (r > 0 && t < qbest[lib]) qbest[lib] = t;
-        }
+    const shape sq = {0, 0, Q, Q, Q};
+    time_libs(&sq, 1, 2, threads, reps, QA, QB, QC, qbest);
     const double qflops = 2.0 * Q * Q * Q;
     printf("{\"threads\": %d, \"openblas_core\": \"%s\", \"openblas_gflops\": %.1f, "
            "\"onednn_gflops\": %.1f, \"onednn_isa\": \"%s\", \"vlmoe_avx2_gflops\": %.1f, "

@@ -71,7 +71,7 @@ int vlmoe_add_ok(size_t a, size_t b, size_t *out) {
 }
 
 void *vlmoe_alloc_line(size_t bytes) {
-    size_t n = (bytes + 63) & ~(size_t)63;
+    const size_t n = vlmoe_line_bytes(bytes);
     if (n < bytes) return NULL; // rounding up wrapped around: no such allocation exists
     return aligned_alloc(64, n ? n : 64);
 }
@@ -95,7 +95,7 @@ void *vlmoe_scratch_grow(void **buf, size_t *cap, size_t bytes) {
     void *p = vlmoe_alloc_line(bytes);
     if (!p) return NULL;
     free(*buf);
-    *buf = p, *cap = (bytes + 63) & ~(size_t)63; // what vlmoe_alloc_line gave
+    *buf = p, *cap = vlmoe_line_bytes(bytes); // what vlmoe_alloc_line gave
     return p;
 }
 

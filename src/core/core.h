@@ -35,6 +35,8 @@ FILE *vlmoe_fopen_regular(const char *path, const char **why);
 int vlmoe_mul_ok(size_t a, size_t b, size_t *out);
 int vlmoe_add_ok(size_t a, size_t b, size_t *out);
 
+// bytes rounded up to whole 64-byte cache lines (less than bytes where that wraps around)
+static inline size_t vlmoe_line_bytes(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 // Allocation with 64-byte alignment; returns NULL and sets VLMOE_ERR_NOMEM message on failure.
 void *vlmoe_alloc(size_t bytes, const char *what);
 // The same allocation (bytes rounded up to whole 64-byte lines, free with free), NULL with no

@@ -525,7 +525,7 @@ static void pack(int8_tensor *t) {
     ok = w != NULL;
     if (ok) *wmd = *w;
     // each matrix's packed copy on a cache line (bytes: its size in whole lines)
-    const size_t n = t->rows / (size_t)t->O, bytes = ok ? (dnnl_memory_desc_get_size(wmd) + 63) / 64 * 64 : 0;
+    const size_t n = t->rows / (size_t)t->O, bytes = ok ? vlmoe_line_bytes(dnnl_memory_desc_get_size(wmd)) : 0;
     size_t all = 0;
     char *buf = ok && bytes && !vlmoe_mul_ok(bytes, n, &all) ? vlmoe_alloc_line(all) : NULL;
     ok = buf && dnnl_memory_desc_init_by_strides(&md_s, 2, db, dnnl_s8, sb) == dnnl_success &&

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include "core/core.h"
 #include "core/prof.h"
 #include "core/real.h"
 #include "ops/act_avx2.h"
@@ -309,7 +310,7 @@ static int gemm_pe(int bf16, int ta, int tb, int M, int N, int K, const real *A,
     void *bp = NULL;
 #ifndef VLMOE_REAL_F64
     const size_t bpn = shared ? gemm_f32_packed_b_floats(N, K) : 0;
-    bp = bpn ? aligned_alloc(64, (bpn * sizeof(float) + 63) / 64 * 64) : NULL;
+    bp = bpn ? vlmoe_alloc_line(bpn * sizeof(float)) : NULL;
     const int npg = (N + 63) / 64; // groups of four 16-column panels, a thread's share at a time
 #endif
     // the partials, nb x K (at most 64 blocks): a few hundred KB, against the MBs of A
