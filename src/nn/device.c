@@ -53,7 +53,7 @@ static int ends_with(const char *s, const char *suffix) {
 // whose experts the table runs through soft_moe_forward_with). The attention's linears (a third of a block's products: the
 // MLP's hidden width is 4x) run in bf16 where the CPU has it, or with attn8 (int8-attn) in int8:
 // the attention logits multiply the errors of two products, so that is the user's choice, with
-// its accuracy measured in the README. The stems and heads stay fp32.
+// its accuracy measured in docs/SPEED.md. The stems and heads stay fp32.
 static int int8_build(const vlmoe_model *m, int attn8, struct model_int8 **out) {
     static const char *const banks[] = {"mlp.fc1.weight", "mlp.fc2.weight", "moe.experts.fc1.weight",
                                         "moe.experts.fc2.weight", "attn.qkv.weight", "attn.out.weight"};
