@@ -238,15 +238,16 @@ def cpu_model():
 
 
 def torch_version(py):
-    """PyTorch's version as the interpreter py imports it (with the reference's environment), or
-    why it cannot ("cannot run it: ...", "cannot import torch: ...")."""
+    """(PyTorch's version as the interpreter py imports it, with the reference's environment, None),
+    or (None, why it cannot: "cannot run it: ...", "cannot import torch: ...")."""
     try:
         p = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True,
                            env=env_for(1, True))
     except OSError as e:
-        return f"cannot run it: {e.strerror}"
-    err = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
-    return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else f"cannot import torch: {err}"
+        return None, f"cannot run it: {e.strerror}"
+    if p.returncode == 0 and p.stdout.strip():
+        return p.stdout.strip(), None
+    return None, "cannot import torch: " + (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
 
 
 def main():
@@ -271,9 +272,9 @@ def main():
     threads = [int(x) for x in a.threads.split(",")]
     TORCH_PY = a.python
     unset = [f"{k}={os.environ[k]}" for k in UNSET_FOR_TORCH if k in os.environ]
-    version = torch_version(TORCH_PY)
-    if version.startswith("cannot"):  # before any run: else the first PyTorch run stops the benchmark
-        ap.error(f"--python {TORCH_PY}: {version}")
+    version, why = torch_version(TORCH_PY)
+    if why:  # before any run: else the first PyTorch run stops the benchmark
+        ap.error(f"--python {TORCH_PY}: {why}")
     if not os.access(os.path.join(a.bin, "bench_step"), os.X_OK):
         ap.error(f"--bin {a.bin}: no bench_step program there (make bench builds it)")
     print(f"CPU: {cpu_model()}, {os.cpu_count()} logical CPUs; PyTorch {version} ({TORCH_PY}) runs with "
