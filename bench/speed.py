@@ -8,7 +8,10 @@ products are counted analytically (bench_step) and compared with the machine's o
 measured by bench_peak (a register-only loop of FMAs on the widest registers the CPU has, and of
 vdpbf16ps for bf16), and with the SGEMM rates of OpenBLAS, oneDNN and, on AVX2 CPUs, vlmoe's own
 product at the model's shapes, and of OpenBLAS and oneDNN on one 2048^3 product, their best case
-(bench_sgemm). The inference table is followed by the int8 products'
+(bench_sgemm). A second table says what the two fp32 targets (75% of the FMA peak, 1.5x PyTorch's
+fp32 step) leave for the rest of the step once the products take their time at the fastest of
+those libraries' rates on the model's shapes (fp32_reach): below 0, no step whose products run
+at that rate can meet the target. The inference table is followed by the int8 products'
 rates at an encoder MLP's shapes (bench_int8): the AVX2 kernel step's register-only rate,
 oneDNN's u8s8s32 gemm and vlmoe's int8 linear and MLP.
 
@@ -230,6 +233,47 @@ def print_embed(rows, rounds, reps, loads, int8_rates=()):
                   f"(quantizing included), its int8 MLP {r['vlmoe_mlp_gops']:.0f}")
 
 
+def fp32_reach(gflop, peak, sg, torch_s, share=0.75, ratio=1.5):
+    """What issue 22's two fp32 targets leave for the rest of a step once its products take the
+    time they take at the fastest rate a library reached on the model's shapes alone (sg, from
+    bench_sgemm: one call of each block's products, caches warm, so an optimistic time for them):
+    {"library", "gflops", "products_s", "peak_step_s" (a step at share of the FMA peak, peak
+    GFLOP/s), "peak_left_s", "torch_step_s" (a step ratio times faster than PyTorch's torch_s),
+    "torch_left_s"}. A left below 0 means no step whose products run at that rate meets the
+    target, whatever the rest (attention, LayerNorm, routing, AdamW) costs. None without a rate."""
+    rates = [(sg.get(k) or 0, name) for k, name in (("openblas_gflops", "OpenBLAS"), ("onednn_gflops", "oneDNN"),
+                                                    ("vlmoe_avx2_gflops", "vlmoe's AVX2 product"))]
+    rate, lib = max(rates)
+    if not rate > 0 or not gflop > 0:
+        return None
+    prod, at_peak, at_torch = gflop / rate, gflop / (share * peak) if peak > 0 else float("nan"), torch_s / ratio
+    return {"library": lib, "gflops": rate, "products_s": prod, "peak_step_s": at_peak, "peak_left_s": at_peak - prod,
+            "torch_step_s": at_torch, "torch_left_s": at_torch - prod}
+
+
+def print_reach(rows, all_res):
+    """One line a row of the training table: fp32_reach against its peak, its SGEMM rates (all_res's
+    "MODEL/THREADS" entry, where the result goes too, as "reach") and PyTorch's fp32 step."""
+    print("\nfp32 targets (75% of the FMA peak, 1.5x PyTorch's fp32) against the products alone at the fastest "
+          "library's rate on the model's shapes (bench_sgemm, the higher of its runs before and after the rounds: "
+          "caches warm, one call a block); \"left\": the time they leave for the rest of the step, below 0 out of "
+          "reach of that library whatever the rest costs")
+    hdr = (f"{'model':13} {'thr':>3} {'products at':31} {'alone s':>7} {'75%-peak step':>13} {'left s':>7} "
+           f"{'1.5x-torch step':>15} {'left s':>7} {'vlmoe step':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, t, batch, peak, res in rows:
+        r = fp32_reach(res["vlmoe"]["gflop"], peak["fp32_fma_gflops"], all_res[f"{name}/{t}"]["sgemm"],
+                       res["torch"]["step_s"])
+        if r is None:
+            print(f"{name:13} {t:>3} no SGEMM rate measured")
+            continue
+        all_res[f"{name}/{t}"]["reach"] = r
+        print(f"{name:13} {t:>3} {r['gflops']:5.0f} GF/s {r['library']:20} {r['products_s']:7.3f} "
+              f"{r['peak_step_s']:13.3f} {r['peak_left_s']:7.3f} {r['torch_step_s']:15.3f} {r['torch_left_s']:7.3f} "
+              f"{res['vlmoe']['step_s']:10.3f}")
+
+
 def cpu_model():
     for ln in open("/proc/cpuinfo"):
         if ln.startswith("model name"):
@@ -345,6 +389,15 @@ def main():
               f"{again['bf16_dot_gflops']:.0f}{amx} (the table uses the higher)")
         for k in ("fp32_fma_gflops", "bf16_dot_gflops", "amx_bf16_gflops", "amx_int8_gops"):
             peak[k] = max(peak.get(k, 0), again.get(k, 0))
+        # and the SGEMM rates, the higher kept for the fp32 targets' table: what is out of reach
+        # there is out of reach at the libraries' better moment (the host's speed moves in minutes)
+        sg2 = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
+        own = f", vlmoe's AVX2 product {sg2['vlmoe_avx2_gflops']:.0f}" if sg2.get("vlmoe_avx2_gflops") else ""
+        print(f"{t} thread(s): SGEMM at bench-s shapes again after the rounds: OpenBLAS {sg2['openblas_gflops']:.0f}, "
+              f"oneDNN {sg2['onednn_gflops']:.0f}{own} (the fp32 targets' table uses the higher)")
+        for k in ("openblas_gflops", "onednn_gflops", "vlmoe_avx2_gflops"):
+            if sg2.get(k):
+                sg[k] = max(sg.get(k) or 0, sg2[k])
     # without bf16 products (no AVX512_BF16 or AMX) the bf16 columns would hold only nan: left out
     bf = lambda txt: txt if BF16 else ""  # noqa: E731
     hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} " + bf(f"{'vlmoe bf16':>17} ") + f"{'torch fp32':>17} "
@@ -379,6 +432,7 @@ def main():
         print("(peak RSS MB in bf16, vlmoe/torch: "
               + ", ".join(f"{r[0]} {r[1]}t {r[4]['vlmoe-bf16']['rss']:.0f}/{r[4]['torch-bf16']['rss']:.0f} "
                           f"({r[4]['vlmoe-bf16']['rss'] / r[4]['torch-bf16']['rss']:.2f}x)" for r in rows) + ")")
+    print_reach(rows, all_res)
     if erows:
         print_embed(erows, a.rounds, a.embed_reps, loads, erows_int8)
     for t in sorted({r[1] for r in rows}, reverse=True):
