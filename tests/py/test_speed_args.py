@@ -8,22 +8,10 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEED = os.path.join(HERE, "..", "..", "bench", "speed.py")
-sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
-import speed  # noqa: E402
+from checks import check, done  # first: it puts bench/ on the path
+import speed
 
-passed = failed = 0
-
-
-def check(what, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {what}: {detail}")
-
+SPEED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "speed.py")
 
 for py, why in (("/nonexistent/python3", "cannot run it"), ("/bin/false", "cannot import torch")):
     p = subprocess.run([sys.executable, SPEED, "--python", py, "--bin", "/nonexistent"], capture_output=True,
@@ -38,5 +26,4 @@ check("a --bin without bench_step: named", "--bin /nonexistent: no bench_step" i
 
 v, why = speed.torch_version(sys.executable)  # Debian's python3 has PyTorch (scripts/deps.sh)
 check("a working interpreter's version", v is not None and v[:1].isdigit(), repr((v, why)))
-print(f"test_speed_args: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+done("test_speed_args")

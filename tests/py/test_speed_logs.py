@@ -3,11 +3,8 @@ oneDNN 2.x (Debian's), oneDNN 3.x (PyTorch's wheels: a version field before "exe
 print them. Counts only matrix products, never info, template or reorder lines. Prints one line
 "test_speed_logs: N passed, N failed" and exits non-zero on a failure.
 Usage: /usr/bin/python3 tests/py/test_speed_logs.py"""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-import speed  # noqa: E402
+from checks import check as check_ok, done  # first: it puts bench/ on the path
+import speed
 
 # oneMKL's instruction set, as its first line names it
 ISA = ("Intel(R) Advanced Vector Extensions 512 (Intel(R) AVX-512) with support for INT8, BF16, FP16 (limited) "
@@ -37,16 +34,10 @@ LOG = [
     '{"impl": "torch"}',
 ]
 
-passed = failed = 0
 
 
 def check(what, got, want):
-    global passed, failed
-    if got == want:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {what}: got {got!r}, want {want!r}")
+    check_ok(what, got == want, f"got {got!r}, want {want!r}")
 
 
 onednn, mkl, isa = speed.verbose_counts(LOG)
@@ -55,5 +46,4 @@ check("oneDNN products", onednn, {"matmul:brg:avx512_core_amx_bf16": 2, "matmul:
 check("oneMKL calls", mkl, {"SGEMM": 2, "SGEMM_BATCH": 1, "GEMM_BF16BF16F32": 1})
 check("oneMKL's instruction set", isa, ISA)
 check("a log without products", speed.verbose_counts(LOG[:2] + LOG[4:6] + LOG[-1:]), ({}, {}, None))
-print(f"test_speed_logs: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+done("test_speed_logs")

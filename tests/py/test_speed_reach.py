@@ -6,22 +6,8 @@ vlmoe's own product included where it is measured; the 75%-of-peak step is 151.5
 for the rest; 1.5x PyTorch is a 1.0247 s step, 0.1968 s left. No rate, no answer. Prints one line
 "test_speed_reach: N passed, N failed" and exits non-zero on a failure.
 Usage: /usr/bin/python3 tests/py/test_speed_reach.py"""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-import speed  # noqa: E402
-
-passed = failed = 0
-
-
-def check(what, ok, detail=""):
-    global passed, failed
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL {what}: {detail}")
+from checks import check, done  # first: it puts bench/ on the path
+import speed
 
 
 def near(x, y):
@@ -45,5 +31,4 @@ check("its 1.5x PyTorch step: 0.031 s short", near(r["torch_left_s"], 2.133333 -
 
 check("no rate measured: None", speed.fp32_reach(151.5, 246, {"openblas_gflops": None}, 1.5) is None)
 check("no rate at all: None", speed.fp32_reach(151.5, 246, {}, 1.5) is None)
-print(f"test_speed_reach: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+done("test_speed_reach")
