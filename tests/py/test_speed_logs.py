@@ -35,7 +35,6 @@ LOG = [
 ]
 
 
-
 def check(what, got, want):
     check_ok(what, got == want, f"got {got!r}, want {want!r}")
 

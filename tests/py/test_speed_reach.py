@@ -2,8 +2,8 @@
 2026-11-28 at 1 thread: 151.5 GFLOP a step, FMA peak 246 GFLOP/s, SGEMM at the model's shapes
 OpenBLAS 175 and oneDNN 183, PyTorch's fp32 step 1.537 s): the fastest library is the one taken,
 vlmoe's own product included where it is measured; the 75%-of-peak step is 151.5 / (0.75 x 246)
-= 0.8211 s and the products alone 151.5 / 183 = 0.8279 s, so 0.0068 s less than nothing is left
-for the rest; 1.5x PyTorch is a 1.0247 s step, 0.1968 s left. No rate, no answer. Prints one line
+= 0.8211 s and the products alone 151.5 / 183 = 0.8279 s, so the rest would have to take
+-0.0067 s; 1.5x PyTorch is a 1.0247 s step, 0.1968 s left. No rate, no answer. Prints one line
 "test_speed_reach: N passed, N failed" and exits non-zero on a failure.
 Usage: /usr/bin/python3 tests/py/test_speed_reach.py"""
 from checks import check, done  # first: it puts bench/ on the path
@@ -22,7 +22,7 @@ check("75%-of-peak: 0.0067 s short", near(r["peak_left_s"], -0.006731), r)
 check("1.5x PyTorch step 1.0247 s", near(r["torch_step_s"], 1.024667), r)
 check("1.5x PyTorch: 0.1968 s left", near(r["torch_left_s"], 0.196798), r)
 
-# an AVX2 machine, where vlmoe's own product is the fastest (Zen 3's 1-thread numbers, rounded)
+# round numbers of an AVX2 machine's kind (not a measurement), where vlmoe's own product is the fastest
 r = speed.fp32_reach(151.5, 94, {"openblas_gflops": 52, "onednn_gflops": 55, "vlmoe_avx2_gflops": 70}, 3.2)
 check("vlmoe's own product when fastest", r["library"] == "vlmoe's AVX2 product" and r["gflops"] == 70, r)
 check("its products alone 2.1643 s", near(r["products_s"], 2.164286), r)
