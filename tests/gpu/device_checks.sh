@@ -59,8 +59,9 @@ result_of() {
         echo "$(grep -c '^ok .*tolerance' "$f") gated ok, $(grep -c '^FAIL .*tolerance' "$f") gated FAIL," \
             "$(grep -c '^FAIL' "$f") FAIL lines" ;;
     profile_*) head -1 "$f" ;;
-    cpu_speed) # each thread count's row: the fp32 step's and the bf16 step's ratios to PyTorch's
-        awk '/^bench-s +[0-9]/ { printf "%st fp32 %s bf16 %s; ", $2, $11, $12 }' "$f" ;;
+    cpu_speed) # each thread count's row of the training table (not of the fp32 targets' table under
+        # it, whose rows also start with the model): the fp32 and bf16 steps' ratios to PyTorch's
+        awk '/^bench-s +[0-9]/ && $11 ~ /x$/ { printf "%st fp32 %s bf16 %s; ", $2, $11, $12 }' "$f" ;;
     b16_*) grep -o '"\(precision\|matmul\|step_s\|image_per_s\)": "\?[^,"]*' "$f" | tr -d '"' | tr '\n' ' ' ;;
     *) tail -1 "$f" | cut -c1-100 ;;
     esac
@@ -99,7 +100,7 @@ NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 TAILN=16 part profile_bf16 150 sh -c "'$NCU' --metrics gpu__time_duration.sum --print-summary per-kernel \
     '$BIN/bench_step' $b16 --device cuda --precision bf16 --batch 64 --steps 1 --warmup 1 >'$OUT/profile_bf16.ncu' 2>&1 &&
     '$PY' tests/gpu/kernel_table.py '$OUT/profile_bf16.ncu' --steps 2 --top 20"
-TAILN=12 part cpu_speed 480 "$PY" bench/speed.py --python "$PY" --bin "$BIN/cpu" --rounds 3 --steps 3 --no-embed \
+TAILN=18 part cpu_speed 480 "$PY" bench/speed.py --python "$PY" --bin "$BIN/cpu" --rounds 3 --steps 3 --no-embed \
     --models bench-s --threads 2,1
 TAILN=1 part b16_torch_compile_bf16 150 $PY bench/torch_step.py $b16 --device cuda --precision bf16 --batch 64 \
     --steps 5 --warmup 3 --compile
