@@ -233,6 +233,28 @@ def print_embed(rows, rounds, reps, loads, int8_rates=()):
                   f"(quantizing included), its int8 MLP {r['vlmoe_mlp_gops']:.0f}")
 
 
+# bench_sgemm's rates at the model's shapes, by JSON key, and the product each names
+SGEMM_RATES = (("openblas_gflops", "OpenBLAS"), ("onednn_gflops", "oneDNN"),
+               ("vlmoe_avx2_gflops", "vlmoe's AVX2 product"))
+
+
+def sgemm_rates(bindir, threads):
+    """bench_sgemm's JSON at bench-s's shapes (5120 tokens, width 256, MLP 1024), 5 repetitions."""
+    return run([os.path.join(bindir, "bench_sgemm"), "5120", "256", "1024", str(threads), "5"], threads, False)[0]
+
+
+def own_rate(sg):
+    """", vlmoe's AVX2 product N" where bench_sgemm measured it (CPUs with AVX2), else ""."""
+    return f", vlmoe's AVX2 product {sg['vlmoe_avx2_gflops']:.0f}" if sg.get("vlmoe_avx2_gflops") else ""
+
+
+def keep_higher(dst, src, keys):
+    """dst[k] = the higher of dst's and src's k (0 where neither has it): two readings of a rate
+    that the host's speed moves within minutes."""
+    for k in keys:
+        dst[k] = max(dst.get(k) or 0, src.get(k) or 0)
+
+
 def fp32_reach(gflop, peak, sg, torch_s, share=0.75, ratio=1.5):
     """What issue 22's two fp32 targets leave for the rest of a step once its products take the
     time they take at the fastest rate a library reached on the model's shapes alone (sg, from
@@ -241,9 +263,7 @@ def fp32_reach(gflop, peak, sg, torch_s, share=0.75, ratio=1.5):
     GFLOP/s), "peak_left_s", "torch_step_s" (a step ratio times faster than PyTorch's torch_s),
     "torch_left_s"}. A left below 0 means no step whose products run at that rate meets the
     target, whatever the rest (attention, LayerNorm, routing, AdamW) costs. None without a rate."""
-    rates = [(sg.get(k) or 0, name) for k, name in (("openblas_gflops", "OpenBLAS"), ("onednn_gflops", "oneDNN"),
-                                                    ("vlmoe_avx2_gflops", "vlmoe's AVX2 product"))]
-    rate, lib = max(rates)
+    rate, lib = max((sg.get(k) or 0, name) for k, name in SGEMM_RATES)
     if not rate > 0 or not gflop > 0:
         return None
     prod, at_peak, at_torch = gflop / rate, gflop / (share * peak) if peak > 0 else float("nan"), torch_s / ratio
@@ -347,14 +367,13 @@ def main():
         return
     for t in threads:
         peak = run([os.path.join(a.bin, "bench_peak"), str(t), "5"], t, False)[0]
-        sg = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
-        own = f", vlmoe's AVX2 product {sg['vlmoe_avx2_gflops']:.0f}" if sg.get("vlmoe_avx2_gflops") else ""
+        sg = sgemm_rates(a.bin, t)
         amx = f", AMX tdpbf16ps {peak['amx_bf16_gflops']:.0f}, tdpbssd {peak['amx_int8_gops']:.0f} GOP/s" \
             if peak.get("amx_bf16_gflops") else ""
         print(f"{t} thread(s): fp32 FMA peak ({peak.get('fp32_fma_isa', 'avx512f')}) {peak['fp32_fma_gflops']:.0f} GFLOP/s, "
               f"bf16 vdpbf16ps peak {peak['bf16_dot_gflops']:.0f}{amx}; SGEMM at bench-s shapes: OpenBLAS "
               f"({sg['openblas_core']}) {sg['openblas_gflops']:.0f}, oneDNN ({sg['onednn_isa']}) "
-              f"{sg['onednn_gflops']:.0f}{own}; at 2048^3, the libraries' best case: OpenBLAS "
+              f"{sg['onednn_gflops']:.0f}{own_rate(sg)}; at 2048^3, the libraries' best case: OpenBLAS "
               f"{sg['openblas_square_gflops']:.0f}, oneDNN {sg['onednn_square_gflops']:.0f} ("
               f"{100 * max(sg['openblas_square_gflops'], sg['onednn_square_gflops']) / peak['fp32_fma_gflops']:.0f}% "
               f"of the peak)")
@@ -387,17 +406,13 @@ def main():
         amx = f", AMX {again['amx_bf16_gflops']:.0f}" if again.get("amx_bf16_gflops") else ""
         print(f"{t} thread(s): fp32 FMA peak again after the rounds {again['fp32_fma_gflops']:.0f} GFLOP/s, bf16 "
               f"{again['bf16_dot_gflops']:.0f}{amx} (the table uses the higher)")
-        for k in ("fp32_fma_gflops", "bf16_dot_gflops", "amx_bf16_gflops", "amx_int8_gops"):
-            peak[k] = max(peak.get(k, 0), again.get(k, 0))
+        keep_higher(peak, again, ("fp32_fma_gflops", "bf16_dot_gflops", "amx_bf16_gflops", "amx_int8_gops"))
         # and the SGEMM rates, the higher kept for the fp32 targets' table: what is out of reach
-        # there is out of reach at the libraries' better moment (the host's speed moves in minutes)
-        sg2 = run([os.path.join(a.bin, "bench_sgemm"), "5120", "256", "1024", str(t), "5"], t, False)[0]
-        own = f", vlmoe's AVX2 product {sg2['vlmoe_avx2_gflops']:.0f}" if sg2.get("vlmoe_avx2_gflops") else ""
+        # there is out of reach at the libraries' better moment
+        sg2 = sgemm_rates(a.bin, t)
         print(f"{t} thread(s): SGEMM at bench-s shapes again after the rounds: OpenBLAS {sg2['openblas_gflops']:.0f}, "
-              f"oneDNN {sg2['onednn_gflops']:.0f}{own} (the fp32 targets' table uses the higher)")
-        for k in ("openblas_gflops", "onednn_gflops", "vlmoe_avx2_gflops"):
-            if sg2.get(k):
-                sg[k] = max(sg.get(k) or 0, sg2[k])
+              f"oneDNN {sg2['onednn_gflops']:.0f}{own_rate(sg2)} (the fp32 targets' table uses the higher)")
+        keep_higher(sg, sg2, [k for k, _ in SGEMM_RATES])
     # without bf16 products (no AVX512_BF16 or AMX) the bf16 columns would hold only nan: left out
     bf = lambda txt: txt if BF16 else ""  # noqa: E731
     hdr = (f"{'model':13} {'thr':>3} {'vlmoe fp32':>17} " + bf(f"{'vlmoe bf16':>17} ") + f"{'torch fp32':>17} "

@@ -31,4 +31,9 @@ check("its 1.5x PyTorch step: 0.031 s short", near(r["torch_left_s"], 2.133333 -
 
 check("no rate measured: None", speed.fp32_reach(151.5, 246, {"openblas_gflops": None}, 1.5) is None)
 check("no rate at all: None", speed.fp32_reach(151.5, 246, {}, 1.5) is None)
+# two readings of the rates (before and after the rounds): the higher of each kept
+sg = {"openblas_gflops": 175, "onednn_gflops": 150}
+speed.keep_higher(sg, {"openblas_gflops": 160, "onednn_gflops": 183}, [k for k, _ in speed.SGEMM_RATES])
+check("keep_higher: the higher of two readings", sg["openblas_gflops"] == 175 and sg["onednn_gflops"] == 183, sg)
+check("keep_higher: 0 where neither reading has it", sg["vlmoe_avx2_gflops"] == 0, sg)
 done("test_speed_reach")
